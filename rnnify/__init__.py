@@ -1,0 +1,17 @@
+"""rnnify: compile attention-based Hugging Face Transformers into recurrent models.
+
+    model = rnnify.convert("path/to/hf-model", to="exact")   # or "linear"
+    logits, state = model.prefill(input_ids)
+    logits, state = model.step(next_ids, state)              # one token, carried state
+    model.save("out/"); model = rnnify.load("out/")
+"""
+
+__version__ = "0.1.0"
+
+from rnnify.convert import convert
+from rnnify.errors import RnnifyError
+from rnnify.runtime.model import RecurrentModel
+from rnnify.runtime.state import RecurrentState
+from rnnify.runtime.storage import load
+
+__all__ = ["convert", "load", "RecurrentModel", "RecurrentState", "RnnifyError", "__version__"]

@@ -1,0 +1,139 @@
+"""Load a Hugging Face causal LM and capture its forward pass as a torch.fx graph.
+
+Capture goes through ``torch.export.export(strict=False)`` (transformers v5 removed its fx
+tracer). The graph takes ``(input_ids [B, T], position_ids [B, T])`` and returns the logits, with
+batch and sequence length dynamic and no KV cache inside: the passes put the recurrence there.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+import torch.fx
+from torch.export import Dim
+
+from rnnify.errors import RnnifyError, UnsupportedModelError
+
+__all__ = ["load_source", "capture", "source_name"]
+
+# Batch 2 and length 8 are example values only: both dimensions are dynamic. Length starts at 2
+# because export specialises size-1 dimensions (and is_causal may otherwise become symbolic).
+_EXAMPLE_BATCH, _EXAMPLE_LENGTH = 2, 8
+_MAX_LENGTH = 1 << 20
+
+
+def _load_pretrained(path_or_id: str, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    local = Path(path_or_id).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise RnnifyError(f"{path_or_id}: no config.json here; pass a Hugging Face model directory")
+        where = {"pretrained_model_name_or_path": str(local)}
+    elif path_or_id.startswith((".", "/", "~")) or os.sep in path_or_id.strip("/").replace("/", "", 1):
+        raise RnnifyError(f"{path_or_id}: no such directory")
+    else:
+        where = {"pretrained_model_name_or_path": path_or_id, "local_files_only": True}
+    try:
+        config = AutoConfig.from_pretrained(**where)
+    except OSError as exc:
+        if "local_files_only" in where:
+            raise RnnifyError(
+                f"{path_or_id}: not a local directory and not in the local Hugging Face cache; "
+                "rnnify works offline: download the model elsewhere and pass its local directory"
+            ) from exc
+        raise RnnifyError(f"{path_or_id}: cannot read the model config ({exc})") from exc
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{path_or_id}: encoder-decoder model ({config.model_type}); only decoder-only causal "
+            "LMs can become recurrent (their cross-attention is not causal)"
+        )
+    try:
+        return AutoModelForCausalLM.from_pretrained(**where, dtype=dtype, attn_implementation="sdpa")
+    except ValueError as exc:
+        raise UnsupportedModelError(f"{path_or_id}: cannot load as a causal LM with SDPA attention ({exc})") from exc
+
+
+def load_source(model, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Return the source model in eval mode with SDPA attention.
+
+    ``model`` is a local directory, a hub id already in the local cache, or a loaded
+    ``PreTrainedModel`` (used as is, switched to SDPA).
+    """
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        if getattr(model.config, "is_encoder_decoder", False):
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: encoder-decoder models cannot become recurrent"
+            )
+        try:
+            model.set_attn_implementation("sdpa")
+        except (ValueError, AttributeError) as exc:
+            raise UnsupportedModelError(f"{type(model).__name__}: no SDPA attention ({exc})") from exc
+        return model.eval()
+    if isinstance(model, (str, os.PathLike)):
+        return _load_pretrained(os.fspath(model), dtype).eval()
+    raise RnnifyError(f"expected a model directory, hub id or PreTrainedModel, got {type(model).__name__}")
+
+
+def source_name(model) -> str | None:
+    """The id or path recorded in the manifest for ``model``."""
+    if isinstance(model, (str, os.PathLike)):
+        path = Path(model).expanduser()
+        return str(path.resolve()) if path.exists() else str(model)
+    return getattr(getattr(model, "config", None), "_name_or_path", None) or None
+
+
+class _LogitsOnly(torch.nn.Module):
+    """Calls the HF model with explicit positions and no cache, returning only the logits."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+
+def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
+    """Export ``model`` and return a plain GraphModule ``(input_ids, position_ids) -> logits``.
+
+    Parameters keep the source model's state-dict names (``model.layers.0.self_attn...``).
+    """
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    input_ids = torch.randint(0, vocab, (_EXAMPLE_BATCH, _EXAMPLE_LENGTH), device=device)
+    position_ids = torch.arange(_EXAMPLE_LENGTH, device=device).expand(_EXAMPLE_BATCH, -1)
+    batch, length = Dim("batch", min=1, max=1 << 16), Dim("length", min=2, max=_MAX_LENGTH)
+    dims = {0: batch, 1: length}
+    try:
+        with torch.no_grad():
+            program = torch.export.export(
+                _LogitsOnly(model), (input_ids, position_ids), dynamic_shapes=(dims, dims), strict=False
+            )
+    except Exception as exc:  # export failures come in many types; report them as one
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: torch.export could not capture the forward pass: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from exc
+    return _plain_graph_module(program.module())
+
+
+def _plain_graph_module(exported: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Drop export's input checks and pytree calling convention; strip the wrapper prefix."""
+    graph = exported.graph
+    attrs: dict[str, torch.Tensor] = {}
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            graph.erase_node(node)
+        elif node.op == "get_attr":
+            name = node.target.removeprefix("model.")
+            attrs[name] = functools.reduce(getattr, node.target.split("."), exported)
+            node.target = name
+    graph._codegen = torch.fx.graph.CodeGen()
+    return torch.fx.GraphModule(attrs, graph, class_name="CapturedModel")
+

@@ -1,0 +1,74 @@
+"""The interface every recurrent cell implements.
+
+A cell replaces one attention site. The graph calls it as
+
+    out, *new_state = cell(q, k, v, mask, *state)
+
+with q ``[B, num_heads, T, head_dim]``, k/v ``[B, num_kv_heads, T, dim]`` (one state per kv
+head), ``mask`` ``[B, T]`` (True for real tokens, False for left padding) and ``out`` shaped like
+the SDPA output it replaces. T is 1 for a decode step and any length for a prefill that continues
+from ``state``. The state is functional: a cell never mutates its inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class CellSpec:
+    """Shape and scale of the attention site a cell replaces."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    value_dim: int
+    scale: float
+    window: int | None = None  # the model's own sliding window, if it has one
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Cell(nn.Module):
+    """Base class: subclasses set ``target``/``state_names`` and implement the methods below."""
+
+    target: ClassVar[str]
+    state_names: ClassVar[tuple[str, ...]]
+    grows_with_context: ClassVar[bool] = False
+
+    def __init__(self, spec: CellSpec):
+        super().__init__()
+        self.spec = spec
+
+    def options(self) -> dict[str, Any]:
+        """JSON-able options that rebuild this cell with ``type(cell)(spec, **options)``."""
+        raise NotImplementedError
+
+    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The state before any token."""
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *state: torch.Tensor):
+        raise NotImplementedError
+
+    def state_nbytes(self, length: int, batch_size: int = 1, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of state held after ``length`` tokens."""
+        state = self.init_state(batch_size, torch.device("meta"), dtype)
+        return sum(t.numel() * t.element_size() for t in state) + (
+            self._bytes_per_token(dtype) * length * batch_size if self.grows_with_context else 0
+        )
+
+    def _bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 0
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in {**self.spec.to_json(), **self.options()}.items())

@@ -1,0 +1,109 @@
+"""Exact softmax attention as an RNN ("Attention as an RNN", Feng et al. 2024, math.md §1).
+
+For a query q and keys k_1..k_n with scores s_i = scale * q . k_i, softmax attention is the
+many-to-one recurrence over (running max m, denominator u, numerator w):
+
+    m_i = max(m_{i-1}, s_i)
+    u_i = u_{i-1} exp(m_{i-1} - m_i) + exp(s_i - m_i)
+    w_i = w_{i-1} exp(m_{i-1} - m_i) + v_i exp(s_i - m_i)
+    o   = w_n / u_n
+
+Causal self-attention has a new query every token, so the state that makes this exact is every
+past key and value (per kv head): memory grows with the context. Each call appends the new keys
+and runs the recurrence over the cache a block of keys at a time (vectorised inside a block), so
+scores for the whole context are never materialised at once. A model's own sliding window keeps
+only the last ``window`` keys, and then the state is bounded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rnnify.cells.base import Cell, CellSpec
+
+
+def softmax_attention_rnn(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    block_size: int = 512,
+) -> torch.Tensor:
+    """Causal softmax attention of the last T cached positions, by the (m, u, w) recurrence.
+
+    q ``[B, H, T, d]`` are the queries of cache positions ``N-T .. N-1``; keys/values
+    ``[B, Hkv, N, d]``; valid ``[B, N]`` marks real (not padding) keys. Accumulates in fp32.
+    """
+    batch, num_heads, length, _ = q.shape
+    num_kv_heads, total = keys.shape[1], keys.shape[2]
+    group = num_heads // num_kv_heads
+    q = q.reshape(batch, num_kv_heads, group, length, -1).float() * scale
+    m = q.new_full((batch, num_kv_heads, group, length), float("-inf"))
+    u = q.new_zeros((batch, num_kv_heads, group, length))
+    w = q.new_zeros((batch, num_kv_heads, group, length, values.shape[-1]))
+    q_pos = torch.arange(total - length, total, device=q.device)
+    first = 0 if window is None else max(0, total - length - window + 1)
+    for start in range(first - first % block_size, total, block_size):
+        end = min(start + block_size, total)
+        k_pos = torch.arange(start, end, device=q.device)
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            allowed = allowed & (q_pos[:, None] - k_pos[None, :] < window)
+        allowed = allowed & valid[:, None, None, None, start:end]  # [B, 1, 1, T, n]
+        s = torch.einsum("bhgtd,bhnd->bhgtn", q, keys[:, :, start:end].float())
+        s = s.masked_fill(~allowed, float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        decay = torch.exp(m - m_safe)
+        p = torch.exp(s - m_safe[..., None])
+        u = u * decay + p.sum(-1)
+        w = w * decay[..., None] + torch.einsum("bhgtn,bhnd->bhgtd", p, values[:, :, start:end].float())
+        m = m_new
+    out = torch.where(u[..., None] > 0, w / u.clamp_min(torch.finfo(u.dtype).tiny)[..., None], 0.0)
+    return out.reshape(batch, num_heads, length, -1).to(values.dtype)
+
+
+class ExactCell(Cell):
+    """Softmax attention, unchanged, as an RNN over a growing key/value state."""
+
+    target = "exact"
+    state_names = ("keys", "values", "valid")
+    grows_with_context = True
+
+    def __init__(self, spec: CellSpec, block_size: int = 512):
+        super().__init__(spec)
+        self.block_size = block_size
+
+    def options(self) -> dict[str, Any]:
+        return {"block_size": self.block_size}
+
+    def init_state(self, batch_size, device, dtype):
+        spec = self.spec
+        return (
+            torch.zeros(batch_size, spec.num_kv_heads, 0, spec.head_dim, device=device, dtype=dtype),
+            torch.zeros(batch_size, spec.num_kv_heads, 0, spec.value_dim, device=device, dtype=dtype),
+            torch.zeros(batch_size, 0, device=device, dtype=torch.bool),
+        )
+
+    def _bytes_per_token(self, dtype):
+        spec = self.spec
+        return spec.num_kv_heads * (spec.head_dim + spec.value_dim) * dtype.itemsize + 1
+
+    def forward(self, q, k, v, mask, keys, values, valid):
+        keys = torch.cat([keys, k.to(keys.dtype)], dim=2)
+        values = torch.cat([values, v.to(values.dtype)], dim=2)
+        valid = torch.cat([valid, mask.to(torch.bool)], dim=1)
+        out = softmax_attention_rnn(q, keys, values, valid, self.spec.scale, self.spec.window, self.block_size)
+        window = self.spec.window
+        if window is not None and keys.shape[2] > window:
+            keys, values, valid = keys[:, :, -window:], values[:, :, -window:], valid[:, -window:]
+        return out, keys, values, valid
+
+    def state_nbytes(self, length, batch_size=1, dtype=torch.float32):
+        if self.spec.window is not None:
+            length = min(length, self.spec.window)
+        return super().state_nbytes(length, batch_size, dtype)

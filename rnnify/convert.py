@@ -1,0 +1,86 @@
+"""``rnnify.convert``: source model -> captured graph -> pass pipeline -> ``RecurrentModel``."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from rnnify.capture import capture, load_source, source_name
+from rnnify.cells import CELLS
+from rnnify.errors import RnnifyError
+from rnnify.passes import PassContext, run_pipeline
+from rnnify.passes.find_attention import SITE_KEY
+from rnnify.passes.rewrite_attention import cell_calls
+from rnnify.runtime.manifest import CellEntry, Manifest
+from rnnify.runtime.model import RecurrentModel
+from rnnify.runtime.storage import SOURCE_FILES
+
+__all__ = ["convert", "STAGES"]
+
+STAGES = ("load", "capture", "passes")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise RnnifyError(f"unknown dtype {dtype!r}; choose from: {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _source_files(model: Any, source: torch.nn.Module) -> dict[str, bytes]:
+    directory = Path(model).expanduser() if isinstance(model, (str, Path)) else None
+    if directory is None or not directory.is_dir():
+        candidate = Path(getattr(source.config, "_name_or_path", "") or "/nonexistent")
+        directory = candidate if candidate.is_dir() else None
+    files = {}
+    if directory is not None:
+        files = {name: (directory / name).read_bytes() for name in SOURCE_FILES if (directory / name).is_file()}
+    files.setdefault("config.json", source.config.to_json_string().encode())
+    return files
+
+
+def convert(
+    model: Any,
+    to: str = "exact",
+    *,
+    dtype: str | torch.dtype = "float32",
+    progress: Callable[[str], None] | None = None,
+    **options: Any,
+) -> RecurrentModel:
+    """Compile a causal LM into a recurrent model.
+
+    ``model`` is a local Hugging Face directory, a hub id already in the local cache, or a loaded
+    ``PreTrainedModel``. ``to`` names the target cell (``rnnify.cells.CELLS``); ``options`` go to
+    the cell (e.g. ``feature_map="elu"`` for ``linear``). ``progress(stage)`` is called as each
+    stage and pass starts.
+    """
+    if to not in CELLS:
+        raise RnnifyError(f"unknown target {to!r}; choose from: {', '.join(CELLS)}")
+    report = progress or (lambda stage: None)
+    report("load")
+    source = load_source(model, resolve_dtype(dtype))
+    report("capture")
+    graph = capture(source)
+    ctx = PassContext(config=source.config, target=to, options=options)
+    graph = run_pipeline(graph, ctx, progress=report)
+    entries = []
+    for call in cell_calls(graph):
+        site, cell = call.meta[SITE_KEY], graph.get_submodule(call.target)
+        entries.append(CellEntry(call.target, site.layer, site.module_path, cell.target, cell.spec.to_json(), cell.options()))
+    manifest = Manifest(
+        uid=uuid.uuid4().hex,
+        target=to,
+        options=options,
+        source=source_name(model),
+        dtype=str(next(source.parameters()).dtype).removeprefix("torch."),
+        vocab_size=int(source.config.vocab_size),
+        positions=ctx.positions,
+        cells=entries,
+    )
+    return RecurrentModel(graph, manifest, _source_files(model, source))

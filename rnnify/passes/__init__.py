@@ -1,0 +1,52 @@
+"""The pass pipeline: small functions ``(gm, ctx) -> gm`` run in the order of ``PIPELINE``.
+
+Each pass reads what earlier passes recorded in ``node.meta`` (``find_attention`` decides,
+``rewrite_attention`` and ``thread_state`` act on the decision), and ``run_pipeline`` cleans up
+after every pass so none of them has to remember dead-code elimination, lint and recompile.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.fx
+
+from rnnify.passes.context import PassContext
+from rnnify.passes.find_attention import AttentionSite, find_attention
+from rnnify.passes.find_positions import find_positions
+from rnnify.passes.rewrite_attention import rewrite_attention
+from rnnify.passes.strip_export_checks import strip_export_checks
+from rnnify.passes.thread_state import thread_state
+
+__all__ = ["PIPELINE", "PassContext", "AttentionSite", "run_pipeline", "cleanup"]
+
+Pass = Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]
+
+PIPELINE: list[Pass] = [strip_export_checks, find_positions, find_attention, rewrite_attention, thread_state]
+
+
+def cleanup(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Dead-code elimination, unused-attribute removal, lint and recompile."""
+    gm.graph.eliminate_dead_code()
+    used = {node.target for node in gm.graph.nodes if node.op == "get_attr"}
+    modules = tuple(node.target + "." for node in gm.graph.nodes if node.op == "call_module")
+    tensors = list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
+    for name, _ in tensors:
+        if name not in used and not name.startswith(modules):
+            parent, _, leaf = name.rpartition(".")
+            owner = gm.get_submodule(parent) if parent else gm
+            delattr(owner, leaf)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def run_pipeline(
+    gm: torch.fx.GraphModule, ctx: PassContext, passes: list[Pass] | None = None, progress=None
+) -> torch.fx.GraphModule:
+    """Run ``passes`` (default: ``PIPELINE``) in order; ``progress(name)`` is called before each."""
+    for pass_ in PIPELINE if passes is None else passes:
+        if progress is not None:
+            progress(pass_.__name__)
+        gm = cleanup(pass_(gm, ctx))
+    return gm

@@ -1,0 +1,40 @@
+"""Replace each attention site with a call to its recurrent cell.
+
+The cell becomes a submodule ``cells.<i>`` of the graph module, so its parameters are in the state
+dict. The call takes the site's q and its k/v from before any ``repeat_kv``; ``thread_state``
+adds the mask and state arguments. The cell returns ``(out, *state)``; ``out`` replaces the SDPA
+result for every user.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx
+
+from rnnify.cells import CellSpec, build_cell
+from rnnify.passes.context import PassContext
+from rnnify.passes.find_attention import SITE_KEY, sites
+
+CELL_KEY = "rnnify_cell"
+
+
+def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    for node, site in sites(gm):
+        spec = CellSpec(site.num_heads, site.num_kv_heads, site.head_dim, site.value_dim, site.scale, site.window)
+        name = f"cells.{site.index}"
+        gm.add_submodule(name, build_cell(ctx.target, spec, ctx.options))
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_module(name, (site.query, site.key, site.value))
+            out = gm.graph.call_function(operator.getitem, (call, 0))
+        call.meta[SITE_KEY] = site
+        call.meta[CELL_KEY] = True
+        out.meta["val"] = node.meta.get("val")
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+    return gm
+
+
+def cell_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The cell call nodes in graph order."""
+    return [n for n in gm.graph.nodes if n.op == "call_module" and n.meta.get(CELL_KEY)]

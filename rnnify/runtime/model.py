@@ -1,0 +1,216 @@
+"""``RecurrentModel``: a compiled step graph plus the bookkeeping that makes it a language model.
+
+The graph computes ``(input_ids, position_ids, attention_mask, *state) -> (logits, *state)``.
+This class owns what the graph cannot know: position ids (continued from the state, and counting
+only real tokens so left-padded rows match unpadded ones), input and state checks, and decoding.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from rnnify.cells import Cell
+from rnnify.errors import PositionError, RnnifyError, StateError
+from rnnify.runtime.manifest import Manifest
+from rnnify.runtime.sampling import check_sampling, next_token
+from rnnify.runtime.state import RecurrentState
+
+__all__ = ["RecurrentModel"]
+
+
+class RecurrentModel(nn.Module):
+    """A converted model that reads tokens into a recurrent state and decodes one token at a time."""
+
+    def __init__(self, graph: torch.fx.GraphModule, manifest: Manifest, files: dict[str, bytes] | None = None):
+        super().__init__()
+        self.graph = graph
+        self.manifest = manifest
+        self.files = dict(files or {})  # source config and tokenizer files, written beside the weights
+        self.path: Path | None = None  # the directory this model was loaded from, if any
+        self._warned_positions = False
+
+    # -- description ------------------------------------------------------------------------
+
+    @property
+    def target(self) -> str:
+        return self.manifest.target
+
+    @property
+    def cells(self) -> list[Cell]:
+        """The cells in state order."""
+        return [self.graph.get_submodule(entry.module) for entry in self.manifest.cells]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.manifest.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.graph.parameters()).device
+
+    @property
+    def constant_memory(self) -> bool:
+        """True when the state does not grow with the context."""
+        return all(not c.grows_with_context or c.spec.window is not None for c in self.cells)
+
+    def state_nbytes(self, length: int, batch_size: int = 1) -> int:
+        """Bytes of state per ``batch_size`` sequences after ``length`` tokens."""
+        cells = sum(c.state_nbytes(length, batch_size, self.dtype) for c in self.cells)
+        return cells + batch_size * torch.empty((), dtype=torch.long).element_size()
+
+    # -- state ------------------------------------------------------------------------------
+
+    def init_state(self, batch_size: int = 1) -> RecurrentState:
+        """The state of ``batch_size`` empty sequences."""
+        device, dtype = self.device, self.dtype
+        tensors = tuple(t for c in self.cells for t in c.init_state(batch_size, device, dtype))
+        positions = torch.zeros(batch_size, dtype=torch.long, device=device)
+        return RecurrentState(tensors, positions, self.manifest.uid)
+
+    def _check_state(self, state: RecurrentState, batch_size: int) -> None:
+        if not isinstance(state, RecurrentState):
+            raise StateError(f"state must be a RecurrentState from init_state/prefill/step, got {type(state).__name__}")
+        if state.model_uid != self.manifest.uid:
+            raise StateError("this state was made by another model; start one with init_state() or prefill()")
+        if state.batch_size != batch_size:
+            raise StateError(
+                f"state holds {state.batch_size} sequences but input_ids has {batch_size} rows; "
+                "use a state from the same batch"
+            )
+
+    # -- running ----------------------------------------------------------------------------
+
+    def _check_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+            raise RnnifyError("input_ids must be an integer tensor of shape [batch, length]")
+        if input_ids.shape[1] == 0:
+            raise RnnifyError("input_ids is empty: give at least one token")
+        vocab = self.manifest.vocab_size
+        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= vocab):
+            raise RnnifyError(f"token ids must be in [0, {vocab}), got {int(input_ids.min())}..{int(input_ids.max())}")
+        if attention_mask is None:
+            return torch.ones_like(input_ids, dtype=torch.bool)
+        if attention_mask.shape != input_ids.shape:
+            raise RnnifyError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        return attention_mask.to(device=input_ids.device, dtype=torch.bool)
+
+    def _position_ids(self, state: RecurrentState, mask: torch.Tensor) -> torch.Tensor:
+        position_ids = state.positions[:, None] + mask.long().cumsum(1) - 1
+        last = int(position_ids.max()) if position_ids.numel() else -1
+        kind, limit = self.manifest.positions.get("kind"), self.manifest.positions.get("limit")
+        if limit is not None and last >= limit:
+            if kind == "learned":
+                raise PositionError(
+                    f"position {last} is past the {limit} learned positions of this model "
+                    f"({self.manifest.source}); it cannot represent longer sequences"
+                )
+            if not self._warned_positions:
+                self._warned_positions = True
+                warnings.warn(
+                    f"decoding past max_position_embeddings={limit}: the model was not trained this far, "
+                    "quality may degrade (memory stays constant)",
+                    stacklevel=3,
+                )
+        return position_ids.clamp_min(0)
+
+    def forward(
+        self, input_ids: torch.Tensor, state: RecurrentState, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, RecurrentState]:
+        """One call of the step graph: read ``input_ids`` into ``state``; returns (logits, new state)."""
+        mask = self._check_inputs(input_ids, attention_mask)
+        self._check_state(state, input_ids.shape[0])
+        position_ids = self._position_ids(state, mask)
+        logits, *tensors = self.graph(input_ids, position_ids, mask, *state.tensors)
+        positions = state.positions + mask.long().sum(1)
+        return logits, RecurrentState(tuple(tensors), positions, state.model_uid)
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        state: RecurrentState | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, RecurrentState]:
+        """Read a prompt (continuing from ``state`` if given); logits for every position.
+
+        Rows of different lengths are left-padded with ``attention_mask`` 0 on the padding.
+        """
+        if state is None:
+            state = self.init_state(input_ids.shape[0] if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else 1)
+        return self(input_ids, state, attention_mask)
+
+    @torch.no_grad()
+    def step(self, input_ids: torch.Tensor, state: RecurrentState) -> tuple[torch.Tensor, RecurrentState]:
+        """Read one token per row (``input_ids [B, 1]``); logits ``[B, 1, V]`` and the new state."""
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
+            input_ids = input_ids[:, None]
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] != 1:
+            raise RnnifyError("step takes one token per row: input_ids of shape [batch, 1]")
+        return self(input_ids, state)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 20,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+        seed: int | None = None,
+        streamer: Any = None,
+    ) -> torch.Tensor:
+        """Prompt plus up to ``max_new_tokens`` new tokens per row, as transformers' ``generate``.
+
+        Rows that produced ``eos_token_id`` are filled with ``pad_token_id`` (default: the eos id)
+        and generation stops when every row has finished. ``streamer`` gets ``put(ids)`` and
+        ``end()`` calls, as transformers' streamers expect.
+        """
+        check_sampling(temperature, top_k, top_p)
+        if max_new_tokens < 0:
+            raise RnnifyError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+        pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        logits, state = self.prefill(input_ids, attention_mask=attention_mask)
+        finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        eos_ids = torch.tensor(eos, dtype=input_ids.dtype, device=input_ids.device)
+        tokens = [input_ids]
+        for i in range(max_new_tokens):
+            token = next_token(logits[:, -1], do_sample, temperature, top_k, top_p, generator)
+            token = torch.where(finished, torch.full_like(token, pad), token)
+            tokens.append(token[:, None])
+            if streamer is not None:
+                streamer.put(token.cpu())
+            finished |= torch.isin(token, eos_ids)
+            if bool(finished.all()) or i == max_new_tokens - 1:
+                break
+            logits, state = self.step(token[:, None], state)
+        if streamer is not None:
+            streamer.end()
+        return torch.cat(tokens, dim=1)
+
+    # -- saving -----------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> Path:
+        """Write the model to directory ``path`` (see ``rnnify.runtime.storage``)."""
+        from rnnify.runtime.storage import save
+
+        return save(self, Path(path))
+
+    def extra_repr(self) -> str:
+        return f"target={self.target}, source={self.manifest.source}, cells={len(self.manifest.cells)}"

@@ -1,0 +1,44 @@
+"""Choosing the next token from logits, with transformers' meaning of each option.
+
+Order as in transformers' ``generate``: temperature, then top-k, then top-p (nucleus).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rnnify.errors import RnnifyError
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if not temperature > 0:
+        raise RnnifyError(f"temperature must be > 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise RnnifyError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise RnnifyError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def next_token(
+    logits: torch.Tensor,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``logits [B, V]`` -> token ids ``[B]``: argmax, or a sample from the filtered distribution."""
+    if not do_sample:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cumulative <= 1 - top_p
+        remove[..., -1] = False  # always keep the most likely token
+        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

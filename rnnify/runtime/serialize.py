@@ -1,0 +1,378 @@
+"""Pickle-free JSON serialization of ``torch.fx`` graphs.
+
+A compiled stepping module must be saved and loaded without pickle: pickle
+executes arbitrary code on load and ties the artifact to the original model
+classes. Instead we write the graph as plain JSON (this module) and the
+weights separately (e.g. safetensors), then rebuild with
+``torch.fx.GraphModule(root_with_weights, graph_from_json(data))``.
+
+The graphs we handle come from ``torch.export.export(..., strict=False).module()``
+followed by our own passes, so the vocabulary is small: ATen / custom ops,
+``operator`` and ``math`` builtins, ``torch.sym_*`` helpers, and simple
+constant arguments. Everything else is rejected with :class:`GraphFormatError`
+rather than silently degraded.
+
+What is *not* stored: ``node.meta`` (fake tensors, stack traces), ``node.type``
+annotations and the graph's ``_codegen``; a loaded graph always uses the plain
+:class:`torch.fx.graph.CodeGen` (flat positional inputs, output returned as
+stored), so swap out pytree codegen before saving if the calling convention
+matters.
+
+Loading never calls ``eval``/``importlib``: call targets are resolved against
+a fixed whitelist, and every name that fx pastes into generated Python source
+(node names, placeholder / attribute / module targets, kwarg keys) is
+validated, so a hostile file cannot inject code through ``recompile()``.
+"""
+
+from __future__ import annotations
+
+import keyword
+import math
+import operator
+import re
+import types
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+__all__ = ["FORMAT_VERSION", "GraphFormatError", "graph_from_json", "graph_to_json"]
+
+FORMAT_VERSION = 1
+
+_OPS = ("placeholder", "get_attr", "call_function", "call_module", "output")
+# Tag keys of the tagged value encoding; every JSON object in an argument is one of these.
+_TAGS = (
+    "node", "tuple", "dict", "float", "dtype", "device", "layout",
+    "memory_format", "slice", "ellipsis",
+)
+
+
+class GraphFormatError(ValueError):
+    """A graph cannot be saved (unsupported target/argument) or loaded (malformed or unknown data).
+
+    Subclasses ValueError so callers that treat bad input generically still catch it.
+    """
+
+
+# --------------------------------------------------------------------------- targets
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+# get_attr / call_module targets: dotted paths whose parts may be numeric ("layers.0.weight").
+_ATTR_PART = re.compile(r"[A-Za-z0-9_]+\Z")
+# placeholder targets: "x", "*args", "**kwargs".
+_PLACEHOLDER_TARGET = re.compile(r"(\*{0,2})([A-Za-z_][A-Za-z0-9_]*)\Z")
+
+
+def _build_function_table() -> dict[str, Callable[..., Any]]:
+    """The whitelist of plain-function call targets, keyed by their stored string."""
+    table: dict[str, Callable[..., Any]] = {}
+    for name in sorted(dir(operator)):
+        fn = getattr(operator, name)
+        # Builtin functions only: excludes the attrgetter/itemgetter/methodcaller classes;
+        # operator.call would let a graph invoke any callable it can reach.
+        if isinstance(fn, types.BuiltinFunctionType) and not name.startswith("__") and name != "call":
+            table[f"operator.{name}"] = fn
+    for name in sorted(dir(math)):
+        fn = getattr(math, name)
+        if isinstance(fn, types.BuiltinFunctionType):
+            table[f"math.{name}"] = fn
+    for name in sorted(dir(torch)):
+        if name.startswith(("sym_", "_sym_")):
+            fn = getattr(torch, name)
+            if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)):
+                table[f"torch.{name}"] = fn
+    return table
+
+
+_FUNCTIONS = _build_function_table()
+
+
+def _build_reverse_table() -> dict[int, str]:
+    # Some objects have two names (torch.sym_sqrt is torch._sym_sqrt); prefer the public one.
+    reverse: dict[int, str] = {}
+    for key in sorted(_FUNCTIONS, key=lambda k: (k.split(".")[-1].startswith("_"), k)):
+        reverse.setdefault(id(_FUNCTIONS[key]), key)
+    return reverse
+
+
+_FUNCTION_NAMES = _build_reverse_table()
+
+
+def _resolve_op(path: str) -> Callable[..., Any] | None:
+    """Resolve "torch.ops.ns.op[.overload]" by attribute lookup with type checks at each step.
+
+    Type checks (not name checks) are what keep this safe: ``torch.ops`` also exposes
+    ``import_module``/``load_library``, which are never namespaces.
+    """
+    parts = path.split(".")
+    if len(parts) not in (4, 5) or parts[:2] != ["torch", "ops"]:
+        return None
+    if not all(_IDENT.match(p) for p in parts[2:]):
+        return None
+    try:
+        ns = getattr(torch.ops, parts[2])
+        if not isinstance(ns, torch._ops._OpNamespace):
+            return None
+        packet = getattr(ns, parts[3])
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            return None
+        if len(parts) == 4:
+            return packet
+        overload = getattr(packet, parts[4])
+    except (AttributeError, RuntimeError):
+        return None
+    return overload if isinstance(overload, torch._ops.OpOverload) else None
+
+
+def _target_to_str(target: Any) -> str | None:
+    """Stored name of a call_function target, or None if it is not whitelisted."""
+    if isinstance(target, torch._ops.OpOverload):
+        name = f"torch.ops.{target.namespace}.{target._opname}.{target._overloadname}"
+    elif isinstance(target, torch._ops.OpOverloadPacket):
+        ns, _, op = target._qualified_op_name.partition("::")
+        name = f"torch.ops.{ns}.{op}"
+    else:
+        return _FUNCTION_NAMES.get(id(target))
+    # Only accept what loads back to the very same object, so saving fails early, not loading.
+    return name if _resolve_op(name) is target else None
+
+
+def _str_to_target(name: str) -> Callable[..., Any] | None:
+    if name.startswith("torch.ops."):
+        return _resolve_op(name)
+    return _FUNCTIONS.get(name)
+
+
+# --------------------------------------------------------------------------- values
+
+def _enum_name(value: Any) -> str:
+    return str(value).removeprefix("torch.")
+
+
+def _encode(value: Any, where: str, path: str) -> Any:
+    """Encode one argument value; JSON objects are always single-key tags."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return float(value)
+        return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if isinstance(value, torch.fx.Node):
+        return {"node": value.name}
+    if type(value) in (list, immutable_list):
+        return [_encode(v, where, f"{path}[{i}]") for i, v in enumerate(value)]
+    if type(value) is tuple:
+        return {"tuple": [_encode(v, where, f"{path}[{i}]") for i, v in enumerate(value)]}
+    if type(value) in (dict, immutable_dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise GraphFormatError(f"{where}: dict key {k!r} at {path} is not a str")
+            out[k] = _encode(v, where, f"{path}[{k!r}]")
+        return {"dict": out}
+    if isinstance(value, torch.dtype):
+        return {"dtype": _enum_name(value)}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, torch.layout):
+        return {"layout": _enum_name(value)}
+    if isinstance(value, torch.memory_format):
+        return {"memory_format": _enum_name(value)}
+    if isinstance(value, slice):
+        return {"slice": [_encode(getattr(value, a), where, f"{path}.{a}") for a in ("start", "stop", "step")]}
+    if value is Ellipsis:
+        return {"ellipsis": True}
+    raise GraphFormatError(f"{where}: unsupported argument of type {type(value).__qualname__} at {path}")
+
+
+def _torch_enum(kind: str, name: Any, cls: type, where: str) -> Any:
+    value = getattr(torch, name, None) if isinstance(name, str) and _IDENT.match(name) else None
+    if not isinstance(value, cls):
+        raise GraphFormatError(f"{where}: unknown {kind} {name!r}")
+    return value
+
+
+class _Decoder:
+    def __init__(self, nodes: dict[str, torch.fx.Node], device: torch.device | None):
+        self.nodes = nodes
+        self.device = device
+
+    def decode(self, value: Any, where: str) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, list):
+            return [self.decode(v, where) for v in value]
+        if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in _TAGS:
+            raise GraphFormatError(f"{where}: malformed argument value {value!r:.200}")
+        (tag, payload), = value.items()
+        if tag == "node":
+            if not isinstance(payload, str) or payload not in self.nodes:
+                raise GraphFormatError(
+                    f"{where}: reference to unknown node {payload!r} (nodes must be defined before use)"
+                )
+            return self.nodes[payload]
+        if tag in ("tuple", "slice"):
+            if not isinstance(payload, list) or (tag == "slice" and len(payload) != 3):
+                raise GraphFormatError(f"{where}: malformed {tag} {payload!r:.200}")
+            items = [self.decode(v, where) for v in payload]
+            return tuple(items) if tag == "tuple" else slice(*items)
+        if tag == "dict":
+            if not isinstance(payload, dict):
+                raise GraphFormatError(f"{where}: malformed dict {payload!r:.200}")
+            return {k: self.decode(v, where) for k, v in payload.items()}
+        if tag == "float":
+            special = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+            if payload not in special:
+                raise GraphFormatError(f"{where}: unknown float constant {payload!r}")
+            return special[payload]
+        if tag == "dtype":
+            return _torch_enum("dtype", payload, torch.dtype, where)
+        if tag == "layout":
+            return _torch_enum("layout", payload, torch.layout, where)
+        if tag == "memory_format":
+            return _torch_enum("memory_format", payload, torch.memory_format, where)
+        if tag == "device":
+            if not isinstance(payload, str):
+                raise GraphFormatError(f"{where}: malformed device {payload!r}")
+            try:
+                device = torch.device(payload)
+            except (RuntimeError, ValueError) as e:
+                raise GraphFormatError(f"{where}: invalid device {payload!r}: {e}") from None
+            return self.device if self.device is not None else device
+        if tag == "ellipsis":
+            if payload is not True:
+                raise GraphFormatError(f"{where}: malformed ellipsis {payload!r}")
+            return Ellipsis
+        raise AssertionError(tag)  # unreachable: tags are checked above
+
+
+# --------------------------------------------------------------------------- graph
+
+def _check_target(op: str, target: Any, where: str) -> None:
+    """Reject strings that fx would paste into generated source unsafely."""
+    if not isinstance(target, str):
+        raise GraphFormatError(f"{where}: target must be a string, got {type(target).__qualname__}")
+    if op == "placeholder":
+        ok = _PLACEHOLDER_TARGET.match(target) is not None and not keyword.iskeyword(target.lstrip("*"))
+    elif op == "output":
+        ok = target == "output"
+    else:
+        ok = all(_ATTR_PART.match(p) for p in target.split("."))
+    if not ok:
+        raise GraphFormatError(f"{where}: invalid {op} target {target!r}")
+
+
+def graph_to_json(graph: torch.fx.Graph) -> dict:
+    """Describe ``graph`` as a JSON-compatible dict so it can be stored without pickle.
+
+    Raises GraphFormatError naming the node if a call target is not in the whitelist or an
+    argument has a type the format cannot represent, so a bad graph fails at save time
+    instead of producing a file that cannot be loaded.
+    """
+    nodes = []
+    for node in graph.nodes:
+        where = f"node {node.name!r} ({node.op})"
+        if node.op not in _OPS:
+            raise GraphFormatError(f"{where}: unsupported op")
+        if node.op == "call_function":
+            target = _target_to_str(node.target)
+            if target is None:
+                raise GraphFormatError(
+                    f"{where}: unsupported call target {node.target!r}; only torch.ops overloads, "
+                    "operator/math builtins and torch.sym_* functions can be serialized"
+                )
+        else:
+            target = node.target
+            _check_target(node.op, target, where)
+        for a in node.all_input_nodes:
+            if a.graph is not graph:
+                raise GraphFormatError(f"{where}: argument {a.name!r} belongs to a different graph")
+        for k in node.kwargs:
+            if not isinstance(k, str) or not k.isidentifier() or keyword.iskeyword(k):
+                raise GraphFormatError(f"{where}: kwarg name {k!r} is not an identifier")
+        nodes.append({
+            "name": node.name,
+            "op": node.op,
+            "target": target,
+            "args": [_encode(a, where, f"args[{i}]") for i, a in enumerate(node.args)],
+            "kwargs": {k: _encode(v, where, f"kwargs[{k!r}]") for k, v in node.kwargs.items()},
+        })
+    return {"format": FORMAT_VERSION, "nodes": nodes}
+
+
+def graph_from_json(data: dict, device: torch.device | str | None = None) -> torch.fx.Graph:
+    """Rebuild a graph written by :func:`graph_to_json`, without running any stored code.
+
+    ``device``, if given, replaces every ``torch.device`` constant in the graph (``arange(...,
+    device=cpu)``, ``to(device=cpu)``, metadata asserts), so a graph captured on CPU runs on
+    CUDA. Wrap the result with ``torch.fx.GraphModule(root, graph)`` where ``root`` holds the
+    attributes and submodules the get_attr / call_module nodes name.
+
+    Raises GraphFormatError (naming the node) for an unknown format version, an unknown
+    call target, a malformed value, or a reference to a node not defined earlier.
+    """
+    if not isinstance(data, dict):
+        raise GraphFormatError(f"graph data must be a dict, got {type(data).__qualname__}")
+    if data.get("format") != FORMAT_VERSION:
+        raise GraphFormatError(
+            f"unsupported graph format {data.get('format')!r} (this version reads format {FORMAT_VERSION})"
+        )
+    raw_nodes = data.get("nodes")
+    if not isinstance(raw_nodes, list):
+        raise GraphFormatError("graph data has no 'nodes' list")
+    if device is not None:
+        device = torch.device(device)
+
+    graph = torch.fx.Graph()
+    nodes: dict[str, torch.fx.Node] = {}
+    decoder = _Decoder(nodes, device)
+    for index, raw in enumerate(raw_nodes):
+        if not isinstance(raw, dict):
+            raise GraphFormatError(f"node #{index}: expected an object, got {type(raw).__qualname__}")
+        name, op = raw.get("name"), raw.get("op")
+        where = f"node {name!r} ({op})"
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+            raise GraphFormatError(f"node #{index}: invalid node name {name!r}")
+        if name in nodes:
+            raise GraphFormatError(f"{where}: duplicate node name")
+        if op not in _OPS:
+            raise GraphFormatError(f"{where}: unknown op")
+        args, kwargs = raw.get("args", []), raw.get("kwargs", {})
+        if not isinstance(args, list) or not isinstance(kwargs, dict):
+            raise GraphFormatError(f"{where}: 'args' must be a list and 'kwargs' an object")
+        for k in kwargs:
+            if not k.isidentifier() or keyword.iskeyword(k):
+                raise GraphFormatError(f"{where}: kwarg name {k!r} is not an identifier")
+
+        target: Any = raw.get("target")
+        if op == "call_function":
+            resolved = _str_to_target(target) if isinstance(target, str) else None
+            if resolved is None:
+                raise GraphFormatError(f"{where}: unknown or disallowed call target {target!r}")
+            target = resolved
+        else:
+            _check_target(op, target, where)
+        if op == "output" and index != len(raw_nodes) - 1:
+            raise GraphFormatError(f"{where}: output must be the last node")
+
+        node = graph.create_node(
+            op,
+            target,
+            tuple(decoder.decode(a, where) for a in args),
+            {k: decoder.decode(v, where) for k, v in kwargs.items()},
+            name=name,
+        )
+        if node.name != name:
+            # fx renames clashes with builtins/reserved names; a renamed node would break references.
+            raise GraphFormatError(f"{where}: name is not usable in an fx graph (fx renamed it to {node.name!r})")
+        nodes[name] = node
+
+    try:
+        graph.lint()
+    except Exception as e:  # lint raises RuntimeError/AssertionError on structural problems
+        raise GraphFormatError(f"graph failed validation: {e}") from None
+    return graph

@@ -1,0 +1,33 @@
+"""The recurrent state a converted model carries from one call to the next."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class RecurrentState:
+    """Everything a converted model remembers about the sequences it has read.
+
+    ``tensors`` are the cells' states in graph order; ``positions`` ``[B]`` counts the real
+    (non-padding) tokens each row has read, which is the next token's position id. ``model_uid``
+    ties the state to the model that made it.
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+    positions: torch.Tensor
+    model_uid: str
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the state (cell states and positions)."""
+        return sum(t.numel() * t.element_size() for t in (*self.tensors, self.positions))
+
+    def to(self, device: torch.device | str) -> "RecurrentState":
+        return replace(self, tensors=tuple(t.to(device) for t in self.tensors), positions=self.positions.to(device))

@@ -1,0 +1,174 @@
+"""Saving and loading a converted model directory, without pickle.
+
+A directory holds ``model.safetensors`` (every tensor, cell parameters included), ``graph.json``
+(the step graph, see ``serialize``), ``rnnify.json`` (the manifest) and the source model's config
+and tokenizer files. Writing goes to a temporary directory that is renamed into place at the end,
+so a failed save leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.fx
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from rnnify.cells import CellSpec, build_cell
+from rnnify.errors import RnnifyError
+from rnnify.runtime.manifest import MANIFEST_FILE, Manifest
+from rnnify.runtime.model import RecurrentModel
+from rnnify.runtime.serialize import GraphFormatError, graph_from_json, graph_to_json
+
+WEIGHTS_FILE = "model.safetensors"
+GRAPH_FILE = "graph.json"
+
+# Files of the source model directory that travel with the converted model.
+SOURCE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    import rnnify
+
+    return {"rnnify": rnnify.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def _unique_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
+    """State dict with tied tensors stored once: (tensors, alias -> stored name, buffer names)."""
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+        if key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
+    buffers = [name for name, _ in module.named_buffers() if name in tensors]
+    return tensors, aliases, buffers
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def weights_digest(directory: Path) -> str:
+    return _sha256(directory / WEIGHTS_FILE)
+
+
+def _replaceable(path: Path) -> bool:
+    return path.is_dir() and (not any(path.iterdir()) or (path / MANIFEST_FILE).is_file())
+
+
+def save(model: RecurrentModel, path: Path) -> Path:
+    path = path.expanduser()
+    if path.exists() and not _replaceable(path):
+        raise RnnifyError(f"{path} exists and is not an rnnify model directory; choose another output directory")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        tensors, aliases, buffers = _unique_tensors(model.graph)
+        save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        (tmp / GRAPH_FILE).write_text(json.dumps(graph_to_json(model.graph.graph)))
+        for name, data in model.files.items():
+            (tmp / name).write_bytes(data)
+        manifest = replace(
+            model.manifest,
+            weights_sha256=_sha256(tmp / WEIGHTS_FILE),
+            aliases=aliases,
+            buffers=buffers,
+            versions=versions(),
+        )
+        manifest.write(tmp)
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+            os.replace(path, old / path.name)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    model.manifest = manifest
+    model.path = path
+    return path
+
+
+def _set(root: nn.Module, name: str, value) -> None:
+    parent, _, leaf = name.rpartition(".")
+    module = root
+    for part in parent.split(".") if parent else ():
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    if isinstance(value, nn.Module):
+        module.add_module(leaf, value)
+    elif isinstance(value, nn.Parameter):
+        module.register_parameter(leaf, value)
+    else:
+        module.register_buffer(leaf, value)
+
+
+def load(path: str | Path, device: torch.device | str | None = None) -> RecurrentModel:
+    """Load a directory written by ``RecurrentModel.save``; needs neither the source model nor a hub."""
+    path = Path(path).expanduser()
+    manifest = Manifest.read(path)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    try:
+        tensors = load_file(path / WEIGHTS_FILE, device=str(device))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise RnnifyError(f"{path / WEIGHTS_FILE}: missing or corrupted weights ({exc}); convert the model again") from exc
+    try:
+        graph = graph_from_json(json.loads((path / GRAPH_FILE).read_text()), device=device)
+    except (OSError, ValueError, KeyError, TypeError, GraphFormatError) as exc:
+        raise RnnifyError(f"{path / GRAPH_FILE}: missing or corrupted graph ({exc}); convert the model again") from exc
+    for alias, stored in manifest.aliases.items():
+        tensors[alias] = tensors[stored]
+    root = nn.Module()
+    try:
+        for entry in manifest.cells:
+            cell = build_cell(entry.target, CellSpec(**entry.spec), entry.options).to(device)
+            prefix = entry.module + "."
+            cell.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, strict=True)
+            _set(root, entry.module, cell)
+        cell_prefixes = tuple(entry.module + "." for entry in manifest.cells)
+        buffers = set(manifest.buffers)
+        for name, tensor in tensors.items():
+            if not name.startswith(cell_prefixes):
+                _set(root, name, tensor if name in buffers else nn.Parameter(tensor))
+        module = torch.fx.GraphModule(root, graph, class_name="RecurrentStep")
+    except (RuntimeError, AttributeError, KeyError) as exc:
+        raise RnnifyError(f"{path}: weights do not match the graph ({exc}); convert the model again") from exc
+    files = {name: (path / name).read_bytes() for name in SOURCE_FILES if (path / name).is_file()}
+    model = RecurrentModel(module, manifest, files)
+    model.path = path
+    return model
