@@ -45,7 +45,7 @@ def _load_pretrained(path_or_id: str, dtype: torch.dtype):
                 f"{path_or_id}: not a local directory and not in the local Hugging Face cache; "
                 "rnnify works offline: download the model elsewhere and pass its local directory"
             ) from exc
-        raise RnnifyError(f"{path_or_id}: cannot read the model config ({exc})") from exc
+        raise RnnifyError(f"{path_or_id}: cannot read the model config ({_first_line(exc)})") from exc
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
             f"{path_or_id}: encoder-decoder model ({config.model_type}); only decoder-only causal "
@@ -54,7 +54,17 @@ def _load_pretrained(path_or_id: str, dtype: torch.dtype):
     try:
         return AutoModelForCausalLM.from_pretrained(**where, dtype=dtype, attn_implementation="sdpa")
     except ValueError as exc:
-        raise UnsupportedModelError(f"{path_or_id}: cannot load as a causal LM with SDPA attention ({exc})") from exc
+        if "scaled_dot_product_attention" in str(exc):
+            raise UnsupportedModelError(
+                f"{path_or_id}: {config.model_type} has no attention that runs through "
+                "scaled_dot_product_attention; rnnify converts attention-based causal LMs"
+            ) from exc
+        raise UnsupportedModelError(f"{path_or_id}: cannot load as a causal LM ({_first_line(exc)})") from exc
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def load_source(model, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -72,8 +82,8 @@ def load_source(model, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
             )
         try:
             model.set_attn_implementation("sdpa")
-        except (ValueError, AttributeError) as exc:
-            raise UnsupportedModelError(f"{type(model).__name__}: no SDPA attention ({exc})") from exc
+        except (ValueError, AttributeError):
+            pass  # custom attention: the captured graph shows whether it runs through SDPA
         return model.eval()
     if isinstance(model, (str, os.PathLike)):
         return _load_pretrained(os.fspath(model), dtype).eval()
@@ -118,7 +128,7 @@ def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
     except Exception as exc:  # export failures come in many types; report them as one
         raise UnsupportedModelError(
             f"{type(model).__name__}: torch.export could not capture the forward pass: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            f"{type(exc).__name__}: {_first_line(exc)}"
         ) from exc
     return _plain_graph_module(program.module())
 

@@ -1,0 +1,88 @@
+"""Saving and loading: every tensor round-trips, offline, without the source, atomically."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import rnnify
+from rnnify.runtime import storage
+
+
+@pytest.mark.parametrize("target", ["exact", "linear"])
+def test_load_works_after_source_is_deleted(target, tiny_model_dir, tmp_path):
+    source = shutil.copytree(tiny_model_dir("gpt2"), tmp_path / "source")
+    model = rnnify.convert(source, to=target)
+    ids = torch.randint(0, model.manifest.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    expected, _ = model.prefill(ids)
+    model.save(tmp_path / "out")
+    shutil.rmtree(source)
+    loaded = rnnify.load(tmp_path / "out")
+    got, _ = loaded.prefill(ids)
+    assert torch.equal(got, expected)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "config.json", "generation_config.json", "graph.json", "model.safetensors", "rnnify.json",
+        "tokenizer.json", "tokenizer_config.json",
+    ]
+
+
+def test_manifest_records_what_was_done(converted_dir, tiny_model_dir):
+    manifest = json.loads((converted_dir("llama", "linear") / "rnnify.json").read_text())
+    assert manifest["format_version"] == 1 and manifest["target"] == "linear"
+    assert manifest["source"] == str(tiny_model_dir("llama"))
+    assert set(manifest["versions"]) == {"rnnify", "torch", "transformers"}
+    assert [c["layer"] for c in manifest["cells"]] == [0, 1]
+    assert manifest["cells"][0]["spec"]["num_kv_heads"] == 2
+
+
+def test_every_tensor_is_saved_once(converted_dir):
+    """GPT-2 ties lm_head to wte: stored once, restored as the same tensor."""
+    from safetensors.torch import load_file
+
+    directory = converted_dir("gpt2", "exact")
+    stored = load_file(directory / "model.safetensors")
+    model = rnnify.load(directory)
+    names = set(model.graph.state_dict())
+    manifest = model.manifest
+    assert names == set(stored) | set(manifest.aliases)
+    assert not (set(stored) & set(manifest.aliases))
+
+
+def test_state_is_interchangeable_with_the_reloaded_model(converted_dir):
+    a = rnnify.load(converted_dir("llama", "linear"))
+    b = rnnify.load(converted_dir("llama", "linear"))
+    ids = torch.tensor([[3, 4, 5, 6]])
+    _, state = a.prefill(ids[:, :3])
+    assert torch.equal(a.step(ids[:, 3:], state)[0], b.step(ids[:, 3:], state)[0])
+
+
+def test_failed_save_leaves_nothing(converted_dir, tmp_path, monkeypatch):
+    model = rnnify.load(converted_dir("llama", "linear"))
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(storage, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        model.save(tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_replaces_a_model_but_not_other_directories(converted_dir, tmp_path):
+    model = rnnify.load(converted_dir("llama", "linear"))
+    model.save(tmp_path / "out")
+    model.save(tmp_path / "out")  # replacing an rnnify directory is fine
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("keep me")
+    with pytest.raises(rnnify.RnnifyError, match="not an rnnify model directory"):
+        model.save(tmp_path / "other")
+    assert (tmp_path / "other" / "notes.txt").read_text() == "keep me"
+
+
+def test_weights_digest_is_recorded(converted_dir):
+    directory = converted_dir("llama", "exact")
+    assert rnnify.load(directory).manifest.weights_sha256 == storage.weights_digest(directory)
