@@ -23,7 +23,8 @@ from rnnify.passes.context import PassContext
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 SITE_KEY = "rnnify_site"
-_PROBE_LENGTH = 8
+_PROBE_LENGTH = 8  # tokens in the probe run; longer when needed to see a small sliding window
+_MAX_PROBE_LENGTH = 64
 
 
 @dataclass
@@ -43,7 +44,7 @@ class AttentionSite:
     scale: float
     gqa: str  # "none", "enable_gqa" or "repeat_kv"
     mask_source: str  # "is_causal" or the name of the mask node
-    window: int | None  # sliding window (keys per query, self included), from the config
+    window: int | None  # sliding window (keys per query, self included): config, checked by the probe
 
     @property
     def where(self) -> str:
@@ -57,10 +58,11 @@ def find_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Graph
             "no attention found: the graph has no scaled_dot_product_attention call; rnnify converts "
             "models whose attention runs through SDPA (load them with attn_implementation='sdpa')"
         )
-    masks = _probe_masks(gm, nodes)
-    for index, node in enumerate(nodes):
-        site = _describe(node, index, ctx.config)
-        _check_causal(site, masks[node.name])
+    described = [_describe(node, index, ctx.config) for index, node in enumerate(nodes)]
+    windows = [s.window for s in described if s.window is not None and s.window <= _MAX_PROBE_LENGTH]
+    masks = _probe_masks(gm, nodes, max([_PROBE_LENGTH] + [w + 1 for w in windows]))
+    for node, site in zip(nodes, described):
+        site.window = _check_causal(site, masks[node.name])
         node.meta[SITE_KEY] = site
     return gm
 
@@ -202,26 +204,31 @@ class _MaskRecorder(torch.fx.Interpreter):
         return result
 
 
-def _probe_masks(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> dict[str, torch.Tensor]:
+def _probe_masks(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], length: int) -> dict[str, torch.Tensor]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     example = placeholders[0].meta.get("val")
     device = example.device if example is not None else torch.device("cpu")
-    input_ids = torch.zeros(1, _PROBE_LENGTH, dtype=torch.long, device=device)
-    position_ids = torch.arange(_PROBE_LENGTH, device=device)[None]
+    input_ids = torch.zeros(1, length, dtype=torch.long, device=device)
+    position_ids = torch.arange(length, device=device)[None]
     recorder = _MaskRecorder(gm, nodes)
     with torch.no_grad():
         recorder.run(input_ids, position_ids)
     return recorder.allowed
 
 
-def _check_causal(site: AttentionSite, allowed: torch.Tensor) -> None:
+def _check_causal(site: AttentionSite, allowed: torch.Tensor) -> int | None:
+    """Raise unless the probed mask is causal; return the sliding window the graph really applies.
+
+    A config window shorter than the probe must show in the mask: if the graph attends to the
+    full causal past anyway, the graph is the truth and the site gets no window.
+    """
     t = allowed.shape[-1]
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     if torch.equal(allowed, causal):
-        return
+        return site.window if site.window is not None and site.window >= t else None
     offsets = torch.arange(t)[:, None] - torch.arange(t)[None, :]
     if site.window is not None and torch.equal(allowed, causal & (offsets < site.window)):
-        return
+        return site.window
     if (allowed & ~causal).any():
         raise UnsupportedModelError(
             f"{site.where}: attention is not causal (tokens attend to later tokens); only causal "

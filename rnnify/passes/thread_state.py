@@ -3,9 +3,9 @@
     (input_ids [B, T], position_ids [B, T], attention_mask [B, T], *state) -> (logits, *new_state)
 
 Every cell call gains the ``attention_mask`` placeholder and one placeholder per state tensor
-(named ``state_<site>_<name>``), and its new state is appended to the outputs. The model's own
-mask construction loses its last user here and is removed by dead-code elimination. The same
-graph serves a T-token prefill and a 1-token decode step.
+(named ``state_<site>_<name>``), and its new state is appended to the outputs. The same graph
+serves a T-token prefill and a 1-token decode step. (The model's own mask construction lost its
+last user when ``rewrite_attention`` removed the SDPA calls; dead-code elimination removed it.)
 """
 
 from __future__ import annotations
