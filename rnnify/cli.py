@@ -1,0 +1,392 @@
+"""The ``rnnify`` command: convert, verify, generate and inspect recurrent models.
+
+User mistakes (``RnnifyError``) print one ``error:`` line and exit 2; a failed verification
+exits 1; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from rnnify.errors import RnnifyError
+
+__all__ = ["main", "build_parser"]
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_LENGTHS = (1, 1024, 16384)  # context lengths at which `info` reports state size
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+_EXAMPLES = """\
+examples:
+  rnnify convert path/to/hf-model --to exact -o out/exact
+  rnnify convert path/to/hf-model --to linear --feature-map elu -o out/linear
+  rnnify verify out/exact --against path/to/hf-model
+  rnnify generate out/exact --prompt "def main():" --max-new-tokens 40
+  rnnify info out/linear
+"""
+
+
+# -- formatting ---------------------------------------------------------------------------
+
+
+def _nbytes(n: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    i = 0
+    while n >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+def _num(x: float | None) -> str:
+    return "" if x is None else f"{x:.3g}"
+
+
+def _memory_line(model) -> str:
+    """Whether the state grows with the context, in words."""
+    if not model.constant_memory:
+        per_token = model.state_nbytes(1025) - model.state_nbytes(1024)
+        return f"state grows with context, like a KV cache: {_nbytes(per_token)} per token per sequence"
+    if any(cell.spec.window is not None for cell in model.cells if cell.grows_with_context):
+        return "state is constant once the model's sliding window is full: memory does not grow with context"
+    return "state is constant: memory does not grow with context"
+
+
+@contextmanager
+def _stage_bar(total: int, unit: str, leave: bool = True) -> Iterator[Callable[[str], None]]:
+    """A tqdm bar that advances as each named stage starts (hidden when stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit=unit, disable=None, leave=leave) as bar:
+        started: list[str] = []
+
+        def start(stage: str) -> None:
+            if started:
+                bar.update()
+            started.append(stage)
+            bar.set_description_str(stage)
+
+        yield start
+        bar.update()
+
+
+# -- commands -----------------------------------------------------------------------------
+
+
+def _quiet_transformers() -> None:
+    """Keep transformers' loading bars and notices out of the command's output."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def _convert(args: argparse.Namespace, console: Console) -> int:
+    import rnnify
+    from rnnify.passes import PIPELINE
+
+    options = {}
+    if args.feature_map is not None:
+        if args.to != "linear":
+            raise RnnifyError("--feature-map applies only to --to linear")
+        options["feature_map"] = args.feature_map
+    stages = ["load", "capture", *(p.__name__ for p in PIPELINE), "save"]
+    with _stage_bar(len(stages), "stage") as start:
+        model = rnnify.convert(args.model, to=args.to, dtype=args.dtype, progress=start, **options)
+        start("save")
+        try:
+            path = model.save(args.output)
+        except OSError as exc:
+            message = f"cannot write {args.output}: {exc.strerror or exc}; choose another output directory"
+            raise RnnifyError(message) from exc
+    growth = "grows with context, like a KV cache" if not model.constant_memory else "constant"
+    console.print(Text(f"saved to {path}"), soft_wrap=True)
+    console.print(
+        Text(
+            f"{model.target}: {len(model.cells)} layers, {model.manifest.dtype}, "
+            f"state {_nbytes(model.state_nbytes(1024))} per sequence at 1k tokens ({growth})"
+        ),
+        soft_wrap=True,
+    )
+    return 0
+
+
+def _verify(args: argparse.Namespace, console: Console) -> int:
+    import rnnify
+    from rnnify.verify import CHECKS, run_checks, tolerance
+
+    model = rnnify.load(args.dir)
+    total = len(CHECKS) if args.against is not None else len(CHECKS) - 1
+    with _stage_bar(total, "check", leave=False) as start:
+        results = run_checks(model, args.against, tokens=args.tokens, batch=args.batch, seed=args.seed, progress=start)
+    title = f"{model.target} model, {model.manifest.dtype}, batch {args.batch}, tolerance {tolerance(model.dtype):g} relative"
+    table = Table(box=box.SIMPLE_HEAD, title=Text(title))
+    table.add_column("check", no_wrap=True)
+    for column in ("max abs diff", "relative diff", "argmax agreement", "tokens"):
+        table.add_column(column, justify="right")
+    table.add_column("result")
+    table.add_column("note", overflow="fold")
+    for r in results:
+        result = {True: Text("PASS", "green"), False: Text("FAIL", "bold red"), None: Text("info", "dim")}[r.passed]
+        agreement = "" if r.argmax_agreement is None else f"{r.argmax_agreement:.1%}"
+        tokens = "" if r.tokens is None else str(r.tokens)
+        table.add_row(Text(r.name), _num(r.max_abs_diff), _num(r.rel_diff), agreement, tokens, result, Text(r.note))
+    console.print(table)
+    failed = [r.name for r in results if r.passed is False]
+    if failed:
+        console.print(Text(f"FAILED: {', '.join(failed)}", "bold red"), soft_wrap=True)
+        return 1
+    console.print(Text("all checks passed", "green"), soft_wrap=True)
+    return 0
+
+
+class _IdStreamer:
+    """Prints token ids as ``generate`` produces them, comma-separated, prompt first."""
+
+    def __init__(self) -> None:
+        self._first = True
+
+    def put(self, ids) -> None:
+        for token in ids.flatten().tolist():
+            print(("" if self._first else ",") + str(token), end="", flush=True)
+            self._first = False
+
+    def end(self) -> None:
+        print(flush=True)
+
+
+def _parse_ids(text: str, vocab_size: int) -> list[int]:
+    ids = []
+    for part in text.split(","):
+        try:
+            ids.append(int(part.strip()))
+        except ValueError:
+            message = f"--ids: {part.strip()!r} is not an integer; give comma-separated token ids like 1,2,3"
+            raise RnnifyError(message) from None
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise RnnifyError(f"--ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def _eos_ids(model, tokenizer=None) -> list[int]:
+    """End-of-sequence ids from the generation config (or model config) and the tokenizer."""
+    eos: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        try:
+            value = json.loads(model.files.get(name, b"{}")).get("eos_token_id")
+        except (ValueError, AttributeError):
+            value = None
+        if value is not None:
+            eos = [value] if isinstance(value, int) else list(value)
+            break
+    if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return eos
+
+
+def _load_tokenizer(directory: Path):
+    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        raise RnnifyError(f"no tokenizer in {directory}; pass --ids")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError, TypeError) as exc:
+        raise RnnifyError(f"cannot load the tokenizer in {directory} ({exc}); pass --ids") from exc
+
+
+def _generate(args: argparse.Namespace, console: Console) -> int:
+    import torch
+
+    import rnnify
+
+    model = rnnify.load(args.dir)
+    if args.ids is not None:
+        tokenizer, streamer = None, _IdStreamer()
+        ids = _parse_ids(args.ids, model.manifest.vocab_size)
+    else:
+        from transformers import TextStreamer
+
+        tokenizer = _load_tokenizer(Path(args.dir).expanduser())
+        ids = tokenizer(args.prompt, add_special_tokens=True).input_ids
+        if not ids:
+            raise RnnifyError("--prompt is empty: give some text")
+        streamer = TextStreamer(tokenizer, skip_special_tokens=True)
+    model.generate(
+        torch.tensor([ids], device=model.device),
+        args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eos_token_id=_eos_ids(model, tokenizer) or None,
+        seed=args.seed,
+        streamer=streamer,
+    )
+    return 0
+
+
+def _info(args: argparse.Namespace, console: Console) -> int:
+    import rnnify
+
+    model = rnnify.load(args.dir)
+    manifest = model.manifest
+    options = manifest.cells[0].options if manifest.cells else manifest.options
+    positions = manifest.positions
+    if positions.get("kind") == "learned":
+        where = f"learned, {positions.get('limit')} positions (cannot decode past them)"
+    else:
+        limit = positions.get("limit")
+        where = f"{positions.get('kind', 'unknown')}" + (f", trained up to {limit} positions" if limit else "")
+    header = Table.grid(padding=(0, 2))
+    header.add_column(style="bold")
+    header.add_column()
+    rows = {
+        "directory": str(model.path),
+        "source": manifest.source or "(unknown)",
+        "target": manifest.target + (" (" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")" if options else ""),
+        "dtype": manifest.dtype,
+        "vocab size": str(manifest.vocab_size),
+        "positions": where,
+        "converted with": ", ".join(f"{k} {v}" for k, v in manifest.versions.items()) or "(unknown)",
+    }
+    for key, value in rows.items():
+        header.add_row(key, Text(value))
+    console.print(header)
+
+    windowed = any(cell.spec.window is not None for cell in model.cells)
+    columns = ["layer", "module path", "cell", "heads", "kv heads", "head dim"] + (["window"] if windowed else [])
+    table = Table(title="recurrent state per sequence, by context length")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("module path", "cell") else "right")
+    for length in _LENGTHS:
+        table.add_column(f"{length:,} token{'s' * (length > 1)}", justify="right", no_wrap=True)
+    for entry, cell in zip(manifest.cells, model.cells):
+        spec = cell.spec
+        row = [str(entry.layer), Text(entry.module_path), entry.target]
+        row += [str(spec.num_heads), str(spec.num_kv_heads), str(spec.head_dim)]
+        if windowed:
+            row.append("" if spec.window is None else str(spec.window))
+        table.add_row(*row, *(_nbytes(cell.state_nbytes(length, 1, model.dtype)) for length in _LENGTHS))
+    table.add_section()
+    table.add_row("total", *[""] * (len(columns) - 1), *(_nbytes(model.state_nbytes(length)) for length in _LENGTHS))
+    console.print(table)
+    console.print(Text(_memory_line(model), "bold"), soft_wrap=True)
+    return 0
+
+
+# -- parser -------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from rnnify.cells import CELLS
+    from rnnify.cells.linear import FEATURE_MAPS
+
+    parser = argparse.ArgumentParser(
+        prog="rnnify",
+        description="Compile attention-based Hugging Face causal LMs into recurrent models.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = commands.add_parser(
+        "convert",
+        help="compile a Hugging Face causal LM into a recurrent model directory",
+        description="Load MODEL, capture its forward pass, replace every attention with a recurrent "
+        "cell and save the result to -o DIR (no pickle; loads without the source model).",
+    )
+    p.add_argument(
+        "model", metavar="MODEL", help="local Hugging Face model directory, or a hub id already in the local cache"
+    )
+    summaries = {name: cls.__doc__.splitlines()[0].rstrip(".") for name, cls in CELLS.items()}
+    targets = "; ".join(f"{name}: {text[:1].lower()}{text[1:]}" for name, text in summaries.items())
+    p.add_argument("--to", choices=list(CELLS), required=True, help=f"target cell ({targets})")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the converted model to")
+    p.add_argument(
+        "--dtype", choices=_DTYPES, default="float32", help="dtype to load and save the weights in (default: float32)"
+    )
+    p.add_argument(
+        "--feature-map", choices=sorted(FEATURE_MAPS), default=None,
+        help="feature map phi of the linear cell, only with --to linear (default: elu)",
+    )
+    p.set_defaults(run=_convert)
+
+    p = commands.add_parser(
+        "verify",
+        help="check that a converted model is consistent (and matches the original)",
+        description="Run the converted model on random tokens and compare: weights against the manifest "
+        "digest, token-by-token steps against one-shot prefill, a prefill split in two against one "
+        "shot, and with --against the original model's logits. Exits 1 if any check fails.",
+    )
+    p.add_argument("dir", metavar="DIR", help="converted model directory")
+    p.add_argument(
+        "--against", metavar="MODEL",
+        help="original model (directory or cached hub id) to compare logits with; "
+        "judged for 'exact', reported only for approximate targets",
+    )
+    p.add_argument("--tokens", type=int, default=32, metavar="N", help="tokens per sequence (default: 32)")
+    p.add_argument("--batch", type=int, default=2, metavar="B", help="sequences per batch (default: 2)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the random token ids (default: 0)")
+    p.set_defaults(run=_verify)
+
+    p = commands.add_parser(
+        "generate",
+        help="generate text or token ids, streamed as they are produced",
+        description="Continue a prompt with the converted model, one recurrent step per token, printing "
+        "each token as it comes (the prompt first). Greedy unless --do-sample.",
+    )
+    p.add_argument("dir", metavar="DIR", help="converted model directory")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="text prompt, tokenized with the tokenizer saved in DIR")
+    prompt.add_argument("--ids", metavar="IDS", help="prompt as comma-separated token ids, e.g. 1,2,3; prints ids back")
+    p.add_argument("--max-new-tokens", type=int, default=20, metavar="N", help="most tokens to generate (default: 20)")
+    p.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
+    p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature, > 0 (default: 1.0)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample only from the K most likely tokens")
+    p.add_argument(
+        "--top-p", type=float, default=None, metavar="P",
+        help="sample only from the smallest set of tokens whose probability adds up to P",
+    )
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling, for repeatable output")
+    p.set_defaults(run=_generate)
+
+    p = commands.add_parser(
+        "info",
+        help="describe a converted model: source, target, positions, state size per layer",
+        description="Print what DIR holds: its source model, target cell and options, dtype, the versions "
+        "it was converted with, how it encodes positions, and the recurrent state per layer at "
+        f"{', '.join(map(str, _LENGTHS))} tokens.",
+    )
+    p.add_argument("dir", metavar="DIR", help="converted model directory")
+    p.set_defaults(run=_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 verification failed, 2 bad input)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or argparse's own usage error (code 2)
+        return exc.code if isinstance(exc.code, int) else 0
+    # Piped output gets room for the tables instead of rich's 80-column default.
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    try:
+        _quiet_transformers()
+        return args.run(args, console)
+    except RnnifyError as exc:
+        print("error: " + " ".join(str(exc).split()), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,139 @@
+"""Checks that a converted model computes what it should, on random tokens.
+
+The recurrence is only useful if every way of feeding it agrees: one-shot prefill, token-by-token
+steps, prefill split in two, and (for ``exact``) the original model's full forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from rnnify.errors import RnnifyError
+from rnnify.runtime.model import RecurrentModel
+from rnnify.runtime.state import RecurrentState
+from rnnify.runtime.storage import WEIGHTS_FILE, weights_digest
+
+__all__ = ["CHECKS", "CheckResult", "run_checks", "tolerance"]
+
+CHECKS = ("weights", "step == prefill", "split prefill", "vs original")  # "vs original" needs `against`
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class CheckResult:
+    """One row of the report; ``passed`` is None for a difference reported but not judged."""
+
+    name: str
+    max_abs_diff: float | None
+    rel_diff: float | None
+    argmax_agreement: float | None
+    tokens: int | None
+    passed: bool | None
+    note: str = ""
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Largest relative difference that passes: half precision rounds every op, float32 barely."""
+    return 2e-2 if dtype in _HALF else 1e-4
+
+
+def _compare(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, note: str = "") -> CheckResult:
+    got, want = got.float(), want.float()
+    max_abs = float((got - want).abs().max())
+    rel = max_abs / max(float(want.abs().max()), torch.finfo(torch.float32).tiny)
+    agreement = float((got.argmax(-1) == want.argmax(-1)).float().mean())
+    passed = rel <= tolerance(dtype) and (dtype in _HALF or agreement == 1.0)
+    return CheckResult(name, max_abs, rel, agreement, got.shape[1], passed, note)
+
+
+def _steps(model: RecurrentModel, ids: torch.Tensor, state: RecurrentState) -> tuple[torch.Tensor, RecurrentState]:
+    """Logits of feeding ``ids`` one token at a time from ``state``."""
+    logits = []
+    for t in range(ids.shape[1]):
+        out, state = model.step(ids[:, t : t + 1], state)
+        logits.append(out)
+    return torch.cat(logits, dim=1), state
+
+
+def _check_weights(model: RecurrentModel) -> CheckResult:
+    if model.path is None:
+        return CheckResult("weights", None, None, None, None, None, "model not loaded from a directory: nothing to check")
+    if model.manifest.weights_sha256 is None:
+        return CheckResult("weights", None, None, None, None, None, "no weights digest in the manifest: not checked")
+    same = weights_digest(model.path) == model.manifest.weights_sha256
+    return CheckResult("weights", None, None, None, None, same, "" if same else f"{WEIGHTS_FILE} differs from the manifest")
+
+
+def _random_ids(model: RecurrentModel, tokens: int, batch: int, seed: int) -> tuple[torch.Tensor, str]:
+    if tokens < 2:
+        raise RnnifyError(f"tokens must be >= 2 (the split prefill needs two halves), got {tokens}")
+    if batch < 1:
+        raise RnnifyError(f"batch must be >= 1, got {batch}")
+    note = ""
+    positions = model.manifest.positions
+    if positions.get("kind") == "learned" and positions.get("limit") is not None and tokens > positions["limit"]:
+        tokens = positions["limit"]
+        note = f"tokens clamped to the model's {tokens} learned positions"
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.manifest.vocab_size, (batch, tokens), generator=generator)
+    return ids.to(model.device), note
+
+
+@torch.no_grad()
+def run_checks(
+    model: RecurrentModel,
+    against: Any = None,
+    tokens: int = 32,
+    batch: int = 2,
+    seed: int = 0,
+    *,
+    progress: Callable[[str], None] | None = None,
+) -> list[CheckResult]:
+    """Run ``CHECKS`` on ``batch`` random sequences of ``tokens`` ids; one result per check.
+
+    ``against`` (a directory, cached hub id or ``PreTrainedModel``) adds the comparison with the
+    original model, judged only for the ``exact`` target. ``progress(name)`` is called as each
+    check starts.
+    """
+    report = progress or (lambda name: None)
+    ids, note = _random_ids(model, tokens, batch, seed)
+    n, dtype = ids.shape[1], model.dtype
+
+    report("weights")
+    results = [_check_weights(model)]
+
+    report("step == prefill")
+    full, _ = model.prefill(ids)
+    first, state = model.prefill(ids[:, :1])
+    rest, _ = _steps(model, ids[:, 1:], state)
+    results.append(_compare("step == prefill", torch.cat([first, rest], dim=1), full, dtype, note))
+
+    report("split prefill")
+    head, state = model.prefill(ids[:, : n // 2])
+    tail, _ = model.prefill(ids[:, n // 2 :], state)
+    results.append(_compare("split prefill", torch.cat([head, tail], dim=1), full, dtype, note))
+
+    if against is not None:
+        report("vs original")
+        from rnnify.capture import load_source, source_name
+
+        source = load_source(against, dtype=dtype)
+        want = source(input_ids=ids.to(next(source.parameters()).device), use_cache=False).logits.to(ids.device)
+        if want.shape != full.shape:
+            name = source_name(against) or type(against).__name__
+            raise RnnifyError(
+                f"{name}: its logits have shape {tuple(want.shape)}, the converted model's {tuple(full.shape)}; "
+                "compare against the model this one was converted from"
+            )
+        head, state = model.prefill(ids[:, : n // 2])
+        tail, _ = _steps(model, ids[:, n // 2 :], state)
+        result = _compare("vs original", torch.cat([head, tail], dim=1), want, dtype, note)
+        if model.target != "exact":
+            result.passed = None
+            result.note = "; ".join(filter(None, [note, "approximate target: difference reported, not checked"]))
+        results.append(result)
+    return results

@@ -1,0 +1,270 @@
+"""Tests for the ``rnnify`` command line, run in-process through ``rnnify.cli.main``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import rnnify
+from rnnify.cli import main
+from rnnify.runtime.manifest import MANIFEST_FILE
+from rnnify.runtime.storage import WEIGHTS_FILE
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_user_error(code: int, err: str, *words: str) -> None:
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for word in words:
+        assert word in lines[0]
+
+
+def copy_model(src: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(src, tmp_path / "copy"))
+
+
+def alter_weight(directory: Path) -> None:
+    tensors = load_file(directory / WEIGHTS_FILE)
+    tensors["model.norm.weight"][0] += 1.0
+    save_file(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+
+
+def edit_manifest(directory: Path, **changes) -> None:
+    path = directory / MANIFEST_FILE
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def eos_id(directory: Path) -> int:
+    return json.loads((directory / "generation_config.json").read_text())["eos_token_id"]
+
+
+# -- convert ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target, memory", [("exact", "grows with context"), ("linear", "constant")])
+def test_convert_writes_a_loadable_directory(capsys, tmp_path, tiny_model_dir, target, memory):
+    extra = ["--feature-map", "elu"] if target == "linear" else []
+    code, out, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", target, "-o", tmp_path / "out", *extra)
+    assert code == 0, err
+    assert f"saved to {tmp_path / 'out'}" in out
+    assert f"{target}: 2 layers" in out and memory in out
+    model = rnnify.load(tmp_path / "out")
+    assert model.target == target and len(model.cells) == 2
+
+
+# -- verify -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["exact", "linear"])
+@pytest.mark.parametrize("against", [False, True])
+def test_verify_passes_on_a_good_model(capsys, converted_dir, tiny_model_dir, target, against):
+    extra = ["--against", tiny_model_dir("llama")] if against else []
+    code, out, err = run(capsys, "verify", converted_dir("llama", target), *extra)
+    assert code == 0, out + err
+    assert "FAIL" not in out and "all checks passed" in out
+    for check in ("weights", "step == prefill", "split prefill"):
+        assert check in out
+    assert ("vs original" in out) == against
+    if against and target == "linear":
+        assert "approximate target" in out and "info" in out
+
+
+def test_verify_fails_when_weights_differ_from_the_digest(capsys, tmp_path, converted_dir):
+    directory = copy_model(converted_dir("llama", "exact"), tmp_path)
+    alter_weight(directory)
+    code, out, _ = run(capsys, "verify", directory)
+    assert code == 1
+    assert "FAIL" in out and "model.safetensors differs from the manifest" in out
+
+
+def test_verify_against_the_original_catches_an_altered_weight(capsys, tmp_path, converted_dir, tiny_model_dir):
+    directory = copy_model(converted_dir("llama", "exact"), tmp_path)
+    alter_weight(directory)
+    edit_manifest(directory, weights_sha256=None)
+    code, out, _ = run(capsys, "verify", directory)
+    assert code == 0, out  # self-consistent: only the original can tell
+    code, out, _ = run(capsys, "verify", directory, "--against", tiny_model_dir("llama"))
+    assert code == 1
+    assert "FAILED: vs original" in out
+
+
+def test_verify_clamps_to_learned_positions(capsys, converted_dir):
+    code, out, err = run(capsys, "verify", converted_dir("gpt2", "exact"), "--tokens", 500, "--batch", 1)
+    assert code == 0, out + err
+    assert "clamped to the model's 128 learned positions" in out
+
+
+# -- generate -----------------------------------------------------------------------------
+
+
+def test_generate_ids_streams_what_generate_returns(capsys, converted_dir):
+    directory = converted_dir("llama", "exact")
+    code, out, err = run(capsys, "generate", directory, "--ids", "1,2,3", "--max-new-tokens", 8)
+    assert code == 0, err
+    expected = rnnify.load(directory).generate(torch.tensor([[1, 2, 3]]), 8, eos_token_id=eos_id(directory))
+    assert out.strip() == ",".join(map(str, expected[0].tolist()))
+
+
+def test_generate_prompt_streams_decoded_text(capsys, converted_dir):
+    from transformers import AutoTokenizer
+
+    directory = converted_dir("llama", "linear")
+    code, out, err = run(capsys, "generate", directory, "--prompt", "def main():", "--max-new-tokens", 6)
+    assert code == 0, err
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    ids = tokenizer("def main():", return_tensors="pt").input_ids
+    expected = rnnify.load(directory).generate(ids, 6, eos_token_id=eos_id(directory))
+    assert out.startswith("def main():")
+    assert out.rstrip("\n") == tokenizer.decode(expected[0], skip_special_tokens=True)
+
+
+def test_generate_samples_repeatably_with_a_seed(capsys, converted_dir):
+    argv = ["generate", converted_dir("llama", "exact"), "--ids", "5,6", "--do-sample", "--top-k", 20, "--top-p", 0.9,
+            "--temperature", 0.8, "--seed", 3, "--max-new-tokens", 5]
+    first, second = run(capsys, *argv), run(capsys, *argv)
+    assert first[0] == 0 and first[1] == second[1]
+
+
+def test_generate_prompt_needs_a_tokenizer(capsys, tmp_path, converted_dir):
+    directory = copy_model(converted_dir("llama", "exact"), tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).unlink()
+    code, _, err = run(capsys, "generate", directory, "--prompt", "hello")
+    assert_user_error(code, err, f"no tokenizer in {directory}; pass --ids")
+
+
+# -- info ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target, memory", [("exact", "grows with context"), ("linear", "constant")])
+def test_info_describes_target_and_memory(capsys, converted_dir, target, memory):
+    code, out, err = run(capsys, "info", converted_dir("llama", target))
+    assert code == 0, err
+    assert target in out and memory in out
+    assert "model.layers.1.self_attn" in out and "16,384 tokens" in out and "relative" in out
+
+
+def test_info_shows_learned_positions(capsys, converted_dir):
+    code, out, err = run(capsys, "info", converted_dir("gpt2", "exact"))
+    assert code == 0, err
+    assert "learned, 128 positions" in out
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def t5_dir(tmp_path) -> Path:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
+    T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
+    return tmp_path / "t5"
+
+
+def _corrupted(tmp_path, converted_dir) -> Path:
+    directory = copy_model(converted_dir("llama", "exact"), tmp_path)
+    (directory / WEIGHTS_FILE).write_bytes(b"\x00garbage" * 64)
+    return directory
+
+
+def _from_the_future(tmp_path, converted_dir) -> Path:
+    directory = copy_model(converted_dir("llama", "exact"), tmp_path)
+    edit_manifest(directory, format_version=999)
+    return directory
+
+
+def _other_vocab(tmp_path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=400, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "other")
+    return tmp_path / "other"
+
+
+def _empty(tmp_path) -> Path:
+    (tmp_path / "empty").mkdir()
+    return tmp_path / "empty"
+
+
+BAD_INPUT = {
+    "convert missing path": (
+        lambda t, c: ["convert", t / "missing", "--to", "exact", "-o", t / "out"], "no such directory"
+    ),
+    "verify missing path": (lambda t, c: ["verify", t / "missing"], "no such directory"),
+    "info missing path": (lambda t, c: ["info", t / "missing"], "no such directory"),
+    "generate missing path": (lambda t, c: ["generate", t / "missing", "--ids", "1"], "no such directory"),
+    "hub id offline": (
+        lambda t, c: ["convert", "someone/some-model", "--to", "exact", "-o", t / "out"], "local Hugging Face cache"
+    ),
+    "no config.json": (lambda t, c: ["convert", _empty(t), "--to", "linear", "-o", t / "out"], "no config.json"),
+    "not an rnnify dir": (lambda t, c: ["info", _empty(t)], "rnnify convert"),
+    "corrupted weights": (lambda t, c: ["verify", _corrupted(t, c)], "corrupted weights"),
+    "newer format": (lambda t, c: ["info", _from_the_future(t, c)], "upgrade rnnify"),
+    "ids not integers": (lambda t, c: ["generate", c("llama", "exact"), "--ids", "1,x"], "'x' is not an integer"),
+    "ids out of vocab": (lambda t, c: ["generate", c("llama", "exact"), "--ids", "1,320"], "outside the vocabulary"),
+    "zero temperature": (
+        lambda t, c: ["generate", c("llama", "exact"), "--ids", "1", "--do-sample", "--temperature", "0"],
+        "temperature",
+    ),
+    "feature map on exact": (
+        lambda t, c: ["convert", "unused", "--to", "exact", "--feature-map", "elu", "-o", t / "out"],
+        "--feature-map",
+    ),
+    "against another model": (
+        lambda t, c: ["verify", c("llama", "exact"), "--against", _other_vocab(t)],
+        "compare against the model this one was converted from",
+    ),
+    "too few verify tokens": (lambda t, c: ["verify", c("llama", "exact"), "--tokens", "1"], "tokens must be >= 2"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, converted_dir, case):
+    make_argv, message = BAD_INPUT[case]
+    code, _, err = run(capsys, *make_argv(tmp_path, converted_dir))
+    assert_user_error(code, err, message)
+
+
+def test_encoder_decoder_is_rejected(capsys, tmp_path, t5_dir):
+    code, _, err = run(capsys, "convert", t5_dir, "--to", "exact", "-o", tmp_path / "out")
+    assert_user_error(code, err, "encoder-decoder")
+
+
+def test_argparse_errors_exit_2(capsys):
+    assert run(capsys, "convert")[0] == 2
+    assert run(capsys, "generate", "somewhere")[0] == 2  # neither --prompt nor --ids
+
+
+# -- entry points -------------------------------------------------------------------------
+
+
+def test_console_script_help():
+    script = shutil.which("rnnify", path=str(Path(sys.executable).parent)) or shutil.which("rnnify")
+    assert script, "the rnnify console script is not installed"
+    result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for command in ("convert", "verify", "generate", "info"):
+        assert command in result.stdout
+
+
+def test_python_dash_m_runs_the_cli():
+    command = [sys.executable, "-m", "rnnify", "info", "--help"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "DIR" in result.stdout
