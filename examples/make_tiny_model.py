@@ -60,7 +60,9 @@ def tiny_config(arch: str, vocab_size: int = VOCAB_SIZE):
 def make_tiny_model(directory: str | Path, arch: str = "llama", seed: int = 0) -> Path:
     """Write a tiny random ``arch`` model and its tokenizer to ``directory``."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch))
     directory = Path(directory)
