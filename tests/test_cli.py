@@ -198,6 +198,14 @@ def _other_vocab(tmp_path) -> Path:
     return tmp_path / "other"
 
 
+def _no_attention(tmp_path) -> Path:
+    from transformers import MambaConfig, MambaForCausalLM
+
+    config = MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=2)
+    MambaForCausalLM(config).save_pretrained(tmp_path / "mamba")
+    return tmp_path / "mamba"
+
+
 def _empty(tmp_path) -> Path:
     (tmp_path / "empty").mkdir()
     return tmp_path / "empty"
@@ -213,6 +221,7 @@ BAD_INPUT = {
     "hub id offline": (
         lambda t, c: ["convert", "someone/some-model", "--to", "exact", "-o", t / "out"], "local Hugging Face cache"
     ),
+    "no attention": (lambda t, c: ["convert", _no_attention(t), "--to", "exact", "-o", t / "out"], "no attention"),
     "no config.json": (lambda t, c: ["convert", _empty(t), "--to", "linear", "-o", t / "out"], "no config.json"),
     "not an rnnify dir": (lambda t, c: ["info", _empty(t)], "rnnify convert"),
     "corrupted weights": (lambda t, c: ["verify", _corrupted(t, c)], "corrupted weights"),
