@@ -29,6 +29,7 @@ class CellSpec:
     value_dim: int
     scale: float
     window: int | None = None  # the model's own sliding window, if it has one
+    hidden_size: int | None = None  # width of the layer input x (for cells with needs_input)
 
     @property
     def group_size(self) -> int:
@@ -44,6 +45,7 @@ class Cell(nn.Module):
     target: ClassVar[str]
     state_names: ClassVar[tuple[str, ...]]
     grows_with_context: ClassVar[bool] = False
+    needs_input: ClassVar[bool] = False
 
     def __init__(self, spec: CellSpec):
         super().__init__()

@@ -45,6 +45,7 @@ class AttentionSite:
     gqa: str  # "none", "enable_gqa" or "repeat_kv"
     mask_source: str  # "is_causal" or the name of the mask node
     window: int | None  # sliding window (keys per query, self included): config, checked by the probe
+    hidden: torch.fx.Node | None  # the layer input [B, T, C] that v is projected from, if found
 
     @property
     def where(self) -> str:
@@ -175,7 +176,29 @@ def _describe(node: torch.fx.Node, index: int, config) -> AttentionSite:
         gqa=gqa,
         mask_source=mask.name if isinstance(mask, torch.fx.Node) else ("is_causal" if args.get("is_causal") else "none"),
         window=_config_window(config, layer),
+        hidden=_layer_input(value),
     )
+
+
+_PROJECTIONS = {torch.ops.aten.linear.default: 0, torch.ops.aten.addmm.default: 1, torch.ops.aten.mm.default: 0}
+_RESHAPES = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
+
+
+def _layer_input(value: torch.fx.Node) -> torch.fx.Node | None:
+    """The activation the value projection reads (breadth-first back from v), as [B, T, C]."""
+    frontier, seen = [value], set()
+    while frontier:
+        node = frontier.pop(0)
+        if not isinstance(node, torch.fx.Node) or node in seen or node.op != "call_function":
+            continue
+        seen.add(node)
+        if node.target in _PROJECTIONS:
+            x = node.args[_PROJECTIONS[node.target]]
+            while x.op == "call_function" and x.target in _RESHAPES and len(_shape(x)) != 3:
+                x = x.args[0]
+            return x if len(_shape(x)) == 3 else None
+        frontier.extend(a for a in node.all_input_nodes)
+    return None
 
 
 class _MaskRecorder(torch.fx.Interpreter):

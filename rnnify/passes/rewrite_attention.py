@@ -13,6 +13,7 @@ import operator
 import torch.fx
 
 from rnnify.cells import CellSpec, build_cell
+from rnnify.errors import UnsupportedModelError
 from rnnify.passes.context import PassContext
 from rnnify.passes.find_attention import SITE_KEY, sites
 
@@ -21,11 +22,20 @@ CELL_KEY = "rnnify_cell"
 
 def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     for node, site in sites(gm):
-        spec = CellSpec(site.num_heads, site.num_kv_heads, site.head_dim, site.value_dim, site.scale, site.window)
+        hidden_size = int(site.hidden.meta["val"].shape[-1]) if site.hidden is not None else None
+        spec = CellSpec(
+            site.num_heads, site.num_kv_heads, site.head_dim, site.value_dim, site.scale, site.window, hidden_size
+        )
         name = f"cells.{site.index}"
-        gm.add_submodule(name, build_cell(ctx.target, spec, ctx.options))
+        cell = build_cell(ctx.target, spec, ctx.options)
+        gm.add_submodule(name, cell)
+        kwargs = {}
+        if cell.needs_input:
+            if site.hidden is None:
+                raise UnsupportedModelError(f"{site.where}: target {cell.target!r} needs the layer input, not found")
+            kwargs["x"] = site.hidden
         with gm.graph.inserting_before(node):
-            call = gm.graph.call_module(name, (site.query, site.key, site.value))
+            call = gm.graph.call_module(name, (site.query, site.key, site.value), kwargs)
             out = gm.graph.call_function(operator.getitem, (call, 0))
         call.meta[SITE_KEY] = site
         call.meta[CELL_KEY] = True
