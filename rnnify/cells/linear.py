@@ -20,18 +20,44 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from rnnify.cells.base import Cell, CellSpec
 
 Forms = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
+class FeatureMap(nn.Module):
+    """phi: ``[B, H_kv, ..., d] -> [B, H_kv, ..., feature_dim]``.
+
+    Dimension 1 is the kv head, so maps with per-head weights apply the weights of kv head h to
+    its keys and to the queries of its group alike.
+    """
+
+    def __init__(self, spec: CellSpec):
+        super().__init__()
+        self.spec = spec
+
+    @property
+    def feature_dim(self) -> int:
+        return self.spec.head_dim
+
+
+class EluFeatureMap(FeatureMap):
     """elu(x) + 1: positive, so the normaliser never vanishes (Katharopoulos et al.)."""
-    return F.elu(x) + 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.elu(x) + 1
 
 
-FEATURE_MAPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"elu": elu_feature_map}
+FEATURE_MAPS: dict[str, type[FeatureMap]] = {"elu": EluFeatureMap}
+
+
+def build_feature_map(name: str, spec: CellSpec, **options: Any) -> FeatureMap:
+    """The feature map ``name`` for an attention site of shape ``spec``."""
+    if name not in FEATURE_MAPS:
+        raise ValueError(f"unknown feature map {name!r}; choose from {sorted(FEATURE_MAPS)}")
+    return FEATURE_MAPS[name](spec, **options)
 
 
 def _normalise(num: torch.Tensor, den: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,31 +111,24 @@ class LinearCell(Cell):
 
     def __init__(self, spec: CellSpec, feature_map: str = "elu", chunk_size: int = 64, eps: float = 1e-6):
         super().__init__(spec)
-        if feature_map not in FEATURE_MAPS:
-            raise ValueError(f"unknown feature map {feature_map!r}; choose from {sorted(FEATURE_MAPS)}")
+        self.phi = build_feature_map(feature_map, spec)
         self.feature_map, self.chunk_size, self.eps = feature_map, chunk_size, eps
 
     def options(self) -> dict[str, Any]:
         return {"feature_map": self.feature_map, "chunk_size": self.chunk_size, "eps": self.eps}
 
-    @property
-    def feature_dim(self) -> int:
-        return self.spec.head_dim
-
     def init_state(self, batch_size, device, dtype):
-        spec, f = self.spec, self.feature_dim
+        spec, f = self.spec, self.phi.feature_dim
         return (
             torch.zeros(batch_size, spec.num_kv_heads, f, spec.value_dim, device=device, dtype=torch.float32),
             torch.zeros(batch_size, spec.num_kv_heads, f, device=device, dtype=torch.float32),
         )
 
     def features(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """phi(q) grouped per kv head, and phi(k) with padding keys zeroed, in fp32."""
+        """phi(q) grouped per kv head ``[B, H_kv, G, T, F]``, and phi(k) with padding keys zeroed, in fp32."""
         batch, _, length, _ = q.shape
-        phi = FEATURE_MAPS[self.feature_map]
-        phi_q = phi(q.float()).reshape(batch, self.spec.num_kv_heads, self.spec.group_size, length, -1)
-        phi_k = phi(k.float()) * mask[:, None, :, None].to(torch.float32)
-        return phi_q, phi_k
+        grouped = q.float().reshape(batch, self.spec.num_kv_heads, self.spec.group_size, length, -1)
+        return self.phi(grouped), self.phi(k.float()) * mask[:, None, :, None].to(torch.float32)
 
     def forward(self, q, k, v, mask, kv, k_sum):
         phi_q, phi_k = self.features(q, k, mask)
