@@ -94,14 +94,14 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
     import rnnify
     from rnnify.passes import PIPELINE
 
-    options = {}
-    if args.feature_map is not None:
-        if args.to != "linear":
-            raise RnnifyError("--feature-map applies only to --to linear")
-        options["feature_map"] = args.feature_map
+    options = {name: getattr(args, name) for name in _CELL_FLAGS if getattr(args, name) is not None}
+    options.update(_parse_options(args.option or []))
+    keep = _parse_layer_list(args.keep_softmax) if args.keep_softmax else None
     stages = ["load", "capture", *(p.__name__ for p in PIPELINE), "save"]
     with _stage_bar(len(stages), "stage") as start:
-        model = rnnify.convert(args.model, to=args.to, dtype=args.dtype, progress=start, **options)
+        model = rnnify.convert(
+            args.model, to=args.to, layers=args.layers, keep_softmax=keep, dtype=args.dtype, progress=start, **options
+        )
         start("save")
         try:
             path = model.save(args.output)
@@ -118,6 +118,30 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
         soft_wrap=True,
     )
     return 0
+
+
+_CELL_FLAGS = ("window", "sinks", "feature_map", "gate")  # first-class cell options; others via --option
+
+
+def _parse_options(pairs: list[str]) -> dict:
+    """``KEY=VALUE`` pairs; values are JSON when they parse as JSON (numbers, true, lists), else text."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise RnnifyError(f"--option {pair!r}: expected KEY=VALUE, e.g. chunk_size=128")
+        try:
+            options[key.strip()] = json.loads(value)
+        except ValueError:
+            options[key.strip()] = value
+    return options
+
+
+def _parse_layer_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise RnnifyError(f"--keep-softmax {text!r}: expected comma-separated layer indices, e.g. 0,3") from None
 
 
 def _verify(args: argparse.Namespace, console: Console) -> int:
@@ -317,8 +341,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=_DTYPES, default="float32", help="dtype to load and save the weights in (default: float32)"
     )
     p.add_argument(
-        "--feature-map", choices=sorted(FEATURE_MAPS), default=None,
-        help="feature map phi of the linear cell, only with --to linear (default: elu)",
+        "--layers", metavar="SPEC",
+        help="targets per layer range, overriding --to: e.g. '0-1:exact,2-:hybrid' (ranges inclusive, "
+        "'N-' runs to the last layer; later rules win)",
+    )
+    p.add_argument(
+        "--keep-softmax", metavar="LAYERS", help="comma-separated layers kept exact softmax attention, e.g. 0,3"
+    )
+    cell = p.add_argument_group("cell options (passed to every cell that accepts them)")
+    cell.add_argument("--window", type=int, metavar="W", help="softmax window in tokens (window, hybrid)")
+    cell.add_argument("--sinks", type=int, metavar="S", help="first tokens always attended to (window)")
+    cell.add_argument(
+        "--feature-map", choices=sorted(FEATURE_MAPS), default=None, help="feature map phi (linear, hybrid, gated)"
+    )
+    cell.add_argument("--gate", metavar="NAME", help="gate of the gated target: retnet, gla or gateloop")
+    cell.add_argument(
+        "--option", action="append", metavar="KEY=VALUE",
+        help="any other cell option, repeatable; VALUE is read as JSON when it parses (chunk_size=128, "
+        'feature_options={"num_features":256})',
     )
     p.set_defaults(run=_convert)
 

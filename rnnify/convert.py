@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
 from rnnify.capture import capture, load_source, source_name
-from rnnify.cells import CELLS
 from rnnify.errors import RnnifyError
 from rnnify.passes import PassContext, run_pipeline
+from rnnify.plan import make_plan
 from rnnify.passes.find_attention import SITE_KEY
 from rnnify.passes.rewrite_attention import cell_calls
 from rnnify.runtime.manifest import CellEntry, Manifest
@@ -49,6 +49,8 @@ def convert(
     model: Any,
     to: str = "exact",
     *,
+    layers: str | None = None,
+    keep_softmax: Iterable[int] | None = None,
     dtype: str | torch.dtype = "float32",
     progress: Callable[[str], None] | None = None,
     **options: Any,
@@ -56,18 +58,18 @@ def convert(
     """Compile a causal LM into a recurrent model.
 
     ``model`` is a local Hugging Face directory, a hub id already in the local cache, or a loaded
-    ``PreTrainedModel``. ``to`` names the target cell (``rnnify.cells.CELLS``); ``options`` go to
-    the cell (e.g. ``feature_map="elu"`` for ``linear``). ``progress(stage)`` is called as each
-    stage and pass starts.
+    ``PreTrainedModel``. ``to`` names the target cell (``rnnify.cells.CELLS``) of every layer,
+    except those that ``layers`` (e.g. ``"0-1:exact,4-:hybrid"``) or ``keep_softmax`` (layers kept
+    ``exact``) assign otherwise; ``options`` go to every cell that accepts them (e.g.
+    ``feature_map="elu"``). ``progress(stage)`` is called as each stage and pass starts.
     """
-    if to not in CELLS:
-        raise RnnifyError(f"unknown target {to!r}; choose from: {', '.join(CELLS)}")
+    plan = make_plan(to, layers, keep_softmax, **options)
     report = progress or (lambda stage: None)
     report("load")
     source = load_source(model, resolve_dtype(dtype))
     report("capture")
     graph = capture(source)
-    ctx = PassContext(config=source.config, target=to, options=options)
+    ctx = PassContext(config=source.config, plan=plan)
     graph = run_pipeline(graph, ctx, progress=report)
     entries = []
     for call in cell_calls(graph):
@@ -77,6 +79,7 @@ def convert(
         uid=uuid.uuid4().hex,
         target=to,
         options=options,
+        layers=[str(rule) for rule in plan.rules],
         source=source_name(model),
         dtype=str(next(source.parameters()).dtype).removeprefix("torch."),
         vocab_size=int(source.config.vocab_size),

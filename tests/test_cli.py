@@ -66,6 +66,32 @@ def test_convert_writes_a_loadable_directory(capsys, tmp_path, tiny_model_dir, t
     assert model.target == target and len(model.cells) == 2
 
 
+def test_convert_per_layer_targets_and_options(capsys, tmp_path, tiny_model_dir):
+    argv = ["convert", tiny_model_dir("llama"), "--to", "linear", "--keep-softmax", "1", "--option", "chunk_size=16"]
+    code, _, err = run(capsys, *argv, "-o", tmp_path / "out")
+    assert code == 0, err
+    model = rnnify.load(tmp_path / "out")
+    assert [cell.target for cell in model.cells] == ["linear", "exact"]
+    assert model.cells[0].options()["chunk_size"] == 16
+    code, out, _ = run(capsys, "info", tmp_path / "out")
+    assert code == 0 and "grows with context" in out
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--option", "chunk_size"], "expected KEY=VALUE"),
+        (["--keep-softmax", "0,x"], "comma-separated layer indices"),
+        (["--layers", "0-1"], "RANGE:TARGET"),
+        (["--layers", "9:exact"], "matches no layer"),
+    ],
+)
+def test_convert_bad_layer_flags(capsys, tmp_path, tiny_model_dir, flags, message):
+    code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "linear", *flags, "-o", tmp_path / "o")
+    assert_user_error(code, err, message)
+    assert not (tmp_path / "o").exists()
+
+
 # -- verify -------------------------------------------------------------------------------
 
 
@@ -234,7 +260,7 @@ BAD_INPUT = {
     ),
     "feature map on exact": (
         lambda t, c: ["convert", "unused", "--to", "exact", "--feature-map", "elu", "-o", t / "out"],
-        "--feature-map",
+        "feature_map apply to none of the targets used (exact)",
     ),
     "against another model": (
         lambda t, c: ["verify", c("llama", "exact"), "--against", _other_vocab(t)],

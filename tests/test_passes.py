@@ -27,6 +27,7 @@ from rnnify.cells import CELLS, Cell
 from rnnify.cells.exact import ExactCell
 from rnnify.cells.linear import LinearCell
 from rnnify.errors import UnsupportedModelError
+from rnnify.plan import ConversionPlan
 from rnnify.passes import PIPELINE, AttentionSite, PassContext, cleanup
 from rnnify.passes.find_attention import find_attention
 from rnnify.passes.find_positions import find_positions
@@ -339,7 +340,7 @@ def test_find_attention_rejects_a_model_without_attention():
 def test_rewrite_attention_replaces_each_sdpa_with_a_cell(source, arch):
     model, gm = source(arch)
     layers = EXPECTED[arch]["layers"]
-    ctx = PassContext(config=model.config, target="exact")
+    ctx = PassContext(config=model.config, plan=ConversionPlan("exact"))
     gm = run_until(gm, ctx, rewrite_attention)
     found = annotated_sites(gm)
     before = counts(gm)
@@ -370,7 +371,7 @@ def test_rewrite_attention_replaces_each_sdpa_with_a_cell(source, arch):
 
 def test_rewrite_attention_uses_target_and_options(source):
     model, gm = source("llama")
-    ctx = PassContext(config=model.config, target="linear", options={"chunk_size": 5})
+    ctx = PassContext(config=model.config, plan=ConversionPlan("linear", options={"chunk_size": 5}))
     gm = cleanup(rewrite_attention(run_until(gm, ctx, rewrite_attention), ctx))
     cells = [gm.get_submodule(f"cells.{i}") for i in range(2)]
     assert all(isinstance(c, LinearCell) and c.chunk_size == 5 for c in cells)
@@ -399,7 +400,7 @@ class _ParamCell(Cell):
 def test_rewrite_attention_registers_cell_parameters(source, monkeypatch):
     monkeypatch.setitem(CELLS, "param_test", _ParamCell)
     model, gm = source("llama")
-    ctx = PassContext(config=model.config, target="param_test")
+    ctx = PassContext(config=model.config, plan=ConversionPlan("param_test"))
     gm = cleanup(rewrite_attention(run_until(gm, ctx, rewrite_attention), ctx))  # cleanup must keep them
     state = gm.state_dict()
     for i in range(2):
@@ -415,7 +416,7 @@ def test_thread_state_signature_and_outputs(source, arch):
     model, gm = source(arch)
     layers = EXPECTED[arch]["layers"]
     captured = counts(gm)
-    ctx = PassContext(config=model.config, target="exact")
+    ctx = PassContext(config=model.config, plan=ConversionPlan("exact"))
     gm = run_until(gm, ctx, thread_state)
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["input_ids", "position_ids"]
 
@@ -441,7 +442,7 @@ def test_thread_state_signature_and_outputs(source, arch):
 @pytest.mark.parametrize("length", [1, 7, 40])
 def test_thread_state_exact_graph_equals_hf_model(source, arch, length):
     model, gm = source(arch)
-    ctx = PassContext(config=model.config, target="exact")
+    ctx = PassContext(config=model.config, plan=ConversionPlan("exact"))
     gm = cleanup(thread_state(run_until(gm, ctx, thread_state), ctx))
     ids, pos = inputs(2, length, seed=length)
     with torch.no_grad():
@@ -457,7 +458,7 @@ def test_thread_state_exact_graph_decodes_token_by_token(source, arch):
     # prefill 5 tokens, then feed the returned state back one token at a time: every logit row
     # equals the HF model's on the whole sequence (Mistral runs past its 16-token window)
     model, gm = source(arch)
-    ctx = PassContext(config=model.config, target="exact")
+    ctx = PassContext(config=model.config, plan=ConversionPlan("exact"))
     gm = cleanup(thread_state(run_until(gm, ctx, thread_state), ctx))
     ids, pos = inputs(2, 24, seed=1)
     ones = torch.ones(2, 24, dtype=torch.bool)
@@ -473,7 +474,7 @@ def test_thread_state_exact_graph_decodes_token_by_token(source, arch):
 
 def test_thread_state_linear_state_has_constant_size(source):
     model, gm = source("llama")
-    ctx = PassContext(config=model.config, target="linear")
+    ctx = PassContext(config=model.config, plan=ConversionPlan("linear"))
     gm = cleanup(thread_state(run_until(gm, ctx, thread_state), ctx))
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"][3:] == [
         "state_0_kv", "state_0_k_sum", "state_1_kv", "state_1_k_sum"
@@ -489,7 +490,7 @@ def test_thread_state_linear_state_has_constant_size(source):
 
 
 def convert_toy(toy: nn.Module, config=None) -> torch.fx.GraphModule:
-    ctx = PassContext(config=config, target="exact")
+    ctx = PassContext(config=config, plan=ConversionPlan("exact"))
     gm = export_plain(toy)
     for pass_ in PIPELINE:
         gm = cleanup(pass_(gm, ctx))

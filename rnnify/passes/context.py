@@ -5,17 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rnnify.plan import ConversionPlan
+
 
 @dataclass
 class PassContext:
     """Settings shared by the passes.
 
-    ``config`` is the source model's Hugging Face config (sliding windows, positions);
-    ``target`` and ``options`` choose the cell each attention site becomes; ``positions`` is
-    filled by ``find_positions``.
+    ``config`` is the source model's Hugging Face config (sliding windows, positions); ``plan``
+    chooses the cell each attention site becomes; ``positions`` is filled by ``find_positions``.
     """
 
     config: Any = None
-    target: str = "exact"
-    options: dict[str, Any] = field(default_factory=dict)
+    plan: ConversionPlan = field(default_factory=lambda: ConversionPlan("exact"))
     positions: dict[str, Any] = field(default_factory=dict)

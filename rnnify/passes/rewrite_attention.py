@@ -21,13 +21,15 @@ CELL_KEY = "rnnify_cell"
 
 
 def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    ctx.plan.check(site.layer for _, site in sites(gm))
     for node, site in sites(gm):
         hidden_size = int(site.hidden.meta["val"].shape[-1]) if site.hidden is not None else None
         spec = CellSpec(
             site.num_heads, site.num_kv_heads, site.head_dim, site.value_dim, site.scale, site.window, hidden_size
         )
         name = f"cells.{site.index}"
-        cell = build_cell(ctx.target, spec, ctx.options)
+        target = ctx.plan.target_for(site.layer)
+        cell = build_cell(target, spec, ctx.plan.options_for(target))
         gm.add_submodule(name, cell)
         kwargs = {}
         if cell.needs_input:

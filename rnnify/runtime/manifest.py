@@ -35,6 +35,7 @@ class Manifest:
     vocab_size: int
     positions: dict[str, Any]
     cells: list[CellEntry]
+    layers: list[str] = field(default_factory=list)  # per-layer rules over `target`, e.g. "0-1:exact"
     versions: dict[str, str] = field(default_factory=dict)
     weights_sha256: str | None = None
     aliases: dict[str, str] = field(default_factory=dict)  # tied tensors: alias -> stored name

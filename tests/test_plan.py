@@ -1,0 +1,68 @@
+"""Per-layer targets: --layers rules and --keep-softmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rnnify
+from rnnify.errors import RnnifyError
+from rnnify.plan import LayerRule, make_plan, parse_layers
+
+
+def test_parse_layers():
+    assert parse_layers("0-1:exact, 2-:linear ,5:exact") == [
+        LayerRule(0, 1, "exact"), LayerRule(2, None, "linear"), LayerRule(5, 5, "exact"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [("0-1", "RANGE:TARGET"), ("a-b:exact", "RANGE:TARGET"), ("3-1:exact", "empty"), ("0:quantum", "unknown target"), (",", "names no layers")],
+)
+def test_bad_layer_specs(spec, message):
+    with pytest.raises(RnnifyError, match=message):
+        parse_layers(spec)
+
+
+def test_later_rules_win_and_keep_softmax_wins_over_all():
+    plan = make_plan("linear", layers="0-3:exact,2-:linear", keep_softmax=[3])
+    assert [plan.target_for(layer) for layer in range(6)] == ["exact", "exact", "linear", "exact", "linear", "linear"]
+
+
+def test_options_go_only_to_cells_that_take_them():
+    plan = make_plan("linear", layers="0:exact", feature_map="elu", block_size=64)
+    assert plan.options_for("linear") == {"feature_map": "elu"}
+    assert plan.options_for("exact") == {"block_size": 64}
+    with pytest.raises(RnnifyError, match="nonsense apply to none of the targets used"):
+        make_plan("linear", nonsense=1)
+
+
+def test_keep_softmax_converts_a_mixed_model(tiny_model_dir):
+    model = rnnify.convert(tiny_model_dir("llama"), to="linear", keep_softmax=[0])
+    assert [cell.target for cell in model.cells] == ["exact", "linear"]
+    assert not model.constant_memory  # one exact layer makes the state grow
+    ids = torch.randint(0, model.manifest.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    full, _ = model.prefill(ids)
+    logits, state = model.prefill(ids[:, :1])
+    steps = [logits]
+    for t in range(1, ids.shape[1]):
+        logits, state = model.step(ids[:, t : t + 1], state)
+        steps.append(logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-5)
+    assert model.manifest.layers == ["0:exact"]
+
+
+def test_layers_spec_and_save_round_trip(tiny_model_dir, tmp_path):
+    model = rnnify.convert(tiny_model_dir("gpt2"), to="exact", layers="1-:linear")
+    assert [cell.target for cell in model.cells] == ["exact", "linear"]
+    model.save(tmp_path / "m")
+    loaded = rnnify.load(tmp_path / "m")
+    assert [cell.target for cell in loaded.cells] == ["exact", "linear"]
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(loaded.prefill(ids)[0], model.prefill(ids)[0])
+
+
+def test_a_rule_matching_no_layer_is_an_error(tiny_model_dir):
+    with pytest.raises(RnnifyError, match="matches no layer"):
+        rnnify.convert(tiny_model_dir("llama"), to="linear", layers="7-:exact")
