@@ -289,10 +289,12 @@ def _info(args: argparse.Namespace, console: Console) -> int:
     console.print(header)
 
     windowed = any(cell.spec.window is not None for cell in model.cells)
+    notes = any(cell.describe() for cell in model.cells)
     columns = ["layer", "module path", "cell", "heads", "kv heads", "head dim"] + (["window"] if windowed else [])
+    columns += ["notes"] if notes else []
     table = Table(title="recurrent state per sequence, by context length")
     for column in columns:
-        table.add_column(column, justify="left" if column in ("module path", "cell") else "right")
+        table.add_column(column, justify="left" if column in ("module path", "cell", "notes") else "right")
     for length in _LENGTHS:
         table.add_column(f"{length:,} token{'s' * (length > 1)}", justify="right", no_wrap=True)
     for entry, cell in zip(manifest.cells, model.cells):
@@ -301,6 +303,8 @@ def _info(args: argparse.Namespace, console: Console) -> int:
         row += [str(spec.num_heads), str(spec.num_kv_heads), str(spec.head_dim)]
         if windowed:
             row.append("" if spec.window is None else str(spec.window))
+        if notes:
+            row.append(Text(cell.describe()))
         table.add_row(*row, *(_nbytes(cell.state_nbytes(length, 1, model.dtype)) for length in _LENGTHS))
     table.add_section()
     table.add_row("total", *[""] * (len(columns) - 1), *(_nbytes(model.state_nbytes(length)) for length in _LENGTHS))

@@ -69,6 +69,10 @@ class Cell(nn.Module):
             self._bytes_per_token(dtype) * length * batch_size if self.grows_with_context else 0
         )
 
+    def describe(self) -> str:
+        """A short note for ``rnnify info`` (e.g. recurrent neurons per head); empty by default."""
+        return ""
+
     def _bytes_per_token(self, dtype: torch.dtype) -> int:
         return 0
 
