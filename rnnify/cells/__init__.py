@@ -9,14 +9,19 @@ from typing import Any, Iterator
 
 from torch import nn
 
+from rnnify.cells.aaren import AarenCell
 from rnnify.cells.base import Cell, CellSpec
 from rnnify.cells.exact import ExactCell
+from rnnify.cells.gated import GatedCell
+from rnnify.cells.gated_rnn import GatedRNNCell
+from rnnify.cells.hybrid import HybridCell
 from rnnify.cells.linear import LinearCell
+from rnnify.cells.window import WindowCell
 from rnnify.errors import RnnifyError
 
 __all__ = ["CELLS", "Cell", "CellSpec", "build_cell", "parameters"]
 
-CELLS: dict[str, type[Cell]] = {cls.target: cls for cls in (ExactCell, LinearCell)}
+CELLS: dict[str, type[Cell]] = {cls.target: cls for cls in (ExactCell, LinearCell, AarenCell, GatedCell, WindowCell, HybridCell, GatedRNNCell)}
 
 
 def build_cell(target: str, spec: CellSpec, options: dict[str, Any] | None = None) -> Cell:

@@ -13,6 +13,13 @@ past key and value (per kv head): memory grows with the context. Each call appen
 and runs the recurrence over the cache a block of keys at a time (vectorised inside a block), so
 scores for the whole context are never materialised at once. A model's own sliding window keeps
 only the last ``window`` keys, and then the state is bounded.
+
+Forms, all computing the same thing: ``naive_recurrent_softmax_attn`` (the recurrence one key at
+a time: the ground truth), ``parallel_softmax_attn`` (masked quadratic softmax over the cache) and
+``softmax_attention_rnn`` (the recurrence a block of keys at a time: the chunked form, used for
+prefill, and with T = 1 the step form, used for decode). All take queries ``[B, H, T, d]`` of
+cache positions ``N-T .. N-1``, keys/values ``[B, Hkv, N, *]`` and ``valid [B, N]``, accumulate
+in fp32, return ``[B, H, T, Dv]`` in the values' dtype, and give 0 where no key is allowed.
 """
 
 from __future__ import annotations
@@ -22,6 +29,66 @@ from typing import Any
 import torch
 
 from rnnify.cells.base import Cell, CellSpec
+
+
+def _allowed(length: int, total: int, valid: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``[B, 1, 1, T, N]``: may the query at cache position N-T+t see key j (causal, window, padding)."""
+    q_pos = torch.arange(total - length, total, device=valid.device)[:, None]
+    k_pos = torch.arange(total, device=valid.device)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed = allowed & (q_pos - k_pos < window)
+    return allowed & valid[:, None, None, None, :]
+
+
+def naive_recurrent_softmax_attn(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The (m, u, w) recurrence one cached key at a time, for every query at once."""
+    batch, num_heads, length, _ = q.shape
+    num_kv_heads, total = keys.shape[1], keys.shape[2]
+    q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, -1).float() * scale
+    allowed = _allowed(length, total, valid, window)
+    m = q.new_full(q.shape[:-1], float("-inf"))
+    u = q.new_zeros(q.shape[:-1])
+    w = q.new_zeros((*q.shape[:-1], values.shape[-1]))
+    for j in range(total):
+        s = (q * keys[:, :, None, None, j].float()).sum(-1)  # [B, Hkv, G, T]
+        s = s.masked_fill(~allowed[..., j], float("-inf"))
+        m_new = torch.maximum(m, s)
+        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))  # -inf - -inf
+        decay, p = torch.exp(m - m_safe), torch.exp(s - m_safe)
+        u = u * decay + p
+        w = w * decay[..., None] + p[..., None] * values[:, :, None, None, j].float()
+        m = m_new
+    out = torch.where(u[..., None] > 0, w / u.clamp_min(torch.finfo(u.dtype).tiny)[..., None], 0.0)
+    return out.reshape(batch, num_heads, length, -1).to(values.dtype)
+
+
+def parallel_softmax_attn(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Masked quadratic softmax: all ``[T, N]`` scores at once."""
+    batch, num_heads, length, _ = q.shape
+    num_kv_heads, total = keys.shape[1], keys.shape[2]
+    q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, -1).float() * scale
+    allowed = _allowed(length, total, valid, window)
+    s = torch.einsum("bhgtd,bhnd->bhgtn", q, keys.float()).masked_fill(~allowed, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+    u = p.sum(-1, keepdim=True)
+    out = torch.where(u > 0, (p / u.clamp_min(torch.finfo(u.dtype).tiny)) @ values[:, :, None].float(), 0.0)
+    return out.reshape(batch, num_heads, length, -1).to(values.dtype)
 
 
 def softmax_attention_rnn(

@@ -4,19 +4,35 @@ Softmax's exp(q . k) is replaced by phi(q) . phi(k), so the past folds into a co
 
     S_t = S_{t-1} + phi(k_t)^T v_t          [d_phi, d_v]  per kv head
     z_t = z_{t-1} + phi(k_t)                [d_phi]
-    o_t = phi(q_t) S_t / (phi(q_t) . z_t + eps)
+    o_t = phi(q_t) S_t / (phi(q_t) . z_t + eps)          (normalize=True, the default)
+    o_t = phi(q_t) S_t                                   (normalize=False: no z state at all)
 
 Forms, all computing the same thing (tests hold them to ``naive_recurrent_linear_attn``):
 ``naive_recurrent_*`` (a plain loop, the ground truth), ``parallel_*`` (masked quadratic),
 ``chunk_*`` (O(T * C): quadratic inside chunks of C tokens, the recurrence between chunks; the
 prefill path) and ``step_*`` (one token; the decode path). Shapes: phi_q ``[B, Hkv, G, T, F]``
 (G query heads per kv head), phi_k ``[B, Hkv, T, F]``, v ``[B, Hkv, T, Dv]``, state
-``kv [B, Hkv, F, Dv]`` and ``k_sum [B, Hkv, F]`` in fp32.
+``kv [B, Hkv, F, Dv]`` and ``k_sum [B, Hkv, F]`` in fp32. ``k_sum=None`` is the unnormalised
+form: every form then returns ``(out, kv, None)``.
+
+Feature maps phi (``FEATURE_MAPS``), applied to the q and k the original attention saw (after
+RoPE); s = scale * q . k is the score softmax attention would exponentiate:
+
+    elu        elu(x) + 1                                          Katharopoulos et al. 2020
+    relu       relu(x)
+    identity   x                           (unnormalised, it is what ``gated-rnn`` computes)
+    performer  exp(W x' - |x'|^2 / 2) / sqrt(m),  x' = x sqrt(scale),  W ~ N(0, I) fixed
+               E_W[phi(q) . phi(k)] = exp(s)  (FAVOR+, Choromanski et al. 2021)
+    taylor     [1, x', vec(x' x'^T) / sqrt(2)]:  phi(q) . phi(k) = 1 + s + s^2 / 2   (Based)
+    hedgehog   [softmax(x W), softmax(-x W)],  W trainable per kv head (Zhang et al. 2024)
+    t2r        relu(x W + b),  W, b trainable per kv head  (Kasai et al. 2021)
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import inspect
+import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,14 +40,17 @@ from torch import nn
 
 from rnnify.cells.base import Cell, CellSpec
 
-Forms = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Forms = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
+
+# --------------------------------------------------------------------------- feature maps
 
 class FeatureMap(nn.Module):
     """phi: ``[B, H_kv, ..., d] -> [B, H_kv, ..., feature_dim]``.
 
     Dimension 1 is the kv head, so maps with per-head weights apply the weights of kv head h to
-    its keys and to the queries of its group alike.
+    its keys and to the queries of its group alike. ``options()`` returns the keyword arguments
+    that rebuild the map (JSON-able, defaults resolved).
     """
 
     def __init__(self, spec: CellSpec):
@@ -42,6 +61,30 @@ class FeatureMap(nn.Module):
     def feature_dim(self) -> int:
         return self.spec.head_dim
 
+    def options(self) -> dict[str, Any]:
+        return {}
+
+    def normalised_query(self, x: torch.Tensor) -> torch.Tensor:
+        """Features for queries whose output is normalised (o = phi(q) S / (phi(q) . z + eps)).
+
+        May differ from ``phi(x)`` by a positive factor per query, which the normaliser cancels
+        (up to eps); maps use it to keep exponents in range. Default: ``phi(x)``.
+        """
+        return self(x)
+
+
+def _per_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, ..., d] @ weight [H, d, f] -> [B, H, ..., f]``: kv head h uses weight[h]."""
+    shape = x.shape
+    y = x.reshape(shape[0], shape[1], -1, shape[-1]) @ weight.to(x.dtype)
+    return y.reshape(*shape[:-1], weight.shape[-1])
+
+
+def _check_feature_dim(name: str, value: Any, even: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (even and value % 2):
+        raise ValueError(f"{name} must be a positive{' even' if even else ''} integer, got {value!r}")
+    return value
+
 
 class EluFeatureMap(FeatureMap):
     """elu(x) + 1: positive, so the normaliser never vanishes (Katharopoulos et al.)."""
@@ -50,15 +93,171 @@ class EluFeatureMap(FeatureMap):
         return F.elu(x) + 1
 
 
-FEATURE_MAPS: dict[str, type[FeatureMap]] = {"elu": EluFeatureMap}
+class ReluFeatureMap(FeatureMap):
+    """relu(x): non-negative; a query or key with no positive entry contributes nothing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x)
+
+
+class IdentityFeatureMap(FeatureMap):
+    """x itself: with ``normalize=False`` this is plain (unnormalised) linear attention q S."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class PerformerFeatureMap(FeatureMap):
+    """FAVOR+ positive random features (Choromanski et al. 2021): phi(q) . phi(k) estimates exp(s).
+
+        phi(x) = exp(W x' - |x'|^2 / 2) / sqrt(m),   x' = x * sqrt(scale)
+
+    For w ~ N(0, I), E[exp(w . (x' + y') - |x'|^2/2 - |y'|^2/2)] = exp(x' . y') = exp(scale q . k),
+    so the mean over m features is an unbiased estimate whose variance falls as 1/m. ``W``
+    ``[H_kv, d, m]`` (independent per kv head) is drawn once from ``seed`` and kept as a persistent
+    buffer, so a saved model reloads the very same features; it is not trained.
+
+    Default m = int(d ln d), the rate in FAVOR+'s uniform-convergence bound (m = Theta(d log d))
+    and performer-pytorch's default: 266 for d = 64, 16 for d = 8.
+
+    Stabilising (Performer subtracts a max before exp): for normalised queries
+    (``normalised_query``) the exponent's max over the m features is subtracted per query, which
+    the normaliser cancels; each query then has a feature equal to 1/sqrt(m), so the features
+    neither overflow nor all underflow. Keys are not shifted: Performer's key shift is a max over
+    the whole sequence, which a causal recurrence cannot know, and a constant shift would only
+    rescale every phi(q) . phi(k) (against eps) without preventing anything. Their exponent is
+    bounded anyway, W x' - |x'|^2/2 <= |w_i|^2 / 2. Both are per token, so every form agrees.
+    """
+
+    def __init__(self, spec: CellSpec, num_features: int | None = None, seed: int = 0):
+        super().__init__(spec)
+        d = spec.head_dim
+        num_features = max(1, int(d * math.log(d))) if num_features is None else num_features
+        self.num_features = _check_feature_dim("num_features", num_features)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        self.seed = seed
+        gen = torch.Generator().manual_seed(seed)
+        self.register_buffer("weight", torch.randn(spec.num_kv_heads, d, self.num_features, generator=gen))
+
+    @property
+    def feature_dim(self) -> int:
+        return self.num_features
+
+    def options(self) -> dict[str, Any]:
+        return {"num_features": self.num_features, "seed": self.seed}
+
+    def _exponent(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * self.spec.scale**0.5
+        return _per_head(x, self.weight) - (x * x).sum(-1, keepdim=True) / 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(self._exponent(x) - 0.5 * math.log(self.num_features))
+
+    def normalised_query(self, x: torch.Tensor) -> torch.Tensor:
+        u = self._exponent(x)
+        return torch.exp(u - u.amax(-1, keepdim=True).detach() - 0.5 * math.log(self.num_features))
+
+
+class TaylorFeatureMap(FeatureMap):
+    """Second-order Taylor features (Based): phi(q) . phi(k) = 1 + s + s^2/2 exactly.
+
+        phi(x) = [1, x', vec(x' x'^T) / sqrt(2)],   x' = x * sqrt(scale)
+
+    since vec(x x^T) . vec(y y^T) = (x . y)^2. 1 + s + s^2/2 > 0 for every s, so the normaliser
+    stays positive. feature_dim = 1 + d + d^2 (4,161 for d = 64: a large state).
+    """
+
+    @property
+    def feature_dim(self) -> int:
+        d = self.spec.head_dim
+        return 1 + d + d * d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * self.spec.scale**0.5
+        second = (x[..., :, None] * x[..., None, :]).flatten(-2) / math.sqrt(2)
+        return torch.cat([torch.ones_like(x[..., :1]), x, second], dim=-1)
+
+
+class HedgehogFeatureMap(FeatureMap):
+    """Hedgehog (Zhang et al. 2024): phi(x) = [softmax(x W), softmax(-x W)], softmax over features.
+
+    ``W`` ``[H_kv, d, feature_dim / 2]`` is an ``nn.Parameter`` (trained by attention transfer,
+    math.md §6), initialised to the identity (padded with zeros or cut when feature_dim != 2d).
+    Features are positive and each half sums to 1, so the normaliser never vanishes.
+    """
+
+    def __init__(self, spec: CellSpec, feature_dim: int | None = None):
+        super().__init__(spec)
+        d = spec.head_dim
+        self._feature_dim = _check_feature_dim("feature_dim", 2 * d if feature_dim is None else feature_dim, even=True)
+        eye = torch.eye(d, self._feature_dim // 2)
+        self.weight = nn.Parameter(eye.expand(spec.num_kv_heads, -1, -1).clone())
+
+    @property
+    def feature_dim(self) -> int:
+        return self._feature_dim
+
+    def options(self) -> dict[str, Any]:
+        return {"feature_dim": self._feature_dim}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = _per_head(x, self.weight)
+        return torch.cat([torch.softmax(u, dim=-1), torch.softmax(-u, dim=-1)], dim=-1)
+
+
+class T2RFeatureMap(FeatureMap):
+    """T2R (Kasai et al. 2021): phi(x) = relu(x W + b), trained with the model.
+
+    ``W`` ``[H_kv, d, feature_dim]`` and ``b`` ``[H_kv, feature_dim]`` are ``nn.Parameter``s,
+    initialised to W = I (padded or cut when feature_dim != d), b = 0: at init phi = relu.
+    """
+
+    def __init__(self, spec: CellSpec, feature_dim: int | None = None):
+        super().__init__(spec)
+        d = spec.head_dim
+        self._feature_dim = _check_feature_dim("feature_dim", d if feature_dim is None else feature_dim)
+        self.weight = nn.Parameter(torch.eye(d, self._feature_dim).expand(spec.num_kv_heads, -1, -1).clone())
+        self.bias = nn.Parameter(torch.zeros(spec.num_kv_heads, self._feature_dim))
+
+    @property
+    def feature_dim(self) -> int:
+        return self._feature_dim
+
+    def options(self) -> dict[str, Any]:
+        return {"feature_dim": self._feature_dim}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = _per_head(x, self.weight)
+        bias = self.bias.to(x.dtype).reshape(self.bias.shape[0], *[1] * (x.dim() - 3), self.bias.shape[1])
+        return F.relu(u + bias)
+
+
+FEATURE_MAPS: dict[str, type[FeatureMap]] = {
+    "elu": EluFeatureMap,
+    "relu": ReluFeatureMap,
+    "identity": IdentityFeatureMap,
+    "performer": PerformerFeatureMap,
+    "taylor": TaylorFeatureMap,
+    "hedgehog": HedgehogFeatureMap,
+    "t2r": T2RFeatureMap,
+}
 
 
 def build_feature_map(name: str, spec: CellSpec, **options: Any) -> FeatureMap:
     """The feature map ``name`` for an attention site of shape ``spec``."""
     if name not in FEATURE_MAPS:
         raise ValueError(f"unknown feature map {name!r}; choose from {sorted(FEATURE_MAPS)}")
-    return FEATURE_MAPS[name](spec, **options)
+    cls = FEATURE_MAPS[name]
+    accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "spec")]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        takes = f"it takes {', '.join(accepted)}" if accepted else "it takes no options"
+        raise ValueError(f"feature map {name!r} has no option(s) {', '.join(unknown)}; {takes}")
+    return cls(spec, **options)
 
+
+# --------------------------------------------------------------------------- forms
 
 def _normalise(num: torch.Tensor, den: torch.Tensor, eps: float) -> torch.Tensor:
     return num / (den[..., None] + eps)
@@ -68,8 +267,11 @@ def naive_recurrent_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -
     outs = []
     for t in range(phi_k.shape[2]):
         kv = kv + phi_k[:, :, t, :, None] * v[:, :, t, None, :]
-        k_sum = k_sum + phi_k[:, :, t]
         q_t = phi_q[:, :, :, t]  # [B, Hkv, G, F]
+        if k_sum is None:
+            outs.append(q_t @ kv)
+            continue
+        k_sum = k_sum + phi_k[:, :, t]
         outs.append(_normalise(q_t @ kv, (q_t * k_sum[:, :, None]).sum(-1), eps))
     return torch.stack(outs, dim=3), kv, k_sum
 
@@ -79,8 +281,10 @@ def parallel_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms
     causal = torch.ones(length, length, dtype=torch.bool, device=v.device).tril()
     scores = torch.einsum("bhgtf,bhsf->bhgts", phi_q, phi_k).masked_fill(~causal, 0.0)
     num = scores @ v[:, :, None] + phi_q @ kv[:, :, None]
-    den = scores.sum(-1) + (phi_q * k_sum[:, :, None, None]).sum(-1)
     kv = kv + phi_k.transpose(-1, -2) @ v
+    if k_sum is None:
+        return num, kv, None
+    den = scores.sum(-1) + (phi_q * k_sum[:, :, None, None]).sum(-1)
     return _normalise(num, den, eps), kv, k_sum + phi_k.sum(2)
 
 
@@ -96,45 +300,82 @@ def chunk_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6, chunk_size:
 
 
 def step_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
-    kv = kv + phi_k.transpose(-1, -2) @ v  # T == 1: the outer product phi(k)^T v
-    k_sum = k_sum + phi_k[:, :, 0]
+    kv = kv + phi_k[:, :, 0, :, None] * v[:, :, 0, None, :]  # T == 1: the outer product phi(k)^T v
     num = phi_q @ kv[:, :, None]
+    if k_sum is None:
+        return num, kv, None
+    k_sum = k_sum + phi_k[:, :, 0]
     den = (phi_q * k_sum[:, :, None, None]).sum(-1)
     return _normalise(num, den, eps), kv, k_sum
 
 
+# --------------------------------------------------------------------------- the cell
+
 class LinearCell(Cell):
-    """Training-free linear attention with a fixed feature map and normaliser."""
+    """Linear attention with a feature map (fixed or trainable), normalised or not.
+
+    State: ``(kv [B, H_kv, F, Dv], k_sum [B, H_kv, F])`` with the normaliser, ``(kv,)`` without
+    (``normalize=False``); F = ``phi.feature_dim``, fp32.
+    """
 
     target = "linear"
     state_names = ("kv", "k_sum")
 
-    def __init__(self, spec: CellSpec, feature_map: str = "elu", chunk_size: int = 64, eps: float = 1e-6):
+    def __init__(
+        self,
+        spec: CellSpec,
+        feature_map: str = "elu",
+        chunk_size: int = 64,
+        eps: float = 1e-6,
+        feature_options: dict[str, Any] | None = None,
+        normalize: bool = True,
+    ):
         super().__init__(spec)
-        self.phi = build_feature_map(feature_map, spec)
-        self.feature_map, self.chunk_size, self.eps = feature_map, chunk_size, eps
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+            raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+        if feature_options is not None and not isinstance(feature_options, dict):
+            raise ValueError(f"feature_options must be a dict of feature map options, got {feature_options!r}")
+        if not isinstance(normalize, bool):
+            raise ValueError(f"normalize must be true or false, got {normalize!r}")
+        if feature_map == "identity" and normalize:
+            raise ValueError("feature_map 'identity' needs normalize=False: phi(q) . z can be zero or negative")
+        self.phi = build_feature_map(feature_map, spec, **(feature_options or {}))
+        self.feature_map, self.chunk_size, self.eps, self.normalize = feature_map, chunk_size, float(eps), normalize
+        self.state_names = ("kv", "k_sum") if normalize else ("kv",)
 
     def options(self) -> dict[str, Any]:
-        return {"feature_map": self.feature_map, "chunk_size": self.chunk_size, "eps": self.eps}
+        return {
+            "feature_map": self.feature_map,
+            "chunk_size": self.chunk_size,
+            "eps": self.eps,
+            "feature_options": self.phi.options(),
+            "normalize": self.normalize,
+        }
 
     def init_state(self, batch_size, device, dtype):
         spec, f = self.spec, self.phi.feature_dim
-        return (
-            torch.zeros(batch_size, spec.num_kv_heads, f, spec.value_dim, device=device, dtype=torch.float32),
-            torch.zeros(batch_size, spec.num_kv_heads, f, device=device, dtype=torch.float32),
-        )
+        kv = torch.zeros(batch_size, spec.num_kv_heads, f, spec.value_dim, device=device, dtype=torch.float32)
+        if not self.normalize:
+            return (kv,)
+        return kv, torch.zeros(batch_size, spec.num_kv_heads, f, device=device, dtype=torch.float32)
 
     def features(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """phi(q) grouped per kv head ``[B, H_kv, G, T, F]``, and phi(k) with padding keys zeroed, in fp32."""
         batch, _, length, _ = q.shape
         grouped = q.float().reshape(batch, self.spec.num_kv_heads, self.spec.group_size, length, -1)
-        return self.phi(grouped), self.phi(k.float()) * mask[:, None, :, None].to(torch.float32)
+        phi_q = self.phi.normalised_query(grouped) if self.normalize else self.phi(grouped)
+        phi_k = torch.where(mask[:, None, :, None].to(torch.bool), self.phi(k.float()), 0.0)
+        return phi_q, phi_k
 
-    def forward(self, q, k, v, mask, kv, k_sum):
+    def forward(self, q, k, v, mask, *state):
+        kv, k_sum = state if self.normalize else (state[0], None)
         phi_q, phi_k = self.features(q, k, mask)
-        v = v.float()
+        v = torch.where(mask[:, None, :, None].to(torch.bool), v.float(), 0.0)
         if q.shape[2] == 1:
             out, kv, k_sum = step_linear_attn(phi_q, phi_k, v, kv, k_sum, self.eps)
         else:
             out, kv, k_sum = chunk_linear_attn(phi_q, phi_k, v, kv, k_sum, self.eps, self.chunk_size)
-        return out.reshape(q.shape[0], self.spec.num_heads, q.shape[2], -1).to(q.dtype), kv, k_sum
+        out = out.reshape(q.shape[0], self.spec.num_heads, q.shape[2], -1).to(q.dtype)
+        return (out, kv, k_sum) if self.normalize else (out, kv)

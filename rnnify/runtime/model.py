@@ -204,6 +204,29 @@ class RecurrentModel(nn.Module):
             streamer.end()
         return torch.cat(tokens, dim=1)
 
+    @torch.no_grad()
+    def calibrate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> "RecurrentModel":
+        """Initialise cells that learn from data (``cell.calibrate(q, mask)``, e.g. Aaren's query).
+
+        One prefill over ``input_ids``; each such cell calibrates on the q it receives just before
+        it runs, so later layers see the outputs of already calibrated earlier layers.
+        """
+        def hook(cell, args, kwargs):
+            q, _, _, mask = args[:4]
+            cell.calibrate(q, mask)
+
+        handles = [
+            cell.register_forward_pre_hook(hook, with_kwargs=True) for cell in self.cells if hasattr(cell, "calibrate")
+        ]
+        if not handles:
+            raise RnnifyError(f"no cell of this model learns from calibration data (targets: {self.target})")
+        try:
+            self.prefill(input_ids, attention_mask=attention_mask)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return self
+
     # -- saving -----------------------------------------------------------------------------
 
     def save(self, path: str | Path) -> Path:

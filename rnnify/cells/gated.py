@@ -1,0 +1,280 @@
+"""Gated (decayed) linear attention: RetNet, GLA and GateLoop (math.md §3).
+
+Linear attention (``linear.py``) whose state forgets: a gate a_t in (0, 1] decays the state
+before each new token is added, per kv head:
+
+    S_t = diag(a_t) S_{t-1} + phi(k_t)^T v_t        [F, Dv]
+    z_t = diag(a_t) z_{t-1} + phi(k_t)              [F]      (normalize=True, the default)
+    o_t = phi(q_t) S_t / (phi(q_t) . z_t + eps)              (normalize=False: o_t = phi(q_t) S_t)
+
+a_t is one scalar per kv head (RetNet, GateLoop) or a vector over the F features (GLA). The
+trained gates read x_t, the attention layer's input [B, T, C]:
+
+    retnet    a_t = gamma_h = 1 - 2^(-5-h), fixed for kv head h        (Sun et al. 2023)
+    gla       log a_t = logsigmoid(x_t W_down W_up + b) / tau          (Yang et al. 2023)
+              W_down [C, r], W_up [r, H_kv * F], tau = 16
+    gateloop  log a_t = logsigmoid(x_t W + b) / tau, W [C, H_kv]       (Katsch 2023), tau = 1
+
+Unrolled from a state S_0 (the same for z), with cumulative log gates G_i = sum_{t<=i} log a_t:
+
+    o_i ~ phi(q_i) [ exp(G_i) S_0 + sum_{j<=i} exp(G_i - G_j) phi(k_j)^T v_j ]
+
+(elementwise over the F features for GLA). Gates are kept in log space (log a <= 0). The decay
+from token j to token i is exp(L_ij), L_ij = log a_{j+1} + ... + log a_i = G_i - G_j, summed
+directly over the segment (a difference of two large cumulative sums loses a short segment's
+digits) and set to -inf above the diagonal *before* exp: every exponent is <= 0, so nothing
+overflows at any length. GateLoop's factorisation
+((Q * A)(K / A)^T * M) V is the same sum, but dividing by a cumulative product A_j that underflows
+to 0 gives inf (fla#215); it is never computed that way here.
+
+Forms, all computing the same thing (tests hold them to ``naive_recurrent_gated_attn``):
+``naive_recurrent_*`` (a plain loop, the ground truth), ``parallel_*`` (masked quadratic),
+``chunk_*`` (fla's naive_chunk: quadratic with relative decays inside chunks of C tokens, the
+state carried between chunks with the chunk's total decay exp(G_C); the prefill path) and
+``step_*`` (one token; the decode path). Shapes: phi_q ``[B, Hkv, G, T, F]`` (G query heads per kv
+head), phi_k ``[B, Hkv, T, F]``, v ``[B, Hkv, T, Dv]``, log_a ``[B, Hkv, T, 1]`` (scalar gate) or
+``[B, Hkv, T, F]`` (vector gate), state ``kv [B, Hkv, F, Dv]`` and ``k_sum [B, Hkv, F]`` (None
+without the normaliser) in fp32.
+
+Padding tokens have phi(k) = 0 *and* log a = 0, so they leave the state exactly as it was.
+
+Initialisation of the trainable gates (gla, gateloop): the last projection (W_up, W) is zero and
+the bias is logit(decay_init^tau), so every gate starts at a = decay_init whatever the input.
+The default 0.99 (log a = -0.01, a memory half-life of ~69 tokens, about RetNet's gamma for h = 2)
+trades the two uses: closer to 1 is closer to plain linear attention when used training-free,
+but the gate then sits deep in the sigmoid's tail and trains slowly (d log a / d bias =
+(1 - a^tau) / tau: ~9e-3 at 0.99, ~1e-3 at 0.999); set decay_init to choose. W_down is random
+(nn.Linear's default), so W_up gets a gradient from the first step and W_down from the second on.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rnnify.cells.base import Cell, CellSpec
+from rnnify.cells.linear import build_feature_map
+
+Forms = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+GATES = ("retnet", "gla", "gateloop")
+GATE_OPTIONS = {"retnet": (), "gla": ("gate_rank", "tau", "decay_init"), "gateloop": ("tau", "decay_init")}
+
+
+def _normalise(num: torch.Tensor, den: torch.Tensor, eps: float) -> torch.Tensor:
+    return num / (den[..., None] + eps)
+
+
+def naive_recurrent_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum=None, eps: float = 1e-6) -> Forms:
+    outs = []
+    for t in range(phi_k.shape[2]):
+        a = log_a[:, :, t].exp()  # [B, Hkv, F] or [B, Hkv, 1]
+        kv = a[..., None] * kv + phi_k[:, :, t, :, None] * v[:, :, t, None, :]
+        q_t = phi_q[:, :, :, t]  # [B, Hkv, G, F]
+        if k_sum is None:
+            outs.append(q_t @ kv)
+            continue
+        k_sum = a * k_sum + phi_k[:, :, t]
+        outs.append(_normalise(q_t @ kv, (q_t * k_sum[:, :, None]).sum(-1), eps))
+    return torch.stack(outs, dim=3), kv, k_sum
+
+
+def _relative_decays(log_a: torch.Tensor) -> torch.Tensor:
+    """D[.., f, i, j] = exp(log a_{j+1} + ... + log a_i) = exp(G_i - G_j), the decay from token j to
+    token i, for j <= i, and 0 above the diagonal: ``[B, Hkv, F|1, T, T]``.
+
+    Each segment is summed directly (Mamba2's ``segsum``), not taken as G_i - G_j: that difference
+    of two large cumulative sums loses the digits of a short segment once |G| is large. Entries
+    above the diagonal are set to -inf before exp, so no exponent is ever positive.
+    """
+    length = log_a.shape[2]
+    ones = torch.ones(length, length, dtype=torch.bool, device=log_a.device)
+    terms = log_a.transpose(-1, -2)[..., None, :].expand(-1, -1, -1, length, -1)  # [.., f, j, k] = log a_k
+    sums = terms.masked_fill(~ones.triu(1), 0.0).cumsum(-1)  # [.., f, j, i] = sum over j < k <= i
+    return sums.masked_fill(~ones.triu(), float("-inf")).exp().transpose(-1, -2)
+
+
+def parallel_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum=None, eps: float = 1e-6) -> Forms:
+    decay = _relative_decays(log_a)  # [B, Hkv, F|1, i, j]
+    if log_a.shape[-1] == 1:  # scalar gate: decay the plain scores (decay's size-1 axis spans the G query heads)
+        scores = (phi_q @ phi_k[:, :, None].transpose(-1, -2)) * decay
+    else:  # vector gate: the decay sits inside the feature sum
+        scores = torch.einsum("bhgif,bhfij->bhgij", phi_q, decay * phi_k.transpose(-1, -2)[:, :, :, None])
+    G = log_a.cumsum(2)  # [B, Hkv, T, F|1]: G_i = log a_1 + ... + log a_i
+    q_from_start = phi_q * G[:, :, None].exp()  # phi(q_i) exp(G_i): what reaches token i from the initial state
+    num = scores @ v[:, :, None] + q_from_start @ kv[:, :, None]
+    total = G[:, :, -1:]  # [B, Hkv, 1, F|1]: the decay over the whole block
+    k_to_end = phi_k * decay[:, :, :, -1].transpose(-1, -2)  # phi(k_j) exp(G_T - G_j)
+    new_kv = total.transpose(-1, -2).exp() * kv + k_to_end.transpose(-1, -2) @ v
+    if k_sum is None:
+        return num, new_kv, None
+    den = scores.sum(-1) + (q_from_start * k_sum[:, :, None, None]).sum(-1)
+    return _normalise(num, den, eps), new_kv, total[:, :, 0].exp() * k_sum + k_to_end.sum(2)
+
+
+def chunk_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum=None, eps: float = 1e-6, chunk_size: int = 64) -> Forms:
+    outs = []
+    for start in range(0, phi_k.shape[2], chunk_size):
+        end = start + chunk_size
+        out, kv, k_sum = parallel_gated_attn(
+            phi_q[:, :, :, start:end], phi_k[:, :, start:end], v[:, :, start:end], log_a[:, :, start:end], kv, k_sum, eps
+        )
+        outs.append(out)
+    return torch.cat(outs, dim=3), kv, k_sum
+
+
+def step_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum=None, eps: float = 1e-6) -> Forms:
+    a = log_a[:, :, 0].exp()  # T == 1; [B, Hkv, F|1]
+    kv = a[..., None] * kv + phi_k.transpose(-1, -2) @ v  # the outer product phi(k)^T v
+    num = phi_q @ kv[:, :, None]
+    if k_sum is None:
+        return num, kv, None
+    k_sum = a * k_sum + phi_k[:, :, 0]
+    return _normalise(num, (phi_q * k_sum[:, :, None, None]).sum(-1), eps), kv, k_sum
+
+
+def retnet_log_gammas(num_kv_heads: int) -> torch.Tensor:
+    """log(1 - 2^(-5-h)) for h = 0 .. H_kv-1, in float64 (1 - 2^-30 is not an fp32 number; its log is)."""
+    return torch.log1p(-torch.pow(2.0, -5.0 - torch.arange(num_kv_heads, dtype=torch.float64)))
+
+
+def _gate_bias(decay_init: float, tau: float) -> float:
+    """b with logsigmoid(b) / tau = log(decay_init): logit(decay_init ** tau)."""
+    p = math.exp(tau * math.log(decay_init))
+    return math.log(p) - math.log1p(-p)
+
+
+class GatedCell(Cell):
+    """Decayed linear attention with a fixed (retnet) or trained, input-dependent (gla, gateloop) gate."""
+
+    target = "gated"
+    state_names = ("kv", "k_sum")  # ("kv",) with normalize=False
+    needs_input = True  # gla and gateloop read the layer input x; a retnet cell sets this False
+
+    def __init__(
+        self,
+        spec: CellSpec,
+        gate: str = "retnet",
+        feature_map: str = "elu",
+        feature_options: dict[str, Any] | None = None,
+        normalize: bool = True,
+        chunk_size: int = 64,
+        eps: float = 1e-6,
+        gate_rank: int | None = None,
+        tau: float | None = None,
+        decay_init: float | None = None,
+    ):
+        super().__init__(spec)
+        if gate not in GATES:
+            raise ValueError(f"unknown gate {gate!r}; choose from {list(GATES)}")
+        if not isinstance(normalize, bool):
+            raise ValueError(f"normalize must be true or false, got {normalize!r}")
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+            raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+        if feature_options is not None and not isinstance(feature_options, dict):
+            raise ValueError(f"feature_options must be a dict of feature map options, got {feature_options!r}")
+        for name, value in {"gate_rank": gate_rank, "tau": tau, "decay_init": decay_init}.items():
+            if value is not None and name not in GATE_OPTIONS[gate]:
+                users = " and ".join(repr(g) for g, names in GATE_OPTIONS.items() if name in names)
+                raise ValueError(f"option {name!r} does not apply to gate {gate!r}, only to {users}")
+        if feature_map == "identity" and normalize:
+            raise ValueError("feature_map 'identity' needs normalize=False: phi(q) . z can be zero or negative")
+        self.gate, self.feature_map = gate, feature_map
+        self.normalize, self.chunk_size, self.eps = normalize, chunk_size, float(eps)
+        self.phi = build_feature_map(feature_map, spec, **(feature_options or {}))
+        self.state_names = ("kv", "k_sum") if normalize else ("kv",)
+        self.needs_input = gate != "retnet"
+        num_kv_heads, features = spec.num_kv_heads, self.phi.feature_dim
+
+        if gate == "retnet":
+            self.register_buffer("log_gamma", retnet_log_gammas(num_kv_heads).float(), persistent=False)
+            return
+        if spec.hidden_size is None:
+            raise ValueError(f"gate {gate!r} reads the layer input, but its width (spec.hidden_size) is unknown")
+        self.tau = float(16.0 if tau is None and gate == "gla" else 1.0 if tau is None else tau)
+        self.decay_init = float(0.99 if decay_init is None else decay_init)
+        if not self.tau > 0:
+            raise ValueError(f"tau must be > 0, got {tau!r}")
+        if not 0 < self.decay_init < 1:
+            raise ValueError(f"decay_init must be strictly between 0 and 1, got {decay_init!r}")
+        bias = _gate_bias(self.decay_init, self.tau)
+        if gate == "gla":
+            self.gate_rank = 16 if gate_rank is None else gate_rank
+            if isinstance(self.gate_rank, bool) or not isinstance(self.gate_rank, int) or self.gate_rank < 1:
+                raise ValueError(f"gate_rank must be a positive integer, got {gate_rank!r}")
+            self.gate_down = nn.Linear(spec.hidden_size, self.gate_rank, bias=False)
+            self.gate_up = nn.Linear(self.gate_rank, num_kv_heads * features)
+            nn.init.zeros_(self.gate_up.weight)
+            nn.init.constant_(self.gate_up.bias, bias)
+        else:
+            self.gate_proj = nn.Linear(spec.hidden_size, num_kv_heads)
+            nn.init.zeros_(self.gate_proj.weight)
+            nn.init.constant_(self.gate_proj.bias, bias)
+
+    def options(self) -> dict[str, Any]:
+        options = {
+            "gate": self.gate,
+            "feature_map": self.feature_map,
+            "feature_options": self.phi.options(),
+            "normalize": self.normalize,
+            "chunk_size": self.chunk_size,
+            "eps": self.eps,
+        }
+        if self.gate == "gla":
+            options["gate_rank"] = self.gate_rank
+        if self.gate != "retnet":
+            options.update(tau=self.tau, decay_init=self.decay_init)
+        return options
+
+    def init_state(self, batch_size, device, dtype):
+        spec, f = self.spec, self.phi.feature_dim
+        kv = torch.zeros(batch_size, spec.num_kv_heads, f, spec.value_dim, device=device, dtype=torch.float32)
+        if not self.normalize:
+            return (kv,)
+        return kv, torch.zeros(batch_size, spec.num_kv_heads, f, device=device, dtype=torch.float32)
+
+    def features(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """phi(q) grouped per kv head ``[B, H_kv, G, T, F]`` (the map's ``normalised_query`` when the
+        normaliser cancels a positive factor per query), and phi(k) with padding keys zeroed, in fp32."""
+        batch, _, length, _ = q.shape
+        grouped = q.float().reshape(batch, self.spec.num_kv_heads, self.spec.group_size, length, -1)
+        phi_q = self.phi.normalised_query(grouped) if self.normalize else self.phi(grouped)
+        return phi_q, torch.where(mask[:, None, :, None], self.phi(k.float()), 0.0)
+
+    def log_gates(self, x: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+        """log a_t, ``[B, H_kv, T, 1]`` (retnet, gateloop) or ``[B, H_kv, T, F]`` (gla), 0 at padding."""
+        batch, length = mask.shape
+        num_kv_heads = self.spec.num_kv_heads
+        if self.gate == "retnet":
+            log_a = self.log_gamma.float()[None, :, None, None].expand(batch, num_kv_heads, length, 1)
+        else:
+            if x is None:
+                raise ValueError(f"gate {self.gate!r} needs the layer input: call the cell with x=[B, T, hidden]")
+            x = x.float()
+            if self.gate == "gla":
+                down, up = self.gate_down, self.gate_up
+                logits = F.linear(F.linear(x, down.weight.float()), up.weight.float(), up.bias.float())
+            else:
+                logits = F.linear(x, self.gate_proj.weight.float(), self.gate_proj.bias.float())
+            logits = logits.reshape(batch, length, num_kv_heads, -1).transpose(1, 2)  # [B, H_kv, T, F|1]
+            log_a = F.logsigmoid(logits) / self.tau
+        return torch.where(mask[:, None, :, None], log_a, 0.0)
+
+    def forward(self, q, k, v, mask, *state, x=None):
+        kv, k_sum = state if self.normalize else (state[0], None)
+        mask = mask.to(torch.bool)
+        phi_q, phi_k = self.features(q, k, mask)
+        log_a = self.log_gates(x, mask)
+        v = torch.where(mask[:, None, :, None], v.float(), 0.0)  # padding: phi(k) = 0, a = 1, v = 0
+        if q.shape[2] == 1:
+            out, kv, k_sum = step_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum, self.eps)
+        else:
+            out, kv, k_sum = chunk_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum, self.eps, self.chunk_size)
+        out = out.reshape(q.shape[0], self.spec.num_heads, q.shape[2], -1).to(q.dtype)
+        return (out, kv, k_sum) if self.normalize else (out, kv)

@@ -1,0 +1,219 @@
+"""Sliding-window softmax plus linear attention for older tokens (LoLCATs, Zhang et al. 2024, math.md §6).
+
+Counting only a row's real tokens, query i sees the last W tokens through softmax and every
+older token through linear attention with a feature map phi, in one normalised sum (the
+``linear_window_attention`` of HazyResearch/lolcats, with a true sliding window):
+
+    s_ij = scale * q_i . k_j,      m_i = max_{i-W < j <= i} s_ij,      f_h = sigmoid(theta_h)
+
+          f_h sum_{i-W < j <= i} exp(s_ij - m_i) v_j  +  sum_{j <= i-W} phi(q_i) . phi(k_j) v_j
+    y_i = -------------------------------------------------------------------------------------
+          f_h sum_{i-W < j <= i} exp(s_ij - m_i)      +  sum_{j <= i-W} phi(q_i) . phi(k_j)
+
+theta (``window_logit``, one per query head, initialised to 0) is trainable, as are the weights
+of trainable feature maps (hedgehog, t2r). With W >= the tokens read, y is plain softmax
+attention; beyond that the model needs LoLCATs' attention transfer to be good.
+
+Recurrent form, constant memory per kv head: a ring buffer of the last W keys/values (model
+dtype; token n in slot n mod W, ``length`` real tokens read per row, as in ``cells/window.py``)
+for the softmax part, and the linear-attention state of the tokens that have left the window
+(fp32, math.md §2):
+
+    when token i arrives, token i - W leaves the ring:
+        S += phi(k_{i-W})^T v_{i-W},      z += phi(k_{i-W})
+    y_i = (f_h w_i + phi(q_i) S) / (f_h u_i + phi(q_i) . z)
+
+where (m_i, u_i, w_i) is the softmax recurrence of math.md §1 over the ring (self included). The
+window part is part of every step: decoding keeps the ring, it does not fall back to linear
+attention alone.
+
+Forms (tests hold them to ``naive_recurrent_hybrid_attn``): ``naive_recurrent_*`` (a plain loop
+over tokens, the window part key by key), ``parallel_*`` (masked quadratic over ring + new
+tokens, plus the linear state), ``chunk_*`` (the parallel form over chunks: the prefill path),
+``step_*`` (one token: the decode path). Shapes: q ``[B, Hkv, G, T, d]`` fp32, k/v
+``[B, Hkv, T, d]``, mask ``[B, T]``, state ``keys/values [B, Hkv, W, d]``, ``length [B]``,
+``kv [B, Hkv, F, d_v]``, ``k_sum [B, Hkv, F]`` (fp32); ``factor`` is f ``[Hkv, G]``; ``phi`` maps
+``[B, Hkv, ..., d] -> [B, Hkv, ..., F]``. Every form returns ``(out fp32, *new_state)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from rnnify.cells.base import Cell, CellSpec
+from rnnify.cells.linear import build_feature_map
+from rnnify.cells.window import check_int, ring_index, ring_write, token_index
+
+FeatureMap = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _combine(window_num, window_den, linear_num, linear_den):
+    """(f w + linear numerator) / (f u + linear denominator); rows with nothing to attend to give 0."""
+    num, den = window_num + linear_num, window_den + linear_den
+    return torch.where(den[..., None] > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny)[..., None], 0.0)
+
+
+def naive_recurrent_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, phi: FeatureMap, factor, scale: float):
+    batch, _, _, steps, _ = q.shape
+    window = keys.shape[2]
+    keys, values, length, kv, k_sum = (t.clone() for t in (keys, values, length, kv, k_sum))
+    outs = []
+    for t in range(steps):
+        for b in range(batch):
+            if not mask[b, t]:
+                continue  # padding: the state stays as it was
+            n = int(length[b])
+            slot = n % window
+            if n >= window:  # token n - W leaves the window for the linear state
+                phi_k = phi(keys[b : b + 1, :, slot : slot + 1].float())[0, :, 0]  # [Hkv, F]
+                kv[b] = kv[b] + phi_k[:, :, None] * values[b, :, slot, None, :].float()
+                k_sum[b] = k_sum[b] + phi_k
+            keys[b, :, slot], values[b, :, slot] = k[b, :, t], v[b, :, t]
+            length[b] += 1
+        # window part: the (m, u, w) recurrence over the ring, one key at a time
+        m = q.new_full(q.shape[:3], float("-inf"))  # [B, Hkv, G]
+        u = q.new_zeros(q.shape[:3])
+        w = q.new_zeros((*q.shape[:3], values.shape[-1]))
+        for slot in range(window):
+            s = scale * (q[:, :, :, t] * keys[:, :, None, slot].float()).sum(-1)
+            s = torch.where((slot < length)[:, None, None], s, float("-inf"))
+            m_new = torch.maximum(m, s)
+            m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
+            decay, p = torch.exp(m - m_safe), torch.exp(s - m_safe)
+            u = u * decay + p
+            w = w * decay[..., None] + p[..., None] * values[:, :, None, slot].float()
+            m = m_new
+        # linear part: everything older, from the state
+        phi_q = phi(q[:, :, :, t : t + 1])[:, :, :, 0]  # [B, Hkv, G, F]
+        linear_num = phi_q @ kv
+        linear_den = (phi_q * k_sum[:, :, None]).sum(-1)
+        outs.append(_combine(factor[..., None] * w, factor * u, linear_num, linear_den))
+    return torch.stack(outs, dim=3), keys, values, length, kv, k_sum
+
+
+def parallel_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, phi: FeatureMap, factor, scale: float):
+    window = keys.shape[2]
+    q_index = token_index(length, mask)
+    key_index = torch.cat([ring_index(length, window), q_index], dim=1)  # [B, W + T]
+    all_keys = torch.cat([keys, k.to(keys.dtype)], dim=2).float()
+    all_values = torch.cat([values, v.to(values.dtype)], dim=2).float()
+    i, j = q_index[:, :, None], key_index[:, None, :]
+    seen = (j >= 0) & (j <= i)
+    in_window = (seen & (i - j < window))[:, None, None]  # [B, 1, 1, T, N]
+    older = (seen & (i - j >= window))[:, None, None]  # left the window, not yet in kv/k_sum
+    # window part: exp(s - m) with m the max over the window
+    scores = (scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys)).masked_fill(~in_window, float("-inf"))
+    m = scores.amax(-1, keepdim=True)
+    p = factor[..., None, None] * torch.exp(scores - torch.where(torch.isfinite(m), m, 0.0))
+    # linear part: older tokens of this call, and those already folded into kv/k_sum
+    phi_q, phi_k = phi(q), phi(all_keys)
+    a = torch.where(older, torch.einsum("bhgtf,bhnf->bhgtn", phi_q, phi_k), 0.0)
+    linear_num = a @ all_values[:, :, None] + phi_q @ kv[:, :, None]
+    linear_den = a.sum(-1) + (phi_q * k_sum[:, :, None, None]).sum(-1)
+    out = _combine(p @ all_values[:, :, None], p.sum(-1), linear_num, linear_den)
+    # state: tokens that leave the window in this call join kv/k_sum
+    keys, values, new_length = ring_write(k, v, mask, keys, values, length)
+    leaving = ((key_index >= 0) & (key_index < new_length[:, None] - window))[:, None, :, None]
+    phi_leaving = torch.where(leaving, phi_k, 0.0)
+    kv = kv + phi_leaving.transpose(-1, -2) @ all_values
+    k_sum = k_sum + phi_leaving.sum(2)
+    return out, keys, values, new_length, kv, k_sum
+
+
+def chunk_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, phi, factor, scale: float, chunk_size: int = 64):
+    state, outs = (keys, values, length, kv, k_sum), []
+    for start in range(0, q.shape[3], chunk_size):
+        end = start + chunk_size
+        chunk = (q[:, :, :, start:end], k[:, :, start:end], v[:, :, start:end], mask[:, start:end])
+        out, *state = parallel_hybrid_attn(*chunk, *state, phi, factor, scale)
+        outs.append(out)
+    return torch.cat(outs, dim=3), *state
+
+
+def step_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, phi: FeatureMap, factor, scale: float):
+    window = keys.shape[2]
+    # token i - W, in the slot token i is about to take, leaves the window for kv/k_sum
+    slot = (length % window)[:, None, None, None]
+    leaving = (mask[:, 0] & (length >= window))[:, None, None, None]
+    old_key = keys.gather(2, slot.expand(-1, keys.shape[1], 1, keys.shape[3])).float()
+    old_value = values.gather(2, slot.expand(-1, values.shape[1], 1, values.shape[3])).float()
+    phi_old = torch.where(leaving, phi(old_key), 0.0)  # [B, Hkv, 1, F]
+    kv = kv + phi_old.transpose(-1, -2) @ old_value
+    k_sum = k_sum + phi_old[:, :, 0]
+    keys, values, length = ring_write(k, v, mask, keys, values, length)
+    # window part over the ring (self included), linear part from the state
+    held = (ring_index(length, window) >= 0)[:, None, None, None]  # [B, 1, 1, 1, W]
+    scores = (scale * torch.einsum("bhgtd,bhwd->bhgtw", q, keys.float())).masked_fill(~held, float("-inf"))
+    m = scores.amax(-1, keepdim=True)
+    p = factor[..., None, None] * torch.exp(scores - torch.where(torch.isfinite(m), m, 0.0))
+    phi_q = phi(q)
+    linear_num = phi_q @ kv[:, :, None]
+    linear_den = (phi_q * k_sum[:, :, None, None]).sum(-1)
+    out = _combine(p @ values.float()[:, :, None], p.sum(-1), linear_num, linear_den)
+    return out, keys, values, length, kv, k_sum
+
+
+class HybridCell(Cell):
+    """Softmax over the last W tokens plus linear attention over older ones (LoLCATs), trainable.
+
+    ``feature_map`` is any name in ``rnnify.cells.linear.FEATURE_MAPS``, built with
+    ``feature_options``; ``chunk_size`` is the prefill chunk. Trainable: ``window_logit`` (f_h =
+    sigmoid of it, per query head) and the feature map's own parameters.
+    """
+
+    target = "hybrid"
+    state_names = ("keys", "values", "length", "kv", "k_sum")
+
+    def __init__(
+        self,
+        spec: CellSpec,
+        window: int = 64,
+        feature_map: str = "elu",
+        feature_options: dict[str, Any] | None = None,
+        chunk_size: int = 64,
+    ):
+        super().__init__(spec)
+        if feature_options is not None and not isinstance(feature_options, dict):
+            raise ValueError(f"feature_options must be a dict of feature-map options, got {feature_options!r}")
+        self.window = check_int("window", window, 1)
+        self.chunk_size = check_int("chunk_size", chunk_size, 1)
+        self.feature_map, self.feature_options = feature_map, dict(feature_options or {})
+        self.phi = build_feature_map(feature_map, spec, **self.feature_options)
+        self.window_logit = nn.Parameter(torch.zeros(spec.num_heads))
+
+    def options(self) -> dict[str, Any]:
+        return {
+            "window": self.window,
+            "feature_map": self.feature_map,
+            "feature_options": dict(self.feature_options),
+            "chunk_size": self.chunk_size,
+        }
+
+    def init_state(self, batch_size, device, dtype):
+        spec, features = self.spec, self.phi.feature_dim
+        return (
+            torch.zeros(batch_size, spec.num_kv_heads, self.window, spec.head_dim, device=device, dtype=dtype),
+            torch.zeros(batch_size, spec.num_kv_heads, self.window, spec.value_dim, device=device, dtype=dtype),
+            torch.zeros(batch_size, device=device, dtype=torch.long),
+            torch.zeros(batch_size, spec.num_kv_heads, features, spec.value_dim, device=device, dtype=torch.float32),
+            torch.zeros(batch_size, spec.num_kv_heads, features, device=device, dtype=torch.float32),
+        )
+
+    def mixing_factor(self) -> torch.Tensor:
+        """f_h = sigmoid(theta_h), grouped per kv head ``[Hkv, G]``, fp32."""
+        return torch.sigmoid(self.window_logit.float()).reshape(self.spec.num_kv_heads, self.spec.group_size)
+
+    def forward(self, q, k, v, mask, keys, values, length, kv, k_sum):
+        batch, _, steps, _ = q.shape
+        grouped = q.float().reshape(batch, self.spec.num_kv_heads, self.spec.group_size, steps, -1)
+        state = (keys, values, length, kv, k_sum)
+        args = (self.phi, self.mixing_factor(), self.spec.scale)
+        mask = mask.to(torch.bool)
+        if steps == 1:
+            out, *state = step_hybrid_attn(grouped, k, v, mask, *state, *args)
+        else:
+            out, *state = chunk_hybrid_attn(grouped, k, v, mask, *state, *args, self.chunk_size)
+        return out.reshape(batch, self.spec.num_heads, steps, -1).to(q.dtype), *state

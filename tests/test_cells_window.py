@@ -1,0 +1,830 @@
+"""Sliding-window (+ sinks) and LoLCATs hybrid cells against references written here.
+
+References, float64 loops straight from the equations, counting each row's real tokens only:
+
+- window (math.md §5): query i attends by softmax to A(i) = {j <= i : i - j < W or j < S}.
+- hybrid (math.md §6, LoLCATs): with s_ij = scale q_i.k_j, m_i the max over the window,
+  y_i = (f_h sum_{i-W<j<=i} e^{s_ij-m_i} v_j + sum_{j<=i-W} phi(q_i).phi(k_j) v_j)
+        / (f_h sum_{i-W<j<=i} e^{s_ij-m_i} + sum_{j<=i-W} phi(q_i).phi(k_j)),  phi = elu + 1.
+
+Every form (naive loop, parallel, chunked, step) must equal the naive loop, and the naive loop the
+reference; converted tiny models are checked against the original (Mistral, whose own window the
+`window` cell reproduces exactly) and against themselves (step = prefill, save/load).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
+import rnnify
+from rnnify.cells import CELLS, CellSpec, build_cell, parameters
+from rnnify.cells.hybrid import (
+    HybridCell,
+    chunk_hybrid_attn,
+    naive_recurrent_hybrid_attn,
+    parallel_hybrid_attn,
+    step_hybrid_attn,
+)
+from rnnify.cells.linear import FEATURE_MAPS, build_feature_map
+from rnnify.cells.window import (
+    WindowCell,
+    chunk_window_attn,
+    naive_recurrent_window_attn,
+    parallel_window_attn,
+    step_window_attn,
+)
+from rnnify.errors import RnnifyError
+
+# fp32 computation against float64 on O(1) inputs: 1e-5 relative, the same absolute floor.
+RTOL = ATOL = 1e-5
+# bf16 inputs, fp32 accumulation, the output rounded once to bf16 (relative error <= 2**-9):
+# held to 2**-7 relative/absolute against float64 from the very same bf16 numbers.
+BF16_TOL = 2**-7
+
+HYPOTHESIS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CELL_HYPOTHESIS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CPU = torch.device("cpu")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# --------------------------------------------------------------------------- references
+
+
+def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
+    """Katharopoulos' feature map written out: x + 1 for x > 0, exp(x) otherwise."""
+    x = x.double()
+    return torch.where(x > 0, x + 1, torch.exp(torch.clamp(x, max=0)))
+
+
+def _real_tokens(mask: torch.Tensor, b: int) -> list[int]:
+    return [t for t in range(mask.shape[1]) if bool(mask[b, t])]
+
+
+def _per_query_head(x: torch.Tensor, group: int) -> torch.Tensor:
+    """kv-head tensor [Hkv, ...] -> [H, ...]: query head h reads kv head h // group."""
+    return x.repeat_interleave(group, dim=0)
+
+
+def reference_window_attention(q, k, v, mask, window, sinks, scale):
+    """float64; q [B, H, T, d], k/v [B, Hkv, T, *], mask [B, T]. Padding queries give 0."""
+    q, k, v = q.double(), k.double(), v.double()
+    batch, num_heads, length, _ = q.shape
+    group = num_heads // k.shape[1]
+    out = torch.zeros(batch, num_heads, length, v.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        real = _real_tokens(mask, b)
+        for i, t in enumerate(real):
+            attended = [real[j] for j in range(i + 1) if i - j < window or j < sinks]
+            keys = _per_query_head(k[b][:, attended], group)  # [H, n, d]
+            values = _per_query_head(v[b][:, attended], group)
+            scores = scale * torch.einsum("hnd,hd->hn", keys, q[b, :, t])
+            weights = torch.softmax(scores, dim=-1)
+            out[b, :, t] = torch.einsum("hn,hnd->hd", weights, values)
+    return out
+
+
+def reference_hybrid_attention(q, k, v, mask, window, factor, scale, phi=elu_plus_one):
+    """float64; factor [H] is f_h. Padding queries give 0."""
+    q, k, v, factor = q.double(), k.double(), v.double(), factor.double()
+    batch, num_heads, length, _ = q.shape
+    group = num_heads // k.shape[1]
+    out = torch.zeros(batch, num_heads, length, v.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        real = _real_tokens(mask, b)
+        for i, t in enumerate(real):
+            recent = [real[j] for j in range(max(0, i - window + 1), i + 1)]
+            older = [real[j] for j in range(0, i - window + 1)]
+            keys, values = _per_query_head(k[b][:, recent], group), _per_query_head(v[b][:, recent], group)
+            scores = scale * torch.einsum("hnd,hd->hn", keys, q[b, :, t])
+            e = torch.exp(scores - scores.max(-1, keepdim=True).values)
+            num = factor[:, None] * torch.einsum("hn,hnd->hd", e, values)
+            den = factor * e.sum(-1)
+            if older:
+                old_keys, old_values = _per_query_head(k[b][:, older], group), _per_query_head(v[b][:, older], group)
+                a = torch.einsum("hnf,hf->hn", phi(old_keys), phi(q[b, :, t]))
+                num = num + torch.einsum("hn,hnd->hd", a, old_values)
+                den = den + a.sum(-1)
+            out[b, :, t] = num / den[:, None]
+    return out
+
+
+def reference_linear_state(k, v, mask, window, phi=elu_plus_one):
+    """float64 S = sum phi(k_j)^T v_j and z = sum phi(k_j) over the tokens that left the window."""
+    batch, num_kv_heads = k.shape[:2]
+    S = torch.zeros(batch, num_kv_heads, phi(k[:1, :, :1]).shape[-1], v.shape[-1], dtype=torch.float64)
+    z = torch.zeros(S.shape[:-1], dtype=torch.float64)
+    for b in range(batch):
+        real = _real_tokens(mask, b)
+        for t in real[: max(0, len(real) - window)]:
+            phi_k = phi(k[b, :, t].double())
+            S[b] += phi_k[:, :, None] * v[b, :, t, None, :].double()
+            z[b] += phi_k
+    return S, z
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _spec(num_kv_heads=2, group=2, head_dim=8, value_dim=None, window=None) -> CellSpec:
+    return CellSpec(num_kv_heads * group, num_kv_heads, head_dim, value_dim or head_dim, head_dim**-0.5, window)
+
+
+def _qkv(batch, spec: CellSpec, length, gen, dtype=torch.float32):
+    q = torch.randn(batch, spec.num_heads, length, spec.head_dim, generator=gen).to(dtype)
+    k = torch.randn(batch, spec.num_kv_heads, length, spec.head_dim, generator=gen).to(dtype)
+    v = torch.randn(batch, spec.num_kv_heads, length, spec.value_dim, generator=gen).to(dtype)
+    return q, k, v
+
+
+def _padding_mask(kind: str, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    if kind == "none":
+        return torch.ones(batch, length, dtype=torch.bool)
+    if kind == "left":
+        pads = torch.randint(0, length + 1, (batch,), generator=gen)
+        return torch.arange(length)[None, :] >= pads[:, None]
+    return torch.rand(batch, length, generator=gen) < 0.7
+
+
+def _garbage_buffers(cell, state, gen):
+    """Ring and sink buffers filled with large junk: slots not written yet must never be attended."""
+    buffers = ("keys", "values", "sink_keys", "sink_values")
+    return tuple(
+        100 * torch.randn(t.shape, generator=gen) if name in buffers else t for t, name in zip(state, cell.state_names)
+    )
+
+
+def _grouped(q, spec):
+    batch, _, length, _ = q.shape
+    return q.float().reshape(batch, spec.num_kv_heads, spec.group_size, length, -1)
+
+
+def _step_loop(step, q, k, v, mask, *state, fixed=(), **kwargs):
+    """``step`` token by token; ``fixed`` are positional arguments after the state."""
+    outs = []
+    for t in range(q.shape[3]):
+        one = (q[:, :, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1])
+        out, *state = step(*one, *state, *fixed, **kwargs)
+        outs.append(out)
+    return torch.cat(outs, dim=3), *state
+
+
+def _assert_states_close(got, want, what):
+    for name, a, b in zip(what, got, want):
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+        else:
+            assert torch.equal(a, b), name
+
+
+def _splits(sizes: list[int], length: int) -> list[tuple[int, int]]:
+    """[a, b) bounds of chunks of the given sizes, then single tokens until ``length``."""
+    bounds, start = [], 0
+    for size in sizes + [1] * length:
+        if start >= length:
+            break
+        bounds.append((start, min(length, start + size)))
+        start += size
+    return bounds
+
+
+# --------------------------------------------------------------------------- window: the forms
+
+
+@st.composite
+def window_problems(draw):
+    return dict(
+        batch=draw(st.integers(1, 3)),
+        num_kv_heads=draw(st.integers(1, 3)),
+        group=draw(st.sampled_from([1, 2, 4])),
+        head_dim=draw(st.sampled_from([4, 8, 16])),
+        value_dim=draw(st.sampled_from([4, 8])),
+        window=draw(st.integers(1, 12)),
+        sinks=draw(st.integers(0, 4)),
+        prefix=draw(st.integers(0, 14)),
+        length=draw(st.one_of(st.just(1), st.integers(1, 24))),
+        chunk=draw(st.sampled_from([1, 2, 3, 5, 64])),
+        padding=draw(st.sampled_from(["none", "left", "random"])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def _form_inputs(p, cell):
+    """Inputs of the forms: a prefix read by the naive loop into the state, then ``length`` new tokens."""
+    gen, spec = _gen(p["seed"]), cell.spec
+    total = p["prefix"] + p["length"]
+    q, k, v = _qkv(p["batch"], spec, total, gen)
+    mask = _padding_mask(p["padding"], p["batch"], total, gen)
+    state = _garbage_buffers(cell, cell.init_state(p["batch"], CPU, torch.float32), gen)
+    return q, k, v, mask, state
+
+
+@HYPOTHESIS
+@given(window_problems())
+def test_window_forms_equal_the_naive_loop_and_the_reference(p):
+    spec = _spec(p["num_kv_heads"], p["group"], p["head_dim"], p["value_dim"])
+    cell = WindowCell(spec, window=p["window"], sinks=p["sinks"])
+    q, k, v, mask, state = _form_inputs(p, cell)
+    P, scale = p["prefix"], spec.scale
+    gq = _grouped(q, spec)
+    if P:
+        _, *state = naive_recurrent_window_attn(gq[:, :, :, :P], k[:, :, :P], v[:, :, :P], mask[:, :P], *state, scale)
+    args = (gq[:, :, :, P:], k[:, :, P:], v[:, :, P:], mask[:, P:])
+    before = [t.clone() for t in (*args, *state)]
+
+    want, *want_state = naive_recurrent_window_attn(*args, *state, scale)
+    ref = reference_window_attention(q, k, v, mask, p["window"], p["sinks"], scale)[:, :, P:]
+    real = mask[:, None, P:, None].expand_as(ref)
+    torch.testing.assert_close(want.reshape(ref.shape).double()[real], ref[real], rtol=RTOL, atol=ATOL)
+    real = real.reshape(want.shape)  # the same, grouped per kv head
+
+    forms = {
+        "parallel": lambda: parallel_window_attn(*args, *state, scale),
+        "chunk": lambda: chunk_window_attn(*args, *state, scale, block_size=p["chunk"]),
+        "step_loop": lambda: _step_loop(step_window_attn, *args, *state, scale=scale),
+    }
+    for name, form in forms.items():
+        out, *new_state = form()
+        assert out.shape == want.shape and out.dtype == torch.float32, name
+        assert torch.isfinite(out).all(), name  # padding queries: anything finite
+        torch.testing.assert_close(out[real], want[real], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+        _assert_states_close(new_state, want_state, [f"{name} {n}" for n in WindowCell.state_names])
+    assert all(torch.equal(a, b) for a, b in zip(before, (*args, *state)))  # inputs untouched
+
+
+# --------------------------------------------------------------------------- window: the cell
+
+
+@CELL_HYPOTHESIS
+@given(
+    window=st.integers(1, 12),
+    sinks=st.integers(0, 4),
+    length=st.integers(1, 24),
+    splits=st.lists(st.integers(1, 20), max_size=3),
+    block_size=st.sampled_from([1, 3, 64]),
+    group=st.sampled_from([1, 2, 4]),
+    left_pad=st.integers(0, 6),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_window_cell_chunked_and_stepped_equal_one_shot_and_reference(
+    window, sinks, length, splits, block_size, group, left_pad, seed
+):
+    gen = _gen(seed)
+    cell = WindowCell(_spec(group=group), window=window, sinks=sinks, block_size=block_size)
+    spec, batch = cell.spec, 2
+    q, k, v = _qkv(batch, spec, length, gen)
+    mask = torch.ones(batch, length, dtype=torch.bool)
+    mask[1, :left_pad] = False  # row 1 left-padded (possibly all padding)
+
+    init = cell.init_state(batch, CPU, torch.float32)
+    one_shot, *final = cell(q, k, v, mask, *init)
+    ref = reference_window_attention(q, k, v, mask, window, sinks, spec.scale)
+    real = mask[:, None, :, None].expand_as(ref)
+    torch.testing.assert_close(one_shot.double()[real], ref[real], rtol=RTOL, atol=ATOL)
+    assert torch.isfinite(one_shot).all()
+
+    outs, state = [], init
+    for a, b in _splits(splits, length):
+        out, *state = cell(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], mask[:, a:b], *state)
+        outs.append(out)
+        assert [t.shape for t in state] == [t.shape for t in init]  # constant size
+    torch.testing.assert_close(torch.cat(outs, dim=2), one_shot, rtol=RTOL, atol=ATOL)
+    _assert_states_close(state, final, WindowCell.state_names)
+
+
+def test_window_cell_ring_holds_the_last_window_tokens_and_the_sinks():
+    gen = _gen(1)
+    cell = WindowCell(_spec(), window=5, sinks=2)
+    spec = cell.spec
+    q, k, v = _qkv(2, spec, 30, gen)
+    mask = torch.ones(2, 30, dtype=torch.bool)
+    mask[1, :7] = False
+    state = cell.init_state(2, CPU, torch.float32)
+    for t in range(30):
+        _, *state = cell(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1], *state)
+        keys, values, sink_keys, sink_values, length = state
+        for b in range(2):
+            real = _real_tokens(mask[:, : t + 1], b)
+            assert int(length[b]) == len(real)
+            for n in range(max(0, len(real) - 5), len(real)):  # token n in slot n mod W
+                assert torch.equal(keys[b, :, n % 5], k[b, :, real[n]])
+                assert torch.equal(values[b, :, n % 5], v[b, :, real[n]])
+            for n in range(min(2, len(real))):
+                assert torch.equal(sink_keys[b, :, n], k[b, :, real[n]])
+                assert torch.equal(sink_values[b, :, n], v[b, :, real[n]])
+
+
+def test_window_cell_window_comes_from_the_model_or_the_option():
+    assert WindowCell(_spec(window=16)).window == 16  # the model's own
+    assert WindowCell(_spec(window=16), window=4).window == 4  # the option wins
+    cell = WindowCell(_spec(), window=6, sinks=3, block_size=7)
+    assert cell.options() == {"window": 6, "sinks": 3, "block_size": 7}
+    assert type(cell)(cell.spec, **cell.options()).options() == cell.options()
+    with pytest.raises(ValueError, match="window=N"):
+        WindowCell(_spec())
+    with pytest.raises(RnnifyError, match="'window'.*no sliding window"):
+        build_cell("window", _spec())
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"window": 0}, "window must be an integer >= 1"),
+        ({"window": 2.5}, "window must be"),
+        ({"window": True}, "window must be"),
+        ({"window": 4, "sinks": -1}, "sinks must be an integer >= 0"),
+        ({"window": 4, "block_size": 0}, "block_size must be"),
+        ({"window": 4, "chunk_size": 3}, "chunk_size"),
+    ],
+)
+def test_window_cell_rejects_bad_options(options, message):
+    with pytest.raises(RnnifyError, match=message):
+        build_cell("window", _spec(), options)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"window": 0}, "window must be an integer >= 1"),
+        ({"chunk_size": 0}, "chunk_size must be"),
+        ({"feature_map": "cosine"}, "unknown feature map 'cosine'"),
+        ({"feature_options": [1]}, "feature_options must be a dict"),
+        ({"feature_options": {"bogus": 1}}, "bogus"),
+        ({"sinks": 2}, "sinks"),
+    ],
+)
+def test_hybrid_cell_rejects_bad_options(options, message):
+    with pytest.raises(RnnifyError, match=message):
+        build_cell("hybrid", _spec(), options)
+
+
+def _cells():
+    return [
+        WindowCell(_spec(num_kv_heads=2, group=2, head_dim=4, value_dim=6), window=5, sinks=2),
+        HybridCell(_spec(num_kv_heads=2, group=2, head_dim=4, value_dim=6), window=5),
+    ]
+
+
+@pytest.mark.parametrize("cell", _cells(), ids=lambda c: c.target)
+def test_padding_tokens_do_not_change_the_state(cell):
+    gen = _gen(2)
+    spec = cell.spec
+    q, k, v = _qkv(1, spec, 9, gen)
+    mask = torch.ones(1, 9, dtype=torch.bool)
+    _, *state = cell(q, k, v, mask, *cell.init_state(1, CPU, torch.float32))
+    pq, pk, pv = _qkv(1, spec, 5, gen)
+    padding = torch.zeros(1, 5, dtype=torch.bool)
+    out, *after = cell(pq, pk, pv, padding, *state)  # a prefill of padding only
+    assert torch.isfinite(out).all() and all(torch.equal(a, b) for a, b in zip(after, state))
+    out, *after = cell(pq[:, :, :1], pk[:, :, :1], pv[:, :, :1], padding[:, :1], *state)  # a padding step
+    assert torch.isfinite(out).all() and all(torch.equal(a, b) for a, b in zip(after, state))
+
+    # left padding in front of a sequence: same outputs and final state as without it
+    lq, lk, lv = (torch.cat([p, x], dim=2) for p, x in ((pq, q), (pk, k), (pv, v)))
+    init = cell.init_state(1, CPU, torch.float32)
+    out_padded, *state_padded = cell(lq, lk, lv, torch.cat([padding, mask], dim=1), *init)
+    out_plain, *state_plain = cell(q, k, v, mask, *init)
+    torch.testing.assert_close(out_padded[:, :, 5:], out_plain, rtol=RTOL, atol=ATOL)
+    _assert_states_close(state_padded, state_plain, cell.state_names)
+
+
+@pytest.mark.parametrize("cell", _cells(), ids=lambda c: c.target)
+def test_state_size_is_constant_and_counted(cell):
+    gen, spec = _gen(3), cell.spec
+    shapes, held = set(), set()
+    for length in (1, 7, 16, 100):
+        q, k, v = _qkv(3, spec, length, gen, dtype=torch.bfloat16)
+        _, *state = cell(q, k, v, torch.ones(3, length, dtype=torch.bool), *cell.init_state(3, CPU, torch.bfloat16))
+        shapes.add(tuple(tuple(t.shape) for t in state))
+        held.add(sum(t.numel() * t.element_size() for t in state))
+        assert cell.state_nbytes(length, 3, torch.bfloat16) in held
+    assert len(shapes) == len(held) == 1
+    # per row, in fp32: Hkv = 2, d = 4, d_v = 6, 8 bytes of length
+    if isinstance(cell, WindowCell):  # (W + S) = 7 slots of keys and values
+        assert cell.state_nbytes(10**6) == 2 * 7 * (4 + 6) * 4 + 8
+    else:  # W = 5 slots, and the linear state of elu (F = d = 4)
+        assert cell.state_nbytes(10**6) == 2 * 5 * (4 + 6) * 4 + 2 * (4 * 6 + 4) * 4 + 8
+
+
+@pytest.mark.parametrize("cell", _cells(), ids=lambda c: c.target)
+def test_cells_do_not_mutate_their_inputs(cell):
+    gen, spec = _gen(4), cell.spec
+    q, k, v = _qkv(2, spec, 8, gen)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    _, *state = cell(q, k, v, mask, *cell.init_state(2, CPU, torch.float32))
+    before = [t.clone() for t in (q, k, v, mask, *state)]
+    cell(q[:, :, :3], k[:, :, :3], v[:, :, :3], mask[:, :3], *state)  # a prefill
+    cell(q[:, :, :1], k[:, :, :1], v[:, :, :1], mask[:, :1], *state)  # a step
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v, mask, *state), before))
+
+
+def test_window_cell_bf16_inputs():
+    gen = _gen(5)
+    cell = WindowCell(_spec(), window=6, sinks=2, block_size=4)
+    spec = cell.spec
+    q, k, v = _qkv(2, spec, 30, gen, dtype=torch.bfloat16)
+    mask = torch.ones(2, 30, dtype=torch.bool)
+    init = cell.init_state(2, CPU, torch.bfloat16)
+    assert [t.dtype for t in init] == [torch.bfloat16] * 4 + [torch.long]  # caches in the model dtype
+    out, *state = cell(q[:, :, :10], k[:, :, :10], v[:, :, :10], mask[:, :10], *init)
+    outs = [out]
+    for t in range(10, 30):
+        out, *state = cell(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1], *state)
+        outs.append(out)
+    out = torch.cat(outs, dim=2)
+    assert out.dtype == torch.bfloat16
+    ref = reference_window_attention(q, k, v, mask, 6, 2, spec.scale)
+    torch.testing.assert_close(out.double(), ref, rtol=BF16_TOL, atol=BF16_TOL)
+
+
+# --------------------------------------------------------------------------- hybrid: the forms
+
+
+@st.composite
+def hybrid_problems(draw):
+    problem = draw(window_problems())
+    problem.pop("sinks")
+    return problem
+
+
+def _factor(spec, gen):
+    return torch.sigmoid(2 * torch.randn(spec.num_heads, generator=gen))
+
+
+@HYPOTHESIS
+@given(hybrid_problems())
+def test_hybrid_forms_equal_the_naive_loop_and_the_reference(p):
+    spec = _spec(p["num_kv_heads"], p["group"], p["head_dim"], p["value_dim"])
+    cell = HybridCell(spec, window=p["window"])
+    q, k, v, mask, state = _form_inputs(p, cell)
+    factor = _factor(spec, _gen(p["seed"] + 1))
+    P, scale, phi = p["prefix"], spec.scale, cell.phi
+    fixed = (phi, factor.reshape(spec.num_kv_heads, spec.group_size), scale)
+    gq = _grouped(q, spec)
+    if P:
+        _, *state = naive_recurrent_hybrid_attn(gq[:, :, :, :P], k[:, :, :P], v[:, :, :P], mask[:, :P], *state, *fixed)
+    args = (gq[:, :, :, P:], k[:, :, P:], v[:, :, P:], mask[:, P:])
+    before = [t.clone() for t in (*args, *state)]
+
+    want, *want_state = naive_recurrent_hybrid_attn(*args, *state, *fixed)
+    ref = reference_hybrid_attention(q, k, v, mask, p["window"], factor, scale)[:, :, P:]
+    real = mask[:, None, P:, None].expand_as(ref)
+    torch.testing.assert_close(want.reshape(ref.shape).double()[real], ref[real], rtol=RTOL, atol=ATOL)
+    real = real.reshape(want.shape)  # the same, grouped per kv head
+    ref_kv, ref_z = reference_linear_state(k, v, mask, p["window"])
+    torch.testing.assert_close(want_state[3].double(), ref_kv, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(want_state[4].double(), ref_z, rtol=RTOL, atol=ATOL)
+
+    forms = {
+        "parallel": lambda: parallel_hybrid_attn(*args, *state, *fixed),
+        "chunk": lambda: chunk_hybrid_attn(*args, *state, *fixed, chunk_size=p["chunk"]),
+        "step_loop": lambda: _step_loop(step_hybrid_attn, *args, *state, fixed=fixed),
+    }
+    for name, form in forms.items():
+        out, *new_state = form()
+        assert out.shape == want.shape and out.dtype == torch.float32, name
+        assert torch.isfinite(out).all(), name  # padding queries: anything finite
+        torch.testing.assert_close(out[real], want[real], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+        _assert_states_close(new_state, want_state, [f"{name} {n}" for n in HybridCell.state_names])
+    assert all(torch.equal(a, b) for a, b in zip(before, (*args, *state)))
+
+
+@pytest.mark.parametrize("feature_map", sorted(FEATURE_MAPS))
+def test_hybrid_forms_agree_for_every_feature_map(feature_map):
+    """Whatever phi is (trained, random or fixed), the four forms compute the same thing."""
+    torch.manual_seed(0)  # feature maps with random weights
+    spec = _spec(num_kv_heads=2, group=2, head_dim=4)
+    phi = build_feature_map(feature_map, spec)
+    for seed, window, chunk in ((0, 3, 4), (1, 1, 64)):
+        gen = _gen(seed)
+        q, k, v = _qkv(2, spec, 19, gen)
+        mask = _padding_mask("left", 2, 19, gen)
+        cell = HybridCell(spec, window=window)
+        init = cell.init_state(2, CPU, torch.float32)
+        init = (*init[:3], torch.zeros(2, 2, phi.feature_dim, 4), torch.zeros(2, 2, phi.feature_dim))
+        fixed = (phi, _factor(spec, gen).reshape(2, 2), spec.scale)
+        with torch.no_grad():
+            args = (_grouped(q, spec), k, v, mask, *init)
+            want, *want_state = naive_recurrent_hybrid_attn(*args, *fixed)
+            for name, (out, *state) in {
+                "parallel": parallel_hybrid_attn(*args, *fixed),
+                "chunk": chunk_hybrid_attn(*args, *fixed, chunk_size=chunk),
+                "step_loop": _step_loop(step_hybrid_attn, *args, fixed=fixed),
+            }.items():
+                assert torch.isfinite(out).all(), name
+                torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+                for a, b in zip(state, want_state):
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+# --------------------------------------------------------------------------- hybrid: the cell
+
+
+@CELL_HYPOTHESIS
+@given(
+    window=st.integers(1, 12),
+    length=st.integers(1, 24),
+    splits=st.lists(st.integers(1, 20), max_size=3),
+    chunk_size=st.sampled_from([1, 3, 64]),
+    group=st.sampled_from([1, 2, 4]),
+    left_pad=st.integers(0, 6),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_hybrid_cell_chunked_and_stepped_equal_one_shot_and_reference(
+    window, length, splits, chunk_size, group, left_pad, seed
+):
+    gen = _gen(seed)
+    cell = HybridCell(_spec(group=group), window=window, chunk_size=chunk_size)
+    with torch.no_grad():
+        cell.window_logit.copy_(2 * torch.randn(cell.spec.num_heads, generator=gen))
+    spec, batch = cell.spec, 2
+    q, k, v = _qkv(batch, spec, length, gen)
+    mask = torch.ones(batch, length, dtype=torch.bool)
+    mask[1, :left_pad] = False
+
+    with torch.no_grad():
+        init = cell.init_state(batch, CPU, torch.float32)
+        one_shot, *final = cell(q, k, v, mask, *init)
+        ref = reference_hybrid_attention(q, k, v, mask, window, torch.sigmoid(cell.window_logit), spec.scale)
+        real = mask[:, None, :, None].expand_as(ref)
+        torch.testing.assert_close(one_shot.double()[real], ref[real], rtol=RTOL, atol=ATOL)
+        assert torch.isfinite(one_shot).all()
+
+        outs, state = [], init
+        for a, b in _splits(splits, length):
+            out, *state = cell(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], mask[:, a:b], *state)
+            outs.append(out)
+            assert [t.shape for t in state] == [t.shape for t in init]
+    torch.testing.assert_close(torch.cat(outs, dim=2), one_shot, rtol=RTOL, atol=ATOL)
+    _assert_states_close(state, final, HybridCell.state_names)
+
+
+@pytest.mark.parametrize("window", [30, 31, 100])
+def test_hybrid_with_a_window_covering_everything_is_softmax_attention(window):
+    gen = _gen(6)
+    cell = HybridCell(_spec(num_kv_heads=2, group=2), window=window, chunk_size=7)
+    with torch.no_grad():
+        cell.window_logit.copy_(torch.randn(4, generator=gen))  # f_h cancels out
+        spec = cell.spec
+        q, k, v = _qkv(2, spec, 30, gen)
+        mask = torch.ones(2, 30, dtype=torch.bool)
+        init = cell.init_state(2, CPU, torch.float32)
+        softmax = reference_window_attention(q, k, v, mask, window=10**9, sinks=0, scale=spec.scale)
+        out, *_ = cell(q, k, v, mask, *init)
+        torch.testing.assert_close(out.double(), softmax, rtol=RTOL, atol=ATOL)
+        state, outs = init, []
+        for t in range(30):
+            o, *state = cell(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1], *state)
+            outs.append(o)
+        torch.testing.assert_close(torch.cat(outs, dim=2).double(), softmax, rtol=RTOL, atol=ATOL)
+        assert not state[3].any() and not state[4].any()  # nothing has left the window
+
+
+def test_hybrid_cell_bf16_inputs_keep_an_fp32_linear_state():
+    gen = _gen(7)
+    cell = HybridCell(_spec(), window=4, chunk_size=3)
+    spec = cell.spec
+    q, k, v = _qkv(2, spec, 30, gen, dtype=torch.bfloat16)
+    mask = torch.ones(2, 30, dtype=torch.bool)
+    with torch.no_grad():
+        init = cell.init_state(2, CPU, torch.bfloat16)
+        assert [t.dtype for t in init] == [torch.bfloat16, torch.bfloat16, torch.long, torch.float32, torch.float32]
+        out, *state = cell(q[:, :, :12], k[:, :, :12], v[:, :, :12], mask[:, :12], *init)
+        outs = [out]
+        for t in range(12, 30):
+            out, *state = cell(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1], *state)
+            outs.append(out)
+    out = torch.cat(outs, dim=2)
+    assert out.dtype == torch.bfloat16
+    ref = reference_hybrid_attention(q, k, v, mask, 4, torch.full((spec.num_heads,), 0.5), spec.scale)
+    torch.testing.assert_close(out.double(), ref, rtol=BF16_TOL, atol=BF16_TOL)
+    # the linear state is accumulated in fp32 from exactly representable bf16 inputs
+    ref_kv, ref_z = reference_linear_state(k, v, mask, 4)
+    torch.testing.assert_close(state[3].double(), ref_kv, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(state[4].double(), ref_z, rtol=RTOL, atol=ATOL)
+
+
+def test_hybrid_cell_parameters_train():
+    cell = HybridCell(_spec(), window=3, feature_options={})
+    assert isinstance(cell.window_logit, torch.nn.Parameter) and not cell.window_logit.any()  # theta = 0
+    assert "window_logit" in cell.state_dict()
+    assert cell.options() == {"window": 3, "feature_map": "elu", "feature_options": {}, "chunk_size": 64}
+    assert type(cell)(cell.spec, **cell.options()).options() == cell.options()
+    gen = _gen(8)
+    q, k, v = _qkv(1, cell.spec, 12, gen)
+    mask = torch.ones(1, 12, dtype=torch.bool)
+    out, *_ = cell(q, k, v, mask, *cell.init_state(1, CPU, torch.float32))
+    out.square().sum().backward()
+    assert cell.window_logit.grad is not None and cell.window_logit.grad.abs().sum() > 0
+
+
+@pytest.mark.skipif("hedgehog" not in FEATURE_MAPS, reason="no hedgehog feature map registered")
+def test_hybrid_hedgehog_feature_map_weights_get_gradients():
+    cell = HybridCell(_spec(), window=3, feature_map="hedgehog")
+    trainable = list(cell.parameters())
+    assert len(trainable) > 1  # window_logit and the feature map's weights
+    q, k, v = _qkv(1, cell.spec, 12, _gen(9))
+    out, *_ = cell(q, k, v, torch.ones(1, 12, dtype=torch.bool), *cell.init_state(1, CPU, torch.float32))
+    out.square().sum().backward()
+    assert all(p.grad is not None for p in trainable)
+
+
+# --------------------------------------------------------------------------- long decoding
+
+
+def _long_decode(cell, steps: int):
+    """``steps`` single steps on random fp32 inputs, and the chunked form over the same inputs."""
+    gen, spec = _gen(10), cell.spec
+    q, k, v = _qkv(1, spec, steps, gen)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    outs = torch.empty(1, spec.num_heads, steps, spec.value_dim)
+    start = time.perf_counter()
+    with torch.no_grad():
+        state = cell.init_state(1, CPU, torch.float32)
+        for t in range(steps):
+            one = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask)
+            outs[:, :, t : t + 1], *state = cell(*one, *state)
+        elapsed = time.perf_counter() - start
+        assert torch.isfinite(outs).all() and all(torch.isfinite(t.float()).all() for t in state)
+        init = cell.init_state(1, CPU, torch.float32)
+        chunked, *chunked_state = cell(q, k, v, torch.ones(1, steps, dtype=torch.bool), *init)
+    return (k, v), outs, state, chunked, chunked_state, elapsed
+
+
+STABILITY_CELLS = {
+    "window": lambda: WindowCell(_spec(num_kv_heads=1, group=2, head_dim=8), window=16, sinks=4),
+    "hybrid": lambda: HybridCell(_spec(num_kv_heads=1, group=2, head_dim=8), window=16),
+}
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).abs().max() / want.double().abs().max())
+
+
+def _check_long_decode(target: str, steps: int) -> float:
+    cell = STABILITY_CELLS[target]()
+    (k, v), outs, state, chunked, chunked_state, elapsed = _long_decode(cell, steps)
+    if target == "window":  # both forms read the same stored keys: fp32 tolerance, identical buffers
+        torch.testing.assert_close(outs[:, :, -64:], chunked[:, :, -64:], rtol=RTOL, atol=RTOL)
+        _assert_states_close(state, chunked_state, cell.state_names)
+        return elapsed
+    # The hybrid's linear state sums steps - W outer products, in a different order in each form
+    # (one at a time vs 64 at a time). Entries grow like sqrt(steps) (S) and steps (z), so fp32
+    # rounding is held relative to the largest entry: 1e-5 against a float64 sum for both forms.
+    ref_kv, ref_z = reference_linear_state(k, v, torch.ones(1, steps, dtype=torch.bool), cell.window)
+    for got in (state, chunked_state):
+        assert _relative_error(got[3], ref_kv) < 1e-5 and _relative_error(got[4], ref_z) < 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(state[:3], chunked_state[:3]))  # ring and length
+    # outputs are normalised: the state's rounding shows at ~1e-6, held to 1e-4
+    torch.testing.assert_close(outs[:, :, -64:], chunked[:, :, -64:], rtol=1e-4, atol=1e-4)
+    return elapsed
+
+
+@pytest.mark.parametrize("target", list(STABILITY_CELLS))
+def test_2000_steps_are_stable(target):
+    _check_long_decode(target, 2_000)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", list(STABILITY_CELLS))
+def test_100000_steps_are_stable(target):
+    elapsed = _check_long_decode(target, 100_000)
+    print(f"{target}: 100,000 steps in {elapsed:.1f} s")
+
+
+# --------------------------------------------------------------------------- converted models
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+VARIANTS = {
+    "window": ("window", {"window": 8, "sinks": 2}),
+    "hybrid": ("hybrid", {"window": 8}),
+}
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_model_dir):
+    cache = {}
+
+    def get(arch: str, target: str, **options):
+        key = (arch, target, tuple(sorted(options.items())))
+        if key not in cache:
+            cache[key] = rnnify.convert(tiny_model_dir(arch), to=target, **options)
+        return cache[key]
+
+    return get
+
+
+def decode(model, ids, prefill_length):
+    """Logits of prefill(ids[:, :n]) followed by one step per remaining token."""
+    logits, state = model.prefill(ids[:, :prefill_length])
+    outs = [logits]
+    for t in range(prefill_length, ids.shape[1]):
+        logits, state = model.step(ids[:, t : t + 1], state)
+        outs.append(logits)
+    return torch.cat(outs, dim=1), state
+
+
+def test_window_equals_mistral_with_its_own_sliding_window(tiny_model_dir, converted):
+    """Mistral (sliding_window=16), 80 tokens, batch 2: the original's full forward, eager attention."""
+    path = tiny_model_dir("mistral")
+    model = converted("mistral", "window")
+    assert all(cell.window == 16 and cell.sinks == 0 for cell in model.cells)
+    ids = torch.randint(0, model.manifest.vocab_size, (2, 80), generator=_gen(11))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()(input_ids=ids).logits
+    one_shot, state = model.prefill(ids)
+    assert rel_diff(one_shot, expected) < 1e-4
+    stepped, stepped_state = decode(model, ids, 8)
+    assert rel_diff(stepped, expected) < 1e-4
+    assert torch.equal(stepped.argmax(-1), expected.argmax(-1))
+    assert state.nbytes == stepped_state.nbytes == model.prefill(ids[:, :20])[1].nbytes == model.state_nbytes(80, 2)
+
+
+def test_hybrid_with_a_window_over_the_whole_context_equals_the_original(tiny_model_dir, converted):
+    path = tiny_model_dir("llama")
+    model = converted("llama", "hybrid", window=64)
+    ids = torch.randint(0, model.manifest.vocab_size, (2, 48), generator=_gen(12))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()(input_ids=ids).logits
+    stepped, _ = decode(model, ids, 16)
+    assert rel_diff(stepped, expected) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_converted_step_equals_prefill_and_prefill_continues(arch, variant, converted):
+    target, options = VARIANTS[variant]
+    model = converted(arch, target, **options)
+    ids = torch.randint(0, model.manifest.vocab_size, (2, 40), generator=_gen(13))
+    full, full_state = model.prefill(ids)
+    assert torch.isfinite(full).all()
+    stepped, stepped_state = decode(model, ids, 1)
+    assert rel_diff(stepped, full) < 1e-4
+    first, state = model.prefill(ids[:, :23])
+    second, state = model.prefill(ids[:, 23:], state)
+    assert rel_diff(torch.cat([first, second], 1), full) < 1e-4
+    for a, b in zip(state.tensors, full_state.tensors):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_converted_state_is_constant_and_saves(arch, variant, converted, tmp_path):
+    target, options = VARIANTS[variant]
+    model = converted(arch, target, **options)
+    ids = torch.randint(0, model.manifest.vocab_size, (1, 100), generator=_gen(14))
+    _, short = model.prefill(ids[:, :16])
+    logits, long = model.prefill(ids)
+    assert short.nbytes == long.nbytes == model.state_nbytes(16) == model.state_nbytes(100)
+    model.save(tmp_path / "m")
+    loaded = rnnify.load(tmp_path / "m")
+    assert [c.options() for c in loaded.cells] == [c.options() for c in model.cells]
+    assert torch.equal(loaded.prefill(ids)[0], logits)
+    if target == "hybrid":
+        assert {n for n, _ in loaded.named_parameters() if "window_logit" in n}
+        assert len(list(parameters(loaded))) == len(list(parameters(model))) >= len(model.cells)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_converted_left_padded_rows_equal_rows_alone(arch, variant, converted):
+    target, options = VARIANTS[variant]
+    model = converted(arch, target, **options)
+    gen = _gen(15)
+    rows = [torch.randint(1, model.manifest.vocab_size, (n,), generator=gen) for n in (14, 9, 3)]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+    logits, state = model.prefill(ids, attention_mask=mask)
+    next_ids = torch.randint(1, model.manifest.vocab_size, (len(rows), 4), generator=gen)
+    outs = []
+    for t in range(next_ids.shape[1]):
+        out, state = model.step(next_ids[:, t : t + 1], state)
+        outs.append(out)
+    stepped = torch.cat(outs, 1)
+    for i, row in enumerate(rows):
+        alone, alone_state = model.prefill(row[None])
+        assert rel_diff(logits[i, width - len(row) :], alone[0]) < 1e-4
+        alone_steps = []
+        for t in range(next_ids.shape[1]):
+            out, alone_state = model.step(next_ids[i : i + 1, t : t + 1], alone_state)
+            alone_steps.append(out)
+        assert rel_diff(stepped[i], torch.cat(alone_steps, 1)[0]) < 1e-4
+
+
+def test_registered():
+    assert CELLS["window"] is WindowCell and CELLS["hybrid"] is HybridCell

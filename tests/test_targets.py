@@ -1,0 +1,84 @@
+"""Every registered target, converted from tiny GPT-2 and Llama: its step form equals its parallel
+form, prefill continues from a state, the state is constant (except `exact`), and it saves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rnnify
+from rnnify.cells import CELLS
+
+# Options per target variant; every registered target must appear here (see the last test).
+VARIANTS = {
+    "exact": {},
+    "linear": {},
+    "linear-relu": {"feature_map": "relu"},
+    "linear-performer": {"feature_map": "performer"},
+    "linear-taylor": {"feature_map": "taylor"},
+    "linear-hedgehog": {"feature_map": "hedgehog"},
+    "linear-t2r": {"feature_map": "t2r"},
+    "window": {"window": 8, "sinks": 2},
+    "hybrid": {"window": 8},
+    "hybrid-hedgehog": {"window": 8, "feature_map": "hedgehog"},
+    "gated-retnet": {"gate": "retnet"},
+    "gated-gla": {"gate": "gla"},
+    "gated-gateloop": {"gate": "gateloop"},
+    "gated-rnn": {},
+    "aaren": {},
+}
+
+
+def target_of(variant: str) -> str:
+    return variant if variant in CELLS else variant.rsplit("-", 1)[0]
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_model_dir):
+    cache = {}
+
+    def get(arch: str, variant: str):
+        if (arch, variant) not in cache:
+            cache[arch, variant] = rnnify.convert(tiny_model_dir(arch), to=target_of(variant), **VARIANTS[variant])
+        return cache[arch, variant]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_target_forms_agree_and_state_is_constant(arch, variant, converted, tmp_path):
+    if target_of(variant) not in CELLS:
+        pytest.fail(f"target {target_of(variant)!r} is not registered")
+    model = converted(arch, variant)
+    ids = torch.randint(0, model.manifest.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    full, full_state = model.prefill(ids)
+    assert torch.isfinite(full).all()
+
+    logits, state = model.prefill(ids[:, :1])
+    steps = [logits]
+    for t in range(1, ids.shape[1]):
+        logits, state = model.step(ids[:, t : t + 1], state)
+        steps.append(logits)
+    assert rel_diff(torch.cat(steps, 1), full) < 1e-4
+
+    head, state = model.prefill(ids[:, :17])
+    tail, state = model.prefill(ids[:, 17:], state)
+    assert rel_diff(torch.cat([head, tail], 1), full) < 1e-4
+
+    _, short = model.prefill(ids[:, :16])
+    if variant == "exact":
+        assert full_state.nbytes > short.nbytes
+    else:
+        assert full_state.nbytes == short.nbytes == model.state_nbytes(40, batch_size=2)
+
+    model.save(tmp_path / "m")
+    assert torch.equal(rnnify.load(tmp_path / "m").prefill(ids)[0], full)
+
+
+def test_every_registered_target_is_covered():
+    assert set(CELLS) <= {target_of(v) for v in VARIANTS}
