@@ -1,0 +1,33 @@
+"""Triton scan kernels as torch custom ops (namespace ``rnnify``), each beside its PyTorch reference.
+
+    linear_attn/   naive_recurrent_linear_attn (ground truth), fused_recurrent_linear_attn (decode,
+                   short prompts), chunk_linear_attn (prefill; autograd)
+    scan.py        linear_recurrence (x_t = a_t x_{t-1} + b_t, forward and reverse),
+                   aaren_scan (Aaren's (m, u, w) operator)
+    window_attn.py window_attn_step (one decode token of sliding-window attention with sinks)
+
+Calling convention (fla's): q, k, v ``[B, T, H, D]`` (k, v may have fewer heads: GQA, query head
+h reads kv head h // (H / H_kv)), ``scale=None`` (D^-0.5), ``initial_state=None``,
+``output_final_state=False``; every op returns ``(o, final_state)``. Recurrent state is fp32.
+See ``utils`` for how the Triton path is chosen (CUDA, or forced for tests under TRITON_INTERPRET=1).
+"""
+
+from rnnify.kernels.linear_attn import (
+    chunk_linear_attn,
+    fused_recurrent_linear_attn,
+    naive_recurrent_linear_attn,
+)
+from rnnify.kernels.scan import aaren_scan, linear_recurrence, naive_aaren_scan, naive_linear_recurrence
+from rnnify.kernels.window_attn import naive_window_attn_read, window_attn_step
+
+__all__ = [
+    "aaren_scan",
+    "chunk_linear_attn",
+    "fused_recurrent_linear_attn",
+    "linear_recurrence",
+    "naive_aaren_scan",
+    "naive_linear_recurrence",
+    "naive_recurrent_linear_attn",
+    "naive_window_attn_read",
+    "window_attn_step",
+]

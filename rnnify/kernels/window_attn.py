@@ -1,0 +1,116 @@
+"""window_attn_step: one decode token of sliding-window attention with sinks (rnnify/cells/window.py).
+
+The write (the new token into the ring slot n mod W and, while n < S, into sink slot n) is index
+bookkeeping done in PyTorch with rnnify.cells.window's helpers; the op is the read: softmax
+attention of each query head over the held keys (sinks ++ ring, ``[B, H_kv, N, D]``) with a
+validity mask ``[B, N]``,
+
+    o = sum_n valid_n exp(s_n) v_n / sum_n valid_n exp(s_n),   s_n = scale * q . k_n      (0 if none valid)
+
+Triton: one program per (batch, query head) walks the keys in blocks of BN with the running
+(m, u, w) softmax of math.md §1, all in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rnnify.kernels import utils
+from rnnify.kernels.utils import tl, triton
+
+
+def naive_window_attn_read(q, keys, values, valid, scale):
+    """q ``[B, H, K]``, keys ``[B, H_kv, N, K]``, values ``[B, H_kv, N, V]``, valid ``[B, N]`` -> o ``[B, H, V]`` fp32."""
+    B, H, _ = q.shape
+    Hkv = keys.shape[1]
+    q = q.float().reshape(B, Hkv, H // Hkv, -1)
+    s = scale * torch.einsum("bhgk,bhnk->bhgn", q, keys.float())
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0))
+    den = p.sum(-1, keepdim=True)
+    o = torch.where(den > 0, (p @ values.float()) / den.clamp_min(1e-38), 0.0)
+    return o.reshape(B, H, -1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def window_attn_step_kernel(
+        q, keys, values, valid, o, scale, N,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ):
+        i_bh = tl.program_id(0).to(tl.int64)  # int64 offsets
+        i_b, i_hq = i_bh // H, i_bh % H
+        i_h = i_hq // G
+        o_n = tl.arange(0, BN)
+        o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+        m_k, m_v = o_k < K, o_v < V
+        b_q = tl.load(q + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
+        b_m = tl.full([1], float("-inf"), dtype=tl.float32)
+        b_u = tl.zeros([1], dtype=tl.float32)
+        b_w = tl.zeros([BV], dtype=tl.float32)
+        for i_n in range(0, tl.cdiv(N, BN)):
+            o_j = i_n * BN + o_n
+            m_j = o_j < N
+            b_ok = tl.load(valid + i_b * N + o_j, mask=m_j, other=0) != 0
+            p_k = keys + ((i_b * HKV + i_h) * N + o_j[:, None]) * K + o_k[None, :]
+            p_v = values + ((i_b * HKV + i_h) * N + o_j[:, None]) * V + o_v[None, :]
+            b_k = tl.load(p_k, mask=m_j[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_v = tl.load(p_v, mask=m_j[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+            b_s = tl.where(b_ok, tl.sum(b_q[None, :] * b_k, axis=1), float("-inf"))  # [BN]
+            b_mn = tl.maximum(b_m, tl.max(b_s, axis=0))
+            b_ref = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+            b_decay = tl.exp(b_m - b_ref)
+            b_p = tl.exp(b_s - b_ref)  # [BN]
+            b_u = b_u * b_decay + tl.sum(b_p, axis=0)
+            b_w = b_w * b_decay + tl.sum(b_p[:, None] * b_v, axis=0)
+            b_m = b_mn
+        b_o = tl.where(b_u > 0, b_w / tl.maximum(b_u, 1e-38), 0.0)
+        tl.store(o + i_bh * V + o_v, b_o, mask=m_v)
+
+
+@torch.library.custom_op("rnnify::window_attn_step", mutates_args=())
+def _window_attn_step_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    if not utils.use_triton(q):
+        return naive_window_attn_read(q, keys, values, valid, scale)
+    q, keys, values = q.contiguous(), keys.contiguous(), values.contiguous()
+    B, H, K = q.shape
+    Hkv, N, V = keys.shape[1], keys.shape[2], values.shape[-1]
+    o = utils.empty((B, H, V), q.device)
+    window_attn_step_kernel[(B * H,)](
+        q, keys, values, valid.to(torch.int8).contiguous(), o, scale, N,
+        H=H, HKV=Hkv, G=H // Hkv, K=K, V=V, BN=32, BK=utils.next_pow2(K), BV=utils.next_pow2(V))
+    return o
+
+
+@_window_attn_step_op.register_fake
+def _(q, keys, values, valid, scale):
+    return q.new_empty(q.shape[0], q.shape[1], values.shape[-1], dtype=torch.float32)
+
+
+def window_attn_step(q, k, v, keys, values, length, sink_keys=None, sink_values=None, mask=None, scale=None):
+    """One decode token: q ``[B, 1, H, K]``, k/v ``[B, 1, H_kv, K|V]``; state as rnnify.cells.window
+    holds it: ring ``keys/values [B, H_kv, W, K|V]``, sinks ``[B, H_kv, S, K|V]`` (or None), ``length [B]``
+    real tokens read; ``mask [B, 1]`` (False: padding, the state stays). Returns ``(o [B, 1, H, V] fp32,
+    (keys, values, sink_keys, sink_values, length))``."""
+    from rnnify.cells.window import ring_index, ring_write, sink_write, sinks_outside_window
+
+    B, T, H, K = q.shape
+    if T != 1:
+        raise ValueError(f"window_attn_step reads one token, got T = {T}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    mask = torch.ones(B, 1, dtype=torch.bool, device=q.device) if mask is None else mask
+    if sink_keys is None:
+        sink_keys, sink_values = keys[:, :, :0], values[:, :, :0]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, H_kv, 1, D]
+    window, sinks = keys.shape[2], sink_keys.shape[2]
+    sink_keys, sink_values = sink_write(k, v, mask, sink_keys, sink_values, length)
+    keys, values, length = ring_write(k, v, mask, keys, values, length)
+    valid = torch.cat([sinks_outside_window(length, window, sinks), ring_index(length, window) >= 0], dim=1)
+    o = torch.ops.rnnify.window_attn_step(
+        q[:, 0].contiguous(), torch.cat([sink_keys, keys], 2).contiguous(),
+        torch.cat([sink_values, values], 2).contiguous(), valid, scale)
+    return o[:, None], (keys, values, sink_keys, sink_values, length)
