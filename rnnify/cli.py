@@ -33,6 +33,7 @@ examples:
   rnnify verify out/exact --against path/to/hf-model
   rnnify generate out/exact --prompt "def main():" --max-new-tokens 40
   rnnify info out/linear
+  rnnify bench out/linear --against path/to/hf-model --contexts 256,16384 --json bench.json --plot bench.png
 """
 
 
@@ -313,6 +314,158 @@ def _info(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _int_list(flag: str, text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise RnnifyError(f"{flag} {text!r}: expected comma-separated positive integers, e.g. 256,1024")
+    return values
+
+
+def _bench_device(name: str):
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RnnifyError("--device cuda: no CUDA device is available; use --device cpu")
+    return torch.device(name)
+
+
+def _bench(args: argparse.Namespace, console: Console) -> int:
+    import shlex
+
+    import torch
+
+    import rnnify
+    from rnnify import bench
+
+    contexts, batches = _int_list("--contexts", args.contexts), _int_list("--batch", args.batch)
+    if args.steps < 1:
+        raise RnnifyError(f"--steps must be >= 1, got {args.steps}")
+    device = _bench_device(args.device)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise RnnifyError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    model = rnnify.load(args.dir)
+    if args.dtype is not None and args.dtype != model.manifest.dtype:
+        raise RnnifyError(
+            f"{args.dir} holds {model.manifest.dtype} weights; convert with --dtype {args.dtype} to bench {args.dtype}"
+        )
+    dtype = model.dtype
+    limit = model.manifest.positions.get("limit") if model.manifest.positions.get("kind") == "learned" else None
+    if limit is not None and max(contexts) + args.steps + _WARMUP >= limit:
+        raise RnnifyError(
+            f"--contexts {max(contexts)}: this model has {limit} learned positions; "
+            f"keep contexts below {limit - args.steps - _WARMUP}"
+        )
+    model = model.to(device)
+    if args.compile:
+        model.compile_step()
+    original = None
+    if args.against is not None:
+        from rnnify.capture import load_source
+
+        original = load_source(args.against, dtype=dtype).to(device)
+    run = bench.Run(
+        command="rnnify " + shlex.join(args.argv),
+        machine=bench.machine(device),
+        target=model.target + (" (compiled step)" if args.compile else ""),
+        dtype=str(dtype).removeprefix("torch."),
+        weight_bytes=bench.weight_bytes(model),
+    )
+    # Read every weight once (they are memory-mapped) so page-ins do not count as decode memory.
+    bench.bench_converted(model, 1, 1, 1, 0, 1)
+    if original is not None:
+        bench.bench_original(original, 1, 1, 1, 0)
+    from tqdm import tqdm
+
+    jobs = [(b, c) for b in batches for c in contexts]
+    prefills = [c for c in contexts if c <= args.prefill_max]
+    total = len(jobs) * (1 + (original is not None)) + len(prefills) * (1 + (original is not None))
+    with tqdm(total=total, unit="run", disable=None, leave=False) as bar:
+        for b, c in jobs:
+            bar.set_description_str(f"converted, batch {b}, context {c}")
+            run.results.append(bench.bench_converted(model, c, b, args.steps, _WARMUP, _FILL_TOKENS))
+            bar.update()
+            if original is not None:
+                bar.set_description_str(f"original, batch {b}, context {c}")
+                run.results.append(bench.bench_original(original, c, b, args.steps, _WARMUP))
+                bar.update()
+        runners = {"converted": (model.prefill, model.manifest.vocab_size)}
+        if original is not None:
+            runners["original"] = (lambda ids: original(input_ids=ids, use_cache=False), model.manifest.vocab_size)
+        for name, (call, vocab) in runners.items():
+            for c in prefills:
+                bar.set_description_str(f"{name} prefill, context {c}")
+                run.prefill_ms.setdefault(name, {})[c] = bench.prefill_ms(call, vocab, c, device)
+                bar.update()
+    console.print(_bench_table(run))
+    console.print(_prefill_table(run, args.prefill_max))
+    step = next((r.step_ms for r in run.results if r.model == "converted" and r.batch == 1), None)
+    line = (
+        f"batch-1 limit: {_nbytes(run.weight_bytes)} of weights per token / "
+        f"{run.machine.bandwidth_gb_s:.1f} GB/s measured = {run.limit_ms:.2f} ms"
+    )
+    if step is not None:
+        line += f"; measured step {step:.2f} ms = {step / run.limit_ms:.2f}x the limit"
+    console.print(Text(line), soft_wrap=True)
+    if args.json is not None:
+        _write(args.json, json.dumps(run.to_json(), indent=1))
+    if args.plot is not None:
+        try:
+            bench.plot(run, args.plot)
+        except OSError as exc:
+            raise RnnifyError(f"cannot write {args.plot}: {exc.strerror or exc}") from exc
+    return 0
+
+
+_WARMUP = 2  # decode steps before timing
+_FILL_TOKENS = 256  # real tokens a constant-state model reads before its position jumps to the context
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text + "\n")
+    except OSError as exc:
+        raise RnnifyError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
+def _bench_table(run) -> Table:
+    rows = {(r.batch, r.context, r.model): r for r in run.results}
+    against = any(r.model == "original" for r in run.results)
+    title = f"{run.target} vs original with KV cache" if against else f"{run.target}"
+    table = Table(box=box.SIMPLE_HEAD, title=Text(f"decode, {title}, {run.dtype}, {run.machine.device}"))
+    columns = ["batch", "context", "step ms", "tokens/s", "state", "peak +"]
+    if against:
+        columns += ["original ms", "original tok/s", "KV cache", "original peak +", "speedup", "KV / state"]
+    for column in columns:
+        table.add_column(column, justify="right")
+    for (batch, context, model), r in rows.items():
+        if model != "converted":
+            continue
+        row = [str(batch), f"{context:,}", f"{r.step_ms:.2f}", f"{r.tokens_per_s:.1f}",
+               _nbytes(r.memory_bytes), _nbytes(r.peak_delta_bytes)]
+        o = rows.get((batch, context, "original"))
+        if against and o is not None:
+            row += [f"{o.step_ms:.2f}", f"{o.tokens_per_s:.1f}", _nbytes(o.memory_bytes), _nbytes(o.peak_delta_bytes),
+                    f"{o.step_ms / r.step_ms:.2f}x", f"{o.memory_bytes / r.memory_bytes:.1f}x"]
+        table.add_row(*row)
+    return table
+
+
+def _prefill_table(run, cap: int) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, title=Text(f"prefill, batch 1, one call (contexts up to {cap:,})"))
+    table.add_column("context", justify="right")
+    for name in run.prefill_ms:
+        table.add_column(f"{name} ms", justify="right")
+    contexts = sorted({c for times in run.prefill_ms.values() for c in times})
+    for c in contexts:
+        table.add_row(f"{c:,}", *(f"{times[c]:.0f}" for times in run.prefill_ms.values()))
+    return table
+
+
 # -- parser -------------------------------------------------------------------------------
 
 
@@ -414,6 +567,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("dir", metavar="DIR", help="converted model directory")
     p.set_defaults(run=_info)
+
+    p = commands.add_parser(
+        "bench",
+        help="measure decode latency, memory and prefill time (and against the original with its KV cache)",
+        description="Time decode steps after each context length at each batch size, the state's bytes, "
+        "peak memory and prefill time of DIR, and with --against the same for the original model "
+        "decoding with transformers' KV cache; and the batch-1 limit set by reading the weights at the "
+        "memory bandwidth measured here. See docs/performance.md for how contexts are reached.",
+    )
+    p.add_argument("dir", metavar="DIR", help="converted model directory")
+    p.add_argument("--against", metavar="MODEL", help="original model (directory or cached hub id) to compare with")
+    p.add_argument("--contexts", default="256,1024,4096,16384", metavar="LIST",
+                   help="context lengths (default: 256,1024,4096,16384)")
+    p.add_argument("--batch", default="1,8", metavar="LIST", help="batch sizes (default: 1,8)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device (default: cpu)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="dtype; must be the one DIR was converted to (default: DIR's)")
+    p.add_argument("--steps", type=int, default=10, metavar="N", help="timed decode steps, median reported (default: 10)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch intra-op threads (default: torch's); 1 gives steadier numbers on a shared machine")
+    p.add_argument("--compile", action="store_true", help="decode with torch.compile of the step graph")
+    p.add_argument("--prefill-max", type=int, default=2048, metavar="N",
+                   help="longest context whose prefill is timed (default: 2048; prefill is slow on CPU)")
+    p.add_argument("--json", metavar="OUT", help="write the results and the machine to OUT as JSON")
+    p.add_argument("--plot", metavar="OUT.png", help="write latency and memory vs context plots to OUT.png")
+    p.set_defaults(run=_bench)
     return parser
 
 
@@ -421,6 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 verification failed, 2 bad input)."""
     try:
         args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)
     except SystemExit as exc:  # --help, or argparse's own usage error (code 2)
         return exc.code if isinstance(exc.code, int) else 0
     # Piped output gets room for the tables instead of rich's 80-column default.

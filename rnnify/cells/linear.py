@@ -300,7 +300,8 @@ def chunk_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6, chunk_size:
 
 
 def step_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
-    kv = kv + phi_k[:, :, 0, :, None] * v[:, :, 0, None, :]  # T == 1: the outer product phi(k)^T v
+    # T == 1: add the outer product phi(k)^T v in one pass over the state, with no temporary of its size
+    kv = torch.addcmul(kv, phi_k[:, :, 0, :, None], v[:, :, 0, None, :])
     num = phi_q @ kv[:, :, None]
     if k_sum is None:
         return num, kv, None

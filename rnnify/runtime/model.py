@@ -34,6 +34,7 @@ class RecurrentModel(nn.Module):
         self.files = dict(files or {})  # source config and tokenizer files, written beside the weights
         self.path: Path | None = None  # the directory this model was loaded from, if any
         self._warned_positions = False
+        self._step_graph: Any = None  # set by compile_step
 
     # -- description ------------------------------------------------------------------------
 
@@ -86,23 +87,35 @@ class RecurrentModel(nn.Module):
 
     # -- running ----------------------------------------------------------------------------
 
-    def _check_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def _check_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """Shape checks (no device work); the mask as bool, or None when every token is real."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
             raise RnnifyError("input_ids must be an integer tensor of shape [batch, length]")
         if input_ids.shape[1] == 0:
             raise RnnifyError("input_ids is empty: give at least one token")
-        vocab = self.manifest.vocab_size
-        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= vocab):
-            raise RnnifyError(f"token ids must be in [0, {vocab}), got {int(input_ids.min())}..{int(input_ids.max())}")
         if attention_mask is None:
-            return torch.ones_like(input_ids, dtype=torch.bool)
+            return None
         if attention_mask.shape != input_ids.shape:
             raise RnnifyError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
         return attention_mask.to(device=input_ids.device, dtype=torch.bool)
 
-    def _position_ids(self, state: RecurrentState, mask: torch.Tensor) -> torch.Tensor:
-        position_ids = state.positions[:, None] + mask.long().cumsum(1) - 1
-        last = int(position_ids.max()) if position_ids.numel() else -1
+    def _position_ids(self, input_ids: torch.Tensor, state: RecurrentState, mask: torch.Tensor | None) -> torch.Tensor:
+        """Position ids of the new tokens, checking token ids and positions with one device-to-host read.
+
+        One read instead of one per check: on a GPU each read waits for the device, once per step.
+        """
+        if mask is None:  # every token is real: positions simply continue
+            length = input_ids.shape[1]
+            offsets = torch.arange(length, device=input_ids.device) if length > 1 else 0
+            position_ids = state.positions[:, None] + offsets
+        else:
+            position_ids = (state.positions[:, None] + mask.long().cumsum(1) - 1).clamp_min(0)
+        if not input_ids.numel():
+            return position_ids
+        low, high, last = torch.stack([input_ids.min(), input_ids.max(), position_ids.max()]).tolist()
+        vocab = self.manifest.vocab_size
+        if low < 0 or high >= vocab:
+            raise RnnifyError(f"token ids must be in [0, {vocab}), got {low}..{high}")
         kind, limit = self.manifest.positions.get("kind"), self.manifest.positions.get("limit")
         if limit is not None and last >= limit:
             if kind == "learned":
@@ -117,7 +130,7 @@ class RecurrentModel(nn.Module):
                     "quality may degrade (memory stays constant)",
                     stacklevel=3,
                 )
-        return position_ids.clamp_min(0)
+        return position_ids
 
     def forward(
         self, input_ids: torch.Tensor, state: RecurrentState, attention_mask: torch.Tensor | None = None
@@ -125,9 +138,14 @@ class RecurrentModel(nn.Module):
         """One call of the step graph: read ``input_ids`` into ``state``; returns (logits, new state)."""
         mask = self._check_inputs(input_ids, attention_mask)
         self._check_state(state, input_ids.shape[0])
-        position_ids = self._position_ids(state, mask)
-        logits, *tensors = self.graph(input_ids, position_ids, mask, *state.tensors)
-        positions = state.positions + mask.long().sum(1)
+        position_ids = self._position_ids(input_ids, state, mask)
+        if mask is None:
+            graph_mask = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+            positions = state.positions + input_ids.shape[1]
+        else:
+            graph_mask, positions = mask, state.positions + mask.long().sum(1)
+        graph = self._step_graph if self._step_graph is not None and input_ids.shape[1] == 1 else self.graph
+        logits, *tensors = graph(input_ids, position_ids, graph_mask, *state.tensors)
         return logits, RecurrentState(tuple(tensors), positions, state.model_uid)
 
     @torch.no_grad()
@@ -153,6 +171,15 @@ class RecurrentModel(nn.Module):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] != 1:
             raise RnnifyError("step takes one token per row: input_ids of shape [batch, 1]")
         return self(input_ids, state)
+
+    def compile_step(self) -> "RecurrentModel":
+        """Run one-token calls through ``torch.compile`` of the graph (static shapes; prefill stays eager).
+
+        About 10% off a GPT-2-small CPU step (benchmarks/step_compile.py); the first step per
+        batch size pays the compile.
+        """
+        self._step_graph = torch.compile(self.graph, dynamic=False)
+        return self
 
     @torch.no_grad()
     def generate(

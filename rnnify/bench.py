@@ -1,0 +1,345 @@
+"""``rnnify bench``: decode latency, memory and prefill time of a converted model, and of the original.
+
+Everything is measured in one process so the ratios compare like with like. Reaching a context of
+c tokens without an O(c^2) prefill (see ``docs/performance.md``):
+
+* constant-state models read ``min(c, fill_tokens)`` random tokens with a real prefill, then their
+  position counter is set to c: the state has the same shapes at any length past the sliding
+  windows, so a step costs the same as after c real tokens;
+* ``exact`` models (state grows) get random keys/values of length c in every exact cell;
+* the original gets a ``DynamicCache`` holding random keys/values of length c in every layer.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from rnnify.errors import RnnifyError
+
+__all__ = ["Run", "Result", "Machine", "machine", "bandwidth", "weight_bytes", "bench_converted", "bench_original", "plot"]
+
+
+@dataclass
+class Result:
+    """One (model, batch, context) measurement."""
+
+    model: str  # "converted" or "original"
+    batch: int
+    context: int
+    step_ms: float  # median per-token decode latency
+    tokens_per_s: float  # batch / step time
+    memory_bytes: int  # state.nbytes, or the KV cache's bytes
+    peak_delta_bytes: int  # peak memory while filling and decoding, above the level before
+
+
+@dataclass
+class Machine:
+    cpu: str
+    cores: int  # logical CPUs of the machine
+    threads: int  # torch's intra-op threads in this run
+    torch: str
+    device: str
+    bandwidth_gb_s: float  # measured by ``bandwidth``
+
+
+@dataclass
+class Run:
+    """A whole ``rnnify bench`` run, as written to ``--json``."""
+
+    command: str
+    machine: Machine
+    target: str
+    dtype: str
+    weight_bytes: int  # bytes of weights read per decoded token
+    results: list[Result] = field(default_factory=list)
+    prefill_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # model -> context -> ms
+
+    @property
+    def limit_ms(self) -> float:
+        """Batch-1 decode limit: weights read per token over the measured memory bandwidth."""
+        return self.weight_bytes / (self.machine.bandwidth_gb_s * 1e9) * 1e3
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "limit_ms": self.limit_ms}
+
+
+# -- the machine ------------------------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def bandwidth(device: torch.device, nbytes: int = 1 << 28, repeats: int = 7) -> float:
+    """Memory bandwidth in GB/s: the best of reading a large tensor (sum) and copying it (read + write)."""
+    x = torch.ones(nbytes // 4, device=device)
+    y = torch.empty_like(x)
+    best = 0.0
+    for op, moved in ((lambda: x.sum(), nbytes), (lambda: y.copy_(x), 2 * nbytes)):
+        op()
+        times = []
+        for _ in range(repeats):
+            _sync(device)
+            start = time.perf_counter()
+            op()
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        best = max(best, moved / min(times) / 1e9)
+    return best
+
+
+def machine(device: torch.device) -> Machine:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model()
+    return Machine(_cpu_model(), os.cpu_count() or 0, torch.get_num_threads(), torch.__version__, name, bandwidth(device))
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every tensor, but one row of a table only looked up."""
+    graph = model.graph
+    used: dict[int, int] = {}  # storage pointer -> bytes read
+    for node in graph.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        tensor = _attr(graph, node.target)
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        lookup_only = all(
+            user.op == "call_function" and user.target is torch.ops.aten.embedding.default and user.args[0] is node
+            for user in node.users
+        )
+        read = tensor[0].nbytes if lookup_only and tensor.dim() == 2 else tensor.nbytes
+        key = tensor.untyped_storage().data_ptr()
+        used[key] = max(used.get(key, 0), read)
+    return sum(used.values())
+
+
+def _attr(module, target: str):
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+# -- measuring --------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rss() -> int:
+    """Resident set size of this process now (Linux), in bytes."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+class _Peak:
+    """Peak memory above the level at entry: CUDA's allocator peak, or RSS sampled by ``sample``."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self) -> "_Peak":
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            self.base = _rss()
+        self.peak = self.base
+        return self
+
+    def sample(self) -> None:
+        if self.device.type != "cuda":
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self.sample()
+
+    @property
+    def delta(self) -> int:
+        return max(0, self.peak - self.base)
+
+
+def _time_steps(step: Callable[[], None], device: torch.device, steps: int, warmup: int, sample) -> float:
+    """Median milliseconds of ``steps`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        sample()
+    return statistics.median(times) * 1e3
+
+
+def _tokens(vocab: int, batch: int, length: int, device: torch.device, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=gen).to(device)
+
+
+# -- the converted model ----------------------------------------------------------------------
+
+
+def fill_state(model, context: int, batch: int, fill_tokens: int, seed: int = 0):
+    """A state as if ``context`` tokens had been read (see the module docstring for how)."""
+    device, vocab = model.device, model.manifest.vocab_size
+    if model.constant_memory:
+        windows = [getattr(cell, "window", None) or cell.spec.window or 0 for cell in model.cells]
+        read = min(context, max(fill_tokens, *windows))  # every sliding window full
+        _, state = model.prefill(_tokens(vocab, batch, read, device, seed))
+        return replace(state, positions=torch.full_like(state.positions, context))
+    if any(c.grows_with_context and c.target != "exact" for c in model.cells):
+        raise RnnifyError("bench can fill the growing state of 'exact' cells only")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    tensors = []
+    for cell in model.cells:
+        spec = cell.spec
+        if cell.grows_with_context:
+            n = context if spec.window is None else min(context, spec.window)
+            keys = torch.randn(batch, spec.num_kv_heads, n, spec.head_dim, generator=gen, dtype=model.dtype)
+            values = torch.randn(batch, spec.num_kv_heads, n, spec.value_dim, generator=gen, dtype=model.dtype)
+            valid = torch.ones(batch, n, dtype=torch.bool)
+            tensors += [t.to(device) for t in (keys, values, valid)]
+        else:
+            tensors += list(cell.init_state(batch, device, model.dtype))
+    positions = torch.full((batch,), context, dtype=torch.long, device=device)
+    return replace(model.init_state(batch), tensors=tuple(tensors), positions=positions)
+
+
+@torch.no_grad()
+def bench_converted(model, context: int, batch: int, steps: int, warmup: int, fill_tokens: int) -> Result:
+    device = model.device
+    with _Peak(device) as peak:
+        state = fill_state(model, context, batch, fill_tokens)
+        peak.sample()
+        nbytes = state.nbytes
+        token = _tokens(model.manifest.vocab_size, batch, 1, device, 1)
+        holder = [state]
+
+        def step() -> None:
+            _, holder[0] = model.step(token, holder[0])
+
+        ms = _time_steps(step, device, steps, warmup, peak.sample)
+        del holder, state
+    return Result("converted", batch, context, ms, batch / ms * 1e3, nbytes, peak.delta)
+
+
+@torch.no_grad()
+def prefill_ms(run: Callable[[torch.Tensor], object], vocab: int, context: int, device: torch.device) -> float:
+    """Milliseconds to read ``context`` random tokens in one call (batch 1, after one short warm-up)."""
+    run(_tokens(vocab, 1, min(context, 16), device, 2))
+    ids = _tokens(vocab, 1, context, device, 3)
+    _sync(device)
+    start = time.perf_counter()
+    run(ids)
+    _sync(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+# -- the original with its KV cache -----------------------------------------------------------
+
+
+def kv_cache(hf_model, context: int, batch: int, seed: int = 0):
+    """A ``DynamicCache`` holding random keys/values of ``context`` tokens in every layer."""
+    from transformers import DynamicCache
+
+    config = hf_model.config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    device, dtype = hf_model.device, hf_model.dtype
+    gen = torch.Generator().manual_seed(seed)
+    cache = DynamicCache()
+    for layer in range(config.num_hidden_layers):
+        keys = torch.randn(batch, kv_heads, context, head_dim, generator=gen, dtype=dtype).to(device)
+        values = torch.randn(batch, kv_heads, context, head_dim, generator=gen, dtype=dtype).to(device)
+        cache.update(keys, values, layer)
+    return cache
+
+
+def cache_nbytes(cache) -> int:
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+@torch.no_grad()
+def bench_original(hf_model, context: int, batch: int, steps: int, warmup: int) -> Result:
+    device = hf_model.device
+    with _Peak(device) as peak:
+        cache = kv_cache(hf_model, context, batch)
+        peak.sample()
+        nbytes = cache_nbytes(cache)
+        token = _tokens(hf_model.config.get_text_config().vocab_size, batch, 1, device, 1)
+        position = [context]
+
+        def step() -> None:
+            ids = torch.full((batch, 1), position[0], device=device)
+            hf_model(input_ids=token, cache=cache, position_ids=ids, use_cache=True)
+            position[0] += 1
+
+        ms = _time_steps(step, device, steps, warmup, peak.sample)
+        del cache
+    return Result("original", batch, context, ms, batch / ms * 1e3, nbytes, peak.delta)
+
+
+# -- plots ------------------------------------------------------------------------------------
+
+
+def plot(run: Run, path: str) -> None:
+    """Two panels: decode latency vs context, and state / KV-cache bytes vs context (log scales)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (latency, memory) = plt.subplots(1, 2, figsize=(11, 4.2))
+    styles = {"converted": "o-", "original": "s--"}
+    labels = {"converted": f"rnnify {run.target}", "original": "original + KV cache"}
+    for (model, batch), rows in _series(run).items():
+        contexts = [r.context for r in rows]
+        latency.plot(contexts, [r.step_ms for r in rows], styles[model], label=f"{labels[model]}, batch {batch}")
+        memory.plot(contexts, [r.memory_bytes / 2**20 for r in rows], styles[model], label=f"{labels[model]}, batch {batch}")
+    latency.axhline(run.limit_ms, color="grey", lw=0.8, label="weight-bandwidth limit (batch 1)")
+    latency.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms per decode step",
+                title="decode latency")
+    memory.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="MiB", title="state vs KV cache")
+    for ax in (latency, memory):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    threads = run.machine.threads
+    fig.suptitle(f"{run.machine.device}, {run.dtype}, {threads} thread{'s' * (threads > 1)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _series(run: Run) -> dict[tuple[str, int], list[Result]]:
+    series: dict[tuple[str, int], list[Result]] = {}
+    for r in run.results:
+        series.setdefault((r.model, r.batch), []).append(r)
+    return series

@@ -1,0 +1,122 @@
+"""``rnnify bench`` and the step path: a step does no work that grows with the context (not timed)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import rnnify
+from rnnify.bench import fill_state, weight_bytes
+from rnnify.cli import main
+
+pytestmark = pytest.mark.filterwarnings("ignore:decoding past max_position_embeddings")
+
+
+class _Work(TorchDispatchMode):
+    """Counts every aten op a call runs and the bytes its outputs hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops[str(func)] += 1
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.bytes += t.numel() * t.element_size()
+        return out
+
+
+def _step_work(model, context: int) -> _Work:
+    state = fill_state(model, context, batch=2, fill_tokens=8)
+    token = torch.tensor([[3], [5]])
+    _, state = model.step(token, state)  # the first step after a fill may differ (e.g. a ring buffer)
+    with _Work() as work:
+        model.step(token, state)
+    return work
+
+
+@pytest.fixture(scope="module")
+def window_dir(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rnn-window") / "model"
+    rnnify.convert(tiny_model_dir("llama"), to="window", window=32).save(out)
+    return out
+
+
+@pytest.mark.parametrize("target", ["linear", "gated", "hybrid", "window", "exact"])
+def test_step_work_does_not_grow_with_context_for_constant_state(converted_dir, window_dir, target):
+    model = rnnify.load(window_dir if target == "window" else converted_dir("llama", target))
+    short, long = _step_work(model, 100), _step_work(model, 1000)
+    if target == "exact":  # the KV-cache-like target reads every past key: work grows
+        assert long.bytes > short.bytes + 2 * 900 * model.cells[0].spec.head_dim * 4
+    else:
+        assert model.constant_memory
+        assert long.ops == short.ops
+        assert long.bytes == short.bytes
+
+
+def test_weight_bytes_counts_a_lookup_table_once_per_row(converted_dir):
+    model = rnnify.load(converted_dir("llama", "linear"))
+    tensors = [*model.graph.parameters(), *model.graph.buffers()]
+    total = sum({t.untyped_storage().data_ptr(): t.nbytes for t in tensors}.values())
+    embed = model.graph.model.embed_tokens.weight  # llama: not tied, only looked up
+    assert weight_bytes(model) == total - embed.nbytes + embed[0].nbytes
+
+
+def test_bench_smoke(tmp_path, tiny_model_dir, converted_dir, capsys):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    code = main([
+        "bench", str(converted_dir("llama", "linear")), "--against", str(tiny_model_dir("llama")),
+        "--contexts", "8,32", "--batch", "1,2", "--steps", "2", "--json", str(out), "--plot", str(png),
+    ])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert "speedup" in text and "limit" in text
+    run = json.loads(out.read_text())
+    assert {(r["model"], r["batch"], r["context"]) for r in run["results"]} == {
+        (m, b, c) for m in ("converted", "original") for b in (1, 2) for c in (8, 32)
+    }
+    assert all(r["step_ms"] > 0 and r["memory_bytes"] > 0 for r in run["results"])
+    assert run["machine"]["bandwidth_gb_s"] > 0 and run["limit_ms"] > 0
+    assert run["command"].startswith("rnnify bench ")
+    assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--contexts", "8,x"], ["--contexts"]),
+        (["--batch", "0"], ["--batch"]),
+        (["--steps", "0"], ["--steps"]),
+        (["--dtype", "bfloat16"], ["float32", "--dtype"]),
+    ],
+)
+def test_bench_bad_input_exits_2(converted_dir, capsys, argv, words):
+    code = main(["bench", str(converted_dir("llama", "linear")), *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error:") and len(err.strip().splitlines()) == 1
+    assert all(word in err for word in words)
+
+
+def test_bench_context_past_learned_positions_exits_2(converted_dir, capsys):
+    code = main(["bench", str(converted_dir("gpt2", "linear")), "--contexts", "4096"])
+    assert code == 2
+    assert "learned positions" in capsys.readouterr().err
+
+
+def test_compiled_step_matches_the_eager_step(converted_dir):
+    model = rnnify.load(converted_dir("llama", "linear"))
+    _, state = model.prefill(torch.tensor([[1, 2, 3, 4]]))
+    token = torch.tensor([[7]])
+    want, want_state = model.step(token, state)
+    got, got_state = model.compile_step().step(token, state)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_state.tensors, want_state.tensors):
+        torch.testing.assert_close(a, b)
