@@ -56,8 +56,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rnnify.cells.base import Cell, CellSpec
-from rnnify.cells.linear import build_feature_map
+from rnnify.cells.base import CellSpec
+from rnnify.cells.linear import FeatureMapCell, build_feature_map
 
 Forms = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -148,7 +148,7 @@ def _gate_bias(decay_init: float, tau: float) -> float:
     return math.log(p) - math.log1p(-p)
 
 
-class GatedCell(Cell):
+class GatedCell(FeatureMapCell):
     """Decayed linear attention with a fixed (retnet) or trained, input-dependent (gla, gateloop) gate."""
 
     target = "gated"
@@ -231,21 +231,6 @@ class GatedCell(Cell):
         if self.gate != "retnet":
             options.update(tau=self.tau, decay_init=self.decay_init)
         return options
-
-    def init_state(self, batch_size, device, dtype):
-        spec, f = self.spec, self.phi.feature_dim
-        kv = torch.zeros(batch_size, spec.num_kv_heads, f, spec.value_dim, device=device, dtype=torch.float32)
-        if not self.normalize:
-            return (kv,)
-        return kv, torch.zeros(batch_size, spec.num_kv_heads, f, device=device, dtype=torch.float32)
-
-    def features(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """phi(q) grouped per kv head ``[B, H_kv, G, T, F]`` (the map's ``normalised_query`` when the
-        normaliser cancels a positive factor per query), and phi(k) with padding keys zeroed, in fp32."""
-        batch, _, length, _ = q.shape
-        grouped = q.float().reshape(batch, self.spec.num_kv_heads, self.spec.group_size, length, -1)
-        phi_q = self.phi.normalised_query(grouped) if self.normalize else self.phi(grouped)
-        return phi_q, torch.where(mask[:, None, :, None], self.phi(k.float()), 0.0)
 
     def log_gates(self, x: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
         """log a_t, ``[B, H_kv, T, 1]`` (retnet, gateloop) or ``[B, H_kv, T, F]`` (gla), 0 at padding."""

@@ -312,7 +312,34 @@ def step_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
 
 # --------------------------------------------------------------------------- the cell
 
-class LinearCell(Cell):
+
+class FeatureMapCell(Cell):
+    """What every cell with a state (S, z) over phi(k) shares: linear attention and its gated forms.
+
+    Subclasses set ``self.phi`` (a FeatureMap) and ``self.normalize``.
+    """
+
+    phi: FeatureMap
+    normalize: bool
+
+    def init_state(self, batch_size, device, dtype):
+        spec, f = self.spec, self.phi.feature_dim
+        kv = torch.zeros(batch_size, spec.num_kv_heads, f, spec.value_dim, device=device, dtype=torch.float32)
+        if not self.normalize:
+            return (kv,)
+        return kv, torch.zeros(batch_size, spec.num_kv_heads, f, device=device, dtype=torch.float32)
+
+    def features(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """phi(q) grouped per kv head ``[B, H_kv, G, T, F]`` (the map's ``normalised_query`` when the
+        normaliser cancels a positive factor per query), and phi(k) with padding keys zeroed, in fp32."""
+        batch, _, length, _ = q.shape
+        grouped = q.float().reshape(batch, self.spec.num_kv_heads, self.spec.group_size, length, -1)
+        phi_q = self.phi.normalised_query(grouped) if self.normalize else self.phi(grouped)
+        phi_k = torch.where(mask[:, None, :, None].to(torch.bool), self.phi(k.float()), 0.0)
+        return phi_q, phi_k
+
+
+class LinearCell(FeatureMapCell):
     """Linear attention with a feature map (fixed or trainable), normalised or not.
 
     State: ``(kv [B, H_kv, F, Dv], k_sum [B, H_kv, F])`` with the normaliser, ``(kv,)`` without
@@ -354,21 +381,6 @@ class LinearCell(Cell):
             "feature_options": self.phi.options(),
             "normalize": self.normalize,
         }
-
-    def init_state(self, batch_size, device, dtype):
-        spec, f = self.spec, self.phi.feature_dim
-        kv = torch.zeros(batch_size, spec.num_kv_heads, f, spec.value_dim, device=device, dtype=torch.float32)
-        if not self.normalize:
-            return (kv,)
-        return kv, torch.zeros(batch_size, spec.num_kv_heads, f, device=device, dtype=torch.float32)
-
-    def features(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """phi(q) grouped per kv head ``[B, H_kv, G, T, F]``, and phi(k) with padding keys zeroed, in fp32."""
-        batch, _, length, _ = q.shape
-        grouped = q.float().reshape(batch, self.spec.num_kv_heads, self.spec.group_size, length, -1)
-        phi_q = self.phi.normalised_query(grouped) if self.normalize else self.phi(grouped)
-        phi_k = torch.where(mask[:, None, :, None].to(torch.bool), self.phi(k.float()), 0.0)
-        return phi_q, phi_k
 
     def forward(self, q, k, v, mask, *state):
         kv, k_sum = state if self.normalize else (state[0], None)
