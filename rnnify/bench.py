@@ -92,14 +92,7 @@ def bandwidth(device: torch.device, nbytes: int = 1 << 28, repeats: int = 7) -> 
     best = 0.0
     for op, moved in ((lambda: x.sum(), nbytes), (lambda: y.copy_(x), 2 * nbytes)):
         op()
-        times = []
-        for _ in range(repeats):
-            _sync(device)
-            start = time.perf_counter()
-            op()
-            _sync(device)
-            times.append(time.perf_counter() - start)
-        best = max(best, moved / min(times) / 1e9)
+        best = max(best, moved / min(_timed(op, device) for _ in range(repeats)) / 1e9)
     return best
 
 
@@ -183,17 +176,22 @@ class _Peak:
         return max(0, self.peak - self.base)
 
 
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds one call of ``fn`` takes, the device synchronised before and after."""
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
 def _time_steps(step: Callable[[], None], device: torch.device, steps: int, warmup: int, sample) -> float:
     """Median milliseconds of ``steps`` calls after ``warmup`` calls."""
     for _ in range(warmup):
         step()
     times = []
     for _ in range(steps):
-        _sync(device)
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append(_timed(step, device))
         sample()
     return statistics.median(times) * 1e3
 
