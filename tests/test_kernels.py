@@ -25,7 +25,7 @@ from rnnify.cells.aaren import naive_recurrent_aaren
 from rnnify.cells.gated import naive_recurrent_gated_attn
 from rnnify.cells.linear import naive_recurrent_linear_attn as cells_naive_linear
 from rnnify.cells.window import naive_recurrent_window_attn
-from rnnify.kernels import utils
+from rnnify.kernels import scan, utils
 from rnnify.kernels.linear_attn import common
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -174,7 +174,13 @@ def test_reference_path(gates):
         check_attn(op, (2, 11, 4, 2, 16, 16), gates)
 
 
-def check_gradients(shape, gates, normalize):
+def close_grad(actual, expected):
+    # gate gradients are reverse cumulative sums whose terms cancel: entries near 0 keep the
+    # rounding of the large terms, so the tolerance is relative to the tensor's largest entry
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * max(1.0, expected.abs().max().item()))
+
+
+def check_gradients(op, shape, gates, normalize):
     q, k, v, g, gk, h0 = make_attn(*shape, gates)
     state = h0
     if normalize:
@@ -182,15 +188,13 @@ def check_gradients(shape, gates, normalize):
         state = (h0.abs(), torch.rand(h0.shape[:3]))
     leaves = [x.requires_grad_() for x in (q, k, v, g, gk, *(state if normalize else (state,))) if x is not None]
     grads = []
-    for fn in (K.naive_recurrent_linear_attn, K.chunk_linear_attn):
+    for fn in (K.naive_recurrent_linear_attn, op):
         o, h = fn(q, k, v, g, gk, initial_state=state, output_final_state=True, normalize=normalize)
         hs = h if normalize else (h,)
         loss = (o * torch.linspace(-1, 1, o.shape[-1])).sum() + sum((x * x).sum() for x in hs)
         grads.append(torch.autograd.grad(loss, leaves))
     for a, b in zip(*grads):
-        # gate gradients are reverse cumulative sums whose terms cancel: entries near 0 keep the
-        # rounding of the large terms, so the tolerance is relative to the tensor's largest entry
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))
+        close_grad(b, a)
 
 
 @pytest.fixture
@@ -202,21 +206,100 @@ def no_reference(monkeypatch):
     monkeypatch.setattr(common, "reference", fail)
 
 
+@pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("gates", GATES)
 @pytest.mark.parametrize("normalize", [False, True])
-def test_chunk_gradients(triton_path, no_reference, gates, normalize):
-    check_gradients((2, 21, 4, 2, 16, 8), gates, normalize)
+def test_linear_attn_gradients(triton_path, no_reference, op, gates, normalize):
+    check_gradients(op, (2, 21, 4, 2, 16, 8), gates, normalize)
 
 
-# several chunks of 64 (and 16 with gk), two value blocks (V = 80), T = 1, GQA 1 and 4
-@pytest.mark.parametrize("shape", [(1, 70, 4, 1, 16, 80), (2, 1, 2, 2, 64, 16)], ids=str)
-@pytest.mark.parametrize("gates", ["", "g", "g+gk"])
-def test_chunk_gradients_shapes(triton_path, no_reference, shape, gates):
-    check_gradients(shape, gates, normalize=False)
+# two value blocks (V = 80; for chunk several chunks of 64, and of 16 with gk), T = 1, GQA 1 / 2 / 4, K 16 / 64 / 128
+GRAD_SHAPES = [(K.chunk_linear_attn, (1, 70, 4, 1, 16, 80)), (K.fused_recurrent_linear_attn, (1, 13, 4, 1, 16, 80))]
+GRAD_SHAPES += [(op, shape) for op in OPS for shape in [(2, 1, 2, 2, 64, 16), (2, 9, 4, 2, 128, 16)]]
 
 
-def test_chunk_gradients_reference_path():
-    check_gradients((2, 21, 4, 2, 16, 8), "g+gk", normalize=True)
+@pytest.mark.parametrize("op, shape", GRAD_SHAPES, ids=lambda x: getattr(x, "__name__", str(x)))
+@pytest.mark.parametrize("gates", ["", "g+gk"])
+def test_linear_attn_gradients_shapes(triton_path, no_reference, op, shape, gates):
+    check_gradients(op, shape, gates, normalize=False)
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__)
+def test_linear_attn_gradients_reference_path(op):
+    check_gradients(op, (2, 21, 4, 2, 16, 8), "g+gk", normalize=True)
+
+
+# --------------------------------------------------------------------------- fused feature maps
+
+def check_feature_map(op, name, normalize, shape, options):
+    """The fused map reproduces rnnify.cells.linear's phi (performer: its stabilised queries when
+    normalised) in the forward, and the backward reaches q, k and the weight."""
+    from rnnify.cells.base import CellSpec
+    from rnnify.cells.linear import build_feature_map
+
+    B, T, H, Hkv, D, V = shape
+    spec = CellSpec(num_heads=H, num_kv_heads=Hkv, head_dim=D, value_dim=V, scale=0.3)
+    phi = build_feature_map(name, spec, **options)
+    if name in ("hedgehog", "performer"):  # random (hedgehog starts at the identity), and a leaf
+        phi.weight = torch.nn.Parameter(torch.randn(phi.weight.shape, generator=torch.Generator().manual_seed(1)))
+    Fd = phi.feature_dim
+    q, k, v, g, _, _ = make_attn(B, T, H, Hkv, D, V, "g")
+    gk = F.logsigmoid(torch.randn(B, T, Hkv, Fd) + 2)  # per feature
+    state = torch.rand(B, Hkv, Fd, V), torch.rand(B, Hkv, Fd)
+    state = state if normalize else state[0]
+    weight = getattr(phi, "weight", None)
+    leaves = [x.requires_grad_() for x in (q, k, v, g, gk, *(state if normalize else (state,)))]
+    leaves += [weight] if weight is not None else []
+
+    grouped = q.reshape(B, T, Hkv, H // Hkv, D).permute(0, 2, 3, 1, 4)
+    phi_q = (phi.normalised_query(grouped) if normalize else phi(grouped)).permute(0, 3, 1, 2, 4).reshape(B, T, H, Fd)
+    phi_k = phi(k.transpose(1, 2)).transpose(1, 2)
+    ref = K.naive_recurrent_linear_attn(phi_q, phi_k, v, g, gk, scale=1.0, initial_state=state,
+                                        output_final_state=True, normalize=normalize)
+    out = op(q, k, v, g, gk, scale=spec.scale, initial_state=state, output_final_state=True, normalize=normalize,
+             feature_map=name, feature_weight=weight)
+    grads = []
+    for o, h in (ref, out):
+        hs = h if normalize else (h,)
+        loss = (o * torch.linspace(-1, 1, V)).sum() + sum((x * x).sum() for x in hs)
+        grads.append(torch.autograd.grad(loss, leaves))
+    close(out[0], ref[0])
+    for a, b in zip(*grads):
+        close_grad(b, a)
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("name", ["elu", "relu", "hedgehog", "performer"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_feature_maps_match_cells(triton_path, no_reference, op, name, normalize):
+    options = {"hedgehog": {"feature_dim": 24}, "performer": {"num_features": 20}}.get(name, {})  # F: no power of 2
+    check_feature_map(op, name, normalize, (2, 11, 4, 2, 16, 8), options)
+
+
+def test_feature_map_reference_path():
+    """backend="reference" featurises in PyTorch and agrees with the Triton path."""
+    q, k, v, _, _, _ = make_attn(1, 7, 2, 1, 16, 8, "")
+    w = torch.randn(1, 16, 6)
+    for name in ("hedgehog", "performer"):
+        outs = [K.chunk_linear_attn(q, k, v, feature_map=name, feature_weight=w, normalize=True, backend=b)[0]
+                for b in ("reference", "triton")]
+        close(outs[1], outs[0])
+
+
+def test_feature_map_arguments():
+    q, k, v, _, _, _ = make_attn(1, 3, 2, 1, 16, 8, "")
+    with pytest.raises(ValueError, match="unknown feature_map"):
+        K.chunk_linear_attn(q, k, v, feature_map="taylor")
+    with pytest.raises(ValueError, match="needs feature_weight"):
+        K.fused_recurrent_linear_attn(q, k, v, feature_map="hedgehog")
+    with pytest.raises(ValueError, match="needs feature_weight"):
+        K.chunk_linear_attn(q, k, v, feature_map="performer", feature_weight=torch.randn(2, 16, 8))
+    with pytest.raises(ValueError, match="takes no feature_weight"):
+        K.chunk_linear_attn(q, k, v, feature_map="elu", feature_weight=torch.randn(1, 16, 8))
+    with pytest.raises(ValueError, match="gk must be"):  # gk gates the 2 * 6 hedgehog features
+        K.chunk_linear_attn(q, k, v, gk=torch.zeros(1, 3, 1, 16), feature_map="hedgehog",
+                            feature_weight=torch.randn(1, 16, 6))
+    assert K.chunk_linear_attn(q, k, v, feature_map="identity")[0].equal(K.chunk_linear_attn(q, k, v)[0])
 
 
 # --------------------------------------------------------------------------- scans
@@ -268,7 +351,36 @@ def test_aaren_scan(triton_path, T, D):
             close(a, b)
 
 
-def test_aaren_scan_gradients(triton_path):
+@pytest.mark.parametrize("T", [1, 37])  # 37: two chunks of 32, the second partial
+@pytest.mark.parametrize("D", [6, pytest.param(70, marks=pytest.mark.slow)])  # 70: two feature blocks
+@pytest.mark.parametrize("scores", ["distinct", "ties"])
+def test_aaren_scan_gradients(triton_path, monkeypatch, T, D, scores):
+    """Triton backward vs autograd of the loop, with and without an initial state; "ties": equal
+    scores (and -inf padding), where the max's gradient splits as torch.maximum's does."""
+    B, H = 2, 2
+    gen = torch.Generator().manual_seed(T + D)
+    s = torch.randn(B, T, H, generator=gen) * 3
+    m0 = torch.randn(B, H, generator=gen)
+    if scores == "ties":
+        s, m0 = s.round().clamp(-2, 2), m0.round()
+        s[0, 0] = float("-inf")
+    v = torch.randn(B, T, H, D, generator=gen)
+    for state in (None, (m0, torch.rand(B, H, generator=gen) + 0.5, torch.randn(B, H, D, generator=gen))):
+        leaves = [x.requires_grad_() for x in (s, v, *(state or ()))]
+        grads = []
+        for fn in (K.naive_aaren_scan, K.aaren_scan):
+            with monkeypatch.context() as patch:
+                if fn is K.aaren_scan:  # the Triton path must not run the loop
+                    patch.setattr(scan, "naive_aaren_scan", None)
+                o, (m, u, w) = fn(s, v, state, True)
+                loss = (o * torch.linspace(-1, 1, D)).sum() + (m * torch.arange(H)).sum()
+                loss = loss + (u * u).sum() + (w * w).sum()
+                grads.append(torch.autograd.grad(loss, leaves))
+        for a, b in zip(*grads):
+            close_grad(b, a)
+
+
+def test_aaren_scan_gradients_reference_path():
     B, T, H, D = 2, 9, 2, 6
     s, v = torch.randn(B, T, H), torch.randn(B, T, H, D)
     state = (torch.randn(B, H), torch.rand(B, H) + 0.5, torch.randn(B, H, D))
@@ -276,8 +388,7 @@ def test_aaren_scan_gradients(triton_path):
     grads = []
     for fn in (K.naive_aaren_scan, K.aaren_scan):
         o, (m, u, w) = fn(s, v, state, True)
-        loss = (o * torch.linspace(-1, 1, D)).sum() + (u * u).sum() + (w * w).sum()
-        grads.append(torch.autograd.grad(loss, leaves))
+        grads.append(torch.autograd.grad((o * torch.linspace(-1, 1, D)).sum() + (w * w).sum(), leaves))
     for a, b in zip(*grads):
         close(a, b)
 
@@ -320,29 +431,166 @@ def test_window_attn_read_many_keys(triton_path):
     assert (o[1] == 0).all()
 
 
+# GQA 1 / 2 / 4, head dims 16 / 64 / 128, N = 37 keys (blocks of 16 in the backward, 32 forward)
+@pytest.mark.parametrize("heads", [(2, 2), (4, 2), (4, 1)], ids=str)
+@pytest.mark.parametrize("D", [16, 64, 128])
+def test_window_attn_read_gradients(triton_path, heads, D):
+    H, Hkv = heads
+    B, N, V = 2, 37, 24
+    q, keys, values = torch.randn(B, H, D), torch.randn(B, Hkv, N, D), torch.randn(B, Hkv, N, V)
+    valid = torch.rand(B, N) > 0.3
+    valid[1] = False  # nothing to read: 0, and no gradient
+    leaves = [x.requires_grad_() for x in (q, keys, values)]
+    grads = []
+    for fn in (K.naive_window_attn_read, torch.ops.rnnify.window_attn_step):
+        o = fn(q, keys, values, valid, 0.25)
+        grads.append(torch.autograd.grad((o * torch.linspace(-1, 1, V)).sum(), leaves))
+    for a, b in zip(*grads):
+        close_grad(b, a)
+    assert (grads[1][0][1] == 0).all()
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_window_attn_step_gradients(path):
+    """Through the step's writes: gradients reach q, the new k / v, the ring and the sinks."""
+    B, H, Hkv, D, W, S = 2, 4, 2, 16, 5, 2
+    q, k, v = torch.randn(B, 1, H, D), torch.randn(B, 1, Hkv, D), torch.randn(B, 1, Hkv, D)
+    keys, values = torch.randn(B, Hkv, W, D), torch.randn(B, Hkv, W, D)
+    sk, sv = torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    length = torch.tensor([3, 9])  # batch 0 still fills its sinks' slots, batch 1 wraps the ring
+    leaves = [x.requires_grad_() for x in (q, k, v, keys, values, sk, sv)]
+    grads = []
+    for backend in ("reference", path):
+        o, state = K.window_attn_step(q, k, v, keys, values, length, sk, sv, backend=backend)
+        loss = (o * torch.linspace(-1, 1, D)).sum() + sum((x * x).sum() for x in state[:4])
+        grads.append(torch.autograd.grad(loss, leaves))
+    for a, b in zip(*grads):
+        close_grad(b, a)
+
+
+# --------------------------------------------------------------------------- backend=
+
+def _call_each_op(backend):
+    """Every public op once, small, with ``backend``; returns their outputs."""
+    q, k, v, g, _, h0 = make_attn(1, 5, 2, 1, 16, 16, "g")
+    ring = k.new_zeros(1, 1, 4, 16)
+    return [
+        K.fused_recurrent_linear_attn(q, k, v, g, initial_state=h0, backend=backend)[0],
+        K.chunk_linear_attn(q, k, v, g, initial_state=h0, backend=backend)[0],
+        K.linear_recurrence(k[:, :, 0, :3].sigmoid(), v[:, :, 0, :3], backend=backend)[0],
+        K.aaren_scan(q[..., 0], q, backend=backend)[0],
+        K.window_attn_step(q[:, :1], k[:, :1], v[:, :1], ring, ring, torch.zeros(1, dtype=torch.long),
+                           backend=backend)[0],
+    ]
+
+
+def test_resolve_backend(monkeypatch):
+    x = torch.zeros(1)
+    assert utils.BACKENDS == ("auto", "triton", "reference")
+    monkeypatch.setattr(utils, "FORCE_TRITON", False)
+    assert [utils.resolve_backend(b, x) for b in utils.BACKENDS] == [False, True, False]
+    monkeypatch.setattr(utils, "FORCE_TRITON", True)
+    assert [utils.resolve_backend(b, x) for b in utils.BACKENDS] == [True, True, False]
+    with pytest.raises(ValueError, match="backend must be one of"):
+        utils.resolve_backend("cuda", x)
+    monkeypatch.setattr(utils, "INTERPRET", False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        utils.resolve_backend("triton", x)
+    assert not utils.resolve_backend("reference", x)
+    monkeypatch.setattr(utils, "HAS_TRITON", False)
+    with pytest.raises(RuntimeError, match="cannot be imported"):
+        utils.resolve_backend("triton", x)
+    assert not utils.resolve_backend("auto", x)
+
+
+def test_backend_pins_the_path(monkeypatch):
+    """"triton" runs the kernels with FORCE_TRITON off; "reference" runs none with it on; both agree."""
+    calls = []
+    nan_empty = utils.empty
+    monkeypatch.setattr(utils, "empty", lambda *a, **kw: calls.append(1) or nan_empty(*a, **kw))
+    monkeypatch.setattr(utils, "FORCE_TRITON", False)
+    triton_out = _call_each_op("triton")
+    assert len(calls) >= 5
+    monkeypatch.setattr(utils, "FORCE_TRITON", True)
+    calls.clear()
+    ref_out = _call_each_op("reference")
+    assert not calls
+    for a, b in zip(triton_out, ref_out):
+        close(a, b)
+    for op in (K.chunk_linear_attn, K.fused_recurrent_linear_attn):
+        with pytest.raises(ValueError, match="backend must be one of"):
+            op(*make_attn(1, 2, 1, 1, 4, 4, "")[:3], backend="gpu")
+
+
+def test_backend_in_autograd(no_reference):
+    """The pinned backend reaches the backward: "triton" differentiates with the kernels."""
+    q, k, v, g, gk, h0 = make_attn(1, 9, 2, 1, 16, 16, "g+gk")
+    leaves = [x.requires_grad_() for x in (q, k, v, g, gk, h0)]
+    o, h = K.chunk_linear_attn(q, k, v, g, gk, initial_state=h0, output_final_state=True, backend="triton")
+    grads = torch.autograd.grad(o.sum() + h.sum(), leaves)
+    ref = K.naive_recurrent_linear_attn(q, k, v, g, gk, initial_state=h0, output_final_state=True)
+    for a, b in zip(grads, torch.autograd.grad(ref[0].sum() + ref[1].sum(), leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
 # --------------------------------------------------------------------------- export (fake impls)
 
 class _Ops(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("hedgehog", torch.randn(1, 16, 6))
+
     def forward(self, q, k, v, g, h0, a):
-        o1, h1 = K.fused_recurrent_linear_attn(q, k, v, g=g, initial_state=h0, output_final_state=True)
+        o1, h1 = K.fused_recurrent_linear_attn(q, k, v, g=g, initial_state=h0, output_final_state=True,
+                                               backend="reference")
         o2, h2 = K.chunk_linear_attn(q, k, v, g=g, initial_state=h0, output_final_state=True, normalize=False)
         x, hx = K.linear_recurrence(a, v[:, :, 0], reverse=True, output_final_state=True)
         o3, (m, u, w) = K.aaren_scan(q[..., 0], q, output_final_state=True)
         ring = k.new_zeros(k.shape[0], k.shape[2], 4, k.shape[3])
         o4, _ = K.window_attn_step(q[:, :1], k[:, :1], v[:, :1], ring, ring, torch.zeros(k.shape[0], dtype=torch.long))
-        return o1 + o2, h1 + h2, x, hx, o3, m, u, w, o4
+        o5, h5 = K.chunk_linear_attn(q, k, v, output_final_state=True, normalize=True, feature_map="hedgehog",
+                                     feature_weight=self.hedgehog)  # the state has 12 features
+        return o1 + o2, h1 + h2, x, hx, o3, m, u, w, o4, o5, *h5
 
 
 def test_export():
     q, k, v, g, _, h0 = make_attn(1, 5, 2, 1, 16, 16, "g")
     args = (q, k, v, g, h0, torch.rand(1, 5, 16))
-    ep = torch.export.export(_Ops(), args)
+    model = _Ops()
+    ep = torch.export.export(model, args)
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     for name in ("fused_recurrent_linear_attn", "chunk_linear_attn", "linear_recurrence", "aaren_scan",
                  "window_attn_step"):
         assert any(name in t for t in targets), (name, targets)
-    for a, b in zip(ep.module()(*args), _Ops()(*args)):
+    for a, b in zip(ep.module()(*args), model(*args)):
         close(a, b)
+
+
+def opcheck_cases():
+    q, k, v, g, _, h0 = make_attn(1, 5, 2, 1, 16, 8, "g")
+    w = torch.randn(1, 16, 6)
+    s, a = torch.randn(1, 5, 2), torch.rand(1, 5, 3)
+    aaren_state = (torch.randn(1, 2), torch.rand(1, 2) + 0.5, torch.randn(1, 2, 8))
+    keys, values, valid = torch.randn(1, 1, 7, 16), torch.randn(1, 1, 7, 8), torch.rand(1, 7) > 0.3
+    ops = torch.ops.rnnify
+    return [
+        (ops.chunk_linear_attn, (q, k, v, g, None, h0, 0.25)),
+        (ops.fused_recurrent_linear_attn, (q, k, v, g, None, h0, 0.25)),
+        (ops.chunk_linear_attn, (q, k, v, g, None, h0[:, :, :12], 0.25, "hedgehog", w, True)),
+        (ops.fused_recurrent_linear_attn, (q, k, v, g, None, None, 0.25, "performer", w, True)),
+        (ops.linear_recurrence, (a, s[..., :1].expand(1, 5, 3).contiguous(), None, False)),
+        (ops.aaren_scan, (s, v[:, :, :1].expand(1, 5, 2, 8).contiguous(), *aaren_state)),
+        (ops.window_attn_step, (q[:, 0], keys, values, valid, 0.25)),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["triton", pytest.param("reference", marks=pytest.mark.slow)])
+def test_opcheck(backend):
+    """torch.library.opcheck: schemas, fake impls, autograd registration, and the backward traced
+    by AOT autograd (the Triton backward runs through its own custom ops for that)."""
+    for op, args in opcheck_cases():
+        args = [x.clone().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in args]
+        torch.library.opcheck(op, args, {"backend": backend})
 
 
 # --------------------------------------------------------------------------- larger
@@ -364,3 +612,18 @@ def test_kernels_compile_for_sm90():
 @pytest.mark.parametrize("gates", GATES)
 def test_linear_attn_long(triton_path, op, gates):
     check_attn(op, (2, 150, 8, 2, 64, 64), gates)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("gates", ["", "g+gk"])
+def test_linear_attn_gradients_long(triton_path, no_reference, op, gates):
+    check_gradients(op, (2, 150, 8, 2, 64, 96), gates, normalize=False)  # V = 96: two value blocks
+
+
+# the cells' default sizes at d = 64: hedgehog F = 128, performer F = int(64 ln 64) = 266 (BT = 16, BV = 16)
+@pytest.mark.slow
+@pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("name", ["hedgehog", "performer"])
+def test_feature_maps_long(triton_path, no_reference, op, name):
+    check_feature_map(op, name, True, (2, 70, 4, 1, 64, 32), {})

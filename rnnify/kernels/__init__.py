@@ -1,15 +1,18 @@
 """Triton scan kernels as torch custom ops (namespace ``rnnify``), each beside its PyTorch reference.
 
     linear_attn/   naive_recurrent_linear_attn (ground truth), fused_recurrent_linear_attn (decode,
-                   short prompts), chunk_linear_attn (prefill; autograd)
+                   short prompts) and chunk_linear_attn (prefill), both differentiable and able to
+                   apply the feature map in the kernel (``feature_map=``: elu, relu, hedgehog, performer)
     scan.py        linear_recurrence (x_t = a_t x_{t-1} + b_t, forward and reverse),
                    aaren_scan (Aaren's (m, u, w) operator)
     window_attn.py window_attn_step (one decode token of sliding-window attention with sinks)
 
+Every op has a Triton backward (its own custom op, so backward graphs trace) and a fake impl.
 Calling convention (fla's): q, k, v ``[B, T, H, D]`` (k, v may have fewer heads: GQA, query head
 h reads kv head h // (H / H_kv)), ``scale=None`` (D^-0.5), ``initial_state=None``,
 ``output_final_state=False``; every op returns ``(o, final_state)``. Recurrent state is fp32.
-See ``utils`` for how the Triton path is chosen (CUDA, or forced for tests under TRITON_INTERPRET=1).
+``backend=`` ("auto", "triton", "reference"; ``utils.resolve_backend``) picks the path: "auto" is
+Triton on CUDA (or forced for tests under TRITON_INTERPRET=1), the PyTorch reference elsewhere.
 """
 
 from rnnify.kernels.linear_attn import (

@@ -18,25 +18,46 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # bytes per blo
 
 def variants():
     from rnnify.kernels import scan, window_attn
-    from rnnify.kernels.linear_attn import chunk, fused_recurrent
+    from rnnify.kernels.linear_attn import chunk, common, fused_recurrent
 
     P = "*fp32"
-    la = dict(q=P, k=P, v=P, g=P, gk=P, h0=P, o=P, ht=P, scale="fp32", T="i32")
+    la = dict(q=P, k=P, v=P, g=P, gk=P, w=P, h0=P, o=P, ht=P, scale="fp32", fsqrt="fp32", fshift="fp32", T="i32")
     lb = dict(q=P, k=P, v=P, g=P, gk=P, h0=P, do=P, dht=P, dq=P, dk=P, dv=P, dh0=P, scale="fp32", T="i32")
-    for use_g in (False, True):
-        for use_gk in (False, True):
-            c = dict(H=8, HKV=2, G=4, K=64, V=64, BK=64, BV=64, USE_G=use_g, USE_GK=use_gk, USE_INITIAL_STATE=True)
+    # (feature map, K, F): the identity at K = 64, and the fused maps at d = 64 with their default
+    # sizes (hedgehog 2d, performer d ln d = 266); the backward kernels see F wide inputs
+    maps = [("identity", 64, 64), ("elu", 64, 64), ("hedgehog", 64, 128), ("performer", 64, 266)]
+    for feature, K, F in maps:
+        for use_g, use_gk in ((False, False), (True, False), (False, True), (True, True)):
+            if feature != "identity" and (use_g, use_gk) != (True, False):
+                continue
+            BF = 1 << (F - 1).bit_length()
+            c = dict(H=8, HKV=2, G=4, K=K, F=F, V=64, BK=K, BF=BF, BV=common.value_block(BF, 64),
+                     FEATURE=feature, QUERY_SHIFT=feature == "performer",
+                     USE_G=use_g, USE_GK=use_gk, USE_INITIAL_STATE=True)
             yield fused_recurrent.fused_recurrent_linear_attn_fwd_kernel, la, c, {}
-            c2 = {**c, "BT": 16 if use_gk else 64, "PRECISION": "tf32"}
+            BT = chunk.block_sizes(F, 64, use_gk)[0]
+            c2 = {**c, "BT": BT, "PRECISION": "tf32"}
             yield chunk.chunk_linear_attn_fwd_kernel, la, c2, dict(num_warps=4, num_stages=1)
-            yield chunk.chunk_linear_attn_bwd_kernel, lb, {**c2, "B": 2}, dict(num_warps=4, num_stages=1)
+            cb = dict(B=2, H=8, HKV=2, G=4, K=F, V=64, BK=BF, BV=c["BV"], USE_G=use_g, USE_GK=use_gk,
+                      USE_INITIAL_STATE=True)
+            yield fused_recurrent.fused_recurrent_linear_attn_bwd_kernel, lb, cb, {}
+            yield (chunk.chunk_linear_attn_bwd_kernel, lb, {**cb, "BT": BT, "PRECISION": "tf32"},
+                   dict(num_warps=4, num_stages=1))
     for reverse in (False, True):
         yield (scan.linear_recurrence_fwd_kernel, dict(a=P, b=P, h0=P, x=P, ht=P, T="i32"),
                dict(D=64, BT=64, BD=64, REVERSE=reverse, USE_INITIAL_STATE=True), {})
     yield (scan.aaren_scan_fwd_kernel, dict(s=P, v=P, m0=P, u0=P, w0=P, o=P, mt=P, ut=P, wt=P, T="i32"),
            dict(H=4, D=64, BT=32, BD=64, USE_INITIAL_STATE=True), {})
+    yield (scan.aaren_scan_bwd_kernel,
+           dict(s=P, v=P, m0=P, u0=P, w0=P, do=P, o=P, dmt=P, dwt=P, dut=P, ms=P, us=P, ds=P, dv=P, dm0=P,
+                du0=P, dw0=P, T="i32"),
+           dict(B=2, H=4, D=64, BT=32, BD=64, USE_INITIAL_STATE=True), {})
     yield (window_attn.window_attn_step_kernel, dict(q=P, keys=P, values=P, valid="*i8", o=P, scale="fp32", N="i32"),
            dict(H=8, HKV=2, G=4, K=64, V=64, BN=32, BK=64, BV=64), {})
+    wb = dict(q=P, keys=P, values=P, valid="*i8", o=P, do=P, dq=P, dkeys=P, dvalues=P, scale="fp32", N="i32")
+    for G in (1, 4):
+        yield (window_attn.window_attn_step_bwd_kernel, wb,
+               dict(H=2 * G, HKV=2, G=G, BG=G, K=128, V=128, BN=16, BK=128, BV=128), {})
 
 
 def main(argv=None) -> int:
@@ -52,7 +73,7 @@ def main(argv=None) -> int:
 
     target, limit, ok = GPUTarget("cuda", args.arch, 32), SHARED_LIMIT.get(args.arch), True
     for fn, signature, constexprs, options in variants():
-        flags = {k: v for k, v in constexprs.items() if k.startswith("USE") or k in ("BT", "REVERSE")}
+        flags = {k: v for k, v in constexprs.items() if k.startswith("USE") or k in ("BT", "BV", "REVERSE", "FEATURE")}
         try:
             src = ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs)
             shared = triton.compile(src, target=target, options=options).metadata.shared

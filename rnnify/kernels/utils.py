@@ -1,9 +1,11 @@
 """Shared helpers for the Triton kernels: which path to run, buffer allocation, block sizes.
 
-Path selection: every op runs its PyTorch reference unless its tensors live on CUDA, or
-``FORCE_TRITON`` is set (env ``RNNIFY_FORCE_TRITON=1``, or assign ``rnnify.kernels.utils.FORCE_TRITON``
-at run time). With ``TRITON_INTERPRET=1`` set before triton is imported, the forced Triton path
-runs on CPU tensors through the interpreter: that is how the tests check the kernels without a GPU.
+Path selection: every op takes ``backend`` (``BACKENDS``), resolved by ``resolve_backend``.
+``"auto"`` runs the PyTorch reference unless the tensors live on CUDA, or ``FORCE_TRITON`` is set
+(env ``RNNIFY_FORCE_TRITON=1``, or assign ``rnnify.kernels.utils.FORCE_TRITON`` at run time);
+``"triton"`` and ``"reference"`` pin the path (a benchmark, a test, a parity check). With
+``TRITON_INTERPRET=1`` set before triton is imported, the Triton path runs on CPU tensors through
+the interpreter: that is how the tests check the kernels without a GPU.
 """
 
 from __future__ import annotations
@@ -20,14 +22,37 @@ except ImportError:  # pragma: no cover - depends on the platform
     tl = None
 
 HAS_TRITON = triton is not None
+# The kernels are jitted right after this module is imported, so this is the mode they were built in.
+INTERPRET = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 FORCE_TRITON = os.environ.get("RNNIFY_FORCE_TRITON", "") not in ("", "0")
 # tl.dot precision: "ieee" is exact fp32 (what the interpreter computes); "tf32" is faster on GPUs.
 DOT_PRECISION = os.environ.get("RNNIFY_DOT_PRECISION", "ieee")
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    """Run the Triton implementation for tensors like ``x``?"""
-    return HAS_TRITON and (x.is_cuda or FORCE_TRITON)
+BACKENDS = ("auto", "triton", "reference")
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def resolve_backend(backend: str, x: torch.Tensor) -> bool:
+    """Run the Triton implementation (True) or the PyTorch reference (False) for tensors like ``x``?
+
+    ``"triton"`` raises rather than falling back, so a pinned path is the path that ran.
+    """
+    if check_backend(backend) == "reference":
+        return False
+    if backend == "auto":
+        return HAS_TRITON and (x.is_cuda or FORCE_TRITON)
+    if not HAS_TRITON:
+        raise RuntimeError("backend='triton' needs triton, which cannot be imported here")
+    if not x.is_cuda and not INTERPRET:
+        raise RuntimeError(f"backend='triton' got tensors on {x.device}: Triton runs on CUDA, or on CPU only "
+                           "through its interpreter (TRITON_INTERPRET=1 set before triton is imported)")
+    return True
 
 
 def empty(shape, device, dtype=torch.float32) -> torch.Tensor:

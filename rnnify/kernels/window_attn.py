@@ -8,7 +8,10 @@ validity mask ``[B, N]``,
     o = sum_n valid_n exp(s_n) v_n / sum_n valid_n exp(s_n),   s_n = scale * q . k_n      (0 if none valid)
 
 Triton: one program per (batch, query head) walks the keys in blocks of BN with the running
-(m, u, w) softmax of math.md §1, all in fp32.
+(m, u, w) softmax of math.md §1, all in fp32. Backward (``rnnify::window_attn_step_bwd``): one
+program per (batch, kv head) holds the group's query heads as rows, recomputes their (m, u), then
+walks the keys once more for dq, d keys, d values (d of the sinks and ring reach them through the
+PyTorch writes).
 """
 
 from __future__ import annotations
@@ -71,10 +74,70 @@ if triton is not None:
         tl.store(o + i_bh * V + o_v, b_o, mask=m_v)
 
 
+    @triton.jit
+    def window_attn_step_bwd_kernel(
+        q, keys, values, valid, o, do, dq, dkeys, dvalues, scale, N,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, K: tl.constexpr,
+        V: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ):
+        # one program per (batch, kv head) holds its G query heads as rows, so it owns its keys'
+        # gradients: p_gn = softmax weights, dv_n = sum_g p_gn do_g, ds_gn = p_gn (do_g . v_n - do_g . o_g),
+        # dk_n = scale sum_g ds_gn q_g, dq_g = scale sum_n ds_gn k_n
+        i_bh = tl.program_id(0).to(tl.int64)  # int64 offsets
+        i_b, i_h = i_bh // HKV, i_bh % HKV
+        o_g, o_n = tl.arange(0, BG), tl.arange(0, BN)
+        o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+        m_g, m_k, m_v = o_g < G, o_k < K, o_v < V
+        i_q = i_b * H + i_h * G + o_g  # [BG] query heads
+        b_q = tl.load(q + i_q[:, None] * K + o_k[None, :], mask=m_g[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_do = tl.load(do + i_q[:, None] * V + o_v[None, :], mask=m_g[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_o = tl.load(o + i_q[:, None] * V + o_v[None, :], mask=m_g[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_delta = tl.sum(b_do * b_o, axis=1)  # [BG]
+        b_m = tl.full([BG], float("-inf"), dtype=tl.float32)
+        b_u = tl.zeros([BG], dtype=tl.float32)
+        # ---- sweep 1: each head's running max and normaliser
+        for i_n in range(0, tl.cdiv(N, BN)):
+            o_j = i_n * BN + o_n
+            m_j = o_j < N
+            b_ok = tl.load(valid + i_b * N + o_j, mask=m_j, other=0) != 0
+            p_k = keys + ((i_b * HKV + i_h) * N + o_j[:, None]) * K + o_k[None, :]
+            b_k = tl.load(p_k, mask=m_j[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_s = tl.sum(b_q[:, None, :] * b_k[None, :, :], axis=2) * scale  # [BG, BN]
+            b_s = tl.where(b_ok[None, :], b_s, float("-inf"))
+            b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))
+            b_ref = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+            b_u = b_u * tl.exp(b_m - b_ref) + tl.sum(tl.exp(b_s - b_ref[:, None]), axis=1)
+            b_m = b_mn
+        b_ref = tl.where(b_m == float("-inf"), 0.0, b_m)
+        b_r = tl.where(b_u > 0, 1.0 / tl.maximum(b_u, 1e-38), 0.0)
+        # ---- sweep 2: the gradients, block by block of keys
+        b_dq = tl.zeros([BG, BK], dtype=tl.float32)
+        for i_n in range(0, tl.cdiv(N, BN)):
+            o_j = i_n * BN + o_n
+            m_j = o_j < N
+            b_ok = tl.load(valid + i_b * N + o_j, mask=m_j, other=0) != 0
+            p_k = keys + ((i_b * HKV + i_h) * N + o_j[:, None]) * K + o_k[None, :]
+            p_v = values + ((i_b * HKV + i_h) * N + o_j[:, None]) * V + o_v[None, :]
+            b_k = tl.load(p_k, mask=m_j[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_v = tl.load(p_v, mask=m_j[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+            b_s = tl.sum(b_q[:, None, :] * b_k[None, :, :], axis=2) * scale
+            b_p = tl.where(b_ok[None, :], tl.exp(b_s - b_ref[:, None]), 0.0) * b_r[:, None]  # [BG, BN]
+            b_dp = tl.sum(b_do[:, None, :] * b_v[None, :, :], axis=2)
+            b_ds = b_p * (b_dp - b_delta[:, None]) * scale
+            b_dq += tl.sum(b_ds[:, :, None] * b_k[None, :, :], axis=1)
+            b_dk = tl.sum(b_ds[:, :, None] * b_q[:, None, :], axis=0)  # [BN, BK]
+            b_dv = tl.sum(b_p[:, :, None] * b_do[:, None, :], axis=0)  # [BN, BV]
+            p_dk = dkeys + ((i_b * HKV + i_h) * N + o_j[:, None]) * K + o_k[None, :]
+            p_dv = dvalues + ((i_b * HKV + i_h) * N + o_j[:, None]) * V + o_v[None, :]
+            tl.store(p_dk, b_dk.to(dkeys.dtype.element_ty), mask=m_j[:, None] & m_k[None, :])
+            tl.store(p_dv, b_dv.to(dvalues.dtype.element_ty), mask=m_j[:, None] & m_v[None, :])
+        tl.store(dq + i_q[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_g[:, None] & m_k[None, :])
+
+
 @torch.library.custom_op("rnnify::window_attn_step", mutates_args=())
 def _window_attn_step_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                         scale: float) -> torch.Tensor:
-    if not utils.use_triton(q):
+                         scale: float, backend: str = "auto") -> torch.Tensor:
+    if not utils.resolve_backend(backend, q):
         return naive_window_attn_read(q, keys, values, valid, scale)
     q, keys, values = q.contiguous(), keys.contiguous(), values.contiguous()
     B, H, K = q.shape
@@ -87,20 +150,69 @@ def _window_attn_step_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 
 @_window_attn_step_op.register_fake
-def _(q, keys, values, valid, scale):
+def _(q, keys, values, valid, scale, backend="auto"):
     return q.new_empty(q.shape[0], q.shape[1], values.shape[-1], dtype=torch.float32)
 
 
-def window_attn_step(q, k, v, keys, values, length, sink_keys=None, sink_values=None, mask=None, scale=None):
+@torch.library.custom_op("rnnify::window_attn_step_bwd", mutates_args=())
+def _window_attn_step_bwd_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                             o: torch.Tensor, do: torch.Tensor,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton: (dq, dkeys, dvalues) of the read."""
+    q, keys, values, do = q.contiguous(), keys.contiguous(), values.contiguous(), do.contiguous()
+    B, H, K = q.shape
+    Hkv, N, V = keys.shape[1], keys.shape[2], values.shape[-1]
+    dq = utils.empty((B, H, K), q.device, q.dtype)
+    dkeys = utils.empty((B, Hkv, N, K), q.device, keys.dtype)
+    dvalues = utils.empty((B, Hkv, N, V), q.device, values.dtype)
+    window_attn_step_bwd_kernel[(B * Hkv,)](
+        q, keys, values, valid.to(torch.int8).contiguous(), o, do, dq, dkeys, dvalues, scale, N,
+        H=H, HKV=Hkv, G=H // Hkv, BG=utils.next_pow2(H // Hkv, 1), K=K, V=V, BN=16,
+        BK=utils.next_pow2(K), BV=utils.next_pow2(V))
+    return dq, dkeys, dvalues
+
+
+@_window_attn_step_bwd_op.register_fake
+def _(q, keys, values, valid, o, do, scale):
+    return torch.empty_like(q), torch.empty_like(keys), torch.empty_like(values)
+
+
+def _window_setup(ctx, inputs, output):
+    q, keys, values, valid, scale, backend = inputs
+    ctx.save_for_backward(q, keys, values, valid, output)
+    ctx.scale, ctx.backend = scale, backend
+
+
+def _window_backward(ctx, do):
+    """Triton: ``rnnify::window_attn_step_bwd``. Reference: the read recomputed under autograd."""
+    q, keys, values, valid, o = ctx.saved_tensors
+    if utils.resolve_backend(ctx.backend, q):
+        dq, dkeys, dvalues = torch.ops.rnnify.window_attn_step_bwd(q, keys, values, valid, o, do, ctx.scale)
+    else:
+        inputs = [x.detach().requires_grad_() for x in (q, keys, values)]
+        with torch.enable_grad():
+            o = naive_window_attn_read(*inputs, valid, ctx.scale)
+            dq, dkeys, dvalues = torch.autograd.grad(o, inputs, do)
+    return dq, dkeys, dvalues, None, None, None
+
+
+_window_attn_step_op.register_autograd(_window_backward, setup_context=_window_setup)
+
+
+def window_attn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     length: torch.Tensor, sink_keys: torch.Tensor | None = None,
+                     sink_values: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                     scale: float | None = None, *, backend: str = "auto") -> tuple[torch.Tensor, WindowState]:
     """One decode token: q ``[B, 1, H, K]``, k/v ``[B, 1, H_kv, K|V]``; state as rnnify.cells.window
     holds it: ring ``keys/values [B, H_kv, W, K|V]``, sinks ``[B, H_kv, S, K|V]`` (or None), ``length [B]``
     real tokens read; ``mask [B, 1]`` (False: padding, the state stays). Returns ``(o [B, 1, H, V] fp32,
-    (keys, values, sink_keys, sink_values, length))``."""
+    (keys, values, sink_keys, sink_values, length))``. ``backend``: see ``rnnify.kernels.utils.resolve_backend``."""
     from rnnify.cells.window import ring_index, ring_write, sink_write, sinks_outside_window
 
     B, T, H, K = q.shape
     if T != 1:
         raise ValueError(f"window_attn_step reads one token, got T = {T}")
+    utils.check_backend(backend)
     scale = K ** -0.5 if scale is None else float(scale)
     mask = torch.ones(B, 1, dtype=torch.bool, device=q.device) if mask is None else mask
     if sink_keys is None:
@@ -112,5 +224,5 @@ def window_attn_step(q, k, v, keys, values, length, sink_keys=None, sink_values=
     valid = torch.cat([sinks_outside_window(length, window, sinks), ring_index(length, window) >= 0], dim=1)
     o = torch.ops.rnnify.window_attn_step(
         q[:, 0].contiguous(), torch.cat([sink_keys, keys], 2).contiguous(),
-        torch.cat([sink_values, values], 2).contiguous(), valid, scale)
+        torch.cat([sink_values, values], 2).contiguous(), valid, scale, backend)
     return o[:, None], (keys, values, sink_keys, sink_values, length)

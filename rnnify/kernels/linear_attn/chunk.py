@@ -1,21 +1,24 @@
 """chunk_linear_attn: chunkwise-parallel (gated) linear attention for prefill, with autograd.
 
 Chunks of BT tokens; inside a chunk, with cumulative log gates c_i = log a_1 + ... + log a_i
-counted from the chunk's start (scalar g and/or per key channel gk; math in ``naive.py``):
+counted from the chunk's start (scalar g and/or per feature gk; math in ``naive.py``), and q, k
+the featurised phi(q), phi(k) (a fused ``feature_map`` is applied to each loaded tile, with a
+tl.dot against the weight for the projected maps; ``feature_maps.py``):
 
-    o_i  = scale (q_i * exp(c_i)) S  +  sum_{j <= i} A_ij v_j            (from the state / intra-chunk)
-    A_ij = scale sum_f q_if k_jf exp(c_if - c_jf)                        (exponents <= 0 only)
+    o_i  = c (q_i * exp(c_i)) S  +  sum_{j <= i} A_ij v_j                (from the state / intra-chunk)
+    A_ij = c sum_f q_if k_jf exp(c_if - c_jf)                            (exponents <= 0 only)
     S'   = exp(c_BT) * S + (k * exp(c_BT - c_j))^T v
 
-One program per (value block, batch x kv head) walks the chunks in order with S [BK, BV] in fp32
-registers. A scalar gate's decay matrix is exp(c_i - c_j) masked before exp; a per-channel gate
-builds the [BT, BT, BK] decays directly (no exp(-c) factorisation, which overflows under strong
-decay), so BT is kept at 16. num_stages=1: at BT = 64, sm_90 compiles need 82 KB (forward) and
-98 KB (backward) of shared memory with one stage, 164 / 213 KB with two, over 227 KB with three.
+(c: the output scale, ``feature_maps.output_scale``). One program per (value block, batch x kv
+head) walks the chunks in order with S [BF, BV] in fp32 registers. A scalar gate's decay matrix is
+exp(c_i - c_j) masked before exp; a per-channel gate builds the [BT, BT, BF] decays directly (no
+exp(-c) factorisation, which overflows under strong decay), so BT is kept at 16. num_stages=1: at
+BT = 64, sm_90 compiles need 82 KB (forward) and 98 KB (backward) of shared memory with one stage,
+164 / 213 KB with two, over 227 KB with three. Wide feature maps shrink BT and BV (``block_sizes``).
 
-Backward (``register_autograd``): on the Triton path one kernel recomputes the states in a forward
-sweep for dq, then walks the chunks back to front carrying dS for dk, dv and d initial_state;
-the log-gate gradients follow from those in PyTorch (``chunk_linear_attn_bwd_triton``). On the
+Backward (``common.register_autograd``): on the Triton path one kernel (the ``rnnify::chunk_linear_attn_bwd``
+op) recomputes the states in a forward sweep for dq, then walks the chunks back to front carrying
+dS for dk, dv and d initial_state; the log-gate gradients follow from those in PyTorch. On the
 reference path the PyTorch forward is recomputed under autograd and differentiated.
 """
 
@@ -24,16 +27,18 @@ from __future__ import annotations
 import torch
 
 from rnnify.kernels import utils
-from rnnify.kernels.linear_attn import common
+from rnnify.kernels.linear_attn import common, feature_maps
 from rnnify.kernels.utils import tl, triton
 
 if triton is not None:
+    from rnnify.kernels.linear_attn.feature_maps import feature_map_2d, load_feature_weight
 
     @triton.jit
     def chunk_linear_attn_fwd_kernel(
-        q, k, v, g, gk, h0, o, ht, scale, T,
-        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        q, k, v, g, gk, w, h0, o, ht, scale, fsqrt, fshift, T,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, K: tl.constexpr, F: tl.constexpr,
+        V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+        FEATURE: tl.constexpr, QUERY_SHIFT: tl.constexpr,
         USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
@@ -41,13 +46,17 @@ if triton is not None:
         i_b, i_h = i_bh // HKV, i_bh % HKV
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
+        o_f = tl.arange(0, BF)  # the state's rows: phi's features (o_k itself without a projection)
         o_v = i_v * BV + tl.arange(0, BV)
-        m_k, m_v = o_k < K, o_v < V
-        m_h = m_k[:, None] & m_v[None, :]
+        m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+        m_h = m_f[:, None] & m_v[None, :]
         m_c = o_i[:, None] >= o_i[None, :]  # causal, inside the chunk
-        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+        b_w = None
+        if FEATURE == "hedgehog" or FEATURE == "performer":
+            b_w = load_feature_weight(w, i_h, o_k, o_f, K, F, FEATURE)
+        b_h = tl.zeros([BF, BV], dtype=tl.float32)
         if USE_INITIAL_STATE:
-            p_h0 = h0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
+            p_h0 = h0 + i_bh * F * V + o_f[:, None] * V + o_v[None, :]
             b_h += tl.load(p_h0, mask=m_h, other=0.0).to(tl.float32)
         for i_t in range(0, tl.cdiv(T, BT)):
             o_t = i_t * BT + o_i
@@ -56,20 +65,23 @@ if triton is not None:
             p_k = k + (i_bt[:, None] * HKV + i_h) * K + o_k[None, :]
             p_v = v + (i_bt[:, None] * HKV + i_h) * V + o_v[None, :]
             b_k = tl.load(p_k, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_k = feature_map_2d(b_k, b_w, o_f, fsqrt, fshift, F, FEATURE, False, PRECISION)
+            b_k = tl.where(m_t[:, None], b_k, 0.0)  # padding tokens: phi(0) need not be 0
             b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
             if USE_G:  # padding tokens get log a = 0: they decay nothing
                 b_g = tl.cumsum(tl.load(g + i_bt * HKV + i_h, mask=m_t, other=0.0).to(tl.float32), axis=0)
                 b_gn = tl.sum(tl.where(o_i == BT - 1, b_g, 0.0), axis=0)  # the whole chunk's decay
                 b_dg = tl.exp(tl.where(m_c, b_g[:, None] - b_g[None, :], float("-inf")))
             if USE_GK:
-                p_gk = gk + (i_bt[:, None] * HKV + i_h) * K + o_k[None, :]
-                b_gk = tl.cumsum(tl.load(p_gk, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32), axis=0)
-                b_gkn = tl.sum(tl.where(o_i[:, None] == BT - 1, b_gk, 0.0), axis=0)  # [BK]
+                p_gk = gk + (i_bt[:, None] * HKV + i_h) * F + o_f[None, :]
+                b_gk = tl.cumsum(tl.load(p_gk, mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float32), axis=0)
+                b_gkn = tl.sum(tl.where(o_i[:, None] == BT - 1, b_gk, 0.0), axis=0)  # [BF]
                 b_dgk = tl.exp(tl.where(m_c[:, :, None], b_gk[:, None, :] - b_gk[None, :, :], float("-inf")))
             for i_g in tl.static_range(G):
                 i_hq = i_h * G + i_g
                 p_q = q + (i_bt[:, None] * H + i_hq) * K + o_k[None, :]
-                b_q = tl.load(p_q, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32) * scale
+                b_q = tl.load(p_q, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+                b_q = feature_map_2d(b_q, b_w, o_f, fsqrt, fshift, F, FEATURE, QUERY_SHIFT, PRECISION) * scale
                 b_qg = b_q
                 if USE_G:
                     b_qg = b_qg * tl.exp(b_g)[:, None]
@@ -94,7 +106,7 @@ if triton is not None:
                 b_kd = b_kd * tl.exp(b_gkn[None, :] - b_gk)
                 b_h = b_h * tl.exp(b_gkn)[:, None]
             b_h += tl.dot(tl.trans(b_kd), b_v, input_precision=PRECISION)
-        p_ht = ht + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
+        p_ht = ht + i_bh * F * V + o_f[:, None] * V + o_v[None, :]
         tl.store(p_ht, b_h, mask=m_h)
 
 
@@ -230,102 +242,80 @@ if triton is not None:
             tl.store(p_dh0, b_dh, mask=m_h)
 
 
-def chunk_linear_attn_fwd_triton(q, k, v, g, gk, h0, scale, chunk_size=None):
-    q, k, v, g, gk, h0 = (None if x is None else x.contiguous() for x in (q, k, v, g, gk, h0))
+def block_sizes(F: int, V: int, gk: bool) -> tuple[int, int, int]:
+    """(BT, BF, BV). The [BT, BF] tiles set the shared memory: BT * BF <= 8K keeps sm_90 compiles
+    within 227 KB (performer's F = 266 at BT = 64 needs 315 KB forward, 405 KB backward). A
+    per-channel gate builds [BT, BT, BF] decays, hence BT = 16 with gk."""
+    BF = utils.next_pow2(F)
+    return (16 if gk else min(64, max(16, 8192 // BF))), BF, common.value_block(BF, V)
+
+
+def chunk_linear_attn_fwd_triton(q, k, v, g, gk, h0, w, scale, feature_map="identity", query_shift=False):
+    q, k, v, g, gk, h0, w = (None if x is None else x.contiguous() for x in (q, k, v, g, gk, h0, w))
     B, T, H, K = q.shape
     Hkv, V = k.shape[2], v.shape[-1]
+    F = feature_maps.feature_dim(feature_map, K, w)
+    BT, BF, BV = block_sizes(F, V, gk is not None)
     o = utils.empty((B, T, H, V), q.device, v.dtype)
-    ht = utils.empty((B, Hkv, K, V), q.device, torch.float32)
-    BT = chunk_size or (16 if gk is not None else 64)
-    BK = utils.next_pow2(K)
-    BV = min(utils.next_pow2(V), 64)
-    grid = (triton.cdiv(V, BV), B * Hkv)
-    chunk_linear_attn_fwd_kernel[grid](
-        q, k, v, g, gk, h0, o, ht, scale, T,
-        H=H, HKV=Hkv, G=H // Hkv, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        USE_G=g is not None, USE_GK=gk is not None, USE_INITIAL_STATE=h0 is not None,
-        PRECISION=utils.DOT_PRECISION, num_warps=4, num_stages=1,
+    ht = utils.empty((B, Hkv, F, V), q.device, torch.float32)
+    chunk_linear_attn_fwd_kernel[(triton.cdiv(V, BV), B * Hkv)](
+        q, k, v, g, gk, w, h0, o, ht, T=T, H=H, HKV=Hkv, G=H // Hkv, K=K, F=F, V=V,
+        BT=BT, BK=utils.next_pow2(K), BF=BF, BV=BV, USE_G=g is not None, USE_GK=gk is not None,
+        USE_INITIAL_STATE=h0 is not None, PRECISION=utils.DOT_PRECISION, num_warps=4, num_stages=1,
+        **feature_maps.kernel_args(feature_map, scale, w, query_shift),
     )
     return o, ht
 
 
-def chunk_linear_attn_bwd_triton(q, k, v, g, gk, h0, ht, do, dht, scale, chunk_size=None):
-    """Gradients of (o, ht) -> (dq, dk, dv, dg, dgk, dh0). The kernel gives dq, dk, dv, dh0; the log
-    gates follow from them (c_t = cumulative log gate, per key channel):
-
-        dL/dc_t = sum_heads q_t * dq_t - k_t * dk_t   (+ sum_v ht * dht at t = T)
-        dgk_t = sum_{s >= t} dL/dc_s,   dg_t = that summed over the key channels
-    """
+@torch.library.custom_op("rnnify::chunk_linear_attn_bwd", mutates_args=())
+def _chunk_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, gk: torch.Tensor | None,
+                  h0: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton: (dq fp32, dk fp32, dv, dh0) of (o = scale q S, ht) for featurised q, k; dh0 is empty without h0."""
     q, k, v, g, gk, h0 = (None if x is None else x.contiguous() for x in (q, k, v, g, gk, h0))
     B, T, H, K = q.shape
     Hkv, V = k.shape[2], v.shape[-1]
-    BT = chunk_size or (16 if gk is not None else 64)
-    BK = utils.next_pow2(K)
-    BV = min(utils.next_pow2(V), 64)
+    BT, BK, BV = block_sizes(K, V, gk is not None)
     NV = triton.cdiv(V, BV)
     dq = utils.empty((NV, B, T, H, K), q.device)
     dk = utils.empty((NV, B, T, Hkv, K), q.device)
     dv = utils.empty((B, T, Hkv, V), q.device, v.dtype)
-    dh0 = utils.empty((B, Hkv, K, V), q.device) if h0 is not None else None
+    dh0 = utils.empty((B, Hkv, K, V), q.device) if h0 is not None else q.new_empty(0, dtype=torch.float32)
     chunk_linear_attn_bwd_kernel[(NV, B * Hkv)](
         q, k, v, g, gk, h0, do.contiguous(), dht.contiguous(), dq, dk, dv, dh0, scale, T,
         B=B, H=H, HKV=Hkv, G=H // Hkv, K=K, V=V, BT=BT, BK=BK, BV=BV,
         USE_G=g is not None, USE_GK=gk is not None, USE_INITIAL_STATE=h0 is not None,
         PRECISION=utils.DOT_PRECISION, num_warps=4, num_stages=1,
     )
-    dq, dk = dq.sum(0), dk.sum(0)
-    dg = dgk = None
-    if g is not None or gk is not None:
-        dc = (q.float() * dq).reshape(B, T, Hkv, H // Hkv, K).sum(3) - k.float() * dk
-        dc[:, -1] += (ht * dht.float()).sum(-1)
-        dc = dc.flip(1).cumsum(1).flip(1)
-        dgk = dc if gk is not None else None
-        dg = dc.sum(-1) if g is not None else None
-    return dq.to(q.dtype), dk.to(k.dtype), dv, dg, dgk, dh0
+    return dq.sum(0), dk.sum(0), dv, dh0
+
+
+_chunk_bwd_op.register_fake(common.fake_bwd)
 
 
 @torch.library.custom_op("rnnify::chunk_linear_attn", mutates_args=())
 def _chunk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
-              gk: torch.Tensor | None, h0: torch.Tensor | None,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if utils.use_triton(q):
-        return chunk_linear_attn_fwd_triton(q, k, v, g, gk, h0, scale)
-    o, ht = common.reference(q, k, v, g, gk, h0, scale)
-    return o.contiguous(), ht.contiguous()
+              gk: torch.Tensor | None, h0: torch.Tensor | None, scale: float, feature_map: str = "identity",
+              feature_weight: torch.Tensor | None = None, query_shift: bool = False,
+              backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    return common.forward(chunk_linear_attn_fwd_triton, q, k, v, g, gk, h0, scale, feature_map, feature_weight,
+                          query_shift, backend)
 
 
 _chunk_op.register_fake(common.fake)
+common.register_autograd(_chunk_op, _chunk_bwd_op)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, g, gk, h0, scale = inputs
-    ctx.save_for_backward(q, k, v, g, gk, h0, output[1])
-    ctx.scale = scale
-
-
-def _backward(ctx, do, dht):
-    """Triton backward where the forward ran Triton; elsewhere the PyTorch reference, recomputed
-    under autograd and differentiated."""
-    *saved, ht = ctx.saved_tensors
-    if utils.use_triton(saved[0]):
-        dq, dk, dv, dg, dgk, dh0 = chunk_linear_attn_bwd_triton(*saved, ht, do, dht, ctx.scale)
-        return dq, dk, dv, dg, dgk, dh0, None
-    inputs = [None if x is None else x.detach().requires_grad_(x.is_floating_point()) for x in saved]
-    with torch.enable_grad():
-        o, ht = common.reference(*inputs, ctx.scale)
-        wrt = [x for x in inputs if x is not None]
-        grads = torch.autograd.grad((o, ht), wrt, (do, dht), allow_unused=True)
-    it = iter(grads)
-    return (*[None if x is None else next(it) for x in inputs], None)
-
-
-_chunk_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def chunk_linear_attn(q, k, v, g=None, gk=None, scale=None, initial_state=None,
-                      output_final_state=False, normalize=False, eps=1e-6):
+def chunk_linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None,
+                      gk: torch.Tensor | None = None, scale: float | None = None,
+                      initial_state: common.State | None = None, output_final_state: bool = False,
+                      normalize: bool = False, eps: float = 1e-6, *, feature_map: str | None = None,
+                      feature_weight: torch.Tensor | None = None,
+                      backend: str = "auto") -> tuple[torch.Tensor, common.State | None]:
     """(Gated) linear attention over a prompt, chunkwise-parallel, differentiable. See ``naive.py``
-    for the math and shapes; ``initial_state`` / final state: S ``[B, H_kv, K, V]``, or ``(S, z)``
-    with normalize."""
-    return common.run(torch.ops.rnnify.chunk_linear_attn, q, k, v, g, gk, scale,
-                      initial_state, output_final_state, normalize, eps)
+    for the math and shapes; ``initial_state`` / final state: S ``[B, H_kv, F, V]``, or ``(S, z)``
+    with normalize. ``feature_map`` / ``feature_weight``: phi applied in the kernel
+    (``feature_maps.py``; its backward goes through PyTorch, see ``common``). ``backend``: see
+    ``rnnify.kernels.utils.resolve_backend``."""
+    return common.run(torch.ops.rnnify.chunk_linear_attn, q, k, v, g, gk, scale, initial_state,
+                      output_final_state, normalize, eps, feature_map, feature_weight, backend)

@@ -1,19 +1,39 @@
-"""What the public linear-attention wrappers share: the normaliser as one more value column.
+"""What the linear-attention ops share: the public wrapper, the PyTorch reference, autograd.
 
-z_t obeys S_t's recurrence with v_t replaced by 1, so ``normalize=True`` runs the unnormalised op on
-v' = [v, 1] with state S' = [S, z] (``[B, H_kv, K, V + 1]``): the last output column is scale q_t . z_t,
-the denominator. Kernels therefore only implement o = scale q S.
+Normaliser: z_t obeys S_t's recurrence with v_t replaced by 1, so ``normalize=True`` runs the
+unnormalised op on v' = [v, 1] with state S' = [S, z] (``[B, H_kv, F, V + 1]``): the last output
+column is phi(q_t) . z_t, the denominator. Kernels therefore only implement o = c phi(q) S.
+
+Both ops have the schema ``(q, k, v, g, gk, h0, scale, feature_map, feature_weight, query_shift,
+backend) -> (o, ht)`` and one autograd. Triton backward: the scan's gradients come from the op's
+backward kernel, itself a custom op (``rnnify::*_bwd``, with a fake, so the backward traces under
+torch.compile), which takes featurised inputs; with a fused feature map the features are recomputed in
+PyTorch under autograd and the kernel's d phi(q), d phi(k) are pulled back through them into q, k
+and the weight (the map itself is not fused in the backward). Reference backward: the whole
+reference forward recomputed under autograd.
 """
 
 from __future__ import annotations
 
 import torch
 
+from rnnify.kernels import utils
+from rnnify.kernels.linear_attn.feature_maps import (
+    check_feature_map,
+    feature_dim,
+    naive_feature_map,
+    output_scale,
+)
 from rnnify.kernels.linear_attn.naive import check_inputs
 
+State = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # S, or (S, z) with normalize
 
-def run(op, q, k, v, g, gk, scale, initial_state, output_final_state, normalize, eps):
-    check_inputs(q, k, v, g, gk)
+
+def run(op, q, k, v, g, gk, scale, initial_state, output_final_state, normalize, eps, feature_map,
+        feature_weight, backend):
+    feature_map = check_feature_map(feature_map, feature_weight, k)
+    check_inputs(q, k, v, g, gk, feature_dim(feature_map, k.shape[-1], feature_weight))
+    utils.check_backend(backend)
     B, T, H, K = q.shape
     Hkv, V = k.shape[2], v.shape[-1]
     scale = K ** -0.5 if scale is None else float(scale)
@@ -29,34 +49,120 @@ def run(op, q, k, v, g, gk, scale, initial_state, output_final_state, normalize,
     g = None if g is None else g.float().contiguous()
     gk = None if gk is None else gk.float().contiguous()
     h0 = None if h0 is None else h0.contiguous()
-    o, ht = op(q, k, v, g, gk, h0, scale)
+    w = None if feature_weight is None else feature_weight.contiguous()
+    o, ht = op(q, k, v, g, gk, h0, scale, feature_map, w, normalize, backend)
     if normalize:
         o = o[..., :V] / (o[..., V:] + eps)
         ht = (ht[..., :V], ht[..., V])
     return o, (ht if output_final_state else None)
 
 
-def reference(q, k, v, g, gk, h0, scale, chunk_size=64):
-    """The unnormalised op in PyTorch, through rnnify.cells.gated's chunk form (its layout:
-    phi_q [B, H_kv, G, T, K], phi_k [B, H_kv, T, K], log_a [B, H_kv, T, K|1])."""
+def features(q, k, feature_map, weight, scale, query_shift):
+    return (naive_feature_map(q, feature_map, weight, scale, query_shift),
+            naive_feature_map(k, feature_map, weight, scale))
+
+
+def reference(q, k, v, g, gk, h0, scale, feature_map="identity", weight=None, query_shift=False, chunk_size=64):
+    """The unnormalised op in PyTorch: the feature map, then rnnify.cells.gated's chunk form (its
+    layout: phi_q [B, H_kv, G, T, F], phi_k [B, H_kv, T, F], log_a [B, H_kv, T, F|1])."""
     from rnnify.cells.gated import chunk_gated_attn
 
-    B, T, H, K = q.shape
+    phi_q, phi_k = features(q, k, feature_map, weight, scale, query_shift)
+    B, T, H, F = phi_q.shape
     Hkv, V = k.shape[2], v.shape[-1]
-    phi_q = (q.float() * scale).reshape(B, T, Hkv, H // Hkv, K).permute(0, 2, 3, 1, 4)
-    phi_k = k.float().transpose(1, 2)
-    vv = v.float().transpose(1, 2)
+    phi_q = (phi_q * output_scale(feature_map, scale)).reshape(B, T, Hkv, H // Hkv, F).permute(0, 2, 3, 1, 4)
     log_a = q.new_zeros(B, Hkv, T, 1, dtype=torch.float32)
     if g is not None:
         log_a = log_a + g.float().transpose(1, 2)[..., None]
     if gk is not None:
         log_a = log_a + gk.float().transpose(1, 2)
-    kv = q.new_zeros(B, Hkv, K, V, dtype=torch.float32) if h0 is None else h0.float()
-    o, ht, _ = chunk_gated_attn(phi_q, phi_k, vv, log_a, kv, None, chunk_size=chunk_size)
+    kv = q.new_zeros(B, Hkv, F, V, dtype=torch.float32) if h0 is None else h0.float()
+    o, ht, _ = chunk_gated_attn(phi_q, phi_k.transpose(1, 2), v.float().transpose(1, 2), log_a, kv, None,
+                                chunk_size=chunk_size)
     return o.permute(0, 3, 1, 2, 4).reshape(B, T, H, V).to(v.dtype), ht
 
 
-def fake(q, k, v, g, gk, h0, scale):
-    B, T, H, _ = q.shape
-    return q.new_empty(B, T, H, v.shape[-1], dtype=v.dtype), q.new_empty(
-        B, k.shape[2], k.shape[3], v.shape[-1], dtype=torch.float32)
+def forward(triton_fwd, q, k, v, g, gk, h0, scale, feature_map, feature_weight, query_shift, backend):
+    """The ops' body: ``triton_fwd(q, k, v, g, gk, h0, w, scale, feature_map, query_shift)`` or the reference."""
+    if utils.resolve_backend(backend, q):
+        return triton_fwd(q, k, v, g, gk, h0, feature_weight, scale, feature_map, query_shift)
+    o, ht = reference(q, k, v, g, gk, h0, scale, feature_map, feature_weight, query_shift)
+    return o.contiguous(), ht.contiguous()
+
+
+def fake(q, k, v, g, gk, h0, scale, feature_map="identity", feature_weight=None, query_shift=False, backend="auto"):
+    B, T, H, K = q.shape
+    F = feature_dim(feature_map, K, feature_weight)
+    return (q.new_empty(B, T, H, v.shape[-1], dtype=v.dtype),
+            q.new_empty(B, k.shape[2], F, v.shape[-1], dtype=torch.float32))
+
+
+def gate_grads(q, k, dq, dk, ht, dht, g, gk):
+    """d g, d gk from the gradients of (featurised) q and k. With c_t the cumulative log gate (per
+    feature), q_t enters only through q_t exp(c_t), k_t through k_t exp(-c_t), and the final state
+    through exp(c_T):
+
+        dL/dc_t = sum_heads q_t * dq_t - k_t * dk_t   (+ sum_v ht * dht at t = T)
+        dgk_t = sum_{s >= t} dL/dc_s,   dg_t = that summed over the features
+    """
+    if g is None and gk is None:
+        return None, None
+    B, T, H, F = q.shape
+    Hkv = k.shape[2]
+    dc = (q.float() * dq.float()).reshape(B, T, Hkv, H // Hkv, F).sum(3) - k.float() * dk.float()
+    dc[:, -1] += (ht * dht.float()).sum(-1)
+    dc = dc.flip(1).cumsum(1).flip(1)
+    return (dc.sum(-1) if g is not None else None), (dc if gk is not None else None)
+
+
+def fake_bwd(q, k, v, g, gk, h0, do, dht, scale):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(h0) if h0 is not None else q.new_empty(0, dtype=torch.float32))
+
+
+def register_autograd(op, bwd_op) -> None:
+    """``bwd_op(phi_q, phi_k, v, g, gk, h0, do, dht, c) -> (dphi_q, dphi_k, dv, dh0)``, a custom op
+    (so the backward traces under torch.compile), differentiates o = c phi(q) S, ht = S_T on featurised
+    inputs (dh0 is empty without h0); the gates' gradients follow from it (``gate_grads``)."""
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, g, gk, h0, scale, feature_map, weight, query_shift, backend = inputs
+        ctx.save_for_backward(q, k, v, g, gk, h0, weight, output[1])
+        ctx.args = scale, feature_map, query_shift, backend
+
+    def triton_bwd(q, k, v, g, gk, h0, ht, do, dht, scale):
+        dq, dk, dv, dh0 = bwd_op(q, k, v, g, gk, h0, do, dht, scale)
+        dg, dgk = gate_grads(q, k, dq, dk, ht, dht, g, gk)
+        return dq.to(q.dtype), dk.to(k.dtype), dv, dg, dgk, (dh0 if h0 is not None else None)
+
+    def backward(ctx, do, dht):
+        q, k, v, g, gk, h0, w, ht = ctx.saved_tensors
+        scale, feature_map, query_shift, backend = ctx.args
+        if not utils.resolve_backend(backend, q):
+            inputs = [None if x is None else x.detach().requires_grad_(x.is_floating_point())
+                      for x in (q, k, v, g, gk, h0, w)]
+            with torch.enable_grad():
+                o, ht = reference(*inputs[:6], scale, feature_map, inputs[6], query_shift)
+                wrt = [x for x in inputs if x is not None]
+                grads = iter(torch.autograd.grad((o, ht), wrt, (do, dht), allow_unused=True))
+            dq, dk, dv, dg, dgk, dh0, dw = (None if x is None else next(grads) for x in inputs)
+        elif feature_map == "identity":
+            dq, dk, dv, dg, dgk, dh0 = triton_bwd(q, k, v, g, gk, h0, ht, do, dht, scale)
+            dw = None
+        else:
+            leaves = [None if x is None else x.detach().requires_grad_() for x in (q, k, w)]
+            with torch.enable_grad():
+                phi_q, phi_k = features(*leaves[:2], feature_map, leaves[2], scale, query_shift)
+            dphi_q, dphi_k, dv, dg, dgk, dh0 = triton_bwd(phi_q.detach(), phi_k.detach(), v, g, gk, h0, ht,
+                                                          do, dht, output_scale(feature_map, scale))
+            wrt = [x for x in leaves if x is not None]
+            grads = iter(torch.autograd.grad((phi_q, phi_k), wrt, (dphi_q, dphi_k)))
+            dq, dk, dw = (None if x is None else next(grads) for x in leaves)
+        return dq, dk, dv, dg, dgk, dh0, None, None, dw, None, None
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+def value_block(BF: int, V: int) -> int:
+    """Value columns per program: the fp32 state block [BF, BV] is kept at <= 8K elements."""
+    return min(utils.next_pow2(V), 64, max(16, 8192 // BF))

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 
-def check_inputs(q, k, v, g, gk):
+def check_inputs(q, k, v, g, gk, F=None):
+    """Shapes; ``F``: the feature dim (gk's last dim), K unless a feature map changes it."""
     B, T, H, K = q.shape
     if k.dim() != 4 or v.dim() != 4 or k.shape[:2] != (B, T) or v.shape[:3] != k.shape[:3] or k.shape[3] != K:
         raise ValueError(f"expected q [B, T, H, K], k [B, T, H_kv, K], v [B, T, H_kv, V]; got "
@@ -27,8 +28,9 @@ def check_inputs(q, k, v, g, gk):
         raise ValueError(f"query heads ({H}) must be a multiple of kv heads ({k.shape[2]})")
     if g is not None and tuple(g.shape) != tuple(k.shape[:3]):
         raise ValueError(f"g must be [B, T, H_kv] = {tuple(k.shape[:3])}, got {tuple(g.shape)}")
-    if gk is not None and tuple(gk.shape) != tuple(k.shape):
-        raise ValueError(f"gk must be [B, T, H_kv, K] = {tuple(k.shape)}, got {tuple(gk.shape)}")
+    gk_shape = (*k.shape[:3], K if F is None else F)
+    if gk is not None and tuple(gk.shape) != gk_shape:
+        raise ValueError(f"gk must be [B, T, H_kv, F] = {gk_shape}, got {tuple(gk.shape)}")
 
 
 def naive_recurrent_linear_attn(q, k, v, g=None, gk=None, scale=None, initial_state=None,
