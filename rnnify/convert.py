@@ -11,9 +11,10 @@ import torch
 from rnnify.capture import capture, load_source, source_name
 from rnnify.errors import RnnifyError
 from rnnify.passes import PassContext, run_pipeline
-from rnnify.plan import make_plan
 from rnnify.passes.find_attention import SITE_KEY
+from rnnify.passes.fuse_kernels import KERNELS_KEY, check_kernels
 from rnnify.passes.rewrite_attention import cell_calls
+from rnnify.plan import make_plan
 from rnnify.runtime.manifest import CellEntry, Manifest
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.storage import SOURCE_FILES
@@ -52,6 +53,7 @@ def convert(
     layers: str | None = None,
     keep_softmax: Iterable[int] | None = None,
     dtype: str | torch.dtype = "float32",
+    kernels: str = "auto",
     progress: Callable[[str], None] | None = None,
     **options: Any,
 ) -> RecurrentModel:
@@ -61,20 +63,29 @@ def convert(
     ``PreTrainedModel``. ``to`` names the target cell (``rnnify.cells.CELLS``) of every layer,
     except those that ``layers`` (e.g. ``"0-1:exact,4-:hybrid"``) or ``keep_softmax`` (layers kept
     ``exact``) assign otherwise; ``options`` go to every cell that accepts them (e.g.
-    ``feature_map="elu"``). ``progress(stage)`` is called as each stage and pass starts.
+    ``feature_map="elu"``). ``kernels`` is the backend of the fused Triton ops the cells run where
+    they have them (``auto``: Triton on CUDA, the PyTorch reference elsewhere; ``triton``;
+    ``reference``); it is saved with the model and can be overridden by ``rnnify.load``.
+    ``progress(stage)`` is called as each stage and pass starts.
     """
+    check_kernels(kernels)
     plan = make_plan(to, layers, keep_softmax, **options)
     report = progress or (lambda stage: None)
     report("load")
     source = load_source(model, resolve_dtype(dtype))
     report("capture")
     graph = capture(source)
-    ctx = PassContext(config=source.config, plan=plan)
+    ctx = PassContext(config=source.config, plan=plan, kernels=kernels)
     graph = run_pipeline(graph, ctx, progress=report)
     entries = []
     for call in cell_calls(graph):
         site, cell = call.meta[SITE_KEY], graph.get_submodule(call.target)
-        entries.append(CellEntry(call.target, site.layer, site.module_path, cell.target, cell.spec.to_json(), cell.options()))
+        entries.append(
+            CellEntry(
+                call.target, site.layer, site.module_path, cell.target, cell.spec.to_json(), cell.options(),
+                call.meta.get(KERNELS_KEY, {}),
+            )
+        )
     manifest = Manifest(
         uid=uuid.uuid4().hex,
         target=to,
@@ -85,5 +96,6 @@ def convert(
         vocab_size=int(source.config.vocab_size),
         positions=ctx.positions,
         cells=entries,
+        kernels=kernels,
     )
     return RecurrentModel(graph, manifest, _source_files(model, source))

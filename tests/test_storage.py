@@ -31,7 +31,7 @@ def test_load_works_after_source_is_deleted(target, tiny_model_dir, tmp_path):
 
 def test_manifest_records_what_was_done(converted_dir, tiny_model_dir):
     manifest = json.loads((converted_dir("llama", "linear") / "rnnify.json").read_text())
-    assert manifest["format_version"] == 1 and manifest["target"] == "linear"
+    assert manifest["format_version"] == 2 and manifest["target"] == "linear" and manifest["kernels"] == "auto"
     assert manifest["source"] == str(tiny_model_dir("llama"))
     assert set(manifest["versions"]) == {"rnnify", "torch", "transformers"}
     assert [c["layer"] for c in manifest["cells"]] == [0, 1]

@@ -30,7 +30,8 @@ Forms, all computing the same thing (tests hold them to ``naive_recurrent_aaren`
 cumulative softmax weights of the scores under a causal mask), ``scan_*`` (Hillis-Steele
 log-depth prefix scan with the operator above: how the paper trains), ``chunk_*`` (O(T * C):
 quadratic inside chunks of C tokens, the state carried between them; the prefill path) and
-``step_*`` (one token; the decode path). Shapes: scores s ``[B, Hkv, G, T]`` in fp32 (-inf on
+``step_*`` (one token; the decode path) and ``fused_*`` (``rnnify.kernels.aaren_scan``, both
+phases, once ``use_kernels`` is set). Shapes: scores s ``[B, Hkv, G, T]`` in fp32 (-inf on
 padding), v ``[B, Hkv, T, Dv]`` (zero on padding), state m, u ``[B, Hkv, G]`` and
 w ``[B, Hkv, G, Dv]`` in fp32; every form returns ``(o [B, Hkv, G, T, Dv], m, u, w)``.
 """
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
 
 Forms = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -128,6 +130,21 @@ def step_aaren(s, v, m, u, w) -> Forms:
     return _readout(u, w)[:, :, :, None], m, u, w
 
 
+def fused_aaren(s, v, m, u, w, backend: str = "auto") -> Forms:
+    """The scan through ``rnnify.kernels.aaren_scan``, whose heads are this layout's (kv head, G)
+    pairs flattened: scores ``[B, T, H]``, values repeated per query head ``[B, T, H, Dv]``."""
+    batch, num_kv_heads, group, length = s.shape
+    heads = num_kv_heads * group
+    values = v[:, :, None].expand(-1, -1, group, -1, -1).reshape(batch, heads, length, -1)
+    state = (m.reshape(batch, heads), u.reshape(batch, heads), w.reshape(batch, heads, -1))
+    o, (m, u, w) = kernels.aaren_scan(
+        s.reshape(batch, heads, length).transpose(1, 2), values.transpose(1, 2), state, True, backend=backend
+    )
+    grouped = (batch, num_kv_heads, group)
+    o = o.transpose(1, 2).reshape(*grouped, length, -1)
+    return o, m.reshape(grouped), u.reshape(grouped), w.reshape(*grouped, -1)
+
+
 class AarenCell(Cell):
     """Softmax attention of a learned per-head query over the prefix: constant state, trainable."""
 
@@ -148,6 +165,9 @@ class AarenCell(Cell):
 
     def describe(self) -> str:
         return "learned query per head (the layer's q projection is unused)"
+
+    def fused_ops(self) -> dict[str, str]:
+        return {"prefill": "aaren_scan", "decode": "aaren_scan"}
 
     def init_state(self, batch_size, device, dtype):
         heads, f32 = self.spec.num_heads, torch.float32
@@ -184,7 +204,9 @@ class AarenCell(Cell):
         v = torch.where(mask.to(torch.bool)[:, None, :, None], v.float(), 0.0)
         grouped = (spec.num_kv_heads, spec.group_size)
         state = (m.reshape(batch, *grouped), u.reshape(batch, *grouped), w.reshape(batch, *grouped, -1))
-        if length == 1:
+        if self.kernels is not None:
+            out, m, u, w = fused_aaren(s, v, *state, backend=self.kernels)
+        elif length == 1:
             out, m, u, w = step_aaren(s, v, *state)
         elif self.prefill == "scan":
             out, m, u, w = scan_aaren(s, v, *state)

@@ -8,6 +8,10 @@ with q ``[B, num_heads, T, head_dim]``, k/v ``[B, num_kv_heads, T, dim]`` (one s
 head), ``mask`` ``[B, T]`` (True for real tokens, False for left padding) and ``out`` shaped like
 the SDPA output it replaces. T is 1 for a decode step and any length for a prefill that continues
 from ``state``. The state is functional: a cell never mutates its inputs.
+
+A cell with a fused form names the ``rnnify.kernels`` ops it runs (``fused_ops``); after
+``use_kernels(backend)`` (the ``fuse_kernels`` pass, or ``rnnify.load(..., kernels=...)``) its
+forward calls them instead of its own PyTorch forms, on the same state.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class Cell(nn.Module):
     def __init__(self, spec: CellSpec):
         super().__init__()
         self.spec = spec
+        self.kernels: str | None = None  # backend of the fused ops, None: the cell's own PyTorch forms
 
     def options(self) -> dict[str, Any]:
         """JSON-able options that rebuild this cell with ``type(cell)(spec, **options)``."""
@@ -68,6 +73,18 @@ class Cell(nn.Module):
         return sum(t.numel() * t.element_size() for t in state) + (
             self._bytes_per_token(dtype) * length * batch_size if self.grows_with_context else 0
         )
+
+    def fused_ops(self) -> dict[str, str]:
+        """The ``rnnify.kernels`` op the fused form runs per phase (``"prefill"``: T > 1, ``"decode"``:
+        T == 1); a phase left out keeps the PyTorch form. Empty: no fused form (the default)."""
+        return {}
+
+    def use_kernels(self, backend: str | None) -> dict[str, str]:
+        """Run ``fused_ops`` with ``backend`` (``rnnify.kernels.utils.BACKENDS``), or the cell's own
+        PyTorch forms with None; returns the ops now in use (empty for a cell without a fused form)."""
+        ops = self.fused_ops() if backend is not None else {}
+        self.kernels = backend if ops else None
+        return ops
 
     def describe(self) -> str:
         """A short note for ``rnnify info`` (e.g. recurrent neurons per head); empty by default."""

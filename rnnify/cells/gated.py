@@ -31,9 +31,10 @@ Forms, all computing the same thing (tests hold them to ``naive_recurrent_gated_
 ``naive_recurrent_*`` (a plain loop, the ground truth), ``parallel_*`` (masked quadratic),
 ``chunk_*`` (fla's naive_chunk: quadratic with relative decays inside chunks of C tokens, the
 state carried between chunks with the chunk's total decay exp(G_C); the prefill path) and
-``step_*`` (one token; the decode path). Shapes: phi_q ``[B, Hkv, G, T, F]`` (G query heads per kv
-head), phi_k ``[B, Hkv, T, F]``, v ``[B, Hkv, T, Dv]``, log_a ``[B, Hkv, T, 1]`` (scalar gate) or
-``[B, Hkv, T, F]`` (vector gate), state ``kv [B, Hkv, F, Dv]`` and ``k_sum [B, Hkv, F]`` (None
+``step_*`` (one token; the decode path); the fused form is ``cells.linear.fused_linear_attn`` with
+the gates (the ops' g for a scalar gate, gk for GLA's vector gate). Shapes: phi_q
+``[B, Hkv, G, T, F]`` (G query heads per kv head), phi_k ``[B, Hkv, T, F]``, v ``[B, Hkv, T, Dv]``,
+log_a ``[B, Hkv, T, 1]`` (scalar gate) or ``[B, Hkv, T, F]`` (vector gate), state ``kv [B, Hkv, F, Dv]`` and ``k_sum [B, Hkv, F]`` (None
 without the normaliser) in fp32.
 
 Padding tokens have phi(k) = 0 *and* log a = 0, so they leave the state exactly as it was.
@@ -57,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rnnify.cells.base import CellSpec
-from rnnify.cells.linear import FeatureMapCell, build_feature_map
+from rnnify.cells.linear import FeatureMapCell, build_feature_map, fused_linear_attn
 
 Forms = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -257,7 +258,9 @@ class GatedCell(FeatureMapCell):
         phi_q, phi_k = self.features(q, k, mask)
         log_a = self.log_gates(x, mask)
         v = torch.where(mask[:, None, :, None], v.float(), 0.0)  # padding: phi(k) = 0, a = 1, v = 0
-        if q.shape[2] == 1:
+        if self.kernels is not None:
+            out, kv, k_sum = fused_linear_attn(phi_q, phi_k, v, kv, k_sum, self.eps, log_a, self.kernels)
+        elif q.shape[2] == 1:
             out, kv, k_sum = step_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum, self.eps)
         else:
             out, kv, k_sum = chunk_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum, self.eps, self.chunk_size)

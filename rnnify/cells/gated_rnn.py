@@ -25,18 +25,23 @@ row: they are stored as the column index of that 1 (``Neurons``), and applying t
 
 Forms (all equal to ``naive_recurrent_gated_rnn``): the per-token loop, ``parallel_*`` (each
 neuron's state at every t as a masked decay matrix times the inputs, one matrix per distinct
-lambda), ``chunk_*`` (parallel inside chunks, the recurrence between them; the prefill path) and
-``step_*`` (decode). Shapes: z ``[B, Hkv, T, Dz]``, mask ``[B, T]`` bool, state h ``[B, Hkv, N]``
-fp32, outputs ``[B, Hkv, G, T, Dv]``. A padding token leaves every neuron as it was (its lambda
-counts as 1 and its input gate as 0).
+lambda), ``chunk_*`` (parallel inside chunks, the recurrence between them; the prefill path),
+``step_*`` (decode) and ``fused_*`` (the recurrence of every neuron through
+``rnnify.kernels.linear_recurrence``, x_t = a_t x_{t-1} + b_t with a = lambda and b = the input
+gate; run chunk by chunk in both phases once ``use_kernels`` is set). Shapes: z
+``[B, Hkv, T, Dz]``, mask ``[B, T]`` bool, state h ``[B, Hkv, N]`` fp32, outputs
+``[B, Hkv, G, T, Dv]``. A padding token leaves every neuron as it was (its lambda counts as 1 and
+its input gate as 0).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 
+from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
 
 
@@ -107,11 +112,25 @@ def parallel_gated_rnn(z, mask, h, net: Neurons) -> tuple[torch.Tensor, torch.Te
     return output_gate(states, net), states[:, :, -1]
 
 
-def chunk_gated_rnn(z, mask, h, net: Neurons, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_gated_rnn(z, mask, h, net: Neurons, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    batch, num_kv_heads, length, _ = z.shape
+    real = mask[:, None, :, None]
+    lam = torch.where(real, net.lam, 1.0).expand(-1, num_kv_heads, -1, -1)  # [B, Hkv, T, N]
+    u = torch.where(real, input_gate(z, net), 0.0)
+    a, b = (x.transpose(1, 2).reshape(batch, length, -1) for x in (lam, u))  # the op's [B, T, Hkv * N]
+    states, h = kernels.linear_recurrence(a, b, h.reshape(batch, -1), output_final_state=True, backend=backend)
+    states = states.reshape(batch, length, num_kv_heads, -1).transpose(1, 2)
+    return output_gate(states, net), h.reshape(batch, num_kv_heads, -1)
+
+
+def chunk_gated_rnn(
+    z, mask, h, net: Neurons, chunk_size: int = 64, form=parallel_gated_rnn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``form`` (default the parallel one) chunk by chunk: the states of a chunk are held at once."""
     outs = []
     for start in range(0, z.shape[2], chunk_size):
         end = start + chunk_size
-        out, h = parallel_gated_rnn(z[:, :, start:end], mask[:, start:end], h, net)
+        out, h = form(z[:, :, start:end], mask[:, start:end], h, net)
         outs.append(out)
     return torch.cat(outs, dim=3), h
 
@@ -158,6 +177,9 @@ class GatedRNNCell(Cell):
         kv, query = spec.head_dim * spec.value_dim, spec.group_size * spec.head_dim
         return f"{self.neurons_per_head} neurons per kv head ({kv} key-value, {query} query)"
 
+    def fused_ops(self) -> dict[str, str]:
+        return {"prefill": "linear_recurrence", "decode": "linear_recurrence"}
+
     def init_state(self, batch_size, device, dtype):
         shape = (batch_size, self.spec.num_kv_heads, self.neurons_per_head)
         return (torch.zeros(shape, device=device, dtype=torch.float32),)
@@ -167,7 +189,10 @@ class GatedRNNCell(Cell):
         grouped = q.float().reshape(batch, spec.num_kv_heads, spec.group_size, length, -1)
         z = gate_inputs(grouped, k.float(), v.float())
         mask = mask.to(torch.bool)
-        if length == 1:
+        if self.kernels is not None:
+            fused = partial(fused_gated_rnn, backend=self.kernels)
+            out, h = chunk_gated_rnn(z, mask, h, self.neurons, self.chunk_size, fused)
+        elif length == 1:
             out, h = step_gated_rnn(z, mask, h, self.neurons)
         else:
             out, h = chunk_gated_rnn(z, mask, h, self.neurons, self.chunk_size)

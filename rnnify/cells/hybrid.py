@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from rnnify.cells.base import Cell, CellSpec
-from rnnify.cells.linear import build_feature_map
+from rnnify.cells.linear import KERNEL_MAX_FEATURES, build_feature_map, fused_linear_attn
 from rnnify.cells.window import check_int, ring_index, ring_write, token_index
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
@@ -94,26 +94,38 @@ def naive_recurrent_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, 
     return torch.stack(outs, dim=3), keys, values, length, kv, k_sum
 
 
-def parallel_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, phi: FeatureMap, factor, scale: float):
-    window = keys.shape[2]
+def _held(k, v, mask, keys, values, length):
+    """Every key a new query might see, ring then new tokens, with token indices:
+    ``(q_index [B, T], key_index [B, W + T], keys, values [B, Hkv, W + T, d] fp32)``."""
     q_index = token_index(length, mask)
-    key_index = torch.cat([ring_index(length, window), q_index], dim=1)  # [B, W + T]
+    key_index = torch.cat([ring_index(length, keys.shape[2]), q_index], dim=1)
     all_keys = torch.cat([keys, k.to(keys.dtype)], dim=2).float()
     all_values = torch.cat([values, v.to(values.dtype)], dim=2).float()
+    return q_index, key_index, all_keys, all_values
+
+
+def _window_part(q, q_index, key_index, all_keys, all_values, window: int, factor, scale: float):
+    """f sum exp(s - m) v and f sum exp(s - m) over each query's window, m the max over the window."""
     i, j = q_index[:, :, None], key_index[:, None, :]
-    seen = (j >= 0) & (j <= i)
-    in_window = (seen & (i - j < window))[:, None, None]  # [B, 1, 1, T, N]
-    older = (seen & (i - j >= window))[:, None, None]  # left the window, not yet in kv/k_sum
-    # window part: exp(s - m) with m the max over the window
+    in_window = ((j >= 0) & (j <= i) & (i - j < window))[:, None, None]  # [B, 1, 1, T, N]
     scores = (scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys)).masked_fill(~in_window, float("-inf"))
     m = scores.amax(-1, keepdim=True)
     p = factor[..., None, None] * torch.exp(scores - torch.where(torch.isfinite(m), m, 0.0))
+    return p @ all_values[:, :, None], p.sum(-1)
+
+
+def parallel_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, phi: FeatureMap, factor, scale: float):
+    window = keys.shape[2]
+    q_index, key_index, all_keys, all_values = _held(k, v, mask, keys, values, length)
+    window_num, window_den = _window_part(q, q_index, key_index, all_keys, all_values, window, factor, scale)
     # linear part: older tokens of this call, and those already folded into kv/k_sum
+    i, j = q_index[:, :, None], key_index[:, None, :]
+    older = ((j >= 0) & (i - j >= window))[:, None, None]  # left the window, not yet in kv/k_sum
     phi_q, phi_k = phi(q), phi(all_keys)
     a = torch.where(older, torch.einsum("bhgtf,bhnf->bhgtn", phi_q, phi_k), 0.0)
     linear_num = a @ all_values[:, :, None] + phi_q @ kv[:, :, None]
     linear_den = a.sum(-1) + (phi_q * k_sum[:, :, None, None]).sum(-1)
-    out = _combine(p @ all_values[:, :, None], p.sum(-1), linear_num, linear_den)
+    out = _combine(window_num, window_den, linear_num, linear_den)
     # state: tokens that leave the window in this call join kv/k_sum
     keys, values, new_length = ring_write(k, v, mask, keys, values, length)
     leaving = ((key_index >= 0) & (key_index < new_length[:, None] - window))[:, None, :, None]
@@ -156,6 +168,46 @@ def step_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, phi: Featur
     return out, keys, values, length, kv, k_sum
 
 
+def leaving(q_index, key_index, all_keys, all_values, window: int):
+    """The key and value that leave the window as each new token arrives (token i - W for real token
+    i >= W; zeros where none leaves) ``[B, Hkv, T, d]``, and whether one leaves ``[B, T]``."""
+    leaves = q_index >= window
+    source = (key_index[:, None, :] == (q_index - window)[:, :, None]).long().argmax(-1)  # [B, T]
+
+    def take(x: torch.Tensor) -> torch.Tensor:
+        taken = x.gather(2, source[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+        return torch.where(leaves[:, None, :, None], taken, 0.0)
+
+    return take(all_keys), take(all_values), leaves
+
+
+def fused_hybrid_attn(
+    q, k, v, mask, keys, values, length, kv, k_sum, phi, factor, scale: float, chunk_size: int = 64,
+    backend: str = "auto",
+):
+    """Both phases with the linear part through ``rnnify.kernels``: it is linear attention whose
+    keys are the tokens leaving the window, one per new token (query i reads every j <= i - W), so
+    ``cells.linear.fused_linear_attn`` runs it unnormalised, with the denominator as one more value
+    column of ones and z as one more state column. The window part stays here, chunk by chunk."""
+    window, window_parts, left = keys.shape[2], [], []
+    for start in range(0, q.shape[3], chunk_size):
+        end = start + chunk_size
+        chunk = (k[:, :, start:end], v[:, :, start:end], mask[:, start:end])
+        held = _held(*chunk, keys, values, length)
+        window_parts.append(_window_part(q[:, :, :, start:end], *held, window, factor, scale))
+        left.append(leaving(*held, window))
+        keys, values, length = ring_write(*chunk, keys, values, length)
+    old_keys, old_values = (torch.cat([part[i] for part in left], dim=2) for i in (0, 1))
+    leaves = torch.cat([part[2] for part in left], dim=1)
+    phi_old = torch.where(leaves[:, None, :, None], phi(old_keys), 0.0)
+    old_values = torch.cat([old_values, torch.ones_like(old_values[..., :1])], dim=-1)
+    state = torch.cat([kv, k_sum[..., None]], dim=-1)
+    linear, state, _ = fused_linear_attn(phi(q), phi_old, old_values, state, None, backend=backend)
+    window_num, window_den = (torch.cat([part[i] for part in window_parts], dim=3) for i in (0, 1))
+    out = _combine(window_num, window_den, linear[..., :-1], linear[..., -1])
+    return out, keys, values, length, state[..., :-1], state[..., -1]
+
+
 class HybridCell(Cell):
     """Softmax over the last W tokens plus linear attention over older ones (LoLCATs), trainable.
 
@@ -192,6 +244,11 @@ class HybridCell(Cell):
             "chunk_size": self.chunk_size,
         }
 
+    def fused_ops(self) -> dict[str, str]:
+        if self.phi.feature_dim > KERNEL_MAX_FEATURES:
+            return {}
+        return {"prefill": "chunk_linear_attn", "decode": "fused_recurrent_linear_attn"}  # the linear part
+
     def init_state(self, batch_size, device, dtype):
         spec, features = self.spec, self.phi.feature_dim
         return (
@@ -212,7 +269,9 @@ class HybridCell(Cell):
         state = (keys, values, length, kv, k_sum)
         args = (self.phi, self.mixing_factor(), self.spec.scale)
         mask = mask.to(torch.bool)
-        if steps == 1:
+        if self.kernels is not None:
+            out, *state = fused_hybrid_attn(grouped, k, v, mask, *state, *args, self.chunk_size, self.kernels)
+        elif steps == 1:
             out, *state = step_hybrid_attn(grouped, k, v, mask, *state, *args)
         else:
             out, *state = chunk_hybrid_attn(grouped, k, v, mask, *state, *args, self.chunk_size)

@@ -10,7 +10,10 @@ Softmax's exp(q . k) is replaced by phi(q) . phi(k), so the past folds into a co
 Forms, all computing the same thing (tests hold them to ``naive_recurrent_linear_attn``):
 ``naive_recurrent_*`` (a plain loop, the ground truth), ``parallel_*`` (masked quadratic),
 ``chunk_*`` (O(T * C): quadratic inside chunks of C tokens, the recurrence between chunks; the
-prefill path) and ``step_*`` (one token; the decode path). Shapes: phi_q ``[B, Hkv, G, T, F]``
+prefill path), ``step_*`` (one token; the decode path) and ``fused_*`` (the same through the
+``rnnify.kernels`` ops, once ``use_kernels`` is set: ``chunk_linear_attn`` for T > 1,
+``fused_recurrent_linear_attn`` for T == 1; the phi_q scale is already in the features, so the ops
+run with scale 1, and their (S, z) state is this cell's (kv, k_sum)). Shapes: phi_q ``[B, Hkv, G, T, F]``
 (G query heads per kv head), phi_k ``[B, Hkv, T, F]``, v ``[B, Hkv, T, Dv]``, state
 ``kv [B, Hkv, F, Dv]`` and ``k_sum [B, Hkv, F]`` in fp32. ``k_sum=None`` is the unnormalised
 form: every form then returns ``(out, kv, None)``.
@@ -38,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
 
 Forms = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -310,7 +314,35 @@ def step_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
     return _normalise(num, den, eps), kv, k_sum
 
 
+def fused_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6, log_a=None, backend: str = "auto") -> Forms:
+    """The forms above (and ``cells.gated``'s with ``log_a``) through ``rnnify.kernels``.
+
+    Only the layout changes: ``[B, Hkv, G, T, F]`` queries are the ops' ``[B, T, H, F]`` (query head
+    h = kv head * G + g, the ops' GQA grouping); ``log_a`` ``[B, Hkv, T, 1]`` is their scalar gate g,
+    ``[B, Hkv, T, F]`` their per-channel gate gk.
+    """
+    batch, num_kv_heads, group, length, features = phi_q.shape
+    q = phi_q.reshape(batch, num_kv_heads * group, length, features).transpose(1, 2)
+    g = gk = None
+    if log_a is not None:
+        g, gk = (log_a[..., 0].transpose(1, 2), None) if log_a.shape[-1] == 1 else (None, log_a.transpose(1, 2))
+    op = kernels.fused_recurrent_linear_attn if length == 1 else kernels.chunk_linear_attn
+    state = kv if k_sum is None else (kv, k_sum)
+    out, state = op(
+        q, phi_k.transpose(1, 2), v.transpose(1, 2), g, gk, scale=1.0, initial_state=state, output_final_state=True,
+        normalize=k_sum is not None, eps=eps, backend=backend,
+    )
+    kv, k_sum = (state, None) if k_sum is None else state
+    return out.transpose(1, 2).reshape(batch, num_kv_heads, group, length, -1), kv, k_sum
+
+
 # --------------------------------------------------------------------------- the cell
+
+# The linear-attention kernels hold all F features of a [F, 64] state block per program (no tiling
+# over F): chunk_linear_attn compiled for sm_90 needs 147 KB of shared memory at F = 128 and 279 KB
+# (over the 227 KB limit) at 256. Wider maps (hedgehog from d = 128, performer's default m from
+# d = 64, taylor from d = 11) keep the PyTorch forms.
+KERNEL_MAX_FEATURES = 128
 
 
 class FeatureMapCell(Cell):
@@ -328,6 +360,11 @@ class FeatureMapCell(Cell):
         if not self.normalize:
             return (kv,)
         return kv, torch.zeros(batch_size, spec.num_kv_heads, f, device=device, dtype=torch.float32)
+
+    def fused_ops(self) -> dict[str, str]:
+        if self.phi.feature_dim > KERNEL_MAX_FEATURES:
+            return {}
+        return {"prefill": "chunk_linear_attn", "decode": "fused_recurrent_linear_attn"}
 
     def features(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """phi(q) grouped per kv head ``[B, H_kv, G, T, F]`` (the map's ``normalised_query`` when the
@@ -386,7 +423,9 @@ class LinearCell(FeatureMapCell):
         kv, k_sum = state if self.normalize else (state[0], None)
         phi_q, phi_k = self.features(q, k, mask)
         v = torch.where(mask[:, None, :, None].to(torch.bool), v.float(), 0.0)
-        if q.shape[2] == 1:
+        if self.kernels is not None:
+            out, kv, k_sum = fused_linear_attn(phi_q, phi_k, v, kv, k_sum, self.eps, backend=self.kernels)
+        elif q.shape[2] == 1:
             out, kv, k_sum = step_linear_attn(phi_q, phi_k, v, kv, k_sum, self.eps)
         else:
             out, kv, k_sum = chunk_linear_attn(phi_q, phi_k, v, kv, k_sum, self.eps, self.chunk_size)

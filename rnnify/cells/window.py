@@ -22,7 +22,9 @@ Forms, all computing the same thing (tests hold them to ``naive_recurrent_window
 recurrence of math.md §1: the ground truth), ``parallel_*`` (one masked quadratic softmax over
 sinks + ring + new tokens), ``chunk_*`` (the parallel form over blocks of queries: the prefill
 path) and ``step_*`` (one token: write it, then ``softmax_attention_rnn`` of ``cells/exact.py``
-over sinks + ring; the decode path). Shapes: q ``[B, Hkv, G, T, d]`` (G query heads per kv
+over sinks + ring; the decode path; ``fused_*`` is the same through ``rnnify.kernels.window_attn_step``,
+which writes with these helpers and reads in one kernel, once ``use_kernels`` is set; prefill
+keeps the chunk form). Shapes: q ``[B, Hkv, G, T, d]`` (G query heads per kv
 head, fp32), k/v ``[B, Hkv, T, d]``, mask ``[B, T]``; state ``keys/values [B, Hkv, W, d]`` and
 ``sink_keys/sink_values [B, Hkv, S, d]`` in the model dtype, ``length [B]`` int64. Every form
 returns ``(out [B, Hkv, G, T, d_v] fp32, *new_state)``.
@@ -34,6 +36,7 @@ from typing import Any
 
 import torch
 
+from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
 from rnnify.cells.exact import softmax_attention_rnn
 
@@ -180,6 +183,17 @@ def step_window_attn(q, k, v, mask, keys, values, sink_keys, sink_values, length
     return out.reshape(batch, num_kv_heads, group, 1, -1).float(), keys, values, sink_keys, sink_values, length
 
 
+def fused_window_attn_step(
+    q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float, backend: str = "auto"
+):
+    batch, num_kv_heads, group, _, head_dim = q.shape  # T == 1; the op takes [B, 1, heads, d]
+    out, state = kernels.window_attn_step(
+        q.reshape(batch, 1, num_kv_heads * group, head_dim), k.transpose(1, 2), v.transpose(1, 2),
+        keys, values, length, sink_keys, sink_values, mask, scale, backend=backend,
+    )
+    return out.reshape(batch, num_kv_heads, group, 1, -1), *state
+
+
 # --------------------------------------------------------------------------- the cell
 
 
@@ -213,6 +227,9 @@ class WindowCell(Cell):
     def options(self) -> dict[str, Any]:
         return {"window": self.window, "sinks": self.sinks, "block_size": self.block_size}
 
+    def fused_ops(self) -> dict[str, str]:
+        return {"decode": "window_attn_step"}
+
     def init_state(self, batch_size, device, dtype):
         spec = self.spec
 
@@ -232,7 +249,9 @@ class WindowCell(Cell):
         grouped = q.float().reshape(batch, self.spec.num_kv_heads, self.spec.group_size, steps, -1)
         state = (keys, values, sink_keys, sink_values, length)
         mask = mask.to(torch.bool)
-        if steps == 1:
+        if steps == 1 and self.kernels is not None:
+            out, *state = fused_window_attn_step(grouped, k, v, mask, *state, self.spec.scale, self.kernels)
+        elif steps == 1:
             out, *state = step_window_attn(grouped, k, v, mask, *state, self.spec.scale)
         else:
             out, *state = chunk_window_attn(grouped, k, v, mask, *state, self.spec.scale, self.block_size)

@@ -1,8 +1,9 @@
 """The pass pipeline: small functions ``(gm, ctx) -> gm`` run in the order of ``PIPELINE``.
 
 Each pass reads what earlier passes recorded in ``node.meta`` (``find_attention`` decides,
-``rewrite_attention`` and ``thread_state`` act on the decision), and ``run_pipeline`` cleans up
-after every pass so none of them has to remember dead-code elimination, lint and recompile.
+``rewrite_attention``, ``thread_state`` and ``fuse_kernels`` act on the decision), and
+``run_pipeline`` cleans up after every pass so none of them has to remember dead-code
+elimination, lint and recompile.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.fx
 from rnnify.passes.context import PassContext
 from rnnify.passes.find_attention import AttentionSite, find_attention
 from rnnify.passes.find_positions import find_positions
+from rnnify.passes.fuse_kernels import fuse_kernels
 from rnnify.passes.rewrite_attention import rewrite_attention
 from rnnify.passes.strip_export_checks import strip_export_checks
 from rnnify.passes.thread_state import thread_state
@@ -22,7 +24,9 @@ __all__ = ["PIPELINE", "PassContext", "AttentionSite", "run_pipeline", "cleanup"
 
 Pass = Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]
 
-PIPELINE: list[Pass] = [strip_export_checks, find_positions, find_attention, rewrite_attention, thread_state]
+PIPELINE: list[Pass] = [
+    strip_export_checks, find_positions, find_attention, rewrite_attention, thread_state, fuse_kernels
+]
 
 
 def cleanup(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -17,6 +17,7 @@ from torch import nn
 
 from rnnify.cells import Cell
 from rnnify.errors import PositionError, RnnifyError, StateError
+from rnnify.passes.fuse_kernels import check_kernels, check_runnable
 from rnnify.runtime.manifest import Manifest
 from rnnify.runtime.sampling import check_sampling, next_token
 from rnnify.runtime.state import RecurrentState
@@ -54,6 +55,22 @@ class RecurrentModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return next(self.graph.parameters()).device
+
+    @property
+    def kernels(self) -> str | None:
+        """Backend of the cells' fused ops (``use_kernels``); None: the cells' own PyTorch forms."""
+        return self.manifest.kernels
+
+    def use_kernels(self, kernels: str | None) -> "RecurrentModel":
+        """Run the cells' fused ``rnnify.kernels`` ops with backend ``kernels``: ``"auto"`` (Triton on
+        CUDA, the PyTorch reference elsewhere), ``"triton"`` or ``"reference"``; None runs the cells'
+        own PyTorch forms. Cells without a fused form are unaffected. Recorded in the manifest."""
+        if kernels is not None:
+            check_kernels(kernels)
+        for entry, cell in zip(self.manifest.cells, self.cells):
+            entry.kernels = cell.use_kernels(kernels)
+        self.manifest.kernels = kernels
+        return self
 
     @property
     def constant_memory(self) -> bool:
@@ -138,6 +155,7 @@ class RecurrentModel(nn.Module):
         """One call of the step graph: read ``input_ids`` into ``state``; returns (logits, new state)."""
         mask = self._check_inputs(input_ids, attention_mask)
         self._check_state(state, input_ids.shape[0])
+        check_runnable(self.kernels, input_ids.device)
         position_ids = self._position_ids(input_ids, state, mask)
         if mask is None:
             graph_mask = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)

@@ -24,6 +24,7 @@ from torch import nn
 
 from rnnify.cells import CellSpec, build_cell
 from rnnify.errors import RnnifyError
+from rnnify.passes.fuse_kernels import check_kernels
 from rnnify.runtime.manifest import MANIFEST_FILE, Manifest
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.serialize import GraphFormatError, graph_from_json, graph_to_json
@@ -138,9 +139,15 @@ def _set(root: nn.Module, name: str, value) -> None:
         module.register_buffer(leaf, value)
 
 
-def load(path: str | Path, device: torch.device | str | None = None) -> RecurrentModel:
-    """Load a directory written by ``RecurrentModel.save``; needs neither the source model nor a hub."""
+def load(path: str | Path, device: torch.device | str | None = None, kernels: str | None = None) -> RecurrentModel:
+    """Load a directory written by ``RecurrentModel.save``; needs neither the source model nor a hub.
+
+    ``kernels`` overrides the backend of the fused ops recorded at conversion (``auto``, ``triton``
+    or ``reference``; see ``RecurrentModel.use_kernels``).
+    """
     path = Path(path).expanduser()
+    if kernels is not None:
+        check_kernels(kernels)
     manifest = Manifest.read(path)
     device = torch.device(device) if device is not None else torch.device("cpu")
     try:
@@ -169,6 +176,6 @@ def load(path: str | Path, device: torch.device | str | None = None) -> Recurren
     except (RuntimeError, AttributeError, KeyError) as exc:
         raise RnnifyError(f"{path}: weights do not match the graph ({exc}); convert the model again") from exc
     files = {name: (path / name).read_bytes() for name in SOURCE_FILES if (path / name).is_file()}
-    model = RecurrentModel(module, manifest, files)
+    model = RecurrentModel(module, manifest, files).use_kernels(manifest.kernels if kernels is None else kernels)
     model.path = path
     return model

@@ -1,0 +1,61 @@
+"""Switch every cell that has a fused form to the ``rnnify.kernels`` ops, with ``ctx.kernels``.
+
+The graph calls a cell as one ``call_module`` node for prompts (T > 1) and single tokens (T == 1)
+alike, and a graph cannot branch on T, so the op each phase runs is the cell's choice
+(``Cell.fused_ops``), and fusing is switching the cell (``Cell.use_kernels``): feature map,
+gates and layout stay the cell's own code, the scan and the normaliser become the op's. This pass
+does that for every cell call and records on its node which op each phase runs
+(``node.meta["rnnify_kernels"]``, e.g. ``{"prefill": "chunk_linear_attn", "decode":
+"fused_recurrent_linear_attn"}``; absent for cells without a fused form, such as ``exact``).
+
+It runs last in ``PIPELINE``, once ``rewrite_attention`` has built the cells and the graph is final.
+graph.json never holds a kernel op: the manifest records the backend and each cell's ops, and
+``rnnify.load`` switches the rebuilt cells again (``RecurrentModel.use_kernels``), so the backend
+can be chosen anew at load.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from rnnify.errors import RnnifyError
+from rnnify.kernels import utils
+from rnnify.passes.context import PassContext
+from rnnify.passes.rewrite_attention import cell_calls
+
+KERNELS_KEY = "rnnify_kernels"
+
+
+def check_kernels(kernels: str) -> str:
+    """``kernels`` if it names a backend (``auto``: Triton on CUDA, the PyTorch reference elsewhere)."""
+    if kernels not in utils.BACKENDS:
+        raise RnnifyError(f"unknown kernels {kernels!r}; choose from: {', '.join(utils.BACKENDS)}")
+    return kernels
+
+
+def fuse_kernels(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    if ctx.kernels is not None:
+        check_kernels(ctx.kernels)
+    for call in cell_calls(gm):
+        ops = gm.get_submodule(call.target).use_kernels(ctx.kernels)
+        if ops:
+            call.meta[KERNELS_KEY] = ops
+        else:
+            call.meta.pop(KERNELS_KEY, None)
+    return gm
+
+
+def check_runnable(kernels: str | None, device: torch.device) -> None:
+    """Pinned Triton kernels need triton and a CUDA device (or its interpreter, as the tests use)."""
+    if kernels != "triton":
+        return
+    if not utils.HAS_TRITON:
+        raise RnnifyError(
+            "kernels 'triton' need triton, which cannot be imported here; use kernels 'auto' or 'reference'"
+        )
+    if device.type != "cuda" and not utils.INTERPRET:
+        raise RnnifyError(
+            f"kernels 'triton' run on CUDA, not {device.type}; "
+            "use kernels 'auto' (Triton on CUDA, the PyTorch reference elsewhere) or 'reference'"
+        )

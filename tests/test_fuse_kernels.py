@@ -1,0 +1,258 @@
+"""The fuse_kernels pass: which cells run the rnnify.kernels ops, that the Triton path (through the
+interpreter, TRITON_INTERPRET=1 from conftest) gives the reference path's logits and both the
+cells' own PyTorch forms', and how the backend is saved, overridden at load and chosen on the CLI."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+import torch
+
+import rnnify
+from rnnify.capture import capture, load_source
+from rnnify.cells import CellSpec, build_cell
+from rnnify.cells.linear import KERNEL_MAX_FEATURES
+from rnnify.cli import main
+from rnnify.kernels import utils
+from rnnify.passes import PIPELINE, PassContext, cleanup
+from rnnify.passes.fuse_kernels import KERNELS_KEY, fuse_kernels
+from rnnify.passes.rewrite_attention import cell_calls
+from rnnify.plan import make_plan
+from rnnify.runtime.manifest import MANIFEST_FILE
+
+LINEAR_OPS = {"prefill": "chunk_linear_attn", "decode": "fused_recurrent_linear_attn"}
+
+# Every family with a fused form. The interpreter is slowest on the scans: one such layer there.
+FAMILIES = {
+    "linear": ("linear", {}),
+    "linear-hedgehog": ("linear", {"feature_map": "hedgehog"}),
+    "gated-retnet": ("gated", {"gate": "retnet"}),
+    "gated-gla": ("gated", {"gate": "gla"}),
+    "gated-gateloop": ("gated", {"gate": "gateloop", "feature_map": "identity", "normalize": False}),
+    "aaren": ("aaren", {"layers": "0:exact"}),
+    "gated-rnn": ("gated-rnn", {"decay": 0.9, "layers": "0:exact"}),
+    "window": ("window", {"window": 4, "sinks": 1}),
+    "hybrid": ("hybrid", {"window": 4}),
+}
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.fixture(scope="module")
+def llama_graph(tiny_model_dir):
+    """The tiny Llama's graph after every pass before fuse_kernels, with a plan of three targets."""
+
+    def get() -> tuple[torch.fx.GraphModule, PassContext]:
+        ctx = PassContext(config=None, plan=make_plan("linear", layers="0:exact"), kernels=None)
+        source = load_source(tiny_model_dir("llama"))
+        ctx.config = source.config
+        gm = capture(source)
+        for pass_ in PIPELINE[: PIPELINE.index(fuse_kernels)]:
+            gm = cleanup(pass_(gm, ctx))
+        return gm, ctx
+
+    return get
+
+
+def fused_counts(gm: torch.fx.GraphModule) -> collections.Counter:
+    return collections.Counter(op for call in cell_calls(gm) for op in call.meta.get(KERNELS_KEY, {}).values())
+
+
+# -- the pass -------------------------------------------------------------------------------
+
+
+def test_pass_fuses_cells_that_have_a_fused_form(llama_graph):
+    gm, ctx = llama_graph()
+    graph_before = str(gm.graph)
+    ctx.kernels = "reference"
+    gm = cleanup(fuse_kernels(gm, ctx))
+    exact, linear = (gm.get_submodule(call.target) for call in cell_calls(gm))
+    assert (exact.target, exact.kernels) == ("exact", None)
+    assert (linear.target, linear.kernels) == ("linear", "reference")
+    assert [call.meta.get(KERNELS_KEY) for call in cell_calls(gm)] == [None, LINEAR_OPS]
+    assert fused_counts(gm) == {"chunk_linear_attn": 1, "fused_recurrent_linear_attn": 1}
+    assert str(gm.graph) == graph_before  # the graph is unchanged: the cells choose the op per call
+
+    ctx.kernels = None
+    gm = fuse_kernels(gm, ctx)
+    assert fused_counts(gm) == {} and linear.kernels is None
+
+
+def test_pass_rejects_an_unknown_backend(llama_graph):
+    gm, ctx = llama_graph()
+    ctx.kernels = "cuda"
+    with pytest.raises(rnnify.RnnifyError, match="unknown kernels 'cuda'.*auto, triton, reference"):
+        fuse_kernels(gm, ctx)
+
+
+def test_wide_feature_maps_keep_the_pytorch_forms():
+    spec = CellSpec(4, 2, 8, 8, 8**-0.5)
+
+    def performer(target: str, features: int):
+        return build_cell(target, spec, {"feature_map": "performer", "feature_options": {"num_features": features}})
+
+    for target in ("linear", "hybrid"):
+        fits = performer(target, KERNEL_MAX_FEATURES)
+        assert fits.use_kernels("triton") == LINEAR_OPS and fits.kernels == "triton"
+        wide = performer(target, KERNEL_MAX_FEATURES + 1)
+        assert wide.use_kernels("triton") == {} and wide.kernels is None
+
+
+# -- parity ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_model_dir):
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            target, options = FAMILIES[family]
+            model = rnnify.convert(tiny_model_dir("llama"), to=target, kernels="reference", **options)
+            if target == "aaren":  # a learned query of its own, not zeros (uniform attention)
+                vocab = model.manifest.vocab_size
+                model.calibrate(torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(1)))
+            cache[family] = model
+        return cache[family]
+
+    return get
+
+
+def run_model(model, kernels: str | None, steps: int = 2) -> torch.Tensor:
+    """Logits of a left-padded 2-row prefill, then ``steps`` decode steps."""
+    model.use_kernels(kernels)
+    ids = torch.randint(0, model.manifest.vocab_size, (2, 6 + steps), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, :2] = False
+    logits, state = model.prefill(ids[:, :6], attention_mask=mask)
+    outs = [logits]
+    for t in range(6, ids.shape[1]):
+        logits, state = model.step(ids[:, t : t + 1], state)
+        outs.append(logits)
+    return torch.cat(outs, dim=1)[:, 2:]  # row 0's padding positions excluded
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_triton_matches_reference_and_the_cells_own_forms(family, converted):
+    model = converted(family)
+    assert model.manifest.cells[-1].kernels
+    reference = run_model(model, "reference")
+    assert torch.isfinite(reference).all()
+    assert rel_diff(run_model(model, "triton"), reference) < 1e-5
+    assert rel_diff(run_model(model, None), reference) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_triton_matches_reference_over_chunks(family, tiny_model_dir):
+    """Prompts over several chunks of the kernels (64 tokens; 16 with GLA's gate) and of the cells."""
+    target, options = FAMILIES[family]
+    chunk = {"block_size": 16} if target == "window" else {"chunk_size": 16}
+    model = rnnify.convert(tiny_model_dir("llama"), to=target, kernels="reference", **options, **chunk)
+    ids = torch.randint(0, model.manifest.vocab_size, (2, 108), generator=torch.Generator().manual_seed(2))
+    results = {}
+    for kernels in ("reference", "triton", None):
+        model.use_kernels(kernels)
+        logits, state = model.prefill(ids[:, :100])
+        outs = [logits]
+        for t in range(100, ids.shape[1]):
+            logits, state = model.step(ids[:, t : t + 1], state)
+            outs.append(logits)
+        results[kernels] = torch.cat(outs, dim=1)
+    assert rel_diff(results["triton"], results["reference"]) < 1e-5
+    assert rel_diff(results[None], results["reference"]) < 1e-5
+
+
+# -- manifest, load, CLI --------------------------------------------------------------------
+
+
+def test_manifest_round_trip_and_load_override(converted, tmp_path):
+    model = converted("linear")
+    model.use_kernels("reference")
+    expected = run_model(model, "reference", steps=1)
+    model.save(tmp_path / "m")
+    manifest = json.loads((tmp_path / "m" / MANIFEST_FILE).read_text())
+    assert manifest["kernels"] == "reference" and manifest["format_version"] == 2
+    assert [cell["kernels"] for cell in manifest["cells"]] == [LINEAR_OPS, LINEAR_OPS]
+
+    loaded = rnnify.load(tmp_path / "m")
+    assert loaded.kernels == "reference" and {cell.kernels for cell in loaded.cells} == {"reference"}
+    assert torch.equal(run_model(loaded, "reference", steps=1), expected)
+
+    pinned = rnnify.load(tmp_path / "m", kernels="triton")
+    assert pinned.kernels == "triton" and {cell.kernels for cell in pinned.cells} == {"triton"}
+    assert rel_diff(run_model(pinned, "triton", steps=1), expected) < 1e-5
+    pinned.save(tmp_path / "m2")
+    assert json.loads((tmp_path / "m2" / MANIFEST_FILE).read_text())["kernels"] == "triton"
+
+
+def test_format_1_manifest_loads_unfused(converted, tmp_path):
+    converted("linear").save(tmp_path / "m")
+    path = tmp_path / "m" / MANIFEST_FILE
+    data = json.loads(path.read_text())
+    del data["kernels"]
+    for cell in data["cells"]:
+        del cell["kernels"]
+    path.write_text(json.dumps({**data, "format_version": 1}))
+    model = rnnify.load(tmp_path / "m")
+    assert model.kernels is None and {cell.kernels for cell in model.cells} == {None}
+    assert rnnify.load(tmp_path / "m", kernels="auto").cells[0].kernels == "auto"
+
+
+def test_bad_kernels_are_user_errors(tiny_model_dir, converted, tmp_path, monkeypatch):
+    with pytest.raises(rnnify.RnnifyError, match="unknown kernels 'gpu'"):
+        rnnify.convert(tiny_model_dir("llama"), to="linear", kernels="gpu")
+    converted("linear").save(tmp_path / "m")
+    with pytest.raises(rnnify.RnnifyError, match="unknown kernels 'fast'"):
+        rnnify.load(tmp_path / "m", kernels="fast")
+    model = rnnify.load(tmp_path / "m", kernels="triton")
+    monkeypatch.setattr(utils, "INTERPRET", False)  # as on a machine without a GPU or the interpreter
+    with pytest.raises(rnnify.RnnifyError, match="kernels 'triton' run on CUDA, not cpu"):
+        model.prefill(torch.tensor([[1, 2]]))
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_kernels_flag(capsys, tmp_path, tiny_model_dir):
+    out_dir = tmp_path / "m"
+    code, _, err = run_cli(capsys, "convert", tiny_model_dir("llama"), "--to", "window", "--window", "4",
+                           "--layers", "0:exact", "--kernels", "reference", "-o", out_dir)
+    assert code == 0, err
+    assert json.loads((out_dir / MANIFEST_FILE).read_text())["kernels"] == "reference"
+
+    code, out, err = run_cli(capsys, "info", out_dir)
+    assert code == 0, err
+    assert "reference (the ops' PyTorch references); fused ops in 1 of 2 layers" in out
+    assert "fused ops" in out and "decode window_attn_step" in out
+
+    code, out, err = run_cli(capsys, "generate", out_dir, "--ids", "1,2,3", "--max-new-tokens", "2",
+                             "--kernels", "triton")
+    assert code == 0, err
+    assert out.strip().startswith("1,2,3,")
+    code, out, err = run_cli(capsys, "verify", out_dir, "--tokens", "6", "--batch", "1", "--kernels", "triton")
+    assert code == 0, out + err
+
+    for argv in (["convert", tiny_model_dir("llama"), "--to", "linear", "--kernels", "cuda", "-o", tmp_path / "x"],
+                 ["generate", out_dir, "--ids", "1", "--kernels", "fast"]):
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 2 and "invalid choice" in err and "Traceback" not in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_pinned_triton_without_a_gpu_is_a_user_error(capsys, tmp_path, converted, monkeypatch):
+    model = converted("linear")
+    model.use_kernels("triton")
+    model.save(tmp_path / "m")
+    monkeypatch.setattr(utils, "INTERPRET", False)
+    code, out, err = run_cli(capsys, "info", tmp_path / "m")  # inspecting needs no GPU
+    assert code == 0 and "triton; fused ops in 2 of 2 layers" in out
+    code, _, err = run_cli(capsys, "generate", tmp_path / "m", "--ids", "1,2")
+    assert code == 2 and err.startswith("error: kernels 'triton' run on CUDA") and "Traceback" not in err
