@@ -9,9 +9,11 @@
 __version__ = "0.1.0"
 
 from rnnify.convert import convert
+from rnnify import distill
 from rnnify.errors import RnnifyError
+from rnnify.eval import EvalResult, evaluate
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.state import RecurrentState
 from rnnify.runtime.storage import load
 
-__all__ = ["convert", "load", "RecurrentModel", "RecurrentState", "RnnifyError", "__version__"]
+__all__ = ["convert", "distill", "load", "evaluate", "EvalResult", "RecurrentModel", "RecurrentState", "RnnifyError", "__version__"]

@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rnnify.errors import RnnifyError
+from rnnify.kernels.utils import BACKENDS
 
 __all__ = ["main", "build_parser"]
 
@@ -34,6 +35,9 @@ examples:
   rnnify generate out/exact --prompt "def main():" --max-new-tokens 40
   rnnify info out/linear
   rnnify bench out/linear --against path/to/hf-model --contexts 256,16384 --json bench.json --plot bench.png
+  rnnify eval out/linear --data corpus/ --max-tokens 100000 --json eval.json
+  rnnify distill out/hybrid --data corpus/ -o out/hybrid-distilled --max-tokens 2000000
+  rnnify convert path/to/hf-model --to hybrid --feature-map hedgehog --distill corpus/ -o out/hybrid-distilled
 """
 
 
@@ -98,11 +102,16 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
     options = {name: getattr(args, name) for name in _CELL_FLAGS if getattr(args, name) is not None}
     options.update(_parse_options(args.option or []))
     keep = _parse_layer_list(args.keep_softmax) if args.keep_softmax else None
-    stages = ["load", "capture", *(p.__name__ for p in PIPELINE), "save"]
+    stages = ["load", "capture", *(p.__name__ for p in PIPELINE), *(["distill"] if args.distill else []), "save"]
     with _stage_bar(len(stages), "stage") as start:
         model = rnnify.convert(
-            args.model, to=args.to, layers=args.layers, keep_softmax=keep, dtype=args.dtype, progress=start, **options
+            args.model, to=args.to, layers=args.layers, keep_softmax=keep, dtype=args.dtype, kernels=args.kernels,
+            progress=start, **options,
         )
+        if args.distill:
+            start("distill")
+            if not _train(model, args.distill, args.teacher or args.model, args):
+                return 0
         start("save")
         try:
             path = model.save(args.output)
@@ -149,7 +158,7 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
     import rnnify
     from rnnify.verify import CHECKS, run_checks, tolerance
 
-    model = rnnify.load(args.dir)
+    model = rnnify.load(args.dir, kernels=args.kernels)
     total = len(CHECKS) if args.against is not None else len(CHECKS) - 1
     with _stage_bar(total, "check", leave=False) as start:
         results = run_checks(model, args.against, tokens=args.tokens, batch=args.batch, seed=args.seed, progress=start)
@@ -235,7 +244,7 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
 
     import rnnify
 
-    model = rnnify.load(args.dir)
+    model = rnnify.load(args.dir, kernels=args.kernels)
     if args.ids is not None:
         tokenizer, streamer = None, _IdStreamer()
         ids = _parse_ids(args.ids, model.manifest.vocab_size)
@@ -283,6 +292,7 @@ def _info(args: argparse.Namespace, console: Console) -> int:
         "dtype": manifest.dtype,
         "vocab size": str(manifest.vocab_size),
         "positions": where,
+        "kernels": _kernels_line(model),
         "converted with": ", ".join(f"{k} {v}" for k, v in manifest.versions.items()) or "(unknown)",
     }
     for key, value in rows.items():
@@ -291,11 +301,12 @@ def _info(args: argparse.Namespace, console: Console) -> int:
 
     windowed = any(cell.spec.window is not None for cell in model.cells)
     notes = any(cell.describe() for cell in model.cells)
+    fused = any(entry.kernels for entry in manifest.cells)
     columns = ["layer", "module path", "cell", "heads", "kv heads", "head dim"] + (["window"] if windowed else [])
-    columns += ["notes"] if notes else []
+    columns += (["notes"] if notes else []) + (["fused ops"] if fused else [])
     table = Table(title="recurrent state per sequence, by context length")
     for column in columns:
-        table.add_column(column, justify="left" if column in ("module path", "cell", "notes") else "right")
+        table.add_column(column, justify="left" if column in ("module path", "cell", "notes", "fused ops") else "right")
     for length in _LENGTHS:
         table.add_column(f"{length:,} token{'s' * (length > 1)}", justify="right", no_wrap=True)
     for entry, cell in zip(manifest.cells, model.cells):
@@ -306,12 +317,23 @@ def _info(args: argparse.Namespace, console: Console) -> int:
             row.append("" if spec.window is None else str(spec.window))
         if notes:
             row.append(Text(cell.describe()))
+        if fused:
+            row.append(Text(", ".join(f"{phase} {op}" for phase, op in entry.kernels.items()) or "-"))
         table.add_row(*row, *(_nbytes(cell.state_nbytes(length, 1, model.dtype)) for length in _LENGTHS))
     table.add_section()
     table.add_row("total", *[""] * (len(columns) - 1), *(_nbytes(model.state_nbytes(length)) for length in _LENGTHS))
     console.print(table)
     console.print(Text(_memory_line(model), "bold"), soft_wrap=True)
     return 0
+
+
+def _kernels_line(model) -> str:
+    """The backend of the fused ops and how many layers run them, in words."""
+    if model.kernels is None:
+        return "none: every cell runs its own PyTorch forms"
+    meaning = {"auto": " (Triton on CUDA, PyTorch reference elsewhere)", "reference": " (the ops' PyTorch references)"}
+    count = sum(bool(entry.kernels) for entry in model.manifest.cells)
+    return f"{model.kernels}{meaning.get(model.kernels, '')}; fused ops in {count} of {len(model.cells)} layers"
 
 
 def _int_list(flag: str, text: str) -> list[int]:
@@ -348,7 +370,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         if args.threads < 1:
             raise RnnifyError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    model = rnnify.load(args.dir)
+    model = rnnify.load(args.dir, kernels=args.kernels)
     if args.dtype is not None and args.dtype != model.manifest.dtype:
         raise RnnifyError(
             f"{args.dir} holds {model.manifest.dtype} weights; convert with --dtype {args.dtype} to bench {args.dtype}"
@@ -466,12 +488,73 @@ def _prefill_table(run, cap: int) -> Table:
     return table
 
 
+def _eval(args: argparse.Namespace, console: Console) -> int:
+    from rnnify.eval import evaluate, write_json
+
+    result = evaluate(
+        args.dir, args.data, against=args.against, seq_len=args.seq_len, batch_size=args.batch_size,
+        max_tokens=args.max_tokens, progress=True,
+    )
+    summary = Table(box=box.SIMPLE_HEAD, title=Text(
+        f"{result.target} vs {result.against}: {result.tokens:,} tokens, rows of {result.seq_len}"
+    ))
+    for column in ("", "converted", "original"):
+        summary.add_column(column, justify="left" if not column else "right")
+    summary.add_row("perplexity", f"{result.perplexity:.4g}", f"{result.teacher_perplexity:.4g}")
+    summary.add_row("KL(original || converted), nats/token", f"{result.kl:.3g}", "")
+    summary.add_row("top-1 agreement", f"{result.top1_agreement:.1%}", "")
+    summary.add_row(f"state per sequence at {result.seq_len:,} tokens", _nbytes(result.state_bytes), "")
+    console.print(summary)
+    layers = Table(box=box.SIMPLE_HEAD, title=Text("attention error per layer, fed the original's activations"))
+    for column in ("layer", "cell", "relative error", "MSE"):
+        layers.add_column(column, justify="right")
+    for layer in result.layers:
+        layers.add_row(str(layer.layer), layer.module, f"{layer.rel_error:.3g}", f"{layer.mse:.3g}")
+    console.print(layers)
+    if args.json is not None:
+        write_json(args.json, result.to_json())
+    return 0
+
+
+def _train(model, data: str, teacher, args: argparse.Namespace) -> bool:
+    """Distil ``model`` in place (docs/distill.md); True on the process that writes the result (rank 0)."""
+    import os
+
+    from rnnify.distill import distill
+    from rnnify.distill.options import training_options
+
+    distill(model, data, teacher=teacher, **training_options(args))  # reports each stage on stderr
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _distill(args: argparse.Namespace, console: Console) -> int:
+    import rnnify
+
+    model = rnnify.load(args.dir)
+    if not _train(model, args.data, args.teacher, args):
+        return 0
+    try:
+        path = model.save(args.output)
+    except OSError as exc:
+        raise RnnifyError(f"cannot write {args.output}: {exc.strerror or exc}; choose another output directory") from exc
+    console.print(Text(f"saved to {path}"), soft_wrap=True)
+    return 0
+
+
 # -- parser -------------------------------------------------------------------------------
+
+
+def _add_kernels_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kernels", choices=BACKENDS, default=None,
+        help="backend of the fused ops, overriding the one DIR was converted with: auto, triton or reference",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     from rnnify.cells import CELLS
     from rnnify.cells.linear import FEATURE_MAPS
+    from rnnify.distill.options import add_training_flags
 
     parser = argparse.ArgumentParser(
         prog="rnnify",
@@ -505,6 +588,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-softmax", metavar="LAYERS", help="comma-separated layers kept exact softmax attention, e.g. 0,3"
     )
+    p.add_argument(
+        "--kernels", choices=BACKENDS, default="auto",
+        help="backend of the fused Triton ops the cells run where they have them: auto (Triton on CUDA, "
+        "the PyTorch reference elsewhere), triton or reference; saved with the model (default: auto)",
+    )
     cell = p.add_argument_group("cell options (passed to every cell that accepts them)")
     cell.add_argument("--window", type=int, metavar="W", help="softmax window in tokens (window, hybrid)")
     cell.add_argument("--sinks", type=int, metavar="S", help="first tokens always attended to (window)")
@@ -517,6 +605,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="any other cell option, repeatable; VALUE is read as JSON when it parses (chunk_size=128, "
         'feature_options={"num_features":256})',
     )
+    p.add_argument(
+        "--distill", metavar="PATH",
+        help="then distil the converted model on this text file, folder or .jsonl before saving (flags below)",
+    )
+    add_training_flags(p)
     p.set_defaults(run=_convert)
 
     p = commands.add_parser(
@@ -535,6 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=32, metavar="N", help="tokens per sequence (default: 32)")
     p.add_argument("--batch", type=int, default=2, metavar="B", help="sequences per batch (default: 2)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the random token ids (default: 0)")
+    _add_kernels_flag(p)
     p.set_defaults(run=_verify)
 
     p = commands.add_parser(
@@ -556,6 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="sample only from the smallest set of tokens whose probability adds up to P",
     )
     p.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling, for repeatable output")
+    _add_kernels_flag(p)
     p.set_defaults(run=_generate)
 
     p = commands.add_parser(
@@ -592,7 +687,43 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest context whose prefill is timed (default: 2048; prefill is slow on CPU)")
     p.add_argument("--json", metavar="OUT", help="write the results and the machine to OUT as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="write latency and memory vs context plots to OUT.png")
+    _add_kernels_flag(p)
     p.set_defaults(run=_bench)
+
+    p = commands.add_parser(
+        "eval",
+        help="measure how close a converted model is to its original on text: perplexity, KL, per-layer error",
+        description="Read --data in rows of --seq-len tokens and report both models' perplexity, "
+        "KL(original || converted) per token, top-1 agreement, the state per sequence, and each layer's "
+        "attention error against softmax attention with the layer fed the original's activations.",
+    )
+    p.add_argument("dir", metavar="DIR", help="converted model directory")
+    p.add_argument("--data", required=True, metavar="PATH",
+                   help="text file, folder of text files or .jsonl file with a \"text\" field per line")
+    p.add_argument("--against", metavar="MODEL",
+                   help="model to compare with: Hugging Face or rnnify directory (default: the source in DIR's manifest)")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N",
+                   help="tokens per row (default: 1024, or the model's position limit if lower)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="rows per batch (default: 8)")
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N", help="stop after N tokens (default: all the data)")
+    p.add_argument("--json", metavar="OUT", help="write the results to OUT as JSON")
+    p.set_defaults(run=_eval)
+
+    p = commands.add_parser(
+        "distill",
+        help="train a converted model towards its original: attention transfer, then LoRA fine-tuning",
+        description="LoLCATs' recipe (docs/distill.md): 'transfer' trains the cells' own parameters to "
+        "match the original softmax attention layer by layer; 'finetune' trains LoRA on the attention "
+        "projections plus the cells on next-token loss and KL to the original model, then merges LoRA "
+        "into the weights. Writes -o DIR; checkpoints allow --resume. Runs under torchrun for data "
+        "parallelism (--batch-size is the global batch), with --fsdp sharding the weights per decoder layer.",
+    )
+    p.add_argument("dir", metavar="DIR", help="converted model directory")
+    p.add_argument("--data", required=True, metavar="PATH",
+                   help="text file, folder of text files or .jsonl file with a \"text\" field per line")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the distilled model to")
+    add_training_flags(p)
+    p.set_defaults(run=_distill)
     return parser
 
 

@@ -9,7 +9,8 @@ from typing import Any
 
 from rnnify.errors import RnnifyError
 
-FORMAT_VERSION = 1
+# 2 adds ``kernels`` (and each cell's fused ops) and ``distill``; version 1 still loads, unfused.
+FORMAT_VERSION = 2
 MANIFEST_FILE = "rnnify.json"
 
 
@@ -23,6 +24,7 @@ class CellEntry:
     target: str
     spec: dict[str, Any]
     options: dict[str, Any]
+    kernels: dict[str, str] = field(default_factory=dict)  # fused op per phase, e.g. {"decode": "window_attn_step"}
 
 
 @dataclass
@@ -40,6 +42,8 @@ class Manifest:
     weights_sha256: str | None = None
     aliases: dict[str, str] = field(default_factory=dict)  # tied tensors: alias -> stored name
     buffers: list[str] = field(default_factory=list)  # tensors that are buffers, not parameters
+    distill: dict[str, Any] | None = None  # settings and tokens of `rnnify distill`, if it trained the model
+    kernels: str | None = None  # backend of the fused ops (auto, triton, reference); None: PyTorch forms only
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:

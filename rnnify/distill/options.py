@@ -1,0 +1,68 @@
+"""The command-line flags of training, shared by ``rnnify distill`` and ``rnnify convert --distill``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rnnify.distill.train import DEFAULT_LR, STAGES
+from rnnify.errors import RnnifyError
+from rnnify.runtime.manifest import MANIFEST_FILE
+
+__all__ = ["add_training_flags", "training_options"]
+
+
+def add_training_flags(p: argparse.ArgumentParser) -> None:
+    """Add the training flags (in their own help group) to ``p``."""
+    g = p.add_argument_group("distillation (docs/distill.md)")
+    g.add_argument("--teacher", metavar="MODEL",
+                   help="original model for the KL term (default: the source model recorded in the manifest)")
+    g.add_argument("--stages", default=",".join(STAGES), metavar="LIST",
+                   help="stages to run, in order: transfer (cell parameters vs softmax attention), finetune "
+                   "(LoRA + cells on next-token loss and KL to the teacher) (default: transfer,finetune)")
+    g.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="real tokens to train on, split evenly between the stages (default: one pass over "
+                   "the data per stage)")
+    g.add_argument("--seq-len", type=int, default=1024, metavar="N", help="tokens per row (default: 1024)")
+    g.add_argument("--batch-size", type=int, default=8, metavar="B",
+                   help="rows per optimizer step, all processes together (default: 8)")
+    g.add_argument("--lr", metavar="X[,X]",
+                   help="learning rate, one for all stages or one per stage (default: "
+                   + ", ".join(f"{s} {r:g}" for s, r in DEFAULT_LR.items()) + ")")
+    g.add_argument("--lora-rank", type=int, default=8, metavar="R", help="LoRA rank of the finetune stage (default: 8)")
+    g.add_argument("--kl-weight", type=float, default=1.0, metavar="X",
+                   help="weight of KL(teacher || model) next to the next-token loss; 0 needs no teacher (default: 1)")
+    g.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="where checkpoints go (default: the output directory's name + '.checkpoints', beside it)")
+    g.add_argument("--checkpoint-every", type=int, default=500, metavar="N",
+                   help="steps between checkpoints (default: 500)")
+    g.add_argument("--resume", action="store_true", help="continue from the checkpoint of an interrupted run")
+    g.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard the weights over the processes, one FSDP unit per decoder layer, "
+                   "instead of a full copy per process (models that do not fit one device)")
+    g.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the data order and LoRA init (default: 0)")
+
+
+def training_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of ``rnnify.distill`` the flags give (all but model, data and teacher).
+
+    Also refuses an ``--output`` that saving would refuse, now rather than after hours of training.
+    """
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    lr = None
+    if args.lr is not None:
+        try:
+            lr = [float(x) for x in args.lr.split(",")]
+        except ValueError:
+            raise RnnifyError(f"--lr {args.lr!r}: expected a number or comma-separated numbers, e.g. 1e-2,1e-4") from None
+        lr = lr[0] if len(lr) == 1 else lr
+    output = Path(args.output).expanduser()
+    if output.exists() and not (output.is_dir() and (not any(output.iterdir()) or (output / MANIFEST_FILE).is_file())):
+        raise RnnifyError(f"{output} exists and is not an rnnify model directory; choose another output directory")
+    return {
+        "stages": stages, "max_tokens": args.max_tokens, "seq_len": args.seq_len, "batch_size": args.batch_size,
+        "lr": lr, "lora_rank": args.lora_rank, "kl_weight": args.kl_weight, "seed": args.seed,
+        "checkpoint_dir": args.checkpoint_dir or output.with_name(output.name + ".checkpoints"),
+        "checkpoint_every": args.checkpoint_every, "resume": args.resume, "fsdp": args.fsdp,
+    }

@@ -1,0 +1,60 @@
+"""The original model, loaded as a frozen teacher for a converted one.
+
+Fine-tuning distils the original model's next-token distribution into the converted one (a KL
+term on the logits), and evaluation compares against it. The teacher defaults to the model the
+manifest names as the source, so a converted directory carries everything needed to find it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torch import nn
+
+from rnnify.errors import RnnifyError
+from rnnify.runtime.model import RecurrentModel
+
+__all__ = ["load_teacher", "source_directory"]
+
+
+def source_directory(model: RecurrentModel, how_to_pass: str) -> str:
+    """The manifest's source when it is a local directory; else an error that says ``how_to_pass`` one."""
+    source = model.manifest.source
+    if not source or not Path(source).expanduser().is_dir():
+        raise RnnifyError(
+            f"the source model of this converted model ({source or 'not recorded'}) is not a local directory; "
+            f"pass the original model with {how_to_pass}"
+        )
+    return source
+
+
+def load_teacher(model: RecurrentModel, teacher: str | os.PathLike | nn.Module | None = None) -> nn.Module:
+    """``load_teacher(model, teacher=None) -> PreTrainedModel``: the original model of ``model``.
+
+    ``teacher`` is None (the manifest's ``source``, when that is a local directory), a local
+    Hugging Face directory or cached hub id, or a loaded ``nn.Module`` (used as is). The result
+    is in eval mode, has ``requires_grad=False`` everywhere and ``model``'s dtype and device; its
+    vocabulary must match ``model``'s. Raises ``RnnifyError`` when no teacher can be found.
+    """
+    from rnnify.capture import load_source
+
+    if teacher is None:
+        teacher = source_directory(model, "teacher= (Python) or --teacher (command line)")
+    if isinstance(teacher, nn.Module):
+        from transformers import PreTrainedModel
+
+        module = load_source(teacher) if isinstance(teacher, PreTrainedModel) else teacher.eval()
+    elif isinstance(teacher, (str, os.PathLike)):
+        module = load_source(os.fspath(teacher), dtype=model.dtype)
+    else:
+        raise RnnifyError(f"teacher must be a model directory, hub id or nn.Module, got {type(teacher).__name__}")
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    if vocab is not None and vocab != model.manifest.vocab_size:
+        raise RnnifyError(
+            f"the teacher has a vocabulary of {vocab} tokens but the converted model has "
+            f"{model.manifest.vocab_size}; pass the model it was converted from"
+        )
+    module = module.to(device=model.device, dtype=model.dtype).eval()
+    module.requires_grad_(False)
+    return module

@@ -1,0 +1,385 @@
+"""``rnnify.distill``: LoLCATs' two stages (math.md §6) on a converted model, on one process or many.
+
+1. ``transfer`` (attention transfer): only the cells' own parameters train (feature maps, gates,
+   mixing factors, Aaren queries), to minimise the sum over layers of the MSE between each cell's
+   output and the original softmax attention on the same inputs. Teacher forcing (``attention``)
+   feeds every layer the original model's activations, so one forward trains all layers and no
+   separate teacher model runs.
+2. ``finetune``: LoRA on the attention projections (``lora``) plus the cells' parameters, on
+   next-token cross-entropy + ``kl_weight`` * KL(teacher || student) against the original model's
+   logits. LoRA is merged into the weights at the end.
+
+Each step reads one global batch from ``rnnify.data.token_batches`` (right-padded rows; the models
+run without a mask and padded positions are left out of every loss). Steps are counted in global
+batches, which is also the data position a checkpoint resumes from.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from rnnify.cells import parameters as cell_parameters
+from rnnify.data import token_batches
+from rnnify.distill.attention import attention_transfer
+from rnnify.distill.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from rnnify.distill.distributed import Runtime, setup
+from rnnify.distill.lora import add_lora, merge_lora
+from rnnify.distill.losses import kl_sum, next_token_sum
+from rnnify.distill.teacher import load_teacher
+from rnnify.errors import RnnifyError
+from rnnify.runtime.model import RecurrentModel
+
+__all__ = ["DEFAULT_LR", "STAGES", "distill"]
+
+STAGES = ("transfer", "finetune")
+DEFAULT_LR = {"transfer": 1e-2, "finetune": 1e-4}  # LoLCATs' learning rates
+_MAX_GRAD_NORM = 1.0
+
+
+def distill(
+    model: RecurrentModel,
+    data: Any,
+    *,
+    teacher: str | os.PathLike | nn.Module | None = None,
+    tokenizer: Any = None,
+    stages: Sequence[str] = STAGES,
+    max_tokens: int | None = None,
+    seq_len: int = 1024,
+    batch_size: int = 8,
+    lr: float | Sequence[float] | None = None,
+    lora_rank: int = 8,
+    lora_alpha: float | None = None,
+    kl_weight: float = 1.0,
+    seed: int = 0,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: int = 500,
+    resume: bool = False,
+    fsdp: bool = False,
+    progress: bool = True,
+) -> RecurrentModel:
+    """Train ``model`` towards the model it was converted from; returns ``model`` (plain weights).
+
+    ``data``: what ``rnnify.data.token_batches`` reads (text file, folder, ``.jsonl``, a LongTensor
+    ``[N, T]`` or an iterable of batches); text is tokenized with ``tokenizer`` (default: the
+    tokenizer saved with the model, else the source model's). ``stages``: any of ``"transfer"``,
+    ``"finetune"``, in that order; transfer is skipped, with a message, when the cells have no
+    trainable parameters. ``max_tokens``: real tokens to train on, split evenly between the stages
+    that run, each reading from the start of the data (None: each stage reads the data once).
+    ``seq_len``/``batch_size``: tokens per row and rows per global batch (one optimizer step).
+    ``lr``: one rate for every stage, or one per stage run (default ``DEFAULT_LR``). LoRA has rank
+    ``lora_rank`` and ``alpha = lora_alpha`` (default ``2 * lora_rank``). ``kl_weight`` 0 needs
+    no teacher; otherwise ``teacher`` goes to ``load_teacher``. AdamW, gradient norm clipped at 1.
+
+    ``checkpoint_dir``: every ``checkpoint_every`` steps and at the end of each stage the trainable
+    tensors, optimizer, step and RNG go there; ``resume=True`` continues from it exactly (a fresh
+    start if there is none yet). Under ``torchrun`` each of the ``WORLD_SIZE`` ranks reads its
+    slice of every global batch and DDP averages gradients (``batch_size`` must divide by the
+    world size); only rank 0 shows progress and writes checkpoints. ``fsdp=True`` shards the
+    weights over the ranks instead of DDP's full copies (``rnnify.distill.fsdp``: one FSDP unit
+    per decoder layer, the model itself left in place and updated at the end of each stage); on
+    one process it changes nothing. The settings and tokens are recorded in
+    ``model.manifest.distill``.
+    """
+    stages = _check_stages(stages)
+    lrs = _check_lrs(stages, lr)
+    for name, value, low in (("seq_len", seq_len, 2), ("batch_size", batch_size, 1),
+                             ("checkpoint_every", checkpoint_every, 1), ("lora_rank", lora_rank, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise RnnifyError(f"{name} must be an integer >= {low}, got {value!r}")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise RnnifyError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
+    if not isinstance(kl_weight, (int, float)) or not kl_weight >= 0:
+        raise RnnifyError(f"kl_weight must be a number >= 0, got {kl_weight!r}")
+    if not isinstance(fsdp, bool):
+        raise RnnifyError(f"fsdp must be True or False, got {fsdp!r}")
+    if resume and checkpoint_dir is None:
+        raise RnnifyError("resume needs checkpoint_dir (--checkpoint-dir): the directory of the interrupted run")
+    if isinstance(data, Iterator) and len(stages) > 1:
+        raise RnnifyError("data is a one-shot iterator but every stage reads the data from the start; "
+                          "pass a path, a tensor or a list of batches")
+    config = _Config(
+        stages, lrs, max_tokens, seq_len, batch_size, lora_rank,
+        float(lora_alpha if lora_alpha is not None else 2 * lora_rank), float(kl_weight), seed, checkpoint_every,
+    )
+    runtime = setup(model.device)
+    try:
+        return _Trainer(model, runtime, config, progress, fsdp).run(data, tokenizer, teacher, checkpoint_dir, resume)
+    finally:
+        runtime.close()
+
+
+@dataclass(frozen=True)
+class _Config:
+    stages: list[str]
+    lr: dict[str, float]
+    max_tokens: int | None
+    seq_len: int
+    batch_size: int
+    lora_rank: int
+    lora_alpha: float
+    kl_weight: float
+    seed: int
+    checkpoint_every: int
+
+
+def _check_stages(stages: Sequence[str]) -> list[str]:
+    stages = [stages] if isinstance(stages, str) else list(stages)
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown or not stages or len(set(stages)) != len(stages):
+        raise RnnifyError(f"stages must be one or both of {', '.join(STAGES)} (each once), got {stages!r}")
+    return sorted(stages, key=STAGES.index)
+
+
+def _check_lrs(stages: list[str], lr: float | Sequence[float] | None) -> dict[str, float]:
+    if lr is None:
+        return {s: DEFAULT_LR[s] for s in stages}
+    rates = [lr] * len(stages) if isinstance(lr, (int, float)) else list(lr)
+    if len(rates) != len(stages) or not all(isinstance(r, (int, float)) and r > 0 for r in rates):
+        raise RnnifyError(f"lr must be a positive number or one per stage ({', '.join(stages)}), got {lr!r}")
+    return dict(zip(stages, map(float, rates)))
+
+
+def _default_tokenizer(model: RecurrentModel) -> str | None:
+    """A directory holding the model's tokenizer: its own saved directory, else its source."""
+    for directory in (model.path, model.manifest.source):
+        if directory is not None and os.path.isfile(os.path.join(directory, "tokenizer_config.json")):
+            return str(directory)
+    return None
+
+
+class _Trainer:
+    """One distillation run: the stages in order, each an optimizer over its trainable tensors."""
+
+    def __init__(self, model: RecurrentModel, runtime: Runtime, config: _Config, progress: bool, fsdp: bool = False):
+        self.runtime, self.config = runtime, config
+        self.progress = progress and runtime.main
+        self.teacher: nn.Module | None = None
+        self.checkpoint_dir: str | os.PathLike | None = None
+        self.fsdp = fsdp and runtime.world_size > 1
+        if fsdp and not self.fsdp:
+            self.log("fsdp: one process, nothing to shard; training without FSDP")
+        # Under FSDP the model stays where it is (e.g. on the CPU): only its shards go to the device.
+        self.model = model if self.fsdp else model.to(runtime.device)
+        self.mesh = None
+        if self.fsdp:
+            from rnnify.distill.fsdp import device_mesh
+
+            self.mesh = device_mesh(runtime.device)
+
+    def log(self, message: str) -> None:
+        if self.progress:
+            print(message, file=sys.stderr, flush=True)
+
+    def run(self, data, tokenizer, teacher, checkpoint_dir, resume: bool) -> RecurrentModel:
+        model, config = self.model, self.config
+        cell_names = _names(model, [p for p in cell_parameters(model) if p.requires_grad])
+        stages = config.stages
+        if "transfer" in stages and not cell_names:
+            self.log("skipping transfer: the cells of this model have no trainable parameters")
+            stages = [s for s in stages if s != "transfer"]
+            if not stages:
+                return model
+        self.budget = None if config.max_tokens is None else max(1, config.max_tokens // len(stages))
+        self.batches_args = dict(
+            data=data, tokenizer=tokenizer if tokenizer is not None else _default_tokenizer(model),
+            seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed, rank=self.runtime.rank,
+            world_size=self.runtime.world_size, max_tokens=self.budget,
+        )
+        token_batches(**self.batches_args)  # checks the data and sizes now, before the teacher loads
+        self.settings = {
+            **{k: v for k, v in asdict(config).items() if k != "checkpoint_every"},
+            "stages": stages, "lr": [config.lr[s] for s in stages], "target": model.target,
+            "data": os.fspath(data) if isinstance(data, (str, os.PathLike)) else type(data).__name__,
+        }
+        self.checkpoint_dir = checkpoint_dir
+        checkpoint = load_checkpoint(checkpoint_dir, self.settings) if resume else None
+        if resume and checkpoint is None:
+            self.log(f"no checkpoint in {checkpoint_dir} yet: starting from the beginning")
+
+        requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
+        try:
+            torch.manual_seed(config.seed)
+            lora_names = []
+            if "finetune" in stages:
+                loras = add_lora(model, config.lora_rank, config.lora_alpha)
+                lora_names = _names(model, [p for lora in loras.values() for p in lora.parameters()])
+            model.requires_grad_(False)  # each stage turns on what it trains
+            if "finetune" in stages and config.kl_weight > 0:
+                self.teacher = _teacher(model, teacher)
+                if self.fsdp:  # as large as the model: sharded per decoder layer too
+                    from rnnify.distill.fsdp import shard_teacher
+
+                    layers = shard_teacher(self.teacher, model, self.mesh)
+                    self.log(f"fsdp: teacher sharded over {self.runtime.world_size} ranks, "
+                             f"{len(layers)} decoder layers as units of their own")
+            records: list[dict[str, Any]] = []
+            if checkpoint is not None:
+                params = dict(model.named_parameters())
+                with torch.no_grad():
+                    for name, tensor in checkpoint.trainable.items():
+                        params[name].copy_(tensor)
+                torch.set_rng_state(checkpoint.rng)
+                records = list(checkpoint.records)
+            for index, stage in enumerate(stages):
+                if checkpoint is not None:
+                    done = stages.index(checkpoint.stage) - (0 if checkpoint.done else 1)
+                    if index <= done:
+                        continue
+                resumed = checkpoint if checkpoint is not None and checkpoint.stage == stage else None
+                names = cell_names + (lora_names if stage == "finetune" else [])
+                records.append(self.train_stage(stage, names, resumed, records))
+        finally:  # also when interrupted: the model is left with plain weights and its own flags
+            merge_lora(model)
+            for name, param in model.named_parameters():
+                param.requires_grad_(requires_grad.get(name, True))
+        model.manifest.distill = {
+            **self.settings, "world_size": self.runtime.world_size, "fsdp": self.fsdp,
+            "teacher": _teacher_name(self.teacher, teacher),
+            "trained": records,
+        }
+        return model
+
+    def train_stage(self, stage: str, names: list[str], resumed: Checkpoint | None,
+                    records: list[dict[str, Any]]) -> dict[str, Any]:
+        """Train ``names`` for one stage (from ``resumed`` if given); the stage's record."""
+        model, runtime, lr = self.model, self.runtime, self.config.lr[stage]
+        params = dict(model.named_parameters())
+        originals = [params[n] for n in names]
+        for p in originals:
+            p.requires_grad_(True)
+        sharded = None
+        try:
+            if self.fsdp:  # a sharded training copy, built after requires_grad is set (FSDP reads it once)
+                from rnnify.distill.fsdp import ShardedModel
+
+                sharded = ShardedModel(model, self.mesh)
+                run, wrapped, trainable = sharded.view, sharded.view, [sharded.param(p) for p in originals]
+                self.log(f"{stage}: FSDP over {runtime.world_size} ranks, units: {', '.join(sharded.units)}"
+                         + (f" ({', '.join(sharded.rooted)}: with the root, sharing a weight)" if sharded.rooted else ""))
+            else:  # DDP after requires_grad is set: it reduces what needs a gradient
+                run, wrapped, trainable = model, runtime.wrap(model), originals
+            optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+            step, tokens = 0, 0
+            if resumed is not None:
+                state = resumed.optimizer
+                if sharded is not None:
+                    from rnnify.distill.fsdp import shard_optimizer_state
+
+                    state = shard_optimizer_state(state, trainable)
+                optimizer.load_state_dict(state)
+                step, tokens = resumed.step, resumed.tokens
+            self.log(f"{stage}: training {sum(p.numel() for p in trainable):,} parameters in {len(trainable)} tensors, "
+                     f"lr {lr:g}" + (f", up to {self.budget:,} tokens" if self.budget else ", one pass over the data")
+                     + (f", resuming at step {step}" if step else ""))
+            from tqdm import tqdm
+
+            per_step = self.config.seq_len * self.config.batch_size
+            total = None if self.budget is None else -(-self.budget // per_step)
+            loss, start, first = float("nan"), time.perf_counter(), tokens
+            with tqdm(total=total, initial=step, desc=stage, unit="step", disable=not self.progress, file=sys.stderr) as bar:
+                for batch in token_batches(**self.batches_args, skip_batches=step):
+                    loss, batch_tokens = self.step(stage, run, wrapped, optimizer, trainable, batch)
+                    step, tokens = step + 1, tokens + batch_tokens
+                    bar.update()
+                    bar.set_postfix(loss=f"{loss:.4g}", tok_s=f"{(tokens - first) / (time.perf_counter() - start):,.0f}")
+                    if self.checkpoint_dir is not None and step % self.config.checkpoint_every == 0:
+                        self.save(stage, step, tokens, False, optimizer, names, records, sharded)
+            record = {"stage": stage, "steps": step, "tokens": tokens, "lr": lr, "final_loss": loss}
+            if self.checkpoint_dir is not None:
+                self.save(stage, step, tokens, True, optimizer, names, [*records, record], sharded)
+            if sharded is not None:
+                # Only on success: gathering takes every rank, and after an error some may never come.
+                # An interrupted FSDP stage leaves the model as the stage found it (its checkpoint has the progress).
+                sharded.copy_back(originals)
+        finally:
+            for p in originals:
+                p.requires_grad_(False)
+        self.log(f"{stage}: {step} steps, {tokens:,} tokens, final loss {loss:.4g}")
+        return record
+
+    def step(self, stage: str, model: RecurrentModel, wrapped: nn.Module, optimizer, trainable, batch) -> tuple[float, int]:
+        """One optimizer step on one global batch; (the batch's loss, its real tokens), all ranks together.
+
+        ``model`` makes the state and carries the attention hooks; ``wrapped`` is what runs: ``model``
+        under DDP, or ``model`` itself (under FSDP, the sharded training copy's view).
+        """
+        runtime = self.runtime
+        ids = batch["input_ids"].to(runtime.device)
+        mask = batch["attention_mask"].to(runtime.device)
+        state = model.init_state(ids.shape[0])
+        tokens = mask.sum()
+        if stage == "transfer":
+            with attention_transfer(model, teacher_forcing=True) as recorder:
+                recorder.loss_mask = mask
+                wrapped(ids, state)
+                sums, counts, weights = [recorder.loss() * tokens], [tokens], [1.0]  # layer means -> token sums
+        else:
+            logits, _ = wrapped(ids, state)
+            ce, ce_count = next_token_sum(logits, ids, mask)
+            sums, counts, weights = [ce], [ce_count], [1.0]
+            if self.teacher is not None:
+                with torch.no_grad():
+                    teacher_logits = self.teacher(input_ids=ids, use_cache=False).logits
+                kl, kl_count = kl_sum(logits, teacher_logits, mask)
+                sums, counts, weights = [ce, kl], [ce_count, kl_count], [1.0, self.config.kl_weight]
+        k = len(sums)
+        totals = runtime.sum(torch.stack([*(s.detach().float() for s in sums), *counts, tokens]).float())
+        global_counts = totals[k : 2 * k].clamp_min(1)
+        loss = sum(w * s / n for w, s, n in zip(weights, sums, global_counts)) * runtime.world_size
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, _MAX_GRAD_NORM)
+        optimizer.step()
+        value = sum(w * s / n for w, s, n in zip(weights, totals[:k], global_counts))
+        return float(value), int(totals[-1])
+
+    def save(self, stage, step, tokens, done, optimizer, names, records, sharded=None) -> None:
+        """Rank 0 writes a checkpoint; under FSDP every rank first helps gather the full tensors."""
+        if sharded is None and not self.runtime.main:
+            return
+        params = dict(self.model.named_parameters())
+        if sharded is not None:  # same format as without FSDP: full tensors, optimizer state by position
+            from rnnify.distill.fsdp import full_optimizer_state
+
+            trainable = {n: sharded.full(params[n]) for n in names}
+            optimizer_state = full_optimizer_state(optimizer.state_dict())
+        else:
+            trainable = {n: params[n].detach().cpu().clone() for n in names}
+            optimizer_state = optimizer.state_dict()
+        if not self.runtime.main:
+            return
+        save_checkpoint(self.checkpoint_dir, Checkpoint(
+            stage=stage, step=step, done=done, tokens=tokens, trainable=trainable,
+            optimizer=optimizer_state, settings=self.settings, records=records, rng=torch.get_rng_state(),
+        ))
+
+
+def _names(model: nn.Module, params: list[nn.Parameter]) -> list[str]:
+    """The names of ``params`` in ``model``, in ``model``'s order (checkpoints key tensors by name)."""
+    wanted = {id(p) for p in params}
+    return [name for name, p in model.named_parameters() if id(p) in wanted]
+
+
+def _teacher(model: RecurrentModel, teacher) -> nn.Module:
+    try:
+        return load_teacher(model, teacher)
+    except RnnifyError as exc:
+        if teacher is not None:
+            raise
+        raise RnnifyError(f"{exc}; or fine-tune without one with kl_weight=0 (--kl-weight 0)") from exc
+
+
+def _teacher_name(module: nn.Module | None, teacher) -> str | None:
+    if module is None:
+        return None
+    if isinstance(teacher, (str, os.PathLike)):
+        return os.fspath(teacher)
+    return getattr(getattr(module, "config", None), "_name_or_path", None) or None

@@ -1,0 +1,191 @@
+"""How close a converted model is to its original, measured on real data.
+
+``verify`` proves a model computes what it claims on random tokens; ``evaluate`` says how much an
+approximate target costs on text: perplexity of both models, KL(original || converted) per token,
+and each layer's attention error with the layer fed the original model's activations (teacher
+forcing, ``rnnify.distill.attention_transfer``), so one bad layer does not hide behind the others.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from rnnify.data import token_batches
+from rnnify.distill import LayerError, attention_transfer, load_teacher
+from rnnify.distill.teacher import source_directory
+from rnnify.errors import RnnifyError
+from rnnify.runtime.manifest import MANIFEST_FILE
+from rnnify.runtime.model import RecurrentModel
+from rnnify.runtime.storage import load
+
+__all__ = ["EvalResult", "evaluate", "write_json"]
+
+DEFAULT_SEQ_LEN = 1024  # clamped to the model's position limit
+
+
+@dataclass
+class EvalResult:
+    """Metrics over the real tokens of the evaluated data (padding never counts)."""
+
+    model: str  # the converted model's directory, or "(in memory)"
+    target: str
+    against: str  # the model compared with
+    seq_len: int
+    batch_size: int
+    tokens: int  # real tokens read
+    perplexity: float  # converted model, next-token, over `predicted` targets
+    teacher_perplexity: float
+    predicted: int  # next-token targets: real tokens that follow a real token in their row
+    kl: float  # KL(teacher || converted) in nats per real token
+    top1_agreement: float  # share of real positions where both models' most likely next token agree
+    state_bytes: int  # recurrent state per sequence after seq_len tokens
+    layers: list[LayerError]  # per cell: mean over real tokens of ||cell - softmax|| / ||softmax||, and MSE
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def evaluate(
+    model_or_dir: RecurrentModel | str | os.PathLike,
+    data: Any,
+    *,
+    against: str | os.PathLike | torch.nn.Module | None = None,
+    seq_len: int | None = None,
+    batch_size: int = 8,
+    max_tokens: int | None = None,
+    tokenizer: Any = None,
+    progress: bool = False,
+) -> EvalResult:
+    """Evaluate a converted model on ``data`` (anything ``rnnify.data.token_batches`` reads).
+
+    ``against`` is the model to compare with: a Hugging Face directory or loaded model, or
+    another rnnify directory; by default the source recorded in the manifest. ``seq_len``
+    defaults to 1024, or the model's position limit if lower. Text is tokenized with
+    ``tokenizer``, by default the one saved with the model. ``progress`` shows a tqdm bar of
+    tokens on a terminal.
+    """
+    model = model_or_dir if isinstance(model_or_dir, RecurrentModel) else load(model_or_dir)
+    seq_len = _seq_len(model, seq_len)
+    if tokenizer is None and isinstance(data, (str, os.PathLike)):
+        tokenizer = model.path or model.manifest.source
+    # the data's mistakes surface here, before the (possibly large) teacher loads
+    batches = token_batches(data, tokenizer, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)
+    teacher, teacher_name = _teacher(model, against)
+    sums = _Sums(len(model.cells))
+    from tqdm import tqdm
+
+    with tqdm(total=max_tokens, unit="tok", disable=None if progress else True, leave=False) as bar:
+        for batch in batches:
+            real = _evaluate_batch(model, teacher, batch, sums)
+            bar.update(real)
+    if sums.predicted == 0:
+        raise RnnifyError("no token follows another in the data's rows: give rows of at least 2 tokens")
+    layers = [
+        LayerError(entry.layer, entry.module, mse / max(n, 1), rel / max(n, 1), int(n))
+        for entry, (mse, rel, n) in zip(model.manifest.cells, sums.layers.tolist())
+    ]
+    return EvalResult(
+        model=str(model.path) if model.path is not None else "(in memory)",
+        target=model.target,
+        against=teacher_name,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        tokens=int(sums.tokens),
+        perplexity=math.exp(sums.nll / sums.predicted),
+        teacher_perplexity=math.exp(sums.teacher_nll / sums.predicted),
+        predicted=int(sums.predicted),
+        kl=sums.kl / sums.tokens,
+        top1_agreement=sums.agree / sums.tokens,
+        state_bytes=model.state_nbytes(seq_len),
+        layers=layers,
+    )
+
+
+def write_json(path: str | os.PathLike, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` atomically (a temporary file renamed over it): never half a file."""
+    path = Path(path).expanduser()
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        partial.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(partial, path)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise RnnifyError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
+def _seq_len(model: RecurrentModel, seq_len: int | None) -> int:
+    limit = model.manifest.positions.get("limit")
+    if seq_len is None:
+        return min(DEFAULT_SEQ_LEN, limit) if limit else DEFAULT_SEQ_LEN
+    if model.manifest.positions.get("kind") == "learned" and limit is not None and seq_len > limit:
+        raise RnnifyError(f"seq_len {seq_len} is past the model's {limit} learned positions; use at most {limit}")
+    return seq_len
+
+
+def _teacher(model: RecurrentModel, against) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:
+    """A function from token ids to the compared model's logits, and that model's name."""
+    if against is None:
+        against = source_directory(model, "--against (command line) or against= (Python)")
+    if isinstance(against, (str, os.PathLike)) and (Path(against).expanduser() / MANIFEST_FILE).is_file():
+        against = load(against, device=model.device)
+    if isinstance(against, RecurrentModel):
+        other = against
+        if other.manifest.vocab_size != model.manifest.vocab_size:
+            raise RnnifyError(
+                f"the compared model has a vocabulary of {other.manifest.vocab_size} tokens but the evaluated "
+                f"model has {model.manifest.vocab_size}; compare models with the same tokenizer"
+            )
+        return (lambda ids: other.prefill(ids)[0]), str(other.path or "(in memory)")
+    teacher = load_teacher(model, against)
+    name = str(against) if isinstance(against, (str, os.PathLike)) else type(against).__name__
+    return (lambda ids: teacher(input_ids=ids, use_cache=False).logits), name
+
+
+class _Sums:
+    """Running sums over batches, in float64."""
+
+    def __init__(self, cells: int):
+        self.tokens = self.predicted = self.nll = self.teacher_nll = self.kl = self.agree = 0.0
+        self.layers = torch.zeros(cells, 3, dtype=torch.float64)  # per cell: mse sum, rel sum, tokens
+
+
+@torch.no_grad()
+def _evaluate_batch(model: RecurrentModel, teacher, batch: dict[str, torch.Tensor], sums: _Sums) -> int:
+    """Add one batch to ``sums``; returns its real tokens.
+
+    Rows are right-padded, so every call runs without a mask (causal: real positions never see
+    the padding) and masked positions are dropped from every sum. Metrics go row by row so that
+    at most the two models' logits are held at full batch size.
+    """
+    ids = batch["input_ids"].to(model.device)
+    mask = batch["attention_mask"].to(model.device)
+    with attention_transfer(model, teacher_forcing=True) as recorder:
+        recorder.loss_mask = mask
+        model.prefill(ids)
+        for i, layer in enumerate(recorder.errors()):
+            sums.layers[i] += torch.tensor([layer.mse * layer.tokens, layer.rel_error * layer.tokens, layer.tokens])
+    logits, teacher_logits = model.prefill(ids)[0], teacher(ids)
+    for row in range(ids.shape[0]):
+        _add_row(sums, logits[row], teacher_logits[row], ids[row], mask[row])
+    return int(mask.sum())
+
+
+def _add_row(sums: _Sums, logits: torch.Tensor, teacher_logits: torch.Tensor, ids: torch.Tensor,
+             mask: torch.Tensor) -> None:
+    logp, teacher_logp = logits.float().log_softmax(-1), teacher_logits.float().log_softmax(-1)  # [T, V]
+    targets, follows = ids[1:, None], mask[1:]  # right padding: a real target follows a real token
+    sums.nll -= float(logp[:-1].gather(-1, targets).squeeze(-1)[follows].double().sum())
+    sums.teacher_nll -= float(teacher_logp[:-1].gather(-1, targets).squeeze(-1)[follows].double().sum())
+    sums.predicted += int(follows.sum())
+    kl = F.kl_div(logp, teacher_logp, log_target=True, reduction="none").sum(-1)  # KL(teacher || converted)
+    sums.kl += float(kl.clamp_min(0)[mask].double().sum())  # >= 0 per position; below is float rounding
+    sums.agree += int((logp.argmax(-1) == teacher_logp.argmax(-1))[mask].sum())
+    sums.tokens += int(mask.sum())

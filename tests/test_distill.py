@@ -1,0 +1,358 @@
+"""rnnify.distill: attention transfer, LoRA fine-tuning, checkpoints, DDP and the CLI, on tiny models."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rnnify
+from rnnify.cli import main
+from rnnify.distill import attention_transfer, load_teacher, train
+from rnnify.distill.checkpoint import CHECKPOINT_FILE
+from rnnify.distill.lora import add_lora, lora_targets, merge_lora
+
+FAST = dict(seq_len=16, batch_size=4, progress=False)
+
+
+def tokens(rows: int, seed: int = 0, vocab: int = 320, length: int = 16) -> torch.Tensor:
+    return torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def hedgehog_dir(tmp_path_factory, tiny_model_dir):
+    """Llama converted to linear attention with the trainable hedgehog feature map."""
+    out = tmp_path_factory.mktemp("hedgehog") / "model"
+    rnnify.convert(tiny_model_dir("llama"), to="linear", feature_map="hedgehog").save(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory, tiny_model_dir):
+    """Llama converted to LoLCATs' hybrid with a window shorter than the training rows."""
+    out = tmp_path_factory.mktemp("hybrid") / "model"
+    rnnify.convert(tiny_model_dir("llama"), to="hybrid", window=4, feature_map="hedgehog").save(out)
+    return out
+
+
+def state_dict(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def hf_logits(model_dir, ids, mask=None):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        return hf(input_ids=ids, attention_mask=mask).logits
+
+
+# -- attention transfer --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])  # mistral: its own sliding window (16) inside 40 tokens
+def test_exact_cells_record_no_error(converted_dir, arch):
+    model = rnnify.load(converted_dir(arch, "exact"))
+    ids = tokens(2, length=40)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[0, :7] = False  # left padding
+    with attention_transfer(model, teacher_forcing=False) as recorder:
+        model(ids, model.init_state(2), attention_mask=mask)
+    errors = recorder.errors()
+    assert [e.layer for e in errors] == [0, 1]
+    assert all(e.rel_error < 1e-5 and e.tokens == 73 for e in errors), errors
+
+
+def test_teacher_forcing_feeds_every_layer_the_original_activations(hybrid_dir, tiny_model_dir):
+    model = rnnify.load(hybrid_dir)
+    ids = tokens(2, length=24)
+    expected = hf_logits(tiny_model_dir("llama"), ids)
+    with torch.no_grad(), attention_transfer(model, teacher_forcing=True) as recorder:
+        forced, _ = model(ids, model.init_state(2))
+    torch.testing.assert_close(forced, expected, rtol=1e-4, atol=1e-4)
+    assert all(e.rel_error > 1e-2 for e in recorder.errors())  # the cells themselves do differ
+    free, _ = model(ids, model.init_state(2))
+    assert (free - expected).abs().max() > 1e-2
+
+
+def test_attention_transfer_refuses_a_continued_state(hybrid_dir):
+    model = rnnify.load(hybrid_dir)
+    _, state = model.prefill(tokens(1, length=4))
+    with attention_transfer(model) as _, pytest.raises(rnnify.RnnifyError, match="init_state"):
+        model(tokens(1, length=4), state)
+
+
+def test_transfer_lowers_attention_error_and_trains_only_cells(hedgehog_dir):
+    model = rnnify.load(hedgehog_dir)
+    held_out = tokens(8, seed=1)
+
+    def error() -> float:
+        with torch.no_grad(), attention_transfer(model) as recorder:
+            model(held_out, model.init_state(8))
+        return sum(e.mse for e in recorder.errors())
+
+    before, weights = error(), state_dict(model)
+    rnnify.distill(model, tokens(96), stages=["transfer"], **FAST)
+    after = state_dict(model)
+    assert error() < 0.7 * before
+    cells = {k for k in after if k.startswith("graph.cells.")}
+    assert cells and all(not torch.equal(after[k], weights[k]) for k in cells)
+    assert all(torch.equal(after[k], weights[k]) for k in after.keys() - cells)
+    assert all(p.requires_grad for p in model.parameters())  # flags restored
+    assert model.manifest.distill["trained"][0]["steps"] == 24
+
+
+def test_transfer_is_skipped_when_the_cells_have_nothing_to_train(converted_dir, capsys):
+    model = rnnify.load(converted_dir("llama", "exact"))
+    weights = state_dict(model)
+    rnnify.distill(model, tokens(8), stages=["transfer"], seq_len=16, batch_size=4)
+    assert "skipping transfer" in capsys.readouterr().err
+    assert all(torch.equal(v, weights[k]) for k, v in state_dict(model).items())
+
+
+# -- fine-tuning and LoRA ------------------------------------------------------------------
+
+
+def next_token_loss(model, ids) -> float:
+    with torch.no_grad():
+        logits, _ = model(ids, model.init_state(ids.shape[0]))
+    return float(F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()))
+
+
+def test_finetune_lowers_next_token_loss_through_lora_and_cells(hybrid_dir):
+    model = rnnify.load(hybrid_dir)
+    data = tokens(64, vocab=8)  # 8 of 320 tokens: a unigram shift the attention's LoRA can learn
+    before, weights = next_token_loss(model, tokens(8, seed=1, vocab=8)), state_dict(model)
+    rnnify.distill(model, data, stages=["finetune"], lr=1e-2, kl_weight=0.0, **FAST)
+    # ln 320 = 5.77 at the start; the random tiny model's logits are too small to reach ln 8 = 2.08
+    assert next_token_loss(model, tokens(8, seed=1, vocab=8)) < before - 0.15
+    after = state_dict(model)
+    assert after.keys() == weights.keys()  # LoRA merged: plain weights, no extra tensors
+    changed = {k for k in after if not torch.equal(after[k], weights[k])}
+    projections = {f"graph.{name}" for name in lora_targets(model)}
+    assert projections <= changed and changed <= projections | {k for k in after if k.startswith("graph.cells.")}
+
+
+def test_finetune_with_kl_needs_a_teacher(hybrid_dir, tmp_path):
+    model = rnnify.load(hybrid_dir)
+    model.manifest.source = str(tmp_path / "gone")
+    with pytest.raises(rnnify.RnnifyError, match="--teacher.*kl-weight 0"):
+        rnnify.distill(model, tokens(8), stages=["finetune"], **FAST)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # gpt2: Conv1D's [in, out] weights
+def test_merged_lora_gives_the_logits_of_the_unmerged_model(converted_dir, arch):
+    model = rnnify.load(converted_dir(arch, "hybrid"))
+    torch.manual_seed(0)
+    loras = add_lora(model, rank=4, alpha=8.0)
+    assert set(lora_targets(model).values()) == {arch == "gpt2"}
+    for lora in loras.values():
+        torch.nn.init.normal_(lora.lora_b, std=0.1)
+    ids = tokens(2)
+    with torch.no_grad():
+        unmerged, _ = model(ids, model.init_state(2))
+        merge_lora(model)
+        merged, _ = model(ids, model.init_state(2))
+    torch.testing.assert_close(merged, unmerged, rtol=1e-5, atol=1e-5)
+    assert not any("lora" in name or "original" in name for name in model.state_dict())
+
+
+def test_distilled_model_round_trips_through_save(hybrid_dir, tmp_path):
+    model = rnnify.load(hybrid_dir)
+    rnnify.distill(model, tokens(16), lr=[1e-2, 1e-3], **FAST)
+    model.save(tmp_path / "out")
+    loaded = rnnify.load(tmp_path / "out")
+    ids = tokens(2, seed=3)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, loaded.init_state(2))[0], model(ids, model.init_state(2))[0])
+    assert loaded.manifest.weights_sha256 != rnnify.load(hybrid_dir).manifest.weights_sha256
+    record = loaded.manifest.distill
+    assert [r["stage"] for r in record["trained"]] == ["transfer", "finetune"]
+    assert record["lr"] == [1e-2, 1e-3] and record["kl_weight"] == 1.0 and record["teacher"]
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+
+
+def test_resumed_run_ends_where_an_uninterrupted_one_does(hybrid_dir, tmp_path, monkeypatch):
+    options = dict(stages=["transfer", "finetune"], lr=[1e-2, 1e-3], checkpoint_every=2, **FAST)
+    data = tokens(24)  # 6 steps per stage
+    whole = rnnify.load(hybrid_dir)
+    rnnify.distill(whole, data, checkpoint_dir=tmp_path / "a", **options)
+
+    step, calls = train._Trainer.step, []
+
+    def interrupted(self, *args):
+        calls.append(1)
+        if len(calls) == 10:  # finetune's 4th step; the last checkpoint is after its 2nd
+            raise KeyboardInterrupt
+        return step(self, *args)
+
+    monkeypatch.setattr(train._Trainer, "step", interrupted)
+    stopped = rnnify.load(hybrid_dir)
+    with pytest.raises(KeyboardInterrupt):
+        rnnify.distill(stopped, data, checkpoint_dir=tmp_path / "b", **options)
+    assert stopped.state_dict().keys() == whole.state_dict().keys()  # LoRA merged even when interrupted
+    monkeypatch.setattr(train._Trainer, "step", step)
+    resumed = rnnify.load(hybrid_dir)
+    rnnify.distill(resumed, data, checkpoint_dir=tmp_path / "b", resume=True, **options)
+
+    a, b = state_dict(whole), state_dict(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed.manifest.distill["trained"] == whole.manifest.distill["trained"]
+
+
+def test_resume_refuses_other_settings(hybrid_dir, tmp_path):
+    model = rnnify.load(hybrid_dir)
+    rnnify.distill(model, tokens(8), stages=["transfer"], checkpoint_dir=tmp_path, **FAST)
+    assert (tmp_path / CHECKPOINT_FILE).is_file()
+    with pytest.raises(rnnify.RnnifyError, match="seq_len"):
+        rnnify.distill(model, tokens(8), stages=["transfer"], checkpoint_dir=tmp_path, resume=True,
+                       **{**FAST, "seq_len": 8})
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"stages": ["pretrain"]}, "stages"),
+    ({"lr": [1e-2]}, "lr"),
+    ({"resume": True}, "checkpoint_dir"),
+    ({"kl_weight": -1}, "kl_weight"),
+    ({"batch_size": 0}, "batch_size"),
+])
+def test_bad_arguments_are_user_errors(hybrid_dir, options, words):
+    with pytest.raises(rnnify.RnnifyError, match=words):
+        rnnify.distill(rnnify.load(hybrid_dir), tokens(4), **{**FAST, **options})
+
+
+def test_a_one_shot_iterator_cannot_feed_two_stages(hybrid_dir):
+    with pytest.raises(rnnify.RnnifyError, match="one-shot"):
+        rnnify.distill(rnnify.load(hybrid_dir), iter([tokens(4)]), **FAST)
+
+
+def test_load_teacher(hybrid_dir, tiny_model_dir):
+    model = rnnify.load(hybrid_dir)
+    teacher = load_teacher(model)
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+    with pytest.raises(rnnify.RnnifyError, match="vocabulary"):
+        load_teacher(model, _wide_vocab(tiny_model_dir))
+    model.manifest.source = "some-org/not-here"
+    with pytest.raises(rnnify.RnnifyError, match="teacher="):
+        load_teacher(model)
+
+
+def _wide_vocab(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig.from_pretrained(tiny_model_dir("llama"))
+    config.vocab_size = 400
+    return AutoModelForCausalLM.from_config(config)
+
+
+# -- data parallel -------------------------------------------------------------------------
+
+
+DDP_OPTIONS = dict(lr=[1e-2, 1e-3], seq_len=16, batch_size=4, progress=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_recording_losses(model_dir: str, data: torch.Tensor) -> tuple[list[float], dict[str, torch.Tensor]]:
+    losses, step = [], train._Trainer.step
+
+    def recording(self, *args):
+        loss, count = step(self, *args)
+        losses.append(loss)
+        return loss, count
+
+    train._Trainer.step = recording
+    try:
+        model = rnnify.distill(rnnify.load(model_dir), data, **DDP_OPTIONS)
+    finally:
+        train._Trainer.step = step
+    return losses, state_dict(model)
+
+
+def _ddp_worker(rank: int, world_size: int, port: int, model_dir: str, data: torch.Tensor, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    losses, weights = _run_recording_losses(model_dir, data)
+    torch.save({"losses": losses, "weights": weights}, f"{out}.{rank}")
+
+
+def test_two_processes_follow_the_loss_curve_of_one(hybrid_dir, tmp_path):
+    data = tokens(20)  # 5 global batches of 4 rows per stage; each rank reads 2 rows of each
+    single_losses, single = _run_recording_losses(str(hybrid_dir), data)
+    torch.multiprocessing.spawn(
+        _ddp_worker, args=(2, _free_port(), str(hybrid_dir), data, str(tmp_path / "ddp")), nprocs=2, join=True
+    )
+    ranks = [torch.load(tmp_path / f"ddp.{r}", weights_only=True) for r in range(2)]
+    assert len(single_losses) == 10
+    for result in ranks:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single_losses), rtol=1e-4, atol=1e-6)
+        for name, tensor in single.items():
+            torch.testing.assert_close(result["weights"][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+# -- command line --------------------------------------------------------------------------
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text("def main(argv):\n    for arg in argv:\n        print(arg.upper(), len(arg))\n" * 12)
+    return path
+
+
+def test_cli_distill_writes_a_distilled_model(capsys, hybrid_dir, corpus, tmp_path):
+    out = tmp_path / "distilled"
+    code, stdout, err = run_cli(capsys, "distill", hybrid_dir, "--data", corpus, "-o", out, "--seq-len", 16,
+                                "--batch-size", 4, "--max-tokens", 256, "--lr", "1e-2,1e-3", "--checkpoint-every", 4)
+    assert code == 0, err
+    assert f"saved to {out}" in stdout and "transfer:" in err and "finetune:" in err
+    manifest = json.loads((out / "rnnify.json").read_text())
+    assert [r["tokens"] for r in manifest["distill"]["trained"]] == [128, 128]
+    assert (tmp_path / "distilled.checkpoints" / CHECKPOINT_FILE).is_file()
+    assert rnnify.load(out).target == "hybrid"
+
+
+def test_cli_convert_then_distill_in_one_go(capsys, tiny_model_dir, corpus, tmp_path):
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(capsys, "convert", tiny_model_dir("gpt2"), "--to", "hybrid", "--window", 4,
+                                "--distill", corpus, "-o", out, "--seq-len", 16, "--batch-size", 4,
+                                "--max-tokens", 128, "--stages", "finetune", "--lora-rank", 2)
+    assert code == 0, err
+    record = json.loads((out / "rnnify.json").read_text())["distill"]
+    assert record["stages"] == ["finetune"] and record["lora_rank"] == 2
+    assert record["teacher"] == str(tiny_model_dir("gpt2"))
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--data", "missing.txt"], "does not exist"),
+    (["--stages", "transfer,pretrain"], "stages"),
+    (["--lr", "fast"], "--lr"),
+    (["--seq-len", "1"], "seq_len"),
+    (["-o", "{corpus}"], "not an rnnify model directory"),
+    (["--teacher", "no/such/dir"], "no such directory"),
+])
+def test_cli_distill_mistakes_are_one_line_errors(capsys, hybrid_dir, corpus, tmp_path, args, words):
+    argv = ["distill", hybrid_dir, "--data", corpus, "-o", tmp_path / "out", "--seq-len", 16, "--batch-size", 4,
+            "--max-tokens", 64, *(str(a).format(corpus=corpus) for a in args)]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("error: ") and words in err, err
+    assert not (tmp_path / "out").exists()
