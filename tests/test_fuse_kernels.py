@@ -23,11 +23,13 @@ from rnnify.plan import make_plan
 from rnnify.runtime.manifest import MANIFEST_FILE
 
 LINEAR_OPS = {"prefill": "chunk_linear_attn", "decode": "fused_recurrent_linear_attn"}
+HYBRID_OPS = {"prefill": "chunk_linear_attn", "decode": "window_attn_step + fused_recurrent_linear_attn"}
 
 # Every family with a fused form. The interpreter is slowest on the scans: one such layer there.
 FAMILIES = {
     "linear": ("linear", {}),
     "linear-hedgehog": ("linear", {"feature_map": "hedgehog"}),
+    "linear-performer": ("linear", {"feature_map": "performer"}),
     "gated-retnet": ("gated", {"gate": "retnet"}),
     "gated-gla": ("gated", {"gate": "gla"}),
     "gated-gateloop": ("gated", {"gate": "gateloop", "feature_map": "identity", "normalize": False}),
@@ -35,6 +37,7 @@ FAMILIES = {
     "gated-rnn": ("gated-rnn", {"decay": 0.9, "layers": "0:exact"}),
     "window": ("window", {"window": 4, "sinks": 1}),
     "hybrid": ("hybrid", {"window": 4}),
+    "hybrid-hedgehog": ("hybrid", {"window": 4, "feature_map": "hedgehog"}),
 }
 
 
@@ -97,9 +100,80 @@ def test_wide_feature_maps_keep_the_pytorch_forms():
 
     for target in ("linear", "hybrid"):
         fits = performer(target, KERNEL_MAX_FEATURES)
-        assert fits.use_kernels("triton") == LINEAR_OPS and fits.kernels == "triton"
+        ops = fits.use_kernels("triton")
+        assert ops == (HYBRID_OPS if target == "hybrid" else LINEAR_OPS) and fits.kernels == "triton"
         wide = performer(target, KERNEL_MAX_FEATURES + 1)
         assert wide.use_kernels("triton") == {} and wide.kernels is None
+
+
+# -- the cells hand raw q, k, the map and the mask to the ops ---------------------------------
+
+# (target, options): every map the ops apply themselves, one they lack (taylor: featurised here)
+CELL_CASES = {
+    "linear-elu": ("linear", {}),
+    "linear-relu-unnormalised": ("linear", {"feature_map": "relu", "normalize": False}),
+    "linear-hedgehog": ("linear", {"feature_map": "hedgehog"}),
+    "linear-performer": ("linear", {"feature_map": "performer"}),
+    "linear-taylor": ("linear", {"feature_map": "taylor"}),
+    "gated-gla": ("gated", {"gate": "gla"}),
+    "gated-retnet-performer": ("gated", {"gate": "retnet", "feature_map": "performer"}),
+    "hybrid-hedgehog": ("hybrid", {"window": 3, "feature_map": "hedgehog"}),
+    "hybrid-performer": ("hybrid", {"window": 3, "feature_map": "performer"}),
+}
+
+
+def run_cell(cell, kernels, inputs):
+    """A left-padded 5-token prefill then 2 decode steps; outputs and the gradients of q, k, v, x
+    and the cell's parameters."""
+    cell.use_kernels(kernels)
+    q, k, v, x, mask = (t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs)
+    state = cell.init_state(q.shape[0], q.device, q.dtype)
+    extra = (lambda t: {"x": x[:, t]}) if cell.needs_input else (lambda t: {})
+    outs = []
+    for t in (slice(0, 5), slice(5, 6), slice(6, 7)):
+        out, *state = cell(q[:, :, t], k[:, :, t], v[:, :, t], mask[:, t], *state, **extra(t))
+        outs.append(out)
+    out = torch.cat(outs, dim=2)
+    leaves = [q, k, v, x] + [p for p in cell.parameters() if p.requires_grad]
+    loss = (out * torch.linspace(-1, 1, out.shape[-1])).sum() + sum((s.float() ** 2).sum() for s in state[-2:])
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return out.detach(), [g for g in grads if g is not None], [s.detach() for s in state]
+
+
+@pytest.mark.parametrize("case", list(CELL_CASES))
+def test_cells_fused_match_their_own_forms(case, monkeypatch):
+    """Fused (Triton through the interpreter, and the reference path) against the cell's PyTorch
+    forms, with left padding: outputs, states and gradients (trainable maps and gates included)."""
+    target, options = CELL_CASES[case]
+    spec = CellSpec(4, 2, 8, 8, 8**-0.5, hidden_size=12)
+    torch.manual_seed(0)
+    cell = build_cell(target, spec, {"chunk_size": 4, **options})
+    if target == "gated" and options["gate"] == "gla":
+        torch.nn.init.normal_(cell.gate_up.weight, std=0.5)  # input-dependent gates
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, h, 7, 8, generator=gen) for h in (4, 2, 2))
+    x = torch.randn(2, 7, 12, generator=gen)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[0, :2] = False
+    q, k, v = q.masked_fill(~mask[:, None, :, None], 9.0), k.masked_fill(~mask[:, None, :, None], 9.0), v
+    calls = []
+    for name in ("chunk_linear_attn", "fused_recurrent_linear_attn"):
+        op = getattr(rnnify.kernels, name)
+        monkeypatch.setattr(rnnify.kernels, name, lambda *a, _op=op, **kw: calls.append(kw) or _op(*a, **kw))
+    expected = run_cell(cell, None, (q, k, v, x, mask))
+    assert not calls
+    for kernels in ("reference", "triton"):
+        out, grads, state = run_cell(cell, kernels, (q, k, v, x, mask))
+        real = mask[:, None, :, None].expand_as(out)
+        assert rel_diff(out[real], expected[0][real]) < 1e-5
+        for a, b in zip(state, expected[2]):
+            assert rel_diff(a.float(), b.float()) < 1e-5
+        assert len(grads) == len(expected[1])
+        for a, b in zip(grads, expected[1]):
+            assert rel_diff(a, b) < 1e-5
+    fused = options.get("feature_map", "elu")
+    assert {kw["feature_map"] for kw in calls} == {"identity" if fused == "taylor" else fused}
+    assert all(kw["mask"] is not None for kw in calls)
 
 
 # -- parity ---------------------------------------------------------------------------------

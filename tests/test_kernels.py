@@ -302,6 +302,103 @@ def test_feature_map_arguments():
     assert K.chunk_linear_attn(q, k, v, feature_map="identity")[0].equal(K.chunk_linear_attn(q, k, v)[0])
 
 
+# --------------------------------------------------------------------------- key mask (left padding)
+
+def left_padding(B, T):
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, :3] = False  # row 0 left-padded; a padding token in the middle of row 1 too
+    if B > 1:
+        mask[1, T // 2] = False
+    return mask
+
+
+def check_mask(op, name, gates, normalize, shape, grads=True):
+    """mask= against the naive loop on phi(k) zeroed and log gates set to 0 at padding (what the
+    cells do), forward and gradients; padding keys' raw k, v and gates are garbage there."""
+    from rnnify.cells.base import CellSpec
+    from rnnify.cells.linear import build_feature_map
+
+    B, T, H, Hkv, D, V = shape
+    q, k, v, g, gk, h0 = make_attn(B, T, H, Hkv, D, V, gates)
+    mask = left_padding(B, T)
+    pad = ~mask[:, :, None, None]
+    k = torch.where(pad, 3.0, k)  # elu(3) + 1 = 4: nothing of it may reach S or z
+    g = None if g is None else torch.where(~mask[:, :, None], -5.0, g)
+    gk = None if gk is None else torch.where(pad, -5.0, gk)
+    weight, scale, Fd = None, 0.3, D
+    if name in ("hedgehog", "performer"):
+        spec = CellSpec(num_heads=H, num_kv_heads=Hkv, head_dim=D, value_dim=V, scale=scale)
+        phi = build_feature_map(name, spec, **{"hedgehog": {"feature_dim": 24}, "performer": {"num_features": 20}}[name])
+        weight = torch.randn(phi.weight.shape, generator=torch.Generator().manual_seed(1))
+        Fd = phi.feature_dim
+        if gk is not None:
+            gk = torch.where(pad, -5.0, F.logsigmoid(torch.randn(B, T, Hkv, Fd) + 2))
+    state = torch.rand(B, Hkv, Fd, V), torch.rand(B, Hkv, Fd)
+    state = state if normalize else state[0]
+    leaves = [x.requires_grad_() for x in (q, k, v, g, gk, weight) if x is not None]
+
+    def naive():
+        phi_q = common.naive_feature_map(q, name, weight, scale, query_shift=normalize)
+        phi_k = torch.where(pad, 0.0, common.naive_feature_map(k, name, weight, scale))
+        mg = None if g is None else torch.where(mask[:, :, None], g, 0.0)
+        mgk = None if gk is None else torch.where(pad, 0.0, gk)
+        c = scale if name == "identity" else 1.0
+        return K.naive_recurrent_linear_attn(phi_q, phi_k, v, mg, mgk, scale=c, initial_state=state,
+                                             output_final_state=True, normalize=normalize)
+
+    def fused():
+        return op(q, k, v, g, gk, scale=scale, initial_state=state, output_final_state=True, normalize=normalize,
+                  feature_map=name, feature_weight=weight, mask=mask)
+
+    results = []
+    for fn in (naive, fused):
+        o, h = fn()
+        assert torch.isfinite(o).all()
+        hs = h if normalize else (h,)
+        loss = (o * torch.linspace(-1, 1, V)).sum() + sum((x * x).sum() for x in hs)
+        results.append((o, hs, torch.autograd.grad(loss, leaves) if grads else ()))
+    (ref, ref_h, ref_g), (out, out_h, out_g) = results
+    close(out, ref)
+    for a, b in zip(out_h, ref_h):
+        close(a, b)
+    for a, b in zip(out_g, ref_g):
+        close_grad(a, b)
+    if grads:  # padding keys, values and gates get no gradient
+        dk, dv = out_g[1], out_g[2]
+        assert (dk[~mask] == 0).all() and (dv[~mask] == 0).all()
+        for d in out_g[3:3 + (g is not None) + (gk is not None)]:
+            assert (d[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("name, gates, normalize", [
+    ("identity", "g+gk", False), ("elu", "g", True), ("elu", "gk", False), ("hedgehog", "", True),
+    ("performer", "gk", True), ("relu", "", False),
+])
+def test_mask(triton_path, no_reference, op, name, gates, normalize):
+    check_mask(op, name, gates, normalize, (2, 11, 4, 2, 16, 8))
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__)
+def test_mask_reference_path(op):
+    check_mask(op, "elu", "g+gk", True, (2, 11, 4, 2, 16, 8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gates", GATES)
+def test_mask_several_chunks(triton_path, no_reference, gates):
+    check_mask(K.chunk_linear_attn, "elu", gates, True, (2, 70, 2, 1, 16, 16))
+
+
+def test_mask_all_real_is_no_mask(triton_path):
+    q, k, v, g, gk, h0 = make_attn(2, 5, 2, 1, 16, 8, "g+gk")
+    ones = torch.ones(2, 5, dtype=torch.bool)
+    for op in OPS:
+        close(op(q, k, v, g, gk, initial_state=h0, mask=ones)[0], op(q, k, v, g, gk, initial_state=h0)[0])
+    with pytest.raises(ValueError, match="mask must be"):
+        K.chunk_linear_attn(q, k, v, mask=ones[:, :4])
+
+
 # --------------------------------------------------------------------------- scans
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -426,9 +523,11 @@ def test_window_attn_read_many_keys(triton_path):
     q, keys, values = torch.randn(B, H, D), torch.randn(B, Hkv, N, D), torch.randn(B, Hkv, N, 24)
     valid = torch.rand(B, N) > 0.3
     valid[1] = False  # nothing to read: 0
-    o = torch.ops.rnnify.window_attn_step(q, keys, values, valid, 0.25)
-    close(o, K.naive_window_attn_read(q, keys, values, valid, 0.25))
-    assert (o[1] == 0).all()
+    o, m, u = torch.ops.rnnify.window_attn_step(q, keys, values, valid, 0.25)
+    ref = K.naive_window_attn_read(q, keys, values, valid, 0.25, stats=True)
+    for a, b in zip((o, m, u), ref):
+        close(a, b)
+    assert (o[1] == 0).all() and (u[1] == 0).all() and (m[1] == float("-inf")).all()
 
 
 # GQA 1 / 2 / 4, head dims 16 / 64 / 128, N = 37 keys (blocks of 16 in the backward, 32 forward)
@@ -442,7 +541,7 @@ def test_window_attn_read_gradients(triton_path, heads, D):
     valid[1] = False  # nothing to read: 0, and no gradient
     leaves = [x.requires_grad_() for x in (q, keys, values)]
     grads = []
-    for fn in (K.naive_window_attn_read, torch.ops.rnnify.window_attn_step):
+    for fn in (K.naive_window_attn_read, lambda *args: torch.ops.rnnify.window_attn_step(*args)[0]):
         o = fn(q, keys, values, valid, 0.25)
         grads.append(torch.autograd.grad((o * torch.linspace(-1, 1, V)).sum(), leaves))
     for a, b in zip(*grads):
@@ -466,6 +565,32 @@ def test_window_attn_step_gradients(path):
         grads.append(torch.autograd.grad(loss, leaves))
     for a, b in zip(*grads):
         close_grad(b, a)
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_window_attn_step_stats(path):
+    """return_stats: the max and denominator of the softmax (o u = the unnormalised sum), and their
+    gradients (added to o's) against autograd through the naive read."""
+    B, H, Hkv, D, W = 2, 4, 2, 16, 5
+    q, k, v = torch.randn(B, 1, H, D), torch.randn(B, 1, Hkv, D), torch.randn(B, 1, Hkv, D)
+    keys, values = torch.randn(B, Hkv, W, D), torch.randn(B, Hkv, W, D)
+    length = torch.tensor([2, 9])
+    leaves = [x.requires_grad_() for x in (q, k, v, keys, values)]
+    results = []
+    for backend in ("reference", path):
+        o, state, (m, u) = K.window_attn_step(q, k, v, keys, values, length, return_stats=True, backend=backend)
+        assert m.shape == u.shape == (B, 1, H)
+        loss = (o * u[..., None] * torch.linspace(-1, 1, D)).sum() + (m * torch.linspace(0.5, 2, H)).sum()
+        results.append(((o, m, u), torch.autograd.grad(loss, leaves)))
+    (ref, ref_grads), (out, grads) = results
+    for a, b in zip(out, ref):
+        close(a, b)
+    for a, b in zip(grads, ref_grads):
+        close_grad(a, b)
+    # against the read by hand: m = max of the scores over the held keys, u = sum exp(s - m)
+    s = torch.einsum("bhgk,bhnk->bhgn", q[:, 0].detach().reshape(B, Hkv, 2, D), state[0][:, :, :3].detach()) * D**-0.5
+    close(out[1][0, 0], s[0].amax(-1).reshape(H))
+    close(out[2][0, 0], torch.exp(s[0] - s[0].amax(-1, keepdim=True)).sum(-1).reshape(H))
 
 
 # --------------------------------------------------------------------------- backend=
@@ -578,6 +703,8 @@ def opcheck_cases():
         (ops.fused_recurrent_linear_attn, (q, k, v, g, None, h0, 0.25)),
         (ops.chunk_linear_attn, (q, k, v, g, None, h0[:, :, :12], 0.25, "hedgehog", w, True)),
         (ops.fused_recurrent_linear_attn, (q, k, v, g, None, None, 0.25, "performer", w, True)),
+        (ops.chunk_linear_attn, (q, k, v, g, None, h0, 0.25, "elu"), {"mask": left_padding(1, 5)}),
+        (ops.fused_recurrent_linear_attn, (q, k, v, g, None, h0, 0.25), {"mask": left_padding(1, 5)}),
         (ops.linear_recurrence, (a, s[..., :1].expand(1, 5, 3).contiguous(), None, False)),
         (ops.aaren_scan, (s, v[:, :, :1].expand(1, 5, 2, 8).contiguous(), *aaren_state)),
         (ops.window_attn_step, (q[:, 0], keys, values, valid, 0.25)),
@@ -588,9 +715,9 @@ def opcheck_cases():
 def test_opcheck(backend):
     """torch.library.opcheck: schemas, fake impls, autograd registration, and the backward traced
     by AOT autograd (the Triton backward runs through its own custom ops for that)."""
-    for op, args in opcheck_cases():
+    for op, args, *kwargs in opcheck_cases():
         args = [x.clone().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in args]
-        torch.library.opcheck(op, args, {"backend": backend})
+        torch.library.opcheck(op, args, {"backend": backend, **(kwargs[0] if kwargs else {})})
 
 
 # --------------------------------------------------------------------------- larger

@@ -32,7 +32,8 @@ Forms, all computing the same thing (tests hold them to ``naive_recurrent_gated_
 ``chunk_*`` (fla's naive_chunk: quadratic with relative decays inside chunks of C tokens, the
 state carried between chunks with the chunk's total decay exp(G_C); the prefill path) and
 ``step_*`` (one token; the decode path); the fused form is ``cells.linear.fused_linear_attn`` with
-the gates (the ops' g for a scalar gate, gk for GLA's vector gate). Shapes: phi_q
+the gates (the ops' g for a scalar gate, gk for GLA's vector gate; the raw q, k, the map and the
+mask go to the ops, which apply them). Shapes: phi_q
 ``[B, Hkv, G, T, F]`` (G query heads per kv head), phi_k ``[B, Hkv, T, F]``, v ``[B, Hkv, T, Dv]``,
 log_a ``[B, Hkv, T, 1]`` (scalar gate) or ``[B, Hkv, T, F]`` (vector gate), state ``kv [B, Hkv, F, Dv]`` and ``k_sum [B, Hkv, F]`` (None
 without the normaliser) in fp32.
@@ -255,14 +256,15 @@ class GatedCell(FeatureMapCell):
     def forward(self, q, k, v, mask, *state, x=None):
         kv, k_sum = state if self.normalize else (state[0], None)
         mask = mask.to(torch.bool)
-        phi_q, phi_k = self.features(q, k, mask)
         log_a = self.log_gates(x, mask)
         v = torch.where(mask[:, None, :, None], v.float(), 0.0)  # padding: phi(k) = 0, a = 1, v = 0
-        if self.kernels is not None:
-            out, kv, k_sum = fused_linear_attn(phi_q, phi_k, v, kv, k_sum, self.eps, log_a, self.kernels)
+        if self.kernels is not None:  # the ops featurise (and mask) q, k themselves
+            out, kv, k_sum = fused_linear_attn(self.grouped(q), k, v, kv, k_sum, self.phi, mask, self.eps, log_a,
+                                               self.kernels)
         elif q.shape[2] == 1:
-            out, kv, k_sum = step_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum, self.eps)
+            out, kv, k_sum = step_gated_attn(*self.features(q, k, mask), v, log_a, kv, k_sum, self.eps)
         else:
-            out, kv, k_sum = chunk_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum, self.eps, self.chunk_size)
+            out, kv, k_sum = chunk_gated_attn(*self.features(q, k, mask), v, log_a, kv, k_sum, self.eps,
+                                              self.chunk_size)
         out = out.reshape(q.shape[0], self.spec.num_heads, q.shape[2], -1).to(q.dtype)
         return (out, kv, k_sum) if self.normalize else (out, kv)

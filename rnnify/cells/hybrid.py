@@ -30,7 +30,10 @@ attention alone.
 Forms (tests hold them to ``naive_recurrent_hybrid_attn``): ``naive_recurrent_*`` (a plain loop
 over tokens, the window part key by key), ``parallel_*`` (masked quadratic over ring + new
 tokens, plus the linear state), ``chunk_*`` (the parallel form over chunks: the prefill path),
-``step_*`` (one token: the decode path). Shapes: q ``[B, Hkv, G, T, d]`` fp32, k/v
+``step_*`` (one token: the decode path); ``fused_*`` once ``use_kernels`` is set: the linear part
+through ``rnnify.kernels``' linear-attention ops in both phases (raw q and the leaving keys, the
+map applied by the op when it has it), the window part through ``window_attn_step`` with its
+softmax statistics for a decode token, in PyTorch for a prompt. Shapes: q ``[B, Hkv, G, T, d]`` fp32, k/v
 ``[B, Hkv, T, d]``, mask ``[B, T]``, state ``keys/values [B, Hkv, W, d]``, ``length [B]``,
 ``kv [B, Hkv, F, d_v]``, ``k_sum [B, Hkv, F]`` (fp32); ``factor`` is f ``[Hkv, G]``; ``phi`` maps
 ``[B, Hkv, ..., d] -> [B, Hkv, ..., F]``. Every form returns ``(out fp32, *new_state)``.
@@ -43,6 +46,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
 from rnnify.cells.linear import KERNEL_MAX_FEATURES, build_feature_map, fused_linear_attn
 from rnnify.cells.window import check_int, ring_index, ring_write, token_index
@@ -181,28 +185,48 @@ def leaving(q_index, key_index, all_keys, all_values, window: int):
     return take(all_keys), take(all_values), leaves
 
 
+def fused_window_step(q, k, v, mask, keys, values, length, factor, scale: float, backend: str = "auto"):
+    """The window part of one decode token through ``rnnify.kernels.window_attn_step`` (which also
+    writes the ring): its normalised output o and softmax denominator u (over the ring, self
+    included, relative to the scores' max m) give f sum exp(s - m) v = f o u and f sum exp(s - m) = f u.
+    Returns ``(window_num, window_den, keys, values, length)``."""
+    batch, num_kv_heads, group, _, head_dim = q.shape
+    o, (keys, values, _, _, length), (_, u) = kernels.window_attn_step(
+        q.reshape(batch, 1, num_kv_heads * group, head_dim), k.transpose(1, 2), v.transpose(1, 2), keys, values,
+        length, mask=mask, scale=scale, return_stats=True, backend=backend,
+    )
+    window_den = factor[..., None] * u.reshape(batch, num_kv_heads, group, 1)
+    window_num = o.reshape(batch, num_kv_heads, group, 1, -1) * window_den[..., None]
+    return window_num, window_den, keys, values, length
+
+
 def fused_hybrid_attn(
     q, k, v, mask, keys, values, length, kv, k_sum, phi, factor, scale: float, chunk_size: int = 64,
     backend: str = "auto",
 ):
-    """Both phases with the linear part through ``rnnify.kernels``: it is linear attention whose
-    keys are the tokens leaving the window, one per new token (query i reads every j <= i - W), so
-    ``cells.linear.fused_linear_attn`` runs it unnormalised, with the denominator as one more value
-    column of ones and z as one more state column. The window part stays here, chunk by chunk."""
+    """Both phases through ``rnnify.kernels``. The linear part is linear attention whose keys are the
+    tokens leaving the window, one per new token (query i reads every j <= i - W), so
+    ``cells.linear.fused_linear_attn`` runs it (the op applies phi, masking the tokens where none
+    leaves) unnormalised, with the denominator as one more value column of ones and z as one more
+    state column. The window part: for a decode token (T == 1) ``fused_window_step``; for a prompt
+    ``_window_part`` here, chunk by chunk."""
     window, window_parts, left = keys.shape[2], [], []
     for start in range(0, q.shape[3], chunk_size):
         end = start + chunk_size
         chunk = (k[:, :, start:end], v[:, :, start:end], mask[:, start:end])
         held = _held(*chunk, keys, values, length)
-        window_parts.append(_window_part(q[:, :, :, start:end], *held, window, factor, scale))
         left.append(leaving(*held, window))
+        if q.shape[3] == 1:
+            window_parts.append(fused_window_step(q, *chunk, keys, values, length, factor, scale, backend))
+            keys, values, length = window_parts[-1][2:]
+            continue
+        window_parts.append(_window_part(q[:, :, :, start:end], *held, window, factor, scale))
         keys, values, length = ring_write(*chunk, keys, values, length)
     old_keys, old_values = (torch.cat([part[i] for part in left], dim=2) for i in (0, 1))
     leaves = torch.cat([part[2] for part in left], dim=1)
-    phi_old = torch.where(leaves[:, None, :, None], phi(old_keys), 0.0)
     old_values = torch.cat([old_values, torch.ones_like(old_values[..., :1])], dim=-1)
     state = torch.cat([kv, k_sum[..., None]], dim=-1)
-    linear, state, _ = fused_linear_attn(phi(q), phi_old, old_values, state, None, backend=backend)
+    linear, state, _ = fused_linear_attn(q, old_keys, old_values, state, None, phi, leaves, backend=backend)
     window_num, window_den = (torch.cat([part[i] for part in window_parts], dim=3) for i in (0, 1))
     out = _combine(window_num, window_den, linear[..., :-1], linear[..., -1])
     return out, keys, values, length, state[..., :-1], state[..., -1]
@@ -247,7 +271,8 @@ class HybridCell(Cell):
     def fused_ops(self) -> dict[str, str]:
         if self.phi.feature_dim > KERNEL_MAX_FEATURES:
             return {}
-        return {"prefill": "chunk_linear_attn", "decode": "fused_recurrent_linear_attn"}  # the linear part
+        # prefill: the linear part (the window part stays PyTorch); decode: both parts
+        return {"prefill": "chunk_linear_attn", "decode": "window_attn_step + fused_recurrent_linear_attn"}
 
     def init_state(self, batch_size, device, dtype):
         spec, features = self.spec, self.phi.feature_dim

@@ -12,8 +12,9 @@ Forms, all computing the same thing (tests hold them to ``naive_recurrent_linear
 ``chunk_*`` (O(T * C): quadratic inside chunks of C tokens, the recurrence between chunks; the
 prefill path), ``step_*`` (one token; the decode path) and ``fused_*`` (the same through the
 ``rnnify.kernels`` ops, once ``use_kernels`` is set: ``chunk_linear_attn`` for T > 1,
-``fused_recurrent_linear_attn`` for T == 1; the phi_q scale is already in the features, so the ops
-run with scale 1, and their (S, z) state is this cell's (kv, k_sum)). Shapes: phi_q ``[B, Hkv, G, T, F]``
+``fused_recurrent_linear_attn`` for T == 1, from the raw q, k: the ops apply the map (elu, relu,
+identity, hedgehog, performer; ``FeatureMap.kernel_form``) and the padding mask themselves, other
+maps are applied first; their (S, z) state is this cell's (kv, k_sum)). Shapes: phi_q ``[B, Hkv, G, T, F]``
 (G query heads per kv head), phi_k ``[B, Hkv, T, F]``, v ``[B, Hkv, T, Dv]``, state
 ``kv [B, Hkv, F, Dv]`` and ``k_sum [B, Hkv, F]`` in fp32. ``k_sum=None`` is the unnormalised
 form: every form then returns ``(out, kv, None)``.
@@ -68,6 +69,12 @@ class FeatureMap(nn.Module):
     def options(self) -> dict[str, Any]:
         return {}
 
+    def kernel_form(self) -> tuple[str, torch.Tensor | None, float] | None:
+        """How the ``rnnify.kernels`` linear-attention ops apply this very map themselves:
+        ``(feature_map, feature_weight, scale)`` for their arguments (``kernels.linear_attn.feature_maps``
+        has the same math), or None when they do not have it (the map is then applied in PyTorch)."""
+        return None
+
     def normalised_query(self, x: torch.Tensor) -> torch.Tensor:
         """Features for queries whose output is normalised (o = phi(q) S / (phi(q) . z + eps)).
 
@@ -93,6 +100,9 @@ def _check_feature_dim(name: str, value: Any, even: bool = False) -> int:
 class EluFeatureMap(FeatureMap):
     """elu(x) + 1: positive, so the normaliser never vanishes (Katharopoulos et al.)."""
 
+    def kernel_form(self):
+        return "elu", None, 1.0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.elu(x) + 1
 
@@ -100,12 +110,18 @@ class EluFeatureMap(FeatureMap):
 class ReluFeatureMap(FeatureMap):
     """relu(x): non-negative; a query or key with no positive entry contributes nothing."""
 
+    def kernel_form(self):
+        return "relu", None, 1.0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(x)
 
 
 class IdentityFeatureMap(FeatureMap):
     """x itself: with ``normalize=False`` this is plain (unnormalised) linear attention q S."""
+
+    def kernel_form(self):
+        return "identity", None, 1.0  # the ops' identity multiplies the output by scale: 1 here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -150,6 +166,9 @@ class PerformerFeatureMap(FeatureMap):
 
     def options(self) -> dict[str, Any]:
         return {"num_features": self.num_features, "seed": self.seed}
+
+    def kernel_form(self):
+        return "performer", self.weight, self.spec.scale  # the ops stabilise normalised queries alike
 
     def _exponent(self, x: torch.Tensor) -> torch.Tensor:
         x = x * self.spec.scale**0.5
@@ -204,6 +223,9 @@ class HedgehogFeatureMap(FeatureMap):
 
     def options(self) -> dict[str, Any]:
         return {"feature_dim": self._feature_dim}
+
+    def kernel_form(self):
+        return "hedgehog", self.weight, 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         u = _per_head(x, self.weight)
@@ -314,23 +336,35 @@ def step_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
     return _normalise(num, den, eps), kv, k_sum
 
 
-def fused_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6, log_a=None, backend: str = "auto") -> Forms:
-    """The forms above (and ``cells.gated``'s with ``log_a``) through ``rnnify.kernels``.
+def fused_linear_attn(q, k, v, kv, k_sum, phi: FeatureMap, mask, eps: float = 1e-6, log_a=None,
+                      backend: str = "auto") -> Forms:
+    """The forms above (and ``cells.gated``'s with ``log_a``) through ``rnnify.kernels``, from the
+    raw (not featurised) q ``[B, Hkv, G, T, d]`` and k ``[B, Hkv, T, d]``.
 
-    Only the layout changes: ``[B, Hkv, G, T, F]`` queries are the ops' ``[B, T, H, F]`` (query head
-    h = kv head * G + g, the ops' GQA grouping); ``log_a`` ``[B, Hkv, T, 1]`` is their scalar gate g,
-    ``[B, Hkv, T, F]`` their per-channel gate gk.
+    The ops apply phi themselves when they have it (``phi.kernel_form()``: elu, relu, identity,
+    hedgehog, performer, with performer's query stabiliser when normalised, as ``normalised_query``);
+    other maps are applied here and the ops run the identity map. ``mask [B, T]`` (False: padding)
+    goes to the ops, which give padding keys phi(k) = 0 and log a = 0, as ``FeatureMapCell.features``
+    and ``GatedCell.log_gates`` do. Only the layout changes: ``[B, Hkv, G, T, .]`` queries are the
+    ops' ``[B, T, H, .]`` (query head h = kv head * G + g, the ops' GQA grouping); ``log_a``
+    ``[B, Hkv, T, 1]`` is their scalar gate g, ``[B, Hkv, T, F]`` their per-channel gate gk.
     """
-    batch, num_kv_heads, group, length, features = phi_q.shape
-    q = phi_q.reshape(batch, num_kv_heads * group, length, features).transpose(1, 2)
+    batch, num_kv_heads, group, length, _ = q.shape
+    form = phi.kernel_form()
+    if form is None:
+        q, k = (phi.normalised_query(q.float()) if k_sum is not None else phi(q.float())), phi(k.float())
+        form = ("identity", None, 1.0)
+    feature_map, weight, scale = form
+    q = q.reshape(batch, num_kv_heads * group, length, -1).transpose(1, 2)
     g = gk = None
     if log_a is not None:
         g, gk = (log_a[..., 0].transpose(1, 2), None) if log_a.shape[-1] == 1 else (None, log_a.transpose(1, 2))
     op = kernels.fused_recurrent_linear_attn if length == 1 else kernels.chunk_linear_attn
     state = kv if k_sum is None else (kv, k_sum)
     out, state = op(
-        q, phi_k.transpose(1, 2), v.transpose(1, 2), g, gk, scale=1.0, initial_state=state, output_final_state=True,
-        normalize=k_sum is not None, eps=eps, backend=backend,
+        q, k.transpose(1, 2), v.transpose(1, 2), g, gk, scale=scale, initial_state=state, output_final_state=True,
+        normalize=k_sum is not None, eps=eps, feature_map=feature_map, feature_weight=weight, mask=mask,
+        backend=backend,
     )
     kv, k_sum = (state, None) if k_sum is None else state
     return out.transpose(1, 2).reshape(batch, num_kv_heads, group, length, -1), kv, k_sum
@@ -338,11 +372,15 @@ def fused_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6, log_a=None,
 
 # --------------------------------------------------------------------------- the cell
 
-# The linear-attention kernels hold all F features of a [F, 64] state block per program (no tiling
-# over F): chunk_linear_attn compiled for sm_90 needs 147 KB of shared memory at F = 128 and 279 KB
-# (over the 227 KB limit) at 256. Wider maps (hedgehog from d = 128, performer's default m from
-# d = 64, taylor from d = 11) keep the PyTorch forms.
-KERNEL_MAX_FEATURES = 128
+# The linear-attention kernels hold all F features of a state block per program (no tiling over
+# F); ``kernels.linear_attn.chunk.block_sizes`` shrinks BT and BV as F grows. Compiled for sm_90
+# (``python -m rnnify.kernels.compile_check --features 256``, limit 227 KB of shared memory), F = 256
+# (hedgehog at d = 128) fits with every gate: chunk forward 172 KB (no gate / scalar gate, BT = 32)
+# and 168 KB (per-channel gate, BT = 16), chunk backward 78 KB (37 KB with a per-channel gate),
+# fused_recurrent 1 KB. Shared memory only: register spills and speed are unmeasured (no GPU run).
+# F > 256 (performer's default m at d = 64: 266, i.e. BF = 512; taylor from d = 11) keeps the
+# PyTorch forms.
+KERNEL_MAX_FEATURES = 256
 
 
 class FeatureMapCell(Cell):
@@ -366,11 +404,14 @@ class FeatureMapCell(Cell):
             return {}
         return {"prefill": "chunk_linear_attn", "decode": "fused_recurrent_linear_attn"}
 
+    def grouped(self, q: torch.Tensor) -> torch.Tensor:
+        """q ``[B, H, T, d]`` grouped per kv head: ``[B, H_kv, G, T, d]``."""
+        return q.reshape(q.shape[0], self.spec.num_kv_heads, self.spec.group_size, q.shape[2], -1)
+
     def features(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """phi(q) grouped per kv head ``[B, H_kv, G, T, F]`` (the map's ``normalised_query`` when the
         normaliser cancels a positive factor per query), and phi(k) with padding keys zeroed, in fp32."""
-        batch, _, length, _ = q.shape
-        grouped = q.float().reshape(batch, self.spec.num_kv_heads, self.spec.group_size, length, -1)
+        grouped = self.grouped(q.float())
         phi_q = self.phi.normalised_query(grouped) if self.normalize else self.phi(grouped)
         phi_k = torch.where(mask[:, None, :, None].to(torch.bool), self.phi(k.float()), 0.0)
         return phi_q, phi_k
@@ -421,13 +462,14 @@ class LinearCell(FeatureMapCell):
 
     def forward(self, q, k, v, mask, *state):
         kv, k_sum = state if self.normalize else (state[0], None)
-        phi_q, phi_k = self.features(q, k, mask)
-        v = torch.where(mask[:, None, :, None].to(torch.bool), v.float(), 0.0)
-        if self.kernels is not None:
-            out, kv, k_sum = fused_linear_attn(phi_q, phi_k, v, kv, k_sum, self.eps, backend=self.kernels)
+        mask = mask.to(torch.bool)
+        v = torch.where(mask[:, None, :, None], v.float(), 0.0)
+        if self.kernels is not None:  # the ops featurise (and mask) q, k themselves
+            out, kv, k_sum = fused_linear_attn(self.grouped(q), k, v, kv, k_sum, self.phi, mask, self.eps,
+                                               backend=self.kernels)
         elif q.shape[2] == 1:
-            out, kv, k_sum = step_linear_attn(phi_q, phi_k, v, kv, k_sum, self.eps)
+            out, kv, k_sum = step_linear_attn(*self.features(q, k, mask), v, kv, k_sum, self.eps)
         else:
-            out, kv, k_sum = chunk_linear_attn(phi_q, phi_k, v, kv, k_sum, self.eps, self.chunk_size)
+            out, kv, k_sum = chunk_linear_attn(*self.features(q, k, mask), v, kv, k_sum, self.eps, self.chunk_size)
         out = out.reshape(q.shape[0], self.spec.num_heads, q.shape[2], -1).to(q.dtype)
         return (out, kv, k_sum) if self.normalize else (out, kv)

@@ -3,9 +3,11 @@
     linear_attn/   naive_recurrent_linear_attn (ground truth), fused_recurrent_linear_attn (decode,
                    short prompts) and chunk_linear_attn (prefill), both differentiable and able to
                    apply the feature map in the kernel (``feature_map=``: elu, relu, hedgehog, performer)
+                   and a key mask for left padding (``mask=`` [B, T]: padding adds nothing, decays nothing)
     scan.py        linear_recurrence (x_t = a_t x_{t-1} + b_t, forward and reverse),
                    aaren_scan (Aaren's (m, u, w) operator)
-    window_attn.py window_attn_step (one decode token of sliding-window attention with sinks)
+    window_attn.py window_attn_step (one decode token of sliding-window attention with sinks;
+                   ``return_stats=True`` adds the softmax's max and denominator)
 
 Every op has a Triton backward (its own custom op, so backward graphs trace) and a fake impl.
 Calling convention (fla's): q, k, v ``[B, T, H, D]`` (k, v may have fewer heads: GQA, query head

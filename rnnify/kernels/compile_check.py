@@ -16,24 +16,30 @@ import sys
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # bytes per block (opt-in max)
 
 
-def variants():
+def variants(features=None):
     from rnnify.kernels import scan, window_attn
     from rnnify.kernels.linear_attn import chunk, common, fused_recurrent
 
     P = "*fp32"
-    la = dict(q=P, k=P, v=P, g=P, gk=P, w=P, h0=P, o=P, ht=P, scale="fp32", fsqrt="fp32", fshift="fp32", T="i32")
+    la = dict(q=P, k=P, v=P, g=P, gk=P, w=P, h0=P, km="*i8", o=P, ht=P, scale="fp32", fsqrt="fp32", fshift="fp32",
+              T="i32")
     lb = dict(q=P, k=P, v=P, g=P, gk=P, h0=P, do=P, dht=P, dq=P, dk=P, dv=P, dh0=P, scale="fp32", T="i32")
     # (feature map, K, F): the identity at K = 64, and the fused maps at d = 64 with their default
-    # sizes (hedgehog 2d, performer d ln d = 266); the backward kernels see F wide inputs
-    maps = [("identity", 64, 64), ("elu", 64, 64), ("hedgehog", 64, 128), ("performer", 64, 266)]
+    # sizes (hedgehog 2d, performer d ln d = 266) and hedgehog at d = 128 (F = 256); the backward
+    # kernels see F wide inputs. Every gate combination for the widest maps (rnnify.cells.linear's
+    # KERNEL_MAX_FEATURES rests on them), the scalar gate for the others.
+    maps = [("identity", 64, 64), ("elu", 64, 64), ("hedgehog", 64, 128), ("hedgehog", 128, 256),
+            ("performer", 64, 266)]
     for feature, K, F in maps:
+        if features is not None and F not in features:
+            continue
         for use_g, use_gk in ((False, False), (True, False), (False, True), (True, True)):
-            if feature != "identity" and (use_g, use_gk) != (True, False):
+            if feature not in ("identity", "performer") and K != 128 and (use_g, use_gk) != (True, False):
                 continue
             BF = 1 << (F - 1).bit_length()
             c = dict(H=8, HKV=2, G=4, K=K, F=F, V=64, BK=K, BF=BF, BV=common.value_block(BF, 64),
                      FEATURE=feature, QUERY_SHIFT=feature == "performer",
-                     USE_G=use_g, USE_GK=use_gk, USE_INITIAL_STATE=True)
+                     USE_G=use_g, USE_GK=use_gk, USE_INITIAL_STATE=True, USE_MASK=True)
             yield fused_recurrent.fused_recurrent_linear_attn_fwd_kernel, la, c, {}
             BT = chunk.block_sizes(F, 64, use_gk)[0]
             c2 = {**c, "BT": BT, "PRECISION": "tf32"}
@@ -52,7 +58,7 @@ def variants():
            dict(s=P, v=P, m0=P, u0=P, w0=P, do=P, o=P, dmt=P, dwt=P, dut=P, ms=P, us=P, ds=P, dv=P, dm0=P,
                 du0=P, dw0=P, T="i32"),
            dict(B=2, H=4, D=64, BT=32, BD=64, USE_INITIAL_STATE=True), {})
-    yield (window_attn.window_attn_step_kernel, dict(q=P, keys=P, values=P, valid="*i8", o=P, scale="fp32", N="i32"),
+    yield (window_attn.window_attn_step_kernel, dict(q=P, keys=P, values=P, valid="*i8", o=P, mo=P, uo=P, scale="fp32", N="i32"),
            dict(H=8, HKV=2, G=4, K=64, V=64, BN=32, BK=64, BV=64), {})
     wb = dict(q=P, keys=P, values=P, valid="*i8", o=P, do=P, dq=P, dkeys=P, dvalues=P, scale="fp32", N="i32")
     for G in (1, 4):
@@ -63,6 +69,9 @@ def variants():
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--features", type=int, nargs="+", metavar="F",
+                   help="of the linear-attention variants only those with these feature dims (64, 128, 256, 266); "
+                        "the other kernels are always compiled")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter does not compile", file=sys.stderr)
@@ -72,8 +81,9 @@ def main(argv=None) -> int:
     from triton.compiler import ASTSource
 
     target, limit, ok = GPUTarget("cuda", args.arch, 32), SHARED_LIMIT.get(args.arch), True
-    for fn, signature, constexprs, options in variants():
-        flags = {k: v for k, v in constexprs.items() if k.startswith("USE") or k in ("BT", "BV", "REVERSE", "FEATURE")}
+    for fn, signature, constexprs, options in variants(None if args.features is None else set(args.features)):
+        flags = {k: v for k, v in constexprs.items()
+                 if k.startswith("USE") or k in ("F", "BT", "BV", "REVERSE", "FEATURE")}
         try:
             src = ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs)
             shared = triton.compile(src, target=target, options=options).metadata.shared

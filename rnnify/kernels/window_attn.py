@@ -7,11 +7,17 @@ validity mask ``[B, N]``,
 
     o = sum_n valid_n exp(s_n) v_n / sum_n valid_n exp(s_n),   s_n = scale * q . k_n      (0 if none valid)
 
+The op also returns the softmax's statistics: m = max_n valid_n s_n (-inf if none valid) and
+u = sum_n valid_n exp(s_n - m) (0 if none valid), so o u = sum_n exp(s_n - m) v_n is the
+unnormalised sum and m + log u the log-sum-exp (``window_attn_step(..., return_stats=True)``;
+rnnify.cells.hybrid adds its linear part to f o u and f u). All three are differentiable.
+
 Triton: one program per (batch, query head) walks the keys in blocks of BN with the running
 (m, u, w) softmax of math.md §1, all in fp32. Backward (``rnnify::window_attn_step_bwd``): one
 program per (batch, kv head) holds the group's query heads as rows, recomputes their (m, u), then
 walks the keys once more for dq, d keys, d values (d of the sinks and ring reach them through the
-PyTorch writes).
+PyTorch writes). Gradients reaching m and u are added by recomputing (m, u) from the scores in
+PyTorch under autograd (a [B, H, N] matrix; amax's gradient as PyTorch defines it, ties split).
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ from rnnify.kernels import utils
 from rnnify.kernels.utils import tl, triton
 
 
-def naive_window_attn_read(q, keys, values, valid, scale):
-    """q ``[B, H, K]``, keys ``[B, H_kv, N, K]``, values ``[B, H_kv, N, V]``, valid ``[B, N]`` -> o ``[B, H, V]`` fp32."""
+def naive_window_attn_read(q, keys, values, valid, scale, stats=False):
+    """q ``[B, H, K]``, keys ``[B, H_kv, N, K]``, values ``[B, H_kv, N, V]``, valid ``[B, N]`` -> o ``[B, H, V]`` fp32;
+    with ``stats``, ``(o, m [B, H], u [B, H])``."""
     B, H, _ = q.shape
     Hkv = keys.shape[1]
     q = q.float().reshape(B, Hkv, H // Hkv, -1)
@@ -33,6 +40,8 @@ def naive_window_attn_read(q, keys, values, valid, scale):
     p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0))
     den = p.sum(-1, keepdim=True)
     o = torch.where(den > 0, (p @ values.float()) / den.clamp_min(1e-38), 0.0)
+    if stats:
+        return o.reshape(B, H, -1), m.reshape(B, H), den.reshape(B, H)
     return o.reshape(B, H, -1)
 
 
@@ -40,7 +49,7 @@ if triton is not None:
 
     @triton.jit
     def window_attn_step_kernel(
-        q, keys, values, valid, o, scale, N,
+        q, keys, values, valid, o, mo, uo, scale, N,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     ):
@@ -72,6 +81,8 @@ if triton is not None:
             b_m = b_mn
         b_o = tl.where(b_u > 0, b_w / tl.maximum(b_u, 1e-38), 0.0)
         tl.store(o + i_bh * V + o_v, b_o, mask=m_v)
+        tl.store(mo + i_bh + tl.arange(0, 1), b_m)
+        tl.store(uo + i_bh + tl.arange(0, 1), b_u)
 
 
     @triton.jit
@@ -136,22 +147,27 @@ if triton is not None:
 
 @torch.library.custom_op("rnnify::window_attn_step", mutates_args=())
 def _window_attn_step_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                         scale: float, backend: str = "auto") -> torch.Tensor:
+                         scale: float, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o ``[B, H, V]``, m ``[B, H]``, u ``[B, H]``), fp32."""
     if not utils.resolve_backend(backend, q):
-        return naive_window_attn_read(q, keys, values, valid, scale)
+        o, m, u = naive_window_attn_read(q, keys, values, valid, scale, stats=True)
+        return o.contiguous(), m.contiguous(), u.contiguous()
     q, keys, values = q.contiguous(), keys.contiguous(), values.contiguous()
     B, H, K = q.shape
     Hkv, N, V = keys.shape[1], keys.shape[2], values.shape[-1]
     o = utils.empty((B, H, V), q.device)
+    m, u = utils.empty((B, H), q.device), utils.empty((B, H), q.device)
     window_attn_step_kernel[(B * H,)](
-        q, keys, values, valid.to(torch.int8).contiguous(), o, scale, N,
+        q, keys, values, valid.to(torch.int8).contiguous(), o, m, u, scale, N,
         H=H, HKV=Hkv, G=H // Hkv, K=K, V=V, BN=32, BK=utils.next_pow2(K), BV=utils.next_pow2(V))
-    return o
+    return o, m, u
 
 
 @_window_attn_step_op.register_fake
 def _(q, keys, values, valid, scale, backend="auto"):
-    return q.new_empty(q.shape[0], q.shape[1], values.shape[-1], dtype=torch.float32)
+    B, H = q.shape[:2]
+    return (q.new_empty(B, H, values.shape[-1], dtype=torch.float32), q.new_empty(B, H, dtype=torch.float32),
+            q.new_empty(B, H, dtype=torch.float32))
 
 
 @torch.library.custom_op("rnnify::window_attn_step_bwd", mutates_args=())
@@ -179,20 +195,44 @@ def _(q, keys, values, valid, o, do, scale):
 
 def _window_setup(ctx, inputs, output):
     q, keys, values, valid, scale, backend = inputs
-    ctx.save_for_backward(q, keys, values, valid, output)
+    ctx.save_for_backward(q, keys, values, valid, output[0])
     ctx.scale, ctx.backend = scale, backend
 
 
-def _window_backward(ctx, do):
-    """Triton: ``rnnify::window_attn_step_bwd``. Reference: the read recomputed under autograd."""
+def _stats_grads(q, keys, valid, scale, dm, du):
+    """(dq, dkeys) of <dm, m> + <du, u>, m and u recomputed from the scores under autograd."""
+    inputs = [x.detach().requires_grad_() for x in (q, keys)]
+    with torch.enable_grad():
+        B, H, _ = q.shape
+        s = scale * torch.einsum("bhgk,bhnk->bhgn", inputs[0].float().reshape(B, keys.shape[1], H // keys.shape[1], -1),
+                                 inputs[1].float())
+        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+        m = s.amax(-1)
+        u = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0)[..., None]).sum(-1)
+        dq, dkeys = torch.autograd.grad((m.reshape(B, H), u.reshape(B, H)), inputs, (dm, du))
+    return dq, dkeys
+
+
+def _window_backward(ctx, do, dm, du):
+    """Triton: ``rnnify::window_attn_step_bwd`` for o, plus ``_stats_grads`` for m, u.
+    Reference: the read recomputed under autograd."""
     q, keys, values, valid, o = ctx.saved_tensors
     if utils.resolve_backend(ctx.backend, q):
         dq, dkeys, dvalues = torch.ops.rnnify.window_attn_step_bwd(q, keys, values, valid, o, do, ctx.scale)
+        if dm is not None or du is not None:
+            dm = torch.zeros_like(o[..., 0]) if dm is None else dm
+            du = torch.zeros_like(o[..., 0]) if du is None else du
+            dq_s, dkeys_s = _stats_grads(q, keys, valid, ctx.scale, dm, du)
+            dq, dkeys = dq + dq_s.to(dq.dtype), dkeys + dkeys_s.to(dkeys.dtype)
     else:
         inputs = [x.detach().requires_grad_() for x in (q, keys, values)]
         with torch.enable_grad():
-            o = naive_window_attn_read(*inputs, valid, ctx.scale)
-            dq, dkeys, dvalues = torch.autograd.grad(o, inputs, do)
+            outs = naive_window_attn_read(*inputs, valid, ctx.scale, stats=True)
+            used = [(x, d) for x, d in zip(outs, (do, dm, du)) if d is not None]
+            dq, dkeys, dvalues = torch.autograd.grad([x for x, _ in used], inputs, [d for _, d in used],
+                                                     allow_unused=True)
+        dq, dkeys, dvalues = (torch.zeros_like(x) if d is None else d for x, d in zip((q, keys, values),
+                                                                                    (dq, dkeys, dvalues)))
     return dq, dkeys, dvalues, None, None, None
 
 
@@ -202,11 +242,14 @@ _window_attn_step_op.register_autograd(_window_backward, setup_context=_window_s
 def window_attn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      length: torch.Tensor, sink_keys: torch.Tensor | None = None,
                      sink_values: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                     scale: float | None = None, *, backend: str = "auto") -> tuple[torch.Tensor, WindowState]:
+                     scale: float | None = None, *, return_stats: bool = False, backend: str = "auto"):
     """One decode token: q ``[B, 1, H, K]``, k/v ``[B, 1, H_kv, K|V]``; state as rnnify.cells.window
     holds it: ring ``keys/values [B, H_kv, W, K|V]``, sinks ``[B, H_kv, S, K|V]`` (or None), ``length [B]``
     real tokens read; ``mask [B, 1]`` (False: padding, the state stays). Returns ``(o [B, 1, H, V] fp32,
-    (keys, values, sink_keys, sink_values, length))``. ``backend``: see ``rnnify.kernels.utils.resolve_backend``."""
+    (keys, values, sink_keys, sink_values, length))``, and with ``return_stats`` a third item ``(m, u)``,
+    each ``[B, 1, H]`` fp32: the scores' max over the attended keys (-inf if none) and the softmax
+    denominator sum exp(s - m) (0 if none), so ``o * u`` is the unnormalised sum and ``m + log(u)``
+    the log-sum-exp; differentiable. ``backend``: see ``rnnify.kernels.utils.resolve_backend``."""
     from rnnify.cells.window import ring_index, ring_write, sink_write, sinks_outside_window
 
     B, T, H, K = q.shape
@@ -222,7 +265,8 @@ def window_attn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
     sink_keys, sink_values = sink_write(k, v, mask, sink_keys, sink_values, length)
     keys, values, length = ring_write(k, v, mask, keys, values, length)
     valid = torch.cat([sinks_outside_window(length, window, sinks), ring_index(length, window) >= 0], dim=1)
-    o = torch.ops.rnnify.window_attn_step(
+    o, m, u = torch.ops.rnnify.window_attn_step(
         q[:, 0].contiguous(), torch.cat([sink_keys, keys], 2).contiguous(),
         torch.cat([sink_values, values], 2).contiguous(), valid, scale, backend)
-    return o[:, None], (keys, values, sink_keys, sink_values, length)
+    state = (keys, values, sink_keys, sink_values, length)
+    return (o[:, None], state, (m[:, None], u[:, None])) if return_stats else (o[:, None], state)

@@ -35,11 +35,11 @@ if triton is not None:
 
     @triton.jit
     def chunk_linear_attn_fwd_kernel(
-        q, k, v, g, gk, w, h0, o, ht, scale, fsqrt, fshift, T,
+        q, k, v, g, gk, w, h0, km, o, ht, scale, fsqrt, fshift, T,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, K: tl.constexpr, F: tl.constexpr,
         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
         FEATURE: tl.constexpr, QUERY_SHIFT: tl.constexpr,
-        USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+        USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, USE_MASK: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         i_v, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # int64 offsets
@@ -62,19 +62,22 @@ if triton is not None:
             o_t = i_t * BT + o_i
             m_t = o_t < T
             i_bt = i_b * T + o_t  # [BT]
+            m_r = m_t  # real tokens: in the sequence and, with a key mask, not padding
+            if USE_MASK:
+                m_r = m_t & (tl.load(km + i_bt, mask=m_t, other=0) != 0)
             p_k = k + (i_bt[:, None] * HKV + i_h) * K + o_k[None, :]
             p_v = v + (i_bt[:, None] * HKV + i_h) * V + o_v[None, :]
-            b_k = tl.load(p_k, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_k = tl.load(p_k, mask=m_r[:, None] & m_k[None, :], other=0.0).to(tl.float32)
             b_k = feature_map_2d(b_k, b_w, o_f, fsqrt, fshift, F, FEATURE, False, PRECISION)
-            b_k = tl.where(m_t[:, None], b_k, 0.0)  # padding tokens: phi(0) need not be 0
+            b_k = tl.where(m_r[:, None], b_k, 0.0)  # past the end and padding: phi(0) need not be 0
             b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-            if USE_G:  # padding tokens get log a = 0: they decay nothing
-                b_g = tl.cumsum(tl.load(g + i_bt * HKV + i_h, mask=m_t, other=0.0).to(tl.float32), axis=0)
+            if USE_G:  # past the end and padding get log a = 0: they decay nothing
+                b_g = tl.cumsum(tl.load(g + i_bt * HKV + i_h, mask=m_r, other=0.0).to(tl.float32), axis=0)
                 b_gn = tl.sum(tl.where(o_i == BT - 1, b_g, 0.0), axis=0)  # the whole chunk's decay
                 b_dg = tl.exp(tl.where(m_c, b_g[:, None] - b_g[None, :], float("-inf")))
             if USE_GK:
                 p_gk = gk + (i_bt[:, None] * HKV + i_h) * F + o_f[None, :]
-                b_gk = tl.cumsum(tl.load(p_gk, mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float32), axis=0)
+                b_gk = tl.cumsum(tl.load(p_gk, mask=m_r[:, None] & m_f[None, :], other=0.0).to(tl.float32), axis=0)
                 b_gkn = tl.sum(tl.where(o_i[:, None] == BT - 1, b_gk, 0.0), axis=0)  # [BF]
                 b_dgk = tl.exp(tl.where(m_c[:, :, None], b_gk[:, None, :] - b_gk[None, :, :], float("-inf")))
             for i_g in tl.static_range(G):
@@ -250,8 +253,9 @@ def block_sizes(F: int, V: int, gk: bool) -> tuple[int, int, int]:
     return (16 if gk else min(64, max(16, 8192 // BF))), BF, common.value_block(BF, V)
 
 
-def chunk_linear_attn_fwd_triton(q, k, v, g, gk, h0, w, scale, feature_map="identity", query_shift=False):
+def chunk_linear_attn_fwd_triton(q, k, v, g, gk, h0, w, scale, feature_map="identity", query_shift=False, mask=None):
     q, k, v, g, gk, h0, w = (None if x is None else x.contiguous() for x in (q, k, v, g, gk, h0, w))
+    km = None if mask is None else mask.to(torch.int8).contiguous()
     B, T, H, K = q.shape
     Hkv, V = k.shape[2], v.shape[-1]
     F = feature_maps.feature_dim(feature_map, K, w)
@@ -259,9 +263,10 @@ def chunk_linear_attn_fwd_triton(q, k, v, g, gk, h0, w, scale, feature_map="iden
     o = utils.empty((B, T, H, V), q.device, v.dtype)
     ht = utils.empty((B, Hkv, F, V), q.device, torch.float32)
     chunk_linear_attn_fwd_kernel[(triton.cdiv(V, BV), B * Hkv)](
-        q, k, v, g, gk, w, h0, o, ht, T=T, H=H, HKV=Hkv, G=H // Hkv, K=K, F=F, V=V,
+        q, k, v, g, gk, w, h0, km, o, ht, T=T, H=H, HKV=Hkv, G=H // Hkv, K=K, F=F, V=V,
         BT=BT, BK=utils.next_pow2(K), BF=BF, BV=BV, USE_G=g is not None, USE_GK=gk is not None,
-        USE_INITIAL_STATE=h0 is not None, PRECISION=utils.DOT_PRECISION, num_warps=4, num_stages=1,
+        USE_INITIAL_STATE=h0 is not None, USE_MASK=km is not None, PRECISION=utils.DOT_PRECISION,
+        num_warps=4, num_stages=1,
         **feature_maps.kernel_args(feature_map, scale, w, query_shift),
     )
     return o, ht
@@ -297,9 +302,9 @@ _chunk_bwd_op.register_fake(common.fake_bwd)
 def _chunk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
               gk: torch.Tensor | None, h0: torch.Tensor | None, scale: float, feature_map: str = "identity",
               feature_weight: torch.Tensor | None = None, query_shift: bool = False,
-              backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+              backend: str = "auto", mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return common.forward(chunk_linear_attn_fwd_triton, q, k, v, g, gk, h0, scale, feature_map, feature_weight,
-                          query_shift, backend)
+                          query_shift, backend, mask)
 
 
 _chunk_op.register_fake(common.fake)
@@ -310,12 +315,13 @@ def chunk_linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       gk: torch.Tensor | None = None, scale: float | None = None,
                       initial_state: common.State | None = None, output_final_state: bool = False,
                       normalize: bool = False, eps: float = 1e-6, *, feature_map: str | None = None,
-                      feature_weight: torch.Tensor | None = None,
+                      feature_weight: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                       backend: str = "auto") -> tuple[torch.Tensor, common.State | None]:
     """(Gated) linear attention over a prompt, chunkwise-parallel, differentiable. See ``naive.py``
     for the math and shapes; ``initial_state`` / final state: S ``[B, H_kv, F, V]``, or ``(S, z)``
     with normalize. ``feature_map`` / ``feature_weight``: phi applied in the kernel
-    (``feature_maps.py``; its backward goes through PyTorch, see ``common``). ``backend``: see
-    ``rnnify.kernels.utils.resolve_backend``."""
+    (``feature_maps.py``; its backward goes through PyTorch, see ``common``). ``mask`` ``[B, T]``
+    (True: a real token): padding keys add nothing to S or z and padding gates are taken as 0
+    (see ``common``). ``backend``: see ``rnnify.kernels.utils.resolve_backend``."""
     return common.run(torch.ops.rnnify.chunk_linear_attn, q, k, v, g, gk, scale, initial_state,
-                      output_final_state, normalize, eps, feature_map, feature_weight, backend)
+                      output_final_state, normalize, eps, feature_map, feature_weight, mask, backend)

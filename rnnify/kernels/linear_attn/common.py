@@ -5,7 +5,14 @@ unnormalised op on v' = [v, 1] with state S' = [S, z] (``[B, H_kv, F, V + 1]``):
 column is phi(q_t) . z_t, the denominator. Kernels therefore only implement o = c phi(q) S.
 
 Both ops have the schema ``(q, k, v, g, gk, h0, scale, feature_map, feature_weight, query_shift,
-backend) -> (o, ht)`` and one autograd. Triton backward: the scan's gradients come from the op's
+backend, mask) -> (o, ht)`` and one autograd.
+
+Key mask (``mask [B, T]`` bool, True = a real token; None: all real): a padding token leaves the
+state exactly as it was: its phi(k) is 0 (in S and in z: zeroing k alone is not enough, elu's
+phi(0) = 1) and its log gates g / gk are taken as 0 (whatever the caller passes there; their
+gradient is 0). A padding query reads the state like any other (finite; callers drop it). The
+Triton forward kernels apply the mask to each loaded tile; the backward passes the masked phi(k)
+and gates to the backward kernel and zeroes the padding gradients of k and the gates. Triton backward: the scan's gradients come from the op's
 backward kernel, itself a custom op (``rnnify::*_bwd``, with a fake, so the backward traces under
 torch.compile), which takes featurised inputs; with a fused feature map the features are recomputed in
 PyTorch under autograd and the kernel's d phi(q), d phi(k) are pulled back through them into q, k
@@ -30,11 +37,15 @@ State = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # S, or (S, z) with no
 
 
 def run(op, q, k, v, g, gk, scale, initial_state, output_final_state, normalize, eps, feature_map,
-        feature_weight, backend):
+        feature_weight, mask, backend):
     feature_map = check_feature_map(feature_map, feature_weight, k)
     check_inputs(q, k, v, g, gk, feature_dim(feature_map, k.shape[-1], feature_weight))
     utils.check_backend(backend)
     B, T, H, K = q.shape
+    if mask is not None:
+        if tuple(mask.shape) != (B, T):
+            raise ValueError(f"mask must be [B, T] = {(B, T)}, got {tuple(mask.shape)}")
+        mask = mask.to(torch.bool).contiguous()
     Hkv, V = k.shape[2], v.shape[-1]
     scale = K ** -0.5 if scale is None else float(scale)
     h0 = initial_state
@@ -50,24 +61,37 @@ def run(op, q, k, v, g, gk, scale, initial_state, output_final_state, normalize,
     gk = None if gk is None else gk.float().contiguous()
     h0 = None if h0 is None else h0.contiguous()
     w = None if feature_weight is None else feature_weight.contiguous()
-    o, ht = op(q, k, v, g, gk, h0, scale, feature_map, w, normalize, backend)
+    o, ht = op(q, k, v, g, gk, h0, scale, feature_map, w, normalize, backend, mask)
     if normalize:
         o = o[..., :V] / (o[..., V:] + eps)
         ht = (ht[..., :V], ht[..., V])
     return o, (ht if output_final_state else None)
 
 
-def features(q, k, feature_map, weight, scale, query_shift):
-    return (naive_feature_map(q, feature_map, weight, scale, query_shift),
-            naive_feature_map(k, feature_map, weight, scale))
+def features(q, k, feature_map, weight, scale, query_shift, mask=None):
+    """phi(q), phi(k) in fp32; with a mask, phi(k) is 0 at padding tokens."""
+    phi_k = naive_feature_map(k, feature_map, weight, scale)
+    if mask is not None:
+        phi_k = torch.where(mask[:, :, None, None], phi_k, 0.0)
+    return naive_feature_map(q, feature_map, weight, scale, query_shift), phi_k
 
 
-def reference(q, k, v, g, gk, h0, scale, feature_map="identity", weight=None, query_shift=False, chunk_size=64):
+def masked_gates(g, gk, mask):
+    """The log gates with 0 at padding tokens (a padding token decays nothing)."""
+    if mask is None:
+        return g, gk
+    return (None if g is None else torch.where(mask[:, :, None], g, 0.0),
+            None if gk is None else torch.where(mask[:, :, None, None], gk, 0.0))
+
+
+def reference(q, k, v, g, gk, h0, scale, feature_map="identity", weight=None, query_shift=False, mask=None,
+              chunk_size=64):
     """The unnormalised op in PyTorch: the feature map, then rnnify.cells.gated's chunk form (its
     layout: phi_q [B, H_kv, G, T, F], phi_k [B, H_kv, T, F], log_a [B, H_kv, T, F|1])."""
     from rnnify.cells.gated import chunk_gated_attn
 
-    phi_q, phi_k = features(q, k, feature_map, weight, scale, query_shift)
+    phi_q, phi_k = features(q, k, feature_map, weight, scale, query_shift, mask)
+    g, gk = masked_gates(g, gk, mask)
     B, T, H, F = phi_q.shape
     Hkv, V = k.shape[2], v.shape[-1]
     phi_q = (phi_q * output_scale(feature_map, scale)).reshape(B, T, Hkv, H // Hkv, F).permute(0, 2, 3, 1, 4)
@@ -82,15 +106,16 @@ def reference(q, k, v, g, gk, h0, scale, feature_map="identity", weight=None, qu
     return o.permute(0, 3, 1, 2, 4).reshape(B, T, H, V).to(v.dtype), ht
 
 
-def forward(triton_fwd, q, k, v, g, gk, h0, scale, feature_map, feature_weight, query_shift, backend):
-    """The ops' body: ``triton_fwd(q, k, v, g, gk, h0, w, scale, feature_map, query_shift)`` or the reference."""
+def forward(triton_fwd, q, k, v, g, gk, h0, scale, feature_map, feature_weight, query_shift, backend, mask):
+    """The ops' body: ``triton_fwd(q, k, v, g, gk, h0, w, scale, feature_map, query_shift, mask)`` or the reference."""
     if utils.resolve_backend(backend, q):
-        return triton_fwd(q, k, v, g, gk, h0, feature_weight, scale, feature_map, query_shift)
-    o, ht = reference(q, k, v, g, gk, h0, scale, feature_map, feature_weight, query_shift)
+        return triton_fwd(q, k, v, g, gk, h0, feature_weight, scale, feature_map, query_shift, mask)
+    o, ht = reference(q, k, v, g, gk, h0, scale, feature_map, feature_weight, query_shift, mask)
     return o.contiguous(), ht.contiguous()
 
 
-def fake(q, k, v, g, gk, h0, scale, feature_map="identity", feature_weight=None, query_shift=False, backend="auto"):
+def fake(q, k, v, g, gk, h0, scale, feature_map="identity", feature_weight=None, query_shift=False, backend="auto",
+         mask=None):
     B, T, H, K = q.shape
     F = feature_dim(feature_map, K, feature_weight)
     return (q.new_empty(B, T, H, v.shape[-1], dtype=v.dtype),
@@ -126,39 +151,43 @@ def register_autograd(op, bwd_op) -> None:
     inputs (dh0 is empty without h0); the gates' gradients follow from it (``gate_grads``)."""
 
     def setup_context(ctx, inputs, output):
-        q, k, v, g, gk, h0, scale, feature_map, weight, query_shift, backend = inputs
-        ctx.save_for_backward(q, k, v, g, gk, h0, weight, output[1])
+        q, k, v, g, gk, h0, scale, feature_map, weight, query_shift, backend, mask = inputs
+        ctx.save_for_backward(q, k, v, g, gk, h0, weight, mask, output[1])
         ctx.args = scale, feature_map, query_shift, backend
 
-    def triton_bwd(q, k, v, g, gk, h0, ht, do, dht, scale):
-        dq, dk, dv, dh0 = bwd_op(q, k, v, g, gk, h0, do, dht, scale)
-        dg, dgk = gate_grads(q, k, dq, dk, ht, dht, g, gk)
-        return dq.to(q.dtype), dk.to(k.dtype), dv, dg, dgk, (dh0 if h0 is not None else None)
+    def triton_bwd(q, k, v, g, gk, h0, ht, do, dht, scale, mask):
+        # k: featurised and 0 at padding; the gates are masked here, their padding gradients zeroed
+        mg, mgk = masked_gates(g, gk, mask)
+        dq, dk, dv, dh0 = bwd_op(q, k, v, mg, mgk, h0, do, dht, scale)
+        dg, dgk = masked_gates(*gate_grads(q, k, dq, dk, ht, dht, mg, mgk), mask)
+        return dq.to(q.dtype), dk, dv, dg, dgk, (dh0 if h0 is not None else None)
 
     def backward(ctx, do, dht):
-        q, k, v, g, gk, h0, w, ht = ctx.saved_tensors
+        q, k, v, g, gk, h0, w, mask, ht = ctx.saved_tensors
         scale, feature_map, query_shift, backend = ctx.args
         if not utils.resolve_backend(backend, q):
             inputs = [None if x is None else x.detach().requires_grad_(x.is_floating_point())
                       for x in (q, k, v, g, gk, h0, w)]
             with torch.enable_grad():
-                o, ht = reference(*inputs[:6], scale, feature_map, inputs[6], query_shift)
+                o, ht = reference(*inputs[:6], scale, feature_map, inputs[6], query_shift, mask)
                 wrt = [x for x in inputs if x is not None]
                 grads = iter(torch.autograd.grad((o, ht), wrt, (do, dht), allow_unused=True))
             dq, dk, dv, dg, dgk, dh0, dw = (None if x is None else next(grads) for x in inputs)
         elif feature_map == "identity":
-            dq, dk, dv, dg, dgk, dh0 = triton_bwd(q, k, v, g, gk, h0, ht, do, dht, scale)
+            mk = k if mask is None else torch.where(mask[:, :, None, None], k, 0)
+            dq, dk, dv, dg, dgk, dh0 = triton_bwd(q, mk, v, g, gk, h0, ht, do, dht, scale, mask)
+            dk = (dk if mask is None else torch.where(mask[:, :, None, None], dk, 0.0)).to(k.dtype)
             dw = None
         else:
             leaves = [None if x is None else x.detach().requires_grad_() for x in (q, k, w)]
             with torch.enable_grad():
-                phi_q, phi_k = features(*leaves[:2], feature_map, leaves[2], scale, query_shift)
+                phi_q, phi_k = features(*leaves[:2], feature_map, leaves[2], scale, query_shift, mask)
             dphi_q, dphi_k, dv, dg, dgk, dh0 = triton_bwd(phi_q.detach(), phi_k.detach(), v, g, gk, h0, ht,
-                                                          do, dht, output_scale(feature_map, scale))
+                                                          do, dht, output_scale(feature_map, scale), mask)
             wrt = [x for x in leaves if x is not None]
             grads = iter(torch.autograd.grad((phi_q, phi_k), wrt, (dphi_q, dphi_k)))
             dq, dk, dw = (None if x is None else next(grads) for x in leaves)
-        return dq, dk, dv, dg, dgk, dh0, None, None, dw, None, None
+        return dq, dk, dv, dg, dgk, dh0, None, None, dw, None, None, None
 
     op.register_autograd(backward, setup_context=setup_context)
 

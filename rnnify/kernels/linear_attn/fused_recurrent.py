@@ -24,11 +24,11 @@ if triton is not None:
 
     @triton.jit
     def fused_recurrent_linear_attn_fwd_kernel(
-        q, k, v, g, gk, w, h0, o, ht, scale, fsqrt, fshift, T,
+        q, k, v, g, gk, w, h0, km, o, ht, scale, fsqrt, fshift, T,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, K: tl.constexpr, F: tl.constexpr,
         V: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
         FEATURE: tl.constexpr, QUERY_SHIFT: tl.constexpr,
-        USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+        USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, USE_MASK: tl.constexpr,
     ):
         i_v, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # int64 offsets
         i_b, i_h = i_bh // HKV, i_bh % HKV
@@ -49,10 +49,18 @@ if triton is not None:
             b_k = tl.load(k + (i_bt * HKV + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             b_k = feature_map_1d(b_k, b_w, o_f, fsqrt, fshift, F, FEATURE, False)
             b_v = tl.load(v + (i_bt * HKV + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            if USE_MASK:  # a padding token: phi(k) = 0 and log a = 0, the state stays as it was
+                b_real = tl.load(km + i_bt) != 0
+                b_k = tl.where(b_real, b_k, 0.0)
             if USE_G:
-                b_h = b_h * tl.exp(tl.load(g + i_bt * HKV + i_h).to(tl.float32))
+                b_g = tl.load(g + i_bt * HKV + i_h).to(tl.float32)
+                if USE_MASK:
+                    b_g = tl.where(b_real, b_g, 0.0)
+                b_h = b_h * tl.exp(b_g)
             if USE_GK:
                 b_gk = tl.load(gk + (i_bt * HKV + i_h) * F + o_f, mask=m_f, other=0.0).to(tl.float32)
+                if USE_MASK:
+                    b_gk = tl.where(b_real, b_gk, 0.0)
                 b_h = b_h * tl.exp(b_gk)[:, None]
             b_h += b_k[:, None] * b_v[None, :]
             for i_g in tl.static_range(G):
@@ -123,8 +131,10 @@ if triton is not None:
             tl.store(dh0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :], b_dh, mask=m_h)
 
 
-def fused_recurrent_linear_attn_fwd_triton(q, k, v, g, gk, h0, w, scale, feature_map="identity", query_shift=False):
+def fused_recurrent_linear_attn_fwd_triton(q, k, v, g, gk, h0, w, scale, feature_map="identity", query_shift=False,
+                                           mask=None):
     q, k, v, g, gk, h0, w = (None if x is None else x.contiguous() for x in (q, k, v, g, gk, h0, w))
+    km = None if mask is None else mask.to(torch.int8).contiguous()
     B, T, H, K = q.shape
     Hkv, V = k.shape[2], v.shape[-1]
     F = feature_maps.feature_dim(feature_map, K, w)
@@ -133,9 +143,10 @@ def fused_recurrent_linear_attn_fwd_triton(q, k, v, g, gk, h0, w, scale, feature
     o = utils.empty((B, T, H, V), q.device, v.dtype)
     ht = utils.empty((B, Hkv, F, V), q.device, torch.float32)
     fused_recurrent_linear_attn_fwd_kernel[(triton.cdiv(V, BV), B * Hkv)](
-        q, k, v, g, gk, w, h0, o, ht, T=T, H=H, HKV=Hkv, G=H // Hkv, K=K, F=F, V=V,
+        q, k, v, g, gk, w, h0, km, o, ht, T=T, H=H, HKV=Hkv, G=H // Hkv, K=K, F=F, V=V,
         BK=utils.next_pow2(K), BF=BF, BV=BV, USE_G=g is not None, USE_GK=gk is not None,
-        USE_INITIAL_STATE=h0 is not None, **feature_maps.kernel_args(feature_map, scale, w, query_shift),
+        USE_INITIAL_STATE=h0 is not None, USE_MASK=km is not None,
+        **feature_maps.kernel_args(feature_map, scale, w, query_shift),
     )
     return o, ht
 
@@ -170,9 +181,10 @@ _fused_recurrent_bwd_op.register_fake(common.fake_bwd)
 def _fused_recurrent_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
                         gk: torch.Tensor | None, h0: torch.Tensor | None, scale: float,
                         feature_map: str = "identity", feature_weight: torch.Tensor | None = None,
-                        query_shift: bool = False, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                        query_shift: bool = False, backend: str = "auto",
+                        mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return common.forward(fused_recurrent_linear_attn_fwd_triton, q, k, v, g, gk, h0, scale, feature_map,
-                          feature_weight, query_shift, backend)
+                          feature_weight, query_shift, backend, mask)
 
 
 _fused_recurrent_op.register_fake(common.fake)
@@ -183,12 +195,13 @@ def fused_recurrent_linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 gk: torch.Tensor | None = None, scale: float | None = None,
                                 initial_state: common.State | None = None, output_final_state: bool = False,
                                 normalize: bool = False, eps: float = 1e-6, *, feature_map: str | None = None,
-                                feature_weight: torch.Tensor | None = None,
+                                feature_weight: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                                 backend: str = "auto") -> tuple[torch.Tensor, common.State | None]:
     """(Gated) linear attention, token by token in one kernel, differentiable. See ``naive.py`` for
     the math and shapes; ``initial_state`` / final state: S ``[B, H_kv, F, V]``, or ``(S, z)`` with
     normalize. ``feature_map`` / ``feature_weight``: phi applied in the kernel (``feature_maps.py``;
-    its backward goes through PyTorch, see ``common``). ``backend``: see
-    ``rnnify.kernels.utils.resolve_backend``."""
+    its backward goes through PyTorch, see ``common``). ``mask`` ``[B, T]`` (True: a real token):
+    padding keys add nothing to S or z and padding gates are taken as 0 (see ``common``).
+    ``backend``: see ``rnnify.kernels.utils.resolve_backend``."""
     return common.run(torch.ops.rnnify.fused_recurrent_linear_attn, q, k, v, g, gk, scale, initial_state,
-                      output_final_state, normalize, eps, feature_map, feature_weight, backend)
+                      output_final_state, normalize, eps, feature_map, feature_weight, mask, backend)
