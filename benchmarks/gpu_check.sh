@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The one prepared run for a lent GPU: bash benchmarks/gpu_check.sh   (about 9 minutes at most)
+#
+#   1. nvidia-smi and the Python stack (torch, CUDA, triton, the GPU);
+#   2. fla (package flash-linear-attention, import name fla): installed from wheels in $FLA_WHEELS
+#      (default .whl/, carried to the machine) when there are any, else `pip install` is tried
+#      (the lent machines reach no registry: the fla rows then say "not installed");
+#   3. the Triton path against the PyTorch reference on CUDA, fp32 (benchmarks/kernels.py --parity).
+#      This stands in for tests/test_kernels.py, which cannot test the GPU: it sets TRITON_INTERPRET=1
+#      itself and builds CPU tensors, so under pytest it always runs the interpreter on the CPU;
+#   4. python benchmarks/kernels.py $BENCH_ARGS, by default --preset issue (it stops starting rows
+#      after 300 s; BENCH_ARGS="--preset smoke" tries this script on any machine);
+#   5. results (JSON, PNG, parity JSON, this log) copied to benchmarks/results/ and to $OUT if set.
+#
+# TRITON_INTERPRET must be unset before triton is imported, or the kernels are built for the
+# interpreter (rnnify.kernels.utils reads it once; triton decides at @triton.jit) and the benchmark
+# refuses to time them. RNNIFY_FORCE_TRITON is unset too: the benchmark pins backend= per row.
+# Exit status: 0 when the parity check passed and the benchmark finished, else 1.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+unset TRITON_INTERPRET RNNIFY_FORCE_TRITON
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+LIMIT=${GPU_CHECK_SECONDS:-540}
+BENCH_ARGS=${BENCH_ARGS:---preset issue}
+RUN=$(mktemp -d)
+
+# step NAME CAP CMD...: CMD under a timeout of CAP seconds, less if the whole run's time is short
+step() {
+    local name=$1 cap=$2 t rc
+    shift 2
+    t=$((LIMIT - SECONDS - 20))
+    ((t > cap)) && t=$cap
+    if ((t < 10)); then
+        echo "== $name: not started, ${LIMIT}s nearly spent"
+        return 124
+    fi
+    echo "== $name (at ${SECONDS}s, timeout ${t}s)"
+    timeout --kill-after=10 "$t" "$@"
+    rc=$?
+    echo "== $name: exit $rc at ${SECONDS}s"
+    return $rc
+}
+
+# into a folder of its own, never the machine's site-packages; --no-deps: torch and triton stay as they are
+install_fla() {
+    local wheels=${FLA_WHEELS:-.whl} site
+    site=$(mktemp -d)
+    if compgen -G "$wheels/*.whl" >/dev/null; then
+        step "install fla from $wheels" 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl
+    else
+        step "pip install flash-linear-attention" 60 \
+            "$PY" -m pip install -q --retries 0 --timeout 5 --no-deps --target "$site" fla-core flash-linear-attention
+    fi
+    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+    "$PY" -c "import fla; print('fla', fla.__version__)" || echo "fla: not installed; its rows will say so"
+}
+
+main() {
+    local parity_rc bench_rc bench_cap json
+    step "nvidia-smi" 20 nvidia-smi
+    step "python stack" 60 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'triton', triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE')"
+    install_fla
+    step "parity: Triton vs reference on CUDA, fp32" 150 "$PY" benchmarks/kernels.py --parity --out "$RUN"
+    parity_rc=$?
+    bench_cap=$((LIMIT - SECONDS - 50))  # leaves time to replot what a killed run kept
+    ((bench_cap > 420)) && bench_cap=420
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
+    step "benchmark $BENCH_ARGS" "$bench_cap" "$PY" benchmarks/kernels.py $BENCH_ARGS --out "$RUN"
+    bench_rc=$?
+    json=$(find "$RUN" -name 'kernels-*.json' ! -name 'kernels-parity-*' | head -n 1)
+    if ((bench_rc != 0)) && [[ -n $json ]]; then  # killed or crashed: draw what the JSON kept
+        step "replot $json" 60 "$PY" benchmarks/kernels.py --replot "$json"
+    fi
+    echo "== parity exit $parity_rc, benchmark exit $bench_rc, ${SECONDS}s"
+    ((parity_rc == 0 && bench_rc == 0))
+}
+
+main 2>&1 | tee "$RUN/gpu_check.log"
+rc=${PIPESTATUS[0]}
+mkdir -p benchmarks/results
+cp "$RUN"/kernels-* benchmarks/results/ 2>/dev/null
+if [[ -n ${OUT:-} ]]; then
+    cp "$RUN"/* "$OUT"/
+fi
+echo "results in $RUN, copied to benchmarks/results${OUT:+ and $OUT}:"
+ls -l "$RUN"
+exit "$rc"
