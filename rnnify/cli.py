@@ -19,13 +19,12 @@ from rich.table import Table
 from rich.text import Text
 
 from rnnify.errors import RnnifyError
-from rnnify.kernels.utils import BACKENDS
+from rnnify.kernels.utils import KERNELS
 
 __all__ = ["main", "build_parser"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _LENGTHS = (1, 1024, 16384)  # context lengths at which `info` reports state size
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 _EXAMPLES = """\
 examples:
@@ -102,6 +101,7 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
     options = {name: getattr(args, name) for name in _CELL_FLAGS if getattr(args, name) is not None}
     options.update(_parse_options(args.option or []))
     keep = _parse_layer_list(args.keep_softmax) if args.keep_softmax else None
+    training = _training_options(args) if args.distill else None  # the flags' mistakes before converting
     stages = ["load", "capture", *(p.__name__ for p in PIPELINE), *(["distill"] if args.distill else []), "save"]
     with _stage_bar(len(stages), "stage") as start:
         model = rnnify.convert(
@@ -110,7 +110,7 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
         )
         if args.distill:
             start("distill")
-            if not _train(model, args.distill, args.teacher or args.model, args):
+            if not _train(model, args.distill, args.teacher or args.model, training):
                 return 0
         start("save")
         try:
@@ -228,17 +228,6 @@ def _eos_ids(model, tokenizer=None) -> list[int]:
     return eos
 
 
-def _load_tokenizer(directory: Path):
-    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
-        raise RnnifyError(f"no tokenizer in {directory}; pass --ids")
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(directory))
-    except (OSError, ValueError, TypeError) as exc:
-        raise RnnifyError(f"cannot load the tokenizer in {directory} ({exc}); pass --ids") from exc
-
-
 def _generate(args: argparse.Namespace, console: Console) -> int:
     import torch
 
@@ -251,7 +240,9 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
     else:
         from transformers import TextStreamer
 
-        tokenizer = _load_tokenizer(Path(args.dir).expanduser())
+        from rnnify.data import load_tokenizer
+
+        tokenizer = load_tokenizer(args.dir, "pass the prompt as token ids with --ids")
         ids = tokenizer(args.prompt, add_special_tokens=True).input_ids
         if not ids:
             raise RnnifyError("--prompt is empty: give some text")
@@ -329,7 +320,7 @@ def _info(args: argparse.Namespace, console: Console) -> int:
 
 def _kernels_line(model) -> str:
     """The backend of the fused ops and how many layers run them, in words."""
-    if model.kernels is None:
+    if model.kernels == "none":
         return "none: every cell runs its own PyTorch forms"
     meaning = {"auto": " (Triton on CUDA, PyTorch reference elsewhere)", "reference": " (the ops' PyTorch references)"}
     count = sum(bool(entry.kernels) for entry in model.manifest.cells)
@@ -346,12 +337,31 @@ def _int_list(flag: str, text: str) -> list[int]:
     return values
 
 
-def _bench_device(name: str):
+def _device(name: str | None):
+    """``--device``: as given, else this process's GPU (``cuda:$LOCAL_RANK``, 0 outside torchrun)
+    when CUDA is available, else the CPU."""
+    import os
+
     import torch
 
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RnnifyError("--device cuda: no CUDA device is available; use --device cpu")
-    return torch.device(name)
+    if name is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise RnnifyError(f"--device {name!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RnnifyError(f"--device {name}: no CUDA device is available; use --device cpu")
+    return device
+
+
+def _check_writable(flag: str, path: str | None) -> None:
+    """Refuse an output file whose directory does not exist now, not after the work that fills it."""
+    if path is not None and not Path(path).expanduser().parent.is_dir():
+        raise RnnifyError(f"{flag} {path}: directory {Path(path).expanduser().parent} does not exist; "
+                          "create it or choose another path")
 
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
@@ -365,7 +375,9 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     contexts, batches = _int_list("--contexts", args.contexts), _int_list("--batch", args.batch)
     if args.steps < 1:
         raise RnnifyError(f"--steps must be >= 1, got {args.steps}")
-    device = _bench_device(args.device)
+    device = _device(args.device)
+    _check_writable("--json", args.json)
+    _check_writable("--plot", args.plot)
     if args.threads is not None:
         if args.threads < 1:
             raise RnnifyError(f"--threads must be >= 1, got {args.threads}")
@@ -491,9 +503,11 @@ def _prefill_table(run, cap: int) -> Table:
 def _eval(args: argparse.Namespace, console: Console) -> int:
     from rnnify.eval import evaluate, write_json
 
+    _check_writable("--json", args.json)
     result = evaluate(
         args.dir, args.data, against=args.against, seq_len=args.seq_len, batch_size=args.batch_size,
-        max_tokens=args.max_tokens, progress=True,
+        max_tokens=args.max_tokens, tokenizer=args.tokenizer, device=_device(args.device), kernels=args.kernels,
+        progress=True,
     )
     summary = Table(box=box.SIMPLE_HEAD, title=Text(
         f"{result.target} vs {result.against}: {result.tokens:,} tokens, rows of {result.seq_len}"
@@ -516,22 +530,29 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _train(model, data: str, teacher, args: argparse.Namespace) -> bool:
+def _training_options(args: argparse.Namespace) -> dict:
+    """``rnnify.distill``'s keyword arguments from the training flags, checked."""
+    from rnnify.distill.options import training_options
+
+    return {**training_options(args), "device": _device(args.device)}
+
+
+def _train(model, data: str, teacher, options: dict) -> bool:
     """Distil ``model`` in place (docs/distill.md); True on the process that writes the result (rank 0)."""
     import os
 
     from rnnify.distill import distill
-    from rnnify.distill.options import training_options
 
-    distill(model, data, teacher=teacher, **training_options(args))  # reports each stage on stderr
+    distill(model, data, teacher=teacher, **options)  # reports each stage on stderr
     return int(os.environ.get("RANK", "0")) == 0
 
 
 def _distill(args: argparse.Namespace, console: Console) -> int:
     import rnnify
 
-    model = rnnify.load(args.dir)
-    if not _train(model, args.data, args.teacher, args):
+    training = _training_options(args)
+    model = rnnify.load(args.dir, kernels=args.kernels)  # on the CPU: distill moves it (or, under FSDP, its shards)
+    if not _train(model, args.data, args.teacher, training):
         return 0
     try:
         path = model.save(args.output)
@@ -546,14 +567,16 @@ def _distill(args: argparse.Namespace, console: Console) -> int:
 
 def _add_kernels_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--kernels", choices=BACKENDS, default=None,
-        help="backend of the fused ops, overriding the one DIR was converted with: auto, triton or reference",
+        "--kernels", choices=KERNELS, default=None,
+        help="backend of the fused ops, overriding the one DIR was converted with: auto, triton or reference; "
+        "none runs the cells' own PyTorch forms (default: DIR's)",
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
     from rnnify.cells import CELLS
     from rnnify.cells.linear import FEATURE_MAPS
+    from rnnify.data import DEFAULT_SEQ_LEN
     from rnnify.distill.options import add_training_flags
 
     parser = argparse.ArgumentParser(
@@ -589,9 +612,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-softmax", metavar="LAYERS", help="comma-separated layers kept exact softmax attention, e.g. 0,3"
     )
     p.add_argument(
-        "--kernels", choices=BACKENDS, default="auto",
+        "--kernels", choices=KERNELS, default="auto",
         help="backend of the fused Triton ops the cells run where they have them: auto (Triton on CUDA, "
-        "the PyTorch reference elsewhere), triton or reference; saved with the model (default: auto)",
+        "the PyTorch reference elsewhere), triton or reference; none: the cells' own PyTorch forms; "
+        "saved with the model (default: auto)",
     )
     cell = p.add_argument_group("cell options (passed to every cell that accepts them)")
     cell.add_argument("--window", type=int, metavar="W", help="softmax window in tokens (window, hybrid)")
@@ -702,11 +726,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text file, folder of text files or .jsonl file with a \"text\" field per line")
     p.add_argument("--against", metavar="MODEL",
                    help="model to compare with: Hugging Face or rnnify directory (default: the source in DIR's manifest)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="directory of the tokenizer to read --data with (default: DIR's, else its source's)")
     p.add_argument("--seq-len", type=int, default=None, metavar="N",
-                   help="tokens per row (default: 1024, or the model's position limit if lower)")
+                   help=f"tokens per row (default: {DEFAULT_SEQ_LEN}, or the model's position limit if lower)")
     p.add_argument("--batch-size", type=int, default=8, metavar="B", help="rows per batch (default: 8)")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N", help="stop after N tokens (default: all the data)")
     p.add_argument("--json", metavar="OUT", help="write the results to OUT as JSON")
+    p.add_argument("--device", metavar="DEVICE",
+                   help="device to run both models on, e.g. cpu or cuda:0 (default: cuda:$LOCAL_RANK when CUDA "
+                   "is available, else cpu)")
+    _add_kernels_flag(p)
     p.set_defaults(run=_eval)
 
     p = commands.add_parser(
@@ -722,6 +752,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, metavar="PATH",
                    help="text file, folder of text files or .jsonl file with a \"text\" field per line")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the distilled model to")
+    _add_kernels_flag(p)
     add_training_flags(p)
     p.set_defaults(run=_distill)
     return parser

@@ -10,9 +10,10 @@ import torch
 
 from rnnify.capture import capture, load_source, source_name
 from rnnify.errors import RnnifyError
+from rnnify.kernels.utils import check_kernels
 from rnnify.passes import PassContext, run_pipeline
 from rnnify.passes.find_attention import SITE_KEY
-from rnnify.passes.fuse_kernels import KERNELS_KEY, check_kernels
+from rnnify.passes.fuse_kernels import KERNELS_KEY
 from rnnify.passes.rewrite_attention import cell_calls
 from rnnify.plan import make_plan
 from rnnify.runtime.manifest import CellEntry, Manifest
@@ -65,7 +66,8 @@ def convert(
     ``exact``) assign otherwise; ``options`` go to every cell that accepts them (e.g.
     ``feature_map="elu"``). ``kernels`` is the backend of the fused Triton ops the cells run where
     they have them (``auto``: Triton on CUDA, the PyTorch reference elsewhere; ``triton``;
-    ``reference``); it is saved with the model and can be overridden by ``rnnify.load``.
+    ``reference``), or ``none`` for the cells' own PyTorch forms; it is saved with the model and
+    can be overridden by ``rnnify.load``.
     ``progress(stage)`` is called as each stage and pass starts.
     """
     check_kernels(kernels)

@@ -20,8 +20,13 @@ import torch
 
 from rnnify.errors import RnnifyError
 
-__all__ = ["token_batches"]
+__all__ = ["DEFAULT_SEQ_LEN", "TOKENIZER_FILES", "load_tokenizer", "row_length", "token_batches", "tokenizer_for"]
 
+DEFAULT_SEQ_LEN = 1024  # tokens per row unless told otherwise, clamped to the model's position limit
+# Files of which a directory must hold one to have a tokenizer: without any, transformers may still
+# build one from config.json alone (GPT-2's: an empty vocabulary) instead of failing.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+_TOKENIZER_FIX = "pass one with --tokenizer DIR (command line) or tokenizer= (Python)"
 _PIECE_CHARS = 1 << 20  # text files are tokenized in line-aligned pieces of about this many characters
 _TOKENIZE_DOCS = 64  # documents per tokenizer call: fast tokenizers batch, Python overhead amortised
 _SNIFF_BYTES = 8192  # a folder's file is text if this many leading bytes hold no NUL and decode as UTF-8
@@ -44,12 +49,15 @@ def token_batches(
     ``data`` is one of:
 
     - a text file, a folder or a ``.jsonl`` file (lines of ``{"text": ...}``): needs ``tokenizer``
-      (an HF tokenizer or a directory to load one from). A folder is read recursively: every
-      regular file whose first 8 KiB hold no NUL byte and decode as UTF-8 (``.jsonl`` files as
-      jsonl), skipping hidden names (``.git``); the sorted file list is shuffled with ``seed``.
-      A file is one document (jsonl: a line is), tokenized without special tokens; documents are
-      packed back to back into rows of ``seq_len`` tokens, each followed by the tokenizer's EOS id
-      (by nothing if it has none). Files over 1 MiB are tokenized in line-aligned pieces.
+      (an HF tokenizer or a directory to load one from, ``load_tokenizer``). A folder is read
+      recursively: every regular file whose first 8 KiB hold no NUL byte and decode as UTF-8
+      (``.jsonl`` files as jsonl), skipping hidden names (``.git``); the sorted file list is
+      shuffled with ``seed``. A file is one document (jsonl: a line is), tokenized without special
+      tokens; documents are packed back to back into rows of ``seq_len`` tokens, each followed by
+      the tokenizer's EOS id (by nothing if it has none) and, if the tokenizer starts its own
+      encodings with BOS (Llama's; not GPT-2's), preceded by the BOS id, so the model sees
+      documents as it was trained to; a row starts wherever the packing cuts. Files over 1 MiB are
+      tokenized in line-aligned pieces.
     - a LongTensor ``[N, T]``, a dict with ``input_ids`` (and optionally ``attention_mask``,
       either padding side), or an iterable of these: rows are taken in order and not packed; a
       row's real tokens longer than ``seq_len`` are split into consecutive rows of ``seq_len``.
@@ -63,13 +71,15 @@ def token_batches(
     ranks the run can end one global batch earlier than with one.
 
     ``max_tokens`` caps the real tokens of all global batches together, counted from the start
-    of the data; ``skip_batches`` skips the first global batches (to resume from a checkpoint)
-    without building them, so a resumed run sees exactly the batches the uninterrupted one would.
+    of the data; ``skip_batches`` skips the first global batches (to resume from a checkpoint), so
+    a resumed run sees exactly the batches the uninterrupted one would. Skipping still reads and
+    tokenizes the skipped data (packing depends on every token before), only the batch tensors
+    are not built: resuming late in a large corpus takes as long as tokenizing that part again.
     """
     _check_sizes(seq_len, batch_size, rank, world_size, max_tokens, skip_batches)
     if isinstance(data, (str, os.PathLike)):
         path = Path(data).expanduser()
-        rows = _pack(_tokenize(_documents(_text_files(path, seed)), _load_tokenizer(tokenizer, path)), seq_len)
+        rows = _pack(_tokenize(_documents(_text_files(path, seed)), _tokenizer(tokenizer, path)), seq_len)
         name = str(path)
     else:
         rows = _split(_tensor_rows(data), seq_len)
@@ -98,23 +108,74 @@ def _check_sizes(seq_len, batch_size, rank, world_size, max_tokens, skip_batches
 # -- text ---------------------------------------------------------------------------------
 
 
-def _load_tokenizer(tokenizer: Any, data: Path):
-    if tokenizer is None:
-        raise RnnifyError(
-            f"{data} is text and needs a tokenizer: pass tokenizer= (a Hugging Face tokenizer or the "
-            "model directory holding one), or pass token ids as a LongTensor"
-        )
-    if not isinstance(tokenizer, (str, os.PathLike)):
-        return tokenizer
-    directory = Path(tokenizer).expanduser()
+def _has_tokenizer(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(directory: str | os.PathLike, fix: str = _TOKENIZER_FIX):
+    """The Hugging Face tokenizer saved in ``directory``; errors end with ``fix`` (what to do instead).
+
+    Refuses a directory without tokenizer files and a tokenizer of at most one token, which
+    transformers builds from some configs alone and which would turn text into nothing.
+    """
+    directory = Path(directory).expanduser()
     if not directory.is_dir():
-        raise RnnifyError(f"tokenizer directory {directory} does not exist; pass a model directory with tokenizer files")
+        raise RnnifyError(f"tokenizer directory {directory} does not exist; {fix}")
+    if not _has_tokenizer(directory):
+        raise RnnifyError(f"{directory} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); {fix}")
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise RnnifyError(f"cannot load a tokenizer from {directory} ({exc}); pass a directory with tokenizer files") from exc
+        raise RnnifyError(f"cannot load a tokenizer from {directory} ({exc}); {fix}") from exc
+    if len(tokenizer) <= 1:
+        raise RnnifyError(f"the tokenizer in {directory} has {len(tokenizer)} token(s), no vocabulary; {fix}")
+    return tokenizer
+
+
+def tokenizer_for(model: Any, data: Any, tokenizer: Any = None) -> Any:
+    """``tokenizer``, or for text ``data`` without one the model's: its own directory's tokenizer files,
+    else its source's (a converted directory copied without them still names its source).
+
+    Evaluation and distillation both use this, so they read the same text as the same tokens.
+    """
+    if tokenizer is not None or not isinstance(data, (str, os.PathLike)):
+        return tokenizer
+    places = [str(directory) for directory in (model.path, model.manifest.source) if directory is not None]
+    for directory in places:
+        if _has_tokenizer(Path(directory).expanduser()):
+            return directory
+    where = " or ".join(places) or "the model (in memory, no source recorded)"
+    raise RnnifyError(f"{data} is text, but no tokenizer files are in {where}; {_TOKENIZER_FIX}")
+
+
+def row_length(model: Any, seq_len: int | None) -> int:
+    """Tokens per row for ``model``: ``seq_len``, by default ``DEFAULT_SEQ_LEN`` or the model's position
+    limit if lower. Checked before anything large loads: at least 2 (a next-token target needs a
+    token before it) and within learned positions (GPT-2's ``n_positions``), past which the model
+    cannot run at all."""
+    positions = model.manifest.positions
+    limit = positions.get("limit")
+    if seq_len is None:
+        return min(DEFAULT_SEQ_LEN, limit) if limit else DEFAULT_SEQ_LEN
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise RnnifyError(f"seq_len (--seq-len) must be an integer >= 2 (a next-token target needs a token before it), "
+                          f"got {seq_len!r}")
+    if positions.get("kind") == "learned" and limit is not None and seq_len > limit:
+        raise RnnifyError(f"seq_len (--seq-len) {seq_len} is past the model's {limit} learned positions; "
+                          f"use at most {limit}")
+    return seq_len
+
+
+def _tokenizer(tokenizer: Any, data: Path):
+    """``tokenizer`` itself, or loaded from the directory it names."""
+    if tokenizer is None:
+        raise RnnifyError(f"{data} is text and needs a tokenizer: {_TOKENIZER_FIX} (a Hugging Face tokenizer or "
+                          "a directory holding one), or pass token ids as a LongTensor")
+    if isinstance(tokenizer, (str, os.PathLike)):
+        return load_tokenizer(tokenizer)
+    return tokenizer
 
 
 def _is_text(path: Path) -> bool:
@@ -194,16 +255,31 @@ def _jsonl(path: Path) -> Iterator[tuple[str, bool]]:
                 yield record["text"], True
 
 
+def _adds_bos(tokenizer) -> bool:
+    """Whether ``tokenizer`` starts its own encodings with its BOS id (Llama's do; GPT-2's do not)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    first = tokenizer("x")["input_ids"][:1]
+    return first == [bos] and tokenizer("x", add_special_tokens=False)["input_ids"][:1] != first
+
+
 def _tokenize(pieces: Iterator[tuple[str, bool]], tokenizer) -> Iterator[torch.Tensor]:
-    """Token ids per piece, with the EOS id after each document's last piece."""
+    """Token ids per piece, with the EOS id after each document's last piece and, for a tokenizer
+    that adds BOS itself, the BOS id before its first."""
     eos = getattr(tokenizer, "eos_token_id", None)
+    bos = tokenizer.bos_token_id if _adds_bos(tokenizer) else None
     batch: list[tuple[str, bool]] = []
+    starts = [True]  # the next piece starts a document
 
     def flush() -> Iterator[torch.Tensor]:
         ids = tokenizer([text for text, _ in batch], add_special_tokens=False, verbose=False)["input_ids"]
         for tokens, (_, end) in zip(ids, batch):
+            if starts[0] and bos is not None:
+                tokens = [bos, *tokens]
             if end and eos is not None:
                 tokens = [*tokens, eos]
+            starts[0] = end
             if tokens:
                 yield torch.tensor(tokens, dtype=torch.long)
         batch.clear()

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from rnnify.data import token_batches
+from rnnify.data import row_length, token_batches, tokenizer_for
 from rnnify.distill import LayerError, attention_transfer, load_teacher
 from rnnify.distill.teacher import source_directory
 from rnnify.errors import RnnifyError
@@ -27,8 +27,6 @@ from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.storage import load
 
 __all__ = ["EvalResult", "evaluate", "write_json"]
-
-DEFAULT_SEQ_LEN = 1024  # clamped to the model's position limit
 
 
 @dataclass
@@ -62,22 +60,31 @@ def evaluate(
     batch_size: int = 8,
     max_tokens: int | None = None,
     tokenizer: Any = None,
+    device: torch.device | str | None = None,
+    kernels: str | None = None,
     progress: bool = False,
 ) -> EvalResult:
     """Evaluate a converted model on ``data`` (anything ``rnnify.data.token_batches`` reads).
 
     ``against`` is the model to compare with: a Hugging Face directory or loaded model, or
     another rnnify directory; by default the source recorded in the manifest. ``seq_len``
-    defaults to 1024, or the model's position limit if lower. Text is tokenized with
-    ``tokenizer``, by default the one saved with the model. ``progress`` shows a tqdm bar of
-    tokens on a terminal.
+    defaults to 1024, or the model's position limit if lower (``rnnify.data.row_length``). Text is
+    tokenized with ``tokenizer``, by default the one saved with the model, else its source's
+    (``rnnify.data.tokenizer_for``). ``device`` and ``kernels`` are how a directory is loaded
+    (``rnnify.load``'s meanings: default the CPU and the recorded kernels); a loaded model runs as
+    it is. ``progress`` shows a tqdm bar of tokens on a terminal.
     """
-    model = model_or_dir if isinstance(model_or_dir, RecurrentModel) else load(model_or_dir)
-    seq_len = _seq_len(model, seq_len)
-    if tokenizer is None and isinstance(data, (str, os.PathLike)):
-        tokenizer = model.path or model.manifest.source
+    if isinstance(model_or_dir, RecurrentModel):
+        if device is not None or kernels is not None:
+            raise RnnifyError("device= and kernels= say how evaluate loads a model directory; a loaded model runs "
+                              "as it is: pass its directory, or use rnnify.load(dir, device=..., kernels=...)")
+        model = model_or_dir
+    else:
+        model = load(model_or_dir, device=device, kernels=kernels)
+    seq_len = row_length(model, seq_len)
     # the data's mistakes surface here, before the (possibly large) teacher loads
-    batches = token_batches(data, tokenizer, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)
+    batches = token_batches(data, tokenizer_for(model, data, tokenizer), seq_len=seq_len, batch_size=batch_size,
+                            max_tokens=max_tokens)
     teacher, teacher_name = _teacher(model, against)
     sums = _Sums(len(model.cells))
     from tqdm import tqdm
@@ -119,15 +126,6 @@ def write_json(path: str | os.PathLike, data: dict[str, Any]) -> None:
     except OSError as exc:
         partial.unlink(missing_ok=True)
         raise RnnifyError(f"cannot write {path}: {exc.strerror or exc}") from exc
-
-
-def _seq_len(model: RecurrentModel, seq_len: int | None) -> int:
-    limit = model.manifest.positions.get("limit")
-    if seq_len is None:
-        return min(DEFAULT_SEQ_LEN, limit) if limit else DEFAULT_SEQ_LEN
-    if model.manifest.positions.get("kind") == "learned" and limit is not None and seq_len > limit:
-        raise RnnifyError(f"seq_len {seq_len} is past the model's {limit} learned positions; use at most {limit}")
-    return seq_len
 
 
 def _teacher(model: RecurrentModel, against) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:

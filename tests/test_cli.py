@@ -170,7 +170,7 @@ def test_generate_prompt_needs_a_tokenizer(capsys, tmp_path, converted_dir):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (directory / name).unlink()
     code, _, err = run(capsys, "generate", directory, "--prompt", "hello")
-    assert_user_error(code, err, f"no tokenizer in {directory}; pass --ids")
+    assert_user_error(code, err, f"{directory} holds no tokenizer files", "with --ids")
 
 
 # -- info ---------------------------------------------------------------------------------

@@ -193,3 +193,37 @@ def test_large_file_tokenized_in_pieces_is_one_document(tmp_path, tokenizer, mon
     got = _real(token_batches(path, tokenizer, seq_len=16, batch_size=2))
     assert got.count(tokenizer.eos_token_id) == 1 and got[-1] == tokenizer.eos_token_id
     assert tokenizer.decode(got[:-1]) == text
+
+
+def test_tokenizer_directory_without_a_vocabulary_is_refused(tmp_path, tiny_model_dir):
+    import shutil
+
+    path = _file(tmp_path, "a.txt", "hello")
+    directory = tmp_path / "config-only"
+    directory.mkdir()
+    shutil.copy(tiny_model_dir("gpt2") / "config.json", directory)
+    with pytest.raises(RnnifyError, match="holds no tokenizer files.*--tokenizer DIR"):
+        token_batches(path, directory, seq_len=4, batch_size=1)
+    (directory / "tokenizer_config.json").write_text("{}")  # transformers makes a 1-token tokenizer of this
+    with pytest.raises(RnnifyError, match="1 token.*no vocabulary.*--tokenizer DIR"):
+        token_batches(path, directory, seq_len=4, batch_size=1)
+
+
+class BosTokenizer:
+    """Characters as ids; like Llama's tokenizers it adds BOS (1) itself unless told not to. EOS 2."""
+
+    bos_token_id, eos_token_id = 1, 2
+
+    def __call__(self, text, add_special_tokens=True, verbose=True):
+        encode = lambda t: [1] * add_special_tokens + [ord(c) for c in t]  # noqa: E731
+        return {"input_ids": [encode(t) for t in text] if isinstance(text, list) else encode(text)}
+
+
+def test_documents_start_with_bos_when_the_tokenizer_adds_it(tmp_path, monkeypatch):
+    import rnnify.data
+
+    expected = [t for d in DOCS for t in [1, *map(ord, d), 2]]
+    assert _real(token_batches(_jsonl(tmp_path / "d.jsonl", DOCS), BosTokenizer(), seq_len=7, batch_size=3)) == expected
+    monkeypatch.setattr(rnnify.data, "_PIECE_CHARS", 20)  # one document in several pieces: one BOS
+    got = _real(token_batches(_file(tmp_path, "big.py", "".join(DOCS)), BosTokenizer(), seq_len=16, batch_size=2))
+    assert got == [1, *map(ord, "".join(DOCS)), 2]

@@ -40,6 +40,14 @@ def hybrid_dir(tmp_path_factory, tiny_model_dir):
     return out
 
 
+@pytest.fixture(scope="module")
+def aaren_dir(tmp_path_factory, tiny_model_dir):
+    """Llama converted to Aaren, whose cells ignore the layer's q (a learned query instead)."""
+    out = tmp_path_factory.mktemp("aaren") / "model"
+    rnnify.convert(tiny_model_dir("llama"), to="aaren").save(out)
+    return out
+
+
 def state_dict(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -128,7 +136,10 @@ def test_finetune_lowers_next_token_loss_through_lora_and_cells(hybrid_dir):
     model = rnnify.load(hybrid_dir)
     data = tokens(64, vocab=8)  # 8 of 320 tokens: a unigram shift the attention's LoRA can learn
     before, weights = next_token_loss(model, tokens(8, seed=1, vocab=8)), state_dict(model)
+    torch.manual_seed(7)
+    rng = torch.get_rng_state()
     rnnify.distill(model, data, stages=["finetune"], lr=1e-2, kl_weight=0.0, **FAST)
+    assert torch.equal(torch.get_rng_state(), rng)  # the caller's random state is the caller's
     # ln 320 = 5.77 at the start; the random tiny model's logits are too small to reach ln 8 = 2.08
     assert next_token_loss(model, tokens(8, seed=1, vocab=8)) < before - 0.15
     after = state_dict(model)
@@ -160,6 +171,17 @@ def test_merged_lora_gives_the_logits_of_the_unmerged_model(converted_dir, arch)
         merged, _ = model(ids, model.init_state(2))
     torch.testing.assert_close(merged, unmerged, rtol=1e-5, atol=1e-5)
     assert not any("lora" in name or "original" in name for name in model.state_dict())
+
+
+def test_lora_goes_only_where_a_gradient_reaches(hybrid_dir, aaren_dir):
+    for directory, projections in ((hybrid_dir, {"q_proj", "k_proj", "v_proj", "o_proj"}),
+                                   (aaren_dir, {"k_proj", "v_proj", "o_proj"})):  # Aaren ignores q
+        model = rnnify.load(directory)
+        loras = add_lora(model, rank=2, alpha=4.0)
+        assert {name.split(".")[-2] for name in loras} == projections and len(loras) == 2 * len(projections)
+        logits, _ = model(tokens(2), model.init_state(2))
+        logits.square().mean().backward()
+        assert all(p.grad is not None for lora in loras.values() for p in lora.parameters())
 
 
 def test_distilled_model_round_trips_through_save(hybrid_dir, tmp_path):
@@ -216,6 +238,43 @@ def test_resume_refuses_other_settings(hybrid_dir, tmp_path):
                        **{**FAST, "seq_len": 8})
 
 
+def test_resume_refuses_a_checkpoint_of_another_model(hybrid_dir, tiny_model_dir, tmp_path):
+    rnnify.distill(rnnify.load(hybrid_dir), tokens(8), stages=["transfer"], checkpoint_dir=tmp_path, **FAST)
+    other = rnnify.convert(tiny_model_dir("llama"), to="hybrid", window=8, feature_map="hedgehog")  # a wider window
+    with pytest.raises(rnnify.RnnifyError, match=r"cells\[0\]: .*'window': 4.* -> .*'window': 8"):
+        rnnify.distill(other, tokens(8), stages=["transfer"], checkpoint_dir=tmp_path, resume=True, **FAST)
+    moved = rnnify.load(hybrid_dir)
+    moved.manifest.source = "elsewhere/model"
+    with pytest.raises(rnnify.RnnifyError, match="source: .* -> 'elsewhere/model'"):
+        rnnify.distill(moved, tokens(8), stages=["transfer"], checkpoint_dir=tmp_path, resume=True, **FAST)
+
+
+def test_a_fresh_run_sets_an_earlier_checkpoint_aside(hybrid_dir, tmp_path, monkeypatch, capsys):
+    rnnify.distill(rnnify.load(hybrid_dir), tokens(8), stages=["transfer"], checkpoint_dir=tmp_path, **FAST)
+    finished = (tmp_path / CHECKPOINT_FILE).read_bytes()
+
+    def interrupted(self, *args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train._Trainer, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # stopped before its first checkpoint
+        rnnify.distill(rnnify.load(hybrid_dir), tokens(8), stages=["transfer"], checkpoint_dir=tmp_path,
+                       **{**FAST, "progress": True})
+    assert not (tmp_path / CHECKPOINT_FILE).exists()
+    assert (tmp_path / "checkpoint.pt.previous").read_bytes() == finished
+    assert "moved the checkpoint of an earlier run" in capsys.readouterr().err
+    monkeypatch.undo()
+    rnnify.distill(rnnify.load(hybrid_dir), tokens(8), stages=["transfer"], checkpoint_dir=tmp_path, resume=True,
+                   **{**FAST, "progress": True})
+    assert "no checkpoint in" in capsys.readouterr().err  # not the finished earlier run's
+
+
+def test_seq_len_is_checked_against_learned_positions_first(converted_dir):
+    model = rnnify.load(converted_dir("gpt2", "hybrid"))  # 128 learned positions
+    with pytest.raises(rnnify.RnnifyError, match=r"seq_len \(--seq-len\) 129 is past the model's 128 learned"):
+        rnnify.distill(model, tokens(4), teacher="no/such/teacher", **{**FAST, "seq_len": 129})
+
+
 @pytest.mark.parametrize("options, words", [
     ({"stages": ["pretrain"]}, "stages"),
     ({"lr": [1e-2]}, "lr"),
@@ -264,7 +323,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_recording_losses(model_dir: str, data: torch.Tensor) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _run_recording_losses(model_dir: str, data: torch.Tensor, **options) -> tuple[list[float], dict[str, torch.Tensor]]:
     losses, step = [], train._Trainer.step
 
     def recording(self, *args):
@@ -274,32 +333,41 @@ def _run_recording_losses(model_dir: str, data: torch.Tensor) -> tuple[list[floa
 
     train._Trainer.step = recording
     try:
-        model = rnnify.distill(rnnify.load(model_dir), data, **DDP_OPTIONS)
+        model = rnnify.distill(rnnify.load(model_dir), data, **{**DDP_OPTIONS, **options})
     finally:
         train._Trainer.step = step
     return losses, state_dict(model)
 
 
-def _ddp_worker(rank: int, world_size: int, port: int, model_dir: str, data: torch.Tensor, out: str) -> None:
+def _ddp_worker(rank: int, world_size: int, port: int, runs: list, out: str) -> None:
+    import torch.distributed as dist
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    losses, weights = _run_recording_losses(model_dir, data)
-    torch.save({"losses": losses, "weights": weights}, f"{out}.{rank}")
+    dist.init_process_group("gloo")  # one group for every run: distill uses the group it finds
+    try:
+        results = [_run_recording_losses(model_dir, data, **options) for model_dir, data, options in runs]
+    finally:
+        dist.destroy_process_group()
+    torch.save([{"losses": losses, "weights": weights} for losses, weights in results], f"{out}.{rank}")
 
 
-def test_two_processes_follow_the_loss_curve_of_one(hybrid_dir, tmp_path):
-    data = tokens(20)  # 5 global batches of 4 rows per stage; each rank reads 2 rows of each
-    single_losses, single = _run_recording_losses(str(hybrid_dir), data)
-    torch.multiprocessing.spawn(
-        _ddp_worker, args=(2, _free_port(), str(hybrid_dir), data, str(tmp_path / "ddp")), nprocs=2, join=True
-    )
+def test_two_processes_follow_the_loss_curve_of_one(hybrid_dir, aaren_dir, tmp_path):
+    runs = [
+        (str(hybrid_dir), tokens(20), {}),  # 5 global batches of 4 rows per stage; each rank reads 2 rows of each
+        # Aaren ignores q: LoRA on q_proj would get no gradient, and DDP would fail at the second step
+        (str(aaren_dir), tokens(8), {"stages": ["finetune"], "lr": 1e-2, "kl_weight": 0.0, "device": "cpu"}),
+    ]
+    singles = [_run_recording_losses(*run[:2], **run[2]) for run in runs]
+    torch.multiprocessing.spawn(_ddp_worker, args=(2, _free_port(), runs, str(tmp_path / "ddp")), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"ddp.{r}", weights_only=True) for r in range(2)]
-    assert len(single_losses) == 10
+    assert [len(losses) for losses, _ in singles] == [10, 2]
     for result in ranks:
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single_losses), rtol=1e-4, atol=1e-6)
-        for name, tensor in single.items():
-            torch.testing.assert_close(result["weights"][name], tensor, rtol=1e-4, atol=1e-5)
+        for (single_losses, single), got in zip(singles, result):
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(single_losses), rtol=1e-4, atol=1e-6)
+            for name, tensor in single.items():
+                torch.testing.assert_close(got["weights"][name], tensor, rtol=1e-4, atol=1e-5)
 
 
 # -- command line --------------------------------------------------------------------------
@@ -321,11 +389,13 @@ def corpus(tmp_path) -> Path:
 def test_cli_distill_writes_a_distilled_model(capsys, hybrid_dir, corpus, tmp_path):
     out = tmp_path / "distilled"
     code, stdout, err = run_cli(capsys, "distill", hybrid_dir, "--data", corpus, "-o", out, "--seq-len", 16,
-                                "--batch-size", 4, "--max-tokens", 256, "--lr", "1e-2,1e-3", "--checkpoint-every", 4)
+                                "--batch-size", 4, "--max-tokens", 256, "--lr", "1e-2,1e-3", "--checkpoint-every", 4,
+                                "--kernels", "none", "--device", "cpu")
     assert code == 0, err
     assert f"saved to {out}" in stdout and "transfer:" in err and "finetune:" in err
     manifest = json.loads((out / "rnnify.json").read_text())
     assert [r["tokens"] for r in manifest["distill"]["trained"]] == [128, 128]
+    assert manifest["kernels"] == "none"  # trained and saved as --kernels said
     assert (tmp_path / "distilled.checkpoints" / CHECKPOINT_FILE).is_file()
     assert rnnify.load(out).target == "hybrid"
 
@@ -334,7 +404,8 @@ def test_cli_convert_then_distill_in_one_go(capsys, tiny_model_dir, corpus, tmp_
     out = tmp_path / "out"
     code, stdout, err = run_cli(capsys, "convert", tiny_model_dir("gpt2"), "--to", "hybrid", "--window", 4,
                                 "--distill", corpus, "-o", out, "--seq-len", 16, "--batch-size", 4,
-                                "--max-tokens", 128, "--stages", "finetune", "--lora-rank", 2)
+                                "--max-tokens", 128, "--stages", "finetune", "--lora-rank", 2,
+                                "--tokenizer", tiny_model_dir("llama"))  # the same tokenizer files
     assert code == 0, err
     record = json.loads((out / "rnnify.json").read_text())["distill"]
     assert record["stages"] == ["finetune"] and record["lora_rank"] == 2
@@ -345,7 +416,9 @@ def test_cli_convert_then_distill_in_one_go(capsys, tiny_model_dir, corpus, tmp_
     (["--data", "missing.txt"], "does not exist"),
     (["--stages", "transfer,pretrain"], "stages"),
     (["--lr", "fast"], "--lr"),
-    (["--seq-len", "1"], "seq_len"),
+    (["--seq-len", "1"], "seq_len (--seq-len) must be"),
+    (["--tokenizer", "no/such/dir"], "--tokenizer DIR"),
+    (["--device", "cuda:0" if not torch.cuda.is_available() else "nope"], "--device"),
     (["-o", "{corpus}"], "not an rnnify model directory"),
     (["--teacher", "no/such/dir"], "no such directory"),
 ])
@@ -356,3 +429,10 @@ def test_cli_distill_mistakes_are_one_line_errors(capsys, hybrid_dir, corpus, tm
     assert code == 2 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1].startswith("error: ") and words in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_default_seq_len_stops_at_learned_positions(capsys, converted_dir, corpus, tmp_path):
+    code, _, err = run_cli(capsys, "distill", converted_dir("gpt2", "hybrid"), "--data", corpus, "-o", tmp_path / "out",
+                           "--stages", "finetune", "--kl-weight", 0, "--batch-size", 1, "--max-tokens", 64)
+    assert code == 0, err
+    assert json.loads((tmp_path / "out" / "rnnify.json").read_text())["distill"]["seq_len"] == 128  # not 1024

@@ -99,3 +99,62 @@ def test_cli_errors(converted_dir, corpus, tmp_path, capsys, args, match):
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error:") and "Traceback" not in err
     assert match in err
+
+
+def _without_tokenizer(converted, tmp_path, source=None):
+    """A copy of ``converted`` holding no tokenizer files (its source kept, or ``source``)."""
+    from rnnify.data import TOKENIZER_FILES
+
+    copy = tmp_path / "no-tokenizer"
+    shutil.copytree(converted, copy)
+    for name in TOKENIZER_FILES:
+        (copy / name).unlink(missing_ok=True)
+    if source is not None:
+        manifest = json.loads((copy / "rnnify.json").read_text())
+        manifest["source"] = source
+        (copy / "rnnify.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def test_a_directory_without_tokenizer_files_reads_text_with_its_sources(converted_dir, tiny_model_dir, corpus,
+                                                                          tmp_path):
+    result = rnnify.evaluate(_without_tokenizer(converted_dir("llama", "exact"), tmp_path), corpus, **OPTIONS)
+    assert result.perplexity == pytest.approx(_hf_perplexity(tiny_model_dir("llama"), corpus), rel=1e-4)
+
+
+def test_cli_tokenizer_flag_and_its_error(converted_dir, tiny_model_dir, corpus, tmp_path, capsys):
+    bare = str(_without_tokenizer(converted_dir("llama", "exact"), tmp_path, source=str(tmp_path / "gone")))
+    argv = ["eval", bare, "--data", str(corpus), "--against", str(tiny_model_dir("llama")), "--seq-len", "16",
+            "--max-tokens", "32"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "no tokenizer files" in err and "--tokenizer DIR" in err
+    assert main([*argv, "--tokenizer", str(tiny_model_dir("llama"))]) == 0, capsys.readouterr().err
+
+
+def test_kernels_and_device_choose_how_a_directory_loads(converted_dir, monkeypatch):
+    ids = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(0))
+    calls, op = [], rnnify.kernels.chunk_linear_attn
+    monkeypatch.setattr(rnnify.kernels, "chunk_linear_attn", lambda *a, **kw: calls.append(1) or op(*a, **kw))
+    fused = rnnify.evaluate(converted_dir("llama", "linear"), ids, kernels="reference", device="cpu", **OPTIONS)
+    assert calls
+    calls.clear()
+    own = rnnify.evaluate(converted_dir("llama", "linear"), ids, kernels="none", **OPTIONS)
+    assert not calls and fused.perplexity == pytest.approx(own.perplexity, rel=1e-5)
+    with pytest.raises(rnnify.RnnifyError, match="a loaded model runs as it is"):
+        rnnify.evaluate(rnnify.load(converted_dir("llama", "linear")), ids, kernels="none", **OPTIONS)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--seq-len", "1"], "seq_len (--seq-len) must be an integer >= 2"),
+    (["--json", "{tmp}/missing/eval.json"], "--json {tmp}/missing/eval.json: directory {tmp}/missing does not exist"),
+    (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nope"], "--device"),
+])
+def test_cli_checks_flags_before_the_work(converted_dir, corpus, tmp_path, capsys, args, match):
+    # --against names nothing: an error about it would mean the flags were checked only after loading it
+    argv = ["eval", str(converted_dir("llama", "exact")), "--data", str(corpus), "--against", str(tmp_path / "nope"),
+            *(a.format(tmp=tmp_path) for a in args)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and match.format(tmp=tmp_path) in err
+    assert str(tmp_path / "nope") not in err

@@ -50,7 +50,7 @@ def llama_graph(tiny_model_dir):
     """The tiny Llama's graph after every pass before fuse_kernels, with a plan of three targets."""
 
     def get() -> tuple[torch.fx.GraphModule, PassContext]:
-        ctx = PassContext(config=None, plan=make_plan("linear", layers="0:exact"), kernels=None)
+        ctx = PassContext(config=None, plan=make_plan("linear", layers="0:exact"), kernels="none")
         source = load_source(tiny_model_dir("llama"))
         ctx.config = source.config
         gm = capture(source)
@@ -80,7 +80,7 @@ def test_pass_fuses_cells_that_have_a_fused_form(llama_graph):
     assert fused_counts(gm) == {"chunk_linear_attn": 1, "fused_recurrent_linear_attn": 1}
     assert str(gm.graph) == graph_before  # the graph is unchanged: the cells choose the op per call
 
-    ctx.kernels = None
+    ctx.kernels = "none"
     gm = fuse_kernels(gm, ctx)
     assert fused_counts(gm) == {} and linear.kernels is None
 
@@ -160,7 +160,7 @@ def test_cells_fused_match_their_own_forms(case, monkeypatch):
     for name in ("chunk_linear_attn", "fused_recurrent_linear_attn"):
         op = getattr(rnnify.kernels, name)
         monkeypatch.setattr(rnnify.kernels, name, lambda *a, _op=op, **kw: calls.append(kw) or _op(*a, **kw))
-    expected = run_cell(cell, None, (q, k, v, x, mask))
+    expected = run_cell(cell, "none", (q, k, v, x, mask))
     assert not calls
     for kernels in ("reference", "triton"):
         out, grads, state = run_cell(cell, kernels, (q, k, v, x, mask))
@@ -196,7 +196,7 @@ def converted(tiny_model_dir):
     return get
 
 
-def run_model(model, kernels: str | None, steps: int = 2) -> torch.Tensor:
+def run_model(model, kernels: str, steps: int = 2) -> torch.Tensor:
     """Logits of a left-padded 2-row prefill, then ``steps`` decode steps."""
     model.use_kernels(kernels)
     ids = torch.randint(0, model.manifest.vocab_size, (2, 6 + steps), generator=torch.Generator().manual_seed(0))
@@ -217,7 +217,7 @@ def test_triton_matches_reference_and_the_cells_own_forms(family, converted):
     reference = run_model(model, "reference")
     assert torch.isfinite(reference).all()
     assert rel_diff(run_model(model, "triton"), reference) < 1e-5
-    assert rel_diff(run_model(model, None), reference) < 1e-5
+    assert rel_diff(run_model(model, "none"), reference) < 1e-5
 
 
 @pytest.mark.slow
@@ -229,7 +229,7 @@ def test_triton_matches_reference_over_chunks(family, tiny_model_dir):
     model = rnnify.convert(tiny_model_dir("llama"), to=target, kernels="reference", **options, **chunk)
     ids = torch.randint(0, model.manifest.vocab_size, (2, 108), generator=torch.Generator().manual_seed(2))
     results = {}
-    for kernels in ("reference", "triton", None):
+    for kernels in ("reference", "triton", "none"):
         model.use_kernels(kernels)
         logits, state = model.prefill(ids[:, :100])
         outs = [logits]
@@ -238,7 +238,7 @@ def test_triton_matches_reference_over_chunks(family, tiny_model_dir):
             outs.append(logits)
         results[kernels] = torch.cat(outs, dim=1)
     assert rel_diff(results["triton"], results["reference"]) < 1e-5
-    assert rel_diff(results[None], results["reference"]) < 1e-5
+    assert rel_diff(results["none"], results["reference"]) < 1e-5
 
 
 # -- manifest, load, CLI --------------------------------------------------------------------
@@ -273,7 +273,7 @@ def test_format_1_manifest_loads_unfused(converted, tmp_path):
         del cell["kernels"]
     path.write_text(json.dumps({**data, "format_version": 1}))
     model = rnnify.load(tmp_path / "m")
-    assert model.kernels is None and {cell.kernels for cell in model.cells} == {None}
+    assert model.kernels == "none" and {cell.kernels for cell in model.cells} == {None}
     assert rnnify.load(tmp_path / "m", kernels="auto").cells[0].kernels == "auto"
 
 

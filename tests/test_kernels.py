@@ -25,6 +25,7 @@ from rnnify.cells.aaren import naive_recurrent_aaren
 from rnnify.cells.gated import naive_recurrent_gated_attn
 from rnnify.cells.linear import naive_recurrent_linear_attn as cells_naive_linear
 from rnnify.cells.window import naive_recurrent_window_attn
+from rnnify.errors import RnnifyError
 from rnnify.kernels import scan, utils
 from rnnify.kernels.linear_attn import common
 
@@ -616,7 +617,7 @@ def test_resolve_backend(monkeypatch):
     assert [utils.resolve_backend(b, x) for b in utils.BACKENDS] == [False, True, False]
     monkeypatch.setattr(utils, "FORCE_TRITON", True)
     assert [utils.resolve_backend(b, x) for b in utils.BACKENDS] == [True, True, False]
-    with pytest.raises(ValueError, match="backend must be one of"):
+    with pytest.raises(RnnifyError, match="unknown kernels 'cuda'; choose from: auto, triton, reference$"):
         utils.resolve_backend("cuda", x)
     monkeypatch.setattr(utils, "INTERPRET", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
@@ -643,8 +644,11 @@ def test_backend_pins_the_path(monkeypatch):
     for a, b in zip(triton_out, ref_out):
         close(a, b)
     for op in (K.chunk_linear_attn, K.fused_recurrent_linear_attn):
-        with pytest.raises(ValueError, match="backend must be one of"):
+        with pytest.raises(RnnifyError, match="unknown kernels 'gpu'"):
             op(*make_attn(1, 2, 1, 1, 4, 4, "")[:3], backend="gpu")
+    with pytest.raises(RnnifyError, match="unknown kernels 'none'"):  # a model's choice, not an op's backend
+        q = make_attn(1, 2, 1, 1, 4, 4, "")[0]
+        K.aaren_scan(q[..., 0], q, backend="none")
 
 
 def test_backend_in_autograd(no_reference):

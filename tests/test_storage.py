@@ -86,3 +86,44 @@ def test_save_replaces_a_model_but_not_other_directories(converted_dir, tmp_path
 def test_weights_digest_is_recorded(converted_dir):
     directory = converted_dir("llama", "exact")
     assert rnnify.load(directory).manifest.weights_sha256 == storage.weights_digest(directory)
+
+
+def test_saving_a_format_1_model_writes_format_2(converted_dir, tmp_path):
+    old = shutil.copytree(converted_dir("llama", "linear"), tmp_path / "old")
+    manifest = json.loads((old / "rnnify.json").read_text())
+    del manifest["kernels"]
+    for cell in manifest["cells"]:
+        del cell["kernels"]
+    (old / "rnnify.json").write_text(json.dumps({**manifest, "format_version": 1}))
+    rnnify.load(old).save(tmp_path / "new")
+    saved = json.loads((tmp_path / "new" / "rnnify.json").read_text())
+    assert saved["format_version"] == 2 and saved["kernels"] == "none"
+
+
+def test_kernels_none_is_a_choice_and_none_keeps_the_recorded_one(tiny_model_dir, tmp_path, capsys):
+    from rnnify.cli import main
+
+    model = rnnify.convert(tiny_model_dir("llama"), to="linear", kernels="none")
+    assert model.kernels == "none" and {cell.kernels for cell in model.cells} == {None}
+    model.save(tmp_path / "none")
+    assert main(["info", str(tmp_path / "none")]) == 0
+    assert "none: every cell runs its own PyTorch forms" in capsys.readouterr().out
+    model.use_kernels("reference").save(tmp_path / "m")
+    assert rnnify.load(tmp_path / "m").kernels == "reference"  # None: as recorded
+    assert {cell.kernels for cell in rnnify.load(tmp_path / "m", kernels="none").cells} == {None}
+    with pytest.raises(rnnify.RnnifyError, match="unknown kernels None; choose from: auto, triton, reference, none"):
+        model.use_kernels(None)
+
+
+def test_moving_a_model_moves_the_device_constants_of_its_graph(converted_dir):
+    def devices(model) -> set:
+        found = set()
+        keep = lambda value: found.add(value) if isinstance(value, torch.device) else None  # noqa: E731
+        for node in model.graph.graph.nodes:
+            torch.fx.node.map_aggregate((node.args, node.kwargs), keep)
+        return found
+
+    model = rnnify.load(converted_dir("llama", "exact"))
+    assert devices(model) == {torch.device("cpu")}  # the rotary table's to(device=cpu), from export
+    model.to("meta")
+    assert devices(model) == {torch.device("meta")} and model.device == torch.device("meta")

@@ -150,6 +150,7 @@ class AarenCell(Cell):
 
     target = "aaren"
     state_names = ("m", "u", "w")
+    uses_query = False
 
     def __init__(self, spec: CellSpec, chunk_size: int = 64, prefill: str = "chunk"):
         super().__init__(spec)

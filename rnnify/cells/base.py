@@ -11,7 +11,8 @@ from ``state``. The state is functional: a cell never mutates its inputs.
 
 A cell with a fused form names the ``rnnify.kernels`` ops it runs (``fused_ops``); after
 ``use_kernels(backend)`` (the ``fuse_kernels`` pass, or ``rnnify.load(..., kernels=...)``) its
-forward calls them instead of its own PyTorch forms, on the same state.
+forward calls them instead of its own PyTorch forms, on the same state; ``use_kernels("none")``
+switches back.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from rnnify.kernels.utils import check_kernels
 
 
 @dataclass(frozen=True)
@@ -50,11 +53,12 @@ class Cell(nn.Module):
     state_names: ClassVar[tuple[str, ...]]
     grows_with_context: ClassVar[bool] = False
     needs_input: ClassVar[bool] = False
+    uses_query: ClassVar[bool] = True  # False: q is ignored (Aaren), so training leaves what only feeds q alone
 
     def __init__(self, spec: CellSpec):
         super().__init__()
         self.spec = spec
-        self.kernels: str | None = None  # backend of the fused ops, None: the cell's own PyTorch forms
+        self.kernels: str | None = None  # backend of the fused ops in use; None: the cell's own PyTorch forms
 
     def options(self) -> dict[str, Any]:
         """JSON-able options that rebuild this cell with ``type(cell)(spec, **options)``."""
@@ -79,11 +83,12 @@ class Cell(nn.Module):
         T == 1); a phase left out keeps the PyTorch form. Empty: no fused form (the default)."""
         return {}
 
-    def use_kernels(self, backend: str | None) -> dict[str, str]:
-        """Run ``fused_ops`` with ``backend`` (``rnnify.kernels.utils.BACKENDS``), or the cell's own
-        PyTorch forms with None; returns the ops now in use (empty for a cell without a fused form)."""
-        ops = self.fused_ops() if backend is not None else {}
-        self.kernels = backend if ops else None
+    def use_kernels(self, kernels: str) -> dict[str, str]:
+        """Run ``fused_ops`` with backend ``kernels``, or the cell's own PyTorch forms with ``"none"``
+        (``rnnify.kernels.utils.KERNELS``); returns the ops now in use (empty for a cell without a
+        fused form)."""
+        ops = self.fused_ops() if check_kernels(kernels) != "none" else {}
+        self.kernels = kernels if ops else None
         return ops
 
     def describe(self) -> str:

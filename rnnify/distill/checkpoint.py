@@ -4,8 +4,11 @@ One file, ``checkpoint.pt`` in the checkpoint directory, replaced atomically (wr
 then renamed) so an interruption while saving leaves the previous one intact. It holds the
 trainable tensors (cell parameters and LoRA factors, by parameter name), the optimizer state, the
 stage and step reached (which is also the data position: one step reads one global batch), the
-per-stage records so far, the RNG state and the settings; a resumed run must use the same
-settings. Loaded with ``weights_only=True``: nothing in it is code.
+per-stage records so far and the settings (the model's source and cells among them); a resumed
+run must use the same settings. No random state: training draws nothing at random after LoRA's
+initialisation, which the checkpoint's tensors replace. A run that does not resume moves an
+earlier checkpoint aside first (``set_aside``), so a later resume cannot continue an older run.
+Loaded with ``weights_only=True``: nothing in it is code.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import torch
 
 from rnnify.errors import RnnifyError
 
-__all__ = ["CHECKPOINT_FILE", "Checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CHECKPOINT_FILE", "Checkpoint", "load_checkpoint", "save_checkpoint", "set_aside"]
 
 CHECKPOINT_FILE = "checkpoint.pt"
+PREVIOUS_FILE = CHECKPOINT_FILE + ".previous"
 
 
 @dataclass
@@ -34,7 +38,6 @@ class Checkpoint:
     optimizer: dict[str, Any]
     settings: dict[str, Any]
     records: list[dict[str, Any]] = field(default_factory=list)  # finished stages
-    rng: torch.Tensor | None = None
 
 
 def save_checkpoint(directory: str | os.PathLike, checkpoint: Checkpoint) -> Path:
@@ -62,9 +65,33 @@ def load_checkpoint(directory: str | os.PathLike, settings: dict[str, Any]) -> C
         raise RnnifyError(f"{path}: unreadable checkpoint ({exc}); delete it to start over") from exc
     changed = sorted(k for k in settings.keys() | checkpoint.settings.keys() if settings.get(k) != checkpoint.settings.get(k))
     if changed:
-        detail = ", ".join(f"{k}: {checkpoint.settings.get(k)!r} -> {settings.get(k)!r}" for k in changed)
+        detail = ", ".join(_difference(k, checkpoint.settings.get(k), settings.get(k)) for k in changed)
         raise RnnifyError(
             f"{path} was written with other settings ({detail}); resume with the same settings, "
             "or use another checkpoint directory to start over"
         )
     return checkpoint
+
+
+def _difference(key: str, old: Any, new: Any) -> str:
+    """``key: old -> new``; of two lists as long, only the first entry that differs (a model has many cells)."""
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        i = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
+        return f"{key}[{i}]: {old[i]!r} -> {new[i]!r}"
+    return f"{key}: {old!r} -> {new!r}"
+
+
+def set_aside(directory: str | os.PathLike) -> Path | None:
+    """Rename ``directory``'s checkpoint to ``checkpoint.pt.previous`` (replacing an older one) so that
+    a fresh run's ``--resume`` later cannot continue the earlier run; the new path, None if there was none.
+    Renamed rather than deleted: a forgotten ``--resume`` must not cost a run's progress."""
+    directory = Path(directory).expanduser()
+    path = directory / CHECKPOINT_FILE
+    if not path.is_file():
+        return None
+    try:
+        os.replace(path, directory / PREVIOUS_FILE)
+    except OSError as exc:
+        raise RnnifyError(f"cannot move the earlier checkpoint {path} aside: {exc.strerror or exc}; "
+                          "delete it, or pass --resume to continue that run") from exc
+    return directory / PREVIOUS_FILE

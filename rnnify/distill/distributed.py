@@ -53,7 +53,8 @@ class Runtime:
 
 
 def setup(device: torch.device) -> Runtime:
-    """The runtime of this process; ``device`` is the model's (under torchrun on CUDA, ``LOCAL_RANK``'s GPU)."""
+    """The runtime of this process, training on ``device`` (under torchrun on CUDA, ``LOCAL_RANK``'s GPU),
+    which picks the process group's backend: NCCL on CUDA, gloo on the CPU."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1 and not dist.is_initialized():
         return Runtime(0, 1, device, owns_group=False)

@@ -18,6 +18,9 @@ reach a cell's parameters from a hook on the cell's output, never through the la
 also keeps a layer's trainable parameters in one dtype (FSDP reduces a unit's gradients in one):
 the cells' are the model's, LoRA's fp32.
 
+The copy's device constants (export's ``to(device=cpu)`` of the rotary table) point at the
+mesh's device, so the model can stay on the CPU while its shards train on GPUs.
+
 The model itself is never sharded: its parameters keep their objects and devices, and
 ``copy_back`` writes the trained values into them (gathered from the shards) at the end of each
 stage, so LoRA merging and ``save`` work on the model as usual. Checkpoints hold full tensors,
@@ -41,7 +44,7 @@ from torch import nn
 
 from rnnify.errors import RnnifyError
 from rnnify.passes.split_layers import layer_prefix, split_layers
-from rnnify.runtime.model import RecurrentModel
+from rnnify.runtime.model import RecurrentModel, retarget_devices
 
 __all__ = ["ShardedModel", "device_mesh", "full_tensor", "full_optimizer_state", "shard_optimizer_state", "shard_teacher"]
 
@@ -98,6 +101,7 @@ class ShardedModel:
 
         self.memo: dict[int, Any] = {}
         graph = split_layers(model.graph, model.manifest.cells, memo=self.memo)
+        retarget_devices(graph, mesh.device_type)  # the model may sit on the CPU, its shards run on the mesh's device
         self.view = _SplitView(graph, model, [self.memo[id(cell)] for cell in model.cells])
         self._where: dict[int, tuple[nn.Module, str]] = {}  # copy's id -> a module holding it, and its name
         for module in graph.modules():

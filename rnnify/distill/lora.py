@@ -4,7 +4,9 @@ The step graph reads each projection weight through a ``get_attr`` of its Huggin
 name (``model.layers.0.self_attn.q_proj.weight``), so a ``torch.nn.utils.parametrize``
 parametrization on that attribute puts ``W + (alpha / r) B A`` into every forward without
 touching the graph. The projections are the 2-D weights under each cell's attention module
-(Llama/Mistral ``q_proj``/``k_proj``/``v_proj``/``o_proj``, GPT-2 ``c_attn``/``c_proj``). GPT-2's
+(Llama/Mistral ``q_proj``/``k_proj``/``v_proj``/``o_proj``, GPT-2 ``c_attn``/``c_proj``), except
+those whose output only feeds a q the cell ignores (Aaren's learned query replaces it): LoRA there
+would never get a gradient, which DDP treats as an error. GPT-2's
 ``Conv1D`` stores ``[in, out]``; the graph shows it (the weight is the right operand of a
 matrix product rather than ``linear``'s ``[out, in]``), and the update is transposed to match.
 Merging bakes the update in, so a saved model holds plain weights and needs no LoRA code.
@@ -34,13 +36,16 @@ class LoRA(nn.Module):
     the unchanged model; both are fp32 whatever the weight's dtype, for the optimizer's sake.
     """
 
-    def __init__(self, weight: torch.Tensor, rank: int, alpha: float, transposed: bool = False):
+    def __init__(self, weight: torch.Tensor, rank: int, alpha: float, transposed: bool = False,
+                 generator: torch.Generator | None = None):
         super().__init__()
         out_features, in_features = weight.shape[::-1] if transposed else weight.shape
         self.transposed, self.scaling = transposed, alpha / rank
-        self.lora_a = nn.Parameter(torch.empty(rank, in_features, device=weight.device, dtype=torch.float32))
+        # nn.Linear's init, as in the LoRA paper's code; drawn on the CPU from ``generator`` (default:
+        # torch's global one), so A is the same whatever device the weight is on.
+        a = nn.init.kaiming_uniform_(torch.empty(rank, in_features), a=math.sqrt(5), generator=generator)
+        self.lora_a = nn.Parameter(a.to(weight.device))
         self.lora_b = nn.Parameter(torch.zeros(out_features, rank, device=weight.device, dtype=torch.float32))
-        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))  # nn.Linear's init, as in the LoRA paper's code
 
     def delta(self) -> torch.Tensor:
         delta = (self.lora_b @ self.lora_a) * self.scaling
@@ -51,11 +56,14 @@ class LoRA(nn.Module):
 
 
 def lora_targets(model: RecurrentModel) -> dict[str, bool]:
-    """``{weight name: transposed}`` for the 2-D weights under each cell's attention module."""
+    """``{weight name: transposed}`` for the 2-D weights under each cell's attention module that
+    reach something the cell uses."""
     prefixes = tuple(entry.module_path + "." for entry in model.manifest.cells)
+    unused = _ignored_query_only(model)
     targets: dict[str, bool] = {}
     for node in model.graph.graph.nodes:
-        if node.op != "get_attr" or not node.target.startswith(prefixes) or not node.target.endswith(".weight"):
+        if (node.op != "get_attr" or not node.target.startswith(prefixes) or not node.target.endswith(".weight")
+                or node in unused):
             continue
         owner, _, leaf = node.target.rpartition(".")
         if getattr(model.graph.get_submodule(owner), leaf).dim() != 2:
@@ -68,8 +76,28 @@ def lora_targets(model: RecurrentModel) -> dict[str, bool]:
     return targets
 
 
-def add_lora(model: RecurrentModel, rank: int, alpha: float) -> dict[str, LoRA]:
-    """Parametrize every attention projection of ``model`` with a fresh ``LoRA``; returns them by weight name."""
+def _ignored_query_only(model: RecurrentModel) -> set[torch.fx.Node]:
+    """The graph's nodes whose values reach nothing but the q of cells that ignore it (``Cell.uses_query``)."""
+    ignoring = {entry.module for entry, cell in zip(model.manifest.cells, model.cells) if not cell.uses_query}
+    unused: set[torch.fx.Node] = set()
+    if not ignoring:
+        return unused
+
+    def only_as_ignored_query(user: torch.fx.Node, node: torch.fx.Node) -> bool:
+        rest = [*user.args[1:], *user.kwargs.values()]
+        return (user.op == "call_module" and user.target in ignoring and user.args[0] is node
+                and not any(arg is node for arg in rest))
+
+    for node in reversed(model.graph.graph.nodes):  # users before the nodes they read
+        if node.users and all(user in unused or only_as_ignored_query(user, node) for user in node.users):
+            unused.add(node)
+    return unused
+
+
+def add_lora(model: RecurrentModel, rank: int, alpha: float,
+             generator: torch.Generator | None = None) -> dict[str, LoRA]:
+    """Parametrize every attention projection of ``model`` (``lora_targets``) with a fresh ``LoRA``,
+    its A drawn from ``generator``; returns them by weight name."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise RnnifyError(f"lora_rank must be a positive integer, got {rank!r}")
     targets = lora_targets(model)
@@ -79,7 +107,7 @@ def add_lora(model: RecurrentModel, rank: int, alpha: float) -> dict[str, LoRA]:
     for name, transposed in targets.items():
         owner_name, _, leaf = name.rpartition(".")
         owner = model.graph.get_submodule(owner_name)
-        lora = LoRA(getattr(owner, leaf), rank, alpha, transposed)
+        lora = LoRA(getattr(owner, leaf), rank, alpha, transposed, generator)
         parametrize.register_parametrization(owner, leaf, lora)
         loras[name] = lora
     return loras

@@ -6,9 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from rnnify.data import DEFAULT_SEQ_LEN
 from rnnify.distill.train import DEFAULT_LR, STAGES
 from rnnify.errors import RnnifyError
-from rnnify.runtime.manifest import MANIFEST_FILE
+from rnnify.runtime.storage import check_output
 
 __all__ = ["add_training_flags", "training_options"]
 
@@ -18,13 +19,16 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("distillation (docs/distill.md)")
     g.add_argument("--teacher", metavar="MODEL",
                    help="original model for the KL term (default: the source model recorded in the manifest)")
+    g.add_argument("--tokenizer", metavar="DIR",
+                   help="directory of the tokenizer to read the data with (default: the model's, else its source's)")
     g.add_argument("--stages", default=",".join(STAGES), metavar="LIST",
                    help="stages to run, in order: transfer (cell parameters vs softmax attention), finetune "
                    "(LoRA + cells on next-token loss and KL to the teacher) (default: transfer,finetune)")
     g.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="real tokens to train on, split evenly between the stages (default: one pass over "
                    "the data per stage)")
-    g.add_argument("--seq-len", type=int, default=1024, metavar="N", help="tokens per row (default: 1024)")
+    g.add_argument("--seq-len", type=int, default=None, metavar="N",
+                   help=f"tokens per row (default: {DEFAULT_SEQ_LEN}, or the model's position limit if lower)")
     g.add_argument("--batch-size", type=int, default=8, metavar="B",
                    help="rows per optimizer step, all processes together (default: 8)")
     g.add_argument("--lr", metavar="X[,X]",
@@ -42,10 +46,13 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    help="under torchrun: shard the weights over the processes, one FSDP unit per decoder layer, "
                    "instead of a full copy per process (models that do not fit one device)")
     g.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the data order and LoRA init (default: 0)")
+    g.add_argument("--device", metavar="DEVICE",
+                   help="device to train on, e.g. cpu or cuda:0 (default: cuda:$LOCAL_RANK when CUDA is available, "
+                   "else cpu); with --fsdp the model stays on the CPU and only its shards go there")
 
 
 def training_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The keyword arguments of ``rnnify.distill`` the flags give (all but model, data and teacher).
+    """The keyword arguments of ``rnnify.distill`` the flags give (all but model, data, teacher and device).
 
     Also refuses an ``--output`` that saving would refuse, now rather than after hours of training.
     """
@@ -57,12 +64,11 @@ def training_options(args: argparse.Namespace) -> dict[str, Any]:
         except ValueError:
             raise RnnifyError(f"--lr {args.lr!r}: expected a number or comma-separated numbers, e.g. 1e-2,1e-4") from None
         lr = lr[0] if len(lr) == 1 else lr
-    output = Path(args.output).expanduser()
-    if output.exists() and not (output.is_dir() and (not any(output.iterdir()) or (output / MANIFEST_FILE).is_file())):
-        raise RnnifyError(f"{output} exists and is not an rnnify model directory; choose another output directory")
+    output = check_output(Path(args.output))
     return {
-        "stages": stages, "max_tokens": args.max_tokens, "seq_len": args.seq_len, "batch_size": args.batch_size,
-        "lr": lr, "lora_rank": args.lora_rank, "kl_weight": args.kl_weight, "seed": args.seed,
+        "tokenizer": args.tokenizer, "stages": stages, "max_tokens": args.max_tokens, "seq_len": args.seq_len,
+        "batch_size": args.batch_size, "lr": lr, "lora_rank": args.lora_rank, "kl_weight": args.kl_weight,
+        "seed": args.seed,
         "checkpoint_dir": args.checkpoint_dir or output.with_name(output.name + ".checkpoints"),
         "checkpoint_every": args.checkpoint_every, "resume": args.resume, "fsdp": args.fsdp,
     }

@@ -16,6 +16,7 @@ batches, which is also the data position a checkpoint resumes from.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -27,9 +28,9 @@ import torch
 from torch import nn
 
 from rnnify.cells import parameters as cell_parameters
-from rnnify.data import token_batches
+from rnnify.data import row_length, token_batches, tokenizer_for
 from rnnify.distill.attention import attention_transfer
-from rnnify.distill.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from rnnify.distill.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, set_aside
 from rnnify.distill.distributed import Runtime, setup
 from rnnify.distill.lora import add_lora, merge_lora
 from rnnify.distill.losses import kl_sum, next_token_sum
@@ -52,7 +53,7 @@ def distill(
     tokenizer: Any = None,
     stages: Sequence[str] = STAGES,
     max_tokens: int | None = None,
-    seq_len: int = 1024,
+    seq_len: int | None = None,
     batch_size: int = 8,
     lr: float | Sequence[float] | None = None,
     lora_rank: int = 8,
@@ -63,35 +64,44 @@ def distill(
     checkpoint_every: int = 500,
     resume: bool = False,
     fsdp: bool = False,
+    device: torch.device | str | None = None,
     progress: bool = True,
 ) -> RecurrentModel:
     """Train ``model`` towards the model it was converted from; returns ``model`` (plain weights).
 
     ``data``: what ``rnnify.data.token_batches`` reads (text file, folder, ``.jsonl``, a LongTensor
     ``[N, T]`` or an iterable of batches); text is tokenized with ``tokenizer`` (default: the
-    tokenizer saved with the model, else the source model's). ``stages``: any of ``"transfer"``,
-    ``"finetune"``, in that order; transfer is skipped, with a message, when the cells have no
-    trainable parameters. ``max_tokens``: real tokens to train on, split evenly between the stages
-    that run, each reading from the start of the data (None: each stage reads the data once).
-    ``seq_len``/``batch_size``: tokens per row and rows per global batch (one optimizer step).
+    tokenizer saved with the model, else the source model's: ``rnnify.data.tokenizer_for``, as
+    ``evaluate`` does). ``stages``: any of ``"transfer"``, ``"finetune"``, in that order; transfer
+    is skipped, with a message, when the cells have no trainable parameters. ``max_tokens``: real
+    tokens to train on, split evenly between the stages that run, each reading from the start of
+    the data (None: each stage reads the data once).
+    ``seq_len``/``batch_size``: tokens per row (default 1024, or the model's position limit if
+    lower: ``rnnify.data.row_length``) and rows per global batch (one optimizer step).
     ``lr``: one rate for every stage, or one per stage run (default ``DEFAULT_LR``). LoRA has rank
     ``lora_rank`` and ``alpha = lora_alpha`` (default ``2 * lora_rank``). ``kl_weight`` 0 needs
     no teacher; otherwise ``teacher`` goes to ``load_teacher``. AdamW, gradient norm clipped at 1.
 
     ``checkpoint_dir``: every ``checkpoint_every`` steps and at the end of each stage the trainable
-    tensors, optimizer, step and RNG go there; ``resume=True`` continues from it exactly (a fresh
-    start if there is none yet). Under ``torchrun`` each of the ``WORLD_SIZE`` ranks reads its
-    slice of every global batch and DDP averages gradients (``batch_size`` must divide by the
-    world size); only rank 0 shows progress and writes checkpoints. ``fsdp=True`` shards the
-    weights over the ranks instead of DDP's full copies (``rnnify.distill.fsdp``: one FSDP unit
-    per decoder layer, the model itself left in place and updated at the end of each stage); on
-    one process it changes nothing. The settings and tokens are recorded in
-    ``model.manifest.distill``.
+    tensors, optimizer and step go there; ``resume=True`` continues from it exactly (a fresh start
+    if there is none yet) and refuses one written for other settings or another model; a run
+    without ``resume`` first moves an earlier run's checkpoint aside (``checkpoint.pt.previous``),
+    so that a later resume continues this run. Under ``torchrun`` each of the ``WORLD_SIZE`` ranks
+    reads its slice of every global batch and DDP averages gradients (``batch_size`` must divide
+    by the world size); only rank 0 shows progress and writes checkpoints. ``fsdp=True`` shards
+    the weights over the ranks instead of DDP's full copies (``rnnify.distill.fsdp``: one FSDP
+    unit per decoder layer, the model itself left in place and updated at the end of each stage);
+    on one process it changes nothing. ``device``: where training runs (default: where the model
+    is; under ``torchrun`` on CUDA, each rank's ``LOCAL_RANK`` GPU); the model moves there, except
+    under FSDP, where it stays where it is (e.g. the CPU) and only its shards go to ``device``.
+    Torch's global random state is left as it was: LoRA is drawn from a generator seeded with
+    ``seed``. The settings and tokens are recorded in ``model.manifest.distill``.
     """
     stages = _check_stages(stages)
     lrs = _check_lrs(stages, lr)
-    for name, value, low in (("seq_len", seq_len, 2), ("batch_size", batch_size, 1),
-                             ("checkpoint_every", checkpoint_every, 1), ("lora_rank", lora_rank, 1)):
+    seq_len = row_length(model, seq_len)  # before the teacher loads, and before the data is read
+    for name, value, low in (("batch_size", batch_size, 1), ("checkpoint_every", checkpoint_every, 1),
+                             ("lora_rank", lora_rank, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise RnnifyError(f"{name} must be an integer >= {low}, got {value!r}")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
@@ -109,7 +119,7 @@ def distill(
         stages, lrs, max_tokens, seq_len, batch_size, lora_rank,
         float(lora_alpha if lora_alpha is not None else 2 * lora_rank), float(kl_weight), seed, checkpoint_every,
     )
-    runtime = setup(model.device)
+    runtime = setup(torch.device(device) if device is not None else model.device)
     try:
         return _Trainer(model, runtime, config, progress, fsdp).run(data, tokenizer, teacher, checkpoint_dir, resume)
     finally:
@@ -147,14 +157,6 @@ def _check_lrs(stages: list[str], lr: float | Sequence[float] | None) -> dict[st
     return dict(zip(stages, map(float, rates)))
 
 
-def _default_tokenizer(model: RecurrentModel) -> str | None:
-    """A directory holding the model's tokenizer: its own saved directory, else its source."""
-    for directory in (model.path, model.manifest.source):
-        if directory is not None and os.path.isfile(os.path.join(directory, "tokenizer_config.json")):
-            return str(directory)
-    return None
-
-
 class _Trainer:
     """One distillation run: the stages in order, each an optimizer over its trainable tensors."""
 
@@ -189,30 +191,40 @@ class _Trainer:
                 return model
         self.budget = None if config.max_tokens is None else max(1, config.max_tokens // len(stages))
         self.batches_args = dict(
-            data=data, tokenizer=tokenizer if tokenizer is not None else _default_tokenizer(model),
-            seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed, rank=self.runtime.rank,
+            data=data, tokenizer=tokenizer_for(model, data, tokenizer), seq_len=config.seq_len,
+            batch_size=config.batch_size, seed=config.seed, rank=self.runtime.rank,
             world_size=self.runtime.world_size, max_tokens=self.budget,
         )
         token_batches(**self.batches_args)  # checks the data and sizes now, before the teacher loads
+        uses_teacher = "finetune" in stages and config.kl_weight > 0
         self.settings = {
             **{k: v for k, v in asdict(config).items() if k != "checkpoint_every"},
             "stages": stages, "lr": [config.lr[s] for s in stages], "target": model.target,
             "data": os.fspath(data) if isinstance(data, (str, os.PathLike)) else type(data).__name__,
+            "teacher": _teacher_name(model, teacher) if uses_teacher else None,
         }
+        # A checkpoint continues only the same training of the same model: the settings, and what
+        # the model was converted from and to (cells' options, per-layer rules).
+        self.compared = {**self.settings, **_model_settings(model)}
         self.checkpoint_dir = checkpoint_dir
-        checkpoint = load_checkpoint(checkpoint_dir, self.settings) if resume else None
-        if resume and checkpoint is None:
-            self.log(f"no checkpoint in {checkpoint_dir} yet: starting from the beginning")
+        checkpoint = None
+        if resume:
+            checkpoint = load_checkpoint(checkpoint_dir, self.compared)
+            if checkpoint is None:
+                self.log(f"no checkpoint in {checkpoint_dir} yet: starting from the beginning")
+        elif checkpoint_dir is not None and self.runtime.main and (moved := set_aside(checkpoint_dir)) is not None:
+            self.log(f"moved the checkpoint of an earlier run to {moved}: this run starts afresh "
+                     "(to continue a run, pass --resume / resume=True)")
 
         requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
         try:
-            torch.manual_seed(config.seed)
             lora_names = []
             if "finetune" in stages:
-                loras = add_lora(model, config.lora_rank, config.lora_alpha)
+                generator = torch.Generator().manual_seed(config.seed)
+                loras = add_lora(model, config.lora_rank, config.lora_alpha, generator)
                 lora_names = _names(model, [p for lora in loras.values() for p in lora.parameters()])
             model.requires_grad_(False)  # each stage turns on what it trains
-            if "finetune" in stages and config.kl_weight > 0:
+            if uses_teacher:
                 self.teacher = _teacher(model, teacher)
                 if self.fsdp:  # as large as the model: sharded per decoder layer too
                     from rnnify.distill.fsdp import shard_teacher
@@ -226,7 +238,6 @@ class _Trainer:
                 with torch.no_grad():
                     for name, tensor in checkpoint.trainable.items():
                         params[name].copy_(tensor)
-                torch.set_rng_state(checkpoint.rng)
                 records = list(checkpoint.records)
             for index, stage in enumerate(stages):
                 if checkpoint is not None:
@@ -241,9 +252,7 @@ class _Trainer:
             for name, param in model.named_parameters():
                 param.requires_grad_(requires_grad.get(name, True))
         model.manifest.distill = {
-            **self.settings, "world_size": self.runtime.world_size, "fsdp": self.fsdp,
-            "teacher": _teacher_name(self.teacher, teacher),
-            "trained": records,
+            **self.settings, "world_size": self.runtime.world_size, "fsdp": self.fsdp, "trained": records,
         }
         return model
 
@@ -358,7 +367,7 @@ class _Trainer:
             return
         save_checkpoint(self.checkpoint_dir, Checkpoint(
             stage=stage, step=step, done=done, tokens=tokens, trainable=trainable,
-            optimizer=optimizer_state, settings=self.settings, records=records, rng=torch.get_rng_state(),
+            optimizer=optimizer_state, settings=self.compared, records=records,
         ))
 
 
@@ -377,9 +386,20 @@ def _teacher(model: RecurrentModel, teacher) -> nn.Module:
         raise RnnifyError(f"{exc}; or fine-tune without one with kl_weight=0 (--kl-weight 0)") from exc
 
 
-def _teacher_name(module: nn.Module | None, teacher) -> str | None:
-    if module is None:
-        return None
+def _teacher_name(model: RecurrentModel, teacher) -> str | None:
+    """The teacher as recorded and compared on resume: its directory or hub id (by default the source)."""
+    if teacher is None:
+        return model.manifest.source
     if isinstance(teacher, (str, os.PathLike)):
         return os.fspath(teacher)
-    return getattr(getattr(module, "config", None), "_name_or_path", None) or None
+    return getattr(getattr(teacher, "config", None), "_name_or_path", None) or type(teacher).__name__
+
+
+def _model_settings(model: RecurrentModel) -> dict[str, Any]:
+    """The source and the cells (target and options per layer, per-layer rules) of ``model``, as JSON
+    gives them (so a converted model and the same model loaded from disk compare equal)."""
+    manifest = model.manifest
+    return json.loads(json.dumps({
+        "source": manifest.source, "layers": manifest.layers,
+        "cells": [{"layer": entry.layer, "target": entry.target, "options": entry.options} for entry in manifest.cells],
+    }))

@@ -313,7 +313,7 @@ def linear_recurrence(a: torch.Tensor, b: torch.Tensor, initial_state: torch.Ten
     ``backend``: see ``rnnify.kernels.utils.resolve_backend``."""
     if a.shape != b.shape or b.dim() != 3:
         raise ValueError(f"a and b must both be [B, T, D], got {tuple(a.shape)} and {tuple(b.shape)}")
-    utils.check_backend(backend)
+    utils.check_kernels(backend, utils.BACKENDS)
     h0 = None if initial_state is None else initial_state.float().contiguous()
     x, ht = torch.ops.rnnify.linear_recurrence(a.contiguous(), b.contiguous(), h0, bool(reverse), backend)
     return x, (ht if output_final_state else None)
@@ -412,7 +412,7 @@ def aaren_scan(s: torch.Tensor, v: torch.Tensor, initial_state: AarenState | Non
     ``backend``: see ``rnnify.kernels.utils.resolve_backend``."""
     if s.shape != v.shape[:3]:
         raise ValueError(f"s must be [B, T, H] = {tuple(v.shape[:3])}, got {tuple(s.shape)}")
-    utils.check_backend(backend)
+    utils.check_kernels(backend, utils.BACKENDS)
     m0 = u0 = w0 = None
     if initial_state is not None:
         m0, u0, w0 = (x.float().contiguous() for x in initial_state)

@@ -6,6 +6,10 @@ Path selection: every op takes ``backend`` (``BACKENDS``), resolved by ``resolve
 ``"triton"`` and ``"reference"`` pin the path (a benchmark, a test, a parity check). With
 ``TRITON_INTERPRET=1`` set before triton is imported, the Triton path runs on CPU tensors through
 the interpreter: that is how the tests check the kernels without a GPU.
+
+A converted model's ``kernels`` (``KERNELS``) is one of these backends for its cells' fused ops,
+or ``"none"`` for the cells' own PyTorch forms; ``check_kernels`` is the one check of both, and
+``check_runnable`` refuses a model pinned to Triton where Triton cannot run.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from rnnify.errors import RnnifyError
 
 try:  # triton is optional: without it every op runs its reference implementation
     import triton
@@ -29,13 +35,32 @@ FORCE_TRITON = os.environ.get("RNNIFY_FORCE_TRITON", "") not in ("", "0")
 DOT_PRECISION = os.environ.get("RNNIFY_DOT_PRECISION", "ieee")
 
 
-BACKENDS = ("auto", "triton", "reference")
+BACKENDS = ("auto", "triton", "reference")  # the ops' ``backend=``
+# A model's ``kernels``: a backend of its cells' fused ops, or "none": the cells' own PyTorch forms.
+KERNELS = (*BACKENDS, "none")
 
 
-def check_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend
+def check_kernels(kernels: str, choices: tuple[str, ...] = KERNELS) -> str:
+    """``kernels`` if it is one of ``choices`` (a model's ``KERNELS``, an op's ``BACKENDS``)."""
+    if not isinstance(kernels, str) or kernels not in choices:
+        raise RnnifyError(f"unknown kernels {kernels!r}; choose from: {', '.join(choices)}")
+    return kernels
+
+
+def check_runnable(kernels: str, device: torch.device) -> None:
+    """Pinned Triton kernels need triton and a CUDA device (or its interpreter, as the tests use):
+    checked before a model runs, so the error names the model's setting rather than an op's."""
+    if kernels != "triton":
+        return
+    if not HAS_TRITON:
+        raise RnnifyError(
+            "kernels 'triton' need triton, which cannot be imported here; use kernels 'auto' or 'reference'"
+        )
+    if device.type != "cuda" and not INTERPRET:
+        raise RnnifyError(
+            f"kernels 'triton' run on CUDA, not {device.type}; "
+            "use kernels 'auto' (Triton on CUDA, the PyTorch reference elsewhere) or 'reference'"
+        )
 
 
 def resolve_backend(backend: str, x: torch.Tensor) -> bool:
@@ -43,7 +68,7 @@ def resolve_backend(backend: str, x: torch.Tensor) -> bool:
 
     ``"triton"`` raises rather than falling back, so a pinned path is the path that ran.
     """
-    if check_backend(backend) == "reference":
+    if check_kernels(backend, BACKENDS) == "reference":
         return False
     if backend == "auto":
         return HAS_TRITON and (x.is_cuda or FORCE_TRITON)

@@ -255,7 +255,7 @@ def window_attn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
     B, T, H, K = q.shape
     if T != 1:
         raise ValueError(f"window_attn_step reads one token, got T = {T}")
-    utils.check_backend(backend)
+    utils.check_kernels(backend, utils.BACKENDS)
     scale = K ** -0.5 if scale is None else float(scale)
     mask = torch.ones(B, 1, dtype=torch.bool, device=q.device) if mask is None else mask
     if sink_keys is None:

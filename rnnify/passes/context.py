@@ -14,10 +14,10 @@ class PassContext:
 
     ``config`` is the source model's Hugging Face config (sliding windows, positions); ``plan``
     chooses the cell each attention site becomes; ``positions`` is filled by ``find_positions``;
-    ``kernels`` is the backend of the fused ops (``fuse_kernels``; None: the cells' own PyTorch forms).
+    ``kernels`` is the backend of the fused ops (``fuse_kernels``; ``"none"``: the cells' own PyTorch forms).
     """
 
     config: Any = None
     plan: ConversionPlan = field(default_factory=lambda: ConversionPlan("exact"))
     positions: dict[str, Any] = field(default_factory=dict)
-    kernels: str | None = "auto"
+    kernels: str = "auto"

@@ -19,24 +19,15 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from rnnify.errors import RnnifyError
-from rnnify.kernels import utils
+from rnnify.kernels.utils import check_kernels
 from rnnify.passes.context import PassContext
 from rnnify.passes.rewrite_attention import cell_calls
 
 KERNELS_KEY = "rnnify_kernels"
 
 
-def check_kernels(kernels: str) -> str:
-    """``kernels`` if it names a backend (``auto``: Triton on CUDA, the PyTorch reference elsewhere)."""
-    if kernels not in utils.BACKENDS:
-        raise RnnifyError(f"unknown kernels {kernels!r}; choose from: {', '.join(utils.BACKENDS)}")
-    return kernels
-
-
 def fuse_kernels(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    if ctx.kernels is not None:
-        check_kernels(ctx.kernels)
+    check_kernels(ctx.kernels)
     for call in cell_calls(gm):
         ops = gm.get_submodule(call.target).use_kernels(ctx.kernels)
         if ops:
@@ -45,17 +36,3 @@ def fuse_kernels(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
             call.meta.pop(KERNELS_KEY, None)
     return gm
 
-
-def check_runnable(kernels: str | None, device: torch.device) -> None:
-    """Pinned Triton kernels need triton and a CUDA device (or its interpreter, as the tests use)."""
-    if kernels != "triton":
-        return
-    if not utils.HAS_TRITON:
-        raise RnnifyError(
-            "kernels 'triton' need triton, which cannot be imported here; use kernels 'auto' or 'reference'"
-        )
-    if device.type != "cuda" and not utils.INTERPRET:
-        raise RnnifyError(
-            f"kernels 'triton' run on CUDA, not {device.type}; "
-            "use kernels 'auto' (Triton on CUDA, the PyTorch reference elsewhere) or 'reference'"
-        )

@@ -43,7 +43,7 @@ class Manifest:
     aliases: dict[str, str] = field(default_factory=dict)  # tied tensors: alias -> stored name
     buffers: list[str] = field(default_factory=list)  # tensors that are buffers, not parameters
     distill: dict[str, Any] | None = None  # settings and tokens of `rnnify distill`, if it trained the model
-    kernels: str | None = None  # backend of the fused ops (auto, triton, reference); None: PyTorch forms only
+    kernels: str = "none"  # backend of the fused ops (auto, triton, reference), or none: the cells' PyTorch forms
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -53,6 +53,7 @@ class Manifest:
     def from_json(cls, data: dict[str, Any]) -> "Manifest":
         data = dict(data)
         data["cells"] = [CellEntry(**c) for c in data["cells"]]
+        data["kernels"] = data.get("kernels") or "none"  # format 1 has none; early format 2 wrote null for none
         return cls(**data)
 
     @classmethod

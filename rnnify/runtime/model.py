@@ -17,12 +17,29 @@ from torch import nn
 
 from rnnify.cells import Cell
 from rnnify.errors import PositionError, RnnifyError, StateError
-from rnnify.passes.fuse_kernels import check_kernels, check_runnable
+from rnnify.kernels.utils import check_kernels, check_runnable
 from rnnify.runtime.manifest import Manifest
 from rnnify.runtime.sampling import check_sampling, next_token
 from rnnify.runtime.state import RecurrentState
 
-__all__ = ["RecurrentModel"]
+__all__ = ["RecurrentModel", "retarget_devices"]
+
+
+def retarget_devices(gm: torch.fx.GraphModule, device: torch.device | str) -> None:
+    """Point every ``torch.device`` constant in ``gm``'s graphs (its submodules' too) at ``device``.
+
+    Export records devices as constants (the rotary table's ``aten.to.device(inv_freq, cpu)``), so
+    a graph whose weights move to another device would otherwise copy tensors back to the first
+    one (``rnnify.load(device=)`` does the same while decoding ``graph.json``).
+    """
+    device = torch.device(device)
+    swap = lambda value: device if isinstance(value, torch.device) else value  # noqa: E731
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                node.args = torch.fx.node.map_aggregate(node.args, swap)
+                node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
+            module.recompile()
 
 
 class RecurrentModel(nn.Module):
@@ -57,19 +74,26 @@ class RecurrentModel(nn.Module):
         return next(self.graph.parameters()).device
 
     @property
-    def kernels(self) -> str | None:
-        """Backend of the cells' fused ops (``use_kernels``); None: the cells' own PyTorch forms."""
+    def kernels(self) -> str:
+        """Backend of the cells' fused ops (``use_kernels``), or ``"none"``: the cells' own PyTorch forms."""
         return self.manifest.kernels
 
-    def use_kernels(self, kernels: str | None) -> "RecurrentModel":
+    def use_kernels(self, kernels: str) -> "RecurrentModel":
         """Run the cells' fused ``rnnify.kernels`` ops with backend ``kernels``: ``"auto"`` (Triton on
-        CUDA, the PyTorch reference elsewhere), ``"triton"`` or ``"reference"``; None runs the cells'
-        own PyTorch forms. Cells without a fused form are unaffected. Recorded in the manifest."""
-        if kernels is not None:
-            check_kernels(kernels)
+        CUDA, the PyTorch reference elsewhere), ``"triton"`` or ``"reference"``; ``"none"`` runs the
+        cells' own PyTorch forms. Cells without a fused form are unaffected. Recorded in the manifest."""
+        check_kernels(kernels)
         for entry, cell in zip(self.manifest.cells, self.cells):
             entry.kernels = cell.use_kernels(kernels)
         self.manifest.kernels = kernels
+        return self
+
+    def to(self, *args, **kwargs) -> "RecurrentModel":
+        """``nn.Module.to``, and the graph's device constants follow the weights (``retarget_devices``)."""
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        super().to(*args, **kwargs)
+        if device is not None:
+            retarget_devices(self.graph, device)
         return self
 
     @property

@@ -24,8 +24,8 @@ from torch import nn
 
 from rnnify.cells import CellSpec, build_cell
 from rnnify.errors import RnnifyError
-from rnnify.passes.fuse_kernels import check_kernels
-from rnnify.runtime.manifest import MANIFEST_FILE, Manifest
+from rnnify.kernels.utils import check_kernels
+from rnnify.runtime.manifest import FORMAT_VERSION, MANIFEST_FILE, Manifest
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.serialize import GraphFormatError, graph_from_json, graph_to_json
 
@@ -85,14 +85,17 @@ def weights_digest(directory: Path) -> str:
     return _sha256(directory / WEIGHTS_FILE)
 
 
-def _replaceable(path: Path) -> bool:
-    return path.is_dir() and (not any(path.iterdir()) or (path / MANIFEST_FILE).is_file())
+def check_output(path: Path) -> Path:
+    """``path`` if saving may write there: it is absent, an empty directory or an rnnify model directory
+    (replaced whole). Training checks its output with this too, before hours of work rather than after."""
+    path = path.expanduser()
+    if path.exists() and not (path.is_dir() and (not any(path.iterdir()) or (path / MANIFEST_FILE).is_file())):
+        raise RnnifyError(f"{path} exists and is not an rnnify model directory; choose another output directory")
+    return path
 
 
 def save(model: RecurrentModel, path: Path) -> Path:
-    path = path.expanduser()
-    if path.exists() and not _replaceable(path):
-        raise RnnifyError(f"{path} exists and is not an rnnify model directory; choose another output directory")
+    path = check_output(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
@@ -107,6 +110,7 @@ def save(model: RecurrentModel, path: Path) -> Path:
             aliases=aliases,
             buffers=buffers,
             versions=versions(),
+            format_version=FORMAT_VERSION,  # what is written now, whatever the loaded manifest said
         )
         manifest.write(tmp)
         if path.exists():
@@ -142,8 +146,9 @@ def _set(root: nn.Module, name: str, value) -> None:
 def load(path: str | Path, device: torch.device | str | None = None, kernels: str | None = None) -> RecurrentModel:
     """Load a directory written by ``RecurrentModel.save``; needs neither the source model nor a hub.
 
-    ``kernels`` overrides the backend of the fused ops recorded at conversion (``auto``, ``triton``
-    or ``reference``; see ``RecurrentModel.use_kernels``).
+    ``kernels`` overrides the backend of the fused ops recorded at conversion (``auto``, ``triton``,
+    ``reference``, or ``none`` for the cells' own PyTorch forms; see ``RecurrentModel.use_kernels``);
+    None keeps the recorded one.
     """
     path = Path(path).expanduser()
     if kernels is not None:

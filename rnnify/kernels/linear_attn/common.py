@@ -40,7 +40,7 @@ def run(op, q, k, v, g, gk, scale, initial_state, output_final_state, normalize,
         feature_weight, mask, backend):
     feature_map = check_feature_map(feature_map, feature_weight, k)
     check_inputs(q, k, v, g, gk, feature_dim(feature_map, k.shape[-1], feature_weight))
-    utils.check_backend(backend)
+    utils.check_kernels(backend, utils.BACKENDS)
     B, T, H, K = q.shape
     if mask is not None:
         if tuple(mask.shape) != (B, T):
