@@ -1,0 +1,79 @@
+"""The bundled model, its corpus split and the fidelity benchmark script."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import rnnify
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BUNDLED = ROOT / "examples" / "models" / "stdlib-llama"
+
+
+def _load(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+def test_corpus_split_is_by_file_and_disjoint():
+    corpus = _load(ROOT / "examples" / "stdlib_corpus.py")
+    train, heldout = corpus.split()
+    assert train and heldout and not set(train) & set(heldout)
+    assert sorted(train + heldout) == corpus.stdlib_files()
+    assert all(not {"test", "site-packages"} & set(f.split("/")) for f in train + heldout)
+    assert 0.02 < len(heldout) / (len(train) + len(heldout)) < 0.1  # 1 in HELDOUT_EVERY = 20, by hash
+
+
+def test_bundled_model_fits_the_budget_and_records_its_training():
+    assert sum(f.stat().st_size for f in BUNDLED.iterdir()) <= 16 * 1024 * 1024
+    record = json.loads((BUNDLED / "training.json").read_text())
+    assert record["heldout_perplexity"] > 1 and record["command"].startswith("python examples/train_tiny_lm.py")
+
+
+def test_bundled_model_converts_exactly():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED)
+    ids = tokenizer(["def read_lines(path):\n    with open(path) as f:"], return_tensors="pt")["input_ids"]
+    original = AutoModelForCausalLM.from_pretrained(BUNDLED).eval()
+    model = rnnify.convert(BUNDLED, to="exact", progress=False)
+    with torch.no_grad():
+        expected = original(ids).logits
+    logits, _ = model.prefill(ids)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    # trained, not random: the original predicts held-in Python well above chance
+    assert expected[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None]).mean().exp() > 1 / 100
+
+
+def test_fidelity_script_end_to_end(tmp_path, tiny_model_dir):
+    fidelity = _load(ROOT / "benchmarks" / "fidelity.py")
+    out = tmp_path / "fidelity"
+    argv = [
+        "fidelity.py", "--model", str(tiny_model_dir("llama")), "--variants", "exact", "linear-hedgehog",
+        "--distill-tokens", "1024", "--goal-distill-tokens", "1024", "--eval-tokens", "512", "--seq-len", "32",
+        "--batch-size", "4", "--threads", "1", "--json", str(out / "f.json"), "--doc", str(out / "f.md"),
+        "--png", str(out / "f.png"),
+    ]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", argv)
+        fidelity.main()
+    record = json.loads((out / "f.json").read_text())
+    rows = {row["variant"]: row for row in record["rows"]}
+    assert rows["exact"]["training_free"]["kl"] < 1e-6  # exact equals the original
+    assert rows["linear-hedgehog"]["distilled"]["tokens"] > 0 and rows["linear-hedgehog"]["distill_tokens"] == 1024
+    doc = (out / "f.md").read_text()
+    assert "python benchmarks/fidelity.py" in doc and "`linear-hedgehog`" in doc and "goal" in doc
+    assert (out / "f.png").stat().st_size > 0
