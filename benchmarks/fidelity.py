@@ -92,7 +92,20 @@ def table(rows: list[dict], original_ppl: float) -> str:
     return "\n".join(lines)
 
 
-def document(record: dict, png: Path) -> str:
+def further_runs(json_path: Path) -> str:
+    """Runs of single variants with other budgets, kept beside the main JSON as fidelity-*.json."""
+    lines = []
+    for path in sorted(json_path.parent.glob(f"{json_path.stem}-*.json")):
+        extra = json.loads(path.read_text())
+        for row in extra["rows"]:
+            if "distilled" in row:
+                ratio = row["distilled"]["perplexity"] / extra["original_perplexity"]
+                lines.append(f"- `{row['variant']}` with {row['distill_tokens']:,} tokens: perplexity {ratio:.3f}x the "
+                             f"original (`{path.name}`; `{extra['command']}`)")
+    return "\n".join(lines) if lines else "- none"
+
+
+def document(record: dict, png: Path, json_path: Path) -> str:
     """docs/fidelity.md: what was measured, how to rerun it, the table, the goals and the plot."""
     rows, original = record["rows"], record["original_perplexity"]
     first = rows[0]["training_free"]
@@ -135,6 +148,10 @@ where distillation matters: training-free their perplexity is {spread}x the orig
 Goals (issue 5, at most 2M distillation tokens on a CPU):
 
 {chr(10).join(goals) if goals else "- (the goal variants were not run)"}
+
+Further runs, one variant with another budget:
+
+{further_runs(json_path)}
 
 ![quality against state size]({Path("..") / png.relative_to(ROOT) if png.is_relative_to(ROOT) else png})
 """
@@ -216,7 +233,7 @@ def main() -> None:
 
 def render(record: dict, args) -> None:
     plot(record["rows"], record["original_perplexity"], args.png)
-    args.doc.write_text(document(record, args.png))
+    args.doc.write_text(document(record, args.png, args.json))
     print(table(record["rows"], record["original_perplexity"]))
 
 
