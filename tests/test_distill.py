@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import rnnify
+from distill_support import distill_recording_losses, free_port
 from rnnify.cli import main
 from rnnify.distill import attention_transfer, load_teacher, train
 from rnnify.distill.checkpoint import CHECKPOINT_FILE
@@ -317,25 +317,8 @@ def _wide_vocab(tiny_model_dir):
 DDP_OPTIONS = dict(lr=[1e-2, 1e-3], seq_len=16, batch_size=4, progress=False)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_recording_losses(model_dir: str, data: torch.Tensor, **options) -> tuple[list[float], dict[str, torch.Tensor]]:
-    losses, step = [], train._Trainer.step
-
-    def recording(self, *args):
-        loss, count = step(self, *args)
-        losses.append(loss)
-        return loss, count
-
-    train._Trainer.step = recording
-    try:
-        model = rnnify.distill(rnnify.load(model_dir), data, **{**DDP_OPTIONS, **options})
-    finally:
-        train._Trainer.step = step
+    losses, model = distill_recording_losses(model_dir, data, **{**DDP_OPTIONS, **options})
     return losses, state_dict(model)
 
 
@@ -360,7 +343,7 @@ def test_two_processes_follow_the_loss_curve_of_one(hybrid_dir, aaren_dir, tmp_p
         (str(aaren_dir), tokens(8), {"stages": ["finetune"], "lr": 1e-2, "kl_weight": 0.0, "device": "cpu"}),
     ]
     singles = [_run_recording_losses(*run[:2], **run[2]) for run in runs]
-    torch.multiprocessing.spawn(_ddp_worker, args=(2, _free_port(), runs, str(tmp_path / "ddp")), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_ddp_worker, args=(2, free_port(), runs, str(tmp_path / "ddp")), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"ddp.{r}", weights_only=True) for r in range(2)]
     assert [len(losses) for losses, _ in singles] == [10, 2]
     for result in ranks:

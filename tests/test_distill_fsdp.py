@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 
 import pytest
 import torch
 
 import rnnify
+from distill_support import distill_recording_losses, free_port
 from rnnify.distill import train
 from rnnify.distill.lora import add_lora
 from rnnify.passes.split_layers import split_layers
@@ -118,26 +118,8 @@ def hybrid_dir(tmp_path_factory, tiny_model_dir):
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _distill(model_dir, data, **options) -> tuple[list[float], rnnify.RecurrentModel]:
-    losses, step = [], train._Trainer.step
-
-    def recording(self, *args):
-        loss, count = step(self, *args)
-        losses.append(loss)
-        return loss, count
-
-    train._Trainer.step = recording
-    try:
-        model = rnnify.distill(rnnify.load(model_dir), data, **{**OPTIONS, **options})
-    finally:
-        train._Trainer.step = step
-    return losses, model
+    return distill_recording_losses(model_dir, data, **{**OPTIONS, **options})
 
 
 def _memory_probe(model_dir: str) -> dict:
@@ -217,7 +199,7 @@ def fsdp_runs(hybrid_dir, converted_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp") / "run"
     data = tokens(20)  # 5 global batches of 4 rows per stage; each rank reads 2 rows of each
     gpt2_dir = str(converted_dir("gpt2", "hybrid"))
-    torch.multiprocessing.spawn(_worker, args=(2, _free_port(), model_dir, gpt2_dir, data, str(out)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_worker, args=(2, free_port(), model_dir, gpt2_dir, data, str(out)), nprocs=2, join=True)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     losses, single = _distill(model_dir, data)
     return {"ranks": ranks, "losses": losses, "weights": state_dict(single), "model_dir": model_dir, "data": data,
