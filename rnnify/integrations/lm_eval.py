@@ -15,6 +15,7 @@ decodes through the recurrent step until a stop string, end of text or ``max_gen
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,17 @@ __all__ = ["RnnifyLM", "main"]
 DEFAULT_MAX_LENGTH = 2048
 
 
+def _device(device: str | None) -> str:
+    """lm-eval's command line asks for ``cuda:0`` unless told otherwise; like its ``hf`` model,
+    run on the CPU (with a warning) where there is no GPU."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        warnings.warn(f"device {device}: no CUDA here, running on the CPU", stacklevel=3)
+        return "cpu"
+    return device
+
+
 @register_model("rnnify")
 class RnnifyLM(TemplateLM):
     """lm-eval's interface over ``rnnify.load(path)`` and the tokenizer saved beside it.
@@ -47,7 +59,7 @@ class RnnifyLM(TemplateLM):
         path: str | None = None,
         pretrained: str | None = None,
         batch_size: int | str = 1,
-        device: str = "cpu",
+        device: str | None = None,
         kernels: str | None = None,
         max_length: int | None = None,
         max_gen_toks: int = 256,
@@ -61,7 +73,7 @@ class RnnifyLM(TemplateLM):
         directory = path or pretrained
         if directory is None:
             raise RnnifyError("--model_args: give path=DIR, a directory written by `rnnify convert`")
-        self.model = rnnify.load(directory, device=device, kernels=kernels)
+        self.model = rnnify.load(directory, device=_device(device), kernels=kernels)
         self.tokenizer = load_tokenizer(Path(directory), fix="copy the source model's tokenizer files into it")
         self.batch_size = 1 if batch_size in ("auto", None) else int(str(batch_size).split(":")[0])
         limit = self.model.manifest.positions.get("limit")
