@@ -139,6 +139,18 @@ def test_auto_classes_refuse_without_trust_remote_code_and_load_with_it(converte
         assert torch.equal(model(ids).logits, rnnify.load(directory).prefill(ids)[0])
 
 
+def test_rnnify_reads_the_tokenizer_without_asking_about_remote_code(converted_dir, tiny_model_dir, monkeypatch):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from rnnify.data import load_tokenizer
+
+    monkeypatch.delitem(CONFIG_MAPPING._extra_content, "rnnify")
+    monkeypatch.setattr("builtins.input", lambda *args: pytest.fail(f"transformers asked: {args}"))
+    text = "def read(path):\n    return open(path).read()"
+    got = load_tokenizer(converted_dir("llama", "exact"))(text)["input_ids"]
+    assert got == AutoTokenizer.from_pretrained(tiny_model_dir("llama"))(text)["input_ids"]
+
+
 def test_config_names_rnnify_and_keeps_the_source_config(converted_dir, tiny_model_dir):
     config = json.loads((converted_dir("llama", "exact") / "config.json").read_text())
     source = json.loads((tiny_model_dir("llama") / "config.json").read_text())

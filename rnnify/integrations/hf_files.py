@@ -67,3 +67,26 @@ def source_config(data: bytes) -> bytes:
 def modeling_file() -> bytes:
     """The loader transformers runs for ``trust_remote_code=True`` (``rnnify/integrations/modeling_rnnify.py``)."""
     return (Path(__file__).parent / MODELING_FILE).read_bytes()
+
+
+def source_pretrained_config(directory: Path):
+    """The source's config as a transformers config object, for a converted ``directory``; None for others.
+
+    ``AutoTokenizer.from_pretrained(directory, config=...)`` then chooses the tokenizer as it would
+    for the source model, and never reads ``config.json``'s ``auto_map`` (in a process that has not
+    imported ``rnnify.integrations.transformers``, that would make transformers ask on stdin, for
+    15 seconds, whether to run ``modeling_rnnify.py``).
+    """
+    try:
+        config = json.loads((Path(directory) / CONFIG_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or not is_wrapped(config):
+        return None
+    from transformers import AutoConfig, PreTrainedConfig
+
+    source = dict(config["source_config"])
+    try:
+        return AutoConfig.for_model(source.pop("model_type"), **source)
+    except (KeyError, ValueError, TypeError):
+        return PreTrainedConfig()
