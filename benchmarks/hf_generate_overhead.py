@@ -2,12 +2,13 @@
 
     python benchmarks/hf_generate_overhead.py CONVERTED_DIR [--tokens 64] [--repeats 5] [--threads 1]
 
-Greedy decoding of ``--tokens`` new tokens after a 16-token prompt, batch 1, by
-``RecurrentModel.generate`` and by ``RnnifyForCausalLM.generate`` (transformers' loop over the
-recurrent cache), alternating, ``--repeats`` times each. Per-token time is
-(time for N tokens - time for 1 token) / (N - 1), so the prompt's prefill cancels; the minimum
-over the repeats is reported (the least disturbed run on a shared machine). Both must produce
-the same tokens. README.md and docs/interop.md quote its output.
+Greedy decoding of ``--tokens`` new tokens after a 16-token prompt, batch 1, both stopping at the
+model's end-of-text token, by ``RecurrentModel.generate`` and by ``RnnifyForCausalLM.generate``
+(transformers' loop over the recurrent cache), alternating, ``--repeats`` times each. Time is the
+process's CPU time (with one thread, the work done; other jobs on a shared machine do not count);
+per token is (time for N tokens - time for 1 token) / (N - 1), so the prompt's prefill cancels;
+the minimum over the repeats is reported. Both must produce the same N tokens. README.md and
+docs/interop.md quote its output.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from rnnify.integrations.transformers import RnnifyForCausalLM
 
 
 def seconds(generate, ids: torch.Tensor, tokens: int) -> tuple[float, torch.Tensor]:
-    start = time.perf_counter()
+    start = time.process_time()
     out = generate(ids, tokens)
-    return time.perf_counter() - start, out
+    return time.process_time() - start, out
 
 
 def main() -> None:
@@ -40,9 +41,10 @@ def main() -> None:
     model = rnnify.load(args.dir)
     wrapper = RnnifyForCausalLM.from_rnnify(model)
     ids = torch.randint(1, model.manifest.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    eos = wrapper.generation_config.eos_token_id
     runs = {
-        "rnnify generate": lambda x, n: model.generate(x, max_new_tokens=n),
-        "transformers generate": lambda x, n: wrapper.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False),
+        "rnnify generate": lambda x, n: model.generate(x, max_new_tokens=n, eos_token_id=eos),
+        "transformers generate": lambda x, n: wrapper.generate(x, max_new_tokens=n, do_sample=False),
     }
     best = {name: float("inf") for name in runs}
     outputs = {}
@@ -53,8 +55,9 @@ def main() -> None:
             one, _ = seconds(run, ids, 1)
             many, outputs[name] = seconds(run, ids, args.tokens)
             best[name] = min(best[name], (many - one) / (args.tokens - 1))
-    if not torch.equal(*outputs.values()):
-        raise SystemExit("the two loops produced different tokens")
+    first, second = outputs.values()
+    if not torch.equal(first, second) or first.shape[1] != ids.shape[1] + args.tokens:
+        raise SystemExit("the two loops produced different tokens, or stopped early; try another --tokens")
     base = best["rnnify generate"]
     table = Table(title=f"{model.target} model, {args.tokens} greedy tokens, batch 1, {args.threads} thread(s), min of {args.repeats}")
     for column in ("loop", "ms / token", "vs rnnify"):

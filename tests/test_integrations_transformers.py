@@ -62,6 +62,16 @@ def test_left_padded_batch_equals_each_prompt_alone(models):
         assert got[row, -12:].tolist() == alone[0, -12:].tolist()
 
 
+def test_without_cache_and_continuing_a_returned_cache(models):
+    original, wrapper, tokenizer = models
+    ids = _ids(tokenizer)
+    want = original.generate(ids, max_new_tokens=10, min_new_tokens=10, pad_token_id=0)
+    fixed = {"min_new_tokens": 5, "max_new_tokens": 5, "pad_token_id": 0}
+    assert torch.equal(wrapper.generate(ids, use_cache=False, **{**fixed, "min_new_tokens": 10, "max_new_tokens": 10}), want)
+    first = wrapper.generate(ids, return_dict_in_generate=True, **fixed)
+    assert torch.equal(wrapper.generate(first.sequences, cache=first.cache, **fixed), want)
+
+
 def test_stop_strings_and_streamer(models):
     original, wrapper, tokenizer = models
     ids = _ids(tokenizer)
