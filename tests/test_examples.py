@@ -77,3 +77,25 @@ def test_fidelity_script_end_to_end(tmp_path, tiny_model_dir):
     doc = (out / "f.md").read_text()
     assert "python benchmarks/fidelity.py" in doc and "`linear-hedgehog`" in doc and "goal" in doc
     assert (out / "f.png").stat().st_size > 0
+
+
+def test_python_docs_split_by_path_hash(tmp_path):
+    import hashlib
+
+    docs = _load(ROOT / "examples" / "python_docs_corpus.py")
+    sources = tmp_path / "_sources"
+    names = [f"library/mod{i}.rst.txt" for i in range(120)] + [f"howto/guide{i}.rst.txt" for i in range(30)]
+    for name in names:
+        (sources / name).parent.mkdir(parents=True, exist_ok=True)
+        (sources / name).write_text(f"{name}\n=====\n\nSome prose about {name}.\n")
+    (sources / "library" / "index.html").write_text("not a source")  # not .rst.txt: left out
+    train_dir, heldout_dir, train, heldout = docs.write_split(tmp_path / "out", sources)
+    want = {n for n in names if int(hashlib.sha1(n.encode()).hexdigest(), 16) % 20 == 0}  # 1 in 20, by path
+    assert set(heldout) == want and set(train) == set(names) - want and 0 < len(want) < 20
+    for directory, files in ((train_dir, train), (heldout_dir, heldout)):
+        written = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+        assert written == sorted(files)
+        assert all((directory / f).read_text() == (sources / f).read_text() for f in files)
+    with pytest.raises(FileExistsError):  # never over an earlier split
+        docs.write_split(tmp_path / "out", sources)
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temporary left behind
