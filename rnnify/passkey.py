@@ -14,7 +14,7 @@ import random
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -42,9 +42,7 @@ Generator = Callable[[list[int], int], list[int]]
 class Prompt:
     ids: list[int]
     key: str
-    depth: float  # requested share of the filler before the key
-    filler: int  # filler sentences in all
-    before: int  # filler sentences before the key
+    depth: float  # requested share of the filler sentences before the key
 
 
 @dataclass
@@ -106,8 +104,7 @@ def build_prompt(tokenizer: Any, length: int, depth: float, key: str) -> Prompt:
         filler -= 1
     while size(filler + 1) <= length:
         filler += 1
-    before = round(depth * filler)
-    return Prompt(tokenizer(_text(key, filler, before))["input_ids"], key, depth, filler, before)
+    return Prompt(tokenizer(_text(key, filler, round(depth * filler)))["input_ids"], key, depth)
 
 
 def score(answer: str, key: str) -> bool:
@@ -168,7 +165,7 @@ def original_generator(hf_model: torch.nn.Module) -> Generator:
 
 def evaluate_passkey(
     model_or_dir: RecurrentModel | str | os.PathLike,
-    lengths: list[int] = (512, 1024, 2048),
+    lengths: Sequence[int] = (512, 1024, 2048),
     *,
     trials: int = 6,
     seed: int = 0,
