@@ -124,7 +124,8 @@ def run_row(spec: dict, heldout: Path, train: Path, args, cached: dict | None, s
                "training_free": measure(model, heldout, args)}
         save(row)
     tokens = distill_budget(spec, args)
-    wanted = None if tokens is None else {"tokens": tokens, "lr": list(args.lr), "seed": args.seed}
+    wanted = None if tokens is None else {"tokens": tokens, "lr": list(args.lr), "seed": args.seed,
+                                          "seq_len": args.distill_seq_len, "batch_size": args.distill_batch_size}
     if wanted is None or (row.get("distill_settings") == wanted and "distilled" in row):
         if wanted is None:
             row = {k: v for k, v in row.items() if k not in ("distilled", "distill_settings", "distill_seconds",
@@ -134,8 +135,8 @@ def run_row(spec: dict, heldout: Path, train: Path, args, cached: dict | None, s
     model = model or rnnify.convert(args.model, to=spec["target"], progress=False, **spec["options"])
     start = time.time()
     model = rnnify.distill(
-        model, train, teacher=args.teacher, max_tokens=tokens, seq_len=args.seq_len,
-        batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+        model, train, teacher=args.teacher, max_tokens=tokens, seq_len=args.distill_seq_len,
+        batch_size=args.distill_batch_size, lr=args.lr, seed=args.seed,
     )
     row = {**row, "distill_settings": wanted, "distill_seconds": round(time.time() - start, 1), "distill_tokens": tokens,
            # the budget is split between the stages that ran (transfer is skipped when the cells have
@@ -311,6 +312,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--distill-tokens", type=int, default=200_000, help="per row, both stages together")
     parser.add_argument("--goal-distill-tokens", type=int, default=1_000_000,
                         help="for the rows with a goal (%s)" % ", ".join(GOALS))
+    parser.add_argument("--distill-seq-len", type=int, default=None,
+                        help="tokens per training row (default: --seq-len; shorter rows need less memory)")
+    parser.add_argument("--distill-batch-size", type=int, default=None, help="training rows per step (default: --batch-size)")
     parser.add_argument("--lr", type=float, nargs=2, default=(1e-2, 1e-3), metavar=("TRANSFER", "FINETUNE"))
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--eval-tokens", type=int, default=None, help="held-out tokens to evaluate (default: all)")
@@ -353,6 +357,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--data {args.data} needs train/ and heldout/ folders (examples/python_docs_corpus.py writes them)")
     if not args.render and not specs:
         parser.error("no rows: give --variants, --row or --rows")
+    args.distill_seq_len = args.distill_seq_len or args.seq_len
+    args.distill_batch_size = args.distill_batch_size or args.batch_size
     if args.eval_rows is not None:
         args.eval_tokens = args.eval_rows * args.seq_len
     args.specs = specs
