@@ -346,10 +346,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         specs = [{"variant": n, "target": VARIANTS[n][0], "options": variants(args.window)[n][1]}
                  for n in (args.variants if args.variants is not None else [] if args.row or args.rows else VARIANTS)]
         specs += [parse_row(text) for text in args.row] + (read_rows(args.rows) if args.rows else [])
+        passkey_text = args.passkey
         if args.passkey:
             args.passkey = [int(n) for n in args.passkey.split(",")]
+            if min(args.passkey) < 1:
+                raise ValueError
     except (ValueError, OSError) as exc:
-        parser.error(str(exc))
+        parser.error(str(exc) if str(exc) and "int()" not in str(exc) else
+                     f"--passkey {passkey_text!r}: expected comma-separated positive token counts, e.g. 512,1024,2048")
     names = [spec["variant"] for spec in specs]
     if len(set(names)) != len(names):
         parser.error(f"row names must differ: {names}")
@@ -408,4 +412,7 @@ def render(record: dict, args) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except rnnify.RnnifyError as exc:  # a bad target, option or model: one line, as the CLI does
+        sys.exit(f"error: {exc}")
