@@ -272,12 +272,15 @@ def plot(record: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     rows, original_ppl = record["rows"], record["original_perplexity"]
     seq_len = rows[0]["training_free"]["seq_len"]
     fig, ax = plt.subplots(figsize=(8, 5))
     for key, marker, label in (("training_free", "o", "training-free"), ("distilled", "s", "distilled")):
         points = [(r["state_bytes"], r[key]["perplexity"] / original_ppl, r["variant"]) for r in rows if key in r]
+        if not points:
+            continue
         ax.scatter([p[0] for p in points], [p[1] for p in points], marker=marker, label=label)
         if key == "distilled" or not any("distilled" in r for r in rows):
             for x, y, name in points:
@@ -285,6 +288,11 @@ def plot(record: dict, path: Path) -> None:
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ratios = [r[k]["perplexity"] / original_ppl for r in rows for k in ("training_free", "distilled") if k in r]
+    ax.set_ylim(min(0.9, min(ratios) / 1.1), max(1.2, max(ratios) * 1.1))  # 1.0 always in view, never a sliver
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
     ax.set_xlabel(f"state bytes per sequence (after {seq_len:,} tokens)")
     ax.set_ylabel("perplexity / original perplexity (held-out)")
     ax.set_title(f"rnnify targets on {Path(record['model']).name}, {seq_len:,}-token rows")
@@ -340,6 +348,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         name = "fidelity" if default else f"fidelity-{args.model.name}-{args.seq_len}"
         args.json = ROOT / "benchmarks/results" / f"{name}.json"
     args.png = args.png or args.json.with_suffix(".png")
+    args.doc_given = args.doc is not None
     if args.doc is None and default:
         args.doc = ROOT / "docs/fidelity.md"
     try:
@@ -375,6 +384,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.render:
         record = json.loads(args.json.read_text())
+        if record["model"] != str(BUNDLED.relative_to(ROOT)) or record.get("data", "stdlib") != "stdlib":
+            args.doc = args.doc if args.doc_given else None  # docs/fidelity.md is the bundled model's page
         render(record, args)
         return record
     torch.set_num_threads(args.threads)
@@ -385,21 +396,26 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python benchmarks/fidelity.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "model": str(args.model.relative_to(ROOT)) if args.model.is_relative_to(ROOT) else str(args.model),
         "data": args.data_name, "seq_len": args.seq_len, "eval_tokens": args.eval_tokens, "window": args.window,
-        "lr": list(args.lr), "threads": args.threads, "torch": torch.__version__, "rows": [],
+        "lr": list(args.lr), "threads": args.threads, "torch": torch.__version__,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
+    requested = [spec["variant"] for spec in args.specs]
+    # the file keeps rows of other commands (after this command's rows): a rerun never loses results
+    record["rows"] = [by_name.get(name) for name in requested] + [r for r in by_name.values() if r["variant"] not in requested]
     record["original_passkey"] = original_passkey(args, cached.get("original_passkey"))
-    rows = record["rows"]
+    if record["original_passkey"] is not None:  # kept for a rerun at once
+        write_json(args.json, {**cached, **record, "rows": [r for r in record["rows"] if r is not None]})
 
-    def save(row: dict) -> None:  # after every step: a run killed later loses nothing done
-        rows[position:] = [row]
-        record["original_perplexity"] = rows[0]["training_free"]["teacher_perplexity"]
-        write_json(args.json, record)
+    def save(position: int, row: dict) -> None:  # after every step: a run killed later loses nothing done
+        record["rows"][position] = row
+        record["original_perplexity"] = record["rows"][0]["training_free"]["teacher_perplexity"]
+        write_json(args.json, {**record, "rows": [r for r in record["rows"] if r is not None]})
 
     with tempfile.TemporaryDirectory() as tmp:
         train, heldout = (args.data / "train", args.data / "heldout") if args.data else stdlib_corpus.write_split(tmp)
         for position, spec in enumerate(args.specs):
-            save(run_row(spec, heldout, train, args, by_name.get(spec["variant"]), save))
+            row = run_row(spec, heldout, train, args, by_name.get(spec["variant"]), lambda r: save(position, r))
+            save(position, row)
     render(record, args)
     return record
 

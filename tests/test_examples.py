@@ -144,3 +144,6 @@ def test_fidelity_rows_are_saved_as_they_finish_and_reused(tmp_path, tiny_model_
     with pytest.MonkeyPatch.context() as patch:  # all cached: nothing converts
         patch.setattr(rnnify, "convert", lambda *a, **k: pytest.fail("a cached row ran again"))
         assert fidelity.main(argv)["rows"] == record["rows"]
+        only_exact = [a for a in argv if a not in ("--row", "lin=linear,feature_map=elu")]
+        fidelity.main(only_exact)
+    assert json.loads(out.read_text())["rows"] == record["rows"]  # another command's row is kept
