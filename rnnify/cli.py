@@ -589,12 +589,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser(
         "convert",
-        help="compile a Hugging Face causal LM into a recurrent model directory",
+        help="compile a Hugging Face causal LM (or GGUF file) into a recurrent model directory",
         description="Load MODEL, capture its forward pass, replace every attention with a recurrent "
         "cell and save the result to -o DIR (no pickle; loads without the source model).",
     )
     p.add_argument(
-        "model", metavar="MODEL", help="local Hugging Face model directory, or a hub id already in the local cache"
+        "model", metavar="MODEL",
+        help="local Hugging Face model directory, a .gguf file (dequantised to --dtype; needs "
+        "pip install 'rnnify[gguf]'), or a hub id already in the local cache",
     )
     summaries = {name: cls.__doc__.splitlines()[0].rstrip(".") for name, cls in CELLS.items()}
     targets = "; ".join(f"{name}: {text[:1].lower()}{text[1:]}" for name, text in summaries.items())
