@@ -7,9 +7,10 @@ import sys
 
 import pytest
 import torch
-from gguf_support import CHAT_TEMPLATE, write_tiny_llama
+from gguf_support import CHAT_TEMPLATE, tokens, write_tiny_llama
 
 import rnnify
+from rnnify.capture import load_source
 from rnnify.cli import main
 from rnnify.data import load_tokenizer
 
@@ -52,11 +53,13 @@ def test_convert_gguf_matches_transformers_and_keeps_the_tokenizer(capsys, tmp_p
     assert tokenizer.eos_token == "<|im_end|>"
 
 
-def test_gguf_without_tokenizer_converts_without_tokenizer_files(tmp_path):
+def test_gguf_without_tokenizer_loads_without_tokenizer_files(tmp_path):
+    from rnnify.convert import _source_files
+
     path = write_tiny_llama(tmp_path / "bare.gguf", tokenizer=False)
-    model = rnnify.convert(path, to="exact")
-    assert set(model.files) == {"config.json"}
-    assert json.loads(model.files["config.json"])["vocab_size"] > 0
+    source = load_source(path)
+    assert source.config.vocab_size == len(tokens()) and getattr(source.config, "quantization_config", None) is None
+    assert set(_source_files(path, source)) == {"config.json"}  # generate --prompt then asks for --ids
 
 
 def test_gguf_without_the_extra_is_one_line(capsys, monkeypatch, tmp_path, tiny_gguf):
