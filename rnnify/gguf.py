@@ -1,10 +1,11 @@
 """Reading a GGUF file (llama.cpp's format) as an ordinary Hugging Face causal LM.
 
 transformers dequantises every GGUF tensor to the requested dtype (it needs the ``gguf`` and
-``accelerate`` packages: ``pip install "rnnify[gguf]"``), but the model it returns still carries a
-``quantization_config`` and refuses ``save_pretrained``. So rnnify rebuilds a plain model of the
-same class from that config without it and loads the dequantised weights into it: the rest of
-rnnify then sees the model it would have loaded from a Hugging Face directory.
+``accelerate`` packages: ``pip install "rnnify[gguf]"``). rnnify asks for that explicitly
+(``GgufConfig(dequantize=True)``); a model that still comes back with transformers' GGUF quantizer
+(a ``quantization_config``; it refuses ``save_pretrained``) is rebuilt as a plain model of the
+same class from its config without it, with the dequantised weights loaded. Either way the rest of
+rnnify sees the model it would have loaded from a Hugging Face directory.
 """
 
 from __future__ import annotations
@@ -74,6 +75,16 @@ def _architecture(path: Path) -> str:
     return architecture
 
 
+def _dequantize_options() -> dict:
+    """``from_pretrained`` options that unpack every GGUF weight (else, with the ``kernels`` package
+    installed, transformers keeps quantised weights packed in their blocks)."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # transformers before GgufConfig always dequantises
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The causal LM in GGUF file ``path``, dequantised to ``dtype``, as a plain ``PreTrainedModel``."""
     path = Path(path).expanduser().resolve()
@@ -82,19 +93,31 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> to
     from transformers import AutoModelForCausalLM
 
     try:
-        quantized = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=dtype, attn_implementation="sdpa", local_files_only=True
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=dtype, attn_implementation="sdpa", local_files_only=True,
+            **_dequantize_options(),
         )
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise UnsupportedModelError(
             f"{path}: transformers cannot read a {architecture} GGUF file as a causal LM ({_first_line(exc)}); "
             "rnnify reads the GGUF architectures transformers supports (llama, mistral, qwen2, ...)"
         ) from exc
-    config = quantized.config
-    del config.quantization_config
-    config._name_or_path = str(path)
+    model.config._name_or_path = str(path)
+    if getattr(model, "hf_quantizer", None) is None and getattr(model.config, "quantization_config", None) is None:
+        return model
+    return _plain(model, dtype)
+
+
+def _plain(model, dtype: torch.dtype) -> torch.nn.Module:
+    """The same model without the GGUF quantizer transformers attaches when it does not dequantise on
+    request (it keeps a ``quantization_config`` and refuses ``save_pretrained``)."""
+    from transformers import AutoModelForCausalLM
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    plain.load_state_dict(quantized.state_dict(), strict=True)
+    plain.load_state_dict(model.state_dict(), strict=True)
     return plain
 
 

@@ -39,8 +39,14 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_tiny_llama(path: Path, *, tokenizer: bool = True, architecture: str = "llama", seed: int = 0) -> Path:
-    """Write a random 2-layer, 64-wide llama to GGUF file ``path``; returns ``path``."""
+def write_tiny_llama(
+    path: Path, *, tokenizer: bool = True, architecture: str = "llama", quantize: str | None = None, seed: int = 0
+) -> Path:
+    """Write a random 2-layer, 64-wide llama to GGUF file ``path``; returns ``path``.
+
+    ``quantize`` (e.g. ``"Q4_1"``) stores the layers' matrices in that GGUF block format, as
+    quantised files on the hub do; the rest stays F32.
+    """
     import gguf
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -85,7 +91,12 @@ def write_tiny_llama(path: Path, *, tokenizer: bool = True, architecture: str = 
                 data = _permute(data, HEADS)
             elif module == "self_attn.k_proj":
                 data = _permute(data, KV_HEADS)
-        writer.add_tensor(gguf_name + ".weight", np.ascontiguousarray(data))
+        data = np.ascontiguousarray(data)
+        if quantize is not None and gguf_name.startswith("blk.") and data.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[quantize]
+            writer.add_tensor(gguf_name + ".weight", gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name + ".weight", data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

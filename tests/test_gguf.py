@@ -17,7 +17,8 @@ from rnnify.data import load_tokenizer
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+    """A tiny llama whose layer matrices are Q4_1 blocks, like the quantised files on the hub."""
+    return write_tiny_llama(tmp_path_factory.mktemp("gguf") / "tiny.gguf", quantize="Q4_1")
 
 
 def assert_one_line_error(capsys, code: int, *words: str) -> None:
@@ -51,6 +52,24 @@ def test_convert_gguf_matches_transformers_and_keeps_the_tokenizer(capsys, tmp_p
     assert tokenizer(text).input_ids == original(text).input_ids
     assert tokenizer.chat_template == CHAT_TEMPLATE
     assert tokenizer.eos_token == "<|im_end|>"
+
+
+def test_gguf_loaded_with_its_quantizer_attached_becomes_a_plain_model(monkeypatch, tiny_gguf):
+    """transformers' default load keeps a GGUF quantizer (and refuses save_pretrained): rebuilt."""
+    from transformers import AutoModelForCausalLM
+
+    import rnnify.gguf
+
+    monkeypatch.setattr(rnnify.gguf, "_dequantize_options", dict)
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32)
+    assert reference.config.quantization_config is not None
+    model = rnnify.convert(tiny_gguf, to="exact")
+    assert "quantization_config" not in json.loads(model.files["config.json"])
+    ids = torch.randint(0, reference.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+    logits, _ = model.prefill(ids)
+    assert ((logits - expected).norm() / expected.norm()).item() < 1e-4
 
 
 def test_gguf_without_tokenizer_loads_without_tokenizer_files(tmp_path):
