@@ -44,6 +44,8 @@ def test_convert_gguf_matches_transformers_and_keeps_the_tokenizer(capsys, tmp_p
     assert ((logits - expected).norm() / expected.norm()).item() < 1e-4
 
     config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "rnnify" and "quantization_config" not in config
+    config = config["source_config"]
     assert "quantization_config" not in config and config["model_type"] == "llama"
     assert model.manifest.source == str(tiny_gguf.resolve())
     tokenizer = load_tokenizer(out)
