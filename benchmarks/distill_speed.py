@@ -5,8 +5,9 @@
     python benchmarks/distill_speed.py out/hybrid --stages finetune --train all --label full-ft
 
 Runs ``rnnify.distill`` itself (its trainer, losses and optimizer) on random token rows of the
-model's vocabulary, ``--warmup`` + ``--steps`` optimizer steps per stage, and times every step;
-tokens/s is batch x seq-len over the median timed step. ``--profile`` runs the timed steps under
+model's vocabulary, ``--warmup`` + ``--steps`` optimizer steps per stage, and times every step:
+tokens/s is the timed steps' tokens over their wall-clock time, tokens/CPU s over the process's
+CPU time (all threads), the steadier figure on a machine that others share. ``--profile`` runs the timed steps under
 ``torch.profiler`` and adds the share of each named part of a step (teacher forward, student
 forward, losses, backward, optimizer; ``rnnify/distill/train.py`` names them). Speed does not
 depend on what the tokens say, so random ones do; the KL term's teacher is the model's source
@@ -53,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="another rnnify.distill keyword, e.g. --option train='\"all\"' (repeatable)")
     p.add_argument("--profile", action="store_true", help="also break each timed step down by part (torch.profiler)")
     p.add_argument("--label", default=None, help="name of the result file (default: the model directory's name)")
+    p.add_argument("--matmul", action="store_true",
+                   help="only time one [B*T, hidden] x [hidden, intermediate] product in float32 and bfloat16 "
+                   "(is bfloat16 faster on this CPU?)")
     return p.parse_args(argv)
 
 
@@ -80,6 +84,7 @@ def run(args: argparse.Namespace) -> dict:
     per_stage_tokens = steps_per_stage * args.batch_size * (seq[0] if len(seq) == 1 else max(seq))
 
     times: dict[str, list[float]] = {s: [] for s in stages}
+    cpu: dict[str, list[float]] = {s: [] for s in stages}
     tokens: dict[str, list[int]] = {s: [] for s in stages}
     parts: dict[str, dict[str, float]] = {s: {} for s in stages}
     step = train._Trainer.step
@@ -87,7 +92,7 @@ def run(args: argparse.Namespace) -> dict:
     def timed(self, stage, *rest):
         index = len(times[stage])
         profiling = args.profile and index >= args.warmup
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         if profiling:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 loss, count = step(self, stage, *rest)
@@ -98,6 +103,7 @@ def run(args: argparse.Namespace) -> dict:
         else:
             loss, count = step(self, stage, *rest)
         times[stage].append(time.perf_counter() - start)
+        cpu[stage].append(time.process_time() - start_cpu)
         tokens[stage].append(rest[-1]["input_ids"].numel())
         return loss, count
 
@@ -123,11 +129,33 @@ def run(args: argparse.Namespace) -> dict:
             continue
         seconds = sum(timed_steps)
         entry = {"steps": len(timed_steps), "seconds": seconds, "median_step_s": statistics.median(timed_steps),
-                 "tokens_per_s": sum(timed_tokens) / seconds}
+                 "tokens_per_s": sum(timed_tokens) / seconds,
+                 "tokens_per_cpu_s": sum(timed_tokens) / sum(cpu[stage][args.warmup:])}
         if parts[stage]:
             entry["parts_s"] = {k: v / len(timed_steps) for k, v in parts[stage].items()}
         result["stages"][stage] = entry
     return result
+
+
+def matmul(args: argparse.Namespace) -> dict:
+    """GFLOP/s of the MLP's up-projection at this batch in float32 and bfloat16, median of 5 calls."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    config = json.loads((Path(args.model) / "rnnify.json").read_text())
+    hidden = config["cells"][0]["spec"]["hidden_size"]
+    rows, width = args.batch_size * int(str(args.seq_len).split(",")[-1]), 4 * hidden
+    out = {"rows": rows, "hidden": hidden, "width": width, "threads": torch.get_num_threads()}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(rows, hidden, dtype=dtype), torch.randn(width, hidden, dtype=dtype)
+        torch.nn.functional.linear(x, w)
+        seconds = []
+        for _ in range(5):
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            seconds.append(time.perf_counter() - start)
+        out[str(dtype).removeprefix("torch.") + "_gflop_s"] = 2 * rows * hidden * width / statistics.median(seconds) / 1e9
+    print(json.dumps(out))
+    return out
 
 
 def show(result: dict) -> None:
@@ -138,18 +166,22 @@ def show(result: dict) -> None:
                   f"{result['dtype']}, {result['threads']} threads)")
     table.add_column("stage")
     table.add_column("tokens/s", justify="right")
+    table.add_column("tokens/CPU s", justify="right")
     table.add_column("s/step", justify="right")
     for region in REGIONS:
         table.add_column(region, justify="right")
     for stage, entry in result["stages"].items():
         parts = entry.get("parts_s", {})
-        table.add_row(stage, f"{entry['tokens_per_s']:,.0f}", f"{entry['median_step_s']:.2f}",
+        table.add_row(stage, f"{entry['tokens_per_s']:,.0f}", f"{entry['tokens_per_cpu_s']:,.0f}", f"{entry['median_step_s']:.2f}",
                       *(f"{parts[r]:.2f}" if r in parts else "" for r in REGIONS))
     Console().print(table)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.matmul:
+        matmul(args)
+        return
     result = run(args)
     show(result)
     RESULTS.mkdir(parents=True, exist_ok=True)

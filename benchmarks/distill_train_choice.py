@@ -3,9 +3,10 @@
     python benchmarks/distill_train_choice.py                       # 100k tokens each, hybrid-hedgehog
     python benchmarks/distill_train_choice.py --tokens 200000 --choices lora all
 
-Converts ``examples/models/stdlib-llama`` to the hybrid (window 64, hedgehog), distils it once per
-choice with the same data, budget, learning rates and seed (``rnnify.distill``: attention transfer,
-then the finetune stage training LoRA, the attention projections or every weight) and evaluates
+Converts ``examples/models/stdlib-llama`` to the hybrid (window 64, hedgehog), runs attention
+transfer once on half the budget, then the finetune stage once per choice on the other half, with
+the same data, learning rates and seed (training LoRA, the attention projections or every
+weight; the same as one ``rnnify.distill`` of both stages with ``train=``), and evaluates
 perplexity and KL to the original on the held-out files (``examples/stdlib_corpus.py``). Prints a
 table and writes ``benchmarks/results/distill-train-choice.json``.
 """
@@ -51,15 +52,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         train_dir, heldout = stdlib_corpus.write_split(tmp)
         base = rnnify.convert(args.model, to="hybrid", window=64, feature_map="hedgehog", progress=False)
-        base.save(Path(tmp) / "hybrid")
         free = rnnify.evaluate(base, heldout, **evaluate).to_json()
         record["training_free"] = {"perplexity": free["perplexity"], "kl": free["kl"],
                                    "original_perplexity": free["teacher_perplexity"]}
+        common = dict(teacher=args.model, max_tokens=args.tokens // 2, seq_len=args.seq_len, batch_size=args.batch_size)
+        rnnify.distill(base, train_dir, stages=["transfer"], lr=args.lr[0], **common)
+        base.save(Path(tmp) / "transferred")
         for choice in args.choices:
-            model = rnnify.load(Path(tmp) / "hybrid")
+            model = rnnify.load(Path(tmp) / "transferred")
             start = time.time()
-            rnnify.distill(model, train_dir, teacher=args.model, max_tokens=args.tokens, seq_len=args.seq_len,
-                           batch_size=args.batch_size, lr=list(args.lr), train=choice)
+            rnnify.distill(model, train_dir, stages=["finetune"], lr=args.lr[1], train=choice, **common)
             seconds = time.time() - start
             result = rnnify.evaluate(model, heldout, **evaluate).to_json()
             row = {"train": choice, "perplexity": result["perplexity"], "kl": result["kl"], "seconds": round(seconds, 1),
@@ -78,7 +80,7 @@ def show(record: dict) -> None:
     free = record["training_free"]
     table = Table(title=f"finetune choices, {record['tokens']:,} tokens (original ppl {free['original_perplexity']:.2f}; "
                   f"training-free ppl {free['perplexity']:.2f}, KL {free['kl']:.3f})")
-    for column in ("--train", "perplexity", "KL to the original", "seconds"):
+    for column in ("--train", "perplexity", "KL to the original", "finetune seconds"):
         table.add_column(column, justify="left" if column == "--train" else "right")
     for row in record["rows"]:
         table.add_row(row["train"], f"{row['perplexity']:.3f}", f"{row['kl']:.4f}", f"{row['seconds']:.0f}")
