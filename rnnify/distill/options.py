@@ -37,7 +37,8 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train", choices=TRAIN, default="lora",
                    help="what the finetune stage trains besides the cells' parameters: lora (rank --lora-rank "
                    "on the attention projections), attention (those projection weights in full) or all (every "
-                   "weight; most memory, closest to the teacher on real models) (default: lora)")
+                   "weight: most memory; on real models it can get much closer to the teacher than LoRA, see docs/distill.md) "
+                   "(default: lora)")
     g.add_argument("--lora-rank", type=int, default=8, metavar="R", help="LoRA rank of the finetune stage with --train lora (default: 8)")
     g.add_argument("--kl-weight", type=float, default=1.0, metavar="X",
                    help="weight of KL(teacher || model) next to the next-token loss; 0 needs no teacher (default: 1)")

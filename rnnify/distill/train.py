@@ -5,7 +5,8 @@
    output and the original softmax attention on the same inputs. Teacher forcing (``attention``)
    feeds every layer the original model's activations, so one forward trains all layers and no
    separate teacher model runs.
-2. ``finetune``: LoRA on the attention projections (``lora``) plus the cells' parameters, on
+2. ``finetune``: LoRA on the attention projections (``lora``; with ``train``, the projections in
+   full or every weight instead) plus the cells' parameters, on
    next-token cross-entropy + ``kl_weight`` * KL(teacher || student) against the original model's
    logits. LoRA is merged into the weights at the end.
 
