@@ -23,6 +23,7 @@ import platform
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -93,17 +94,15 @@ def run(args: argparse.Namespace) -> dict:
         index = len(times[stage])
         profiling = args.profile and index >= args.warmup
         start, start_cpu = time.perf_counter(), time.process_time()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profiling else nullcontext() as prof:
+            loss, count = step(self, stage, *rest)
+        times[stage].append(time.perf_counter() - start)  # before reading the profile, which takes a while
+        cpu[stage].append(time.process_time() - start_cpu)
         if profiling:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                loss, count = step(self, stage, *rest)
             for event in prof.key_averages():
                 if event.key.startswith("distill: "):
                     name = event.key[len("distill: "):]
                     parts[stage][name] = parts[stage].get(name, 0.0) + event.cpu_time_total / 1e6
-        else:
-            loss, count = step(self, stage, *rest)
-        times[stage].append(time.perf_counter() - start)
-        cpu[stage].append(time.process_time() - start_cpu)
         tokens[stage].append(rest[-1]["input_ids"].numel())
         return loss, count
 
