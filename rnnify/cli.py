@@ -505,11 +505,25 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     from rnnify.eval import evaluate, write_json
 
     _check_writable("--json", args.json)
+    lengths = None
+    if args.passkey is not None:
+        from rnnify.passkey import depths
+
+        lengths = _int_list("--passkey", args.passkey)
+        depths(args.passkey_trials)  # checks it, before anything loads
     result = evaluate(
         args.dir, args.data, against=args.against, seq_len=args.seq_len, batch_size=args.batch_size,
         max_tokens=args.max_tokens, tokenizer=args.tokenizer, device=_device(args.device), kernels=args.kernels,
         progress=True,
     )
+    passkey = None
+    if lengths is not None:
+        from rnnify.passkey import evaluate_passkey
+
+        passkey = evaluate_passkey(
+            args.dir, lengths, trials=args.passkey_trials, seed=args.passkey_seed, against=args.against,
+            tokenizer=args.tokenizer, device=_device(args.device), kernels=args.kernels, progress=True,
+        )
     summary = Table(box=box.SIMPLE_HEAD, title=Text(
         f"{result.target} vs {result.against}: {result.tokens:,} tokens, rows of {result.seq_len}"
     ))
@@ -526,9 +540,23 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     for layer in result.layers:
         layers.add_row(str(layer.layer), layer.module, f"{layer.rel_error:.3g}", f"{layer.mse:.3g}")
     console.print(layers)
+    if passkey is not None:
+        console.print(_passkey_table(passkey))
     if args.json is not None:
-        write_json(args.json, result.to_json())
+        write_json(args.json, {**result.to_json(), **({"passkey": passkey.to_json()} if passkey else {})})
     return 0
+
+
+def _passkey_table(result) -> Table:
+    accuracy = result.accuracy()
+    trials = len(result.trials) // len(accuracy["converted"])
+    table = Table(box=box.SIMPLE_HEAD, title=Text(f"pass-key retrieval: {trials} depths per length, greedy answers"))
+    table.add_column("prompt tokens", justify="right")
+    for name in accuracy:
+        table.add_column(name, justify="right")
+    for length in accuracy["converted"]:
+        table.add_row(f"{length:,}", *(f"{by[length]:.0%}" for by in accuracy.values()))
+    return table
 
 
 def _training_options(args: argparse.Namespace) -> dict:
@@ -806,6 +834,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", metavar="DEVICE",
                    help="device to run both models on, e.g. cpu or cuda:0 (default: cuda:$LOCAL_RANK when CUDA "
                    "is available, else cpu)")
+    p.add_argument("--passkey", metavar="LIST",
+                   help="also test recall at these prompt lengths, e.g. 512,1024,2048: a random 5-digit key stated "
+                   "once in filler text, then asked for; both models answer greedily (default: off)")
+    p.add_argument("--passkey-trials", type=int, default=6, metavar="N",
+                   help="prompts per length, the key at N depths evenly spaced from start to end (default: 6)")
+    p.add_argument("--passkey-seed", type=int, default=0, metavar="S", help="seed of the random keys (default: 0)")
     _add_kernels_flag(p)
     p.set_defaults(run=_eval)
 
