@@ -68,8 +68,8 @@ def main() -> None:
                    "trained": model.manifest.distill["trained"]}
             record["rows"].append(row)
             print(json.dumps(row), flush=True)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(record, indent=2) + "\n")
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(record, indent=2) + "\n")  # after every choice: a stop loses nothing
     show(record)
 
 
