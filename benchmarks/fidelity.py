@@ -389,7 +389,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fresh", action="store_true", help="ignore rows already in --json: run every step again")
     parser.add_argument("--render", action="store_true", help="only rewrite --doc and --png from --json")
     args = parser.parse_args(argv)
-    default = args.model == BUNDLED and args.data is None
+    default = args.model == BUNDLED and args.data is None and args.json is None  # the page's own run
     if args.json is None:
         name = "fidelity" if default else f"fidelity-{args.model.name}-{args.seq_len}"
         args.json = ROOT / "benchmarks/results" / f"{name}.json"
