@@ -2,8 +2,8 @@
 
 References, float64 loops straight from the equations, counting each row's real tokens only:
 
-- window (math.md §5): query i attends by softmax to A(i) = {j <= i : i - j < W or j < S}.
-- hybrid (math.md §6, LoLCATs): with s_ij = scale q_i.k_j, m_i the max over the window,
+- window (docs/math.md §Sliding window and sinks): query i attends by softmax to A(i) = {j <= i : i - j < W or j < S}.
+- hybrid (docs/math.md §Hybrid window and linear, LoLCATs): with s_ij = scale q_i.k_j, m_i the max over the window,
   y_i = (f_h sum_{i-W<j<=i} e^{s_ij-m_i} v_j + sum_{j<=i-W} phi(q_i).phi(k_j) v_j)
         / (f_h sum_{i-W<j<=i} e^{s_ij-m_i} + sum_{j<=i-W} phi(q_i).phi(k_j)),  phi = elu + 1.
 
@@ -40,6 +40,13 @@ from rnnify.cells.window import (
     step_window_attn,
 )
 from rnnify.errors import RnnifyError
+from support import (
+    assert_left_padded_rows_equal_rows_alone,
+    assert_steps_and_split_prefill_match,
+    decode,
+    random_qkv,
+    rel_diff,
+)
 
 # fp32 computation against float64 on O(1) inputs: 1e-5 relative, the same absolute floor.
 RTOL = ATOL = 1e-5
@@ -138,13 +145,6 @@ def _spec(num_kv_heads=2, group=2, head_dim=8, value_dim=None, window=None) -> C
     return CellSpec(num_kv_heads * group, num_kv_heads, head_dim, value_dim or head_dim, head_dim**-0.5, window)
 
 
-def _qkv(batch, spec: CellSpec, length, gen, dtype=torch.float32):
-    q = torch.randn(batch, spec.num_heads, length, spec.head_dim, generator=gen).to(dtype)
-    k = torch.randn(batch, spec.num_kv_heads, length, spec.head_dim, generator=gen).to(dtype)
-    v = torch.randn(batch, spec.num_kv_heads, length, spec.value_dim, generator=gen).to(dtype)
-    return q, k, v
-
-
 def _padding_mask(kind: str, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
     if kind == "none":
         return torch.ones(batch, length, dtype=torch.bool)
@@ -221,7 +221,7 @@ def _form_inputs(p, cell):
     """Inputs of the forms: a prefix read by the naive loop into the state, then ``length`` new tokens."""
     gen, spec = _gen(p["seed"]), cell.spec
     total = p["prefix"] + p["length"]
-    q, k, v = _qkv(p["batch"], spec, total, gen)
+    q, k, v = random_qkv(p["batch"], spec, total, gen)
     mask = _padding_mask(p["padding"], p["batch"], total, gen)
     state = _garbage_buffers(cell, cell.init_state(p["batch"], CPU, torch.float32), gen)
     return q, k, v, mask, state
@@ -280,7 +280,7 @@ def test_window_cell_chunked_and_stepped_equal_one_shot_and_reference(
     gen = _gen(seed)
     cell = WindowCell(_spec(group=group), window=window, sinks=sinks, block_size=block_size)
     spec, batch = cell.spec, 2
-    q, k, v = _qkv(batch, spec, length, gen)
+    q, k, v = random_qkv(batch, spec, length, gen)
     mask = torch.ones(batch, length, dtype=torch.bool)
     mask[1, :left_pad] = False  # row 1 left-padded (possibly all padding)
 
@@ -304,7 +304,7 @@ def test_window_cell_ring_holds_the_last_window_tokens_and_the_sinks():
     gen = _gen(1)
     cell = WindowCell(_spec(), window=5, sinks=2)
     spec = cell.spec
-    q, k, v = _qkv(2, spec, 30, gen)
+    q, k, v = random_qkv(2, spec, 30, gen)
     mask = torch.ones(2, 30, dtype=torch.bool)
     mask[1, :7] = False
     state = cell.init_state(2, CPU, torch.float32)
@@ -377,10 +377,10 @@ def _cells():
 def test_padding_tokens_do_not_change_the_state(cell):
     gen = _gen(2)
     spec = cell.spec
-    q, k, v = _qkv(1, spec, 9, gen)
+    q, k, v = random_qkv(1, spec, 9, gen)
     mask = torch.ones(1, 9, dtype=torch.bool)
     _, *state = cell(q, k, v, mask, *cell.init_state(1, CPU, torch.float32))
-    pq, pk, pv = _qkv(1, spec, 5, gen)
+    pq, pk, pv = random_qkv(1, spec, 5, gen)
     padding = torch.zeros(1, 5, dtype=torch.bool)
     out, *after = cell(pq, pk, pv, padding, *state)  # a prefill of padding only
     assert torch.isfinite(out).all() and all(torch.equal(a, b) for a, b in zip(after, state))
@@ -401,7 +401,7 @@ def test_state_size_is_constant_and_counted(cell):
     gen, spec = _gen(3), cell.spec
     shapes, held = set(), set()
     for length in (1, 7, 16, 100):
-        q, k, v = _qkv(3, spec, length, gen, dtype=torch.bfloat16)
+        q, k, v = random_qkv(3, spec, length, gen, dtype=torch.bfloat16)
         _, *state = cell(q, k, v, torch.ones(3, length, dtype=torch.bool), *cell.init_state(3, CPU, torch.bfloat16))
         shapes.add(tuple(tuple(t.shape) for t in state))
         held.add(sum(t.numel() * t.element_size() for t in state))
@@ -417,7 +417,7 @@ def test_state_size_is_constant_and_counted(cell):
 @pytest.mark.parametrize("cell", _cells(), ids=lambda c: c.target)
 def test_cells_do_not_mutate_their_inputs(cell):
     gen, spec = _gen(4), cell.spec
-    q, k, v = _qkv(2, spec, 8, gen)
+    q, k, v = random_qkv(2, spec, 8, gen)
     mask = torch.ones(2, 8, dtype=torch.bool)
     _, *state = cell(q, k, v, mask, *cell.init_state(2, CPU, torch.float32))
     before = [t.clone() for t in (q, k, v, mask, *state)]
@@ -430,7 +430,7 @@ def test_window_cell_bf16_inputs():
     gen = _gen(5)
     cell = WindowCell(_spec(), window=6, sinks=2, block_size=4)
     spec = cell.spec
-    q, k, v = _qkv(2, spec, 30, gen, dtype=torch.bfloat16)
+    q, k, v = random_qkv(2, spec, 30, gen, dtype=torch.bfloat16)
     mask = torch.ones(2, 30, dtype=torch.bool)
     init = cell.init_state(2, CPU, torch.bfloat16)
     assert [t.dtype for t in init] == [torch.bfloat16] * 4 + [torch.long]  # caches in the model dtype
@@ -505,7 +505,7 @@ def test_hybrid_forms_agree_for_every_feature_map(feature_map):
     phi = build_feature_map(feature_map, spec)
     for seed, window, chunk in ((0, 3, 4), (1, 1, 64)):
         gen = _gen(seed)
-        q, k, v = _qkv(2, spec, 19, gen)
+        q, k, v = random_qkv(2, spec, 19, gen)
         mask = _padding_mask("left", 2, 19, gen)
         cell = HybridCell(spec, window=window)
         init = cell.init_state(2, CPU, torch.float32)
@@ -546,7 +546,7 @@ def test_hybrid_cell_chunked_and_stepped_equal_one_shot_and_reference(
     with torch.no_grad():
         cell.window_logit.copy_(2 * torch.randn(cell.spec.num_heads, generator=gen))
     spec, batch = cell.spec, 2
-    q, k, v = _qkv(batch, spec, length, gen)
+    q, k, v = random_qkv(batch, spec, length, gen)
     mask = torch.ones(batch, length, dtype=torch.bool)
     mask[1, :left_pad] = False
 
@@ -574,7 +574,7 @@ def test_hybrid_with_a_window_covering_everything_is_softmax_attention(window):
     with torch.no_grad():
         cell.window_logit.copy_(torch.randn(4, generator=gen))  # f_h cancels out
         spec = cell.spec
-        q, k, v = _qkv(2, spec, 30, gen)
+        q, k, v = random_qkv(2, spec, 30, gen)
         mask = torch.ones(2, 30, dtype=torch.bool)
         init = cell.init_state(2, CPU, torch.float32)
         softmax = reference_window_attention(q, k, v, mask, window=10**9, sinks=0, scale=spec.scale)
@@ -592,7 +592,7 @@ def test_hybrid_cell_bf16_inputs_keep_an_fp32_linear_state():
     gen = _gen(7)
     cell = HybridCell(_spec(), window=4, chunk_size=3)
     spec = cell.spec
-    q, k, v = _qkv(2, spec, 30, gen, dtype=torch.bfloat16)
+    q, k, v = random_qkv(2, spec, 30, gen, dtype=torch.bfloat16)
     mask = torch.ones(2, 30, dtype=torch.bool)
     with torch.no_grad():
         init = cell.init_state(2, CPU, torch.bfloat16)
@@ -619,7 +619,7 @@ def test_hybrid_cell_parameters_train():
     assert cell.options() == {"window": 3, "feature_map": "elu", "feature_options": {}, "chunk_size": 64}
     assert type(cell)(cell.spec, **cell.options()).options() == cell.options()
     gen = _gen(8)
-    q, k, v = _qkv(1, cell.spec, 12, gen)
+    q, k, v = random_qkv(1, cell.spec, 12, gen)
     mask = torch.ones(1, 12, dtype=torch.bool)
     out, *_ = cell(q, k, v, mask, *cell.init_state(1, CPU, torch.float32))
     out.square().sum().backward()
@@ -631,7 +631,7 @@ def test_hybrid_hedgehog_feature_map_weights_get_gradients():
     cell = HybridCell(_spec(), window=3, feature_map="hedgehog")
     trainable = list(cell.parameters())
     assert len(trainable) > 1  # window_logit and the feature map's weights
-    q, k, v = _qkv(1, cell.spec, 12, _gen(9))
+    q, k, v = random_qkv(1, cell.spec, 12, _gen(9))
     out, *_ = cell(q, k, v, torch.ones(1, 12, dtype=torch.bool), *cell.init_state(1, CPU, torch.float32))
     out.square().sum().backward()
     assert all(p.grad is not None for p in trainable)
@@ -643,7 +643,7 @@ def test_hybrid_hedgehog_feature_map_weights_get_gradients():
 def _long_decode(cell, steps: int):
     """``steps`` single steps on random fp32 inputs, and the chunked form over the same inputs."""
     gen, spec = _gen(10), cell.spec
-    q, k, v = _qkv(1, spec, steps, gen)
+    q, k, v = random_qkv(1, spec, steps, gen)
     mask = torch.ones(1, 1, dtype=torch.bool)
     outs = torch.empty(1, spec.num_heads, steps, spec.value_dim)
     start = time.perf_counter()
@@ -665,10 +665,6 @@ STABILITY_CELLS = {
 }
 
 
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want.double()).abs().max() / want.double().abs().max())
-
-
 def _check_long_decode(target: str, steps: int) -> float:
     cell = STABILITY_CELLS[target]()
     (k, v), outs, state, chunked, chunked_state, elapsed = _long_decode(cell, steps)
@@ -681,7 +677,7 @@ def _check_long_decode(target: str, steps: int) -> float:
     # rounding is held relative to the largest entry: 1e-5 against a float64 sum for both forms.
     ref_kv, ref_z = reference_linear_state(k, v, torch.ones(1, steps, dtype=torch.bool), cell.window)
     for got in (state, chunked_state):
-        assert _relative_error(got[3], ref_kv) < 1e-5 and _relative_error(got[4], ref_z) < 1e-5
+        assert rel_diff(got[3], ref_kv) < 1e-5 and rel_diff(got[4], ref_z) < 1e-5
     assert all(torch.equal(a, b) for a, b in zip(state[:3], chunked_state[:3]))  # ring and length
     # outputs are normalised: the state's rounding shows at ~1e-6, held to 1e-4
     torch.testing.assert_close(outs[:, :, -64:], chunked[:, :, -64:], rtol=1e-4, atol=1e-4)
@@ -703,10 +699,6 @@ def test_100000_steps_are_stable(target):
 # --------------------------------------------------------------------------- converted models
 
 
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
-
-
 VARIANTS = {
     "window": ("window", {"window": 8, "sinks": 2}),
     "hybrid": ("hybrid", {"window": 8}),
@@ -724,16 +716,6 @@ def converted(tiny_model_dir):
         return cache[key]
 
     return get
-
-
-def decode(model, ids, prefill_length):
-    """Logits of prefill(ids[:, :n]) followed by one step per remaining token."""
-    logits, state = model.prefill(ids[:, :prefill_length])
-    outs = [logits]
-    for t in range(prefill_length, ids.shape[1]):
-        logits, state = model.step(ids[:, t : t + 1], state)
-        outs.append(logits)
-    return torch.cat(outs, dim=1), state
 
 
 def test_window_equals_mistral_with_its_own_sliding_window(tiny_model_dir, converted):
@@ -768,15 +750,7 @@ def test_converted_step_equals_prefill_and_prefill_continues(arch, variant, conv
     target, options = VARIANTS[variant]
     model = converted(arch, target, **options)
     ids = torch.randint(0, model.manifest.vocab_size, (2, 40), generator=_gen(13))
-    full, full_state = model.prefill(ids)
-    assert torch.isfinite(full).all()
-    stepped, stepped_state = decode(model, ids, 1)
-    assert rel_diff(stepped, full) < 1e-4
-    first, state = model.prefill(ids[:, :23])
-    second, state = model.prefill(ids[:, 23:], state)
-    assert rel_diff(torch.cat([first, second], 1), full) < 1e-4
-    for a, b in zip(state.tensors, full_state.tensors):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert_steps_and_split_prefill_match(model, ids, 23)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -802,28 +776,7 @@ def test_converted_state_is_constant_and_saves(arch, variant, converted, tmp_pat
 def test_converted_left_padded_rows_equal_rows_alone(arch, variant, converted):
     target, options = VARIANTS[variant]
     model = converted(arch, target, **options)
-    gen = _gen(15)
-    rows = [torch.randint(1, model.manifest.vocab_size, (n,), generator=gen) for n in (14, 9, 3)]
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
-    logits, state = model.prefill(ids, attention_mask=mask)
-    next_ids = torch.randint(1, model.manifest.vocab_size, (len(rows), 4), generator=gen)
-    outs = []
-    for t in range(next_ids.shape[1]):
-        out, state = model.step(next_ids[:, t : t + 1], state)
-        outs.append(out)
-    stepped = torch.cat(outs, 1)
-    for i, row in enumerate(rows):
-        alone, alone_state = model.prefill(row[None])
-        assert rel_diff(logits[i, width - len(row) :], alone[0]) < 1e-4
-        alone_steps = []
-        for t in range(next_ids.shape[1]):
-            out, alone_state = model.step(next_ids[i : i + 1, t : t + 1], alone_state)
-            alone_steps.append(out)
-        assert rel_diff(stepped[i], torch.cat(alone_steps, 1)[0]) < 1e-4
+    assert_left_padded_rows_equal_rows_alone(model, [14, 9, 3], _gen(15))
 
 
 def test_registered():

@@ -1,4 +1,4 @@
-"""Aaren: attention with a learned query, as an RNN ("Attention as an RNN", Feng et al. 2024, math.md §1).
+"""Aaren: attention with a learned query, as an RNN ("Attention as an RNN", Feng et al. 2024, docs/math.md §Aaren).
 
 Softmax attention of one FIXED query q^ over keys 1..t is a many-to-one RNN with a constant
 state (running max m, denominator u, numerator w), per query head. Aaren makes the query of each
@@ -45,6 +45,7 @@ from torch import nn
 
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
+from rnnify.errors import check_int
 
 Forms = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -151,11 +152,11 @@ class AarenCell(Cell):
     target = "aaren"
     state_names = ("m", "u", "w")
     uses_query = False
+    calibrates = True
 
     def __init__(self, spec: CellSpec, chunk_size: int = 64, prefill: str = "chunk"):
         super().__init__(spec)
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        check_int("chunk_size", chunk_size)
         if prefill not in PREFILL_FORMS:
             raise ValueError(f"unknown prefill form {prefill!r}; choose from {list(PREFILL_FORMS)}")
         self.chunk_size, self.prefill = chunk_size, prefill

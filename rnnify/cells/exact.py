@@ -1,4 +1,6 @@
-"""Exact softmax attention as an RNN ("Attention as an RNN", Feng et al. 2024, math.md §1).
+"""Exact softmax attention as an RNN ("Attention as an RNN", Feng et al. 2024).
+
+The math: docs/math.md §Softmax attention as an RNN.
 
 For a query q and keys k_1..k_n with scores s_i = scale * q . k_i, softmax attention is the
 many-to-one recurrence over (running max m, denominator u, numerator w):

@@ -1,4 +1,6 @@
-"""Sliding-window softmax plus linear attention for older tokens (LoLCATs, Zhang et al. 2024, math.md §6).
+"""Sliding-window softmax plus linear attention for older tokens (LoLCATs, Zhang et al. 2024).
+
+The math: docs/math.md §Hybrid window and linear.
 
 Counting only a row's real tokens, query i sees the last W tokens through softmax and every
 older token through linear attention with a feature map phi, in one normalised sum (the
@@ -17,15 +19,15 @@ attention; beyond that the model needs LoLCATs' attention transfer to be good.
 Recurrent form, constant memory per kv head: a ring buffer of the last W keys/values (model
 dtype; token n in slot n mod W, ``length`` real tokens read per row, as in ``cells/window.py``)
 for the softmax part, and the linear-attention state of the tokens that have left the window
-(fp32, math.md §2):
+(fp32, docs/math.md §Linear attention):
 
     when token i arrives, token i - W leaves the ring:
         S += phi(k_{i-W})^T v_{i-W},      z += phi(k_{i-W})
     y_i = (f_h w_i + phi(q_i) S) / (f_h u_i + phi(q_i) . z)
 
-where (m_i, u_i, w_i) is the softmax recurrence of math.md §1 over the ring (self included). The
-window part is part of every step: decoding keeps the ring, it does not fall back to linear
-attention alone.
+where (m_i, u_i, w_i) is the softmax recurrence of docs/math.md §Softmax attention as an RNN over
+the ring (self included). The window part is part of every step: decoding keeps the ring, it does
+not fall back to linear attention alone.
 
 Forms (tests hold them to ``naive_recurrent_hybrid_attn``): ``naive_recurrent_*`` (a plain loop
 over tokens, the window part key by key), ``parallel_*`` (masked quadratic over ring + new
@@ -48,8 +50,9 @@ from torch import nn
 
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
-from rnnify.cells.linear import KERNEL_MAX_FEATURES, build_feature_map, fused_linear_attn
-from rnnify.cells.window import check_int, ring_index, ring_write, token_index
+from rnnify.cells.linear import KERNEL_MAX_FEATURES, build_feature_map, fused_feature_attn
+from rnnify.errors import check_int
+from rnnify.kernels.ring import ring_index, ring_write, token_index
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 
@@ -206,7 +209,7 @@ def fused_hybrid_attn(
 ):
     """Both phases through ``rnnify.kernels``. The linear part is linear attention whose keys are the
     tokens leaving the window, one per new token (query i reads every j <= i - W), so
-    ``cells.linear.fused_linear_attn`` runs it (the op applies phi, masking the tokens where none
+    ``cells.linear.fused_feature_attn`` runs it (the op applies phi, masking the tokens where none
     leaves) unnormalised, with the denominator as one more value column of ones and z as one more
     state column. The window part: for a decode token (T == 1) ``fused_window_step``; for a prompt
     ``_window_part`` here, chunk by chunk."""
@@ -226,7 +229,7 @@ def fused_hybrid_attn(
     leaves = torch.cat([part[2] for part in left], dim=1)
     old_values = torch.cat([old_values, torch.ones_like(old_values[..., :1])], dim=-1)
     state = torch.cat([kv, k_sum[..., None]], dim=-1)
-    linear, state, _ = fused_linear_attn(q, old_keys, old_values, state, None, phi, leaves, backend=backend)
+    linear, state, _ = fused_feature_attn(q, old_keys, old_values, state, None, phi, leaves, backend=backend)
     window_num, window_den = (torch.cat([part[i] for part in window_parts], dim=3) for i in (0, 1))
     out = _combine(window_num, window_den, linear[..., :-1], linear[..., -1])
     return out, keys, values, length, state[..., :-1], state[..., -1]
