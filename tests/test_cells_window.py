@@ -124,6 +124,13 @@ def reference_hybrid_attention(q, k, v, mask, window, factor, scale, phi=elu_plu
     return out
 
 
+def reference_gated_hybrid_attention(q, k, v, mask, window, factor, gate, scale, phi=elu_plus_one):
+    """float64 window output + g_h (LoLCATs output - window output); gate [H] is g_h."""
+    windowed = reference_window_attention(q, k, v, mask, window, sinks=0, scale=scale)
+    hybrid = reference_hybrid_attention(q, k, v, mask, window, factor, scale, phi)
+    return windowed + gate.double()[:, None, None] * (hybrid - windowed)
+
+
 def reference_linear_state(k, v, mask, window, phi=elu_plus_one):
     """float64 S = sum phi(k_j)^T v_j and z = sum phi(k_j) over the tokens that left the window."""
     batch, num_kv_heads = k.shape[:2]
@@ -466,8 +473,10 @@ def test_hybrid_forms_equal_the_naive_loop_and_the_reference(p):
     cell = HybridCell(spec, window=p["window"])
     q, k, v, mask, state = _form_inputs(p, cell)
     factor = _factor(spec, _gen(p["seed"] + 1))
+    gate = torch.rand(spec.num_heads, generator=_gen(p["seed"] + 2))
     P, scale, phi = p["prefix"], spec.scale, cell.phi
-    fixed = (phi, factor.reshape(spec.num_kv_heads, spec.group_size), scale)
+    grouped = (spec.num_kv_heads, spec.group_size)
+    fixed = (phi, factor.reshape(grouped), scale, gate.reshape(grouped))
     gq = _grouped(q, spec)
     if P:
         _, *state = naive_recurrent_hybrid_attn(gq[:, :, :, :P], k[:, :, :P], v[:, :, :P], mask[:, :P], *state, *fixed)
@@ -475,7 +484,7 @@ def test_hybrid_forms_equal_the_naive_loop_and_the_reference(p):
     before = [t.clone() for t in (*args, *state)]
 
     want, *want_state = naive_recurrent_hybrid_attn(*args, *state, *fixed)
-    ref = reference_hybrid_attention(q, k, v, mask, p["window"], factor, scale)[:, :, P:]
+    ref = reference_gated_hybrid_attention(q, k, v, mask, p["window"], factor, gate, scale)[:, :, P:]
     real = mask[:, None, P:, None].expand_as(ref)
     torch.testing.assert_close(want.reshape(ref.shape).double()[real], ref[real], rtol=RTOL, atol=ATOL)
     real = real.reshape(want.shape)  # the same, grouped per kv head
@@ -545,6 +554,7 @@ def test_hybrid_cell_chunked_and_stepped_equal_one_shot_and_reference(
     cell = HybridCell(_spec(group=group), window=window, chunk_size=chunk_size)
     with torch.no_grad():
         cell.window_logit.copy_(2 * torch.randn(cell.spec.num_heads, generator=gen))
+        cell.memory_gate.copy_(torch.rand(cell.spec.num_heads, generator=gen))
     spec, batch = cell.spec, 2
     q, k, v = random_qkv(batch, spec, length, gen)
     mask = torch.ones(batch, length, dtype=torch.bool)
@@ -553,7 +563,8 @@ def test_hybrid_cell_chunked_and_stepped_equal_one_shot_and_reference(
     with torch.no_grad():
         init = cell.init_state(batch, CPU, torch.float32)
         one_shot, *final = cell(q, k, v, mask, *init)
-        ref = reference_hybrid_attention(q, k, v, mask, window, torch.sigmoid(cell.window_logit), spec.scale)
+        factor = torch.sigmoid(cell.window_logit)
+        ref = reference_gated_hybrid_attention(q, k, v, mask, window, factor, cell.memory_gate, spec.scale)
         real = mask[:, None, :, None].expand_as(ref)
         torch.testing.assert_close(one_shot.double()[real], ref[real], rtol=RTOL, atol=ATOL)
         assert torch.isfinite(one_shot).all()
@@ -590,7 +601,7 @@ def test_hybrid_with_a_window_covering_everything_is_softmax_attention(window):
 
 def test_hybrid_cell_bf16_inputs_keep_an_fp32_linear_state():
     gen = _gen(7)
-    cell = HybridCell(_spec(), window=4, chunk_size=3)
+    cell = HybridCell(_spec(), window=4, chunk_size=3, memory_init=1.0)
     spec = cell.spec
     q, k, v = random_qkv(2, spec, 30, gen, dtype=torch.bfloat16)
     mask = torch.ones(2, 30, dtype=torch.bool)
@@ -615,15 +626,61 @@ def test_hybrid_cell_bf16_inputs_keep_an_fp32_linear_state():
 def test_hybrid_cell_parameters_train():
     cell = HybridCell(_spec(), window=3, feature_options={})
     assert isinstance(cell.window_logit, torch.nn.Parameter) and not cell.window_logit.any()  # theta = 0
-    assert "window_logit" in cell.state_dict()
-    assert cell.options() == {"window": 3, "feature_map": "elu", "feature_options": {}, "chunk_size": 64}
+    assert isinstance(cell.memory_gate, torch.nn.Parameter) and not cell.memory_gate.any()  # g = 0
+    assert {"window_logit", "memory_gate"} <= set(cell.state_dict())
+    assert cell.options() == {
+        "window": 3, "feature_map": "elu", "feature_options": {}, "chunk_size": 64, "memory_init": 0.0
+    }
     assert type(cell)(cell.spec, **cell.options()).options() == cell.options()
     gen = _gen(8)
     q, k, v = random_qkv(1, cell.spec, 12, gen)
     mask = torch.ones(1, 12, dtype=torch.bool)
     out, *_ = cell(q, k, v, mask, *cell.init_state(1, CPU, torch.float32))
     out.square().sum().backward()
-    assert cell.window_logit.grad is not None and cell.window_logit.grad.abs().sum() > 0
+    # at g = 0 only the gate itself moves the output; from there the mix and the map learn too
+    assert cell.memory_gate.grad is not None and cell.memory_gate.grad.abs().sum() > 0
+    assert cell.window_logit.grad.abs().max() < 1e-5  # f cancels in w / u (up to rounding)
+    with torch.no_grad():
+        cell.memory_gate.fill_(0.5)
+    cell.zero_grad()
+    out, *_ = cell(q, k, v, mask, *cell.init_state(1, CPU, torch.float32))
+    out.square().sum().backward()
+    assert cell.window_logit.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0"])
+def test_hybrid_memory_init_outside_0_1_is_refused(bad):
+    with pytest.raises(ValueError, match="memory_init"):
+        HybridCell(_spec(), window=3, memory_init=bad)
+
+
+def test_training_free_hybrid_is_its_window_alone():
+    """memory_init=0 (the default): every form equals softmax over the last W tokens, however far
+    back the linear memory reaches and whatever the feature map says."""
+    gen = _gen(10)
+    cell = HybridCell(_spec(num_kv_heads=2, group=2), window=5, chunk_size=4, feature_map="hedgehog")
+    spec = cell.spec
+    q, k, v = _qkv(2, spec, 40, gen)
+    mask = _padding_mask("left", 2, 40, gen)
+    window = reference_window_attention(q, k, v, mask, window=5, sinks=0, scale=spec.scale)
+    real = mask[:, None, :, None].expand_as(window)
+    with torch.no_grad():
+        out, *state = cell(q, k, v, mask, *cell.init_state(2, CPU, torch.float32))
+        torch.testing.assert_close(out.double()[real], window[real], rtol=RTOL, atol=ATOL)
+        assert state[4].any()  # the memory did fill: it is only gated off
+        state, outs = cell.init_state(2, CPU, torch.float32), []
+        for t in range(40):
+            o, *state = cell(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1], *state)
+            outs.append(o)
+        torch.testing.assert_close(torch.cat(outs, 2).double()[real], window[real], rtol=RTOL, atol=ATOL)
+
+
+def test_hybrid_saved_without_a_memory_gate_loads_as_the_plain_lolcats_sum():
+    cell = HybridCell(_spec(), window=3)
+    old = {k: v for k, v in cell.state_dict().items() if k != "memory_gate"}
+    fresh = HybridCell(_spec(), window=3)
+    fresh.load_state_dict(old, strict=True)
+    assert torch.equal(fresh.memory_gate.detach(), torch.ones(fresh.spec.num_heads))
 
 
 @pytest.mark.skipif("hedgehog" not in FEATURE_MAPS, reason="no hedgehog feature map registered")
@@ -661,7 +718,7 @@ def _long_decode(cell, steps: int):
 
 STABILITY_CELLS = {
     "window": lambda: WindowCell(_spec(num_kv_heads=1, group=2, head_dim=8), window=16, sinks=4),
-    "hybrid": lambda: HybridCell(_spec(num_kv_heads=1, group=2, head_dim=8), window=16),
+    "hybrid": lambda: HybridCell(_spec(num_kv_heads=1, group=2, head_dim=8), window=16, memory_init=1.0),
 }
 
 
@@ -701,7 +758,7 @@ def test_100000_steps_are_stable(target):
 
 VARIANTS = {
     "window": ("window", {"window": 8, "sinks": 2}),
-    "hybrid": ("hybrid", {"window": 8}),
+    "hybrid": ("hybrid", {"window": 8, "memory_init": 0.5}),
 }
 
 
@@ -742,6 +799,14 @@ def test_hybrid_with_a_window_over_the_whole_context_equals_the_original(tiny_mo
         expected = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()(input_ids=ids).logits
     stepped, _ = decode(model, ids, 16)
     assert rel_diff(stepped, expected) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_training_free_hybrid_model_computes_its_window_target(arch, converted):
+    """A freshly converted hybrid is never worse than its window alone: it is the window target."""
+    hybrid, window = converted(arch, "hybrid", window=8), converted(arch, "window", window=8, sinks=0)
+    ids = torch.randint(0, hybrid.manifest.vocab_size, (2, 40), generator=_gen(15))
+    assert rel_diff(hybrid.prefill(ids)[0], window.prefill(ids)[0]) < 1e-5
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

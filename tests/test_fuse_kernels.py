@@ -37,8 +37,9 @@ FAMILIES = {
     "aaren": ("aaren", {"layers": "0:exact"}),
     "gated-rnn": ("gated-rnn", {"decay": 0.9, "layers": "0:exact"}),
     "window": ("window", {"window": 4, "sinks": 1}),
-    "hybrid": ("hybrid", {"window": 4}),
-    "hybrid-hedgehog": ("hybrid", {"window": 4, "feature_map": "hedgehog"}),
+    # memory_init: with the memory gated off the linear half would not reach the outputs
+    "hybrid": ("hybrid", {"window": 4, "memory_init": 0.5}),
+    "hybrid-hedgehog": ("hybrid", {"window": 4, "feature_map": "hedgehog", "memory_init": 0.5}),
 }
 
 
@@ -114,8 +115,8 @@ CELL_CASES = {
     "linear-taylor": ("linear", {"feature_map": "taylor"}),
     "gated-gla": ("gated", {"gate": "gla"}),
     "gated-retnet-performer": ("gated", {"gate": "retnet", "feature_map": "performer"}),
-    "hybrid-hedgehog": ("hybrid", {"window": 3, "feature_map": "hedgehog"}),
-    "hybrid-performer": ("hybrid", {"window": 3, "feature_map": "performer"}),
+    "hybrid-hedgehog": ("hybrid", {"window": 3, "feature_map": "hedgehog", "memory_init": 0.5}),
+    "hybrid-performer": ("hybrid", {"window": 3, "feature_map": "performer", "memory_init": 0.5}),
 }
 
 

@@ -16,6 +16,17 @@ theta (``window_logit``, one per query head, initialised to 0) is trainable, as 
 of trainable feature maps (hedgehog, t2r). With W >= the tokens read, y is plain softmax
 attention; beyond that the model needs LoLCATs' attention transfer to be good.
 
+A training-free linear memory is far from what a pretrained model's attention computes: on a
+real 135M model it made the hybrid ~20x worse (in KL) than its window alone. So the cell's output
+is the window's own output w_i / u_i plus a learned, zero-initialised share of the difference:
+
+    out_i = w_i / u_i + g_h (y_i - w_i / u_i),        g_h = ``memory_gate`` (``memory_init``, default 0)
+
+At g = 0 the converted model is exactly the window target (no sinks), and distillation grows g
+together with the feature map, adding long-range memory instead of first repairing damage; at
+g = 1 it is LoLCATs' sum above. Both outputs come from the same (w, u) and linear sums: no extra
+state, no extra pass.
+
 Recurrent form, constant memory per kv head: a ring buffer of the last W keys/values (model
 dtype; token n in slot n mod W, ``length`` real tokens read per row, as in ``cells/window.py``)
 for the softmax part, and the linear-attention state of the tokens that have left the window
@@ -57,13 +68,26 @@ from rnnify.kernels.ring import ring_index, ring_write, token_index
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _combine(window_num, window_den, linear_num, linear_den):
-    """(f w + linear numerator) / (f u + linear denominator); rows with nothing to attend to give 0."""
-    num, den = window_num + linear_num, window_den + linear_den
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den over the last axis of num; rows with nothing to attend to (den 0) give 0."""
     return torch.where(den[..., None] > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny)[..., None], 0.0)
 
 
-def naive_recurrent_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, phi: FeatureMap, factor, scale: float):
+def _combine(window_num, window_den, linear_num, linear_den, gate=None):
+    """The hybrid output (f w + linear numerator) / (f u + linear denominator), blended with the
+    window's own output w / u by the memory gate g ``[Hkv, G]``: ``window + g (hybrid - window)``.
+    ``gate=None`` is g = 1, the plain LoLCATs sum."""
+    hybrid = _ratio(window_num + linear_num, window_den + linear_den)
+    if gate is None:
+        return hybrid
+    window = _ratio(window_num, window_den)
+    gate = gate.reshape(*gate.shape, *(1,) * (window_den.dim() - 3), 1)  # over [B, Hkv, G, (T,)] d
+    return window + gate * (hybrid - window)
+
+
+def naive_recurrent_hybrid_attn(
+    q, k, v, mask, keys, values, length, kv, k_sum, phi: FeatureMap, factor, scale: float, gate=None
+):
     batch, _, _, steps, _ = q.shape
     window = keys.shape[2]
     keys, values, length, kv, k_sum = (t.clone() for t in (keys, values, length, kv, k_sum))
@@ -97,7 +121,7 @@ def naive_recurrent_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, 
         phi_q = phi(q[:, :, :, t : t + 1])[:, :, :, 0]  # [B, Hkv, G, F]
         linear_num = phi_q @ kv
         linear_den = (phi_q * k_sum[:, :, None]).sum(-1)
-        outs.append(_combine(factor[..., None] * w, factor * u, linear_num, linear_den))
+        outs.append(_combine(factor[..., None] * w, factor * u, linear_num, linear_den, gate))
     return torch.stack(outs, dim=3), keys, values, length, kv, k_sum
 
 
@@ -121,7 +145,9 @@ def _window_part(q, q_index, key_index, all_keys, all_values, window: int, facto
     return p @ all_values[:, :, None], p.sum(-1)
 
 
-def parallel_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, phi: FeatureMap, factor, scale: float):
+def parallel_hybrid_attn(
+    q, k, v, mask, keys, values, length, kv, k_sum, phi: FeatureMap, factor, scale: float, gate=None
+):
     window = keys.shape[2]
     q_index, key_index, all_keys, all_values = _held(k, v, mask, keys, values, length)
     window_num, window_den = _window_part(q, q_index, key_index, all_keys, all_values, window, factor, scale)
@@ -132,7 +158,7 @@ def parallel_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, phi: Fe
     a = torch.where(older, torch.einsum("bhgtf,bhnf->bhgtn", phi_q, phi_k), 0.0)
     linear_num = a @ all_values[:, :, None] + phi_q @ kv[:, :, None]
     linear_den = a.sum(-1) + (phi_q * k_sum[:, :, None, None]).sum(-1)
-    out = _combine(window_num, window_den, linear_num, linear_den)
+    out = _combine(window_num, window_den, linear_num, linear_den, gate)
     # state: tokens that leave the window in this call join kv/k_sum
     keys, values, new_length = ring_write(k, v, mask, keys, values, length)
     leaving = ((key_index >= 0) & (key_index < new_length[:, None] - window))[:, None, :, None]
@@ -142,17 +168,21 @@ def parallel_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, phi: Fe
     return out, keys, values, new_length, kv, k_sum
 
 
-def chunk_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, phi, factor, scale: float, chunk_size: int = 64):
+def chunk_hybrid_attn(
+    q, k, v, mask, keys, values, length, kv, k_sum, phi, factor, scale: float, gate=None, chunk_size: int = 64
+):
     state, outs = (keys, values, length, kv, k_sum), []
     for start in range(0, q.shape[3], chunk_size):
         end = start + chunk_size
         chunk = (q[:, :, :, start:end], k[:, :, start:end], v[:, :, start:end], mask[:, start:end])
-        out, *state = parallel_hybrid_attn(*chunk, *state, phi, factor, scale)
+        out, *state = parallel_hybrid_attn(*chunk, *state, phi, factor, scale, gate)
         outs.append(out)
     return torch.cat(outs, dim=3), *state
 
 
-def step_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, phi: FeatureMap, factor, scale: float):
+def step_hybrid_attn(
+    q, k, v, mask, keys, values, length, kv, k_sum, phi: FeatureMap, factor, scale: float, gate=None
+):
     window = keys.shape[2]
     # token i - W, in the slot token i is about to take, leaves the window for kv/k_sum
     slot = (length % window)[:, None, None, None]
@@ -171,7 +201,7 @@ def step_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, phi: Featur
     phi_q = phi(q)
     linear_num = phi_q @ kv[:, :, None]
     linear_den = (phi_q * k_sum[:, :, None, None]).sum(-1)
-    out = _combine(p @ values.float()[:, :, None], p.sum(-1), linear_num, linear_den)
+    out = _combine(p @ values.float()[:, :, None], p.sum(-1), linear_num, linear_den, gate)
     return out, keys, values, length, kv, k_sum
 
 
@@ -204,7 +234,7 @@ def fused_window_step(q, k, v, mask, keys, values, length, factor, scale: float,
 
 
 def fused_hybrid_attn(
-    q, k, v, mask, keys, values, length, kv, k_sum, phi, factor, scale: float, chunk_size: int = 64,
+    q, k, v, mask, keys, values, length, kv, k_sum, phi, factor, scale: float, gate=None, chunk_size: int = 64,
     backend: str = "auto",
 ):
     """Both phases through ``rnnify.kernels``. The linear part is linear attention whose keys are the
@@ -231,7 +261,7 @@ def fused_hybrid_attn(
     state = torch.cat([kv, k_sum[..., None]], dim=-1)
     linear, state, _ = fused_feature_attn(q, old_keys, old_values, state, None, phi, leaves, backend=backend)
     window_num, window_den = (torch.cat([part[i] for part in window_parts], dim=3) for i in (0, 1))
-    out = _combine(window_num, window_den, linear[..., :-1], linear[..., -1])
+    out = _combine(window_num, window_den, linear[..., :-1], linear[..., -1], gate)
     return out, keys, values, length, state[..., :-1], state[..., -1]
 
 
@@ -239,8 +269,9 @@ class HybridCell(Cell):
     """Softmax over the last W tokens plus linear attention over older ones (LoLCATs), trainable.
 
     ``feature_map`` is any name in ``rnnify.cells.linear.FEATURE_MAPS``, built with
-    ``feature_options``; ``chunk_size`` is the prefill chunk. Trainable: ``window_logit`` (f_h =
-    sigmoid of it, per query head) and the feature map's own parameters.
+    ``feature_options``; ``chunk_size`` is the prefill chunk; ``memory_init`` the initial memory gate
+    (0: the converted model starts as its window alone). Trainable: ``window_logit`` (f_h = sigmoid
+    of it, per query head), ``memory_gate`` (g_h, per query head) and the feature map's parameters.
     """
 
     target = "hybrid"
@@ -253,15 +284,20 @@ class HybridCell(Cell):
         feature_map: str = "elu",
         feature_options: dict[str, Any] | None = None,
         chunk_size: int = 64,
+        memory_init: float = 0.0,
     ):
         super().__init__(spec)
         if feature_options is not None and not isinstance(feature_options, dict):
             raise ValueError(f"feature_options must be a dict of feature-map options, got {feature_options!r}")
+        if isinstance(memory_init, bool) or not isinstance(memory_init, (int, float)) or not 0 <= memory_init <= 1:
+            raise ValueError(f"memory_init must be a number in [0, 1] (0: start as the window alone), got {memory_init!r}")
         self.window = check_int("window", window, 1)
         self.chunk_size = check_int("chunk_size", chunk_size, 1)
+        self.memory_init = float(memory_init)
         self.feature_map, self.feature_options = feature_map, dict(feature_options or {})
         self.phi = build_feature_map(feature_map, spec, **self.feature_options)
         self.window_logit = nn.Parameter(torch.zeros(spec.num_heads))
+        self.memory_gate = nn.Parameter(torch.full((spec.num_heads,), self.memory_init))
 
     def options(self) -> dict[str, Any]:
         return {
@@ -269,6 +305,7 @@ class HybridCell(Cell):
             "feature_map": self.feature_map,
             "feature_options": dict(self.feature_options),
             "chunk_size": self.chunk_size,
+            "memory_init": self.memory_init,
         }
 
     def fused_ops(self) -> dict[str, str]:
@@ -287,6 +324,11 @@ class HybridCell(Cell):
             torch.zeros(batch_size, spec.num_kv_heads, features, device=device, dtype=torch.float32),
         )
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # hybrids saved before the memory gate existed computed the plain LoLCATs sum: gate 1
+        state_dict.setdefault(prefix + "memory_gate", torch.ones_like(self.memory_gate))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def mixing_factor(self) -> torch.Tensor:
         """f_h = sigmoid(theta_h), grouped per kv head ``[Hkv, G]``, fp32."""
         return torch.sigmoid(self.window_logit.float()).reshape(self.spec.num_kv_heads, self.spec.group_size)
@@ -295,7 +337,8 @@ class HybridCell(Cell):
         batch, _, steps, _ = q.shape
         grouped = q.float().reshape(batch, self.spec.num_kv_heads, self.spec.group_size, steps, -1)
         state = (keys, values, length, kv, k_sum)
-        args = (self.phi, self.mixing_factor(), self.spec.scale)
+        gate = self.memory_gate.float().reshape(self.spec.num_kv_heads, self.spec.group_size)
+        args = (self.phi, self.mixing_factor(), self.spec.scale, gate)
         mask = mask.to(torch.bool)
         if self.kernels is not None:
             out, *state = fused_hybrid_attn(grouped, k, v, mask, *state, *args, self.chunk_size, self.kernels)
