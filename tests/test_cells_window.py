@@ -660,7 +660,7 @@ def test_training_free_hybrid_is_its_window_alone():
     gen = _gen(10)
     cell = HybridCell(_spec(num_kv_heads=2, group=2), window=5, chunk_size=4, feature_map="hedgehog")
     spec = cell.spec
-    q, k, v = _qkv(2, spec, 40, gen)
+    q, k, v = random_qkv(2, spec, 40, gen)
     mask = _padding_mask("left", 2, 40, gen)
     window = reference_window_attention(q, k, v, mask, window=5, sinks=0, scale=spec.scale)
     real = mask[:, None, :, None].expand_as(window)
