@@ -344,7 +344,7 @@ def test_window_cell_window_comes_from_the_model_or_the_option():
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"window": 0}, "window must be an integer >= 1"),
+        ({"window": 0}, "window must be a positive integer"),
         ({"window": 2.5}, "window must be"),
         ({"window": True}, "window must be"),
         ({"window": 4, "sinks": -1}, "sinks must be an integer >= 0"),
@@ -360,7 +360,7 @@ def test_window_cell_rejects_bad_options(options, message):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"window": 0}, "window must be an integer >= 1"),
+        ({"window": 0}, "window must be a positive integer"),
         ({"chunk_size": 0}, "chunk_size must be"),
         ({"feature_map": "cosine"}, "unknown feature map 'cosine'"),
         ({"feature_options": [1]}, "feature_options must be a dict"),

@@ -61,6 +61,7 @@ from torch import nn
 
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
+from rnnify.cells.exact import finite_or_zero, readout
 from rnnify.cells.linear import KERNEL_MAX_FEATURES, build_feature_map, fused_feature_attn
 from rnnify.errors import check_int
 from rnnify.kernels.ring import ring_index, ring_write, token_index
@@ -68,19 +69,14 @@ from rnnify.kernels.ring import ring_index, ring_write, token_index
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """num / den over the last axis of num; rows with nothing to attend to (den 0) give 0."""
-    return torch.where(den[..., None] > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny)[..., None], 0.0)
-
-
 def _combine(window_num, window_den, linear_num, linear_den, gate=None):
     """The hybrid output (f w + linear numerator) / (f u + linear denominator), blended with the
     window's own output w / u by the memory gate g ``[Hkv, G]``: ``window + g (hybrid - window)``.
     ``gate=None`` is g = 1, the plain LoLCATs sum."""
-    hybrid = _ratio(window_num + linear_num, window_den + linear_den)
+    hybrid = readout(window_den + linear_den, window_num + linear_num)
     if gate is None:
         return hybrid
-    window = _ratio(window_num, window_den)
+    window = readout(window_den, window_num)
     gate = gate.reshape(*gate.shape, *(1,) * (window_den.dim() - 3), 1)  # over [B, Hkv, G, (T,)] d
     return window + gate * (hybrid - window)
 
@@ -112,7 +108,7 @@ def naive_recurrent_hybrid_attn(
             s = scale * (q[:, :, :, t] * keys[:, :, None, slot].float()).sum(-1)
             s = torch.where((slot < length)[:, None, None], s, float("-inf"))
             m_new = torch.maximum(m, s)
-            m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
+            m_safe = finite_or_zero(m_new)
             decay, p = torch.exp(m - m_safe), torch.exp(s - m_safe)
             u = u * decay + p
             w = w * decay[..., None] + p[..., None] * values[:, :, None, slot].float()
@@ -141,7 +137,7 @@ def _window_part(q, q_index, key_index, all_keys, all_values, window: int, facto
     in_window = ((j >= 0) & (j <= i) & (i - j < window))[:, None, None]  # [B, 1, 1, T, N]
     scores = (scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys)).masked_fill(~in_window, float("-inf"))
     m = scores.amax(-1, keepdim=True)
-    p = factor[..., None, None] * torch.exp(scores - torch.where(torch.isfinite(m), m, 0.0))
+    p = factor[..., None, None] * torch.exp(scores - finite_or_zero(m))
     return p @ all_values[:, :, None], p.sum(-1)
 
 
@@ -197,7 +193,7 @@ def step_hybrid_attn(
     held = (ring_index(length, window) >= 0)[:, None, None, None]  # [B, 1, 1, 1, W]
     scores = (scale * torch.einsum("bhgtd,bhwd->bhgtw", q, keys.float())).masked_fill(~held, float("-inf"))
     m = scores.amax(-1, keepdim=True)
-    p = factor[..., None, None] * torch.exp(scores - torch.where(torch.isfinite(m), m, 0.0))
+    p = factor[..., None, None] * torch.exp(scores - finite_or_zero(m))
     phi_q = phi(q)
     linear_num = phi_q @ kv[:, :, None]
     linear_den = (phi_q * k_sum[:, :, None, None]).sum(-1)

@@ -40,7 +40,7 @@ import torch
 
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
-from rnnify.cells.exact import softmax_attention_rnn
+from rnnify.cells.exact import finite_or_zero, readout, softmax_attention_rnn
 from rnnify.errors import check_int
 from rnnify.kernels.ring import ring_index, ring_write, sink_write, sinks_outside_window, token_index
 
@@ -49,9 +49,8 @@ def masked_softmax_attention(scores: torch.Tensor, allowed: torch.Tensor, values
     """softmax(scores) @ values over the allowed keys; rows with no allowed key give 0."""
     scores = scores.masked_fill(~allowed, float("-inf"))
     m = scores.amax(-1, keepdim=True)
-    p = torch.exp(scores - torch.where(torch.isfinite(m), m, 0.0))
-    den = p.sum(-1, keepdim=True)
-    return torch.where(den > 0, (p @ values) / den.clamp_min(torch.finfo(den.dtype).tiny), 0.0)
+    p = torch.exp(scores - finite_or_zero(m))
+    return readout(p.sum(-1), p @ values)
 
 
 # --------------------------------------------------------------------------- the forms
@@ -80,12 +79,12 @@ def naive_recurrent_window_attn(q, k, v, mask, keys, values, sink_keys, sink_val
             s = scale * (q[:, :, :, t] * key[:, :, None].float()).sum(-1)
             s = torch.where(attended[:, None, None], s, float("-inf"))
             m_new = torch.maximum(m, s)
-            m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
+            m_safe = finite_or_zero(m_new)
             decay, p = torch.exp(m - m_safe), torch.exp(s - m_safe)
             u = u * decay + p
             w = w * decay[..., None] + p[..., None] * value[:, :, None].float()
             m = m_new
-        outs.append(torch.where(u[..., None] > 0, w / u.clamp_min(torch.finfo(u.dtype).tiny)[..., None], 0.0))
+        outs.append(readout(u, w))
     return torch.stack(outs, dim=3), keys, values, sink_keys, sink_values, length
 
 
