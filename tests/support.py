@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from hypothesis import strategies as st
 
 
 def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -70,3 +71,14 @@ def assert_left_padded_rows_equal_rows_alone(model, lengths: list[int], gen: tor
         assert rel_diff(logits[i, width - len(row) :], alone[0]) < 1e-4
         alone_steps, _ = decode_from(model, next_ids[i : i + 1], alone_state)
         assert rel_diff(stepped[i], alone_steps[0]) < 1e-4
+
+
+def draw_heads(draw) -> dict:
+    """Inside an ``st.composite``: batch, kv heads, query heads per kv head (group) and sizes."""
+    return dict(
+        batch=draw(st.integers(1, 3)),
+        num_kv_heads=draw(st.integers(1, 3)),
+        group=draw(st.sampled_from([1, 2, 4])),
+        head_dim=draw(st.sampled_from([4, 8, 16])),
+        value_dim=draw(st.sampled_from([4, 8])),
+    )

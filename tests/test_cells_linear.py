@@ -48,7 +48,7 @@ from rnnify.cells.linear import (
     step_feature_attn,
 )
 from rnnify.errors import RnnifyError
-from support import assert_steps_and_split_prefill_match, decode, random_qkv, rel_diff
+from support import assert_steps_and_split_prefill_match, decode, draw_heads, random_qkv, rel_diff
 
 TOL = 1e-5
 HYPOTHESIS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -299,11 +299,7 @@ def test_trainable_maps_start_at_identity(name):
 @st.composite
 def cell_problems(draw):
     return dict(
-        batch=draw(st.integers(1, 3)),
-        num_kv_heads=draw(st.integers(1, 3)),
-        group=draw(st.sampled_from([1, 2, 4])),
-        head_dim=draw(st.sampled_from([4, 8, 16])),
-        value_dim=draw(st.sampled_from([4, 8])),
+        **draw_heads(draw),
         length=draw(st.one_of(st.just(1), st.integers(1, 40))),
         chunk_size=draw(st.sampled_from([1, 3, 5, 64])),
         prefix=draw(st.integers(0, 5)),

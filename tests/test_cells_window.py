@@ -44,6 +44,7 @@ from support import (
     assert_left_padded_rows_equal_rows_alone,
     assert_steps_and_split_prefill_match,
     decode,
+    draw_heads,
     random_qkv,
     rel_diff,
 )
@@ -209,11 +210,7 @@ def _splits(sizes: list[int], length: int) -> list[tuple[int, int]]:
 @st.composite
 def window_problems(draw):
     return dict(
-        batch=draw(st.integers(1, 3)),
-        num_kv_heads=draw(st.integers(1, 3)),
-        group=draw(st.sampled_from([1, 2, 4])),
-        head_dim=draw(st.sampled_from([4, 8, 16])),
-        value_dim=draw(st.sampled_from([4, 8])),
+        **draw_heads(draw),
         window=draw(st.integers(1, 12)),
         sinks=draw(st.integers(0, 4)),
         prefix=draw(st.integers(0, 14)),
@@ -270,41 +267,49 @@ def test_window_forms_equal_the_naive_loop_and_the_reference(p):
 # --------------------------------------------------------------------------- window: the cell
 
 
-@CELL_HYPOTHESIS
-@given(
+# what the window and hybrid cells' property tests draw alike
+CELL_DRAWS = dict(
     window=st.integers(1, 12),
-    sinks=st.integers(0, 4),
     length=st.integers(1, 24),
     splits=st.lists(st.integers(1, 20), max_size=3),
-    block_size=st.sampled_from([1, 3, 64]),
     group=st.sampled_from([1, 2, 4]),
     left_pad=st.integers(0, 6),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_window_cell_chunked_and_stepped_equal_one_shot_and_reference(
-    window, sinks, length, splits, block_size, group, left_pad, seed
-):
-    gen = _gen(seed)
-    cell = WindowCell(_spec(group=group), window=window, sinks=sinks, block_size=block_size)
+
+
+def _check_cell(cell, reference, length, splits, left_pad, gen) -> None:
+    """One call over ``length`` tokens (batch 2, row 1 left-padded by ``left_pad``, possibly all
+    padding) matches ``reference(q, k, v, mask)`` on the real tokens; calls over the pieces cut by
+    ``splits``, each continuing from the last state, give the same outputs and state."""
     spec, batch = cell.spec, 2
     q, k, v = random_qkv(batch, spec, length, gen)
     mask = torch.ones(batch, length, dtype=torch.bool)
-    mask[1, :left_pad] = False  # row 1 left-padded (possibly all padding)
-
-    init = cell.init_state(batch, CPU, torch.float32)
-    one_shot, *final = cell(q, k, v, mask, *init)
-    ref = reference_window_attention(q, k, v, mask, window, sinks, spec.scale)
-    real = mask[:, None, :, None].expand_as(ref)
-    torch.testing.assert_close(one_shot.double()[real], ref[real], rtol=RTOL, atol=ATOL)
-    assert torch.isfinite(one_shot).all()
-
-    outs, state = [], init
-    for a, b in _splits(splits, length):
-        out, *state = cell(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], mask[:, a:b], *state)
-        outs.append(out)
-        assert [t.shape for t in state] == [t.shape for t in init]  # constant size
+    mask[1, :left_pad] = False
+    with torch.no_grad():
+        init = cell.init_state(batch, CPU, torch.float32)
+        one_shot, *final = cell(q, k, v, mask, *init)
+        ref = reference(q, k, v, mask)
+        real = mask[:, None, :, None].expand_as(ref)
+        torch.testing.assert_close(one_shot.double()[real], ref[real], rtol=RTOL, atol=ATOL)
+        assert torch.isfinite(one_shot).all()
+        outs, state = [], init
+        for a, b in _splits(splits, length):
+            out, *state = cell(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], mask[:, a:b], *state)
+            outs.append(out)
+            assert [t.shape for t in state] == [t.shape for t in init]  # constant size
     torch.testing.assert_close(torch.cat(outs, dim=2), one_shot, rtol=RTOL, atol=ATOL)
-    _assert_states_close(state, final, WindowCell.state_names)
+    _assert_states_close(state, final, cell.state_names)
+
+
+@CELL_HYPOTHESIS
+@given(**CELL_DRAWS, sinks=st.integers(0, 4), block_size=st.sampled_from([1, 3, 64]))
+def test_window_cell_chunked_and_stepped_equal_one_shot_and_reference(
+    window, sinks, length, splits, block_size, group, left_pad, seed
+):
+    cell = WindowCell(_spec(group=group), window=window, sinks=sinks, block_size=block_size)
+    _check_cell(cell, lambda q, k, v, mask: reference_window_attention(q, k, v, mask, window, sinks, cell.spec.scale),
+                length, splits, left_pad, _gen(seed))
 
 
 def test_window_cell_ring_holds_the_last_window_tokens_and_the_sinks():
@@ -538,15 +543,7 @@ def test_hybrid_forms_agree_for_every_feature_map(feature_map):
 
 
 @CELL_HYPOTHESIS
-@given(
-    window=st.integers(1, 12),
-    length=st.integers(1, 24),
-    splits=st.lists(st.integers(1, 20), max_size=3),
-    chunk_size=st.sampled_from([1, 3, 64]),
-    group=st.sampled_from([1, 2, 4]),
-    left_pad=st.integers(0, 6),
-    seed=st.integers(0, 2**31 - 1),
-)
+@given(**CELL_DRAWS, chunk_size=st.sampled_from([1, 3, 64]))
 def test_hybrid_cell_chunked_and_stepped_equal_one_shot_and_reference(
     window, length, splits, chunk_size, group, left_pad, seed
 ):
@@ -555,27 +552,12 @@ def test_hybrid_cell_chunked_and_stepped_equal_one_shot_and_reference(
     with torch.no_grad():
         cell.window_logit.copy_(2 * torch.randn(cell.spec.num_heads, generator=gen))
         cell.memory_gate.copy_(torch.rand(cell.spec.num_heads, generator=gen))
-    spec, batch = cell.spec, 2
-    q, k, v = random_qkv(batch, spec, length, gen)
-    mask = torch.ones(batch, length, dtype=torch.bool)
-    mask[1, :left_pad] = False
 
-    with torch.no_grad():
-        init = cell.init_state(batch, CPU, torch.float32)
-        one_shot, *final = cell(q, k, v, mask, *init)
+    def reference(q, k, v, mask):
         factor = torch.sigmoid(cell.window_logit)
-        ref = reference_gated_hybrid_attention(q, k, v, mask, window, factor, cell.memory_gate, spec.scale)
-        real = mask[:, None, :, None].expand_as(ref)
-        torch.testing.assert_close(one_shot.double()[real], ref[real], rtol=RTOL, atol=ATOL)
-        assert torch.isfinite(one_shot).all()
+        return reference_gated_hybrid_attention(q, k, v, mask, window, factor, cell.memory_gate, cell.spec.scale)
 
-        outs, state = [], init
-        for a, b in _splits(splits, length):
-            out, *state = cell(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], mask[:, a:b], *state)
-            outs.append(out)
-            assert [t.shape for t in state] == [t.shape for t in init]
-    torch.testing.assert_close(torch.cat(outs, dim=2), one_shot, rtol=RTOL, atol=ATOL)
-    _assert_states_close(state, final, HybridCell.state_names)
+    _check_cell(cell, reference, length, splits, left_pad, gen)
 
 
 @pytest.mark.parametrize("window", [30, 31, 100])
