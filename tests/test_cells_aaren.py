@@ -266,12 +266,18 @@ def _init(cell, batch, dtype=torch.float32):
     return cell.init_state(batch, torch.device("cpu"), dtype)
 
 
-@HYPOTHESIS
-@given(
+# the head shapes the cell and exact-form properties draw
+HEAD_DRAWS = dict(
     batch=st.integers(1, 3),
     num_kv_heads=st.integers(1, 3),
     group=st.sampled_from([1, 2, 4]),
     head_dim=st.sampled_from([4, 8, 16]),
+)
+
+
+@HYPOTHESIS
+@given(
+    **HEAD_DRAWS,
     length=st.one_of(st.just(1), st.integers(1, 40)),
     chunk_size=st.sampled_from([1, 3, 5, 64]),
     prefill=st.sampled_from(["chunk", "scan"]),
@@ -628,10 +634,7 @@ EXACT_FORMS = {  # (q, keys, values, valid, scale, window, block_size) -> out
 
 @HYPOTHESIS
 @given(
-    batch=st.integers(1, 3),
-    num_kv_heads=st.integers(1, 3),
-    group=st.sampled_from([1, 2, 4]),
-    head_dim=st.sampled_from([4, 8, 16]),
+    **HEAD_DRAWS,
     total=st.integers(1, 30),
     data=st.data(),
 )

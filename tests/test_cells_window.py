@@ -193,6 +193,17 @@ def _assert_states_close(got, want, what):
             assert torch.equal(a, b), name
 
 
+def _assert_forms_agree(forms, want, want_state, real, state_names) -> None:
+    """Each form (a thunk returning ``(out, *state)``) gives the naive loop's outputs on real queries
+    (padding queries: anything finite, fp32) and its state."""
+    for name, form in forms.items():
+        out, *new_state = form()
+        assert out.shape == want.shape and out.dtype == torch.float32, name
+        assert torch.isfinite(out).all(), name
+        torch.testing.assert_close(out[real], want[real], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+        _assert_states_close(new_state, want_state, [f"{name} {n}" for n in state_names])
+
+
 def _splits(sizes: list[int], length: int) -> list[tuple[int, int]]:
     """[a, b) bounds of chunks of the given sizes, then single tokens until ``length``."""
     bounds, start = [], 0
@@ -255,12 +266,7 @@ def test_window_forms_equal_the_naive_loop_and_the_reference(p):
         "chunk": lambda: chunk_window_attn(*args, *state, scale, block_size=p["chunk"]),
         "step_loop": lambda: _step_loop(step_window_attn, *args, *state, scale=scale),
     }
-    for name, form in forms.items():
-        out, *new_state = form()
-        assert out.shape == want.shape and out.dtype == torch.float32, name
-        assert torch.isfinite(out).all(), name  # padding queries: anything finite
-        torch.testing.assert_close(out[real], want[real], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
-        _assert_states_close(new_state, want_state, [f"{name} {n}" for n in WindowCell.state_names])
+    _assert_forms_agree(forms, want, want_state, real, WindowCell.state_names)
     assert all(torch.equal(a, b) for a, b in zip(before, (*args, *state)))  # inputs untouched
 
 
@@ -502,12 +508,7 @@ def test_hybrid_forms_equal_the_naive_loop_and_the_reference(p):
         "chunk": lambda: chunk_hybrid_attn(*args, *state, *fixed, chunk_size=p["chunk"]),
         "step_loop": lambda: _step_loop(step_hybrid_attn, *args, *state, fixed=fixed),
     }
-    for name, form in forms.items():
-        out, *new_state = form()
-        assert out.shape == want.shape and out.dtype == torch.float32, name
-        assert torch.isfinite(out).all(), name  # padding queries: anything finite
-        torch.testing.assert_close(out[real], want[real], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
-        _assert_states_close(new_state, want_state, [f"{name} {n}" for n in HybridCell.state_names])
+    _assert_forms_agree(forms, want, want_state, real, HybridCell.state_names)
     assert all(torch.equal(a, b) for a, b in zip(before, (*args, *state)))
 
 
