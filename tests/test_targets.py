@@ -53,7 +53,7 @@ def test_target_forms_agree_and_state_is_constant(arch, variant, converted, tmp_
         pytest.fail(f"target {target_of(variant)!r} is not registered")
     model = converted(arch, variant)
     ids = torch.randint(0, model.manifest.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
-    _, full_state = assert_steps_and_split_prefill_match(model, ids, 17)
+    full, full_state = assert_steps_and_split_prefill_match(model, ids, 17)
 
     _, short = model.prefill(ids[:, :16])
     if variant == "exact":
