@@ -20,11 +20,11 @@ LAYERS = [
     {"errors"},
     {"kernels"},
     {"cells"},
-    {"plan"},
+    {"plan", "gguf"},
     {"passes", "capture"},
     {"runtime", "data"},
     {"original"},
-    {"convert", "eval", "distill", "verify", "bench"},
+    {"convert", "eval", "distill", "verify", "bench", "chat", "passkey"},
     {"__init__"},  # the package's public API, over everything it exports
     {"cli"},
     {"__main__"},

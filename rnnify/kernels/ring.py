@@ -60,3 +60,18 @@ def sinks_outside_window(length: torch.Tensor, window: int, sinks: int) -> torch
     """Sink slots to attend to ``[B, S]``: written, and not in the ring any more (else counted there)."""
     slot = torch.arange(sinks, device=length.device)
     return slot[None, :] < (length[:, None] - window)
+
+
+def window_write(k, v, mask, keys, values, sink_keys, sink_values, length):
+    """Read the new tokens into the sinks and the ring: ``(keys, values, sink_keys, sink_values, length)``."""
+    sink_keys, sink_values = sink_write(k, v, mask, sink_keys, sink_values, length)
+    keys, values, length = ring_write(k, v, mask, keys, values, length)
+    return keys, values, sink_keys, sink_values, length
+
+
+def held_index(length: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+    """The token of each held slot, sinks then ring ``[B, S + W]``, after ``length`` real tokens;
+    -1 where a query attends to none (not written yet, or a sink still in the ring)."""
+    sink = torch.arange(sinks, device=length.device).expand(length.shape[0], -1)
+    sink = torch.where(sinks_outside_window(length, window, sinks), sink, -1)
+    return torch.cat([sink, ring_index(length, window)], dim=1)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from rnnify.kernels import utils
-from rnnify.kernels.ring import ring_index, ring_write, sink_write, sinks_outside_window
+from rnnify.kernels.ring import held_index, window_write
 from rnnify.kernels.utils import tl, triton
 
 
@@ -261,9 +261,8 @@ def window_attn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
         sink_keys, sink_values = keys[:, :, :0], values[:, :, :0]
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, H_kv, 1, D]
     window, sinks = keys.shape[2], sink_keys.shape[2]
-    sink_keys, sink_values = sink_write(k, v, mask, sink_keys, sink_values, length)
-    keys, values, length = ring_write(k, v, mask, keys, values, length)
-    valid = torch.cat([sinks_outside_window(length, window, sinks), ring_index(length, window) >= 0], dim=1)
+    keys, values, sink_keys, sink_values, length = window_write(k, v, mask, keys, values, sink_keys, sink_values, length)
+    valid = held_index(length, window, sinks) >= 0
     o, m, u = torch.ops.rnnify.window_attn_step(
         q[:, 0].contiguous(), torch.cat([sink_keys, keys], 2).contiguous(),
         torch.cat([sink_values, values], 2).contiguous(), valid, scale, backend)
