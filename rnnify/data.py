@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rnnify.errors import RnnifyError
+from rnnify.errors import RnnifyError, check_int
 
 __all__ = ["DEFAULT_SEQ_LEN", "TOKENIZER_FILES", "load_tokenizer", "row_length", "token_batches", "tokenizer_for"]
 
@@ -92,10 +92,9 @@ def token_batches(
 def _check_sizes(seq_len, batch_size, rank, world_size, max_tokens, skip_batches) -> None:
     for flag, value, low in (("seq_len", seq_len, 1), ("batch_size", batch_size, 1), ("world_size", world_size, 1),
                              ("skip_batches", skip_batches, 0)):
-        if not isinstance(value, int) or value < low:
-            raise RnnifyError(f"{flag} must be an integer >= {low}, got {value!r}")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-        raise RnnifyError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
+        check_int(flag, value, low, RnnifyError)
+    if max_tokens is not None:
+        check_int("max_tokens", max_tokens, 1, RnnifyError, " or None")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise RnnifyError(f"rank must be in [0, {world_size}) for world_size {world_size}, got {rank!r}")
     if batch_size % world_size:
@@ -125,7 +124,7 @@ def load_tokenizer(directory: str | os.PathLike, fix: str = _TOKENIZER_FIX):
         raise RnnifyError(f"{directory} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); {fix}")
     from transformers import AutoTokenizer
 
-    from rnnify.integrations.hf_files import source_pretrained_config
+    from rnnify.runtime.hf_files import source_pretrained_config
 
     config = source_pretrained_config(directory)  # a converted directory: the tokenizer is its source's
     try:
@@ -164,9 +163,7 @@ def row_length(model: Any, seq_len: int | None) -> int:
     limit = positions.get("limit")
     if seq_len is None:
         return min(DEFAULT_SEQ_LEN, limit) if limit else DEFAULT_SEQ_LEN
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
-        raise RnnifyError(f"seq_len (--seq-len) must be an integer >= 2 (a next-token target needs a token before it), "
-                          f"got {seq_len!r}")
+    check_int("seq_len (--seq-len)", seq_len, 2, RnnifyError, " (a next-token target needs a token before it)")
     if positions.get("kind") == "learned" and limit is not None and seq_len > limit:
         raise RnnifyError(f"seq_len (--seq-len) {seq_len} is past the model's {limit} learned positions; "
                           f"use at most {limit}")

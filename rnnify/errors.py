@@ -17,5 +17,18 @@ class PositionError(RnnifyError):
     """A token position the model cannot represent (e.g. past GPT-2's learned positions)."""
 
 
+class GraphFormatError(RnnifyError):
+    """A step graph that cannot be saved (an op or argument outside the format) or loaded (malformed
+    or unknown data in ``graph.json``)."""
+
+
 class StateError(RnnifyError):
     """A recurrent state that does not belong to this model or batch."""
+
+
+def check_int(name: str, value: object, minimum: int = 1, error: type[Exception] = ValueError, why: str = "") -> int:
+    """``value`` if it is an int (not a bool) >= ``minimum``; else ``error`` naming ``name`` (and ``why``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        bound = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise error(f"{name} must be {bound}{why}, got {value!r}")
+    return value

@@ -3,7 +3,7 @@
 ``verify`` proves a model computes what it claims on random tokens; ``evaluate`` says how much an
 approximate target costs on text: perplexity of both models, KL(original || converted) per token,
 and each layer's attention error with the layer fed the original model's activations (teacher
-forcing, ``rnnify.distill.attention_transfer``), so one bad layer does not hide behind the others.
+forcing, ``rnnify.original.attention_transfer``), so one bad layer does not hide behind the others.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from rnnify.data import row_length, token_batches, tokenizer_for
-from rnnify.distill import LayerError, attention_transfer, load_teacher
-from rnnify.distill.teacher import source_directory
 from rnnify.errors import RnnifyError
+from rnnify.original import LayerError, attention_transfer, load_teacher, source_directory
 from rnnify.runtime.manifest import MANIFEST_FILE
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.storage import load

@@ -210,7 +210,7 @@ def _check_lengths(model: RecurrentModel, lengths) -> list[int]:
 
 def _original(model: RecurrentModel, against) -> tuple[Generator, str]:
     """A generator for the compared model (a transformers model, or another rnnify directory) and its name."""
-    from rnnify.distill.teacher import load_teacher, source_directory
+    from rnnify.original import load_teacher, source_directory
 
     if against is None:
         against = source_directory(model, "--against (command line) or against= (Python)")

@@ -2,7 +2,7 @@
 
 Exact cell: a float64 softmax attention with explicit scores and masks (causal over cache
 positions, padding, sliding window). Linear cell: a float64 loop over the equations of
-math.md §2 (S_t = S_{t-1} + phi(k_t)^T v_t, z_t = z_{t-1} + phi(k_t),
+docs/math.md §Linear attention (S_t = S_{t-1} + phi(k_t)^T v_t, z_t = z_{t-1} + phi(k_t),
 o_t = phi(q_t) S_t / (phi(q_t) . z_t + eps)). Every form the package has must agree with them.
 """
 
@@ -19,12 +19,13 @@ from rnnify.cells import CELLS, CellSpec, build_cell
 from rnnify.cells.exact import ExactCell, softmax_attention_rnn
 from rnnify.cells.linear import (
     LinearCell,
-    chunk_linear_attn,
-    naive_recurrent_linear_attn,
-    parallel_linear_attn,
-    step_linear_attn,
+    chunk_feature_attn,
+    naive_recurrent_feature_attn,
+    parallel_feature_attn,
+    step_feature_attn,
 )
 from rnnify.errors import RnnifyError
+from support import random_qkv
 
 # fp32 computation against a float64 reference on O(1) inputs: 1e-5 relative, and the same
 # absolute floor for entries that happen to be near zero.
@@ -193,13 +194,6 @@ def _exact_cell(num_kv_heads=2, group=2, head_dim=8, window=None, block_size=4) 
     return ExactCell(spec, block_size=block_size)
 
 
-def _qkv(batch, num_heads, num_kv_heads, length, head_dim, gen, dtype=torch.float32):
-    q = torch.randn(batch, num_heads, length, head_dim, generator=gen).to(dtype)
-    k = torch.randn(batch, num_kv_heads, length, head_dim, generator=gen).to(dtype)
-    v = torch.randn(batch, num_kv_heads, length, head_dim, generator=gen).to(dtype)
-    return q, k, v
-
-
 @HYPOTHESIS
 @given(
     window=st.one_of(st.none(), st.integers(1, 12)),
@@ -213,7 +207,7 @@ def test_exact_cell_chunked_and_stepped_equal_one_shot_and_reference(window, len
     gen = _gen(seed)
     cell = _exact_cell(window=window, block_size=block_size)
     batch, spec = 2, cell.spec
-    q, k, v = _qkv(batch, spec.num_heads, spec.num_kv_heads, length, spec.head_dim, gen)
+    q, k, v = random_qkv(batch, spec, length, gen)
     mask = torch.ones(batch, length, dtype=torch.bool)
     mask[1, : min(left_pad, length - 1)] = False  # row 1 left-padded, keeps at least one token
 
@@ -247,7 +241,7 @@ def test_exact_cell_windowed_state_is_bounded_over_a_long_stream():
     gen = _gen(3)
     cell = _exact_cell(window=5, block_size=2)
     spec = cell.spec
-    q, k, v = _qkv(1, spec.num_heads, spec.num_kv_heads, 30, spec.head_dim, gen)
+    q, k, v = random_qkv(1, spec, 30, gen)
     mask = torch.ones(1, 30, dtype=torch.bool)
     state = cell.init_state(1, torch.device("cpu"), torch.float32)
     outs = []
@@ -264,7 +258,7 @@ def test_exact_cell_does_not_mutate_its_state():
     gen = _gen(4)
     cell = _exact_cell()
     spec = cell.spec
-    q, k, v = _qkv(1, spec.num_heads, spec.num_kv_heads, 3, spec.head_dim, gen)
+    q, k, v = random_qkv(1, spec, 3, gen)
     mask = torch.ones(1, 3, dtype=torch.bool)
     _, *state = cell(q, k, v, mask, *cell.init_state(1, torch.device("cpu"), torch.float32))
     before = [t.clone() for t in state]
@@ -300,7 +294,7 @@ def _linear_inputs(batch, num_kv_heads, group, feature_dim, value_dim, length, s
 def _step_loop(phi_q, phi_k, v, kv, k_sum):
     outs = []
     for t in range(phi_k.shape[2]):
-        out, kv, k_sum = step_linear_attn(
+        out, kv, k_sum = step_feature_attn(
             phi_q[:, :, :, t : t + 1], phi_k[:, :, t : t + 1], v[:, :, t : t + 1], kv, k_sum
         )
         outs.append(out)
@@ -308,11 +302,11 @@ def _step_loop(phi_q, phi_k, v, kv, k_sum):
 
 
 LINEAR_FORMS = {
-    "naive_recurrent": naive_recurrent_linear_attn,
-    "parallel": parallel_linear_attn,
-    "chunk_1": lambda *a: chunk_linear_attn(*a, chunk_size=1),
-    "chunk_3": lambda *a: chunk_linear_attn(*a, chunk_size=3),
-    "chunk_64": lambda *a: chunk_linear_attn(*a, chunk_size=64),
+    "naive_recurrent": naive_recurrent_feature_attn,
+    "parallel": parallel_feature_attn,
+    "chunk_1": lambda *a: chunk_feature_attn(*a, chunk_size=1),
+    "chunk_3": lambda *a: chunk_feature_attn(*a, chunk_size=3),
+    "chunk_64": lambda *a: chunk_feature_attn(*a, chunk_size=64),
     "step_loop": _step_loop,
 }
 
@@ -338,7 +332,7 @@ def test_linear_chunk_form_lengths_around_the_chunk_size():
         phi_q, phi_k, v, kv0, z0 = _linear_inputs(1, 2, 2, 4, 4, length, seed=length)
         ref, ref_kv, ref_z = reference_linear_attention(phi_q, phi_k, v, kv0, z0)
         for chunk in (1, 3, 64):
-            out, kv, k_sum = chunk_linear_attn(phi_q, phi_k, v, kv0, z0, chunk_size=chunk)
+            out, kv, k_sum = chunk_feature_attn(phi_q, phi_k, v, kv0, z0, chunk_size=chunk)
             torch.testing.assert_close(out.double(), ref, rtol=RTOL, atol=ATOL, msg=f"T={length} C={chunk}")
             torch.testing.assert_close(kv.double(), ref_kv, rtol=RTOL, atol=ATOL)
             torch.testing.assert_close(k_sum.double(), ref_z, rtol=RTOL, atol=ATOL)
@@ -356,7 +350,7 @@ def test_linear_cell_matches_reference_with_gqa_and_padding(group):
     gen = _gen(group)
     cell = _linear_cell(num_kv_heads=2, group=group)
     spec = cell.spec
-    q, k, v = _qkv(2, spec.num_heads, spec.num_kv_heads, 11, spec.head_dim, gen)
+    q, k, v = random_qkv(2, spec, 11, gen)
     mask = torch.ones(2, 11, dtype=torch.bool)
     mask[1, :4] = False
     state = cell.init_state(2, torch.device("cpu"), torch.float32)
@@ -375,10 +369,10 @@ def test_linear_cell_padding_tokens_do_not_change_the_state():
     gen = _gen(5)
     cell = _linear_cell()
     spec = cell.spec
-    q, k, v = _qkv(1, spec.num_heads, spec.num_kv_heads, 9, spec.head_dim, gen)
+    q, k, v = random_qkv(1, spec, 9, gen)
     mask = torch.ones(1, 9, dtype=torch.bool)
     _, *state = cell(q, k, v, mask, *cell.init_state(1, torch.device("cpu"), torch.float32))
-    pq, pk, pv = _qkv(1, spec.num_heads, spec.num_kv_heads, 5, spec.head_dim, gen)
+    pq, pk, pv = random_qkv(1, spec, 5, gen)
     padding = torch.zeros(1, 5, dtype=torch.bool)
     _, *after = cell(pq, pk, pv, padding, *state)  # a prefill of padding only
     assert torch.equal(after[0], state[0]) and torch.equal(after[1], state[1])
@@ -407,7 +401,7 @@ def test_linear_cell_step_by_step_equals_one_shot(length, chunk_size, group, see
     gen = _gen(seed)
     cell = _linear_cell(group=group, chunk_size=chunk_size)
     spec = cell.spec
-    q, k, v = _qkv(2, spec.num_heads, spec.num_kv_heads, length, spec.head_dim, gen)
+    q, k, v = random_qkv(2, spec, length, gen)
     mask = torch.ones(2, length, dtype=torch.bool)
     init = cell.init_state(2, torch.device("cpu"), torch.float32)
     one_shot, *final = cell(q, k, v, mask, *init)
@@ -438,7 +432,7 @@ def test_linear_cell_bf16_inputs_keep_an_fp32_state():
     gen = _gen(6)
     cell = _linear_cell(chunk_size=3)
     spec = cell.spec
-    q, k, v = _qkv(2, spec.num_heads, spec.num_kv_heads, 10, spec.head_dim, gen, dtype=torch.bfloat16)
+    q, k, v = random_qkv(2, spec, 10, gen, dtype=torch.bfloat16)
     mask = torch.ones(2, 10, dtype=torch.bool)
     init = cell.init_state(2, torch.device("cpu"), torch.bfloat16)
     assert init[0].dtype == init[1].dtype == torch.float32
@@ -453,7 +447,7 @@ def test_linear_cell_bf16_inputs_keep_an_fp32_state():
     torch.testing.assert_close(out.double(), ref, rtol=2**-7, atol=2**-7)
     # and decoding on: many bf16 steps do not drift, because the state never leaves fp32
     state, outs = (kv, k_sum), []
-    q2, k2, v2 = _qkv(2, spec.num_heads, spec.num_kv_heads, 40, spec.head_dim, gen, dtype=torch.bfloat16)
+    q2, k2, v2 = random_qkv(2, spec, 40, gen, dtype=torch.bfloat16)
     for t in range(40):
         o, *state = cell(q2[:, :, t : t + 1], k2[:, :, t : t + 1], v2[:, :, t : t + 1], mask[:, :1], *state)
         outs.append(o)

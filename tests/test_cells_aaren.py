@@ -1,6 +1,6 @@
 """Aaren cell and the exact cell's forms against references written here, independently of rnnify.
 
-Aaren (math.md §1): one learned query q^ per layer and head; the output at t is the softmax
+Aaren (docs/math.md §Aaren): one learned query q^ per layer and head; the output at t is the softmax
 attention of q^ over the real keys 1..t, continued from a state (m, u, w) that stands for a past
 with sum_i e^{s_i} = u e^m and sum_i e^{s_i} v_i = w e^m. The float64 references below compute
 that directly, o_t = (w e^{m-M} + sum_i e^{s_i-M} v_i) / (u e^{m-M} + sum_i e^{s_i-M}) with M the
@@ -40,6 +40,12 @@ from rnnify.cells.exact import (
     softmax_attention_rnn,
 )
 from rnnify.errors import RnnifyError
+from support import (
+    assert_left_padded_rows_equal_rows_alone,
+    assert_steps_and_split_prefill_match,
+    random_qkv,
+    rel_diff,
+)
 
 RTOL = ATOL = 1e-5
 HYPOTHESIS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -105,11 +111,6 @@ def reference_aaren_cell(query, k, v, mask, scale):
                 weights = torch.softmax(scores, dim=0)
                 out[b, h, t] = sum(wt * v[b, h // group, i] for wt, i in zip(weights, keys))
     return out
-
-
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest error relative to the largest reference entry."""
-    return float((a - b).abs().max() / b.abs().max())
 
 
 # --------------------------------------------------------------------------- aaren: the forms
@@ -261,24 +262,22 @@ def _aaren_cell(num_kv_heads=2, group=2, head_dim=8, value_dim=8, chunk_size=4, 
     return cell
 
 
-def _qkv(batch, cell, length, gen, dtype=torch.float32):
-    spec = cell.spec
-    q = torch.randn(batch, spec.num_heads, length, spec.head_dim, generator=gen).to(dtype)
-    k = torch.randn(batch, spec.num_kv_heads, length, spec.head_dim, generator=gen).to(dtype)
-    v = torch.randn(batch, spec.num_kv_heads, length, spec.value_dim, generator=gen).to(dtype)
-    return q, k, v
-
-
 def _init(cell, batch, dtype=torch.float32):
     return cell.init_state(batch, torch.device("cpu"), dtype)
 
 
-@HYPOTHESIS
-@given(
+# the head shapes the cell and exact-form properties draw
+HEAD_DRAWS = dict(
     batch=st.integers(1, 3),
     num_kv_heads=st.integers(1, 3),
     group=st.sampled_from([1, 2, 4]),
     head_dim=st.sampled_from([4, 8, 16]),
+)
+
+
+@HYPOTHESIS
+@given(
+    **HEAD_DRAWS,
     length=st.one_of(st.just(1), st.integers(1, 40)),
     chunk_size=st.sampled_from([1, 3, 5, 64]),
     prefill=st.sampled_from(["chunk", "scan"]),
@@ -290,7 +289,7 @@ def test_aaren_cell_prefill_and_steps_match_float64(
 ):
     gen = _gen(seed)
     cell = _aaren_cell(num_kv_heads, group, head_dim, head_dim, chunk_size, prefill, seed=seed)
-    q, k, v = _qkv(batch, cell, length, gen)
+    q, k, v = random_qkv(batch, cell.spec, length, gen)
     mask = _padding_mask(padding, batch, length, gen)
     ref = reference_aaren_cell(cell.query.detach(), k, v, mask, cell.spec.scale)
     init = _init(cell, batch)
@@ -314,7 +313,7 @@ def test_aaren_cell_prefill_and_steps_match_float64(
 def test_aaren_cell_prefill_continues_from_its_state(prefill):
     gen = _gen(20)
     cell = _aaren_cell(group=4, chunk_size=3, prefill=prefill, seed=20)
-    q, k, v = _qkv(2, cell, 23, gen)
+    q, k, v = random_qkv(2, cell.spec, 23, gen)
     mask = torch.ones(2, 23, dtype=torch.bool)
     full, *full_state = cell(q, k, v, mask, *_init(cell, 2))
     first, *state = cell(q[:, :, :10], k[:, :, :10], v[:, :, :10], mask[:, :10], *_init(cell, 2))
@@ -329,7 +328,7 @@ def test_aaren_zero_query_gives_the_running_mean_of_the_real_values(group):
     gen = _gen(21 + group)
     cell = _aaren_cell(num_kv_heads=2, group=group, value_dim=6)
     assert torch.equal(cell.query, torch.zeros_like(cell.query))  # the default initialisation
-    q, k, v = _qkv(2, cell, 12, gen)
+    q, k, v = random_qkv(2, cell.spec, 12, gen)
     mask = torch.ones(2, 12, dtype=torch.bool)
     mask[1, :5] = False
     out, *_ = cell(q, k, v, mask, *_init(cell, 2))
@@ -345,7 +344,7 @@ def test_aaren_zero_query_gives_the_running_mean_of_the_real_values(group):
 def test_aaren_ignores_the_per_token_query():
     gen = _gen(25)
     cell = _aaren_cell(seed=25)
-    q, k, v = _qkv(1, cell, 9, gen)
+    q, k, v = random_qkv(1, cell.spec, 9, gen)
     mask = torch.ones(1, 9, dtype=torch.bool)
     a = cell(q, k, v, mask, *_init(cell, 1))
     b = cell(torch.randn_like(q), k, v, mask, *_init(cell, 1))
@@ -375,7 +374,7 @@ def test_aaren_training_the_query_changes_the_output():
     gen = _gen(27)
     for prefill in ("chunk", "scan"):
         cell = _aaren_cell(chunk_size=3, prefill=prefill)
-        q, k, v = _qkv(2, cell, 10, gen)
+        q, k, v = random_qkv(2, cell.spec, 10, gen)
         mask = torch.ones(2, 10, dtype=torch.bool)
         target = torch.randn(2, cell.spec.num_heads, 10, cell.spec.value_dim, generator=gen)
         before, *_ = cell(q, k, v, mask, *_init(cell, 2))
@@ -397,10 +396,10 @@ def test_aaren_training_the_query_changes_the_output():
 def test_aaren_padding_tokens_do_not_change_the_state():
     gen = _gen(28)
     cell = _aaren_cell(seed=28)
-    q, k, v = _qkv(1, cell, 9, gen)
+    q, k, v = random_qkv(1, cell.spec, 9, gen)
     mask = torch.ones(1, 9, dtype=torch.bool)
     _, *state = cell(q, k, v, mask, *_init(cell, 1))
-    pq, pk, pv = _qkv(1, cell, 5, gen)
+    pq, pk, pv = random_qkv(1, cell.spec, 5, gen)
     pk, pv = 1e3 * pk, 1e3 * pv  # padding of any size, even non-finite
     pk[..., 0, 0], pv[..., 1, 0] = float("inf"), float("nan")
     padding = torch.zeros(1, 5, dtype=torch.bool)
@@ -427,7 +426,7 @@ def test_aaren_padding_tokens_do_not_change_the_state():
 def test_aaren_cell_does_not_mutate_its_inputs():
     gen = _gen(29)
     cell = _aaren_cell(seed=29)
-    q, k, v = _qkv(1, cell, 6, gen)
+    q, k, v = random_qkv(1, cell.spec, 6, gen)
     mask = torch.ones(1, 6, dtype=torch.bool)
     _, *state = cell(q, k, v, mask, *_init(cell, 1))
     before = [x.clone() for x in (q, k, v, mask, *state)]
@@ -439,7 +438,7 @@ def test_aaren_cell_does_not_mutate_its_inputs():
 def test_aaren_bf16_inputs_keep_an_fp32_state():
     gen = _gen(30)
     cell = _aaren_cell(chunk_size=3, seed=30)
-    q, k, v = _qkv(2, cell, 10, gen, dtype=torch.bfloat16)
+    q, k, v = random_qkv(2, cell.spec, 10, gen, dtype=torch.bfloat16)
     mask = torch.ones(2, 10, dtype=torch.bool)
     init = _init(cell, 2, torch.bfloat16)
     assert all(x.dtype == torch.float32 for x in init)
@@ -458,7 +457,7 @@ def test_aaren_bf16_inputs_keep_an_fp32_state():
     m, u, w = state[0].reshape(grouped), state[1].reshape(grouped), state[2].reshape(*grouped, 8)
     _assert_state_close((m, u, w), ref_state)
     # and decoding on: many bf16 steps do not drift, because the state never leaves fp32
-    q2, k2, v2 = _qkv(2, cell, 40, gen, dtype=torch.bfloat16)
+    q2, k2, v2 = random_qkv(2, cell.spec, 40, gen, dtype=torch.bfloat16)
     outs = []
     for t in range(40):
         o, *state = cell(q2[:, :, t : t + 1], k2[:, :, t : t + 1], v2[:, :, t : t + 1], mask[:, :1], *state)
@@ -501,7 +500,7 @@ def _stability(steps: int):
     """``steps`` single steps from random inputs: finite, and the last outputs equal the other forms."""
     gen = _gen(31)
     cell = _aaren_cell(num_kv_heads=1, group=2, head_dim=8, value_dim=8, chunk_size=64, seed=31)
-    q, k, v = _qkv(1, cell, steps, gen)
+    q, k, v = random_qkv(1, cell.spec, steps, gen)
     mask = torch.ones(1, steps, dtype=torch.bool)
     state = _init(cell, 1)
     start = time.perf_counter()
@@ -556,18 +555,7 @@ def aaren_models(tiny_model_dir):
 def test_aaren_model_steps_equal_prefill_and_prefill_continues(arch, aaren_models):
     model = aaren_models[arch]
     ids = torch.randint(0, model.manifest.vocab_size, (2, 40), generator=_gen(40))
-    full, full_state = model.prefill(ids)
-    logits, state = model.prefill(ids[:, :1])
-    stepped = [logits]
-    for t in range(1, 40):
-        logits, state = model.step(ids[:, t : t + 1], state)
-        stepped.append(logits)
-    assert rel_diff(torch.cat(stepped, 1), full) < 1e-4
-    first, state = model.prefill(ids[:, :23])
-    second, state = model.prefill(ids[:, 23:], state)
-    assert rel_diff(torch.cat([first, second], 1), full) < 1e-4
-    for a, b in zip(state.tensors, full_state.tensors):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert_steps_and_split_prefill_match(model, ids, 23)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -583,19 +571,7 @@ def test_aaren_model_state_is_constant(arch, aaren_models):
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_aaren_model_left_padded_rows_equal_rows_alone(arch, aaren_models):
     model = aaren_models[arch]
-    gen = _gen(42)
-    rows = [torch.randint(1, model.manifest.vocab_size, (n,), generator=gen) for n in (12, 7, 3)]
-    ids = torch.zeros(3, 12, dtype=torch.long)
-    mask = torch.zeros(3, 12, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, 12 - len(row) :], mask[i, 12 - len(row) :] = row, 1
-    logits, state = model.prefill(ids, attention_mask=mask)
-    token = torch.randint(1, model.manifest.vocab_size, (3, 1), generator=gen)
-    stepped, _ = model.step(token, state)
-    for i, row in enumerate(rows):
-        alone, alone_state = model.prefill(row[None])
-        assert rel_diff(logits[i, 12 - len(row) :], alone[0]) < 1e-4
-        assert rel_diff(stepped[i], model.step(token[i : i + 1], alone_state)[0][0]) < 1e-4
+    assert_left_padded_rows_equal_rows_alone(model, [12, 7, 3], _gen(42), steps=1)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -658,10 +634,7 @@ EXACT_FORMS = {  # (q, keys, values, valid, scale, window, block_size) -> out
 
 @HYPOTHESIS
 @given(
-    batch=st.integers(1, 3),
-    num_kv_heads=st.integers(1, 3),
-    group=st.sampled_from([1, 2, 4]),
-    head_dim=st.sampled_from([4, 8, 16]),
+    **HEAD_DRAWS,
     total=st.integers(1, 30),
     data=st.data(),
 )

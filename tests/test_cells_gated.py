@@ -1,6 +1,6 @@
 """The `gated` target (GatedCell: RetNet, GLA, GateLoop) against references written here.
 
-The reference is a float64 loop over the equations of math.md §3, per batch row, kv head and
+The reference is a float64 loop over the equations of docs/math.md §Gated linear attention, per batch row, kv head and
 token, with explicit gates:
 
     S_t = diag(a_t) S_{t-1} + phi(k_t)^T v_t,  z_t = diag(a_t) z_{t-1} + phi(k_t),
@@ -24,15 +24,11 @@ from safetensors.torch import load_file
 
 import rnnify
 from rnnify.cells import CELLS, CellSpec, build_cell, parameters
-from rnnify.cells.gated import (
-    GatedCell,
-    chunk_gated_attn,
-    naive_recurrent_gated_attn,
-    parallel_gated_attn,
-    step_gated_attn,
-)
+from rnnify.cells.gated import GatedCell, step_gated_attn
 from rnnify.cells.linear import FEATURE_MAPS, LinearCell
 from rnnify.errors import RnnifyError
+from rnnify.kernels.linear_attn.naive import chunk_gated_attn, naive_recurrent_gated_attn, parallel_gated_attn
+from support import assert_steps_and_split_prefill_match, random_qkv, rel_diff
 
 # fp32 computation against a float64 reference on O(1) inputs: 1e-5 relative, and the same
 # absolute floor for entries that happen to be near zero.
@@ -246,10 +242,7 @@ def _cell(gate="retnet", num_kv_heads=2, group=2, head_dim=8, value_dim=8, chunk
 
 
 def _qkvx(cell, batch, length, gen, dtype=torch.float32):
-    spec = cell.spec
-    q = torch.randn(batch, spec.num_heads, length, spec.head_dim, generator=gen).to(dtype)
-    k = torch.randn(batch, spec.num_kv_heads, length, spec.head_dim, generator=gen).to(dtype)
-    v = torch.randn(batch, spec.num_kv_heads, length, spec.value_dim, generator=gen).to(dtype)
+    q, k, v = random_qkv(batch, cell.spec, length, gen, dtype)
     x = torch.randn(batch, length, HIDDEN, generator=gen).to(dtype)
     return q, k, v, x
 
@@ -596,10 +589,6 @@ def test_100000_steps_stay_finite_and_match_the_chunked_form(gate):
 
 # --------------------------------------------------------------------------- converted models
 
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
-
-
 @pytest.fixture(scope="module")
 def gated_model(tiny_model_dir):
     """``gated_model(arch, gate)`` -> a converted model; trainable gates randomised to vary with x."""
@@ -625,18 +614,7 @@ ARCH_GATES = [(arch, gate) for arch in ("gpt2", "llama") for gate in GATES]
 def test_converted_step_equals_prefill_and_prefill_continues(arch, gate, gated_model):
     model = gated_model(arch, gate)
     ids = torch.randint(0, model.manifest.vocab_size, (2, 40), generator=_gen(17))
-    full, full_state = model.prefill(ids)
-    logits, state = model.prefill(ids[:, :1])
-    outs = [logits]
-    for t in range(1, 40):
-        logits, state = model.step(ids[:, t : t + 1], state)
-        outs.append(logits)
-    assert rel_diff(torch.cat(outs, 1), full) < 1e-4
-    first, state = model.prefill(ids[:, :23])
-    second, state = model.prefill(ids[:, 23:], state)
-    assert rel_diff(torch.cat([first, second], 1), full) < 1e-4
-    for a, b in zip(state.tensors, full_state.tensors):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert_steps_and_split_prefill_match(model, ids, 23)
 
 
 @pytest.mark.parametrize("arch, gate", ARCH_GATES)

@@ -1,6 +1,6 @@
 """Linear-attention feature maps and the gated-RNN target, against references written here.
 
-References are float64 and come straight from the equations (math.md §2 and §4), never from
+References are float64 and come straight from the equations (docs/math.md §Linear attention and §Gated linear RNN), never from
 rnnify's helpers: each feature map written out; linear attention as the loop
 S_t = S_{t-1} + phi(k_t)^T v_t, z_t = z_{t-1} + phi(k_t), o_t = phi(q_t) S_t / (phi(q_t) . z_t + eps)
 (or o_t = phi(q_t) S_t unnormalised); the gated RNN as Zucchet et al.'s construction, a matrix
@@ -42,12 +42,13 @@ from rnnify.cells.linear import (
     FeatureMap,
     LinearCell,
     build_feature_map,
-    chunk_linear_attn,
-    naive_recurrent_linear_attn,
-    parallel_linear_attn,
-    step_linear_attn,
+    chunk_feature_attn,
+    naive_recurrent_feature_attn,
+    parallel_feature_attn,
+    step_feature_attn,
 )
 from rnnify.errors import RnnifyError
+from support import assert_steps_and_split_prefill_match, decode, draw_heads, random_qkv, rel_diff
 
 TOL = 1e-5
 HYPOTHESIS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -93,13 +94,6 @@ def _linear(name, normalize=True, chunk_size=4, perturb=0, **spec_kw) -> LinearC
             for p in cell.parameters():
                 p.add_(0.3 * torch.randn(p.shape, generator=gen))
     return cell
-
-
-def _qkv(batch, spec: CellSpec, length, gen, dtype=torch.float32):
-    q = torch.randn(batch, spec.num_heads, length, spec.head_dim, generator=gen).to(dtype)
-    k = torch.randn(batch, spec.num_kv_heads, length, spec.head_dim, generator=gen).to(dtype)
-    v = torch.randn(batch, spec.num_kv_heads, length, spec.value_dim, generator=gen).to(dtype)
-    return q, k, v
 
 
 def _left_padding(batch, length, gen) -> torch.Tensor:
@@ -269,7 +263,7 @@ def test_performer_features_stay_finite_for_large_queries():
     spec = CellSpec(2, 1, 8, 8, 8**-0.5)
     cell = LinearCell(spec, feature_map="performer", chunk_size=4)
     gen = _gen(4)
-    q, k, v = _qkv(1, spec, 9, gen)
+    q, k, v = random_qkv(1, spec, 9, gen)
     q = 60 * q
     out, kv, k_sum = cell(q, k, v, torch.ones(1, 9, dtype=torch.bool), *cell.init_state(1, CPU, torch.float32))
     assert torch.isfinite(out).all() and torch.isfinite(kv).all()
@@ -305,11 +299,7 @@ def test_trainable_maps_start_at_identity(name):
 @st.composite
 def cell_problems(draw):
     return dict(
-        batch=draw(st.integers(1, 3)),
-        num_kv_heads=draw(st.integers(1, 3)),
-        group=draw(st.sampled_from([1, 2, 4])),
-        head_dim=draw(st.sampled_from([4, 8, 16])),
-        value_dim=draw(st.sampled_from([4, 8])),
+        **draw_heads(draw),
         length=draw(st.one_of(st.just(1), st.integers(1, 40))),
         chunk_size=draw(st.sampled_from([1, 3, 5, 64])),
         prefix=draw(st.integers(0, 5)),
@@ -322,13 +312,13 @@ def _problem_inputs(cell, p):
     """Inputs plus a realistic starting state: the cell's state after a random prefix."""
     gen = _gen(p["seed"])
     spec = cell.spec
-    q, k, v = _qkv(p["batch"], spec, p["length"], gen)
+    q, k, v = random_qkv(p["batch"], spec, p["length"], gen)
     mask = torch.ones(p["batch"], p["length"], dtype=torch.bool)
     if p["padded"]:
         mask = _left_padding(p["batch"], p["length"], gen)
     state = cell.init_state(p["batch"], CPU, torch.float32)
     if p["prefix"]:
-        pq, pk, pv = _qkv(p["batch"], spec, p["prefix"], gen)
+        pq, pk, pv = random_qkv(p["batch"], spec, p["prefix"], gen)
         _, *state = cell(pq, pk, pv, torch.ones(p["batch"], p["prefix"], dtype=torch.bool), *state)
     return q, k, v, mask, tuple(state)
 
@@ -359,9 +349,9 @@ def _check_cell_against_reference(cell, p):
     kv0, z0 = state[0], (state[1] if cell.normalize else None)
     ref = reference_linear_attention(phi_q, phi_k, v, kv0, z0, cell.eps, cell.normalize)
     forms = {
-        "naive": naive_recurrent_linear_attn,
-        "parallel": parallel_linear_attn,
-        "chunk": lambda *a: chunk_linear_attn(*a, chunk_size=p["chunk_size"]),
+        "naive": naive_recurrent_feature_attn,
+        "parallel": parallel_feature_attn,
+        "chunk": lambda *a: chunk_feature_attn(*a, chunk_size=p["chunk_size"]),
         "step": _step_loop,
     }
     for name, form in forms.items():
@@ -378,7 +368,7 @@ def _step_loop(phi_q, phi_k, v, kv, k_sum, eps):
     outs = []
     for t in range(phi_k.shape[2]):
         one = slice(t, t + 1)
-        out, kv, k_sum = step_linear_attn(phi_q[:, :, :, one], phi_k[:, :, one], v[:, :, one], kv, k_sum, eps)
+        out, kv, k_sum = step_feature_attn(phi_q[:, :, :, one], phi_k[:, :, one], v[:, :, one], kv, k_sum, eps)
         outs.append(out)
     return torch.cat(outs, dim=3), kv, k_sum
 
@@ -396,9 +386,9 @@ def test_linear_cell_forms_match_float64_reference(name, normalize, p):
 def test_linear_cell_padding_does_not_change_the_state(name, normalize):
     cell = _linear(name, normalize, perturb=1)
     spec, gen = cell.spec, _gen(8)
-    q, k, v = _qkv(2, spec, 9, gen)
+    q, k, v = random_qkv(2, spec, 9, gen)
     _, *state = cell(q, k, v, torch.ones(2, 9, dtype=torch.bool), *cell.init_state(2, CPU, torch.float32))
-    pq, pk, pv = (100 * x for x in _qkv(2, spec, 5, gen))  # large garbage at padding positions
+    pq, pk, pv = (100 * x for x in random_qkv(2, spec, 5, gen))  # large garbage at padding positions
     padding = torch.zeros(2, 5, dtype=torch.bool)
     out, *after = cell(pq, pk, pv, padding, *state)
     assert all(torch.equal(a, b) for a, b in zip(after, state)) and torch.isfinite(out).all()
@@ -420,7 +410,7 @@ def test_linear_cell_padding_does_not_change_the_state(name, normalize):
 def test_linear_cell_bf16_inputs_keep_an_fp32_state(name, normalize):
     cell = _linear(name, normalize, chunk_size=3, perturb=2)
     gen = _gen(9)
-    q, k, v = _qkv(2, cell.spec, 10, gen, dtype=torch.bfloat16)
+    q, k, v = random_qkv(2, cell.spec, 10, gen, dtype=torch.bfloat16)
     mask = torch.ones(2, 10, dtype=torch.bool)
     init = cell.init_state(2, CPU, torch.bfloat16)
     assert all(t.dtype == torch.float32 for t in init)
@@ -439,7 +429,7 @@ def test_linear_state_shape_is_fixed_and_counted(name, normalize):
     expected = ((3, 3, f, 6), (3, 3, f)) if normalize else ((3, 3, f, 6),)
     assert cell.state_names == (("kv", "k_sum") if normalize else ("kv",))
     for length in (1, 7, 40):
-        q, k, v = _qkv(3, cell.spec, length, _gen(length))
+        q, k, v = random_qkv(3, cell.spec, length, _gen(length))
         _, *state = cell(q, k, v, torch.ones(3, length, dtype=torch.bool), *cell.init_state(3, CPU, torch.float32))
         assert tuple(tuple(t.shape) for t in state) == expected
     per_sequence = 3 * (f * 6 + (f if normalize else 0)) * 4
@@ -458,7 +448,7 @@ def test_linear_options_round_trip_through_json(name, normalize):
     again = build_cell("linear", spec, json.loads(json.dumps(cell.options())))
     assert again.options() == cell.options()
     assert {k: v for k, v in cell.options().items() if k in options} == options
-    q, k, v = _qkv(1, spec, 6, _gen(10))
+    q, k, v = random_qkv(1, spec, 6, _gen(10))
     mask = torch.ones(1, 6, dtype=torch.bool)
     assert torch.equal(cell(q, k, v, mask, *cell.init_state(1, CPU, torch.float32))[0],
                        again(q, k, v, mask, *again.init_state(1, CPU, torch.float32))[0])
@@ -483,11 +473,11 @@ def test_linear_bad_options_are_clear_errors(options, match):
 
 
 def test_trainable_feature_maps_learn_at_the_cell_level():
-    """A few SGD steps on phi alone (attention transfer, math.md §6) move the outputs toward softmax."""
+    """A few SGD steps on phi alone (docs/math.md §Attention transfer) move the outputs toward softmax."""
     gen = _gen(11)
     for name in ("hedgehog", "t2r"):
         cell = _linear(name)
-        q, k, v = _qkv(2, cell.spec, 12, gen)
+        q, k, v = random_qkv(2, cell.spec, 12, gen)
         # softmax attention's output: what attention transfer teaches phi to imitate
         scores = cell.spec.scale * q @ k.repeat_interleave(2, 1).transpose(-1, -2)
         scores = scores.masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(), float("-inf"))
@@ -568,9 +558,9 @@ def test_gated_rnn_forms_match_float64_reference(p, decay):
 def test_gated_rnn_padding_does_not_change_the_state():
     cell = GatedRNNCell(_spec(), decay=0.9, chunk_size=3)
     gen = _gen(13)
-    q, k, v = _qkv(2, cell.spec, 7, gen)
+    q, k, v = random_qkv(2, cell.spec, 7, gen)
     _, h = cell(q, k, v, torch.ones(2, 7, dtype=torch.bool), *cell.init_state(2, CPU, torch.float32))
-    pq, pk, pv = (100 * x for x in _qkv(2, cell.spec, 4, gen))
+    pq, pk, pv = (100 * x for x in random_qkv(2, cell.spec, 4, gen))
     padding = torch.zeros(2, 4, dtype=torch.bool)
     out, after = cell(pq, pk, pv, padding, h)
     assert torch.equal(after, h) and torch.isfinite(out).all()
@@ -580,7 +570,7 @@ def test_gated_rnn_padding_does_not_change_the_state():
 
 def test_gated_rnn_bf16_inputs_keep_an_fp32_state():
     cell = GatedRNNCell(_spec(), decay=0.9, chunk_size=3)
-    q, k, v = _qkv(2, cell.spec, 10, _gen(14), dtype=torch.bfloat16)
+    q, k, v = random_qkv(2, cell.spec, 10, _gen(14), dtype=torch.bfloat16)
     mask = torch.ones(2, 10, dtype=torch.bool)
     (h0,) = cell.init_state(2, CPU, torch.bfloat16)
     out, h = cell(q, k, v, mask, h0)
@@ -611,18 +601,6 @@ def _ids(model, batch, length, seed):
     return torch.randint(0, model.manifest.vocab_size, (batch, length), generator=_gen(seed))
 
 
-def _rel(a, b) -> float:
-    return float((a - b).abs().max() / b.abs().max())
-
-
-def _decode(model, ids, prefill_length):
-    logits, state = model.prefill(ids[:, :prefill_length])
-    outs = [logits]
-    for t in range(prefill_length, ids.shape[1]):
-        logits, state = model.step(ids[:, t : t + 1], state)
-        outs.append(logits)
-    return torch.cat(outs, 1), state
-
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_gated_rnn_model_equals_unnormalised_identity_linear(arch, tiny_model_dir):
@@ -633,10 +611,10 @@ def test_gated_rnn_model_equals_unnormalised_identity_linear(arch, tiny_model_di
     ids = _ids(grnn, 2, 30, 20)
     a, state_a = grnn.prefill(ids)
     b, state_b = lin.prefill(ids)
-    assert _rel(a, b) < 1e-5
-    a, state_a = _decode(grnn, ids, 10)
-    b, state_b = _decode(lin, ids, 10)
-    assert _rel(a, b) < 1e-5
+    assert rel_diff(a, b) < 1e-5
+    a, state_a = decode(grnn, ids, 10)
+    b, state_b = decode(lin, ids, 10)
+    assert rel_diff(a, b) < 1e-5
     # and the states hold the same numbers: kv neuron (i, j) is S[j, i] of linear attention
     for cell, h, kv in zip(grnn.cells, state_a.tensors, state_b.tensors):
         dk, dv = cell.spec.head_dim, cell.spec.value_dim
@@ -662,14 +640,7 @@ def test_converted_model_contract(arch, config, tiny_model_dir, tmp_path):
             p.add_(0.2 * torch.randn(p.shape, generator=_gen(21)))
     ids = _ids(model, 2, 100, 22)
 
-    full, full_state = model.prefill(ids[:, :40])
-    stepped, _ = _decode(model, ids[:, :40], 1)
-    assert _rel(stepped, full) < 1e-4
-    first, state = model.prefill(ids[:, :17])
-    second, state = model.prefill(ids[:, 17:40], state)
-    assert _rel(torch.cat([first, second], 1), full) < 1e-4
-    for a, b in zip(state.tensors, full_state.tensors):
-        close(a, b, tol=1e-4)
+    full, _ = assert_steps_and_split_prefill_match(model, ids[:, :40], 17, state_tol=1e-4)
 
     _, short = model.prefill(ids[:, :16])
     _, long = model.prefill(ids)
@@ -711,7 +682,7 @@ def test_trainable_maps_are_model_parameters_saved_and_trained(name, tiny_model_
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
     with torch.no_grad():
         after = model.prefill(ids)[0]
-    assert _rel(after, before) > 1e-5
+    assert rel_diff(after, before) > 1e-5
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
 
 
@@ -738,7 +709,7 @@ def _stability_cell(key):
 
 def _run_stability(key, steps):
     cell = _stability_cell(key)
-    q, k, v = _qkv(1, cell.spec, steps, _gen(31))
+    q, k, v = random_qkv(1, cell.spec, steps, _gen(31))
     one = torch.ones(1, 1, dtype=torch.bool)
     state = cell.init_state(1, CPU, torch.float32)
     tail = []

@@ -2,8 +2,8 @@
 
 References, float64 loops straight from the equations, counting each row's real tokens only:
 
-- window (math.md §5): query i attends by softmax to A(i) = {j <= i : i - j < W or j < S}.
-- hybrid (math.md §6, LoLCATs, with sinks): with s_ij = scale q_i.k_j, A(i) as for the window,
+- window (docs/math.md §Sliding window and sinks): query i attends by softmax to A(i) = {j <= i : i - j < W or j < S}.
+- hybrid (docs/math.md §Hybrid window and linear, LoLCATs, with sinks): with s_ij = scale q_i.k_j, A(i) as for the window,
   M(i) = {j : S <= j <= i - W} the other older tokens, m_i the max over A(i),
   y_i = (f_h sum_{j in A(i)} e^{s_ij-m_i} v_j + sum_{j in M(i)} phi(q_i).phi(k_j) v_j)
         / (f_h sum_{j in A(i)} e^{s_ij-m_i} + sum_{j in M(i)} phi(q_i).phi(k_j)),  phi = elu + 1.
@@ -43,6 +43,14 @@ from rnnify.cells.window import (
 )
 from rnnify.errors import RnnifyError
 from rnnify.runtime.manifest import MANIFEST_FILE
+from support import (
+    assert_left_padded_rows_equal_rows_alone,
+    assert_steps_and_split_prefill_match,
+    decode,
+    draw_heads,
+    random_qkv,
+    rel_diff,
+)
 
 # fp32 computation against float64 on O(1) inputs: 1e-5 relative, the same absolute floor.
 RTOL = ATOL = 1e-5
@@ -149,13 +157,6 @@ def _spec(num_kv_heads=2, group=2, head_dim=8, value_dim=None, window=None) -> C
     return CellSpec(num_kv_heads * group, num_kv_heads, head_dim, value_dim or head_dim, head_dim**-0.5, window)
 
 
-def _qkv(batch, spec: CellSpec, length, gen, dtype=torch.float32):
-    q = torch.randn(batch, spec.num_heads, length, spec.head_dim, generator=gen).to(dtype)
-    k = torch.randn(batch, spec.num_kv_heads, length, spec.head_dim, generator=gen).to(dtype)
-    v = torch.randn(batch, spec.num_kv_heads, length, spec.value_dim, generator=gen).to(dtype)
-    return q, k, v
-
-
 def _padding_mask(kind: str, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
     if kind == "none":
         return torch.ones(batch, length, dtype=torch.bool)
@@ -196,6 +197,17 @@ def _assert_states_close(got, want, what):
             assert torch.equal(a, b), name
 
 
+def _assert_forms_agree(forms, want, want_state, real, state_names) -> None:
+    """Each form (a thunk returning ``(out, *state)``) gives the naive loop's outputs on real queries
+    (padding queries: anything finite, fp32) and its state."""
+    for name, form in forms.items():
+        out, *new_state = form()
+        assert out.shape == want.shape and out.dtype == torch.float32, name
+        assert torch.isfinite(out).all(), name
+        torch.testing.assert_close(out[real], want[real], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+        _assert_states_close(new_state, want_state, [f"{name} {n}" for n in state_names])
+
+
 def _splits(sizes: list[int], length: int) -> list[tuple[int, int]]:
     """[a, b) bounds of chunks of the given sizes, then single tokens until ``length``."""
     bounds, start = [], 0
@@ -213,11 +225,7 @@ def _splits(sizes: list[int], length: int) -> list[tuple[int, int]]:
 @st.composite
 def window_problems(draw):
     return dict(
-        batch=draw(st.integers(1, 3)),
-        num_kv_heads=draw(st.integers(1, 3)),
-        group=draw(st.sampled_from([1, 2, 4])),
-        head_dim=draw(st.sampled_from([4, 8, 16])),
-        value_dim=draw(st.sampled_from([4, 8])),
+        **draw_heads(draw),
         window=draw(st.integers(1, 12)),
         sinks=draw(st.integers(0, 4)),
         prefix=draw(st.integers(0, 14)),
@@ -232,7 +240,7 @@ def _form_inputs(p, cell):
     """Inputs of the forms: a prefix read by the naive loop into the state, then ``length`` new tokens."""
     gen, spec = _gen(p["seed"]), cell.spec
     total = p["prefix"] + p["length"]
-    q, k, v = _qkv(p["batch"], spec, total, gen)
+    q, k, v = random_qkv(p["batch"], spec, total, gen)
     mask = _padding_mask(p["padding"], p["batch"], total, gen)
     state = _garbage_buffers(cell, cell.init_state(p["batch"], CPU, torch.float32), gen)
     return q, k, v, mask, state
@@ -262,60 +270,63 @@ def test_window_forms_equal_the_naive_loop_and_the_reference(p):
         "chunk": lambda: chunk_window_attn(*args, *state, scale, block_size=p["chunk"]),
         "step_loop": lambda: _step_loop(step_window_attn, *args, *state, scale=scale),
     }
-    for name, form in forms.items():
-        out, *new_state = form()
-        assert out.shape == want.shape and out.dtype == torch.float32, name
-        assert torch.isfinite(out).all(), name  # padding queries: anything finite
-        torch.testing.assert_close(out[real], want[real], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
-        _assert_states_close(new_state, want_state, [f"{name} {n}" for n in WindowCell.state_names])
+    _assert_forms_agree(forms, want, want_state, real, WindowCell.state_names)
     assert all(torch.equal(a, b) for a, b in zip(before, (*args, *state)))  # inputs untouched
 
 
 # --------------------------------------------------------------------------- window: the cell
 
 
-@CELL_HYPOTHESIS
-@given(
+# what the window and hybrid cells' property tests draw alike
+CELL_DRAWS = dict(
     window=st.integers(1, 12),
-    sinks=st.integers(0, 4),
     length=st.integers(1, 24),
     splits=st.lists(st.integers(1, 20), max_size=3),
-    block_size=st.sampled_from([1, 3, 64]),
     group=st.sampled_from([1, 2, 4]),
     left_pad=st.integers(0, 6),
     seed=st.integers(0, 2**31 - 1),
 )
+
+
+def _check_cell(cell, reference, length, splits, left_pad, gen) -> None:
+    """One call over ``length`` tokens (batch 2, row 1 left-padded by ``left_pad``, possibly all
+    padding) matches ``reference(q, k, v, mask)`` on the real tokens; calls over the pieces cut by
+    ``splits``, each continuing from the last state, give the same outputs and state."""
+    spec, batch = cell.spec, 2
+    q, k, v = random_qkv(batch, spec, length, gen)
+    mask = torch.ones(batch, length, dtype=torch.bool)
+    mask[1, :left_pad] = False
+    with torch.no_grad():
+        init = cell.init_state(batch, CPU, torch.float32)
+        one_shot, *final = cell(q, k, v, mask, *init)
+        ref = reference(q, k, v, mask)
+        real = mask[:, None, :, None].expand_as(ref)
+        torch.testing.assert_close(one_shot.double()[real], ref[real], rtol=RTOL, atol=ATOL)
+        assert torch.isfinite(one_shot).all()
+        outs, state = [], init
+        for a, b in _splits(splits, length):
+            out, *state = cell(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], mask[:, a:b], *state)
+            outs.append(out)
+            assert [t.shape for t in state] == [t.shape for t in init]  # constant size
+    torch.testing.assert_close(torch.cat(outs, dim=2), one_shot, rtol=RTOL, atol=ATOL)
+    _assert_states_close(state, final, cell.state_names)
+
+
+@CELL_HYPOTHESIS
+@given(**CELL_DRAWS, sinks=st.integers(0, 4), block_size=st.sampled_from([1, 3, 64]))
 def test_window_cell_chunked_and_stepped_equal_one_shot_and_reference(
     window, sinks, length, splits, block_size, group, left_pad, seed
 ):
-    gen = _gen(seed)
     cell = WindowCell(_spec(group=group), window=window, sinks=sinks, block_size=block_size)
-    spec, batch = cell.spec, 2
-    q, k, v = _qkv(batch, spec, length, gen)
-    mask = torch.ones(batch, length, dtype=torch.bool)
-    mask[1, :left_pad] = False  # row 1 left-padded (possibly all padding)
-
-    init = cell.init_state(batch, CPU, torch.float32)
-    one_shot, *final = cell(q, k, v, mask, *init)
-    ref = reference_window_attention(q, k, v, mask, window, sinks, spec.scale)
-    real = mask[:, None, :, None].expand_as(ref)
-    torch.testing.assert_close(one_shot.double()[real], ref[real], rtol=RTOL, atol=ATOL)
-    assert torch.isfinite(one_shot).all()
-
-    outs, state = [], init
-    for a, b in _splits(splits, length):
-        out, *state = cell(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], mask[:, a:b], *state)
-        outs.append(out)
-        assert [t.shape for t in state] == [t.shape for t in init]  # constant size
-    torch.testing.assert_close(torch.cat(outs, dim=2), one_shot, rtol=RTOL, atol=ATOL)
-    _assert_states_close(state, final, WindowCell.state_names)
+    _check_cell(cell, lambda q, k, v, mask: reference_window_attention(q, k, v, mask, window, sinks, cell.spec.scale),
+                length, splits, left_pad, _gen(seed))
 
 
 def test_window_cell_ring_holds_the_last_window_tokens_and_the_sinks():
     gen = _gen(1)
     cell = WindowCell(_spec(), window=5, sinks=2)
     spec = cell.spec
-    q, k, v = _qkv(2, spec, 30, gen)
+    q, k, v = random_qkv(2, spec, 30, gen)
     mask = torch.ones(2, 30, dtype=torch.bool)
     mask[1, :7] = False
     state = cell.init_state(2, CPU, torch.float32)
@@ -348,7 +359,7 @@ def test_window_cell_window_comes_from_the_model_or_the_option():
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"window": 0}, "window must be an integer >= 1"),
+        ({"window": 0}, "window must be a positive integer"),
         ({"window": 2.5}, "window must be"),
         ({"window": True}, "window must be"),
         ({"window": 4, "sinks": -1}, "sinks must be an integer >= 0"),
@@ -364,7 +375,7 @@ def test_window_cell_rejects_bad_options(options, message):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"window": 0}, "window must be an integer >= 1"),
+        ({"window": 0}, "window must be a positive integer"),
         ({"chunk_size": 0}, "chunk_size must be"),
         ({"feature_map": "cosine"}, "unknown feature map 'cosine'"),
         ({"feature_options": [1]}, "feature_options must be a dict"),
@@ -394,10 +405,10 @@ def _cell_id(cell) -> str:
 def test_padding_tokens_do_not_change_the_state(cell):
     gen = _gen(2)
     spec = cell.spec
-    q, k, v = _qkv(1, spec, 9, gen)
+    q, k, v = random_qkv(1, spec, 9, gen)
     mask = torch.ones(1, 9, dtype=torch.bool)
     _, *state = cell(q, k, v, mask, *cell.init_state(1, CPU, torch.float32))
-    pq, pk, pv = _qkv(1, spec, 5, gen)
+    pq, pk, pv = random_qkv(1, spec, 5, gen)
     padding = torch.zeros(1, 5, dtype=torch.bool)
     out, *after = cell(pq, pk, pv, padding, *state)  # a prefill of padding only
     assert torch.isfinite(out).all() and all(torch.equal(a, b) for a, b in zip(after, state))
@@ -418,7 +429,7 @@ def test_state_size_is_constant_and_counted(cell):
     gen, spec = _gen(3), cell.spec
     shapes, held = set(), set()
     for length in (1, 7, 16, 100):
-        q, k, v = _qkv(3, spec, length, gen, dtype=torch.bfloat16)
+        q, k, v = random_qkv(3, spec, length, gen, dtype=torch.bfloat16)
         _, *state = cell(q, k, v, torch.ones(3, length, dtype=torch.bool), *cell.init_state(3, CPU, torch.bfloat16))
         shapes.add(tuple(tuple(t.shape) for t in state))
         held.add(sum(t.numel() * t.element_size() for t in state))
@@ -434,7 +445,7 @@ def test_state_size_is_constant_and_counted(cell):
 @pytest.mark.parametrize("cell", _cells(), ids=_cell_id)
 def test_cells_do_not_mutate_their_inputs(cell):
     gen, spec = _gen(4), cell.spec
-    q, k, v = _qkv(2, spec, 8, gen)
+    q, k, v = random_qkv(2, spec, 8, gen)
     mask = torch.ones(2, 8, dtype=torch.bool)
     _, *state = cell(q, k, v, mask, *cell.init_state(2, CPU, torch.float32))
     before = [t.clone() for t in (q, k, v, mask, *state)]
@@ -447,7 +458,7 @@ def test_window_cell_bf16_inputs():
     gen = _gen(5)
     cell = WindowCell(_spec(), window=6, sinks=2, block_size=4)
     spec = cell.spec
-    q, k, v = _qkv(2, spec, 30, gen, dtype=torch.bfloat16)
+    q, k, v = random_qkv(2, spec, 30, gen, dtype=torch.bfloat16)
     mask = torch.ones(2, 30, dtype=torch.bool)
     init = cell.init_state(2, CPU, torch.bfloat16)
     assert [t.dtype for t in init] == [torch.bfloat16] * 4 + [torch.long]  # caches in the model dtype
@@ -518,12 +529,7 @@ def test_hybrid_forms_equal_the_naive_loop_and_the_reference(p):
         "chunk": lambda: chunk_hybrid_attn(*args, *state, *fixed, chunk_size=p["chunk"]),
         "step_loop": lambda: _step_loop(step_hybrid_attn, *args, *state, fixed=fixed),
     }
-    for name, form in forms.items():
-        out, *new_state = form()
-        assert out.shape == want.shape and out.dtype == torch.float32, name
-        assert torch.isfinite(out).all(), name  # padding queries: anything finite
-        torch.testing.assert_close(out[real], want[real], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
-        _assert_states_close(new_state, want_state, [f"{name} {n}" for n in FORM_STATE])
+    _assert_forms_agree(forms, want, want_state, real, FORM_STATE)
     assert all(torch.equal(a, b) for a, b in zip(before, (*args, *state)))
 
 
@@ -535,7 +541,7 @@ def test_hybrid_forms_agree_for_every_feature_map(feature_map):
     phi = build_feature_map(feature_map, spec)
     for seed, window, sinks, chunk in ((0, 3, 0, 4), (1, 1, 0, 64), (2, 3, 2, 5)):
         gen = _gen(seed)
-        q, k, v = _qkv(2, spec, 19, gen)
+        q, k, v = random_qkv(2, spec, 19, gen)
         mask = _padding_mask("left", 2, 19, gen)
         cell = HybridCell(spec, window=window, sinks=sinks)
         init = _form_state(cell, cell.init_state(2, CPU, torch.float32))
@@ -559,16 +565,7 @@ def test_hybrid_forms_agree_for_every_feature_map(feature_map):
 
 
 @CELL_HYPOTHESIS
-@given(
-    window=st.integers(1, 12),
-    sinks=st.sampled_from([0, 1, 3]),
-    length=st.integers(1, 24),
-    splits=st.lists(st.integers(1, 20), max_size=3),
-    chunk_size=st.sampled_from([1, 3, 64]),
-    group=st.sampled_from([1, 2, 4]),
-    left_pad=st.integers(0, 6),
-    seed=st.integers(0, 2**31 - 1),
-)
+@given(**CELL_DRAWS, sinks=st.sampled_from([0, 1, 3]), chunk_size=st.sampled_from([1, 3, 64]))
 def test_hybrid_cell_chunked_and_stepped_equal_one_shot_and_reference(
     window, sinks, length, splits, chunk_size, group, left_pad, seed
 ):
@@ -577,28 +574,14 @@ def test_hybrid_cell_chunked_and_stepped_equal_one_shot_and_reference(
     with torch.no_grad():
         cell.window_logit.copy_(2 * torch.randn(cell.spec.num_heads, generator=gen))
         cell.memory_gate.copy_(torch.rand(cell.spec.num_heads, generator=gen))
-    spec, batch = cell.spec, 2
-    q, k, v = _qkv(batch, spec, length, gen)
-    mask = torch.ones(batch, length, dtype=torch.bool)
-    mask[1, :left_pad] = False
 
-    with torch.no_grad():
-        init = cell.init_state(batch, CPU, torch.float32)
-        one_shot, *final = cell(q, k, v, mask, *init)
+    def reference(q, k, v, mask):
         factor = torch.sigmoid(cell.window_logit)
-        ref = reference_gated_hybrid_attention(q, k, v, mask, window, factor, cell.memory_gate, spec.scale, sinks=sinks)
-        real = mask[:, None, :, None].expand_as(ref)
-        torch.testing.assert_close(one_shot.double()[real], ref[real], rtol=RTOL, atol=ATOL)
-        assert torch.isfinite(one_shot).all()
+        return reference_gated_hybrid_attention(q, k, v, mask, window, factor, cell.memory_gate, cell.spec.scale,
+                                                sinks=sinks)
 
-        outs, state = [], init
-        for a, b in _splits(splits, length):
-            out, *state = cell(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], mask[:, a:b], *state)
-            outs.append(out)
-            assert [t.shape for t in state] == [t.shape for t in init]
-    torch.testing.assert_close(torch.cat(outs, dim=2), one_shot, rtol=RTOL, atol=ATOL)
-    _assert_states_close(state, final, cell.state_names)
-    assert len(state) == len(cell.state_names) == (7 if sinks else 5)
+    _check_cell(cell, reference, length, splits, left_pad, gen)
+    assert len(cell.state_names) == (7 if sinks else 5)
 
 
 @pytest.mark.parametrize("window", [30, 31, 100])
@@ -608,7 +591,7 @@ def test_hybrid_with_a_window_covering_everything_is_softmax_attention(window):
     with torch.no_grad():
         cell.window_logit.copy_(torch.randn(4, generator=gen))  # f_h cancels out
         spec = cell.spec
-        q, k, v = _qkv(2, spec, 30, gen)
+        q, k, v = random_qkv(2, spec, 30, gen)
         mask = torch.ones(2, 30, dtype=torch.bool)
         init = cell.init_state(2, CPU, torch.float32)
         softmax = reference_window_attention(q, k, v, mask, window=10**9, sinks=0, scale=spec.scale)
@@ -626,7 +609,7 @@ def test_hybrid_cell_bf16_inputs_keep_an_fp32_linear_state():
     gen = _gen(7)
     cell = HybridCell(_spec(), window=4, chunk_size=3, memory_init=1.0)
     spec = cell.spec
-    q, k, v = _qkv(2, spec, 30, gen, dtype=torch.bfloat16)
+    q, k, v = random_qkv(2, spec, 30, gen, dtype=torch.bfloat16)
     mask = torch.ones(2, 30, dtype=torch.bool)
     with torch.no_grad():
         init = cell.init_state(2, CPU, torch.bfloat16)
@@ -656,7 +639,7 @@ def test_hybrid_cell_parameters_train():
     }
     assert type(cell)(cell.spec, **cell.options()).options() == cell.options()
     gen = _gen(8)
-    q, k, v = _qkv(1, cell.spec, 12, gen)
+    q, k, v = random_qkv(1, cell.spec, 12, gen)
     mask = torch.ones(1, 12, dtype=torch.bool)
     out, *_ = cell(q, k, v, mask, *cell.init_state(1, CPU, torch.float32))
     out.square().sum().backward()
@@ -684,7 +667,7 @@ def test_training_free_hybrid_is_its_window_alone(sinks):
     gen = _gen(10)
     cell = HybridCell(_spec(num_kv_heads=2, group=2), window=5, sinks=sinks, chunk_size=4, feature_map="hedgehog")
     spec = cell.spec
-    q, k, v = _qkv(2, spec, 40, gen)
+    q, k, v = random_qkv(2, spec, 40, gen)
     mask = _padding_mask("left", 2, 40, gen)
     window = reference_window_attention(q, k, v, mask, window=5, sinks=sinks, scale=spec.scale)
     real = mask[:, None, :, None].expand_as(window)
@@ -712,7 +695,7 @@ def test_hybrid_hedgehog_feature_map_weights_get_gradients():
     cell = HybridCell(_spec(), window=3, feature_map="hedgehog")
     trainable = list(cell.parameters())
     assert len(trainable) > 1  # window_logit and the feature map's weights
-    q, k, v = _qkv(1, cell.spec, 12, _gen(9))
+    q, k, v = random_qkv(1, cell.spec, 12, _gen(9))
     out, *_ = cell(q, k, v, torch.ones(1, 12, dtype=torch.bool), *cell.init_state(1, CPU, torch.float32))
     out.square().sum().backward()
     assert all(p.grad is not None for p in trainable)
@@ -724,7 +707,7 @@ def test_hybrid_hedgehog_feature_map_weights_get_gradients():
 def _long_decode(cell, steps: int):
     """``steps`` single steps on random fp32 inputs, and the chunked form over the same inputs."""
     gen, spec = _gen(10), cell.spec
-    q, k, v = _qkv(1, spec, steps, gen)
+    q, k, v = random_qkv(1, spec, steps, gen)
     mask = torch.ones(1, 1, dtype=torch.bool)
     outs = torch.empty(1, spec.num_heads, steps, spec.value_dim)
     start = time.perf_counter()
@@ -746,10 +729,6 @@ STABILITY_CELLS = {
 }
 
 
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want.double()).abs().max() / want.double().abs().max())
-
-
 def _check_long_decode(target: str, steps: int) -> float:
     cell = STABILITY_CELLS[target]()
     (k, v), outs, state, chunked, chunked_state, elapsed = _long_decode(cell, steps)
@@ -762,7 +741,7 @@ def _check_long_decode(target: str, steps: int) -> float:
     # rounding is held relative to the largest entry: 1e-5 against a float64 sum for both forms.
     ref_kv, ref_z = reference_linear_state(k, v, torch.ones(1, steps, dtype=torch.bool), cell.window, sinks=cell.sinks)
     for got in (state, chunked_state):
-        assert _relative_error(got[-2], ref_kv) < 1e-5 and _relative_error(got[-1], ref_z) < 1e-5
+        assert rel_diff(got[-2], ref_kv) < 1e-5 and rel_diff(got[-1], ref_z) < 1e-5
     assert all(torch.equal(a, b) for a, b in zip(state[:-2], chunked_state[:-2]))  # ring, sinks and length
     # outputs are normalised: the state's rounding shows at ~1e-6, held to 1e-4
     torch.testing.assert_close(outs[:, :, -64:], chunked[:, :, -64:], rtol=1e-4, atol=1e-4)
@@ -784,10 +763,6 @@ def test_100000_steps_are_stable(target):
 # --------------------------------------------------------------------------- converted models
 
 
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
-
-
 VARIANTS = {
     "window": ("window", {"window": 8, "sinks": 2}),
     "hybrid": ("hybrid", {"window": 8, "sinks": 3, "memory_init": 0.5}),  # without sinks: the tests below
@@ -805,16 +780,6 @@ def converted(tiny_model_dir):
         return cache[key]
 
     return get
-
-
-def decode(model, ids, prefill_length):
-    """Logits of prefill(ids[:, :n]) followed by one step per remaining token."""
-    logits, state = model.prefill(ids[:, :prefill_length])
-    outs = [logits]
-    for t in range(prefill_length, ids.shape[1]):
-        logits, state = model.step(ids[:, t : t + 1], state)
-        outs.append(logits)
-    return torch.cat(outs, dim=1), state
 
 
 def test_window_equals_mistral_with_its_own_sliding_window(tiny_model_dir, converted):
@@ -877,15 +842,7 @@ def test_converted_step_equals_prefill_and_prefill_continues(arch, variant, conv
     target, options = VARIANTS[variant]
     model = converted(arch, target, **options)
     ids = torch.randint(0, model.manifest.vocab_size, (2, 40), generator=_gen(13))
-    full, full_state = model.prefill(ids)
-    assert torch.isfinite(full).all()
-    stepped, stepped_state = decode(model, ids, 1)
-    assert rel_diff(stepped, full) < 1e-4
-    first, state = model.prefill(ids[:, :23])
-    second, state = model.prefill(ids[:, 23:], state)
-    assert rel_diff(torch.cat([first, second], 1), full) < 1e-4
-    for a, b in zip(state.tensors, full_state.tensors):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert_steps_and_split_prefill_match(model, ids, 23)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -912,28 +869,7 @@ def test_converted_state_is_constant_and_saves(arch, variant, converted, tmp_pat
 def test_converted_left_padded_rows_equal_rows_alone(arch, variant, converted):
     target, options = VARIANTS[variant]
     model = converted(arch, target, **options)
-    gen = _gen(15)
-    rows = [torch.randint(1, model.manifest.vocab_size, (n,), generator=gen) for n in (14, 9, 3)]
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
-    logits, state = model.prefill(ids, attention_mask=mask)
-    next_ids = torch.randint(1, model.manifest.vocab_size, (len(rows), 4), generator=gen)
-    outs = []
-    for t in range(next_ids.shape[1]):
-        out, state = model.step(next_ids[:, t : t + 1], state)
-        outs.append(out)
-    stepped = torch.cat(outs, 1)
-    for i, row in enumerate(rows):
-        alone, alone_state = model.prefill(row[None])
-        assert rel_diff(logits[i, width - len(row) :], alone[0]) < 1e-4
-        alone_steps = []
-        for t in range(next_ids.shape[1]):
-            out, alone_state = model.step(next_ids[i : i + 1, t : t + 1], alone_state)
-            alone_steps.append(out)
-        assert rel_diff(stepped[i], torch.cat(alone_steps, 1)[0]) < 1e-4
+    assert_left_padded_rows_equal_rows_alone(model, [14, 9, 3], _gen(15))
 
 
 def test_registered():

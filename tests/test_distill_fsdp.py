@@ -12,7 +12,7 @@ import rnnify
 from distill_support import distill_recording_losses, free_port
 from rnnify.distill import train
 from rnnify.distill.lora import add_lora
-from rnnify.passes.split_layers import split_layers
+from rnnify.distill.split_layers import split_layers
 
 OPTIONS = dict(lr=[1e-2, 1e-3], seq_len=16, batch_size=4, progress=False, checkpoint_every=2)
 

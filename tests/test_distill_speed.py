@@ -9,7 +9,7 @@ import rnnify
 from rnnify.cells import parameters as cell_parameters
 from rnnify.cli import main
 from rnnify.distill import attention_transfer, train
-from rnnify.distill.attention import cells_only
+from rnnify.original.attention import cells_only
 from rnnify.distill.losses import token_losses
 from test_distill import FAST, hybrid_dir, tokens  # noqa: F401  (hybrid_dir: a fixture)
 

@@ -7,24 +7,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import rnnify
-
-
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
+from support import assert_left_padded_rows_equal_rows_alone, decode, rel_diff
 
 
 def original(path):
     return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
-
-
-def decode(model, ids, prefill_length):
-    """Logits of prefill(ids[:, :n]) followed by one step per remaining token."""
-    logits, state = model.prefill(ids[:, :prefill_length])
-    outs = [logits]
-    for t in range(prefill_length, ids.shape[1]):
-        logits, state = model.step(ids[:, t : t + 1], state)
-        outs.append(logits)
-    return torch.cat(outs, dim=1), state
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -92,29 +79,7 @@ def test_exact_state_grows(converted_dir):
 @pytest.mark.parametrize("target", ["exact", "linear"])
 def test_left_padded_rows_equal_rows_alone(arch, target, converted_dir):
     model = rnnify.load(converted_dir(arch, target))
-    gen = torch.Generator().manual_seed(5)
-    rows = [torch.randint(1, model.manifest.vocab_size, (n,), generator=gen) for n in (12, 7, 3)]
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
-    logits, state = model.prefill(ids, attention_mask=mask)
-    next_ids = torch.randint(1, model.manifest.vocab_size, (len(rows), 4), generator=gen)
-    stepped, _ = decode_from(model, next_ids, state)
-    for i, row in enumerate(rows):
-        alone, alone_state = model.prefill(row[None])
-        assert rel_diff(logits[i, width - len(row) :], alone[0]) < 1e-4
-        alone_steps, _ = decode_from(model, next_ids[i : i + 1], alone_state)
-        assert rel_diff(stepped[i], alone_steps[0]) < 1e-4
-
-
-def decode_from(model, ids, state):
-    outs = []
-    for t in range(ids.shape[1]):
-        logits, state = model.step(ids[:, t : t + 1], state)
-        outs.append(logits)
-    return torch.cat(outs, 1), state
+    assert_left_padded_rows_equal_rows_alone(model, [12, 7, 3], torch.Generator().manual_seed(5))
 
 
 def test_greedy_generate_equals_transformers(tiny_model_dir, converted_dir):

@@ -21,6 +21,7 @@ from rnnify.passes.fuse_kernels import KERNELS_KEY, fuse_kernels
 from rnnify.passes.rewrite_attention import cell_calls
 from rnnify.plan import make_plan
 from rnnify.runtime.manifest import MANIFEST_FILE
+from support import decode, rel_diff
 
 LINEAR_OPS = {"prefill": "chunk_linear_attn", "decode": "fused_recurrent_linear_attn"}
 HYBRID_OPS = {"prefill": "chunk_linear_attn", "decode": "window_attn_step + fused_recurrent_linear_attn"}
@@ -41,10 +42,6 @@ FAMILIES = {
     "hybrid": ("hybrid", {"window": 3, "sinks": 2, "memory_init": 0.5}),
     "hybrid-hedgehog": ("hybrid", {"window": 4, "feature_map": "hedgehog", "memory_init": 0.5}),
 }
-
-
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
 @pytest.fixture(scope="module")
@@ -205,12 +202,7 @@ def run_model(model, kernels: str, steps: int = 2) -> torch.Tensor:
     ids = torch.randint(0, model.manifest.vocab_size, (2, 6 + steps), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 6, dtype=torch.bool)
     mask[0, :2] = False
-    logits, state = model.prefill(ids[:, :6], attention_mask=mask)
-    outs = [logits]
-    for t in range(6, ids.shape[1]):
-        logits, state = model.step(ids[:, t : t + 1], state)
-        outs.append(logits)
-    return torch.cat(outs, dim=1)[:, 2:]  # row 0's padding positions excluded
+    return decode(model, ids, 6, mask)[0][:, 2:]  # row 0's padding positions excluded
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -234,12 +226,7 @@ def test_triton_matches_reference_over_chunks(family, tiny_model_dir):
     results = {}
     for kernels in ("reference", "triton", "none"):
         model.use_kernels(kernels)
-        logits, state = model.prefill(ids[:, :100])
-        outs = [logits]
-        for t in range(100, ids.shape[1]):
-            logits, state = model.step(ids[:, t : t + 1], state)
-            outs.append(logits)
-        results[kernels] = torch.cat(outs, dim=1)
+        results[kernels] = decode(model, ids, 100)[0]
     assert rel_diff(results["triton"], results["reference"]) < 1e-5
     assert rel_diff(results["none"], results["reference"]) < 1e-5
 

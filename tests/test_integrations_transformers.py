@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 import rnnify
-from rnnify.integrations import hf_files
+from rnnify.runtime import hf_files
 from rnnify.integrations.transformers import RnnifyForCausalLM
 
 PROMPT = "def read(path):"

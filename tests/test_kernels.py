@@ -22,12 +22,12 @@ except ImportError:  # pragma: no cover
 
 import rnnify.kernels as K
 from rnnify.cells.aaren import naive_recurrent_aaren
-from rnnify.cells.gated import naive_recurrent_gated_attn
-from rnnify.cells.linear import naive_recurrent_linear_attn as cells_naive_linear
+from rnnify.cells.linear import naive_recurrent_feature_attn
 from rnnify.cells.window import naive_recurrent_window_attn
 from rnnify.errors import RnnifyError
 from rnnify.kernels import scan, utils
 from rnnify.kernels.linear_attn import common
+from rnnify.kernels.linear_attn.naive import naive_recurrent_gated_attn
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -72,7 +72,7 @@ def test_naive_matches_cells_linear(normalize):
     o, st = K.naive_recurrent_linear_attn(q, k, v, scale=1.0, initial_state=state, output_final_state=True,
                                           normalize=normalize)
     phi_q = q.reshape(B, T, Hkv, H // Hkv, Kd).permute(0, 2, 3, 1, 4)
-    ref, S, z = cells_naive_linear(phi_q, k.transpose(1, 2), v.transpose(1, 2), S0, z0 if normalize else None)
+    ref, S, z = naive_recurrent_feature_attn(phi_q, k.transpose(1, 2), v.transpose(1, 2), S0, z0 if normalize else None)
     close(o, ref.permute(0, 3, 1, 2, 4).reshape(B, T, H, V))
     close(st[0] if normalize else st, S)
     if normalize:
@@ -620,11 +620,11 @@ def test_resolve_backend(monkeypatch):
     with pytest.raises(RnnifyError, match="unknown kernels 'cuda'; choose from: auto, triton, reference$"):
         utils.resolve_backend("cuda", x)
     monkeypatch.setattr(utils, "INTERPRET", False)
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+    with pytest.raises(RnnifyError, match="TRITON_INTERPRET"):
         utils.resolve_backend("triton", x)
     assert not utils.resolve_backend("reference", x)
     monkeypatch.setattr(utils, "HAS_TRITON", False)
-    with pytest.raises(RuntimeError, match="cannot be imported"):
+    with pytest.raises(RnnifyError, match="cannot be imported"):
         utils.resolve_backend("triton", x)
     assert not utils.resolve_backend("auto", x)
 

@@ -8,6 +8,7 @@ import torch
 import rnnify
 from rnnify.errors import RnnifyError
 from rnnify.plan import LayerRule, make_plan, parse_layers
+from support import decode
 
 
 def test_parse_layers():
@@ -51,12 +52,7 @@ def test_keep_softmax_converts_a_mixed_model(tiny_model_dir):
     assert not model.constant_memory  # one exact layer makes the state grow
     ids = torch.randint(0, model.manifest.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     full, _ = model.prefill(ids)
-    logits, state = model.prefill(ids[:, :1])
-    steps = [logits]
-    for t in range(1, ids.shape[1]):
-        logits, state = model.step(ids[:, t : t + 1], state)
-        steps.append(logits)
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(decode(model, ids, 1)[0], full, rtol=1e-4, atol=1e-5)
     assert model.manifest.layers == ["0:exact"]
 
 

@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 import torch.fx
-from torch.export import Dim
 
+from rnnify.capture import capture
 from rnnify.runtime.serialize import GraphFormatError, graph_from_json, graph_to_json
 
 
@@ -26,15 +26,6 @@ def _round_trip(graph: torch.fx.Graph, **kw) -> torch.fx.Graph:
 
 
 # --------------------------------------------------------------------------- real models
-
-class _Wrapper(torch.nn.Module):
-    def __init__(self, m: torch.nn.Module):
-        super().__init__()
-        self.m = m
-
-    def forward(self, input_ids, position_ids):
-        return self.m(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-
 
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -61,23 +52,11 @@ def _inputs(batch: int, length: int):
     return ids, pos
 
 
-def _capture(model: torch.nn.Module) -> torch.fx.GraphModule:
-    ds = ({0: Dim("B", min=1, max=1024), 1: Dim("T", min=2, max=4096)},) * 2
-    ep = torch.export.export(_Wrapper(model.eval()), _inputs(2, 8), dynamic_shapes=ds, strict=False)
-    gm = ep.module()
-    for node in list(gm.graph.nodes):
-        if node.op == "call_module" and node.target == "_guards_fn":
-            gm.graph.erase_node(node)
-    gm.graph._codegen = torch.fx.graph.CodeGen()
-    gm.recompile()
-    return gm
-
-
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def captured(request) -> torch.fx.GraphModule:
     torch.manual_seed(0)
     model = {"gpt2": _gpt2, "llama": _llama}[request.param]()
-    return _capture(model)
+    return capture(model.eval())
 
 
 def test_real_graph_round_trip_matches(captured):

@@ -8,6 +8,7 @@ import torch
 
 import rnnify
 from rnnify.cells import CELLS
+from support import assert_steps_and_split_prefill_match
 
 # Options per target variant; every registered target must appear here (see the last test).
 VARIANTS = {
@@ -33,10 +34,6 @@ def target_of(variant: str) -> str:
     return variant if variant in CELLS else variant.rsplit("-", 1)[0]
 
 
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
-
-
 @pytest.fixture(scope="module")
 def converted(tiny_model_dir):
     cache = {}
@@ -56,19 +53,7 @@ def test_target_forms_agree_and_state_is_constant(arch, variant, converted, tmp_
         pytest.fail(f"target {target_of(variant)!r} is not registered")
     model = converted(arch, variant)
     ids = torch.randint(0, model.manifest.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
-    full, full_state = model.prefill(ids)
-    assert torch.isfinite(full).all()
-
-    logits, state = model.prefill(ids[:, :1])
-    steps = [logits]
-    for t in range(1, ids.shape[1]):
-        logits, state = model.step(ids[:, t : t + 1], state)
-        steps.append(logits)
-    assert rel_diff(torch.cat(steps, 1), full) < 1e-4
-
-    head, state = model.prefill(ids[:, :17])
-    tail, state = model.prefill(ids[:, 17:], state)
-    assert rel_diff(torch.cat([head, tail], 1), full) < 1e-4
+    full, full_state = assert_steps_and_split_prefill_match(model, ids, 17)
 
     _, short = model.prefill(ids[:, :16])
     if variant == "exact":

@@ -1,4 +1,4 @@
-"""Aaren: attention with a learned query, as an RNN ("Attention as an RNN", Feng et al. 2024, math.md §1).
+"""Aaren: attention with a learned query, as an RNN ("Attention as an RNN", Feng et al. 2024, docs/math.md §Aaren).
 
 Softmax attention of one FIXED query q^ over keys 1..t is a many-to-one RNN with a constant
 state (running max m, denominator u, numerator w), per query head. Aaren makes the query of each
@@ -45,27 +45,19 @@ from torch import nn
 
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
+from rnnify.cells.exact import finite_or_zero, readout
+from rnnify.errors import check_int
 
 Forms = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 PREFILL_FORMS = ("chunk", "scan")
 
 
-def _safe(m: torch.Tensor) -> torch.Tensor:
-    """m where finite, else 0: the reference point for exp() when nothing has been read (m = -inf)."""
-    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-
-
-def _readout(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """o = w / u, and 0 where nothing has been read (u = 0)."""
-    return torch.where(u[..., None] > 0, w / u.clamp_min(torch.finfo(u.dtype).tiny)[..., None], 0.0)
-
-
 def combine(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """The scan operator (mA, uA, wA) (+) (mB, uB, wB); w has one more (last) dimension than m and u."""
     (m_a, u_a, w_a), (m_b, u_b, w_b) = a, b
     m = torch.maximum(m_a, m_b)
-    e_a, e_b = torch.exp(m_a - _safe(m)), torch.exp(m_b - _safe(m))
+    e_a, e_b = torch.exp(m_a - finite_or_zero(m)), torch.exp(m_b - finite_or_zero(m))
     return m, u_a * e_a + u_b * e_b, w_a * e_a[..., None] + w_b * e_b[..., None]
 
 
@@ -80,11 +72,11 @@ def naive_recurrent_aaren(s, v, m, u, w) -> Forms:
     for t in range(s.shape[-1]):
         s_t, v_t = s[..., t], v[:, :, None, t]  # [B, Hkv, G], [B, Hkv, 1, Dv]
         m_new = torch.maximum(m, s_t)
-        decay, p = torch.exp(m - _safe(m_new)), torch.exp(s_t - _safe(m_new))
+        decay, p = torch.exp(m - finite_or_zero(m_new)), torch.exp(s_t - finite_or_zero(m_new))
         u = u * decay + p
         w = w * decay[..., None] + p[..., None] * v_t
         m = m_new
-        outs.append(_readout(u, w))
+        outs.append(readout(u, w))
     return torch.stack(outs, dim=3), m, u, w
 
 
@@ -92,18 +84,18 @@ def parallel_aaren(s, v, m, u, w) -> Forms:
     length = s.shape[-1]
     causal = torch.ones(length, length, dtype=torch.bool, device=s.device).tril()
     m_t = torch.maximum(m[..., None], torch.cummax(s, dim=-1).values)  # running max at each t
-    ref = _safe(m_t)[..., None]  # [B, Hkv, G, T, 1]
+    ref = finite_or_zero(m_t)[..., None]  # [B, Hkv, G, T, 1]
     p = torch.exp(s[..., None, :].masked_fill(~causal, float("-inf")) - ref)  # [B, Hkv, G, T(query), T(key)]
     carry = torch.exp(m[..., None] - ref[..., 0])  # weight of the initial state at each t
     u_t = u[..., None] * carry + p.sum(-1)
     w_t = w[..., None, :] * carry[..., None] + p @ v[:, :, None]
-    return _readout(u_t, w_t), m_t[..., -1], u_t[..., -1], w_t[..., -1, :]
+    return readout(u_t, w_t), m_t[..., -1], u_t[..., -1], w_t[..., -1, :]
 
 
 def scan_aaren(s, v, m, u, w) -> Forms:
     # leaves (s_t, 1, v_t), written as (s_t, e^{s_t - s_t}, v_t e^{s_t - s_t}) so padding (s = -inf) is the identity
     length = s.shape[-1]
-    p = torch.exp(s - _safe(s))
+    p = torch.exp(s - finite_or_zero(s))
     x = (s, p, p[..., None] * v[:, :, None])  # w: [B, Hkv, G, T, Dv]
     offset = 1
     while offset < length:  # Hillis-Steele: after this step x[t] = leaves max(0, t-2*offset+1)..t
@@ -112,7 +104,7 @@ def scan_aaren(s, v, m, u, w) -> Forms:
         x = combine(earlier, x)  # x[t - offset] (+) x[t]; the identity (-inf, 0, 0) before the start
         offset *= 2
     m_t, u_t, w_t = combine((m[..., None], u[..., None], w[..., None, :]), x)  # then the initial state
-    return _readout(u_t, w_t), m_t[..., -1], u_t[..., -1], w_t[..., -1, :]
+    return readout(u_t, w_t), m_t[..., -1], u_t[..., -1], w_t[..., -1, :]
 
 
 def chunk_aaren(s, v, m, u, w, chunk_size: int = 64) -> Forms:
@@ -125,9 +117,9 @@ def chunk_aaren(s, v, m, u, w, chunk_size: int = 64) -> Forms:
 
 
 def step_aaren(s, v, m, u, w) -> Forms:
-    p = torch.exp(s[..., 0] - _safe(s[..., 0]))  # T == 1: the leaf (s, 1, v), or the identity on padding
+    p = torch.exp(s[..., 0] - finite_or_zero(s[..., 0]))  # T == 1: the leaf (s, 1, v), or the identity on padding
     m, u, w = combine((m, u, w), (s[..., 0], p, p[..., None] * v[:, :, None, 0]))
-    return _readout(u, w)[:, :, :, None], m, u, w
+    return readout(u, w)[:, :, :, None], m, u, w
 
 
 def fused_aaren(s, v, m, u, w, backend: str = "auto") -> Forms:
@@ -151,11 +143,11 @@ class AarenCell(Cell):
     target = "aaren"
     state_names = ("m", "u", "w")
     uses_query = False
+    calibrates = True
 
     def __init__(self, spec: CellSpec, chunk_size: int = 64, prefill: str = "chunk"):
         super().__init__(spec)
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        check_int("chunk_size", chunk_size)
         if prefill not in PREFILL_FORMS:
             raise ValueError(f"unknown prefill form {prefill!r}; choose from {list(PREFILL_FORMS)}")
         self.chunk_size, self.prefill = chunk_size, prefill

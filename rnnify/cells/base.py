@@ -50,10 +50,13 @@ class Cell(nn.Module):
     """Base class: subclasses set ``target``/``state_names`` and implement the methods below."""
 
     target: ClassVar[str]
-    state_names: ClassVar[tuple[str, ...]]
     grows_with_context: ClassVar[bool] = False
-    needs_input: ClassVar[bool] = False
     uses_query: ClassVar[bool] = True  # False: q is ignored (Aaren), so training leaves what only feeds q alone
+    calibrates: ClassVar[bool] = False  # True: ``calibrate`` initialises the cell from data (Aaren's query)
+    # Per instance where the options change them (a class default otherwise): the state's names, in
+    # the order of ``init_state``, and whether the cell also reads the layer input ``x``.
+    state_names: tuple[str, ...]
+    needs_input: bool = False
 
     def __init__(self, spec: CellSpec):
         super().__init__()
@@ -90,6 +93,11 @@ class Cell(nn.Module):
         ops = self.fused_ops() if check_kernels(kernels) != "none" else {}
         self.kernels = kernels if ops else None
         return ops
+
+    def calibrate(self, q: torch.Tensor, mask: torch.Tensor | None = None) -> "Cell":
+        """Initialise from the ``q [B, H, T, d]`` this cell receives on calibration data (``mask [B, T]``:
+        real tokens); ``RecurrentModel.calibrate`` calls it on cells with ``calibrates``. A no-op here."""
+        return self
 
     def describe(self) -> str:
         """A short note for ``rnnify info`` (e.g. recurrent neurons per head); empty by default."""

@@ -1,4 +1,6 @@
-"""Exact softmax attention as an RNN ("Attention as an RNN", Feng et al. 2024, math.md §1).
+"""Exact softmax attention as an RNN ("Attention as an RNN", Feng et al. 2024).
+
+The math: docs/math.md §Softmax attention as an RNN.
 
 For a query q and keys k_1..k_n with scores s_i = scale * q . k_i, softmax attention is the
 many-to-one recurrence over (running max m, denominator u, numerator w):
@@ -31,6 +33,17 @@ import torch
 from rnnify.cells.base import Cell, CellSpec
 
 
+def finite_or_zero(m: torch.Tensor) -> torch.Tensor:
+    """m where finite, else 0: the reference point for exp() when nothing has been read (m = -inf),
+    so -inf - -inf never occurs."""
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def readout(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """o = w / u, and 0 where nothing has been read (u = 0)."""
+    return torch.where(u[..., None] > 0, w / u.clamp_min(torch.finfo(u.dtype).tiny)[..., None], 0.0)
+
+
 def _allowed(length: int, total: int, valid: torch.Tensor, window: int | None) -> torch.Tensor:
     """``[B, 1, 1, T, N]``: may the query at cache position N-T+t see key j (causal, window, padding)."""
     q_pos = torch.arange(total - length, total, device=valid.device)[:, None]
@@ -61,12 +74,12 @@ def naive_recurrent_softmax_attn(
         s = (q * keys[:, :, None, None, j].float()).sum(-1)  # [B, Hkv, G, T]
         s = s.masked_fill(~allowed[..., j], float("-inf"))
         m_new = torch.maximum(m, s)
-        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))  # -inf - -inf
+        m_safe = finite_or_zero(m_new)
         decay, p = torch.exp(m - m_safe), torch.exp(s - m_safe)
         u = u * decay + p
         w = w * decay[..., None] + p[..., None] * values[:, :, None, None, j].float()
         m = m_new
-    out = torch.where(u[..., None] > 0, w / u.clamp_min(torch.finfo(u.dtype).tiny)[..., None], 0.0)
+    out = readout(u, w)
     return out.reshape(batch, num_heads, length, -1).to(values.dtype)
 
 
@@ -85,7 +98,7 @@ def parallel_softmax_attn(
     allowed = _allowed(length, total, valid, window)
     s = torch.einsum("bhgtd,bhnd->bhgtn", q, keys.float()).masked_fill(~allowed, float("-inf"))
     m = s.amax(-1, keepdim=True)
-    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+    p = torch.exp(s - finite_or_zero(m))
     u = p.sum(-1, keepdim=True)
     out = torch.where(u > 0, (p / u.clamp_min(torch.finfo(u.dtype).tiny)) @ values[:, :, None].float(), 0.0)
     return out.reshape(batch, num_heads, length, -1).to(values.dtype)
@@ -124,13 +137,13 @@ def softmax_attention_rnn(
         s = torch.einsum("bhgtd,bhnd->bhgtn", q, keys[:, :, start:end].float())
         s = s.masked_fill(~allowed, float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
-        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        m_safe = finite_or_zero(m_new)
         decay = torch.exp(m - m_safe)
         p = torch.exp(s - m_safe[..., None])
         u = u * decay + p.sum(-1)
         w = w * decay[..., None] + torch.einsum("bhgtn,bhnd->bhgtd", p, values[:, :, start:end].float())
         m = m_new
-    out = torch.where(u[..., None] > 0, w / u.clamp_min(torch.finfo(u.dtype).tiny)[..., None], 0.0)
+    out = readout(u, w)
     return out.reshape(batch, num_heads, length, -1).to(values.dtype)
 
 

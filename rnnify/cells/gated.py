@@ -1,4 +1,4 @@
-"""Gated (decayed) linear attention: RetNet, GLA and GateLoop (math.md §3).
+"""Gated (decayed) linear attention: RetNet, GLA and GateLoop (docs/math.md §Gated linear attention).
 
 Linear attention (``linear.py``) whose state forgets: a gate a_t in (0, 1] decays the state
 before each new token is added, per kv head:
@@ -30,8 +30,9 @@ to 0 gives inf (fla#215); it is never computed that way here.
 Forms, all computing the same thing (tests hold them to ``naive_recurrent_gated_attn``):
 ``naive_recurrent_*`` (a plain loop, the ground truth), ``parallel_*`` (masked quadratic),
 ``chunk_*`` (fla's naive_chunk: quadratic with relative decays inside chunks of C tokens, the
-state carried between chunks with the chunk's total decay exp(G_C); the prefill path) and
-``step_*`` (one token; the decode path); the fused form is ``cells.linear.fused_linear_attn`` with
+state carried between chunks with the chunk's total decay exp(G_C); the prefill path), the three
+in ``rnnify/kernels/linear_attn/naive.py`` as the ops' references, and ``step_*`` here (one token;
+the decode path); the fused form is ``cells.linear.fused_feature_attn`` with
 the gates (the ops' g for a scalar gate, gk for GLA's vector gate; the raw q, k, the map and the
 mask go to the ops, which apply them). Shapes: phi_q
 ``[B, Hkv, G, T, F]`` (G query heads per kv head), phi_k ``[B, Hkv, T, F]``, v ``[B, Hkv, T, Dv]``,
@@ -59,74 +60,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from rnnify.cells.base import CellSpec
-from rnnify.cells.linear import FeatureMapCell, build_feature_map, fused_linear_attn
-
-Forms = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+from rnnify.cells.linear import FeatureMapCell, fused_feature_attn
+from rnnify.errors import check_int
+from rnnify.kernels.linear_attn.naive import Forms, chunk_gated_attn, normalise
 
 GATES = ("retnet", "gla", "gateloop")
 GATE_OPTIONS = {"retnet": (), "gla": ("gate_rank", "tau", "decay_init"), "gateloop": ("tau", "decay_init")}
-
-
-def _normalise(num: torch.Tensor, den: torch.Tensor, eps: float) -> torch.Tensor:
-    return num / (den[..., None] + eps)
-
-
-def naive_recurrent_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum=None, eps: float = 1e-6) -> Forms:
-    outs = []
-    for t in range(phi_k.shape[2]):
-        a = log_a[:, :, t].exp()  # [B, Hkv, F] or [B, Hkv, 1]
-        kv = a[..., None] * kv + phi_k[:, :, t, :, None] * v[:, :, t, None, :]
-        q_t = phi_q[:, :, :, t]  # [B, Hkv, G, F]
-        if k_sum is None:
-            outs.append(q_t @ kv)
-            continue
-        k_sum = a * k_sum + phi_k[:, :, t]
-        outs.append(_normalise(q_t @ kv, (q_t * k_sum[:, :, None]).sum(-1), eps))
-    return torch.stack(outs, dim=3), kv, k_sum
-
-
-def _relative_decays(log_a: torch.Tensor) -> torch.Tensor:
-    """D[.., f, i, j] = exp(log a_{j+1} + ... + log a_i) = exp(G_i - G_j), the decay from token j to
-    token i, for j <= i, and 0 above the diagonal: ``[B, Hkv, F|1, T, T]``.
-
-    Each segment is summed directly (Mamba2's ``segsum``), not taken as G_i - G_j: that difference
-    of two large cumulative sums loses the digits of a short segment once |G| is large. Entries
-    above the diagonal are set to -inf before exp, so no exponent is ever positive.
-    """
-    length = log_a.shape[2]
-    ones = torch.ones(length, length, dtype=torch.bool, device=log_a.device)
-    terms = log_a.transpose(-1, -2)[..., None, :].expand(-1, -1, -1, length, -1)  # [.., f, j, k] = log a_k
-    sums = terms.masked_fill(~ones.triu(1), 0.0).cumsum(-1)  # [.., f, j, i] = sum over j < k <= i
-    return sums.masked_fill(~ones.triu(), float("-inf")).exp().transpose(-1, -2)
-
-
-def parallel_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum=None, eps: float = 1e-6) -> Forms:
-    decay = _relative_decays(log_a)  # [B, Hkv, F|1, i, j]
-    if log_a.shape[-1] == 1:  # scalar gate: decay the plain scores (decay's size-1 axis spans the G query heads)
-        scores = (phi_q @ phi_k[:, :, None].transpose(-1, -2)) * decay
-    else:  # vector gate: the decay sits inside the feature sum
-        scores = torch.einsum("bhgif,bhfij->bhgij", phi_q, decay * phi_k.transpose(-1, -2)[:, :, :, None])
-    G = log_a.cumsum(2)  # [B, Hkv, T, F|1]: G_i = log a_1 + ... + log a_i
-    q_from_start = phi_q * G[:, :, None].exp()  # phi(q_i) exp(G_i): what reaches token i from the initial state
-    num = scores @ v[:, :, None] + q_from_start @ kv[:, :, None]
-    total = G[:, :, -1:]  # [B, Hkv, 1, F|1]: the decay over the whole block
-    k_to_end = phi_k * decay[:, :, :, -1].transpose(-1, -2)  # phi(k_j) exp(G_T - G_j)
-    new_kv = total.transpose(-1, -2).exp() * kv + k_to_end.transpose(-1, -2) @ v
-    if k_sum is None:
-        return num, new_kv, None
-    den = scores.sum(-1) + (q_from_start * k_sum[:, :, None, None]).sum(-1)
-    return _normalise(num, den, eps), new_kv, total[:, :, 0].exp() * k_sum + k_to_end.sum(2)
-
-
-def chunk_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum=None, eps: float = 1e-6, chunk_size: int = 64) -> Forms:
-    outs = []
-    for start in range(0, phi_k.shape[2], chunk_size):
-        end = start + chunk_size
-        out, kv, k_sum = parallel_gated_attn(
-            phi_q[:, :, :, start:end], phi_k[:, :, start:end], v[:, :, start:end], log_a[:, :, start:end], kv, k_sum, eps
-        )
-        outs.append(out)
-    return torch.cat(outs, dim=3), kv, k_sum
 
 
 def step_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum=None, eps: float = 1e-6) -> Forms:
@@ -136,7 +75,7 @@ def step_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum=None, eps: float = 1e-6) -
     if k_sum is None:
         return num, kv, None
     k_sum = a * k_sum + phi_k[:, :, 0]
-    return _normalise(num, (phi_q * k_sum[:, :, None, None]).sum(-1), eps), kv, k_sum
+    return normalise(num, (phi_q * k_sum[:, :, None, None]).sum(-1), eps), kv, k_sum
 
 
 def retnet_log_gammas(num_kv_heads: int) -> torch.Tensor:
@@ -170,27 +109,14 @@ class GatedCell(FeatureMapCell):
         tau: float | None = None,
         decay_init: float | None = None,
     ):
-        super().__init__(spec)
         if gate not in GATES:
             raise ValueError(f"unknown gate {gate!r}; choose from {list(GATES)}")
-        if not isinstance(normalize, bool):
-            raise ValueError(f"normalize must be true or false, got {normalize!r}")
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
-            raise ValueError(f"eps must be a number >= 0, got {eps!r}")
-        if feature_options is not None and not isinstance(feature_options, dict):
-            raise ValueError(f"feature_options must be a dict of feature map options, got {feature_options!r}")
+        super().__init__(spec, feature_map, feature_options, normalize, chunk_size, eps)
         for name, value in {"gate_rank": gate_rank, "tau": tau, "decay_init": decay_init}.items():
             if value is not None and name not in GATE_OPTIONS[gate]:
                 users = " and ".join(repr(g) for g, names in GATE_OPTIONS.items() if name in names)
                 raise ValueError(f"option {name!r} does not apply to gate {gate!r}, only to {users}")
-        if feature_map == "identity" and normalize:
-            raise ValueError("feature_map 'identity' needs normalize=False: phi(q) . z can be zero or negative")
-        self.gate, self.feature_map = gate, feature_map
-        self.normalize, self.chunk_size, self.eps = normalize, chunk_size, float(eps)
-        self.phi = build_feature_map(feature_map, spec, **(feature_options or {}))
-        self.state_names = ("kv", "k_sum") if normalize else ("kv",)
+        self.gate = gate
         self.needs_input = gate != "retnet"
         num_kv_heads, features = spec.num_kv_heads, self.phi.feature_dim
 
@@ -208,8 +134,7 @@ class GatedCell(FeatureMapCell):
         bias = _gate_bias(self.decay_init, self.tau)
         if gate == "gla":
             self.gate_rank = 16 if gate_rank is None else gate_rank
-            if isinstance(self.gate_rank, bool) or not isinstance(self.gate_rank, int) or self.gate_rank < 1:
-                raise ValueError(f"gate_rank must be a positive integer, got {gate_rank!r}")
+            check_int("gate_rank", self.gate_rank)
             self.gate_down = nn.Linear(spec.hidden_size, self.gate_rank, bias=False)
             self.gate_up = nn.Linear(self.gate_rank, num_kv_heads * features)
             nn.init.zeros_(self.gate_up.weight)
@@ -259,7 +184,7 @@ class GatedCell(FeatureMapCell):
         log_a = self.log_gates(x, mask)
         v = torch.where(mask[:, None, :, None], v.float(), 0.0)  # padding: phi(k) = 0, a = 1, v = 0
         if self.kernels is not None:  # the ops featurise (and mask) q, k themselves
-            out, kv, k_sum = fused_linear_attn(self.grouped(q), k, v, kv, k_sum, self.phi, mask, self.eps, log_a,
+            out, kv, k_sum = fused_feature_attn(self.grouped(q), k, v, kv, k_sum, self.phi, mask, self.eps, log_a,
                                                self.kernels)
         elif q.shape[2] == 1:
             out, kv, k_sum = step_gated_attn(*self.features(q, k, mask), v, log_a, kv, k_sum, self.eps)

@@ -1,4 +1,4 @@
-"""A gated linear RNN that implements linear attention exactly (Zucchet et al. 2023, math.md §4).
+"""A gated linear RNN that implements linear attention exactly (Zucchet et al. 2023, docs/math.md §Gated linear RNN).
 
 "Gated recurrent neural networks discover attention" (arXiv 2309.01775): a gated linear RNN
 layer — GLU input gate, diagonal linear recurrence, GLU output gate —
@@ -43,6 +43,7 @@ import torch
 
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
+from rnnify.errors import check_int
 
 
 class Neurons(NamedTuple):
@@ -152,8 +153,7 @@ class GatedRNNCell(Cell):
         super().__init__(spec)
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
             raise ValueError(f"decay must be a number in [0, 1] (lambda of the key-value neurons), got {decay!r}")
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        check_int("chunk_size", chunk_size)
         self.decay, self.chunk_size = float(decay), chunk_size
         net = build_neurons(spec.head_dim, spec.value_dim, spec.group_size, self.decay)
         for name in ("lam", "input_m", "input_x", "output_m", "output_x"):

@@ -1,4 +1,6 @@
-"""Sliding-window softmax plus linear attention for older tokens (LoLCATs, Zhang et al. 2024, math.md §6).
+"""Sliding-window softmax plus linear attention for older tokens (LoLCATs, Zhang et al. 2024).
+
+The math: docs/math.md §Hybrid window and linear.
 
 Counting only a row's real tokens, query i sees through softmax the last W tokens and the first S
 (the attention sinks of ``cells/window.py``, StreamingLLM; S = 0 by default), and every other
@@ -32,15 +34,16 @@ linear sums: no extra state, no extra pass.
 Recurrent form, constant memory per kv head: the window target's state for the softmax part (a
 ring buffer of the last W keys/values, token n in slot n mod W, the S sink keys/values, model
 dtype, and ``length`` real tokens read per row; ``cells/window.py``) and the linear-attention
-state of the tokens that have left the window (fp32, math.md §2):
+state of the tokens that have left the window (fp32, docs/math.md §Linear attention):
 
     when token i arrives, token i - W leaves the ring; unless it is a sink (i - W < S):
         kv += phi(k_{i-W})^T v_{i-W},      z += phi(k_{i-W})
     y_i = (f_h w_i + phi(q_i) kv) / (f_h u_i + phi(q_i) . z)
 
-where (m_i, u_i, w_i) is the softmax recurrence of math.md §1 over the ring (self included) and
-the sinks no longer in it (a sink still in the ring is counted once, there). The window part is
-part of every step: decoding keeps the ring, it does not fall back to linear attention alone.
+where (m_i, u_i, w_i) is the softmax recurrence of docs/math.md §Softmax attention as an RNN over
+the ring (self included) and the sinks no longer in it (a sink still in the ring is counted once,
+there). The window part is part of every step: decoding keeps the ring, it does not fall back to
+linear attention alone.
 
 Forms (tests hold them to ``naive_recurrent_hybrid_attn``): ``naive_recurrent_*`` (a plain loop
 over tokens, the window part key by key), ``parallel_*`` (masked quadratic over sinks + ring + new
@@ -64,25 +67,22 @@ from torch import nn
 
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
-from rnnify.cells.linear import KERNEL_MAX_FEATURES, build_feature_map, fused_linear_attn
-from rnnify.cells.window import check_int, held_index, token_index, window_write
+from rnnify.cells.exact import finite_or_zero, readout
+from rnnify.cells.linear import KERNEL_MAX_FEATURES, build_feature_map, fused_feature_attn
+from rnnify.errors import check_int
+from rnnify.kernels.ring import held_index, token_index, window_write
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """num / den over the last axis of num; rows with nothing to attend to (den 0) give 0."""
-    return torch.where(den[..., None] > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny)[..., None], 0.0)
 
 
 def _combine(window_num, window_den, linear_num, linear_den, gate=None):
     """The hybrid output (f w + linear numerator) / (f u + linear denominator), blended with the
     window's own output w / u by the memory gate g ``[Hkv, G]``: ``window + g (hybrid - window)``.
     ``gate=None`` is g = 1, the plain LoLCATs sum."""
-    hybrid = _ratio(window_num + linear_num, window_den + linear_den)
+    hybrid = readout(window_den + linear_den, window_num + linear_num)
     if gate is None:
         return hybrid
-    window = _ratio(window_num, window_den)
+    window = readout(window_den, window_num)
     gate = gate.reshape(*gate.shape, *(1,) * (window_den.dim() - 3), 1)  # over [B, Hkv, G, (T,)] d
     return window + gate * (hybrid - window)
 
@@ -121,7 +121,7 @@ def naive_recurrent_hybrid_attn(
             s = scale * (q[:, :, :, t] * key[:, :, None].float()).sum(-1)
             s = torch.where(attended[:, None, None], s, float("-inf"))
             m_new = torch.maximum(m, s)
-            m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
+            m_safe = finite_or_zero(m_new)
             decay, p = torch.exp(m - m_safe), torch.exp(s - m_safe)
             u = u * decay + p
             w = w * decay[..., None] + p[..., None] * value[:, :, None].float()
@@ -150,7 +150,7 @@ def _window_part(q, q_index, key_index, all_keys, all_values, window: int, sinks
     in_window = ((j >= 0) & (j <= i) & ((i - j < window) | (j < sinks)))[:, None, None]  # [B, 1, 1, T, N]
     scores = (scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys)).masked_fill(~in_window, float("-inf"))
     m = scores.amax(-1, keepdim=True)
-    p = factor[..., None, None] * torch.exp(scores - torch.where(torch.isfinite(m), m, 0.0))
+    p = factor[..., None, None] * torch.exp(scores - finite_or_zero(m))
     return p @ all_values[:, :, None], p.sum(-1)
 
 
@@ -212,7 +212,7 @@ def step_hybrid_attn(
     all_keys, all_values = torch.cat([sink_keys, keys], dim=2).float(), torch.cat([sink_values, values], dim=2).float()
     scores = (scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys)).masked_fill(~held, float("-inf"))
     m = scores.amax(-1, keepdim=True)
-    p = factor[..., None, None] * torch.exp(scores - torch.where(torch.isfinite(m), m, 0.0))
+    p = factor[..., None, None] * torch.exp(scores - finite_or_zero(m))
     phi_q = phi(q)
     linear_num = phi_q @ kv[:, :, None]
     linear_den = (phi_q * k_sum[:, :, None, None]).sum(-1)
@@ -258,7 +258,7 @@ def fused_hybrid_attn(
 ):
     """Both phases through ``rnnify.kernels``. The linear part is linear attention whose keys are the
     tokens leaving the window (not sinks), at most one per new token (query i reads every
-    S <= j <= i - W), so ``cells.linear.fused_linear_attn`` runs it (the op applies phi, masking the
+    S <= j <= i - W), so ``cells.linear.fused_feature_attn`` runs it (the op applies phi, masking the
     tokens where none leaves) unnormalised, with the denominator as one more value column of ones
     and z as one more state column. The window part: for a decode token (T == 1)
     ``fused_window_step``; for a prompt ``_window_part`` here, chunk by chunk."""
@@ -279,7 +279,7 @@ def fused_hybrid_attn(
     leaves = torch.cat([part[2] for part in left], dim=1)
     old_values = torch.cat([old_values, torch.ones_like(old_values[..., :1])], dim=-1)
     state = torch.cat([kv, k_sum[..., None]], dim=-1)
-    linear, state, _ = fused_linear_attn(q, old_keys, old_values, state, None, phi, leaves, backend=backend)
+    linear, state, _ = fused_feature_attn(q, old_keys, old_values, state, None, phi, leaves, backend=backend)
     window_num, window_den = (torch.cat([part[i] for part in window_parts], dim=3) for i in (0, 1))
     out = _combine(window_num, window_den, linear[..., :-1], linear[..., -1], gate)
     return out, *window_state, state[..., :-1], state[..., -1]

@@ -1,4 +1,4 @@
-"""Linear attention ("Transformers are RNNs", Katharopoulos et al. 2020, math.md §2).
+"""Linear attention ("Transformers are RNNs", Katharopoulos et al. 2020, docs/math.md §Linear attention).
 
 Softmax's exp(q . k) is replaced by phi(q) . phi(k), so the past folds into a constant state:
 
@@ -7,7 +7,9 @@ Softmax's exp(q . k) is replaced by phi(q) . phi(k), so the past folds into a co
     o_t = phi(q_t) S_t / (phi(q_t) . z_t + eps)          (normalize=True, the default)
     o_t = phi(q_t) S_t                                   (normalize=False: no z state at all)
 
-Forms, all computing the same thing (tests hold them to ``naive_recurrent_linear_attn``):
+Forms on featurised inputs (``*_feature_attn``, named apart from the ``rnnify.kernels`` ops, which
+take raw q, k in another layout), all computing the same thing (tests hold them to
+``naive_recurrent_feature_attn``):
 ``naive_recurrent_*`` (a plain loop, the ground truth), ``parallel_*`` (masked quadratic),
 ``chunk_*`` (O(T * C): quadratic inside chunks of C tokens, the recurrence between chunks; the
 prefill path), ``step_*`` (one token; the decode path) and ``fused_*`` (the same through the
@@ -44,8 +46,8 @@ from torch import nn
 
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
-
-Forms = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+from rnnify.errors import check_int
+from rnnify.kernels.linear_attn.naive import Forms, normalise
 
 
 # --------------------------------------------------------------------------- feature maps
@@ -92,7 +94,7 @@ def _per_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _check_feature_dim(name: str, value: Any, even: bool = False) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (even and value % 2):
+    if check_int(name, value) % 2 and even:
         raise ValueError(f"{name} must be a positive{' even' if even else ''} integer, got {value!r}")
     return value
 
@@ -206,7 +208,7 @@ class HedgehogFeatureMap(FeatureMap):
     """Hedgehog (Zhang et al. 2024): phi(x) = [softmax(x W), softmax(-x W)], softmax over features.
 
     ``W`` ``[H_kv, d, feature_dim / 2]`` is an ``nn.Parameter`` (trained by attention transfer,
-    math.md §6), initialised to the identity (padded with zeros or cut when feature_dim != 2d).
+    docs/math.md §Attention transfer), initialised to the identity (padded with zeros or cut when feature_dim != 2d).
     Features are positive and each half sums to 1, so the normaliser never vanishes.
     """
 
@@ -285,11 +287,7 @@ def build_feature_map(name: str, spec: CellSpec, **options: Any) -> FeatureMap:
 
 # --------------------------------------------------------------------------- forms
 
-def _normalise(num: torch.Tensor, den: torch.Tensor, eps: float) -> torch.Tensor:
-    return num / (den[..., None] + eps)
-
-
-def naive_recurrent_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
+def naive_recurrent_feature_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
     outs = []
     for t in range(phi_k.shape[2]):
         kv = kv + phi_k[:, :, t, :, None] * v[:, :, t, None, :]
@@ -298,11 +296,11 @@ def naive_recurrent_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -
             outs.append(q_t @ kv)
             continue
         k_sum = k_sum + phi_k[:, :, t]
-        outs.append(_normalise(q_t @ kv, (q_t * k_sum[:, :, None]).sum(-1), eps))
+        outs.append(normalise(q_t @ kv, (q_t * k_sum[:, :, None]).sum(-1), eps))
     return torch.stack(outs, dim=3), kv, k_sum
 
 
-def parallel_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
+def parallel_feature_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
     length = phi_k.shape[2]
     causal = torch.ones(length, length, dtype=torch.bool, device=v.device).tril()
     scores = torch.einsum("bhgtf,bhsf->bhgts", phi_q, phi_k).masked_fill(~causal, 0.0)
@@ -311,21 +309,21 @@ def parallel_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms
     if k_sum is None:
         return num, kv, None
     den = scores.sum(-1) + (phi_q * k_sum[:, :, None, None]).sum(-1)
-    return _normalise(num, den, eps), kv, k_sum + phi_k.sum(2)
+    return normalise(num, den, eps), kv, k_sum + phi_k.sum(2)
 
 
-def chunk_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6, chunk_size: int = 64) -> Forms:
+def chunk_feature_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6, chunk_size: int = 64) -> Forms:
     outs = []
     for start in range(0, phi_k.shape[2], chunk_size):
         end = start + chunk_size
-        out, kv, k_sum = parallel_linear_attn(
+        out, kv, k_sum = parallel_feature_attn(
             phi_q[:, :, :, start:end], phi_k[:, :, start:end], v[:, :, start:end], kv, k_sum, eps
         )
         outs.append(out)
     return torch.cat(outs, dim=3), kv, k_sum
 
 
-def step_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
+def step_feature_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
     # T == 1: add the outer product phi(k)^T v in one pass over the state, with no temporary of its size
     kv = torch.addcmul(kv, phi_k[:, :, 0, :, None], v[:, :, 0, None, :])
     num = phi_q @ kv[:, :, None]
@@ -333,10 +331,10 @@ def step_linear_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
         return num, kv, None
     k_sum = k_sum + phi_k[:, :, 0]
     den = (phi_q * k_sum[:, :, None, None]).sum(-1)
-    return _normalise(num, den, eps), kv, k_sum
+    return normalise(num, den, eps), kv, k_sum
 
 
-def fused_linear_attn(q, k, v, kv, k_sum, phi: FeatureMap, mask, eps: float = 1e-6, log_a=None,
+def fused_feature_attn(q, k, v, kv, k_sum, phi: FeatureMap, mask, eps: float = 1e-6, log_a=None,
                       backend: str = "auto") -> Forms:
     """The forms above (and ``cells.gated``'s with ``log_a``) through ``rnnify.kernels``, from the
     raw (not featurised) q ``[B, Hkv, G, T, d]`` and k ``[B, Hkv, T, d]``.
@@ -386,11 +384,25 @@ KERNEL_MAX_FEATURES = 256
 class FeatureMapCell(Cell):
     """What every cell with a state (S, z) over phi(k) shares: linear attention and its gated forms.
 
-    Subclasses set ``self.phi`` (a FeatureMap) and ``self.normalize``.
+    Checks and keeps the options they share; ``phi`` is the feature map, ``normalize`` whether a
+    normaliser z (state ``k_sum``) divides the output.
     """
 
-    phi: FeatureMap
-    normalize: bool
+    def __init__(self, spec: CellSpec, feature_map: str, feature_options: dict[str, Any] | None, normalize: bool,
+                 chunk_size: int, eps: float):
+        super().__init__(spec)
+        check_int("chunk_size", chunk_size)
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+            raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+        if feature_options is not None and not isinstance(feature_options, dict):
+            raise ValueError(f"feature_options must be a dict of feature map options, got {feature_options!r}")
+        if not isinstance(normalize, bool):
+            raise ValueError(f"normalize must be true or false, got {normalize!r}")
+        if feature_map == "identity" and normalize:
+            raise ValueError("feature_map 'identity' needs normalize=False: phi(q) . z can be zero or negative")
+        self.phi = build_feature_map(feature_map, spec, **(feature_options or {}))
+        self.feature_map, self.chunk_size, self.eps, self.normalize = feature_map, chunk_size, float(eps), normalize
+        self.state_names = ("kv", "k_sum") if normalize else ("kv",)
 
     def init_state(self, batch_size, device, dtype):
         spec, f = self.spec, self.phi.feature_dim
@@ -436,20 +448,7 @@ class LinearCell(FeatureMapCell):
         feature_options: dict[str, Any] | None = None,
         normalize: bool = True,
     ):
-        super().__init__(spec)
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
-            raise ValueError(f"eps must be a number >= 0, got {eps!r}")
-        if feature_options is not None and not isinstance(feature_options, dict):
-            raise ValueError(f"feature_options must be a dict of feature map options, got {feature_options!r}")
-        if not isinstance(normalize, bool):
-            raise ValueError(f"normalize must be true or false, got {normalize!r}")
-        if feature_map == "identity" and normalize:
-            raise ValueError("feature_map 'identity' needs normalize=False: phi(q) . z can be zero or negative")
-        self.phi = build_feature_map(feature_map, spec, **(feature_options or {}))
-        self.feature_map, self.chunk_size, self.eps, self.normalize = feature_map, chunk_size, float(eps), normalize
-        self.state_names = ("kv", "k_sum") if normalize else ("kv",)
+        super().__init__(spec, feature_map, feature_options, normalize, chunk_size, eps)
 
     def options(self) -> dict[str, Any]:
         return {
@@ -465,11 +464,11 @@ class LinearCell(FeatureMapCell):
         mask = mask.to(torch.bool)
         v = torch.where(mask[:, None, :, None], v.float(), 0.0)
         if self.kernels is not None:  # the ops featurise (and mask) q, k themselves
-            out, kv, k_sum = fused_linear_attn(self.grouped(q), k, v, kv, k_sum, self.phi, mask, self.eps,
+            out, kv, k_sum = fused_feature_attn(self.grouped(q), k, v, kv, k_sum, self.phi, mask, self.eps,
                                                backend=self.kernels)
         elif q.shape[2] == 1:
-            out, kv, k_sum = step_linear_attn(*self.features(q, k, mask), v, kv, k_sum, self.eps)
+            out, kv, k_sum = step_feature_attn(*self.features(q, k, mask), v, kv, k_sum, self.eps)
         else:
-            out, kv, k_sum = chunk_linear_attn(*self.features(q, k, mask), v, kv, k_sum, self.eps, self.chunk_size)
+            out, kv, k_sum = chunk_feature_attn(*self.features(q, k, mask), v, kv, k_sum, self.eps, self.chunk_size)
         out = out.reshape(q.shape[0], self.spec.num_heads, q.shape[2], -1).to(q.dtype)
         return (out, kv, k_sum) if self.normalize else (out, kv)

@@ -1,4 +1,6 @@
-"""Sliding-window softmax attention with attention sinks (math.md §5; StreamingLLM, Xiao et al. 2023).
+"""Sliding-window softmax attention with attention sinks (StreamingLLM, Xiao et al. 2023).
+
+The math: docs/math.md §Sliding window and sinks.
 
 Counting only a row's real tokens (left padding is skipped), query i attends with ordinary
 softmax to the last W tokens, itself included, and to the first S tokens of the sequence (the
@@ -19,11 +21,11 @@ it was. A sink still inside the window is counted once, as a window key.
 
 Forms, all computing the same thing (tests hold them to ``naive_recurrent_window_attn``):
 ``naive_recurrent_*`` (a plain loop over tokens, the softmax key by key with the (m, u, w)
-recurrence of math.md §1: the ground truth), ``parallel_*`` (one masked quadratic softmax over
-sinks + ring + new tokens), ``chunk_*`` (the parallel form over blocks of queries: the prefill
+recurrence of docs/math.md §Softmax attention as an RNN: the ground truth), ``parallel_*`` (one
+masked quadratic softmax over sinks + ring + new tokens), ``chunk_*`` (the parallel form over blocks of queries: the prefill
 path) and ``step_*`` (one token: write it, then ``softmax_attention_rnn`` of ``cells/exact.py``
 over sinks + ring; the decode path; ``fused_*`` is the same through ``rnnify.kernels.window_attn_step``,
-which writes with these helpers and reads in one kernel, once ``use_kernels`` is set; prefill
+which writes with the ring helpers of ``rnnify/kernels/ring.py`` and reads in one kernel, once ``use_kernels`` is set; prefill
 keeps the chunk form). Shapes: q ``[B, Hkv, G, T, d]`` (G query heads per kv
 head, fp32), k/v ``[B, Hkv, T, d]``, mask ``[B, T]``; state ``keys/values [B, Hkv, W, d]`` and
 ``sink_keys/sink_values [B, Hkv, S, d]`` in the model dtype, ``length [B]`` int64. Every form
@@ -38,84 +40,17 @@ import torch
 
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
-from rnnify.cells.exact import softmax_attention_rnn
-
-# --------------------------------------------------------------------------- token bookkeeping
-
-
-def token_index(length: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Index among its row's real tokens of each new token ``[B, T]``; -1 for padding."""
-    index = length[:, None] + mask.long().cumsum(1) - 1
-    return torch.where(mask, index, -1)
-
-
-def ring_index(length: torch.Tensor, window: int) -> torch.Tensor:
-    """The token each ring slot holds after ``length`` real tokens ``[B, W]``; -1 if none yet."""
-    slot = torch.arange(window, device=length.device)
-    index = length[:, None] - window + (slot - length[:, None]) % window
-    return torch.where(index >= 0, index, -1)
-
-
-def write_slots(buffer: torch.Tensor, new: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``buffer [B, Hkv, N, d]`` with token t of ``new [B, Hkv, T, d]`` in slot ``target[b, t]``.
-
-    ``target`` is -1 for tokens written nowhere; at most one token targets a slot. Functional.
-    """
-    if buffer.shape[2] == 0:
-        return buffer
-    hit = target[:, :, None] == torch.arange(buffer.shape[2], device=target.device)  # [B, T, N]
-    source = hit.long().argmax(1)  # [B, N]: which new token lands in each slot
-    taken = new.gather(2, source[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[3]))
-    return torch.where(hit.any(1)[:, None, :, None], taken.to(buffer.dtype), buffer)
-
-
-def ring_write(k, v, mask, keys, values, length):
-    """Read the new tokens into the ring: real token n goes to slot n mod W if among the last W.
-
-    Returns ``(keys, values, new_length)``.
-    """
-    window = keys.shape[2]
-    index = token_index(length, mask)
-    new_length = length + mask.long().sum(1)
-    target = torch.where((index >= 0) & (index >= new_length[:, None] - window), index % window, -1)
-    return write_slots(keys, k, target), write_slots(values, v, target), new_length
-
-
-def sink_write(k, v, mask, sink_keys, sink_values, length):
-    """Real token n < S goes to sink slot n."""
-    index = token_index(length, mask)
-    target = torch.where((index >= 0) & (index < sink_keys.shape[2]), index, -1)
-    return write_slots(sink_keys, k, target), write_slots(sink_values, v, target)
-
-
-def sinks_outside_window(length: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
-    """Sink slots to attend to ``[B, S]``: written, and not in the ring any more (else counted there)."""
-    slot = torch.arange(sinks, device=length.device)
-    return slot[None, :] < (length[:, None] - window)
-
-
-def window_write(k, v, mask, keys, values, sink_keys, sink_values, length):
-    """Read the new tokens into the sinks and the ring: ``(keys, values, sink_keys, sink_values, length)``."""
-    sink_keys, sink_values = sink_write(k, v, mask, sink_keys, sink_values, length)
-    keys, values, length = ring_write(k, v, mask, keys, values, length)
-    return keys, values, sink_keys, sink_values, length
-
-
-def held_index(length: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
-    """The token of each held slot, sinks then ring ``[B, S + W]``, after ``length`` real tokens;
-    -1 where a query attends to none (not written yet, or a sink still in the ring)."""
-    sink = torch.arange(sinks, device=length.device).expand(length.shape[0], -1)
-    sink = torch.where(sinks_outside_window(length, window, sinks), sink, -1)
-    return torch.cat([sink, ring_index(length, window)], dim=1)
+from rnnify.cells.exact import finite_or_zero, readout, softmax_attention_rnn
+from rnnify.errors import check_int
+from rnnify.kernels.ring import held_index, token_index, window_write
 
 
 def masked_softmax_attention(scores: torch.Tensor, allowed: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """softmax(scores) @ values over the allowed keys; rows with no allowed key give 0."""
     scores = scores.masked_fill(~allowed, float("-inf"))
     m = scores.amax(-1, keepdim=True)
-    p = torch.exp(scores - torch.where(torch.isfinite(m), m, 0.0))
-    den = p.sum(-1, keepdim=True)
-    return torch.where(den > 0, (p @ values) / den.clamp_min(torch.finfo(den.dtype).tiny), 0.0)
+    p = torch.exp(scores - finite_or_zero(m))
+    return readout(p.sum(-1), p @ values)
 
 
 # --------------------------------------------------------------------------- the forms
@@ -144,12 +79,12 @@ def naive_recurrent_window_attn(q, k, v, mask, keys, values, sink_keys, sink_val
             s = scale * (q[:, :, :, t] * key[:, :, None].float()).sum(-1)
             s = torch.where(attended[:, None, None], s, float("-inf"))
             m_new = torch.maximum(m, s)
-            m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
+            m_safe = finite_or_zero(m_new)
             decay, p = torch.exp(m - m_safe), torch.exp(s - m_safe)
             u = u * decay + p
             w = w * decay[..., None] + p[..., None] * value[:, :, None].float()
             m = m_new
-        outs.append(torch.where(u[..., None] > 0, w / u.clamp_min(torch.finfo(u.dtype).tiny)[..., None], 0.0))
+        outs.append(readout(u, w))
     return torch.stack(outs, dim=3), keys, values, sink_keys, sink_values, length
 
 
@@ -206,12 +141,6 @@ def fused_window_attn_step(
 
 
 # --------------------------------------------------------------------------- the cell
-
-
-def check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 class WindowCell(Cell):

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from rnnify.errors import RnnifyError
+from rnnify.errors import RnnifyError, check_int
 from rnnify.runtime.model import RecurrentModel
 
 __all__ = ["LoRA", "add_lora", "lora_targets", "merge_lora"]
@@ -98,8 +98,7 @@ def add_lora(model: RecurrentModel, rank: int, alpha: float,
              generator: torch.Generator | None = None) -> dict[str, LoRA]:
     """Parametrize every attention projection of ``model`` (``lora_targets``) with a fresh ``LoRA``,
     its A drawn from ``generator``; returns them by weight name."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise RnnifyError(f"lora_rank must be a positive integer, got {rank!r}")
+    check_int("lora_rank", rank, error=RnnifyError)
     targets = lora_targets(model)
     if not targets:
         raise RnnifyError("found no attention projection weights to put LoRA on in this model's graph")

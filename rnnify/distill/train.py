@@ -1,4 +1,4 @@
-"""``rnnify.distill``: LoLCATs' two stages (math.md §6) on a converted model, on one process or many.
+"""``rnnify.distill``: LoLCATs' two stages (docs/math.md §Attention transfer) on a converted model, on one process or many.
 
 1. ``transfer`` (attention transfer): only the cells' own parameters train (feature maps, gates,
    mixing factors, Aaren queries), to minimise the sum over layers of the MSE between each cell's
@@ -31,13 +31,13 @@ from torch import nn
 
 from rnnify.cells import parameters as cell_parameters
 from rnnify.data import row_length, token_batches, tokenizer_for
-from rnnify.distill.attention import attention_transfer, cells_only
 from rnnify.distill.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, set_aside
 from rnnify.distill.distributed import Runtime, setup
 from rnnify.distill.lora import add_lora, lora_targets, merge_lora
 from rnnify.distill.losses import token_losses
-from rnnify.distill.teacher import load_teacher
-from rnnify.errors import RnnifyError
+from rnnify.errors import RnnifyError, check_int
+from rnnify.original import attention_transfer, load_teacher
+from rnnify.original.attention import cells_only
 from rnnify.runtime.model import RecurrentModel
 
 __all__ = ["DEFAULT_LR", "STAGES", "TRAIN", "distill"]
@@ -109,10 +109,9 @@ def distill(
     seq_len = row_length(model, seq_len)  # before the teacher loads, and before the data is read
     for name, value, low in (("batch_size", batch_size, 1), ("checkpoint_every", checkpoint_every, 1),
                              ("lora_rank", lora_rank, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise RnnifyError(f"{name} must be an integer >= {low}, got {value!r}")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise RnnifyError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
+        check_int(name, value, low, RnnifyError)
+    if max_tokens is not None:
+        check_int("max_tokens", max_tokens, 1, RnnifyError, " or None")
     if train not in TRAIN:
         raise RnnifyError(f"train must be one of {', '.join(TRAIN)}, got {train!r}")
     if not isinstance(kl_weight, (int, float)) or not kl_weight >= 0:

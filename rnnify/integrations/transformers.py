@@ -23,7 +23,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from rnnify.errors import RnnifyError
-from rnnify.integrations import hf_files
+from rnnify.runtime import hf_files
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.state import RecurrentState
 

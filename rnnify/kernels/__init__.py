@@ -8,6 +8,11 @@
                    aaren_scan (Aaren's (m, u, w) operator)
     window_attn.py window_attn_step (one decode token of sliding-window attention with sinks;
                    ``return_stats=True`` adds the softmax's max and denominator)
+    ring.py        the ring-buffer bookkeeping window_attn_step and the window cells share
+
+The bottom layer: references live here beside their ops (``linear_attn/naive.py`` holds the token
+loop and the chunked feature-space forms the gated cells also run), and nothing here imports
+``rnnify.cells``.
 
 Every op has a Triton backward (its own custom op, so backward graphs trace) and a fake impl.
 Calling convention (fla's): q, k, v ``[B, T, H, D]`` (k, v may have fewer heads: GQA, query head

@@ -6,7 +6,7 @@ linear_recurrence: x ``[B, T, D]``,  x_t = a_t * x_{t-1} + b_t  (x_0 = initial_s
 its backward is the opposite-direction scan of the gradients, run by the op itself.
 
 aaren_scan: scores s ``[B, T, H]``, values v ``[B, T, H, D]``; the running softmax of a fixed query
-(rnnify/cells/aaren.py, math.md §1) with state m, u ``[B, H]``, w ``[B, H, D]`` (start -inf, 0, 0):
+(rnnify/cells/aaren.py, docs/math.md §Scan operators) with state m, u ``[B, H]``, w ``[B, H, D]`` (start -inf, 0, 0):
 
     (mA, uA, wA) (+) (mB, uB, wB) = (m, uA e^{mA-m} + uB e^{mB-m}, wA e^{mA-m} + wB e^{mB-m}),  m = max(mA, mB)
     o_t = w_t / u_t  (0 while u_t = 0)

@@ -73,9 +73,9 @@ def resolve_backend(backend: str, x: torch.Tensor) -> bool:
     if backend == "auto":
         return HAS_TRITON and (x.is_cuda or FORCE_TRITON)
     if not HAS_TRITON:
-        raise RuntimeError("backend='triton' needs triton, which cannot be imported here")
+        raise RnnifyError("backend='triton' needs triton, which cannot be imported here")
     if not x.is_cuda and not INTERPRET:
-        raise RuntimeError(f"backend='triton' got tensors on {x.device}: Triton runs on CUDA, or on CPU only "
+        raise RnnifyError(f"backend='triton' got tensors on {x.device}: Triton runs on CUDA, or on CPU only "
                            "through its interpreter (TRITON_INTERPRET=1 set before triton is imported)")
     return True
 

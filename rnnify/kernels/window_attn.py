@@ -1,7 +1,7 @@
 """window_attn_step: one decode token of sliding-window attention with sinks (rnnify/cells/window.py).
 
 The write (the new token into the ring slot n mod W and, while n < S, into sink slot n) is index
-bookkeeping done in PyTorch with rnnify.cells.window's helpers; the op is the read: softmax
+bookkeeping done in PyTorch with the helpers of ``kernels/ring.py``; the op is the read: softmax
 attention of each query head over the held keys (sinks ++ ring, ``[B, H_kv, N, D]``) with a
 validity mask ``[B, N]``,
 
@@ -13,7 +13,7 @@ unnormalised sum and m + log u the log-sum-exp (``window_attn_step(..., return_s
 rnnify.cells.hybrid adds its linear part to f o u and f u). All three are differentiable.
 
 Triton: one program per (batch, query head) walks the keys in blocks of BN with the running
-(m, u, w) softmax of math.md §1, all in fp32. Backward (``rnnify::window_attn_step_bwd``): one
+(m, u, w) softmax of docs/math.md §Softmax attention as an RNN, all in fp32. Backward (``rnnify::window_attn_step_bwd``): one
 program per (batch, kv head) holds the group's query heads as rows, recomputes their (m, u), then
 walks the keys once more for dq, d keys, d values (d of the sinks and ring reach them through the
 PyTorch writes). Gradients reaching m and u are added by recomputing (m, u) from the scores in
@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from rnnify.kernels import utils
+from rnnify.kernels.ring import held_index, window_write
 from rnnify.kernels.utils import tl, triton
 
 
@@ -250,8 +251,6 @@ def window_attn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
     each ``[B, 1, H]`` fp32: the scores' max over the attended keys (-inf if none) and the softmax
     denominator sum exp(s - m) (0 if none), so ``o * u`` is the unnormalised sum and ``m + log(u)``
     the log-sum-exp; differentiable. ``backend``: see ``rnnify.kernels.utils.resolve_backend``."""
-    from rnnify.cells.window import held_index, window_write
-
     B, T, H, K = q.shape
     if T != 1:
         raise ValueError(f"window_attn_step reads one token, got T = {T}")

@@ -23,6 +23,7 @@ from rnnify.passes.context import PassContext
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 SITE_KEY = "rnnify_site"
+_RESHAPES = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
 _PROBE_LENGTH = 8  # tokens in the probe run; longer when needed to see a small sliding window
 _MAX_PROBE_LENGTH = 64
 
@@ -118,8 +119,7 @@ def _is_full_slice(node: torch.fx.Node) -> bool:
 
 def _before_repeat_kv(node: torch.fx.Node) -> torch.fx.Node:
     """Undo ``x[:, :, None].expand(B, Hkv, g, T, d).reshape(B, Hkv*g, T, d)`` if present."""
-    reshapes = {torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
-    if node.op != "call_function" or node.target not in reshapes:
+    if node.op != "call_function" or node.target not in _RESHAPES:
         return node
     expand = node.args[0]
     while isinstance(expand, torch.fx.Node) and _is_full_slice(expand):
@@ -181,7 +181,6 @@ def _describe(node: torch.fx.Node, index: int, config) -> AttentionSite:
 
 
 _PROJECTIONS = {torch.ops.aten.linear.default: 0, torch.ops.aten.addmm.default: 1, torch.ops.aten.mm.default: 0}
-_RESHAPES = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
 
 
 def _layer_input(value: torch.fx.Node) -> torch.fx.Node | None:

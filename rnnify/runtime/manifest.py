@@ -9,8 +9,9 @@ from typing import Any
 
 from rnnify.errors import RnnifyError
 
-# 2 adds ``kernels`` (and each cell's fused ops) and ``distill``; version 1 still loads, unfused.
-FORMAT_VERSION = 2
+# rnnify.json's version (graph.json has its own: serialize.GRAPH_FORMAT_VERSION). 2 adds ``kernels``
+# (and each cell's fused ops) and ``distill``; version 1 still loads, unfused.
+MANIFEST_FORMAT_VERSION = 2
 MANIFEST_FILE = "rnnify.json"
 
 
@@ -44,7 +45,7 @@ class Manifest:
     buffers: list[str] = field(default_factory=list)  # tensors that are buffers, not parameters
     distill: dict[str, Any] | None = None  # settings and tokens of `rnnify distill`, if it trained the model
     kernels: str = "none"  # backend of the fused ops (auto, triton, reference), or none: the cells' PyTorch forms
-    format_version: int = FORMAT_VERSION
+    format_version: int = MANIFEST_FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,10 +71,10 @@ class Manifest:
         version = data.get("format_version") if isinstance(data, dict) else None
         if not isinstance(version, int):
             raise RnnifyError(f"{path}: corrupted manifest (no format_version)")
-        if version > FORMAT_VERSION:
+        if version > MANIFEST_FORMAT_VERSION:
             raise RnnifyError(
                 f"{path}: written by a newer rnnify (format version {version}; this one reads up to "
-                f"{FORMAT_VERSION}): upgrade rnnify"
+                f"{MANIFEST_FORMAT_VERSION}): upgrade rnnify"
             )
         try:
             return cls.from_json(data)

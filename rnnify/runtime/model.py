@@ -90,10 +90,10 @@ class RecurrentModel(nn.Module):
 
     def to(self, *args, **kwargs) -> "RecurrentModel":
         """``nn.Module.to``, and the graph's device constants follow the weights (``retarget_devices``)."""
-        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        before = self.device
         super().to(*args, **kwargs)
-        if device is not None:
-            retarget_devices(self.graph, device)
+        if self.device != before:
+            retarget_devices(self.graph, self.device)
         return self
 
     @property
@@ -275,7 +275,7 @@ class RecurrentModel(nn.Module):
 
     @torch.no_grad()
     def calibrate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> "RecurrentModel":
-        """Initialise cells that learn from data (``cell.calibrate(q, mask)``, e.g. Aaren's query).
+        """Initialise cells that learn from data (``Cell.calibrates``: ``cell.calibrate(q, mask)``, e.g. Aaren's query).
 
         One prefill over ``input_ids``; each such cell calibrates on the q it receives just before
         it runs, so later layers see the outputs of already calibrated earlier layers.
@@ -285,7 +285,7 @@ class RecurrentModel(nn.Module):
             cell.calibrate(q, mask)
 
         handles = [
-            cell.register_forward_pre_hook(hook, with_kwargs=True) for cell in self.cells if hasattr(cell, "calibrate")
+            cell.register_forward_pre_hook(hook, with_kwargs=True) for cell in self.cells if cell.calibrates
         ]
         if not handles:
             raise RnnifyError(f"no cell of this model learns from calibration data (targets: {self.target})")

@@ -37,9 +37,12 @@ import torch
 import torch.fx
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-__all__ = ["FORMAT_VERSION", "GraphFormatError", "graph_from_json", "graph_to_json"]
+from rnnify.errors import GraphFormatError
 
-FORMAT_VERSION = 1
+__all__ = ["GRAPH_FORMAT_VERSION", "GraphFormatError", "graph_from_json", "graph_to_json"]
+
+# graph.json's own layout version (independent of rnnify.json's MANIFEST_FORMAT_VERSION)
+GRAPH_FORMAT_VERSION = 1
 
 _OPS = ("placeholder", "get_attr", "call_function", "call_module", "output")
 # Tag keys of the tagged value encoding; every JSON object in an argument is one of these.
@@ -47,13 +50,6 @@ _TAGS = (
     "node", "tuple", "dict", "float", "dtype", "device", "layout",
     "memory_format", "slice", "ellipsis",
 )
-
-
-class GraphFormatError(ValueError):
-    """A graph cannot be saved (unsupported target/argument) or loaded (malformed or unknown data).
-
-    Subclasses ValueError so callers that treat bad input generically still catch it.
-    """
 
 
 # --------------------------------------------------------------------------- targets
@@ -301,7 +297,7 @@ def graph_to_json(graph: torch.fx.Graph) -> dict:
             "args": [_encode(a, where, f"args[{i}]") for i, a in enumerate(node.args)],
             "kwargs": {k: _encode(v, where, f"kwargs[{k!r}]") for k, v in node.kwargs.items()},
         })
-    return {"format": FORMAT_VERSION, "nodes": nodes}
+    return {"format": GRAPH_FORMAT_VERSION, "nodes": nodes}
 
 
 def graph_from_json(data: dict, device: torch.device | str | None = None) -> torch.fx.Graph:
@@ -317,9 +313,9 @@ def graph_from_json(data: dict, device: torch.device | str | None = None) -> tor
     """
     if not isinstance(data, dict):
         raise GraphFormatError(f"graph data must be a dict, got {type(data).__qualname__}")
-    if data.get("format") != FORMAT_VERSION:
+    if data.get("format") != GRAPH_FORMAT_VERSION:
         raise GraphFormatError(
-            f"unsupported graph format {data.get('format')!r} (this version reads format {FORMAT_VERSION})"
+            f"unsupported graph format {data.get('format')!r} (this version reads format {GRAPH_FORMAT_VERSION})"
         )
     raw_nodes = data.get("nodes")
     if not isinstance(raw_nodes, list):

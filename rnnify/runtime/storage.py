@@ -3,7 +3,7 @@
 A directory holds ``model.safetensors`` (every tensor, cell parameters included), ``graph.json``
 (the step graph, see ``serialize``), ``rnnify.json`` (the manifest), the source model's tokenizer
 and generation files, and a ``config.json`` plus ``modeling_rnnify.py`` that make transformers load
-the converted model rather than the original (``rnnify.integrations.hf_files``). Writing goes to
+the converted model rather than the original (``rnnify.runtime.hf_files``). Writing goes to
 a temporary directory that is renamed into place at the end, so a failed save leaves nothing
 behind.
 """
@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.fx
@@ -26,9 +27,9 @@ from torch import nn
 
 from rnnify.cells import CellSpec, build_cell
 from rnnify.errors import RnnifyError
-from rnnify.integrations import hf_files
+from rnnify.runtime import hf_files
 from rnnify.kernels.utils import check_kernels
-from rnnify.runtime.manifest import FORMAT_VERSION, MANIFEST_FILE, Manifest
+from rnnify.runtime.manifest import MANIFEST_FORMAT_VERSION, MANIFEST_FILE, Manifest
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.serialize import GraphFormatError, graph_from_json, graph_to_json
 
@@ -55,9 +56,9 @@ SOURCE_FILES = (
 def versions() -> dict[str, str]:
     import transformers
 
-    import rnnify
+    from rnnify import __version__
 
-    return {"rnnify": rnnify.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+    return {"rnnify": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def _unique_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
@@ -117,7 +118,7 @@ def save(model: RecurrentModel, path: Path) -> Path:
             aliases=aliases,
             buffers=buffers,
             versions=versions(),
-            format_version=FORMAT_VERSION,  # what is written now, whatever the loaded manifest said
+            format_version=MANIFEST_FORMAT_VERSION,  # what is written now, whatever the loaded manifest said
         )
         manifest.write(tmp)
         if path.exists():
@@ -135,19 +136,29 @@ def save(model: RecurrentModel, path: Path) -> Path:
     return path
 
 
-def _set(root: nn.Module, name: str, value) -> None:
-    parent, _, leaf = name.rpartition(".")
+def install(root: nn.Module, path: str, value: Any) -> None:
+    """Set ``root``'s attribute ``path`` to ``value``, creating plain containers on the way.
+
+    A path under a module installed earlier (a parametrized owner) is already there: skipped.
+    """
     module = root
-    for part in parent.split(".") if parent else ():
-        if not hasattr(module, part):
-            module.add_module(part, nn.Module())
-        module = getattr(module, part)
+    *parents, leaf = path.split(".")
+    for part in parents:
+        child = getattr(module, part, None)
+        if child is None:
+            child = nn.Module()
+            module.add_module(part, child)
+        module = child
+    if getattr(module, leaf, None) is value:
+        return
     if isinstance(value, nn.Module):
         module.add_module(leaf, value)
     elif isinstance(value, nn.Parameter):
         module.register_parameter(leaf, value)
-    else:
+    elif isinstance(value, torch.Tensor):
         module.register_buffer(leaf, value)
+    else:
+        setattr(module, leaf, value)
 
 
 def load(path: str | Path, device: torch.device | str | None = None, kernels: str | None = None) -> RecurrentModel:
@@ -178,12 +189,12 @@ def load(path: str | Path, device: torch.device | str | None = None, kernels: st
             cell = build_cell(entry.target, CellSpec(**entry.spec), entry.options).to(device)
             prefix = entry.module + "."
             cell.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, strict=True)
-            _set(root, entry.module, cell)
+            install(root, entry.module, cell)
         cell_prefixes = tuple(entry.module + "." for entry in manifest.cells)
         buffers = set(manifest.buffers)
         for name, tensor in tensors.items():
             if not name.startswith(cell_prefixes):
-                _set(root, name, tensor if name in buffers else nn.Parameter(tensor))
+                install(root, name, tensor if name in buffers else nn.Parameter(tensor))
         module = torch.fx.GraphModule(root, graph, class_name="RecurrentStep")
     except (RuntimeError, AttributeError, KeyError) as exc:
         raise RnnifyError(f"{path}: weights do not match the graph ({exc}); convert the model again") from exc

@@ -298,30 +298,5 @@ def _chunk_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 _chunk_bwd_op.register_fake(common.fake_bwd)
 
 
-@torch.library.custom_op("rnnify::chunk_linear_attn", mutates_args=())
-def _chunk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
-              gk: torch.Tensor | None, h0: torch.Tensor | None, scale: float, feature_map: str = "identity",
-              feature_weight: torch.Tensor | None = None, query_shift: bool = False,
-              backend: str = "auto", mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    return common.forward(chunk_linear_attn_fwd_triton, q, k, v, g, gk, h0, scale, feature_map, feature_weight,
-                          query_shift, backend, mask)
-
-
-_chunk_op.register_fake(common.fake)
-common.register_autograd(_chunk_op, _chunk_bwd_op)
-
-
-def chunk_linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None,
-                      gk: torch.Tensor | None = None, scale: float | None = None,
-                      initial_state: common.State | None = None, output_final_state: bool = False,
-                      normalize: bool = False, eps: float = 1e-6, *, feature_map: str | None = None,
-                      feature_weight: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                      backend: str = "auto") -> tuple[torch.Tensor, common.State | None]:
-    """(Gated) linear attention over a prompt, chunkwise-parallel, differentiable. See ``naive.py``
-    for the math and shapes; ``initial_state`` / final state: S ``[B, H_kv, F, V]``, or ``(S, z)``
-    with normalize. ``feature_map`` / ``feature_weight``: phi applied in the kernel
-    (``feature_maps.py``; its backward goes through PyTorch, see ``common``). ``mask`` ``[B, T]``
-    (True: a real token): padding keys add nothing to S or z and padding gates are taken as 0
-    (see ``common``). ``backend``: see ``rnnify.kernels.utils.resolve_backend``."""
-    return common.run(torch.ops.rnnify.chunk_linear_attn, q, k, v, g, gk, scale, initial_state,
-                      output_final_state, normalize, eps, feature_map, feature_weight, mask, backend)
+chunk_linear_attn = common.define_op("chunk_linear_attn", chunk_linear_attn_fwd_triton, _chunk_bwd_op,
+                                     "(Gated) linear attention over a prompt, chunkwise-parallel, differentiable.")

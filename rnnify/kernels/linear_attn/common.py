@@ -5,7 +5,7 @@ unnormalised op on v' = [v, 1] with state S' = [S, z] (``[B, H_kv, F, V + 1]``):
 column is phi(q_t) . z_t, the denominator. Kernels therefore only implement o = c phi(q) S.
 
 Both ops have the schema ``(q, k, v, g, gk, h0, scale, feature_map, feature_weight, query_shift,
-backend, mask) -> (o, ht)`` and one autograd.
+backend, mask) -> (o, ht)``, one autograd and one public signature (``define_op``).
 
 Key mask (``mask [B, T]`` bool, True = a real token; None: all real): a padding token leaves the
 state exactly as it was: its phi(k) is 0 (in S and in z: zeroing k alone is not enough, elu's
@@ -31,7 +31,7 @@ from rnnify.kernels.linear_attn.feature_maps import (
     naive_feature_map,
     output_scale,
 )
-from rnnify.kernels.linear_attn.naive import check_inputs
+from rnnify.kernels.linear_attn.naive import check_inputs, chunk_gated_attn
 
 State = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # S, or (S, z) with normalize
 
@@ -86,10 +86,8 @@ def masked_gates(g, gk, mask):
 
 def reference(q, k, v, g, gk, h0, scale, feature_map="identity", weight=None, query_shift=False, mask=None,
               chunk_size=64):
-    """The unnormalised op in PyTorch: the feature map, then rnnify.cells.gated's chunk form (its
+    """The unnormalised op in PyTorch: the feature map, then ``naive.chunk_gated_attn`` (its
     layout: phi_q [B, H_kv, G, T, F], phi_k [B, H_kv, T, F], log_a [B, H_kv, T, F|1])."""
-    from rnnify.cells.gated import chunk_gated_attn
-
     phi_q, phi_k = features(q, k, feature_map, weight, scale, query_shift, mask)
     g, gk = masked_gates(g, gk, mask)
     B, T, H, F = phi_q.shape
@@ -190,6 +188,41 @@ def register_autograd(op, bwd_op) -> None:
         return dq, dk, dv, dg, dgk, dh0, None, None, dw, None, None, None
 
     op.register_autograd(backward, setup_context=setup_context)
+
+
+_OP_DOC = """ See ``naive.py`` for the math and shapes; ``initial_state`` /
+final state: S ``[B, H_kv, F, V]``, or ``(S, z)`` with normalize. ``feature_map`` /
+``feature_weight``: phi applied in the kernel (``feature_maps.py``; its backward goes through
+PyTorch, see ``common``). ``mask`` ``[B, T]`` (True: a real token): padding keys add nothing to S
+or z and padding gates are taken as 0 (see ``common``). ``backend``: see
+``rnnify.kernels.utils.resolve_backend``."""
+
+
+def define_op(name: str, triton_fwd, bwd_op, summary: str):
+    """Register the custom op ``rnnify::<name>`` (forward ``triton_fwd`` or the reference, the fake, the
+    autograd over ``bwd_op``) and return its public function, documented by ``summary``."""
+
+    @torch.library.custom_op(f"rnnify::{name}", mutates_args=())
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, gk: torch.Tensor | None,
+           h0: torch.Tensor | None, scale: float, feature_map: str = "identity",
+           feature_weight: torch.Tensor | None = None, query_shift: bool = False, backend: str = "auto",
+           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return forward(triton_fwd, q, k, v, g, gk, h0, scale, feature_map, feature_weight, query_shift, backend, mask)
+
+    op.register_fake(fake)
+    register_autograd(op, bwd_op)
+
+    def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None,
+                    gk: torch.Tensor | None = None, scale: float | None = None, initial_state: State | None = None,
+                    output_final_state: bool = False, normalize: bool = False, eps: float = 1e-6, *,
+                    feature_map: str | None = None, feature_weight: torch.Tensor | None = None,
+                    mask: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, State | None]:
+        return run(getattr(torch.ops.rnnify, name), q, k, v, g, gk, scale, initial_state, output_final_state,
+                   normalize, eps, feature_map, feature_weight, mask, backend)
+
+    linear_attn.__name__ = linear_attn.__qualname__ = name
+    linear_attn.__doc__ = summary + _OP_DOC
+    return linear_attn
 
 
 def value_block(BF: int, V: int) -> int:

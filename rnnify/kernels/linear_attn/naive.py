@@ -1,4 +1,7 @@
-"""Ground truth: (gated) linear attention as a plain loop over tokens, fp32 (math.md §2).
+"""The linear-attention ops' references: a plain loop over tokens (the ground truth) and the chunked form.
+
+``naive_recurrent_linear_attn`` (the ops' layout, fp32; docs/math.md §Linear attention and
+§Gated linear attention):
 
 Per kv head h, with a_t = exp(g_t) (scalar, RetNet / GateLoop) and exp(gk_t) (per key channel, GLA),
 both in log space and both optional (absent = 1):
@@ -11,6 +14,13 @@ both in log space and both optional (absent = 1):
 Layout: q ``[B, T, H, K]``, k ``[B, T, H_kv, K]``, v ``[B, T, H_kv, V]``, g ``[B, T, H_kv]``,
 gk ``[B, T, H_kv, K]``; query head i reads kv head i // (H / H_kv). State S ``[B, H_kv, K, V]``
 (and z ``[B, H_kv, K]``) fp32; with normalize the state is the pair ``(S, z)``.
+
+The feature-space forms below (``naive_recurrent_gated_attn``, ``parallel_gated_attn``,
+``chunk_gated_attn``) compute the same per kv head on featurised inputs in the cells' layout:
+phi_q ``[B, H_kv, G, T, F]`` (G query heads per kv head), phi_k ``[B, H_kv, T, F]``,
+v ``[B, H_kv, T, V]``, log gates log_a ``[B, H_kv, T, 1]`` (scalar) or ``[B, H_kv, T, F]``
+(per feature), state kv ``[B, H_kv, F, V]`` and k_sum ``[B, H_kv, F]`` (None: unnormalised).
+``chunk_gated_attn`` is the ops' PyTorch path (``common.reference``) and the gated cells' prefill.
 """
 
 from __future__ import annotations
@@ -63,3 +73,71 @@ def naive_recurrent_linear_attn(q, k, v, g=None, gk=None, scale=None, initial_st
     o = torch.stack(outs, dim=1).to(dtype)
     final = ((S, z) if normalize else S) if output_final_state else None
     return o, final
+
+
+# --------------------------------------------------------------------------- feature-space forms
+
+Forms = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def normalise(num: torch.Tensor, den: torch.Tensor, eps: float) -> torch.Tensor:
+    """o = num / (den + eps): the normalised output from phi(q) S and phi(q) . z."""
+    return num / (den[..., None] + eps)
+
+
+def naive_recurrent_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum=None, eps: float = 1e-6) -> Forms:
+    outs = []
+    for t in range(phi_k.shape[2]):
+        a = log_a[:, :, t].exp()  # [B, Hkv, F] or [B, Hkv, 1]
+        kv = a[..., None] * kv + phi_k[:, :, t, :, None] * v[:, :, t, None, :]
+        q_t = phi_q[:, :, :, t]  # [B, Hkv, G, F]
+        if k_sum is None:
+            outs.append(q_t @ kv)
+            continue
+        k_sum = a * k_sum + phi_k[:, :, t]
+        outs.append(normalise(q_t @ kv, (q_t * k_sum[:, :, None]).sum(-1), eps))
+    return torch.stack(outs, dim=3), kv, k_sum
+
+
+def relative_decays(log_a: torch.Tensor) -> torch.Tensor:
+    """D[.., f, i, j] = exp(log a_{j+1} + ... + log a_i) = exp(G_i - G_j), the decay from token j to
+    token i, for j <= i, and 0 above the diagonal: ``[B, Hkv, F|1, T, T]``.
+
+    Each segment is summed directly (Mamba2's ``segsum``), not taken as G_i - G_j: that difference
+    of two large cumulative sums loses the digits of a short segment once |G| is large. Entries
+    above the diagonal are set to -inf before exp, so no exponent is ever positive.
+    """
+    length = log_a.shape[2]
+    ones = torch.ones(length, length, dtype=torch.bool, device=log_a.device)
+    terms = log_a.transpose(-1, -2)[..., None, :].expand(-1, -1, -1, length, -1)  # [.., f, j, k] = log a_k
+    sums = terms.masked_fill(~ones.triu(1), 0.0).cumsum(-1)  # [.., f, j, i] = sum over j < k <= i
+    return sums.masked_fill(~ones.triu(), float("-inf")).exp().transpose(-1, -2)
+
+
+def parallel_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum=None, eps: float = 1e-6) -> Forms:
+    decay = relative_decays(log_a)  # [B, Hkv, F|1, i, j]
+    if log_a.shape[-1] == 1:  # scalar gate: decay the plain scores (decay's size-1 axis spans the G query heads)
+        scores = (phi_q @ phi_k[:, :, None].transpose(-1, -2)) * decay
+    else:  # vector gate: the decay sits inside the feature sum
+        scores = torch.einsum("bhgif,bhfij->bhgij", phi_q, decay * phi_k.transpose(-1, -2)[:, :, :, None])
+    G = log_a.cumsum(2)  # [B, Hkv, T, F|1]: G_i = log a_1 + ... + log a_i
+    q_from_start = phi_q * G[:, :, None].exp()  # phi(q_i) exp(G_i): what reaches token i from the initial state
+    num = scores @ v[:, :, None] + q_from_start @ kv[:, :, None]
+    total = G[:, :, -1:]  # [B, Hkv, 1, F|1]: the decay over the whole block
+    k_to_end = phi_k * decay[:, :, :, -1].transpose(-1, -2)  # phi(k_j) exp(G_T - G_j)
+    new_kv = total.transpose(-1, -2).exp() * kv + k_to_end.transpose(-1, -2) @ v
+    if k_sum is None:
+        return num, new_kv, None
+    den = scores.sum(-1) + (q_from_start * k_sum[:, :, None, None]).sum(-1)
+    return normalise(num, den, eps), new_kv, total[:, :, 0].exp() * k_sum + k_to_end.sum(2)
+
+
+def chunk_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum=None, eps: float = 1e-6, chunk_size: int = 64) -> Forms:
+    outs = []
+    for start in range(0, phi_k.shape[2], chunk_size):
+        end = start + chunk_size
+        out, kv, k_sum = parallel_gated_attn(
+            phi_q[:, :, :, start:end], phi_k[:, :, start:end], v[:, :, start:end], log_a[:, :, start:end], kv, k_sum, eps
+        )
+        outs.append(out)
+    return torch.cat(outs, dim=3), kv, k_sum

@@ -41,6 +41,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from rnnify.errors import RnnifyError
+from rnnify.runtime.storage import install
 
 __all__ = ["PROLOGUE", "EPILOGUE", "layer_prefix", "split_layers"]
 
@@ -160,16 +161,16 @@ def _piece(gm: torch.fx.GraphModule, graph: torch.fx.Graph, attrs: list[str], mo
     """
     piece = torch.fx.GraphModule(nn.Module(), torch.fx.Graph(), class_name=f"Step_{name}")
     for target in modules:
-        _install(piece, target, _take(gm.get_submodule(target), memo))
+        install(piece, target, _take(gm.get_submodule(target), memo))
     for target in attrs:
         owner_path, _, leaf = target.rpartition(".")
         owner = gm.get_submodule(owner_path) if owner_path else gm
         if parametrize.is_parametrized(owner, leaf):
             if not owner_path:
                 raise RnnifyError(f"cannot split the step graph: {target} is parametrized on the graph itself")
-            _install(piece, owner_path, _take(owner, memo))
+            install(piece, owner_path, _take(owner, memo))
         else:
-            _install(piece, target, _take(getattr(owner, leaf), memo))
+            install(piece, target, _take(getattr(owner, leaf), memo))
     piece.graph = graph  # recompiles
     return piece
 
@@ -192,28 +193,3 @@ def _take(obj: Any, memo: dict[int, Any] | None) -> Any:
         copied = copy.deepcopy(obj, memo)
     memo[id(obj)] = copied
     return copied
-
-
-def _install(root: nn.Module, path: str, value: Any) -> None:
-    """Set ``root``'s attribute ``path`` to ``value``, creating plain containers on the way.
-
-    A path under a module installed earlier (a parametrized owner) is already there: skipped.
-    """
-    module = root
-    *parents, leaf = path.split(".")
-    for part in parents:
-        child = getattr(module, part, None)
-        if child is None:
-            child = nn.Module()
-            module.add_module(part, child)
-        module = child
-    if getattr(module, leaf, None) is value:
-        return
-    if isinstance(value, nn.Module):
-        module.add_module(leaf, value)
-    elif isinstance(value, nn.Parameter):
-        module.register_parameter(leaf, value)
-    elif isinstance(value, torch.Tensor):
-        module.register_buffer(leaf, value)
-    else:
-        setattr(module, leaf, value)

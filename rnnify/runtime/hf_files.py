@@ -35,7 +35,7 @@ def is_wrapped(config: dict[str, Any]) -> bool:
 
 def wrap_config(source: bytes, manifest: dict[str, Any]) -> bytes:
     """``config.json`` of a converted directory, from the source model's ``config.json`` bytes."""
-    import rnnify
+    from rnnify import __version__
 
     config = json.loads(source)
     if is_wrapped(config):  # a model loaded from a new directory keeps the unwrapped source; be safe anyway
@@ -45,7 +45,7 @@ def wrap_config(source: bytes, manifest: dict[str, Any]) -> bytes:
         model_type=MODEL_TYPE,
         architectures=[ARCHITECTURE],
         auto_map=dict(AUTO_MAP),
-        rnnify_version=rnnify.__version__,
+        rnnify_version=__version__,
         target=manifest.get("target"),
         dtype=manifest.get("dtype"),
         source_config=config,
@@ -66,7 +66,7 @@ def source_config(data: bytes) -> bytes:
 
 def modeling_file() -> bytes:
     """The loader transformers runs for ``trust_remote_code=True`` (``rnnify/integrations/modeling_rnnify.py``)."""
-    return (Path(__file__).parent / MODELING_FILE).read_bytes()
+    return (Path(__file__).parents[1] / "integrations" / MODELING_FILE).read_bytes()
 
 
 def source_pretrained_config(directory: Path):

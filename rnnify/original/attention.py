@@ -1,6 +1,6 @@
 """Attention transfer: each cell against the softmax attention it replaced, on the same inputs.
 
-LoLCATs' first stage (math.md §6) trains every layer's cell to reproduce the original layer's
+LoLCATs' first stage (docs/math.md §Attention transfer) trains every layer's cell to reproduce the original layer's
 attention output. No separate teacher model is needed: the converted graph still computes the
 original q, k and v at every site, so a hook on each cell computes exact softmax attention of
 those very inputs and compares. With teacher forcing the hook then hands the softmax output

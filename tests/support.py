@@ -1,0 +1,84 @@
+"""Helpers every kind of test shares."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+
+def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest error relative to the largest reference entry, in float64."""
+    return float((got.double() - want.double()).abs().max() / want.double().abs().max())
+
+
+def decode_from(model, ids: torch.Tensor, state):
+    """Logits of one ``model.step`` per token of ``ids [B, T]`` from ``state``, and the last state."""
+    outs = []
+    for t in range(ids.shape[1]):
+        logits, state = model.step(ids[:, t : t + 1], state)
+        outs.append(logits)
+    return torch.cat(outs, 1), state
+
+
+def decode(model, ids: torch.Tensor, prefill_length: int, attention_mask: torch.Tensor | None = None):
+    """Logits of a prefill of ``ids[:, :prefill_length]`` (with ``attention_mask``), then one step per
+    remaining token, and the last state."""
+    logits, state = model.prefill(ids[:, :prefill_length], attention_mask=attention_mask)
+    if prefill_length == ids.shape[1]:
+        return logits, state
+    stepped, state = decode_from(model, ids[:, prefill_length:], state)
+    return torch.cat([logits, stepped], 1), state
+
+
+def assert_steps_and_split_prefill_match(model, ids: torch.Tensor, split: int, tol: float = 1e-4,
+                                         state_tol: float = 1e-5):
+    """One step per token after a 1-token prefill, and a prefill split at ``split`` and continued
+    from its state, give the one-shot prefill's logits (and, for the split, its state). Returns the
+    one-shot ``(logits, state)``."""
+    full, full_state = model.prefill(ids)
+    assert torch.isfinite(full).all()
+    assert rel_diff(decode(model, ids, 1)[0], full) < tol
+    first, state = model.prefill(ids[:, :split])
+    second, state = model.prefill(ids[:, split:], state)
+    assert rel_diff(torch.cat([first, second], 1), full) < tol
+    for a, b in zip(state.tensors, full_state.tensors):
+        torch.testing.assert_close(a, b, rtol=state_tol, atol=state_tol)
+    return full, full_state
+
+
+def random_qkv(batch: int, spec, length: int, gen: torch.Generator, dtype: torch.dtype = torch.float32):
+    """Standard normal q ``[B, H, T, d]``, k ``[B, H_kv, T, d]``, v ``[B, H_kv, T, d_v]`` for a cell of ``spec``."""
+    q = torch.randn(batch, spec.num_heads, length, spec.head_dim, generator=gen).to(dtype)
+    k = torch.randn(batch, spec.num_kv_heads, length, spec.head_dim, generator=gen).to(dtype)
+    v = torch.randn(batch, spec.num_kv_heads, length, spec.value_dim, generator=gen).to(dtype)
+    return q, k, v
+
+
+def assert_left_padded_rows_equal_rows_alone(model, lengths: list[int], gen: torch.Generator, steps: int = 4):
+    """A left-padded batch of rows of ``lengths``, prefilled then stepped ``steps`` tokens, gives each
+    row the logits it gets alone."""
+    rows = [torch.randint(1, model.manifest.vocab_size, (n,), generator=gen) for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+    logits, state = model.prefill(ids, attention_mask=mask)
+    next_ids = torch.randint(1, model.manifest.vocab_size, (len(rows), steps), generator=gen)
+    stepped, _ = decode_from(model, next_ids, state)
+    for i, row in enumerate(rows):
+        alone, alone_state = model.prefill(row[None])
+        assert rel_diff(logits[i, width - len(row) :], alone[0]) < 1e-4
+        alone_steps, _ = decode_from(model, next_ids[i : i + 1], alone_state)
+        assert rel_diff(stepped[i], alone_steps[0]) < 1e-4
+
+
+def draw_heads(draw) -> dict:
+    """Inside an ``st.composite``: batch, kv heads, query heads per kv head (group) and sizes."""
+    return dict(
+        batch=draw(st.integers(1, 3)),
+        num_kv_heads=draw(st.integers(1, 3)),
+        group=draw(st.sampled_from([1, 2, 4])),
+        head_dim=draw(st.sampled_from([4, 8, 16])),
+        value_dim=draw(st.sampled_from([4, 8])),
+    )

@@ -1,0 +1,111 @@
+"""The package's layers: a module imports only from lower layers or from its own unit.
+
+Read from the source with ``ast``, every ``import`` counted, function-level ones too (a lazy
+import still makes the lower layer depend on the higher one). A unit is a top-level module or
+subpackage of ``rnnify``; units that share a layer may not import each other either (sideways).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "rnnify"
+
+# Lowest first. errors: the error types every layer raises; original: the original model and its
+# attention, which evaluation and distillation both compare against.
+LAYERS = [
+    {"errors"},
+    {"kernels"},
+    {"cells"},
+    {"plan", "gguf"},
+    {"passes", "capture"},
+    {"runtime"},
+    {"data"},
+    {"original"},
+    {"convert", "eval", "distill", "verify", "bench", "chat", "passkey"},
+    {"__init__"},  # the package's public API, over everything it exports
+    {"cli", "integrations"},  # transformers and lm-evaluation-harness over the public API
+    {"__main__"},
+]
+LEVEL = {unit: level for level, units in enumerate(LAYERS) for unit in units}
+
+
+def unit_of(module: str) -> str:
+    """``rnnify.cells.gated`` -> ``cells``; ``rnnify`` (the package itself) -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(name: str) -> bool:
+    relative = Path(*name.split(".")[1:])
+    return (PACKAGE / relative).with_suffix(".py").is_file() or (PACKAGE / relative / "__init__.py").is_file()
+
+
+def imports(path: Path, source: str | None = None) -> list[tuple[int, str]]:
+    """``(line, module)`` for every rnnify module ``path`` (or ``source`` as if it were there) imports,
+    anywhere in the file."""
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source, str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:  # ``from rnnify import kernels`` imports the module rnnify.kernels
+                full = f"{base}.{alias.name}"
+                if full == "rnnify.__version__":
+                    continue  # the root is imported before any of its modules: its metadata adds no dependency
+                found.append((node.lineno, full if is_module(full) else base))
+    return [(line, name) for line, name in found if name == "rnnify" or name.startswith("rnnify.")]
+
+
+def violations() -> list[str]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        here = unit_of(module_name(path))
+        for line, name in imports(path):
+            there = unit_of(name)
+            if there != here and LEVEL[there] >= LEVEL[here]:
+                where = f"rnnify/{path.relative_to(PACKAGE)}:{line}"
+                kind = "upward" if LEVEL[there] > LEVEL[here] else "sideways"
+                found.append(f"{where} imports {name} ({kind}: {here} is layer {LEVEL[here]}, {there} {LEVEL[there]})")
+    return sorted(set(found))
+
+
+def test_every_unit_has_a_layer():
+    units = {unit_of(module_name(p)) for p in PACKAGE.rglob("*.py")}
+    assert units <= set(LEVEL), f"add to LAYERS: {sorted(units - set(LEVEL))}"
+
+
+def test_no_module_imports_a_higher_or_sibling_layer():
+    assert violations() == []
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("from rnnify.cells.window import ring_index", ["rnnify.cells.window"]),
+        ("def f():\n    from rnnify import distill", ["rnnify.distill"]),
+        ("import rnnify", ["rnnify"]),
+        ("from rnnify import RnnifyError", ["rnnify"]),
+        ("from ...cells import gated", ["rnnify.cells.gated"]),
+        ("from . import common", ["rnnify.kernels.linear_attn.common"]),
+        ("import torch\nfrom torch import nn", []),
+        ("from rnnify import __version__", []),
+    ],
+)
+def test_imports_are_all_found(source, expected):
+    """The parser sees function-level and relative imports (read as if in kernels/linear_attn/naive.py)."""
+    path = PACKAGE / "kernels" / "linear_attn" / "naive.py"
+    assert [name for _, name in imports(path, source)] == expected
