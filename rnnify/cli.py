@@ -1,4 +1,9 @@
-"""The ``rnnify`` command: convert, verify, generate and inspect recurrent models.
+"""The ``rnnify`` command: convert, verify, generate, inspect, bench, evaluate and distil recurrent models.
+
+Each command has a section below: ``add_<command>(commands)`` declares its arguments beside the
+handler that runs it; ``build_parser`` calls them all. A command's arguments are added only when
+that command runs (``_Command``), and torch, transformers, rich and the rnnify modules that need
+them are imported inside the handlers, so ``rnnify --help`` starts in a fraction of a second.
 
 User mistakes (``RnnifyError``) print one ``error:`` line and exit 2; a failed verification
 exits 1; anything else is a bug and keeps its traceback.
@@ -11,15 +16,13 @@ import json
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
-
-from rich import box
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from rnnify.errors import RnnifyError
-from rnnify.kernels.utils import KERNELS
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 __all__ = ["main", "build_parser"]
 
@@ -83,7 +86,98 @@ def _stage_bar(total: int, unit: str, leave: bool = True) -> Iterator[Callable[[
         bar.update()
 
 
-# -- commands -----------------------------------------------------------------------------
+# -- arguments and helpers shared by the commands -------------------------------------------
+
+
+class _Command(argparse.ArgumentParser):
+    """A command's parser whose arguments are added by ``arguments`` when it first parses.
+
+    Their help needs modules that import torch (the cells' names, the kernel backends), which
+    ``rnnify --help`` and the other commands should not wait for.
+    """
+
+    def __init__(self, *args: Any, arguments: Callable[[argparse.ArgumentParser], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._arguments: Callable[[argparse.ArgumentParser], None] | None = arguments
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._arguments is not None:
+            add, self._arguments = self._arguments, None
+            add(self)
+        return super().parse_known_args(args, namespace)
+
+
+def _add_command(
+    commands: argparse._SubParsersAction,
+    name: str,
+    run: Callable[[argparse.Namespace, Console], int],
+    arguments: Callable[[argparse.ArgumentParser], None],
+    **kwargs: Any,
+) -> None:
+    """Register command ``name``: ``run`` handles it, ``arguments`` adds its arguments when it is used."""
+    commands.add_parser(name, arguments=arguments, **kwargs).set_defaults(run=run)
+
+
+def _add_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", metavar="DIR", help="converted model directory")
+
+
+def _add_kernels_flag(p: argparse.ArgumentParser) -> None:
+    from rnnify.kernels.utils import KERNELS
+
+    p.add_argument(
+        "--kernels", choices=KERNELS, default=None,
+        help="backend of the fused ops, overriding the one DIR was converted with: auto, triton or reference; "
+        "none runs the cells' own PyTorch forms (default: DIR's)",
+    )
+
+
+def _add_device_flag(p: argparse.ArgumentParser, what: str = "device to run on", note: str = "") -> None:
+    """``--device``, the same default everywhere (``_device``)."""
+    p.add_argument(
+        "--device", metavar="DEVICE",
+        help=f"{what}, e.g. cpu or cuda:0 (default: cuda:$LOCAL_RANK when CUDA is available, else cpu){note}",
+    )
+
+
+def _add_dtype_flag(p: argparse.ArgumentParser, default: str | None, help: str) -> None:
+    """``--dtype``, the same choices everywhere."""
+    p.add_argument("--dtype", choices=_DTYPES, default=default, help=help)
+
+
+def _device(name: str | None):
+    """``--device``: as given, else this process's GPU (``cuda:$LOCAL_RANK``, 0 outside torchrun)
+    when CUDA is available, else the CPU."""
+    import os
+
+    import torch
+
+    if name is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise RnnifyError(f"--device {name!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RnnifyError(f"--device {name}: no CUDA device is available; use --device cpu")
+    return device
+
+
+def _check_writable(flag: str, path: str | None) -> None:
+    """Refuse an output file whose directory does not exist now, not after the work that fills it."""
+    if path is not None and not Path(path).expanduser().parent.is_dir():
+        raise RnnifyError(f"{flag} {path}: directory {Path(path).expanduser().parent} does not exist; "
+                          "create it or choose another path")
+
+
+def _save(model, output: str) -> Path:
+    """``model.save(output)``, a refusal to write being the user's to fix."""
+    try:
+        return model.save(output)
+    except OSError as exc:
+        raise RnnifyError(f"cannot write {output}: {exc.strerror or exc}; choose another output directory") from exc
 
 
 def _quiet_transformers() -> None:
@@ -94,7 +188,67 @@ def _quiet_transformers() -> None:
     logging.disable_progress_bar()
 
 
+# -- convert ------------------------------------------------------------------------------
+
+
+def add_convert(commands: argparse._SubParsersAction) -> None:
+    _add_command(
+        commands, "convert", _convert, _convert_arguments,
+        help="compile a Hugging Face causal LM into a recurrent model directory",
+        description="Load MODEL, capture its forward pass, replace every attention with a recurrent "
+        "cell and save the result to -o DIR (no pickle; loads without the source model).",
+    )
+
+
+def _convert_arguments(p: argparse.ArgumentParser) -> None:
+    from rnnify.cells import CELLS
+    from rnnify.cells.linear import FEATURE_MAPS
+    from rnnify.distill.options import add_training_flags
+    from rnnify.kernels.utils import KERNELS
+
+    p.add_argument(
+        "model", metavar="MODEL", help="local Hugging Face model directory, or a hub id already in the local cache"
+    )
+    summaries = {name: cls.__doc__.splitlines()[0].rstrip(".") for name, cls in CELLS.items()}
+    targets = "; ".join(f"{name}: {text[:1].lower()}{text[1:]}" for name, text in summaries.items())
+    p.add_argument("--to", choices=list(CELLS), required=True, help=f"target cell ({targets})")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the converted model to")
+    _add_dtype_flag(p, "float32", "dtype to load and save the weights in (default: float32)")
+    p.add_argument(
+        "--layers", metavar="SPEC",
+        help="targets per layer range, overriding --to: e.g. '0-1:exact,2-:hybrid' (ranges inclusive, "
+        "'N-' runs to the last layer; later rules win)",
+    )
+    p.add_argument(
+        "--keep-softmax", metavar="LAYERS", help="comma-separated layers kept exact softmax attention, e.g. 0,3"
+    )
+    p.add_argument(
+        "--kernels", choices=KERNELS, default="auto",
+        help="backend of the fused Triton ops the cells run where they have them: auto (Triton on CUDA, "
+        "the PyTorch reference elsewhere), triton or reference; none: the cells' own PyTorch forms; "
+        "saved with the model (default: auto)",
+    )
+    cell = p.add_argument_group("cell options (passed to every cell that accepts them)")
+    cell.add_argument("--window", type=int, metavar="W", help="softmax window in tokens (window, hybrid)")
+    cell.add_argument("--sinks", type=int, metavar="S", help="first tokens always attended to (window)")
+    cell.add_argument(
+        "--feature-map", choices=sorted(FEATURE_MAPS), default=None, help="feature map phi (linear, hybrid, gated)"
+    )
+    cell.add_argument("--gate", metavar="NAME", help="gate of the gated target: retnet, gla or gateloop")
+    cell.add_argument(
+        "--option", action="append", metavar="KEY=VALUE",
+        help="any other cell option, repeatable; VALUE is read as JSON when it parses (chunk_size=128, "
+        'feature_options={"num_features":256})',
+    )
+    p.add_argument(
+        "--distill", metavar="PATH",
+        help="then distil the converted model on this text file, folder or .jsonl before saving (flags below)",
+    )
+    _add_training_flags(p, add_training_flags)
+
+
 def _convert(args: argparse.Namespace, console: Console) -> int:
+    from rich.text import Text
     import rnnify
     from rnnify.passes import PIPELINE
 
@@ -113,11 +267,7 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
             if not _train(model, args.distill, args.teacher or args.model, training):
                 return 0
         start("save")
-        try:
-            path = model.save(args.output)
-        except OSError as exc:
-            message = f"cannot write {args.output}: {exc.strerror or exc}; choose another output directory"
-            raise RnnifyError(message) from exc
+        path = _save(model, args.output)
     growth = "grows with context, like a KV cache" if not model.constant_memory else "constant"
     console.print(Text(f"saved to {path}"), soft_wrap=True)
     console.print(
@@ -154,7 +304,36 @@ def _parse_layer_list(text: str) -> list[int]:
         raise RnnifyError(f"--keep-softmax {text!r}: expected comma-separated layer indices, e.g. 0,3") from None
 
 
+# -- verify -------------------------------------------------------------------------------
+
+
+def add_verify(commands: argparse._SubParsersAction) -> None:
+    _add_command(
+        commands, "verify", _verify, _verify_arguments,
+        help="check that a converted model is consistent (and matches the original)",
+        description="Run the converted model on random tokens and compare: weights against the manifest "
+        "digest, token-by-token steps against one-shot prefill, a prefill split in two against one "
+        "shot, and with --against the original model's logits. Exits 1 if any check fails.",
+    )
+
+
+def _verify_arguments(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
+    p.add_argument(
+        "--against", metavar="MODEL",
+        help="original model (directory or cached hub id) to compare logits with; "
+        "judged for 'exact', reported only for approximate targets",
+    )
+    p.add_argument("--tokens", type=int, default=32, metavar="N", help="tokens per sequence (default: 32)")
+    p.add_argument("--batch", type=int, default=2, metavar="B", help="sequences per batch (default: 2)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the random token ids (default: 0)")
+    _add_kernels_flag(p)
+
+
 def _verify(args: argparse.Namespace, console: Console) -> int:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
     import rnnify
     from rnnify.verify import CHECKS, run_checks, tolerance
 
@@ -181,6 +360,35 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
         return 1
     console.print(Text("all checks passed", "green"), soft_wrap=True)
     return 0
+
+
+# -- generate -----------------------------------------------------------------------------
+
+
+def add_generate(commands: argparse._SubParsersAction) -> None:
+    _add_command(
+        commands, "generate", _generate, _generate_arguments,
+        help="generate text or token ids, streamed as they are produced",
+        description="Continue a prompt with the converted model, one recurrent step per token, printing "
+        "each token as it comes (the prompt first). Greedy unless --do-sample.",
+    )
+
+
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="text prompt, tokenized with the tokenizer saved in DIR")
+    prompt.add_argument("--ids", metavar="IDS", help="prompt as comma-separated token ids, e.g. 1,2,3; prints ids back")
+    p.add_argument("--max-new-tokens", type=int, default=20, metavar="N", help="most tokens to generate (default: 20)")
+    p.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
+    p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature, > 0 (default: 1.0)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample only from the K most likely tokens")
+    p.add_argument(
+        "--top-p", type=float, default=None, metavar="P",
+        help="sample only from the smallest set of tokens whose probability adds up to P",
+    )
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling, for repeatable output")
+    _add_kernels_flag(p)
 
 
 class _IdStreamer:
@@ -261,7 +469,22 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+# -- info ---------------------------------------------------------------------------------
+
+
+def add_info(commands: argparse._SubParsersAction) -> None:
+    _add_command(
+        commands, "info", _info, _add_dir,
+        help="describe a converted model: source, target, positions, state size per layer",
+        description="Print what DIR holds: its source model, target cell and options, dtype, the versions "
+        "it was converted with, how it encodes positions, and the recurrent state per layer at "
+        f"{', '.join(map(str, _LENGTHS))} tokens.",
+    )
+
+
 def _info(args: argparse.Namespace, console: Console) -> int:
+    from rich.table import Table
+    from rich.text import Text
     import rnnify
 
     model = rnnify.load(args.dir)
@@ -327,54 +550,50 @@ def _kernels_line(model) -> str:
     return f"{model.kernels}{meaning.get(model.kernels, '')}; fused ops in {count} of {len(model.cells)} layers"
 
 
-def _int_list(flag: str, text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise RnnifyError(f"{flag} {text!r}: expected comma-separated positive integers, e.g. 256,1024")
-    return values
+# -- bench --------------------------------------------------------------------------------
 
 
-def _device(name: str | None):
-    """``--device``: as given, else this process's GPU (``cuda:$LOCAL_RANK``, 0 outside torchrun)
-    when CUDA is available, else the CPU."""
-    import os
-
-    import torch
-
-    if name is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        return torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise RnnifyError(f"--device {name!r} is not a device; use cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RnnifyError(f"--device {name}: no CUDA device is available; use --device cpu")
-    return device
+def add_bench(commands: argparse._SubParsersAction) -> None:
+    _add_command(
+        commands, "bench", _bench, _bench_arguments,
+        help="measure decode latency, memory and prefill time (and against the original with its KV cache)",
+        description="Time decode steps after each context length at each batch size, the state's bytes, "
+        "peak memory and prefill time of DIR, and with --against the same for the original model "
+        "decoding with transformers' KV cache; and the batch-1 limit set by reading the weights at the "
+        "memory bandwidth measured here (rnnify.bench.benchmark). See docs/performance.md for how "
+        "contexts are reached.",
+    )
 
 
-def _check_writable(flag: str, path: str | None) -> None:
-    """Refuse an output file whose directory does not exist now, not after the work that fills it."""
-    if path is not None and not Path(path).expanduser().parent.is_dir():
-        raise RnnifyError(f"{flag} {path}: directory {Path(path).expanduser().parent} does not exist; "
-                          "create it or choose another path")
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
+    p.add_argument("--against", metavar="MODEL", help="original model (directory or cached hub id) to compare with")
+    p.add_argument("--contexts", default="256,1024,4096,16384", metavar="LIST",
+                   help="context lengths (default: 256,1024,4096,16384)")
+    p.add_argument("--batch", default="1,8", metavar="LIST", help="batch sizes (default: 1,8)")
+    _add_device_flag(p)
+    _add_dtype_flag(p, None, "dtype; must be the one DIR was converted to (default: DIR's)")
+    p.add_argument("--steps", type=int, default=10, metavar="N", help="timed decode steps, median reported (default: 10)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch intra-op threads (default: torch's); 1 gives steadier numbers on a shared machine")
+    p.add_argument("--compile", action="store_true", help="decode with torch.compile of the step graph")
+    p.add_argument("--prefill-max", type=int, default=2048, metavar="N",
+                   help="longest context whose prefill is timed (default: 2048; prefill is slow on CPU)")
+    p.add_argument("--json", metavar="OUT", help="write the results and the machine to OUT as JSON")
+    p.add_argument("--plot", metavar="OUT.png", help="write latency and memory vs context plots to OUT.png")
+    _add_kernels_flag(p)
 
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
     import shlex
 
     import torch
+    from rich.text import Text
 
-    import rnnify
-    from rnnify import bench
+    from rnnify.bench import benchmark, plot
+    from rnnify.eval import write_json
 
     contexts, batches = _int_list("--contexts", args.contexts), _int_list("--batch", args.batch)
-    if args.steps < 1:
-        raise RnnifyError(f"--steps must be >= 1, got {args.steps}")
     device = _device(args.device)
     _check_writable("--json", args.json)
     _check_writable("--plot", args.plot)
@@ -382,59 +601,11 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         if args.threads < 1:
             raise RnnifyError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    model = rnnify.load(args.dir, kernels=args.kernels)
-    if args.dtype is not None and args.dtype != model.manifest.dtype:
-        raise RnnifyError(
-            f"{args.dir} holds {model.manifest.dtype} weights; convert with --dtype {args.dtype} to bench {args.dtype}"
-        )
-    dtype = model.dtype
-    limit = model.manifest.positions.get("limit") if model.manifest.positions.get("kind") == "learned" else None
-    if limit is not None and max(contexts) + args.steps + _WARMUP >= limit:
-        raise RnnifyError(
-            f"--contexts {max(contexts)}: this model has {limit} learned positions; "
-            f"keep contexts below {limit - args.steps - _WARMUP}"
-        )
-    model = model.to(device)
-    if args.compile:
-        model.compile_step()
-    original = None
-    if args.against is not None:
-        from rnnify.capture import load_source
-
-        original = load_source(args.against, dtype=dtype).to(device)
-    run = bench.Run(
-        command="rnnify " + shlex.join(args.argv),
-        machine=bench.machine(device),
-        target=model.target + (" (compiled step)" if args.compile else ""),
-        dtype=str(dtype).removeprefix("torch."),
-        weight_bytes=bench.weight_bytes(model),
+    run = benchmark(
+        args.dir, contexts, batches, against=args.against, device=device, dtype=args.dtype, kernels=args.kernels,
+        steps=args.steps, prefill_max=args.prefill_max, compile=args.compile,
+        command="rnnify " + shlex.join(args.argv), progress=True,
     )
-    # Read every weight once (they are memory-mapped) so page-ins do not count as decode memory.
-    bench.bench_converted(model, 1, 1, 1, 0, 1)
-    if original is not None:
-        bench.bench_original(original, 1, 1, 1, 0)
-    from tqdm import tqdm
-
-    jobs = [(b, c) for b in batches for c in contexts]
-    prefills = [c for c in contexts if c <= args.prefill_max]
-    total = len(jobs) * (1 + (original is not None)) + len(prefills) * (1 + (original is not None))
-    with tqdm(total=total, unit="run", disable=None, leave=False) as bar:
-        for b, c in jobs:
-            bar.set_description_str(f"converted, batch {b}, context {c}")
-            run.results.append(bench.bench_converted(model, c, b, args.steps, _WARMUP, _FILL_TOKENS))
-            bar.update()
-            if original is not None:
-                bar.set_description_str(f"original, batch {b}, context {c}")
-                run.results.append(bench.bench_original(original, c, b, args.steps, _WARMUP))
-                bar.update()
-        runners = {"converted": (model.prefill, model.manifest.vocab_size)}
-        if original is not None:
-            runners["original"] = (lambda ids: original(input_ids=ids, use_cache=False), model.manifest.vocab_size)
-        for name, (call, vocab) in runners.items():
-            for c in prefills:
-                bar.set_description_str(f"{name} prefill, context {c}")
-                run.prefill_ms.setdefault(name, {})[c] = bench.prefill_ms(call, vocab, c, device)
-                bar.update()
     console.print(_bench_table(run))
     console.print(_prefill_table(run, args.prefill_max))
     step = next((r.step_ms for r in run.results if r.model == "converted" and r.batch == 1), None)
@@ -446,27 +617,26 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         line += f"; measured step {step:.2f} ms = {step / run.limit_ms:.2f}x the limit"
     console.print(Text(line), soft_wrap=True)
     if args.json is not None:
-        _write(args.json, json.dumps(run.to_json(), indent=1))
+        write_json(args.json, run.to_json())
     if args.plot is not None:
         try:
-            bench.plot(run, args.plot)
+            plot(run, args.plot)
         except OSError as exc:
             raise RnnifyError(f"cannot write {args.plot}: {exc.strerror or exc}") from exc
     return 0
 
 
-_WARMUP = 2  # decode steps before timing
-_FILL_TOKENS = 256  # real tokens a constant-state model reads before its position jumps to the context
-
-
-def _write(path: str, text: str) -> None:
+def _int_list(flag: str, text: str) -> list[int]:
     try:
-        Path(path).write_text(text + "\n")
-    except OSError as exc:
-        raise RnnifyError(f"cannot write {path}: {exc.strerror or exc}") from exc
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise RnnifyError(f"{flag} {text!r}: expected comma-separated positive integers, e.g. 256,1024") from None
 
 
 def _bench_table(run) -> Table:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
     rows = {(r.batch, r.context, r.model): r for r in run.results}
     against = any(r.model == "original" for r in run.results)
     title = f"{run.target} vs original with KV cache" if against else f"{run.target}"
@@ -490,6 +660,9 @@ def _bench_table(run) -> Table:
 
 
 def _prefill_table(run, cap: int) -> Table:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
     table = Table(box=box.SIMPLE_HEAD, title=Text(f"prefill, batch 1, one call (contexts up to {cap:,})"))
     table.add_column("context", justify="right")
     for name in run.prefill_ms:
@@ -500,7 +673,42 @@ def _prefill_table(run, cap: int) -> Table:
     return table
 
 
+# -- eval ---------------------------------------------------------------------------------
+
+
+def add_eval(commands: argparse._SubParsersAction) -> None:
+    _add_command(
+        commands, "eval", _eval, _eval_arguments,
+        help="measure how close a converted model is to its original on text: perplexity, KL, per-layer error",
+        description="Read --data in rows of --seq-len tokens and report both models' perplexity, "
+        "KL(original || converted) per token, top-1 agreement, the state per sequence, and each layer's "
+        "attention error against softmax attention with the layer fed the original's activations.",
+    )
+
+
+def _eval_arguments(p: argparse.ArgumentParser) -> None:
+    from rnnify.data import DEFAULT_SEQ_LEN
+
+    _add_dir(p)
+    p.add_argument("--data", required=True, metavar="PATH",
+                   help="text file, folder of text files or .jsonl file with a \"text\" field per line")
+    p.add_argument("--against", metavar="MODEL",
+                   help="model to compare with: Hugging Face or rnnify directory (default: the source in DIR's manifest)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="directory of the tokenizer to read --data with (default: DIR's, else its source's)")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N",
+                   help=f"tokens per row (default: {DEFAULT_SEQ_LEN}, or the model's position limit if lower)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="rows per batch (default: 8)")
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N", help="stop after N tokens (default: all the data)")
+    p.add_argument("--json", metavar="OUT", help="write the results to OUT as JSON")
+    _add_device_flag(p, "device to run both models on")
+    _add_kernels_flag(p)
+
+
 def _eval(args: argparse.Namespace, console: Console) -> int:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
     from rnnify.eval import evaluate, write_json
 
     _check_writable("--json", args.json)
@@ -530,6 +738,39 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+# -- distill ------------------------------------------------------------------------------
+
+
+def add_distill(commands: argparse._SubParsersAction) -> None:
+    _add_command(
+        commands, "distill", _distill, _distill_arguments,
+        help="train a converted model towards its original: attention transfer, then LoRA fine-tuning",
+        description="LoLCATs' recipe (docs/distill.md): 'transfer' trains the cells' own parameters to "
+        "match the original softmax attention layer by layer; 'finetune' trains LoRA on the attention "
+        "projections plus the cells on next-token loss and KL to the original model, then merges LoRA "
+        "into the weights. Writes -o DIR; checkpoints allow --resume. Runs under torchrun for data "
+        "parallelism (--batch-size is the global batch), with --fsdp sharding the weights per decoder layer.",
+    )
+
+
+def _distill_arguments(p: argparse.ArgumentParser) -> None:
+    from rnnify.distill.options import add_training_flags
+
+    _add_dir(p)
+    p.add_argument("--data", required=True, metavar="PATH",
+                   help="text file, folder of text files or .jsonl file with a \"text\" field per line")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the distilled model to")
+    _add_kernels_flag(p)
+    _add_training_flags(p, add_training_flags)
+
+
+def _add_training_flags(p: argparse.ArgumentParser, add_training_flags) -> None:
+    """The training flags of ``rnnify.distill.options``, and ``--device`` among them."""
+    group = add_training_flags(p)
+    _add_device_flag(group, "device to train on",
+                     "; with --fsdp the model stays on the CPU and only its shards go there")
+
+
 def _training_options(args: argparse.Namespace) -> dict:
     """``rnnify.distill``'s keyword arguments from the training flags, checked."""
     from rnnify.distill.options import training_options
@@ -548,213 +789,33 @@ def _train(model, data: str, teacher, options: dict) -> bool:
 
 
 def _distill(args: argparse.Namespace, console: Console) -> int:
+    from rich.text import Text
     import rnnify
 
     training = _training_options(args)
     model = rnnify.load(args.dir, kernels=args.kernels)  # on the CPU: distill moves it (or, under FSDP, its shards)
     if not _train(model, args.data, args.teacher, training):
         return 0
-    try:
-        path = model.save(args.output)
-    except OSError as exc:
-        raise RnnifyError(f"cannot write {args.output}: {exc.strerror or exc}; choose another output directory") from exc
+    path = _save(model, args.output)
     console.print(Text(f"saved to {path}"), soft_wrap=True)
     return 0
 
 
-# -- parser -------------------------------------------------------------------------------
+# -- the parser and main -------------------------------------------------------------------
 
-
-def _add_kernels_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--kernels", choices=KERNELS, default=None,
-        help="backend of the fused ops, overriding the one DIR was converted with: auto, triton or reference; "
-        "none runs the cells' own PyTorch forms (default: DIR's)",
-    )
+COMMANDS = (add_convert, add_verify, add_generate, add_info, add_bench, add_eval, add_distill)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rnnify.cells import CELLS
-    from rnnify.cells.linear import FEATURE_MAPS
-    from rnnify.data import DEFAULT_SEQ_LEN
-    from rnnify.distill.options import add_training_flags
-
     parser = argparse.ArgumentParser(
         prog="rnnify",
         description="Compile attention-based Hugging Face causal LMs into recurrent models.",
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = commands.add_parser(
-        "convert",
-        help="compile a Hugging Face causal LM into a recurrent model directory",
-        description="Load MODEL, capture its forward pass, replace every attention with a recurrent "
-        "cell and save the result to -o DIR (no pickle; loads without the source model).",
-    )
-    p.add_argument(
-        "model", metavar="MODEL", help="local Hugging Face model directory, or a hub id already in the local cache"
-    )
-    summaries = {name: cls.__doc__.splitlines()[0].rstrip(".") for name, cls in CELLS.items()}
-    targets = "; ".join(f"{name}: {text[:1].lower()}{text[1:]}" for name, text in summaries.items())
-    p.add_argument("--to", choices=list(CELLS), required=True, help=f"target cell ({targets})")
-    p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the converted model to")
-    p.add_argument(
-        "--dtype", choices=_DTYPES, default="float32", help="dtype to load and save the weights in (default: float32)"
-    )
-    p.add_argument(
-        "--layers", metavar="SPEC",
-        help="targets per layer range, overriding --to: e.g. '0-1:exact,2-:hybrid' (ranges inclusive, "
-        "'N-' runs to the last layer; later rules win)",
-    )
-    p.add_argument(
-        "--keep-softmax", metavar="LAYERS", help="comma-separated layers kept exact softmax attention, e.g. 0,3"
-    )
-    p.add_argument(
-        "--kernels", choices=KERNELS, default="auto",
-        help="backend of the fused Triton ops the cells run where they have them: auto (Triton on CUDA, "
-        "the PyTorch reference elsewhere), triton or reference; none: the cells' own PyTorch forms; "
-        "saved with the model (default: auto)",
-    )
-    cell = p.add_argument_group("cell options (passed to every cell that accepts them)")
-    cell.add_argument("--window", type=int, metavar="W", help="softmax window in tokens (window, hybrid)")
-    cell.add_argument("--sinks", type=int, metavar="S", help="first tokens always attended to (window)")
-    cell.add_argument(
-        "--feature-map", choices=sorted(FEATURE_MAPS), default=None, help="feature map phi (linear, hybrid, gated)"
-    )
-    cell.add_argument("--gate", metavar="NAME", help="gate of the gated target: retnet, gla or gateloop")
-    cell.add_argument(
-        "--option", action="append", metavar="KEY=VALUE",
-        help="any other cell option, repeatable; VALUE is read as JSON when it parses (chunk_size=128, "
-        'feature_options={"num_features":256})',
-    )
-    p.add_argument(
-        "--distill", metavar="PATH",
-        help="then distil the converted model on this text file, folder or .jsonl before saving (flags below)",
-    )
-    add_training_flags(p)
-    p.set_defaults(run=_convert)
-
-    p = commands.add_parser(
-        "verify",
-        help="check that a converted model is consistent (and matches the original)",
-        description="Run the converted model on random tokens and compare: weights against the manifest "
-        "digest, token-by-token steps against one-shot prefill, a prefill split in two against one "
-        "shot, and with --against the original model's logits. Exits 1 if any check fails.",
-    )
-    p.add_argument("dir", metavar="DIR", help="converted model directory")
-    p.add_argument(
-        "--against", metavar="MODEL",
-        help="original model (directory or cached hub id) to compare logits with; "
-        "judged for 'exact', reported only for approximate targets",
-    )
-    p.add_argument("--tokens", type=int, default=32, metavar="N", help="tokens per sequence (default: 32)")
-    p.add_argument("--batch", type=int, default=2, metavar="B", help="sequences per batch (default: 2)")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the random token ids (default: 0)")
-    _add_kernels_flag(p)
-    p.set_defaults(run=_verify)
-
-    p = commands.add_parser(
-        "generate",
-        help="generate text or token ids, streamed as they are produced",
-        description="Continue a prompt with the converted model, one recurrent step per token, printing "
-        "each token as it comes (the prompt first). Greedy unless --do-sample.",
-    )
-    p.add_argument("dir", metavar="DIR", help="converted model directory")
-    prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", metavar="TEXT", help="text prompt, tokenized with the tokenizer saved in DIR")
-    prompt.add_argument("--ids", metavar="IDS", help="prompt as comma-separated token ids, e.g. 1,2,3; prints ids back")
-    p.add_argument("--max-new-tokens", type=int, default=20, metavar="N", help="most tokens to generate (default: 20)")
-    p.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
-    p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature, > 0 (default: 1.0)")
-    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample only from the K most likely tokens")
-    p.add_argument(
-        "--top-p", type=float, default=None, metavar="P",
-        help="sample only from the smallest set of tokens whose probability adds up to P",
-    )
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling, for repeatable output")
-    _add_kernels_flag(p)
-    p.set_defaults(run=_generate)
-
-    p = commands.add_parser(
-        "info",
-        help="describe a converted model: source, target, positions, state size per layer",
-        description="Print what DIR holds: its source model, target cell and options, dtype, the versions "
-        "it was converted with, how it encodes positions, and the recurrent state per layer at "
-        f"{', '.join(map(str, _LENGTHS))} tokens.",
-    )
-    p.add_argument("dir", metavar="DIR", help="converted model directory")
-    p.set_defaults(run=_info)
-
-    p = commands.add_parser(
-        "bench",
-        help="measure decode latency, memory and prefill time (and against the original with its KV cache)",
-        description="Time decode steps after each context length at each batch size, the state's bytes, "
-        "peak memory and prefill time of DIR, and with --against the same for the original model "
-        "decoding with transformers' KV cache; and the batch-1 limit set by reading the weights at the "
-        "memory bandwidth measured here. See docs/performance.md for how contexts are reached.",
-    )
-    p.add_argument("dir", metavar="DIR", help="converted model directory")
-    p.add_argument("--against", metavar="MODEL", help="original model (directory or cached hub id) to compare with")
-    p.add_argument("--contexts", default="256,1024,4096,16384", metavar="LIST",
-                   help="context lengths (default: 256,1024,4096,16384)")
-    p.add_argument("--batch", default="1,8", metavar="LIST", help="batch sizes (default: 1,8)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device (default: cpu)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="dtype; must be the one DIR was converted to (default: DIR's)")
-    p.add_argument("--steps", type=int, default=10, metavar="N", help="timed decode steps, median reported (default: 10)")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="torch intra-op threads (default: torch's); 1 gives steadier numbers on a shared machine")
-    p.add_argument("--compile", action="store_true", help="decode with torch.compile of the step graph")
-    p.add_argument("--prefill-max", type=int, default=2048, metavar="N",
-                   help="longest context whose prefill is timed (default: 2048; prefill is slow on CPU)")
-    p.add_argument("--json", metavar="OUT", help="write the results and the machine to OUT as JSON")
-    p.add_argument("--plot", metavar="OUT.png", help="write latency and memory vs context plots to OUT.png")
-    _add_kernels_flag(p)
-    p.set_defaults(run=_bench)
-
-    p = commands.add_parser(
-        "eval",
-        help="measure how close a converted model is to its original on text: perplexity, KL, per-layer error",
-        description="Read --data in rows of --seq-len tokens and report both models' perplexity, "
-        "KL(original || converted) per token, top-1 agreement, the state per sequence, and each layer's "
-        "attention error against softmax attention with the layer fed the original's activations.",
-    )
-    p.add_argument("dir", metavar="DIR", help="converted model directory")
-    p.add_argument("--data", required=True, metavar="PATH",
-                   help="text file, folder of text files or .jsonl file with a \"text\" field per line")
-    p.add_argument("--against", metavar="MODEL",
-                   help="model to compare with: Hugging Face or rnnify directory (default: the source in DIR's manifest)")
-    p.add_argument("--tokenizer", metavar="DIR",
-                   help="directory of the tokenizer to read --data with (default: DIR's, else its source's)")
-    p.add_argument("--seq-len", type=int, default=None, metavar="N",
-                   help=f"tokens per row (default: {DEFAULT_SEQ_LEN}, or the model's position limit if lower)")
-    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="rows per batch (default: 8)")
-    p.add_argument("--max-tokens", type=int, default=None, metavar="N", help="stop after N tokens (default: all the data)")
-    p.add_argument("--json", metavar="OUT", help="write the results to OUT as JSON")
-    p.add_argument("--device", metavar="DEVICE",
-                   help="device to run both models on, e.g. cpu or cuda:0 (default: cuda:$LOCAL_RANK when CUDA "
-                   "is available, else cpu)")
-    _add_kernels_flag(p)
-    p.set_defaults(run=_eval)
-
-    p = commands.add_parser(
-        "distill",
-        help="train a converted model towards its original: attention transfer, then LoRA fine-tuning",
-        description="LoLCATs' recipe (docs/distill.md): 'transfer' trains the cells' own parameters to "
-        "match the original softmax attention layer by layer; 'finetune' trains LoRA on the attention "
-        "projections plus the cells on next-token loss and KL to the original model, then merges LoRA "
-        "into the weights. Writes -o DIR; checkpoints allow --resume. Runs under torchrun for data "
-        "parallelism (--batch-size is the global batch), with --fsdp sharding the weights per decoder layer.",
-    )
-    p.add_argument("dir", metavar="DIR", help="converted model directory")
-    p.add_argument("--data", required=True, metavar="PATH",
-                   help="text file, folder of text files or .jsonl file with a \"text\" field per line")
-    p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the distilled model to")
-    _add_kernels_flag(p)
-    add_training_flags(p)
-    p.set_defaults(run=_distill)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Command)
+    for add in COMMANDS:
+        add(commands)
     return parser
 
 
@@ -765,6 +826,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = list(sys.argv[1:] if argv is None else argv)
     except SystemExit as exc:  # --help, or argparse's own usage error (code 2)
         return exc.code if isinstance(exc.code, int) else 0
+    from rich.console import Console
+
     # Piped output gets room for the tables instead of rich's 80-column default.
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
     try:

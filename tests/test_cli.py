@@ -303,3 +303,31 @@ def test_python_dash_m_runs_the_cli():
     command = [sys.executable, "-m", "rnnify", "info", "--help"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "DIR" in result.stdout
+
+
+_HEAVY = ("torch", "transformers", "rich")
+
+
+def _heavy_imports(code: str) -> list[str]:
+    """The heavy modules a fresh interpreter has imported after running ``code``."""
+    probe = f"import sys\n{code}\nprint(sorted(m for m in {_HEAVY!r} if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1].replace("'", '"'))
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["info", "--help"], ["no-such-command"], []])
+def test_help_and_usage_errors_import_neither_torch_nor_rich(argv):
+    # what keeps `rnnify --help` fast: the commands import what they need when they run
+    code = f"from rnnify.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass"
+    assert _heavy_imports(code) == []
+
+
+def test_import_rnnify_is_light_and_its_names_still_resolve():
+    assert _heavy_imports("import rnnify") == []
+    assert "torch" in _heavy_imports("import rnnify\nrnnify.load")  # imported on first use
+    # importing the submodule of the same name first must leave rnnify.convert the function
+    check = "import rnnify\nimport rnnify.convert\nassert rnnify.convert.__name__ == 'convert', rnnify.convert"
+    assert "torch" in _heavy_imports(check)
+    assert callable(rnnify.distill) and rnnify.distill.__name__ == "rnnify.distill"
+    assert rnnify.benchmark.__module__ == "rnnify.bench"

@@ -184,3 +184,15 @@ def load(path: str | Path, device: torch.device | str | None = None, kernels: st
     model = RecurrentModel(module, manifest, files).use_kernels(manifest.kernels if kernels is None else kernels)
     model.path = path
     return model
+
+
+def load_or_take(model_or_dir: RecurrentModel | str | os.PathLike, device=None, kernels: str | None = None,
+                 caller: str = "this function") -> RecurrentModel:
+    """``model_or_dir`` loaded with ``load(device=, kernels=)``, or as it is when already loaded (then
+    ``device`` and ``kernels`` must be None: a loaded model is not silently moved or changed)."""
+    if not isinstance(model_or_dir, RecurrentModel):
+        return load(model_or_dir, device=device, kernels=kernels)
+    if device is not None or kernels is not None:
+        raise RnnifyError(f"device= and kernels= say how {caller} loads a model directory; a loaded model runs "
+                          "as it is: pass its directory, or use rnnify.load(dir, device=..., kernels=...)")
+    return model_or_dir
