@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from rnnify.errors import RnnifyError
+from rnnify.errors import RnnifyError, RnnifyWarning
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -119,7 +121,21 @@ def _add_command(
 
 
 def _add_dir(p: argparse.ArgumentParser) -> None:
+    """``DIR``, and ``--no-verify-weights`` for how it is loaded (``_load``)."""
     p.add_argument("dir", metavar="DIR", help="converted model directory")
+    p.add_argument(
+        "--no-verify-weights", dest="verify_weights", action="store_false",
+        help="load DIR without comparing its weights with the sha256 its manifest recorded "
+        "(a read of the whole file, about 1 s per GB); altered weights then run unnoticed",
+    )
+
+
+def _load(args: argparse.Namespace, **kwargs: Any):
+    """``rnnify.load`` of ``DIR`` as its flags say (``--kernels`` where the command has it)."""
+    import rnnify
+
+    kernels = getattr(args, "kernels", None)
+    return rnnify.load(args.dir, kernels=kernels, verify_weights=args.verify_weights, **kwargs)
 
 
 def _add_kernels_flag(p: argparse.ArgumentParser) -> None:
@@ -249,6 +265,7 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
 
 def _convert(args: argparse.Namespace, console: Console) -> int:
     from rich.text import Text
+
     import rnnify
     from rnnify.passes import PIPELINE
 
@@ -277,6 +294,8 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
         ),
         soft_wrap=True,
     )
+    if args.distill:
+        _drop_checkpoint(training["checkpoint_dir"], args.keep_checkpoints, console)
     return 0
 
 
@@ -318,7 +337,7 @@ def add_verify(commands: argparse._SubParsersAction) -> None:
 
 
 def _verify_arguments(p: argparse.ArgumentParser) -> None:
-    _add_dir(p)
+    p.add_argument("dir", metavar="DIR", help="converted model directory")
     p.add_argument(
         "--against", metavar="MODEL",
         help="original model (directory or cached hub id) to compare logits with; "
@@ -334,10 +353,11 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
     from rich import box
     from rich.table import Table
     from rich.text import Text
+
     import rnnify
     from rnnify.verify import CHECKS, run_checks, tolerance
 
-    model = rnnify.load(args.dir, kernels=args.kernels)
+    model = rnnify.load(args.dir, kernels=args.kernels, verify_weights=False)  # the "weights" check reports it
     total = len(CHECKS) if args.against is not None else len(CHECKS) - 1
     with _stage_bar(total, "check", leave=False) as start:
         results = run_checks(model, args.against, tokens=args.tokens, batch=args.batch, seed=args.seed, progress=start)
@@ -439,9 +459,7 @@ def _eos_ids(model, tokenizer=None) -> list[int]:
 def _generate(args: argparse.Namespace, console: Console) -> int:
     import torch
 
-    import rnnify
-
-    model = rnnify.load(args.dir, kernels=args.kernels)
+    model = _load(args)
     if args.ids is not None:
         tokenizer, streamer = None, _IdStreamer()
         ids = _parse_ids(args.ids, model.manifest.vocab_size)
@@ -483,11 +501,11 @@ def add_info(commands: argparse._SubParsersAction) -> None:
 
 
 def _info(args: argparse.Namespace, console: Console) -> int:
+    from rich import box
     from rich.table import Table
     from rich.text import Text
-    import rnnify
 
-    model = rnnify.load(args.dir)
+    model = _load(args)
     manifest = model.manifest
     options = manifest.cells[0].options if manifest.cells else manifest.options
     positions = manifest.positions
@@ -496,9 +514,11 @@ def _info(args: argparse.Namespace, console: Console) -> int:
     else:
         limit = positions.get("limit")
         where = f"{positions.get('kind', 'unknown')}" + (f", trained up to {limit} positions" if limit else "")
+    fused_ops = ["\n".join(f"{phase} {op}" for phase, op in entry.kernels.items()) for entry in manifest.cells]
+    same_ops = len(set(fused_ops)) == 1  # then said once, above the table
     header = Table.grid(padding=(0, 2))
-    header.add_column(style="bold")
-    header.add_column()
+    header.add_column(style="bold", no_wrap=True)
+    header.add_column(overflow="fold")
     rows = {
         "directory": str(model.path),
         "source": manifest.source or "(unknown)",
@@ -507,6 +527,7 @@ def _info(args: argparse.Namespace, console: Console) -> int:
         "vocab size": str(manifest.vocab_size),
         "positions": where,
         "kernels": _kernels_line(model),
+        **({"fused ops": f"{', '.join(fused_ops[0].splitlines())} (every layer)"} if same_ops and fused_ops[0] else {}),
         "converted with": ", ".join(f"{k} {v}" for k, v in manifest.versions.items()) or "(unknown)",
     }
     for key, value in rows.items():
@@ -515,24 +536,27 @@ def _info(args: argparse.Namespace, console: Console) -> int:
 
     windowed = any(cell.spec.window is not None for cell in model.cells)
     notes = any(cell.describe() for cell in model.cells)
-    fused = any(entry.kernels for entry in manifest.cells)
-    columns = ["layer", "module path", "cell", "heads", "kv heads", "head dim"] + (["window"] if windowed else [])
+    fused = any(fused_ops) and not same_ops
+    columns = ["layer", "module path", "cell", "heads (kv) × dim"] + (["window"] if windowed else [])
     columns += (["notes"] if notes else []) + (["fused ops"] if fused else [])
-    table = Table(title="recurrent state per sequence, by context length")
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("module path", "cell", "notes", "fused ops") else "right")
+    lengths = " / ".join(f"{length:,}" for length in _LENGTHS)
+    table = Table(box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False,
+                  title=f"recurrent state per sequence after {lengths} tokens")
+    for column in columns:  # names wrap at spaces and fold where they must, never cut short
+        text = column in ("module path", "cell", "notes", "fused ops")
+        table.add_column(column, justify="left" if text else "right", overflow="fold")
     for length in _LENGTHS:
-        table.add_column(f"{length:,} token{'s' * (length > 1)}", justify="right", no_wrap=True)
-    for entry, cell in zip(manifest.cells, model.cells):
+        table.add_column(f"{length:,}", justify="right")
+    for entry, cell, ops in zip(manifest.cells, model.cells, fused_ops):
         spec = cell.spec
         row = [str(entry.layer), Text(entry.module_path), entry.target]
-        row += [str(spec.num_heads), str(spec.num_kv_heads), str(spec.head_dim)]
+        row.append(f"{spec.num_heads} ({spec.num_kv_heads}) × {spec.head_dim}")
         if windowed:
             row.append("" if spec.window is None else str(spec.window))
         if notes:
             row.append(Text(cell.describe()))
         if fused:
-            row.append(Text(", ".join(f"{phase} {op}" for phase, op in entry.kernels.items()) or "-"))
+            row.append(Text(ops or "-"))
         table.add_row(*row, *(_nbytes(cell.state_nbytes(length, 1, model.dtype)) for length in _LENGTHS))
     table.add_section()
     table.add_row("total", *[""] * (len(columns) - 1), *(_nbytes(model.state_nbytes(length)) for length in _LENGTHS))
@@ -602,8 +626,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
             raise RnnifyError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     run = benchmark(
-        args.dir, contexts, batches, against=args.against, device=device, dtype=args.dtype, kernels=args.kernels,
-        steps=args.steps, prefill_max=args.prefill_max, compile=args.compile,
+        _load(args, device=device), contexts, batches, against=args.against, dtype=args.dtype, steps=args.steps, prefill_max=args.prefill_max, compile=args.compile,
         command="rnnify " + shlex.join(args.argv), progress=True,
     )
     console.print(_bench_table(run))
@@ -709,13 +732,13 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     from rich import box
     from rich.table import Table
     from rich.text import Text
+
     from rnnify.eval import evaluate, write_json
 
     _check_writable("--json", args.json)
     result = evaluate(
-        args.dir, args.data, against=args.against, seq_len=args.seq_len, batch_size=args.batch_size,
-        max_tokens=args.max_tokens, tokenizer=args.tokenizer, device=_device(args.device), kernels=args.kernels,
-        progress=True,
+        _load(args, device=_device(args.device)), args.data, against=args.against, seq_len=args.seq_len,
+        batch_size=args.batch_size, max_tokens=args.max_tokens, tokenizer=args.tokenizer, progress=True,
     )
     summary = Table(box=box.SIMPLE_HEAD, title=Text(
         f"{result.target} vs {result.against}: {result.tokens:,} tokens, rows of {result.seq_len}"
@@ -790,15 +813,27 @@ def _train(model, data: str, teacher, options: dict) -> bool:
 
 def _distill(args: argparse.Namespace, console: Console) -> int:
     from rich.text import Text
-    import rnnify
 
     training = _training_options(args)
-    model = rnnify.load(args.dir, kernels=args.kernels)  # on the CPU: distill moves it (or, under FSDP, its shards)
+    model = _load(args)  # on the CPU: distill moves it (or, under FSDP, its shards)
     if not _train(model, args.data, args.teacher, training):
         return 0
     path = _save(model, args.output)
     console.print(Text(f"saved to {path}"), soft_wrap=True)
+    _drop_checkpoint(training["checkpoint_dir"], args.keep_checkpoints, console)
     return 0
+
+
+def _drop_checkpoint(directory: Path, keep: bool, console: Console) -> None:
+    """Delete the checkpoint of a run whose model is saved, unless ``--keep-checkpoints``."""
+    from rich.text import Text
+
+    from rnnify.distill.checkpoint import remove_checkpoint
+
+    if keep:
+        console.print(Text(f"checkpoint kept in {directory}"), soft_wrap=True)
+    elif not remove_checkpoint(directory):
+        console.print(Text(f"kept {directory}: it holds more than this run's checkpoint"), soft_wrap=True)
 
 
 # -- the parser and main -------------------------------------------------------------------
@@ -828,14 +863,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     from rich.console import Console
 
-    # Piped output gets room for the tables instead of rich's 80-column default.
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    # A terminal's own width; piped output gets PIPED_WIDTH columns (or $COLUMNS), not rich's 80.
+    piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    console = Console(highlight=False, width=PIPED_WIDTH if piped else None)
     try:
-        _quiet_transformers()
-        return args.run(args, console)
+        with warnings.catch_warnings():  # restores the default format on return (main may run in-process)
+            warnings.showwarning = _one_line_warnings(warnings.showwarning)
+            _quiet_transformers()
+            return args.run(args, console)
     except RnnifyError as exc:
         print("error: " + " ".join(str(exc).split()), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+PIPED_WIDTH = 120
+
+
+def _one_line_warnings(default: Callable[..., None]) -> Callable[..., None]:
+    """A ``warnings.showwarning`` that prints rnnify's own warnings as one ``warning:`` line (they are
+    for the user, who has no use for the file and line that raised them) and others as ``default`` does."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if not issubclass(category, RnnifyWarning):
+            return default(message, category, filename, lineno, file, line)
+        print("warning: " + " ".join(str(message).split()), file=file if file is not None else sys.stderr)
+
+    return show

@@ -42,6 +42,8 @@ def add_training_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="where checkpoints go (default: the output directory's name + '.checkpoints', beside it)")
     g.add_argument("--checkpoint-every", type=int, default=500, metavar="N",
                    help="steps between checkpoints (default: 500)")
+    g.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep the checkpoint once the distilled model is saved (default: delete it then)")
     g.add_argument("--resume", action="store_true", help="continue from the checkpoint of an interrupted run")
     g.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard the weights over the processes, one FSDP unit per decoder layer, "
