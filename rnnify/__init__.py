@@ -27,6 +27,8 @@ _LAZY = {
     "load": "rnnify.runtime.storage",
     "evaluate": "rnnify.eval",
     "EvalResult": "rnnify.eval",
+    "evaluate_passkey": "rnnify.passkey",
+    "PasskeyResult": "rnnify.passkey",
     "benchmark": "rnnify.bench",
     "RecurrentModel": "rnnify.runtime.model",
     "RecurrentState": "rnnify.runtime.state",
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
     from rnnify.bench import benchmark
     from rnnify.convert import convert
     from rnnify.eval import EvalResult, evaluate
+    from rnnify.passkey import PasskeyResult, evaluate_passkey
     from rnnify.runtime.model import RecurrentModel
     from rnnify.runtime.state import RecurrentState
     from rnnify.runtime.storage import load

@@ -37,6 +37,7 @@ examples:
   rnnify convert path/to/hf-model --to linear --feature-map elu -o out/linear
   rnnify verify out/exact --against path/to/hf-model
   rnnify generate out/exact --prompt "def main():" --max-new-tokens 40
+  rnnify chat out/exact --system "You are brief."
   rnnify info out/linear
   rnnify bench out/linear --against path/to/hf-model --contexts 256,16384 --json bench.json --plot bench.png
   rnnify eval out/linear --data corpus/ --max-tokens 100000 --json eval.json
@@ -120,9 +121,9 @@ def _add_command(
     commands.add_parser(name, arguments=arguments, **kwargs).set_defaults(run=run)
 
 
-def _add_dir(p: argparse.ArgumentParser) -> None:
+def _add_dir(p: argparse.ArgumentParser, help: str = "converted model directory") -> None:
     """``DIR``, and ``--no-verify-weights`` for how it is loaded (``_load``)."""
-    p.add_argument("dir", metavar="DIR", help="converted model directory")
+    p.add_argument("dir", metavar="DIR", help=help)
     p.add_argument(
         "--no-verify-weights", dest="verify_weights", action="store_false",
         help="load DIR without comparing its weights with the sha256 its manifest recorded "
@@ -210,7 +211,7 @@ def _quiet_transformers() -> None:
 def add_convert(commands: argparse._SubParsersAction) -> None:
     _add_command(
         commands, "convert", _convert, _convert_arguments,
-        help="compile a Hugging Face causal LM into a recurrent model directory",
+        help="compile a Hugging Face causal LM (or GGUF file) into a recurrent model directory",
         description="Load MODEL, capture its forward pass, replace every attention with a recurrent "
         "cell and save the result to -o DIR (no pickle; loads without the source model).",
     )
@@ -223,7 +224,9 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     from rnnify.kernels.utils import KERNELS
 
     p.add_argument(
-        "model", metavar="MODEL", help="local Hugging Face model directory, or a hub id already in the local cache"
+        "model", metavar="MODEL",
+        help="local Hugging Face model directory, a .gguf file (dequantised to --dtype; needs "
+        "pip install 'rnnify[gguf]'), or a hub id already in the local cache",
     )
     summaries = {name: cls.__doc__.splitlines()[0].rstrip(".") for name, cls in CELLS.items()}
     targets = "; ".join(f"{name}: {text[:1].lower()}{text[1:]}" for name, text in summaries.items())
@@ -246,7 +249,7 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     )
     cell = p.add_argument_group("cell options (passed to every cell that accepts them)")
     cell.add_argument("--window", type=int, metavar="W", help="softmax window in tokens (window, hybrid)")
-    cell.add_argument("--sinks", type=int, metavar="S", help="first tokens always attended to (window)")
+    cell.add_argument("--sinks", type=int, metavar="S", help="first tokens always attended to (window, hybrid)")
     cell.add_argument(
         "--feature-map", choices=sorted(FEATURE_MAPS), default=None, help="feature map phi (linear, hybrid, gated)"
     )
@@ -399,7 +402,16 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="text prompt, tokenized with the tokenizer saved in DIR")
     prompt.add_argument("--ids", metavar="IDS", help="prompt as comma-separated token ids, e.g. 1,2,3; prints ids back")
-    p.add_argument("--max-new-tokens", type=int, default=20, metavar="N", help="most tokens to generate (default: 20)")
+    _add_sampling_flags(p, max_new_tokens=20)
+    _add_kernels_flag(p)
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """How tokens are chosen, shared by ``generate`` and ``chat``: greedy unless --do-sample."""
+    p.add_argument(
+        "--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
+        help=f"most tokens to generate (default: {max_new_tokens})",
+    )
     p.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature, > 0 (default: 1.0)")
     p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample only from the K most likely tokens")
@@ -408,7 +420,6 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
         help="sample only from the smallest set of tokens whose probability adds up to P",
     )
     p.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling, for repeatable output")
-    _add_kernels_flag(p)
 
 
 class _IdStreamer:
@@ -484,6 +495,67 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
         seed=args.seed,
         streamer=streamer,
     )
+    return 0
+
+
+# -- chat ---------------------------------------------------------------------------------
+
+
+def add_chat(commands: argparse._SubParsersAction) -> None:
+    _add_command(
+        commands, "chat", _chat, _chat_arguments,
+        help="chat with a converted model, its recurrent state carrying the conversation",
+        description="Read one user message per line from stdin, apply the chat template saved in DIR and "
+        "stream the reply. Each turn reads only its new tokens, continuing from the state after the "
+        "previous reply (history is never re-read); after each reply a dim line shows the tokens so far "
+        "and the state's size, constant for recurrent targets. /reset starts a new conversation; "
+        "Ctrl-D or Ctrl-C ends. Greedy unless --do-sample.",
+    )
+
+
+def _chat_arguments(p: argparse.ArgumentParser) -> None:
+    _add_dir(p, "converted model directory with a tokenizer and chat template")
+    p.add_argument("--system", metavar="TEXT", help="system prompt that opens every conversation")
+    _add_sampling_flags(p, max_new_tokens=256)
+    p.add_argument("--verbose", action="store_true", help="before each reply, show how many new tokens the turn read")
+    _add_kernels_flag(p)
+
+
+def _chat(args: argparse.Namespace, console: Console) -> int:
+    """Read user messages from stdin, one per line, and stream each reply; /reset starts over."""
+    from rich.text import Text
+    from transformers import TextStreamer
+
+    from rnnify.chat import Chat
+    from rnnify.data import load_tokenizer
+
+    model = _load(args)
+    tokenizer = load_tokenizer(args.dir, "chat needs the tokenizer and chat template of the source model in DIR")
+    chat = Chat(
+        model, tokenizer, system=args.system, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        eos_token_id=_eos_ids(model, tokenizer) or None, seed=args.seed,
+    )
+    interactive = sys.stdin.isatty()
+    if interactive:
+        console.print(Text("one message per line; /reset starts a new conversation; Ctrl-D ends", "dim"))
+    try:
+        while True:
+            try:
+                text = input("> " if interactive else "").strip()
+            except EOFError:
+                break
+            if text == "/reset":
+                chat.reset()
+                console.print(Text("(new conversation)", "dim"))
+            elif text:
+                read, rule = chat.ask(text)
+                if args.verbose:
+                    console.print(Text(f"(read {read} new tokens, {rule} rule)", "dim"))
+                chat.reply(TextStreamer(tokenizer, skip_special_tokens=True))
+                console.print(Text(f"[{len(chat.consumed):,} tokens, state {_nbytes(chat.state.nbytes)}]", "dim"))
+    except KeyboardInterrupt:
+        print()
     return 0
 
 
@@ -651,9 +723,12 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
 
 def _int_list(flag: str, text: str) -> list[int]:
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise RnnifyError(f"{flag} {text!r}: expected comma-separated positive integers, e.g. 256,1024") from None
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise RnnifyError(f"{flag} {text!r}: expected comma-separated positive integers, e.g. 256,1024")
+    return values
 
 
 def _bench_table(run) -> Table:
@@ -725,6 +800,12 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None, metavar="N", help="stop after N tokens (default: all the data)")
     p.add_argument("--json", metavar="OUT", help="write the results to OUT as JSON")
     _add_device_flag(p, "device to run both models on")
+    p.add_argument("--passkey", metavar="LIST",
+                   help="also test recall at these prompt lengths, e.g. 512,1024,2048: a random 5-digit key stated "
+                   "once in filler text, then asked for; both models answer greedily (default: off)")
+    p.add_argument("--passkey-trials", type=int, default=6, metavar="N",
+                   help="prompts per length, the key at N depths evenly spaced from start to end (default: 6)")
+    p.add_argument("--passkey-seed", type=int, default=0, metavar="S", help="seed of the random keys (default: 0)")
     _add_kernels_flag(p)
 
 
@@ -736,10 +817,25 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     from rnnify.eval import evaluate, write_json
 
     _check_writable("--json", args.json)
+    lengths = None
+    if args.passkey is not None:
+        from rnnify.passkey import depths
+
+        lengths = _int_list("--passkey", args.passkey)
+        depths(args.passkey_trials)  # checks it, before anything loads
+    model = _load(args, device=_device(args.device))
     result = evaluate(
-        _load(args, device=_device(args.device)), args.data, against=args.against, seq_len=args.seq_len,
-        batch_size=args.batch_size, max_tokens=args.max_tokens, tokenizer=args.tokenizer, progress=True,
+        model, args.data, against=args.against, seq_len=args.seq_len, batch_size=args.batch_size,
+        max_tokens=args.max_tokens, tokenizer=args.tokenizer, progress=True,
     )
+    passkey = None
+    if lengths is not None:
+        from rnnify.passkey import evaluate_passkey
+
+        passkey = evaluate_passkey(
+            model, lengths, trials=args.passkey_trials, seed=args.passkey_seed, against=args.against,
+            tokenizer=args.tokenizer, progress=True,
+        )
     summary = Table(box=box.SIMPLE_HEAD, title=Text(
         f"{result.target} vs {result.against}: {result.tokens:,} tokens, rows of {result.seq_len}"
     ))
@@ -756,9 +852,27 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     for layer in result.layers:
         layers.add_row(str(layer.layer), layer.module, f"{layer.rel_error:.3g}", f"{layer.mse:.3g}")
     console.print(layers)
+    if passkey is not None:
+        console.print(_passkey_table(passkey))
     if args.json is not None:
-        write_json(args.json, result.to_json())
+        write_json(args.json, {**result.to_json(), **({"passkey": passkey.to_json()} if passkey else {})})
     return 0
+
+
+def _passkey_table(result) -> Table:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    accuracy = result.accuracy()
+    trials = len(result.trials) // len(accuracy["converted"])
+    table = Table(box=box.SIMPLE_HEAD, title=Text(f"pass-key retrieval: {trials} depths per length, greedy answers"))
+    table.add_column("prompt tokens", justify="right")
+    for name in accuracy:
+        table.add_column(name, justify="right")
+    for length in accuracy["converted"]:
+        table.add_row(f"{length:,}", *(f"{by[length]:.0%}" for by in accuracy.values()))
+    return table
 
 
 # -- distill ------------------------------------------------------------------------------
@@ -838,7 +952,7 @@ def _drop_checkpoint(directory: Path, keep: bool, console: Console) -> None:
 
 # -- the parser and main -------------------------------------------------------------------
 
-COMMANDS = (add_convert, add_verify, add_generate, add_info, add_bench, add_eval, add_distill)
+COMMANDS = (add_convert, add_verify, add_generate, add_chat, add_info, add_bench, add_eval, add_distill)
 
 
 def build_parser() -> argparse.ArgumentParser:
