@@ -112,9 +112,44 @@ def distill_budget(spec: dict, args) -> int | None:
     return args.goal_distill_tokens if spec["variant"] in GOALS else args.distill_tokens
 
 
+def parse_dir_row(text: str) -> dict:
+    """``NAME=DIR[,seconds=S]``: an rnnify directory converted or distilled elsewhere (e.g. with
+    ``rnnify distill`` and its checkpoints, over several sessions); S is its distillation wall time."""
+    name, sep, rest = text.partition("=")
+    directory, _, seconds = rest.partition(",seconds=")
+    if not sep or not name or not (Path(directory) / "rnnify.json").is_file():
+        raise ValueError(f"--dir {text!r}: expected NAME=DIR[,seconds=S] with DIR an rnnify directory")
+    return {"variant": name, "dir": directory, "seconds": float(seconds) if seconds else None}
+
+
+def run_dir_row(spec: dict, heldout: Path, args, cached: dict | None, save) -> dict:
+    """A row from a saved directory: its numbers count as distilled when its manifest records a
+    distillation, else as training-free; reused from ``cached`` while the weights are the same."""
+    model = rnnify.load(spec["dir"])
+    manifest = model.manifest
+    wanted = {**settings({"target": manifest.target, "options": manifest.options}, args), "dir": spec["dir"],
+              "weights_sha256": manifest.weights_sha256}
+    if cached is not None and cached.get("settings") == wanted:
+        return cached
+    print(f"== {spec['variant']}: {spec['dir']}", flush=True)
+    row = {"variant": spec["variant"], "target": manifest.target, "options": manifest.options, "settings": wanted,
+           "state_bytes": model.state_nbytes(args.seq_len)}
+    result = measure(model, heldout, args)
+    if manifest.distill is None:
+        row["training_free"] = result
+    else:
+        stages = {r["stage"]: r["tokens"] for r in manifest.distill["trained"]}
+        row.update(training_free=None, distilled=result, stage_tokens=stages, distill_tokens=sum(stages.values()),
+                   distill_seconds=spec["seconds"])
+    save(row)
+    return row
+
+
 def run_row(spec: dict, heldout: Path, train: Path, args, cached: dict | None, save) -> dict:
     """One row: training-free, then distilled; each step reused from ``cached`` when its settings match,
     else run and handed to ``save`` as soon as it is done."""
+    if "dir" in spec:
+        return run_dir_row(spec, heldout, args, cached, save)
     model = None
     row = cached if cached is not None and cached.get("settings") == settings(spec, args) else None
     if row is None:
@@ -191,10 +226,13 @@ def table(record: dict) -> str:
     first = ["original", "–", f"{original_ppl:.2f} (1.000)", "0", "100%"] + ([_passkey_cell(passkey["accuracy"])] if passkey else [])
     lines.append("| " + " | ".join(first + ["–"] * (len(head) - len(first))) + " |")
     for row in rows:
-        cells = [f"`{row['variant']}`", f"{row['state_bytes']:,}", *quality(row["training_free"]), *quality(row.get("distilled"))]
+        cells = [f"`{row['variant']}`", f"{row['state_bytes']:,}", *quality(row.get("training_free")),
+                 *quality(row.get("distilled"))]
         if "distilled" in row:
             stages = row["stage_tokens"]
-            cells += [f"{stages.get('transfer', 0):,} + {stages.get('finetune', 0):,}", f"{row['distill_seconds']:.0f} s"]
+            seconds = row.get("distill_seconds")
+            cells += [f"{stages.get('transfer', 0):,} + {stages.get('finetune', 0):,}",
+                      "–" if seconds is None else f"{seconds:.0f} s"]
         else:
             cells += ["–", "–"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -266,6 +304,11 @@ Further runs, one variant with another budget:
 """
 
 
+def first_result(row: dict) -> dict:
+    """A row's first measurement: training-free, or distilled for a row read from a directory."""
+    return row.get("training_free") or row["distilled"]
+
+
 def plot(record: dict, path: Path) -> None:
     """Quality (perplexity ratio) against state bytes, both log scale: one point per row and stage."""
     import matplotlib
@@ -275,20 +318,20 @@ def plot(record: dict, path: Path) -> None:
     import matplotlib.ticker
 
     rows, original_ppl = record["rows"], record["original_perplexity"]
-    seq_len = rows[0]["training_free"]["seq_len"]
+    seq_len = first_result(rows[0])["seq_len"]
     fig, ax = plt.subplots(figsize=(8, 5))
     for key, marker, label in (("training_free", "o", "training-free"), ("distilled", "s", "distilled")):
-        points = [(r["state_bytes"], r[key]["perplexity"] / original_ppl, r["variant"]) for r in rows if key in r]
+        points = [(r["state_bytes"], r[key]["perplexity"] / original_ppl, r["variant"]) for r in rows if r.get(key)]
         if not points:
             continue
         ax.scatter([p[0] for p in points], [p[1] for p in points], marker=marker, label=label)
-        if key == "distilled" or not any("distilled" in r for r in rows):
+        if key == "distilled" or not any(r.get("distilled") for r in rows):
             for x, y, name in points:
                 ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ratios = [r[k]["perplexity"] / original_ppl for r in rows for k in ("training_free", "distilled") if k in r]
+    ratios = [r[k]["perplexity"] / original_ppl for r in rows for k in ("training_free", "distilled") if r.get(k)]
     ax.set_ylim(min(0.9, min(ratios) / 1.1), max(1.2, max(ratios) * 1.1))  # 1.0 always in view, never a sliver
     plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
     ax.yaxis.set_major_formatter(plain)
@@ -315,6 +358,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "hybrid-w256=hybrid,window=256,feature_map=hedgehog (repeatable)")
     parser.add_argument("--rows", type=Path, default=None, metavar="FILE.json",
                         help='rows from a JSON list of {"variant": NAME, "target": TARGET, "options": {...}}')
+    parser.add_argument("--dir", action="append", default=[], metavar="NAME=DIR[,seconds=S]",
+                        help="a row from an rnnify directory converted or distilled elsewhere, e.g. with rnnify "
+                        "distill over several sessions; S: its distillation wall time (repeatable)")
     parser.add_argument("--window", type=int, default=WINDOW, help=f"window of the named window rows (default: {WINDOW})")
     parser.add_argument("--no-distill", action="store_true", help="training-free numbers only")
     parser.add_argument("--distill-tokens", type=int, default=200_000, help="per row, both stages together")
@@ -343,7 +389,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fresh", action="store_true", help="ignore rows already in --json: run every step again")
     parser.add_argument("--render", action="store_true", help="only rewrite --doc and --png from --json")
     args = parser.parse_args(argv)
-    default = args.model == BUNDLED and args.data is None
+    default = args.model == BUNDLED and args.data is None and args.json is None  # the page's own run
     if args.json is None:
         name = "fidelity" if default else f"fidelity-{args.model.name}-{args.seq_len}"
         args.json = ROOT / "benchmarks/results" / f"{name}.json"
@@ -353,8 +399,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.doc = ROOT / "docs/fidelity.md"
     try:
         specs = [{"variant": n, "target": VARIANTS[n][0], "options": variants(args.window)[n][1]}
-                 for n in (args.variants if args.variants is not None else [] if args.row or args.rows else VARIANTS)]
+                 for n in (args.variants if args.variants is not None else [] if args.row or args.rows or args.dir
+                           else VARIANTS)]
         specs += [parse_row(text) for text in args.row] + (read_rows(args.rows) if args.rows else [])
+        specs += [parse_dir_row(text) for text in args.dir]
         passkey_text = args.passkey
         if args.passkey:
             args.passkey = [int(n) for n in args.passkey.split(",")]
@@ -369,7 +417,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.data is not None and not all((args.data / part).is_dir() for part in ("train", "heldout")):
         parser.error(f"--data {args.data} needs train/ and heldout/ folders (examples/python_docs_corpus.py writes them)")
     if not args.render and not specs:
-        parser.error("no rows: give --variants, --row or --rows")
+        parser.error("no rows: give --variants, --row, --rows or --dir")
     args.distill_seq_len = args.distill_seq_len or args.seq_len
     args.distill_batch_size = args.distill_batch_size or args.batch_size
     if args.eval_rows is not None:
@@ -408,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def save(position: int, row: dict) -> None:  # after every step: a run killed later loses nothing done
         record["rows"][position] = row
-        record["original_perplexity"] = record["rows"][0]["training_free"]["teacher_perplexity"]
+        record["original_perplexity"] = first_result(next(r for r in record["rows"] if r))["teacher_perplexity"]
         write_json(args.json, {**record, "rows": [r for r in record["rows"] if r is not None]})
 
     with tempfile.TemporaryDirectory() as tmp:

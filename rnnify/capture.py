@@ -36,6 +36,11 @@ def _load_pretrained(path_or_id: str, dtype: torch.dtype):
     if local.exists():
         if not (local / "config.json").is_file():
             raise RnnifyError(f"{path_or_id}: no config.json here; pass a Hugging Face model directory or a .gguf file")
+        if (local / "rnnify.json").is_file():
+            raise RnnifyError(
+                f"{path_or_id} is a model rnnify already converted; convert its source Hugging Face model "
+                "(the `source` in its rnnify.json) instead"
+            )
         where = {"pretrained_model_name_or_path": str(local)}
     elif path_or_id.lower().endswith(".gguf"):
         raise RnnifyError(f"{path_or_id}: no such file")

@@ -125,8 +125,13 @@ def load_tokenizer(directory: str | os.PathLike, fix: str = _TOKENIZER_FIX):
         raise RnnifyError(f"{directory} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); {fix}")
     from transformers import AutoTokenizer
 
+    from rnnify.integrations.hf_files import source_pretrained_config
+
+    config = source_pretrained_config(directory)  # a converted directory: the tokenizer is its source's
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(directory), local_files_only=True, **({"config": config} if config is not None else {})
+        )
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise RnnifyError(f"cannot load a tokenizer from {directory} ({exc}); {fix}") from exc
     if len(tokenizer) <= 1:

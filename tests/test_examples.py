@@ -147,3 +147,26 @@ def test_fidelity_rows_are_saved_as_they_finish_and_reused(tmp_path, tiny_model_
         only_exact = [a for a in argv if a not in ("--row", "lin=linear,feature_map=elu")]
         fidelity.main(only_exact)
     assert json.loads(out.read_text())["rows"] == record["rows"]  # another command's row is kept
+
+
+def test_fidelity_dir_rows_measure_a_saved_model_as_it_was_trained(tmp_path, tiny_model_dir):
+    """--dir: a directory distilled elsewhere lands in the distilled columns (with its manifest's
+    tokens), a plain conversion in the training-free ones, measured as the script's own rows are."""
+    fidelity = _load(ROOT / "benchmarks" / "fidelity.py")
+    source = tiny_model_dir("llama")
+    rnnify.convert(source, to="window", window=8).save(tmp_path / "plain")
+    trained = rnnify.convert(source, to="window", window=8)
+    trained.manifest.distill = {"trained": [{"stage": "transfer", "tokens": 300}, {"stage": "finetune", "tokens": 200}]}
+    trained.save(tmp_path / "trained")
+    argv = ["--model", str(source), "--row", "w8=window,window=8", "--dir", f"plain={tmp_path / 'plain'}",
+            "--dir", f"trained={tmp_path / 'trained'},seconds=42", "--no-distill", "--seq-len", "32",
+            "--eval-rows", "1", "--batch-size", "1", "--threads", "1", "--json", str(tmp_path / "f.json")]
+    record = fidelity.main(argv)
+    rows = {row["variant"]: row for row in record["rows"]}
+    assert rows["plain"]["training_free"]["kl"] == pytest.approx(rows["w8"]["training_free"]["kl"])
+    assert "distilled" not in rows["plain"]
+    assert rows["trained"]["training_free"] is None and rows["trained"]["distill_tokens"] == 500
+    assert rows["trained"]["distilled"]["kl"] == pytest.approx(rows["w8"]["training_free"]["kl"])
+    assert "| `trained` |" in fidelity.table(record) and "300 + 200 | 42 s |" in fidelity.table(record)
+    with pytest.raises(SystemExit):
+        fidelity.parse_args(["--dir", f"x={tmp_path}"])  # not an rnnify directory

@@ -44,6 +44,8 @@ def test_convert_gguf_matches_transformers_and_keeps_the_tokenizer(capsys, tmp_p
     assert ((logits - expected).norm() / expected.norm()).item() < 1e-4
 
     config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "rnnify" and "quantization_config" not in config
+    config = config["source_config"]
     assert "quantization_config" not in config and config["model_type"] == "llama"
     assert model.manifest.source == str(tiny_gguf.resolve())
     tokenizer = load_tokenizer(out)
@@ -103,3 +105,30 @@ def test_damaged_gguf_is_one_line(capsys, tmp_path, tiny_gguf, damage):
     code = main(["convert", str(path), "--to", "exact", "-o", str(tmp_path / "out")])
     assert_one_line_error(capsys, code, str(path), "download it again")
     assert not (tmp_path / "out").exists()
+
+
+def test_smollm2_example_saves_a_plain_directory_of_the_gguf(tiny_gguf, tmp_path, capsys):
+    """examples/smollm2.py (here on the tiny file): a Hugging Face directory with the GGUF's
+    tokenizer whose model computes what transformers' own GGUF reading does."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "smollm2.py"
+    spec = importlib.util.spec_from_file_location("smollm2_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    out = tmp_path / "models" / "smol"
+    assert example.main([str(out), "--gguf", str(tiny_gguf)]) == 0
+    saved = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.tensor([[1, 5, 9, 12, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(saved(ids).logits, load_source(tiny_gguf)(ids).logits)
+    from transformers import AutoTokenizer
+
+    from_gguf = AutoTokenizer.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name)
+    assert load_tokenizer(out)("abc")["input_ids"] == from_gguf("abc")["input_ids"]
+    assert example.main([str(out), "--gguf", str(tiny_gguf)]) == 2  # never over an existing directory
+    assert "exists" in capsys.readouterr().err
+    assert sorted(p.name for p in out.parent.iterdir()) == ["smol"]  # no temporary left behind

@@ -14,18 +14,20 @@ of the ``exact`` cell's code, so ``exact`` cells give an independent ~0 error.
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 
 from rnnify.cells import Cell
 from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel
 
-__all__ = ["AttentionRecorder", "LayerError", "attention_transfer", "softmax_attention"]
+__all__ = ["AttentionRecorder", "LayerError", "attention_transfer", "cells_only", "softmax_attention"]
 
 
 def softmax_attention(
@@ -161,3 +163,34 @@ def attention_transfer(model: RecurrentModel, teacher_forcing: bool = True) -> I
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def cells_only(model: RecurrentModel) -> Iterator[RecurrentModel]:
+    """``with cells_only(model):`` calls of ``model`` run only what some cell's inputs need.
+
+    Attention transfer's losses are all at the cells, so the rest of a forward is waste: the last
+    layer's output projection and MLP, the final norm and the LM head (on a 49k-token vocabulary,
+    a tenth of SmolLM2-135M's forward). While active, ``model.graph`` is a copy of the step graph
+    whose output is the cells' calls, with everything they do not reach removed; it shares every
+    submodule, parameter and buffer with the original (LoRA parametrizations included), so hooks,
+    gradients and DDP see the same objects. A call then returns the cells' outputs in place of the
+    logits and an empty state. Each cell computes what it did before, from the same inputs, so the
+    transfer losses and their gradients are unchanged.
+    """
+    original = model.graph
+    cells = {entry.module for entry in model.manifest.cells}
+    graph = copy.deepcopy(original.graph)
+    calls = [node for node in graph.nodes if node.op == "call_module" and node.target in cells]
+    output = next(node for node in graph.nodes if node.op == "output")
+    output.args = ((tuple(calls),),)
+    pruned = torch.fx.GraphModule(original, graph)
+    for name, child in original.named_children():  # the originals themselves, not the copies fx makes
+        setattr(pruned, name, child)
+    pruned.graph.eliminate_dead_code()
+    pruned.recompile()
+    model.graph = pruned
+    try:
+        yield model
+    finally:
+        model.graph = original

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rnnify.data import DEFAULT_SEQ_LEN
-from rnnify.distill.train import DEFAULT_LR, STAGES
+from rnnify.distill.train import DEFAULT_LR, STAGES, TRAIN
 from rnnify.errors import RnnifyError
 from rnnify.runtime.storage import check_output
 
@@ -35,7 +35,12 @@ def add_training_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--lr", metavar="X[,X]",
                    help="learning rate, one for all stages or one per stage (default: "
                    + ", ".join(f"{s} {r:g}" for s, r in DEFAULT_LR.items()) + ")")
-    g.add_argument("--lora-rank", type=int, default=8, metavar="R", help="LoRA rank of the finetune stage (default: 8)")
+    g.add_argument("--train", choices=TRAIN, default="lora",
+                   help="what the finetune stage trains besides the cells' parameters: lora (rank --lora-rank "
+                   "on the attention projections), attention (those projection weights in full) or all (every "
+                   "weight: most memory; on real models it can get much closer to the teacher than LoRA, see docs/distill.md) "
+                   "(default: lora)")
+    g.add_argument("--lora-rank", type=int, default=8, metavar="R", help="LoRA rank of the finetune stage with --train lora (default: 8)")
     g.add_argument("--kl-weight", type=float, default=1.0, metavar="X",
                    help="weight of KL(teacher || model) next to the next-token loss; 0 needs no teacher (default: 1)")
     g.add_argument("--checkpoint-dir", metavar="DIR",
@@ -68,7 +73,7 @@ def training_options(args: argparse.Namespace) -> dict[str, Any]:
     output = check_output(Path(args.output))
     return {
         "tokenizer": args.tokenizer, "stages": stages, "max_tokens": args.max_tokens, "seq_len": args.seq_len,
-        "batch_size": args.batch_size, "lr": lr, "lora_rank": args.lora_rank, "kl_weight": args.kl_weight,
+        "batch_size": args.batch_size, "lr": lr, "lora_rank": args.lora_rank, "train": args.train, "kl_weight": args.kl_weight,
         "seed": args.seed,
         "checkpoint_dir": args.checkpoint_dir or output.with_name(output.name + ".checkpoints"),
         "checkpoint_every": args.checkpoint_every, "resume": args.resume, "fsdp": args.fsdp,

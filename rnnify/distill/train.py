@@ -5,7 +5,8 @@
    output and the original softmax attention on the same inputs. Teacher forcing (``attention``)
    feeds every layer the original model's activations, so one forward trains all layers and no
    separate teacher model runs.
-2. ``finetune``: LoRA on the attention projections (``lora``) plus the cells' parameters, on
+2. ``finetune``: LoRA on the attention projections (``lora``; with ``train``, the projections in
+   full or every weight instead) plus the cells' parameters, on
    next-token cross-entropy + ``kl_weight`` * KL(teacher || student) against the original model's
    logits. LoRA is merged into the weights at the end.
 
@@ -21,6 +22,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -29,18 +31,19 @@ from torch import nn
 
 from rnnify.cells import parameters as cell_parameters
 from rnnify.data import row_length, token_batches, tokenizer_for
-from rnnify.distill.attention import attention_transfer
+from rnnify.distill.attention import attention_transfer, cells_only
 from rnnify.distill.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, set_aside
 from rnnify.distill.distributed import Runtime, setup
-from rnnify.distill.lora import add_lora, merge_lora
-from rnnify.distill.losses import kl_sum, next_token_sum
+from rnnify.distill.lora import add_lora, lora_targets, merge_lora
+from rnnify.distill.losses import token_losses
 from rnnify.distill.teacher import load_teacher
 from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel
 
-__all__ = ["DEFAULT_LR", "STAGES", "distill"]
+__all__ = ["DEFAULT_LR", "STAGES", "TRAIN", "distill"]
 
 STAGES = ("transfer", "finetune")
+TRAIN = ("lora", "attention", "all")  # what the finetune stage trains besides the cells' parameters
 DEFAULT_LR = {"transfer": 1e-2, "finetune": 1e-4}  # LoLCATs' learning rates
 _MAX_GRAD_NORM = 1.0
 
@@ -58,6 +61,7 @@ def distill(
     lr: float | Sequence[float] | None = None,
     lora_rank: int = 8,
     lora_alpha: float | None = None,
+    train: str = "lora",
     kl_weight: float = 1.0,
     seed: int = 0,
     checkpoint_dir: str | os.PathLike | None = None,
@@ -79,7 +83,10 @@ def distill(
     ``seq_len``/``batch_size``: tokens per row (default 1024, or the model's position limit if
     lower: ``rnnify.data.row_length``) and rows per global batch (one optimizer step).
     ``lr``: one rate for every stage, or one per stage run (default ``DEFAULT_LR``). LoRA has rank
-    ``lora_rank`` and ``alpha = lora_alpha`` (default ``2 * lora_rank``). ``kl_weight`` 0 needs
+    ``lora_rank`` and ``alpha = lora_alpha`` (default ``2 * lora_rank``). ``train``: what the
+    finetune stage trains besides the cells' parameters: ``"lora"`` (LoRA on the attention
+    projections), ``"attention"`` (the attention projection weights themselves, in full) or
+    ``"all"`` (every weight of the model). ``kl_weight`` 0 needs
     no teacher; otherwise ``teacher`` goes to ``load_teacher``. AdamW, gradient norm clipped at 1.
 
     ``checkpoint_dir``: every ``checkpoint_every`` steps and at the end of each stage the trainable
@@ -106,6 +113,8 @@ def distill(
             raise RnnifyError(f"{name} must be an integer >= {low}, got {value!r}")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise RnnifyError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
+    if train not in TRAIN:
+        raise RnnifyError(f"train must be one of {', '.join(TRAIN)}, got {train!r}")
     if not isinstance(kl_weight, (int, float)) or not kl_weight >= 0:
         raise RnnifyError(f"kl_weight must be a number >= 0, got {kl_weight!r}")
     if not isinstance(fsdp, bool):
@@ -117,7 +126,7 @@ def distill(
                           "pass a path, a tensor or a list of batches")
     config = _Config(
         stages, lrs, max_tokens, seq_len, batch_size, lora_rank,
-        float(lora_alpha if lora_alpha is not None else 2 * lora_rank), float(kl_weight), seed, checkpoint_every,
+        float(lora_alpha if lora_alpha is not None else 2 * lora_rank), train, float(kl_weight), seed, checkpoint_every,
     )
     runtime = setup(torch.device(device) if device is not None else model.device)
     try:
@@ -135,6 +144,7 @@ class _Config:
     batch_size: int
     lora_rank: int
     lora_alpha: float
+    train: str
     kl_weight: float
     seed: int
     checkpoint_every: int
@@ -221,11 +231,7 @@ class _Trainer:
 
         requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
         try:
-            lora_names = []
-            if "finetune" in stages:
-                generator = torch.Generator().manual_seed(config.seed)
-                loras = add_lora(model, config.lora_rank, config.lora_alpha, generator)
-                lora_names = _names(model, [p for lora in loras.values() for p in lora.parameters()])
+            finetune_names = _finetune_names(model, config) if "finetune" in stages else []
             model.requires_grad_(False)  # each stage turns on what it trains
             if self.uses_teacher:
                 self.teacher = _teacher(model, self.teacher_source)
@@ -248,7 +254,8 @@ class _Trainer:
                     if index <= done:
                         continue
                 resumed = checkpoint if checkpoint is not None and checkpoint.stage == stage else None
-                names = self.cell_names + (lora_names if stage == "finetune" else [])
+                cells = self.cell_names
+                names = cells if stage == "transfer" else cells + [n for n in finetune_names if n not in cells]
                 records.append(self.train_stage(stage, names, resumed, records))
         finally:  # also when interrupted: the model is left with plain weights and its own flags
             merge_lora(model)
@@ -267,7 +274,7 @@ class _Trainer:
         originals = [params[n] for n in names]
         for p in originals:
             p.requires_grad_(True)
-        sharded = None
+        sharded, restore = None, ExitStack()
         try:
             if self.fsdp:  # a sharded training copy, built after requires_grad is set (FSDP reads it once)
                 from rnnify.distill.fsdp import ShardedModel
@@ -277,6 +284,8 @@ class _Trainer:
                 self.log(f"{stage}: FSDP over {runtime.world_size} ranks, units: {', '.join(sharded.units)}"
                          + (f" ({', '.join(sharded.rooted)}: with the root, sharing a weight)" if sharded.rooted else ""))
             else:  # DDP after requires_grad is set: it reduces what needs a gradient
+                if stage == "transfer":  # the losses are at the cells: nothing after the last one runs
+                    restore.enter_context(cells_only(model))
                 run, wrapped, trainable = model, runtime.wrap(model), originals
             optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
             step, tokens = 0, 0
@@ -312,6 +321,7 @@ class _Trainer:
                 # An interrupted FSDP stage leaves the model as the stage found it (its checkpoint has the progress).
                 sharded.copy_back(originals)
         finally:
+            restore.close()
             for p in originals:
                 p.requires_grad_(False)
         self.log(f"{stage}: {step} steps, {tokens:,} tokens, final loss {loss:.4g}")
@@ -329,27 +339,32 @@ class _Trainer:
         state = model.init_state(ids.shape[0])
         tokens = mask.sum()
         if stage == "transfer":
-            with attention_transfer(model, teacher_forcing=True) as recorder:
+            with attention_transfer(model, teacher_forcing=True) as recorder, _region("student forward"):
                 recorder.loss_mask = mask
                 wrapped(ids, state)
                 sums, counts, weights = [recorder.loss() * tokens], [tokens], [1.0]  # layer means -> token sums
         else:
-            logits, _ = wrapped(ids, state)
-            ce, ce_count = next_token_sum(logits, ids, mask)
-            sums, counts, weights = [ce], [ce_count], [1.0]
+            teacher_logits = None
             if self.teacher is not None:
-                with torch.no_grad():
+                with torch.no_grad(), _region("teacher forward"):
                     teacher_logits = self.teacher(input_ids=ids, use_cache=False).logits
-                kl, kl_count = kl_sum(logits, teacher_logits, mask)
-                sums, counts, weights = [ce, kl], [ce_count, kl_count], [1.0, self.config.kl_weight]
+            with _region("student forward"):
+                logits, _ = wrapped(ids, state)
+            with _region("losses"):
+                ce, ce_count, kl, kl_count = token_losses(logits, ids, mask, teacher_logits)
+                sums, counts, weights = [ce], [ce_count], [1.0]
+                if kl is not None:
+                    sums, counts, weights = [ce, kl], [ce_count, kl_count], [1.0, self.config.kl_weight]
         k = len(sums)
         totals = runtime.sum(torch.stack([*(s.detach().float() for s in sums), *counts, tokens]).float())
         global_counts = totals[k : 2 * k].clamp_min(1)
         loss = sum(w * s / n for w, s, n in zip(weights, sums, global_counts)) * runtime.world_size
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, _MAX_GRAD_NORM)
-        optimizer.step()
+        with _region("backward"):
+            loss.backward()
+        with _region("optimizer"):
+            torch.nn.utils.clip_grad_norm_(trainable, _MAX_GRAD_NORM)
+            optimizer.step()
         value = sum(w * s / n for w, s, n in zip(weights, totals[:k], global_counts))
         return float(value), int(totals[-1])
 
@@ -372,6 +387,23 @@ class _Trainer:
             stage=stage, step=step, done=done, tokens=tokens, trainable=trainable,
             optimizer=optimizer_state, settings=self.compared, records=records,
         ))
+
+
+def _finetune_names(model: RecurrentModel, config: _Config) -> list[str]:
+    """What the finetune stage trains besides the cells' parameters (``config.train``); adds LoRA for ``"lora"``."""
+    if config.train == "lora":
+        generator = torch.Generator().manual_seed(config.seed)
+        loras = add_lora(model, config.lora_rank, config.lora_alpha, generator)
+        return _names(model, [p for lora in loras.values() for p in lora.parameters()])
+    if config.train == "attention":
+        return _names(model, [model.graph.get_parameter(name) for name in lora_targets(model)])
+    frozen = {id(p) for p in cell_parameters(model) if not p.requires_grad}  # a cell's fixed tensors stay fixed
+    return [name for name, p in model.named_parameters() if id(p) not in frozen]
+
+
+def _region(name: str):
+    """A named range for ``torch.profiler`` (``benchmarks/distill_speed.py --profile``); free when it is off."""
+    return torch.profiler.record_function(f"distill: {name}")
 
 
 def _names(model: nn.Module, params: list[nn.Parameter]) -> list[str]:

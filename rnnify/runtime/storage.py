@@ -1,11 +1,13 @@
 """Saving and loading a converted model directory, without pickle.
 
 A directory holds ``model.safetensors`` (every tensor, cell parameters included), ``graph.json``
-(the step graph, see ``serialize``), ``rnnify.json`` (the manifest) and the source model's config
-and tokenizer files. Writing goes to a temporary directory that is renamed into place at the end,
-so a failed save leaves nothing behind; the directory and its files get the modes the umask gives
-(``tempfile.mkdtemp`` makes 0700 and safetensors writes 0600). Loading checks the weights against
-the sha256 the manifest recorded (a streamed read, about a second per GB) unless told not to.
+(the step graph, see ``serialize``), ``rnnify.json`` (the manifest), the source model's tokenizer
+and generation files, and a ``config.json`` plus ``modeling_rnnify.py`` that make transformers load
+the converted model rather than the original (``rnnify.integrations.hf_files``). Writing goes to
+a temporary directory that is renamed into place at the end, so a failed save leaves nothing
+behind; the directory and its files get the modes the umask gives (``tempfile.mkdtemp`` makes
+0700 and safetensors writes 0600). Loading checks the weights against the sha256 the manifest
+recorded (a streamed read, about a second per GB) unless told not to.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 
 from rnnify.cells import CellSpec, build_cell
 from rnnify.errors import RnnifyError
+from rnnify.integrations import hf_files
 from rnnify.kernels.utils import check_kernels
 from rnnify.runtime.manifest import FORMAT_VERSION, MANIFEST_FILE, Manifest
 from rnnify.runtime.model import RecurrentModel
@@ -115,6 +118,10 @@ def save(model: RecurrentModel, path: Path) -> Path:
         (tmp / GRAPH_FILE).write_text(json.dumps(graph_to_json(model.graph.graph)))
         for name, data in model.files.items():
             (tmp / name).write_bytes(data)
+        if hf_files.CONFIG_FILE in model.files:
+            wrapped = hf_files.wrap_config(model.files[hf_files.CONFIG_FILE], model.manifest.to_json())
+            (tmp / hf_files.CONFIG_FILE).write_bytes(wrapped)
+        (tmp / hf_files.MODELING_FILE).write_bytes(hf_files.modeling_file())
         manifest = replace(
             model.manifest,
             weights_sha256=_sha256(tmp / WEIGHTS_FILE),
@@ -203,6 +210,8 @@ def load(
     except (RuntimeError, AttributeError, KeyError) as exc:
         raise RnnifyError(f"{path}: weights do not match the graph ({exc}); convert the model again") from exc
     files = {name: (path / name).read_bytes() for name in SOURCE_FILES if (path / name).is_file()}
+    if hf_files.CONFIG_FILE in files:  # in memory, always the source's config (directories of either format)
+        files[hf_files.CONFIG_FILE] = hf_files.source_config(files[hf_files.CONFIG_FILE])
     model = RecurrentModel(module, manifest, files).use_kernels(manifest.kernels if kernels is None else kernels)
     model.path = path
     return model

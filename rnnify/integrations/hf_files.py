@@ -1,0 +1,92 @@
+"""What a converted directory tells Hugging Face tools: its ``config.json`` and ``modeling_rnnify.py``.
+
+A converted directory keeps the source model's tokenizer files, but its ``config.json`` must not
+be the source's: ``AutoModelForCausalLM.from_pretrained`` would then build the original softmax
+model from it and find none of its weights under the names it expects (and say so only in a log
+line). So ``config.json`` names rnnify's architecture (``model_type`` ``rnnify``, ``auto_map`` to
+``modeling_rnnify.py``) and keeps the source config whole under ``source_config``; transformers
+loads the directory with ``trust_remote_code=True`` (or without it once
+``rnnify.integrations.transformers`` is imported) and refuses it otherwise. Directories written
+before this keep the source config as ``config.json``; ``source_config`` reads both.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "config.json"
+MODELING_FILE = "modeling_rnnify.py"
+MODEL_TYPE = "rnnify"
+ARCHITECTURE = "RnnifyForCausalLM"
+AUTO_MAP = {
+    "AutoConfig": f"{Path(MODELING_FILE).stem}.RnnifyConfig",
+    "AutoModelForCausalLM": f"{Path(MODELING_FILE).stem}.{ARCHITECTURE}",
+}
+# Copied from the source config so tools that read only the top level (generation defaults,
+# tokenizer lookup, lm-eval's max length) find them.
+_TOP_LEVEL = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "tokenizer_class")
+
+
+def is_wrapped(config: dict[str, Any]) -> bool:
+    return config.get("model_type") == MODEL_TYPE and isinstance(config.get("source_config"), dict)
+
+
+def wrap_config(source: bytes, manifest: dict[str, Any]) -> bytes:
+    """``config.json`` of a converted directory, from the source model's ``config.json`` bytes."""
+    import rnnify
+
+    config = json.loads(source)
+    if is_wrapped(config):  # a model loaded from a new directory keeps the unwrapped source; be safe anyway
+        config = config["source_config"]
+    wrapped = {key: config[key] for key in _TOP_LEVEL if key in config}
+    wrapped.update(
+        model_type=MODEL_TYPE,
+        architectures=[ARCHITECTURE],
+        auto_map=dict(AUTO_MAP),
+        rnnify_version=rnnify.__version__,
+        target=manifest.get("target"),
+        dtype=manifest.get("dtype"),
+        source_config=config,
+    )
+    return (json.dumps(wrapped, indent=2) + "\n").encode()
+
+
+def source_config(data: bytes) -> bytes:
+    """The source model's ``config.json`` from a converted directory's (either format)."""
+    try:
+        config = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return data
+    if isinstance(config, dict) and is_wrapped(config):
+        return (json.dumps(config["source_config"], indent=2) + "\n").encode()
+    return data
+
+
+def modeling_file() -> bytes:
+    """The loader transformers runs for ``trust_remote_code=True`` (``rnnify/integrations/modeling_rnnify.py``)."""
+    return (Path(__file__).parent / MODELING_FILE).read_bytes()
+
+
+def source_pretrained_config(directory: Path):
+    """The source's config as a transformers config object, for a converted ``directory``; None for others.
+
+    ``AutoTokenizer.from_pretrained(directory, config=...)`` then chooses the tokenizer as it would
+    for the source model, and never reads ``config.json``'s ``auto_map`` (in a process that has not
+    imported ``rnnify.integrations.transformers``, that would make transformers ask on stdin, for
+    15 seconds, whether to run ``modeling_rnnify.py``).
+    """
+    try:
+        config = json.loads((Path(directory) / CONFIG_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or not is_wrapped(config):
+        return None
+    from transformers import AutoConfig, PreTrainedConfig
+
+    source = dict(config["source_config"])
+    try:
+        return AutoConfig.for_model(source.pop("model_type"), **source)
+    except (KeyError, ValueError, TypeError):
+        return PreTrainedConfig()

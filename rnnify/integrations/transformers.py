@@ -1,0 +1,285 @@
+"""A converted model as a transformers causal LM: ``generate``, ``pipeline`` and the Auto classes.
+
+``RnnifyForCausalLM`` wraps a ``RecurrentModel``; its cache (``RecurrentCache``) is the recurrent
+state, so transformers' own decoding loops (greedy, sampling, beam search, with their logits
+processors, stopping criteria and streamers) run over it one token per step. The decoding modes
+that need what a recurrent state does not keep are refused up front (``REFUSED``).
+
+Importing this module registers the classes with ``AutoConfig`` and ``AutoModelForCausalLM``, so
+``AutoModelForCausalLM.from_pretrained(dir)`` then loads a converted directory without
+``trust_remote_code``; without the import, the directory's ``modeling_rnnify.py`` does the same.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from rnnify.errors import RnnifyError
+from rnnify.integrations import hf_files
+from rnnify.runtime.model import RecurrentModel
+from rnnify.runtime.state import RecurrentState
+
+__all__ = ["RnnifyConfig", "RecurrentCache", "RnnifyForCausalLM", "SUPPORTED_MODES", "REFUSED"]
+
+SUPPORTED_MODES = (
+    GenerationMode.GREEDY_SEARCH,
+    GenerationMode.SAMPLE,
+    GenerationMode.BEAM_SEARCH,
+    GenerationMode.BEAM_SAMPLE,
+)
+# Why each other decoding mode cannot run on a recurrent state.
+REFUSED = {
+    GenerationMode.CONTRASTIVE_SEARCH: "it compares candidates with the past keys, which a recurrent state does not keep",
+    GenerationMode.ASSISTED_GENERATION: "it rolls the cache back past rejected draft tokens; a recurrent state cannot go back",
+    GenerationMode.DOLA_GENERATION: "it reads every layer's hidden states, which the compiled step does not return",
+    GenerationMode.GROUP_BEAM_SEARCH: "transformers runs it from a hub repository (custom_generate), which rnnify does not fetch",
+    GenerationMode.CONSTRAINED_BEAM_SEARCH: "transformers runs it from a hub repository (custom_generate), which rnnify does not fetch",
+}
+
+
+class RnnifyConfig(PreTrainedConfig):
+    """``config.json`` of a converted directory: the source config whole, and rnnify's model type."""
+
+    model_type = hf_files.MODEL_TYPE
+    source_config: dict | None = None
+    vocab_size: int = 0
+
+
+class RecurrentCache(Cache):
+    """transformers' cache over a ``RecurrentState``.
+
+    ``length`` counts the columns of ``input_ids`` already read (padding included), which is how
+    generation tells the new tokens of a call from those the state holds.
+    """
+
+    def __init__(self, state: RecurrentState | None = None, length: int = 0):
+        super().__init__(layers=[])
+        self.state = state
+        self.length = length
+
+    def __repr__(self) -> str:
+        rows = None if self.state is None else self.state.batch_size
+        return f"RecurrentCache(rows={rows}, length={self.length})"
+
+    @property
+    def is_croppable(self) -> bool:
+        return False  # a recurrent state cannot drop its last tokens
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def _select(self, rows: torch.Tensor) -> None:
+        if self.state is not None:
+            rows = rows.to(self.state.positions.device)
+            self.state = RecurrentState(
+                tuple(t.index_select(0, rows) for t in self.state.tensors),
+                self.state.positions.index_select(0, rows),
+                self.state.model_uid,
+            )
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` continues the beam ``beam_idx[i]``."""
+        self._select(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.state is not None:
+            rows = torch.arange(self.state.batch_size, device=self.state.positions.device)
+            self._select(rows.repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise ValueError("a recurrent state cannot drop tokens it has read")
+
+    def reset(self) -> None:
+        self.state, self.length = None, 0
+
+
+def _read_json(files: dict[str, bytes], name: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(files[name]) if name in files else None
+    except ValueError:
+        return None
+
+
+def _device(device_map: Any) -> torch.device:
+    if device_map is None:
+        return torch.device("cpu")
+    if device_map == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(device_map, (str, int, torch.device)):
+        return torch.device(device_map)
+    raise RnnifyError(f"device_map={device_map!r}: an rnnify model runs on one device; give a device such as 'cuda' or 'cpu'")
+
+
+class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
+    """A converted model behind transformers' causal-LM interface; build it with ``from_pretrained``
+    (a converted directory) or ``from_rnnify`` (a ``RecurrentModel`` in memory)."""
+
+    config_class = RnnifyConfig
+    base_model_prefix = "rnn"
+    main_input_name = "input_ids"
+    _is_stateful = True  # transformers refuses assisted decoding for stateful models
+
+    def __init__(self, config: RnnifyConfig, recurrent: RecurrentModel | None = None):
+        super().__init__(config)
+        self.post_init()  # before the recurrent model joins: there is nothing to initialise
+        if recurrent is None:
+            raise RnnifyError("build RnnifyForCausalLM with from_pretrained(directory) or from_rnnify(model)")
+        self.rnn = recurrent
+
+    # -- building ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_rnnify(cls, model: RecurrentModel) -> "RnnifyForCausalLM":
+        """Wrap a converted model; its source config and generation config come with it."""
+        source = _read_json(model.files, hf_files.CONFIG_FILE) or {"vocab_size": model.manifest.vocab_size}
+        config = RnnifyConfig.from_dict(json.loads(hf_files.wrap_config(json.dumps(source).encode(), model.manifest.to_json())))
+        wrapper = cls(config, model)
+        generation = _read_json(model.files, "generation_config.json")
+        wrapper.generation_config = (
+            GenerationConfig.from_dict(generation) if generation else GenerationConfig.from_model_config(config)
+        )
+        return wrapper
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | Path,
+        *model_args: Any,
+        device_map: Any = None,
+        dtype: Any = None,
+        torch_dtype: Any = None,
+        kernels: str | None = None,
+        **kwargs: Any,
+    ) -> "RnnifyForCausalLM":
+        """Load a converted directory with ``rnnify.load``. ``device_map`` is one device (or ``"auto"``);
+        ``dtype`` must be the one the model was converted in (or ``"auto"``); hub options are ignored:
+        rnnify reads local directories only."""
+        import rnnify
+
+        model = rnnify.load(pretrained_model_name_or_path, device=_device(device_map), kernels=kernels)
+        wanted = dtype if dtype is not None else torch_dtype
+        if wanted not in (None, "auto") and str(wanted).removeprefix("torch.") != model.manifest.dtype:
+            raise RnnifyError(
+                f"dtype={wanted}: {pretrained_model_name_or_path} was converted in {model.manifest.dtype}; "
+                f"convert again with --dtype {str(wanted).removeprefix('torch.')} or drop dtype"
+            )
+        return cls.from_rnnify(model)
+
+    def save_pretrained(self, save_directory: str | Path, **kwargs: Any) -> None:
+        """Save as an rnnify directory (``RecurrentModel.save``); transformers' options do not apply."""
+        self.rnn.save(save_directory)
+
+    # -- running ----------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: RecurrentCache | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """Read ``input_ids`` (continuing ``cache``'s state); logits, the loss on ``labels``, the new cache.
+
+        ``attention_mask`` may cover earlier tokens too (as in ``generate``): its last columns are used.
+        """
+        for flag in ("output_attentions", "output_hidden_states"):
+            if kwargs.get(flag):
+                raise ValueError(f"{flag}=True: an rnnify model returns logits only")
+        if kwargs.get("inputs_embeds") is not None:
+            raise ValueError("inputs_embeds: an rnnify model reads token ids; pass input_ids")
+        if cache is not None and not isinstance(cache, RecurrentCache):
+            raise ValueError(f"cache must be a RecurrentCache (an rnnify model's state), got {type(cache).__name__}")
+        state = cache.state if cache is not None and cache.state is not None else self.rnn.init_state(input_ids.shape[0])
+        if attention_mask is not None:
+            attention_mask = attention_mask[:, -input_ids.shape[1] :]
+        try:
+            logits, state = self.rnn(input_ids, state, attention_mask)
+        except RnnifyError as exc:
+            raise ValueError(str(exc)) from exc
+        loss = None
+        if labels is not None:
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device), ignore_index=-100
+            )
+        new_cache = None
+        if use_cache is not False:
+            new_cache = cache if cache is not None else RecurrentCache()
+            new_cache.state, new_cache.length = state, new_cache.length + input_ids.shape[1]
+        if logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=new_cache)
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: int | None = None,
+        cache: RecurrentCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """The tokens the state has not read yet; the mask only for a prompt (a decoded token is always real)."""
+        if kwargs.get("inputs_embeds") is not None:
+            raise ValueError("inputs_embeds: an rnnify model reads token ids; pass input_ids")
+        read = cache.length if cache is not None else 0
+        if read >= input_ids.shape[1]:
+            raise ValueError(f"the cache has read {read} tokens but input_ids has {input_ids.shape[1]}: nothing new to read")
+        inputs = {"input_ids": input_ids[:, read:], "cache": cache}
+        if attention_mask is not None and next_sequence_length != 1:
+            inputs["attention_mask"] = attention_mask[:, read:]
+        for key in ("use_cache", "logits_to_keep"):
+            if key in kwargs:
+                inputs[key] = kwargs[key]
+        return inputs
+
+    # -- what generate may and may not do ----------------------------------------------------
+
+    def _get_deprecated_gen_repo(self, generation_mode: GenerationMode, trust_remote_code: bool, custom_generate: Any = None):
+        # generate() asks this right after choosing the decoding mode: the first place to refuse one.
+        if custom_generate is None and generation_mode not in SUPPORTED_MODES:
+            why = REFUSED.get(generation_mode, "it is not one of the modes rnnify supports")
+            raise ValueError(
+                f"{generation_mode.value} cannot run on an rnnify model: {why}. Use greedy decoding, sampling "
+                "(do_sample=True) or beam search (num_beams > 1)"
+            )
+        return super()._get_deprecated_gen_repo(generation_mode, trust_remote_code, custom_generate)
+
+    def _prepare_cache_for_generation(self, generation_config: GenerationConfig, model_kwargs: dict, *args: Any, **kwargs: Any) -> None:
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r}: an rnnify model keeps its own "
+                "recurrent state; leave cache_implementation unset"
+            )
+        if generation_config.prefill_chunk_size is not None:
+            raise ValueError("prefill_chunk_size: an rnnify model reads a prompt in one prefill already; leave it unset")
+        cache = model_kwargs.get("cache")
+        if cache is not None:
+            if not isinstance(cache, RecurrentCache):
+                raise ValueError(f"cache must be a RecurrentCache (an rnnify model's state), got {type(cache).__name__}")
+            cache._is_user_defined = True
+        elif generation_config.use_cache is not False:
+            model_kwargs["cache"] = RecurrentCache()
+
+
+def register() -> None:
+    """Let the Auto classes load converted directories without ``trust_remote_code``."""
+    AutoConfig.register(hf_files.MODEL_TYPE, RnnifyConfig, exist_ok=True)
+    AutoModelForCausalLM.register(RnnifyConfig, RnnifyForCausalLM, exist_ok=True)
+
+
+register()

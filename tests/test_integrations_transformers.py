@@ -1,0 +1,193 @@
+"""A converted directory through transformers: Auto classes, generate and pipeline, against the original."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+import rnnify
+from rnnify.integrations import hf_files
+from rnnify.integrations.transformers import RnnifyForCausalLM
+
+PROMPT = "def read(path):"
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, converted_dir):
+    """(the original Llama, the wrapper over its exact conversion, tokenizer)."""
+    source = tiny_model_dir("llama")
+    original = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager").eval()
+    return original, RnnifyForCausalLM.from_pretrained(converted_dir("llama", "exact")), AutoTokenizer.from_pretrained(source)
+
+
+def _ids(tokenizer, text=PROMPT):
+    return tokenizer(text, return_tensors="pt")["input_ids"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"do_sample": True, "temperature": 0.8, "top_k": 40, "top_p": 0.9},
+        {"repetition_penalty": 1.5, "no_repeat_ngram_size": 2},
+        {"num_beams": 4},
+        {"num_beams": 4, "num_return_sequences": 2, "length_penalty": 0.5},
+    ],
+    ids=["greedy", "sampling", "penalties", "beam4", "beam4-return2"],
+)
+def test_generate_equals_the_original_token_for_token(models, options):
+    original, wrapper, tokenizer = models
+    ids = _ids(tokenizer)
+    outputs = []
+    for model in (original, wrapper):
+        torch.manual_seed(0)
+        outputs.append(model.generate(ids, max_new_tokens=24, min_new_tokens=24, pad_token_id=0, **options))
+    assert torch.equal(outputs[1], outputs[0])
+
+
+def test_left_padded_batch_equals_each_prompt_alone(models):
+    original, wrapper, tokenizer = models
+    prompts = [PROMPT, "import os\nclass Reader(object):"]
+    tokenizer.padding_side, tokenizer.pad_token = "left", tokenizer.eos_token
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    assert not bool(batch["attention_mask"].all())  # the prompts differ in length
+    got = wrapper.generate(**batch, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
+    for row, prompt in enumerate(prompts):
+        alone = original.generate(_ids(tokenizer, prompt), max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
+        assert got[row, -12:].tolist() == alone[0, -12:].tolist()
+
+
+def test_without_cache_and_continuing_a_returned_cache(models):
+    original, wrapper, tokenizer = models
+    ids = _ids(tokenizer)
+    want = original.generate(ids, max_new_tokens=10, min_new_tokens=10, pad_token_id=0)
+    fixed = {"min_new_tokens": 5, "max_new_tokens": 5, "pad_token_id": 0}
+    assert torch.equal(wrapper.generate(ids, use_cache=False, **{**fixed, "min_new_tokens": 10, "max_new_tokens": 10}), want)
+    first = wrapper.generate(ids, return_dict_in_generate=True, **fixed)
+    assert torch.equal(wrapper.generate(first.sequences, cache=first.cache, **fixed), want)
+
+
+def test_stop_strings_and_streamer(models):
+    original, wrapper, tokenizer = models
+    ids = _ids(tokenizer)
+    full = original.generate(ids, max_new_tokens=30, min_new_tokens=30, pad_token_id=0)
+    text = tokenizer.decode(full[0, ids.shape[1] :])
+    stop = text[len(text) // 3 : len(text) // 3 + 2]  # a string the original produces a third of the way in
+
+    class Collect:
+        def __init__(self):
+            self.tokens: list[int] = []
+
+        def put(self, value):
+            self.tokens.extend(value.flatten().tolist())
+
+        def end(self):
+            self.tokens.append(-1)
+
+    streamer = Collect()
+    got = wrapper.generate(ids, max_new_tokens=30, stop_strings=[stop], tokenizer=tokenizer, streamer=streamer, pad_token_id=0)
+    new = tokenizer.decode(got[0, ids.shape[1] :])
+    assert new.endswith(stop) and text.startswith(new) and len(new) < len(text)
+    assert streamer.tokens == got[0].tolist() + [-1]
+
+
+def test_pipeline_gives_the_originals_text(models):
+    original, wrapper, tokenizer = models
+    texts = [
+        pipeline("text-generation", model=model, tokenizer=tokenizer)(PROMPT, max_new_tokens=16, do_sample=False)
+        for model in (original, wrapper)
+    ]
+    assert texts[1] == texts[0]
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive_search cannot run"),
+        ({"prompt_lookup_num_tokens": 3}, "assisted_generation cannot run"),
+        ({"cache_implementation": "static"}, "cache_implementation='static'"),
+        ({"prefill_chunk_size": 4}, "prefill_chunk_size"),
+    ],
+)
+def test_modes_that_need_past_keys_are_refused(models, options, match):
+    _, wrapper, tokenizer = models
+    with pytest.raises(ValueError, match=match):
+        wrapper.generate(_ids(tokenizer), max_new_tokens=4, **options)
+
+
+def test_forward_loss_and_logits_equal_the_original(models):
+    original, wrapper, tokenizer = models
+    ids = _ids(tokenizer, PROMPT + " return open(path).read()")
+    with torch.no_grad():
+        want, got = original(ids, labels=ids), wrapper(ids, labels=ids)
+    assert torch.allclose(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+    assert abs(float(got.loss) - float(want.loss)) < 1e-4
+
+
+def test_auto_classes_refuse_without_trust_remote_code_and_load_with_it(converted_dir, monkeypatch):
+    """As in a program that never imported rnnify (its classes unregistered): never the original model."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from rnnify.integrations.transformers import RnnifyConfig
+
+    monkeypatch.delitem(CONFIG_MAPPING._extra_content, "rnnify")
+    monkeypatch.delitem(MODEL_FOR_CAUSAL_LM_MAPPING._extra_content, RnnifyConfig)
+    monkeypatch.setattr("sys.stdin", io.StringIO())  # transformers asks on a terminal; here it must refuse
+    directory = converted_dir("llama", "exact")
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        AutoModelForCausalLM.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
+    assert type(model).__name__ == "RnnifyForCausalLM"
+    ids = torch.arange(3, 19)[None]
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, rnnify.load(directory).prefill(ids)[0])
+
+
+def test_rnnify_reads_the_tokenizer_without_asking_about_remote_code(converted_dir, tiny_model_dir, monkeypatch):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from rnnify.data import load_tokenizer
+
+    monkeypatch.delitem(CONFIG_MAPPING._extra_content, "rnnify")
+    monkeypatch.setattr("builtins.input", lambda *args: pytest.fail(f"transformers asked: {args}"))
+    text = "def read(path):\n    return open(path).read()"
+    got = load_tokenizer(converted_dir("llama", "exact"))(text)["input_ids"]
+    assert got == AutoTokenizer.from_pretrained(tiny_model_dir("llama"))(text)["input_ids"]
+
+
+def test_config_names_rnnify_and_keeps_the_source_config(converted_dir, tiny_model_dir):
+    config = json.loads((converted_dir("llama", "exact") / "config.json").read_text())
+    source = json.loads((tiny_model_dir("llama") / "config.json").read_text())
+    assert config["model_type"] == "rnnify" and config["architectures"] == ["RnnifyForCausalLM"]
+    assert config["source_config"] == source
+
+
+def test_directories_with_the_source_config_still_load(converted_dir, tiny_model_dir, tmp_path):
+    """Directories saved before config.json named rnnify: rnnify.load and the wrapper read them."""
+    old = shutil.copytree(converted_dir("llama", "exact"), tmp_path / "old")
+    shutil.copy(tiny_model_dir("llama") / "config.json", old / "config.json")
+    (old / hf_files.MODELING_FILE).unlink()
+    ids = torch.arange(3, 19)[None]
+    expected, _ = rnnify.load(converted_dir("llama", "exact")).prefill(ids)
+    loaded = rnnify.load(old)
+    assert loaded.files["config.json"] == (tiny_model_dir("llama") / "config.json").read_bytes()
+    assert torch.equal(loaded.prefill(ids)[0], expected)
+    with torch.no_grad():
+        assert torch.equal(RnnifyForCausalLM.from_pretrained(old)(ids).logits, expected)
+
+
+def test_modeling_file_asks_for_a_newer_rnnify(monkeypatch):
+    monkeypatch.setattr(rnnify, "__version__", "0.0.9")
+    with pytest.raises(ImportError, match=r"needs rnnify >= 0\.1\.0, found 0\.0\.9: pip install -U rnnify"):
+        exec(compile(hf_files.modeling_file(), hf_files.MODELING_FILE, "exec"), {})
+
+
+def test_converting_a_converted_directory_is_refused(converted_dir):
+    with pytest.raises(rnnify.RnnifyError, match="already converted"):
+        rnnify.convert(converted_dir("llama", "exact"), to="exact")
