@@ -1,6 +1,7 @@
-"""``rnnify bench``: decode latency, memory and prefill time of a converted model, and of the original.
+"""Decode latency, memory and prefill time of a converted model, and of the original (``rnnify bench``).
 
-Everything is measured in one process so the ratios compare like with like. Reaching a context of
+``benchmark`` runs the whole sweep and returns a ``Run``; the command prints it. Everything is
+measured in one process so the ratios compare like with like. Reaching a context of
 c tokens without an O(c^2) prefill (see ``docs/performance.md``):
 
 * constant-state models read ``min(c, fill_tokens)`` random tokens with a real prefill, then their
@@ -17,14 +18,22 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
 
 from rnnify.errors import RnnifyError
+from rnnify.runtime.model import RecurrentModel
 
-__all__ = ["Run", "Result", "Machine", "machine", "bandwidth", "weight_bytes", "bench_converted", "bench_original", "plot"]
+__all__ = [
+    "Run", "Result", "Machine", "benchmark", "machine", "bandwidth", "weight_bytes", "bench_converted",
+    "bench_original", "plot",
+]
+
+WARMUP = 2  # decode steps before timing
+FILL_TOKENS = 256  # real tokens a constant-state model reads before its position jumps to the context
 
 
 @dataclass
@@ -52,9 +61,9 @@ class Machine:
 
 @dataclass
 class Run:
-    """A whole ``rnnify bench`` run, as written to ``--json``."""
+    """A whole ``benchmark`` sweep, as ``rnnify bench`` writes it to ``--json``."""
 
-    command: str
+    command: str  # the command line that made it, or "" from Python
     machine: Machine
     target: str
     dtype: str
@@ -69,6 +78,98 @@ class Run:
 
     def to_json(self) -> dict:
         return {**asdict(self), "limit_ms": self.limit_ms}
+
+
+# -- the sweep -------------------------------------------------------------------------------
+
+
+def benchmark(
+    model_or_dir: RecurrentModel | str | os.PathLike,
+    contexts: Sequence[int] = (256, 1024, 4096, 16384),
+    batches: Sequence[int] = (1, 8),
+    *,
+    against: str | os.PathLike | torch.nn.Module | None = None,
+    device: torch.device | str | None = None,
+    dtype: str | None = None,
+    kernels: str | None = None,
+    steps: int = 10,
+    prefill_max: int = 2048,
+    compile: bool = False,
+    command: str = "",
+    progress: bool = False,
+) -> Run:
+    """Time decode steps after each context length at each batch size, and prefill up to ``prefill_max``.
+
+    ``against`` is the original model (a Hugging Face directory, cached hub id or loaded model),
+    measured the same way decoding with transformers' KV cache. ``device`` and ``kernels`` are how
+    a directory is loaded (``rnnify.load``'s meanings); a loaded model runs as it is. ``dtype``, when
+    given, must be the model's: a check that the numbers are for the dtype meant. ``compile``
+    decodes with ``torch.compile`` of the step graph (the model is changed in place). ``progress``
+    shows a tqdm bar of runs on a terminal.
+    """
+    from rnnify.runtime.storage import load_or_take
+
+    _check_counts("contexts (--contexts)", contexts)
+    _check_counts("batches (--batch)", batches)
+    if not isinstance(steps, int) or steps < 1:
+        raise RnnifyError(f"steps (--steps) must be an integer >= 1, got {steps!r}")
+    model = load_or_take(model_or_dir, device, kernels, "benchmark")
+    if dtype is not None and dtype != model.manifest.dtype:
+        where = model.path if model.path is not None else "the model"
+        raise RnnifyError(f"{where} holds {model.manifest.dtype} weights; convert with --dtype {dtype} to bench {dtype}")
+    positions = model.manifest.positions
+    limit = positions.get("limit") if positions.get("kind") == "learned" else None
+    if limit is not None and max(contexts) + steps + WARMUP >= limit:
+        raise RnnifyError(f"contexts (--contexts) {max(contexts)}: this model has {limit} learned positions; "
+                          f"keep contexts below {limit - steps - WARMUP}")
+    device = model.device
+    if compile:
+        model.compile_step()
+    original = None
+    if against is not None:
+        from rnnify.capture import load_source
+
+        original = load_source(against, dtype=model.dtype).to(device)
+    run = Run(
+        command=command,
+        machine=machine(device),
+        target=model.target + (" (compiled step)" if compile else ""),
+        dtype=str(model.dtype).removeprefix("torch."),
+        weight_bytes=weight_bytes(model),
+    )
+    # Read every weight once (they are memory-mapped) so page-ins do not count as decode memory.
+    bench_converted(model, 1, 1, 1, 0, 1)
+    if original is not None:
+        bench_original(original, 1, 1, 1, 0)
+    jobs = [(b, c) for b in batches for c in contexts]
+    prefills = [c for c in contexts if c <= prefill_max]
+    models = 1 + (original is not None)
+    from tqdm import tqdm
+
+    with tqdm(total=(len(jobs) + len(prefills)) * models, unit="run", disable=None if progress else True,
+              leave=False) as bar:
+        for b, c in jobs:
+            bar.set_description_str(f"converted, batch {b}, context {c}")
+            run.results.append(bench_converted(model, c, b, steps, WARMUP, FILL_TOKENS))
+            bar.update()
+            if original is not None:
+                bar.set_description_str(f"original, batch {b}, context {c}")
+                run.results.append(bench_original(original, c, b, steps, WARMUP))
+                bar.update()
+        runners = {"converted": model.prefill}
+        if original is not None:
+            runners["original"] = lambda ids: original(input_ids=ids, use_cache=False)
+        for name, call in runners.items():
+            for c in prefills:
+                bar.set_description_str(f"{name} prefill, context {c}")
+                run.prefill_ms.setdefault(name, {})[c] = prefill_ms(call, model.manifest.vocab_size, c, device)
+                bar.update()
+    return run
+
+
+def _check_counts(name: str, values: Sequence[int]) -> None:
+    if not values or any(not isinstance(v, int) or v < 1 for v in values):
+        raise RnnifyError(f"{name} must be positive integers, e.g. 256,1024; got {list(values)!r}")
 
 
 # -- the machine ------------------------------------------------------------------------------

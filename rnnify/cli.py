@@ -1,4 +1,9 @@
-"""The ``rnnify`` command: convert, verify, generate and inspect recurrent models.
+"""The ``rnnify`` command: convert, verify, generate, inspect, bench, evaluate and distil recurrent models.
+
+Each command has a section below: ``add_<command>(commands)`` declares its arguments beside the
+handler that runs it; ``build_parser`` calls them all. A command's arguments are added only when
+that command runs (``_Command``), and torch, transformers, rich and the rnnify modules that need
+them are imported inside the handlers, so ``rnnify --help`` starts in a fraction of a second.
 
 User mistakes (``RnnifyError``) print one ``error:`` line and exit 2; a failed verification
 exits 1; anything else is a bug and keeps its traceback.
@@ -8,18 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from rich import box
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from rnnify.errors import RnnifyError, RnnifyWarning
 
-from rnnify.errors import RnnifyError
-from rnnify.kernels.utils import KERNELS
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 __all__ = ["main", "build_parser"]
 
@@ -84,7 +89,112 @@ def _stage_bar(total: int, unit: str, leave: bool = True) -> Iterator[Callable[[
         bar.update()
 
 
-# -- commands -----------------------------------------------------------------------------
+# -- arguments and helpers shared by the commands -------------------------------------------
+
+
+class _Command(argparse.ArgumentParser):
+    """A command's parser whose arguments are added by ``arguments`` when it first parses.
+
+    Their help needs modules that import torch (the cells' names, the kernel backends), which
+    ``rnnify --help`` and the other commands should not wait for.
+    """
+
+    def __init__(self, *args: Any, arguments: Callable[[argparse.ArgumentParser], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._arguments: Callable[[argparse.ArgumentParser], None] | None = arguments
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._arguments is not None:
+            add, self._arguments = self._arguments, None
+            add(self)
+        return super().parse_known_args(args, namespace)
+
+
+def _add_command(
+    commands: argparse._SubParsersAction,
+    name: str,
+    run: Callable[[argparse.Namespace, Console], int],
+    arguments: Callable[[argparse.ArgumentParser], None],
+    **kwargs: Any,
+) -> None:
+    """Register command ``name``: ``run`` handles it, ``arguments`` adds its arguments when it is used."""
+    commands.add_parser(name, arguments=arguments, **kwargs).set_defaults(run=run)
+
+
+def _add_dir(p: argparse.ArgumentParser, help: str = "converted model directory") -> None:
+    """``DIR``, and ``--no-verify-weights`` for how it is loaded (``_load``)."""
+    p.add_argument("dir", metavar="DIR", help=help)
+    p.add_argument(
+        "--no-verify-weights", dest="verify_weights", action="store_false",
+        help="load DIR without comparing its weights with the sha256 its manifest recorded "
+        "(a read of the whole file, about 1 s per GB); altered weights then run unnoticed",
+    )
+
+
+def _load(args: argparse.Namespace, **kwargs: Any):
+    """``rnnify.load`` of ``DIR`` as its flags say (``--kernels`` where the command has it)."""
+    import rnnify
+
+    kernels = getattr(args, "kernels", None)
+    return rnnify.load(args.dir, kernels=kernels, verify_weights=args.verify_weights, **kwargs)
+
+
+def _add_kernels_flag(p: argparse.ArgumentParser) -> None:
+    from rnnify.kernels.utils import KERNELS
+
+    p.add_argument(
+        "--kernels", choices=KERNELS, default=None,
+        help="backend of the fused ops, overriding the one DIR was converted with: auto, triton or reference; "
+        "none runs the cells' own PyTorch forms (default: DIR's)",
+    )
+
+
+def _add_device_flag(p: argparse.ArgumentParser, what: str = "device to run on", note: str = "") -> None:
+    """``--device``, the same default everywhere (``_device``)."""
+    p.add_argument(
+        "--device", metavar="DEVICE",
+        help=f"{what}, e.g. cpu or cuda:0 (default: cuda:$LOCAL_RANK when CUDA is available, else cpu){note}",
+    )
+
+
+def _add_dtype_flag(p: argparse.ArgumentParser, default: str | None, help: str) -> None:
+    """``--dtype``, the same choices everywhere."""
+    p.add_argument("--dtype", choices=_DTYPES, default=default, help=help)
+
+
+def _device(name: str | None):
+    """``--device``: as given, else this process's GPU (``cuda:$LOCAL_RANK``, 0 outside torchrun)
+    when CUDA is available, else the CPU."""
+    import os
+
+    import torch
+
+    if name is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise RnnifyError(f"--device {name!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RnnifyError(f"--device {name}: no CUDA device is available; use --device cpu")
+    return device
+
+
+def _check_writable(flag: str, path: str | None) -> None:
+    """Refuse an output file whose directory does not exist now, not after the work that fills it."""
+    if path is not None and not Path(path).expanduser().parent.is_dir():
+        raise RnnifyError(f"{flag} {path}: directory {Path(path).expanduser().parent} does not exist; "
+                          "create it or choose another path")
+
+
+def _save(model, output: str) -> Path:
+    """``model.save(output)``, a refusal to write being the user's to fix."""
+    try:
+        return model.save(output)
+    except OSError as exc:
+        raise RnnifyError(f"cannot write {output}: {exc.strerror or exc}; choose another output directory") from exc
 
 
 def _quiet_transformers() -> None:
@@ -95,7 +205,70 @@ def _quiet_transformers() -> None:
     logging.disable_progress_bar()
 
 
+# -- convert ------------------------------------------------------------------------------
+
+
+def add_convert(commands: argparse._SubParsersAction) -> None:
+    _add_command(
+        commands, "convert", _convert, _convert_arguments,
+        help="compile a Hugging Face causal LM (or GGUF file) into a recurrent model directory",
+        description="Load MODEL, capture its forward pass, replace every attention with a recurrent "
+        "cell and save the result to -o DIR (no pickle; loads without the source model).",
+    )
+
+
+def _convert_arguments(p: argparse.ArgumentParser) -> None:
+    from rnnify.cells import CELLS
+    from rnnify.cells.linear import FEATURE_MAPS
+    from rnnify.distill.options import add_training_flags
+    from rnnify.kernels.utils import KERNELS
+
+    p.add_argument(
+        "model", metavar="MODEL",
+        help="local Hugging Face model directory, a .gguf file (dequantised to --dtype; needs "
+        "pip install 'rnnify[gguf]'), or a hub id already in the local cache",
+    )
+    summaries = {name: cls.__doc__.splitlines()[0].rstrip(".") for name, cls in CELLS.items()}
+    targets = "; ".join(f"{name}: {text[:1].lower()}{text[1:]}" for name, text in summaries.items())
+    p.add_argument("--to", choices=list(CELLS), required=True, help=f"target cell ({targets})")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the converted model to")
+    _add_dtype_flag(p, "float32", "dtype to load and save the weights in (default: float32)")
+    p.add_argument(
+        "--layers", metavar="SPEC",
+        help="targets per layer range, overriding --to: e.g. '0-1:exact,2-:hybrid' (ranges inclusive, "
+        "'N-' runs to the last layer; later rules win)",
+    )
+    p.add_argument(
+        "--keep-softmax", metavar="LAYERS", help="comma-separated layers kept exact softmax attention, e.g. 0,3"
+    )
+    p.add_argument(
+        "--kernels", choices=KERNELS, default="auto",
+        help="backend of the fused Triton ops the cells run where they have them: auto (Triton on CUDA, "
+        "the PyTorch reference elsewhere), triton or reference; none: the cells' own PyTorch forms; "
+        "saved with the model (default: auto)",
+    )
+    cell = p.add_argument_group("cell options (passed to every cell that accepts them)")
+    cell.add_argument("--window", type=int, metavar="W", help="softmax window in tokens (window, hybrid)")
+    cell.add_argument("--sinks", type=int, metavar="S", help="first tokens always attended to (window, hybrid)")
+    cell.add_argument(
+        "--feature-map", choices=sorted(FEATURE_MAPS), default=None, help="feature map phi (linear, hybrid, gated)"
+    )
+    cell.add_argument("--gate", metavar="NAME", help="gate of the gated target: retnet, gla or gateloop")
+    cell.add_argument(
+        "--option", action="append", metavar="KEY=VALUE",
+        help="any other cell option, repeatable; VALUE is read as JSON when it parses (chunk_size=128, "
+        'feature_options={"num_features":256})',
+    )
+    p.add_argument(
+        "--distill", metavar="PATH",
+        help="then distil the converted model on this text file, folder or .jsonl before saving (flags below)",
+    )
+    _add_training_flags(p, add_training_flags)
+
+
 def _convert(args: argparse.Namespace, console: Console) -> int:
+    from rich.text import Text
+
     import rnnify
     from rnnify.passes import PIPELINE
 
@@ -114,11 +287,7 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
             if not _train(model, args.distill, args.teacher or args.model, training):
                 return 0
         start("save")
-        try:
-            path = model.save(args.output)
-        except OSError as exc:
-            message = f"cannot write {args.output}: {exc.strerror or exc}; choose another output directory"
-            raise RnnifyError(message) from exc
+        path = _save(model, args.output)
     growth = "grows with context, like a KV cache" if not model.constant_memory else "constant"
     console.print(Text(f"saved to {path}"), soft_wrap=True)
     console.print(
@@ -128,6 +297,8 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
         ),
         soft_wrap=True,
     )
+    if args.distill:
+        _drop_checkpoint(training["checkpoint_dir"], args.keep_checkpoints, console)
     return 0
 
 
@@ -155,11 +326,41 @@ def _parse_layer_list(text: str) -> list[int]:
         raise RnnifyError(f"--keep-softmax {text!r}: expected comma-separated layer indices, e.g. 0,3") from None
 
 
+# -- verify -------------------------------------------------------------------------------
+
+
+def add_verify(commands: argparse._SubParsersAction) -> None:
+    _add_command(
+        commands, "verify", _verify, _verify_arguments,
+        help="check that a converted model is consistent (and matches the original)",
+        description="Run the converted model on random tokens and compare: weights against the manifest "
+        "digest, token-by-token steps against one-shot prefill, a prefill split in two against one "
+        "shot, and with --against the original model's logits. Exits 1 if any check fails.",
+    )
+
+
+def _verify_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", metavar="DIR", help="converted model directory")
+    p.add_argument(
+        "--against", metavar="MODEL",
+        help="original model (directory or cached hub id) to compare logits with; "
+        "judged for 'exact', reported only for approximate targets",
+    )
+    p.add_argument("--tokens", type=int, default=32, metavar="N", help="tokens per sequence (default: 32)")
+    p.add_argument("--batch", type=int, default=2, metavar="B", help="sequences per batch (default: 2)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the random token ids (default: 0)")
+    _add_kernels_flag(p)
+
+
 def _verify(args: argparse.Namespace, console: Console) -> int:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
     import rnnify
     from rnnify.verify import CHECKS, run_checks, tolerance
 
-    model = rnnify.load(args.dir, kernels=args.kernels)
+    model = rnnify.load(args.dir, kernels=args.kernels, verify_weights=False)  # the "weights" check reports it
     total = len(CHECKS) if args.against is not None else len(CHECKS) - 1
     with _stage_bar(total, "check", leave=False) as start:
         results = run_checks(model, args.against, tokens=args.tokens, batch=args.batch, seed=args.seed, progress=start)
@@ -182,6 +383,43 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
         return 1
     console.print(Text("all checks passed", "green"), soft_wrap=True)
     return 0
+
+
+# -- generate -----------------------------------------------------------------------------
+
+
+def add_generate(commands: argparse._SubParsersAction) -> None:
+    _add_command(
+        commands, "generate", _generate, _generate_arguments,
+        help="generate text or token ids, streamed as they are produced",
+        description="Continue a prompt with the converted model, one recurrent step per token, printing "
+        "each token as it comes (the prompt first). Greedy unless --do-sample.",
+    )
+
+
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="text prompt, tokenized with the tokenizer saved in DIR")
+    prompt.add_argument("--ids", metavar="IDS", help="prompt as comma-separated token ids, e.g. 1,2,3; prints ids back")
+    _add_sampling_flags(p, max_new_tokens=20)
+    _add_kernels_flag(p)
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """How tokens are chosen, shared by ``generate`` and ``chat``: greedy unless --do-sample."""
+    p.add_argument(
+        "--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
+        help=f"most tokens to generate (default: {max_new_tokens})",
+    )
+    p.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
+    p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature, > 0 (default: 1.0)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample only from the K most likely tokens")
+    p.add_argument(
+        "--top-p", type=float, default=None, metavar="P",
+        help="sample only from the smallest set of tokens whose probability adds up to P",
+    )
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling, for repeatable output")
 
 
 class _IdStreamer:
@@ -232,9 +470,7 @@ def _eos_ids(model, tokenizer=None) -> list[int]:
 def _generate(args: argparse.Namespace, console: Console) -> int:
     import torch
 
-    import rnnify
-
-    model = rnnify.load(args.dir, kernels=args.kernels)
+    model = _load(args)
     if args.ids is not None:
         tokenizer, streamer = None, _IdStreamer()
         ids = _parse_ids(args.ids, model.manifest.vocab_size)
@@ -262,371 +498,38 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _info(args: argparse.Namespace, console: Console) -> int:
-    import rnnify
-
-    model = rnnify.load(args.dir)
-    manifest = model.manifest
-    options = manifest.cells[0].options if manifest.cells else manifest.options
-    positions = manifest.positions
-    if positions.get("kind") == "learned":
-        where = f"learned, {positions.get('limit')} positions (cannot decode past them)"
-    else:
-        limit = positions.get("limit")
-        where = f"{positions.get('kind', 'unknown')}" + (f", trained up to {limit} positions" if limit else "")
-    header = Table.grid(padding=(0, 2))
-    header.add_column(style="bold")
-    header.add_column()
-    rows = {
-        "directory": str(model.path),
-        "source": manifest.source or "(unknown)",
-        "target": manifest.target + (" (" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")" if options else ""),
-        "dtype": manifest.dtype,
-        "vocab size": str(manifest.vocab_size),
-        "positions": where,
-        "kernels": _kernels_line(model),
-        "converted with": ", ".join(f"{k} {v}" for k, v in manifest.versions.items()) or "(unknown)",
-    }
-    for key, value in rows.items():
-        header.add_row(key, Text(value))
-    console.print(header)
-
-    windowed = any(cell.spec.window is not None for cell in model.cells)
-    notes = any(cell.describe() for cell in model.cells)
-    fused = any(entry.kernels for entry in manifest.cells)
-    columns = ["layer", "module path", "cell", "heads", "kv heads", "head dim"] + (["window"] if windowed else [])
-    columns += (["notes"] if notes else []) + (["fused ops"] if fused else [])
-    table = Table(title="recurrent state per sequence, by context length")
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("module path", "cell", "notes", "fused ops") else "right")
-    for length in _LENGTHS:
-        table.add_column(f"{length:,} token{'s' * (length > 1)}", justify="right", no_wrap=True)
-    for entry, cell in zip(manifest.cells, model.cells):
-        spec = cell.spec
-        row = [str(entry.layer), Text(entry.module_path), entry.target]
-        row += [str(spec.num_heads), str(spec.num_kv_heads), str(spec.head_dim)]
-        if windowed:
-            row.append("" if spec.window is None else str(spec.window))
-        if notes:
-            row.append(Text(cell.describe()))
-        if fused:
-            row.append(Text(", ".join(f"{phase} {op}" for phase, op in entry.kernels.items()) or "-"))
-        table.add_row(*row, *(_nbytes(cell.state_nbytes(length, 1, model.dtype)) for length in _LENGTHS))
-    table.add_section()
-    table.add_row("total", *[""] * (len(columns) - 1), *(_nbytes(model.state_nbytes(length)) for length in _LENGTHS))
-    console.print(table)
-    console.print(Text(_memory_line(model), "bold"), soft_wrap=True)
-    return 0
+# -- chat ---------------------------------------------------------------------------------
 
 
-def _kernels_line(model) -> str:
-    """The backend of the fused ops and how many layers run them, in words."""
-    if model.kernels == "none":
-        return "none: every cell runs its own PyTorch forms"
-    meaning = {"auto": " (Triton on CUDA, PyTorch reference elsewhere)", "reference": " (the ops' PyTorch references)"}
-    count = sum(bool(entry.kernels) for entry in model.manifest.cells)
-    return f"{model.kernels}{meaning.get(model.kernels, '')}; fused ops in {count} of {len(model.cells)} layers"
-
-
-def _int_list(flag: str, text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise RnnifyError(f"{flag} {text!r}: expected comma-separated positive integers, e.g. 256,1024")
-    return values
-
-
-def _device(name: str | None):
-    """``--device``: as given, else this process's GPU (``cuda:$LOCAL_RANK``, 0 outside torchrun)
-    when CUDA is available, else the CPU."""
-    import os
-
-    import torch
-
-    if name is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        return torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise RnnifyError(f"--device {name!r} is not a device; use cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RnnifyError(f"--device {name}: no CUDA device is available; use --device cpu")
-    return device
-
-
-def _check_writable(flag: str, path: str | None) -> None:
-    """Refuse an output file whose directory does not exist now, not after the work that fills it."""
-    if path is not None and not Path(path).expanduser().parent.is_dir():
-        raise RnnifyError(f"{flag} {path}: directory {Path(path).expanduser().parent} does not exist; "
-                          "create it or choose another path")
-
-
-def _bench(args: argparse.Namespace, console: Console) -> int:
-    import shlex
-
-    import torch
-
-    import rnnify
-    from rnnify import bench
-
-    contexts, batches = _int_list("--contexts", args.contexts), _int_list("--batch", args.batch)
-    if args.steps < 1:
-        raise RnnifyError(f"--steps must be >= 1, got {args.steps}")
-    device = _device(args.device)
-    _check_writable("--json", args.json)
-    _check_writable("--plot", args.plot)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise RnnifyError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    model = rnnify.load(args.dir, kernels=args.kernels)
-    if args.dtype is not None and args.dtype != model.manifest.dtype:
-        raise RnnifyError(
-            f"{args.dir} holds {model.manifest.dtype} weights; convert with --dtype {args.dtype} to bench {args.dtype}"
-        )
-    dtype = model.dtype
-    limit = model.manifest.positions.get("limit") if model.manifest.positions.get("kind") == "learned" else None
-    if limit is not None and max(contexts) + args.steps + _WARMUP >= limit:
-        raise RnnifyError(
-            f"--contexts {max(contexts)}: this model has {limit} learned positions; "
-            f"keep contexts below {limit - args.steps - _WARMUP}"
-        )
-    model = model.to(device)
-    if args.compile:
-        model.compile_step()
-    original = None
-    if args.against is not None:
-        from rnnify.capture import load_source
-
-        original = load_source(args.against, dtype=dtype).to(device)
-    run = bench.Run(
-        command="rnnify " + shlex.join(args.argv),
-        machine=bench.machine(device),
-        target=model.target + (" (compiled step)" if args.compile else ""),
-        dtype=str(dtype).removeprefix("torch."),
-        weight_bytes=bench.weight_bytes(model),
-    )
-    # Read every weight once (they are memory-mapped) so page-ins do not count as decode memory.
-    bench.bench_converted(model, 1, 1, 1, 0, 1)
-    if original is not None:
-        bench.bench_original(original, 1, 1, 1, 0)
-    from tqdm import tqdm
-
-    jobs = [(b, c) for b in batches for c in contexts]
-    prefills = [c for c in contexts if c <= args.prefill_max]
-    total = len(jobs) * (1 + (original is not None)) + len(prefills) * (1 + (original is not None))
-    with tqdm(total=total, unit="run", disable=None, leave=False) as bar:
-        for b, c in jobs:
-            bar.set_description_str(f"converted, batch {b}, context {c}")
-            run.results.append(bench.bench_converted(model, c, b, args.steps, _WARMUP, _FILL_TOKENS))
-            bar.update()
-            if original is not None:
-                bar.set_description_str(f"original, batch {b}, context {c}")
-                run.results.append(bench.bench_original(original, c, b, args.steps, _WARMUP))
-                bar.update()
-        runners = {"converted": (model.prefill, model.manifest.vocab_size)}
-        if original is not None:
-            runners["original"] = (lambda ids: original(input_ids=ids, use_cache=False), model.manifest.vocab_size)
-        for name, (call, vocab) in runners.items():
-            for c in prefills:
-                bar.set_description_str(f"{name} prefill, context {c}")
-                run.prefill_ms.setdefault(name, {})[c] = bench.prefill_ms(call, vocab, c, device)
-                bar.update()
-    console.print(_bench_table(run))
-    console.print(_prefill_table(run, args.prefill_max))
-    step = next((r.step_ms for r in run.results if r.model == "converted" and r.batch == 1), None)
-    line = (
-        f"batch-1 limit: {_nbytes(run.weight_bytes)} of weights per token / "
-        f"{run.machine.bandwidth_gb_s:.1f} GB/s measured = {run.limit_ms:.2f} ms"
-    )
-    if step is not None:
-        line += f"; measured step {step:.2f} ms = {step / run.limit_ms:.2f}x the limit"
-    console.print(Text(line), soft_wrap=True)
-    if args.json is not None:
-        _write(args.json, json.dumps(run.to_json(), indent=1))
-    if args.plot is not None:
-        try:
-            bench.plot(run, args.plot)
-        except OSError as exc:
-            raise RnnifyError(f"cannot write {args.plot}: {exc.strerror or exc}") from exc
-    return 0
-
-
-_WARMUP = 2  # decode steps before timing
-_FILL_TOKENS = 256  # real tokens a constant-state model reads before its position jumps to the context
-
-
-def _write(path: str, text: str) -> None:
-    try:
-        Path(path).write_text(text + "\n")
-    except OSError as exc:
-        raise RnnifyError(f"cannot write {path}: {exc.strerror or exc}") from exc
-
-
-def _bench_table(run) -> Table:
-    rows = {(r.batch, r.context, r.model): r for r in run.results}
-    against = any(r.model == "original" for r in run.results)
-    title = f"{run.target} vs original with KV cache" if against else f"{run.target}"
-    table = Table(box=box.SIMPLE_HEAD, title=Text(f"decode, {title}, {run.dtype}, {run.machine.device}"))
-    columns = ["batch", "context", "step ms", "tokens/s", "state", "peak +"]
-    if against:
-        columns += ["original ms", "original tok/s", "KV cache", "original peak +", "speedup", "KV / state"]
-    for column in columns:
-        table.add_column(column, justify="right")
-    for (batch, context, model), r in rows.items():
-        if model != "converted":
-            continue
-        row = [str(batch), f"{context:,}", f"{r.step_ms:.2f}", f"{r.tokens_per_s:.1f}",
-               _nbytes(r.memory_bytes), _nbytes(r.peak_delta_bytes)]
-        o = rows.get((batch, context, "original"))
-        if against and o is not None:
-            row += [f"{o.step_ms:.2f}", f"{o.tokens_per_s:.1f}", _nbytes(o.memory_bytes), _nbytes(o.peak_delta_bytes),
-                    f"{o.step_ms / r.step_ms:.2f}x", f"{o.memory_bytes / r.memory_bytes:.1f}x"]
-        table.add_row(*row)
-    return table
-
-
-def _prefill_table(run, cap: int) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, title=Text(f"prefill, batch 1, one call (contexts up to {cap:,})"))
-    table.add_column("context", justify="right")
-    for name in run.prefill_ms:
-        table.add_column(f"{name} ms", justify="right")
-    contexts = sorted({c for times in run.prefill_ms.values() for c in times})
-    for c in contexts:
-        table.add_row(f"{c:,}", *(f"{times[c]:.0f}" for times in run.prefill_ms.values()))
-    return table
-
-
-def _eval(args: argparse.Namespace, console: Console) -> int:
-    from rnnify.eval import evaluate, write_json
-
-    _check_writable("--json", args.json)
-    lengths = None
-    if args.passkey is not None:
-        from rnnify.passkey import depths
-
-        lengths = _int_list("--passkey", args.passkey)
-        depths(args.passkey_trials)  # checks it, before anything loads
-    result = evaluate(
-        args.dir, args.data, against=args.against, seq_len=args.seq_len, batch_size=args.batch_size,
-        max_tokens=args.max_tokens, tokenizer=args.tokenizer, device=_device(args.device), kernels=args.kernels,
-        progress=True,
-    )
-    passkey = None
-    if lengths is not None:
-        from rnnify.passkey import evaluate_passkey
-
-        passkey = evaluate_passkey(
-            args.dir, lengths, trials=args.passkey_trials, seed=args.passkey_seed, against=args.against,
-            tokenizer=args.tokenizer, device=_device(args.device), kernels=args.kernels, progress=True,
-        )
-    summary = Table(box=box.SIMPLE_HEAD, title=Text(
-        f"{result.target} vs {result.against}: {result.tokens:,} tokens, rows of {result.seq_len}"
-    ))
-    for column in ("", "converted", "original"):
-        summary.add_column(column, justify="left" if not column else "right")
-    summary.add_row("perplexity", f"{result.perplexity:.4g}", f"{result.teacher_perplexity:.4g}")
-    summary.add_row("KL(original || converted), nats/token", f"{result.kl:.3g}", "")
-    summary.add_row("top-1 agreement", f"{result.top1_agreement:.1%}", "")
-    summary.add_row(f"state per sequence at {result.seq_len:,} tokens", _nbytes(result.state_bytes), "")
-    console.print(summary)
-    layers = Table(box=box.SIMPLE_HEAD, title=Text("attention error per layer, fed the original's activations"))
-    for column in ("layer", "cell", "relative error", "MSE"):
-        layers.add_column(column, justify="right")
-    for layer in result.layers:
-        layers.add_row(str(layer.layer), layer.module, f"{layer.rel_error:.3g}", f"{layer.mse:.3g}")
-    console.print(layers)
-    if passkey is not None:
-        console.print(_passkey_table(passkey))
-    if args.json is not None:
-        write_json(args.json, {**result.to_json(), **({"passkey": passkey.to_json()} if passkey else {})})
-    return 0
-
-
-def _passkey_table(result) -> Table:
-    accuracy = result.accuracy()
-    trials = len(result.trials) // len(accuracy["converted"])
-    table = Table(box=box.SIMPLE_HEAD, title=Text(f"pass-key retrieval: {trials} depths per length, greedy answers"))
-    table.add_column("prompt tokens", justify="right")
-    for name in accuracy:
-        table.add_column(name, justify="right")
-    for length in accuracy["converted"]:
-        table.add_row(f"{length:,}", *(f"{by[length]:.0%}" for by in accuracy.values()))
-    return table
-
-
-def _training_options(args: argparse.Namespace) -> dict:
-    """``rnnify.distill``'s keyword arguments from the training flags, checked."""
-    from rnnify.distill.options import training_options
-
-    return {**training_options(args), "device": _device(args.device)}
-
-
-def _train(model, data: str, teacher, options: dict) -> bool:
-    """Distil ``model`` in place (docs/distill.md); True on the process that writes the result (rank 0)."""
-    import os
-
-    from rnnify.distill import distill
-
-    distill(model, data, teacher=teacher, **options)  # reports each stage on stderr
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def _distill(args: argparse.Namespace, console: Console) -> int:
-    import rnnify
-
-    training = _training_options(args)
-    model = rnnify.load(args.dir, kernels=args.kernels)  # on the CPU: distill moves it (or, under FSDP, its shards)
-    if not _train(model, args.data, args.teacher, training):
-        return 0
-    try:
-        path = model.save(args.output)
-    except OSError as exc:
-        raise RnnifyError(f"cannot write {args.output}: {exc.strerror or exc}; choose another output directory") from exc
-    console.print(Text(f"saved to {path}"), soft_wrap=True)
-    return 0
-
-
-# -- parser -------------------------------------------------------------------------------
-
-
-def _add_kernels_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--kernels", choices=KERNELS, default=None,
-        help="backend of the fused ops, overriding the one DIR was converted with: auto, triton or reference; "
-        "none runs the cells' own PyTorch forms (default: DIR's)",
+def add_chat(commands: argparse._SubParsersAction) -> None:
+    _add_command(
+        commands, "chat", _chat, _chat_arguments,
+        help="chat with a converted model, its recurrent state carrying the conversation",
+        description="Read one user message per line from stdin, apply the chat template saved in DIR and "
+        "stream the reply. Each turn reads only its new tokens, continuing from the state after the "
+        "previous reply (history is never re-read); after each reply a dim line shows the tokens so far "
+        "and the state's size, constant for recurrent targets. /reset starts a new conversation; "
+        "Ctrl-D or Ctrl-C ends. Greedy unless --do-sample.",
     )
 
 
-def _add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    """How tokens are chosen, shared by ``generate`` and ``chat``: greedy unless --do-sample."""
-    p.add_argument(
-        "--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
-        help=f"most tokens to generate (default: {max_new_tokens})",
-    )
-    p.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
-    p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature, > 0 (default: 1.0)")
-    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample only from the K most likely tokens")
-    p.add_argument(
-        "--top-p", type=float, default=None, metavar="P",
-        help="sample only from the smallest set of tokens whose probability adds up to P",
-    )
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling, for repeatable output")
+def _chat_arguments(p: argparse.ArgumentParser) -> None:
+    _add_dir(p, "converted model directory with a tokenizer and chat template")
+    p.add_argument("--system", metavar="TEXT", help="system prompt that opens every conversation")
+    _add_sampling_flags(p, max_new_tokens=256)
+    p.add_argument("--verbose", action="store_true", help="before each reply, show how many new tokens the turn read")
+    _add_kernels_flag(p)
 
 
 def _chat(args: argparse.Namespace, console: Console) -> int:
     """Read user messages from stdin, one per line, and stream each reply; /reset starts over."""
+    from rich.text import Text
     from transformers import TextStreamer
 
-    import rnnify
     from rnnify.chat import Chat
     from rnnify.data import load_tokenizer
 
-    model = rnnify.load(args.dir, kernels=args.kernels)
+    model = _load(args)
     tokenizer = load_tokenizer(args.dir, "chat needs the tokenizer and chat template of the source model in DIR")
     chat = Chat(
         model, tokenizer, system=args.system, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
@@ -656,151 +559,116 @@ def _chat(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def add_chat(commands) -> None:
-    """The ``chat`` command's parser."""
-    p = commands.add_parser(
-        "chat",
-        help="chat with a converted model, its recurrent state carrying the conversation",
-        description="Read one user message per line from stdin, apply the chat template saved in DIR and "
-        "stream the reply. Each turn reads only its new tokens, continuing from the state after the "
-        "previous reply (history is never re-read); after each reply a dim line shows the tokens so far "
-        "and the state's size, constant for recurrent targets. /reset starts a new conversation; "
-        "Ctrl-D or Ctrl-C ends. Greedy unless --do-sample.",
-    )
-    p.add_argument("dir", metavar="DIR", help="converted model directory with a tokenizer and chat template")
-    p.add_argument("--system", metavar="TEXT", help="system prompt that opens every conversation")
-    _add_sampling_flags(p, max_new_tokens=256)
-    p.add_argument("--verbose", action="store_true", help="before each reply, show how many new tokens the turn read")
-    _add_kernels_flag(p)
-    p.set_defaults(run=_chat)
+# -- info ---------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from rnnify.cells import CELLS
-    from rnnify.cells.linear import FEATURE_MAPS
-    from rnnify.data import DEFAULT_SEQ_LEN
-    from rnnify.distill.options import add_training_flags
-
-    parser = argparse.ArgumentParser(
-        prog="rnnify",
-        description="Compile attention-based Hugging Face causal LMs into recurrent models.",
-        epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = commands.add_parser(
-        "convert",
-        help="compile a Hugging Face causal LM (or GGUF file) into a recurrent model directory",
-        description="Load MODEL, capture its forward pass, replace every attention with a recurrent "
-        "cell and save the result to -o DIR (no pickle; loads without the source model).",
-    )
-    p.add_argument(
-        "model", metavar="MODEL",
-        help="local Hugging Face model directory, a .gguf file (dequantised to --dtype; needs "
-        "pip install 'rnnify[gguf]'), or a hub id already in the local cache",
-    )
-    summaries = {name: cls.__doc__.splitlines()[0].rstrip(".") for name, cls in CELLS.items()}
-    targets = "; ".join(f"{name}: {text[:1].lower()}{text[1:]}" for name, text in summaries.items())
-    p.add_argument("--to", choices=list(CELLS), required=True, help=f"target cell ({targets})")
-    p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the converted model to")
-    p.add_argument(
-        "--dtype", choices=_DTYPES, default="float32", help="dtype to load and save the weights in (default: float32)"
-    )
-    p.add_argument(
-        "--layers", metavar="SPEC",
-        help="targets per layer range, overriding --to: e.g. '0-1:exact,2-:hybrid' (ranges inclusive, "
-        "'N-' runs to the last layer; later rules win)",
-    )
-    p.add_argument(
-        "--keep-softmax", metavar="LAYERS", help="comma-separated layers kept exact softmax attention, e.g. 0,3"
-    )
-    p.add_argument(
-        "--kernels", choices=KERNELS, default="auto",
-        help="backend of the fused Triton ops the cells run where they have them: auto (Triton on CUDA, "
-        "the PyTorch reference elsewhere), triton or reference; none: the cells' own PyTorch forms; "
-        "saved with the model (default: auto)",
-    )
-    cell = p.add_argument_group("cell options (passed to every cell that accepts them)")
-    cell.add_argument("--window", type=int, metavar="W", help="softmax window in tokens (window, hybrid)")
-    cell.add_argument("--sinks", type=int, metavar="S", help="first tokens always attended to (window, hybrid)")
-    cell.add_argument(
-        "--feature-map", choices=sorted(FEATURE_MAPS), default=None, help="feature map phi (linear, hybrid, gated)"
-    )
-    cell.add_argument("--gate", metavar="NAME", help="gate of the gated target: retnet, gla or gateloop")
-    cell.add_argument(
-        "--option", action="append", metavar="KEY=VALUE",
-        help="any other cell option, repeatable; VALUE is read as JSON when it parses (chunk_size=128, "
-        'feature_options={"num_features":256})',
-    )
-    p.add_argument(
-        "--distill", metavar="PATH",
-        help="then distil the converted model on this text file, folder or .jsonl before saving (flags below)",
-    )
-    add_training_flags(p)
-    p.set_defaults(run=_convert)
-
-    p = commands.add_parser(
-        "verify",
-        help="check that a converted model is consistent (and matches the original)",
-        description="Run the converted model on random tokens and compare: weights against the manifest "
-        "digest, token-by-token steps against one-shot prefill, a prefill split in two against one "
-        "shot, and with --against the original model's logits. Exits 1 if any check fails.",
-    )
-    p.add_argument("dir", metavar="DIR", help="converted model directory")
-    p.add_argument(
-        "--against", metavar="MODEL",
-        help="original model (directory or cached hub id) to compare logits with; "
-        "judged for 'exact', reported only for approximate targets",
-    )
-    p.add_argument("--tokens", type=int, default=32, metavar="N", help="tokens per sequence (default: 32)")
-    p.add_argument("--batch", type=int, default=2, metavar="B", help="sequences per batch (default: 2)")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the random token ids (default: 0)")
-    _add_kernels_flag(p)
-    p.set_defaults(run=_verify)
-
-    p = commands.add_parser(
-        "generate",
-        help="generate text or token ids, streamed as they are produced",
-        description="Continue a prompt with the converted model, one recurrent step per token, printing "
-        "each token as it comes (the prompt first). Greedy unless --do-sample.",
-    )
-    p.add_argument("dir", metavar="DIR", help="converted model directory")
-    prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", metavar="TEXT", help="text prompt, tokenized with the tokenizer saved in DIR")
-    prompt.add_argument("--ids", metavar="IDS", help="prompt as comma-separated token ids, e.g. 1,2,3; prints ids back")
-    _add_sampling_flags(p, max_new_tokens=20)
-    _add_kernels_flag(p)
-    p.set_defaults(run=_generate)
-
-    add_chat(commands)
-
-    p = commands.add_parser(
-        "info",
+def add_info(commands: argparse._SubParsersAction) -> None:
+    _add_command(
+        commands, "info", _info, _add_dir,
         help="describe a converted model: source, target, positions, state size per layer",
         description="Print what DIR holds: its source model, target cell and options, dtype, the versions "
         "it was converted with, how it encodes positions, and the recurrent state per layer at "
         f"{', '.join(map(str, _LENGTHS))} tokens.",
     )
-    p.add_argument("dir", metavar="DIR", help="converted model directory")
-    p.set_defaults(run=_info)
 
-    p = commands.add_parser(
-        "bench",
+
+def _info(args: argparse.Namespace, console: Console) -> int:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    model = _load(args)
+    manifest = model.manifest
+    options = manifest.cells[0].options if manifest.cells else manifest.options
+    positions = manifest.positions
+    if positions.get("kind") == "learned":
+        where = f"learned, {positions.get('limit')} positions (cannot decode past them)"
+    else:
+        limit = positions.get("limit")
+        where = f"{positions.get('kind', 'unknown')}" + (f", trained up to {limit} positions" if limit else "")
+    fused_ops = ["\n".join(f"{phase} {op}" for phase, op in entry.kernels.items()) for entry in manifest.cells]
+    same_ops = len(set(fused_ops)) == 1  # then said once, above the table
+    header = Table.grid(padding=(0, 2))
+    header.add_column(style="bold", no_wrap=True)
+    header.add_column(overflow="fold")
+    rows = {
+        "directory": str(model.path),
+        "source": manifest.source or "(unknown)",
+        "target": manifest.target + (" (" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")" if options else ""),
+        "dtype": manifest.dtype,
+        "vocab size": str(manifest.vocab_size),
+        "positions": where,
+        "kernels": _kernels_line(model),
+        **({"fused ops": f"{', '.join(fused_ops[0].splitlines())} (every layer)"} if same_ops and fused_ops[0] else {}),
+        "converted with": ", ".join(f"{k} {v}" for k, v in manifest.versions.items()) or "(unknown)",
+    }
+    for key, value in rows.items():
+        header.add_row(key, Text(value))
+    console.print(header)
+
+    windowed = any(cell.spec.window is not None for cell in model.cells)
+    notes = any(cell.describe() for cell in model.cells)
+    fused = any(fused_ops) and not same_ops
+    columns = ["layer", "module path", "cell", "heads (kv) × dim"] + (["window"] if windowed else [])
+    columns += (["notes"] if notes else []) + (["fused ops"] if fused else [])
+    lengths = " / ".join(f"{length:,}" for length in _LENGTHS)
+    table = Table(box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False,
+                  title=f"recurrent state per sequence after {lengths} tokens")
+    for column in columns:  # names wrap at spaces and fold where they must, never cut short
+        text = column in ("module path", "cell", "notes", "fused ops")
+        table.add_column(column, justify="left" if text else "right", overflow="fold")
+    for length in _LENGTHS:
+        table.add_column(f"{length:,}", justify="right")
+    for entry, cell, ops in zip(manifest.cells, model.cells, fused_ops):
+        spec = cell.spec
+        row = [str(entry.layer), Text(entry.module_path), entry.target]
+        row.append(f"{spec.num_heads} ({spec.num_kv_heads}) × {spec.head_dim}")
+        if windowed:
+            row.append("" if spec.window is None else str(spec.window))
+        if notes:
+            row.append(Text(cell.describe()))
+        if fused:
+            row.append(Text(ops or "-"))
+        table.add_row(*row, *(_nbytes(cell.state_nbytes(length, 1, model.dtype)) for length in _LENGTHS))
+    table.add_section()
+    table.add_row("total", *[""] * (len(columns) - 1), *(_nbytes(model.state_nbytes(length)) for length in _LENGTHS))
+    console.print(table)
+    console.print(Text(_memory_line(model), "bold"), soft_wrap=True)
+    return 0
+
+
+def _kernels_line(model) -> str:
+    """The backend of the fused ops and how many layers run them, in words."""
+    if model.kernels == "none":
+        return "none: every cell runs its own PyTorch forms"
+    meaning = {"auto": " (Triton on CUDA, PyTorch reference elsewhere)", "reference": " (the ops' PyTorch references)"}
+    count = sum(bool(entry.kernels) for entry in model.manifest.cells)
+    return f"{model.kernels}{meaning.get(model.kernels, '')}; fused ops in {count} of {len(model.cells)} layers"
+
+
+# -- bench --------------------------------------------------------------------------------
+
+
+def add_bench(commands: argparse._SubParsersAction) -> None:
+    _add_command(
+        commands, "bench", _bench, _bench_arguments,
         help="measure decode latency, memory and prefill time (and against the original with its KV cache)",
         description="Time decode steps after each context length at each batch size, the state's bytes, "
         "peak memory and prefill time of DIR, and with --against the same for the original model "
         "decoding with transformers' KV cache; and the batch-1 limit set by reading the weights at the "
-        "memory bandwidth measured here. See docs/performance.md for how contexts are reached.",
+        "memory bandwidth measured here (rnnify.bench.benchmark). See docs/performance.md for how "
+        "contexts are reached.",
     )
-    p.add_argument("dir", metavar="DIR", help="converted model directory")
+
+
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
     p.add_argument("--against", metavar="MODEL", help="original model (directory or cached hub id) to compare with")
     p.add_argument("--contexts", default="256,1024,4096,16384", metavar="LIST",
                    help="context lengths (default: 256,1024,4096,16384)")
     p.add_argument("--batch", default="1,8", metavar="LIST", help="batch sizes (default: 1,8)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device (default: cpu)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="dtype; must be the one DIR was converted to (default: DIR's)")
+    _add_device_flag(p)
+    _add_dtype_flag(p, None, "dtype; must be the one DIR was converted to (default: DIR's)")
     p.add_argument("--steps", type=int, default=10, metavar="N", help="timed decode steps, median reported (default: 10)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch intra-op threads (default: torch's); 1 gives steadier numbers on a shared machine")
@@ -810,16 +678,116 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="OUT", help="write the results and the machine to OUT as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="write latency and memory vs context plots to OUT.png")
     _add_kernels_flag(p)
-    p.set_defaults(run=_bench)
 
-    p = commands.add_parser(
-        "eval",
+
+def _bench(args: argparse.Namespace, console: Console) -> int:
+    import shlex
+
+    import torch
+    from rich.text import Text
+
+    from rnnify.bench import benchmark, plot
+    from rnnify.eval import write_json
+
+    contexts, batches = _int_list("--contexts", args.contexts), _int_list("--batch", args.batch)
+    device = _device(args.device)
+    _check_writable("--json", args.json)
+    _check_writable("--plot", args.plot)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise RnnifyError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    run = benchmark(
+        _load(args, device=device), contexts, batches, against=args.against, dtype=args.dtype, steps=args.steps, prefill_max=args.prefill_max, compile=args.compile,
+        command="rnnify " + shlex.join(args.argv), progress=True,
+    )
+    console.print(_bench_table(run))
+    console.print(_prefill_table(run, args.prefill_max))
+    step = next((r.step_ms for r in run.results if r.model == "converted" and r.batch == 1), None)
+    line = (
+        f"batch-1 limit: {_nbytes(run.weight_bytes)} of weights per token / "
+        f"{run.machine.bandwidth_gb_s:.1f} GB/s measured = {run.limit_ms:.2f} ms"
+    )
+    if step is not None:
+        line += f"; measured step {step:.2f} ms = {step / run.limit_ms:.2f}x the limit"
+    console.print(Text(line), soft_wrap=True)
+    if args.json is not None:
+        write_json(args.json, run.to_json())
+    if args.plot is not None:
+        try:
+            plot(run, args.plot)
+        except OSError as exc:
+            raise RnnifyError(f"cannot write {args.plot}: {exc.strerror or exc}") from exc
+    return 0
+
+
+def _int_list(flag: str, text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise RnnifyError(f"{flag} {text!r}: expected comma-separated positive integers, e.g. 256,1024")
+    return values
+
+
+def _bench_table(run) -> Table:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+    rows = {(r.batch, r.context, r.model): r for r in run.results}
+    against = any(r.model == "original" for r in run.results)
+    title = f"{run.target} vs original with KV cache" if against else f"{run.target}"
+    table = Table(box=box.SIMPLE_HEAD, title=Text(f"decode, {title}, {run.dtype}, {run.machine.device}"))
+    columns = ["batch", "context", "step ms", "tokens/s", "state", "peak +"]
+    if against:
+        columns += ["original ms", "original tok/s", "KV cache", "original peak +", "speedup", "KV / state"]
+    for column in columns:
+        table.add_column(column, justify="right")
+    for (batch, context, model), r in rows.items():
+        if model != "converted":
+            continue
+        row = [str(batch), f"{context:,}", f"{r.step_ms:.2f}", f"{r.tokens_per_s:.1f}",
+               _nbytes(r.memory_bytes), _nbytes(r.peak_delta_bytes)]
+        o = rows.get((batch, context, "original"))
+        if against and o is not None:
+            row += [f"{o.step_ms:.2f}", f"{o.tokens_per_s:.1f}", _nbytes(o.memory_bytes), _nbytes(o.peak_delta_bytes),
+                    f"{o.step_ms / r.step_ms:.2f}x", f"{o.memory_bytes / r.memory_bytes:.1f}x"]
+        table.add_row(*row)
+    return table
+
+
+def _prefill_table(run, cap: int) -> Table:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+    table = Table(box=box.SIMPLE_HEAD, title=Text(f"prefill, batch 1, one call (contexts up to {cap:,})"))
+    table.add_column("context", justify="right")
+    for name in run.prefill_ms:
+        table.add_column(f"{name} ms", justify="right")
+    contexts = sorted({c for times in run.prefill_ms.values() for c in times})
+    for c in contexts:
+        table.add_row(f"{c:,}", *(f"{times[c]:.0f}" for times in run.prefill_ms.values()))
+    return table
+
+
+# -- eval ---------------------------------------------------------------------------------
+
+
+def add_eval(commands: argparse._SubParsersAction) -> None:
+    _add_command(
+        commands, "eval", _eval, _eval_arguments,
         help="measure how close a converted model is to its original on text: perplexity, KL, per-layer error",
         description="Read --data in rows of --seq-len tokens and report both models' perplexity, "
         "KL(original || converted) per token, top-1 agreement, the state per sequence, and each layer's "
         "attention error against softmax attention with the layer fed the original's activations.",
     )
-    p.add_argument("dir", metavar="DIR", help="converted model directory")
+
+
+def _eval_arguments(p: argparse.ArgumentParser) -> None:
+    from rnnify.data import DEFAULT_SEQ_LEN
+
+    _add_dir(p)
     p.add_argument("--data", required=True, metavar="PATH",
                    help="text file, folder of text files or .jsonl file with a \"text\" field per line")
     p.add_argument("--against", metavar="MODEL",
@@ -831,9 +799,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, metavar="B", help="rows per batch (default: 8)")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N", help="stop after N tokens (default: all the data)")
     p.add_argument("--json", metavar="OUT", help="write the results to OUT as JSON")
-    p.add_argument("--device", metavar="DEVICE",
-                   help="device to run both models on, e.g. cpu or cuda:0 (default: cuda:$LOCAL_RANK when CUDA "
-                   "is available, else cpu)")
+    _add_device_flag(p, "device to run both models on")
     p.add_argument("--passkey", metavar="LIST",
                    help="also test recall at these prompt lengths, e.g. 512,1024,2048: a random 5-digit key stated "
                    "once in filler text, then asked for; both models answer greedily (default: off)")
@@ -841,10 +807,80 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts per length, the key at N depths evenly spaced from start to end (default: 6)")
     p.add_argument("--passkey-seed", type=int, default=0, metavar="S", help="seed of the random keys (default: 0)")
     _add_kernels_flag(p)
-    p.set_defaults(run=_eval)
 
-    p = commands.add_parser(
-        "distill",
+
+def _eval(args: argparse.Namespace, console: Console) -> int:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    from rnnify.eval import evaluate, write_json
+
+    _check_writable("--json", args.json)
+    lengths = None
+    if args.passkey is not None:
+        from rnnify.passkey import depths
+
+        lengths = _int_list("--passkey", args.passkey)
+        depths(args.passkey_trials)  # checks it, before anything loads
+    model = _load(args, device=_device(args.device))
+    result = evaluate(
+        model, args.data, against=args.against, seq_len=args.seq_len, batch_size=args.batch_size,
+        max_tokens=args.max_tokens, tokenizer=args.tokenizer, progress=True,
+    )
+    passkey = None
+    if lengths is not None:
+        from rnnify.passkey import evaluate_passkey
+
+        passkey = evaluate_passkey(
+            model, lengths, trials=args.passkey_trials, seed=args.passkey_seed, against=args.against,
+            tokenizer=args.tokenizer, progress=True,
+        )
+    summary = Table(box=box.SIMPLE_HEAD, title=Text(
+        f"{result.target} vs {result.against}: {result.tokens:,} tokens, rows of {result.seq_len}"
+    ))
+    for column in ("", "converted", "original"):
+        summary.add_column(column, justify="left" if not column else "right")
+    summary.add_row("perplexity", f"{result.perplexity:.4g}", f"{result.teacher_perplexity:.4g}")
+    summary.add_row("KL(original || converted), nats/token", f"{result.kl:.3g}", "")
+    summary.add_row("top-1 agreement", f"{result.top1_agreement:.1%}", "")
+    summary.add_row(f"state per sequence at {result.seq_len:,} tokens", _nbytes(result.state_bytes), "")
+    console.print(summary)
+    layers = Table(box=box.SIMPLE_HEAD, title=Text("attention error per layer, fed the original's activations"))
+    for column in ("layer", "cell", "relative error", "MSE"):
+        layers.add_column(column, justify="right")
+    for layer in result.layers:
+        layers.add_row(str(layer.layer), layer.module, f"{layer.rel_error:.3g}", f"{layer.mse:.3g}")
+    console.print(layers)
+    if passkey is not None:
+        console.print(_passkey_table(passkey))
+    if args.json is not None:
+        write_json(args.json, {**result.to_json(), **({"passkey": passkey.to_json()} if passkey else {})})
+    return 0
+
+
+def _passkey_table(result) -> Table:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    accuracy = result.accuracy()
+    trials = len(result.trials) // len(accuracy["converted"])
+    table = Table(box=box.SIMPLE_HEAD, title=Text(f"pass-key retrieval: {trials} depths per length, greedy answers"))
+    table.add_column("prompt tokens", justify="right")
+    for name in accuracy:
+        table.add_column(name, justify="right")
+    for length in accuracy["converted"]:
+        table.add_row(f"{length:,}", *(f"{by[length]:.0%}" for by in accuracy.values()))
+    return table
+
+
+# -- distill ------------------------------------------------------------------------------
+
+
+def add_distill(commands: argparse._SubParsersAction) -> None:
+    _add_command(
+        commands, "distill", _distill, _distill_arguments,
         help="train a converted model towards its original: attention transfer, then LoRA fine-tuning",
         description="LoLCATs' recipe (docs/distill.md): 'transfer' trains the cells' own parameters to "
         "match the original softmax attention layer by layer; 'finetune' trains LoRA on the attention "
@@ -852,13 +888,83 @@ def build_parser() -> argparse.ArgumentParser:
         "into the weights. Writes -o DIR; checkpoints allow --resume. Runs under torchrun for data "
         "parallelism (--batch-size is the global batch), with --fsdp sharding the weights per decoder layer.",
     )
-    p.add_argument("dir", metavar="DIR", help="converted model directory")
+
+
+def _distill_arguments(p: argparse.ArgumentParser) -> None:
+    from rnnify.distill.options import add_training_flags
+
+    _add_dir(p)
     p.add_argument("--data", required=True, metavar="PATH",
                    help="text file, folder of text files or .jsonl file with a \"text\" field per line")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the distilled model to")
     _add_kernels_flag(p)
-    add_training_flags(p)
-    p.set_defaults(run=_distill)
+    _add_training_flags(p, add_training_flags)
+
+
+def _add_training_flags(p: argparse.ArgumentParser, add_training_flags) -> None:
+    """The training flags of ``rnnify.distill.options``, and ``--device`` among them."""
+    group = add_training_flags(p)
+    _add_device_flag(group, "device to train on",
+                     "; with --fsdp the model stays on the CPU and only its shards go there")
+
+
+def _training_options(args: argparse.Namespace) -> dict:
+    """``rnnify.distill``'s keyword arguments from the training flags, checked."""
+    from rnnify.distill.options import training_options
+
+    return {**training_options(args), "device": _device(args.device)}
+
+
+def _train(model, data: str, teacher, options: dict) -> bool:
+    """Distil ``model`` in place (docs/distill.md); True on the process that writes the result (rank 0)."""
+    import os
+
+    from rnnify.distill import distill
+
+    distill(model, data, teacher=teacher, **options)  # reports each stage on stderr
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _distill(args: argparse.Namespace, console: Console) -> int:
+    from rich.text import Text
+
+    training = _training_options(args)
+    model = _load(args)  # on the CPU: distill moves it (or, under FSDP, its shards)
+    if not _train(model, args.data, args.teacher, training):
+        return 0
+    path = _save(model, args.output)
+    console.print(Text(f"saved to {path}"), soft_wrap=True)
+    _drop_checkpoint(training["checkpoint_dir"], args.keep_checkpoints, console)
+    return 0
+
+
+def _drop_checkpoint(directory: Path, keep: bool, console: Console) -> None:
+    """Delete the checkpoint of a run whose model is saved, unless ``--keep-checkpoints``."""
+    from rich.text import Text
+
+    from rnnify.distill.checkpoint import remove_checkpoint
+
+    if keep:
+        console.print(Text(f"checkpoint kept in {directory}"), soft_wrap=True)
+    elif not remove_checkpoint(directory):
+        console.print(Text(f"kept {directory}: it holds more than this run's checkpoint"), soft_wrap=True)
+
+
+# -- the parser and main -------------------------------------------------------------------
+
+COMMANDS = (add_convert, add_verify, add_generate, add_chat, add_info, add_bench, add_eval, add_distill)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rnnify",
+        description="Compile attention-based Hugging Face causal LMs into recurrent models.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Command)
+    for add in COMMANDS:
+        add(commands)
     return parser
 
 
@@ -869,14 +975,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = list(sys.argv[1:] if argv is None else argv)
     except SystemExit as exc:  # --help, or argparse's own usage error (code 2)
         return exc.code if isinstance(exc.code, int) else 0
-    # Piped output gets room for the tables instead of rich's 80-column default.
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    from rich.console import Console
+
+    # A terminal's own width; piped output gets PIPED_WIDTH columns (or $COLUMNS), not rich's 80.
+    piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    console = Console(highlight=False, width=PIPED_WIDTH if piped else None)
     try:
-        _quiet_transformers()
-        return args.run(args, console)
+        with warnings.catch_warnings():  # restores the default format on return (main may run in-process)
+            warnings.showwarning = _one_line_warnings(warnings.showwarning)
+            _quiet_transformers()
+            return args.run(args, console)
     except RnnifyError as exc:
         print("error: " + " ".join(str(exc).split()), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+PIPED_WIDTH = 120
+
+
+def _one_line_warnings(default: Callable[..., None]) -> Callable[..., None]:
+    """A ``warnings.showwarning`` that prints rnnify's own warnings as one ``warning:`` line (they are
+    for the user, who has no use for the file and line that raised them) and others as ``default`` does."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if not issubclass(category, RnnifyWarning):
+            return default(message, category, filename, lineno, file, line)
+        print("warning: " + " ".join(str(message).split()), file=file if file is not None else sys.stderr)
+
+    return show

@@ -1,7 +1,8 @@
-"""Errors that name a user's mistake and what to do about it.
+"""Errors that name a user's mistake and what to do about it, and warnings meant for the user.
 
-The CLI prints these as one line and exits with code 2; anything else is a bug and keeps its
-traceback.
+The CLI prints these errors as one line and exits with code 2; anything else is a bug and keeps
+its traceback. It prints an ``RnnifyWarning`` as one ``warning:`` line, without the source line
+Python's default format adds.
 """
 
 
@@ -32,3 +33,7 @@ def check_int(name: str, value: object, minimum: int = 1, error: type[Exception]
         bound = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise error(f"{name} must be {bound}{why}, got {value!r}")
     return value
+
+
+class RnnifyWarning(UserWarning):
+    """Something the user should know that does not stop the work (e.g. decoding past trained positions)."""

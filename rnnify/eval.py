@@ -23,7 +23,7 @@ from rnnify.errors import RnnifyError
 from rnnify.original import LayerError, attention_transfer, load_teacher, source_directory
 from rnnify.runtime.manifest import MANIFEST_FILE
 from rnnify.runtime.model import RecurrentModel
-from rnnify.runtime.storage import load
+from rnnify.runtime.storage import load, load_or_take
 
 __all__ = ["EvalResult", "evaluate", "write_json"]
 
@@ -73,13 +73,7 @@ def evaluate(
     (``rnnify.load``'s meanings: default the CPU and the recorded kernels); a loaded model runs as
     it is. ``progress`` shows a tqdm bar of tokens on a terminal.
     """
-    if isinstance(model_or_dir, RecurrentModel):
-        if device is not None or kernels is not None:
-            raise RnnifyError("device= and kernels= say how evaluate loads a model directory; a loaded model runs "
-                              "as it is: pass its directory, or use rnnify.load(dir, device=..., kernels=...)")
-        model = model_or_dir
-    else:
-        model = load(model_or_dir, device=device, kernels=kernels)
+    model = load_or_take(model_or_dir, device, kernels, "evaluate")
     seq_len = row_length(model, seq_len)
     # the data's mistakes surface here, before the (possibly large) teacher loads
     batches = token_batches(data, tokenizer_for(model, data, tokenizer), seq_len=seq_len, batch_size=batch_size,

@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rnnify
-from rnnify.bench import fill_state, weight_bytes
+from rnnify.bench import benchmark, fill_state, weight_bytes
 from rnnify.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:decoding past max_position_embeddings")
@@ -86,6 +86,20 @@ def test_bench_smoke(tmp_path, tiny_model_dir, converted_dir, capsys):
     assert run["machine"]["bandwidth_gb_s"] > 0 and run["limit_ms"] > 0
     assert run["command"].startswith("rnnify bench ")
     assert png.stat().st_size > 0
+
+
+def test_benchmark_returns_every_measurement_of_the_sweep(converted_dir):
+    model = rnnify.load(converted_dir("llama", "exact"))
+    run = benchmark(model, [8, 32], [1, 2], steps=1, prefill_max=8)
+    assert [(r.model, r.batch, r.context) for r in run.results] == [
+        ("converted", b, c) for b in (1, 2) for c in (8, 32)
+    ]
+    # the bytes of the state reached are what the cells' own formula gives for that many tokens
+    assert [r.memory_bytes for r in run.results] == [model.state_nbytes(c, b) for b in (1, 2) for c in (8, 32)]
+    assert list(run.prefill_ms) == ["converted"] and list(run.prefill_ms["converted"]) == [8]
+    assert run.command == "" and run.target == "exact" and run.dtype == "float32"
+    with pytest.raises(rnnify.RnnifyError, match="loaded model runs as it is"):
+        benchmark(model, [8], [1], device="cpu")
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import rnnify
 from rnnify.cli import main
+from rnnify.errors import RnnifyWarning
 from rnnify.runtime.manifest import MANIFEST_FILE
 from rnnify.runtime.storage import WEIGHTS_FILE
 
@@ -114,7 +115,7 @@ def test_verify_fails_when_weights_differ_from_the_digest(capsys, tmp_path, conv
     alter_weight(directory)
     code, out, _ = run(capsys, "verify", directory)
     assert code == 1
-    assert "FAIL" in out and "model.safetensors differs from the manifest" in out
+    assert "FAIL" in out and "model.safetensors differs from the manifest" in " ".join(out.split())  # wrapped
 
 
 def test_verify_against_the_original_catches_an_altered_weight(capsys, tmp_path, converted_dir, tiny_model_dir):
@@ -131,7 +132,7 @@ def test_verify_against_the_original_catches_an_altered_weight(capsys, tmp_path,
 def test_verify_clamps_to_learned_positions(capsys, converted_dir):
     code, out, err = run(capsys, "verify", converted_dir("gpt2", "exact"), "--tokens", 500, "--batch", 1)
     assert code == 0, out + err
-    assert "clamped to the model's 128 learned positions" in out
+    assert "clamped to the model's 128 learned positions" in " ".join(out.split())  # the note column wraps
 
 
 # -- generate -----------------------------------------------------------------------------
@@ -303,3 +304,70 @@ def test_python_dash_m_runs_the_cli():
     command = [sys.executable, "-m", "rnnify", "info", "--help"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "DIR" in result.stdout
+
+
+_HEAVY = ("torch", "transformers", "rich")
+
+
+def _heavy_imports(code: str) -> list[str]:
+    """The heavy modules a fresh interpreter has imported after running ``code``."""
+    probe = f"import sys\n{code}\nprint(sorted(m for m in {_HEAVY!r} if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1].replace("'", '"'))
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["info", "--help"], ["no-such-command"], []])
+def test_help_and_usage_errors_import_neither_torch_nor_rich(argv):
+    # what keeps `rnnify --help` fast: the commands import what they need when they run
+    code = f"from rnnify.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass"
+    assert _heavy_imports(code) == []
+
+
+def test_import_rnnify_is_light_and_its_names_still_resolve():
+    assert _heavy_imports("import rnnify") == []
+    assert "torch" in _heavy_imports("import rnnify\nrnnify.load")  # imported on first use
+    # importing the submodule of the same name first must leave rnnify.convert the function
+    check = "import rnnify\nimport rnnify.convert\nassert rnnify.convert.__name__ == 'convert', rnnify.convert"
+    assert "torch" in _heavy_imports(check)
+    assert callable(rnnify.distill) and rnnify.distill.__name__ == "rnnify.distill"
+    assert rnnify.benchmark.__module__ == "rnnify.bench"
+
+
+# -- what a fresh user sees ---------------------------------------------------------------
+
+
+def test_altered_weights_are_an_error_at_load_unless_not_verified(capsys, tmp_path, converted_dir):
+    directory = copy_model(converted_dir("llama", "linear"), tmp_path)
+    data = bytearray((directory / WEIGHTS_FILE).read_bytes())
+    data[-1] ^= 0xFF  # one byte of the last tensor's data: the file still parses
+    (directory / WEIGHTS_FILE).write_bytes(bytes(data))
+    code, _, err = run(capsys, "generate", directory, "--ids", "1,2", "--max-new-tokens", "1")
+    assert_user_error(code, err, "does not match the sha256", "--no-verify-weights")
+    code, out, err = run(capsys, "generate", directory, "--ids", "1,2", "--max-new-tokens", "1", "--no-verify-weights")
+    assert code == 0, err
+    assert out.startswith("1,2,")
+
+
+def test_rnnify_warnings_are_one_clean_line(capsys, converted_dir):
+    # the tiny llama has 128 positions: decoding past them warns once
+    code, _, err = run(capsys, "generate", converted_dir("llama", "linear"), "--ids", "1", "--max-new-tokens", "130")
+    assert code == 0, err
+    lines = err.strip().splitlines()
+    assert lines == [lines[0]] and lines[0].startswith("warning: decoding past max_position_embeddings=128"), err
+    assert ".py" not in err and "Warning" not in err
+    with pytest.warns(RnnifyWarning, match="max_position_embeddings"):  # outside the CLI: a warning
+        model = rnnify.load(converted_dir("llama", "linear"))
+        model.generate(torch.tensor([[1]]), 130)
+
+
+def test_piped_info_fits_120_columns_and_keeps_names_whole(capsys, monkeypatch, tmp_path, tiny_model_dir):
+    monkeypatch.delenv("COLUMNS", raising=False)  # capsys's stdout is not a terminal: piped
+    out = tmp_path / "mixed"
+    assert run(capsys, "convert", tiny_model_dir("llama"), "--to", "hybrid", "--keep-softmax", "1",
+               "--kernels", "reference", "-o", out)[0] == 0
+    code, text, err = run(capsys, "info", out)
+    assert code == 0, err
+    assert max(len(line) for line in text.splitlines()) <= 120
+    assert "…" not in text and "..." not in text
+    assert "model.layers.0.self_attn" in text and "model.layers.1.self_attn" in text

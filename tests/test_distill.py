@@ -14,7 +14,7 @@ import rnnify
 from distill_support import distill_recording_losses, free_port
 from rnnify.cli import main
 from rnnify.distill import attention_transfer, load_teacher, train
-from rnnify.distill.checkpoint import CHECKPOINT_FILE
+from rnnify.distill.checkpoint import CHECKPOINT_FILE, PREVIOUS_FILE, remove_checkpoint
 from rnnify.distill.lora import add_lora, lora_targets, merge_lora
 
 FAST = dict(seq_len=16, batch_size=4, progress=False)
@@ -269,6 +269,17 @@ def test_a_fresh_run_sets_an_earlier_checkpoint_aside(hybrid_dir, tmp_path, monk
     assert "no checkpoint in" in capsys.readouterr().err  # not the finished earlier run's
 
 
+def test_removing_a_checkpoint_keeps_an_earlier_runs_and_the_users_files(tmp_path):
+    for extra in ([], [PREVIOUS_FILE], ["notes.txt"]):
+        directory = tmp_path / f"run{len(extra)}{''.join(extra)}"
+        directory.mkdir()
+        for name in [CHECKPOINT_FILE, *extra]:
+            (directory / name).write_bytes(b"x")
+        assert remove_checkpoint(directory) == (not extra)  # gone only when nothing else was there
+        assert not (directory / CHECKPOINT_FILE).exists()
+        assert all((directory / name).is_file() for name in extra)
+
+
 def test_seq_len_is_checked_against_learned_positions_first(converted_dir):
     model = rnnify.load(converted_dir("gpt2", "hybrid"))  # 128 learned positions
     with pytest.raises(rnnify.RnnifyError, match=r"seq_len \(--seq-len\) 129 is past the model's 128 learned"):
@@ -379,7 +390,7 @@ def test_cli_distill_writes_a_distilled_model(capsys, hybrid_dir, corpus, tmp_pa
     manifest = json.loads((out / "rnnify.json").read_text())
     assert [r["tokens"] for r in manifest["distill"]["trained"]] == [128, 128]
     assert manifest["kernels"] == "none"  # trained and saved as --kernels said
-    assert (tmp_path / "distilled.checkpoints" / CHECKPOINT_FILE).is_file()
+    assert not (tmp_path / "distilled.checkpoints").exists()  # served its purpose once the model is saved
     assert rnnify.load(out).target == "hybrid"
 
 
@@ -388,8 +399,10 @@ def test_cli_convert_then_distill_in_one_go(capsys, tiny_model_dir, corpus, tmp_
     code, stdout, err = run_cli(capsys, "convert", tiny_model_dir("gpt2"), "--to", "hybrid", "--window", 4,
                                 "--distill", corpus, "-o", out, "--seq-len", 16, "--batch-size", 4,
                                 "--max-tokens", 128, "--stages", "finetune", "--lora-rank", 2,
-                                "--tokenizer", tiny_model_dir("llama"))  # the same tokenizer files
+                                "--tokenizer", tiny_model_dir("llama"),  # the same tokenizer files
+                                "--keep-checkpoints")
     assert code == 0, err
+    assert (tmp_path / "out.checkpoints" / CHECKPOINT_FILE).is_file() and "checkpoint kept in" in stdout
     record = json.loads((out / "rnnify.json").read_text())["distill"]
     assert record["stages"] == ["finetune"] and record["lora_rank"] == 2
     assert record["teacher"] == str(tiny_model_dir("gpt2"))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 
 import pytest
 import torch
@@ -127,3 +129,35 @@ def test_moving_a_model_moves_the_device_constants_of_its_graph(converted_dir):
     assert devices(model) == {torch.device("cpu")}  # the rotary table's to(device=cpu), from export
     model.to("meta")
     assert devices(model) == {torch.device("meta")} and model.device == torch.device("meta")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_saved_directory_and_files_follow_the_umask(converted_dir, tmp_path, umask):
+    model = rnnify.load(converted_dir("llama", "linear"))
+    old = os.umask(umask)
+    try:
+        model.save(tmp_path / "out")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "out").iterdir()}
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~umask
+    assert storage.WEIGHTS_FILE in modes and modes == dict.fromkeys(modes, 0o666 & ~umask)
+
+
+def _flip_two_bytes(path) -> None:
+    """Change two bytes of the last tensor's data (the header stays valid, so the file still parses)."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    data[-2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_load_refuses_altered_weights_unless_told_not_to_check(converted_dir, tmp_path):
+    directory = shutil.copytree(converted_dir("llama", "linear"), tmp_path / "m")
+    _flip_two_bytes(directory / storage.WEIGHTS_FILE)
+    with pytest.raises(rnnify.RnnifyError, match="does not match the sha256 recorded in rnnify.json"):
+        rnnify.load(directory)
+    altered = rnnify.load(directory, verify_weights=False)
+    original = rnnify.load(converted_dir("llama", "linear"))
+    changed = [n for n, t in altered.graph.state_dict().items() if not torch.equal(t, original.graph.state_dict()[n])]
+    assert len(changed) == 1  # it did load the altered weights

@@ -8,6 +8,7 @@ per-stage records so far and the settings (the model's source and cells among th
 run must use the same settings. No random state: training draws nothing at random after LoRA's
 initialisation, which the checkpoint's tensors replace. A run that does not resume moves an
 earlier checkpoint aside first (``set_aside``), so a later resume cannot continue an older run.
+Once the trained model is saved the checkpoint has served its purpose (``remove_checkpoint``).
 Loaded with ``weights_only=True``: nothing in it is code.
 """
 
@@ -22,7 +23,7 @@ import torch
 
 from rnnify.errors import RnnifyError
 
-__all__ = ["CHECKPOINT_FILE", "Checkpoint", "load_checkpoint", "save_checkpoint", "set_aside"]
+__all__ = ["CHECKPOINT_FILE", "Checkpoint", "load_checkpoint", "remove_checkpoint", "save_checkpoint", "set_aside"]
 
 CHECKPOINT_FILE = "checkpoint.pt"
 PREVIOUS_FILE = CHECKPOINT_FILE + ".previous"
@@ -95,3 +96,19 @@ def set_aside(directory: str | os.PathLike) -> Path | None:
         raise RnnifyError(f"cannot move the earlier checkpoint {path} aside: {exc.strerror or exc}; "
                           "delete it, or pass --resume to continue that run") from exc
     return directory / PREVIOUS_FILE
+
+
+def remove_checkpoint(directory: str | os.PathLike) -> bool:
+    """Delete ``directory``'s checkpoint, and ``directory`` if that leaves it empty; whether it is gone.
+
+    Only the file training wrote goes: an earlier run's ``checkpoint.pt.previous`` (see ``set_aside``)
+    or anything else the user put there keeps the directory."""
+    directory = Path(directory).expanduser()
+    try:
+        (directory / CHECKPOINT_FILE).unlink(missing_ok=True)
+        if directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()
+    except OSError as exc:
+        raise RnnifyError(f"cannot delete the checkpoint in {directory}: {exc.strerror or exc}; "
+                          "delete it yourself (the model is saved)") from exc
+    return not directory.exists()

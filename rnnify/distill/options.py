@@ -14,8 +14,9 @@ from rnnify.runtime.storage import check_output
 __all__ = ["add_training_flags", "training_options"]
 
 
-def add_training_flags(p: argparse.ArgumentParser) -> None:
-    """Add the training flags (in their own help group) to ``p``."""
+def add_training_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Add the training flags to ``p`` in their own help group, returned for the command's own
+    additions to it (``--device``, whose default is the command line's)."""
     g = p.add_argument_group("distillation (docs/distill.md)")
     g.add_argument("--teacher", metavar="MODEL",
                    help="original model for the KL term (default: the source model recorded in the manifest)")
@@ -46,14 +47,14 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    help="where checkpoints go (default: the output directory's name + '.checkpoints', beside it)")
     g.add_argument("--checkpoint-every", type=int, default=500, metavar="N",
                    help="steps between checkpoints (default: 500)")
+    g.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep the checkpoint once the distilled model is saved (default: delete it then)")
     g.add_argument("--resume", action="store_true", help="continue from the checkpoint of an interrupted run")
     g.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard the weights over the processes, one FSDP unit per decoder layer, "
                    "instead of a full copy per process (models that do not fit one device)")
     g.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the data order and LoRA init (default: 0)")
-    g.add_argument("--device", metavar="DEVICE",
-                   help="device to train on, e.g. cpu or cuda:0 (default: cuda:$LOCAL_RANK when CUDA is available, "
-                   "else cpu); with --fsdp the model stays on the CPU and only its shards go there")
+    return g
 
 
 def training_options(args: argparse.Namespace) -> dict[str, Any]:

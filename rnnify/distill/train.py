@@ -129,7 +129,7 @@ def distill(
     )
     runtime = setup(torch.device(device) if device is not None else model.device)
     try:
-        return _Trainer(model, runtime, config, progress, fsdp).run(data, tokenizer, teacher, checkpoint_dir, resume)
+        return _Trainer(model, runtime, config, data, tokenizer, teacher, checkpoint_dir, progress, fsdp).run(resume)
     finally:
         runtime.close()
 
@@ -169,11 +169,10 @@ def _check_lrs(stages: list[str], lr: float | Sequence[float] | None) -> dict[st
 class _Trainer:
     """One distillation run: the stages in order, each an optimizer over its trainable tensors."""
 
-    def __init__(self, model: RecurrentModel, runtime: Runtime, config: _Config, progress: bool, fsdp: bool = False):
+    def __init__(self, model: RecurrentModel, runtime: Runtime, config: _Config, data, tokenizer, teacher,
+                 checkpoint_dir: str | os.PathLike | None, progress: bool, fsdp: bool = False):
         self.runtime, self.config = runtime, config
         self.progress = progress and runtime.main
-        self.teacher: nn.Module | None = None
-        self.checkpoint_dir: str | os.PathLike | None = None
         self.fsdp = fsdp and runtime.world_size > 1
         if fsdp and not self.fsdp:
             self.log("fsdp: one process, nothing to shard; training without FSDP")
@@ -184,38 +183,42 @@ class _Trainer:
             from rnnify.distill.fsdp import device_mesh
 
             self.mesh = device_mesh(runtime.device)
-
-    def log(self, message: str) -> None:
-        if self.progress:
-            print(message, file=sys.stderr, flush=True)
-
-    def run(self, data, tokenizer, teacher, checkpoint_dir, resume: bool) -> RecurrentModel:
-        model, config = self.model, self.config
-        cell_names = _names(model, [p for p in cell_parameters(model) if p.requires_grad])
-        stages = config.stages
-        if "transfer" in stages and not cell_names:
+        self.cell_names = _names(self.model, [p for p in cell_parameters(self.model) if p.requires_grad])
+        self.stages = config.stages
+        if "transfer" in self.stages and not self.cell_names:
             self.log("skipping transfer: the cells of this model have no trainable parameters")
-            stages = [s for s in stages if s != "transfer"]
-            if not stages:
-                return model
-        self.budget = None if config.max_tokens is None else max(1, config.max_tokens // len(stages))
+            self.stages = [s for s in self.stages if s != "transfer"]
+        stages = self.stages
+        self.budget = None if config.max_tokens is None or not stages else max(1, config.max_tokens // len(stages))
         self.batches_args = dict(
-            data=data, tokenizer=tokenizer_for(model, data, tokenizer), seq_len=config.seq_len,
-            batch_size=config.batch_size, seed=config.seed, rank=self.runtime.rank,
-            world_size=self.runtime.world_size, max_tokens=self.budget,
+            data=data, tokenizer=tokenizer_for(model, data, tokenizer) if stages else None, seq_len=config.seq_len,
+            batch_size=config.batch_size, seed=config.seed, rank=runtime.rank,
+            world_size=runtime.world_size, max_tokens=self.budget,
         )
-        token_batches(**self.batches_args)  # checks the data and sizes now, before the teacher loads
-        uses_teacher = "finetune" in stages and config.kl_weight > 0
+        if stages:
+            token_batches(**self.batches_args)  # checks the data and sizes now, before the teacher loads
+        self.uses_teacher = "finetune" in stages and config.kl_weight > 0
+        self.teacher_source = teacher
+        self.teacher: nn.Module | None = None  # loaded by ``run``
         self.settings = {
             **{k: v for k, v in asdict(config).items() if k != "checkpoint_every"},
             "stages": stages, "lr": [config.lr[s] for s in stages], "target": model.target,
             "data": os.fspath(data) if isinstance(data, (str, os.PathLike)) else type(data).__name__,
-            "teacher": _teacher_name(model, teacher) if uses_teacher else None,
+            "teacher": _teacher_name(model, teacher) if self.uses_teacher else None,
         }
         # A checkpoint continues only the same training of the same model: the settings, and what
         # the model was converted from and to (cells' options, per-layer rules).
         self.compared = {**self.settings, **_model_settings(model)}
         self.checkpoint_dir = checkpoint_dir
+
+    def log(self, message: str) -> None:
+        if self.progress:
+            print(message, file=sys.stderr, flush=True)
+
+    def run(self, resume: bool) -> RecurrentModel:
+        model, config, stages, checkpoint_dir = self.model, self.config, self.stages, self.checkpoint_dir
+        if not stages:
+            return model
         checkpoint = None
         if resume:
             checkpoint = load_checkpoint(checkpoint_dir, self.compared)
@@ -229,8 +232,8 @@ class _Trainer:
         try:
             finetune_names = _finetune_names(model, config) if "finetune" in stages else []
             model.requires_grad_(False)  # each stage turns on what it trains
-            if uses_teacher:
-                self.teacher = _teacher(model, teacher)
+            if self.uses_teacher:
+                self.teacher = _teacher(model, self.teacher_source)
                 if self.fsdp:  # as large as the model: sharded per decoder layer too
                     from rnnify.distill.fsdp import shard_teacher
 
@@ -250,7 +253,8 @@ class _Trainer:
                     if index <= done:
                         continue
                 resumed = checkpoint if checkpoint is not None and checkpoint.stage == stage else None
-                names = cell_names if stage == "transfer" else cell_names + [n for n in finetune_names if n not in cell_names]
+                cells = self.cell_names
+                names = cells if stage == "transfer" else cells + [n for n in finetune_names if n not in cells]
                 records.append(self.train_stage(stage, names, resumed, records))
         finally:  # also when interrupted: the model is left with plain weights and its own flags
             merge_lora(model)

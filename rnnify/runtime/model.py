@@ -16,7 +16,7 @@ import torch.fx
 from torch import nn
 
 from rnnify.cells import Cell
-from rnnify.errors import PositionError, RnnifyError, StateError
+from rnnify.errors import PositionError, RnnifyError, RnnifyWarning, StateError
 from rnnify.kernels.utils import check_kernels, check_runnable
 from rnnify.runtime.manifest import Manifest
 from rnnify.runtime.sampling import check_sampling, next_token
@@ -169,6 +169,7 @@ class RecurrentModel(nn.Module):
                 warnings.warn(
                     f"decoding past max_position_embeddings={limit}: the model was not trained this far, "
                     "quality may degrade (memory stays constant)",
+                    RnnifyWarning,
                     stacklevel=3,
                 )
         return position_ids

@@ -5,7 +5,9 @@ A directory holds ``model.safetensors`` (every tensor, cell parameters included)
 and generation files, and a ``config.json`` plus ``modeling_rnnify.py`` that make transformers load
 the converted model rather than the original (``rnnify.runtime.hf_files``). Writing goes to
 a temporary directory that is renamed into place at the end, so a failed save leaves nothing
-behind.
+behind; the directory and its files get the modes the umask gives (``tempfile.mkdtemp`` makes
+0700 and safetensors writes 0600). Loading checks the weights against the sha256 the manifest
+recorded (a streamed read, about a second per GB) unless told not to.
 """
 
 from __future__ import annotations
@@ -89,6 +91,15 @@ def weights_digest(directory: Path) -> str:
     return _sha256(directory / WEIGHTS_FILE)
 
 
+def _follow_umask(directory: Path) -> None:
+    """Give ``directory`` and the files in it the modes ``mkdir`` and ``open`` would under the umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for child in directory.iterdir():
+        child.chmod(0o666 & ~umask)
+
+
 def check_output(path: Path) -> Path:
     """``path`` if saving may write there: it is absent, an empty directory or an rnnify model directory
     (replaced whole). Training checks its output with this too, before hours of work rather than after."""
@@ -121,6 +132,7 @@ def save(model: RecurrentModel, path: Path) -> Path:
             format_version=MANIFEST_FORMAT_VERSION,  # what is written now, whatever the loaded manifest said
         )
         manifest.write(tmp)
+        _follow_umask(tmp)
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
             os.replace(path, old / path.name)
@@ -161,12 +173,16 @@ def install(root: nn.Module, path: str, value: Any) -> None:
         setattr(module, leaf, value)
 
 
-def load(path: str | Path, device: torch.device | str | None = None, kernels: str | None = None) -> RecurrentModel:
+def load(
+    path: str | Path, device: torch.device | str | None = None, kernels: str | None = None, verify_weights: bool = True
+) -> RecurrentModel:
     """Load a directory written by ``RecurrentModel.save``; needs neither the source model nor a hub.
 
     ``kernels`` overrides the backend of the fused ops recorded at conversion (``auto``, ``triton``,
     ``reference``, or ``none`` for the cells' own PyTorch forms; see ``RecurrentModel.use_kernels``);
-    None keeps the recorded one.
+    None keeps the recorded one. ``verify_weights`` compares the weights file with the sha256 the
+    manifest recorded when it was saved, so altered or damaged weights are refused rather than run;
+    False skips that read of the whole file.
     """
     path = Path(path).expanduser()
     if kernels is not None:
@@ -177,6 +193,12 @@ def load(path: str | Path, device: torch.device | str | None = None, kernels: st
         tensors = load_file(path / WEIGHTS_FILE, device=str(device))
     except (SafetensorError, OSError, ValueError) as exc:
         raise RnnifyError(f"{path / WEIGHTS_FILE}: missing or corrupted weights ({exc}); convert the model again") from exc
+    if verify_weights and manifest.weights_sha256 is not None and weights_digest(path) != manifest.weights_sha256:
+        raise RnnifyError(
+            f"{path / WEIGHTS_FILE} does not match the sha256 recorded in {MANIFEST_FILE} when it was saved: the "
+            "weights were changed or damaged since; convert the model again, or load it anyway with "
+            "verify_weights=False (--no-verify-weights)"
+        )
     try:
         graph = graph_from_json(json.loads((path / GRAPH_FILE).read_text()), device=device)
     except (OSError, ValueError, KeyError, TypeError, GraphFormatError) as exc:
@@ -204,3 +226,15 @@ def load(path: str | Path, device: torch.device | str | None = None, kernels: st
     model = RecurrentModel(module, manifest, files).use_kernels(manifest.kernels if kernels is None else kernels)
     model.path = path
     return model
+
+
+def load_or_take(model_or_dir: RecurrentModel | str | os.PathLike, device=None, kernels: str | None = None,
+                 caller: str = "this function") -> RecurrentModel:
+    """``model_or_dir`` loaded with ``load(device=, kernels=)``, or as it is when already loaded (then
+    ``device`` and ``kernels`` must be None: a loaded model is not silently moved or changed)."""
+    if not isinstance(model_or_dir, RecurrentModel):
+        return load(model_or_dir, device=device, kernels=kernels)
+    if device is not None or kernels is not None:
+        raise RnnifyError(f"device= and kernels= say how {caller} loads a model directory; a loaded model runs "
+                          "as it is: pass its directory, or use rnnify.load(dir, device=..., kernels=...)")
+    return model_or_dir
