@@ -38,6 +38,7 @@ FAMILIES = {
     "window": ("window", {"window": 4, "sinks": 1}),
     "hybrid": ("hybrid", {"window": 4}),
     "hybrid-hedgehog": ("hybrid", {"window": 4, "feature_map": "hedgehog"}),
+    "gated-delta": ("gated-delta", {"layers": "0:exact"}),
 }
 
 

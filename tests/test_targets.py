@@ -26,6 +26,8 @@ VARIANTS = {
     "gated-gateloop": {"gate": "gateloop"},
     "gated-rnn": {},
     "aaren": {},
+    "delta": {},
+    "gated-delta": {},
 }
 
 
