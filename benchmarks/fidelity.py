@@ -38,6 +38,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     **{f"gated-{g}": ("gated", {"gate": g, "feature_map": "hedgehog"}) for g in ("retnet", "gla", "gateloop")},
     "aaren": ("aaren", {}),
     "hybrid-hedgehog": ("hybrid", {"window": WINDOW, "feature_map": "hedgehog"}),
+    "delta": ("delta", {}),
+    "gated-delta": ("gated-delta", {}),
 }
 GOALS = {"hybrid-hedgehog": 1.05, "linear-hedgehog": 1.15}  # perplexity ratio to the original (issue 5)
 

@@ -25,6 +25,7 @@ Layout (fla's): q ``[B, T, H, K]``, k ``[B, T, H_kv, K]``, v ``[B, T, H_kv, V]``
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from rnnify.kernels.utils import check_qkv
 
@@ -65,34 +66,48 @@ def naive_recurrent_delta_rule(q, k, v, beta, g=None, scale=None, initial_state=
 def chunk_delta_rule_reference(q, k, v, beta, g=None, scale=None, initial_state=None, chunk_size: int = 64):
     """The chunked form above in PyTorch (what the ops run off CUDA): ``(o, final_state)``, differentiable.
 
-    M diag(beta) [V | exp(c) K] is one unit-lower-triangular solve per chunk."""
+    Everything that does not read the state (D, M by one unit-lower-triangular solve, U, W, the
+    intra-chunk scores) is computed for all chunks at once; only U - W H, the outputs and the
+    state update walk the chunks in order. T is padded to whole chunks with beta = 0, g = 0 (no
+    write, no decay), and the padding cut from the outputs."""
     check_inputs(q, k, v, beta, g)
     B, T, H, K = q.shape
     Hkv, V, dtype, ct = k.shape[2], v.shape[-1], v.dtype, _compute_dtype(q)
-    G = H // Hkv
+    G, C = H // Hkv, chunk_size
+    N = -(-T // C)
     scale = K ** -0.5 if scale is None else scale
-    # [B, Hkv, (G,) T, .] layout, fp32 (or fp64)
-    q = (q.to(ct) * scale).reshape(B, T, Hkv, G, K).permute(0, 2, 3, 1, 4)
-    k, v = k.to(ct).transpose(1, 2), v.to(ct).transpose(1, 2)
-    beta = beta.to(ct).transpose(1, 2)
-    g = q.new_zeros(B, Hkv, T) if g is None else g.to(ct).transpose(1, 2)
+
+    def chunks(x):  # [B, T, Hkv, ...] -> [B, Hkv, N, C, ...], zero-padded
+        x = F.pad(x.to(ct), (0, 0) * (x.dim() - 2) + (0, N * C - T))
+        return x.reshape(B, N, C, *x.shape[2:]).movedim(3, 1)
+
+    q = chunks(q.reshape(B, T, Hkv, G, K) * scale)  # [B, Hkv, N, C, G, K]
+    q = q.permute(0, 1, 2, 4, 3, 5)  # [B, Hkv, N, G, C, K]
+    k, v, beta = chunks(k), chunks(v), chunks(beta)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    strict = causal & ~torch.eye(C, dtype=torch.bool, device=q.device)
+    if g is None:  # no decay: D is the causal mask, exp(c) = 1
+        decay, q_start, to_end, total, k_start = causal.to(ct), q, k, None, k
+    else:
+        c = chunks(g).cumsum(-1)
+        decay = torch.where(causal, c[..., :, None] - c[..., None, :], float("-inf")).exp()  # D_ij, 0 above
+        q_start = c.exp()[:, :, :, None, :, None] * q  # exp(c_i) q_i: what reads the chunk's starting state
+        to_end = (c[..., -1:] - c).exp()[..., None] * k  # exp(c_C - c_j) k_j
+        total = c[..., -1].exp()  # [B, Hkv, N]
+        k_start = c.exp()[..., None] * k
+    A = torch.where(strict, beta[..., None] * (k @ k.transpose(-1, -2)) * decay, 0.0)
+    eye = torch.eye(C, dtype=ct, device=q.device)
+    rhs = beta[..., None] * torch.cat([v, k_start], dim=-1)
+    UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    U, W = UW[..., :V], UW[..., V:]
+    scores = (q @ k[:, :, :, None].transpose(-1, -2)) * (decay if g is None else decay[:, :, :, None])  # [B, Hkv, N, G, C, C]
     S = q.new_zeros(B, Hkv, K, V) if initial_state is None else initial_state.to(ct)
     outs = []
-    for start in range(0, T, chunk_size):
-        sl = slice(start, start + chunk_size)
-        q_c, k_c, v_c, b_c, c = q[:, :, :, sl], k[:, :, sl], v[:, :, sl], beta[:, :, sl], g[:, :, sl].cumsum(-1)
-        C = k_c.shape[2]
-        causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-        decay = torch.where(causal, c[..., :, None] - c[..., None, :], float("-inf")).exp()  # D_ij, 0 above
-        strict = causal & ~torch.eye(C, dtype=torch.bool, device=q.device)
-        A = torch.where(strict, b_c[..., None] * (k_c @ k_c.transpose(-1, -2)) * decay, 0.0)
-        eye = torch.eye(C, dtype=ct, device=q.device)
-        rhs = b_c[..., None] * torch.cat([v_c, c.exp()[..., None] * k_c], dim=-1)
-        UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-        u = UW[..., :V] - UW[..., V:] @ S  # U - W H  [B, Hkv, C, V]
-        scores = (q_c @ k_c[:, :, None].transpose(-1, -2)) * decay[:, :, None]  # [B, Hkv, G, C, C]
-        outs.append((c.exp()[:, :, None, :, None] * q_c) @ S[:, :, None] + scores @ u[:, :, None])
-        to_end = (c[..., -1:] - c).exp()  # exp(c_C - c_j)
-        S = c[..., -1, None, None].exp() * S + k_c.transpose(-1, -2) @ (to_end[..., None] * u)
-    o = torch.cat(outs, dim=3).permute(0, 3, 1, 2, 4).reshape(B, T, H, V)
+    for n in range(N):
+        u = U[:, :, n] - W[:, :, n] @ S  # U - W H  [B, Hkv, C, V]
+        outs.append(q_start[:, :, n] @ S[:, :, None] + scores[:, :, n] @ u[:, :, None])
+        S = S if total is None else total[:, :, n, None, None] * S
+        S = S + to_end[:, :, n].transpose(-1, -2) @ u
+    o = torch.stack(outs, dim=2)  # [B, Hkv, N, G, C, V]
+    o = o.permute(0, 2, 4, 1, 3, 5).reshape(B, N * C, H, V)[:, :T]
     return o.to(dtype), S
