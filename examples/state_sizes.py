@@ -33,6 +33,7 @@ VARIANTS = [
     ("gated-rnn", {}),
     ("aaren", {}),
     ("hybrid", {"window": 64, "feature_map": "elu"}),
+    ("hybrid", {"window": 64, "sinks": 4, "feature_map": "elu"}),
     ("hybrid", {"window": 64, "feature_map": "hedgehog"}),
 ]
 

@@ -619,7 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cell = p.add_argument_group("cell options (passed to every cell that accepts them)")
     cell.add_argument("--window", type=int, metavar="W", help="softmax window in tokens (window, hybrid)")
-    cell.add_argument("--sinks", type=int, metavar="S", help="first tokens always attended to (window)")
+    cell.add_argument("--sinks", type=int, metavar="S", help="first tokens always attended to (window, hybrid)")
     cell.add_argument(
         "--feature-map", choices=sorted(FEATURE_MAPS), default=None, help="feature map phi (linear, hybrid, gated)"
     )

@@ -3,9 +3,10 @@
 References, float64 loops straight from the equations, counting each row's real tokens only:
 
 - window (math.md §5): query i attends by softmax to A(i) = {j <= i : i - j < W or j < S}.
-- hybrid (math.md §6, LoLCATs): with s_ij = scale q_i.k_j, m_i the max over the window,
-  y_i = (f_h sum_{i-W<j<=i} e^{s_ij-m_i} v_j + sum_{j<=i-W} phi(q_i).phi(k_j) v_j)
-        / (f_h sum_{i-W<j<=i} e^{s_ij-m_i} + sum_{j<=i-W} phi(q_i).phi(k_j)),  phi = elu + 1.
+- hybrid (math.md §6, LoLCATs, with sinks): with s_ij = scale q_i.k_j, A(i) as for the window,
+  M(i) = {j : S <= j <= i - W} the other older tokens, m_i the max over A(i),
+  y_i = (f_h sum_{j in A(i)} e^{s_ij-m_i} v_j + sum_{j in M(i)} phi(q_i).phi(k_j) v_j)
+        / (f_h sum_{j in A(i)} e^{s_ij-m_i} + sum_{j in M(i)} phi(q_i).phi(k_j)),  phi = elu + 1.
 
 Every form (naive loop, parallel, chunked, step) must equal the naive loop, and the naive loop the
 reference; converted tiny models are checked against the original (Mistral, whose own window the
@@ -14,6 +15,7 @@ reference; converted tiny models are checked against the original (Mistral, whos
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -40,6 +42,7 @@ from rnnify.cells.window import (
     step_window_attn,
 )
 from rnnify.errors import RnnifyError
+from rnnify.runtime.manifest import MANIFEST_FILE
 
 # fp32 computation against float64 on O(1) inputs: 1e-5 relative, the same absolute floor.
 RTOL = ATOL = 1e-5
@@ -92,7 +95,7 @@ def reference_window_attention(q, k, v, mask, window, sinks, scale):
     return out
 
 
-def reference_hybrid_attention(q, k, v, mask, window, factor, scale, phi=elu_plus_one):
+def reference_hybrid_attention(q, k, v, mask, window, factor, scale, phi=elu_plus_one, sinks=0):
     """float64; factor [H] is f_h. Padding queries give 0."""
     q, k, v, factor = q.double(), k.double(), v.double(), factor.double()
     batch, num_heads, length, _ = q.shape
@@ -101,8 +104,8 @@ def reference_hybrid_attention(q, k, v, mask, window, factor, scale, phi=elu_plu
     for b in range(batch):
         real = _real_tokens(mask, b)
         for i, t in enumerate(real):
-            recent = [real[j] for j in range(max(0, i - window + 1), i + 1)]
-            older = [real[j] for j in range(0, i - window + 1)]
+            recent = [real[j] for j in range(i + 1) if i - j < window or j < sinks]
+            older = [real[j] for j in range(sinks, i - window + 1)]
             keys, values = _per_query_head(k[b][:, recent], group), _per_query_head(v[b][:, recent], group)
             scores = scale * torch.einsum("hnd,hd->hn", keys, q[b, :, t])
             e = torch.exp(scores - scores.max(-1, keepdim=True).values)
@@ -117,14 +120,22 @@ def reference_hybrid_attention(q, k, v, mask, window, factor, scale, phi=elu_plu
     return out
 
 
-def reference_linear_state(k, v, mask, window, phi=elu_plus_one):
-    """float64 S = sum phi(k_j)^T v_j and z = sum phi(k_j) over the tokens that left the window."""
+def reference_gated_hybrid_attention(q, k, v, mask, window, factor, gate, scale, phi=elu_plus_one, sinks=0):
+    """float64 window output + g_h (LoLCATs output - window output); gate [H] is g_h."""
+    windowed = reference_window_attention(q, k, v, mask, window, sinks=sinks, scale=scale)
+    hybrid = reference_hybrid_attention(q, k, v, mask, window, factor, scale, phi, sinks)
+    return windowed + gate.double()[:, None, None] * (hybrid - windowed)
+
+
+def reference_linear_state(k, v, mask, window, phi=elu_plus_one, sinks=0):
+    """float64 S = sum phi(k_j)^T v_j and z = sum phi(k_j) over the tokens other than the first
+    ``sinks`` that left the window."""
     batch, num_kv_heads = k.shape[:2]
     S = torch.zeros(batch, num_kv_heads, phi(k[:1, :, :1]).shape[-1], v.shape[-1], dtype=torch.float64)
     z = torch.zeros(S.shape[:-1], dtype=torch.float64)
     for b in range(batch):
         real = _real_tokens(mask, b)
-        for t in real[: max(0, len(real) - window)]:
+        for t in real[sinks : max(0, len(real) - window)]:
             phi_k = phi(k[b, :, t].double())
             S[b] += phi_k[:, :, None] * v[b, :, t, None, :].double()
             z[b] += phi_k
@@ -358,7 +369,8 @@ def test_window_cell_rejects_bad_options(options, message):
         ({"feature_map": "cosine"}, "unknown feature map 'cosine'"),
         ({"feature_options": [1]}, "feature_options must be a dict"),
         ({"feature_options": {"bogus": 1}}, "bogus"),
-        ({"sinks": 2}, "sinks"),
+        ({"sinks": -1}, "sinks must be an integer >= 0"),
+        ({"sinks": 1.5}, "sinks must be an integer"),
     ],
 )
 def test_hybrid_cell_rejects_bad_options(options, message):
@@ -370,10 +382,15 @@ def _cells():
     return [
         WindowCell(_spec(num_kv_heads=2, group=2, head_dim=4, value_dim=6), window=5, sinks=2),
         HybridCell(_spec(num_kv_heads=2, group=2, head_dim=4, value_dim=6), window=5),
+        HybridCell(_spec(num_kv_heads=2, group=2, head_dim=4, value_dim=6), window=5, sinks=2, memory_init=0.5),
     ]
 
 
-@pytest.mark.parametrize("cell", _cells(), ids=lambda c: c.target)
+def _cell_id(cell) -> str:
+    return f"{cell.target}-sinks{cell.sinks}"
+
+
+@pytest.mark.parametrize("cell", _cells(), ids=_cell_id)
 def test_padding_tokens_do_not_change_the_state(cell):
     gen = _gen(2)
     spec = cell.spec
@@ -396,7 +413,7 @@ def test_padding_tokens_do_not_change_the_state(cell):
     _assert_states_close(state_padded, state_plain, cell.state_names)
 
 
-@pytest.mark.parametrize("cell", _cells(), ids=lambda c: c.target)
+@pytest.mark.parametrize("cell", _cells(), ids=_cell_id)
 def test_state_size_is_constant_and_counted(cell):
     gen, spec = _gen(3), cell.spec
     shapes, held = set(), set()
@@ -410,11 +427,11 @@ def test_state_size_is_constant_and_counted(cell):
     # per row, in fp32: Hkv = 2, d = 4, d_v = 6, 8 bytes of length
     if isinstance(cell, WindowCell):  # (W + S) = 7 slots of keys and values
         assert cell.state_nbytes(10**6) == 2 * 7 * (4 + 6) * 4 + 8
-    else:  # W = 5 slots, and the linear state of elu (F = d = 4)
-        assert cell.state_nbytes(10**6) == 2 * 5 * (4 + 6) * 4 + 2 * (4 * 6 + 4) * 4 + 8
+    else:  # W + S = 5 + S slots, and the linear state of elu (F = d = 4)
+        assert cell.state_nbytes(10**6) == 2 * (5 + cell.sinks) * (4 + 6) * 4 + 2 * (4 * 6 + 4) * 4 + 8
 
 
-@pytest.mark.parametrize("cell", _cells(), ids=lambda c: c.target)
+@pytest.mark.parametrize("cell", _cells(), ids=_cell_id)
 def test_cells_do_not_mutate_their_inputs(cell):
     gen, spec = _gen(4), cell.spec
     q, k, v = _qkv(2, spec, 8, gen)
@@ -450,9 +467,18 @@ def test_window_cell_bf16_inputs():
 
 @st.composite
 def hybrid_problems(draw):
-    problem = draw(window_problems())
-    problem.pop("sinks")
-    return problem
+    return {**draw(window_problems()), "sinks": draw(st.sampled_from([0, 1, 3]))}
+
+
+# the forms' state: the cell's, with (empty, when the cell has no sinks) sink buffers after the ring
+FORM_STATE = ("keys", "values", "sink_keys", "sink_values", "length", "kv", "k_sum")
+
+
+def _form_state(cell, state):
+    if cell.sinks:
+        return state
+    keys, values, *rest = state
+    return (keys, values, keys[:, :, :0], values[:, :, :0], *rest)
 
 
 def _factor(spec, gen):
@@ -463,11 +489,14 @@ def _factor(spec, gen):
 @given(hybrid_problems())
 def test_hybrid_forms_equal_the_naive_loop_and_the_reference(p):
     spec = _spec(p["num_kv_heads"], p["group"], p["head_dim"], p["value_dim"])
-    cell = HybridCell(spec, window=p["window"])
+    cell = HybridCell(spec, window=p["window"], sinks=p["sinks"])
     q, k, v, mask, state = _form_inputs(p, cell)
+    state = _form_state(cell, state)
     factor = _factor(spec, _gen(p["seed"] + 1))
+    gate = torch.rand(spec.num_heads, generator=_gen(p["seed"] + 2))
     P, scale, phi = p["prefix"], spec.scale, cell.phi
-    fixed = (phi, factor.reshape(spec.num_kv_heads, spec.group_size), scale)
+    grouped = (spec.num_kv_heads, spec.group_size)
+    fixed = (phi, factor.reshape(grouped), scale, gate.reshape(grouped))
     gq = _grouped(q, spec)
     if P:
         _, *state = naive_recurrent_hybrid_attn(gq[:, :, :, :P], k[:, :, :P], v[:, :, :P], mask[:, :P], *state, *fixed)
@@ -475,13 +504,14 @@ def test_hybrid_forms_equal_the_naive_loop_and_the_reference(p):
     before = [t.clone() for t in (*args, *state)]
 
     want, *want_state = naive_recurrent_hybrid_attn(*args, *state, *fixed)
-    ref = reference_hybrid_attention(q, k, v, mask, p["window"], factor, scale)[:, :, P:]
+    ref = reference_gated_hybrid_attention(q, k, v, mask, p["window"], factor, gate, scale, sinks=p["sinks"])
+    ref = ref[:, :, P:]
     real = mask[:, None, P:, None].expand_as(ref)
     torch.testing.assert_close(want.reshape(ref.shape).double()[real], ref[real], rtol=RTOL, atol=ATOL)
     real = real.reshape(want.shape)  # the same, grouped per kv head
-    ref_kv, ref_z = reference_linear_state(k, v, mask, p["window"])
-    torch.testing.assert_close(want_state[3].double(), ref_kv, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(want_state[4].double(), ref_z, rtol=RTOL, atol=ATOL)
+    ref_kv, ref_z = reference_linear_state(k, v, mask, p["window"], sinks=p["sinks"])
+    torch.testing.assert_close(want_state[5].double(), ref_kv, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(want_state[6].double(), ref_z, rtol=RTOL, atol=ATOL)
 
     forms = {
         "parallel": lambda: parallel_hybrid_attn(*args, *state, *fixed),
@@ -493,7 +523,7 @@ def test_hybrid_forms_equal_the_naive_loop_and_the_reference(p):
         assert out.shape == want.shape and out.dtype == torch.float32, name
         assert torch.isfinite(out).all(), name  # padding queries: anything finite
         torch.testing.assert_close(out[real], want[real], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
-        _assert_states_close(new_state, want_state, [f"{name} {n}" for n in HybridCell.state_names])
+        _assert_states_close(new_state, want_state, [f"{name} {n}" for n in FORM_STATE])
     assert all(torch.equal(a, b) for a, b in zip(before, (*args, *state)))
 
 
@@ -503,13 +533,13 @@ def test_hybrid_forms_agree_for_every_feature_map(feature_map):
     torch.manual_seed(0)  # feature maps with random weights
     spec = _spec(num_kv_heads=2, group=2, head_dim=4)
     phi = build_feature_map(feature_map, spec)
-    for seed, window, chunk in ((0, 3, 4), (1, 1, 64)):
+    for seed, window, sinks, chunk in ((0, 3, 0, 4), (1, 1, 0, 64), (2, 3, 2, 5)):
         gen = _gen(seed)
         q, k, v = _qkv(2, spec, 19, gen)
         mask = _padding_mask("left", 2, 19, gen)
-        cell = HybridCell(spec, window=window)
-        init = cell.init_state(2, CPU, torch.float32)
-        init = (*init[:3], torch.zeros(2, 2, phi.feature_dim, 4), torch.zeros(2, 2, phi.feature_dim))
+        cell = HybridCell(spec, window=window, sinks=sinks)
+        init = _form_state(cell, cell.init_state(2, CPU, torch.float32))
+        init = (*init[:5], torch.zeros(2, 2, phi.feature_dim, 4), torch.zeros(2, 2, phi.feature_dim))
         fixed = (phi, _factor(spec, gen).reshape(2, 2), spec.scale)
         with torch.no_grad():
             args = (_grouped(q, spec), k, v, mask, *init)
@@ -531,6 +561,7 @@ def test_hybrid_forms_agree_for_every_feature_map(feature_map):
 @CELL_HYPOTHESIS
 @given(
     window=st.integers(1, 12),
+    sinks=st.sampled_from([0, 1, 3]),
     length=st.integers(1, 24),
     splits=st.lists(st.integers(1, 20), max_size=3),
     chunk_size=st.sampled_from([1, 3, 64]),
@@ -539,12 +570,13 @@ def test_hybrid_forms_agree_for_every_feature_map(feature_map):
     seed=st.integers(0, 2**31 - 1),
 )
 def test_hybrid_cell_chunked_and_stepped_equal_one_shot_and_reference(
-    window, length, splits, chunk_size, group, left_pad, seed
+    window, sinks, length, splits, chunk_size, group, left_pad, seed
 ):
     gen = _gen(seed)
-    cell = HybridCell(_spec(group=group), window=window, chunk_size=chunk_size)
+    cell = HybridCell(_spec(group=group), window=window, sinks=sinks, chunk_size=chunk_size)
     with torch.no_grad():
         cell.window_logit.copy_(2 * torch.randn(cell.spec.num_heads, generator=gen))
+        cell.memory_gate.copy_(torch.rand(cell.spec.num_heads, generator=gen))
     spec, batch = cell.spec, 2
     q, k, v = _qkv(batch, spec, length, gen)
     mask = torch.ones(batch, length, dtype=torch.bool)
@@ -553,7 +585,8 @@ def test_hybrid_cell_chunked_and_stepped_equal_one_shot_and_reference(
     with torch.no_grad():
         init = cell.init_state(batch, CPU, torch.float32)
         one_shot, *final = cell(q, k, v, mask, *init)
-        ref = reference_hybrid_attention(q, k, v, mask, window, torch.sigmoid(cell.window_logit), spec.scale)
+        factor = torch.sigmoid(cell.window_logit)
+        ref = reference_gated_hybrid_attention(q, k, v, mask, window, factor, cell.memory_gate, spec.scale, sinks=sinks)
         real = mask[:, None, :, None].expand_as(ref)
         torch.testing.assert_close(one_shot.double()[real], ref[real], rtol=RTOL, atol=ATOL)
         assert torch.isfinite(one_shot).all()
@@ -564,7 +597,8 @@ def test_hybrid_cell_chunked_and_stepped_equal_one_shot_and_reference(
             outs.append(out)
             assert [t.shape for t in state] == [t.shape for t in init]
     torch.testing.assert_close(torch.cat(outs, dim=2), one_shot, rtol=RTOL, atol=ATOL)
-    _assert_states_close(state, final, HybridCell.state_names)
+    _assert_states_close(state, final, cell.state_names)
+    assert len(state) == len(cell.state_names) == (7 if sinks else 5)
 
 
 @pytest.mark.parametrize("window", [30, 31, 100])
@@ -590,7 +624,7 @@ def test_hybrid_with_a_window_covering_everything_is_softmax_attention(window):
 
 def test_hybrid_cell_bf16_inputs_keep_an_fp32_linear_state():
     gen = _gen(7)
-    cell = HybridCell(_spec(), window=4, chunk_size=3)
+    cell = HybridCell(_spec(), window=4, chunk_size=3, memory_init=1.0)
     spec = cell.spec
     q, k, v = _qkv(2, spec, 30, gen, dtype=torch.bfloat16)
     mask = torch.ones(2, 30, dtype=torch.bool)
@@ -615,15 +649,62 @@ def test_hybrid_cell_bf16_inputs_keep_an_fp32_linear_state():
 def test_hybrid_cell_parameters_train():
     cell = HybridCell(_spec(), window=3, feature_options={})
     assert isinstance(cell.window_logit, torch.nn.Parameter) and not cell.window_logit.any()  # theta = 0
-    assert "window_logit" in cell.state_dict()
-    assert cell.options() == {"window": 3, "feature_map": "elu", "feature_options": {}, "chunk_size": 64}
+    assert isinstance(cell.memory_gate, torch.nn.Parameter) and not cell.memory_gate.any()  # g = 0
+    assert {"window_logit", "memory_gate"} <= set(cell.state_dict())
+    assert cell.options() == {
+        "window": 3, "sinks": 0, "feature_map": "elu", "feature_options": {}, "chunk_size": 64, "memory_init": 0.0
+    }
     assert type(cell)(cell.spec, **cell.options()).options() == cell.options()
     gen = _gen(8)
     q, k, v = _qkv(1, cell.spec, 12, gen)
     mask = torch.ones(1, 12, dtype=torch.bool)
     out, *_ = cell(q, k, v, mask, *cell.init_state(1, CPU, torch.float32))
     out.square().sum().backward()
-    assert cell.window_logit.grad is not None and cell.window_logit.grad.abs().sum() > 0
+    # at g = 0 only the gate itself moves the output; from there the mix and the map learn too
+    assert cell.memory_gate.grad is not None and cell.memory_gate.grad.abs().sum() > 0
+    assert cell.window_logit.grad.abs().max() < 1e-5  # f cancels in w / u (up to rounding)
+    with torch.no_grad():
+        cell.memory_gate.fill_(0.5)
+    cell.zero_grad()
+    out, *_ = cell(q, k, v, mask, *cell.init_state(1, CPU, torch.float32))
+    out.square().sum().backward()
+    assert cell.window_logit.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0"])
+def test_hybrid_memory_init_outside_0_1_is_refused(bad):
+    with pytest.raises(ValueError, match="memory_init"):
+        HybridCell(_spec(), window=3, memory_init=bad)
+
+
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_training_free_hybrid_is_its_window_alone(sinks):
+    """memory_init=0 (the default): every form equals softmax over the last W tokens and the first
+    S, however far back the linear memory reaches and whatever the feature map says."""
+    gen = _gen(10)
+    cell = HybridCell(_spec(num_kv_heads=2, group=2), window=5, sinks=sinks, chunk_size=4, feature_map="hedgehog")
+    spec = cell.spec
+    q, k, v = _qkv(2, spec, 40, gen)
+    mask = _padding_mask("left", 2, 40, gen)
+    window = reference_window_attention(q, k, v, mask, window=5, sinks=sinks, scale=spec.scale)
+    real = mask[:, None, :, None].expand_as(window)
+    with torch.no_grad():
+        out, *state = cell(q, k, v, mask, *cell.init_state(2, CPU, torch.float32))
+        torch.testing.assert_close(out.double()[real], window[real], rtol=RTOL, atol=ATOL)
+        assert state[-1].any()  # the memory did fill: it is only gated off
+        state, outs = cell.init_state(2, CPU, torch.float32), []
+        for t in range(40):
+            o, *state = cell(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1], *state)
+            outs.append(o)
+        torch.testing.assert_close(torch.cat(outs, 2).double()[real], window[real], rtol=RTOL, atol=ATOL)
+
+
+def test_hybrid_saved_without_a_memory_gate_loads_as_the_plain_lolcats_sum():
+    cell = HybridCell(_spec(), window=3)
+    old = {k: v for k, v in cell.state_dict().items() if k != "memory_gate"}
+    fresh = HybridCell(_spec(), window=3)
+    fresh.load_state_dict(old, strict=True)
+    assert torch.equal(fresh.memory_gate.detach(), torch.ones(fresh.spec.num_heads))
 
 
 @pytest.mark.skipif("hedgehog" not in FEATURE_MAPS, reason="no hedgehog feature map registered")
@@ -661,7 +742,7 @@ def _long_decode(cell, steps: int):
 
 STABILITY_CELLS = {
     "window": lambda: WindowCell(_spec(num_kv_heads=1, group=2, head_dim=8), window=16, sinks=4),
-    "hybrid": lambda: HybridCell(_spec(num_kv_heads=1, group=2, head_dim=8), window=16),
+    "hybrid": lambda: HybridCell(_spec(num_kv_heads=1, group=2, head_dim=8), window=16, sinks=4, memory_init=1.0),
 }
 
 
@@ -679,10 +760,10 @@ def _check_long_decode(target: str, steps: int) -> float:
     # The hybrid's linear state sums steps - W outer products, in a different order in each form
     # (one at a time vs 64 at a time). Entries grow like sqrt(steps) (S) and steps (z), so fp32
     # rounding is held relative to the largest entry: 1e-5 against a float64 sum for both forms.
-    ref_kv, ref_z = reference_linear_state(k, v, torch.ones(1, steps, dtype=torch.bool), cell.window)
+    ref_kv, ref_z = reference_linear_state(k, v, torch.ones(1, steps, dtype=torch.bool), cell.window, sinks=cell.sinks)
     for got in (state, chunked_state):
-        assert _relative_error(got[3], ref_kv) < 1e-5 and _relative_error(got[4], ref_z) < 1e-5
-    assert all(torch.equal(a, b) for a, b in zip(state[:3], chunked_state[:3]))  # ring and length
+        assert _relative_error(got[-2], ref_kv) < 1e-5 and _relative_error(got[-1], ref_z) < 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(state[:-2], chunked_state[:-2]))  # ring, sinks and length
     # outputs are normalised: the state's rounding shows at ~1e-6, held to 1e-4
     torch.testing.assert_close(outs[:, :, -64:], chunked[:, :, -64:], rtol=1e-4, atol=1e-4)
     return elapsed
@@ -709,7 +790,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 VARIANTS = {
     "window": ("window", {"window": 8, "sinks": 2}),
-    "hybrid": ("hybrid", {"window": 8}),
+    "hybrid": ("hybrid", {"window": 8, "sinks": 3, "memory_init": 0.5}),  # without sinks: the tests below
 }
 
 
@@ -762,6 +843,34 @@ def test_hybrid_with_a_window_over_the_whole_context_equals_the_original(tiny_mo
     assert rel_diff(stepped, expected) < 1e-4
 
 
+@pytest.mark.parametrize("arch, sinks", [("gpt2", 0), ("gpt2", 2), ("llama", 2)])  # window: as VARIANTS
+def test_training_free_hybrid_model_computes_its_window_target(arch, sinks, converted):
+    """A freshly converted hybrid is never worse than its window alone: it is the window target
+    with the same window and sinks, in a prefill and in decode."""
+    hybrid = converted(arch, "hybrid", window=8, sinks=sinks)
+    window = converted(arch, "window", window=8, sinks=sinks)
+    ids = torch.randint(0, hybrid.manifest.vocab_size, (2, 40), generator=_gen(15))
+    assert rel_diff(hybrid.prefill(ids)[0], window.prefill(ids)[0]) < 1e-5
+    assert rel_diff(decode(hybrid, ids, 30)[0], decode(window, ids, 30)[0]) < 1e-5
+
+
+def test_hybrid_saved_before_sinks_existed_loads_without_sinks(converted, tmp_path):
+    """A manifest whose hybrid options lack ``sinks`` (saves from before the option) loads as S = 0,
+    with the five state tensors its saved graph threads."""
+    model = converted("gpt2", "hybrid", window=8, sinks=0)
+    model.save(tmp_path / "m")
+    manifest = json.loads((tmp_path / "m" / MANIFEST_FILE).read_text())
+    for entry in manifest["cells"]:
+        del entry["options"]["sinks"]
+    (tmp_path / "m" / MANIFEST_FILE).write_text(json.dumps(manifest))
+    loaded = rnnify.load(tmp_path / "m")
+    assert [c.sinks for c in loaded.cells] == [0] * len(model.cells)
+    assert [c.state_names for c in loaded.cells] == [("keys", "values", "length", "kv", "k_sum")] * len(model.cells)
+    ids = torch.randint(0, model.manifest.vocab_size, (1, 30), generator=_gen(16))
+    assert torch.equal(loaded.prefill(ids)[0], model.prefill(ids)[0])
+    assert rel_diff(decode(loaded, ids, 20)[0], decode(model, ids, 20)[0]) < 1e-6
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_converted_step_equals_prefill_and_prefill_continues(arch, variant, converted):
@@ -793,6 +902,7 @@ def test_converted_state_is_constant_and_saves(arch, variant, converted, tmp_pat
     assert [c.options() for c in loaded.cells] == [c.options() for c in model.cells]
     assert torch.equal(loaded.prefill(ids)[0], logits)
     if target == "hybrid":
+        assert [c.sinks for c in loaded.cells] == [options.get("sinks", 0)] * len(model.cells)
         assert {n for n, _ in loaded.named_parameters() if "window_logit" in n}
         assert len(list(parameters(loaded))) == len(list(parameters(model))) >= len(model.cells)
 

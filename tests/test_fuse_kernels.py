@@ -36,8 +36,10 @@ FAMILIES = {
     "aaren": ("aaren", {"layers": "0:exact"}),
     "gated-rnn": ("gated-rnn", {"decay": 0.9, "layers": "0:exact"}),
     "window": ("window", {"window": 4, "sinks": 1}),
-    "hybrid": ("hybrid", {"window": 4}),
-    "hybrid-hedgehog": ("hybrid", {"window": 4, "feature_map": "hedgehog"}),
+    # memory_init: with the memory gated off the linear half would not reach the outputs; sinks:
+    # tokens 2.. leave the ring for the memory, 0 and 1 stay attended through window_attn_step
+    "hybrid": ("hybrid", {"window": 3, "sinks": 2, "memory_init": 0.5}),
+    "hybrid-hedgehog": ("hybrid", {"window": 4, "feature_map": "hedgehog", "memory_init": 0.5}),
     "gated-delta": ("gated-delta", {"layers": "0:exact"}),
 }
 
@@ -118,8 +120,9 @@ CELL_CASES = {
     "linear-taylor": ("linear", {"feature_map": "taylor"}),
     "gated-gla": ("gated", {"gate": "gla"}),
     "gated-retnet-performer": ("gated", {"gate": "retnet", "feature_map": "performer"}),
-    "hybrid-hedgehog": ("hybrid", {"window": 3, "feature_map": "hedgehog"}),
-    "hybrid-performer": ("hybrid", {"window": 3, "feature_map": "performer"}),
+    "hybrid-hedgehog": ("hybrid", {"window": 3, "feature_map": "hedgehog", "memory_init": 0.5}),
+    "hybrid-performer": ("hybrid", {"window": 3, "feature_map": "performer", "memory_init": 0.5}),
+    "hybrid-sinks": ("hybrid", {"window": 2, "sinks": 2, "memory_init": 0.5}),
 }
 
 

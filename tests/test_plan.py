@@ -38,6 +38,13 @@ def test_options_go_only_to_cells_that_take_them():
         make_plan("linear", nonsense=1)
 
 
+def test_window_options_reach_both_window_cells():
+    """--window and --sinks go to the window target and to the hybrid's window part alike."""
+    plan = make_plan("hybrid", layers="0:window", window=8, sinks=4, memory_init=0.5)
+    assert plan.options_for("hybrid") == {"window": 8, "sinks": 4, "memory_init": 0.5}
+    assert plan.options_for("window") == {"window": 8, "sinks": 4}
+
+
 def test_keep_softmax_converts_a_mixed_model(tiny_model_dir):
     model = rnnify.convert(tiny_model_dir("llama"), to="linear", keep_softmax=[0])
     assert [cell.target for cell in model.cells] == ["exact", "linear"]

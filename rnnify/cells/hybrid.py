@@ -1,40 +1,56 @@
 """Sliding-window softmax plus linear attention for older tokens (LoLCATs, Zhang et al. 2024, math.md §6).
 
-Counting only a row's real tokens, query i sees the last W tokens through softmax and every
+Counting only a row's real tokens, query i sees through softmax the last W tokens and the first S
+(the attention sinks of ``cells/window.py``, StreamingLLM; S = 0 by default), and every other
 older token through linear attention with a feature map phi, in one normalised sum (the
 ``linear_window_attention`` of HazyResearch/lolcats, with a true sliding window):
 
-    s_ij = scale * q_i . k_j,      m_i = max_{i-W < j <= i} s_ij,      f_h = sigmoid(theta_h)
+    A(i) = { j <= i : i - j < W  or  j < S }                  the window part (softmax)
+    M(i) = { j : S <= j <= i - W }                              the memory (linear), disjoint from A(i)
+    s_ij = scale * q_i . k_j,      m_i = max_{j in A(i)} s_ij,      f_h = sigmoid(theta_h)
 
-          f_h sum_{i-W < j <= i} exp(s_ij - m_i) v_j  +  sum_{j <= i-W} phi(q_i) . phi(k_j) v_j
-    y_i = -------------------------------------------------------------------------------------
-          f_h sum_{i-W < j <= i} exp(s_ij - m_i)      +  sum_{j <= i-W} phi(q_i) . phi(k_j)
+          f_h sum_{j in A(i)} exp(s_ij - m_i) v_j  +  sum_{j in M(i)} phi(q_i) . phi(k_j) v_j
+    y_i = ---------------------------------------------------------------------------------
+          f_h sum_{j in A(i)} exp(s_ij - m_i)      +  sum_{j in M(i)} phi(q_i) . phi(k_j)
 
-theta (``window_logit``, one per query head, initialised to 0) is trainable, as are the weights
-of trainable feature maps (hedgehog, t2r). With W >= the tokens read, y is plain softmax
-attention; beyond that the model needs LoLCATs' attention transfer to be good.
+so every token j <= i is counted exactly once, by the window part or by the memory. theta
+(``window_logit``, one per query head, initialised to 0) is trainable, as are the weights of
+trainable feature maps (hedgehog, t2r). With W >= the tokens read, y is plain softmax attention;
+beyond that the model needs LoLCATs' attention transfer to be good.
 
-Recurrent form, constant memory per kv head: a ring buffer of the last W keys/values (model
-dtype; token n in slot n mod W, ``length`` real tokens read per row, as in ``cells/window.py``)
-for the softmax part, and the linear-attention state of the tokens that have left the window
-(fp32, math.md §2):
+A training-free linear memory is far from what a pretrained model's attention computes: on a
+real 135M model it made the hybrid ~20x worse (in KL) than its window alone. So the cell's output
+is the window's own output w_i / u_i plus a learned, zero-initialised share of the difference:
 
-    when token i arrives, token i - W leaves the ring:
-        S += phi(k_{i-W})^T v_{i-W},      z += phi(k_{i-W})
-    y_i = (f_h w_i + phi(q_i) S) / (f_h u_i + phi(q_i) . z)
+    out_i = w_i / u_i + g_h (y_i - w_i / u_i),        g_h = ``memory_gate`` (``memory_init``, default 0)
 
-where (m_i, u_i, w_i) is the softmax recurrence of math.md §1 over the ring (self included). The
-window part is part of every step: decoding keeps the ring, it does not fall back to linear
-attention alone.
+At g = 0 the converted model is exactly the ``window`` target with the same W and S, and
+distillation grows g together with the feature map, adding long-range memory instead of first
+repairing damage; at g = 1 it is LoLCATs' sum above. Both outputs come from the same (w, u) and
+linear sums: no extra state, no extra pass.
+
+Recurrent form, constant memory per kv head: the window target's state for the softmax part (a
+ring buffer of the last W keys/values, token n in slot n mod W, the S sink keys/values, model
+dtype, and ``length`` real tokens read per row; ``cells/window.py``) and the linear-attention
+state of the tokens that have left the window (fp32, math.md §2):
+
+    when token i arrives, token i - W leaves the ring; unless it is a sink (i - W < S):
+        kv += phi(k_{i-W})^T v_{i-W},      z += phi(k_{i-W})
+    y_i = (f_h w_i + phi(q_i) kv) / (f_h u_i + phi(q_i) . z)
+
+where (m_i, u_i, w_i) is the softmax recurrence of math.md §1 over the ring (self included) and
+the sinks no longer in it (a sink still in the ring is counted once, there). The window part is
+part of every step: decoding keeps the ring, it does not fall back to linear attention alone.
 
 Forms (tests hold them to ``naive_recurrent_hybrid_attn``): ``naive_recurrent_*`` (a plain loop
-over tokens, the window part key by key), ``parallel_*`` (masked quadratic over ring + new
+over tokens, the window part key by key), ``parallel_*`` (masked quadratic over sinks + ring + new
 tokens, plus the linear state), ``chunk_*`` (the parallel form over chunks: the prefill path),
 ``step_*`` (one token: the decode path); ``fused_*`` once ``use_kernels`` is set: the linear part
 through ``rnnify.kernels``' linear-attention ops in both phases (raw q and the leaving keys, the
-map applied by the op when it has it), the window part through ``window_attn_step`` with its
-softmax statistics for a decode token, in PyTorch for a prompt. Shapes: q ``[B, Hkv, G, T, d]`` fp32, k/v
-``[B, Hkv, T, d]``, mask ``[B, T]``, state ``keys/values [B, Hkv, W, d]``, ``length [B]``,
+map applied by the op when it has it), the window part through ``window_attn_step`` (sinks
+included) with its softmax statistics for a decode token, in PyTorch for a prompt. Shapes: q
+``[B, Hkv, G, T, d]`` fp32, k/v ``[B, Hkv, T, d]``, mask ``[B, T]``, state ``keys/values
+[B, Hkv, W, d]``, ``sink_keys/sink_values [B, Hkv, S, d]`` (S = 0: empty), ``length [B]``,
 ``kv [B, Hkv, F, d_v]``, ``k_sum [B, Hkv, F]`` (fp32); ``factor`` is f ``[Hkv, G]``; ``phi`` maps
 ``[B, Hkv, ..., d] -> [B, Hkv, ..., F]``. Every form returns ``(out fp32, *new_state)``.
 """
@@ -49,21 +65,36 @@ from torch import nn
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
 from rnnify.cells.linear import KERNEL_MAX_FEATURES, build_feature_map, fused_linear_attn
-from rnnify.cells.window import check_int, ring_index, ring_write, token_index
+from rnnify.cells.window import check_int, held_index, token_index, window_write
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _combine(window_num, window_den, linear_num, linear_den):
-    """(f w + linear numerator) / (f u + linear denominator); rows with nothing to attend to give 0."""
-    num, den = window_num + linear_num, window_den + linear_den
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den over the last axis of num; rows with nothing to attend to (den 0) give 0."""
     return torch.where(den[..., None] > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny)[..., None], 0.0)
 
 
-def naive_recurrent_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, phi: FeatureMap, factor, scale: float):
+def _combine(window_num, window_den, linear_num, linear_den, gate=None):
+    """The hybrid output (f w + linear numerator) / (f u + linear denominator), blended with the
+    window's own output w / u by the memory gate g ``[Hkv, G]``: ``window + g (hybrid - window)``.
+    ``gate=None`` is g = 1, the plain LoLCATs sum."""
+    hybrid = _ratio(window_num + linear_num, window_den + linear_den)
+    if gate is None:
+        return hybrid
+    window = _ratio(window_num, window_den)
+    gate = gate.reshape(*gate.shape, *(1,) * (window_den.dim() - 3), 1)  # over [B, Hkv, G, (T,)] d
+    return window + gate * (hybrid - window)
+
+
+def naive_recurrent_hybrid_attn(
+    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, k_sum, phi: FeatureMap, factor, scale: float,
+    gate=None,
+):
     batch, _, _, steps, _ = q.shape
-    window = keys.shape[2]
-    keys, values, length, kv, k_sum = (t.clone() for t in (keys, values, length, kv, k_sum))
+    window, sinks = keys.shape[2], sink_keys.shape[2]
+    state = (keys, values, sink_keys, sink_values, length, kv, k_sum)
+    keys, values, sink_keys, sink_values, length, kv, k_sum = (t.clone() for t in state)
     outs = []
     for t in range(steps):
         for b in range(batch):
@@ -71,111 +102,129 @@ def naive_recurrent_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, 
                 continue  # padding: the state stays as it was
             n = int(length[b])
             slot = n % window
-            if n >= window:  # token n - W leaves the window for the linear state
+            if n - window >= sinks:  # token n - W leaves the window for the linear state (a sink stays one)
                 phi_k = phi(keys[b : b + 1, :, slot : slot + 1].float())[0, :, 0]  # [Hkv, F]
                 kv[b] = kv[b] + phi_k[:, :, None] * values[b, :, slot, None, :].float()
                 k_sum[b] = k_sum[b] + phi_k
             keys[b, :, slot], values[b, :, slot] = k[b, :, t], v[b, :, t]
+            if n < sinks:
+                sink_keys[b, :, n], sink_values[b, :, n] = k[b, :, t], v[b, :, t]
             length[b] += 1
-        # window part: the (m, u, w) recurrence over the ring, one key at a time
+        # window part: the (m, u, w) recurrence, one key at a time, over the sinks no longer in the
+        # ring and the ring, with per row whether query t attends to each
+        held = [(sink_keys[:, :, j], sink_values[:, :, j], j < length - window) for j in range(sinks)]
+        held += [(keys[:, :, s], values[:, :, s], s < length) for s in range(window)]
         m = q.new_full(q.shape[:3], float("-inf"))  # [B, Hkv, G]
         u = q.new_zeros(q.shape[:3])
         w = q.new_zeros((*q.shape[:3], values.shape[-1]))
-        for slot in range(window):
-            s = scale * (q[:, :, :, t] * keys[:, :, None, slot].float()).sum(-1)
-            s = torch.where((slot < length)[:, None, None], s, float("-inf"))
+        for key, value, attended in held:
+            s = scale * (q[:, :, :, t] * key[:, :, None].float()).sum(-1)
+            s = torch.where(attended[:, None, None], s, float("-inf"))
             m_new = torch.maximum(m, s)
             m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
             decay, p = torch.exp(m - m_safe), torch.exp(s - m_safe)
             u = u * decay + p
-            w = w * decay[..., None] + p[..., None] * values[:, :, None, slot].float()
+            w = w * decay[..., None] + p[..., None] * value[:, :, None].float()
             m = m_new
-        # linear part: everything older, from the state
+        # linear part: every other older token, from the state
         phi_q = phi(q[:, :, :, t : t + 1])[:, :, :, 0]  # [B, Hkv, G, F]
         linear_num = phi_q @ kv
         linear_den = (phi_q * k_sum[:, :, None]).sum(-1)
-        outs.append(_combine(factor[..., None] * w, factor * u, linear_num, linear_den))
-    return torch.stack(outs, dim=3), keys, values, length, kv, k_sum
+        outs.append(_combine(factor[..., None] * w, factor * u, linear_num, linear_den, gate))
+    return torch.stack(outs, dim=3), keys, values, sink_keys, sink_values, length, kv, k_sum
 
 
-def _held(k, v, mask, keys, values, length):
-    """Every key a new query might see, ring then new tokens, with token indices:
-    ``(q_index [B, T], key_index [B, W + T], keys, values [B, Hkv, W + T, d] fp32)``."""
+def _held(k, v, mask, keys, values, sink_keys, sink_values, length):
+    """Every key a new query might see, sinks, ring, then new tokens, with token indices (-1: none):
+    ``(q_index [B, T], key_index [B, S + W + T], keys, values [B, Hkv, S + W + T, d] fp32)``."""
     q_index = token_index(length, mask)
-    key_index = torch.cat([ring_index(length, keys.shape[2]), q_index], dim=1)
-    all_keys = torch.cat([keys, k.to(keys.dtype)], dim=2).float()
-    all_values = torch.cat([values, v.to(values.dtype)], dim=2).float()
+    key_index = torch.cat([held_index(length, keys.shape[2], sink_keys.shape[2]), q_index], dim=1)
+    all_keys = torch.cat([sink_keys, keys, k.to(keys.dtype)], dim=2).float()
+    all_values = torch.cat([sink_values, values, v.to(values.dtype)], dim=2).float()
     return q_index, key_index, all_keys, all_values
 
 
-def _window_part(q, q_index, key_index, all_keys, all_values, window: int, factor, scale: float):
-    """f sum exp(s - m) v and f sum exp(s - m) over each query's window, m the max over the window."""
+def _window_part(q, q_index, key_index, all_keys, all_values, window: int, sinks: int, factor, scale: float):
+    """f sum exp(s - m) v and f sum exp(s - m) over each query's window and sinks, m the max over them."""
     i, j = q_index[:, :, None], key_index[:, None, :]
-    in_window = ((j >= 0) & (j <= i) & (i - j < window))[:, None, None]  # [B, 1, 1, T, N]
+    in_window = ((j >= 0) & (j <= i) & ((i - j < window) | (j < sinks)))[:, None, None]  # [B, 1, 1, T, N]
     scores = (scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys)).masked_fill(~in_window, float("-inf"))
     m = scores.amax(-1, keepdim=True)
     p = factor[..., None, None] * torch.exp(scores - torch.where(torch.isfinite(m), m, 0.0))
     return p @ all_values[:, :, None], p.sum(-1)
 
 
-def parallel_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, phi: FeatureMap, factor, scale: float):
-    window = keys.shape[2]
-    q_index, key_index, all_keys, all_values = _held(k, v, mask, keys, values, length)
-    window_num, window_den = _window_part(q, q_index, key_index, all_keys, all_values, window, factor, scale)
+def parallel_hybrid_attn(
+    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, k_sum, phi: FeatureMap, factor, scale: float,
+    gate=None,
+):
+    window, sinks = keys.shape[2], sink_keys.shape[2]
+    q_index, key_index, all_keys, all_values = _held(k, v, mask, keys, values, sink_keys, sink_values, length)
+    window_num, window_den = _window_part(q, q_index, key_index, all_keys, all_values, window, sinks, factor, scale)
     # linear part: older tokens of this call, and those already folded into kv/k_sum
     i, j = q_index[:, :, None], key_index[:, None, :]
-    older = ((j >= 0) & (i - j >= window))[:, None, None]  # left the window, not yet in kv/k_sum
+    older = ((j >= sinks) & (i - j >= window))[:, None, None]  # left the window, not a sink, not yet in kv/k_sum
     phi_q, phi_k = phi(q), phi(all_keys)
     a = torch.where(older, torch.einsum("bhgtf,bhnf->bhgtn", phi_q, phi_k), 0.0)
     linear_num = a @ all_values[:, :, None] + phi_q @ kv[:, :, None]
     linear_den = a.sum(-1) + (phi_q * k_sum[:, :, None, None]).sum(-1)
-    out = _combine(window_num, window_den, linear_num, linear_den)
-    # state: tokens that leave the window in this call join kv/k_sum
-    keys, values, new_length = ring_write(k, v, mask, keys, values, length)
-    leaving = ((key_index >= 0) & (key_index < new_length[:, None] - window))[:, None, :, None]
+    out = _combine(window_num, window_den, linear_num, linear_den, gate)
+    # state: tokens other than sinks that leave the window in this call join kv/k_sum
+    *window_state, new_length = window_write(k, v, mask, keys, values, sink_keys, sink_values, length)
+    leaving = ((key_index >= sinks) & (key_index < new_length[:, None] - window))[:, None, :, None]
     phi_leaving = torch.where(leaving, phi_k, 0.0)
     kv = kv + phi_leaving.transpose(-1, -2) @ all_values
     k_sum = k_sum + phi_leaving.sum(2)
-    return out, keys, values, new_length, kv, k_sum
+    return out, *window_state, new_length, kv, k_sum
 
 
-def chunk_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, phi, factor, scale: float, chunk_size: int = 64):
-    state, outs = (keys, values, length, kv, k_sum), []
+def chunk_hybrid_attn(
+    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, k_sum, phi, factor, scale: float, gate=None,
+    chunk_size: int = 64,
+):
+    state, outs = (keys, values, sink_keys, sink_values, length, kv, k_sum), []
     for start in range(0, q.shape[3], chunk_size):
         end = start + chunk_size
         chunk = (q[:, :, :, start:end], k[:, :, start:end], v[:, :, start:end], mask[:, start:end])
-        out, *state = parallel_hybrid_attn(*chunk, *state, phi, factor, scale)
+        out, *state = parallel_hybrid_attn(*chunk, *state, phi, factor, scale, gate)
         outs.append(out)
     return torch.cat(outs, dim=3), *state
 
 
-def step_hybrid_attn(q, k, v, mask, keys, values, length, kv, k_sum, phi: FeatureMap, factor, scale: float):
-    window = keys.shape[2]
-    # token i - W, in the slot token i is about to take, leaves the window for kv/k_sum
+def step_hybrid_attn(
+    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, k_sum, phi: FeatureMap, factor, scale: float,
+    gate=None,
+):
+    window, sinks = keys.shape[2], sink_keys.shape[2]
+    # token i - W, in the slot token i is about to take, leaves the window for kv/k_sum unless a sink
     slot = (length % window)[:, None, None, None]
-    leaving = (mask[:, 0] & (length >= window))[:, None, None, None]
+    leaving = (mask[:, 0] & (length >= window + sinks))[:, None, None, None]
     old_key = keys.gather(2, slot.expand(-1, keys.shape[1], 1, keys.shape[3])).float()
     old_value = values.gather(2, slot.expand(-1, values.shape[1], 1, values.shape[3])).float()
     phi_old = torch.where(leaving, phi(old_key), 0.0)  # [B, Hkv, 1, F]
     kv = kv + phi_old.transpose(-1, -2) @ old_value
     k_sum = k_sum + phi_old[:, :, 0]
-    keys, values, length = ring_write(k, v, mask, keys, values, length)
-    # window part over the ring (self included), linear part from the state
-    held = (ring_index(length, window) >= 0)[:, None, None, None]  # [B, 1, 1, 1, W]
-    scores = (scale * torch.einsum("bhgtd,bhwd->bhgtw", q, keys.float())).masked_fill(~held, float("-inf"))
+    keys, values, sink_keys, sink_values, length = window_write(
+        k, v, mask, keys, values, sink_keys, sink_values, length
+    )
+    # window part over the sinks and the ring (self included), linear part from the state
+    held = (held_index(length, window, sinks) >= 0)[:, None, None, None]  # [B, 1, 1, 1, S + W]
+    all_keys, all_values = torch.cat([sink_keys, keys], dim=2).float(), torch.cat([sink_values, values], dim=2).float()
+    scores = (scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys)).masked_fill(~held, float("-inf"))
     m = scores.amax(-1, keepdim=True)
     p = factor[..., None, None] * torch.exp(scores - torch.where(torch.isfinite(m), m, 0.0))
     phi_q = phi(q)
     linear_num = phi_q @ kv[:, :, None]
     linear_den = (phi_q * k_sum[:, :, None, None]).sum(-1)
-    out = _combine(p @ values.float()[:, :, None], p.sum(-1), linear_num, linear_den)
-    return out, keys, values, length, kv, k_sum
+    out = _combine(p @ all_values[:, :, None], p.sum(-1), linear_num, linear_den, gate)
+    return out, keys, values, sink_keys, sink_values, length, kv, k_sum
 
 
-def leaving(q_index, key_index, all_keys, all_values, window: int):
-    """The key and value that leave the window as each new token arrives (token i - W for real token
-    i >= W; zeros where none leaves) ``[B, Hkv, T, d]``, and whether one leaves ``[B, T]``."""
-    leaves = q_index >= window
+def leaving(q_index, key_index, all_keys, all_values, window: int, sinks: int):
+    """The key and value that leave the window for the linear state as each new token arrives
+    (token i - W for real token i >= W + S: sinks never leave; zeros where none leaves)
+    ``[B, Hkv, T, d]``, and whether one leaves ``[B, T]``."""
+    leaves = q_index >= window + sinks
     source = (key_index[:, None, :] == (q_index - window)[:, :, None]).long().argmax(-1)  # [B, T]
 
     def take(x: torch.Tensor) -> torch.Tensor:
@@ -185,63 +234,74 @@ def leaving(q_index, key_index, all_keys, all_values, window: int):
     return take(all_keys), take(all_values), leaves
 
 
-def fused_window_step(q, k, v, mask, keys, values, length, factor, scale: float, backend: str = "auto"):
+def fused_window_step(
+    q, k, v, mask, keys, values, sink_keys, sink_values, length, factor, scale: float, backend: str = "auto"
+):
     """The window part of one decode token through ``rnnify.kernels.window_attn_step`` (which also
-    writes the ring): its normalised output o and softmax denominator u (over the ring, self
-    included, relative to the scores' max m) give f sum exp(s - m) v = f o u and f sum exp(s - m) = f u.
-    Returns ``(window_num, window_den, keys, values, length)``."""
+    writes the sinks and the ring): its normalised output o and softmax denominator u (over the
+    sinks and the ring, self included, relative to the scores' max m) give f sum exp(s - m) v = f o u
+    and f sum exp(s - m) = f u. Returns ``(window_num, window_den, (keys, values, sink_keys,
+    sink_values, length))``."""
     batch, num_kv_heads, group, _, head_dim = q.shape
-    o, (keys, values, _, _, length), (_, u) = kernels.window_attn_step(
+    o, state, (_, u) = kernels.window_attn_step(
         q.reshape(batch, 1, num_kv_heads * group, head_dim), k.transpose(1, 2), v.transpose(1, 2), keys, values,
-        length, mask=mask, scale=scale, return_stats=True, backend=backend,
+        length, sink_keys, sink_values, mask=mask, scale=scale, return_stats=True, backend=backend,
     )
     window_den = factor[..., None] * u.reshape(batch, num_kv_heads, group, 1)
     window_num = o.reshape(batch, num_kv_heads, group, 1, -1) * window_den[..., None]
-    return window_num, window_den, keys, values, length
+    return window_num, window_den, state
 
 
 def fused_hybrid_attn(
-    q, k, v, mask, keys, values, length, kv, k_sum, phi, factor, scale: float, chunk_size: int = 64,
-    backend: str = "auto",
+    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, k_sum, phi, factor, scale: float, gate=None,
+    chunk_size: int = 64, backend: str = "auto",
 ):
     """Both phases through ``rnnify.kernels``. The linear part is linear attention whose keys are the
-    tokens leaving the window, one per new token (query i reads every j <= i - W), so
-    ``cells.linear.fused_linear_attn`` runs it (the op applies phi, masking the tokens where none
-    leaves) unnormalised, with the denominator as one more value column of ones and z as one more
-    state column. The window part: for a decode token (T == 1) ``fused_window_step``; for a prompt
-    ``_window_part`` here, chunk by chunk."""
-    window, window_parts, left = keys.shape[2], [], []
+    tokens leaving the window (not sinks), at most one per new token (query i reads every
+    S <= j <= i - W), so ``cells.linear.fused_linear_attn`` runs it (the op applies phi, masking the
+    tokens where none leaves) unnormalised, with the denominator as one more value column of ones
+    and z as one more state column. The window part: for a decode token (T == 1)
+    ``fused_window_step``; for a prompt ``_window_part`` here, chunk by chunk."""
+    window, sinks = keys.shape[2], sink_keys.shape[2]
+    window_state, window_parts, left = (keys, values, sink_keys, sink_values, length), [], []
     for start in range(0, q.shape[3], chunk_size):
         end = start + chunk_size
         chunk = (k[:, :, start:end], v[:, :, start:end], mask[:, start:end])
-        held = _held(*chunk, keys, values, length)
-        left.append(leaving(*held, window))
+        held = _held(*chunk, *window_state)
+        left.append(leaving(*held, window, sinks))
         if q.shape[3] == 1:
-            window_parts.append(fused_window_step(q, *chunk, keys, values, length, factor, scale, backend))
-            keys, values, length = window_parts[-1][2:]
-            continue
-        window_parts.append(_window_part(q[:, :, :, start:end], *held, window, factor, scale))
-        keys, values, length = ring_write(*chunk, keys, values, length)
+            *part, window_state = fused_window_step(q, *chunk, *window_state, factor, scale, backend)
+        else:
+            part = _window_part(q[:, :, :, start:end], *held, window, sinks, factor, scale)
+            window_state = window_write(*chunk, *window_state)
+        window_parts.append(part)
     old_keys, old_values = (torch.cat([part[i] for part in left], dim=2) for i in (0, 1))
     leaves = torch.cat([part[2] for part in left], dim=1)
     old_values = torch.cat([old_values, torch.ones_like(old_values[..., :1])], dim=-1)
     state = torch.cat([kv, k_sum[..., None]], dim=-1)
     linear, state, _ = fused_linear_attn(q, old_keys, old_values, state, None, phi, leaves, backend=backend)
     window_num, window_den = (torch.cat([part[i] for part in window_parts], dim=3) for i in (0, 1))
-    out = _combine(window_num, window_den, linear[..., :-1], linear[..., -1])
-    return out, keys, values, length, state[..., :-1], state[..., -1]
+    out = _combine(window_num, window_den, linear[..., :-1], linear[..., -1], gate)
+    return out, *window_state, state[..., :-1], state[..., -1]
 
 
 class HybridCell(Cell):
-    """Softmax over the last W tokens plus linear attention over older ones (LoLCATs), trainable.
+    """Softmax over the last W tokens and the first S (sinks) plus linear attention over the other
+    older ones (LoLCATs), trainable.
 
-    ``feature_map`` is any name in ``rnnify.cells.linear.FEATURE_MAPS``, built with
-    ``feature_options``; ``chunk_size`` is the prefill chunk. Trainable: ``window_logit`` (f_h =
-    sigmoid of it, per query head) and the feature map's own parameters.
+    ``sinks`` (default 0) are the attention sinks of the window part; ``feature_map`` is any name in
+    ``rnnify.cells.linear.FEATURE_MAPS``, built with ``feature_options``; ``chunk_size`` is the
+    prefill chunk; ``memory_init`` the initial memory gate (0: the converted model starts as its
+    window target alone). Trainable: ``window_logit`` (f_h = sigmoid of it, per query head),
+    ``memory_gate`` (g_h, per query head) and the feature map's parameters.
+
+    The state is the window target's (keys, values, sink_keys, sink_values, length) then the linear
+    memory (kv, k_sum); with no sinks the empty sink buffers are left out, so a hybrid without
+    sinks keeps the five state tensors of hybrids saved before sinks existed.
     """
 
     target = "hybrid"
-    state_names = ("keys", "values", "length", "kv", "k_sum")
+    state_names = ("keys", "values", "length", "kv", "k_sum")  # with sinks: + sink_keys, sink_values after values
 
     def __init__(
         self,
@@ -250,22 +310,33 @@ class HybridCell(Cell):
         feature_map: str = "elu",
         feature_options: dict[str, Any] | None = None,
         chunk_size: int = 64,
+        memory_init: float = 0.0,
+        sinks: int = 0,
     ):
         super().__init__(spec)
         if feature_options is not None and not isinstance(feature_options, dict):
             raise ValueError(f"feature_options must be a dict of feature-map options, got {feature_options!r}")
+        if isinstance(memory_init, bool) or not isinstance(memory_init, (int, float)) or not 0 <= memory_init <= 1:
+            raise ValueError(f"memory_init must be a number in [0, 1] (0: start as the window alone), got {memory_init!r}")
         self.window = check_int("window", window, 1)
+        self.sinks = check_int("sinks", sinks, 0)
         self.chunk_size = check_int("chunk_size", chunk_size, 1)
+        self.memory_init = float(memory_init)
         self.feature_map, self.feature_options = feature_map, dict(feature_options or {})
         self.phi = build_feature_map(feature_map, spec, **self.feature_options)
         self.window_logit = nn.Parameter(torch.zeros(spec.num_heads))
+        self.memory_gate = nn.Parameter(torch.full((spec.num_heads,), self.memory_init))
+        if self.sinks:
+            self.state_names = ("keys", "values", "sink_keys", "sink_values", "length", "kv", "k_sum")
 
     def options(self) -> dict[str, Any]:
         return {
             "window": self.window,
+            "sinks": self.sinks,
             "feature_map": self.feature_map,
             "feature_options": dict(self.feature_options),
             "chunk_size": self.chunk_size,
+            "memory_init": self.memory_init,
         }
 
     def fused_ops(self) -> dict[str, str]:
@@ -276,23 +347,37 @@ class HybridCell(Cell):
 
     def init_state(self, batch_size, device, dtype):
         spec, features = self.spec, self.phi.feature_dim
+
+        def buffer(slots: int, dim: int) -> torch.Tensor:
+            return torch.zeros(batch_size, spec.num_kv_heads, slots, dim, device=device, dtype=dtype)
+
+        sinks = (buffer(self.sinks, spec.head_dim), buffer(self.sinks, spec.value_dim)) if self.sinks else ()
         return (
-            torch.zeros(batch_size, spec.num_kv_heads, self.window, spec.head_dim, device=device, dtype=dtype),
-            torch.zeros(batch_size, spec.num_kv_heads, self.window, spec.value_dim, device=device, dtype=dtype),
+            buffer(self.window, spec.head_dim),
+            buffer(self.window, spec.value_dim),
+            *sinks,
             torch.zeros(batch_size, device=device, dtype=torch.long),
             torch.zeros(batch_size, spec.num_kv_heads, features, spec.value_dim, device=device, dtype=torch.float32),
             torch.zeros(batch_size, spec.num_kv_heads, features, device=device, dtype=torch.float32),
         )
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # hybrids saved before the memory gate existed computed the plain LoLCATs sum: gate 1
+        state_dict.setdefault(prefix + "memory_gate", torch.ones_like(self.memory_gate))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def mixing_factor(self) -> torch.Tensor:
         """f_h = sigmoid(theta_h), grouped per kv head ``[Hkv, G]``, fp32."""
         return torch.sigmoid(self.window_logit.float()).reshape(self.spec.num_kv_heads, self.spec.group_size)
 
-    def forward(self, q, k, v, mask, keys, values, length, kv, k_sum):
+    def forward(self, q, k, v, mask, *state):
         batch, _, steps, _ = q.shape
         grouped = q.float().reshape(batch, self.spec.num_kv_heads, self.spec.group_size, steps, -1)
-        state = (keys, values, length, kv, k_sum)
-        args = (self.phi, self.mixing_factor(), self.spec.scale)
+        if not self.sinks:  # the forms take sink buffers: empty ones
+            keys, values, *rest = state
+            state = (keys, values, keys[:, :, :0], values[:, :, :0], *rest)
+        gate = self.memory_gate.float().reshape(self.spec.num_kv_heads, self.spec.group_size)
+        args = (self.phi, self.mixing_factor(), self.spec.scale, gate)
         mask = mask.to(torch.bool)
         if self.kernels is not None:
             out, *state = fused_hybrid_attn(grouped, k, v, mask, *state, *args, self.chunk_size, self.kernels)
@@ -300,4 +385,6 @@ class HybridCell(Cell):
             out, *state = step_hybrid_attn(grouped, k, v, mask, *state, *args)
         else:
             out, *state = chunk_hybrid_attn(grouped, k, v, mask, *state, *args, self.chunk_size)
+        if not self.sinks:
+            del state[2:4]
         return out.reshape(batch, self.spec.num_heads, steps, -1).to(q.dtype), *state

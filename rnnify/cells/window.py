@@ -94,6 +94,21 @@ def sinks_outside_window(length: torch.Tensor, window: int, sinks: int) -> torch
     return slot[None, :] < (length[:, None] - window)
 
 
+def window_write(k, v, mask, keys, values, sink_keys, sink_values, length):
+    """Read the new tokens into the sinks and the ring: ``(keys, values, sink_keys, sink_values, length)``."""
+    sink_keys, sink_values = sink_write(k, v, mask, sink_keys, sink_values, length)
+    keys, values, length = ring_write(k, v, mask, keys, values, length)
+    return keys, values, sink_keys, sink_values, length
+
+
+def held_index(length: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+    """The token of each held slot, sinks then ring ``[B, S + W]``, after ``length`` real tokens;
+    -1 where a query attends to none (not written yet, or a sink still in the ring)."""
+    sink = torch.arange(sinks, device=length.device).expand(length.shape[0], -1)
+    sink = torch.where(sinks_outside_window(length, window, sinks), sink, -1)
+    return torch.cat([sink, ring_index(length, window)], dim=1)
+
+
 def masked_softmax_attention(scores: torch.Tensor, allowed: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """softmax(scores) @ values over the allowed keys; rows with no allowed key give 0."""
     scores = scores.masked_fill(~allowed, float("-inf"))
@@ -142,17 +157,14 @@ def parallel_window_attn(q, k, v, mask, keys, values, sink_keys, sink_values, le
     window, sinks = keys.shape[2], sink_keys.shape[2]
     q_index = token_index(length, mask)
     # every key a new query might see: the sinks, the ring, the new tokens; each with its token index
-    sink_index = torch.where(sinks_outside_window(length, window, sinks), torch.arange(sinks, device=q.device), -1)
-    key_index = torch.cat([sink_index, ring_index(length, window), q_index], dim=1)  # [B, N]
+    key_index = torch.cat([held_index(length, window, sinks), q_index], dim=1)  # [B, N]
     all_keys = torch.cat([sink_keys, keys, k.to(keys.dtype)], dim=2).float()
     all_values = torch.cat([sink_values, values, v.to(values.dtype)], dim=2).float()
     i, j = q_index[:, :, None], key_index[:, None, :]
     allowed = (j >= 0) & (j <= i) & ((i - j < window) | (j < sinks))  # [B, T, N]
     scores = scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys)
     out = masked_softmax_attention(scores, allowed[:, None, None], all_values[:, :, None])
-    sink_keys, sink_values = sink_write(k, v, mask, sink_keys, sink_values, length)
-    keys, values, length = ring_write(k, v, mask, keys, values, length)
-    return out, keys, values, sink_keys, sink_values, length
+    return out, *window_write(k, v, mask, keys, values, sink_keys, sink_values, length)
 
 
 def chunk_window_attn(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float, block_size: int = 64):
@@ -167,10 +179,9 @@ def chunk_window_attn(q, k, v, mask, keys, values, sink_keys, sink_values, lengt
 
 def step_window_attn(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float, block_size: int = 512):
     window, sinks = keys.shape[2], sink_keys.shape[2]
-    sink_keys, sink_values = sink_write(k, v, mask, sink_keys, sink_values, length)
-    keys, values, length = ring_write(k, v, mask, keys, values, length)
+    keys, values, sink_keys, sink_values, length = window_write(k, v, mask, keys, values, sink_keys, sink_values, length)
     # the ring now holds the last W tokens, self included: attend to all of them and the sinks
-    valid = torch.cat([sinks_outside_window(length, window, sinks), ring_index(length, window) >= 0], dim=1)
+    valid = held_index(length, window, sinks) >= 0
     batch, num_kv_heads, group, _, head_dim = q.shape
     out = softmax_attention_rnn(
         q.reshape(batch, num_kv_heads * group, 1, head_dim),

@@ -250,7 +250,7 @@ def window_attn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
     each ``[B, 1, H]`` fp32: the scores' max over the attended keys (-inf if none) and the softmax
     denominator sum exp(s - m) (0 if none), so ``o * u`` is the unnormalised sum and ``m + log(u)``
     the log-sum-exp; differentiable. ``backend``: see ``rnnify.kernels.utils.resolve_backend``."""
-    from rnnify.cells.window import ring_index, ring_write, sink_write, sinks_outside_window
+    from rnnify.cells.window import held_index, window_write
 
     B, T, H, K = q.shape
     if T != 1:
@@ -262,9 +262,8 @@ def window_attn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
         sink_keys, sink_values = keys[:, :, :0], values[:, :, :0]
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, H_kv, 1, D]
     window, sinks = keys.shape[2], sink_keys.shape[2]
-    sink_keys, sink_values = sink_write(k, v, mask, sink_keys, sink_values, length)
-    keys, values, length = ring_write(k, v, mask, keys, values, length)
-    valid = torch.cat([sinks_outside_window(length, window, sinks), ring_index(length, window) >= 0], dim=1)
+    keys, values, sink_keys, sink_values, length = window_write(k, v, mask, keys, values, sink_keys, sink_values, length)
+    valid = held_index(length, window, sinks) >= 0
     o, m, u = torch.ops.rnnify.window_attn_step(
         q[:, 0].contiguous(), torch.cat([sink_keys, keys], 2).contiguous(),
         torch.cat([sink_values, values], 2).contiguous(), valid, scale, backend)
