@@ -50,26 +50,36 @@ def make_inputs(T: int, seed: int = 1, pad: int = 3):
     return q, k, v, x, mask
 
 
+def delta_write(S, writer, x_t, h, k_t, v_t):
+    """S alpha (I - beta k^ k^T) + beta v k^T with beta, alpha of kv head h from x_t, float64."""
+    x_t = x_t.double()
+    beta = torch.sigmoid(x_t @ writer.beta_proj.weight[h].double() + writer.beta_proj.bias[h].double())
+    alpha = 1.0
+    if writer.gated:
+        alpha = torch.sigmoid(x_t @ writer.gate_proj.weight[h].double() + writer.gate_proj.bias[h].double())
+    k_t = k_t.double() / k_t.double().norm()
+    return alpha * S @ (torch.eye(len(k_t), dtype=torch.float64) - beta * torch.outer(k_t, k_t)) \
+        + beta * torch.outer(v_t.double(), k_t)
+
+
+def read(out, S, q, b, h, t):
+    """out[b, i, t] = S q^ for the query heads i of kv head h."""
+    group = SPEC.group_size
+    for i in range(h * group, (h + 1) * group):
+        out[b, i, t] = S @ (q[b, i, t].double() / q[b, i, t].double().norm())
+
+
 def reference(cell: DeltaCell, q, k, v, x, mask, S0=None):
-    writer, group = cell.writer, SPEC.group_size
+    writer = cell.writer
     out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=torch.float64)
     final = torch.zeros(2, 2, 6, 8, dtype=torch.float64)
-    eye = torch.eye(8, dtype=torch.float64)
     for b in range(2):
         for h in range(2):
             S = torch.zeros(6, 8, dtype=torch.float64) if S0 is None else S0[b, h].double().T.clone()
             for t in range(q.shape[2]):
                 if mask[b, t]:
-                    xt = x[b, t].double()
-                    beta = torch.sigmoid(xt @ writer.beta_proj.weight[h].double() + writer.beta_proj.bias[h].double())
-                    alpha = 1.0
-                    if cell.gated:
-                        alpha = torch.sigmoid(xt @ writer.gate_proj.weight[h].double() + writer.gate_proj.bias[h].double())
-                    kt = k[b, h, t].double() / k[b, h, t].double().norm()
-                    S = alpha * S @ (eye - beta * torch.outer(kt, kt)) + beta * torch.outer(v[b, h, t].double(), kt)
-                for i in range(group):
-                    qt = q[b, h * group + i, t].double()
-                    out[b, h * group + i, t] = S @ (qt / qt.norm())
+                    S = delta_write(S, writer, x[b, t], h, k[b, h, t], v[b, h, t])
+                read(out, S, q, b, h, t)
             final[b, h] = S
     return out, final.transpose(-1, -2)
 
@@ -193,3 +203,65 @@ def test_convert_tiny_llama_left_padded(tiny_model_dir):
     mask[0, :3] = False
     logits, _ = model.prefill(padded, attention_mask=mask)
     assert rel_diff(logits[0, 3:], alone[0]) < 1e-4
+
+
+# --------------------------------------------------------------------------- the hybrid's delta memory
+
+def delta_memory_reference(cell, q, k, v, x, mask, window: int, sinks: int):
+    """float64: per row and kv head, token n - W (not a sink) is written when real token n >= W + S
+    arrives, with beta and alpha of token n; the readout S q^ of every query after that write."""
+    writer = cell.writer
+    out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=torch.float64)
+    for b in range(2):
+        real = [t for t in range(q.shape[2]) if mask[b, t]]
+        for h in range(2):
+            S = torch.zeros(6, 8, dtype=torch.float64)
+            for t in range(q.shape[2]):
+                n = real.index(t) if t in real else -1
+                if n >= window + sinks:
+                    j = real[n - window]
+                    S = delta_write(S, writer, x[b, t], h, k[b, h, j], v[b, h, j])
+                read(out, S, q, b, h, t)
+    return out
+
+
+@pytest.mark.parametrize("memory", ["delta", "gated-delta"])
+def test_hybrid_delta_memory_is_window_plus_gated_readout(memory):
+    """out = the window target's output + g_h * (delta memory of the tokens that left the window);
+    at the default g = 0 the window target (to rounding). Prefill in chunks, then decode, from a state."""
+    window, sinks = 3, 1
+    torch.manual_seed(0)
+    hybrid = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4})
+    assert hybrid.state_names[-1] == "kv" and hybrid.needs_input
+    q, k, v, x, mask = make_inputs(13, pad=2)
+    windowed = build_cell("window", SPEC, {"window": window, "sinks": sinks})
+    expected_window, *_ = windowed(q, k, v, mask, *windowed.init_state(2, q.device, q.dtype))
+    out, *_ = hybrid(q, k, v, mask, *hybrid.init_state(2, q.device, q.dtype), x=x)
+    real = mask[:, None, :, None].expand_as(out)
+    assert rel_diff(out[real], expected_window[real]) < 1e-6
+
+    gate = torch.tensor([0.3, -0.5, 1.0, 0.7])
+    with torch.no_grad():
+        hybrid.memory_gate.copy_(gate)
+        for p in hybrid.writer.parameters():
+            p.normal_(std=0.3) if p.dim() == 2 else None
+    expected = expected_window.double() + gate[None, :, None, None].double() * delta_memory_reference(
+        hybrid, q, k, v, x, mask, window, sinks)
+    state = hybrid.init_state(2, q.device, q.dtype)
+    outs = []
+    for t in (slice(0, 6), slice(6, 11), slice(11, 12), slice(12, 13)):
+        o, *state = hybrid(q[:, :, t], k[:, :, t], v[:, :, t], mask[:, t], *state, x=x[:, t])
+        outs.append(o)
+    out = torch.cat(outs, 2)
+    assert rel_diff(out[real], expected[real]) < 1e-5
+    hybrid.use_kernels("reference")
+    fused, *_ = hybrid(q, k, v, mask, *hybrid.init_state(2, q.device, q.dtype), x=x)
+    assert rel_diff(fused[real], expected[real]) < 1e-5
+
+
+def test_hybrid_memory_option_is_checked():
+    with pytest.raises(RnnifyError, match="unknown memory 'lstm'"):
+        build_cell("hybrid", SPEC, {"memory": "lstm"})
+    with pytest.raises(RnnifyError, match="feature_map and feature_options apply to the linear memory only"):
+        build_cell("hybrid", SPEC, {"memory": "delta", "feature_map": "hedgehog"})
+    assert build_cell("hybrid", SPEC).state_names[-2:] == ("kv", "k_sum")

@@ -26,6 +26,7 @@ VARIANTS = {
     "gated-gateloop": {"gate": "gateloop"},
     "gated-rnn": {},
     "aaren": {},
+    "hybrid-deltamemory": {"window": 8, "memory": "gated-delta", "memory_init": 0.5},
     "delta": {},
     "gated-delta": {},
 }
