@@ -1,13 +1,22 @@
-"""How good is each target? Perplexity, KL and state size, training-free and distilled.
+"""How good is each target? Perplexity, KL, top-1 agreement, pass-key recall and state size.
 
-    python benchmarks/fidelity.py                      # every variant; writes docs/fidelity.md
+    python benchmarks/fidelity.py                      # every variant on the bundled model; writes docs/fidelity.md
     python benchmarks/fidelity.py --variants hybrid-hedgehog linear-hedgehog --distill-tokens 1000000
+    python benchmarks/fidelity.py --model /work/models/smollm2-hf --data /work/data/pydocs --seq-len 2048 \
+        --eval-rows 4 --passkey 512,1024,2048 --batch-size 1 --no-distill \
+        --variants exact linear-hedgehog --row hybrid-w256=hybrid,window=256,feature_map=hedgehog
 
-On the bundled model (``examples/models/stdlib-llama``, trained by ``examples/train_tiny_lm.py``)
-and its held-out files (``examples/stdlib_corpus.py``): each variant is converted, evaluated
-training-free, distilled on the training files (``rnnify.distill``: attention transfer, then LoRA
-fine-tuning) and evaluated again. Results go to ``benchmarks/results/fidelity.json``, a table in
-``docs/fidelity.md`` (with this command line) and a plot of quality against state size.
+By default on the bundled model (``examples/models/stdlib-llama``, trained by ``examples/train_tiny_lm.py``)
+and its held-out files (``examples/stdlib_corpus.py``); ``--model`` and ``--data`` (a folder with
+``train/`` and ``heldout/``, e.g. from ``examples/python_docs_corpus.py``) point it at another.
+Each row (a named target and its cell options) is converted, evaluated training-free, distilled
+on the training files (``rnnify.distill``: attention transfer, then LoRA fine-tuning; skipped with
+``--no-distill``) and evaluated again. ``--passkey`` adds pass-key recall (``rnnify.passkey``) at
+those prompt lengths, with the original's beside it. Every finished step is written to ``--json``
+at once, and a rerun with the same settings takes a row's finished steps from there instead of
+running them again, so a killed run loses at most the step it was in. The script prints a
+markdown table, and writes a plot of quality against state size (``--png``) and, for the bundled
+model, ``docs/fidelity.md``.
 """
 
 from __future__ import annotations
@@ -27,62 +36,162 @@ import stdlib_corpus  # noqa: E402
 
 import rnnify  # noqa: E402
 from rnnify.eval import write_json  # noqa: E402
+from rnnify.passkey import evaluate_passkey, original_generator, passkey_prompts, passkey_trials  # noqa: E402
 
-WINDOW = 64
-# name -> (target, options)
-VARIANTS: dict[str, tuple[str, dict]] = {
-    "exact": ("exact", {}),
-    "window": ("window", {"window": WINDOW}),
-    "window-sinks": ("window", {"window": WINDOW, "sinks": 4}),
-    **{f"linear-{m}": ("linear", {"feature_map": m}) for m in ("elu", "relu", "performer", "taylor", "hedgehog", "t2r")},
-    **{f"gated-{g}": ("gated", {"gate": g, "feature_map": "hedgehog"}) for g in ("retnet", "gla", "gateloop")},
-    "aaren": ("aaren", {}),
-    "hybrid-hedgehog": ("hybrid", {"window": WINDOW, "feature_map": "hedgehog"}),
-    "delta": ("delta", {}),
-    "gated-delta": ("gated-delta", {}),
-}
+BUNDLED = ROOT / "examples/models/stdlib-llama"
+
+WINDOW = 64  # the window variants' default (--window)
+
+
+def variants(window: int = WINDOW) -> dict[str, tuple[str, dict]]:
+    """The named rows: name -> (target, cell options)."""
+    return {
+        "exact": ("exact", {}),
+        "window": ("window", {"window": window}),
+        "window-sinks": ("window", {"window": window, "sinks": 4}),
+        **{f"linear-{m}": ("linear", {"feature_map": m}) for m in ("elu", "relu", "performer", "taylor", "hedgehog", "t2r")},
+        **{f"gated-{g}": ("gated", {"gate": g, "feature_map": "hedgehog"}) for g in ("retnet", "gla", "gateloop")},
+        "aaren": ("aaren", {}),
+        "hybrid-hedgehog": ("hybrid", {"window": window, "feature_map": "hedgehog"}),
+        "delta": ("delta", {}),
+        "gated-delta": ("gated-delta", {}),
+    }
+
+
+VARIANTS = variants()
 GOALS = {"hybrid-hedgehog": 1.05, "linear-hedgehog": 1.15}  # perplexity ratio to the original (issue 5)
 
 
-def evaluate(model, data: Path, teacher: Path, args) -> dict:
+def parse_row(text: str) -> dict:
+    """``NAME=TARGET[,KEY=VALUE...]`` -> a row; values are JSON where they parse (numbers, true), else text."""
+    name, sep, rest = text.partition("=")
+    target, *pairs = rest.split(",")
+    options = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key.isidentifier():
+            raise ValueError(f"--row {text!r}: options are KEY=VALUE, e.g. hybrid-w256=hybrid,window=256")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    if not sep or not name or not target:
+        raise ValueError(f"--row {text!r}: expected NAME=TARGET[,KEY=VALUE...], e.g. hybrid-w256=hybrid,window=256")
+    return {"variant": name, "target": target, "options": options}
+
+
+def read_rows(path: Path) -> list[dict]:
+    """A JSON list of ``{"variant": NAME, "target": TARGET, "options": {...}}`` rows."""
+    rows = json.loads(path.read_text())
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and {"variant", "target"} <= set(r) for r in rows):
+        raise ValueError(f"--rows {path}: expected a JSON list of {{\"variant\": ..., \"target\": ..., \"options\": {{...}}}}")
+    return [{"variant": r["variant"], "target": r["target"], "options": r.get("options", {})} for r in rows]
+
+
+def measure(model, heldout: Path, args) -> dict:
+    """Training-free or distilled: ``rnnify.evaluate`` against the original, and pass-key recall."""
     result = rnnify.evaluate(
-        model, data, against=teacher, seq_len=args.seq_len, batch_size=args.batch_size, max_tokens=args.eval_tokens
+        model, heldout, against=args.teacher, seq_len=args.seq_len, batch_size=args.batch_size,
+        max_tokens=args.eval_tokens,
+    ).to_json()
+    if args.passkey:
+        result["passkey"] = evaluate_passkey(model, args.passkey, trials=args.passkey_trials, seed=args.seed,
+                                             original=False).to_json()
+    return result
+
+
+def settings(spec: dict, args) -> dict:
+    """What a row's training-free numbers depend on: a cached row is reused only when these match."""
+    return {"target": spec["target"], "options": spec["options"], "model": str(args.model), "data": args.data_name,
+            "seq_len": args.seq_len, "eval_tokens": args.eval_tokens, "passkey": args.passkey,
+            "passkey_trials": args.passkey_trials, "seed": args.seed}
+
+
+def distill_budget(spec: dict, args) -> int | None:
+    """Distillation tokens for a row; None where it is not distilled."""
+    if args.no_distill or spec["target"] == "exact":
+        return None
+    return args.goal_distill_tokens if spec["variant"] in GOALS else args.distill_tokens
+
+
+def run_row(spec: dict, heldout: Path, train: Path, args, cached: dict | None, save) -> dict:
+    """One row: training-free, then distilled; each step reused from ``cached`` when its settings match,
+    else run and handed to ``save`` as soon as it is done."""
+    model = None
+    row = cached if cached is not None and cached.get("settings") == settings(spec, args) else None
+    if row is None:
+        print(f"== {spec['variant']}: training-free", flush=True)
+        model = rnnify.convert(args.model, to=spec["target"], progress=False, **spec["options"])
+        row = {**spec, "settings": settings(spec, args), "state_bytes": model.state_nbytes(args.seq_len),
+               "training_free": measure(model, heldout, args)}
+        save(row)
+    tokens = distill_budget(spec, args)
+    wanted = None if tokens is None else {"tokens": tokens, "lr": list(args.lr), "seed": args.seed,
+                                          "seq_len": args.distill_seq_len, "batch_size": args.distill_batch_size}
+    if wanted is None or (row.get("distill_settings") == wanted and "distilled" in row):
+        if wanted is None:
+            row = {k: v for k, v in row.items() if k not in ("distilled", "distill_settings", "distill_seconds",
+                                                             "distill_tokens", "stage_tokens")}
+        return row
+    print(f"== {spec['variant']}: distilling {tokens:,} tokens", flush=True)
+    model = model or rnnify.convert(args.model, to=spec["target"], progress=False, **spec["options"])
+    start = time.time()
+    model = rnnify.distill(
+        model, train, teacher=args.teacher, max_tokens=tokens, seq_len=args.distill_seq_len,
+        batch_size=args.distill_batch_size, lr=args.lr, seed=args.seed,
     )
-    return result.to_json()
-
-
-def run_variant(name: str, heldout: Path, train: Path, args) -> dict:
-    target, options = VARIANTS[name]
-    model = rnnify.convert(args.model, to=target, progress=False, **options)
-    row = {"variant": name, "target": target, "options": options, "state_bytes": model.state_nbytes(args.seq_len)}
-    row["training_free"] = evaluate(model, heldout, args.model, args)
-    if target != "exact":
-        tokens = args.goal_distill_tokens if name in GOALS else args.distill_tokens
-        start = time.time()
-        model = rnnify.distill(
-            model, train, teacher=args.model, max_tokens=tokens, seq_len=args.seq_len,
-            batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-        )
-        row["distill_seconds"] = round(time.time() - start, 1)
-        row["distill_tokens"] = tokens
-        # the budget is split between the stages that ran (transfer is skipped when the cells have
-        # nothing to train): the tokens each stage read
-        row["stage_tokens"] = {r["stage"]: r["tokens"] for r in model.manifest.distill["trained"]}
-        row["distilled"] = evaluate(model, heldout, args.model, args)
+    row = {**row, "distill_settings": wanted, "distill_seconds": round(time.time() - start, 1), "distill_tokens": tokens,
+           # the budget is split between the stages that ran (transfer is skipped when the cells have
+           # nothing to train): the tokens each stage read
+           "stage_tokens": {r["stage"]: r["tokens"] for r in model.manifest.distill["trained"]}}
+    row["distilled"] = measure(model, heldout, args)
+    save(row)
     return row
 
 
-def table(rows: list[dict], original_ppl: float) -> str:
-    lines = [
-        "| variant | state bytes / sequence | training-free ppl (ratio) | KL | distilled ppl (ratio) | KL | tokens: transfer + finetune | distill time |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+def original_passkey(args, cached: dict | None) -> dict | None:
+    """The original model's pass-key accuracy (length -> share), on the prompts every row gets."""
+    if not args.passkey:
+        return None
+    wanted = {"model": str(args.model), "lengths": args.passkey, "trials": args.passkey_trials, "seed": args.seed}
+    if cached is not None and cached.get("settings") == wanted:
+        return cached
+    from rnnify.capture import load_source
+    from rnnify.data import load_tokenizer
+
+    print("== original: pass key", flush=True)
+    tokenizer = load_tokenizer(args.model)
+    trials = passkey_trials({"original": original_generator(load_source(args.model))}, tokenizer,
+                            passkey_prompts(tokenizer, args.passkey, args.passkey_trials, args.seed))
+    accuracy = rnnify.PasskeyResult(str(args.model), None, args.seed, trials).to_json()["accuracy"]["original"]
+    return {"settings": wanted, "accuracy": accuracy}
+
+
+def _passkey_cell(result: dict | None) -> str:
+    if result is None:
+        return "–"
+    return " / ".join(f"{a:.0%}" for a in result.values())
+
+
+def table(record: dict) -> str:
+    """The markdown table: one line per row, the original first."""
+    rows, original_ppl = record["rows"], record["original_perplexity"]
+    passkey = record.get("original_passkey")
+    lengths = "/".join(passkey["accuracy"]) if passkey else None
+    pk_head = [f"pass key {lengths}"] if passkey else []
+    head = ["variant", "state bytes / sequence", "training-free ppl (ratio)", "KL", "top-1", *pk_head,
+            "distilled ppl (ratio)", "KL", "top-1", *pk_head, "tokens: transfer + finetune", "distill time"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
 
     def quality(result: dict | None) -> list[str]:
         if result is None:
-            return ["–", "–"]
-        return [f"{result['perplexity']:.2f} ({result['perplexity'] / original_ppl:.3f})", f"{result['kl']:.4f}"]
+            return ["–"] * (3 + bool(passkey))
+        cells = [f"{result['perplexity']:.2f} ({result['perplexity'] / original_ppl:.3f})", f"{result['kl']:.4f}",
+                 f"{result.get('top1_agreement', float('nan')):.1%}"]
+        return cells + ([_passkey_cell(result.get("passkey", {}).get("accuracy", {}).get("converted"))] if passkey else [])
 
+    first = ["original", "–", f"{original_ppl:.2f} (1.000)", "0", "100%"] + ([_passkey_cell(passkey["accuracy"])] if passkey else [])
+    lines.append("| " + " | ".join(first + ["–"] * (len(head) - len(first))) + " |")
     for row in rows:
         cells = [f"`{row['variant']}`", f"{row['state_bytes']:,}", *quality(row["training_free"]), *quality(row.get("distilled"))]
         if "distilled" in row:
@@ -109,7 +218,7 @@ def further_runs(json_path: Path) -> str:
 
 def document(record: dict, png: Path, json_path: Path) -> str:
     """docs/fidelity.md: what was measured, how to rerun it, the table, the goals and the plot."""
-    rows, original = record["rows"], record["original_perplexity"]
+    rows, original, window = record["rows"], record["original_perplexity"], record.get("window", WINDOW)
     first = rows[0]["training_free"]
     free = [r["training_free"]["perplexity"] / original for r in rows if r["target"] in ("linear", "gated", "aaren")]
     spread = f"{min(free):.1f}-{max(free):.1f}" if free else "(not run)"
@@ -135,14 +244,14 @@ between the stages that run, and fine-tuning gets all of it where the cells have
 bytes: per sequence, after {first["seq_len"]} tokens (fp32). CPU ({record["threads"]} torch threads), torch
 {record["torch"]}; `benchmarks/results/fidelity.json` holds every number, including per-layer errors.
 
-{table(rows, original)}
+{table(record)}
 
 KL is KL(original || converted) in nats per token on the held-out text. Ratios are perplexity /
 original perplexity. Distill times are wall times on a 2-core machine that other jobs shared for
 part of the run: compare them loosely.
 
 Reading the table: the model was trained on rows of {first["seq_len"]} tokens and is evaluated on rows
-of that length, only {first["seq_len"] // WINDOW}x the {WINDOW}-token window, so the window targets lose little
+of that length, only {first["seq_len"] // window}x the {window}-token window, so the window targets lose little
 here, and the hybrid's result owes much to its window half; longer contexts would separate them
 more, but this model has never seen them. The constant-size linear, gated and Aaren states are
 where distillation matters: training-free their perplexity is {spread}x the original's.
@@ -159,85 +268,169 @@ Further runs, one variant with another budget:
 """
 
 
-def plot(rows: list[dict], original_ppl: float, path: Path) -> None:
+def plot(record: dict, path: Path) -> None:
+    """Quality (perplexity ratio) against state bytes, both log scale: one point per row and stage."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
+    rows, original_ppl = record["rows"], record["original_perplexity"]
+    seq_len = rows[0]["training_free"]["seq_len"]
     fig, ax = plt.subplots(figsize=(8, 5))
     for key, marker, label in (("training_free", "o", "training-free"), ("distilled", "s", "distilled")):
         points = [(r["state_bytes"], r[key]["perplexity"] / original_ppl, r["variant"]) for r in rows if key in r]
+        if not points:
+            continue
         ax.scatter([p[0] for p in points], [p[1] for p in points], marker=marker, label=label)
-        if key == "distilled":
+        if key == "distilled" or not any("distilled" in r for r in rows):
             for x, y, name in points:
                 ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("state bytes per sequence (after the evaluation context)")
+    ratios = [r[k]["perplexity"] / original_ppl for r in rows for k in ("training_free", "distilled") if k in r]
+    ax.set_ylim(min(0.9, min(ratios) / 1.1), max(1.2, max(ratios) * 1.1))  # 1.0 always in view, never a sliver
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.set_xlabel(f"state bytes per sequence (after {seq_len:,} tokens)")
     ax.set_ylabel("perplexity / original perplexity (held-out)")
-    ax.set_title("rnnify targets on the bundled stdlib-llama")
+    ax.set_title(f"rnnify targets on {Path(record['model']).name}, {seq_len:,}-token rows")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=ROOT / "examples/models/stdlib-llama")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--distill-tokens", type=int, default=200_000, help="per variant, both stages together")
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--model", type=Path, default=BUNDLED, help="Hugging Face model directory (default: the bundled one)")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="folder with train/ and heldout/ text (default: the stdlib split, written to a temp dir)")
+    parser.add_argument("--variants", nargs="*", default=None, choices=list(VARIANTS), metavar="NAME",
+                        help=f"named rows (default: all, unless --row or --rows is given): {', '.join(VARIANTS)}")
+    parser.add_argument("--row", action="append", default=[], metavar="NAME=TARGET[,KEY=VALUE...]",
+                        help="a row of your own: a name, a target and its cell options, e.g. "
+                        "hybrid-w256=hybrid,window=256,feature_map=hedgehog (repeatable)")
+    parser.add_argument("--rows", type=Path, default=None, metavar="FILE.json",
+                        help='rows from a JSON list of {"variant": NAME, "target": TARGET, "options": {...}}')
+    parser.add_argument("--window", type=int, default=WINDOW, help=f"window of the named window rows (default: {WINDOW})")
+    parser.add_argument("--no-distill", action="store_true", help="training-free numbers only")
+    parser.add_argument("--distill-tokens", type=int, default=200_000, help="per row, both stages together")
     parser.add_argument("--goal-distill-tokens", type=int, default=1_000_000,
-                        help="for the variants with a goal (%s)" % ", ".join(GOALS))
+                        help="for the rows with a goal (%s)" % ", ".join(GOALS))
+    parser.add_argument("--distill-seq-len", type=int, default=None,
+                        help="tokens per training row (default: --seq-len; shorter rows need less memory)")
+    parser.add_argument("--distill-batch-size", type=int, default=None, help="training rows per step (default: --batch-size)")
     parser.add_argument("--lr", type=float, nargs=2, default=(1e-2, 1e-3), metavar=("TRANSFER", "FINETUNE"))
-    parser.add_argument("--eval-tokens", type=int, default=None, help="default: all held-out tokens")
-    parser.add_argument("--seq-len", type=int, default=256)
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--eval-tokens", type=int, default=None, help="held-out tokens to evaluate (default: all)")
+    group.add_argument("--eval-rows", type=int, default=None, help="held-out rows of --seq-len tokens to evaluate")
+    parser.add_argument("--passkey", default=None, metavar="LIST",
+                        help="pass-key recall at these prompt lengths, e.g. 512,1024,2048 (default: off)")
+    parser.add_argument("--passkey-trials", type=int, default=6, help="key depths per length (default: 6)")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per row, for evaluation and distillation")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/fidelity.json")
-    parser.add_argument("--doc", type=Path, default=ROOT / "docs/fidelity.md")
-    parser.add_argument("--png", type=Path, default=ROOT / "benchmarks/results/fidelity.png")
-    parser.add_argument("--resume", action="store_true",
-                        help="keep the variants already in --json (same command otherwise) and run the rest")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="results, also the cache a rerun reads (default: benchmarks/results/fidelity.json for "
+                        "the bundled model, else benchmarks/results/fidelity-MODEL-SEQLEN.json)")
+    parser.add_argument("--png", type=Path, default=None, help="the plot (default: --json with .png)")
+    parser.add_argument("--doc", type=Path, default=None,
+                        help="write a markdown page (default: docs/fidelity.md for the bundled model on its own data)")
+    parser.add_argument("--fresh", action="store_true", help="ignore rows already in --json: run every step again")
     parser.add_argument("--render", action="store_true", help="only rewrite --doc and --png from --json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    default = args.model == BUNDLED and args.data is None
+    if args.json is None:
+        name = "fidelity" if default else f"fidelity-{args.model.name}-{args.seq_len}"
+        args.json = ROOT / "benchmarks/results" / f"{name}.json"
+    args.png = args.png or args.json.with_suffix(".png")
+    args.doc_given = args.doc is not None
+    if args.doc is None and default:
+        args.doc = ROOT / "docs/fidelity.md"
+    try:
+        specs = [{"variant": n, "target": VARIANTS[n][0], "options": variants(args.window)[n][1]}
+                 for n in (args.variants if args.variants is not None else [] if args.row or args.rows else VARIANTS)]
+        specs += [parse_row(text) for text in args.row] + (read_rows(args.rows) if args.rows else [])
+        passkey_text = args.passkey
+        if args.passkey:
+            args.passkey = [int(n) for n in args.passkey.split(",")]
+            if min(args.passkey) < 1:
+                raise ValueError
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc) if str(exc) and "int()" not in str(exc) else
+                     f"--passkey {passkey_text!r}: expected comma-separated positive token counts, e.g. 512,1024,2048")
+    names = [spec["variant"] for spec in specs]
+    if len(set(names)) != len(names):
+        parser.error(f"row names must differ: {names}")
+    if args.data is not None and not all((args.data / part).is_dir() for part in ("train", "heldout")):
+        parser.error(f"--data {args.data} needs train/ and heldout/ folders (examples/python_docs_corpus.py writes them)")
+    if not args.render and not specs:
+        parser.error("no rows: give --variants, --row or --rows")
+    args.distill_seq_len = args.distill_seq_len or args.seq_len
+    args.distill_batch_size = args.distill_batch_size or args.batch_size
+    if args.eval_rows is not None:
+        args.eval_tokens = args.eval_rows * args.seq_len
+    args.specs = specs
+    args.data_name = "stdlib" if args.data is None else str(args.data)
+    args.teacher = args.model
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     if args.render:
         record = json.loads(args.json.read_text())
+        if record["model"] != str(BUNDLED.relative_to(ROOT)) or record.get("data", "stdlib") != "stdlib":
+            args.doc = args.doc if args.doc_given else None  # docs/fidelity.md is the bundled model's page
         render(record, args)
-        return
+        return record
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    command = "python benchmarks/fidelity.py " + " ".join(sys.argv[1:])
-
+    cached = {} if args.fresh or not args.json.is_file() else json.loads(args.json.read_text())
+    by_name = {row["variant"]: row for row in cached.get("rows", [])}
     record = {
-        "command": command,
+        "command": "python benchmarks/fidelity.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "model": str(args.model.relative_to(ROOT)) if args.model.is_relative_to(ROOT) else str(args.model),
-        "lr": list(args.lr), "threads": args.threads, "torch": torch.__version__, "rows": [],
+        "data": args.data_name, "seq_len": args.seq_len, "eval_tokens": args.eval_tokens, "window": args.window,
+        "lr": list(args.lr), "threads": args.threads, "torch": torch.__version__,
     }
-    if args.resume and args.json.is_file():
-        done = json.loads(args.json.read_text())
-        record["command"], record["rows"] = done["command"], done["rows"]
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    rows = record["rows"]
+    requested = [spec["variant"] for spec in args.specs]
+    # the file keeps rows of other commands (after this command's rows): a rerun never loses results
+    record["rows"] = [by_name.get(name) for name in requested] + [r for r in by_name.values() if r["variant"] not in requested]
+    record["original_passkey"] = original_passkey(args, cached.get("original_passkey"))
+    if record["original_passkey"] is not None:  # kept for a rerun at once
+        write_json(args.json, {**cached, **record, "rows": [r for r in record["rows"] if r is not None]})
+
+    def save(position: int, row: dict) -> None:  # after every step: a run killed later loses nothing done
+        record["rows"][position] = row
+        record["original_perplexity"] = record["rows"][0]["training_free"]["teacher_perplexity"]
+        write_json(args.json, {**record, "rows": [r for r in record["rows"] if r is not None]})
+
     with tempfile.TemporaryDirectory() as tmp:
-        train, heldout = stdlib_corpus.write_split(tmp)
-        for name in args.variants:
-            if any(row["variant"] == name for row in rows):
-                continue
-            print(f"== {name}", flush=True)
-            rows.append(run_variant(name, heldout, train, args))
-            record["original_perplexity"] = rows[0]["training_free"]["teacher_perplexity"]
-            write_json(args.json, record)  # after every variant: a crash later loses nothing
+        train, heldout = (args.data / "train", args.data / "heldout") if args.data else stdlib_corpus.write_split(tmp)
+        for position, spec in enumerate(args.specs):
+            row = run_row(spec, heldout, train, args, by_name.get(spec["variant"]), lambda r: save(position, r))
+            save(position, row)
     render(record, args)
+    return record
 
 
 def render(record: dict, args) -> None:
-    plot(record["rows"], record["original_perplexity"], args.png)
-    args.doc.write_text(document(record, args.png, args.json))
-    print(table(record["rows"], record["original_perplexity"]))
+    plot(record, args.png)
+    if args.doc is not None:
+        args.doc.write_text(document(record, args.png, args.json))
+    print(table(record))
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except rnnify.RnnifyError as exc:  # a bad target, option or model: one line, as the CLI does
+        sys.exit(f"error: {exc}")

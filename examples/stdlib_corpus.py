@@ -18,6 +18,7 @@ import os
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 EXCLUDED_PARTS = {"site-packages", "__pycache__", "test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo"}
@@ -36,8 +37,12 @@ def is_heldout(relpath: str) -> bool:
 
 def split() -> tuple[list[str], list[str]]:
     """(train, heldout) relative paths."""
-    files = stdlib_files()
-    return [f for f in files if not is_heldout(f)], [f for f in files if is_heldout(f)]
+    return split_paths(stdlib_files())
+
+
+def split_paths(relpaths: list[str]) -> tuple[list[str], list[str]]:
+    """(train, heldout) of ``relpaths``, by ``is_heldout``; any corpus split by file uses this."""
+    return [f for f in relpaths if not is_heldout(f)], [f for f in relpaths if is_heldout(f)]
 
 
 def read(relpath: str) -> str:
@@ -45,18 +50,24 @@ def read(relpath: str) -> str:
 
 
 def write_split(directory: str | Path) -> tuple[Path, Path]:
-    """Copy the split into ``directory/train`` and ``directory/heldout`` (one file per source file).
+    """Copy the split into ``directory/train`` and ``directory/heldout`` (one file per source file)."""
+    return write_files(directory, split(), read)
 
-    Refuses to replace an existing ``train`` or ``heldout``; each is built in a temporary directory
-    beside it and renamed into place, so an interruption leaves nothing half-written.
+
+def write_files(directory: str | Path, parts: tuple[list[str], list[str]], read: Callable[[str], str]) -> tuple[Path, Path]:
+    """Write ``parts`` (train and heldout relative paths) under ``directory/train`` and ``directory/heldout``,
+    each file's text from ``read(relpath)``.
+
+    Refuses to replace an existing ``train`` or ``heldout`` (``FileExistsError``); each is built in a
+    temporary directory beside it and renamed into place, so an interruption leaves nothing half-written.
     """
     directory = Path(directory)
     targets = [directory / "train", directory / "heldout"]
     for target in targets:
         if target.exists():
-            raise SystemExit(f"{target} already exists: remove it or choose another directory")
+            raise FileExistsError(f"{target} already exists: remove it or choose another directory")
     directory.mkdir(parents=True, exist_ok=True)
-    for target, files in zip(targets, split()):
+    for target, files in zip(targets, parts):
         tmp = Path(tempfile.mkdtemp(dir=directory, prefix=f".{target.name}-"))
         for relpath in files:
             out = tmp / relpath
@@ -69,7 +80,10 @@ def write_split(directory: str | Path) -> tuple[Path, Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", help="where to write train/ and heldout/")
-    train, heldout = write_split(parser.parse_args().directory)
+    try:
+        train, heldout = write_split(parser.parse_args().directory)
+    except FileExistsError as exc:
+        parser.error(str(exc))
     print(f"wrote {train} and {heldout}")
 
 

@@ -12,8 +12,9 @@ from rnnify.convert import convert
 from rnnify import distill
 from rnnify.errors import RnnifyError
 from rnnify.eval import EvalResult, evaluate
+from rnnify.passkey import PasskeyResult, evaluate_passkey
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.state import RecurrentState
 from rnnify.runtime.storage import load
 
-__all__ = ["convert", "distill", "load", "evaluate", "EvalResult", "RecurrentModel", "RecurrentState", "RnnifyError", "__version__"]
+__all__ = ["convert", "distill", "load", "evaluate", "EvalResult", "evaluate_passkey", "PasskeyResult", "RecurrentModel", "RecurrentState", "RnnifyError", "__version__"]

@@ -28,11 +28,17 @@ _MAX_LENGTH = 1 << 20
 def _load_pretrained(path_or_id: str, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from rnnify.gguf import is_gguf, load_gguf
+
     local = Path(path_or_id).expanduser()
+    if is_gguf(local):
+        return load_gguf(local, dtype)
     if local.exists():
         if not (local / "config.json").is_file():
-            raise RnnifyError(f"{path_or_id}: no config.json here; pass a Hugging Face model directory")
+            raise RnnifyError(f"{path_or_id}: no config.json here; pass a Hugging Face model directory or a .gguf file")
         where = {"pretrained_model_name_or_path": str(local)}
+    elif path_or_id.lower().endswith(".gguf"):
+        raise RnnifyError(f"{path_or_id}: no such file")
     elif path_or_id.startswith((".", "/", "~")) or os.sep in path_or_id.strip("/").replace("/", "", 1):
         raise RnnifyError(f"{path_or_id}: no such directory")
     else:
@@ -70,8 +76,8 @@ def _first_line(exc: Exception) -> str:
 def load_source(model, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Return the source model in eval mode with SDPA attention.
 
-    ``model`` is a local directory, a hub id already in the local cache, or a loaded
-    ``PreTrainedModel`` (used as is, switched to SDPA).
+    ``model`` is a local directory, a GGUF file (dequantised to ``dtype``, see ``rnnify.gguf``), a
+    hub id already in the local cache, or a loaded ``PreTrainedModel`` (used as is, switched to SDPA).
     """
     from transformers import PreTrainedModel
 

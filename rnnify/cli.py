@@ -32,6 +32,7 @@ examples:
   rnnify convert path/to/hf-model --to linear --feature-map elu -o out/linear
   rnnify verify out/exact --against path/to/hf-model
   rnnify generate out/exact --prompt "def main():" --max-new-tokens 40
+  rnnify chat out/exact --system "You are brief."
   rnnify info out/linear
   rnnify bench out/linear --against path/to/hf-model --contexts 256,16384 --json bench.json --plot bench.png
   rnnify eval out/linear --data corpus/ --max-tokens 100000 --json eval.json
@@ -504,11 +505,25 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     from rnnify.eval import evaluate, write_json
 
     _check_writable("--json", args.json)
+    lengths = None
+    if args.passkey is not None:
+        from rnnify.passkey import depths
+
+        lengths = _int_list("--passkey", args.passkey)
+        depths(args.passkey_trials)  # checks it, before anything loads
     result = evaluate(
         args.dir, args.data, against=args.against, seq_len=args.seq_len, batch_size=args.batch_size,
         max_tokens=args.max_tokens, tokenizer=args.tokenizer, device=_device(args.device), kernels=args.kernels,
         progress=True,
     )
+    passkey = None
+    if lengths is not None:
+        from rnnify.passkey import evaluate_passkey
+
+        passkey = evaluate_passkey(
+            args.dir, lengths, trials=args.passkey_trials, seed=args.passkey_seed, against=args.against,
+            tokenizer=args.tokenizer, device=_device(args.device), kernels=args.kernels, progress=True,
+        )
     summary = Table(box=box.SIMPLE_HEAD, title=Text(
         f"{result.target} vs {result.against}: {result.tokens:,} tokens, rows of {result.seq_len}"
     ))
@@ -525,9 +540,23 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     for layer in result.layers:
         layers.add_row(str(layer.layer), layer.module, f"{layer.rel_error:.3g}", f"{layer.mse:.3g}")
     console.print(layers)
+    if passkey is not None:
+        console.print(_passkey_table(passkey))
     if args.json is not None:
-        write_json(args.json, result.to_json())
+        write_json(args.json, {**result.to_json(), **({"passkey": passkey.to_json()} if passkey else {})})
     return 0
+
+
+def _passkey_table(result) -> Table:
+    accuracy = result.accuracy()
+    trials = len(result.trials) // len(accuracy["converted"])
+    table = Table(box=box.SIMPLE_HEAD, title=Text(f"pass-key retrieval: {trials} depths per length, greedy answers"))
+    table.add_column("prompt tokens", justify="right")
+    for name in accuracy:
+        table.add_column(name, justify="right")
+    for length in accuracy["converted"]:
+        table.add_row(f"{length:,}", *(f"{by[length]:.0%}" for by in accuracy.values()))
+    return table
 
 
 def _training_options(args: argparse.Namespace) -> dict:
@@ -573,6 +602,79 @@ def _add_kernels_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """How tokens are chosen, shared by ``generate`` and ``chat``: greedy unless --do-sample."""
+    p.add_argument(
+        "--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
+        help=f"most tokens to generate (default: {max_new_tokens})",
+    )
+    p.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
+    p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature, > 0 (default: 1.0)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample only from the K most likely tokens")
+    p.add_argument(
+        "--top-p", type=float, default=None, metavar="P",
+        help="sample only from the smallest set of tokens whose probability adds up to P",
+    )
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling, for repeatable output")
+
+
+def _chat(args: argparse.Namespace, console: Console) -> int:
+    """Read user messages from stdin, one per line, and stream each reply; /reset starts over."""
+    from transformers import TextStreamer
+
+    import rnnify
+    from rnnify.chat import Chat
+    from rnnify.data import load_tokenizer
+
+    model = rnnify.load(args.dir, kernels=args.kernels)
+    tokenizer = load_tokenizer(args.dir, "chat needs the tokenizer and chat template of the source model in DIR")
+    chat = Chat(
+        model, tokenizer, system=args.system, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        eos_token_id=_eos_ids(model, tokenizer) or None, seed=args.seed,
+    )
+    interactive = sys.stdin.isatty()
+    if interactive:
+        console.print(Text("one message per line; /reset starts a new conversation; Ctrl-D ends", "dim"))
+    try:
+        while True:
+            try:
+                text = input("> " if interactive else "").strip()
+            except EOFError:
+                break
+            if text == "/reset":
+                chat.reset()
+                console.print(Text("(new conversation)", "dim"))
+            elif text:
+                read, rule = chat.ask(text)
+                if args.verbose:
+                    console.print(Text(f"(read {read} new tokens, {rule} rule)", "dim"))
+                chat.reply(TextStreamer(tokenizer, skip_special_tokens=True))
+                console.print(Text(f"[{len(chat.consumed):,} tokens, state {_nbytes(chat.state.nbytes)}]", "dim"))
+    except KeyboardInterrupt:
+        print()
+    return 0
+
+
+def add_chat(commands) -> None:
+    """The ``chat`` command's parser."""
+    p = commands.add_parser(
+        "chat",
+        help="chat with a converted model, its recurrent state carrying the conversation",
+        description="Read one user message per line from stdin, apply the chat template saved in DIR and "
+        "stream the reply. Each turn reads only its new tokens, continuing from the state after the "
+        "previous reply (history is never re-read); after each reply a dim line shows the tokens so far "
+        "and the state's size, constant for recurrent targets. /reset starts a new conversation; "
+        "Ctrl-D or Ctrl-C ends. Greedy unless --do-sample.",
+    )
+    p.add_argument("dir", metavar="DIR", help="converted model directory with a tokenizer and chat template")
+    p.add_argument("--system", metavar="TEXT", help="system prompt that opens every conversation")
+    _add_sampling_flags(p, max_new_tokens=256)
+    p.add_argument("--verbose", action="store_true", help="before each reply, show how many new tokens the turn read")
+    _add_kernels_flag(p)
+    p.set_defaults(run=_chat)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from rnnify.cells import CELLS
     from rnnify.cells.hybrid import MEMORIES
@@ -590,12 +692,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser(
         "convert",
-        help="compile a Hugging Face causal LM into a recurrent model directory",
+        help="compile a Hugging Face causal LM (or GGUF file) into a recurrent model directory",
         description="Load MODEL, capture its forward pass, replace every attention with a recurrent "
         "cell and save the result to -o DIR (no pickle; loads without the source model).",
     )
     p.add_argument(
-        "model", metavar="MODEL", help="local Hugging Face model directory, or a hub id already in the local cache"
+        "model", metavar="MODEL",
+        help="local Hugging Face model directory, a .gguf file (dequantised to --dtype; needs "
+        "pip install 'rnnify[gguf]'), or a hub id already in the local cache",
     )
     summaries = {name: cls.__doc__.splitlines()[0].rstrip(".") for name, cls in CELLS.items()}
     targets = "; ".join(f"{name}: {text[:1].lower()}{text[1:]}" for name, text in summaries.items())
@@ -671,17 +775,11 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="text prompt, tokenized with the tokenizer saved in DIR")
     prompt.add_argument("--ids", metavar="IDS", help="prompt as comma-separated token ids, e.g. 1,2,3; prints ids back")
-    p.add_argument("--max-new-tokens", type=int, default=20, metavar="N", help="most tokens to generate (default: 20)")
-    p.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
-    p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature, > 0 (default: 1.0)")
-    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample only from the K most likely tokens")
-    p.add_argument(
-        "--top-p", type=float, default=None, metavar="P",
-        help="sample only from the smallest set of tokens whose probability adds up to P",
-    )
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling, for repeatable output")
+    _add_sampling_flags(p, max_new_tokens=20)
     _add_kernels_flag(p)
     p.set_defaults(run=_generate)
+
+    add_chat(commands)
 
     p = commands.add_parser(
         "info",
@@ -742,6 +840,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", metavar="DEVICE",
                    help="device to run both models on, e.g. cpu or cuda:0 (default: cuda:$LOCAL_RANK when CUDA "
                    "is available, else cpu)")
+    p.add_argument("--passkey", metavar="LIST",
+                   help="also test recall at these prompt lengths, e.g. 512,1024,2048: a random 5-digit key stated "
+                   "once in filler text, then asked for; both models answer greedily (default: off)")
+    p.add_argument("--passkey-trials", type=int, default=6, metavar="N",
+                   help="prompts per length, the key at N depths evenly spaced from start to end (default: 6)")
+    p.add_argument("--passkey-seed", type=int, default=0, metavar="S", help="seed of the random keys (default: 0)")
     _add_kernels_flag(p)
     p.set_defaults(run=_eval)
 

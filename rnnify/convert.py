@@ -10,6 +10,7 @@ import torch
 
 from rnnify.capture import capture, load_source, source_name
 from rnnify.errors import RnnifyError
+from rnnify.gguf import is_gguf, tokenizer_files
 from rnnify.kernels.utils import check_kernels
 from rnnify.passes import PassContext, run_pipeline
 from rnnify.passes.find_attention import SITE_KEY
@@ -36,6 +37,11 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def _source_files(model: Any, source: torch.nn.Module) -> dict[str, bytes]:
+    """Config and tokenizer files to save beside the converted model: the source directory's, or for a
+    GGUF file the tokenizer it stores, written as Hugging Face files."""
+    if isinstance(model, (str, Path)) and is_gguf(model):
+        files = {name: data for name, data in tokenizer_files(model).items() if name in SOURCE_FILES}
+        return {**files, "config.json": source.config.to_json_string().encode()}
     directory = Path(model).expanduser() if isinstance(model, (str, Path)) else None
     if directory is None or not directory.is_dir():
         candidate = Path(getattr(source.config, "_name_or_path", "") or "/nonexistent")
@@ -60,8 +66,8 @@ def convert(
 ) -> RecurrentModel:
     """Compile a causal LM into a recurrent model.
 
-    ``model`` is a local Hugging Face directory, a hub id already in the local cache, or a loaded
-    ``PreTrainedModel``. ``to`` names the target cell (``rnnify.cells.CELLS``) of every layer,
+    ``model`` is a local Hugging Face directory, a GGUF file (dequantised to ``dtype``; its tokenizer
+    and chat template are saved too), a hub id already in the local cache, or a loaded ``PreTrainedModel``. ``to`` names the target cell (``rnnify.cells.CELLS``) of every layer,
     except those that ``layers`` (e.g. ``"0-1:exact,4-:hybrid"``) or ``keep_softmax`` (layers kept
     ``exact``) assign otherwise; ``options`` go to every cell that accepts them (e.g.
     ``feature_map="elu"``). ``kernels`` is the backend of the fused Triton ops the cells run where

@@ -77,3 +77,73 @@ def test_fidelity_script_end_to_end(tmp_path, tiny_model_dir):
     doc = (out / "f.md").read_text()
     assert "python benchmarks/fidelity.py" in doc and "`linear-hedgehog`" in doc and "goal" in doc
     assert (out / "f.png").stat().st_size > 0
+
+
+def test_python_docs_split_by_path_hash(tmp_path):
+    import hashlib
+
+    docs = _load(ROOT / "examples" / "python_docs_corpus.py")
+    sources = tmp_path / "_sources"
+    names = [f"library/mod{i}.rst.txt" for i in range(120)] + [f"howto/guide{i}.rst.txt" for i in range(30)]
+    for name in names:
+        (sources / name).parent.mkdir(parents=True, exist_ok=True)
+        (sources / name).write_text(f"{name}\n=====\n\nSome prose about {name}.\n")
+    (sources / "library" / "index.html").write_text("not a source")  # not .rst.txt: left out
+    train_dir, heldout_dir, train, heldout = docs.write_split(tmp_path / "out", sources)
+    want = {n for n in names if int(hashlib.sha1(n.encode()).hexdigest(), 16) % 20 == 0}  # 1 in 20, by path
+    assert set(heldout) == want and set(train) == set(names) - want and 0 < len(want) < 20
+    for directory, files in ((train_dir, train), (heldout_dir, heldout)):
+        written = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+        assert written == sorted(files)
+        assert all((directory / f).read_text() == (sources / f).read_text() for f in files)
+    with pytest.raises(FileExistsError):  # never over an earlier split
+        docs.write_split(tmp_path / "out", sources)
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+@pytest.mark.filterwarnings("ignore:decoding past max_position_embeddings")
+def test_fidelity_rows_are_saved_as_they_finish_and_reused(tmp_path, tiny_model_dir, capsys):
+    fidelity = _load(ROOT / "benchmarks" / "fidelity.py")
+    out = tmp_path / "f.json"
+    argv = ["--model", str(tiny_model_dir("llama")), "--variants", "exact", "--row", "lin=linear,feature_map=elu",
+            "--seq-len", "64", "--eval-rows", "1", "--no-distill", "--passkey", "200", "--passkey-trials", "1",
+            "--threads", "1", "--json", str(out)]
+    evaluate, convert = rnnify.evaluate, rnnify.convert
+    calls = []
+
+    def dies_on_the_second_row(*args, **kwargs):
+        if calls:
+            raise KeyboardInterrupt  # the run is killed during the second row
+        calls.append(1)
+        return evaluate(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rnnify, "evaluate", dies_on_the_second_row)
+        with pytest.raises(KeyboardInterrupt):
+            fidelity.main(argv)
+    assert [row["variant"] for row in json.loads(out.read_text())["rows"]] == ["exact"]  # kept
+
+    converted = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rnnify, "convert", lambda *a, **k: converted.append(k["to"]) or convert(*a, **k))
+        fidelity.main(argv)
+    assert converted == ["linear"]  # the finished row was not run again
+    record = json.loads(out.read_text())
+    assert [row["variant"] for row in record["rows"]] == ["exact", "lin"] and record["seq_len"] == 64
+    for row in record["rows"]:
+        result = row["training_free"]
+        assert result["tokens"] == 64 and result["seq_len"] == 64 and "distilled" not in row
+        assert {"perplexity", "kl", "top1_agreement"} <= set(result) and row["state_bytes"] > 0
+        assert set(result["passkey"]["accuracy"]["converted"]) == {"200"}
+    assert record["rows"][0]["training_free"]["kl"] < 1e-6 and record["rows"][1]["options"] == {"feature_map": "elu"}
+    assert set(record["original_passkey"]["accuracy"]) == {"200"}
+    assert out.with_suffix(".png").stat().st_size > 0
+    printed = capsys.readouterr().out  # the markdown table, the original first
+    assert "| original | – | " in printed and f"| `lin` | {record['rows'][1]['state_bytes']:,} |" in printed
+
+    with pytest.MonkeyPatch.context() as patch:  # all cached: nothing converts
+        patch.setattr(rnnify, "convert", lambda *a, **k: pytest.fail("a cached row ran again"))
+        assert fidelity.main(argv)["rows"] == record["rows"]
+        only_exact = [a for a in argv if a not in ("--row", "lin=linear,feature_map=elu")]
+        fidelity.main(only_exact)
+    assert json.loads(out.read_text())["rows"] == record["rows"]  # another command's row is kept

@@ -1,0 +1,105 @@
+"""GGUF input: ``rnnify convert MODEL.gguf`` against transformers' own reading of the same file."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from gguf_support import CHAT_TEMPLATE, tokens, write_tiny_llama
+
+import rnnify
+from rnnify.capture import load_source
+from rnnify.cli import main
+from rnnify.data import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A tiny llama whose layer matrices are Q4_1 blocks, like the quantised files on the hub."""
+    return write_tiny_llama(tmp_path_factory.mktemp("gguf") / "tiny.gguf", quantize="Q4_1")
+
+
+def assert_one_line_error(capsys, code: int, *words: str) -> None:
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    for word in words:
+        assert word in lines[0], err
+
+
+def test_convert_gguf_matches_transformers_and_keeps_the_tokenizer(capsys, tmp_path, tiny_gguf):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "exact"
+    assert main(["convert", str(tiny_gguf), "--to", "exact", "-o", str(out)]) == 0, capsys.readouterr().err
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32)
+    model = rnnify.load(out)
+    ids = torch.randint(0, reference.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+    logits, _ = model.prefill(ids)
+    assert ((logits - expected).norm() / expected.norm()).item() < 1e-4
+
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "llama"
+    assert model.manifest.source == str(tiny_gguf.resolve())
+    tokenizer = load_tokenizer(out)
+    original = AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name)
+    text = "hello there, tell me"
+    assert tokenizer(text).input_ids == original(text).input_ids
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    assert tokenizer.eos_token == "<|im_end|>"
+
+
+def test_gguf_loaded_with_its_quantizer_attached_becomes_a_plain_model(monkeypatch, tiny_gguf):
+    """transformers' default load keeps a GGUF quantizer (and refuses save_pretrained): rebuilt."""
+    from transformers import AutoModelForCausalLM
+
+    import rnnify.gguf
+
+    monkeypatch.setattr(rnnify.gguf, "_dequantize_options", dict)
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32)
+    assert reference.config.quantization_config is not None
+    model = rnnify.convert(tiny_gguf, to="exact")
+    assert "quantization_config" not in json.loads(model.files["config.json"])
+    ids = torch.randint(0, reference.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+    logits, _ = model.prefill(ids)
+    assert ((logits - expected).norm() / expected.norm()).item() < 1e-4
+
+
+def test_gguf_without_tokenizer_loads_without_tokenizer_files(tmp_path):
+    from rnnify.convert import _source_files
+
+    path = write_tiny_llama(tmp_path / "bare.gguf", tokenizer=False)
+    source = load_source(path)
+    assert source.config.vocab_size == len(tokens()) and getattr(source.config, "quantization_config", None) is None
+    assert set(_source_files(path, source)) == {"config.json"}  # generate --prompt then asks for --ids
+
+
+def test_gguf_without_the_extra_is_one_line(capsys, monkeypatch, tmp_path, tiny_gguf):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now fails, as when it is not installed
+    code = main(["convert", str(tiny_gguf), "--to", "exact", "-o", str(tmp_path / "out")])
+    assert_one_line_error(capsys, code, "gguf", "pip install")
+    assert not (tmp_path / "out").exists()
+
+
+def test_gguf_of_an_unsupported_architecture_is_one_line(capsys, tmp_path):
+    path = write_tiny_llama(tmp_path / "other.gguf", architecture="rwkv6")
+    code = main(["convert", str(path), "--to", "exact", "-o", str(tmp_path / "out")])
+    assert_one_line_error(capsys, code, "rwkv6", str(path))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_damaged_gguf_is_one_line(capsys, tmp_path, tiny_gguf, damage):
+    data = tiny_gguf.read_bytes()
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"not a gguf file at all" * 10)
+    code = main(["convert", str(path), "--to", "exact", "-o", str(tmp_path / "out")])
+    assert_one_line_error(capsys, code, str(path), "download it again")
+    assert not (tmp_path / "out").exists()
