@@ -53,6 +53,8 @@ def variants(window: int = WINDOW) -> dict[str, tuple[str, dict]]:
         **{f"gated-{g}": ("gated", {"gate": g, "feature_map": "hedgehog"}) for g in ("retnet", "gla", "gateloop")},
         "aaren": ("aaren", {}),
         "hybrid-hedgehog": ("hybrid", {"window": window, "feature_map": "hedgehog"}),
+        "delta": ("delta", {}),
+        "gated-delta": ("gated-delta", {}),
     }
 
 

@@ -58,7 +58,9 @@ import rnnify.kernels as K  # noqa: E402
 from rnnify.kernels import utils  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-OPS = ("chunk_linear_attn", "fused_recurrent_linear_attn", "linear_recurrence", "aaren_scan", "window_attn_step")
+OPS = ("chunk_linear_attn", "fused_recurrent_linear_attn", "linear_recurrence", "aaren_scan", "window_attn_step",
+       "chunk_delta_rule", "fused_recurrent_delta_rule")
+DELTA_VARIANTS = ("plain", "g")  # the delta rule, and gated (Gated DeltaNet)
 VARIANTS = ("plain", "plain-tf32", "g", "gk", "normalize", "hedgehog")
 DECODE_VARIANTS = ("plain", "g", "gk")
 IMPLS = ("triton", "reference", "fla", "sdpa")
@@ -170,9 +172,21 @@ class Inputs:
             "sink_k": lambda: self["cache_k"][:, :, :4].contiguous(),
             "sink_v": lambda: self["cache_v"][:, :, :4].contiguous(),
             "length": lambda: torch.full((B,), 10 * T, dtype=torch.long, device=self.device),
+            # the delta rule: unit q, k and a writing strength beta in (0, 1)
+            "qn": lambda: F.normalize(self["q"].float(), dim=-1).to(self.dtype),
+            "kn": lambda: F.normalize(self["k"].float(), dim=-1).to(self.dtype),
+            "beta": lambda: torch.sigmoid(r(name, B, T, H, dtype=f32)),
+            "qn1": lambda: F.normalize(self["q1"].float(), dim=-1).to(self.dtype),
+            "kn1": lambda: F.normalize(self["k1"].float(), dim=-1).to(self.dtype),
+            "beta1": lambda: torch.sigmoid(r(name, B, 1, H, dtype=f32)),
         }
         if name.startswith("state_"):  # the recurrent state after the T-token context
             return self._context_state(name.removeprefix("state_"))
+        if name.startswith("deltastate_"):
+            with torch.no_grad():
+                return K.chunk_delta_rule(self["qn"], self["kn"], self["v"], self["beta"],
+                                          **DELTA[name.removeprefix("deltastate_")](self), output_final_state=True,
+                                          backend=self.state_backend)[1]
         if name not in makers:
             raise KeyError(name)
         return makers[name]()
@@ -214,6 +228,19 @@ FLA_DECODE = {
     "plain": ("fla.ops.linear_attn", "fused_recurrent_linear_attn", lambda x: {"normalize": False}),
     "g": ("fla.ops.simple_gla", "fused_recurrent_simple_gla", lambda x: {"g": x["g1"]}),
     "gk": ("fla.ops.gla", "fused_recurrent_gla", lambda x: {"gk": x["gk1"]}),
+}
+# the delta rule: our arguments per variant (prefill, decode), fla's (module, function, arguments, extra inputs)
+DELTA = {"plain": lambda x: {}, "g": lambda x: {"g": x["g"]}}
+DELTA_DECODE = {"plain": lambda x: {}, "g": lambda x: {"g": x["g1"]}}
+FLA_DELTA_CHUNK = {
+    "plain": ("fla.ops.delta_rule", "chunk_delta_rule", lambda x: {"beta": x["beta"]}, ("beta",)),
+    "g": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", lambda x: {"g": x["g"], "beta": x["beta"]},
+          ("g", "beta")),
+}
+FLA_DELTA_DECODE = {
+    "plain": ("fla.ops.delta_rule", "fused_recurrent_delta_rule", lambda x: {"beta": x["beta1"]}),
+    "g": ("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule",
+          lambda x: {"g": x["g1"], "beta": x["beta1"]}),
 }
 FLA_SAME_MATH = ("plain", "g", "gk")  # variants whose fla rows are checked against our reference
 SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")  # tried in this order
@@ -281,6 +308,15 @@ def build(case: Case, run: Run):
         return lambda x: K.linear_recurrence(x["a"], x["b"], backend=b)[0], ("a", "b"), info
     if case.op == "aaren_scan":
         return lambda x: K.aaren_scan(x["s"], x["v"], backend=b)[0], ("s", "v"), info
+    if case.op == "chunk_delta_rule":
+        extra = ("beta",) + (("g",) if case.variant == "g" else ())
+        return (lambda x: K.chunk_delta_rule(x["qn"], x["kn"], x["v"], x["beta"], **DELTA[case.variant](x),
+                                             backend=b)[0]), ("qn", "kn", "v", *extra), info
+    if case.op == "fused_recurrent_delta_rule":
+        return (lambda x: K.fused_recurrent_delta_rule(x["qn1"], x["kn1"], x["v1"], x["beta1"],
+                                                       **DELTA_DECODE[case.variant](x),
+                                                       initial_state=x[f"deltastate_{case.variant}"],
+                                                       output_final_state=True, backend=b)[0]), (), info
     if case.op == "window_attn_step":
         return (lambda x: K.window_attn_step(x["q1"], x["k1"], x["v1"], x["cache_k"], x["cache_v"], x["length"],
                                              x["sink_k"], x["sink_v"], backend=b)[0]), (), info
@@ -288,6 +324,19 @@ def build(case: Case, run: Run):
 
 
 def fla_call(case: Case):
+    if case.op == "fused_recurrent_delta_rule":
+        module, name, kw = FLA_DELTA_DECODE[case.variant]
+        fn = fla_function(module, name)
+
+        def call(x):
+            return fn(q=x["qn1"], k=x["kn1"], v=x["v1"], **kw(x), initial_state=x[f"deltastate_{case.variant}"],
+                      output_final_state=True)[0]
+        return call, (), {"kernel": f"{module}.{name}"}
+    if case.op == "chunk_delta_rule":
+        module, name, kw, extra = FLA_DELTA_CHUNK[case.variant]
+        fn = fla_function(module, name)
+        return (lambda x: fn(q=x["qn"], k=x["kn"], v=x["v"], **kw(x))[0]), ("qn", "kn", "v", *extra), \
+            {"kernel": f"{module}.{name}"}
     if case.section == "decode":
         module, name, kw = FLA_DECODE[case.variant]
         fn = fla_function(module, name)
@@ -445,14 +494,21 @@ def shape_cases(group: Group, shape, run: Run) -> list[Case]:
     for op in ("linear_recurrence", "aaren_scan"):
         if op in group.ops:
             add("prefill", op, "plain", ("reference", "triton"), both)
-    if {"chunk_linear_attn", "linear_recurrence", "aaren_scan"} & set(group.ops):  # the baseline of every prefill op
+    delta_variants = [v for v in DELTA_VARIANTS if v in group.variants]
+    if "chunk_delta_rule" in group.ops:
+        for variant in delta_variants:
+            add("prefill", "chunk_delta_rule", variant, ("reference", "triton", "fla"), both)
+    if "fused_recurrent_delta_rule" in group.ops:
+        for variant in delta_variants:
+            add("decode", "fused_recurrent_delta_rule", variant, ("reference", "triton", "fla"), ("step",))
+    if {"chunk_linear_attn", "linear_recurrence", "aaren_scan", "chunk_delta_rule"} & set(group.ops):  # the baseline of every prefill op
         add("prefill", "sdpa", "causal", ("sdpa",), both)
     if "fused_recurrent_linear_attn" in group.ops:
         for variant in (v for v in DECODE_VARIANTS if v in group.variants):
             add("decode", "fused_recurrent_linear_attn", variant, ("reference", "triton", "fla"), ("step",))
     if "window_attn_step" in group.ops:
         add("decode", "window_attn_step", "plain", ("reference", "triton"), ("step",))
-    if {"fused_recurrent_linear_attn", "window_attn_step"} & set(group.ops):
+    if {"fused_recurrent_linear_attn", "window_attn_step", "fused_recurrent_delta_rule"} & set(group.ops):
         add("decode", "sdpa", "kv-cache", ("sdpa",), ("step",))
     return out
 
@@ -689,6 +745,9 @@ PARITY = [
     ("linear_recurrence", 2, 70, 1, 1, 40, {"reverse": True}),
     ("aaren_scan", 2, 37, 3, 3, 70, {}),
     ("window_attn_step", 2, 1, 4, 2, 64, {"window": 37, "sinks": 2}),
+    ("chunk_delta_rule", 2, 70, 4, 2, 64, {"state": True, "mask": True}),
+    ("chunk_delta_rule", 1, 70, 2, 2, 128, {"gates": "g", "state": True}),
+    ("fused_recurrent_delta_rule", 2, 37, 4, 2, 64, {"gates": "g", "state": True, "mask": True}),
 ]
 PARITY_TOL = dict(rtol=1e-3, atol=1e-3)  # fp32 with exact dots: a bug is off by far more
 
@@ -718,6 +777,23 @@ def parity_window(B, H, Hkv, D, opts, r):
     def call(b, x):
         o, _, (m, u) = K.window_attn_step(**x, length=length, return_stats=True, backend=b)
         return [o, m, u]
+    return x, call
+
+
+def parity_delta(op, B, T, H, Hkv, D, opts, r):
+    x = {"q": F.normalize(r(B, T, H, D), dim=-1), "k": F.normalize(r(B, T, Hkv, D), dim=-1), "v": r(B, T, Hkv, D),
+         "beta": torch.sigmoid(r(B, T, Hkv))}
+    if "g" in opts.get("gates", ""):
+        x["g"] = F.logsigmoid(r(B, T, Hkv) + 3)
+    if opts.get("state"):
+        x["initial_state"] = r(B, Hkv, D, D)
+    mask = None
+    if opts.get("mask"):  # left padding: the last sequence starts a third of the way in
+        mask = torch.ones(B, T, dtype=torch.bool, device=x["q"].device)
+        mask[-1, : T // 3] = False
+
+    def call(b, x):
+        return list(getattr(K, op)(**x, mask=mask, output_final_state=True, backend=b))
     return x, call
 
 
@@ -753,6 +829,8 @@ def parity_inputs(op, B, T, H, Hkv, D, opts, device):
         return parity_scan(op, B, T, H, D, opts, r)
     if op == "window_attn_step":
         return parity_window(B, H, Hkv, D, opts, r)
+    if op in ("chunk_delta_rule", "fused_recurrent_delta_rule"):
+        return parity_delta(op, B, T, H, Hkv, D, opts, r)
     return parity_linear_attn(op, B, T, H, Hkv, D, opts, r)
 
 

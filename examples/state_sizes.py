@@ -35,6 +35,9 @@ VARIANTS = [
     ("hybrid", {"window": 64, "feature_map": "elu"}),
     ("hybrid", {"window": 64, "sinks": 4, "feature_map": "elu"}),
     ("hybrid", {"window": 64, "feature_map": "hedgehog"}),
+    ("hybrid", {"window": 64, "memory": "gated-delta"}),
+    ("delta", {}),
+    ("gated-delta", {}),
 ]
 
 

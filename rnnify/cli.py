@@ -219,6 +219,7 @@ def add_convert(commands: argparse._SubParsersAction) -> None:
 
 def _convert_arguments(p: argparse.ArgumentParser) -> None:
     from rnnify.cells import CELLS
+    from rnnify.cells.hybrid import MEMORIES
     from rnnify.cells.linear import FEATURE_MAPS
     from rnnify.distill.options import add_training_flags
     from rnnify.kernels.utils import KERNELS
@@ -254,6 +255,11 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
         "--feature-map", choices=sorted(FEATURE_MAPS), default=None, help="feature map phi (linear, hybrid, gated)"
     )
     cell.add_argument("--gate", metavar="NAME", help="gate of the gated target: retnet, gla or gateloop")
+    cell.add_argument(
+        "--memory", choices=MEMORIES, default=None,
+        help="hybrid: what holds the tokens that left the window: linear attention (default) or a delta-rule "
+        "memory (delta, gated-delta), added to the window's output with a learned gate that starts at 0",
+    )
     cell.add_argument(
         "--option", action="append", metavar="KEY=VALUE",
         help="any other cell option, repeatable; VALUE is read as JSON when it parses (chunk_size=128, "
@@ -302,7 +308,7 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-_CELL_FLAGS = ("window", "sinks", "feature_map", "gate")  # first-class cell options; others via --option
+_CELL_FLAGS = ("window", "sinks", "feature_map", "gate", "memory")  # first-class cell options; others via --option
 
 
 def _parse_options(pairs: list[str]) -> dict:

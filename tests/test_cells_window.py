@@ -635,7 +635,8 @@ def test_hybrid_cell_parameters_train():
     assert isinstance(cell.memory_gate, torch.nn.Parameter) and not cell.memory_gate.any()  # g = 0
     assert {"window_logit", "memory_gate"} <= set(cell.state_dict())
     assert cell.options() == {
-        "window": 3, "sinks": 0, "feature_map": "elu", "feature_options": {}, "chunk_size": 64, "memory_init": 0.0
+        "window": 3, "sinks": 0, "feature_map": "elu", "feature_options": {}, "chunk_size": 64, "memory_init": 0.0,
+        "memory": "linear",
     }
     assert type(cell)(cell.spec, **cell.options()).options() == cell.options()
     gen = _gen(8)

@@ -41,6 +41,7 @@ FAMILIES = {
     # tokens 2.. leave the ring for the memory, 0 and 1 stay attended through window_attn_step
     "hybrid": ("hybrid", {"window": 3, "sinks": 2, "memory_init": 0.5}),
     "hybrid-hedgehog": ("hybrid", {"window": 4, "feature_map": "hedgehog", "memory_init": 0.5}),
+    "gated-delta": ("gated-delta", {"layers": "0:exact"}),
 }
 
 

@@ -21,6 +21,7 @@ except ImportError:  # pragma: no cover
     pytest.skip("triton is not installed: the kernels' Triton paths cannot be tested", allow_module_level=True)
 
 import rnnify.kernels as K
+from kernel_support import nan_buffers  # noqa: F401 - autouse
 from rnnify.cells.aaren import naive_recurrent_aaren
 from rnnify.cells.linear import naive_recurrent_feature_attn
 from rnnify.cells.window import naive_recurrent_window_attn
@@ -30,14 +31,6 @@ from rnnify.kernels.linear_attn import common
 from rnnify.kernels.linear_attn.naive import naive_recurrent_gated_attn
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-@pytest.fixture(autouse=True)
-def nan_buffers(monkeypatch):
-    def empty(shape, device, dtype=torch.float32):
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-
-    monkeypatch.setattr(utils, "empty", empty)
 
 
 @pytest.fixture

@@ -27,6 +27,9 @@ VARIANTS = {
     "gated-gateloop": {"gate": "gateloop"},
     "gated-rnn": {},
     "aaren": {},
+    "hybrid-deltamemory": {"window": 8, "memory": "gated-delta", "memory_init": 0.5},
+    "delta": {},
+    "gated-delta": {},
 }
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from rnnify.cells.aaren import AarenCell
 from rnnify.cells.base import Cell, CellSpec
+from rnnify.cells.delta import DeltaCell, GatedDeltaCell
 from rnnify.cells.exact import ExactCell
 from rnnify.cells.gated import GatedCell
 from rnnify.cells.gated_rnn import GatedRNNCell
@@ -21,7 +22,8 @@ from rnnify.errors import RnnifyError
 
 __all__ = ["CELLS", "Cell", "CellSpec", "build_cell", "parameters"]
 
-CELLS: dict[str, type[Cell]] = {cls.target: cls for cls in (ExactCell, LinearCell, AarenCell, GatedCell, WindowCell, HybridCell, GatedRNNCell)}
+CELLS: dict[str, type[Cell]] = {cls.target: cls for cls in (ExactCell, LinearCell, AarenCell, GatedCell, WindowCell, HybridCell, GatedRNNCell,
+                                                           DeltaCell, GatedDeltaCell)}
 
 
 def build_cell(target: str, spec: CellSpec, options: dict[str, Any] | None = None) -> Cell:

@@ -45,6 +45,25 @@ the ring (self included) and the sinks no longer in it (a sink still in the ring
 there). The window part is part of every step: decoding keeps the ring, it does not fall back to
 linear attention alone.
 
+Memory (``memory``): ``linear`` (the default, all of the above), or a delta-rule memory,
+``delta`` or ``gated-delta`` (``cells/delta.py``; the AHN design: what leaves the window is
+written into a fixed-size recurrent memory). The delta state H = S^T ``[d_k, d_v]`` per kv head has
+no normaliser, so it cannot join the normalised sum; its readout is added to the window's own
+output instead, with the same zero-initialised gate:
+
+    when token i arrives and token j = i - W leaves the ring (not a sink):
+        H <- alpha_i (I - beta_i k^_j k^_j^T) H + beta_i k^_j v_j^T         (k^: L2-normalised)
+    out_i = w_i / u_i + g_h H_i^T q^_i
+
+beta_i and alpha_i come from the layer input x_i of the arriving token (``cells.delta.DeltaWriter``,
+initialised to beta = 0.5, alpha = 0.99): the token that pushes j out decides how strongly j is
+written and how much the memory fades, so no layer input is kept in the ring. At g = 0 the
+model is again exactly its window target; the state is the window's plus ``kv`` (H, fp32), no
+``k_sum``; f_h does not enter (w / u does not depend on it), so there is no ``window_logit`` and no
+feature map. Forms: ``delta_memory_hybrid_attn`` (the window part as ``fused_hybrid_attn``'s, the
+memory through the delta cells' chunk / step / fused forms on the leaving tokens); the tests hold
+it to the ``window`` target plus a delta-rule loop over the leaving tokens.
+
 Forms (tests hold them to ``naive_recurrent_hybrid_attn``): ``naive_recurrent_*`` (a plain loop
 over tokens, the window part key by key), ``parallel_*`` (masked quadratic over sinks + ring + new
 tokens, plus the linear state), ``chunk_*`` (the parallel form over chunks: the prefill path),
@@ -71,8 +90,10 @@ from rnnify.cells.exact import finite_or_zero, readout
 from rnnify.cells.linear import KERNEL_MAX_FEATURES, build_feature_map, fused_feature_attn
 from rnnify.errors import check_int
 from rnnify.kernels.ring import held_index, token_index, window_write
+from rnnify.cells.delta import DeltaWriter, chunk_delta_attn, fused_delta_attn, l2_normalise, step_delta_attn
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
+MEMORIES = ("linear", "delta", "gated-delta")  # what holds the tokens that left the window
 
 
 def _combine(window_num, window_den, linear_num, linear_den, gate=None):
@@ -285,6 +306,44 @@ def fused_hybrid_attn(
     return out, *window_state, state[..., :-1], state[..., -1]
 
 
+def delta_memory_hybrid_attn(
+    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, beta, log_a, gate, scale: float,
+    chunk_size: int = 64, kernels: str | None = None,
+):
+    """The hybrid with a delta-rule memory (see above), every phase: the window part chunk by chunk
+    (``fused_window_step`` for a decode token with ``kernels``), the memory on the tokens leaving
+    the window, at most one per new token (beta = 0 and no decay where none leaves), through
+    ``cells.delta``'s forms (``fused_delta_attn`` with ``kernels``). beta / log_a ``[B, Hkv, T]``
+    are those of the arriving tokens (0 at padding), gate g ``[Hkv, G]``."""
+    window, sinks = keys.shape[2], sink_keys.shape[2]
+    window_state, outs, left = (keys, values, sink_keys, sink_values, length), [], []
+    unit = torch.ones(q.shape[1], q.shape[2], device=q.device)  # f = 1: w / u does not depend on it
+    for start in range(0, q.shape[3], chunk_size):
+        end = start + chunk_size
+        chunk = (k[:, :, start:end], v[:, :, start:end], mask[:, start:end])
+        held = _held(*chunk, *window_state)
+        left.append(leaving(*held, window, sinks))
+        if q.shape[3] == 1 and kernels is not None:
+            *part, window_state = fused_window_step(q, *chunk, *window_state, unit, scale, kernels)
+        else:
+            part = _window_part(q[:, :, :, start:end], *held, window, sinks, unit, scale)
+            window_state = window_write(*chunk, *window_state)
+        outs.append(readout(part[1], part[0]))  # w / u
+    old_keys, old_values = (torch.cat([part[i] for part in left], dim=2) for i in (0, 1))
+    leaves = torch.cat([part[2] for part in left], dim=1)[:, None]  # [B, 1, T]
+    beta = torch.where(leaves, beta, 0.0)
+    log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
+    args = (l2_normalise(q), l2_normalise(old_keys), old_values, beta, log_a, kv)
+    if kernels is not None:
+        memory, kv = fused_delta_attn(*args, backend=kernels)
+    elif q.shape[3] == 1:
+        memory, kv = step_delta_attn(*args)
+    else:
+        memory, kv = chunk_delta_attn(*args, chunk_size=chunk_size)
+    out = torch.cat(outs, dim=3) + gate[..., None, None] * memory
+    return out, *window_state, kv
+
+
 class HybridCell(Cell):
     """Softmax over the last W tokens and the first S (sinks) plus linear attention over the other
     older ones (LoLCATs), trainable.
@@ -293,7 +352,9 @@ class HybridCell(Cell):
     ``rnnify.cells.linear.FEATURE_MAPS``, built with ``feature_options``; ``chunk_size`` is the
     prefill chunk; ``memory_init`` the initial memory gate (0: the converted model starts as its
     window target alone). Trainable: ``window_logit`` (f_h = sigmoid of it, per query head),
-    ``memory_gate`` (g_h, per query head) and the feature map's parameters.
+    ``memory_gate`` (g_h, per query head) and the feature map's parameters. ``memory``: ``linear``
+    (the default), or ``delta`` / ``gated-delta``: a delta-rule memory (see the module docstring),
+    trainable through ``memory_gate`` and its beta (and alpha) projections, with no f_h or map.
 
     The state is the window target's (keys, values, sink_keys, sink_values, length) then the linear
     memory (kv, k_sum); with no sinks the empty sink buffers are left out, so a hybrid without
@@ -312,8 +373,14 @@ class HybridCell(Cell):
         chunk_size: int = 64,
         memory_init: float = 0.0,
         sinks: int = 0,
+        memory: str = "linear",
     ):
         super().__init__(spec)
+        if memory not in MEMORIES:
+            raise ValueError(f"unknown memory {memory!r}; choose from {list(MEMORIES)}")
+        if memory != "linear" and (feature_map != "elu" or feature_options):
+            raise ValueError(f"memory {memory!r} has no feature map: feature_map and feature_options apply to the "
+                             "linear memory only")
         if feature_options is not None and not isinstance(feature_options, dict):
             raise ValueError(f"feature_options must be a dict of feature-map options, got {feature_options!r}")
         if isinstance(memory_init, bool) or not isinstance(memory_init, (int, float)) or not 0 <= memory_init <= 1:
@@ -321,13 +388,18 @@ class HybridCell(Cell):
         self.window = check_int("window", window, 1)
         self.sinks = check_int("sinks", sinks, 0)
         self.chunk_size = check_int("chunk_size", chunk_size, 1)
-        self.memory_init = float(memory_init)
+        self.memory_init, self.memory = float(memory_init), memory
         self.feature_map, self.feature_options = feature_map, dict(feature_options or {})
-        self.phi = build_feature_map(feature_map, spec, **self.feature_options)
-        self.window_logit = nn.Parameter(torch.zeros(spec.num_heads))
         self.memory_gate = nn.Parameter(torch.full((spec.num_heads,), self.memory_init))
-        if self.sinks:
-            self.state_names = ("keys", "values", "sink_keys", "sink_values", "length", "kv", "k_sum")
+        memory_state = ("kv", "k_sum")
+        if memory == "linear":
+            self.phi = build_feature_map(feature_map, spec, **self.feature_options)
+            self.window_logit = nn.Parameter(torch.zeros(spec.num_heads))
+        else:  # beta (and alpha) from the layer input
+            self.writer = DeltaWriter(spec, memory == "gated-delta", 0.5, None)
+            self.needs_input, memory_state = True, ("kv",)
+        window_state = ("keys", "values", "sink_keys", "sink_values") if self.sinks else ("keys", "values")
+        self.state_names = (*window_state, "length", *memory_state)
 
     def options(self) -> dict[str, Any]:
         return {
@@ -337,21 +409,34 @@ class HybridCell(Cell):
             "feature_options": dict(self.feature_options),
             "chunk_size": self.chunk_size,
             "memory_init": self.memory_init,
+            "memory": self.memory,
         }
 
     def fused_ops(self) -> dict[str, str]:
+        if self.memory != "linear":
+            return {"prefill": "chunk_delta_rule", "decode": "window_attn_step + fused_recurrent_delta_rule"}
         if self.phi.feature_dim > KERNEL_MAX_FEATURES:
             return {}
         # prefill: the linear part (the window part stays PyTorch); decode: both parts
         return {"prefill": "chunk_linear_attn", "decode": "window_attn_step + fused_recurrent_linear_attn"}
 
     def init_state(self, batch_size, device, dtype):
-        spec, features = self.spec, self.phi.feature_dim
+        spec = self.spec
 
         def buffer(slots: int, dim: int) -> torch.Tensor:
             return torch.zeros(batch_size, spec.num_kv_heads, slots, dim, device=device, dtype=dtype)
 
         sinks = (buffer(self.sinks, spec.head_dim), buffer(self.sinks, spec.value_dim)) if self.sinks else ()
+        if self.memory != "linear":
+            return (
+                buffer(self.window, spec.head_dim),
+                buffer(self.window, spec.value_dim),
+                *sinks,
+                torch.zeros(batch_size, device=device, dtype=torch.long),
+                torch.zeros(batch_size, spec.num_kv_heads, spec.head_dim, spec.value_dim, device=device,
+                            dtype=torch.float32),
+            )
+        features = self.phi.feature_dim
         return (
             buffer(self.window, spec.head_dim),
             buffer(self.window, spec.value_dim),
@@ -370,15 +455,22 @@ class HybridCell(Cell):
         """f_h = sigmoid(theta_h), grouped per kv head ``[Hkv, G]``, fp32."""
         return torch.sigmoid(self.window_logit.float()).reshape(self.spec.num_kv_heads, self.spec.group_size)
 
-    def forward(self, q, k, v, mask, *state):
+    def forward(self, q, k, v, mask, *state, x=None):
         batch, _, steps, _ = q.shape
         grouped = q.float().reshape(batch, self.spec.num_kv_heads, self.spec.group_size, steps, -1)
         if not self.sinks:  # the forms take sink buffers: empty ones
             keys, values, *rest = state
             state = (keys, values, keys[:, :, :0], values[:, :, :0], *rest)
         gate = self.memory_gate.float().reshape(self.spec.num_kv_heads, self.spec.group_size)
-        args = (self.phi, self.mixing_factor(), self.spec.scale, gate)
         mask = mask.to(torch.bool)
+        if self.memory != "linear":
+            beta, log_a = self.writer(x, mask)
+            out, *state = delta_memory_hybrid_attn(grouped, k, v, mask, *state, beta, log_a, gate, self.spec.scale,
+                                                   self.chunk_size, self.kernels)
+            if not self.sinks:
+                del state[2:4]
+            return out.reshape(batch, self.spec.num_heads, steps, -1).to(q.dtype), *state
+        args = (self.phi, self.mixing_factor(), self.spec.scale, gate)
         if self.kernels is not None:
             out, *state = fused_hybrid_attn(grouped, k, v, mask, *state, *args, self.chunk_size, self.kernels)
         elif steps == 1:

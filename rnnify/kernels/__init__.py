@@ -4,6 +4,10 @@
                    short prompts) and chunk_linear_attn (prefill), both differentiable and able to
                    apply the feature map in the kernel (``feature_map=``: elu, relu, hedgehog, performer)
                    and a key mask for left padding (``mask=`` [B, T]: padding adds nothing, decays nothing)
+    delta_rule/    naive_recurrent_delta_rule (ground truth, float64-checkable) and its chunked PyTorch
+                   form, chunk_delta_rule (prefill) and fused_recurrent_delta_rule (decode): the
+                   delta rule and its gated form (DeltaNet, Gated DeltaNet), differentiable, with
+                   a key mask (padding: beta = 0, no decay)
     scan.py        linear_recurrence (x_t = a_t x_{t-1} + b_t, forward and reverse),
                    aaren_scan (Aaren's (m, u, w) operator)
     window_attn.py window_attn_step (one decode token of sliding-window attention with sinks;
@@ -22,6 +26,11 @@ h reads kv head h // (H / H_kv)), ``scale=None`` (D^-0.5), ``initial_state=None`
 Triton on CUDA (or forced for tests under TRITON_INTERPRET=1), the PyTorch reference elsewhere.
 """
 
+from rnnify.kernels.delta_rule import (
+    chunk_delta_rule,
+    fused_recurrent_delta_rule,
+    naive_recurrent_delta_rule,
+)
 from rnnify.kernels.linear_attn import (
     chunk_linear_attn,
     fused_recurrent_linear_attn,
@@ -32,11 +41,14 @@ from rnnify.kernels.window_attn import naive_window_attn_read, window_attn_step
 
 __all__ = [
     "aaren_scan",
+    "chunk_delta_rule",
     "chunk_linear_attn",
+    "fused_recurrent_delta_rule",
     "fused_recurrent_linear_attn",
     "linear_recurrence",
     "naive_aaren_scan",
     "naive_linear_recurrence",
+    "naive_recurrent_delta_rule",
     "naive_recurrent_linear_attn",
     "naive_window_attn_read",
     "window_attn_step",

@@ -18,6 +18,8 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # bytes per blo
 
 def variants(features=None):
     from rnnify.kernels import scan, window_attn
+    from rnnify.kernels.delta_rule import chunk as delta_chunk
+    from rnnify.kernels.delta_rule import fused_recurrent as delta_recurrent
     from rnnify.kernels.linear_attn import chunk, common, fused_recurrent
 
     P = "*fp32"
@@ -48,6 +50,22 @@ def variants(features=None):
                       USE_INITIAL_STATE=True)
             yield fused_recurrent.fused_recurrent_linear_attn_bwd_kernel, lb, cb, {}
             yield (chunk.chunk_linear_attn_bwd_kernel, lb, {**cb, "BT": BT, "PRECISION": "tf32"},
+                   dict(num_warps=4, num_stages=1))
+    # delta rule at d = 64 and d = 128, gated and not (the backward holds all of K and V)
+    da = dict(q=P, k=P, v=P, beta=P, g=P, h0=P, o=P, ht=P, hs=P, scale="fp32", T="i32")
+    db = dict(q=P, k=P, v=P, beta=P, g=P, hs=P, do=P, dht=P, dq=P, dk=P, dv=P, dbeta=P, dg=P, dh0=P, scale="fp32",
+              T="i32")
+    for D in (64, 128):
+        for use_g in (False, True):
+            BT, BK, BV = delta_chunk.block_sizes(D, D)
+            c = dict(H=8, HKV=2, G=4, K=D, V=D, BK=BK, USE_G=use_g, USE_INITIAL_STATE=True)
+            recurrent = {name: kind for name, kind in da.items() if name != "hs"}
+            yield delta_recurrent.fused_recurrent_delta_rule_fwd_kernel, recurrent, {**c, "BV": BV}, {}
+            for store in (True, False):
+                yield (delta_chunk.chunk_delta_rule_fwd_kernel, da,
+                       {**c, "BT": BT, "BV": BV, "STORE_OUTPUT": not store, "STORE_STATES": store, "PRECISION": "tf32"},
+                       dict(num_warps=4, num_stages=1))
+            yield (delta_chunk.chunk_delta_rule_bwd_kernel, db, {**c, "BT": BT, "BV": D, "PRECISION": "tf32"},
                    dict(num_warps=4, num_stages=1))
     for reverse in (False, True):
         yield (scan.linear_recurrence_fwd_kernel, dict(a=P, b=P, h0=P, x=P, ht=P, T="i32"),
@@ -83,7 +101,7 @@ def main(argv=None) -> int:
     target, limit, ok = GPUTarget("cuda", args.arch, 32), SHARED_LIMIT.get(args.arch), True
     for fn, signature, constexprs, options in variants(None if args.features is None else set(args.features)):
         flags = {k: v for k, v in constexprs.items()
-                 if k.startswith("USE") or k in ("F", "BT", "BV", "REVERSE", "FEATURE")}
+                 if k.startswith(("USE", "STORE")) or k in ("F", "K", "BT", "BV", "REVERSE", "FEATURE")}
         try:
             src = ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs)
             shared = triton.compile(src, target=target, options=options).metadata.shared

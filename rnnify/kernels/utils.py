@@ -80,6 +80,16 @@ def resolve_backend(backend: str, x: torch.Tensor) -> bool:
     return True
 
 
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The ops' layout: q ``[B, T, H, K]``, k ``[B, T, H_kv, K]``, v ``[B, T, H_kv, V]``, H a multiple of H_kv."""
+    B, T, H, K = q.shape
+    if k.dim() != 4 or v.dim() != 4 or k.shape[:2] != (B, T) or v.shape[:3] != k.shape[:3] or k.shape[3] != K:
+        raise ValueError(f"expected q [B, T, H, K], k [B, T, H_kv, K], v [B, T, H_kv, V]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if H % k.shape[2]:
+        raise ValueError(f"query heads ({H}) must be a multiple of kv heads ({k.shape[2]})")
+
+
 def empty(shape, device, dtype=torch.float32) -> torch.Tensor:
     """Output buffers of the Triton paths (the tests patch this to fill them with NaN)."""
     return torch.empty(shape, device=device, dtype=dtype)

@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import torch
 
+from rnnify.kernels.utils import check_qkv
+
 
 def check_inputs(q, k, v, g, gk, F=None):
     """Shapes; ``F``: the feature dim (gk's last dim), K unless a feature map changes it."""
-    B, T, H, K = q.shape
-    if k.dim() != 4 or v.dim() != 4 or k.shape[:2] != (B, T) or v.shape[:3] != k.shape[:3] or k.shape[3] != K:
-        raise ValueError(f"expected q [B, T, H, K], k [B, T, H_kv, K], v [B, T, H_kv, V]; got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if H % k.shape[2]:
-        raise ValueError(f"query heads ({H}) must be a multiple of kv heads ({k.shape[2]})")
+    check_qkv(q, k, v)
+    K = q.shape[3]
     if g is not None and tuple(g.shape) != tuple(k.shape[:3]):
         raise ValueError(f"g must be [B, T, H_kv] = {tuple(k.shape[:3])}, got {tuple(g.shape)}")
     gk_shape = (*k.shape[:3], K if F is None else F)

@@ -1,0 +1,267 @@
+"""The `delta` and `gated-delta` targets (DeltaCell, GatedDeltaCell) against a reference written here.
+
+The reference is a float64 loop over the equations of docs/math.md §Delta rule, per batch row, kv
+head and token, with S = [d_v, d_k], unit q and k, beta_t = sigmoid(x_t W_beta + b_beta) and
+alpha_t = sigmoid(x_t W_alpha + b_alpha), and padding tokens skipped:
+
+    S_t = alpha_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,    o_t = S_t q_t
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rnnify
+from rnnify.cells import CellSpec, build_cell, parameters
+from rnnify.cells.delta import (
+    DeltaCell,
+    chunk_delta_attn,
+    naive_recurrent_delta_attn,
+    step_delta_attn,
+)
+from rnnify.errors import RnnifyError
+from kernel_support import nan_buffers  # noqa: F401 - autouse: NaN-filled kernel outputs
+
+SPEC = CellSpec(num_heads=4, num_kv_heads=2, head_dim=8, value_dim=6, scale=8**-0.5, hidden_size=12)
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def make_cell(target: str, seed: int = 0, **options) -> DeltaCell:
+    torch.manual_seed(seed)
+    cell = build_cell(target, SPEC, options)
+    with torch.no_grad():  # input-dependent beta and alpha
+        for p in cell.parameters():
+            if p.dim() == 2:
+                p.normal_(std=0.3)
+    return cell
+
+
+def make_inputs(T: int, seed: int = 1, pad: int = 3):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(2, 4, T, 8, generator=gen), torch.randn(2, 2, T, 8, generator=gen)
+    v, x = torch.randn(2, 2, T, 6, generator=gen), torch.randn(2, T, 12, generator=gen)
+    mask = torch.ones(2, T, dtype=torch.bool)
+    mask[0, :pad] = False
+    return q, k, v, x, mask
+
+
+def delta_write(S, writer, x_t, h, k_t, v_t):
+    """S alpha (I - beta k^ k^T) + beta v k^T with beta, alpha of kv head h from x_t, float64."""
+    x_t = x_t.double()
+    beta = torch.sigmoid(x_t @ writer.beta_proj.weight[h].double() + writer.beta_proj.bias[h].double())
+    alpha = 1.0
+    if writer.gated:
+        alpha = torch.sigmoid(x_t @ writer.gate_proj.weight[h].double() + writer.gate_proj.bias[h].double())
+    k_t = k_t.double() / k_t.double().norm()
+    return alpha * S @ (torch.eye(len(k_t), dtype=torch.float64) - beta * torch.outer(k_t, k_t)) \
+        + beta * torch.outer(v_t.double(), k_t)
+
+
+def read(out, S, q, b, h, t):
+    """out[b, i, t] = S q^ for the query heads i of kv head h."""
+    group = SPEC.group_size
+    for i in range(h * group, (h + 1) * group):
+        out[b, i, t] = S @ (q[b, i, t].double() / q[b, i, t].double().norm())
+
+
+def reference(cell: DeltaCell, q, k, v, x, mask, S0=None):
+    writer = cell.writer
+    out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=torch.float64)
+    final = torch.zeros(2, 2, 6, 8, dtype=torch.float64)
+    for b in range(2):
+        for h in range(2):
+            S = torch.zeros(6, 8, dtype=torch.float64) if S0 is None else S0[b, h].double().T.clone()
+            for t in range(q.shape[2]):
+                if mask[b, t]:
+                    S = delta_write(S, writer, x[b, t], h, k[b, h, t], v[b, h, t])
+                read(out, S, q, b, h, t)
+            final[b, h] = S
+    return out, final.transpose(-1, -2)
+
+
+@pytest.mark.parametrize("target", ["delta", "gated-delta"])
+def test_cell_matches_float64_reference(target):
+    cell = make_cell(target)
+    q, k, v, x, mask = make_inputs(19)
+    ref, ref_S = reference(cell, q, k, v, x, mask)
+    out, S = cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)
+    real = mask[:, None, :, None].expand_as(out)
+    assert rel_diff(out[real], ref[real]) < 1e-5 and rel_diff(S, ref_S) < 1e-5
+    # decode: one token at a time from the state the prefill of the first 7 left
+    _, state = cell(q[:, :, :7], k[:, :, :7], v[:, :, :7], mask[:, :7], *cell.init_state(2, q.device, q.dtype),
+                    x=x[:, :7])
+    outs = []
+    for t in range(7, 19):
+        o, state = cell(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], mask[:, t:t + 1], state,
+                        x=x[:, t:t + 1])
+        outs.append(o)
+    assert rel_diff(torch.cat(outs, 2), ref[:, :, 7:]) < 1e-5 and rel_diff(state, ref_S) < 1e-5
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_forms_agree(gated):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.nn.functional.normalize(torch.randn(2, 2, 3, 23, 8, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(2, 2, 23, 8, generator=gen), dim=-1)
+    v, beta = torch.randn(2, 2, 23, 6, generator=gen), torch.rand(2, 2, 23, generator=gen)
+    log_a = -torch.rand(2, 2, 23, generator=gen) if gated else None
+    kv = torch.randn(2, 2, 8, 6, generator=gen)
+    ref, ref_kv = naive_recurrent_delta_attn(q, k, v, beta, log_a, kv)
+    for chunk in (1, 5, 64):
+        out, new_kv = chunk_delta_attn(q, k, v, beta, log_a, kv, chunk)
+        assert rel_diff(out, ref) < 1e-5 and rel_diff(new_kv, ref_kv) < 1e-5
+    outs, state = [], kv
+    for t in range(23):
+        o, state = step_delta_attn(q[:, :, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], beta[:, :, t:t + 1],
+                                   None if log_a is None else log_a[:, :, t:t + 1], state)
+        outs.append(o)
+    assert rel_diff(torch.cat(outs, 3), ref) < 1e-5 and rel_diff(state, ref_kv) < 1e-5
+
+
+def test_initialisation_is_modest():
+    """Training-free: beta = beta_init and alpha = decay_init for every token; outputs stay on the
+    scale of the values (no normaliser needed)."""
+    cell = build_cell("gated-delta", SPEC, {"beta_init": 0.3, "decay_init": 0.95})
+    q, k, v, x, mask = make_inputs(100, pad=0)
+    beta, log_a = cell.writer(x * 100, mask)
+    torch.testing.assert_close(beta, torch.full_like(beta, 0.3))
+    torch.testing.assert_close(log_a.exp(), torch.full_like(log_a, 0.95))
+    for target in ("delta", "gated-delta"):
+        cell = build_cell(target, SPEC)
+        out, _ = cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)
+        assert out.abs().max() <= v.abs().max()
+
+
+def test_trainable_parameters_and_gradients():
+    cell = make_cell("gated-delta")
+    names = {n for n, _ in cell.named_parameters()}
+    assert names == {"writer.beta_proj.weight", "writer.beta_proj.bias", "writer.gate_proj.weight",
+                     "writer.gate_proj.bias"}
+    assert len(list(parameters(torch.nn.ModuleList([cell])))) == 4
+    q, k, v, x, mask = make_inputs(9)
+    out, _ = cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)
+    out.square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in cell.parameters())
+
+
+@pytest.mark.parametrize("target, kernels", [("delta", "reference"), ("gated-delta", "reference"),
+                                            pytest.param("gated-delta", "triton", marks=pytest.mark.slow)])
+def test_fused_matches_own_forms(target, kernels):
+    """The kernels' ops (the reference path; Triton through the interpreter, slow) against the cell's own forms: left-padded prefill then decode steps, outputs, state and
+    gradients of q, k, v, x and the cell's parameters."""
+    cell = make_cell(target)
+    inputs = make_inputs(7, pad=2)
+
+    def run(kernels):
+        cell.use_kernels(kernels)
+        q, k, v, x, mask = (t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs)
+        state = cell.init_state(2, q.device, q.dtype)
+        outs = []
+        for t in (slice(0, 5), slice(5, 6), slice(6, 7)):
+            out, *state = cell(q[:, :, t], k[:, :, t], v[:, :, t], mask[:, t], *state, x=x[:, t])
+            outs.append(out)
+        out = torch.cat(outs, 2)
+        leaves = [q, k, v, x, *cell.parameters()]
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, 6)).sum() + state[0].square().sum(), leaves)
+        return out.detach(), state[0].detach(), grads
+
+    expected = run("none")
+    assert cell.use_kernels("triton") == {"prefill": "chunk_delta_rule", "decode": "fused_recurrent_delta_rule"}
+    out, state, grads = run(kernels)
+    real = inputs[4][:, None, :, None].expand_as(out)
+    assert rel_diff(out[real], expected[0][real]) < 1e-5 and rel_diff(state, expected[1]) < 1e-5
+    for a, b in zip(grads, expected[2]):
+        assert rel_diff(a, b) < 1e-4
+
+
+def test_options_are_checked():
+    with pytest.raises(RnnifyError, match="beta_init must be a number strictly between 0 and 1"):
+        build_cell("delta", SPEC, {"beta_init": 1.0})
+    with pytest.raises(RnnifyError, match="decay_init must be"):
+        build_cell("gated-delta", SPEC, {"decay_init": 0})
+    with pytest.raises(RnnifyError, match="unexpected keyword argument 'decay_init'"):
+        build_cell("delta", SPEC, {"decay_init": 0.9})
+    with pytest.raises(RnnifyError, match="hidden_size"):
+        build_cell("delta", CellSpec(4, 2, 8, 6, 0.3))
+    assert build_cell("gated-delta", SPEC).options() == {"beta_init": 0.5, "chunk_size": 64, "decay_init": 0.99}
+
+
+@pytest.mark.slow
+def test_convert_tiny_llama_left_padded(tiny_model_dir):
+    """A converted model: a left-padded row gives the same logits as the same row unpadded."""
+    model = rnnify.convert(tiny_model_dir("llama"), to="gated-delta", chunk_size=4)
+    ids = torch.randint(0, model.manifest.vocab_size, (1, 11), generator=torch.Generator().manual_seed(0))
+    alone, _ = model.prefill(ids)
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1).repeat(2, 1)
+    padded[1, :3] = ids[0, :3]
+    mask = torch.ones(2, 14, dtype=torch.bool)
+    mask[0, :3] = False
+    logits, _ = model.prefill(padded, attention_mask=mask)
+    assert rel_diff(logits[0, 3:], alone[0]) < 1e-4
+
+
+# --------------------------------------------------------------------------- the hybrid's delta memory
+
+def delta_memory_reference(cell, q, k, v, x, mask, window: int, sinks: int):
+    """float64: per row and kv head, token n - W (not a sink) is written when real token n >= W + S
+    arrives, with beta and alpha of token n; the readout S q^ of every query after that write."""
+    writer = cell.writer
+    out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=torch.float64)
+    for b in range(2):
+        real = [t for t in range(q.shape[2]) if mask[b, t]]
+        for h in range(2):
+            S = torch.zeros(6, 8, dtype=torch.float64)
+            for t in range(q.shape[2]):
+                n = real.index(t) if t in real else -1
+                if n >= window + sinks:
+                    j = real[n - window]
+                    S = delta_write(S, writer, x[b, t], h, k[b, h, j], v[b, h, j])
+                read(out, S, q, b, h, t)
+    return out
+
+
+@pytest.mark.parametrize("memory", ["delta", "gated-delta"])
+def test_hybrid_delta_memory_is_window_plus_gated_readout(memory):
+    """out = the window target's output + g_h * (delta memory of the tokens that left the window);
+    at the default g = 0 the window target (to rounding). Prefill in chunks, then decode, from a state."""
+    window, sinks = 3, 1
+    torch.manual_seed(0)
+    hybrid = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4})
+    assert hybrid.state_names[-1] == "kv" and hybrid.needs_input
+    q, k, v, x, mask = make_inputs(13, pad=2)
+    windowed = build_cell("window", SPEC, {"window": window, "sinks": sinks})
+    expected_window, *_ = windowed(q, k, v, mask, *windowed.init_state(2, q.device, q.dtype))
+    out, *_ = hybrid(q, k, v, mask, *hybrid.init_state(2, q.device, q.dtype), x=x)
+    real = mask[:, None, :, None].expand_as(out)
+    assert rel_diff(out[real], expected_window[real]) < 1e-6
+
+    gate = torch.tensor([0.3, -0.5, 1.0, 0.7])
+    with torch.no_grad():
+        hybrid.memory_gate.copy_(gate)
+        for p in hybrid.writer.parameters():
+            p.normal_(std=0.3) if p.dim() == 2 else None
+    expected = expected_window.double() + gate[None, :, None, None].double() * delta_memory_reference(
+        hybrid, q, k, v, x, mask, window, sinks)
+    state = hybrid.init_state(2, q.device, q.dtype)
+    outs = []
+    for t in (slice(0, 6), slice(6, 11), slice(11, 12), slice(12, 13)):
+        o, *state = hybrid(q[:, :, t], k[:, :, t], v[:, :, t], mask[:, t], *state, x=x[:, t])
+        outs.append(o)
+    out = torch.cat(outs, 2)
+    assert rel_diff(out[real], expected[real]) < 1e-5
+    hybrid.use_kernels("reference")
+    fused, *_ = hybrid(q, k, v, mask, *hybrid.init_state(2, q.device, q.dtype), x=x)
+    assert rel_diff(fused[real], expected[real]) < 1e-5
+
+
+def test_hybrid_memory_option_is_checked():
+    with pytest.raises(RnnifyError, match="unknown memory 'lstm'"):
+        build_cell("hybrid", SPEC, {"memory": "lstm"})
+    with pytest.raises(RnnifyError, match="feature_map and feature_options apply to the linear memory only"):
+        build_cell("hybrid", SPEC, {"memory": "delta", "feature_map": "hedgehog"})
+    assert build_cell("hybrid", SPEC).state_names[-2:] == ("kv", "k_sum")
