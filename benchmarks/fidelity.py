@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -330,9 +331,11 @@ def plot(record: dict, path: Path) -> None:
         if not points:
             continue
         ax.scatter([p[0] for p in points], [p[1] for p in points], marker=marker, label=label)
-        if key == "distilled" or not any(r.get("distilled") for r in rows):
-            for x, y, name in points:
-                ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        labels: dict[tuple[int, float], list] = {}  # rows on (almost) the same spot share one label
+        for x, y, name in points:
+            labels.setdefault((x, round(math.log10(y), 1)), [y, []])[1].append(name)
+        for (x, _), (y, names) in labels.items():
+            ax.annotate(", ".join(names), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -340,7 +343,9 @@ def plot(record: dict, path: Path) -> None:
     ax.set_ylim(min(0.9, min(ratios) / 1.1), max(1.2, max(ratios) * 1.1))  # 1.0 always in view, never a sliver
     plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
     ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(plain)
+    low, high = ax.get_ylim()
+    # minor labels help within a decade or two; over more they overprint each other
+    ax.yaxis.set_minor_formatter(plain if high / low < 100 else matplotlib.ticker.NullFormatter())
     ax.set_xlabel(f"state bytes per sequence (after {seq_len:,} tokens)")
     ax.set_ylabel("perplexity / original perplexity (held-out)")
     ax.set_title(f"rnnify targets on {Path(record['model']).name}, {seq_len:,}-token rows")
