@@ -22,7 +22,7 @@ from rnnify.data import load_tokenizer, tokenizer_for
 from rnnify.errors import RnnifyError
 from rnnify.runtime.manifest import MANIFEST_FILE
 from rnnify.runtime.model import RecurrentModel
-from rnnify.runtime.storage import load
+from rnnify.runtime.storage import load, load_or_take
 
 __all__ = ["PasskeyResult", "PasskeyTrial", "Prompt", "build_prompt", "depths", "evaluate_passkey",
            "passkey_prompts", "passkey_trials", "score", "converted_generator", "original_generator"]
@@ -182,7 +182,7 @@ def evaluate_passkey(
     ``original=False`` runs the converted model alone. ``trials`` prompts per length put the key at
     depths evenly spaced through the filler; ``seed`` draws the keys.
     """
-    model = model_or_dir if isinstance(model_or_dir, RecurrentModel) else load(model_or_dir, device=device, kernels=kernels)
+    model = load_or_take(model_or_dir, device=device, kernels=kernels, caller="evaluate_passkey")
     lengths = _check_lengths(model, lengths)
     tokenizer = tokenizer_for(model, "the pass-key prompt", tokenizer)
     if isinstance(tokenizer, (str, os.PathLike)):
