@@ -67,7 +67,7 @@ def test_failed_save_leaves_nothing(converted_dir, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(storage, "save_file", broken)
+    monkeypatch.setattr(storage, "write_safetensors", broken)
     with pytest.raises(OSError, match="disk full"):
         model.save(tmp_path / "out")
     assert list(tmp_path.iterdir()) == []

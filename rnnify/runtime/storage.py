@@ -6,7 +6,8 @@ and generation files, and a ``config.json`` plus ``modeling_rnnify.py`` that mak
 the converted model rather than the original (``rnnify.runtime.hf_files``). Writing goes to
 a temporary directory that is renamed into place at the end, so a failed save leaves nothing
 behind; the directory and its files get the modes the umask gives (``tempfile.mkdtemp`` makes
-0700 and safetensors writes 0600). Loading checks the weights against the sha256 the manifest
+0700). The weights are written one tensor at a time from the model's own memory (``weights_file``),
+so saving adds no copy of them. Loading checks the weights against the sha256 the manifest
 recorded (a streamed read, about a second per GB) unless told not to.
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from rnnify.cells import CellSpec, build_cell
@@ -34,6 +35,7 @@ from rnnify.kernels.utils import check_kernels
 from rnnify.runtime.manifest import MANIFEST_FORMAT_VERSION, MANIFEST_FILE, Manifest
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.serialize import GraphFormatError, graph_from_json, graph_to_json
+from rnnify.runtime.weights_file import write_safetensors
 
 WEIGHTS_FILE = "model.safetensors"
 GRAPH_FILE = "graph.json"
@@ -64,7 +66,9 @@ def versions() -> dict[str, str]:
 
 
 def _unique_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
-    """State dict with tied tensors stored once: (tensors, alias -> stored name, buffer names)."""
+    """State dict with tied tensors stored once: (tensors, alias -> stored name, buffer names).
+
+    The tensors are the module's own (detached, not copied): ``write_safetensors`` streams them."""
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
@@ -74,7 +78,7 @@ def _unique_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[st
             aliases[name] = seen[key]
             continue
         seen[key] = name
-        tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        tensors[name] = tensor.detach()
     buffers = [name for name, _ in module.named_buffers() if name in tensors]
     return tensors, aliases, buffers
 
@@ -115,7 +119,7 @@ def save(model: RecurrentModel, path: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         tensors, aliases, buffers = _unique_tensors(model.graph)
-        save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        weights_sha256 = write_safetensors(tmp / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
         (tmp / GRAPH_FILE).write_text(json.dumps(graph_to_json(model.graph.graph)))
         for name, data in model.files.items():
             (tmp / name).write_bytes(data)
@@ -125,7 +129,7 @@ def save(model: RecurrentModel, path: Path) -> Path:
         (tmp / hf_files.MODELING_FILE).write_bytes(hf_files.modeling_file())
         manifest = replace(
             model.manifest,
-            weights_sha256=_sha256(tmp / WEIGHTS_FILE),
+            weights_sha256=weights_sha256,
             aliases=aliases,
             buffers=buffers,
             versions=versions(),
