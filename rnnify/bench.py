@@ -240,9 +240,10 @@ def busy_warning(machine: Machine) -> str | None:
     idle = machine.cores - machine.load
     if idle + BUSY_SLACK >= machine.threads:
         return None
+    fewer = "fewer threads (--threads) or " if machine.threads > 1 else ""
     return (f"the machine was busy: load average {machine.load:.1f} on {machine.cores} CPUs leaves "
-            f"{max(idle, 0):.1f} idle for {machine.threads} threads; timings may be slow and erratic "
-            "(try --threads 1, or an idle machine)")
+            f"{max(idle, 0):.1f} idle for {machine.threads} thread{'s' * (machine.threads > 1)}; timings may be "
+            f"slow and erratic (try {fewer}an idle machine)")
 
 
 def timing_warning(results: Sequence[Result], constant_memory: bool) -> str | None:
@@ -263,7 +264,7 @@ def timing_warning(results: Sequence[Result], constant_memory: bool) -> str | No
         return None
     worst = max(bad)[1]
     return (f"timings disagree by more than {SPREAD:g}x in {len(bad)} of {len(spreads)} comparisons (worst: {worst}); "
-            "other work on the machine or too many threads: rerun with --threads 1 on an idle machine")
+            "other work on the machine, or more threads than idle cores: rerun on an idle machine, with fewer threads")
 
 
 def weight_bytes(model) -> int:

@@ -135,7 +135,7 @@ def _add_threads_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", type=int, default=None, metavar="N",
         help="torch threads to compute with (default: $OMP_NUM_THREADS if set, else the physical cores this "
-        f"process may use, at most its cgroup CPU quota: {default_threads()} here); on a machine that other "
+        f"process may use, at most its cgroup CPU quota, here {default_threads()}); on a machine that other "
         "work shares, fewer threads (often 1) run faster and steadier",
     )
 
