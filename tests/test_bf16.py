@@ -70,7 +70,8 @@ def test_a_cell_fed_bf16_keeps_the_state_of_an_fp32_run(target, options, kernels
 
 @pytest.fixture(scope="module")
 def bf16_hybrid(tiny_model_dir):
-    return rnnify.convert(tiny_model_dir("llama"), to="hybrid", window=8, dtype="bfloat16")
+    """A hybrid whose fp32 memory is summed in from the start (memory_init=1): both kinds of state count."""
+    return rnnify.convert(tiny_model_dir("llama"), to="hybrid", window=8, memory_init=1, dtype="bfloat16")
 
 
 def test_bf16_model_holds_bf16_weights_and_fp32_cell_parameters(bf16_hybrid):
@@ -84,7 +85,7 @@ def test_bf16_model_holds_bf16_weights_and_fp32_cell_parameters(bf16_hybrid):
 
 
 def test_bf16_steps_match_bf16_prefill_and_stay_close_to_fp32(bf16_hybrid, tiny_model_dir):
-    fp32 = rnnify.convert(tiny_model_dir("llama"), to="hybrid", window=8)
+    fp32 = rnnify.convert(tiny_model_dir("llama"), to="hybrid", window=8, memory_init=1)
     ids = torch.randint(1, bf16_hybrid.manifest.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     logits, state = bf16_hybrid.prefill(ids)
     stepped, step_state = decode(bf16_hybrid, ids, 1)
