@@ -134,3 +134,39 @@ def test_compiled_step_matches_the_eager_step(converted_dir):
     torch.testing.assert_close(got, want)
     for a, b in zip(got_state.tensors, want_state.tensors):
         torch.testing.assert_close(a, b)
+
+
+def _steps(model, state, tokens):
+    logits = []
+    for token in tokens:
+        out, state = model.step(torch.tensor([[token]], device=model.device), state)
+        logits.append(out)
+    return torch.cat(logits, dim=1), state
+
+
+@pytest.mark.slow
+def test_compiled_step_of_a_growing_state_matches_the_eager_steps(converted_dir):
+    """``exact``'s state grows every step: the compiled step follows it (dynamic shapes)."""
+    model = rnnify.load(converted_dir("llama", "exact"))
+    _, state = model.prefill(torch.tensor([[1, 2, 3, 4]]))
+    want, want_state = _steps(model, state, [7, 8, 9, 10])
+    got, got_state = _steps(model.compile_step(), state, [7, 8, 9, 10])
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_state.tensors, want_state.tensors):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_cuda_graph_step_matches_eager_and_keeps_earlier_states(converted_dir):
+    model = rnnify.load(converted_dir("llama", "hybrid"), device="cuda")
+    _, state = model.prefill(torch.tensor([[1, 2, 3, 4]], device="cuda"))
+    want, want_state = _steps(model, state, [7, 8, 9])
+    model.compile_step()
+    _, early = _steps(model, state, [7])
+    got, got_state = _steps(model, state, [7, 8, 9])
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_state.tensors, want_state.tensors):
+        torch.testing.assert_close(a, b)
+    # a replay overwrites the graph's outputs: the state returned before must not have changed
+    again, _ = _steps(model, early, [8])
+    torch.testing.assert_close(again[:, 0], want[:, 1])
