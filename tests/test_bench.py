@@ -170,3 +170,32 @@ def test_cuda_graph_step_matches_eager_and_keeps_earlier_states(converted_dir):
     # a replay overwrites the graph's outputs: the state returned before must not have changed
     again, _ = _steps(model, early, [8])
     torch.testing.assert_close(again[:, 0], want[:, 1])
+
+
+def test_speed_script_measures_side_by_side_and_counts_ops(tiny_model_dir, converted_dir, tmp_path, monkeypatch):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "speed.py"
+    spec = importlib.util.spec_from_file_location("speed", path)
+    speed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(speed)
+    out = tmp_path / "speed.json"
+    converted = str(converted_dir("llama", "linear"))
+    monkeypatch.setattr(sys, "argv", ["speed.py", str(tiny_model_dir("llama")), converted, "--contexts", "8",
+                                      "--batch", "1,2", "--prefill", "16", "--repeats", "1", "--steps", "1",
+                                      "--kernels", "none", "--breakdown", "--json", str(out)])
+    threads = torch.get_num_threads()
+    try:
+        speed.main()
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads(out.read_text())
+    name = Path(converted).name
+    assert {(r["model"], r["batch"]) for r in data["decode"]} == {(m, b) for m in (name, f"{name}[none]") for b in (1, 2)}
+    for row in data["decode"] + data["prefill"]:
+        assert row["ratio"] == pytest.approx(row["original_ms"] / row["ms"])
+    assert {r["length"] for r in data["prefill"]} == {16}
+    ops = data["breakdown"][name]
+    assert 0 < ops["ops_in_cells"] < ops["ops_total"] and data["breakdown"]["original"]["ops_total"] > 0
