@@ -169,6 +169,12 @@ def sdpa_softmax_attn(
     """
     length, total = q.shape[2], keys.shape[2]
     gqa = q.shape[1] != keys.shape[1]
+    if length == total > 1 and window is None and bool(valid.all()):
+        # a whole unpadded prompt: plain causal attention, which the kernel computes without any
+        # mask and skips the blocks above the diagonal (one check a prompt, not a step)
+        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), is_causal=True, scale=scale,
+                                             enable_gqa=gqa)
+        return out.to(values.dtype)
     outs = []
     for start in range(0, length, block_size):
         end = min(start + block_size, length)
