@@ -136,6 +136,71 @@ def test_compiled_step_matches_the_eager_step(converted_dir):
         torch.testing.assert_close(a, b)
 
 
+def _steps(model, state, tokens):
+    logits = []
+    for token in tokens:
+        out, state = model.step(torch.tensor([[token]], device=model.device), state)
+        logits.append(out)
+    return torch.cat(logits, dim=1), state
+
+
+@pytest.mark.slow
+def test_compiled_step_of_a_growing_state_matches_the_eager_steps(converted_dir):
+    """``exact``'s state grows every step: the compiled step follows it (dynamic shapes)."""
+    model = rnnify.load(converted_dir("llama", "exact"))
+    _, state = model.prefill(torch.tensor([[1, 2, 3, 4]]))
+    want, want_state = _steps(model, state, [7, 8, 9, 10])
+    got, got_state = _steps(model.compile_step(), state, [7, 8, 9, 10])
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_state.tensors, want_state.tensors):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_cuda_graph_step_matches_eager_and_keeps_earlier_states(converted_dir):
+    model = rnnify.load(converted_dir("llama", "hybrid"), device="cuda")
+    _, state = model.prefill(torch.tensor([[1, 2, 3, 4]], device="cuda"))
+    want, want_state = _steps(model, state, [7, 8, 9])
+    model.compile_step()
+    _, early = _steps(model, state, [7])
+    got, got_state = _steps(model, state, [7, 8, 9])
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_state.tensors, want_state.tensors):
+        torch.testing.assert_close(a, b)
+    # a replay overwrites the graph's outputs: the state returned before must not have changed
+    again, _ = _steps(model, early, [8])
+    torch.testing.assert_close(again[:, 0], want[:, 1])
+
+
+def test_speed_script_measures_side_by_side_and_counts_ops(tiny_model_dir, converted_dir, tmp_path, monkeypatch):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "speed.py"
+    spec = importlib.util.spec_from_file_location("speed", path)
+    speed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(speed)
+    out = tmp_path / "speed.json"
+    converted = str(converted_dir("llama", "linear"))
+    monkeypatch.setattr(sys, "argv", ["speed.py", str(tiny_model_dir("llama")), converted, "--contexts", "8",
+                                      "--batch", "1,2", "--prefill", "16", "--repeats", "1", "--steps", "1",
+                                      "--kernels", "none", "--breakdown", "--json", str(out)])
+    threads = torch.get_num_threads()
+    try:
+        speed.main()
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads(out.read_text())
+    name = Path(converted).name
+    assert {(r["model"], r["batch"]) for r in data["decode"]} == {(m, b) for m in (name, f"{name}[none]") for b in (1, 2)}
+    for row in data["decode"] + data["prefill"]:
+        assert row["ratio"] == pytest.approx(row["original_ms"] / row["ms"])
+    assert {r["length"] for r in data["prefill"]} == {16}
+    ops = data["breakdown"][name]
+    assert 0 < ops["ops_in_cells"] < ops["ops_total"] and data["breakdown"]["original"]["ops_total"] > 0
+
+
 def _result(context: int, median: float, low: float, high: float, model: str = "converted", batch: int = 1) -> Result:
     return Result(model, batch, context, median, batch / median * 1e3, low, high, 1, 0)
 

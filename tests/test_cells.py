@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rnnify.cells import CELLS, CellSpec, build_cell
-from rnnify.cells.exact import ExactCell, softmax_attention_rnn
+from rnnify.cells.exact import ExactCell, sdpa_softmax_attn, softmax_attention_rnn
 from rnnify.cells.linear import (
     LinearCell,
     chunk_feature_attn,
@@ -141,11 +141,11 @@ def test_softmax_attention_rnn_matches_float64_reference(problem):
     valid = _padding_mask(padding, batch, total, gen)
     scale = 1 / math.sqrt(head_dim)
 
-    out = softmax_attention_rnn(q, keys, values, valid, scale, window=window, block_size=block_size)
     ref = reference_softmax_attention(q, keys, values, valid, scale, window)
-
-    assert out.shape == (batch, num_heads, length, head_dim) and out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), ref, rtol=RTOL, atol=ATOL)
+    for form in (softmax_attention_rnn, sdpa_softmax_attn):  # the recurrence, and the cell's SDPA path
+        out = form(q, keys, values, valid, scale, window=window, block_size=block_size)
+        assert out.shape == (batch, num_heads, length, head_dim) and out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), ref, rtol=RTOL, atol=ATOL)
 
 
 def test_softmax_attention_rnn_fully_masked_rows_are_zero_not_nan():
@@ -153,13 +153,14 @@ def test_softmax_attention_rnn_fully_masked_rows_are_zero_not_nan():
     q = torch.randn(2, 2, 4, 8, generator=gen)
     keys, values = torch.randn(2, 1, 6, 8, generator=gen), torch.randn(2, 1, 6, 8, generator=gen)
     valid = torch.tensor([[False] * 6, [False, False, False, True, True, True]])
-    out = softmax_attention_rnn(q, keys, values, valid, 0.3, block_size=2)
-    assert torch.isfinite(out).all()
-    assert torch.equal(out[0], torch.zeros_like(out[0]))  # no valid key at all
-    # row 1: queries at cache positions 2..5; position 2 sees keys 0..2, all padding
-    assert torch.equal(out[1, :, 0], torch.zeros_like(out[1, :, 0]))
-    assert out[1, :, 1:].abs().sum() > 0
-    torch.testing.assert_close(out.double(), reference_softmax_attention(q, keys, values, valid, 0.3))
+    for form in (softmax_attention_rnn, sdpa_softmax_attn):
+        out = form(q, keys, values, valid, 0.3, block_size=2)
+        assert torch.isfinite(out).all()
+        assert torch.equal(out[0], torch.zeros_like(out[0]))  # no valid key at all
+        # row 1: queries at cache positions 2..5; position 2 sees keys 0..2, all padding
+        assert torch.equal(out[1, :, 0], torch.zeros_like(out[1, :, 0]))
+        assert out[1, :, 1:].abs().sum() > 0
+        torch.testing.assert_close(out.double(), reference_softmax_attention(q, keys, values, valid, 0.3))
 
 
 def test_softmax_attention_rnn_is_stable_for_huge_scores():

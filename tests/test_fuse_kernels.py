@@ -177,6 +177,35 @@ def test_cells_fused_match_their_own_forms(case, monkeypatch):
     assert all(kw["mask"] is not None for kw in calls)
 
 
+@pytest.mark.parametrize("target", ["linear", "gated", "hybrid", "aaren", "delta"])
+def test_auto_without_triton_runs_the_faster_form_per_phase(target, monkeypatch):
+    """kernels "auto" where Triton does not run: the phases a cell lists in
+    ``own_forms_without_triton`` run its own PyTorch forms (no op is called), the others the ops'
+    references; either way the outputs, states and gradients of kernels "none"."""
+    monkeypatch.setattr(utils, "FORCE_TRITON", False)
+    spec = CellSpec(4, 2, 8, 8, 8**-0.5, hidden_size=12)
+    torch.manual_seed(0)
+    options = {"window": 3, "memory_init": 0.5} if target == "hybrid" else {}
+    cell = build_cell(target, spec, {"chunk_size": 4, **options})
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, h, 7, 8, generator=gen) for h in (4, 2, 2))
+    inputs = (q, k, v, torch.randn(2, 7, 12, generator=gen), torch.ones(2, 7, dtype=torch.bool))
+    calls = []
+    for name in ("chunk_linear_attn", "fused_recurrent_linear_attn", "window_attn_step", "aaren_scan",
+                 "chunk_delta_rule", "fused_recurrent_delta_rule"):
+        op = getattr(rnnify.kernels, name)
+        monkeypatch.setattr(rnnify.kernels, name, lambda *a, _op=op, _n=name, **kw: calls.append(_n) or _op(*a, **kw))
+    expected = run_cell(cell, "none", inputs)
+    assert not calls
+    got = run_cell(cell, "auto", inputs)
+    fused_phases = {"prefill", "decode"} - cell.own_forms_without_triton
+    assert fused_phases == {"prefill"} if target in ("gated", "hybrid", "delta") else not fused_phases
+    assert bool(calls) == bool(fused_phases)
+    assert len(got[1]) == len(expected[1])
+    for a, b in zip([got[0], *got[1], *got[2]], [expected[0], *expected[1], *expected[2]]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-6)
+
+
 # -- parity ---------------------------------------------------------------------------------
 
 

@@ -141,6 +141,7 @@ class AarenCell(Cell):
     """Softmax attention of a learned per-head query over the prefix: constant state, trainable."""
 
     target = "aaren"
+    own_forms_without_triton = frozenset({"prefill", "decode"})
     state_names = ("m", "u", "w")
     uses_query = False
     calibrates = True
@@ -197,8 +198,9 @@ class AarenCell(Cell):
         v = torch.where(mask.to(torch.bool)[:, None, :, None], v.float(), 0.0)
         grouped = (spec.num_kv_heads, spec.group_size)
         state = (m.reshape(batch, *grouped), u.reshape(batch, *grouped), w.reshape(batch, *grouped, -1))
-        if self.kernels is not None:
-            out, m, u, w = fused_aaren(s, v, *state, backend=self.kernels)
+        backend = self.backend(q, length)
+        if backend is not None:
+            out, m, u, w = fused_aaren(s, v, *state, backend=backend)
         elif length == 1:
             out, m, u, w = step_aaren(s, v, *state)
         elif self.prefill == "scan":

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from rnnify.kernels.utils import check_kernels
+from rnnify.kernels.utils import check_kernels, resolve_backend
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,10 @@ class Cell(nn.Module):
     # the order of ``init_state``, and whether the cell also reads the layer input ``x``.
     state_names: tuple[str, ...]
     needs_input: bool = False
+    # Phases ("prefill": T > 1, "decode": T == 1) in which the cell's own PyTorch forms are faster
+    # than its fused ops' PyTorch references (docs/performance.md §Which path kernels "auto" runs):
+    # with kernels "auto" where Triton does not run, those phases take the cell's own forms.
+    own_forms_without_triton: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, spec: CellSpec):
         super().__init__()
@@ -93,6 +97,14 @@ class Cell(nn.Module):
         ops = self.fused_ops() if check_kernels(kernels) != "none" else {}
         self.kernels = kernels if ops else None
         return ops
+
+    def backend(self, x: torch.Tensor, steps: int) -> str | None:
+        """The fused ops' backend for a call of ``steps`` tokens on tensors like ``x``, or None: the
+        cell's own PyTorch forms (``kernels`` "none", or "auto" off Triton in a phase of
+        ``own_forms_without_triton``: the same math, computed faster)."""
+        if self.kernels == "auto" and ("decode" if steps == 1 else "prefill") in self.own_forms_without_triton:
+            return "auto" if resolve_backend("auto", x) else None
+        return self.kernels
 
     def calibrate(self, q: torch.Tensor, mask: torch.Tensor | None = None) -> "Cell":
         """Initialise from the ``q [B, H, T, d]`` this cell receives on calibration data (``mask [B, T]``:

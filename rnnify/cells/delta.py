@@ -157,6 +157,7 @@ class DeltaCell(Cell):
     """DeltaNet: linear attention whose writes first erase the key's old value (delta rule)."""
 
     target = "delta"
+    own_forms_without_triton = frozenset({"decode"})
     state_names = ("kv",)
     needs_input = True
     gated = False
@@ -190,8 +191,9 @@ class DeltaCell(Cell):
         batch, _, length, _ = q.shape
         grouped = l2_normalise(q.reshape(batch, self.spec.num_kv_heads, self.spec.group_size, length, -1))
         args = (grouped, l2_normalise(k), v.float(), beta, log_a, kv)
-        if self.kernels is not None:
-            out, kv = fused_delta_attn(*args, backend=self.kernels)
+        backend = self.backend(q, length)
+        if backend is not None:
+            out, kv = fused_delta_attn(*args, backend=backend)
         elif length == 1:
             out, kv = step_delta_attn(*args)
         else:

@@ -12,16 +12,18 @@ many-to-one recurrence over (running max m, denominator u, numerator w):
 
 Causal self-attention has a new query every token, so the state that makes this exact is every
 past key and value (per kv head): memory grows with the context. Each call appends the new keys
-and runs the recurrence over the cache a block of keys at a time (vectorised inside a block), so
-scores for the whole context are never materialised at once. A model's own sliding window keeps
-only the last ``window`` keys, and then the state is bounded.
+and reads the cache through ``F.scaled_dot_product_attention`` (``sdpa_softmax_attn``: the fused
+kernel the original ran, which computes this recurrence blockwise), queries in blocks, so scores
+for the whole context are never materialised at once. A model's own sliding window keeps only the
+last ``window`` keys, and then the state is bounded.
 
 Forms, all computing the same thing: ``naive_recurrent_softmax_attn`` (the recurrence one key at
 a time: the ground truth), ``parallel_softmax_attn`` (masked quadratic softmax over the cache) and
-``softmax_attention_rnn`` (the recurrence a block of keys at a time: the chunked form, used for
-prefill, and with T = 1 the step form, used for decode). All take queries ``[B, H, T, d]`` of
-cache positions ``N-T .. N-1``, keys/values ``[B, Hkv, N, *]`` and ``valid [B, N]``, accumulate
-in fp32, return ``[B, H, T, Dv]`` in the values' dtype, and give 0 where no key is allowed.
+``softmax_attention_rnn`` (the recurrence a block of keys at a time, in PyTorch) and
+``sdpa_softmax_attn`` (the cell's path, prefill and decode). All take queries ``[B, H, T, d]`` of
+cache positions ``N-T .. N-1``, keys/values ``[B, Hkv, N, *]`` and ``valid [B, N]``, return
+``[B, H, T, Dv]`` in the values' dtype, and give 0 where no key is allowed; all but the SDPA form
+accumulate in fp32 (SDPA accumulates as the original did).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from rnnify.cells.base import Cell, CellSpec
 
@@ -147,6 +150,51 @@ def softmax_attention_rnn(
     return out.reshape(batch, num_heads, length, -1).to(values.dtype)
 
 
+def sdpa_softmax_attn(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    block_size: int = 512,
+) -> torch.Tensor:
+    """``softmax_attention_rnn``'s result through ``F.scaled_dot_product_attention``, the fused kernel
+    the original model ran: the cell's path (a few ops a layer where the recurrence dispatches
+    dozens, docs/performance.md §Where a decode step's time goes).
+
+    Queries go in blocks of ``block_size``, each over the keys it may see (none after its last
+    query, none before its window), so the boolean mask is at most ``block_size`` x N, as the
+    original's. Rows with no key allowed are 0, as in the recurrence (SDPA would give NaN).
+    """
+    length, total = q.shape[2], keys.shape[2]
+    gqa = q.shape[1] != keys.shape[1]
+    if length == total > 1 and window is None and bool(valid.all()):
+        # a whole unpadded prompt: plain causal attention, which the kernel computes without any
+        # mask and skips the blocks above the diagonal (one check a prompt, not a step)
+        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), is_causal=True, scale=scale,
+                                             enable_gqa=gqa)
+        return out.to(values.dtype)
+    outs = []
+    for start in range(0, length, block_size):
+        end = min(start + block_size, length)
+        q_pos = torch.arange(total - length + start, total - length + end, device=q.device)[:, None]
+        first = 0 if window is None else max(0, total - length + start - window + 1)
+        stop = total - length + end
+        k_pos = torch.arange(first, stop, device=q.device)[None, :]
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed = allowed & (q_pos - k_pos < window)
+        allowed = allowed & valid[:, None, None, first:stop]  # [B, 1, t, n]
+        out = F.scaled_dot_product_attention(
+            q[:, :, start:end], keys[:, :, first:stop].to(q.dtype), values[:, :, first:stop].to(q.dtype),
+            attn_mask=allowed, scale=scale, enable_gqa=gqa,
+        )
+        outs.append(torch.where(allowed.any(-1, keepdim=True), out, 0.0))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.to(values.dtype)
+
+
 class ExactCell(Cell):
     """Softmax attention, unchanged, as an RNN over a growing key/value state."""
 
@@ -177,7 +225,7 @@ class ExactCell(Cell):
         keys = torch.cat([keys, k.to(keys.dtype)], dim=2)
         values = torch.cat([values, v.to(values.dtype)], dim=2)
         valid = torch.cat([valid, mask.to(torch.bool)], dim=1)
-        out = softmax_attention_rnn(q, keys, values, valid, self.spec.scale, self.spec.window, self.block_size)
+        out = sdpa_softmax_attn(q, keys, values, valid, self.spec.scale, self.spec.window, self.block_size)
         window = self.spec.window
         if window is not None and keys.shape[2] > window:
             keys, values, valid = keys[:, :, -window:], values[:, :, -window:], valid[:, -window:]

@@ -93,6 +93,7 @@ class GatedCell(FeatureMapCell):
     """Decayed linear attention with a fixed (retnet) or trained, input-dependent (gla, gateloop) gate."""
 
     target = "gated"
+    own_forms_without_triton = frozenset({"decode"})
     state_names = ("kv", "k_sum")  # ("kv",) with normalize=False
     needs_input = True  # gla and gateloop read the layer input x; a retnet cell sets this False
 
@@ -183,9 +184,10 @@ class GatedCell(FeatureMapCell):
         mask = mask.to(torch.bool)
         log_a = self.log_gates(x, mask)
         v = torch.where(mask[:, None, :, None], v.float(), 0.0)  # padding: phi(k) = 0, a = 1, v = 0
-        if self.kernels is not None:  # the ops featurise (and mask) q, k themselves
+        backend = self.backend(q, q.shape[2])
+        if backend is not None:  # the ops featurise (and mask) q, k themselves
             out, kv, k_sum = fused_feature_attn(self.grouped(q), k, v, kv, k_sum, self.phi, mask, self.eps, log_a,
-                                               self.kernels)
+                                               backend)
         elif q.shape[2] == 1:
             out, kv, k_sum = step_gated_attn(*self.features(q, k, mask), v, log_a, kv, k_sum, self.eps)
         else:

@@ -363,6 +363,7 @@ class HybridCell(Cell):
     """
 
     target = "hybrid"
+    own_forms_without_triton = frozenset({"decode"})
     state_names = ("keys", "values", "length", "kv", "k_sum")  # with sinks: + sink_keys, sink_values after values
 
     def __init__(
@@ -467,13 +468,14 @@ class HybridCell(Cell):
         if self.memory != "linear":
             beta, log_a = self.writer(x, mask)
             out, *state = delta_memory_hybrid_attn(grouped, k, v, mask, *state, beta, log_a, gate, self.spec.scale,
-                                                   self.chunk_size, self.kernels)
+                                                   self.chunk_size, self.backend(q, steps))
             if not self.sinks:
                 del state[2:4]
             return out.reshape(batch, self.spec.num_heads, steps, -1).to(q.dtype), *state
         args = (self.phi, self.mixing_factor(), self.spec.scale, gate)
-        if self.kernels is not None:
-            out, *state = fused_hybrid_attn(grouped, k, v, mask, *state, *args, self.chunk_size, self.kernels)
+        backend = self.backend(q, steps)
+        if backend is not None:
+            out, *state = fused_hybrid_attn(grouped, k, v, mask, *state, *args, self.chunk_size, backend)
         elif steps == 1:
             out, *state = step_hybrid_attn(grouped, k, v, mask, *state, *args)
         else:

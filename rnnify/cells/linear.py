@@ -437,6 +437,7 @@ class LinearCell(FeatureMapCell):
     """
 
     target = "linear"
+    own_forms_without_triton = frozenset({"prefill", "decode"})
     state_names = ("kv", "k_sum")
 
     def __init__(
@@ -463,9 +464,10 @@ class LinearCell(FeatureMapCell):
         kv, k_sum = state if self.normalize else (state[0], None)
         mask = mask.to(torch.bool)
         v = torch.where(mask[:, None, :, None], v.float(), 0.0)
-        if self.kernels is not None:  # the ops featurise (and mask) q, k themselves
+        backend = self.backend(q, q.shape[2])
+        if backend is not None:  # the ops featurise (and mask) q, k themselves
             out, kv, k_sum = fused_feature_attn(self.grouped(q), k, v, kv, k_sum, self.phi, mask, self.eps,
-                                               backend=self.kernels)
+                                               backend=backend)
         elif q.shape[2] == 1:
             out, kv, k_sum = step_feature_attn(*self.features(q, k, mask), v, kv, k_sum, self.eps)
         else:

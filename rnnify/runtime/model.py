@@ -53,6 +53,7 @@ class RecurrentModel(nn.Module):
         self.path: Path | None = None  # the directory this model was loaded from, if any
         self._warned_positions = False
         self._step_graph: Any = None  # set by compile_step
+        self._cuda_graphs = False  # compile_step on CUDA: the step replays as a CUDA graph
 
     # -- description ------------------------------------------------------------------------
 
@@ -187,8 +188,14 @@ class RecurrentModel(nn.Module):
             positions = state.positions + input_ids.shape[1]
         else:
             graph_mask, positions = mask, state.positions + mask.long().sum(1)
-        graph = self._step_graph if self._step_graph is not None and input_ids.shape[1] == 1 else self.graph
-        logits, *tensors = graph(input_ids, position_ids, graph_mask, *state.tensors)
+        if self._step_graph is None or input_ids.shape[1] != 1:
+            logits, *tensors = self.graph(input_ids, position_ids, graph_mask, *state.tensors)
+        elif self._cuda_graphs:
+            # a replay overwrites the last one's outputs: copy them out, so every state stays valid
+            torch.compiler.cudagraph_mark_step_begin()
+            logits, *tensors = (t.clone() for t in self._step_graph(input_ids, position_ids, graph_mask, *state.tensors))
+        else:
+            logits, *tensors = self._step_graph(input_ids, position_ids, graph_mask, *state.tensors)
         return logits, RecurrentState(tuple(tensors), positions, state.model_uid)
 
     @torch.no_grad()
@@ -218,10 +225,17 @@ class RecurrentModel(nn.Module):
     def compile_step(self) -> "RecurrentModel":
         """Run one-token calls through ``torch.compile`` of the graph (static shapes; prefill stays eager).
 
-        About 10% off a GPT-2-small CPU step (benchmarks/step_compile.py); the first step per
-        batch size pays the compile.
+        On CUDA, a constant-state model's step is also captured as a CUDA graph (inductor's
+        ``mode="reduce-overhead"``): one launch a step instead of one per kernel.
+
+        The first step per batch size pays the compile; docs/performance.md weighs it against the
+        time it saves. A state that grows (``exact``) changes shape every step, so its shapes are
+        left for dynamo to mark dynamic after the first recompile instead of one compile a step.
+        Call it once the model is on its device.
         """
-        self._step_graph = torch.compile(self.graph, dynamic=False)
+        self._cuda_graphs = self.device.type == "cuda" and self.constant_memory
+        mode = "reduce-overhead" if self._cuda_graphs else None
+        self._step_graph = torch.compile(self.graph, dynamic=None if not self.constant_memory else False, mode=mode)
         return self
 
     @torch.no_grad()

@@ -1,0 +1,226 @@
+"""Decode and prefill of converted models against their original, side by side in one run.
+
+    python benchmarks/speed.py ORIGINAL CONVERTED [CONVERTED ...] [--contexts 256,1024] [--batch 1,8]
+        [--prefill 256,1024,2048,4096] [--repeats 3] [--steps 8] [--kernels none,reference] [--compile]
+        [--breakdown]
+        [--json benchmarks/results/speed-NAME.json]
+
+One thread (``torch.set_num_threads(1)``), CPU. Contexts are reached as ``rnnify bench`` reaches
+them (``rnnify.bench.fill_state`` and ``kv_cache``). Every time is the minimum over ``--repeats``
+rounds, and in each round every model (the original first, then last, in turn) runs ``--steps``
+decode steps, so all models see the same machine load; a ratio is the original's time over the
+converted model's (> 1: the converted model is faster). On a shared machine, compare these
+ratios, not absolute times across runs.
+
+``--kernels none,reference`` adds each converted model loaded with those kernels too (named
+``NAME[none]``...): the cells' own PyTorch forms, and the kernel ops' PyTorch references, against
+the default ``auto``. ``--compile`` adds each converted model with its step compiled (``RecurrentModel.compile_step``),
+and records how long the first compiled step took. ``--breakdown`` adds, per converted model at
+batch 1 and the first context, where a step's time goes: the whole ``step`` call, the step graph
+alone, the time inside the cells, the aten ops dispatched in and out of the cells, and the time
+reading every weight once takes (``rnnify.bench.weight_bytes`` over the measured bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from tqdm import tqdm
+
+import rnnify
+from rnnify.bench import fill_state, kv_cache, machine, weight_bytes
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _min_ms(fn, steps: int) -> float:
+    best = float("inf")
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the aten ops dispatched, apart inside the cells (``inside`` is set by hooks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inside, self.cells, self.total = False, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.total += 1
+        self.cells += self.inside
+        return func(*args, **(kwargs or {}))
+
+
+def breakdown(model, context: int, steps: int, limit_ms: float) -> dict:
+    """Where a batch-1 step's time goes (see the module docstring)."""
+    state = fill_state(model, context, 1, 256)
+    token = torch.tensor([[5]], device=model.device)
+    inputs = (token, state.positions[:, None], torch.ones_like(token, dtype=torch.bool), *state.tensors)
+    spent = [0.0]
+    ops = _Ops()
+
+    def enter(*_):
+        ops.inside = True
+        spent.append(time.perf_counter())
+
+    def leave(*_):
+        ops.inside = False
+        spent[0] += time.perf_counter() - spent.pop()
+
+    handles = [h for cell in model.cells for h in (cell.register_forward_pre_hook(enter),
+                                                    cell.register_forward_hook(leave))]
+    with torch.no_grad():
+        step_ms = _min_ms(lambda: model.step(token, state), steps)
+        graph_ms = _min_ms(lambda: model.graph(*inputs), steps)
+        cells_ms = float("inf")
+        for _ in range(steps):
+            spent[0] = 0.0
+            model.graph(*inputs)
+            cells_ms = min(cells_ms, spent[0] * 1e3)
+        with ops:
+            model.graph(*inputs)
+    for handle in handles:
+        handle.remove()
+    return {"step_ms": step_ms, "graph_ms": graph_ms, "cells_ms": cells_ms, "ops_total": ops.total,
+            "ops_in_cells": ops.cells, "weight_read_ms": limit_ms}
+
+
+def original_ops(hf, context: int) -> int:
+    cache = kv_cache(hf, context, 1)
+    ops = _Ops()
+    with torch.no_grad(), ops:
+        hf(input_ids=torch.tensor([[5]]), cache=cache, position_ids=torch.tensor([[context]]), use_cache=True)
+    return ops.total
+
+
+def _order(runs: dict, round_: int) -> list:
+    """The models in order, reversed every other round: none always runs right after the same one."""
+    items = list(runs.items())
+    return items[::-1] if round_ % 2 else items
+
+
+def decode(hf, models: dict, contexts: list[int], batches: list[int], repeats: int, steps: int) -> list[dict]:
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            token = torch.full((batch, 1), 5)
+            cache, position = kv_cache(hf, context, batch), [context]
+
+            def original():
+                ids = torch.full((batch, 1), position[0])
+                hf(input_ids=token, cache=cache, position_ids=ids, use_cache=True)
+                position[0] += 1
+
+            runs = {"original": original}
+            for name, model in models.items():
+                holder = [fill_state(model, context, batch, 256)]
+
+                def step(model=model, holder=holder):
+                    _, holder[0] = model.step(token, holder[0])
+
+                runs[name] = step
+            best = dict.fromkeys(runs, float("inf"))
+            compile_s = {}
+            with torch.no_grad():
+                for name, run in runs.items():  # warm up (a compiled step compiles here, once per batch size)
+                    start = time.perf_counter()
+                    run()
+                    compile_s[name] = time.perf_counter() - start
+                    run()
+                for round_ in tqdm(range(repeats), desc=f"decode batch {batch} @ {context}", leave=False):
+                    for name, run in _order(runs, round_):
+                        best[name] = min(best[name], _min_ms(run, steps))
+            for name in models:
+                rows.append({"model": name, "batch": batch, "context": context, "ms": best[name],
+                             "original_ms": best["original"], "ratio": best["original"] / best[name],
+                             "first_step_s": compile_s[name]})
+            del cache
+    return rows
+
+
+def prefill(hf, models: dict, lengths: list[int], repeats: int) -> list[dict]:
+    rows = []
+    vocab = hf.config.get_text_config().vocab_size
+    runs = {"original": lambda ids: hf(input_ids=ids, use_cache=False)}
+    runs.update({name: model.prefill for name, model in models.items() if not name.endswith("+compile")})
+    with torch.no_grad():
+        for name, run in runs.items():
+            run(torch.randint(0, vocab, (1, 16)))
+        for length in lengths:
+            ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length))
+            best = dict.fromkeys(runs, float("inf"))
+            for round_ in tqdm(range(repeats), desc=f"prefill {length}", leave=False):
+                for name, run in _order(runs, round_):
+                    best[name] = min(best[name], _min_ms(lambda: run(ids), 1))
+            for name in runs:
+                if name != "original":
+                    rows.append({"model": name, "length": length, "ms": best[name], "original_ms": best["original"],
+                                 "ratio": best["original"] / best[name]})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("original", help="the original Hugging Face model directory")
+    parser.add_argument("converted", nargs="+", help="converted model directories")
+    parser.add_argument("--contexts", type=_ints, default=[256, 1024])
+    parser.add_argument("--batch", type=_ints, default=[1, 8])
+    parser.add_argument("--prefill", type=_ints, default=[256, 1024, 2048, 4096], help="prompt lengths ('' for none)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--compile", action="store_true", help="also time every model with its step compiled")
+    parser.add_argument("--kernels", type=lambda s: [x for x in s.split(",") if x], default=[],
+                        help="also time every model loaded with these kernels, e.g. none,reference")
+    parser.add_argument("--breakdown", action="store_true", help="where a batch-1 step's time goes")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(args.original).eval()
+    models = {}
+    for path in args.converted:
+        name = Path(path).name
+        models[name] = rnnify.load(path)
+        for kernels in args.kernels:
+            models[f"{name}[{kernels}]"] = rnnify.load(path, kernels=kernels)
+        if args.compile:
+            models[name + "+compile"] = rnnify.load(path).compile_step()
+    info = machine(torch.device("cpu"))
+    limit_ms = weight_bytes(next(iter(models.values()))) / (info.bandwidth_gb_s * 1e9) * 1e3
+    out = {"command": " ".join(["python", *sys.argv]), "machine": dataclasses.asdict(info), "threads": torch.get_num_threads(),
+           "weight_read_ms": limit_ms, "decode": decode(hf, models, args.contexts, args.batch, args.repeats, args.steps),
+           "prefill": prefill(hf, models, args.prefill, args.repeats)}
+    if args.breakdown:
+        out["breakdown"] = {name: breakdown(model, args.contexts[0], 3 * args.steps, limit_ms)
+                            for name, model in models.items() if "[" not in name and not name.endswith("+compile")}
+        out["breakdown"]["original"] = {"ops_total": original_ops(hf, args.contexts[0])}
+    for row in out["decode"]:
+        print(f"decode  {row['model']:22s} batch {row['batch']} @ {row['context']:5d}: {row['ms']:8.2f} ms, "
+              f"original {row['original_ms']:8.2f} ms, ratio {row['ratio']:.2f}")
+    for row in out["prefill"]:
+        print(f"prefill {row['model']:22s} {row['length']:5d} tokens: {row['ms']:9.1f} ms, "
+              f"original {row['original_ms']:9.1f} ms, ratio {row['ratio']:.2f}")
+    for name, row in out.get("breakdown", {}).items():
+        print(f"breakdown {name}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                                for k, v in row.items()))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
