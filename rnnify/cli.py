@@ -585,7 +585,8 @@ def _info(args: argparse.Namespace, console: Console) -> int:
 
     model = _load(args)
     manifest = model.manifest
-    options = manifest.cells[0].options if manifest.cells else manifest.options
+    # the first cell's options show the defaults it filled in; a per-head cell's are its groups
+    options = manifest.cells[0].options if manifest.cells and manifest.cells[0].target != "heads" else manifest.options
     positions = manifest.positions
     if positions.get("kind") == "learned":
         where = f"learned, {positions.get('limit')} positions (cannot decode past them)"
@@ -601,6 +602,7 @@ def _info(args: argparse.Namespace, console: Console) -> int:
         "directory": str(model.path),
         "source": manifest.source or "(unknown)",
         "target": manifest.target + (" (" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")" if options else ""),
+        **({"layers": ", ".join(manifest.layers)} if manifest.layers else {}),
         "dtype": manifest.dtype,
         "vocab size": str(manifest.vocab_size),
         "positions": where,
