@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from rnnify.cells import CellSpec
 from rnnify.errors import RnnifyError
 
-__all__ = ["SCORES", "Calibration", "HeadReport", "auto_convert", "calibration_rows", "choose", "choose_heads",
+__all__ = ["SCORES", "Calibration", "HeadReport", "HeadScorer", "auto_convert", "calibration_rows", "choose", "choose_heads",
            "convert_chosen", "head_costs", "layers_spec", "measure_kl", "score_heads"]
 
 SCORES = ("kl", "mass")
@@ -141,6 +141,39 @@ def _mean_by_kind(values: list[float], kinds: list[str]) -> float:
     return sum(sum(v for v, k in zip(values, kinds) if k == kind) / kinds.count(kind) for kind in set(kinds))
 
 
+def _decoder_layers(source: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The decoder layers in call order (``model.layers`` of Llama-like models), or None."""
+    layers = getattr(getattr(source, "model", None), "layers", None)
+    return layers if isinstance(layers, torch.nn.ModuleList) else None
+
+
+@contextmanager
+def _recorded(layers: torch.nn.ModuleList | None, outputs: list) -> Iterator[None]:
+    """Append each decoder layer's output to ``outputs`` while the block runs."""
+    handles = [layer.register_forward_hook(lambda m, a, out: outputs.append(out)) for layer in layers or ()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def _replayed(layers: torch.nn.ModuleList | None, outputs: list, count: int) -> Iterator[None]:
+    """The first ``count`` decoder layers return their recorded ``outputs`` instead of computing
+    them: windowing a head of layer l changes nothing before it, so a pass need only run from l."""
+    if layers is None or len(outputs) != len(layers):
+        yield
+        return
+    for layer, out in zip(list(layers)[:count], outputs):
+        layer.forward = lambda *args, _out=out, **kwargs: _out
+    try:
+        yield
+    finally:
+        for layer in list(layers)[:count]:
+            del layer.forward
+
+
 @torch.no_grad()
 def score_heads(source: torch.nn.Module, calibration: Calibration, window: int, sinks: int, scores=SCORES,
                 progress: Callable[[int], None] | None = None) -> tuple[dict[str, dict[Head, float]], list[torch.Tensor]]:
@@ -149,12 +182,14 @@ def score_heads(source: torch.nn.Module, calibration: Calibration, window: int, 
     step = progress or (lambda n: None)
     probe = _Probe(window, sinks)
     out: dict[str, dict[Head, float]] = {}
+    layers = _decoder_layers(source)
     with _probed(source, probe):
-        probe.mass = {}
-        originals, masses = [], []
+        originals, masses, recorded = [], [], []
         for ids, weights in zip(calibration.rows, calibration.weights):
             probe.weights, probe.mass = weights, {}
-            originals.append(_logits(source, ids))
+            recorded.append([])
+            with _recorded(layers if "kl" in scores else None, recorded[-1]):
+                originals.append(_logits(source, ids))
             masses.append(probe.mass)
             step(1)
         if probe.calls == 0:
@@ -167,8 +202,10 @@ def score_heads(source: torch.nn.Module, calibration: Calibration, window: int, 
             out["kl"] = {}
             for head in heads:
                 probe.windowed = {head}
-                kls = [_kl(want, _logits(source, ids), w)
-                       for ids, w, want in zip(calibration.rows, calibration.weights, originals)]
+                kls = []
+                for ids, w, want, before in zip(calibration.rows, calibration.weights, originals, recorded):
+                    with _replayed(layers, before, head[0]):
+                        kls.append(_kl(want, _logits(source, ids), w))
                 out["kl"][head] = _mean_by_kind(kls, calibration.kinds)
                 step(len(calibration.rows))
     return out, originals
@@ -320,61 +357,87 @@ def parse_bytes(text: str, kv_cache: Callable[[], int]) -> int:
     return int(value)
 
 
+class HeadScorer:
+    """The kv heads of ``model`` (a Hugging Face directory or loaded model) scored once on ``data``
+    (what ``rnnify.data.token_batches`` reads) and ``passkey`` pass-key prompts; ``choose`` then
+    picks for any budget or bound. ``score="kl"`` computes the mass score too (it is free)."""
+
+    def __init__(self, model: Any, data: Any, *, score: str = DEFAULT_SCORE, window: int = WINDOW, sinks: int = SINKS,
+                 calib_len: int = 1024, calib_rows: int = 2, passkey: int = 2, dtype: str = "float32",
+                 tokenizer: Any = None, seed: int = 0, progress: bool = False):
+        from tqdm import tqdm
+
+        from rnnify.capture import load_source
+        from rnnify.convert import resolve_dtype
+        from rnnify.data import load_tokenizer
+
+        if score not in SCORES:
+            raise RnnifyError(f"unknown score {score!r}; choose from: {', '.join(SCORES)}")
+        for name, value, low in (("--window", window, 1), ("--sinks", sinks, 0), ("--calib-len", calib_len, 16),
+                                 ("--calib-rows", calib_rows, 0), ("--calib-passkey", passkey, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise RnnifyError(f"{name} must be an integer >= {low}, got {value!r}")
+        if calib_rows + passkey == 0:
+            raise RnnifyError("--to auto needs calibration rows: --calib-rows or --calib-passkey above 0")
+        self.score, self.window, self.sinks, self.dtype = score, window, sinks, resolve_dtype(dtype)
+        self.source = load_source(model, self.dtype)
+        self.specs = layer_specs(self.source)
+        if tokenizer is None and (passkey or isinstance(data, (str, os.PathLike))):
+            tokenizer = load_tokenizer(model)
+        self.calibration = calibration_rows(tokenizer, data, calib_len, calib_rows, passkey, seed)
+        rows = len(self.calibration.rows)
+        passes = rows * (1 + (sum(s.num_kv_heads for s in self.specs) if score == "kl" else 0))
+        with tqdm(total=passes, unit="pass", desc="scoring heads", disable=None if progress else True, leave=False) as bar:
+            self.scores, self.originals = score_heads(self.source, self.calibration, window, sinks,
+                                                      (score, "mass") if score == "kl" else (score,), progress=bar.update)
+        self.heads = sorted(self.scores[score])
+        self.about = {"data": str(data) if isinstance(data, (str, os.PathLike)) else "(token ids)",
+                      "rows": self.calibration.kinds.count("text"), "passkey": self.calibration.kinds.count("passkey"),
+                      "tokens": calib_len, "seed": seed}
+
+    def kl(self, exact: set[Head]) -> float:
+        """The calibration KL with the heads not in ``exact`` windowed."""
+        return measure_kl(self.source, self.calibration, self.originals, set(self.heads) - exact, self.window, self.sinks)
+
+    def choose(self, budget: str | int | None = None, context: int = 4096, max_kl: float | None = None,
+               per_layer: bool = False, score: str | None = None) -> HeadReport:
+        """The heads kept exact (``choose``) by ``score`` (default: the one scored for): under ``budget``
+        (bytes or a ``parse_bytes`` text) at ``context`` tokens, or at most ``max_kl``; whole layers
+        with ``per_layer``."""
+        score = score or self.score
+        if score not in self.scores:
+            raise RnnifyError(f"score {score!r} was not measured (scored for {self.score!r})")
+        if (budget is None) == (max_kl is None):
+            raise RnnifyError("--to auto needs one of --state-budget BYTES (with --at-context N) or --max-kl X")
+        if max_kl is not None and not max_kl >= 0:
+            raise RnnifyError(f"--max-kl must be >= 0, got {max_kl}")
+        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+            raise RnnifyError(f"--at-context must be a positive token count, got {context!r}")
+        specs, window, sinks, dtype = self.specs, self.window, self.sinks, self.dtype
+        if isinstance(budget, str):
+            budget = parse_bytes(budget, lambda: kv_cache_bytes(specs, context, dtype))
+        units = [[h for h in self.heads if h[0] == layer] for layer in range(len(specs))] if per_layer else None
+        exact = choose(self.scores[score], specs, context=context, window=window, sinks=sinks, dtype=dtype,
+                       budget=budget, kl_of=self.kl, max_kl=max_kl, units=units)
+        return HeadReport(
+            score=score, window=window, sinks=sinks, context=context, budget=budget, max_kl=max_kl,
+            exact=sorted(exact), layers=layers_spec(specs, exact),
+            scores={name: {f"{lay}.{h}": v for (lay, h), v in values.items()} for name, values in self.scores.items()},
+            head_bytes={t: one_head_bytes(specs[0], t, context, window, sinks, dtype) for t in ("exact", "window")},
+            state_bytes=head_costs(specs, exact, context, window, sinks, dtype),
+            kv_cache_bytes=kv_cache_bytes(specs, context, dtype),
+            calibration_kl=self.kl(exact),
+            calibration={**self.about, "per_layer": per_layer},
+        )
+
+
 def choose_heads(model: Any, data: Any, *, budget: str | int | None = None, context: int = 4096,
-                 max_kl: float | None = None, score: str = DEFAULT_SCORE, window: int = WINDOW, sinks: int = SINKS,
-                 calib_len: int = 1024, calib_rows: int = 2, passkey: int = 2, per_layer: bool = False,
-                 dtype: str = "float32", tokenizer: Any = None, seed: int = 0, progress: bool = False) -> HeadReport:
-    """Score every kv head of ``model`` (a Hugging Face directory or loaded model) on ``data`` (what
-    ``rnnify.data.token_batches`` reads) and ``passkey`` pass-key prompts, and choose the heads kept
-    exact (``choose``). ``budget`` is bytes (or a ``parse_bytes`` text) at ``context`` tokens;
-    ``per_layer`` keeps whole layers instead of heads."""
-    from tqdm import tqdm
-
-    from rnnify.capture import load_source
-    from rnnify.convert import resolve_dtype
-    from rnnify.data import load_tokenizer
-
-    if score not in SCORES:
-        raise RnnifyError(f"unknown score {score!r}; choose from: {', '.join(SCORES)}")
-    if (budget is None) == (max_kl is None):
+                 max_kl: float | None = None, per_layer: bool = False, **scoring: Any) -> HeadReport:
+    """``HeadScorer(model, data, **scoring).choose(budget, context, max_kl, per_layer)``: the heads
+    ``--to auto`` keeps exact, with the report."""
+    if (budget is None) == (max_kl is None):  # before any model loads
         raise RnnifyError("--to auto needs one of --state-budget BYTES (with --at-context N) or --max-kl X")
-    if max_kl is not None and not max_kl >= 0:
-        raise RnnifyError(f"--max-kl must be >= 0, got {max_kl}")
-    for name, value, low in (("--at-context", context, 1), ("--window", window, 1), ("--sinks", sinks, 0),
-                             ("--calib-len", calib_len, 16), ("--calib-rows", calib_rows, 0), ("--calib-passkey", passkey, 0)):
-        if not isinstance(value, int) or value < low:
-            raise RnnifyError(f"{name} must be an integer >= {low}, got {value!r}")
-    if calib_rows + passkey == 0:
-        raise RnnifyError("--to auto needs calibration rows: --calib-rows or --calib-passkey above 0")
-    torch_dtype = resolve_dtype(dtype)
-    source = load_source(model, torch_dtype)
-    specs = layer_specs(source)
-    if isinstance(budget, str):
-        budget = parse_bytes(budget, lambda: kv_cache_bytes(specs, context, torch_dtype))
-    if tokenizer is None and (passkey or isinstance(data, (str, os.PathLike))):
-        tokenizer = load_tokenizer(model)
-    calibration = calibration_rows(tokenizer, data, calib_len, calib_rows, passkey, seed)
-    passes = len(calibration.rows) * (1 + (sum(s.num_kv_heads for s in specs) if score == "kl" else 0))
-    with tqdm(total=passes, unit="pass", desc="scoring heads", disable=None if progress else True, leave=False) as bar:
-        scores, originals = score_heads(source, calibration, window, sinks, (score, "mass") if score == "kl" else (score,),
-                                        progress=bar.update)
-    heads = sorted(scores[score])
-    units = [[h for h in heads if h[0] == layer] for layer in range(len(specs))] if per_layer else None
-    kl_of = lambda exact: measure_kl(source, calibration, originals, set(heads) - exact, window, sinks)  # noqa: E731
-    exact = choose(scores[score], specs, context=context, window=window, sinks=sinks, dtype=torch_dtype,
-                   budget=budget, kl_of=kl_of, max_kl=max_kl, units=units)
-    return HeadReport(
-        score=score, window=window, sinks=sinks, context=context, budget=budget, max_kl=max_kl,
-        exact=sorted(exact), layers=layers_spec(specs, exact),
-        scores={name: {f"{lay}.{h}": v for (lay, h), v in values.items()} for name, values in scores.items()},
-        head_bytes={t: one_head_bytes(specs[0], t, context, window, sinks, torch_dtype) for t in ("exact", "window")},
-        state_bytes=head_costs(specs, exact, context, window, sinks, torch_dtype),
-        kv_cache_bytes=kv_cache_bytes(specs, context, torch_dtype),
-        calibration_kl=kl_of(exact),
-        calibration={"data": str(data) if isinstance(data, (str, os.PathLike)) else "(token ids)",
-                     "rows": calibration.kinds.count("text"), "passkey": calibration.kinds.count("passkey"),
-                     "tokens": calib_len, "seed": seed, "per_layer": per_layer},
-    )
+    return HeadScorer(model, data, **scoring).choose(budget, context, max_kl, per_layer)
 
 
 REPORT_FILE = "head_map.json"  # saved beside a model converted with --to auto
@@ -383,11 +446,11 @@ REPORT_FILE = "head_map.json"  # saved beside a model converted with --to auto
 def convert_chosen(model: Any, report: HeadReport, dtype: str = "float32", kernels: str = "auto"):
     """``model`` converted with the heads ``report`` keeps exact, the rest windowed; the report is
     saved beside it as ``head_map.json``."""
-    import rnnify
+    from rnnify.convert import convert
 
     windowed = len(report.exact) < len(report.scores[report.score])
     options = {"window": report.window, "sinks": report.sinks} if windowed else {}
-    converted = rnnify.convert(model, to="window" if windowed else "exact", layers=report.layers, dtype=dtype,
+    converted = convert(model, to="window" if windowed else "exact", layers=report.layers, dtype=dtype,
                                kernels=kernels, **options)
     converted.files[REPORT_FILE] = (json.dumps(report.to_json(), indent=2) + "\n").encode()
     return converted

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rnnify
-from rnnify.auto import auto_convert, choose_heads
+from rnnify.auto import HeadScorer, auto_convert, choose_heads
 from rnnify.cells import CellSpec, HeadSplitCell, build_cell
 from rnnify.errors import RnnifyError
 from rnnify.plan import make_plan, parse_layers
@@ -207,6 +207,14 @@ def test_auto_keeps_the_retrieval_head_exact(retrieval_model):
     checks = {r.name: r for r in run_checks(model, tokens=24)}
     assert checks["step == prefill"].passed and checks["split prefill"].passed
     assert json.loads(model.files["head_map.json"])["exact"] == [[0, 1]]
+
+
+def test_kl_score_is_a_full_pass_with_the_head_windowed(retrieval_model, tiny_model_dir):
+    _, rows = retrieval_model
+    scorer = HeadScorer(tiny_model_dir("llama"), rows, **{k: v for k, v in AUTO.items() if k != "context"})
+    assert min(scorer.scores["kl"].values()) > 1e-6  # random weights: every head matters a little
+    for head in scorer.heads:  # scored from the earlier layers' recorded outputs; measured here by full passes
+        assert scorer.scores["kl"][head] == pytest.approx(scorer.kl(set(scorer.heads) - {head}), rel=1e-4)
 
 
 def test_auto_max_kl_per_layer_and_mass(retrieval_model):

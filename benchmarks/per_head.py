@@ -1,0 +1,264 @@
+"""Per-head targets under a memory budget: state bytes against quality, per head against per layer.
+
+    python benchmarks/per_head.py          # the bundled model, a few minutes on one thread; updates docs/fidelity.md
+    python benchmarks/per_head.py --model /work/models/smollm2-hf --data /work/data/pydocs --seq-len 2048 \
+        --eval-rows 2 --calib-len 1024 --calib-rows 1 --calib-passkey 2 --passkey 1024 --passkey-trials 4
+
+The kv heads are scored once (``rnnify.auto.HeadScorer``: calibration rows from the training
+text plus pass-key prompts) and the choice is made at every budget in ``--budgets`` (shares of
+the original's KV cache at ``--at-context`` tokens) three ways: per head by the KL score
+(``auto-kl``, what ``--to auto`` does by default), per head by the attention-mass score
+(``auto-mass``), and per layer by the KL score (``layers-kl``: whole layers exact, the others
+windowed). Beside them, the per-layer targets without a choice: every layer ``window`` with sinks,
+every layer ``window`` without, and the original (its KV cache). Every model is converted and
+measured as ``benchmarks/fidelity.py`` measures a row (``rnnify.evaluate`` on the held-out text
+against the original, ``--passkey``: pass-key recall); rows with the same exact heads are measured
+once. Writes ``--json``, a plot (``--png``) and, for the bundled model, the per-head section of
+``docs/fidelity.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "examples"))
+import fidelity  # noqa: E402
+import stdlib_corpus  # noqa: E402
+
+import rnnify  # noqa: E402
+from rnnify.auto import HeadScorer, convert_chosen, head_costs  # noqa: E402
+from rnnify.eval import write_json  # noqa: E402
+
+SECTION_START = "<!-- per-head: written by benchmarks/per_head.py -->"
+SECTION_END = "<!-- /per-head -->"
+CHOICES = {"auto-kl": ("kl", False), "auto-mass": ("mass", False), "layers-kl": ("kl", True)}
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Rank correlation of two score lists (ties broken by position)."""
+    ranks = [torch.tensor(x).argsort().argsort().double() for x in (a, b)]
+    return float(torch.corrcoef(torch.stack(ranks))[0, 1])
+
+
+def measure(model, heldout: Path, args) -> dict:
+    return fidelity.measure(model, heldout, args)
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    record = {"command": "python benchmarks/per_head.py " + " ".join(args.argv),
+              "model": str(args.model.relative_to(ROOT)) if args.model.is_relative_to(ROOT) else str(args.model),
+              "data": args.data_name, "seq_len": args.seq_len, "eval_tokens": args.eval_tokens,
+              "context": args.at_context, "window": args.window, "sinks": args.sinks, "threads": args.threads,
+              "torch": torch.__version__, "rows": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        train, heldout = (args.data / "train", args.data / "heldout") if args.data else stdlib_corpus.write_split(tmp)
+        start = time.time()
+        scorer = HeadScorer(args.model, train, score="kl", window=args.window, sinks=args.sinks,
+                            calib_len=args.calib_len, calib_rows=args.calib_rows, passkey=args.calib_passkey,
+                            seed=args.seed, progress=True)
+        record["scoring_seconds"] = round(time.time() - start, 1)
+        record["scores"] = {name: {f"{lay}.{h}": v for (lay, h), v in values.items()} for name, values in scorer.scores.items()}
+        heads = scorer.heads
+        record["score_rank_correlation"] = spearman([scorer.scores["kl"][h] for h in heads],
+                                                    [scorer.scores["mass"][h] for h in heads])
+        record["calibration"] = scorer.about
+        record["original_passkey"] = fidelity.original_passkey(args, None)
+        all_heads = set(heads)
+        record["kv_cache_bytes"] = head_costs(scorer.specs, all_heads, args.at_context, args.window, args.sinks, scorer.dtype)
+        measured: dict[str, dict] = {}  # layers spec -> result: the same choice is measured once
+
+        def add(name: str, kind: str, budget: float | None, model, exact: list | None, state: int) -> None:
+            key = json.dumps([model.manifest.target, model.manifest.layers, model.cells[0].options()])
+            if key not in measured:
+                print(f"== {name}", flush=True)
+                measured[key] = measure(model, heldout, args)
+            record["rows"].append({"variant": name, "kind": kind, "budget": budget, "exact": exact,
+                                   "state_bytes": state, "training_free": measured[key]})
+            write_json(args.json, record)
+
+        for name, options in (("window-sinks", {"window": args.window, "sinks": args.sinks}),
+                              ("window", {"window": args.window})):
+            model = rnnify.convert(args.model, to="window", **options)
+            add(name, "per layer", None, model, None, model.state_nbytes(args.at_context))
+        for budget in args.budgets:
+            for name, (score, per_layer) in CHOICES.items():
+                report = scorer.choose(f"{budget * 100:g}%", args.at_context, per_layer=per_layer, score=score)
+                model = convert_chosen(args.model, report)
+                assert model.state_nbytes(args.at_context) == report.state_bytes
+                add(f"{name}-{budget:g}", name, budget, model, [list(h) for h in report.exact], report.state_bytes)
+    record["original_perplexity"] = record["rows"][0]["training_free"]["teacher_perplexity"]
+    write_json(args.json, record)
+    return record
+
+
+def table(record: dict) -> str:
+    original, kv = record["original_perplexity"], record["kv_cache_bytes"]
+    passkey = record.get("original_passkey")
+    lines = ["| row | exact kv heads | state at {:,} tokens (share of KV cache) | ppl ratio | KL | pass key |".format(record["context"]),
+             "|---|---:|---:|---:|---:|---:|",
+             f"| original (KV cache) | all | {kv:,} (100%) | 1.000 | 0 | {fidelity._passkey_cell(passkey and passkey['accuracy'])} |"]
+    for row in record["rows"]:
+        result = row["training_free"]
+        exact = "–" if row["exact"] is None else str(len(row["exact"]))
+        key = result.get("passkey", {}).get("accuracy", {}).get("converted")
+        lines.append(f"| `{row['variant']}` | {exact} | {row['state_bytes']:,} ({row['state_bytes'] / kv:.1%}) | "
+                     f"{result['perplexity'] / original:.3f} | {result['kl']:.4f} | {fidelity._passkey_cell(key)} |")
+    return "\n".join(lines)
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    original, kv = record["original_perplexity"], record["kv_cache_bytes"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for kind, marker in (("auto-kl", "o-"), ("auto-mass", "s--"), ("layers-kl", "^:")):
+        rows = sorted((r for r in record["rows"] if r["kind"] == kind), key=lambda r: r["state_bytes"])
+        ax.plot([r["state_bytes"] for r in rows], [r["training_free"]["perplexity"] / original for r in rows], marker,
+                label={"auto-kl": "per head, KL score (--to auto)", "auto-mass": "per head, attention-mass score",
+                       "layers-kl": "per layer, KL score"}[kind])
+    for row in (r for r in record["rows"] if r["kind"] == "per layer"):
+        ratio = row["training_free"]["perplexity"] / original
+        ax.scatter([row["state_bytes"]], [ratio], marker="x", color="black")
+        ax.annotate(row["variant"], (row["state_bytes"], ratio), fontsize=8, xytext=(3, 3), textcoords="offset points")
+    ax.scatter([kv], [1.0], marker="*", s=120, color="black")
+    ax.annotate("original (KV cache)", (kv, 1.0), fontsize=8, xytext=(-40, 8), textcoords="offset points")
+    ax.axvline(0.3 * kv, color="gray", lw=0.8, ls="--")
+    ax.annotate("30% of the KV cache", (0.3 * kv, ax.get_ylim()[1]), fontsize=7, rotation=90, va="top", ha="right")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"state bytes per sequence at {record['context']:,} tokens")
+    ax.set_ylabel(f"perplexity / original ({record['seq_len']:,}-token held-out rows)")
+    ax.set_title(f"per-head targets on {Path(record['model']).name}: window {record['window']}, {record['sinks']} sinks")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def section(record: dict, png: Path, json_path: Path) -> str:
+    """The per-head section of docs/fidelity.md (kept there when benchmarks/fidelity.py rewrites the page)."""
+    rows = record["rows"]
+    first = rows[0]["training_free"]
+
+    def at(kind: str, budget: float) -> dict | None:
+        return next((r for r in rows if r["kind"] == kind and r["budget"] == budget), None)
+
+    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
+    comparison = []
+    for budget in budgets:
+        kl, mass, layers = (at(k, budget) for k in CHOICES)
+        comparison.append(f"{budget:.0%}: KL {kl['training_free']['kl']:.4f} (KL score), "
+                          f"{mass['training_free']['kl']:.4f} (mass score), {layers['training_free']['kl']:.4f} (per layer)")
+    relative = lambda p: Path("..") / p.relative_to(ROOT) if p.is_relative_to(ROOT) else p  # noqa: E731
+    return f"""{SECTION_START}
+## Per-head targets: retrieval heads exact, the rest windowed
+
+Generated by `benchmarks/per_head.py`; rerun with
+
+    {record["command"]}
+
+`rnnify convert --to auto` scores every kv head on calibration rows ({record["calibration"]["rows"]} text rows of
+{record["calibration"]["tokens"]} tokens from the training files and {record["calibration"]["passkey"]} pass-key prompts), then keeps
+exact the heads worth most per byte under a budget; the rest become a {record["window"]}-token window with
+{record["sinks"]} sinks. Budgets are shares of the original's KV cache at {record["context"]:,} tokens; quality is
+`rnnify.evaluate` on the held-out files, {first["tokens"]:,} tokens in rows of {first["seq_len"]} tokens
+(original perplexity {record["original_perplexity"]:.3f}). Scoring took {record["scoring_seconds"]:g} s on
+{record["threads"]} thread(s) of a shared 2-core CPU. `{relative(json_path)}` holds every number and score.
+
+{table(record)}
+
+Which score predicts better: at equal budgets, held-out KL with heads chosen by each score
+(lower is better): {"; ".join(comparison)}. The two scores' rank correlation over the kv heads
+is {record["score_rank_correlation"]:.2f}.
+
+![state against quality, per head and per layer]({relative(png)})
+{SECTION_END}"""
+
+
+def write_section(doc: Path, text: str) -> None:
+    """Put ``text`` in place of the page's per-head section, or at its end."""
+    page = doc.read_text() if doc.is_file() else ""
+    if SECTION_START in page:
+        before, rest = page.split(SECTION_START, 1)
+        page = before + text + rest.split(SECTION_END, 1)[1]
+    else:
+        page = page.rstrip("\n") + "\n\n" + text + "\n"
+    doc.write_text(page)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--model", type=Path, default=fidelity.BUNDLED, help="Hugging Face model directory (default: the bundled one)")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="folder with train/ and heldout/ text (default: the stdlib split, written to a temp dir)")
+    parser.add_argument("--budgets", default="0.15,0.3,0.45,0.6",
+                        help="shares of the original's KV cache (default: 0.15,0.3,0.45,0.6: 1-4 exact heads of the bundled model's 8)")
+    parser.add_argument("--at-context", type=int, default=4096, help="context of the budgets (default: 4096)")
+    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--calib-len", type=int, default=256, help="tokens per calibration row and pass-key prompt")
+    parser.add_argument("--calib-rows", type=int, default=4)
+    parser.add_argument("--calib-passkey", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per held-out row")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--eval-tokens", type=int, default=16_384, help="held-out tokens to evaluate (default: 16,384)")
+    group.add_argument("--eval-rows", type=int, default=None, help="held-out rows of --seq-len tokens to evaluate")
+    parser.add_argument("--passkey", default=None, metavar="LIST", help="pass-key recall at these lengths, e.g. 1024")
+    parser.add_argument("--passkey-trials", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None,
+                        help="results (default: benchmarks/results/per-head.json for the bundled model, else per-head-MODEL.json)")
+    parser.add_argument("--png", type=Path, default=None, help="the plot (default: --json with .png)")
+    parser.add_argument("--doc", type=Path, default=None,
+                        help="the page whose per-head section to write (default: docs/fidelity.md for the bundled model)")
+    parser.add_argument("--render", action="store_true", help="only rewrite the plot and the section from --json")
+    args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    default = args.model == fidelity.BUNDLED and args.data is None
+    args.json = args.json or ROOT / "benchmarks/results" / ("per-head.json" if default else f"per-head-{args.model.name}.json")
+    args.png = args.png or args.json.with_suffix(".png")
+    args.doc = args.doc or (ROOT / "docs/fidelity.md" if default else None)
+    try:
+        args.budgets = [float(b) for b in args.budgets.split(",")]
+        args.passkey = [int(n) for n in args.passkey.split(",")] if args.passkey else None
+    except ValueError:
+        parser.error("--budgets and --passkey are comma-separated numbers, e.g. 0.1,0.2,0.3 and 1024")
+    if args.data is not None and not all((args.data / part).is_dir() for part in ("train", "heldout")):
+        parser.error(f"--data {args.data} needs train/ and heldout/ folders")
+    if args.eval_rows is not None:
+        args.eval_tokens = args.eval_rows * args.seq_len
+    args.data_name = "stdlib" if args.data is None else str(args.data)
+    args.teacher = args.model  # what fidelity.measure compares with
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    record = json.loads(args.json.read_text()) if args.render else run(args)
+    plot(record, args.png)
+    if args.doc is not None:
+        write_section(args.doc, section(record, args.png, args.json))
+    print(table(record))
+    return record
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except rnnify.RnnifyError as exc:
+        sys.exit(f"error: {exc}")
