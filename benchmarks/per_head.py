@@ -6,11 +6,12 @@
 
 The kv heads are scored once (``rnnify.auto.HeadScorer``: calibration rows from the training
 text plus pass-key prompts) and the choice is made at every budget in ``--budgets`` (shares of
-the original's KV cache at ``--at-context`` tokens) three ways: per head by the KL score
-(``auto-kl``, what ``--to auto`` does by default), per head by the attention-mass score
-(``auto-mass``), and per layer by the KL score (``layers-kl``: whole layers exact, the others
-windowed). Beside them, the per-layer targets without a choice: every layer ``window`` with sinks,
-every layer ``window`` without, and the original (its KV cache). Every model is converted and
+the original's KV cache at ``--at-context`` tokens): per head by each score in ``--scores``
+(``auto-mass``: attention beyond the window, what ``--to auto`` does by default; ``auto-kl``: KL
+when the head alone is windowed, one pass per kv head, slow on a large model), and per layer by
+the first score (``layers-<score>``: whole layers exact, the others windowed). Beside them, the
+per-layer targets without a choice (``--fixed``: every layer ``window`` with sinks, without
+them) and the original (its KV cache). Every model is converted and
 measured as ``benchmarks/fidelity.py`` measures a row (``rnnify.evaluate`` on the held-out text
 against the original, ``--passkey``: pass-key recall); rows with the same exact heads are measured
 once. Writes ``--json``, a plot (``--png``) and, for the bundled model, the per-head section of
@@ -35,12 +36,19 @@ import fidelity  # noqa: E402
 import stdlib_corpus  # noqa: E402
 
 import rnnify  # noqa: E402
-from rnnify.auto import HeadScorer, convert_chosen, head_costs  # noqa: E402
+from rnnify.auto import HeadScorer, convert_chosen, kv_cache_bytes  # noqa: E402
 from rnnify.eval import write_json  # noqa: E402
 
-SECTION_START = "<!-- per-head: written by benchmarks/per_head.py -->"
-SECTION_END = "<!-- /per-head -->"
-CHOICES = {"auto-kl": ("kl", False), "auto-mass": ("mass", False), "layers-kl": ("kl", True)}
+SECTION_START, SECTION_END = fidelity.KEPT  # benchmarks/fidelity.py keeps the section when it rewrites the page
+LABELS = {"auto-kl": "per head, KL score", "auto-mass": "per head, attention-mass score (--to auto's default)",
+          "layers-kl": "per layer, KL score", "layers-mass": "per layer, attention-mass score"}
+STYLES = {"auto-kl": "o-", "auto-mass": "s--", "layers-kl": "^:", "layers-mass": "v:"}
+FIXED = {"window-sinks": True, "window": False}  # per-layer rows without a choice: name -> with sinks
+
+
+def choices(scores: list[str]) -> dict[str, tuple[str, bool]]:
+    """Row kind -> (score, per layer): per head by every score, per layer by the first."""
+    return {**{f"auto-{s}": (s, False) for s in scores}, f"layers-{scores[0]}": (scores[0], True)}
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -55,6 +63,7 @@ def measure(model, heldout: Path, args) -> dict:
 
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     record = {"command": "python benchmarks/per_head.py " + " ".join(args.argv),
               "model": str(args.model.relative_to(ROOT)) if args.model.is_relative_to(ROOT) else str(args.model),
               "data": args.data_name, "seq_len": args.seq_len, "eval_tokens": args.eval_tokens,
@@ -63,18 +72,18 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         train, heldout = (args.data / "train", args.data / "heldout") if args.data else stdlib_corpus.write_split(tmp)
         start = time.time()
-        scorer = HeadScorer(args.model, train, score="kl", window=args.window, sinks=args.sinks,
+        scorer = HeadScorer(args.model, train, score="kl" if "kl" in args.scores else "mass", window=args.window, sinks=args.sinks,
                             calib_len=args.calib_len, calib_rows=args.calib_rows, passkey=args.calib_passkey,
                             seed=args.seed, progress=True)
         record["scoring_seconds"] = round(time.time() - start, 1)
         record["scores"] = {name: {f"{lay}.{h}": v for (lay, h), v in values.items()} for name, values in scorer.scores.items()}
         heads = scorer.heads
-        record["score_rank_correlation"] = spearman([scorer.scores["kl"][h] for h in heads],
-                                                    [scorer.scores["mass"][h] for h in heads])
+        if len(scorer.scores) == 2:
+            record["score_rank_correlation"] = spearman([scorer.scores["kl"][h] for h in heads],
+                                                        [scorer.scores["mass"][h] for h in heads])
         record["calibration"] = scorer.about
         record["original_passkey"] = fidelity.original_passkey(args, None)
-        all_heads = set(heads)
-        record["kv_cache_bytes"] = head_costs(scorer.specs, all_heads, args.at_context, args.window, args.sinks, scorer.dtype)
+        record["kv_cache_bytes"] = kv_cache_bytes(scorer.specs, args.at_context, scorer.dtype)
         measured: dict[str, dict] = {}  # layers spec -> result: the same choice is measured once
 
         def add(name: str, kind: str, budget: float | None, model, exact: list | None, state: int) -> None:
@@ -86,12 +95,12 @@ def run(args) -> dict:
                                    "state_bytes": state, "training_free": measured[key]})
             write_json(args.json, record)
 
-        for name, options in (("window-sinks", {"window": args.window, "sinks": args.sinks}),
-                              ("window", {"window": args.window})):
+        for name in args.fixed:
+            options = {"window": args.window, **({"sinks": args.sinks} if FIXED[name] else {})}
             model = rnnify.convert(args.model, to="window", **options)
             add(name, "per layer", None, model, None, model.state_nbytes(args.at_context))
         for budget in args.budgets:
-            for name, (score, per_layer) in CHOICES.items():
+            for name, (score, per_layer) in choices(args.scores).items():
                 report = scorer.choose(f"{budget * 100:g}%", args.at_context, per_layer=per_layer, score=score)
                 model = convert_chosen(args.model, report)
                 assert model.state_nbytes(args.at_context) == report.state_bytes
@@ -124,11 +133,11 @@ def plot(record: dict, path: Path) -> None:
 
     original, kv = record["original_perplexity"], record["kv_cache_bytes"]
     fig, ax = plt.subplots(figsize=(8, 5))
-    for kind, marker in (("auto-kl", "o-"), ("auto-mass", "s--"), ("layers-kl", "^:")):
+    for kind, marker in STYLES.items():
         rows = sorted((r for r in record["rows"] if r["kind"] == kind), key=lambda r: r["state_bytes"])
-        ax.plot([r["state_bytes"] for r in rows], [r["training_free"]["perplexity"] / original for r in rows], marker,
-                label={"auto-kl": "per head, KL score (--to auto)", "auto-mass": "per head, attention-mass score",
-                       "layers-kl": "per layer, KL score"}[kind])
+        if rows:
+            ax.plot([r["state_bytes"] for r in rows], [r["training_free"]["perplexity"] / original for r in rows],
+                    marker, label=LABELS[kind])
     for row in (r for r in record["rows"] if r["kind"] == "per layer"):
         ratio = row["training_free"]["perplexity"] / original
         ax.scatter([row["state_bytes"]], [ratio], marker="x", color="black")
@@ -156,11 +165,21 @@ def section(record: dict, png: Path, json_path: Path) -> str:
         return next((r for r in rows if r["kind"] == kind and r["budget"] == budget), None)
 
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
-    comparison = []
+    kinds = [k for k in STYLES if any(r["kind"] == k for r in rows)]
+    comparison, wins = [], {"kl": 0, "mass": 0, "tie": 0}
     for budget in budgets:
-        kl, mass, layers = (at(k, budget) for k in CHOICES)
-        comparison.append(f"{budget:.0%}: KL {kl['training_free']['kl']:.4f} (KL score), "
-                          f"{mass['training_free']['kl']:.4f} (mass score), {layers['training_free']['kl']:.4f} (per layer)")
+        comparison.append(f"{budget:.0%}: " + ", ".join(f"{at(k, budget)['training_free']['kl']:.4f} ({LABELS[k].split(' (')[0]})"
+                                                      for k in kinds))
+        if "auto-kl" in kinds and "auto-mass" in kinds:
+            a, b = (at(k, budget)["training_free"]["kl"] for k in ("auto-kl", "auto-mass"))
+            wins["tie" if abs(a - b) <= 1e-4 else "kl" if a < b else "mass"] += 1
+    verdict = ""
+    if "score_rank_correlation" in record:
+        verdict = (f" The mass score chose better at {wins['mass']} of {len(budgets)} budgets, the KL score at "
+                   f"{wins['kl']}, the same (within 1e-4) at {wins['tie']}; the two scores' rank correlation over the kv "
+                   f"heads is {record['score_rank_correlation']:.2f}. Mass costs one forward pass per calibration row, "
+                   "KL one per kv head and row, so `--to auto` scores by mass unless told `--score kl`.")
+    goals = goal_lines(record)
     relative = lambda p: Path("..") / p.relative_to(ROOT) if p.is_relative_to(ROOT) else p  # noqa: E731
     return f"""{SECTION_START}
 ## Per-head targets: retrieval heads exact, the rest windowed
@@ -179,12 +198,36 @@ exact the heads worth most per byte under a budget; the rest become a {record["w
 
 {table(record)}
 
-Which score predicts better: at equal budgets, held-out KL with heads chosen by each score
-(lower is better): {"; ".join(comparison)}. The two scores' rank correlation over the kv heads
-is {record["score_rank_correlation"]:.2f}.
+Held-out KL at equal budgets (lower is better): {"; ".join(comparison)}.{verdict}
+
+Goals (issue 13, budgets at {record["context"]:,} tokens), for the best per-head row within 30% of the KV cache:
+
+{goals}
 
 ![state against quality, per head and per layer]({relative(png)})
 {SECTION_END}"""
+
+
+def goal_lines(record: dict) -> str:
+    """The issue's goals, judged on the best per-head row whose state is at most 30% of the KV cache."""
+    kv, original = record["kv_cache_bytes"], record["original_perplexity"]
+    fits = [r for r in record["rows"] if r["kind"].startswith("auto-") and r["state_bytes"] <= 0.3 * kv]
+    if not fits:
+        return "- (no per-head row within 30% of the KV cache was run)"
+    best = min(fits, key=lambda r: r["training_free"]["perplexity"])
+    ratio = best["training_free"]["perplexity"] / original
+    lines = [f"- state at most 30% of the KV cache, perplexity within 2% (rows of {record['seq_len']:,} tokens): "
+             f"`{best['variant']}` holds {best['state_bytes'] / kv:.1%} at ratio {ratio:.3f} — "
+             f"{'met' if ratio <= 1.02 else 'not met'}"]
+    key = best["training_free"].get("passkey", {}).get("accuracy", {}).get("converted")
+    want = (record.get("original_passkey") or {}).get("accuracy")
+    if key and want:
+        same = all(key.get(n) == a for n, a in want.items())
+        lines.append(f"- pass-key accuracy equal to the original's: {fidelity._passkey_cell(key)} against "
+                     f"{fidelity._passkey_cell(want)} ({', '.join(want)} tokens) — {'met' if same else 'not met'}")
+    else:
+        lines.append("- pass-key accuracy: not measured in this run (`--passkey`)")
+    return "\n".join(lines)
 
 
 def write_section(doc: Path, text: str) -> None:
@@ -194,7 +237,7 @@ def write_section(doc: Path, text: str) -> None:
         before, rest = page.split(SECTION_START, 1)
         page = before + text + rest.split(SECTION_END, 1)[1]
     else:
-        page = page.rstrip("\n") + "\n\n" + text + "\n"
+        page = (page.rstrip("\n") + "\n\n" if page.strip() else "") + text + "\n"
     doc.write_text(page)
 
 
@@ -207,6 +250,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budgets", default="0.15,0.3,0.45,0.6",
                         help="shares of the original's KV cache (default: 0.15,0.3,0.45,0.6: 1-4 exact heads of the bundled model's 8)")
     parser.add_argument("--at-context", type=int, default=4096, help="context of the budgets (default: 4096)")
+    parser.add_argument("--scores", default="kl,mass",
+                        help="scores to choose by, per head (default: kl,mass; on a large model mass alone: kl takes "
+                        "one forward pass per kv head and calibration row)")
+    parser.add_argument("--fixed", default="window-sinks,window",
+                        help=f"per-layer rows without a choice, from {', '.join(FIXED)} (default: both)")
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--calib-len", type=int, default=256, help="tokens per calibration row and pass-key prompt")
@@ -235,9 +283,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.doc = args.doc or (ROOT / "docs/fidelity.md" if default else None)
     try:
         args.budgets = [float(b) for b in args.budgets.split(",")]
+        args.scores = [x for x in args.scores.split(",") if x]
+        args.fixed = [x for x in args.fixed.split(",") if x]
+        if not args.scores or not set(args.scores) <= {"kl", "mass"} or not set(args.fixed) <= set(FIXED):
+            raise ValueError
         args.passkey = [int(n) for n in args.passkey.split(",")] if args.passkey else None
     except ValueError:
-        parser.error("--budgets and --passkey are comma-separated numbers, e.g. 0.1,0.2,0.3 and 1024")
+        parser.error("--budgets and --passkey are comma-separated numbers (0.1,0.2,0.3 and 1024), --scores from kl, mass, "
+                     f"--fixed from {', '.join(FIXED)}")
     if args.data is not None and not all((args.data / part).is_dir() for part in ("train", "heldout")):
         parser.error(f"--data {args.data} needs train/ and heldout/ folders")
     if args.eval_rows is not None:

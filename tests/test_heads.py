@@ -195,9 +195,9 @@ def auto(directory, rows, **kwargs):
 
 def test_auto_keeps_the_retrieval_head_exact(retrieval_model):
     directory, rows = retrieval_model
-    model, report = auto_convert(directory, rows, budget="30%", **AUTO)  # room for one exact head of the four
+    model, report = auto_convert(directory, rows, budget="30%", score="kl", **AUTO)  # room for one exact head of four
     assert report.exact == [(0, 1)]
-    for score in ("kl", "mass"):  # kl (the default) reports both
+    for score in ("kl", "mass"):  # scoring by kl measures both
         assert max(report.scores[score], key=report.scores[score].get) == "0.1"
     layer0 = model.cells[0]
     assert isinstance(layer0, HeadSplitCell) and [p.target for p in layer0.parts] == ["exact", "window"]
@@ -211,7 +211,7 @@ def test_auto_keeps_the_retrieval_head_exact(retrieval_model):
 
 def test_kl_score_is_a_full_pass_with_the_head_windowed(retrieval_model, tiny_model_dir):
     _, rows = retrieval_model
-    scorer = HeadScorer(tiny_model_dir("llama"), rows, **{k: v for k, v in AUTO.items() if k != "context"})
+    scorer = HeadScorer(tiny_model_dir("llama"), rows, score="kl", **{k: v for k, v in AUTO.items() if k != "context"})
     assert min(scorer.scores["kl"].values()) > 1e-6  # random weights: every head matters a little
     for head in scorer.heads:  # scored from the earlier layers' recorded outputs; measured here by full passes
         assert scorer.scores["kl"][head] == pytest.approx(scorer.kl(set(scorer.heads) - {head}), rel=1e-4)
@@ -219,8 +219,8 @@ def test_kl_score_is_a_full_pass_with_the_head_windowed(retrieval_model, tiny_mo
 
 def test_auto_max_kl_per_layer_and_mass(retrieval_model):
     directory, rows = retrieval_model
-    assert auto(directory, rows, budget="30%", score="mass").exact == [(0, 1)]
-    report = auto(directory, rows, max_kl=1e-3)
+    assert auto(directory, rows, budget="30%").exact == [(0, 1)]  # by the default score, mass
+    report = auto(directory, rows, max_kl=1e-3, score="kl")
     assert report.exact == [(0, 1)]
     report = auto(directory, rows, budget="60%", per_layer=True)
     assert report.exact == [(0, 0), (0, 1)]
