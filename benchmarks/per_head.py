@@ -180,6 +180,12 @@ def section(record: dict, png: Path, json_path: Path) -> str:
                    f"heads is {record['score_rank_correlation']:.2f}. Mass costs one forward pass per calibration row, "
                    "KL one per kv head and row, so `--to auto` scores by mass unless told `--score kl`.")
     goals = goal_lines(record)
+    ranked = sorted(record["scores"]["mass"], key=lambda h: -record["scores"]["mass"][h])
+    reading = (f"The kv heads (layer.head) by mass score, highest first: {', '.join(ranked[:8])}"
+               f"{', ...' if len(ranked) > 8 else ''}.")
+    if record["seq_len"] < record["context"]:
+        reading += (f" States are counted at {record['context']:,} tokens, quality on rows of {record['seq_len']:,} "
+                    f"({record['seq_len'] / record['window']:g}x the {record['window']}-token window).")
     relative = lambda p: Path("..") / p.relative_to(ROOT) if p.is_relative_to(ROOT) else p  # noqa: E731
     return f"""{SECTION_START}
 ## Per-head targets: retrieval heads exact, the rest windowed
@@ -199,6 +205,8 @@ exact the heads worth most per byte under a budget; the rest become a {record["w
 {table(record)}
 
 Held-out KL at equal budgets (lower is better): {"; ".join(comparison)}.{verdict}
+
+{reading}
 
 Goals (issue 13, budgets at {record["context"]:,} tokens), for the best per-head row within 30% of the KV cache:
 

@@ -382,6 +382,10 @@ class HeadScorer:
         self.score, self.window, self.sinks, self.dtype = score, window, sinks, resolve_dtype(dtype)
         self.source = load_source(model, self.dtype)
         self.specs = layer_specs(self.source)
+        config = self.source.config
+        limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        if limit is not None and calib_len > limit:
+            raise RnnifyError(f"--calib-len {calib_len} is past the model's {limit} positions; use at most {limit}")
         if tokenizer is None and (passkey or isinstance(data, (str, os.PathLike))):
             tokenizer = load_tokenizer(model)
         self.calibration = calibration_rows(tokenizer, data, calib_len, calib_rows, passkey, seed)

@@ -248,6 +248,8 @@ def test_auto_cli_errors(capsys, tmp_path, retrieval_model, tiny_model_dir):
     assert_user_error(code, err, "--state-budget", "--max-kl")
     code, _, err = run(capsys, *base, "--data", text, "--state-budget", "lots")
     assert_user_error(code, err, "expected bytes")
+    code, _, err = run(capsys, *base, "--data", text, "--state-budget", "30%", "--calib-len", "1000")
+    assert_user_error(code, err, "past the model's 128 positions")
     code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "exact", "--max-kl", "1", "-o", tmp_path / "o")
     assert_user_error(code, err, "--to auto only")
     assert not (tmp_path / "o").exists()
