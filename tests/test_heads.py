@@ -259,3 +259,14 @@ def test_auto_cli_errors(capsys, tmp_path, retrieval_model, tiny_model_dir):
     code, out, _ = run(capsys, "info", tmp_path / "o")
     layers = json.loads((tmp_path / "o" / "head_map.json").read_text())["layers"]
     assert code == 0 and layers.startswith("0:heads(") and layers in out.replace("\n", "")
+
+
+def test_bench_fills_a_per_head_state_like_the_prefill_it_stands_for(tiny_model_dir):
+    from rnnify.bench import fill_state
+
+    model = rnnify.convert(tiny_model_dir("llama"), to="window", layers="0-:heads(1=exact)", window=4, sinks=1)
+    filled = fill_state(model, context=50, batch=2, fill_tokens=8)
+    _, read = model.prefill(torch.randint(0, 300, (2, 50)))
+    assert [t.shape for t in filled.tensors] == [t.shape for t in read.tensors]  # exact parts: 50 random keys
+    logits, _ = model.step(torch.tensor([[3], [5]]), filled)
+    assert torch.isfinite(logits).all()
