@@ -7,8 +7,8 @@
 The kv heads are scored once (``rnnify.auto.HeadScorer``: calibration rows from the training
 text plus pass-key prompts) and the choice is made at every budget in ``--budgets`` (shares of
 the original's KV cache at ``--at-context`` tokens): per head by each score in ``--scores``
-(``auto-mass``: attention beyond the window, what ``--to auto`` does by default; ``auto-kl``: KL
-when the head alone is windowed, one pass per kv head, slow on a large model), and per layer by
+(``auto-kl``: KL when the head alone is windowed, what ``--to auto`` does by default, one pass per
+kv head; ``auto-mass``: attention beyond the window, one pass), and per layer by
 the first score (``layers-<score>``: whole layers exact, the others windowed). Beside them, the
 per-layer targets without a choice (``--fixed``: every layer ``window`` with sinks, without
 them) and the original (its KV cache). Every model is converted and
@@ -40,7 +40,7 @@ from rnnify.auto import HeadScorer, convert_chosen, kv_cache_bytes  # noqa: E402
 from rnnify.eval import write_json  # noqa: E402
 
 SECTION_START, SECTION_END = fidelity.KEPT  # benchmarks/fidelity.py keeps the section when it rewrites the page
-LABELS = {"auto-kl": "per head, KL score", "auto-mass": "per head, attention-mass score (--to auto's default)",
+LABELS = {"auto-kl": "per head, KL score (--to auto's default)", "auto-mass": "per head, attention-mass score",
           "layers-kl": "per layer, KL score", "layers-mass": "per layer, attention-mass score"}
 STYLES = {"auto-kl": "o-", "auto-mass": "s--", "layers-kl": "^:", "layers-mass": "v:"}
 FIXED = {"window-sinks": True, "window": False}  # per-layer rows without a choice: name -> with sinks
@@ -82,6 +82,15 @@ def run(args) -> dict:
             record["score_rank_correlation"] = spearman([scorer.scores["kl"][h] for h in heads],
                                                         [scorer.scores["mass"][h] for h in heads])
         record["calibration"] = scorer.about
+        if args.calibration_only:  # each choice's KL on the calibration rows, nothing converted
+            record["calibration_choices"] = [
+                {"budget": b, "kind": name, "exact": len(r.exact), "state_bytes": r.state_bytes,
+                 "kv_cache_bytes": r.kv_cache_bytes, "calibration_kl": r.calibration_kl}
+                for b in args.budgets for name, (score, per_layer) in choices(args.scores).items()
+                for r in [scorer.choose(f"{b * 100:g}%", args.at_context, per_layer=per_layer, score=score)]]
+            record["calibration_kl_all_windowed"] = scorer.kl(set())
+            write_json(args.json, record)
+            return record
         record["original_passkey"] = fidelity.original_passkey(args, None)
         record["kv_cache_bytes"] = kv_cache_bytes(scorer.specs, args.at_context, scorer.dtype)
         measured: dict[str, dict] = {}  # layers spec -> result: the same choice is measured once
@@ -156,6 +165,11 @@ def plot(record: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def relative(path: Path) -> Path:
+    """``path`` as docs/ links it."""
+    return Path("..") / path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
 def section(record: dict, png: Path, json_path: Path) -> str:
     """The per-head section of docs/fidelity.md (kept there when benchmarks/fidelity.py rewrites the page)."""
     rows = record["rows"]
@@ -178,15 +192,22 @@ def section(record: dict, png: Path, json_path: Path) -> str:
         verdict = (f" The mass score chose better at {wins['mass']} of {len(budgets)} budgets, the KL score at "
                    f"{wins['kl']}, the same (within 1e-4) at {wins['tie']}; the two scores' rank correlation over the kv "
                    f"heads is {record['score_rank_correlation']:.2f}. Mass costs one forward pass per calibration row, "
-                   "KL one per kv head and row, so `--to auto` scores by mass unless told `--score kl`.")
+                   "KL one per kv head and row.")
     goals = goal_lines(record)
+    others = ""
+    for path in sorted(json_path.parent.glob("per-head-*-calibration.json")):  # --calibration-only runs
+        other = json.loads(path.read_text())
+        calib = other["calibration"]
+        others += (f"\n\nThe scores on {Path(other['model']).name}, choices compared on their calibration rows only "
+                   f"({calib['rows']} text row(s) of {calib['tokens']} tokens and {calib['passkey']} pass-key prompts; "
+                   f"scoring took {other['scoring_seconds']:g} s; `{relative(path)}`), by\n\n    {other['command']}\n\n"
+                   f"{calibration_table(other)}")
     ranked = sorted(record["scores"]["mass"], key=lambda h: -record["scores"]["mass"][h])
     reading = (f"The kv heads (layer.head) by mass score, highest first: {', '.join(ranked[:8])}"
                f"{', ...' if len(ranked) > 8 else ''}.")
     if record["seq_len"] < record["context"]:
         reading += (f" States are counted at {record['context']:,} tokens, quality on rows of {record['seq_len']:,} "
                     f"({record['seq_len'] / record['window']:g}x the {record['window']}-token window).")
-    relative = lambda p: Path("..") / p.relative_to(ROOT) if p.is_relative_to(ROOT) else p  # noqa: E731
     return f"""{SECTION_START}
 ## Per-head targets: retrieval heads exact, the rest windowed
 
@@ -204,7 +225,7 @@ exact the heads worth most per byte under a budget; the rest become a {record["w
 
 {table(record)}
 
-Held-out KL at equal budgets (lower is better): {"; ".join(comparison)}.{verdict}
+Held-out KL at equal budgets (lower is better): {"; ".join(comparison)}.{verdict}{others}
 
 {reading}
 
@@ -283,10 +304,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--doc", type=Path, default=None,
                         help="the page whose per-head section to write (default: docs/fidelity.md for the bundled model)")
     parser.add_argument("--render", action="store_true", help="only rewrite the plot and the section from --json")
+    parser.add_argument("--calibration-only", action="store_true",
+                        help="score and choose only: each choice's KL on the calibration rows, nothing converted or "
+                        "evaluated (a quick comparison of the scores on a large model)")
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     default = args.model == fidelity.BUNDLED and args.data is None
-    args.json = args.json or ROOT / "benchmarks/results" / ("per-head.json" if default else f"per-head-{args.model.name}.json")
+    stem = "per-head" if default else f"per-head-{args.model.name}"
+    args.json = args.json or ROOT / "benchmarks/results" / f"{stem}{'-calibration' if args.calibration_only else ''}.json"
     args.png = args.png or args.json.with_suffix(".png")
     args.doc = args.doc or (ROOT / "docs/fidelity.md" if default else None)
     try:
@@ -308,9 +333,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def calibration_table(record: dict) -> str:
+    lines = ["| choice | budget | exact kv heads | state share | calibration KL |", "|---|---:|---:|---:|---:|",
+             f"| every head windowed | – | 0 | – | {record['calibration_kl_all_windowed']:.4f} |"]
+    lines += [f"| `{c['kind']}` | {c['budget']:.0%} | {c['exact']} | {c['state_bytes'] / c['kv_cache_bytes']:.1%} | "
+              f"{c['calibration_kl']:.4f} |" for c in record["calibration_choices"]]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     record = json.loads(args.json.read_text()) if args.render else run(args)
+    if "calibration_choices" in record:
+        print(calibration_table(record))
+        return record
     plot(record, args.png)
     if args.doc is not None:
         write_section(args.doc, section(record, args.png, args.json))

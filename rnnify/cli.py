@@ -314,9 +314,10 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
                       help="instead of a budget: the fewest exact heads whose KL to the original on the calibration "
                       "rows is at most X nats per token")
     auto.add_argument("--data", metavar="PATH", help="calibration text: a file, folder or .jsonl (required with auto)")
-    auto.add_argument("--score", choices=("mass", "kl"), default="mass",
-                      help="mass: attention beyond the window and sinks (one pass per row); kl: KL increase when the "
-                      "head alone is windowed (one pass per kv head and row); docs/fidelity.md compares them (default: mass)")
+    auto.add_argument("--score", choices=("kl", "mass"), default="kl",
+                      help="kl: KL increase when the head alone is windowed (one pass per kv head and row); mass: "
+                      "attention beyond the window and sinks (one pass per row, much faster, chose far worse on "
+                      "SmolLM2); docs/fidelity.md compares them (default: kl)")
     auto.add_argument("--calib-rows", type=int, default=2, metavar="N", help="text rows to score on (default: 2)")
     auto.add_argument("--calib-len", type=int, default=1024, metavar="T",
                       help="tokens per text row and per pass-key prompt (default: 1024)")
@@ -373,7 +374,7 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
 
 
 _CELL_FLAGS = ("window", "sinks", "feature_map", "gate", "memory")  # first-class cell options; others via --option
-_AUTO_FLAGS = {"state_budget": None, "max_kl": None, "data": None, "score": "mass", "calib_rows": 2, "calib_len": 1024,
+_AUTO_FLAGS = {"state_budget": None, "max_kl": None, "data": None, "score": "kl", "calib_rows": 2, "calib_len": 1024,
                "calib_passkey": 2, "per_layer": False, "at_context": 4096}
 
 

@@ -219,7 +219,7 @@ def test_kl_score_is_a_full_pass_with_the_head_windowed(retrieval_model, tiny_mo
 
 def test_auto_max_kl_per_layer_and_mass(retrieval_model):
     directory, rows = retrieval_model
-    assert auto(directory, rows, budget="30%").exact == [(0, 1)]  # by the default score, mass
+    assert auto(directory, rows, budget="30%", score="mass").exact == [(0, 1)]
     report = auto(directory, rows, max_kl=1e-3, score="kl")
     assert report.exact == [(0, 1)]
     report = auto(directory, rows, budget="60%", per_layer=True)
