@@ -200,7 +200,9 @@ def section(record: dict, png: Path, json_path: Path) -> str:
         calib = other["calibration"]
         others += (f"\n\nThe scores on {Path(other['model']).name}, choices compared on their calibration rows only "
                    f"({calib['rows']} text row(s) of {calib['tokens']} tokens and {calib['passkey']} pass-key prompts; "
-                   f"scoring took {other['scoring_seconds']:g} s; `{relative(path)}`), by\n\n    {other['command']}\n\n"
+                   f"scoring took {other['scoring_seconds']:g} s on {other['threads']} thread(s); `{relative(path)}`; "
+                   "calibration KL: mean per text token plus mean per pass-key answer token), by\n\n"
+                   f"    {other['command']}\n\n"
                    f"{calibration_table(other)}")
     ranked = sorted(record["scores"]["mass"], key=lambda h: -record["scores"]["mass"][h])
     reading = (f"The kv heads (layer.head) by mass score, highest first: {', '.join(ranked[:8])}"
