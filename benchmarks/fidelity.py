@@ -478,10 +478,21 @@ def main(argv: list[str] | None = None) -> dict:
     return record
 
 
+# a section of docs/fidelity.md that another script writes (benchmarks/per_head.py), kept when this one rewrites the page
+KEPT = ("<!-- per-head: written by benchmarks/per_head.py -->", "<!-- /per-head -->")
+
+
+def kept_section(doc: Path) -> str:
+    page = doc.read_text() if doc.is_file() else ""
+    if KEPT[0] not in page:
+        return ""
+    return "\n" + KEPT[0] + page.split(KEPT[0], 1)[1].split(KEPT[1], 1)[0] + KEPT[1] + "\n"
+
+
 def render(record: dict, args) -> None:
     plot(record, args.png)
     if args.doc is not None:
-        args.doc.write_text(document(record, args.png, args.json))
+        args.doc.write_text(document(record, args.png, args.json) + kept_section(args.doc))
     print(table(record))
 
 

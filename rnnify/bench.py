@@ -383,11 +383,12 @@ def fill_state(model, context: int, batch: int, fill_tokens: int, seed: int = 0)
         read = min(context, max(fill_tokens, *windows))  # every sliding window full
         _, state = model.prefill(_tokens(vocab, batch, read, device, seed))
         return replace(state, positions=torch.full_like(state.positions, context))
-    if any(c.grows_with_context and c.target != "exact" for c in model.cells):
+    leaves = [part for cell in model.cells for part in getattr(cell, "parts", [cell])]  # a per-head cell's parts
+    if any(c.grows_with_context and c.target != "exact" for c in leaves):
         raise RnnifyError("bench can fill the growing state of 'exact' cells only")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     tensors = []
-    for cell in model.cells:
+    for cell in leaves:
         spec = cell.spec
         if cell.grows_with_context:
             n = context if spec.window is None else min(context, spec.window)

@@ -269,7 +269,9 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     )
     summaries = {name: cls.__doc__.splitlines()[0].rstrip(".") for name, cls in CELLS.items()}
     targets = "; ".join(f"{name}: {text[:1].lower()}{text[1:]}" for name, text in summaries.items())
-    p.add_argument("--to", choices=list(CELLS), required=True, help=f"target cell ({targets})")
+    p.add_argument("--to", choices=[*CELLS, "auto"], required=True,
+                   help=f"target cell ({targets}); auto: per kv head, exact for the heads that read far back and "
+                   "window with sinks for the rest, chosen on calibration data (flags below)")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the converted model to")
     _add_dtype_flag(p, "float32", "dtype to load and save the weights in (default: float32)")
     p.add_argument(
@@ -303,6 +305,25 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
         help="any other cell option, repeatable; VALUE is read as JSON when it parses (chunk_size=128, "
         'feature_options={"num_features":256})',
     )
+    auto = p.add_argument_group("--to auto: which kv heads stay exact (the rest: --window, default 64, with --sinks, default 4)")
+    auto.add_argument("--state-budget", metavar="BYTES",
+                      help="state per sequence at --at-context tokens: bytes (2000000, 2MB, 1.5MiB) or a share of the "
+                      "original's KV cache (30%%); the heads that score highest per byte stay exact while it fits")
+    auto.add_argument("--at-context", type=int, default=4096, metavar="N", help="context of --state-budget (default: 4096)")
+    auto.add_argument("--max-kl", type=float, metavar="X",
+                      help="instead of a budget: the fewest exact heads whose KL to the original on the calibration "
+                      "rows is at most X nats per token")
+    auto.add_argument("--data", metavar="PATH", help="calibration text: a file, folder or .jsonl (required with auto)")
+    auto.add_argument("--score", choices=("kl", "mass"), default="kl",
+                      help="kl: KL increase when the head alone is windowed (one pass per kv head and row); mass: "
+                      "attention beyond the window and sinks (one pass per row, much faster, chose far worse on "
+                      "SmolLM2); docs/fidelity.md compares them (default: kl)")
+    auto.add_argument("--calib-rows", type=int, default=2, metavar="N", help="text rows to score on (default: 2)")
+    auto.add_argument("--calib-len", type=int, default=1024, metavar="T",
+                      help="tokens per text row and per pass-key prompt (default: 1024)")
+    auto.add_argument("--calib-passkey", type=int, default=2, metavar="N",
+                      help="pass-key prompts (made here, key at evenly spaced depths) to score on (default: 2)")
+    auto.add_argument("--per-layer", action="store_true", help="keep whole layers exact instead of single heads")
     p.add_argument(
         "--distill", metavar="PATH",
         help="then distil the converted model on this text file, folder or .jsonl before saving (flags below)",
@@ -321,11 +342,17 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
     keep = _parse_layer_list(args.keep_softmax) if args.keep_softmax else None
     training = _training_options(args) if args.distill else None  # the flags' mistakes before converting
     stages = ["load", "capture", *(p.__name__ for p in PIPELINE), *(["distill"] if args.distill else []), "save"]
+    stages = ["save"] if args.to == "auto" else stages  # auto converts while it chooses
+    if args.to == "auto":
+        model = _auto(args, options, keep, console)
+    else:
+        _no_auto_flags(args)
     with _stage_bar(len(stages), "stage") as start:
-        model = rnnify.convert(
-            args.model, to=args.to, layers=args.layers, keep_softmax=keep, dtype=args.dtype, kernels=args.kernels,
-            progress=start, **options,
-        )
+        if args.to != "auto":
+            model = rnnify.convert(
+                args.model, to=args.to, layers=args.layers, keep_softmax=keep, dtype=args.dtype, kernels=args.kernels,
+                progress=start, **options,
+            )
         if args.distill:
             start("distill")
             if not _train(model, args.distill, args.teacher or args.model, training):
@@ -347,6 +374,63 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
 
 
 _CELL_FLAGS = ("window", "sinks", "feature_map", "gate", "memory")  # first-class cell options; others via --option
+_AUTO_FLAGS = {"state_budget": None, "max_kl": None, "data": None, "score": "kl", "calib_rows": 2, "calib_len": 1024,
+               "calib_passkey": 2, "per_layer": False, "at_context": 4096}
+
+
+def _no_auto_flags(args: argparse.Namespace) -> None:
+    given = [name for name, default in _AUTO_FLAGS.items() if getattr(args, name) != default]
+    if given:
+        raise RnnifyError(f"--{given[0].replace('_', '-')} applies to --to auto only")
+
+
+def _auto(args: argparse.Namespace, options: dict, keep, console: Console):
+    """Score the heads, choose, print the report; the converted model (saved by the caller)."""
+    from rnnify.auto import SINKS, WINDOW, auto_convert
+
+    if args.layers or keep or set(options) - {"window", "sinks"} or args.distill:
+        raise RnnifyError("--to auto chooses every layer's heads itself: it takes --window and --sinks, "
+                          "not --layers, --keep-softmax, other cell options or --distill")
+    if args.data is None:
+        raise RnnifyError("--to auto needs calibration text: --data PATH (a file, folder or .jsonl)")
+    model, report = auto_convert(
+        args.model, args.data, budget=args.state_budget, context=args.at_context, max_kl=args.max_kl,
+        score=args.score, window=options.get("window", WINDOW), sinks=options.get("sinks", SINKS),
+        calib_len=args.calib_len, calib_rows=args.calib_rows, passkey=args.calib_passkey, per_layer=args.per_layer,
+        dtype=args.dtype, kernels=args.kernels, progress=True,
+    )
+    _print_head_report(report, console)
+    return model
+
+
+def _print_head_report(report, console: Console) -> None:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    scores = report.scores[report.score]
+    layers = sorted({int(k.split(".")[0]) for k in scores})
+    heads = sorted({int(k.split(".")[1]) for k in scores})
+    exact = {tuple(h) for h in report.exact}
+    table = Table(box=box.SIMPLE_HEAD, title=Text(
+        f"kv heads: {report.score} score and choice (exact {_nbytes(report.head_bytes['exact'])}, window "
+        f"{_nbytes(report.head_bytes['window'])} per head at {report.context:,} tokens)"))
+    table.add_column("layer", justify="right")
+    for h in heads:
+        table.add_column(f"kv {h}", justify="right")
+    for layer in layers:
+        cells = []
+        for h in heads:
+            chosen = (layer, h) in exact
+            cells.append(Text(f"{'exact' if chosen else 'window'} {scores[f'{layer}.{h}']:.3g}",
+                              "bold" if chosen else ""))
+        table.add_row(str(layer), *cells)
+    console.print(table)
+    share = report.state_bytes / report.kv_cache_bytes
+    console.print(Text(
+        f"{len(exact)} of {len(layers) * len(heads)} kv heads exact; state {_nbytes(report.state_bytes)} per sequence "
+        f"at {report.context:,} tokens ({share:.1%} of the original's KV cache, {_nbytes(report.kv_cache_bytes)}); "
+        f"calibration KL {report.calibration_kl:.4f} nats/token; report saved as head_map.json"), soft_wrap=True)
 
 
 def _parse_options(pairs: list[str]) -> dict:
@@ -623,7 +707,8 @@ def _info(args: argparse.Namespace, console: Console) -> int:
 
     model = _load(args)
     manifest = model.manifest
-    options = manifest.cells[0].options if manifest.cells else manifest.options
+    # the first cell's options show the defaults it filled in; a per-head cell's are its groups
+    options = manifest.cells[0].options if manifest.cells and manifest.cells[0].target != "heads" else manifest.options
     positions = manifest.positions
     if positions.get("kind") == "learned":
         where = f"learned, {positions.get('limit')} positions (cannot decode past them)"
@@ -639,6 +724,7 @@ def _info(args: argparse.Namespace, console: Console) -> int:
         "directory": str(model.path),
         "source": manifest.source or "(unknown)",
         "target": manifest.target + (" (" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")" if options else ""),
+        **({"layers": ", ".join(manifest.layers)} if manifest.layers else {}),
         "dtype": manifest.dtype,
         "vocab size": str(manifest.vocab_size),
         "positions": where,

@@ -1,11 +1,16 @@
-"""Which cell each layer becomes: one target for all layers, or a target per layer range.
+"""Which cell each layer becomes: one target for all layers, a target per layer range, or a
+target per group of kv heads.
 
-    plan = make_plan("hybrid", layers="0-1:exact,4-:linear", keep_softmax=[3], window=64)
-    plan.target_for(layer)   # "exact" for 0, 1 and 3, "linear" from 4 on, "hybrid" elsewhere
+    plan = make_plan("hybrid", layers="0-1:exact,4-:linear,2:heads(0=exact)", keep_softmax=[3], window=64)
+    plan.target_for(layer)   # "exact" for 0, 1 and 3, "linear" from 4 on, "heads" for 2, "hybrid" elsewhere
     plan.options_for(target) # the options that target's cell accepts
+    plan.cell_for(layer, spec)  # the cell itself; layer 2's kv head 0 is exact, its others hybrid
 
-Later rules win over earlier ones; ``keep_softmax`` wins over all. Options go to every cell whose
-constructor accepts them; an option no chosen cell accepts is an error, not silently dropped.
+``RANGE:heads(HEADS=TARGET;...)`` splits a layer's kv heads (with their query heads) into groups,
+each its own cell (``rnnify.cells.heads``): ``HEADS`` is a comma list of kv heads and ranges
+(``0,2-3``) or ``*`` (the heads not named); heads not named, without ``*``, take the ``--to``
+target. Later rules win over earlier ones; ``keep_softmax`` wins over all. Options go to every cell
+whose constructor accepts them; an option no chosen cell accepts is an error, not silently dropped.
 """
 
 from __future__ import annotations
@@ -14,27 +19,46 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from rnnify.cells import CELLS
+from rnnify.cells import CELLS, Cell, CellSpec, build_cell
+from rnnify.cells.heads import TARGET as HEADS
 from rnnify.errors import RnnifyError
 
 __all__ = ["LayerRule", "ConversionPlan", "make_plan", "parse_layers"]
 
 
+# a head group: its kv heads (None: those no other group names) and their target
+HeadGroup = tuple[tuple[int, ...] | None, str]
+
+
 @dataclass(frozen=True)
 class LayerRule:
-    """Layers ``start`` .. ``stop`` (inclusive; ``stop=None``: to the last layer) become ``target``."""
+    """Layers ``start`` .. ``stop`` (inclusive; ``stop=None``: to the last layer) become ``target``;
+    for target ``"heads"``, ``heads`` gives each group of kv heads its own target."""
 
     start: int
     stop: int | None
     target: str
+    heads: tuple[HeadGroup, ...] | None = None
 
     def matches(self, layer: int) -> bool:
         return self.start <= layer and (self.stop is None or layer <= self.stop)
 
+    @property
+    def targets(self) -> set[str]:
+        """The cell targets this rule uses."""
+        return {target for _, target in self.heads} if self.heads else {self.target}
+
     def __str__(self) -> str:
+        target = self.target
+        if self.heads is not None:
+            target = f"{HEADS}(" + ";".join(f"{_heads_text(kv)}={t}" for kv, t in self.heads) + ")"
         if self.stop == self.start:
-            return f"{self.start}:{self.target}"
-        return f"{self.start}-{'' if self.stop is None else self.stop}:{self.target}"
+            return f"{self.start}:{target}"
+        return f"{self.start}-{'' if self.stop is None else self.stop}:{target}"
+
+
+def _heads_text(kv: tuple[int, ...] | None) -> str:
+    return "*" if kv is None else ",".join(map(str, kv))
 
 
 def _check_target(target: str) -> str:
@@ -43,10 +67,56 @@ def _check_target(target: str) -> str:
     return target
 
 
+def _split_outside_parentheses(text: str, sep: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char == "(") - (char == ")")
+        if char == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
+
+
+_HEADS_EXAMPLE = "e.g. '0-:heads(0,2=exact;*=window)'"
+
+
+def _parse_head_list(text: str, where: str) -> tuple[int, ...] | None:
+    if text == "*":
+        return None
+    heads: list[int] = []
+    try:
+        for item in text.split(","):
+            first, dash, last = item.partition("-")
+            heads += range(int(first), int(last) + 1) if dash else [int(first)]
+    except ValueError:
+        raise RnnifyError(f"{where}: kv heads {text!r} must be numbers, ranges (2-3) or '*', {_HEADS_EXAMPLE}") from None
+    if not heads or min(heads) < 0:
+        raise RnnifyError(f"{where}: kv heads {text!r} name no head")
+    return tuple(heads)
+
+
+def _parse_heads(text: str, where: str) -> tuple[HeadGroup, ...]:
+    """``"0,2=exact;*=window"`` -> ((0, 2), "exact"), (None, "window")."""
+    groups: list[HeadGroup] = []
+    for item in filter(None, (i.strip() for i in text.split(";"))):
+        heads, sep, target = item.partition("=")
+        if not sep:
+            raise RnnifyError(f"{where}: expected HEADS=TARGET entries separated by ';', {_HEADS_EXAMPLE}")
+        target = _check_target(target.strip())
+        groups.append((_parse_head_list(heads.replace(" ", ""), where), target))
+    named = [h for kv, _ in groups if kv is not None for h in kv]
+    if not groups:
+        raise RnnifyError(f"{where}: names no head group, {_HEADS_EXAMPLE}")
+    if len(set(named)) != len(named) or sum(kv is None for kv, _ in groups) > 1:
+        raise RnnifyError(f"{where}: a kv head (or '*') is named twice")
+    return tuple(groups)
+
+
 def parse_layers(spec: str) -> list[LayerRule]:
-    """``"0-1:exact,2-:hybrid"`` -> rules; ranges are inclusive, ``N-`` runs to the last layer."""
+    """``"0-1:exact,2-:hybrid,3:heads(0=exact;*=window)"`` -> rules; ranges are inclusive, ``N-``
+    runs to the last layer."""
     rules = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
+    for part in filter(None, (p.strip() for p in _split_outside_parentheses(spec, ","))):
         where, sep, target = part.partition(":")
         start, dash, stop = where.partition("-")
         try:
@@ -58,7 +128,13 @@ def parse_layers(spec: str) -> list[LayerRule]:
             raise RnnifyError(f"layer spec {part!r}: expected RANGE:TARGET, e.g. '0-1:exact' or '2-:linear'") from None
         if first < 0 or (last is not None and last < first):
             raise RnnifyError(f"layer spec {part!r}: empty or negative layer range")
-        rules.append(LayerRule(first, last, _check_target(target.strip())))
+        target = target.strip()
+        if target.startswith(f"{HEADS}(") and target.endswith(")"):
+            rules.append(LayerRule(first, last, HEADS, _parse_heads(target[len(HEADS) + 1 : -1], f"layer spec {part!r}")))
+        elif target.startswith(HEADS):
+            raise RnnifyError(f"layer spec {part!r}: expected {HEADS}(HEADS=TARGET;...), {_HEADS_EXAMPLE}")
+        else:
+            rules.append(LayerRule(first, last, _check_target(target)))
     if not rules:
         raise RnnifyError(f"layer spec {spec!r} names no layers")
     return rules
@@ -75,12 +151,39 @@ class ConversionPlan:
     rules: list[LayerRule] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
 
+    def rule_for(self, layer: int) -> LayerRule | None:
+        """The rule that decides ``layer`` (the last that matches), or None: the default target."""
+        return next((rule for rule in reversed(self.rules) if rule.matches(layer)), None)
+
     def target_for(self, layer: int) -> str:
-        target = self.default
-        for rule in self.rules:
-            if rule.matches(layer):
-                target = rule.target
-        return target
+        rule = self.rule_for(layer)
+        return self.default if rule is None else rule.target
+
+    def cell_for(self, layer: int, spec: CellSpec) -> Cell:
+        """The cell of ``layer``'s attention, whose shape is ``spec``."""
+        rule = self.rule_for(layer)
+        if rule is None or rule.heads is None:
+            target = self.target_for(layer)
+            return build_cell(target, spec, self.options_for(target))
+        groups = self.head_groups(rule, spec.num_kv_heads, layer)
+        if len(groups) == 1:  # one target for every head: the plain cell
+            return build_cell(groups[0][1], spec, self.options_for(groups[0][1]))
+        return build_cell(HEADS, spec, {"groups": [{"kv_heads": kv, "target": target, "options": self.options_for(target)}
+                                                   for kv, target in groups]})
+
+    def head_groups(self, rule: LayerRule, num_kv_heads: int, layer: int) -> list[tuple[list[int], str]]:
+        """``rule``'s groups for a layer of ``num_kv_heads`` kv heads: ``*`` (or, without it, the
+        default target) takes the heads no group names."""
+        named = {h for kv, _ in rule.heads if kv is not None for h in kv}
+        if max(named, default=-1) >= num_kv_heads:
+            raise RnnifyError(f"layer rule '{rule}': layer {layer} has kv heads 0-{num_kv_heads - 1}, "
+                              f"not {max(named)}")
+        rest = [h for h in range(num_kv_heads) if h not in named]
+        star = next((target for kv, target in rule.heads if kv is None), self.default)
+        groups = [(list(kv), target) if kv is not None else (rest, target) for kv, target in rule.heads]
+        if not any(kv is None for kv, _ in rule.heads):
+            groups.append((rest, star))
+        return [(kv, target) for kv, target in groups if kv]
 
     def options_for(self, target: str) -> dict[str, Any]:
         accepted = _accepted(target)
@@ -92,7 +195,13 @@ class ConversionPlan:
         for rule in self.rules:
             if not any(rule.matches(layer) for layer in layers):
                 raise RnnifyError(f"layer rule '{rule}' matches no layer (the model has layers {layers[0]}-{layers[-1]})")
-        self.check_options({self.target_for(layer) for layer in layers})
+        used: set[str] = set()
+        for layer in layers:
+            rule = self.rule_for(layer)
+            if rule is None or (rule.heads and all(kv is not None for kv, _ in rule.heads)):
+                used.add(self.default)  # a heads rule without '*' gives the default the heads it does not name
+            used |= rule.targets if rule is not None else set()
+        self.check_options(used)
 
     def check_options(self, targets: set[str]) -> None:
         unused = set(self.options) - set().union(*(_accepted(t) for t in targets))
@@ -111,5 +220,5 @@ def make_plan(
     rules = parse_layers(layers) if layers else []
     rules += [LayerRule(int(layer), int(layer), "exact") for layer in keep_softmax or ()]
     plan = ConversionPlan(_check_target(to), rules, options)
-    plan.check_options({to, *(rule.target for rule in rules)})  # before any model is loaded
+    plan.check_options({to}.union(*(rule.targets for rule in rules)))  # before any model is loaded
     return plan

@@ -170,3 +170,27 @@ def test_fidelity_dir_rows_measure_a_saved_model_as_it_was_trained(tmp_path, tin
     assert "| `trained` |" in fidelity.table(record) and "300 + 200 | 42 s |" in fidelity.table(record)
     with pytest.raises(SystemExit):
         fidelity.parse_args(["--dir", f"x={tmp_path}"])  # not an rnnify directory
+
+
+@pytest.mark.slow
+def test_per_head_script_end_to_end(tmp_path, tiny_model_dir):
+    per_head = _load(ROOT / "benchmarks" / "per_head.py")
+    data = tmp_path / "data"
+    for part in ("train", "heldout"):
+        (data / part).mkdir(parents=True)
+        (data / part / "a.py").write_text("def f(x):\n    return [x + i for i in range(10)]\n" * 80)
+    out = tmp_path / "out"
+    record = per_head.main([
+        "--model", str(tiny_model_dir("llama")), "--data", str(data), "--budgets", "0.3", "--window", "8",
+        "--sinks", "1", "--calib-len", "32", "--calib-rows", "2", "--calib-passkey", "0", "--seq-len", "32",
+        "--eval-tokens", "256", "--json", str(out / "p.json"), "--doc", str(out / "p.md"),
+    ])
+    rows = {row["variant"]: row for row in record["rows"]}
+    assert set(rows) == {"window-sinks", "window", "auto-kl-0.3", "auto-mass-0.3", "layers-kl-0.3"}
+    for name in ("auto-kl-0.3", "auto-mass-0.3"):  # one exact head of four fits 30% of the KV cache
+        assert len(rows[name]["exact"]) == 1 and rows[name]["state_bytes"] <= 0.3 * record["kv_cache_bytes"]
+    assert rows["layers-kl-0.3"]["exact"] == []  # a whole layer (two heads) does not fit
+    assert rows["layers-kl-0.3"]["training_free"] == rows["window-sinks"]["training_free"]
+    doc = (out / "p.md").read_text()
+    assert doc.startswith(per_head.SECTION_START) and "python benchmarks/per_head.py" in doc
+    assert (out / "p.png").stat().st_size > 0

@@ -26,6 +26,7 @@ LAYERS = [
     {"data"},
     {"original"},
     {"convert", "eval", "distill", "verify", "bench", "chat", "passkey"},
+    {"auto"},  # per-head choice: scores with the original, converts with the choice
     {"__init__"},  # the package's public API, over everything it exports
     {"cli", "integrations"},  # transformers and lm-evaluation-harness over the public API
     {"__main__"},

@@ -111,6 +111,11 @@ class Cell(nn.Module):
         real tokens); ``RecurrentModel.calibrate`` calls it on cells with ``calibrates``. A no-op here."""
         return self
 
+    @property
+    def exact(self) -> bool:
+        """True when the cell computes softmax attention unchanged (``verify`` then judges it against the original)."""
+        return self.target == "exact"
+
     def describe(self) -> str:
         """A short note for ``rnnify info`` (e.g. recurrent neurons per head); empty by default."""
         return ""

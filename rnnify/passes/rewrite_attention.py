@@ -12,7 +12,7 @@ import operator
 
 import torch.fx
 
-from rnnify.cells import CellSpec, build_cell
+from rnnify.cells import CellSpec
 from rnnify.errors import UnsupportedModelError
 from rnnify.passes.context import PassContext
 from rnnify.passes.find_attention import SITE_KEY, sites
@@ -28,8 +28,7 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
             site.num_heads, site.num_kv_heads, site.head_dim, site.value_dim, site.scale, site.window, hidden_size
         )
         name = f"cells.{site.index}"
-        target = ctx.plan.target_for(site.layer)
-        cell = build_cell(target, spec, ctx.plan.options_for(target))
+        cell = ctx.plan.cell_for(site.layer, spec)
         gm.add_submodule(name, cell)
         kwargs = {}
         if cell.needs_input:

@@ -1,0 +1,468 @@
+"""``convert --to auto``: which kv heads keep softmax, under a memory budget or a quality bound.
+
+The idea: docs/math.md §Retrieval and streaming heads. Most heads lose almost nothing as a window
+with sinks ("streaming"); a few read far back ("retrieval") and must stay ``exact``. Each kv head
+is scored on calibration rows (real text, plus pass-key prompts made here with their answers
+appended) with the original model, its attention replaced by a probe that can window any heads:
+
+- ``mass``: the attention its query heads put beyond the window and sinks (one forward pass);
+- ``kl``: KL(original || this head alone windowed) per scored token (one pass per kv head).
+
+Text scores every token; a pass-key prompt scores only the positions that predict its key. A
+head's score is the mean over text plus the mean over pass-key answers. ``choose`` then starts
+from every head windowed and makes heads exact by score per byte while the state at ``context``
+tokens fits the budget, or, for ``max_kl``, makes the best-scored heads exact until the measured
+KL of the whole assignment is at most the bound (a bisection on their number).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from rnnify.cells import CellSpec
+from rnnify.errors import RnnifyError
+
+__all__ = ["SCORES", "Calibration", "HeadReport", "HeadScorer", "auto_convert", "calibration_rows", "choose", "choose_heads",
+           "convert_chosen", "head_costs", "layers_spec", "measure_kl", "score_heads"]
+
+SCORES = ("kl", "mass")
+# kl: on SmolLM2 its choices' calibration KL was a fraction of mass's; on the bundled model they tied but
+# for one budget (docs/fidelity.md). mass costs 1/(kv heads + 1) of the passes.
+DEFAULT_SCORE = "kl"
+WINDOW, SINKS = 64, 4
+_PROBE = "rnnify_head_probe"
+Head = tuple[int, int]  # (layer, kv head)
+
+
+@dataclass
+class Calibration:
+    """Rows ``[1, T]`` and, per row, the float weights ``[T]`` of the positions whose prediction counts."""
+
+    rows: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    kinds: list[str]  # "text" or "passkey": the two means a score adds
+
+
+def calibration_rows(tokenizer: Any, data: Any, seq_len: int, rows: int, passkey: int, seed: int = 0) -> Calibration:
+    """``rows`` rows of ``seq_len`` tokens of ``data`` (``rnnify.data.token_batches``) and ``passkey``
+    pass-key prompts of at most ``seq_len`` tokens, each with its answer appended."""
+    from rnnify.data import token_batches
+    from rnnify.passkey import passkey_prompts
+
+    out = Calibration([], [], [])
+    if rows:
+        for batch in token_batches(data, tokenizer, seq_len=seq_len, batch_size=1, max_tokens=rows * seq_len, seed=seed):
+            if bool(batch["attention_mask"].all()):  # the last, padded row is left out
+                out.rows.append(batch["input_ids"])
+                out.weights.append(torch.ones(seq_len))
+                out.kinds.append("text")
+        if not out.rows:
+            raise RnnifyError(f"the calibration data holds fewer than {seq_len} tokens: give more text or a lower --calib-len")
+    if passkey:
+        for _, prompt in passkey_prompts(tokenizer, [seq_len - 8], passkey, seed):
+            answer = tokenizer(f" {prompt.key}.", add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([prompt.ids + answer])
+            weights = torch.zeros(ids.shape[1])
+            weights[len(prompt.ids) - 1 : ids.shape[1] - 1] = 1.0  # the positions that predict the answer
+            out.rows.append(ids)
+            out.weights.append(weights)
+            out.kinds.append("passkey")
+    return out
+
+
+class _Probe:
+    """An attention function for transformers' ``AttentionInterface``: softmax attention in which the
+    kv heads in ``windowed`` see only the last ``window`` tokens and the first ``sinks``; with
+    ``mass`` set it adds, per (layer, kv head), the weighted attention mass beyond them."""
+
+    def __init__(self, window: int, sinks: int):
+        self.window, self.sinks = window, sinks
+        self.windowed: set[Head] = set()
+        self.weights: torch.Tensor | None = None  # [T] of the row running, for ``mass``
+        self.mass: dict[Head, float] | None = None
+        self.calls = 0
+
+    def __call__(self, module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+        self.calls += 1
+        layer, (_, heads, length, dim) = module.layer_idx, query.shape
+        kv_heads = key.shape[1]
+        group = heads // kv_heads
+        i = torch.arange(length, device=query.device)[:, None]
+        j = torch.arange(length, device=query.device)[None, :]
+        causal = j <= i
+        stream = causal & ((i - j < self.window) | (j < self.sinks))
+        windowed = torch.tensor([(layer, h // group) in self.windowed for h in range(heads)], device=query.device)
+        allowed = torch.where(windowed[:, None, None], stream, causal)
+        scores = (query.float() @ key.float().repeat_interleave(group, 1).transpose(-1, -2)) * (scaling or dim**-0.5)
+        p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        if self.mass is not None:
+            beyond = (p * (causal & ~stream)).sum(-1)  # [B, H, T]
+            per_head = (beyond * self.weights).sum(-1).sum(0).reshape(kv_heads, group).mean(-1) / self.weights.sum()
+            for h in range(kv_heads):
+                self.mass[(layer, h)] = self.mass.get((layer, h), 0.0) + float(per_head[h])
+        out = p @ value.float().repeat_interleave(group, 1)
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+@contextmanager
+def _probed(source: torch.nn.Module, probe: _Probe) -> Iterator[_Probe]:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_PROBE, probe)
+    before = source.config._attn_implementation
+    try:
+        source.set_attn_implementation(_PROBE)
+    except (ValueError, AttributeError) as exc:
+        raise RnnifyError(f"--to auto needs a model whose attention uses transformers' attention interface ({exc})") from exc
+    try:
+        yield probe
+    finally:
+        source.set_attn_implementation(before)
+
+
+def _logits(source: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return source(input_ids=ids.to(next(source.parameters()).device), use_cache=False).logits[0].float()
+
+
+def _kl(want: torch.Tensor, got: torch.Tensor, weights: torch.Tensor) -> float:
+    """Weighted mean over positions of KL(want || got)."""
+    kl = F.kl_div(F.log_softmax(got, -1), F.log_softmax(want, -1), log_target=True, reduction="none").sum(-1)
+    return float((kl * weights.to(kl.device)).sum() / weights.sum())
+
+
+def _mean_by_kind(values: list[float], kinds: list[str]) -> float:
+    """Mean over text rows plus mean over pass-key rows (each kind counts once however many rows)."""
+    return sum(sum(v for v, k in zip(values, kinds) if k == kind) / kinds.count(kind) for kind in set(kinds))
+
+
+def _decoder_layers(source: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The decoder layers in call order (``model.layers`` of Llama-like models), or None."""
+    layers = getattr(getattr(source, "model", None), "layers", None)
+    return layers if isinstance(layers, torch.nn.ModuleList) else None
+
+
+@contextmanager
+def _recorded(layers: torch.nn.ModuleList | None, outputs: list) -> Iterator[None]:
+    """Append each decoder layer's output to ``outputs`` while the block runs."""
+    handles = [layer.register_forward_hook(lambda m, a, out: outputs.append(out)) for layer in layers or ()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def _replayed(layers: torch.nn.ModuleList | None, outputs: list, count: int) -> Iterator[None]:
+    """The first ``count`` decoder layers return their recorded ``outputs`` instead of computing
+    them: windowing a head of layer l changes nothing before it, so a pass need only run from l."""
+    if layers is None or len(outputs) != len(layers):
+        yield
+        return
+    for layer, out in zip(list(layers)[:count], outputs):
+        layer.forward = lambda *args, _out=out, **kwargs: _out
+    try:
+        yield
+    finally:
+        for layer in list(layers)[:count]:
+            del layer.forward
+
+
+@torch.no_grad()
+def score_heads(source: torch.nn.Module, calibration: Calibration, window: int, sinks: int, scores=SCORES,
+                progress: Callable[[int], None] | None = None) -> tuple[dict[str, dict[Head, float]], list[torch.Tensor]]:
+    """Per kv head, each score in ``scores``; and the original's logits per row (for ``measure_kl``).
+    ``progress(n)`` is told of each forward pass."""
+    step = progress or (lambda n: None)
+    probe = _Probe(window, sinks)
+    out: dict[str, dict[Head, float]] = {}
+    layers = _decoder_layers(source)
+    with _probed(source, probe):
+        originals, masses, recorded = [], [], []
+        for ids, weights in zip(calibration.rows, calibration.weights):
+            probe.weights, probe.mass = weights, {}
+            recorded.append([])
+            with _recorded(layers if "kl" in scores else None, recorded[-1]):
+                originals.append(_logits(source, ids))
+            masses.append(probe.mass)
+            step(1)
+        if probe.calls == 0:
+            raise RnnifyError("--to auto: this model's attention does not use transformers' attention interface")
+        heads = sorted(masses[0])
+        probe.mass = None
+        if "mass" in scores:
+            out["mass"] = {h: _mean_by_kind([m[h] for m in masses], calibration.kinds) for h in heads}
+        if "kl" in scores:
+            out["kl"] = {}
+            for head in heads:
+                probe.windowed = {head}
+                kls = []
+                for ids, w, want, before in zip(calibration.rows, calibration.weights, originals, recorded):
+                    with _replayed(layers, before, head[0]):
+                        kls.append(_kl(want, _logits(source, ids), w))
+                out["kl"][head] = _mean_by_kind(kls, calibration.kinds)
+                step(len(calibration.rows))
+    return out, originals
+
+
+@torch.no_grad()
+def measure_kl(source: torch.nn.Module, calibration: Calibration, originals: list[torch.Tensor], windowed: set[Head],
+               window: int, sinks: int) -> float:
+    """The calibration KL (text mean plus pass-key mean) with the heads in ``windowed`` windowed."""
+    probe = _Probe(window, sinks)
+    probe.windowed = set(windowed)
+    with _probed(source, probe):
+        kls = [_kl(want, _logits(source, ids), w) for ids, w, want in zip(calibration.rows, calibration.weights, originals)]
+    return _mean_by_kind(kls, calibration.kinds)
+
+
+# -- the choice ---------------------------------------------------------------------------
+
+
+def layer_specs(source: torch.nn.Module) -> list[CellSpec]:
+    """The attention shape of each layer, from the model's config (enough for state sizes)."""
+    config = source.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    window = getattr(config, "sliding_window", None)
+    return [CellSpec(heads, kv_heads, dim, dim, dim**-0.5, window) for _ in range(config.num_hidden_layers)]
+
+
+def layers_spec(specs: list[CellSpec], exact: set[Head]) -> str | None:
+    """``--layers`` rules that keep the heads in ``exact`` softmax (the rest take the ``window`` target)."""
+    rules = []
+    for layer, spec in enumerate(specs):
+        heads = sorted(h for lay, h in exact if lay == layer)
+        if len(heads) == spec.num_kv_heads:
+            rules.append(f"{layer}:exact")
+        elif heads:
+            rules.append(f"{layer}:heads({','.join(map(str, heads))}=exact)")
+    return ",".join(rules) or None
+
+
+def head_costs(specs: list[CellSpec], exact: set[Head], context: int, window: int, sinks: int,
+               dtype: torch.dtype) -> int:
+    """State bytes per sequence at ``context`` tokens with ``exact`` heads exact, the rest windowed:
+    the cells' own ``state_nbytes`` (plus the positions), as ``RecurrentModel.state_nbytes`` counts."""
+    from rnnify.plan import make_plan
+
+    spec_text = layers_spec(specs, exact)
+    options = {"window": window, "sinks": sinks} if len(exact) < sum(s.num_kv_heads for s in specs) else {}
+    plan = make_plan("window" if options else "exact", spec_text, **options)
+    total = sum(plan.cell_for(layer, spec).state_nbytes(context, 1, dtype) for layer, spec in enumerate(specs))
+    return total + torch.empty((), dtype=torch.long).element_size()
+
+
+def kv_cache_bytes(specs: list[CellSpec], context: int, dtype: torch.dtype) -> int:
+    """The original's KV cache per sequence at ``context`` tokens (keys and values of every kv head)."""
+    return sum(s.num_kv_heads * (s.head_dim + s.value_dim) for s in specs) * context * dtype.itemsize
+
+
+@dataclass
+class HeadReport:
+    """What ``--to auto`` measured and chose; saved as ``head_map.json`` beside the model."""
+
+    score: str
+    window: int
+    sinks: int
+    context: int
+    budget: int | None
+    max_kl: float | None
+    exact: list[Head]
+    layers: str | None  # the --layers spec that rebuilds the choice (with --to window --window --sinks)
+    scores: dict[str, dict[str, float]]  # score -> "layer.head" -> value
+    head_bytes: dict[str, int]  # "exact"/"window": one kv head's state at `context`
+    state_bytes: int  # the chosen model's state per sequence at `context`
+    kv_cache_bytes: int  # the original's KV cache at `context`
+    calibration_kl: float  # measured with the choice, on the calibration rows
+    calibration: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def write(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            f.write(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+def one_head_bytes(spec: CellSpec, target: str, context: int, window: int, sinks: int, dtype: torch.dtype) -> int:
+    """One kv head's state (with its query group) at ``context`` tokens."""
+    from rnnify.cells import build_cell
+    from rnnify.cells.heads import part_spec
+
+    options = {"window": window, "sinks": sinks} if target == "window" else {}
+    return build_cell(target, part_spec(spec, 1), options).state_nbytes(context, 1, dtype)
+
+
+def choose(scores: dict[Head, float], specs: list[CellSpec], *, context: int, window: int, sinks: int,
+           dtype: torch.dtype, budget: int | None = None, kl_of: Callable[[set[Head]], float] | None = None,
+           max_kl: float | None = None, units: list[list[Head]] | None = None) -> set[Head]:
+    """The heads to keep exact. ``units`` (default: each head alone) are chosen whole, e.g. all heads
+    of a layer for a per-layer choice; a unit's score is the sum of its heads'.
+
+    With ``budget``: greedily by score per byte, every unit that still fits; a budget below the
+    all-windowed state is an error naming that state. With ``max_kl`` (and ``kl_of``, the measured
+    KL of an assignment): the fewest best-scored units whose KL is at most ``max_kl``."""
+    units = units or [[h] for h in sorted(scores)]
+    unit_score = [sum(scores[h] for h in unit) for unit in units]
+    if budget is not None:
+        smallest = head_costs(specs, set(), context, window, sinks, dtype)
+        if budget < smallest:
+            raise RnnifyError(f"--state-budget {budget:,} bytes cannot be met at {context:,} tokens: the smallest state "
+                              f"(every head a {window}-token window with {sinks} sinks) is {smallest:,} bytes; give at least that")
+        extra = [head_costs(specs, set(u), context, window, sinks, dtype) - smallest for u in units]
+        order = sorted(range(len(units)), key=lambda i: -unit_score[i] / max(extra[i], 1))
+        exact: set[Head] = set()
+        for i in order:
+            if head_costs(specs, exact | set(units[i]), context, window, sinks, dtype) <= budget:
+                exact |= set(units[i])
+        return exact
+    if max_kl is None or kl_of is None:
+        raise RnnifyError("--to auto needs --state-budget BYTES (with --at-context N) or --max-kl X")
+    order = sorted(range(len(units)), key=lambda i: -unit_score[i])
+    first = lambda k: {h for i in order[:k] for h in units[i]}  # noqa: E731
+    low, high = 0, len(units)  # KL(first(high)) <= max_kl: every head exact is the original
+    if kl_of(first(0)) <= max_kl:
+        return set()
+    while high - low > 1:
+        middle = (low + high) // 2
+        if kl_of(first(middle)) <= max_kl:
+            high = middle
+        else:
+            low = middle
+    return first(high)
+
+
+def parse_bytes(text: str, kv_cache: Callable[[], int]) -> int:
+    """``"250000"``, ``"1.5MB"``, ``"2MiB"`` or ``"30%"`` (of the original's KV cache) -> bytes."""
+    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    clean = text.strip().upper().replace(" ", "")
+    try:
+        if clean.endswith("%"):
+            return int(float(clean[:-1]) / 100 * kv_cache())
+        number = clean.rstrip("KMGIB")
+        value = float(number) * units[clean[len(number):]]
+    except (ValueError, KeyError):
+        raise RnnifyError(f"--state-budget {text!r}: expected bytes, e.g. 2000000, 2MB, 1.5MiB or 30% (of the "
+                          "original's KV cache at --at-context)") from None
+    if not math.isfinite(value) or value <= 0:
+        raise RnnifyError(f"--state-budget {text!r} must be a positive size")
+    return int(value)
+
+
+class HeadScorer:
+    """The kv heads of ``model`` (a Hugging Face directory or loaded model) scored once on ``data``
+    (what ``rnnify.data.token_batches`` reads) and ``passkey`` pass-key prompts; ``choose`` then
+    picks for any budget or bound. ``score="kl"`` computes the mass score too (it is free)."""
+
+    def __init__(self, model: Any, data: Any, *, score: str = DEFAULT_SCORE, window: int = WINDOW, sinks: int = SINKS,
+                 calib_len: int = 1024, calib_rows: int = 2, passkey: int = 2, dtype: str = "float32",
+                 tokenizer: Any = None, seed: int = 0, progress: bool = False):
+        from tqdm import tqdm
+
+        from rnnify.capture import load_source
+        from rnnify.convert import resolve_dtype
+        from rnnify.data import load_tokenizer
+
+        if score not in SCORES:
+            raise RnnifyError(f"unknown score {score!r}; choose from: {', '.join(SCORES)}")
+        for name, value, low in (("--window", window, 1), ("--sinks", sinks, 0), ("--calib-len", calib_len, 16),
+                                 ("--calib-rows", calib_rows, 0), ("--calib-passkey", passkey, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise RnnifyError(f"{name} must be an integer >= {low}, got {value!r}")
+        if calib_rows + passkey == 0:
+            raise RnnifyError("--to auto needs calibration rows: --calib-rows or --calib-passkey above 0")
+        self.score, self.window, self.sinks, self.dtype = score, window, sinks, resolve_dtype(dtype)
+        self.source = load_source(model, self.dtype)
+        self.specs = layer_specs(self.source)
+        config = self.source.config
+        limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        if limit is not None and calib_len > limit:
+            raise RnnifyError(f"--calib-len {calib_len} is past the model's {limit} positions; use at most {limit}")
+        if tokenizer is None and (passkey or isinstance(data, (str, os.PathLike))):
+            tokenizer = load_tokenizer(model)
+        self.calibration = calibration_rows(tokenizer, data, calib_len, calib_rows, passkey, seed)
+        rows = len(self.calibration.rows)
+        passes = rows * (1 + (sum(s.num_kv_heads for s in self.specs) if score == "kl" else 0))
+        with tqdm(total=passes, unit="pass", desc="scoring heads", disable=None if progress else True, leave=False) as bar:
+            self.scores, self.originals = score_heads(self.source, self.calibration, window, sinks,
+                                                      (score, "mass") if score == "kl" else (score,), progress=bar.update)
+        self.heads = sorted(self.scores[score])
+        self.about = {"data": str(data) if isinstance(data, (str, os.PathLike)) else "(token ids)",
+                      "rows": self.calibration.kinds.count("text"), "passkey": self.calibration.kinds.count("passkey"),
+                      "tokens": calib_len, "seed": seed}
+
+    def kl(self, exact: set[Head]) -> float:
+        """The calibration KL with the heads not in ``exact`` windowed."""
+        return measure_kl(self.source, self.calibration, self.originals, set(self.heads) - exact, self.window, self.sinks)
+
+    def choose(self, budget: str | int | None = None, context: int = 4096, max_kl: float | None = None,
+               per_layer: bool = False, score: str | None = None) -> HeadReport:
+        """The heads kept exact (``choose``) by ``score`` (default: the one scored for): under ``budget``
+        (bytes or a ``parse_bytes`` text) at ``context`` tokens, or at most ``max_kl``; whole layers
+        with ``per_layer``."""
+        score = score or self.score
+        if score not in self.scores:
+            raise RnnifyError(f"score {score!r} was not measured (scored for {self.score!r})")
+        if (budget is None) == (max_kl is None):
+            raise RnnifyError("--to auto needs one of --state-budget BYTES (with --at-context N) or --max-kl X")
+        if max_kl is not None and not max_kl >= 0:
+            raise RnnifyError(f"--max-kl must be >= 0, got {max_kl}")
+        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+            raise RnnifyError(f"--at-context must be a positive token count, got {context!r}")
+        specs, window, sinks, dtype = self.specs, self.window, self.sinks, self.dtype
+        if isinstance(budget, str):
+            budget = parse_bytes(budget, lambda: kv_cache_bytes(specs, context, dtype))
+        units = [[h for h in self.heads if h[0] == layer] for layer in range(len(specs))] if per_layer else None
+        exact = choose(self.scores[score], specs, context=context, window=window, sinks=sinks, dtype=dtype,
+                       budget=budget, kl_of=self.kl, max_kl=max_kl, units=units)
+        return HeadReport(
+            score=score, window=window, sinks=sinks, context=context, budget=budget, max_kl=max_kl,
+            exact=sorted(exact), layers=layers_spec(specs, exact),
+            scores={name: {f"{lay}.{h}": v for (lay, h), v in values.items()} for name, values in self.scores.items()},
+            head_bytes={t: one_head_bytes(specs[0], t, context, window, sinks, dtype) for t in ("exact", "window")},
+            state_bytes=head_costs(specs, exact, context, window, sinks, dtype),
+            kv_cache_bytes=kv_cache_bytes(specs, context, dtype),
+            calibration_kl=self.kl(exact),
+            calibration={**self.about, "per_layer": per_layer},
+        )
+
+
+def choose_heads(model: Any, data: Any, *, budget: str | int | None = None, context: int = 4096,
+                 max_kl: float | None = None, per_layer: bool = False, **scoring: Any) -> HeadReport:
+    """``HeadScorer(model, data, **scoring).choose(budget, context, max_kl, per_layer)``: the heads
+    ``--to auto`` keeps exact, with the report."""
+    if (budget is None) == (max_kl is None):  # before any model loads
+        raise RnnifyError("--to auto needs one of --state-budget BYTES (with --at-context N) or --max-kl X")
+    return HeadScorer(model, data, **scoring).choose(budget, context, max_kl, per_layer)
+
+
+REPORT_FILE = "head_map.json"  # saved beside a model converted with --to auto
+
+
+def convert_chosen(model: Any, report: HeadReport, dtype: str = "float32", kernels: str = "auto"):
+    """``model`` converted with the heads ``report`` keeps exact, the rest windowed; the report is
+    saved beside it as ``head_map.json``."""
+    from rnnify.convert import convert
+
+    windowed = len(report.exact) < len(report.scores[report.score])
+    options = {"window": report.window, "sinks": report.sinks} if windowed else {}
+    converted = convert(model, to="window" if windowed else "exact", layers=report.layers, dtype=dtype,
+                               kernels=kernels, **options)
+    converted.files[REPORT_FILE] = (json.dumps(report.to_json(), indent=2) + "\n").encode()
+    return converted
+
+
+def auto_convert(model: Any, data: Any, *, dtype: str = "float32", kernels: str = "auto", **options: Any):
+    """``choose_heads`` then ``convert_chosen``: returns ``(RecurrentModel, HeadReport)``."""
+    report = choose_heads(model, data, dtype=dtype, **options)
+    return convert_chosen(model, report, dtype, kernels), report

@@ -1,0 +1,272 @@
+"""Per-head targets: HeadSplitCell against a naive per-head reference, the ``heads(...)`` layer
+syntax, all-exact maps against the original model, and ``--to auto`` on a model with one head
+built to retrieve."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import rnnify
+from rnnify.auto import HeadScorer, auto_convert, choose_heads
+from rnnify.cells import CellSpec, HeadSplitCell, build_cell
+from rnnify.errors import RnnifyError
+from rnnify.plan import make_plan, parse_layers
+from rnnify.verify import run_checks
+from tests.support import rel_diff
+from tests.test_cli import assert_user_error, run
+
+SPEC = CellSpec(num_heads=8, num_kv_heads=4, head_dim=8, value_dim=6, scale=8**-0.5)
+GROUPS = [  # kv 2 exact, kv 0 and 3 windowed, kv 1 exact again: out of order, uneven
+    {"kv_heads": [2], "target": "exact", "options": {}},
+    {"kv_heads": [3, 0], "target": "window", "options": {"window": 4, "sinks": 1}},
+    {"kv_heads": [1], "target": "exact", "options": {}},
+]
+
+
+def reference(q, k, v, window_of: dict[int, tuple[int, int] | None]) -> torch.Tensor:
+    """Per query head h in float64: softmax over the keys of kv head h // G it may see (all
+    earlier ones, or with ``(W, S)`` the last W and the first S)."""
+    batch, heads, length, _ = q.shape
+    group = heads // k.shape[1]
+    out = torch.zeros(batch, heads, length, v.shape[-1], dtype=torch.float64)
+    for h in range(heads):
+        kv = h // group
+        for i in range(length):
+            keys = [j for j in range(i + 1)
+                    if window_of[kv] is None or i - j < window_of[kv][0] or j < window_of[kv][1]]
+            s = torch.stack([(q[:, h, i].double() * k[:, kv, j].double()).sum(-1) * SPEC.scale for j in keys], -1)
+            out[:, h, i] = (torch.softmax(s, -1)[..., None] * v[:, kv, keys].double()).sum(-2)
+    return out
+
+
+def run_steps(cell, q, k, v, state):
+    mask = torch.ones(q.shape[0], 1, dtype=torch.bool)
+    outs = []
+    for t in range(q.shape[2]):
+        out, *state = cell(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask, *state)
+        outs.append(out)
+    return torch.cat(outs, 2), state
+
+
+def test_head_split_matches_a_per_head_reference_in_prefill_steps_and_split():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 11, d, generator=gen) for n, d in ((8, 8), (4, 8), (4, 6)))
+    cell = build_cell("heads", SPEC, {"groups": GROUPS})
+    want = reference(q, k, v, {0: (4, 1), 1: None, 2: None, 3: (4, 1)})
+    mask = torch.ones(2, 11, dtype=torch.bool)
+    full, *_ = cell(q, k, v, mask, *cell.init_state(2, torch.device("cpu"), torch.float32))
+    assert rel_diff(full, want) < 1e-5
+    stepped, _ = run_steps(cell, q, k, v, cell.init_state(2, torch.device("cpu"), torch.float32))
+    assert rel_diff(stepped, want) < 1e-5
+    first, *state = cell(q[:, :, :5], k[:, :, :5], v[:, :, :5], mask[:, :5], *cell.init_state(2, torch.device("cpu"), torch.float32))
+    second, *_ = cell(q[:, :, 5:], k[:, :, 5:], v[:, :, 5:], mask[:, 5:], *state)
+    assert rel_diff(torch.cat([first, second], 2), want) < 1e-5
+    # the window heads really are windowed: at the last query they differ from full attention
+    full_attention = reference(q, k, v, dict.fromkeys(range(4)))
+    assert rel_diff(full[:, [0, 1, 6, 7], -1], full_attention[:, [0, 1, 6, 7], -1]) > 1e-2
+
+
+def test_head_split_state_is_its_parts_and_options_rebuild_it():
+    cell = build_cell("heads", SPEC, {"groups": GROUPS})
+    parts = [build_cell(g["target"], CellSpec(len(g["kv_heads"]) * 2, len(g["kv_heads"]), 8, 6, SPEC.scale), g["options"])
+             for g in GROUPS]
+    assert cell.state_nbytes(1000) == sum(p.state_nbytes(1000) for p in parts)
+    assert cell.grows_with_context and not cell.exact
+    again = build_cell("heads", SPEC, json.loads(json.dumps(cell.options())))
+    assert again.options() == cell.options() and again.state_names == cell.state_names
+    assert "kv 3,0: window (window=4, sinks=1)" in cell.describe()
+
+
+@pytest.mark.parametrize("groups, message", [
+    ([{"kv_heads": [0, 1], "target": "exact"}], "exactly one group"),
+    ([{"kv_heads": [0, 1, 2, 3], "target": "exact"}, {"kv_heads": [1], "target": "exact"}], "exactly one group"),
+    ([{"kv_heads": [0, 1, 2, 3], "target": "nope"}], "unknown target"),
+])
+def test_head_split_rejects_bad_groups(groups, message):
+    with pytest.raises(RnnifyError, match=message):
+        build_cell("heads", SPEC, {"groups": groups})
+
+
+def test_layer_syntax_round_trips_and_resolves_the_heads_not_named():
+    rules = parse_layers("0-:heads(0,2-3=exact;*=window),1:linear")
+    assert [str(r) for r in rules] == ["0-:heads(0,2,3=exact;*=window)", "1:linear"]
+    plan = make_plan("hybrid", "0:heads(1=exact)", window=4)
+    cell = plan.cell_for(0, SPEC)
+    assert isinstance(cell, HeadSplitCell)
+    assert cell.options()["groups"][0]["kv_heads"] == [1]
+    assert [g["target"] for g in cell.options()["groups"]] == ["exact", "hybrid"]
+    assert cell.kv_heads[1] == [0, 2, 3]
+    one = make_plan("window", "0:heads(0,1=exact)", window=4)
+    assert type(one.cell_for(0, CellSpec(4, 2, 8, 8, 1.0))).__name__ == "ExactCell"  # one group: the plain cell
+    with pytest.raises(RnnifyError, match="kv heads 0-3, not 5"):
+        make_plan("window", "0:heads(5=exact)", window=4).cell_for(0, SPEC)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("0:heads(0=exact", "heads(HEADS=TARGET"),
+    ("0:heads(x=exact)", "must be numbers"),
+    ("0:heads(0=exact;0=window)", "named twice"),
+    ("0:heads(0=foo)", "unknown target"),
+    ("0:heads(0=heads)", "unknown target"),
+])
+def test_bad_head_specs_are_one_line_cli_errors(capsys, tmp_path, tiny_model_dir, spec, message):
+    code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "window", "--window", "4",
+                       "--layers", spec, "-o", tmp_path / "o")
+    assert_user_error(code, err, message)
+    assert not (tmp_path / "o").exists()
+
+
+def test_all_exact_head_map_is_the_original_and_saves(tmp_path, tiny_model_dir):
+    source = tiny_model_dir("llama")  # 4 query heads on 2 kv heads (GQA)
+    model = rnnify.convert(source, to="window", layers="0-:heads(1=exact;*=exact)")
+    assert all(isinstance(c, HeadSplitCell) and c.kv_heads == [[1], [0]] for c in model.cells)
+    checks = {r.name: r for r in run_checks(model, source, tokens=24)}
+    assert checks["step == prefill"].passed and checks["split prefill"].passed
+    assert checks["vs original"].passed  # judged: every head is exact
+    model.save(tmp_path / "m")
+    loaded = rnnify.load(tmp_path / "m")
+    assert loaded.manifest.layers == ["0-:heads(1=exact;*=exact)"]
+    assert [c.options() for c in loaded.cells] == [c.options() for c in model.cells]
+    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(loaded.prefill(ids)[0], model.prefill(ids)[0])
+
+
+# -- auto ----------------------------------------------------------------------------------
+
+BOS, MARKER, LENGTH = 1, 2, 40
+
+
+@pytest.fixture(scope="module")
+def retrieval_model(tmp_path_factory):
+    """A tiny Llama (2 layers x 2 kv heads) whose layer-0 kv head 1 attends to a marker token
+    wherever it is, and whose other heads attend to the first token (a sink) or write nothing.
+
+    Query = a bias on the slowest rotary pair (dims 3 and 7 of 8 barely rotate over 40 tokens),
+    key = that pair reading one direction of the normed input: the marker's embedding for the
+    retrieval head, the first token's for the sink head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.conftest import make_tiny
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, max_position_embeddings=128, vocab_size=320,
+                         attention_bias=True, bos_token_id=0, eos_token_id=0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        embed[:, :2] = 0
+        embed[MARKER] = 0
+        embed[MARKER, 0] = 1.0
+        embed[BOS] = 0
+        embed[BOS, 1] = 1.0
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for proj in (attn.q_proj, attn.k_proj):
+                proj.weight.zero_()
+                proj.bias.zero_()
+            attn.q_proj.bias.view(4, 8)[:, 3] = 1.0  # every query head reads the slow pair
+            attn.k_proj.weight.view(2, 8, 32)[:, 3, 1] = 8.0  # keys: "is this the first token"
+        attn = model.model.layers[0].self_attn
+        attn.k_proj.weight.view(2, 8, 32)[1, 3] = 0
+        attn.k_proj.weight.view(2, 8, 32)[1, 3, 0] = 8.0  # kv head 1: "is this the marker"
+        attn.v_proj.weight.view(2, 8, 32)[1] = 5 * torch.eye(8, 32)
+        model.model.layers[1].self_attn.v_proj.weight.zero_()  # layer 1 writes nothing
+    directory = tmp_path_factory.mktemp("retrieval")
+    model.save_pretrained(directory)
+    make_tiny.train_tokenizer().save_pretrained(directory)
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(3, 320, (3, LENGTH), generator=gen)
+    rows[:, 0] = BOS
+    rows[:, 2] = MARKER  # far behind the 4-token window of the later queries
+    return directory, rows
+
+
+AUTO = {"context": 1024, "window": 4, "sinks": 1, "calib_len": LENGTH, "calib_rows": 3, "passkey": 0}
+
+
+def auto(directory, rows, **kwargs):
+    """The heads ``--to auto`` keeps exact (the report; no conversion)."""
+    return choose_heads(directory, rows, **AUTO, **kwargs)
+
+
+def test_auto_keeps_the_retrieval_head_exact(retrieval_model):
+    directory, rows = retrieval_model
+    model, report = auto_convert(directory, rows, budget="30%", score="kl", **AUTO)  # room for one exact head of four
+    assert report.exact == [(0, 1)]
+    for score in ("kl", "mass"):  # scoring by kl measures both
+        assert max(report.scores[score], key=report.scores[score].get) == "0.1"
+    layer0 = model.cells[0]
+    assert isinstance(layer0, HeadSplitCell) and [p.target for p in layer0.parts] == ["exact", "window"]
+    assert layer0.kv_heads == [[1], [0]] and model.cells[1].target == "window"
+    assert report.state_bytes == model.state_nbytes(1024) <= 0.3 * report.kv_cache_bytes
+    assert report.calibration_kl < 1e-3  # the heads windowed lose (almost) nothing
+    checks = {r.name: r for r in run_checks(model, tokens=24)}
+    assert checks["step == prefill"].passed and checks["split prefill"].passed
+    assert json.loads(model.files["head_map.json"])["exact"] == [[0, 1]]
+
+
+def test_kl_score_is_a_full_pass_with_the_head_windowed(retrieval_model, tiny_model_dir):
+    _, rows = retrieval_model
+    scorer = HeadScorer(tiny_model_dir("llama"), rows, score="kl", **{k: v for k, v in AUTO.items() if k != "context"})
+    assert min(scorer.scores["kl"].values()) > 1e-6  # random weights: every head matters a little
+    for head in scorer.heads:  # scored from the earlier layers' recorded outputs; measured here by full passes
+        assert scorer.scores["kl"][head] == pytest.approx(scorer.kl(set(scorer.heads) - {head}), rel=1e-4)
+
+
+def test_auto_max_kl_per_layer_and_mass(retrieval_model):
+    directory, rows = retrieval_model
+    assert auto(directory, rows, budget="30%", score="mass").exact == [(0, 1)]
+    report = auto(directory, rows, max_kl=1e-3, score="kl")
+    assert report.exact == [(0, 1)]
+    report = auto(directory, rows, budget="60%", per_layer=True)
+    assert report.exact == [(0, 0), (0, 1)]
+
+
+def test_auto_unmeetable_budget_names_the_smallest(retrieval_model):
+    directory, rows = retrieval_model
+    with pytest.raises(RnnifyError, match=r"the smallest state .* is ([\d,]+) bytes") as error:
+        auto(directory, rows, budget=1000)
+    smallest = int(error.value.args[0].split(" is ")[1].split(" bytes")[0].replace(",", ""))
+    report = auto(directory, rows, budget=smallest)  # and that budget is met
+    assert report.exact == [] and report.state_bytes == smallest
+
+
+def test_auto_cli_errors(capsys, tmp_path, retrieval_model, tiny_model_dir):
+    directory, _ = retrieval_model
+    text = tmp_path / "calib.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 200)
+    base = ["convert", directory, "--to", "auto", "--calib-len", "32", "--calib-passkey", "0", "-o", tmp_path / "o"]
+    code, _, err = run(capsys, *base, "--data", text, "--state-budget", "10")
+    assert_user_error(code, err, "cannot be met", "give at least that")
+    code, _, err = run(capsys, *base, "--state-budget", "30%")
+    assert_user_error(code, err, "--data")
+    code, _, err = run(capsys, *base, "--data", text)
+    assert_user_error(code, err, "--state-budget", "--max-kl")
+    code, _, err = run(capsys, *base, "--data", text, "--state-budget", "lots")
+    assert_user_error(code, err, "expected bytes")
+    code, _, err = run(capsys, *base, "--data", text, "--state-budget", "30%", "--calib-len", "1000")
+    assert_user_error(code, err, "past the model's 128 positions")
+    code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "exact", "--max-kl", "1", "-o", tmp_path / "o")
+    assert_user_error(code, err, "--to auto only")
+    assert not (tmp_path / "o").exists()
+    code, out, err = run(capsys, *base, "--data", text, "--state-budget", "30%")
+    assert code == 0, err
+    assert "kv 1" in out and (tmp_path / "o" / "head_map.json").is_file()
+    code, out, _ = run(capsys, "info", tmp_path / "o")
+    layers = json.loads((tmp_path / "o" / "head_map.json").read_text())["layers"]
+    assert code == 0 and layers.startswith("0:heads(") and layers in out.replace("\n", "")
+
+
+def test_bench_fills_a_per_head_state_like_the_prefill_it_stands_for(tiny_model_dir):
+    from rnnify.bench import fill_state
+
+    model = rnnify.convert(tiny_model_dir("llama"), to="window", layers="0-:heads(1=exact)", window=4, sinks=1)
+    filled = fill_state(model, context=50, batch=2, fill_tokens=8)
+    _, read = model.prefill(torch.randint(0, 300, (2, 50)))
+    assert [t.shape for t in filled.tensors] == [t.shape for t in read.tensors]  # exact parts: 50 random keys
+    logits, _ = model.step(torch.tensor([[3], [5]]), filled)
+    assert torch.isfinite(logits).all()
