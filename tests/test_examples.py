@@ -170,3 +170,20 @@ def test_fidelity_dir_rows_measure_a_saved_model_as_it_was_trained(tmp_path, tin
     assert "| `trained` |" in fidelity.table(record) and "300 + 200 | 42 s |" in fidelity.table(record)
     with pytest.raises(SystemExit):
         fidelity.parse_args(["--dir", f"x={tmp_path}"])  # not an rnnify directory
+
+
+def test_fidelity_distilled_only_saves_what_dir_rows_measure_again(tmp_path, tiny_model_dir):
+    """--distilled-only skips the training-free step; --save keeps each distilled model, and a
+    --dir row of it measures the same numbers; the memories section renders such runs."""
+    fidelity = _load(ROOT / "benchmarks" / "fidelity.py")
+    common = ["--model", str(tiny_model_dir("llama")), "--seq-len", "32", "--eval-rows", "1", "--batch-size", "2",
+              "--threads", "1"]
+    record = fidelity.main([*common, "--row", "h=hybrid,window=8,memory=gla", "--distilled-only", "--distill-tokens",
+                            "128", "--save", str(tmp_path / "models"), "--json", str(tmp_path / "a.json")])
+    row = record["rows"][0]
+    assert row["training_free"] is None and row["distilled"]["tokens"] > 0 and row["stage_tokens"]
+    again = fidelity.main([*common, "--dir", f"h={tmp_path / 'models' / 'h'}", "--json", str(tmp_path / "b.json")])
+    assert again["rows"][0]["distilled"]["kl"] == pytest.approx(row["distilled"]["kl"])
+    (tmp_path / fidelity.MEMORY_RUNS[0]).write_text(json.dumps(record))
+    section = fidelity.memories_section(tmp_path)
+    assert "| `h` |" in section and "Goals (issue 12)" in section
