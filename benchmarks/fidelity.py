@@ -162,7 +162,7 @@ def run_row(spec: dict, heldout: Path, train: Path, args, cached: dict | None, s
     model = None
     row = cached if cached is not None and cached.get("settings") == settings(spec, args) else None
     if row is None:
-        print(f"== {spec['variant']}: training-free", flush=True)
+        print(f"== {spec['variant']}: {'converting' if args.distilled_only else 'training-free'}", flush=True)
         model = rnnify.convert(args.model, to=spec["target"], progress=False, **spec["options"])
         row = {**spec, "settings": settings(spec, args), "state_bytes": model.state_nbytes(args.seq_len),
                "training_free": None if args.distilled_only else measure(model, heldout, args)}
