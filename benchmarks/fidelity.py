@@ -182,6 +182,9 @@ def run_row(spec: dict, heldout: Path, train: Path, args, cached: dict | None, s
     model = rnnify.distill(
         model, train, teacher=args.teacher, max_tokens=tokens, seq_len=args.distill_seq_len,
         batch_size=args.distill_batch_size, lr=args.lr, seed=args.seed,
+        # with --checkpoint-dir a killed distillation continues where it stopped when rerun
+        checkpoint_dir=None if args.checkpoint_dir is None else args.checkpoint_dir / spec["variant"],
+        checkpoint_every=args.checkpoint_every, resume=args.checkpoint_dir is not None,
     )
     row = {**row, "distill_settings": wanted, "distill_seconds": round(time.time() - start, 1), "distill_tokens": tokens,
            # the budget is split between the stages that ran (transfer is skipped when the cells have
@@ -451,6 +454,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--png", type=Path, default=None, help="the plot (default: --json with .png)")
     parser.add_argument("--doc", type=Path, default=None,
                         help="write a markdown page (default: docs/fidelity.md for the bundled model on its own data)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
+                        help="checkpoint each distillation in DIR/NAME; a rerun resumes a killed one from there")
+    parser.add_argument("--checkpoint-every", type=int, default=5, metavar="N", help="steps between checkpoints")
     parser.add_argument("--save", type=Path, default=None, metavar="DIR",
                         help="save each model distilled in this run to DIR/NAME, to measure it again as a --dir row")
     parser.add_argument("--fresh", action="store_true", help="ignore rows already in --json: run every step again")

@@ -179,7 +179,8 @@ def test_fidelity_distilled_only_saves_what_dir_rows_measure_again(tmp_path, tin
     common = ["--model", str(tiny_model_dir("llama")), "--seq-len", "32", "--eval-rows", "1", "--batch-size", "2",
               "--threads", "1"]
     record = fidelity.main([*common, "--row", "h=hybrid,window=8,memory=gla", "--distilled-only", "--distill-tokens",
-                            "128", "--save", str(tmp_path / "models"), "--json", str(tmp_path / "a.json")])
+                            "128", "--save", str(tmp_path / "models"), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                            "--checkpoint-every", "1", "--json", str(tmp_path / "a.json")])
     row = record["rows"][0]
     assert row["training_free"] is None and row["distilled"]["tokens"] > 0 and row["stage_tokens"]
     again = fidelity.main([*common, "--dir", f"h={tmp_path / 'models' / 'h'}", "--json", str(tmp_path / "b.json")])
