@@ -287,7 +287,7 @@ def memories_section(results: Path) -> str:
         seq_len, rows = first_result(record["rows"][0])["seq_len"], {r["variant"]: r for r in record["rows"]}
         ratio = {n: r["distilled"]["perplexity"] / record["original_perplexity"] for n, r in rows.items() if r.get("distilled")}
         kl = {n: r["distilled"]["kl"] for n, r in rows.items() if r.get("distilled")}
-        if "gated-delta" in ratio:
+        if "gated-delta" in ratio and record is records[0]:  # the goal is at the length the model was trained on
             goals.append(f"- {seq_len:,} tokens: `gated-delta` distilled {ratio['gated-delta']:.3f}x the original "
                          f"(goal: at most 1.20x) — {'met' if ratio['gated-delta'] <= 1.2 else 'not met'}")
         for memory in ("delta", "gated-delta"):
@@ -357,7 +357,9 @@ normaliser z makes theirs 1.6% larger). Distilled in their own run, on a held-ou
 own (ratios are to the original on that sample), then the same distilled models (`--save`, then
 `--dir`) at 2,048 tokens, the bundled model's longest context (it was trained on 256), beside the
 window alone. The hybrids are not measured training-free: with the memory gate at 0 they are their
-window.
+window. Past 256 tokens the original itself degrades (it never saw those positions), so a ratio
+below 1 at 2,048 means the converted model degrades less; KL still measures the distance to the
+original. Distill times: one thread on a 2-core machine shared with other jobs (load 4-11).
 
 {memories_section(json_path.parent)}
 
