@@ -29,11 +29,12 @@ from rnnify.runtime.model import RecurrentModel
 
 __all__ = [
     "Run", "Result", "Machine", "benchmark", "machine", "bandwidth", "weight_bytes", "bench_converted",
-    "bench_original", "plot",
+    "bench_original", "plot", "timing_warning", "busy_warning",
 ]
 
 WARMUP = 2  # decode steps before timing
 FILL_TOKENS = 256  # real tokens a constant-state model reads before its position jumps to the context
+SPREAD = 2.0  # timings of the same work that disagree by more than this factor are not to be trusted
 
 
 @dataclass
@@ -45,6 +46,8 @@ class Result:
     context: int
     step_ms: float  # median per-token decode latency
     tokens_per_s: float  # batch / step time
+    step_ms_min: float  # fastest and slowest of the timed steps
+    step_ms_max: float
     memory_bytes: int  # state.nbytes, or the KV cache's bytes
     peak_delta_bytes: int  # peak memory while filling and decoding, above the level before
 
@@ -57,6 +60,7 @@ class Machine:
     torch: str
     device: str
     bandwidth_gb_s: float  # measured by ``bandwidth``
+    load: float  # the machine's 1-minute load average when the run started
 
 
 @dataclass
@@ -70,6 +74,7 @@ class Run:
     weight_bytes: int  # bytes of weights read per decoded token
     results: list[Result] = field(default_factory=list)
     prefill_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # model -> context -> ms
+    warnings: list[str] = field(default_factory=list)  # why the timings may not be trusted (busy_warning, timing_warning)
 
     @property
     def limit_ms(self) -> float:
@@ -105,9 +110,12 @@ def benchmark(
     a directory is loaded (``rnnify.load``'s meanings); a loaded model runs as it is. ``dtype``, when
     given, must be the model's: a check that the numbers are for the dtype meant. ``compile``
     decodes with ``torch.compile`` of the step graph (the model is changed in place). ``progress``
-    shows a tqdm bar of runs on a terminal.
+    shows a tqdm bar of runs on a terminal. ``Run.warnings`` says when the numbers may not be
+    trusted: a busy machine at the start (``busy_warning``), timings that disagree (``timing_warning``).
     """
     from rnnify.runtime.storage import load_or_take
+
+    load = _load_average()  # before this run's own work adds to it
 
     _check_counts("contexts (--contexts)", contexts)
     _check_counts("batches (--batch)", batches)
@@ -132,7 +140,7 @@ def benchmark(
         original = load_source(against, dtype=model.dtype).to(device)
     run = Run(
         command=command,
-        machine=machine(device),
+        machine=machine(device, load),
         target=model.target + (" (compiled step)" if compile else ""),
         dtype=str(model.dtype).removeprefix("torch."),
         weight_bytes=weight_bytes(model),
@@ -164,6 +172,9 @@ def benchmark(
                 bar.set_description_str(f"{name} prefill, context {c}")
                 run.prefill_ms.setdefault(name, {})[c] = prefill_ms(call, model.manifest.vocab_size, c, device)
                 bar.update()
+    warnings = [busy_warning(run.machine) if device.type == "cpu" else None,
+                timing_warning(run.results, model.constant_memory)]
+    run.warnings = [w for w in warnings if w is not None]
     return run
 
 
@@ -197,9 +208,63 @@ def bandwidth(device: torch.device, nbytes: int = 1 << 28, repeats: int = 7) -> 
     return best
 
 
-def machine(device: torch.device) -> Machine:
+def machine(device: torch.device, load: float | None = None) -> Machine:
+    """This machine, ``load`` being its load average when the run started (default: now)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model()
-    return Machine(_cpu_model(), os.cpu_count() or 0, torch.get_num_threads(), torch.__version__, name, bandwidth(device))
+    load = _load_average() if load is None else load
+    return Machine(_cpu_model(), os.cpu_count() or 0, torch.get_num_threads(), torch.__version__, name,
+                   bandwidth(device), load)
+
+
+def _load_average() -> float:
+    """Runnable tasks over the last minute, averaged over the whole machine (0 where unknown)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
+# -- whether to trust the numbers -------------------------------------------------------------
+
+
+BUSY_SLACK = 0.25  # load an idle machine shows anyway (daemons, this process starting)
+
+
+def busy_warning(machine: Machine) -> str | None:
+    """A warning when, at the start, other work left fewer idle CPUs than this run has threads.
+
+    The load average counts the whole machine's runnable tasks, so it is compared with the
+    machine's CPUs (not this process's share of them): threads beyond the idle CPUs share a core
+    with other work, and every operation then waits for its slowest thread.
+    """
+    idle = machine.cores - machine.load
+    if idle + BUSY_SLACK >= machine.threads:
+        return None
+    fewer = "fewer threads (--threads) or " if machine.threads > 1 else ""
+    return (f"the machine was busy: load average {machine.load:.1f} on {machine.cores} CPUs leaves "
+            f"{max(idle, 0):.1f} idle for {machine.threads} thread{'s' * (machine.threads > 1)}; timings may be "
+            f"slow and erratic (try {fewer}an idle machine)")
+
+
+def timing_warning(results: Sequence[Result], constant_memory: bool) -> str | None:
+    """A warning when timings of the same work disagree by more than ``SPREAD``: the timed steps of
+    one measurement, or (``constant_memory``) the converted model's median steps at one batch size
+    over the contexts, whose state and work are the same at every context (docs/performance.md)."""
+    spreads = [(r.step_ms_max / r.step_ms_min, f"{r.model}, batch {r.batch}, context {r.context:,}: steps took "
+                f"{r.step_ms_min:.3g} to {r.step_ms_max:.3g} ms") for r in results if r.step_ms_min > 0]
+    if constant_memory:
+        for batch in sorted({r.batch for r in results}):
+            rows = [r for r in results if r.model == "converted" and r.batch == batch]
+            if len(rows) > 1:
+                fast, slow = min(rows, key=lambda r: r.step_ms), max(rows, key=lambda r: r.step_ms)
+                spreads.append((slow.step_ms / fast.step_ms, f"converted, batch {batch}: {fast.step_ms:.3g} ms at "
+                                f"{fast.context:,} tokens but {slow.step_ms:.3g} ms at {slow.context:,}, same work"))
+    bad = [(spread, text) for spread, text in spreads if spread > SPREAD]
+    if not bad:
+        return None
+    worst = max(bad)[1]
+    return (f"timings disagree by more than {SPREAD:g}x in {len(bad)} of {len(spreads)} comparisons (worst: {worst}); "
+            "other work on the machine, or more threads than idle cores: rerun on an idle machine, with fewer threads")
 
 
 def weight_bytes(model) -> int:
@@ -286,15 +351,20 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _time_steps(step: Callable[[], None], device: torch.device, steps: int, warmup: int, sample) -> float:
-    """Median milliseconds of ``steps`` calls after ``warmup`` calls."""
+def _time_steps(step: Callable[[], None], device: torch.device, steps: int, warmup: int, sample) -> list[float]:
+    """Milliseconds of each of ``steps`` calls after ``warmup`` calls."""
     for _ in range(warmup):
         step()
     times = []
     for _ in range(steps):
-        times.append(_timed(step, device))
+        times.append(_timed(step, device) * 1e3)
         sample()
-    return statistics.median(times) * 1e3
+    return times
+
+
+def _result(model: str, batch: int, context: int, times: list[float], nbytes: int, peak: "_Peak") -> Result:
+    ms = statistics.median(times)
+    return Result(model, batch, context, ms, batch / ms * 1e3, min(times), max(times), nbytes, peak.delta)
 
 
 def _tokens(vocab: int, batch: int, length: int, device: torch.device, seed: int) -> torch.Tensor:
@@ -344,9 +414,9 @@ def bench_converted(model, context: int, batch: int, steps: int, warmup: int, fi
         def step() -> None:
             _, holder[0] = model.step(token, holder[0])
 
-        ms = _time_steps(step, device, steps, warmup, peak.sample)
+        times = _time_steps(step, device, steps, warmup, peak.sample)
         del holder, state
-    return Result("converted", batch, context, ms, batch / ms * 1e3, nbytes, peak.delta)
+    return _result("converted", batch, context, times, nbytes, peak)
 
 
 @torch.no_grad()
@@ -401,9 +471,9 @@ def bench_original(hf_model, context: int, batch: int, steps: int, warmup: int) 
             hf_model(input_ids=token, cache=cache, position_ids=ids, use_cache=True)
             position[0] += 1
 
-        ms = _time_steps(step, device, steps, warmup, peak.sample)
+        times = _time_steps(step, device, steps, warmup, peak.sample)
         del cache
-    return Result("original", batch, context, ms, batch / ms * 1e3, nbytes, peak.delta)
+    return _result("original", batch, context, times, nbytes, peak)
 
 
 # -- plots ------------------------------------------------------------------------------------

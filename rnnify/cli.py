@@ -115,10 +115,48 @@ def _add_command(
     name: str,
     run: Callable[[argparse.Namespace, Console], int],
     arguments: Callable[[argparse.ArgumentParser], None],
+    computes: bool = True,
     **kwargs: Any,
 ) -> None:
-    """Register command ``name``: ``run`` handles it, ``arguments`` adds its arguments when it is used."""
-    commands.add_parser(name, arguments=arguments, **kwargs).set_defaults(run=run)
+    """Register command ``name``: ``run`` handles it, ``arguments`` adds its arguments when it is used;
+    a command that ``computes`` also gets ``--threads``, which ``main`` applies before ``run``."""
+
+    def add(p: argparse.ArgumentParser) -> None:
+        arguments(p)
+        if computes:
+            _add_threads_flag(p)
+
+    commands.add_parser(name, arguments=add, **kwargs).set_defaults(run=run)
+
+
+def _add_threads_flag(p: argparse.ArgumentParser) -> None:
+    from rnnify.runtime.threads import default_threads
+
+    p.add_argument(
+        "--threads", type=int, default=None, metavar="N",
+        help="torch threads to compute with (default: $OMP_NUM_THREADS if set, else the physical cores this "
+        f"process may use, at most its cgroup CPU quota, here {default_threads()}); on a machine that other "
+        "work shares, fewer threads (often 1) run faster and steadier",
+    )
+
+
+@contextmanager
+def _torch_threads(args: argparse.Namespace) -> Iterator[None]:
+    """torch's thread count as ``--threads`` and ``rnnify.runtime.threads`` choose it, for a command that
+    computes; restored after (``main`` may run in-process)."""
+    if not hasattr(args, "threads"):
+        yield
+        return
+    import torch
+
+    from rnnify.runtime.threads import set_threads
+
+    before = torch.get_num_threads()
+    try:
+        set_threads(args.threads)
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _add_dir(p: argparse.ArgumentParser, help: str = "converted model directory") -> None:
@@ -575,7 +613,7 @@ def _chat(args: argparse.Namespace, console: Console) -> int:
 
 def add_info(commands: argparse._SubParsersAction) -> None:
     _add_command(
-        commands, "info", _info, _add_dir,
+        commands, "info", _info, _add_dir, computes=False,
         help="describe a converted model: source, target, positions, state size per layer",
         description="Print what DIR holds: its source model, target cell and options, dtype, the versions "
         "it was converted with, how it encodes positions, and the recurrent state per layer at "
@@ -681,8 +719,6 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     _add_device_flag(p)
     _add_dtype_flag(p, None, "dtype; must be the one DIR was converted to (default: DIR's)")
     p.add_argument("--steps", type=int, default=10, metavar="N", help="timed decode steps, median reported (default: 10)")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="torch intra-op threads (default: torch's); 1 gives steadier numbers on a shared machine")
     p.add_argument("--compile", action="store_true", help="decode with torch.compile of the step graph")
     p.add_argument("--prefill-max", type=int, default=2048, metavar="N",
                    help="longest context whose prefill is timed (default: 2048; prefill is slow on CPU)")
@@ -694,7 +730,6 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
 def _bench(args: argparse.Namespace, console: Console) -> int:
     import shlex
 
-    import torch
     from rich.text import Text
 
     from rnnify.bench import benchmark, plot
@@ -704,10 +739,6 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     device = _device(args.device)
     _check_writable("--json", args.json)
     _check_writable("--plot", args.plot)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise RnnifyError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
     run = benchmark(
         _load(args, device=device), contexts, batches, against=args.against, dtype=args.dtype, steps=args.steps, prefill_max=args.prefill_max, compile=args.compile,
         command="rnnify " + shlex.join(args.argv), progress=True,
@@ -722,6 +753,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     if step is not None:
         line += f"; measured step {step:.2f} ms = {step / run.limit_ms:.2f}x the limit"
     console.print(Text(line), soft_wrap=True)
+    for warning in run.warnings:  # also in --json
+        console.print(Text(f"warning: {warning}", "yellow"), soft_wrap=True)
     if args.json is not None:
         write_json(args.json, run.to_json())
     if args.plot is not None:
@@ -995,7 +1028,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():  # restores the default format on return (main may run in-process)
             warnings.showwarning = _one_line_warnings(warnings.showwarning)
             _quiet_transformers()
-            return args.run(args, console)
+            with _torch_threads(args):
+                return args.run(args, console)
     except RnnifyError as exc:
         print("error: " + " ".join(str(exc).split()), file=sys.stderr)
         return 2

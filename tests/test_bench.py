@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rnnify
-from rnnify.bench import benchmark, fill_state, weight_bytes
+from rnnify.bench import Machine, Result, benchmark, busy_warning, fill_state, timing_warning, weight_bytes
 from rnnify.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:decoding past max_position_embeddings")
@@ -134,3 +134,52 @@ def test_compiled_step_matches_the_eager_step(converted_dir):
     torch.testing.assert_close(got, want)
     for a, b in zip(got_state.tensors, want_state.tensors):
         torch.testing.assert_close(a, b)
+
+
+def _result(context: int, median: float, low: float, high: float, model: str = "converted", batch: int = 1) -> Result:
+    return Result(model, batch, context, median, batch / median * 1e3, low, high, 1, 0)
+
+
+def test_timing_warning_fires_when_one_measurements_steps_disagree_by_more_than_2x():
+    steady = [_result(256, 4.5, 4.4, 4.6), _result(1024, 4.4, 4.3, 8.6)]  # 8.6 / 4.3 = 2.0: not more
+    assert timing_warning(steady, constant_memory=True) is None
+    erratic = [_result(256, 4.5, 4.4, 4.6), _result(1024, 5.0, 4.3, 312.0)]
+    warning = timing_warning(erratic, constant_memory=True)
+    assert "more than 2x" in warning and "context 1,024" in warning and "312" in warning
+    assert "\n" not in warning
+
+
+def test_timing_warning_compares_contexts_only_where_the_work_is_the_same():
+    # the table: 316 ms at 256 tokens, 13 ms at 1,024, each row steady in itself
+    rows = [_result(256, 316.0, 310.0, 320.0), _result(1024, 13.0, 12.9, 13.1),
+            _result(256, 5.0, 5.0, 5.0, model="original"), _result(1024, 20.0, 19.9, 20.1, model="original")]
+    warning = timing_warning(rows, constant_memory=True)
+    assert "316 ms at 256" in warning and "13 ms at 1,024" in warning
+    # a growing state (exact) and the original with its KV cache may rightly cost more at longer contexts
+    assert timing_warning(rows, constant_memory=False) is None
+
+
+@pytest.mark.parametrize("load, threads, busy", [(0.1, 2, False), (0.9, 2, True), (0.9, 1, False), (1.9, 1, True)])
+def test_busy_warning_when_other_work_leaves_fewer_idle_cpus_than_threads(load, threads, busy):
+    machine = Machine("cpu", 2, threads, torch.__version__, "cpu", 10.0, load)
+    warning = busy_warning(machine)
+    assert (warning is not None) == busy
+    if busy:
+        assert f"load average {load:.1f} on 2 CPUs" in warning
+
+
+def test_bench_prints_and_records_the_warning_of_disagreeing_timings(tmp_path, converted_dir, capsys, monkeypatch):
+    import rnnify.bench as bench
+
+    times = iter([1.0, 5.0] * 100)  # every measurement's two timed steps: 1 ms, then 5 ms
+    monkeypatch.setattr(bench, "_time_steps", lambda step, device, steps, warmup, sample: [next(times), next(times)])
+    monkeypatch.setattr(bench, "bandwidth", lambda device: 10.0)  # not what is tested here
+    out = tmp_path / "bench.json"
+    code = main(["bench", str(converted_dir("llama", "linear")), "--contexts", "8,16", "--batch", "1",
+                 "--steps", "2", "--prefill-max", "1", "--json", str(out)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: timings disagree")]
+    assert code == 0 and len(lines) == 1
+    assert "in 2 of 3 comparisons" in lines[0]  # two measurements 1 to 5 ms; their medians (3 ms) agree
+    run = json.loads(out.read_text())
+    assert any(w.startswith("timings disagree") for w in run["warnings"])
+    assert [(r["step_ms_min"], r["step_ms_max"]) for r in run["results"]] == [(1.0, 5.0), (1.0, 5.0)]
