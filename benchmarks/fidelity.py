@@ -259,6 +259,8 @@ def further_runs(json_path: Path) -> str:
     lines = []
     for path in sorted(json_path.parent.glob(f"{json_path.stem}-*.json")):
         extra = json.loads(path.read_text())
+        if extra["model"] != str(BUNDLED.relative_to(ROOT)):  # e.g. fidelity-smollm2-hf-2048.json: another page's
+            continue
         for row in extra["rows"]:
             if "distilled" in row:
                 ratio = row["distilled"]["perplexity"] / extra["original_perplexity"]
