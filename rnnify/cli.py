@@ -296,9 +296,10 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     )
     cell.add_argument("--gate", metavar="NAME", help="gate of the gated target: retnet, gla or gateloop")
     cell.add_argument(
-        "--memory", choices=MEMORIES, default=None,
-        help="hybrid: what holds the tokens that left the window: linear attention (default) or a delta-rule "
-        "memory (delta, gated-delta), added to the window's output with a learned gate that starts at 0",
+        "--memory", metavar="NAME", default=None,
+        help=f"hybrid: what holds the tokens that left the window, one of {', '.join(MEMORIES)}: linear attention "
+        "(the default), gated linear attention (gla) or a delta-rule memory (delta, gated-delta), blended into the "
+        "window's output by a learned gate that starts at 0",
     )
     cell.add_argument(
         "--option", action="append", metavar="KEY=VALUE",
@@ -337,6 +338,10 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
     import rnnify
     from rnnify.passes import PIPELINE
 
+    from rnnify.cells.hybrid import MEMORIES
+
+    if args.memory is not None and args.memory not in MEMORIES:  # before the model is loaded
+        raise RnnifyError(f"--memory {args.memory!r} is not a memory; choose one of {', '.join(MEMORIES)}")
     options = {name: getattr(args, name) for name in _CELL_FLAGS if getattr(args, name) is not None}
     options.update(_parse_options(args.option or []))
     keep = _parse_layer_list(args.keep_softmax) if args.keep_softmax else None

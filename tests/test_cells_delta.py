@@ -1,4 +1,5 @@
-"""The `delta` and `gated-delta` targets (DeltaCell, GatedDeltaCell) against a reference written here.
+"""The `delta` and `gated-delta` targets (DeltaCell, GatedDeltaCell), and the hybrid's recurrent
+memories (delta, gated-delta, gla), against references written here.
 
 The reference is a float64 loop over the equations of docs/math.md §Delta rule, per batch row, kv
 head and token, with S = [d_v, d_k], unit q and k, beta_t = sigmoid(x_t W_beta + b_beta) and
@@ -225,28 +226,19 @@ def delta_memory_reference(cell, q, k, v, x, mask, window: int, sinks: int):
     return out
 
 
-@pytest.mark.parametrize("memory", ["delta", "gated-delta"])
-def test_hybrid_delta_memory_is_window_plus_gated_readout(memory):
-    """out = the window target's output + g_h * (delta memory of the tokens that left the window);
-    at the default g = 0 the window target (to rounding). Prefill in chunks, then decode, from a state."""
-    window, sinks = 3, 1
-    torch.manual_seed(0)
-    hybrid = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4})
-    assert hybrid.state_names[-1] == "kv" and hybrid.needs_input
-    q, k, v, x, mask = make_inputs(13, pad=2)
-    windowed = build_cell("window", SPEC, {"window": window, "sinks": sinks})
-    expected_window, *_ = windowed(q, k, v, mask, *windowed.init_state(2, q.device, q.dtype))
+def assert_starts_as_window(hybrid, q, k, v, x, mask) -> torch.Tensor:
+    """At the default memory gate g = 0 the hybrid is its window target (to rounding); returns that output."""
+    windowed = build_cell("window", SPEC, {"window": hybrid.window, "sinks": hybrid.sinks})
+    expected, *_ = windowed(q, k, v, mask, *windowed.init_state(2, q.device, q.dtype))
     out, *_ = hybrid(q, k, v, mask, *hybrid.init_state(2, q.device, q.dtype), x=x)
     real = mask[:, None, :, None].expand_as(out)
-    assert rel_diff(out[real], expected_window[real]) < 1e-6
+    assert rel_diff(out[real], expected[real]) < 1e-6
+    return expected
 
-    gate = torch.tensor([0.3, -0.5, 1.0, 0.7])
-    with torch.no_grad():
-        hybrid.memory_gate.copy_(gate)
-        for p in hybrid.writer.parameters():
-            p.normal_(std=0.3) if p.dim() == 2 else None
-    expected = expected_window.double() + gate[None, :, None, None].double() * delta_memory_reference(
-        hybrid, q, k, v, x, mask, window, sinks)
+
+def assert_every_phase_matches(hybrid, q, k, v, x, mask, expected) -> None:
+    """Prefill in chunks, then decode, each from the state before, and the kernels' path: all = expected."""
+    real = mask[:, None, :, None].expand_as(expected)
     state = hybrid.init_state(2, q.device, q.dtype)
     outs = []
     for t in (slice(0, 6), slice(6, 11), slice(11, 12), slice(12, 13)):
@@ -259,9 +251,89 @@ def test_hybrid_delta_memory_is_window_plus_gated_readout(memory):
     assert rel_diff(fused[real], expected[real]) < 1e-5
 
 
+@pytest.mark.parametrize("memory", ["delta", "gated-delta"])
+def test_hybrid_delta_memory_is_window_plus_gated_readout(memory):
+    """out = the window target's output + g_h * (delta memory of the tokens that left the window);
+    at the default g = 0 the window target (to rounding). Prefill in chunks, then decode, from a state."""
+    window, sinks = 3, 1
+    torch.manual_seed(0)
+    hybrid = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4})
+    assert hybrid.state_names[-1] == "kv" and hybrid.needs_input
+    q, k, v, x, mask = make_inputs(13, pad=2)
+    expected_window = assert_starts_as_window(hybrid, q, k, v, x, mask)
+
+    gate = torch.tensor([0.3, -0.5, 1.0, 0.7])
+    with torch.no_grad():
+        hybrid.memory_gate.copy_(gate)
+        for p in hybrid.writer.parameters():
+            p.normal_(std=0.3) if p.dim() == 2 else None
+    expected = expected_window.double() + gate[None, :, None, None].double() * delta_memory_reference(
+        hybrid, q, k, v, x, mask, window, sinks)
+    assert_every_phase_matches(hybrid, q, k, v, x, mask, expected)
+
+
+# --------------------------------------------------------------------------- the hybrid's gla memory
+
+def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x > 0, x + 1, torch.exp(torch.clamp(x, max=0)))
+
+
+def gla_memory_reference(cell, q, k, v, x, mask, window: int, sinks: int):
+    """float64, per row, kv head and real token n: first, if n >= W + S, the memory decays by
+    a_n = exp(logsigmoid(x_n W_down W_up + b) / tau) (per feature) and token n - W (not a sink)
+    is written, kv += phi(k)^T v, z += phi(k); then each query head reads the LoLCATs sum
+    y = (f w + phi(q) kv) / (f u + phi(q) . z) over the window (w, u: softmax numerator and
+    denominator over the last W tokens and the sinks) and outputs w / u + g (y - w / u)."""
+    num_kv, group, features = 2, SPEC.group_size, SPEC.head_dim  # elu: F = d
+    x = x.double()
+    logits = x @ cell.gate_down.weight.double().T @ cell.gate_up.weight.double().T + cell.gate_up.bias.double()
+    log_a = torch.nn.functional.logsigmoid(logits).reshape(*x.shape[:2], num_kv, features) / 16.0
+    f, g = torch.sigmoid(cell.window_logit.double()), cell.memory_gate.double()
+    out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=torch.float64)
+    for b in range(2):
+        real = [t for t in range(q.shape[2]) if mask[b, t]]
+        for h in range(num_kv):
+            kv, z = torch.zeros(features, 6, dtype=torch.float64), torch.zeros(features, dtype=torch.float64)
+            for n, t in enumerate(real):
+                if n >= window + sinks:
+                    j, a = real[n - window], log_a[b, t, h].exp()
+                    phi_k = elu_plus_one(k[b, h, j].double())
+                    kv, z = a[:, None] * kv + torch.outer(phi_k, v[b, h, j].double()), a * z + phi_k
+                held = [real[i] for i in range(n + 1) if n - i < window or i < sinks]
+                for i in range(h * group, (h + 1) * group):
+                    scores = SPEC.scale * k[b, h, held].double() @ q[b, i, t].double()
+                    e = torch.exp(scores - scores.max())
+                    w, u = e @ v[b, h, held].double(), e.sum()
+                    phi_q = elu_plus_one(q[b, i, t].double())
+                    y = (f[i] * w + phi_q @ kv) / (f[i] * u + phi_q @ z)
+                    out[b, i, t] = w / u + g[i] * (y - w / u)
+    return out
+
+
+def test_hybrid_gla_memory_is_the_decayed_lolcats_sum():
+    """The gla memory: LoLCATs' normalised sum with a memory decayed per feature by GLA's gate of
+    each arriving token; at the default g = 0 the window target. Prefill in chunks, then decode,
+    from a state, left padding; the kernels' path too."""
+    window, sinks = 3, 1
+    torch.manual_seed(0)
+    hybrid = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": "gla", "chunk_size": 4})
+    assert hybrid.state_names[-2:] == ("kv", "k_sum") and hybrid.needs_input
+    q, k, v, x, mask = make_inputs(13, pad=2)
+    assert_starts_as_window(hybrid, q, k, v, x, mask)
+
+    with torch.no_grad():
+        hybrid.memory_gate.copy_(torch.tensor([0.3, -0.5, 1.0, 0.7]))
+        hybrid.window_logit.normal_()
+        hybrid.gate_up.weight.normal_(std=0.3)
+        hybrid.gate_up.bias.normal_(std=2.0)  # decays far from 1: a wrong decay shows
+    expected = gla_memory_reference(hybrid, q, k, v, x, mask, window, sinks)
+    assert_every_phase_matches(hybrid, q, k, v, x, mask, expected)
+
+
 def test_hybrid_memory_option_is_checked():
     with pytest.raises(RnnifyError, match="unknown memory 'lstm'"):
         build_cell("hybrid", SPEC, {"memory": "lstm"})
-    with pytest.raises(RnnifyError, match="feature_map and feature_options apply to the linear memory only"):
+    with pytest.raises(RnnifyError, match="feature_map and feature_options apply to the linear and gla memories only"):
         build_cell("hybrid", SPEC, {"memory": "delta", "feature_map": "hedgehog"})
+    assert build_cell("hybrid", SPEC, {"memory": "gla", "feature_map": "hedgehog"}).phi.feature_dim == 16
     assert build_cell("hybrid", SPEC).state_names[-2:] == ("kv", "k_sum")

@@ -78,6 +78,30 @@ def test_convert_per_layer_targets_and_options(capsys, tmp_path, tiny_model_dir)
     assert code == 0 and "grows with context" in out
 
 
+@pytest.mark.parametrize("memory", ["linear", "gla", "delta", "gated-delta"])
+def test_convert_hybrid_memory_is_recorded_and_verifies(capsys, tmp_path, tiny_model_dir, memory):
+    """--memory: each memory converts, is recorded in the manifest, and `verify` holds its step
+    form to its prefill with the memory switched on (gate 0.5) and tokens leaving a 4-token window."""
+    out = tmp_path / "out"
+    argv = ["convert", tiny_model_dir("llama"), "--to", "hybrid", "--memory", memory, "--window", "4"]
+    code, _, err = run(capsys, *argv, "--option", "memory_init=0.5", "-o", out)
+    assert code == 0, err
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    assert manifest["options"]["memory"] == memory and manifest["options"]["memory_init"] == 0.5
+    model = rnnify.load(out)
+    assert all(cell.memory == memory and float(cell.memory_gate.detach()[0]) == 0.5 for cell in model.cells)
+    code, report, err = run(capsys, "verify", out, "--tokens", "12")
+    assert code == 0, report + err
+    assert "step == prefill" in report and "all checks passed" in report
+
+
+def test_convert_bad_memory_is_one_line(capsys, tmp_path, tiny_model_dir):
+    code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "hybrid", "--memory", "lstm",
+                       "-o", tmp_path / "o")
+    assert_user_error(code, err, "--memory 'lstm'", "linear, gla, delta, gated-delta")
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

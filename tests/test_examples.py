@@ -194,3 +194,21 @@ def test_per_head_script_end_to_end(tmp_path, tiny_model_dir):
     doc = (out / "p.md").read_text()
     assert doc.startswith(per_head.SECTION_START) and "python benchmarks/per_head.py" in doc
     assert (out / "p.png").stat().st_size > 0
+
+
+def test_fidelity_distilled_only_saves_what_dir_rows_measure_again(tmp_path, tiny_model_dir):
+    """--distilled-only skips the training-free step; --save keeps each distilled model, and a
+    --dir row of it measures the same numbers; the memories section renders such runs."""
+    fidelity = _load(ROOT / "benchmarks" / "fidelity.py")
+    common = ["--model", str(tiny_model_dir("llama")), "--seq-len", "32", "--eval-rows", "1", "--batch-size", "2",
+              "--threads", "1"]
+    record = fidelity.main([*common, "--row", "h=hybrid,window=8,memory=gla", "--distilled-only", "--distill-tokens",
+                            "128", "--save", str(tmp_path / "models"), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                            "--checkpoint-every", "1", "--json", str(tmp_path / "a.json")])
+    row = record["rows"][0]
+    assert row["training_free"] is None and row["distilled"]["tokens"] > 0 and row["stage_tokens"]
+    again = fidelity.main([*common, "--dir", f"h={tmp_path / 'models' / 'h'}", "--json", str(tmp_path / "b.json")])
+    assert again["rows"][0]["distilled"]["kl"] == pytest.approx(row["distilled"]["kl"])
+    (tmp_path / fidelity.MEMORY_RUNS[0]).write_text(json.dumps(record))
+    section = fidelity.memories_section(tmp_path)
+    assert "| `h` |" in section and "Goals (issue 12)" in section

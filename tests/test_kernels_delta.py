@@ -131,7 +131,9 @@ def test_chunk_gated_padding_state(triton_path):
 
 
 def test_fused_recurrent_ungated(triton_path):
-    check_op(K.fused_recurrent_delta_rule, (1, 5, 4, 2, 16, 16), gated=False)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[0, :2] = False
+    check_op(K.fused_recurrent_delta_rule, (2, 5, 4, 2, 16, 16), gated=False, mask=mask)
 
 
 @pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__)
@@ -210,4 +212,23 @@ def test_long_sequence_is_stable(gated):
     assert torch.isfinite(o).all() and torch.isfinite(h).all()
     torch.testing.assert_close(h, ref_h, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(o[0, -1000:], ref_o[0, -1000:], rtol=1e-3, atol=1e-3)
+    assert h.norm(dim=-1).max() < 4 * v.norm(dim=-1).max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gated", [False, True])
+def test_100k_decode_steps_are_stable(gated):
+    """100k decode steps, each ``fused_recurrent_delta_rule`` on one token from the state the last
+    one left: finite, the state on the scale of the values written, and equal to one chunked pass."""
+    q, k, v, beta, g, _ = make_inputs(1, 100_000, 2, 1, 16, 16, gated)
+    _, ref_h = K.chunk_delta_rule(q, k, v, beta, g, output_final_state=True, backend="reference")
+    h, outs = None, []
+    for t in range(q.shape[1]):
+        step = slice(t, t + 1)
+        o, h = K.fused_recurrent_delta_rule(q[:, step], k[:, step], v[:, step], beta[:, step],
+                                            None if g is None else g[:, step], initial_state=h,
+                                            output_final_state=True, backend="reference")
+        outs.append(o)
+    assert torch.isfinite(torch.cat(outs, 1)).all() and torch.isfinite(h).all()
+    torch.testing.assert_close(h, ref_h, rtol=1e-3, atol=1e-3)
     assert h.norm(dim=-1).max() < 4 * v.norm(dim=-1).max()

@@ -89,6 +89,24 @@ def _gate_bias(decay_init: float, tau: float) -> float:
     return math.log(p) - math.log1p(-p)
 
 
+def gla_projections(hidden_size: int, rank: int, outputs: int, bias: float) -> tuple[nn.Linear, nn.Linear]:
+    """GLA's low-rank gate projections W_down ``[C, r]`` (random) and W_up ``[r, outputs]`` (zero,
+    bias ``bias``: every gate starts at the same a whatever the input)."""
+    down, up = nn.Linear(hidden_size, rank, bias=False), nn.Linear(rank, outputs)
+    nn.init.zeros_(up.weight)
+    nn.init.constant_(up.bias, bias)
+    return down, up
+
+
+def gla_log_gates(x: torch.Tensor, down: nn.Linear, up: nn.Linear, tau: float, num_kv_heads: int,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """GLA's log a_t = logsigmoid(x_t W_down W_up + b) / tau, ``[B, H_kv, T, F]``, 0 at padding."""
+    batch, length = mask.shape
+    logits = F.linear(F.linear(x.float(), down.weight.float()), up.weight.float(), up.bias.float())
+    log_a = F.logsigmoid(logits.reshape(batch, length, num_kv_heads, -1).transpose(1, 2)) / tau
+    return torch.where(mask[:, None, :, None], log_a, 0.0)
+
+
 class GatedCell(FeatureMapCell):
     """Decayed linear attention with a fixed (retnet) or trained, input-dependent (gla, gateloop) gate."""
 
@@ -136,10 +154,8 @@ class GatedCell(FeatureMapCell):
         if gate == "gla":
             self.gate_rank = 16 if gate_rank is None else gate_rank
             check_int("gate_rank", self.gate_rank)
-            self.gate_down = nn.Linear(spec.hidden_size, self.gate_rank, bias=False)
-            self.gate_up = nn.Linear(self.gate_rank, num_kv_heads * features)
-            nn.init.zeros_(self.gate_up.weight)
-            nn.init.constant_(self.gate_up.bias, bias)
+            self.gate_down, self.gate_up = gla_projections(spec.hidden_size, self.gate_rank, num_kv_heads * features,
+                                                           bias)
         else:
             self.gate_proj = nn.Linear(spec.hidden_size, num_kv_heads)
             nn.init.zeros_(self.gate_proj.weight)
@@ -169,14 +185,10 @@ class GatedCell(FeatureMapCell):
         else:
             if x is None:
                 raise ValueError(f"gate {self.gate!r} needs the layer input: call the cell with x=[B, T, hidden]")
-            x = x.float()
             if self.gate == "gla":
-                down, up = self.gate_down, self.gate_up
-                logits = F.linear(F.linear(x, down.weight.float()), up.weight.float(), up.bias.float())
-            else:
-                logits = F.linear(x, self.gate_proj.weight.float(), self.gate_proj.bias.float())
-            logits = logits.reshape(batch, length, num_kv_heads, -1).transpose(1, 2)  # [B, H_kv, T, F|1]
-            log_a = F.logsigmoid(logits) / self.tau
+                return gla_log_gates(x, self.gate_down, self.gate_up, self.tau, num_kv_heads, mask)
+            logits = F.linear(x.float(), self.gate_proj.weight.float(), self.gate_proj.bias.float())
+            log_a = F.logsigmoid(logits.reshape(batch, length, num_kv_heads, 1).transpose(1, 2)) / self.tau
         return torch.where(mask[:, None, :, None], log_a, 0.0)
 
     def forward(self, q, k, v, mask, *state, x=None):

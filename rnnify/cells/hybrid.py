@@ -46,7 +46,16 @@ the ring (self included) and the sinks no longer in it (a sink still in the ring
 there). The window part is part of every step: decoding keeps the ring, it does not fall back to
 linear attention alone.
 
-Memory (``memory``): ``linear`` (the default, all of the above), or a delta-rule memory,
+Memory (``memory``): ``linear`` (the default, all of the above); ``gla``, the same with GLA's
+decay (``cells/gated.py``, docs/math.md §Gated linear attention): when token i arrives and token
+i - W leaves,
+
+        kv <- diag(a_i) kv + phi(k_{i-W})^T v_{i-W},      z <- diag(a_i) z + phi(k_{i-W})
+        log a_i = logsigmoid(x_i W_down W_up + b) / tau    (per feature and kv head, tau = 16)
+
+from the arriving token's layer input, initialised as the ``gated`` target's (every a = 0.99), with
+y_i read as above: the state is the linear memory's, the forms ``fused_hybrid_attn`` with ``log_a``
+(the ops' per-feature gate, or ``cells.gated``'s gated forms off kernels); or a delta-rule memory,
 ``delta`` or ``gated-delta`` (``cells/delta.py``; the AHN design: what leaves the window is
 written into a fixed-size recurrent memory). The delta state H = S^T ``[d_k, d_v]`` per kv head has
 no normaliser, so it cannot join the normalised sum; its readout is added to the window's own
@@ -92,9 +101,13 @@ from rnnify.cells.linear import KERNEL_MAX_FEATURES, build_feature_map, fused_fe
 from rnnify.errors import check_int
 from rnnify.kernels.ring import held_index, token_index, window_write
 from rnnify.cells.delta import DeltaWriter, chunk_delta_attn, fused_delta_attn, l2_normalise, step_delta_attn
+from rnnify.cells.gated import _gate_bias, gla_log_gates, gla_projections, step_gated_attn
+from rnnify.kernels.linear_attn.naive import chunk_gated_attn
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
-MEMORIES = ("linear", "delta", "gated-delta")  # what holds the tokens that left the window
+MEMORIES = ("linear", "gla", "delta", "gated-delta")  # what holds the tokens that left the window
+DELTA_MEMORIES = ("delta", "gated-delta")
+GLA_RANK, GLA_TAU, GLA_DECAY = 16, 16.0, 0.99  # the gla memory's gate: the gated target's defaults (cells/gated.py)
 
 
 def _combine(window_num, window_den, linear_num, linear_den, gate=None):
@@ -274,35 +287,53 @@ def fused_window_step(
     return window_num, window_den, state
 
 
-def fused_hybrid_attn(
-    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, k_sum, phi, factor, scale: float, gate=None,
-    chunk_size: int = 64, backend: str = "auto",
-):
-    """Both phases through ``rnnify.kernels``. The linear part is linear attention whose keys are the
-    tokens leaving the window (not sinks), at most one per new token (query i reads every
-    S <= j <= i - W), so ``cells.linear.fused_feature_attn`` runs it (the op applies phi, masking the
-    tokens where none leaves) unnormalised, with the denominator as one more value column of ones
-    and z as one more state column. The window part: for a decode token (T == 1)
-    ``fused_window_step``; for a prompt ``_window_part`` here, chunk by chunk."""
-    window, sinks = keys.shape[2], sink_keys.shape[2]
-    window_state, window_parts, left = (keys, values, sink_keys, sink_values, length), [], []
+def window_and_leaving(q, k, v, mask, window_state, factor, scale: float, chunk_size: int, backend: str | None):
+    """The window part chunk by chunk (``fused_window_step`` for a decode token once ``backend`` is
+    set, else ``_window_part``) and the tokens leaving the window for the memory (``leaving``):
+    ``(window_num, window_den, old_keys, old_values, leaves [B, T], window_state)``."""
+    window, sinks = window_state[0].shape[2], window_state[2].shape[2]
+    parts, left = [], []
     for start in range(0, q.shape[3], chunk_size):
         end = start + chunk_size
         chunk = (k[:, :, start:end], v[:, :, start:end], mask[:, start:end])
         held = _held(*chunk, *window_state)
         left.append(leaving(*held, window, sinks))
-        if q.shape[3] == 1:
+        if q.shape[3] == 1 and backend is not None:
             *part, window_state = fused_window_step(q, *chunk, *window_state, factor, scale, backend)
         else:
             part = _window_part(q[:, :, :, start:end], *held, window, sinks, factor, scale)
             window_state = window_write(*chunk, *window_state)
-        window_parts.append(part)
+        parts.append(part)
+    window_num, window_den = (torch.cat([part[i] for part in parts], dim=3) for i in (0, 1))
     old_keys, old_values = (torch.cat([part[i] for part in left], dim=2) for i in (0, 1))
     leaves = torch.cat([part[2] for part in left], dim=1)
+    return window_num, window_den, old_keys, old_values, leaves, window_state
+
+
+def fused_hybrid_attn(
+    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, k_sum, phi, factor, scale: float, gate=None,
+    chunk_size: int = 64, backend: str | None = "auto", log_a=None,
+):
+    """Both phases through ``rnnify.kernels`` (``backend`` None: PyTorch, the GLA memory's path off
+    kernels). The linear part is linear attention whose keys are the tokens leaving the window (not
+    sinks), at most one per new token (query i reads every S <= j <= i - W), so
+    ``cells.linear.fused_feature_attn`` runs it (the op applies phi, masking the tokens where none
+    leaves) unnormalised, with the denominator as one more value column of ones and z as one more
+    state column; ``log_a`` ``[B, Hkv, T, F]`` (the GLA memory; None: linear) decays both, where a
+    token leaves. The window part: ``window_and_leaving``."""
+    window_num, window_den, old_keys, old_values, leaves, window_state = window_and_leaving(
+        q, k, v, mask, (keys, values, sink_keys, sink_values, length), factor, scale, chunk_size, backend)
     old_values = torch.cat([old_values, torch.ones_like(old_values[..., :1])], dim=-1)
     state = torch.cat([kv, k_sum[..., None]], dim=-1)
-    linear, state, _ = fused_feature_attn(q, old_keys, old_values, state, None, phi, leaves, backend=backend)
-    window_num, window_den = (torch.cat([part[i] for part in window_parts], dim=3) for i in (0, 1))
+    if log_a is not None:
+        log_a = torch.where(leaves[:, None, :, None], log_a, 0.0)
+    if backend is not None:
+        linear, state, _ = fused_feature_attn(q, old_keys, old_values, state, None, phi, leaves, log_a=log_a,
+                                              backend=backend)
+    else:  # the gated forms of cells.gated on featurised inputs, phi(k) = 0 where none leaves
+        phi_k = torch.where(leaves[:, None, :, None], phi(old_keys), 0.0)
+        args = (phi(q), phi_k, old_values, log_a, state)
+        linear, state, _ = step_gated_attn(*args) if q.shape[3] == 1 else chunk_gated_attn(*args, chunk_size=chunk_size)
     out = _combine(window_num, window_den, linear[..., :-1], linear[..., -1], gate)
     return out, *window_state, state[..., :-1], state[..., -1]
 
@@ -311,27 +342,15 @@ def delta_memory_hybrid_attn(
     q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, beta, log_a, gate, scale: float,
     chunk_size: int = 64, kernels: str | None = None,
 ):
-    """The hybrid with a delta-rule memory (see above), every phase: the window part chunk by chunk
-    (``fused_window_step`` for a decode token with ``kernels``), the memory on the tokens leaving
-    the window, at most one per new token (beta = 0 and no decay where none leaves), through
-    ``cells.delta``'s forms (``fused_delta_attn`` with ``kernels``). beta / log_a ``[B, Hkv, T]``
-    are those of the arriving tokens (0 at padding), gate g ``[Hkv, G]``."""
-    window, sinks = keys.shape[2], sink_keys.shape[2]
-    window_state, outs, left = (keys, values, sink_keys, sink_values, length), [], []
+    """The hybrid with a delta-rule memory (see above), every phase: the window part by
+    ``window_and_leaving``, the memory on the tokens leaving the window, at most one per new token
+    (beta = 0 and no decay where none leaves), through ``cells.delta``'s forms (``fused_delta_attn``
+    with ``kernels``). beta / log_a ``[B, Hkv, T]`` are those of the arriving tokens (0 at padding),
+    gate g ``[Hkv, G]``."""
     unit = torch.ones(q.shape[1], q.shape[2], device=q.device)  # f = 1: w / u does not depend on it
-    for start in range(0, q.shape[3], chunk_size):
-        end = start + chunk_size
-        chunk = (k[:, :, start:end], v[:, :, start:end], mask[:, start:end])
-        held = _held(*chunk, *window_state)
-        left.append(leaving(*held, window, sinks))
-        if q.shape[3] == 1 and kernels is not None:
-            *part, window_state = fused_window_step(q, *chunk, *window_state, unit, scale, kernels)
-        else:
-            part = _window_part(q[:, :, :, start:end], *held, window, sinks, unit, scale)
-            window_state = window_write(*chunk, *window_state)
-        outs.append(readout(part[1], part[0]))  # w / u
-    old_keys, old_values = (torch.cat([part[i] for part in left], dim=2) for i in (0, 1))
-    leaves = torch.cat([part[2] for part in left], dim=1)[:, None]  # [B, 1, T]
+    window_num, window_den, old_keys, old_values, leaves, window_state = window_and_leaving(
+        q, k, v, mask, (keys, values, sink_keys, sink_values, length), unit, scale, chunk_size, kernels)
+    leaves = leaves[:, None]  # [B, 1, T]
     beta = torch.where(leaves, beta, 0.0)
     log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
     args = (l2_normalise(q), l2_normalise(old_keys), old_values, beta, log_a, kv)
@@ -341,7 +360,7 @@ def delta_memory_hybrid_attn(
         memory, kv = step_delta_attn(*args)
     else:
         memory, kv = chunk_delta_attn(*args, chunk_size=chunk_size)
-    out = torch.cat(outs, dim=3) + gate[..., None, None] * memory
+    out = readout(window_den, window_num) + gate[..., None, None] * memory
     return out, *window_state, kv
 
 
@@ -355,7 +374,8 @@ class HybridCell(Cell):
     window target alone). Trainable: ``window_logit`` (f_h = sigmoid of it, per query head),
     ``memory_gate`` (g_h, per query head) and the feature map's parameters. ``memory``: ``linear``
     (the default), or ``delta`` / ``gated-delta``: a delta-rule memory (see the module docstring),
-    trainable through ``memory_gate`` and its beta (and alpha) projections, with no f_h or map.
+    trainable through ``memory_gate`` and its beta (and alpha) projections, with no f_h or map;
+    ``gla``: the linear memory decayed by GLA's gate of the arriving token (trainable too).
 
     The state is the window target's (keys, values, sink_keys, sink_values, length) then the linear
     memory (kv, k_sum); with no sinks the empty sink buffers are left out, so a hybrid without
@@ -380,9 +400,9 @@ class HybridCell(Cell):
         super().__init__(spec)
         if memory not in MEMORIES:
             raise ValueError(f"unknown memory {memory!r}; choose from {list(MEMORIES)}")
-        if memory != "linear" and (feature_map != "elu" or feature_options):
+        if memory in DELTA_MEMORIES and (feature_map != "elu" or feature_options):
             raise ValueError(f"memory {memory!r} has no feature map: feature_map and feature_options apply to the "
-                             "linear memory only")
+                             "linear and gla memories only")
         if feature_options is not None and not isinstance(feature_options, dict):
             raise ValueError(f"feature_options must be a dict of feature-map options, got {feature_options!r}")
         if isinstance(memory_init, bool) or not isinstance(memory_init, (int, float)) or not 0 <= memory_init <= 1:
@@ -394,10 +414,17 @@ class HybridCell(Cell):
         self.feature_map, self.feature_options = feature_map, dict(feature_options or {})
         self.memory_gate = nn.Parameter(torch.full((spec.num_heads,), self.memory_init))
         memory_state = ("kv", "k_sum")
-        if memory == "linear":
+        if memory not in DELTA_MEMORIES:
             self.phi = build_feature_map(feature_map, spec, **self.feature_options)
             self.window_logit = nn.Parameter(torch.zeros(spec.num_heads))
-        else:  # beta (and alpha) from the layer input
+        if memory == "gla":  # per-feature decays from the layer input
+            if spec.hidden_size is None:
+                raise ValueError("the gla memory reads the layer input, but its width (spec.hidden_size) is unknown")
+            self.gate_down, self.gate_up = gla_projections(spec.hidden_size, GLA_RANK,
+                                                           spec.num_kv_heads * self.phi.feature_dim,
+                                                           _gate_bias(GLA_DECAY, GLA_TAU))
+            self.needs_input = True
+        elif memory in DELTA_MEMORIES:  # beta (and alpha) from the layer input
             self.writer = DeltaWriter(spec, memory == "gated-delta", 0.5, None)
             self.needs_input, memory_state = True, ("kv",)
         window_state = ("keys", "values", "sink_keys", "sink_values") if self.sinks else ("keys", "values")
@@ -415,7 +442,7 @@ class HybridCell(Cell):
         }
 
     def fused_ops(self) -> dict[str, str]:
-        if self.memory != "linear":
+        if self.memory in DELTA_MEMORIES:
             return {"prefill": "chunk_delta_rule", "decode": "window_attn_step + fused_recurrent_delta_rule"}
         if self.phi.feature_dim > KERNEL_MAX_FEATURES:
             return {}
@@ -429,7 +456,7 @@ class HybridCell(Cell):
             return torch.zeros(batch_size, spec.num_kv_heads, slots, dim, device=device, dtype=dtype)
 
         sinks = (buffer(self.sinks, spec.head_dim), buffer(self.sinks, spec.value_dim)) if self.sinks else ()
-        if self.memory != "linear":
+        if self.memory in DELTA_MEMORIES:
             return (
                 buffer(self.window, spec.head_dim),
                 buffer(self.window, spec.value_dim),
@@ -465,7 +492,7 @@ class HybridCell(Cell):
             state = (keys, values, keys[:, :, :0], values[:, :, :0], *rest)
         gate = self.memory_gate.float().reshape(self.spec.num_kv_heads, self.spec.group_size)
         mask = mask.to(torch.bool)
-        if self.memory != "linear":
+        if self.memory in DELTA_MEMORIES:
             beta, log_a = self.writer(x, mask)
             out, *state = delta_memory_hybrid_attn(grouped, k, v, mask, *state, beta, log_a, gate, self.spec.scale,
                                                    self.chunk_size, self.backend(q, steps))
@@ -474,7 +501,12 @@ class HybridCell(Cell):
             return out.reshape(batch, self.spec.num_heads, steps, -1).to(q.dtype), *state
         args = (self.phi, self.mixing_factor(), self.spec.scale, gate)
         backend = self.backend(q, steps)
-        if backend is not None:
+        if self.memory == "gla":
+            if x is None:
+                raise ValueError("the gla memory needs the layer input: call the cell with x=[B, T, hidden]")
+            log_a = gla_log_gates(x, self.gate_down, self.gate_up, GLA_TAU, self.spec.num_kv_heads, mask)
+            out, *state = fused_hybrid_attn(grouped, k, v, mask, *state, *args, self.chunk_size, backend, log_a)
+        elif backend is not None:
             out, *state = fused_hybrid_attn(grouped, k, v, mask, *state, *args, self.chunk_size, backend)
         elif steps == 1:
             out, *state = step_hybrid_attn(grouped, k, v, mask, *state, *args)
