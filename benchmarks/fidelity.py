@@ -2,7 +2,7 @@
 
     python benchmarks/fidelity.py                      # every variant on the bundled model; writes docs/fidelity.md
     python benchmarks/fidelity.py --variants hybrid-hedgehog linear-hedgehog --distill-tokens 1000000
-    python benchmarks/fidelity.py --model /work/models/smollm2-hf --data /work/data/pydocs --seq-len 2048 \
+    python benchmarks/fidelity.py --model models/smollm2 --data data/pydocs --seq-len 2048 \
         --eval-rows 4 --passkey 512,1024,2048 --batch-size 1 --no-distill \
         --variants exact linear-hedgehog --row hybrid-w256=hybrid,window=256,feature_map=hedgehog
 

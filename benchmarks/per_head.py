@@ -1,7 +1,7 @@
 """Per-head targets under a memory budget: state bytes against quality, per head against per layer.
 
     python benchmarks/per_head.py          # the bundled model, a few minutes on one thread; updates docs/fidelity.md
-    python benchmarks/per_head.py --model /work/models/smollm2-hf --data /work/data/pydocs --seq-len 2048 \
+    python benchmarks/per_head.py --model models/smollm2 --data data/pydocs --seq-len 2048 \
         --eval-rows 2 --calib-len 1024 --calib-rows 1 --calib-passkey 2 --passkey 1024 --passkey-trials 4
 
 The kv heads are scored once (``rnnify.auto.HeadScorer``: calibration rows from the training

@@ -347,6 +347,7 @@ def _ddp_worker(rank: int, world_size: int, port: int, runs: list, out: str) -> 
     torch.save([{"losses": losses, "weights": weights} for losses, weights in results], f"{out}.{rank}")
 
 
+@pytest.mark.slow  # multi-process / end to end; the default suite stays under 10 minutes
 def test_two_processes_follow_the_loss_curve_of_one(hybrid_dir, aaren_dir, tmp_path):
     runs = [
         (str(hybrid_dir), tokens(20), {}),  # 5 global batches of 4 rows per stage; each rank reads 2 rows of each

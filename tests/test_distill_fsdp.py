@@ -206,6 +206,7 @@ def fsdp_runs(hybrid_dir, converted_dir, tmp_path_factory):
             "out": out}
 
 
+@pytest.mark.slow  # multi-process / end to end; the default suite stays under 10 minutes
 def test_fsdp_on_two_processes_follows_the_loss_curve_of_one(fsdp_runs):
     assert len(fsdp_runs["losses"]) == 10
     for result in fsdp_runs["ranks"]:
@@ -216,6 +217,7 @@ def test_fsdp_on_two_processes_follows_the_loss_curve_of_one(fsdp_runs):
             torch.testing.assert_close(result["weights"][name], tensor, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # multi-process / end to end; the default suite stays under 10 minutes
 @pytest.mark.parametrize("arch, units, root", [
     ("llama", ["prologue", "layer_0", "layer_1", "epilogue"], []),
     ("gpt2", ["layer_0", "layer_1"], ["prologue", "epilogue"]),  # tied embedding: both ends stay with the root
@@ -233,6 +235,7 @@ def test_fsdp_shards_each_layer_and_gathers_one_at_a_time(fsdp_runs, arch, units
     assert sum(m["local"] for m in memories) == memories[0]["full"]
 
 
+@pytest.mark.slow  # multi-process / end to end; the default suite stays under 10 minutes
 def test_fsdp_checkpoints_resume_with_and_without_fsdp(fsdp_runs, tmp_path):
     whole = fsdp_runs["ranks"][0]["weights"]
     for result in fsdp_runs["ranks"]:

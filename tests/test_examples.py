@@ -101,6 +101,7 @@ def test_python_docs_split_by_path_hash(tmp_path):
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temporary left behind
 
 
+@pytest.mark.slow  # multi-process / end to end; the default suite stays under 10 minutes
 @pytest.mark.filterwarnings("ignore:decoding past max_position_embeddings")
 def test_fidelity_rows_are_saved_as_they_finish_and_reused(tmp_path, tiny_model_dir, capsys):
     fidelity = _load(ROOT / "benchmarks" / "fidelity.py")
@@ -149,6 +150,7 @@ def test_fidelity_rows_are_saved_as_they_finish_and_reused(tmp_path, tiny_model_
     assert json.loads(out.read_text())["rows"] == record["rows"]  # another command's row is kept
 
 
+@pytest.mark.slow  # multi-process / end to end; the default suite stays under 10 minutes
 def test_fidelity_dir_rows_measure_a_saved_model_as_it_was_trained(tmp_path, tiny_model_dir):
     """--dir: a directory distilled elsewhere lands in the distilled columns (with its manifest's
     tokens), a plain conversion in the training-free ones, measured as the script's own rows are."""
