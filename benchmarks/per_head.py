@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -64,7 +65,7 @@ def measure(model, heldout: Path, args) -> dict:
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    record = {"command": "python benchmarks/per_head.py " + " ".join(args.argv),
+    record = {"command": "python benchmarks/per_head.py " + shlex.join(args.argv),
               "model": str(args.model.relative_to(ROOT)) if args.model.is_relative_to(ROOT) else str(args.model),
               "data": args.data_name, "seq_len": args.seq_len, "eval_tokens": args.eval_tokens,
               "context": args.at_context, "window": args.window, "sinks": args.sinks, "threads": args.threads,
@@ -188,7 +189,7 @@ def section(record: dict, png: Path, json_path: Path) -> str:
             a, b = (at(k, budget)["training_free"]["kl"] for k in ("auto-kl", "auto-mass"))
             wins["tie" if abs(a - b) <= 1e-4 else "kl" if a < b else "mass"] += 1
     verdict = ""
-    if "score_rank_correlation" in record:
+    if "score_rank_correlation" in record and {"auto-kl", "auto-mass"} <= set(kinds):
         verdict = (f" The mass score chose better at {wins['mass']} of {len(budgets)} budgets, the KL score at "
                    f"{wins['kl']}, the same (within 1e-4) at {wins['tie']}; the two scores' rank correlation over the kv "
                    f"heads is {record['score_rank_correlation']:.2f}. Mass costs one forward pass per calibration row, "
