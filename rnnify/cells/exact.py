@@ -107,6 +107,14 @@ def parallel_softmax_attn(
     return out.reshape(batch, num_heads, length, -1).to(values.dtype)
 
 
+def _block_allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``[t, n]``: may the query at cache position ``q_pos[i]`` see the key at ``k_pos[j]`` (causal, window)."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed = allowed & (q_pos[:, None] - k_pos[None, :] < window)
+    return allowed
+
+
 def softmax_attention_rnn(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -132,10 +140,7 @@ def softmax_attention_rnn(
     first = 0 if window is None else max(0, total - length - window + 1)
     for start in range(first - first % block_size, total, block_size):
         end = min(start + block_size, total)
-        k_pos = torch.arange(start, end, device=q.device)
-        allowed = k_pos[None, :] <= q_pos[:, None]
-        if window is not None:
-            allowed = allowed & (q_pos[:, None] - k_pos[None, :] < window)
+        allowed = _block_allowed(q_pos, torch.arange(start, end, device=q.device), window)
         allowed = allowed & valid[:, None, None, None, start:end]  # [B, 1, 1, T, n]
         s = torch.einsum("bhgtd,bhnd->bhgtn", q, keys[:, :, start:end].float())
         s = s.masked_fill(~allowed, float("-inf"))
@@ -178,13 +183,10 @@ def sdpa_softmax_attn(
     outs = []
     for start in range(0, length, block_size):
         end = min(start + block_size, length)
-        q_pos = torch.arange(total - length + start, total - length + end, device=q.device)[:, None]
         first = 0 if window is None else max(0, total - length + start - window + 1)
         stop = total - length + end
-        k_pos = torch.arange(first, stop, device=q.device)[None, :]
-        allowed = k_pos <= q_pos
-        if window is not None:
-            allowed = allowed & (q_pos - k_pos < window)
+        q_pos = torch.arange(total - length + start, stop, device=q.device)
+        allowed = _block_allowed(q_pos, torch.arange(first, stop, device=q.device), window)
         allowed = allowed & valid[:, None, None, first:stop]  # [B, 1, t, n]
         out = F.scaled_dot_product_attention(
             q[:, :, start:end], keys[:, :, first:stop].to(q.dtype), values[:, :, first:stop].to(q.dtype),
