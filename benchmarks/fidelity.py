@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import stdlib_corpus  # noqa: E402
 
 import rnnify  # noqa: E402
+from rnnify.distill.train import SCHEDULES, TRAIN  # noqa: E402
 from rnnify.eval import write_json  # noqa: E402
 from rnnify.passkey import evaluate_passkey, original_generator, passkey_prompts, passkey_trials  # noqa: E402
 
@@ -170,7 +171,8 @@ def run_row(spec: dict, heldout: Path, train: Path, args, cached: dict | None, s
             save(row)
     tokens = distill_budget(spec, args)
     wanted = None if tokens is None else {"tokens": tokens, "lr": list(args.lr), "seed": args.seed,
-                                          "seq_len": args.distill_seq_len, "batch_size": args.distill_batch_size}
+                                          "seq_len": args.distill_seq_len, "batch_size": args.distill_batch_size,
+                                          "train": args.train, "schedule": args.schedule}
     if wanted is None or (row.get("distill_settings") == wanted and "distilled" in row):
         if wanted is None:
             row = {k: v for k, v in row.items() if k not in ("distilled", "distill_settings", "distill_seconds",
@@ -181,7 +183,7 @@ def run_row(spec: dict, heldout: Path, train: Path, args, cached: dict | None, s
     start = time.time()
     model = rnnify.distill(
         model, train, teacher=args.teacher, max_tokens=tokens, seq_len=args.distill_seq_len,
-        batch_size=args.distill_batch_size, lr=args.lr, seed=args.seed,
+        batch_size=args.distill_batch_size, lr=args.lr, train=args.train, schedule=args.schedule, seed=args.seed,
         # with --checkpoint-dir a killed distillation continues where it stopped when rerun
         checkpoint_dir=None if args.checkpoint_dir is None else args.checkpoint_dir / spec["variant"],
         checkpoint_every=args.checkpoint_every, resume=args.checkpoint_dir is not None,
@@ -442,6 +444,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tokens per training row (default: --seq-len; shorter rows need less memory)")
     parser.add_argument("--distill-batch-size", type=int, default=None, help="training rows per step (default: --batch-size)")
     parser.add_argument("--lr", type=float, nargs=2, default=(1e-2, 1e-3), metavar=("TRANSFER", "FINETUNE"))
+    parser.add_argument("--train", choices=TRAIN, default="lora", help="what finetune trains besides the cells (rnnify distill --train)")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="cosine", help="learning-rate schedule (rnnify distill --schedule)")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--eval-tokens", type=int, default=None, help="held-out tokens to evaluate (default: all)")
     group.add_argument("--eval-rows", type=int, default=None, help="held-out rows of --seq-len tokens to evaluate")

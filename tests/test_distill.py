@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -202,8 +203,8 @@ def test_distilled_model_round_trips_through_save(hybrid_dir, tmp_path):
 
 
 def test_resumed_run_ends_where_an_uninterrupted_one_does(hybrid_dir, tmp_path, monkeypatch):
-    options = dict(stages=["transfer", "finetune"], lr=[1e-2, 1e-3], checkpoint_every=2, **FAST)
-    data = tokens(24)  # 6 steps per stage
+    options = dict(stages=["transfer", "finetune"], lr=[1e-2, 1e-3], checkpoint_every=2, max_tokens=768, **FAST)
+    data = tokens(24)  # 6 steps per stage, on the cosine schedule's curve
     whole = rnnify.load(hybrid_dir)
     rnnify.distill(whole, data, checkpoint_dir=tmp_path / "a", **options)
 
@@ -227,6 +228,35 @@ def test_resumed_run_ends_where_an_uninterrupted_one_does(hybrid_dir, tmp_path, 
     a, b = state_dict(whole), state_dict(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert resumed.manifest.distill["trained"] == whole.manifest.distill["trained"]
+
+
+def _rates(monkeypatch, model, data, **options) -> list[float]:
+    """The learning rate of every optimizer step of ``rnnify.distill(model, data, **options)``."""
+    step, rates = train._Trainer.step, []
+
+    def recording(self, stage, run, wrapped, optimizer, *args):
+        rates.append(optimizer.param_groups[0]["lr"])
+        return step(self, stage, run, wrapped, optimizer, *args)
+
+    monkeypatch.setattr(train._Trainer, "step", recording)
+    rnnify.distill(model, data, **options)
+    return rates
+
+
+def test_cosine_schedule_warms_up_then_decays_to_a_tenth(hybrid_dir, monkeypatch):
+    options = dict(stages=["transfer"], lr=1e-2, max_tokens=40 * 64, **FAST)  # 40 steps of 4 x 16 tokens
+    rates = _rates(monkeypatch, rnnify.load(hybrid_dir), tokens(160), **options)
+    assert len(rates) == 40
+    # warm-up: ceil(5% of 40) = 2 steps rising to the full rate, then a half cosine to 1e-3 at the last step
+    assert rates[:3] == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2])
+    assert rates[-1] == pytest.approx(1e-3)
+    assert rates[20] == pytest.approx(1e-3 + 9e-3 * 0.5 * (1 + math.cos(math.pi * 18 / 37)))
+    assert all(a >= b for a, b in zip(rates[2:], rates[3:]))
+    constant = _rates(monkeypatch, rnnify.load(hybrid_dir), tokens(160), schedule="constant", **options)
+    assert constant == [1e-2] * 40
+    # without a token budget the length is unknown: one warm-up step, then the full rate
+    unbounded = _rates(monkeypatch, rnnify.load(hybrid_dir), tokens(16), stages=["transfer"], lr=1e-2, **FAST)
+    assert unbounded == pytest.approx([5e-3, 1e-2, 1e-2, 1e-2])
 
 
 def test_resume_refuses_other_settings(hybrid_dir, tmp_path):
@@ -291,6 +321,7 @@ def test_seq_len_is_checked_against_learned_positions_first(converted_dir):
     ({"lr": [1e-2]}, "lr"),
     ({"resume": True}, "checkpoint_dir"),
     ({"kl_weight": -1}, "kl_weight"),
+    ({"schedule": "linear"}, "schedule"),
     ({"batch_size": 0}, "batch_size"),
 ])
 def test_bad_arguments_are_user_errors(hybrid_dir, options, words):

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rnnify.data import DEFAULT_SEQ_LEN
-from rnnify.distill.train import DEFAULT_LR, STAGES, TRAIN
+from rnnify.distill.train import DEFAULT_LR, SCHEDULES, STAGES, TRAIN
 from rnnify.errors import RnnifyError
 from rnnify.runtime.storage import check_output
 
@@ -35,6 +35,9 @@ def add_training_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--lr", metavar="X[,X]",
                    help="learning rate, one for all stages or one per stage (default: "
                    + ", ".join(f"{s} {r:g}" for s, r in DEFAULT_LR.items()) + ")")
+    g.add_argument("--schedule", choices=SCHEDULES, default="cosine",
+                   help="learning rate over each stage: cosine (warm-up over the first 5%% of its steps, then down to "
+                   "a tenth by the last; constant after the warm-up without --max-tokens) or constant (default: cosine)")
     g.add_argument("--train", choices=TRAIN, default="lora",
                    help="what the finetune stage trains besides the cells' parameters: lora (rank --lora-rank "
                    "on the attention projections), attention (those projection weights in full) or all (every "
@@ -74,7 +77,7 @@ def training_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "tokenizer": args.tokenizer, "stages": stages, "max_tokens": args.max_tokens, "seq_len": args.seq_len,
         "batch_size": args.batch_size, "lr": lr, "lora_rank": args.lora_rank, "train": args.train, "kl_weight": args.kl_weight,
-        "seed": args.seed,
+        "schedule": args.schedule, "seed": args.seed,
         "checkpoint_dir": args.checkpoint_dir or output.with_name(output.name + ".checkpoints"),
         "checkpoint_every": args.checkpoint_every, "resume": args.resume, "fsdp": args.fsdp,
     }

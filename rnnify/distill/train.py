@@ -18,6 +18,7 @@ batches, which is also the data position a checkpoint resumes from.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -40,11 +41,13 @@ from rnnify.original import attention_transfer, load_teacher
 from rnnify.original.attention import cells_only
 from rnnify.runtime.model import RecurrentModel
 
-__all__ = ["DEFAULT_LR", "STAGES", "TRAIN", "distill"]
+__all__ = ["DEFAULT_LR", "SCHEDULES", "STAGES", "TRAIN", "distill", "lr_factor"]
 
 STAGES = ("transfer", "finetune")
 TRAIN = ("lora", "attention", "all")  # what the finetune stage trains besides the cells' parameters
 DEFAULT_LR = {"transfer": 1e-2, "finetune": 1e-4}  # LoLCATs' learning rates
+SCHEDULES = ("cosine", "constant")
+_WARMUP, _FINAL = 0.05, 0.1  # cosine: warm-up share of a stage's steps, and the last step's share of the rate
 _MAX_GRAD_NORM = 1.0
 
 
@@ -63,6 +66,7 @@ def distill(
     lora_alpha: float | None = None,
     train: str = "lora",
     kl_weight: float = 1.0,
+    schedule: str = "cosine",
     seed: int = 0,
     checkpoint_dir: str | os.PathLike | None = None,
     checkpoint_every: int = 500,
@@ -88,6 +92,9 @@ def distill(
     projections), ``"attention"`` (the attention projection weights themselves, in full) or
     ``"all"`` (every weight of the model). ``kl_weight`` 0 needs
     no teacher; otherwise ``teacher`` goes to ``load_teacher``. AdamW, gradient norm clipped at 1.
+    ``schedule``: ``"cosine"`` warms the rate up over the first 5% of a stage's steps and decays it
+    to a tenth by its last (``lr_factor``; a stage without a token budget, whose length is unknown,
+    keeps the rate after the warm-up), ``"constant"`` keeps it throughout.
 
     ``checkpoint_dir``: every ``checkpoint_every`` steps and at the end of each stage the trainable
     tensors, optimizer and step go there; ``resume=True`` continues from it exactly (a fresh start
@@ -114,6 +121,8 @@ def distill(
         check_int("max_tokens", max_tokens, 1, RnnifyError, " or None")
     if train not in TRAIN:
         raise RnnifyError(f"train must be one of {', '.join(TRAIN)}, got {train!r}")
+    if schedule not in SCHEDULES:
+        raise RnnifyError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if not isinstance(kl_weight, (int, float)) or not kl_weight >= 0:
         raise RnnifyError(f"kl_weight must be a number >= 0, got {kl_weight!r}")
     if not isinstance(fsdp, bool):
@@ -125,7 +134,8 @@ def distill(
                           "pass a path, a tensor or a list of batches")
     config = _Config(
         stages, lrs, max_tokens, seq_len, batch_size, lora_rank,
-        float(lora_alpha if lora_alpha is not None else 2 * lora_rank), train, float(kl_weight), seed, checkpoint_every,
+        float(lora_alpha if lora_alpha is not None else 2 * lora_rank), train, float(kl_weight), schedule, seed,
+        checkpoint_every,
     )
     runtime = setup(torch.device(device) if device is not None else model.device)
     try:
@@ -145,8 +155,29 @@ class _Config:
     lora_alpha: float
     train: str
     kl_weight: float
+    schedule: str
     seed: int
     checkpoint_every: int
+
+
+def lr_factor(step: int, total: int | None, schedule: str = "cosine") -> float:
+    """The rate of a stage's optimizer step ``step`` (0-based, of ``total``; None: unknown) as a share of its lr.
+
+    Cosine: linear warm-up to the full rate over the first 5% of the steps (at least one), then a
+    half cosine down to a tenth at the last step. A short budget spends most of its steps at a
+    high constant rate otherwise, and ends on whatever the last noisy steps left; Adam's first
+    steps at the full rate are the largest updates of the run. Depends on the step alone, so a
+    resumed run follows the same curve.
+    """
+    if schedule == "constant":
+        return 1.0
+    warmup = max(1, math.ceil(_WARMUP * total)) if total else 1
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if not total or total <= warmup + 1:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (total - 1 - warmup))
+    return _FINAL + (1 - _FINAL) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _check_stages(stages: Sequence[str]) -> list[str]:
@@ -297,7 +328,7 @@ class _Trainer:
                 optimizer.load_state_dict(state)
                 step, tokens = resumed.step, resumed.tokens
             self.log(f"{stage}: training {sum(p.numel() for p in trainable):,} parameters in {len(trainable)} tensors, "
-                     f"lr {lr:g}" + (f", up to {self.budget:,} tokens" if self.budget else ", one pass over the data")
+                     f"lr {lr:g} ({self.config.schedule})" + (f", up to {self.budget:,} tokens" if self.budget else ", one pass over the data")
                      + (f", resuming at step {step}" if step else ""))
             from tqdm import tqdm
 
@@ -306,6 +337,8 @@ class _Trainer:
             loss, start, first = float("nan"), time.perf_counter(), tokens
             with tqdm(total=total, initial=step, desc=stage, unit="step", disable=not self.progress, file=sys.stderr) as bar:
                 for batch in token_batches(**self.batches_args, skip_batches=step):
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr * lr_factor(step, total, self.config.schedule)
                     loss, batch_tokens = self.step(stage, run, wrapped, optimizer, trainable, batch)
                     step, tokens = step + 1, tokens + batch_tokens
                     bar.update()
