@@ -139,7 +139,7 @@ def test_finetune_lowers_next_token_loss_through_lora_and_cells(hybrid_dir):
     before, weights = next_token_loss(model, tokens(8, seed=1, vocab=8)), state_dict(model)
     torch.manual_seed(7)
     rng = torch.get_rng_state()
-    rnnify.distill(model, data, stages=["finetune"], lr=1e-2, kl_weight=0.0, **FAST)
+    rnnify.distill(model, data, stages=["finetune"], train="lora", lr=1e-2, kl_weight=0.0, **FAST)
     assert torch.equal(torch.get_rng_state(), rng)  # the caller's random state is the caller's
     # ln 320 = 5.77 at the start; the random tiny model's logits are too small to reach ln 8 = 2.08
     assert next_token_loss(model, tokens(8, seed=1, vocab=8)) < before - 0.15

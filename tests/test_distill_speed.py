@@ -11,7 +11,7 @@ from rnnify.cli import main
 from rnnify.distill import attention_transfer, train
 from rnnify.original.attention import cells_only
 from rnnify.distill.losses import token_losses
-from test_distill import FAST, hybrid_dir, tokens  # noqa: F401  (hybrid_dir: a fixture)
+from test_distill import FAST, aaren_dir, hybrid_dir, tokens  # noqa: F401  (fixtures)
 
 
 # -- attention transfer without what follows the last cell ----------------------------------
@@ -127,6 +127,30 @@ def test_train_choice_trains_exactly_what_it_names(hybrid_dir, choice):
         expected = projections | cells
     assert changed(before, after) == expected
     assert model.manifest.distill["train"] == choice
+
+
+@pytest.mark.parametrize("limit, expected", [(10**9, "all"), (0, "lora")])
+def test_auto_trains_every_weight_of_a_small_model_and_lora_above_the_limit(hybrid_dir, monkeypatch, limit, expected):
+    monkeypatch.setattr(train, "AUTO_ALL_MAX_PARAMETERS", limit)
+    model = rnnify.load(hybrid_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rnnify.distill(model, tokens(8), stages=["finetune"], kl_weight=0.0, lr=1e-2, **FAST)  # train: the default
+    assert model.manifest.distill["train"] == expected
+    trained = changed(before, model.state_dict())
+    if expected == "all":
+        assert trained == {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    else:
+        assert not any("embed" in n or "mlp" in n for n in trained)
+
+
+def test_all_leaves_the_weights_of_an_ignored_query_alone(aaren_dir):
+    """Aaren's learned query replaces q: its projection never gets a gradient, so "all" does not
+    train it (under DDP it would fail on a parameter without one)."""
+    model = rnnify.load(aaren_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rnnify.distill(model, tokens(8), stages=["finetune"], train="all", kl_weight=0.0, lr=1e-2, **FAST)
+    untrained = {n for n, _ in model.named_parameters(remove_duplicate=False)} - changed(before, model.state_dict())
+    assert untrained and all("q_proj" in n for n in untrained)
 
 
 def test_resume_with_full_finetuning_is_bit_exact(hybrid_dir, tmp_path, monkeypatch):

@@ -212,5 +212,5 @@ def test_fidelity_distilled_only_saves_what_dir_rows_measure_again(tmp_path, tin
     again = fidelity.main([*common, "--dir", f"h={tmp_path / 'models' / 'h'}", "--json", str(tmp_path / "b.json")])
     assert again["rows"][0]["distilled"]["kl"] == pytest.approx(row["distilled"]["kl"])
     (tmp_path / fidelity.MEMORY_RUNS[0]).write_text(json.dumps(record))
-    section = fidelity.memories_section(tmp_path)
+    section = fidelity.memories_section(tmp_path / "fidelity.json")
     assert "| `h` |" in section and "Goals (issue 12)" in section

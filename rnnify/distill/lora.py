@@ -94,6 +94,12 @@ def _ignored_query_only(model: RecurrentModel) -> set[torch.fx.Node]:
     return unused
 
 
+def unreached_weights(model: RecurrentModel) -> set[str]:
+    """Names of the weights that reach nothing but the q of cells that ignore it: they never get a
+    gradient, so training them is wasted (and DDP refuses parameters without one)."""
+    return {node.target for node in _ignored_query_only(model) if node.op == "get_attr"}
+
+
 def add_lora(model: RecurrentModel, rank: int, alpha: float,
              generator: torch.Generator | None = None) -> dict[str, LoRA]:
     """Parametrize every attention projection of ``model`` (``lora_targets``) with a fresh ``LoRA``,

@@ -38,11 +38,12 @@ def add_training_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--schedule", choices=SCHEDULES, default="cosine",
                    help="learning rate over each stage: cosine (warm-up over the first 5%% of its steps, then down to "
                    "a tenth by the last; constant after the warm-up without --max-tokens) or constant (default: cosine)")
-    g.add_argument("--train", choices=TRAIN, default="lora",
+    g.add_argument("--train", choices=TRAIN, default="auto",
                    help="what the finetune stage trains besides the cells' parameters: lora (rank --lora-rank "
-                   "on the attention projections), attention (those projection weights in full) or all (every "
-                   "weight: most memory; on real models it can get much closer to the teacher than LoRA, see docs/distill.md) "
-                   "(default: lora)")
+                   "on the attention projections), attention (those projection weights in full), all (every "
+                   "weight: gradients and AdamW state take 3x the weights; much closer to the teacher than LoRA on "
+                   "a small budget, see docs/distill.md) or auto: all for models up to 1B parameters, else lora "
+                   "(default: auto)")
     g.add_argument("--lora-rank", type=int, default=8, metavar="R", help="LoRA rank of the finetune stage with --train lora (default: 8)")
     g.add_argument("--kl-weight", type=float, default=1.0, metavar="X",
                    help="weight of KL(teacher || model) next to the next-token loss; 0 needs no teacher (default: 1)")

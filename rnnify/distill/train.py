@@ -5,8 +5,9 @@
    output and the original softmax attention on the same inputs. Teacher forcing (``attention``)
    feeds every layer the original model's activations, so one forward trains all layers and no
    separate teacher model runs.
-2. ``finetune``: LoRA on the attention projections (``lora``; with ``train``, the projections in
-   full or every weight instead) plus the cells' parameters, on
+2. ``finetune``: every weight of a model up to 1B parameters, else LoRA on the attention
+   projections (``train``: ``auto``; or LoRA, the projections in full, or every weight) plus the
+   cells' parameters, on
    next-token cross-entropy + ``kl_weight`` * KL(teacher || student) against the original model's
    logits. LoRA is merged into the weights at the end.
 
@@ -34,17 +35,18 @@ from rnnify.cells import parameters as cell_parameters
 from rnnify.data import row_length, token_batches, tokenizer_for
 from rnnify.distill.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, set_aside
 from rnnify.distill.distributed import Runtime, setup
-from rnnify.distill.lora import add_lora, lora_targets, merge_lora
+from rnnify.distill.lora import add_lora, lora_targets, merge_lora, unreached_weights
 from rnnify.distill.losses import token_losses
 from rnnify.errors import RnnifyError, check_int
 from rnnify.original import attention_transfer, load_teacher
 from rnnify.original.attention import cells_only
 from rnnify.runtime.model import RecurrentModel
 
-__all__ = ["DEFAULT_LR", "SCHEDULES", "STAGES", "TRAIN", "distill", "lr_factor"]
+__all__ = ["AUTO_ALL_MAX_PARAMETERS", "DEFAULT_LR", "SCHEDULES", "STAGES", "TRAIN", "distill", "lr_factor"]
 
 STAGES = ("transfer", "finetune")
-TRAIN = ("lora", "attention", "all")  # what the finetune stage trains besides the cells' parameters
+TRAIN = ("auto", "lora", "attention", "all")  # what the finetune stage trains besides the cells' parameters
+AUTO_ALL_MAX_PARAMETERS = 1_000_000_000  # train "auto": every weight up to this size, LoRA above
 DEFAULT_LR = {"transfer": 1e-2, "finetune": 1e-4}  # LoLCATs' learning rates
 SCHEDULES = ("cosine", "constant")
 _WARMUP, _FINAL = 0.05, 0.1  # cosine: warm-up share of a stage's steps, and the last step's share of the rate
@@ -64,7 +66,7 @@ def distill(
     lr: float | Sequence[float] | None = None,
     lora_rank: int = 8,
     lora_alpha: float | None = None,
-    train: str = "lora",
+    train: str = "auto",
     kl_weight: float = 1.0,
     schedule: str = "cosine",
     seed: int = 0,
@@ -89,8 +91,11 @@ def distill(
     ``lr``: one rate for every stage, or one per stage run (default ``DEFAULT_LR``). LoRA has rank
     ``lora_rank`` and ``alpha = lora_alpha`` (default ``2 * lora_rank``). ``train``: what the
     finetune stage trains besides the cells' parameters: ``"lora"`` (LoRA on the attention
-    projections), ``"attention"`` (the attention projection weights themselves, in full) or
-    ``"all"`` (every weight of the model). ``kl_weight`` 0 needs
+    projections), ``"attention"`` (the attention projection weights themselves, in full),
+    ``"all"`` (every weight of the model) or ``"auto"``: ``"all"`` up to
+    ``AUTO_ALL_MAX_PARAMETERS``, whose gradients and AdamW state (3x the weights) a CPU or one GPU
+    holds, else ``"lora"``; full training gets far closer to the teacher on a small budget
+    (docs/distill.md). ``kl_weight`` 0 needs
     no teacher; otherwise ``teacher`` goes to ``load_teacher``. AdamW, gradient norm clipped at 1.
     ``schedule``: ``"cosine"`` warms the rate up over the first 5% of a stage's steps and decays it
     to a tenth by its last (``lr_factor``; a stage without a token budget, whose length is unknown,
@@ -132,6 +137,8 @@ def distill(
     if isinstance(data, Iterator) and len(stages) > 1:
         raise RnnifyError("data is a one-shot iterator but every stage reads the data from the start; "
                           "pass a path, a tensor or a list of batches")
+    if train == "auto":
+        train = "all" if sum(p.numel() for p in model.parameters()) <= AUTO_ALL_MAX_PARAMETERS else "lora"
     config = _Config(
         stages, lrs, max_tokens, seq_len, batch_size, lora_rank,
         float(lora_alpha if lora_alpha is not None else 2 * lora_rank), train, float(kl_weight), schedule, seed,
@@ -430,6 +437,8 @@ def _finetune_names(model: RecurrentModel, config: _Config) -> list[str]:
     if config.train == "attention":
         return _names(model, [model.graph.get_parameter(name) for name in lora_targets(model)])
     frozen = {id(p) for p in cell_parameters(model) if not p.requires_grad}  # a cell's fixed tensors stay fixed
+    unreached = unreached_weights(model)
+    frozen |= {id(p) for name, p in model.graph.named_parameters() if name in unreached}
     return [name for name, p in model.named_parameters() if id(p) not in frozen]
 
 
