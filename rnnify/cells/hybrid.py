@@ -77,7 +77,9 @@ it to the ``window`` target plus a delta-rule loop over the leaving tokens.
 Forms (tests hold them to ``naive_recurrent_hybrid_attn``): ``naive_recurrent_*`` (a plain loop
 over tokens, the window part key by key), ``parallel_*`` (masked quadratic over sinks + ring + new
 tokens, plus the linear state), ``chunk_*`` (the parallel form over chunks: the prefill path),
-``step_*`` (one token: the decode path); ``fused_*`` once ``use_kernels`` is set: the linear part
+``step_*`` (one token: the decode path off kernels, every memory, on ``window_step``: the ring
+write, the softmax over sinks + ring and the leaving token in 33 aten ops where the general forms
+dispatch 168; a CPU step's time is its op count, docs/performance.md); ``fused_*`` once ``use_kernels`` is set: the linear part
 through ``rnnify.kernels``' linear-attention ops in both phases (raw q and the leaving keys, the
 map applied by the op when it has it), the window part through ``window_attn_step`` (sinks
 included) with its softmax statistics for a decode token, in PyTorch for a prompt. Shapes: q
@@ -101,7 +103,7 @@ from rnnify.cells.linear import KERNEL_MAX_FEATURES, build_feature_map, fused_fe
 from rnnify.errors import check_int
 from rnnify.kernels.ring import held_index, token_index, window_write
 from rnnify.cells.delta import DeltaWriter, chunk_delta_attn, fused_delta_attn, l2_normalise, step_delta_attn
-from rnnify.cells.gated import _gate_bias, gla_log_gates, gla_projections, step_gated_attn
+from rnnify.cells.gated import _gate_bias, gla_log_gates, gla_projections
 from rnnify.kernels.linear_attn.naive import chunk_gated_attn
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
@@ -226,33 +228,86 @@ def chunk_hybrid_attn(
     return torch.cat(outs, dim=3), *state
 
 
+def window_step(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float):
+    """One decode token's window part in the fewest ops (a CPU step's time is its op count,
+    docs/performance.md): write the token into the ring (and the sinks), then the unnormalised
+    softmax over the sinks no longer in the ring and the ring, self included; also the key and
+    value the token pushes out of the ring, and whether it leaves for the memory (a real token
+    arrived and the one pushed out is not a sink). Returns ``(w [B, Hkv, G, 1, d_v], u [B, Hkv, G,
+    1], old_key [B, Hkv, 1, d], old_value [B, Hkv, 1, d_v] (fp32), leaves [B, 1, 1, 1],
+    (keys, values, sink_keys, sink_values, length))``; w, u are relative to the scores' max m."""
+    batch, num_kv_heads, group, _, head_dim = q.shape
+    window, sinks = keys.shape[2], sink_keys.shape[2]
+    real, n = mask.reshape(batch, 1, 1, 1), length.reshape(batch, 1, 1, 1)
+    slot = n % window
+    index = slot.expand(-1, num_kv_heads, 1, head_dim)
+    old_key = keys.gather(2, index).float()
+    if values.shape[3] != head_dim:
+        index = slot.expand(-1, num_kv_heads, 1, values.shape[3])
+    old_value = values.gather(2, index).float()
+    leaves = real & (n >= window + sinks)
+    ring = torch.arange(window, device=q.device)
+    write = real & (ring[:, None] == slot)  # [B, 1, W, 1]
+    keys, values = torch.where(write, k.to(keys.dtype), keys), torch.where(write, v.to(values.dtype), values)
+    new_length = n + real
+    held_keys, held_values, empty = keys, values, ring >= new_length  # [B, 1, 1, W]
+    if sinks:
+        sink_slots = torch.arange(sinks, device=q.device)
+        into = real & (sink_slots[:, None] == n)
+        sink_keys = torch.where(into, k.to(sink_keys.dtype), sink_keys)
+        sink_values = torch.where(into, v.to(sink_values.dtype), sink_values)
+        held_keys, held_values = torch.cat([sink_keys, keys], dim=2), torch.cat([sink_values, values], dim=2)
+        empty = torch.cat([sink_slots >= new_length - window, empty], dim=3)
+    held = held_keys.shape[2]
+    scores = torch.bmm(q.reshape(batch * num_kv_heads, group, head_dim),
+                       held_keys.float().reshape(batch * num_kv_heads, held, head_dim).transpose(1, 2))
+    scores = scores.view(batch, num_kv_heads, group, held).masked_fill(empty, float("-inf"))
+    m = scores.amax(-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)  # finite_or_zero in one op
+    p = torch.exp((scores - m) * scale)  # the max of the scaled scores is scale m: scale > 0
+    w = torch.bmm(p.view(batch * num_kv_heads, group, held),
+                  held_values.float().reshape(batch * num_kv_heads, held, -1))
+    state = (keys, values, sink_keys, sink_values, new_length.view(batch))
+    return w.view(batch, num_kv_heads, group, 1, -1), p.sum(-1, keepdim=True), old_key, old_value, leaves, state
+
+
 def step_hybrid_attn(
     q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, k_sum, phi: FeatureMap, factor, scale: float,
-    gate=None,
+    gate=None, log_a=None,
 ):
-    window, sinks = keys.shape[2], sink_keys.shape[2]
-    # token i - W, in the slot token i is about to take, leaves the window for kv/k_sum unless a sink
-    slot = (length % window)[:, None, None, None]
-    leaving = (mask[:, 0] & (length >= window + sinks))[:, None, None, None]
-    old_key = keys.gather(2, slot.expand(-1, keys.shape[1], 1, keys.shape[3])).float()
-    old_value = values.gather(2, slot.expand(-1, values.shape[1], 1, values.shape[3])).float()
-    phi_old = torch.where(leaving, phi(old_key), 0.0)  # [B, Hkv, 1, F]
-    kv = kv + phi_old.transpose(-1, -2) @ old_value
-    k_sum = k_sum + phi_old[:, :, 0]
-    keys, values, sink_keys, sink_values, length = window_write(
-        k, v, mask, keys, values, sink_keys, sink_values, length
-    )
-    # window part over the sinks and the ring (self included), linear part from the state
-    held = (held_index(length, window, sinks) >= 0)[:, None, None, None]  # [B, 1, 1, 1, S + W]
-    all_keys, all_values = torch.cat([sink_keys, keys], dim=2).float(), torch.cat([sink_values, values], dim=2).float()
-    scores = (scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys)).masked_fill(~held, float("-inf"))
-    m = scores.amax(-1, keepdim=True)
-    p = factor[..., None, None] * torch.exp(scores - finite_or_zero(m))
-    phi_q = phi(q)
-    linear_num = phi_q @ kv[:, :, None]
-    linear_den = (phi_q * k_sum[:, :, None, None]).sum(-1)
-    out = _combine(p @ all_values[:, :, None], p.sum(-1), linear_num, linear_den, gate)
-    return out, keys, values, sink_keys, sink_values, length, kv, k_sum
+    """The decode path off kernels: ``window_step``, then the token leaving the window joins the
+    linear memory (decayed by a = exp(``log_a [B, Hkv, 1, F]``), the gla memory, where it leaves),
+    which the query reads; one normalised sum as in ``_combine``."""
+    w, u, old_key, old_value, leaves, window_state = window_step(
+        q, k, v, mask, keys, values, sink_keys, sink_values, length, scale)
+    phi_old = phi(old_key) * leaves  # [B, Hkv, 1, F], 0 where none leaves
+    if log_a is not None:
+        a = torch.where(leaves, log_a, 0.0).exp()
+        kv, k_sum = kv * a.transpose(-1, -2), k_sum * a.squeeze(2)
+    kv, k_sum = torch.addcmul(kv, phi_old.transpose(-1, -2), old_value), k_sum + phi_old.squeeze(2)
+    batch, num_kv_heads, group, _, _ = q.shape
+    phi_q = phi(q).reshape(batch * num_kv_heads, group, -1)
+    linear_num = torch.bmm(phi_q, kv.reshape(batch * num_kv_heads, kv.shape[2], -1))
+    linear_den = torch.bmm(phi_q, k_sum.reshape(batch * num_kv_heads, -1, 1))
+    factor = factor[..., None]  # [Hkv, G, 1]
+    hybrid = readout(factor * u + linear_den.view(u.shape),
+                     factor[..., None] * w + linear_num.view(w.shape))
+    out = hybrid if gate is None else torch.lerp(w / u.clamp_min(1.0)[..., None], hybrid, gate[..., None, None])
+    return out, *window_state, kv, k_sum
+
+
+def step_delta_memory_hybrid_attn(
+    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, beta, log_a, gate, scale: float,
+):
+    """The decode path of the delta memories off kernels: ``window_step``, then the token leaving
+    the window is written by the delta rule (beta = 0 and no decay where none leaves: the stale key
+    it would write is then ignored) and the query reads the memory, as in ``delta_memory_hybrid_attn``."""
+    w, u, old_key, old_value, leaves, window_state = window_step(
+        q, k, v, mask, keys, values, sink_keys, sink_values, length, scale)
+    leaves = leaves.view(-1, 1, 1)  # [B, 1, T]
+    beta = torch.where(leaves, beta, 0.0)
+    log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
+    memory, kv = step_delta_attn(l2_normalise(q), l2_normalise(old_key), old_value, beta, log_a, kv)
+    return torch.addcmul(w / u.clamp_min(1.0)[..., None], gate[..., None, None], memory), *window_state, kv
 
 
 def leaving(q_index, key_index, all_keys, all_values, window: int, sinks: int):
@@ -333,7 +388,7 @@ def fused_hybrid_attn(
     else:  # the gated forms of cells.gated on featurised inputs, phi(k) = 0 where none leaves
         phi_k = torch.where(leaves[:, None, :, None], phi(old_keys), 0.0)
         args = (phi(q), phi_k, old_values, log_a, state)
-        linear, state, _ = step_gated_attn(*args) if q.shape[3] == 1 else chunk_gated_attn(*args, chunk_size=chunk_size)
+        linear, state, _ = chunk_gated_attn(*args, chunk_size=chunk_size)
     out = _combine(window_num, window_den, linear[..., :-1], linear[..., -1], gate)
     return out, *window_state, state[..., :-1], state[..., -1]
 
@@ -356,8 +411,6 @@ def delta_memory_hybrid_attn(
     args = (l2_normalise(q), l2_normalise(old_keys), old_values, beta, log_a, kv)
     if kernels is not None:
         memory, kv = fused_delta_attn(*args, backend=kernels)
-    elif q.shape[3] == 1:
-        memory, kv = step_delta_attn(*args)
     else:
         memory, kv = chunk_delta_attn(*args, chunk_size=chunk_size)
     out = readout(window_den, window_num) + gate[..., None, None] * memory
@@ -492,26 +545,32 @@ class HybridCell(Cell):
             state = (keys, values, keys[:, :, :0], values[:, :, :0], *rest)
         gate = self.memory_gate.float().reshape(self.spec.num_kv_heads, self.spec.group_size)
         mask = mask.to(torch.bool)
-        if self.memory in DELTA_MEMORIES:
-            beta, log_a = self.writer(x, mask)
-            out, *state = delta_memory_hybrid_attn(grouped, k, v, mask, *state, beta, log_a, gate, self.spec.scale,
-                                                   self.chunk_size, self.backend(q, steps))
-            if not self.sinks:
-                del state[2:4]
-            return out.reshape(batch, self.spec.num_heads, steps, -1).to(q.dtype), *state
-        args = (self.phi, self.mixing_factor(), self.spec.scale, gate)
         backend = self.backend(q, steps)
+        if self.memory in DELTA_MEMORIES:
+            out, *state = self._delta_memory(grouped, k, v, mask, state, gate, x, backend)
+        else:
+            out, *state = self._linear_memory(grouped, k, v, mask, state, gate, x, backend)
+        if not self.sinks:
+            del state[2:4]
+        return out.reshape(batch, self.spec.num_heads, steps, -1).to(q.dtype), *state
+
+    def _delta_memory(self, q, k, v, mask, state, gate, x, backend: str | None):
+        """A delta or gated-delta memory: the lean step for a decode token off kernels, else the general forms."""
+        beta, log_a = self.writer(x, mask)
+        if q.shape[3] == 1 and backend is None:
+            return step_delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, gate, self.spec.scale)
+        return delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, gate, self.spec.scale, self.chunk_size,
+                                        backend)
+
+    def _linear_memory(self, q, k, v, mask, state, gate, x, backend: str | None):
+        """A linear or gla memory: the lean step for a decode token off kernels, else the general forms."""
+        args, log_a = (self.phi, self.mixing_factor(), self.spec.scale, gate), None
         if self.memory == "gla":
             if x is None:
                 raise ValueError("the gla memory needs the layer input: call the cell with x=[B, T, hidden]")
             log_a = gla_log_gates(x, self.gate_down, self.gate_up, GLA_TAU, self.spec.num_kv_heads, mask)
-            out, *state = fused_hybrid_attn(grouped, k, v, mask, *state, *args, self.chunk_size, backend, log_a)
-        elif backend is not None:
-            out, *state = fused_hybrid_attn(grouped, k, v, mask, *state, *args, self.chunk_size, backend)
-        elif steps == 1:
-            out, *state = step_hybrid_attn(grouped, k, v, mask, *state, *args)
-        else:
-            out, *state = chunk_hybrid_attn(grouped, k, v, mask, *state, *args, self.chunk_size)
-        if not self.sinks:
-            del state[2:4]
-        return out.reshape(batch, self.spec.num_heads, steps, -1).to(q.dtype), *state
+        if q.shape[3] == 1 and backend is None:
+            return step_hybrid_attn(q, k, v, mask, *state, *args, log_a)
+        if backend is not None or log_a is not None:
+            return fused_hybrid_attn(q, k, v, mask, *state, *args, self.chunk_size, backend, log_a)
+        return chunk_hybrid_attn(q, k, v, mask, *state, *args, self.chunk_size)
