@@ -21,6 +21,7 @@ from rnnify.cells.delta import (
     naive_recurrent_delta_attn,
     step_delta_attn,
 )
+from rnnify.cells import hybrid as hybrid_cells
 from rnnify.cells.gated import gla_log_gates
 from rnnify.cells.hybrid import GLA_TAU, chunk_hybrid_attn, delta_memory_hybrid_attn, fused_hybrid_attn
 from rnnify.errors import RnnifyError
@@ -405,3 +406,28 @@ def test_hybrid_lean_step_equals_the_general_path_and_the_reference(memory, sink
             expected = gla_memory_reference(cell, q, k, v, x, mask, window, sinks)
     real = mask[:, None, :, None].expand_as(expected)
     assert rel_diff(out[real], expected[real]) < 1e-5
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("memory", ["linear", "gla", "delta", "gated-delta"])
+def test_hybrid_whole_prompt_path_equals_the_general_path(memory, sinks, monkeypatch):
+    """A whole unpadded prompt from the empty state (the window part in one go, the state from the
+    prompt's tail) gives the general path's output and state, through the cell's own forms and the
+    kernels' references."""
+    window, steps = 3, 23
+    torch.manual_seed(0)
+    cell = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4})
+    with torch.no_grad():
+        cell.memory_gate.copy_(torch.tensor([0.3, -0.5, 1.0, 0.7]))
+        for p in cell.parameters():
+            p.normal_(std=0.3) if p.dim() == 2 else None
+    q, k, v, x, mask = make_inputs(steps, pad=0)
+    for kernels in ("none", "reference"):
+        cell.use_kernels(kernels)
+        with torch.no_grad(), monkeypatch.context() as patch:
+            fast, *fast_state = cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)
+            patch.setattr(hybrid_cells, "whole_prompt", lambda mask, length: False)
+            general, *general_state = cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)
+        assert rel_diff(fast, general) < 1e-5, kernels
+        for a, b in zip(fast_state, general_state):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

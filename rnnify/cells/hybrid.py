@@ -82,7 +82,10 @@ write, the softmax over sinks + ring and the leaving token in 33 aten ops where 
 dispatch 168; a CPU step's time is its op count, docs/performance.md); ``fused_*`` once ``use_kernels`` is set: the linear part
 through ``rnnify.kernels``' linear-attention ops in both phases (raw q and the leaving keys, the
 map applied by the op when it has it), the window part through ``window_attn_step`` (sinks
-included) with its softmax statistics for a decode token, in PyTorch for a prompt. Shapes: q
+included) with its softmax statistics for a decode token, in PyTorch for a prompt. A whole
+unpadded prompt read from the empty state (``whole_prompt``) needs no ring or padding bookkeeping:
+its window part is computed for all query blocks at once (``band_window_part``), the leaving tokens
+are the keys and values shifted by W, and the state is written from its tail. Shapes: q
 ``[B, Hkv, G, T, d]`` fp32, k/v ``[B, Hkv, T, d]``, mask ``[B, T]``, state ``keys/values
 [B, Hkv, W, d]``, ``sink_keys/sink_values [B, Hkv, S, d]`` (S = 0: empty), ``length [B]``,
 ``kv [B, Hkv, F, d_v]``, ``k_sum [B, Hkv, F]`` (fp32); ``factor`` is f ``[Hkv, G]``; ``phi`` maps
@@ -101,7 +104,7 @@ from rnnify.cells.base import Cell, CellSpec
 from rnnify.cells.exact import finite_or_zero, readout
 from rnnify.cells.linear import KERNEL_MAX_FEATURES, build_feature_map, fused_feature_attn
 from rnnify.errors import check_int
-from rnnify.kernels.ring import held_index, token_index, window_write
+from rnnify.kernels.ring import held_index, prompt_write, token_index, window_write
 from rnnify.cells.delta import DeltaWriter, chunk_delta_attn, fused_delta_attn, l2_normalise, step_delta_attn
 from rnnify.cells.gated import _gate_bias, gla_log_gates, gla_projections
 from rnnify.kernels.linear_attn.naive import chunk_gated_attn
@@ -109,6 +112,9 @@ from rnnify.kernels.linear_attn.naive import chunk_gated_attn
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 MEMORIES = ("linear", "gla", "delta", "gated-delta")  # what holds the tokens that left the window
 DELTA_MEMORIES = ("delta", "gated-delta")
+# queries per block of a whole prompt's window part: each block also reads the W keys before it, so
+# small blocks waste fewer masked scores (16: a 4,096-token prompt's window part in half the time of 64)
+PROMPT_BLOCK = 16
 GLA_RANK, GLA_TAU, GLA_DECAY = 16, 16.0, 0.99  # the gla memory's gate: the gated target's defaults (cells/gated.py)
 
 
@@ -342,7 +348,74 @@ def fused_window_step(
     return window_num, window_den, state
 
 
+def whole_prompt(mask: torch.Tensor, length: torch.Tensor) -> bool:
+    """Is this call a whole unpadded prompt read from the empty state? (One check a prompt, not a step.)"""
+    return mask.shape[1] > 1 and bool(mask.all() & (length == 0).all())
+
+
 def window_and_leaving(q, k, v, mask, window_state, factor, scale: float, chunk_size: int, backend: str | None):
+    """The window part and the tokens leaving the window for the memory: ``(window_num, window_den,
+    old_keys, old_values, leaves [B, T], window_state)``; ``prompt_window_and_leaving`` for a whole
+    unpadded prompt, else ``chunked_window_and_leaving``."""
+    if whole_prompt(mask, window_state[4]):
+        return prompt_window_and_leaving(q, k, v, window_state, factor, scale)
+    return chunked_window_and_leaving(q, k, v, mask, window_state, factor, scale, chunk_size, backend)
+
+
+def _band_blocks(x: torch.Tensor, window: int, block: int) -> torch.Tensor:
+    """``x [B, Hkv, T, d]`` as the keys each block of ``block`` queries sees: the W tokens before
+    it and its own, ``[B, Hkv, blocks, d, W + block]`` (a view of x zero-padded; key n of block c is
+    token c block - W + n)."""
+    steps = x.shape[2]
+    padded = torch.nn.functional.pad(x, (0, 0, window, -steps % block))
+    return padded.unfold(2, window + block, block)
+
+
+def band_window_part(q, k, v, window: int, sinks: int, factor, scale: float, block: int):
+    """``_window_part`` for a whole unpadded prompt from the empty state: every block of ``block``
+    queries at once over the W keys before it, its own and the sinks, with a mask that depends on
+    positions only (no ring, no padding, no per-chunk loop). k, v fp32."""
+    batch, num_kv_heads, group, steps, head_dim = q.shape
+    sinks, blocks = min(sinks, steps), -(-steps // block)
+    queries = torch.nn.functional.pad(scale * q, (0, 0, 0, blocks * block - steps))
+    queries = queries.view(batch, num_kv_heads, group, blocks, block, head_dim)
+    first = torch.arange(blocks, device=q.device)[:, None, None] * block  # the first token of each block
+    a = torch.arange(block, device=q.device)[:, None]  # the query's place in its block
+    n = torch.arange(window + block, device=q.device)  # the key's place in the block's band
+    allowed = (n > a) & (n <= a + window) & (first + n >= window)  # [blocks, block, W + block]
+    scores = torch.einsum("bhgcqd,bhcdn->bhgcqn", queries, _band_blocks(k, window, block))
+    if sinks:  # a sink j is attended apart while out of the window: i - j >= W
+        sink = torch.arange(sinks, device=q.device)
+        allowed = torch.cat([first + a - sink >= window, allowed], dim=-1)
+        scores = torch.cat([torch.einsum("bhgcqd,bhsd->bhgcqs", queries, k[:, :, :sinks]), scores], dim=-1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    p = torch.exp(scores - finite_or_zero(scores.amax(-1, keepdim=True)))
+    window_num = torch.einsum("bhgcqn,bhcdn->bhgcqd", p[..., sinks:], _band_blocks(v, window, block))
+    if sinks:
+        window_num = window_num + torch.einsum("bhgcqs,bhsd->bhgcqd", p[..., :sinks], v[:, :, :sinks])
+    window_num = window_num.reshape(batch, num_kv_heads, group, blocks * block, -1)[:, :, :, :steps]
+    window_den = p.sum(-1).reshape(batch, num_kv_heads, group, -1)[..., :steps]
+    return factor[..., None, None] * window_num, factor[..., None] * window_den  # f after the sums: fewer products
+
+
+def prompt_window_and_leaving(q, k, v, window_state, factor, scale: float, block: int = PROMPT_BLOCK):
+    """``chunked_window_and_leaving`` for a whole unpadded prompt from the empty state: the window
+    part by ``band_window_part``, token i - W leaving as token i >= W + S arrives (the keys and
+    values shifted by W), the state written from the prompt's tail (``kernels.ring.prompt_write``)."""
+    window, sinks, steps = window_state[0].shape[2], window_state[2].shape[2], k.shape[2]
+    k, v = k.to(window_state[0].dtype).float(), v.to(window_state[1].dtype).float()  # as the ring holds them
+    window_num, window_den = band_window_part(q, k, v, window, sinks, factor, scale, block)
+    leaves = (torch.arange(steps, device=q.device) >= window + sinks).expand(q.shape[0], -1)
+
+    def shifted(x: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.pad(x, (0, 0, window, 0))[:, :, :steps]
+        return torch.where(leaves[:, None, :, None], x, 0.0)
+
+    return window_num, window_den, shifted(k), shifted(v), leaves, prompt_write(k, v, *window_state)
+
+
+def chunked_window_and_leaving(q, k, v, mask, window_state, factor, scale: float, chunk_size: int,
+                               backend: str | None):
     """The window part chunk by chunk (``fused_window_step`` for a decode token once ``backend`` is
     set, else ``_window_part``) and the tokens leaving the window for the memory (``leaving``):
     ``(window_num, window_den, old_keys, old_values, leaves [B, T], window_state)``."""
