@@ -234,16 +234,13 @@ def chunk_hybrid_attn(
     return torch.cat(outs, dim=3), *state
 
 
-def window_step(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float):
-    """One decode token's window part in the fewest ops (a CPU step's time is its op count,
-    docs/performance.md): write the token into the ring (and the sinks), then the unnormalised
-    softmax over the sinks no longer in the ring and the ring, self included; also the key and
-    value the token pushes out of the ring, and whether it leaves for the memory (a real token
-    arrived and the one pushed out is not a sink). Returns ``(w [B, Hkv, G, 1, d_v], u [B, Hkv, G,
-    1], old_key [B, Hkv, 1, d], old_value [B, Hkv, 1, d_v] (fp32), leaves [B, 1, 1, 1],
-    (keys, values, sink_keys, sink_values, length))``; w, u are relative to the scores' max m."""
-    batch, num_kv_heads, group, _, head_dim = q.shape
-    window, sinks = keys.shape[2], sink_keys.shape[2]
+def _write_step(k, v, mask, keys, values, sink_keys, sink_values, length):
+    """``window_write`` of one decode token in few ops, with what ``window_step`` reads: ``(old_key,
+    old_value (fp32, the ring slot the token takes), leaves [B, 1, 1, 1] (a real token arrived and
+    the one pushed out is not a sink), held keys and values (sinks, then ring), empty [B, 1, 1, S + W]
+    (held slots not attended), (keys, values, sink_keys, sink_values, length))``."""
+    batch, num_kv_heads, window, head_dim = keys.shape
+    sinks = sink_keys.shape[2]
     real, n = mask.reshape(batch, 1, 1, 1), length.reshape(batch, 1, 1, 1)
     slot = n % window
     index = slot.expand(-1, num_kv_heads, 1, head_dim)
@@ -251,19 +248,31 @@ def window_step(q, k, v, mask, keys, values, sink_keys, sink_values, length, sca
     if values.shape[3] != head_dim:
         index = slot.expand(-1, num_kv_heads, 1, values.shape[3])
     old_value = values.gather(2, index).float()
-    leaves = real & (n >= window + sinks)
-    ring = torch.arange(window, device=q.device)
+    ring = torch.arange(window, device=keys.device)
     write = real & (ring[:, None] == slot)  # [B, 1, W, 1]
     keys, values = torch.where(write, k.to(keys.dtype), keys), torch.where(write, v.to(values.dtype), values)
     new_length = n + real
-    held_keys, held_values, empty = keys, values, ring >= new_length  # [B, 1, 1, W]
+    held_keys, held_values, empty = keys, values, ring >= new_length
     if sinks:
-        sink_slots = torch.arange(sinks, device=q.device)
+        sink_slots = torch.arange(sinks, device=keys.device)
         into = real & (sink_slots[:, None] == n)
         sink_keys = torch.where(into, k.to(sink_keys.dtype), sink_keys)
         sink_values = torch.where(into, v.to(sink_values.dtype), sink_values)
         held_keys, held_values = torch.cat([sink_keys, keys], dim=2), torch.cat([sink_values, values], dim=2)
-        empty = torch.cat([sink_slots >= new_length - window, empty], dim=3)
+        empty = torch.cat([sink_slots >= new_length - window, empty], dim=3)  # sinks still in the ring
+    state = (keys, values, sink_keys, sink_values, new_length.view(batch))
+    return old_key, old_value, real & (n >= window + sinks), held_keys, held_values, empty, state
+
+
+def window_step(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float):
+    """One decode token's window part in the fewest ops (a CPU step's time is its op count,
+    docs/performance.md): ``_write_step``, then the unnormalised softmax over the sinks no longer in
+    the ring and the ring, self included, through ``bmm`` on ``[B Hkv, G, d]`` views. Returns ``(w
+    [B, Hkv, G, 1, d_v], u [B, Hkv, G, 1], old_key, old_value, leaves, window_state)``; w, u are
+    relative to the scores' max m."""
+    batch, num_kv_heads, group, _, head_dim = q.shape
+    old_key, old_value, leaves, held_keys, held_values, empty, state = _write_step(
+        k, v, mask, keys, values, sink_keys, sink_values, length)
     held = held_keys.shape[2]
     scores = torch.bmm(q.reshape(batch * num_kv_heads, group, head_dim),
                        held_keys.float().reshape(batch * num_kv_heads, held, head_dim).transpose(1, 2))
@@ -272,8 +281,13 @@ def window_step(q, k, v, mask, keys, values, sink_keys, sink_values, length, sca
     p = torch.exp((scores - m) * scale)  # the max of the scaled scores is scale m: scale > 0
     w = torch.bmm(p.view(batch * num_kv_heads, group, held),
                   held_values.float().reshape(batch * num_kv_heads, held, -1))
-    state = (keys, values, sink_keys, sink_values, new_length.view(batch))
     return w.view(batch, num_kv_heads, group, 1, -1), p.sum(-1, keepdim=True), old_key, old_value, leaves, state
+
+
+def _window_output(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``readout(u, w)`` in fewer ops: u >= 1 wherever a key was read (the max's own term is 1),
+    and u = 0 only with w = 0, so clamping u at 1 changes nothing."""
+    return w / u.clamp_min(1.0)[..., None]
 
 
 def step_hybrid_attn(
@@ -297,7 +311,7 @@ def step_hybrid_attn(
     factor = factor[..., None]  # [Hkv, G, 1]
     hybrid = readout(factor * u + linear_den.view(u.shape),
                      factor[..., None] * w + linear_num.view(w.shape))
-    out = hybrid if gate is None else torch.lerp(w / u.clamp_min(1.0)[..., None], hybrid, gate[..., None, None])
+    out = hybrid if gate is None else torch.lerp(_window_output(w, u), hybrid, gate[..., None, None])
     return out, *window_state, kv, k_sum
 
 
@@ -313,7 +327,7 @@ def step_delta_memory_hybrid_attn(
     beta = torch.where(leaves, beta, 0.0)
     log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
     memory, kv = step_delta_attn(l2_normalise(q), l2_normalise(old_key), old_value, beta, log_a, kv)
-    return torch.addcmul(w / u.clamp_min(1.0)[..., None], gate[..., None, None], memory), *window_state, kv
+    return torch.addcmul(_window_output(w, u), gate[..., None, None], memory), *window_state, kv
 
 
 def leaving(q_index, key_index, all_keys, all_values, window: int, sinks: int):
