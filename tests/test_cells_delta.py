@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import rnnify
 from rnnify.cells import CellSpec, build_cell, parameters
@@ -21,6 +22,9 @@ from rnnify.cells.delta import (
     naive_recurrent_delta_attn,
     step_delta_attn,
 )
+from rnnify.cells import hybrid as hybrid_cells
+from rnnify.cells.gated import gla_log_gates
+from rnnify.cells.hybrid import GLA_TAU, chunk_hybrid_attn, delta_memory_hybrid_attn, fused_hybrid_attn
 from rnnify.errors import RnnifyError
 from kernel_support import nan_buffers  # noqa: F401 - autouse: NaN-filled kernel outputs
 
@@ -279,15 +283,17 @@ def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
 
 
 def gla_memory_reference(cell, q, k, v, x, mask, window: int, sinks: int):
-    """float64, per row, kv head and real token n: first, if n >= W + S, the memory decays by
+    """float64 (a linear memory: a = 1), per row, kv head and real token n: first, if n >= W + S, the memory decays by
     a_n = exp(logsigmoid(x_n W_down W_up + b) / tau) (per feature) and token n - W (not a sink)
     is written, kv += phi(k)^T v, z += phi(k); then each query head reads the LoLCATs sum
     y = (f w + phi(q) kv) / (f u + phi(q) . z) over the window (w, u: softmax numerator and
     denominator over the last W tokens and the sinks) and outputs w / u + g (y - w / u)."""
     num_kv, group, features = 2, SPEC.group_size, SPEC.head_dim  # elu: F = d
     x = x.double()
-    logits = x @ cell.gate_down.weight.double().T @ cell.gate_up.weight.double().T + cell.gate_up.bias.double()
-    log_a = torch.nn.functional.logsigmoid(logits).reshape(*x.shape[:2], num_kv, features) / 16.0
+    log_a = torch.zeros(*x.shape[:2], num_kv, features, dtype=torch.float64)  # the linear memory: a = 1
+    if cell.memory == "gla":
+        logits = x @ cell.gate_down.weight.double().T @ cell.gate_up.weight.double().T + cell.gate_up.bias.double()
+        log_a = torch.nn.functional.logsigmoid(logits).reshape(*x.shape[:2], num_kv, features) / 16.0
     f, g = torch.sigmoid(cell.window_logit.double()), cell.memory_gate.double()
     out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=torch.float64)
     for b in range(2):
@@ -337,3 +343,116 @@ def test_hybrid_memory_option_is_checked():
         build_cell("hybrid", SPEC, {"memory": "delta", "feature_map": "hedgehog"})
     assert build_cell("hybrid", SPEC, {"memory": "gla", "feature_map": "hedgehog"}).phi.feature_dim == 16
     assert build_cell("hybrid", SPEC).state_names[-2:] == ("kv", "k_sum")
+
+
+# --------------------------------------------------------------------------- the hybrid's lean decode step
+
+def general_step(cell, q, k, v, x, mask, state):
+    """One token through the hybrid's general forms (the prefill's, off kernels), not its lean step:
+    ``(out [B, H, 1, d_v], *state)`` in the cell's layout."""
+    spec, sinks = cell.spec, cell.sinks
+    grouped = q.reshape(2, spec.num_kv_heads, spec.group_size, 1, -1)
+    keys, values, *rest = state
+    if not sinks:
+        state = (keys, values, keys[:, :, :0], values[:, :, :0], *rest)
+    gate = cell.memory_gate.reshape(spec.num_kv_heads, spec.group_size)
+    if cell.memory in ("delta", "gated-delta"):
+        out, *state = delta_memory_hybrid_attn(grouped, k, v, mask, *state, *cell.writer(x, mask), gate, spec.scale)
+    else:
+        fixed = (cell.phi, cell.mixing_factor(), spec.scale, gate)
+        if cell.memory == "gla":
+            log_a = gla_log_gates(x, cell.gate_down, cell.gate_up, GLA_TAU, spec.num_kv_heads, mask)
+            out, *state = fused_hybrid_attn(grouped, k, v, mask, *state, *fixed, backend=None, log_a=log_a)
+        else:
+            out, *state = chunk_hybrid_attn(grouped, k, v, mask, *state, *fixed)
+    if not sinks:
+        del state[2:4]
+    return out.reshape(2, spec.num_heads, 1, -1), *state
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("memory", ["linear", "gla", "delta", "gated-delta"])
+def test_hybrid_lean_step_equals_the_general_path_and_the_reference(memory, sinks):
+    """The decode step off kernels (``window_step`` and the memory's step, far fewer ops) equals,
+    token by token from the empty state, the general forms' one-token call, state included, and the
+    float64 reference: a left-padded row, and 19 steps, so that a window of 3 wraps many times."""
+    window, steps = 3, 19
+    torch.manual_seed(0)
+    cell = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory})
+    with torch.no_grad():
+        cell.memory_gate.copy_(torch.tensor([0.3, -0.5, 1.0, 0.7]))
+        for p in cell.parameters():
+            p.normal_(std=0.3) if p.dim() == 2 else None
+        if memory in ("linear", "gla"):
+            cell.window_logit.normal_()
+    q, k, v, x, mask = make_inputs(steps, pad=4)
+    lean = general = cell.init_state(2, q.device, q.dtype)
+    outs = []
+    with torch.no_grad():
+        for t in range(steps):
+            token = (q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], x[:, t:t + 1], mask[:, t:t + 1])
+            out, *lean = cell(*token[:3], token[4], *lean, x=token[3])
+            want, *general = general_step(cell, *token, general)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+            for a, b in zip(lean, general):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            outs.append(out)
+        out = torch.cat(outs, 2)
+        if memory in ("delta", "gated-delta"):
+            windowed = build_cell("window", SPEC, {"window": window, "sinks": sinks})
+            expected, *_ = windowed(q, k, v, mask, *windowed.init_state(2, q.device, q.dtype))
+            expected = expected.double() + cell.memory_gate[None, :, None, None].double() * \
+                delta_memory_reference(cell, q, k, v, x, mask, window, sinks)
+        else:
+            expected = gla_memory_reference(cell, q, k, v, x, mask, window, sinks)
+    real = mask[:, None, :, None].expand_as(expected)
+    assert rel_diff(out[real], expected[real]) < 1e-5
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("memory", ["linear", "gla", "delta", "gated-delta"])
+def test_hybrid_whole_prompt_path_equals_the_general_path(memory, sinks, monkeypatch):
+    """A whole unpadded prompt from the empty state (the window part in one go, the state from the
+    prompt's tail) gives the general path's output and state, through the cell's own forms and the
+    kernels' references."""
+    window, steps = 3, 23
+    torch.manual_seed(0)
+    cell = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4})
+    with torch.no_grad():
+        cell.memory_gate.copy_(torch.tensor([0.3, -0.5, 1.0, 0.7]))
+        for p in cell.parameters():
+            p.normal_(std=0.3) if p.dim() == 2 else None
+    q, k, v, x, mask = make_inputs(steps, pad=0)
+    for kernels in ("none", "reference"):
+        cell.use_kernels(kernels)
+        with torch.no_grad(), monkeypatch.context() as patch:
+            fast, *fast_state = cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)
+            patch.setattr(hybrid_cells, "whole_prompt", lambda mask, length: False)
+            general, *general_state = cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)
+        assert rel_diff(fast, general) < 1e-5, kernels
+        for a, b in zip(fast_state, general_state):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched (as ``benchmarks/speed.py --breakdown`` does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("memory", ["linear", "gla", "delta", "gated-delta"])
+def test_hybrid_lean_step_dispatches_few_ops(memory):
+    """A CPU decode step's time is its op count (docs/performance.md): here the general forms
+    dispatched 219-282 aten ops a step, the lean step 92-116; held under 130 so a regression shows."""
+    cell = build_cell("hybrid", SPEC, {"window": 3, "sinks": 2, "memory": memory})
+    q, k, v, x, mask = make_inputs(1, pad=0)
+    count = _OpCount()
+    with torch.no_grad(), count:
+        cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)
+    assert count.ops < 130

@@ -29,8 +29,10 @@ from rnnify.cells import CELLS, CellSpec, build_cell, parameters
 from rnnify.cells.hybrid import (
     HybridCell,
     chunk_hybrid_attn,
+    chunked_window_and_leaving,
     naive_recurrent_hybrid_attn,
     parallel_hybrid_attn,
+    prompt_window_and_leaving,
     step_hybrid_attn,
 )
 from rnnify.cells.linear import FEATURE_MAPS, build_feature_map
@@ -531,6 +533,29 @@ def test_hybrid_forms_equal_the_naive_loop_and_the_reference(p):
     }
     _assert_forms_agree(forms, want, want_state, real, FORM_STATE)
     assert all(torch.equal(a, b) for a, b in zip(before, (*args, *state)))
+
+
+@HYPOTHESIS
+@given(window=st.integers(1, 12), sinks=st.integers(0, 5), length=st.integers(2, 40),
+       block=st.sampled_from([1, 3, 16, 64]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**31 - 1))
+def test_whole_prompt_window_part_equals_the_chunked_one(window, sinks, length, block, dtype, seed):
+    """A whole unpadded prompt from the empty state: the window part of all query blocks at once, the
+    leaving tokens shifted by W and the state written from the tail equal the general, chunked path
+    (prompts shorter than the window or the sinks, any block size, a bf16 ring, junk in the buffers)."""
+    gen, spec = _gen(seed), _spec(num_kv_heads=2, group=2, head_dim=4, value_dim=3)
+    q, k, v = random_qkv(2, spec, length, gen)
+    cell = HybridCell(spec, window=window, sinks=sinks)
+    state = _garbage_buffers(cell, cell.init_state(2, CPU, dtype), gen)
+    state = tuple(t.to(dtype) if t.is_floating_point() else t for t in _form_state(cell, state)[:5])
+    args = (_grouped(q, spec), k, v)
+    factor = _factor(spec, gen).reshape(2, 2)
+    fast = prompt_window_and_leaving(*args, state, factor, spec.scale, block)
+    general = chunked_window_and_leaving(*args, torch.ones(2, length, dtype=torch.bool), state, factor, spec.scale,
+                                         5, None)
+    for a, b in zip(fast[:5], general[:5]):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    assert all(torch.equal(a, b) for a, b in zip(fast[5], general[5]))
 
 
 @pytest.mark.parametrize("feature_map", sorted(FEATURE_MAPS))

@@ -77,10 +77,15 @@ it to the ``window`` target plus a delta-rule loop over the leaving tokens.
 Forms (tests hold them to ``naive_recurrent_hybrid_attn``): ``naive_recurrent_*`` (a plain loop
 over tokens, the window part key by key), ``parallel_*`` (masked quadratic over sinks + ring + new
 tokens, plus the linear state), ``chunk_*`` (the parallel form over chunks: the prefill path),
-``step_*`` (one token: the decode path); ``fused_*`` once ``use_kernels`` is set: the linear part
+``step_*`` (one token: the decode path off kernels, every memory, on ``window_step``: the ring
+write, the softmax over sinks + ring and the leaving token in 33 aten ops where the general forms
+dispatch 168; a CPU step's time is its op count, docs/performance.md); ``fused_*`` once ``use_kernels`` is set: the linear part
 through ``rnnify.kernels``' linear-attention ops in both phases (raw q and the leaving keys, the
 map applied by the op when it has it), the window part through ``window_attn_step`` (sinks
-included) with its softmax statistics for a decode token, in PyTorch for a prompt. Shapes: q
+included) with its softmax statistics for a decode token, in PyTorch for a prompt. A whole
+unpadded prompt read from the empty state (``whole_prompt``) needs no ring or padding bookkeeping:
+its window part is computed for all query blocks at once (``band_window_part``), the leaving tokens
+are the keys and values shifted by W, and the state is written from its tail. Shapes: q
 ``[B, Hkv, G, T, d]`` fp32, k/v ``[B, Hkv, T, d]``, mask ``[B, T]``, state ``keys/values
 [B, Hkv, W, d]``, ``sink_keys/sink_values [B, Hkv, S, d]`` (S = 0: empty), ``length [B]``,
 ``kv [B, Hkv, F, d_v]``, ``k_sum [B, Hkv, F]`` (fp32); ``factor`` is f ``[Hkv, G]``; ``phi`` maps
@@ -99,14 +104,17 @@ from rnnify.cells.base import Cell, CellSpec
 from rnnify.cells.exact import finite_or_zero, readout
 from rnnify.cells.linear import KERNEL_MAX_FEATURES, build_feature_map, fused_feature_attn
 from rnnify.errors import check_int
-from rnnify.kernels.ring import held_index, token_index, window_write
+from rnnify.kernels.ring import held_index, prompt_write, token_index, window_write
 from rnnify.cells.delta import DeltaWriter, chunk_delta_attn, fused_delta_attn, l2_normalise, step_delta_attn
-from rnnify.cells.gated import _gate_bias, gla_log_gates, gla_projections, step_gated_attn
+from rnnify.cells.gated import _gate_bias, gla_log_gates, gla_projections
 from rnnify.kernels.linear_attn.naive import chunk_gated_attn
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 MEMORIES = ("linear", "gla", "delta", "gated-delta")  # what holds the tokens that left the window
 DELTA_MEMORIES = ("delta", "gated-delta")
+# queries per block of a whole prompt's window part: each block also reads the W keys before it, so
+# small blocks waste fewer masked scores (16: a 4,096-token prompt's window part in half the time of 64)
+PROMPT_BLOCK = 16
 GLA_RANK, GLA_TAU, GLA_DECAY = 16, 16.0, 0.99  # the gla memory's gate: the gated target's defaults (cells/gated.py)
 
 
@@ -226,33 +234,100 @@ def chunk_hybrid_attn(
     return torch.cat(outs, dim=3), *state
 
 
+def _write_step(k, v, mask, keys, values, sink_keys, sink_values, length):
+    """``window_write`` of one decode token in few ops, with what ``window_step`` reads: ``(old_key,
+    old_value (fp32, the ring slot the token takes), leaves [B, 1, 1, 1] (a real token arrived and
+    the one pushed out is not a sink), held keys and values (sinks, then ring), empty [B, 1, 1, S + W]
+    (held slots not attended), (keys, values, sink_keys, sink_values, length))``."""
+    batch, num_kv_heads, window, head_dim = keys.shape
+    sinks = sink_keys.shape[2]
+    real, n = mask.reshape(batch, 1, 1, 1), length.reshape(batch, 1, 1, 1)
+    slot = n % window
+    index = slot.expand(-1, num_kv_heads, 1, head_dim)
+    old_key = keys.gather(2, index).float()
+    if values.shape[3] != head_dim:
+        index = slot.expand(-1, num_kv_heads, 1, values.shape[3])
+    old_value = values.gather(2, index).float()
+    ring = torch.arange(window, device=keys.device)
+    write = real & (ring[:, None] == slot)  # [B, 1, W, 1]
+    keys, values = torch.where(write, k.to(keys.dtype), keys), torch.where(write, v.to(values.dtype), values)
+    new_length = n + real
+    held_keys, held_values, empty = keys, values, ring >= new_length
+    if sinks:
+        sink_slots = torch.arange(sinks, device=keys.device)
+        into = real & (sink_slots[:, None] == n)
+        sink_keys = torch.where(into, k.to(sink_keys.dtype), sink_keys)
+        sink_values = torch.where(into, v.to(sink_values.dtype), sink_values)
+        held_keys, held_values = torch.cat([sink_keys, keys], dim=2), torch.cat([sink_values, values], dim=2)
+        empty = torch.cat([sink_slots >= new_length - window, empty], dim=3)  # sinks still in the ring
+    state = (keys, values, sink_keys, sink_values, new_length.view(batch))
+    return old_key, old_value, real & (n >= window + sinks), held_keys, held_values, empty, state
+
+
+def window_step(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float):
+    """One decode token's window part in the fewest ops (a CPU step's time is its op count,
+    docs/performance.md): ``_write_step``, then the unnormalised softmax over the sinks no longer in
+    the ring and the ring, self included, through ``bmm`` on ``[B Hkv, G, d]`` views. Returns ``(w
+    [B, Hkv, G, 1, d_v], u [B, Hkv, G, 1], old_key, old_value, leaves, window_state)``; w, u are
+    relative to the scores' max m."""
+    batch, num_kv_heads, group, _, head_dim = q.shape
+    old_key, old_value, leaves, held_keys, held_values, empty, state = _write_step(
+        k, v, mask, keys, values, sink_keys, sink_values, length)
+    held = held_keys.shape[2]
+    scores = torch.bmm(q.reshape(batch * num_kv_heads, group, head_dim),
+                       held_keys.float().reshape(batch * num_kv_heads, held, head_dim).transpose(1, 2))
+    scores = scores.view(batch, num_kv_heads, group, held).masked_fill(empty, float("-inf"))
+    m = scores.amax(-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)  # finite_or_zero in one op
+    p = torch.exp((scores - m) * scale)  # the max of the scaled scores is scale m: scale > 0
+    w = torch.bmm(p.view(batch * num_kv_heads, group, held),
+                  held_values.float().reshape(batch * num_kv_heads, held, -1))
+    return w.view(batch, num_kv_heads, group, 1, -1), p.sum(-1, keepdim=True), old_key, old_value, leaves, state
+
+
+def _window_output(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``readout(u, w)`` in fewer ops: u >= 1 wherever a key was read (the max's own term is 1),
+    and u = 0 only with w = 0, so clamping u at 1 changes nothing."""
+    return w / u.clamp_min(1.0)[..., None]
+
+
 def step_hybrid_attn(
     q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, k_sum, phi: FeatureMap, factor, scale: float,
-    gate=None,
+    gate=None, log_a=None,
 ):
-    window, sinks = keys.shape[2], sink_keys.shape[2]
-    # token i - W, in the slot token i is about to take, leaves the window for kv/k_sum unless a sink
-    slot = (length % window)[:, None, None, None]
-    leaving = (mask[:, 0] & (length >= window + sinks))[:, None, None, None]
-    old_key = keys.gather(2, slot.expand(-1, keys.shape[1], 1, keys.shape[3])).float()
-    old_value = values.gather(2, slot.expand(-1, values.shape[1], 1, values.shape[3])).float()
-    phi_old = torch.where(leaving, phi(old_key), 0.0)  # [B, Hkv, 1, F]
-    kv = kv + phi_old.transpose(-1, -2) @ old_value
-    k_sum = k_sum + phi_old[:, :, 0]
-    keys, values, sink_keys, sink_values, length = window_write(
-        k, v, mask, keys, values, sink_keys, sink_values, length
-    )
-    # window part over the sinks and the ring (self included), linear part from the state
-    held = (held_index(length, window, sinks) >= 0)[:, None, None, None]  # [B, 1, 1, 1, S + W]
-    all_keys, all_values = torch.cat([sink_keys, keys], dim=2).float(), torch.cat([sink_values, values], dim=2).float()
-    scores = (scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys)).masked_fill(~held, float("-inf"))
-    m = scores.amax(-1, keepdim=True)
-    p = factor[..., None, None] * torch.exp(scores - finite_or_zero(m))
-    phi_q = phi(q)
-    linear_num = phi_q @ kv[:, :, None]
-    linear_den = (phi_q * k_sum[:, :, None, None]).sum(-1)
-    out = _combine(p @ all_values[:, :, None], p.sum(-1), linear_num, linear_den, gate)
-    return out, keys, values, sink_keys, sink_values, length, kv, k_sum
+    """The decode path off kernels: ``window_step``, then the token leaving the window joins the
+    linear memory (decayed by a = exp(``log_a [B, Hkv, 1, F]``), the gla memory, where it leaves),
+    which the query reads; one normalised sum as in ``_combine``."""
+    w, u, old_key, old_value, leaves, window_state = window_step(
+        q, k, v, mask, keys, values, sink_keys, sink_values, length, scale)
+    phi_old = phi(old_key) * leaves  # [B, Hkv, 1, F], 0 where none leaves
+    if log_a is not None:
+        a = torch.where(leaves, log_a, 0.0).exp()
+        kv, k_sum = kv * a.transpose(-1, -2), k_sum * a.squeeze(2)
+    kv, k_sum = torch.addcmul(kv, phi_old.transpose(-1, -2), old_value), k_sum + phi_old.squeeze(2)
+    batch, num_kv_heads, group, _, _ = q.shape
+    phi_q = phi(q).reshape(batch * num_kv_heads, group, -1)
+    linear_num = torch.bmm(phi_q, kv.reshape(batch * num_kv_heads, kv.shape[2], -1))
+    linear_den = torch.bmm(phi_q, k_sum.reshape(batch * num_kv_heads, -1, 1))
+    factor = factor[..., None]  # [Hkv, G, 1]
+    hybrid = readout(factor * u + linear_den.view(u.shape),
+                     factor[..., None] * w + linear_num.view(w.shape))
+    out = hybrid if gate is None else torch.lerp(_window_output(w, u), hybrid, gate[..., None, None])
+    return out, *window_state, kv, k_sum
+
+
+def step_delta_memory_hybrid_attn(
+    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, beta, log_a, gate, scale: float,
+):
+    """The decode path of the delta memories off kernels: ``window_step``, then the token leaving
+    the window is written by the delta rule (beta = 0 and no decay where none leaves: the stale key
+    it would write is then ignored) and the query reads the memory, as in ``delta_memory_hybrid_attn``."""
+    w, u, old_key, old_value, leaves, window_state = window_step(
+        q, k, v, mask, keys, values, sink_keys, sink_values, length, scale)
+    leaves = leaves.view(-1, 1, 1)  # [B, 1, T]
+    beta = torch.where(leaves, beta, 0.0)
+    log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
+    memory, kv = step_delta_attn(l2_normalise(q), l2_normalise(old_key), old_value, beta, log_a, kv)
+    return torch.addcmul(_window_output(w, u), gate[..., None, None], memory), *window_state, kv
 
 
 def leaving(q_index, key_index, all_keys, all_values, window: int, sinks: int):
@@ -287,7 +362,74 @@ def fused_window_step(
     return window_num, window_den, state
 
 
+def whole_prompt(mask: torch.Tensor, length: torch.Tensor) -> bool:
+    """Is this call a whole unpadded prompt read from the empty state? (One check a prompt, not a step.)"""
+    return mask.shape[1] > 1 and bool(mask.all() & (length == 0).all())
+
+
 def window_and_leaving(q, k, v, mask, window_state, factor, scale: float, chunk_size: int, backend: str | None):
+    """The window part and the tokens leaving the window for the memory: ``(window_num, window_den,
+    old_keys, old_values, leaves [B, T], window_state)``; ``prompt_window_and_leaving`` for a whole
+    unpadded prompt, else ``chunked_window_and_leaving``."""
+    if whole_prompt(mask, window_state[4]):
+        return prompt_window_and_leaving(q, k, v, window_state, factor, scale)
+    return chunked_window_and_leaving(q, k, v, mask, window_state, factor, scale, chunk_size, backend)
+
+
+def _band_blocks(x: torch.Tensor, window: int, block: int) -> torch.Tensor:
+    """``x [B, Hkv, T, d]`` as the keys each block of ``block`` queries sees: the W tokens before
+    it and its own, ``[B, Hkv, blocks, d, W + block]`` (a view of x zero-padded; key n of block c is
+    token c block - W + n)."""
+    steps = x.shape[2]
+    padded = torch.nn.functional.pad(x, (0, 0, window, -steps % block))
+    return padded.unfold(2, window + block, block)
+
+
+def band_window_part(q, k, v, window: int, sinks: int, factor, scale: float, block: int):
+    """``_window_part`` for a whole unpadded prompt from the empty state: every block of ``block``
+    queries at once over the W keys before it, its own and the sinks, with a mask that depends on
+    positions only (no ring, no padding, no per-chunk loop). k, v fp32."""
+    batch, num_kv_heads, group, steps, head_dim = q.shape
+    sinks, blocks = min(sinks, steps), -(-steps // block)
+    queries = torch.nn.functional.pad(scale * q, (0, 0, 0, blocks * block - steps))
+    queries = queries.view(batch, num_kv_heads, group, blocks, block, head_dim)
+    first = torch.arange(blocks, device=q.device)[:, None, None] * block  # the first token of each block
+    a = torch.arange(block, device=q.device)[:, None]  # the query's place in its block
+    n = torch.arange(window + block, device=q.device)  # the key's place in the block's band
+    allowed = (n > a) & (n <= a + window) & (first + n >= window)  # [blocks, block, W + block]
+    scores = torch.einsum("bhgcqd,bhcdn->bhgcqn", queries, _band_blocks(k, window, block))
+    if sinks:  # a sink j is attended apart while out of the window: i - j >= W
+        sink = torch.arange(sinks, device=q.device)
+        allowed = torch.cat([first + a - sink >= window, allowed], dim=-1)
+        scores = torch.cat([torch.einsum("bhgcqd,bhsd->bhgcqs", queries, k[:, :, :sinks]), scores], dim=-1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    p = torch.exp(scores - finite_or_zero(scores.amax(-1, keepdim=True)))
+    window_num = torch.einsum("bhgcqn,bhcdn->bhgcqd", p[..., sinks:], _band_blocks(v, window, block))
+    if sinks:
+        window_num = window_num + torch.einsum("bhgcqs,bhsd->bhgcqd", p[..., :sinks], v[:, :, :sinks])
+    window_num = window_num.reshape(batch, num_kv_heads, group, blocks * block, -1)[:, :, :, :steps]
+    window_den = p.sum(-1).reshape(batch, num_kv_heads, group, -1)[..., :steps]
+    return factor[..., None, None] * window_num, factor[..., None] * window_den  # f after the sums: fewer products
+
+
+def prompt_window_and_leaving(q, k, v, window_state, factor, scale: float, block: int = PROMPT_BLOCK):
+    """``chunked_window_and_leaving`` for a whole unpadded prompt from the empty state: the window
+    part by ``band_window_part``, token i - W leaving as token i >= W + S arrives (the keys and
+    values shifted by W), the state written from the prompt's tail (``kernels.ring.prompt_write``)."""
+    window, sinks, steps = window_state[0].shape[2], window_state[2].shape[2], k.shape[2]
+    k, v = k.to(window_state[0].dtype).float(), v.to(window_state[1].dtype).float()  # as the ring holds them
+    window_num, window_den = band_window_part(q, k, v, window, sinks, factor, scale, block)
+    leaves = (torch.arange(steps, device=q.device) >= window + sinks).expand(q.shape[0], -1)
+
+    def shifted(x: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.pad(x, (0, 0, window, 0))[:, :, :steps]
+        return torch.where(leaves[:, None, :, None], x, 0.0)
+
+    return window_num, window_den, shifted(k), shifted(v), leaves, prompt_write(k, v, *window_state)
+
+
+def chunked_window_and_leaving(q, k, v, mask, window_state, factor, scale: float, chunk_size: int,
+                               backend: str | None):
     """The window part chunk by chunk (``fused_window_step`` for a decode token once ``backend`` is
     set, else ``_window_part``) and the tokens leaving the window for the memory (``leaving``):
     ``(window_num, window_den, old_keys, old_values, leaves [B, T], window_state)``."""
@@ -333,7 +475,7 @@ def fused_hybrid_attn(
     else:  # the gated forms of cells.gated on featurised inputs, phi(k) = 0 where none leaves
         phi_k = torch.where(leaves[:, None, :, None], phi(old_keys), 0.0)
         args = (phi(q), phi_k, old_values, log_a, state)
-        linear, state, _ = step_gated_attn(*args) if q.shape[3] == 1 else chunk_gated_attn(*args, chunk_size=chunk_size)
+        linear, state, _ = chunk_gated_attn(*args, chunk_size=chunk_size)
     out = _combine(window_num, window_den, linear[..., :-1], linear[..., -1], gate)
     return out, *window_state, state[..., :-1], state[..., -1]
 
@@ -356,8 +498,6 @@ def delta_memory_hybrid_attn(
     args = (l2_normalise(q), l2_normalise(old_keys), old_values, beta, log_a, kv)
     if kernels is not None:
         memory, kv = fused_delta_attn(*args, backend=kernels)
-    elif q.shape[3] == 1:
-        memory, kv = step_delta_attn(*args)
     else:
         memory, kv = chunk_delta_attn(*args, chunk_size=chunk_size)
     out = readout(window_den, window_num) + gate[..., None, None] * memory
@@ -492,26 +632,32 @@ class HybridCell(Cell):
             state = (keys, values, keys[:, :, :0], values[:, :, :0], *rest)
         gate = self.memory_gate.float().reshape(self.spec.num_kv_heads, self.spec.group_size)
         mask = mask.to(torch.bool)
-        if self.memory in DELTA_MEMORIES:
-            beta, log_a = self.writer(x, mask)
-            out, *state = delta_memory_hybrid_attn(grouped, k, v, mask, *state, beta, log_a, gate, self.spec.scale,
-                                                   self.chunk_size, self.backend(q, steps))
-            if not self.sinks:
-                del state[2:4]
-            return out.reshape(batch, self.spec.num_heads, steps, -1).to(q.dtype), *state
-        args = (self.phi, self.mixing_factor(), self.spec.scale, gate)
         backend = self.backend(q, steps)
+        if self.memory in DELTA_MEMORIES:
+            out, *state = self._delta_memory(grouped, k, v, mask, state, gate, x, backend)
+        else:
+            out, *state = self._linear_memory(grouped, k, v, mask, state, gate, x, backend)
+        if not self.sinks:
+            del state[2:4]
+        return out.reshape(batch, self.spec.num_heads, steps, -1).to(q.dtype), *state
+
+    def _delta_memory(self, q, k, v, mask, state, gate, x, backend: str | None):
+        """A delta or gated-delta memory: the lean step for a decode token off kernels, else the general forms."""
+        beta, log_a = self.writer(x, mask)
+        if q.shape[3] == 1 and backend is None:
+            return step_delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, gate, self.spec.scale)
+        return delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, gate, self.spec.scale, self.chunk_size,
+                                        backend)
+
+    def _linear_memory(self, q, k, v, mask, state, gate, x, backend: str | None):
+        """A linear or gla memory: the lean step for a decode token off kernels, else the general forms."""
+        args, log_a = (self.phi, self.mixing_factor(), self.spec.scale, gate), None
         if self.memory == "gla":
             if x is None:
                 raise ValueError("the gla memory needs the layer input: call the cell with x=[B, T, hidden]")
             log_a = gla_log_gates(x, self.gate_down, self.gate_up, GLA_TAU, self.spec.num_kv_heads, mask)
-            out, *state = fused_hybrid_attn(grouped, k, v, mask, *state, *args, self.chunk_size, backend, log_a)
-        elif backend is not None:
-            out, *state = fused_hybrid_attn(grouped, k, v, mask, *state, *args, self.chunk_size, backend)
-        elif steps == 1:
-            out, *state = step_hybrid_attn(grouped, k, v, mask, *state, *args)
-        else:
-            out, *state = chunk_hybrid_attn(grouped, k, v, mask, *state, *args, self.chunk_size)
-        if not self.sinks:
-            del state[2:4]
-        return out.reshape(batch, self.spec.num_heads, steps, -1).to(q.dtype), *state
+        if q.shape[3] == 1 and backend is None:
+            return step_hybrid_attn(q, k, v, mask, *state, *args, log_a)
+        if backend is not None or log_a is not None:
+            return fused_hybrid_attn(q, k, v, mask, *state, *args, self.chunk_size, backend, log_a)
+        return chunk_hybrid_attn(q, k, v, mask, *state, *args, self.chunk_size)

@@ -75,3 +75,22 @@ def held_index(length: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
     sink = torch.arange(sinks, device=length.device).expand(length.shape[0], -1)
     sink = torch.where(sinks_outside_window(length, window, sinks), sink, -1)
     return torch.cat([sink, ring_index(length, window)], dim=1)
+
+
+def prompt_write(k, v, keys, values, sink_keys, sink_values, length):
+    """``window_write`` for a whole unpadded prompt from the empty state (``length`` all 0), without
+    slot bookkeeping: its last W tokens go to the ring (token n in slot n mod W: the tail rolled),
+    its first S to the sinks; slots no token reaches keep what they held. Returns ``(keys, values,
+    sink_keys, sink_values, length)``."""
+    steps, window, sinks = k.shape[2], keys.shape[2], sink_keys.shape[2]
+
+    def ring(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        new = new.to(old.dtype)
+        if steps >= window:
+            return new[:, :, steps - window:].roll(steps % window, dims=2)
+        return torch.cat([new, old[:, :, steps:]], dim=2)
+
+    def sink(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        return torch.cat([new[:, :, :sinks].to(old.dtype), old[:, :, steps:]], dim=2)
+
+    return ring(k, keys), ring(v, values), sink(k, sink_keys), sink(v, sink_values), length + steps
