@@ -132,6 +132,14 @@ def parse_dir_row(text: str) -> dict:
     return {"variant": name, "dir": directory, "seconds": float(seconds) if seconds else None}
 
 
+def stage_tokens(record: dict) -> dict[str, int]:
+    """Tokens per stage of a manifest's distillation record, with those of earlier distillations."""
+    tokens = stage_tokens(record["earlier"]) if record.get("earlier") else {}
+    for r in record["trained"]:
+        tokens[r["stage"]] = tokens.get(r["stage"], 0) + r["tokens"]
+    return tokens
+
+
 def run_dir_row(spec: dict, heldout: Path, args, cached: dict | None, save) -> dict:
     """A row from a saved directory: its numbers count as distilled when its manifest records a
     distillation, else as training-free; reused from ``cached`` while the weights are the same."""
@@ -148,7 +156,7 @@ def run_dir_row(spec: dict, heldout: Path, args, cached: dict | None, save) -> d
     if manifest.distill is None:
         row["training_free"] = result
     else:
-        stages = {r["stage"]: r["tokens"] for r in manifest.distill["trained"]}
+        stages = stage_tokens(manifest.distill)
         row.update(training_free=None, distilled=result, stage_tokens=stages, distill_tokens=sum(stages.values()),
                    distill_seconds=spec["seconds"])
     save(row)
@@ -191,7 +199,7 @@ def run_row(spec: dict, heldout: Path, train: Path, args, cached: dict | None, s
     row = {**row, "distill_settings": wanted, "distill_seconds": round(time.time() - start, 1), "distill_tokens": tokens,
            # the budget is split between the stages that ran (transfer is skipped when the cells have
            # nothing to train): the tokens each stage read
-           "stage_tokens": {r["stage"]: r["tokens"] for r in model.manifest.distill["trained"]}}
+           "stage_tokens": stage_tokens(model.manifest.distill)}
     row["distilled"] = measure(model, heldout, args)
     if args.save is not None:  # for --dir rows at another length, e.g. --seq-len 2048
         model.save(args.save / spec["variant"])
@@ -323,7 +331,8 @@ def document(record: dict, png: Path, json_path: Path) -> str:
     """docs/fidelity.md: what was measured, how to rerun it, the table, the goals and the plot."""
     rows, original, window = record["rows"], record["original_perplexity"], record.get("window", WINDOW)
     first = rows[0]["training_free"]
-    free = [r["training_free"]["perplexity"] / original for r in rows if r["target"] in ("linear", "gated", "aaren")]
+    free = [r["training_free"]["perplexity"] / original for r in rows
+            if r["target"] in ("linear", "gated", "aaren") and r.get("training_free")]
     spread = f"{min(free):.1f}-{max(free):.1f}" if free else "(not run)"
     goals = []
     for name, limit in GOALS.items():

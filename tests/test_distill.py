@@ -197,6 +197,10 @@ def test_distilled_model_round_trips_through_save(hybrid_dir, tmp_path):
     record = loaded.manifest.distill
     assert [r["stage"] for r in record["trained"]] == ["transfer", "finetune"]
     assert record["lr"] == [1e-2, 1e-3] and record["kl_weight"] == 1.0 and record["teacher"]
+    assert "earlier" not in record
+    rnnify.distill(loaded, tokens(8), stages=["finetune"], **FAST)  # a second run keeps the first's record
+    assert [r["stage"] for r in loaded.manifest.distill["trained"]] == ["finetune"]
+    assert loaded.manifest.distill["earlier"] == record
 
 
 # -- checkpoints ---------------------------------------------------------------------------

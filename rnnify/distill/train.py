@@ -114,7 +114,8 @@ def distill(
     is; under ``torchrun`` on CUDA, each rank's ``LOCAL_RANK`` GPU); the model moves there, except
     under FSDP, where it stays where it is (e.g. the CPU) and only its shards go to ``device``.
     Torch's global random state is left as it was: LoRA is drawn from a generator seeded with
-    ``seed``. The settings and tokens are recorded in ``model.manifest.distill``.
+    ``seed``. The settings and tokens are recorded in ``model.manifest.distill`` (an earlier
+    distillation's record under ``"earlier"``).
     """
     stages = _check_stages(stages)
     lrs = _check_lrs(stages, lr)
@@ -298,8 +299,10 @@ class _Trainer:
             merge_lora(model)
             for name, param in model.named_parameters():
                 param.requires_grad_(requires_grad.get(name, True))
+        earlier = model.manifest.distill  # a model distilled before keeps that record: its stages came first
         model.manifest.distill = {
             **self.settings, "world_size": self.runtime.world_size, "fsdp": self.fsdp, "trained": records,
+            **({"earlier": earlier} if earlier else {}),
         }
         return model
 
