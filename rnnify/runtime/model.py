@@ -18,6 +18,7 @@ from torch import nn
 from rnnify.cells import Cell
 from rnnify.errors import PositionError, RnnifyError, RnnifyWarning, StateError
 from rnnify.kernels.utils import check_kernels, check_runnable
+from rnnify.runtime.direct_calls import direct_forward
 from rnnify.runtime.manifest import Manifest
 from rnnify.runtime.sampling import check_sampling, next_token
 from rnnify.runtime.state import RecurrentState
@@ -54,6 +55,7 @@ class RecurrentModel(nn.Module):
         self._warned_positions = False
         self._step_graph: Any = None  # set by compile_step
         self._cuda_graphs = False  # compile_step on CUDA: the step replays as a CUDA graph
+        self._direct: tuple[Any, str, Any] | None = None  # (graph, its code, direct_forward of it)
 
     # -- description ------------------------------------------------------------------------
 
@@ -188,8 +190,10 @@ class RecurrentModel(nn.Module):
             positions = state.positions + input_ids.shape[1]
         else:
             graph_mask, positions = mask, state.positions + mask.long().sum(1)
-        if self._step_graph is None or input_ids.shape[1] != 1:
+        if torch.is_grad_enabled():  # training: through the module, its hooks and wrappers
             logits, *tensors = self.graph(input_ids, position_ids, graph_mask, *state.tensors)
+        elif self._step_graph is None or input_ids.shape[1] != 1:
+            logits, *tensors = self._direct_forward()(self.graph, input_ids, position_ids, graph_mask, *state.tensors)
         elif self._cuda_graphs:
             # a replay overwrites the last one's outputs: copy them out, so every state stays valid
             torch.compiler.cudagraph_mark_step_begin()
@@ -197,6 +201,14 @@ class RecurrentModel(nn.Module):
         else:
             logits, *tensors = self._step_graph(input_ids, position_ids, graph_mask, *state.tensors)
         return logits, RecurrentState(tuple(tensors), positions, state.model_uid)
+
+    def _direct_forward(self) -> Any:
+        """The graph's forward with direct torch calls (``runtime.direct_calls``), regenerated
+        whenever the graph is replaced or recompiled."""
+        graph, code = self.graph, self.graph.code
+        if self._direct is None or self._direct[0] is not graph or self._direct[1] is not code:
+            self._direct = (graph, code, direct_forward(graph))
+        return self._direct[2]
 
     @torch.no_grad()
     def prefill(
