@@ -212,21 +212,35 @@ def test_convert_tiny_llama_left_padded(tiny_model_dir):
 
 # --------------------------------------------------------------------------- the hybrid's delta memory
 
-def delta_memory_reference(cell, q, k, v, x, mask, window: int, sinks: int):
+def delta_memory_reference(cell, q, k, v, x, mask, window: int, sinks: int, expected_window):
     """float64: per row and kv head, token n - W (not a sink) is written when real token n >= W + S
-    arrives, with beta and alpha of token n; the readout S q^ of every query after that write."""
-    writer = cell.writer
-    out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=torch.float64)
+    arrives, with beta and alpha of token n, through the reader's key map; every query blends the
+    window's output with the readout S q' by its share g_h 2 sigmoid(x W_s + b_s), once the memory
+    holds a token (before: the window's output alone)."""
+    writer, reader = cell.writer, cell.reader
+    gate = cell.memory_gate.double()
+    factor = 2 * torch.sigmoid(x.double() @ reader.share_proj.weight.double().T + reader.share_proj.bias.double())
+
+    def mapped(t, h):
+        return t.double() @ reader.key_map[h].double() + reader.key_bias[h].double()
+
+    out = expected_window.double().clone()
+    group = SPEC.group_size
     for b in range(2):
         real = [t for t in range(q.shape[2]) if mask[b, t]]
         for h in range(2):
-            S = torch.zeros(6, 8, dtype=torch.float64)
+            S, written = torch.zeros(6, 8, dtype=torch.float64), False
             for t in range(q.shape[2]):
                 n = real.index(t) if t in real else -1
                 if n >= window + sinks:
                     j = real[n - window]
-                    S = delta_write(S, writer, x[b, t], h, k[b, h, j], v[b, h, j])
-                read(out, S, q, b, h, t)
+                    S, written = delta_write(S, writer, x[b, t], h, mapped(k[b, h, j], h), v[b, h, j]), True
+                if not written:
+                    continue
+                for i in range(h * group, (h + 1) * group):
+                    query = mapped(q[b, i, t], h)
+                    share = gate[i] * factor[b, t, i]
+                    out[b, i, t] += share * (S @ (query / query.norm()) - out[b, i, t])
     return out
 
 
@@ -256,9 +270,10 @@ def assert_every_phase_matches(hybrid, q, k, v, x, mask, expected) -> None:
 
 
 @pytest.mark.parametrize("memory", ["delta", "gated-delta"])
-def test_hybrid_delta_memory_is_window_plus_gated_readout(memory):
-    """out = the window target's output + g_h * (delta memory of the tokens that left the window);
-    at the default g = 0 the window target (to rounding). Prefill in chunks, then decode, from a state."""
+def test_hybrid_delta_memory_blends_window_and_readout(memory):
+    """out = the window target's output blended with the delta memory of the tokens that left the
+    window, by each query's share; at the default g = 0 the window target (to rounding). Prefill in
+    chunks, then decode, from a state."""
     window, sinks = 3, 1
     torch.manual_seed(0)
     hybrid = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4})
@@ -269,10 +284,9 @@ def test_hybrid_delta_memory_is_window_plus_gated_readout(memory):
     gate = torch.tensor([0.3, -0.5, 1.0, 0.7])
     with torch.no_grad():
         hybrid.memory_gate.copy_(gate)
-        for p in hybrid.writer.parameters():
-            p.normal_(std=0.3) if p.dim() == 2 else None
-    expected = expected_window.double() + gate[None, :, None, None].double() * delta_memory_reference(
-        hybrid, q, k, v, x, mask, window, sinks)
+        for p in (*hybrid.writer.parameters(), *hybrid.reader.parameters()):
+            p.add_(torch.randn_like(p), alpha=0.3)
+    expected = delta_memory_reference(hybrid, q, k, v, x, mask, window, sinks, expected_window)
     assert_every_phase_matches(hybrid, q, k, v, x, mask, expected)
 
 
@@ -357,7 +371,8 @@ def general_step(cell, q, k, v, x, mask, state):
         state = (keys, values, keys[:, :, :0], values[:, :, :0], *rest)
     gate = cell.memory_gate.reshape(spec.num_kv_heads, spec.group_size)
     if cell.memory in ("delta", "gated-delta"):
-        out, *state = delta_memory_hybrid_attn(grouped, k, v, mask, *state, *cell.writer(x, mask), gate, spec.scale)
+        reading = (cell.reader.share(x, gate), cell.reader.key_map, cell.reader.key_bias, spec.scale)
+        out, *state = delta_memory_hybrid_attn(grouped, k, v, mask, *state, *cell.writer(x, mask), *reading)
     else:
         fixed = (cell.phi, cell.mixing_factor(), spec.scale, gate)
         if cell.memory == "gla":
@@ -401,8 +416,7 @@ def test_hybrid_lean_step_equals_the_general_path_and_the_reference(memory, sink
         if memory in ("delta", "gated-delta"):
             windowed = build_cell("window", SPEC, {"window": window, "sinks": sinks})
             expected, *_ = windowed(q, k, v, mask, *windowed.init_state(2, q.device, q.dtype))
-            expected = expected.double() + cell.memory_gate[None, :, None, None].double() * \
-                delta_memory_reference(cell, q, k, v, x, mask, window, sinks)
+            expected = delta_memory_reference(cell, q, k, v, x, mask, window, sinks, expected)
         else:
             expected = gla_memory_reference(cell, q, k, v, x, mask, window, sinks)
     real = mask[:, None, :, None].expand_as(expected)
@@ -449,10 +463,29 @@ class _OpCount(TorchDispatchMode):
 @pytest.mark.parametrize("memory", ["linear", "gla", "delta", "gated-delta"])
 def test_hybrid_lean_step_dispatches_few_ops(memory):
     """A CPU decode step's time is its op count (docs/performance.md): here the general forms
-    dispatched 219-282 aten ops a step, the lean step 92-116; held under 130 so a regression shows."""
+    dispatched 219-282 aten ops a step, the lean step 92-116 for the linear and gla memories and
+    136-151 for the delta memories (their reader's key map and share); held under 160 so a
+    regression shows."""
     cell = build_cell("hybrid", SPEC, {"window": 3, "sinks": 2, "memory": memory})
     q, k, v, x, mask = make_inputs(1, pad=0)
     count = _OpCount()
     with torch.no_grad(), count:
         cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)
-    assert count.ops < 130
+    assert count.ops < 160
+
+
+@pytest.mark.parametrize("memory", ["delta", "gated-delta"])
+def test_hybrid_delta_reader_trains_from_the_start(memory):
+    """With the memory gate open, the key map, its bias and the share projection all get a gradient."""
+    cell = build_cell("hybrid", SPEC, {"window": 3, "memory": memory, "memory_init": 0.5})
+    q, k, v, x, mask = make_inputs(9, pad=2)
+    out, *_ = cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)
+    out.square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in cell.reader.parameters())
+
+
+def test_hybrid_delta_memory_saved_with_the_added_readout_asks_to_convert_again():
+    cell = build_cell("hybrid", SPEC, {"window": 3, "memory": "delta"})
+    earlier = {name: value for name, value in cell.state_dict().items() if not name.startswith("reader.")}
+    with pytest.raises(RnnifyError, match="convert the model again"):
+        build_cell("hybrid", SPEC, {"window": 3, "memory": "delta"}).load_state_dict(earlier)

@@ -58,21 +58,28 @@ y_i read as above: the state is the linear memory's, the forms ``fused_hybrid_at
 (the ops' per-feature gate, or ``cells.gated``'s gated forms off kernels); or a delta-rule memory,
 ``delta`` or ``gated-delta`` (``cells/delta.py``; the AHN design: what leaves the window is
 written into a fixed-size recurrent memory). The delta state H = S^T ``[d_k, d_v]`` per kv head has
-no normaliser, so it cannot join the normalised sum; its readout is added to the window's own
-output instead, with the same zero-initialised gate:
+no normaliser, so it cannot join the normalised sum; the query's output blends the window's own
+output with the memory's readout instead:
 
     when token i arrives and token j = i - W leaves the ring (not a sink):
-        H <- alpha_i (I - beta_i k^_j k^_j^T) H + beta_i k^_j v_j^T         (k^: L2-normalised)
-    out_i = w_i / u_i + g_h H_i^T q^_i
+        H <- alpha_i (I - beta_i k'_j k'_j^T) H + beta_i k'_j v_j^T
+    out_i = w_i / u_i + s_i (H_i^T q'_i - w_i / u_i),      s_i = g_h 2 sigmoid(x_i W_s + b_s)_h
 
-beta_i and alpha_i come from the layer input x_i of the arriving token (``cells.delta.DeltaWriter``,
-initialised to beta = 0.5, alpha = 0.99): the token that pushes j out decides how strongly j is
-written and how much the memory fades, so no layer input is kept in the ring. At g = 0 the
-model is again exactly its window target; the state is the window's plus ``kv`` (H, fp32), no
-``k_sum``; f_h does not enter (w / u does not depend on it), so there is no ``window_logit`` and no
-feature map. Forms: ``delta_memory_hybrid_attn`` (the window part as ``fused_hybrid_attn``'s, the
-memory through the delta cells' chunk / step / fused forms on the leaving tokens); the tests hold
-it to the ``window`` target plus a delta-rule loop over the leaving tokens.
+with k' = normalise(k M + c) and q' = normalise(q M + c) through a map per kv head (``DeltaReader``;
+M = I and c = 0 at start): RoPE'd keys far apart in position need not look alike, and keys that
+share a common direction make each write erase the others, so the memory learns its own key space. beta_i and alpha_i come from the layer input x_i of the arriving token
+(``cells.delta.DeltaWriter``, initialised to beta = 0.5, alpha = 0.99): the token that pushes j out
+decides how strongly j is written and how much the memory fades, so no layer input is kept in the
+ring. s_i, the memory's share, is what softmax gives the tokens beyond the window, so it depends on
+the query (here through x_i: W_s = 0, b_s = 0 at start, a factor of 1); it is 0 while the memory is
+still empty (nothing written yet: its readout 0 is no estimate). At g = 0 the model is again
+exactly its window target; the state is the window's plus ``kv`` (H, fp32), no ``k_sum``; f_h
+does not enter (w / u does not depend on it), so there is no ``window_logit`` and no feature map.
+(Until this version the readout was added, out_i = w_i / u_i + g_h H^T q^_i, which could not give
+the window's share to the memory: on SmolLM2 it ended worse than the window alone.) Forms:
+``delta_memory_hybrid_attn`` (the window part as ``fused_hybrid_attn``'s, the memory through the
+delta cells' chunk / step / fused forms on the leaving tokens); the tests hold it to the
+``window`` target plus a delta-rule loop over the leaving tokens.
 
 Forms (tests hold them to ``naive_recurrent_hybrid_attn``): ``naive_recurrent_*`` (a plain loop
 over tokens, the window part key by key), ``parallel_*`` (masked quadratic over sinks + ring + new
@@ -98,12 +105,13 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
 from rnnify.cells.exact import finite_or_zero, readout
 from rnnify.cells.linear import KERNEL_MAX_FEATURES, build_feature_map, fused_feature_attn
-from rnnify.errors import check_int
+from rnnify.errors import RnnifyError, check_int
 from rnnify.kernels.ring import held_index, prompt_write, token_index, window_write
 from rnnify.cells.delta import DeltaWriter, chunk_delta_attn, fused_delta_attn, l2_normalise, step_delta_attn
 from rnnify.cells.gated import _gate_bias, gla_log_gates, gla_projections
@@ -316,7 +324,8 @@ def step_hybrid_attn(
 
 
 def step_delta_memory_hybrid_attn(
-    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, beta, log_a, gate, scale: float,
+    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, beta, log_a, share, key_map, key_bias,
+    scale: float,
 ):
     """The decode path of the delta memories off kernels: ``window_step``, then the token leaving
     the window is written by the delta rule (beta = 0 and no decay where none leaves: the stale key
@@ -326,8 +335,10 @@ def step_delta_memory_hybrid_attn(
     leaves = leaves.view(-1, 1, 1)  # [B, 1, T]
     beta = torch.where(leaves, beta, 0.0)
     log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
-    memory, kv = step_delta_attn(l2_normalise(q), l2_normalise(old_key), old_value, beta, log_a, kv)
-    return torch.addcmul(_window_output(w, u), gate[..., None, None], memory), *window_state, kv
+    memory, kv = step_delta_attn(memory_keys(q, key_map, key_bias), memory_keys(old_key, key_map, key_bias),
+                                 old_value, beta, log_a, kv)
+    holds = (length > keys.shape[2] + sink_keys.shape[2]) | leaves.view(-1)  # one token: holds_memory in 2 ops
+    return torch.lerp(_window_output(w, u), memory, share[..., None] * holds.view(-1, 1, 1, 1, 1)), *window_state, kv
 
 
 def leaving(q_index, key_index, all_keys, all_values, window: int, sinks: int):
@@ -481,27 +492,69 @@ def fused_hybrid_attn(
 
 
 def delta_memory_hybrid_attn(
-    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, beta, log_a, gate, scale: float,
-    chunk_size: int = 64, kernels: str | None = None,
+    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, beta, log_a, share, key_map, key_bias,
+    scale: float, chunk_size: int = 64, kernels: str | None = None,
 ):
     """The hybrid with a delta-rule memory (see above), every phase: the window part by
     ``window_and_leaving``, the memory on the tokens leaving the window, at most one per new token
     (beta = 0 and no decay where none leaves), through ``cells.delta``'s forms (``fused_delta_attn``
     with ``kernels``). beta / log_a ``[B, Hkv, T]`` are those of the arriving tokens (0 at padding),
-    gate g ``[Hkv, G]``."""
+    share ``[B, Hkv, G, T]`` the memory's share of each query's output (``DeltaReader.share``),
+    key_map / key_bias ``[Hkv, d, d]`` / ``[Hkv, d]`` the reader's key map."""
     unit = torch.ones(q.shape[1], q.shape[2], device=q.device)  # f = 1: w / u does not depend on it
     window_num, window_den, old_keys, old_values, leaves, window_state = window_and_leaving(
         q, k, v, mask, (keys, values, sink_keys, sink_values, length), unit, scale, chunk_size, kernels)
     leaves = leaves[:, None]  # [B, 1, T]
     beta = torch.where(leaves, beta, 0.0)
     log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
-    args = (l2_normalise(q), l2_normalise(old_keys), old_values, beta, log_a, kv)
+    args = (memory_keys(q, key_map, key_bias), memory_keys(old_keys, key_map, key_bias), old_values, beta, log_a, kv)
     if kernels is not None:
         memory, kv = fused_delta_attn(*args, backend=kernels)
     else:
         memory, kv = chunk_delta_attn(*args, chunk_size=chunk_size)
-    out = readout(window_den, window_num) + gate[..., None, None] * memory
-    return out, *window_state, kv
+    share = share * holds_memory(length, leaves, keys.shape[2] + sink_keys.shape[2])
+    return torch.lerp(readout(window_den, window_num), memory, share[..., None]), *window_state, kv
+
+
+def memory_keys(x: torch.Tensor, key_map: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
+    """Queries ``[B, Hkv, G, T, d]`` or keys ``[B, Hkv, T, d]`` as the delta memory reads and
+    writes them: through the kv head's map x W + b, then L2-normalised, fp32."""
+    group = [1] * (x.dim() - 4)  # queries have a group axis
+    key_map = key_map.float().view(key_map.shape[0], *group, *key_map.shape[1:])
+    key_bias = key_bias.float().view(key_bias.shape[0], *group, 1, key_bias.shape[1])
+    return l2_normalise(x.float() @ key_map + key_bias)
+
+
+def holds_memory(length: torch.Tensor, leaves: torch.Tensor, held: int) -> torch.Tensor:
+    """``[B, 1, 1, T]``: has any token been written to the memory by the time each query reads it
+    (before this call: more than W + S real tokens read; or one leaving since). An empty delta
+    memory reads 0, which the blend must not mix in."""
+    leaves = leaves.reshape(length.shape[0], -1)
+    return ((length > held)[:, None] | (leaves.cumsum(-1) > 0))[:, None, None].float()
+
+
+class DeltaReader(nn.Module):
+    """How the hybrid reads its delta memory: a map of queries and written keys (one per kv head,
+    the identity at start) and the memory's share of the output, from the layer input."""
+
+    def __init__(self, spec: CellSpec):
+        super().__init__()
+        if spec.hidden_size is None:
+            raise ValueError("the delta memory reads the layer input, but its width (spec.hidden_size) is unknown")
+        self.num_kv_heads, self.group_size = spec.num_kv_heads, spec.group_size
+        self.key_map = nn.Parameter(torch.eye(spec.head_dim).repeat(spec.num_kv_heads, 1, 1))
+        self.key_bias = nn.Parameter(torch.zeros(spec.num_kv_heads, spec.head_dim))
+        self.share_proj = nn.Linear(spec.hidden_size, spec.num_heads)
+        nn.init.zeros_(self.share_proj.weight)
+        nn.init.zeros_(self.share_proj.bias)
+
+    def share(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """g_h 2 sigmoid(x W + b) ``[B, Hkv, G, T]``: the memory gate ``[Hkv, G]`` (0 at start) times a
+        factor from each token's layer input ``x [B, T, hidden]`` (1 at start)."""
+        proj = self.share_proj
+        factor = 2 * torch.sigmoid(F.linear(x.float(), proj.weight.float(), proj.bias.float()))  # [B, T, H]
+        factor = factor.transpose(1, 2).reshape(x.shape[0], self.num_kv_heads, self.group_size, x.shape[1])
+        return gate[None, :, :, None] * factor
 
 
 class HybridCell(Cell):
@@ -566,6 +619,7 @@ class HybridCell(Cell):
             self.needs_input = True
         elif memory in DELTA_MEMORIES:  # beta (and alpha) from the layer input
             self.writer = DeltaWriter(spec, memory == "gated-delta", 0.5, None)
+            self.reader = DeltaReader(spec)
             self.needs_input, memory_state = True, ("kv",)
         window_state = ("keys", "values", "sink_keys", "sink_values") if self.sinks else ("keys", "values")
         self.state_names = (*window_state, "length", *memory_state)
@@ -618,6 +672,10 @@ class HybridCell(Cell):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # hybrids saved before the memory gate existed computed the plain LoLCATs sum: gate 1
         state_dict.setdefault(prefix + "memory_gate", torch.ones_like(self.memory_gate))
+        if self.memory in DELTA_MEMORIES and prefix + "reader.share_proj.weight" not in state_dict:
+            raise RnnifyError(
+                "this hybrid's delta memory was saved by an earlier rnnify, which added its readout to the window's "
+                "output; the memory is now read through a learned key map and blended in: convert the model again")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def mixing_factor(self) -> torch.Tensor:
@@ -644,10 +702,10 @@ class HybridCell(Cell):
     def _delta_memory(self, q, k, v, mask, state, gate, x, backend: str | None):
         """A delta or gated-delta memory: the lean step for a decode token off kernels, else the general forms."""
         beta, log_a = self.writer(x, mask)
+        reading = (self.reader.share(x, gate), self.reader.key_map, self.reader.key_bias, self.spec.scale)
         if q.shape[3] == 1 and backend is None:
-            return step_delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, gate, self.spec.scale)
-        return delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, gate, self.spec.scale, self.chunk_size,
-                                        backend)
+            return step_delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, *reading)
+        return delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, *reading, self.chunk_size, backend)
 
     def _linear_memory(self, q, k, v, mask, state, gate, x, backend: str | None):
         """A linear or gla memory: the lean step for a decode token off kernels, else the general forms."""
