@@ -982,6 +982,12 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     for layer in result.layers:
         layers.add_row(str(layer.layer), layer.module, f"{layer.rel_error:.3g}", f"{layer.mse:.3g}")
     console.print(layers)
+    positions = Table(box=box.SIMPLE_HEAD, title=Text("KL by position in the row"))
+    for column in ("positions", "tokens", "KL, nats/token"):
+        positions.add_column(column, justify="right")
+    for part in result.kl_by_position:
+        positions.add_row(f"{part.start:,}-{part.end - 1:,}", f"{part.tokens:,}", f"{part.kl:.3g}")
+    console.print(positions)
     if passkey is not None:
         console.print(_passkey_table(passkey))
     if args.json is not None:

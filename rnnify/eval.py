@@ -25,7 +25,24 @@ from rnnify.runtime.manifest import MANIFEST_FILE
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.storage import load, load_or_take
 
-__all__ = ["EvalResult", "evaluate", "write_json"]
+__all__ = ["EvalResult", "PositionKL", "evaluate", "position_ranges", "write_json"]
+
+
+@dataclass
+class PositionKL:
+    """KL(teacher || converted) per real token at row positions [start, end)."""
+
+    start: int
+    end: int
+    kl: float
+    tokens: int
+
+
+def position_ranges(seq_len: int) -> list[tuple[int, int]]:
+    """[0, 64), [64, 128), [128, 256), ... up to ``seq_len``: where a constant-state model's error
+    grows with the context it has read (a 64-token window is exact in the first range)."""
+    edges = [0, *(2 ** k for k in range(6, seq_len.bit_length()) if 2 ** k < seq_len), seq_len]
+    return list(zip(edges[:-1], edges[1:]))
 
 
 @dataclass
@@ -45,6 +62,7 @@ class EvalResult:
     top1_agreement: float  # share of real positions where both models' most likely next token agree
     state_bytes: int  # recurrent state per sequence after seq_len tokens
     layers: list[LayerError]  # per cell: mean over real tokens of ||cell - softmax|| / ||softmax||, and MSE
+    kl_by_position: list[PositionKL]  # KL over the positions of each range (``position_ranges``)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,7 +97,7 @@ def evaluate(
     batches = token_batches(data, tokenizer_for(model, data, tokenizer), seq_len=seq_len, batch_size=batch_size,
                             max_tokens=max_tokens)
     teacher, teacher_name = _teacher(model, against)
-    sums = _Sums(len(model.cells))
+    sums = _Sums(len(model.cells), seq_len)
     from tqdm import tqdm
 
     with tqdm(total=max_tokens, unit="tok", disable=None if progress else True, leave=False) as bar:
@@ -106,6 +124,8 @@ def evaluate(
         top1_agreement=sums.agree / sums.tokens,
         state_bytes=model.state_nbytes(seq_len),
         layers=layers,
+        kl_by_position=[PositionKL(start, end, kl / max(n, 1), int(n))
+                        for (start, end), (kl, n) in zip(sums.ranges, sums.position_kl.tolist())],
     )
 
 
@@ -143,9 +163,11 @@ def _teacher(model: RecurrentModel, against) -> tuple[Callable[[torch.Tensor], t
 class _Sums:
     """Running sums over batches, in float64."""
 
-    def __init__(self, cells: int):
+    def __init__(self, cells: int, seq_len: int):
         self.tokens = self.predicted = self.nll = self.teacher_nll = self.kl = self.agree = 0.0
         self.layers = torch.zeros(cells, 3, dtype=torch.float64)  # per cell: mse sum, rel sum, tokens
+        self.ranges = position_ranges(seq_len)
+        self.position_kl = torch.zeros(len(self.ranges), 2, dtype=torch.float64)  # per range: KL sum, tokens
 
 
 @torch.no_grad()
@@ -177,6 +199,9 @@ def _add_row(sums: _Sums, logits: torch.Tensor, teacher_logits: torch.Tensor, id
     sums.teacher_nll -= float(teacher_logp[:-1].gather(-1, targets).squeeze(-1)[follows].double().sum())
     sums.predicted += int(follows.sum())
     kl = F.kl_div(logp, teacher_logp, log_target=True, reduction="none").sum(-1)  # KL(teacher || converted)
-    sums.kl += float(kl.clamp_min(0)[mask].double().sum())  # >= 0 per position; below is float rounding
+    kl = torch.where(mask, kl.clamp_min(0), 0.0).double()  # >= 0 per position; below is float rounding
+    sums.kl += float(kl.sum())
+    for i, (start, end) in enumerate(sums.ranges):
+        sums.position_kl[i] += torch.stack([kl[start:end].sum().cpu(), mask[start:end].sum().double().cpu()])
     sums.agree += int((logp.argmax(-1) == teacher_logp.argmax(-1))[mask].sum())
     sums.tokens += int(mask.sum())

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import rnnify
+from rnnify.eval import position_ranges
 from rnnify.cli import main
 from rnnify.data import token_batches
 
@@ -62,6 +63,25 @@ def test_approximate_target_has_a_cost(converted_dir):
     other = rnnify.evaluate(model, ids, against=converted_dir("llama", "exact"), **OPTIONS)  # an rnnify dir
     assert other.teacher_perplexity == pytest.approx(result.teacher_perplexity, rel=1e-4)
     assert other.kl == pytest.approx(result.kl, rel=1e-2, abs=1e-7)
+
+
+def test_position_ranges_double_from_64():
+    assert position_ranges(2048) == [(0, 64), (64, 128), (128, 256), (256, 512), (512, 1024), (1024, 2048)]
+    assert position_ranges(300) == [(0, 64), (64, 128), (128, 256), (256, 300)]
+    assert position_ranges(64) == [(0, 64)] and position_ranges(10) == [(0, 10)]
+
+
+def test_kl_by_position_shows_where_a_window_stops_being_exact(tiny_model_dir):
+    """A 64-token window computes the original exactly over a row's first 64 positions and not
+    after; the ranges' token-weighted KL is the overall KL."""
+    model = rnnify.convert(tiny_model_dir("llama"), to="window", window=64)
+    ids = torch.randint(0, 320, (2, 100), generator=torch.Generator().manual_seed(0))
+    result = rnnify.evaluate(model, ids, against=tiny_model_dir("llama"), seq_len=100, batch_size=2)
+    first, rest = result.kl_by_position
+    assert (first.start, first.end, first.tokens, rest.start, rest.end, rest.tokens) == (0, 64, 128, 64, 100, 72)
+    assert first.kl < rest.kl / 100 and rest.kl > 1e-6, (first.kl, rest.kl)  # the first: fp32 rounding
+    overall = (first.kl * first.tokens + rest.kl * rest.tokens) / (first.tokens + rest.tokens)
+    assert overall == pytest.approx(result.kl, rel=1e-9)
 
 
 def test_cli_prints_and_writes_json(converted_dir, corpus, tmp_path, capsys):
