@@ -67,7 +67,8 @@ output with the memory's readout instead:
 
 with k' = normalise(k M + c) and q' = normalise(q M + c) through a map per kv head (``DeltaReader``;
 M = I and c = 0 at start): RoPE'd keys far apart in position need not look alike, and keys that
-share a common direction make each write erase the others, so the memory learns its own key space. beta_i and alpha_i come from the layer input x_i of the arriving token
+share a common direction make each write erase the others, so the memory learns its own key
+space. beta_i and alpha_i come from the layer input x_i of the arriving token
 (``cells.delta.DeltaWriter``, initialised to beta = 0.5, alpha = 0.99): the token that pushes j out
 decides how strongly j is written and how much the memory fades, so no layer input is kept in the
 ring. s_i, the memory's share, is what softmax gives the tokens beyond the window, so it depends on
