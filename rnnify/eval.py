@@ -120,7 +120,7 @@ def evaluate(
         perplexity=math.exp(sums.nll / sums.predicted),
         teacher_perplexity=math.exp(sums.teacher_nll / sums.predicted),
         predicted=int(sums.predicted),
-        kl=sums.kl / sums.tokens,
+        kl=float(sums.position_kl[:, 0].sum()) / sums.tokens,
         top1_agreement=sums.agree / sums.tokens,
         state_bytes=model.state_nbytes(seq_len),
         layers=layers,
@@ -164,10 +164,12 @@ class _Sums:
     """Running sums over batches, in float64."""
 
     def __init__(self, cells: int, seq_len: int):
-        self.tokens = self.predicted = self.nll = self.teacher_nll = self.kl = self.agree = 0.0
+        self.tokens = self.predicted = self.nll = self.teacher_nll = self.agree = 0.0
         self.layers = torch.zeros(cells, 3, dtype=torch.float64)  # per cell: mse sum, rel sum, tokens
         self.ranges = position_ranges(seq_len)
         self.position_kl = torch.zeros(len(self.ranges), 2, dtype=torch.float64)  # per range: KL sum, tokens
+        # the range of each row position
+        self.range_index = torch.cat([torch.full((end - start,), i) for i, (start, end) in enumerate(self.ranges)])
 
 
 @torch.no_grad()
@@ -200,8 +202,8 @@ def _add_row(sums: _Sums, logits: torch.Tensor, teacher_logits: torch.Tensor, id
     sums.predicted += int(follows.sum())
     kl = F.kl_div(logp, teacher_logp, log_target=True, reduction="none").sum(-1)  # KL(teacher || converted)
     kl = torch.where(mask, kl.clamp_min(0), 0.0).double()  # >= 0 per position; below is float rounding
-    sums.kl += float(kl.sum())
-    for i, (start, end) in enumerate(sums.ranges):
-        sums.position_kl[i] += torch.stack([kl[start:end].sum().cpu(), mask[start:end].sum().double().cpu()])
+    per_range = torch.zeros_like(sums.position_kl, device=kl.device)
+    per_range.index_add_(0, sums.range_index[: kl.shape[0]].to(kl.device), torch.stack([kl, mask.double()], -1))
+    sums.position_kl += per_range.cpu()
     sums.agree += int((logp.argmax(-1) == teacher_logp.argmax(-1))[mask].sum())
     sums.tokens += int(mask.sum())

@@ -338,8 +338,8 @@ def step_delta_memory_hybrid_attn(
     log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
     memory, kv = step_delta_attn(memory_keys(q, key_map, key_bias), memory_keys(old_key, key_map, key_bias),
                                  old_value, beta, log_a, kv)
-    holds = (length > keys.shape[2] + sink_keys.shape[2]) | leaves.view(-1)  # one token: holds_memory in 2 ops
-    return torch.lerp(_window_output(w, u), memory, share[..., None] * holds.view(-1, 1, 1, 1, 1)), *window_state, kv
+    share = share * holds_memory(length, leaves, keys.shape[2] + sink_keys.shape[2])
+    return torch.lerp(_window_output(w, u), memory, share[..., None]), *window_state, kv
 
 
 def leaving(q_index, key_index, all_keys, all_values, window: int, sinks: int):

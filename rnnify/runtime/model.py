@@ -190,16 +190,18 @@ class RecurrentModel(nn.Module):
             positions = state.positions + input_ids.shape[1]
         else:
             graph_mask, positions = mask, state.positions + mask.long().sum(1)
-        if torch.is_grad_enabled():  # training: through the module, its hooks and wrappers
-            logits, *tensors = self.graph(input_ids, position_ids, graph_mask, *state.tensors)
-        elif self._step_graph is None or input_ids.shape[1] != 1:
-            logits, *tensors = self._direct_forward()(self.graph, input_ids, position_ids, graph_mask, *state.tensors)
-        elif self._cuda_graphs:
-            # a replay overwrites the last one's outputs: copy them out, so every state stays valid
-            torch.compiler.cudagraph_mark_step_begin()
-            logits, *tensors = (t.clone() for t in self._step_graph(input_ids, position_ids, graph_mask, *state.tensors))
+        inputs = (input_ids, position_ids, graph_mask, *state.tensors)
+        if self._step_graph is not None and input_ids.shape[1] == 1:
+            if self._cuda_graphs:
+                # a replay overwrites the last one's outputs: copy them out, so every state stays valid
+                torch.compiler.cudagraph_mark_step_begin()
+                logits, *tensors = (t.clone() for t in self._step_graph(*inputs))
+            else:
+                logits, *tensors = self._step_graph(*inputs)
+        elif torch.is_grad_enabled():  # training: through the module, its hooks and wrappers
+            logits, *tensors = self.graph(*inputs)
         else:
-            logits, *tensors = self._step_graph(input_ids, position_ids, graph_mask, *state.tensors)
+            logits, *tensors = self._direct_forward()(self.graph, *inputs)
         return logits, RecurrentState(tuple(tensors), positions, state.model_uid)
 
     def _direct_forward(self) -> Any:
