@@ -1,9 +1,8 @@
 """The step graph's forward with direct torch calls in place of aten overloads, for eager inference.
 
 An exported graph calls ``torch.ops.aten.mul.Tensor(x, y)``: a Python ``OpOverload.__call__`` and
-the boxed dispatcher, about 0.2-1.7 us more per call than ``torch.mul(x, y)``'s generated binding
-(most for views and ``to``). A decode step of a small model is mostly such calls, so this overhead
-is a tenth of its time (docs/performance.md, "Direct calls").
+the boxed dispatcher, which ``torch.mul(x, y)``'s generated binding skips. A decode step of a small
+model is mostly such calls (what that saves, measured: docs/performance.md, "Direct calls").
 
 ``direct_forward(gm)`` generates gm's forward from a copy of its graph in which each op of
 ``DIRECT`` calls the torch function with the same schema. It runs against gm itself, its live
