@@ -185,9 +185,10 @@ def sdpa_softmax_attn(
         end = min(start + block_size, length)
         first = 0 if window is None else max(0, total - length + start - window + 1)
         stop = total - length + end
-        q_pos = torch.arange(total - length + start, stop, device=q.device)
-        allowed = _block_allowed(q_pos, torch.arange(first, stop, device=q.device), window)
-        allowed = allowed & valid[:, None, None, first:stop]  # [B, 1, t, n]
+        allowed = valid[:, None, None, first:stop]  # [B, 1, t, n]
+        if length > 1:  # one decode token sees every key of its block (which starts at its window): only padding
+            q_pos = torch.arange(total - length + start, stop, device=q.device)
+            allowed = _block_allowed(q_pos, torch.arange(first, stop, device=q.device), window) & allowed
         out = F.scaled_dot_product_attention(
             q[:, :, start:end], keys[:, :, first:stop].to(q.dtype), values[:, :, first:stop].to(q.dtype),
             attn_mask=allowed, scale=scale, enable_gqa=gqa,

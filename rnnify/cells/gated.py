@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rnnify.cells.base import CellSpec
-from rnnify.cells.linear import FeatureMapCell, fused_feature_attn
+from rnnify.cells.linear import FeatureMapCell, fused_feature_attn, read_step
 from rnnify.errors import check_int
 from rnnify.kernels.linear_attn.naive import Forms, chunk_gated_attn, normalise
 
@@ -70,12 +70,11 @@ GATE_OPTIONS = {"retnet": (), "gla": ("gate_rank", "tau", "decay_init"), "gatelo
 
 def step_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum=None, eps: float = 1e-6) -> Forms:
     a = log_a[:, :, 0].exp()  # T == 1; [B, Hkv, F|1]
-    kv = a[..., None] * kv + phi_k.transpose(-1, -2) @ v  # the outer product phi(k)^T v
-    num = phi_q @ kv[:, :, None]
-    if k_sum is None:
-        return num, kv, None
-    k_sum = a * k_sum + phi_k[:, :, 0]
-    return normalise(num, (phi_q * k_sum[:, :, None, None]).sum(-1), eps), kv, k_sum
+    kv = torch.addcmul(a[..., None] * kv, phi_k[:, :, 0, :, None], v[:, :, 0, None, :])  # + phi(k)^T v
+    if k_sum is not None:
+        k_sum = a * k_sum + phi_k[:, :, 0]
+    num, den = read_step(phi_q, kv, k_sum)
+    return (num if den is None else normalise(num, den, eps)), kv, k_sum
 
 
 def retnet_log_gammas(num_kv_heads: int) -> torch.Tensor:

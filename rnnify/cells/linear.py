@@ -324,14 +324,26 @@ def chunk_feature_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6, chunk_size
 
 
 def step_feature_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
-    # T == 1: add the outer product phi(k)^T v in one pass over the state, with no temporary of its size
+    # T == 1: add the outer product phi(k)^T v in one pass over the state, with no temporary of its size;
+    # a kv head's G queries read its state as one [G, F] x [F, d_v] product, not from a copy per query head
     kv = torch.addcmul(kv, phi_k[:, :, 0, :, None], v[:, :, 0, None, :])
-    num = phi_q @ kv[:, :, None]
+    if k_sum is not None:
+        k_sum = k_sum + phi_k[:, :, 0]
+    num, den = read_step(phi_q, kv, k_sum)
+    return (num if den is None else normalise(num, den, eps)), kv, k_sum
+
+
+def read_step(phi_q, kv, k_sum):
+    """One token's ``phi_q [B, Hkv, G, 1, F]`` reading ``kv [B, Hkv, F, d_v]`` (and ``k_sum``): ``bmm`` on
+    ``[B Hkv, G, F]`` views, so the G query heads of a kv head share its state rather than a copy each
+    (what broadcasting ``phi_q @ kv[:, :, None]`` makes). Returns ``(num [B, Hkv, G, 1, d_v], den
+    [B, Hkv, G, 1] or None)``."""
+    batch, num_kv_heads, group, _, features = phi_q.shape
+    queries = phi_q.reshape(batch * num_kv_heads, group, features)
+    num = torch.bmm(queries, kv.reshape(batch * num_kv_heads, features, -1)).view(batch, num_kv_heads, group, 1, -1)
     if k_sum is None:
-        return num, kv, None
-    k_sum = k_sum + phi_k[:, :, 0]
-    den = (phi_q * k_sum[:, :, None, None]).sum(-1)
-    return normalise(num, den, eps), kv, k_sum
+        return num, None
+    return num, torch.bmm(queries, k_sum.reshape(batch * num_kv_heads, features, 1)).view(batch, num_kv_heads, group, 1)
 
 
 def fused_feature_attn(q, k, v, kv, k_sum, phi: FeatureMap, mask, eps: float = 1e-6, log_a=None,
