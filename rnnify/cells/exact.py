@@ -190,12 +190,17 @@ def sdpa_softmax_attn(
             q_pos = torch.arange(total - length + start, stop, device=q.device)
             allowed = _block_allowed(q_pos, torch.arange(first, stop, device=q.device), window) & allowed
         out = F.scaled_dot_product_attention(
-            q[:, :, start:end], keys[:, :, first:stop].to(q.dtype), values[:, :, first:stop].to(q.dtype),
+            _span(q, start, end), _span(keys, first, stop).to(q.dtype), _span(values, first, stop).to(q.dtype),
             attn_mask=allowed, scale=scale, enable_gqa=gqa,
         )
         outs.append(torch.where(allowed.any(-1, keepdim=True), out, 0.0))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.to(values.dtype)
+
+
+def _span(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``x[:, :, start:stop]``, or x itself when that is all of it (a whole slice is still an op a step)."""
+    return x if (start, stop) == (0, x.shape[2]) else x[:, :, start:stop]
 
 
 class ExactCell(Cell):
