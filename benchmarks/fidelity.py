@@ -324,7 +324,22 @@ def memories_section(json_path: Path) -> str:
                 a, b = kl[f"hybrid-{memory}"], kl["hybrid-linear"]
                 goals.append(f"- {seq_len:,} tokens: `hybrid-{memory}` KL {a:.4f} against `hybrid-linear` {b:.4f} "
                              f"({'as good or better' if a <= b else 'worse'})")
-    return "\n\n".join(parts) + "\n\nGoals (issue 12):\n\n" + "\n".join(goals)
+    return "\n\n".join(parts) + "\n\nGoals (issue 12):\n\n" + "\n".join(goals) + transfer_rates(results)
+
+
+def transfer_rates(results: Path) -> str:
+    """The delta and linear memories again with other attention-transfer learning rates
+    (``memories-stdlib-llama-256-transfer-lr*.json``): is the delta memory's gap one of training speed?"""
+    lines = []
+    for path in sorted(results.glob("memories-stdlib-llama-256-transfer-lr*.json")):
+        record = json.loads(path.read_text())
+        kl = {row["variant"]: row["distilled"]["kl"] for row in record["rows"] if row.get("distilled")}
+        lines.append(f"- transfer learning rate {record['lr'][0]:g}: KL `hybrid-delta` {kl['hybrid-delta']:.4f}, "
+                     f"`hybrid-linear` {kl['hybrid-linear']:.4f} (`{path.name}`; `{record['command']}`)")
+    if not lines:
+        return ""
+    return ("\n\nThe same 256-token runs with other attention-transfer learning rates (the table's is 0.01), "
+            "both memories:\n\n" + "\n".join(lines))
 
 
 def document(record: dict, png: Path, json_path: Path) -> str:
