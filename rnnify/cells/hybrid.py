@@ -111,7 +111,7 @@ from torch.nn import functional as F
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
 from rnnify.cells.exact import finite_or_zero, readout
-from rnnify.cells.linear import KERNEL_MAX_FEATURES, build_feature_map, fused_feature_attn
+from rnnify.cells.linear import KERNEL_MAX_FEATURES, build_feature_map, fused_feature_attn, read_step
 from rnnify.errors import RnnifyError, check_int
 from rnnify.kernels.ring import held_index, prompt_write, token_index, window_write
 from rnnify.cells.delta import DeltaWriter, chunk_delta_attn, fused_delta_attn, l2_normalise, step_delta_attn
@@ -313,13 +313,9 @@ def step_hybrid_attn(
         a = torch.where(leaves, log_a, 0.0).exp()
         kv, k_sum = kv * a.transpose(-1, -2), k_sum * a.squeeze(2)
     kv, k_sum = torch.addcmul(kv, phi_old.transpose(-1, -2), old_value), k_sum + phi_old.squeeze(2)
-    batch, num_kv_heads, group, _, _ = q.shape
-    phi_q = phi(q).reshape(batch * num_kv_heads, group, -1)
-    linear_num = torch.bmm(phi_q, kv.reshape(batch * num_kv_heads, kv.shape[2], -1))
-    linear_den = torch.bmm(phi_q, k_sum.reshape(batch * num_kv_heads, -1, 1))
+    linear_num, linear_den = read_step(phi(q), kv, k_sum)  # shaped as w and u
     factor = factor[..., None]  # [Hkv, G, 1]
-    hybrid = readout(factor * u + linear_den.view(u.shape),
-                     factor[..., None] * w + linear_num.view(w.shape))
+    hybrid = readout(factor * u + linear_den, factor[..., None] * w + linear_num)
     out = hybrid if gate is None else torch.lerp(_window_output(w, u), hybrid, gate[..., None, None])
     return out, *window_state, kv, k_sum
 
