@@ -988,6 +988,12 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     for part in result.kl_by_position:
         positions.add_row(f"{part.start:,}-{part.end - 1:,}", f"{part.tokens:,}", f"{part.kl:.3g}")
     console.print(positions)
+    copies = Table(box=box.SIMPLE_HEAD, title=Text("KL by whether the next token repeats earlier text (4 tokens)"))
+    for column in ("next token", "tokens", "KL, nats/token"):
+        copies.add_column(column, justify="right")
+    for part in result.kl_by_copy:
+        copies.add_row(part.kind, f"{part.tokens:,}", f"{part.kl:.3g}")
+    console.print(copies)
     if passkey is not None:
         console.print(_passkey_table(passkey))
     if args.json is not None:

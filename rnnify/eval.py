@@ -25,7 +25,10 @@ from rnnify.runtime.manifest import MANIFEST_FILE
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.storage import load, load_or_take
 
-__all__ = ["EvalResult", "PositionKL", "evaluate", "position_ranges", "write_json"]
+__all__ = ["CopyKL", "EvalResult", "PositionKL", "copy_kinds", "evaluate", "position_ranges", "write_json"]
+
+COPY_SPAN = 4  # tokens of a repeat: the next token and the 3 before it
+COPY_KINDS = ("new", "copy within 64", "copy beyond 64")  # ``copy_kinds`` codes 0, 1, 2
 
 
 @dataclass
@@ -37,12 +40,37 @@ class PositionKL:
     kl: float
     tokens: int
 
+@dataclass
+class CopyKL:
+    """KL(teacher || converted) per token at the positions of one kind of ``copy_kinds``."""
+
+    kind: str  # "new", "copy within 64" or "copy beyond 64"
+    kl: float
+    tokens: int
+
 
 def position_ranges(seq_len: int) -> list[tuple[int, int]]:
     """[0, 64), [64, 128), [128, 256), ... up to ``seq_len``: where a constant-state model's error
     grows with the context it has read (a 64-token window is exact in the first range)."""
     edges = [0, *(2 ** k for k in range(6, seq_len.bit_length()) if 2 ** k < seq_len), seq_len]
     return list(zip(edges[:-1], edges[1:]))
+
+
+def copy_kinds(ids: torch.Tensor, window: int = 64, span: int = COPY_SPAN) -> torch.Tensor:
+    """For each position t < T - 1 of a row ``ids [T]``, what predicting token t + 1 asks of the
+    context: 0 (new) if the ``span`` tokens ending at t + 1 did not occur earlier in the row,
+    1 (copy within ``window``) if they last did ending at most ``window`` positions before,
+    2 (copy beyond ``window``) if only further back. Copies from beyond the window are text a
+    windowed model cannot see and its memory has to carry (repeated names, quoted code), so they
+    show how much of a constant-state model's KL is recall and how much is the rest."""
+    kinds, last = [0] * max(len(ids) - 1, 0), {}
+    tokens = ids.tolist()
+    for t in range(span - 2, len(tokens) - 1):
+        key = tuple(tokens[t - span + 2: t + 2])
+        if key in last:
+            kinds[t] = 1 if last[key] >= t - window else 2
+        last[key] = t
+    return torch.tensor(kinds, dtype=torch.long)
 
 
 @dataclass
@@ -63,6 +91,7 @@ class EvalResult:
     state_bytes: int  # recurrent state per sequence after seq_len tokens
     layers: list[LayerError]  # per cell: mean over real tokens of ||cell - softmax|| / ||softmax||, and MSE
     kl_by_position: list[PositionKL]  # KL over the positions of each range (``position_ranges``)
+    kl_by_copy: list[CopyKL]  # KL over the positions with a next token, by ``copy_kinds``
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,6 +155,7 @@ def evaluate(
         layers=layers,
         kl_by_position=[PositionKL(start, end, kl / max(n, 1), int(n))
                         for (start, end), (kl, n) in zip(sums.ranges, sums.position_kl.tolist())],
+        kl_by_copy=[CopyKL(kind, kl / max(n, 1), int(n)) for kind, (kl, n) in zip(COPY_KINDS, sums.copy_kl.tolist())],
     )
 
 
@@ -170,6 +200,7 @@ class _Sums:
         self.position_kl = torch.zeros(len(self.ranges), 2, dtype=torch.float64)  # per range: KL sum, tokens
         # the range of each row position
         self.range_index = torch.cat([torch.full((end - start,), i) for i, (start, end) in enumerate(self.ranges)])
+        self.copy_kl = torch.zeros(len(COPY_KINDS), 2, dtype=torch.float64)  # per copy kind: KL sum, tokens
 
 
 @torch.no_grad()
@@ -205,5 +236,10 @@ def _add_row(sums: _Sums, logits: torch.Tensor, teacher_logits: torch.Tensor, id
     per_range = torch.zeros_like(sums.position_kl, device=kl.device)
     per_range.index_add_(0, sums.range_index[: kl.shape[0]].to(kl.device), torch.stack([kl, mask.double()], -1))
     sums.position_kl += per_range.cpu()
+    real = int(follows.sum())  # right padding: the first `real` positions have a real next token
+    per_kind = torch.zeros_like(sums.copy_kl)
+    counted = torch.stack([kl[:real].cpu(), torch.ones(real, dtype=torch.float64)], -1)
+    per_kind.index_add_(0, copy_kinds(ids[: real + 1].cpu()), counted)
+    sums.copy_kl += per_kind
     sums.agree += int((logp.argmax(-1) == teacher_logp.argmax(-1))[mask].sum())
     sums.tokens += int(mask.sum())

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import rnnify
-from rnnify.eval import position_ranges
+from rnnify.eval import copy_kinds, position_ranges
 from rnnify.cli import main
 from rnnify.data import token_batches
 
@@ -84,12 +84,40 @@ def test_kl_by_position_shows_where_a_window_stops_being_exact(tiny_model_dir):
     assert overall == pytest.approx(result.kl, rel=1e-9)
 
 
+def test_copy_kinds_find_repeats_by_distance():
+    """Random tokens (no repeats by chance), then a copy of 20 of them from 140 positions back and
+    one of 10 from 20 back: the 4-token spans inside each copy are copies, the seams are new."""
+    ids = torch.randperm(300, generator=torch.Generator().manual_seed(0))[:200]
+    ids[150:170] = ids[10:30]  # far: 140 back
+    ids[120:130] = ids[100:110]  # near: 20 back
+    kinds = copy_kinds(ids, window=64)
+    assert kinds.shape == (199,)
+    far, near = set(range(152, 169)), set(range(122, 129))  # t whose span ids[t-2 : t+2] lies inside a copy
+    assert {t for t in range(199) if kinds[t] == 2} == far
+    assert {t for t in range(199) if kinds[t] == 1} == near
+    assert copy_kinds(ids, window=200).eq(2).sum() == 0  # a window that sees the whole row: no far copy
+
+
+def test_kl_by_copy_splits_the_predicted_positions(tiny_model_dir):
+    model = rnnify.convert(tiny_model_dir("llama"), to="window", window=16)
+    ids = torch.randperm(300, generator=torch.Generator().manual_seed(1))[:100]
+    ids[70:90] = ids[5:25]
+    result = rnnify.evaluate(model, ids[None], against=tiny_model_dir("llama"), seq_len=100, batch_size=1)
+    new, near, far = result.kl_by_copy
+    assert (new.kind, near.kind, far.kind) == ("new", "copy within 64", "copy beyond 64")
+    assert (new.tokens, near.tokens, far.tokens) == (82, 0, 17)
+    assert far.kl > 0 and new.kl > 0
+    total = sum(part.kl * part.tokens for part in result.kl_by_copy)
+    last = result.kl * result.tokens - total  # the last position has no next token: in no kind
+    assert 0 <= last < result.kl * result.tokens, (total, result.kl * result.tokens)
+
+
 def test_cli_prints_and_writes_json(converted_dir, corpus, tmp_path, capsys):
     out = tmp_path / "eval.json"
     code = main(["eval", str(converted_dir("llama", "exact")), "--data", str(corpus), "--seq-len", "16",
                  "--batch-size", "2", "--max-tokens", "40", "--json", str(out)])
     printed = capsys.readouterr().out
-    assert code == 0 and "perplexity" in printed and "cells.1" in printed
+    assert code == 0 and "perplexity" in printed and "cells.1" in printed and "copy beyond 64" in printed
     data = json.loads(out.read_text())
     assert data["tokens"] == 40 and data["seq_len"] == 16 and len(data["layers"]) == 2
     assert not list(tmp_path.glob(".eval.json*"))  # no temporary file left behind
