@@ -101,6 +101,35 @@ def test_python_docs_split_by_path_hash(tmp_path):
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temporary left behind
 
 
+def test_needle_rows_pack_one_exercise_per_row(tmp_path):
+    """Packed by rnnify's own data reader, every row is one exercise: the number stated once, at
+    least min_gap tokens before the row's end, and the row ending with the question and the number."""
+    import re
+
+    from rnnify.data import load_tokenizer, token_batches
+
+    needles = _load(ROOT / "examples" / "needle_corpus.py")
+    tokenizer = load_tokenizer(BUNDLED)
+    source = tmp_path / "text"
+    source.mkdir()
+    for i in range(4):
+        (source / f"doc{i}.txt").write_text(f"Chapter {i}. " + "The quick brown fox jumps over the lazy dog. " * 200)
+    rows = needles.needle_rows(tokenizer, list(source.iterdir()), rows=6, seq_len=128, min_gap=40, seed=0)
+    data = tmp_path / "needles.jsonl"
+    data.write_text("".join(json.dumps({"text": row}) + "\n" for row in rows))
+    batches = list(token_batches(data, tokenizer, seq_len=128, batch_size=1))
+    assert len(batches) == 6 and all(b["attention_mask"].all() for b in batches)
+    for batch in batches:
+        ids = batch["input_ids"][0].tolist()
+        assert ids[-1] == tokenizer.eos_token_id and tokenizer.eos_token_id not in ids[:-1]
+        text = tokenizer.decode(ids[:-1])
+        key = re.search(r" (\d{5})\.$", text).group(1)
+        assert text.count(key) == 2  # stated once, answered once
+        stated = text.index(key)
+        assert len(tokenizer(text[stated:], add_special_tokens=False)["input_ids"]) >= 40
+        assert "pass key" not in text  # the probe's wording stays held out
+
+
 @pytest.mark.slow  # multi-process / end to end; the default suite stays under 10 minutes
 @pytest.mark.filterwarnings("ignore:decoding past max_position_embeddings")
 def test_fidelity_rows_are_saved_as_they_finish_and_reused(tmp_path, tiny_model_dir, capsys):
