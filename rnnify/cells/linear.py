@@ -47,7 +47,13 @@ from torch import nn
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
 from rnnify.errors import check_int
-from rnnify.kernels.linear_attn.naive import Forms, normalise
+from rnnify.kernels.linear_attn.naive import (  # the ungated forms live beside the gated ones: the ops' reference runs them
+    Forms,
+    chunk_feature_attn,
+    naive_recurrent_feature_attn,
+    normalise,
+    parallel_feature_attn,
+)
 
 
 # --------------------------------------------------------------------------- feature maps
@@ -286,42 +292,6 @@ def build_feature_map(name: str, spec: CellSpec, **options: Any) -> FeatureMap:
 
 
 # --------------------------------------------------------------------------- forms
-
-def naive_recurrent_feature_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
-    outs = []
-    for t in range(phi_k.shape[2]):
-        kv = kv + phi_k[:, :, t, :, None] * v[:, :, t, None, :]
-        q_t = phi_q[:, :, :, t]  # [B, Hkv, G, F]
-        if k_sum is None:
-            outs.append(q_t @ kv)
-            continue
-        k_sum = k_sum + phi_k[:, :, t]
-        outs.append(normalise(q_t @ kv, (q_t * k_sum[:, :, None]).sum(-1), eps))
-    return torch.stack(outs, dim=3), kv, k_sum
-
-
-def parallel_feature_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
-    length = phi_k.shape[2]
-    causal = torch.ones(length, length, dtype=torch.bool, device=v.device).tril()
-    scores = torch.einsum("bhgtf,bhsf->bhgts", phi_q, phi_k).masked_fill(~causal, 0.0)
-    num = scores @ v[:, :, None] + phi_q @ kv[:, :, None]
-    kv = kv + phi_k.transpose(-1, -2) @ v
-    if k_sum is None:
-        return num, kv, None
-    den = scores.sum(-1) + (phi_q * k_sum[:, :, None, None]).sum(-1)
-    return normalise(num, den, eps), kv, k_sum + phi_k.sum(2)
-
-
-def chunk_feature_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6, chunk_size: int = 64) -> Forms:
-    outs = []
-    for start in range(0, phi_k.shape[2], chunk_size):
-        end = start + chunk_size
-        out, kv, k_sum = parallel_feature_attn(
-            phi_q[:, :, :, start:end], phi_k[:, :, start:end], v[:, :, start:end], kv, k_sum, eps
-        )
-        outs.append(out)
-    return torch.cat(outs, dim=3), kv, k_sum
-
 
 def step_feature_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
     # T == 1: add the outer product phi(k)^T v in one pass over the state, with no temporary of its size;

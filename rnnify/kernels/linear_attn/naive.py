@@ -15,12 +15,15 @@ Layout: q ``[B, T, H, K]``, k ``[B, T, H_kv, K]``, v ``[B, T, H_kv, V]``, g ``[B
 gk ``[B, T, H_kv, K]``; query head i reads kv head i // (H / H_kv). State S ``[B, H_kv, K, V]``
 (and z ``[B, H_kv, K]``) fp32; with normalize the state is the pair ``(S, z)``.
 
-The feature-space forms below (``naive_recurrent_gated_attn``, ``parallel_gated_attn``,
-``chunk_gated_attn``) compute the same per kv head on featurised inputs in the cells' layout:
+The feature-space forms below compute the same per kv head on featurised inputs in the cells'
+layout, ungated (``naive_recurrent_feature_attn``, ``parallel_feature_attn``,
+``chunk_feature_attn``: ``cells.linear``'s forms) and gated (``naive_recurrent_gated_attn``,
+``parallel_gated_attn``, ``chunk_gated_attn``):
 phi_q ``[B, H_kv, G, T, F]`` (G query heads per kv head), phi_k ``[B, H_kv, T, F]``,
 v ``[B, H_kv, T, V]``, log gates log_a ``[B, H_kv, T, 1]`` (scalar) or ``[B, H_kv, T, F]``
 (per feature), state kv ``[B, H_kv, F, V]`` and k_sum ``[B, H_kv, F]`` (None: unnormalised).
-``chunk_gated_attn`` is the ops' PyTorch path (``common.reference``) and the gated cells' prefill.
+``chunk_feature_attn`` and ``chunk_gated_attn`` are the ops' PyTorch path (``common.reference``,
+ungated and gated) and the cells' prefill.
 """
 
 from __future__ import annotations
@@ -81,6 +84,42 @@ Forms = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 def normalise(num: torch.Tensor, den: torch.Tensor, eps: float) -> torch.Tensor:
     """o = num / (den + eps): the normalised output from phi(q) S and phi(q) . z."""
     return num / (den[..., None] + eps)
+
+
+def naive_recurrent_feature_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
+    outs = []
+    for t in range(phi_k.shape[2]):
+        kv = kv + phi_k[:, :, t, :, None] * v[:, :, t, None, :]
+        q_t = phi_q[:, :, :, t]  # [B, Hkv, G, F]
+        if k_sum is None:
+            outs.append(q_t @ kv)
+            continue
+        k_sum = k_sum + phi_k[:, :, t]
+        outs.append(normalise(q_t @ kv, (q_t * k_sum[:, :, None]).sum(-1), eps))
+    return torch.stack(outs, dim=3), kv, k_sum
+
+
+def parallel_feature_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
+    length = phi_k.shape[2]
+    causal = torch.ones(length, length, dtype=torch.bool, device=v.device).tril()
+    scores = torch.einsum("bhgtf,bhsf->bhgts", phi_q, phi_k).masked_fill(~causal, 0.0)
+    num = scores @ v[:, :, None] + phi_q @ kv[:, :, None]
+    kv = kv + phi_k.transpose(-1, -2) @ v
+    if k_sum is None:
+        return num, kv, None
+    den = scores.sum(-1) + (phi_q * k_sum[:, :, None, None]).sum(-1)
+    return normalise(num, den, eps), kv, k_sum + phi_k.sum(2)
+
+
+def chunk_feature_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6, chunk_size: int = 64) -> Forms:
+    outs = []
+    for start in range(0, phi_k.shape[2], chunk_size):
+        end = start + chunk_size
+        out, kv, k_sum = parallel_feature_attn(
+            phi_q[:, :, :, start:end], phi_k[:, :, start:end], v[:, :, start:end], kv, k_sum, eps
+        )
+        outs.append(out)
+    return torch.cat(outs, dim=3), kv, k_sum
 
 
 def naive_recurrent_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum=None, eps: float = 1e-6) -> Forms:
