@@ -28,7 +28,8 @@ from rnnify.runtime.storage import load, load_or_take
 __all__ = ["CopyKL", "EvalResult", "PositionKL", "copy_kinds", "evaluate", "position_ranges", "write_json"]
 
 COPY_SPAN = 4  # tokens of a repeat: the next token and the 3 before it
-COPY_KINDS = ("new", "copy within 64", "copy beyond 64")  # ``copy_kinds`` codes 0, 1, 2
+COPY_WINDOW = 64  # as far back as a copy is "near": the first of ``position_ranges``, a common window
+COPY_KINDS = ("new", f"copy within {COPY_WINDOW}", f"copy beyond {COPY_WINDOW}")  # ``copy_kinds`` codes 0, 1, 2
 
 
 @dataclass
@@ -39,6 +40,7 @@ class PositionKL:
     end: int
     kl: float
     tokens: int
+
 
 @dataclass
 class CopyKL:
@@ -56,7 +58,7 @@ def position_ranges(seq_len: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def copy_kinds(ids: torch.Tensor, window: int = 64, span: int = COPY_SPAN) -> torch.Tensor:
+def copy_kinds(ids: torch.Tensor, window: int = COPY_WINDOW, span: int = COPY_SPAN) -> torch.Tensor:
     """For each position t < T - 1 of a row ``ids [T]``, what predicting token t + 1 asks of the
     context: 0 (new) if the ``span`` tokens ending at t + 1 did not occur earlier in the row,
     1 (copy within ``window``) if they last did ending at most ``window`` positions before,

@@ -47,7 +47,8 @@ from torch import nn
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
 from rnnify.errors import check_int
-from rnnify.kernels.linear_attn.naive import (  # the ungated forms live beside the gated ones: the ops' reference runs them
+# the ungated forms live beside the gated ones, where the ops' reference runs them too
+from rnnify.kernels.linear_attn.naive import (
     Forms,
     chunk_feature_attn,
     naive_recurrent_feature_attn,
