@@ -988,7 +988,7 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     for part in result.kl_by_position:
         positions.add_row(f"{part.start:,}-{part.end - 1:,}", f"{part.tokens:,}", f"{part.kl:.3g}")
     console.print(positions)
-    copies = Table(box=box.SIMPLE_HEAD, title=Text("KL by whether the next token repeats earlier text (4 tokens)"))
+    copies = Table(box=box.SIMPLE_HEAD, title=Text("KL by copies of earlier text (4-token repeats)"))
     for column in ("next token", "tokens", "KL, nats/token"):
         copies.add_column(column, justify="right")
     for part in result.kl_by_copy:
