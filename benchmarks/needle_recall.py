@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=24, help="rows to try, from the start of the file")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    if not args.models and not args.original:
+        parser.error("nothing to measure: pass --models DIR ... and/or --original DIR")
     set_threads(args.threads)
     tokenizer = load_tokenizer(args.tokenizer or args.original or args.models[0])
     generators = {path: converted_generator(rnnify.load(path)) for path in args.models}
@@ -47,6 +49,9 @@ def main() -> None:
     with torch.no_grad():
         for text in rows:
             found = ANSWER.search(text)
+            if found is None:
+                raise SystemExit(f"{args.data}: a row does not end with its 5-digit answer; "
+                                 "write the rows with examples/needle_corpus.py")
             ids = tokenizer(text[: found.start()], add_special_tokens=False)["input_ids"]
             for name, generate in generators.items():
                 hits[name] += score(tokenizer.decode(generate(ids, NEW_TOKENS)), found.group(1))

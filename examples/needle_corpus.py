@@ -22,6 +22,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from rnnify.data import adds_bos
+
 # (statement, question that the number completes)
 TEMPLATES = (
     ("The secret number is {key}. Keep it in mind.", "What is the secret number? The secret number is"),
@@ -39,8 +41,7 @@ def needle_rows(tokenizer, files: list[Path], rows: int, seq_len: int, min_gap: 
     rng = random.Random(seed)
     files = sorted(files)
     rng.shuffle(files)
-    special = 1 + (tokenizer("x")["input_ids"] != tokenizer("x", add_special_tokens=False)["input_ids"])
-    budget = seq_len - special  # document tokens per row: the EOS, and the BOS where the tokenizer adds one
+    budget = seq_len - 1 - adds_bos(tokenizer)  # document tokens per row: the packing adds EOS, and BOS where due
 
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -81,6 +82,8 @@ def main() -> None:
                         help="tokens at least between the number and the row's end (beyond a 64-token window)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if not args.source.is_dir():
+        parser.error(f"{args.source} is not a folder: pass a folder of text files")
     files = [p for p in args.source.rglob("*") if p.is_file() and not p.name.startswith(".")]
     rows = needle_rows(AutoTokenizer.from_pretrained(args.tokenizer), files, args.rows, args.seq_len,
                        args.min_gap, args.seed)

@@ -20,7 +20,8 @@ import torch
 
 from rnnify.errors import RnnifyError, check_int
 
-__all__ = ["DEFAULT_SEQ_LEN", "TOKENIZER_FILES", "load_tokenizer", "row_length", "token_batches", "tokenizer_for"]
+__all__ = ["DEFAULT_SEQ_LEN", "TOKENIZER_FILES", "adds_bos", "load_tokenizer", "row_length", "token_batches",
+           "tokenizer_for"]
 
 DEFAULT_SEQ_LEN = 1024  # tokens per row unless told otherwise, clamped to the model's position limit
 # Files of which a directory must hold one to have a tokenizer: without any, transformers may still
@@ -257,7 +258,7 @@ def _jsonl(path: Path) -> Iterator[tuple[str, bool]]:
                 yield record["text"], True
 
 
-def _adds_bos(tokenizer) -> bool:
+def adds_bos(tokenizer) -> bool:
     """Whether ``tokenizer`` starts its own encodings with its BOS id (Llama's do; GPT-2's do not)."""
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is None:
@@ -270,7 +271,7 @@ def _tokenize(pieces: Iterator[tuple[str, bool]], tokenizer) -> Iterator[torch.T
     """Token ids per piece, with the EOS id after each document's last piece and, for a tokenizer
     that adds BOS itself, the BOS id before its first."""
     eos = getattr(tokenizer, "eos_token_id", None)
-    bos = tokenizer.bos_token_id if _adds_bos(tokenizer) else None
+    bos = tokenizer.bos_token_id if adds_bos(tokenizer) else None
     batch: list[tuple[str, bool]] = []
     starts = [True]  # the next piece starts a document
 

@@ -230,18 +230,16 @@ def _add_row(sums: _Sums, logits: torch.Tensor, teacher_logits: torch.Tensor, id
              mask: torch.Tensor) -> None:
     logp, teacher_logp = logits.float().log_softmax(-1), teacher_logits.float().log_softmax(-1)  # [T, V]
     targets, follows = ids[1:, None], mask[1:]  # right padding: a real target follows a real token
+    predicted = int(follows.sum())  # so the first `predicted` positions have a real next token
     sums.nll -= float(logp[:-1].gather(-1, targets).squeeze(-1)[follows].double().sum())
     sums.teacher_nll -= float(teacher_logp[:-1].gather(-1, targets).squeeze(-1)[follows].double().sum())
-    sums.predicted += int(follows.sum())
+    sums.predicted += predicted
     kl = F.kl_div(logp, teacher_logp, log_target=True, reduction="none").sum(-1)  # KL(teacher || converted)
     kl = torch.where(mask, kl.clamp_min(0), 0.0).double()  # >= 0 per position; below is float rounding
     per_range = torch.zeros_like(sums.position_kl, device=kl.device)
     per_range.index_add_(0, sums.range_index[: kl.shape[0]].to(kl.device), torch.stack([kl, mask.double()], -1))
     sums.position_kl += per_range.cpu()
-    real = int(follows.sum())  # right padding: the first `real` positions have a real next token
-    per_kind = torch.zeros_like(sums.copy_kl)
-    counted = torch.stack([kl[:real].cpu(), torch.ones(real, dtype=torch.float64)], -1)
-    per_kind.index_add_(0, copy_kinds(ids[: real + 1].cpu()), counted)
-    sums.copy_kl += per_kind
+    counted = torch.stack([kl[:predicted].cpu(), torch.ones(predicted, dtype=torch.float64)], -1)
+    sums.copy_kl.index_add_(0, copy_kinds(ids[: predicted + 1].cpu()), counted)
     sums.agree += int((logp.argmax(-1) == teacher_logp.argmax(-1))[mask].sum())
     sums.tokens += int(mask.sum())

@@ -31,7 +31,7 @@ from rnnify.kernels.linear_attn.feature_maps import (
     naive_feature_map,
     output_scale,
 )
-from rnnify.kernels.linear_attn.naive import check_inputs, chunk_feature_attn, chunk_gated_attn
+from rnnify.kernels.linear_attn.naive import check_inputs, chunk_gated_attn
 
 State = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # S, or (S, z) with normalize
 
@@ -86,25 +86,21 @@ def masked_gates(g, gk, mask):
 
 def reference(q, k, v, g, gk, h0, scale, feature_map="identity", weight=None, query_shift=False, mask=None,
               chunk_size=64):
-    """The unnormalised op in PyTorch: the feature map, then ``naive.chunk_gated_attn``, or
-    ``naive.chunk_feature_attn`` without gates (fewer ops than zero log gates) (their layout: phi_q
-    [B, H_kv, G, T, F], phi_k [B, H_kv, T, F], log_a [B, H_kv, T, F|1])."""
+    """The unnormalised op in PyTorch: the feature map, then ``naive.chunk_gated_attn`` (its
+    layout: phi_q [B, H_kv, G, T, F], phi_k [B, H_kv, T, F], log_a [B, H_kv, T, F|1], None without
+    a gate)."""
     phi_q, phi_k = features(q, k, feature_map, weight, scale, query_shift, mask)
     g, gk = masked_gates(g, gk, mask)
     B, T, H, F = phi_q.shape
     Hkv, V = k.shape[2], v.shape[-1]
     phi_q = (phi_q * output_scale(feature_map, scale)).reshape(B, T, Hkv, H // Hkv, F).permute(0, 2, 3, 1, 4)
     kv = q.new_zeros(B, Hkv, F, V, dtype=torch.float32) if h0 is None else h0.float()
-    phi_k, v = phi_k.transpose(1, 2), v.float().transpose(1, 2)
-    if g is None and gk is None:
-        o, ht, _ = chunk_feature_attn(phi_q, phi_k, v, kv, None, chunk_size=chunk_size)
-    else:
-        log_a = q.new_zeros(B, Hkv, T, 1, dtype=torch.float32)
-        if g is not None:
-            log_a = log_a + g.float().transpose(1, 2)[..., None]
-        if gk is not None:
-            log_a = log_a + gk.float().transpose(1, 2)
-        o, ht, _ = chunk_gated_attn(phi_q, phi_k, v, log_a, kv, None, chunk_size=chunk_size)
+    log_a = None if g is None else g.float().transpose(1, 2)[..., None]
+    if gk is not None:
+        gk = gk.float().transpose(1, 2)
+        log_a = gk if log_a is None else log_a + gk
+    o, ht, _ = chunk_gated_attn(phi_q, phi_k.transpose(1, 2), v.float().transpose(1, 2), log_a, kv, None,
+                                chunk_size=chunk_size)
     return o.permute(0, 3, 1, 2, 4).reshape(B, T, H, V).to(v.dtype), ht
 
 

@@ -22,8 +22,8 @@ layout, ungated (``naive_recurrent_feature_attn``, ``parallel_feature_attn``,
 phi_q ``[B, H_kv, G, T, F]`` (G query heads per kv head), phi_k ``[B, H_kv, T, F]``,
 v ``[B, H_kv, T, V]``, log gates log_a ``[B, H_kv, T, 1]`` (scalar) or ``[B, H_kv, T, F]``
 (per feature), state kv ``[B, H_kv, F, V]`` and k_sum ``[B, H_kv, F]`` (None: unnormalised).
-``chunk_feature_attn`` and ``chunk_gated_attn`` are the ops' PyTorch path (``common.reference``,
-ungated and gated) and the cells' prefill.
+``chunk_gated_attn`` (ungated with no log gates: ``chunk_feature_attn``) is the ops' PyTorch path
+(``common.reference``) and the cells' prefill.
 """
 
 from __future__ import annotations
@@ -112,14 +112,7 @@ def parallel_feature_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Form
 
 
 def chunk_feature_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6, chunk_size: int = 64) -> Forms:
-    outs = []
-    for start in range(0, phi_k.shape[2], chunk_size):
-        end = start + chunk_size
-        out, kv, k_sum = parallel_feature_attn(
-            phi_q[:, :, :, start:end], phi_k[:, :, start:end], v[:, :, start:end], kv, k_sum, eps
-        )
-        outs.append(out)
-    return torch.cat(outs, dim=3), kv, k_sum
+    return chunk_gated_attn(phi_q, phi_k, v, None, kv, k_sum, eps, chunk_size)
 
 
 def naive_recurrent_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum=None, eps: float = 1e-6) -> Forms:
@@ -170,11 +163,15 @@ def parallel_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum=None, eps: float = 1e-
 
 
 def chunk_gated_attn(phi_q, phi_k, v, log_a, kv, k_sum=None, eps: float = 1e-6, chunk_size: int = 64) -> Forms:
+    """The parallel form chunk by chunk, carrying the state; ``log_a`` None: no gate, so the ungated
+    ``parallel_feature_attn`` (fewer ops than zero log gates)."""
     outs = []
     for start in range(0, phi_k.shape[2], chunk_size):
-        end = start + chunk_size
-        out, kv, k_sum = parallel_gated_attn(
-            phi_q[:, :, :, start:end], phi_k[:, :, start:end], v[:, :, start:end], log_a[:, :, start:end], kv, k_sum, eps
-        )
+        part = slice(start, start + chunk_size)
+        chunk = (phi_q[:, :, :, part], phi_k[:, :, part], v[:, :, part])
+        if log_a is None:
+            out, kv, k_sum = parallel_feature_attn(*chunk, kv, k_sum, eps)
+        else:
+            out, kv, k_sum = parallel_gated_attn(*chunk, log_a[:, :, part], kv, k_sum, eps)
         outs.append(out)
     return torch.cat(outs, dim=3), kv, k_sum
