@@ -2,7 +2,7 @@
 
     python benchmarks/speed.py ORIGINAL CONVERTED [CONVERTED ...] [--contexts 256,1024] [--batch 1,8]
         [--prefill 256,1024,2048,4096] [--repeats 3] [--steps 8] [--kernels none,reference] [--compile]
-        [--breakdown]
+        [--aot] [--breakdown]
         [--json benchmarks/results/speed-NAME.json]
 
 One thread (``torch.set_num_threads(1)``), CPU. Contexts are reached as ``rnnify bench`` reaches
@@ -15,7 +15,9 @@ ratios, not absolute times across runs.
 ``--kernels none,reference`` adds each converted model loaded with those kernels too (named
 ``NAME[none]``...): the cells' own PyTorch forms, and the kernel ops' PyTorch references, against
 the default ``auto``. ``--compile`` adds each converted model with its step compiled (``RecurrentModel.compile_step``),
-and records how long the first compiled step took. ``--breakdown`` adds, per converted model at
+and records how long the first compiled step took. ``--aot`` adds each with the step compiled ahead
+of time (``rnnify compile``: the package is written into the directory if it has none, and how long
+that took is recorded); the plain rows always decode eagerly. ``--breakdown`` adds, per converted model at
 batch 1 and the first context, where a step's time goes: the whole ``step`` call, the step graph
 alone, the time inside the cells, the aten ops dispatched in and out of the cells, and the time
 reading every weight once takes (``rnnify.bench.weight_bytes`` over the measured bandwidth).
@@ -36,6 +38,9 @@ from tqdm import tqdm
 
 import rnnify
 from rnnify.bench import fill_state, kv_cache, machine, weight_bytes
+from rnnify.runtime.aot import STEP_PACKAGE, write_step_package
+
+STEP_VARIANTS = ("+compile", "+aot")  # rows that differ from their model in the decode step only
 
 
 def _ints(text: str) -> list[int]:
@@ -155,7 +160,7 @@ def prefill(hf, models: dict, lengths: list[int], repeats: int) -> list[dict]:
     rows = []
     vocab = hf.config.get_text_config().vocab_size
     runs = {"original": lambda ids: hf(input_ids=ids, use_cache=False)}
-    runs.update({name: model.prefill for name, model in models.items() if not name.endswith("+compile")})
+    runs.update({name: model.prefill for name, model in models.items() if not name.endswith(STEP_VARIANTS)})
     with torch.no_grad():
         for name, run in runs.items():
             run(torch.randint(0, vocab, (1, 16)))
@@ -182,6 +187,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--compile", action="store_true", help="also time every model with its step compiled")
+    parser.add_argument("--aot", action="store_true", help="also time every model with its step compiled ahead of time")
     parser.add_argument("--kernels", type=lambda s: [x for x in s.split(",") if x], default=[],
                         help="also time every model loaded with these kernels, e.g. none,reference")
     parser.add_argument("--breakdown", action="store_true", help="where a batch-1 step's time goes")
@@ -191,22 +197,29 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(args.original).eval()
-    models = {}
+    models, aot_compile_s = {}, {}
     for path in args.converted:
         name = Path(path).name
-        models[name] = rnnify.load(path)
+        models[name] = rnnify.load(path, aot_step=False)
         for kernels in args.kernels:
-            models[f"{name}[{kernels}]"] = rnnify.load(path, kernels=kernels)
+            models[f"{name}[{kernels}]"] = rnnify.load(path, kernels=kernels, aot_step=False)
         if args.compile:
-            models[name + "+compile"] = rnnify.load(path).compile_step()
+            models[name + "+compile"] = rnnify.load(path, aot_step=False).compile_step()
+        if args.aot:
+            if not (Path(path) / STEP_PACKAGE).is_file():
+                start = time.perf_counter()
+                write_step_package(models[name], path)
+                aot_compile_s[name] = time.perf_counter() - start
+            models[name + "+aot"] = rnnify.load(path)
     info = machine(torch.device("cpu"))
     limit_ms = weight_bytes(next(iter(models.values()))) / (info.bandwidth_gb_s * 1e9) * 1e3
     out = {"command": " ".join(["python", *sys.argv]), "machine": dataclasses.asdict(info), "threads": torch.get_num_threads(),
+           "aot_compile_s": aot_compile_s,
            "weight_read_ms": limit_ms, "decode": decode(hf, models, args.contexts, args.batch, args.repeats, args.steps),
            "prefill": prefill(hf, models, args.prefill, args.repeats)}
     if args.breakdown:
         out["breakdown"] = {name: breakdown(model, args.contexts[0], 3 * args.steps, limit_ms)
-                            for name, model in models.items() if "[" not in name and not name.endswith("+compile")}
+                            for name, model in models.items() if "[" not in name and not name.endswith(STEP_VARIANTS)}
         out["breakdown"]["original"] = {"ops_total": original_ops(hf, args.contexts[0])}
     for row in out["decode"]:
         print(f"decode  {row['model']:22s} batch {row['batch']} @ {row['context']:5d}: {row['ms']:8.2f} ms, "

@@ -109,7 +109,8 @@ def benchmark(
     measured the same way decoding with transformers' KV cache. ``device`` and ``kernels`` are how
     a directory is loaded (``rnnify.load``'s meanings); a loaded model runs as it is. ``dtype``, when
     given, must be the model's: a check that the numbers are for the dtype meant. ``compile``
-    decodes with ``torch.compile`` of the step graph (the model is changed in place). ``progress``
+    decodes with ``torch.compile`` of the step graph (the model is changed in place); otherwise a
+    directory with a step compiled ahead of time (``rnnify compile``) decodes with it. ``progress``
     shows a tqdm bar of runs on a terminal. ``Run.warnings`` says when the numbers may not be
     trusted: a busy machine at the start (``busy_warning``), timings that disagree (``timing_warning``).
     """
@@ -133,6 +134,7 @@ def benchmark(
     device = model.device
     if compile:
         model.compile_step()
+    aot = " (step compiled ahead of time)" if model.step_package is not None else ""
     original = None
     if against is not None:
         from rnnify.capture import load_source
@@ -141,7 +143,7 @@ def benchmark(
     run = Run(
         command=command,
         machine=machine(device, load),
-        target=model.target + (" (compiled step)" if compile else ""),
+        target=model.target + (" (compiled step)" if compile else aot),
         dtype=str(model.dtype).removeprefix("torch."),
         weight_bytes=weight_bytes(model),
     )

@@ -1,4 +1,4 @@
-"""The ``rnnify`` command: convert, verify, generate, inspect, bench, evaluate and distil recurrent models.
+"""The ``rnnify`` command: convert, verify, generate, inspect, compile, bench, evaluate and distil recurrent models.
 
 Each command has a section below: ``add_<command>(commands)`` declares its arguments beside the
 handler that runs it; ``build_parser`` calls them all. A command's arguments are added only when
@@ -734,6 +734,7 @@ def _info(args: argparse.Namespace, console: Console) -> int:
         "vocab size": str(manifest.vocab_size),
         "positions": where,
         "kernels": _kernels_line(model),
+        "decode step": _step_line(model),
         **({"fused ops": f"{', '.join(fused_ops[0].splitlines())} (every layer)"} if same_ops and fused_ops[0] else {}),
         "converted with": ", ".join(f"{k} {v}" for k, v in manifest.versions.items()) or "(unknown)",
     }
@@ -772,6 +773,13 @@ def _info(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _step_line(model) -> str:
+    """How one-token calls run, in words."""
+    if model.step_package is not None:
+        return "compiled ahead of time (step-cpu.pt2, rnnify compile)"
+    return "eager (rnnify compile DIR compiles it ahead of time for CPUs)"
+
+
 def _kernels_line(model) -> str:
     """The backend of the fused ops and how many layers run them, in words."""
     if model.kernels == "none":
@@ -779,6 +787,37 @@ def _kernels_line(model) -> str:
     meaning = {"auto": " (Triton on CUDA, PyTorch reference elsewhere)", "reference": " (the ops' PyTorch references)"}
     count = sum(bool(entry.kernels) for entry in model.manifest.cells)
     return f"{model.kernels}{meaning.get(model.kernels, '')}; fused ops in {count} of {len(model.cells)} layers"
+
+
+# -- compile ------------------------------------------------------------------------------
+
+
+def add_compile(commands: argparse._SubParsersAction) -> None:
+    _add_command(
+        commands, "compile", _compile, _add_dir,
+        help="compile DIR's decode step ahead of time, so every later load decodes compiled (CPU)",
+        description="Compile the one-token step of DIR with AOTInductor into DIR/step-cpu.pt2, once: "
+        "rnnify.load (and every command) then decodes with it on a CPU, with no compile in the process "
+        "that decodes. The package holds code only (the weights stay in DIR's weights file) and fits "
+        "any batch size; it is ignored, with a warning, on another CPU or torch or once DIR's graph "
+        "changes. Takes tens of seconds and needs a C++ compiler. See docs/performance.md.",
+    )
+
+
+def _compile(args: argparse.Namespace, console: Console) -> int:
+    import time
+
+    from rich.text import Text
+
+    from rnnify.runtime.aot import write_step_package
+
+    model = _load(args, aot_step=False)
+    start = time.perf_counter()
+    with console.status("compiling the decode step (AOTInductor)"):
+        path = write_step_package(model, args.dir)
+    console.print(Text(f"wrote {path} in {time.perf_counter() - start:.0f} s: loading {args.dir} now decodes "
+                       "with the compiled step on a CPU"), soft_wrap=True)
+    return 0
 
 
 # -- bench --------------------------------------------------------------------------------
@@ -1094,7 +1133,7 @@ def _drop_checkpoint(directory: Path, keep: bool, console: Console) -> None:
 
 # -- the parser and main -------------------------------------------------------------------
 
-COMMANDS = (add_convert, add_verify, add_generate, add_chat, add_info, add_bench, add_eval, add_distill)
+COMMANDS = (add_convert, add_verify, add_generate, add_chat, add_info, add_compile, add_bench, add_eval, add_distill)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -94,6 +94,7 @@ COMMANDS = {
     "generate": ["generate", "d", "--ids", "1"],
     "chat": ["chat", "d"],
     "bench": ["bench", "d"],
+    "compile": ["compile", "d"],
     "eval": ["eval", "d", "--data", "x"],
     "distill": ["distill", "d", "--data", "x", "-o", "out"],
 }

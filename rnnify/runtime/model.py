@@ -54,6 +54,7 @@ class RecurrentModel(nn.Module):
         self.path: Path | None = None  # the directory this model was loaded from, if any
         self._warned_positions = False
         self._step_graph: Any = None  # set by compile_step
+        self._step_package: Any = None  # a ``runtime.aot.StepPackage``, set by ``rnnify.load``
         self._cuda_graphs = False  # compile_step on CUDA: the step replays as a CUDA graph
         self._direct: tuple[Any, str, Any] | None = None  # (graph, its code, direct_forward of it)
 
@@ -98,6 +99,14 @@ class RecurrentModel(nn.Module):
         if self.device != before:
             retarget_devices(self.graph, self.device)
         return self
+
+    @property
+    def step_package(self) -> Any:
+        """The decode step compiled ahead of time that one-token calls run (``rnnify.runtime.aot``,
+        found by ``rnnify.load``), or None: none was found, or the graph or its weights were replaced
+        since it was loaded."""
+        package = self._step_package
+        return package if package is not None and package.serves(self) else None
 
     @property
     def constant_memory(self) -> bool:
@@ -200,6 +209,8 @@ class RecurrentModel(nn.Module):
                 logits, *tensors = self._step_graph(*inputs)
         elif torch.is_grad_enabled():  # training: through the module, its hooks and wrappers
             logits, *tensors = self.graph(*inputs)
+        elif input_ids.shape[1] == 1 and self.step_package is not None:
+            logits, *tensors = self._step_package(*inputs)  # compiled ahead of time (``runtime.aot``)
         else:
             logits, *tensors = self._direct_forward()(self.graph, *inputs)
         return logits, RecurrentState(tuple(tensors), positions, state.model_uid)

@@ -34,6 +34,7 @@ from rnnify.runtime import hf_files
 from rnnify.kernels.utils import check_kernels
 from rnnify.runtime.manifest import MANIFEST_FORMAT_VERSION, MANIFEST_FILE, Manifest
 from rnnify.runtime.model import RecurrentModel
+from rnnify.runtime.aot import load_step_package
 from rnnify.runtime.serialize import GraphFormatError, graph_from_json, graph_to_json
 from rnnify.runtime.weights_file import write_safetensors
 
@@ -178,7 +179,8 @@ def install(root: nn.Module, path: str, value: Any) -> None:
 
 
 def load(
-    path: str | Path, device: torch.device | str | None = None, kernels: str | None = None, verify_weights: bool = True
+    path: str | Path, device: torch.device | str | None = None, kernels: str | None = None, verify_weights: bool = True,
+    aot_step: bool = True,
 ) -> RecurrentModel:
     """Load a directory written by ``RecurrentModel.save``; needs neither the source model nor a hub.
 
@@ -186,7 +188,9 @@ def load(
     ``reference``, or ``none`` for the cells' own PyTorch forms; see ``RecurrentModel.use_kernels``);
     None keeps the recorded one. ``verify_weights`` compares the weights file with the sha256 the
     manifest recorded when it was saved, so altered or damaged weights are refused rather than run;
-    False skips that read of the whole file.
+    False skips that read of the whole file. ``aot_step``: run one-token calls on a CPU through the
+    decode step compiled ahead of time for this model (``rnnify compile``, ``runtime.aot``) when the
+    directory holds one; False decodes eagerly.
     """
     path = Path(path).expanduser()
     if kernels is not None:
@@ -229,6 +233,7 @@ def load(
         files[hf_files.CONFIG_FILE] = hf_files.source_config(files[hf_files.CONFIG_FILE])
     model = RecurrentModel(module, manifest, files).use_kernels(manifest.kernels if kernels is None else kernels)
     model.path = path
+    model._step_package = load_step_package(model, path) if aot_step else None
     return model
 
 

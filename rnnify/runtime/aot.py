@@ -1,0 +1,156 @@
+"""A decode step compiled ahead of time and kept beside the model it belongs to.
+
+``RecurrentModel.compile_step`` compiles in the process that decodes: on a CPU a minute or more
+before the first token, which a short generation never pays back (docs/performance.md). AOTInductor
+does the same compile once, into a package in the model's directory (``rnnify compile DIR``), and
+``rnnify.load`` picks it up in milliseconds, so every later process decodes compiled.
+
+The package holds the step's code, not its weights: the model's own parameters are handed to it
+when it is loaded (shared, not copied), so it adds no weight bytes on disk or in memory, and a
+weight changed in place is seen. It is compiled for the cells' own PyTorch forms on this CPU
+(any batch size; ``exact``'s growing state too). What it was compiled for (the graph's code, every
+weight's name, shape and dtype, torch's version, the CPU's vector instructions) is recorded
+beside it; a package that does not match the model and machine it is loaded on is ignored with a
+warning and the step runs eagerly, as it does whenever the model's graph or weights have been
+replaced since (``serves``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch._dynamo.exc import TorchDynamoException
+
+from rnnify.errors import RnnifyError, RnnifyWarning
+
+if TYPE_CHECKING:
+    from rnnify.runtime.model import RecurrentModel
+
+__all__ = ["STEP_PACKAGE", "StepPackage", "load_step_package", "write_step_package"]
+
+STEP_PACKAGE = "step-cpu.pt2"  # AOTInductor's package: the compiled step for CPUs
+STEP_RECORD = "step-cpu.json"  # what it was compiled for (``fingerprint``)
+
+
+def fingerprint(model: RecurrentModel) -> str:
+    """What a package must match: the step graph's code, the name, shape and dtype of every weight
+    (the package takes the model's own at load), torch's version (the package's runtime) and the
+    CPU's vector instructions the code was built for (another CPU may lack them)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    graph = model.graph
+    weights = [(name, tuple(t.shape), str(t.dtype)) for name, t in (*graph.named_parameters(), *graph.named_buffers())]
+    text = json.dumps([torch.__version__, platform.machine(), str(pick_vec_isa()), graph.code, weights])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _example(model: RecurrentModel) -> tuple[tuple[torch.Tensor, ...], list[dict[int, Any]]]:
+    """One decode token's graph inputs at batch 2 after a 3-token prompt, and their dynamic dims:
+    the batch, and any state dim that grows with the context (found by a 4-token prompt)."""
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], device=model.device)
+    _, state = model.prefill(ids[:, :3])
+    _, longer = model.prefill(ids)
+    batch, context = torch.export.Dim("batch", min=1), torch.export.Dim("context", min=1)
+    shapes: list[dict[int, Any]] = [{0: batch}] * 3
+    for tensor, grown in zip(state.tensors, longer.tensors):
+        grows = {dim: context for dim, (a, b) in enumerate(zip(tensor.shape, grown.shape)) if a != b}
+        shapes.append({0: batch, **grows})
+    token = torch.ones(2, 1, dtype=torch.long, device=model.device)
+    mask = torch.ones(2, 1, dtype=torch.bool, device=model.device)
+    return (token, state.positions[:, None], mask, *(t.contiguous() for t in state.tensors)), shapes
+
+
+def _export(model: RecurrentModel) -> torch.export.ExportedProgram:
+    """The one-token step graph as an exported program, from the cells' own forms (plain aten ops,
+    which inductor compiles; the fused ops' backend is put back after)."""
+    kernels = model.kernels
+    model.use_kernels("none")
+    try:
+        inputs, shapes = _example(model)
+        with torch.no_grad():
+            return torch.export.export(model.graph, inputs, dynamic_shapes=shapes, strict=False)
+    finally:
+        model.use_kernels(kernels)
+
+
+def write_step_package(model: RecurrentModel, directory: str | os.PathLike) -> Path:
+    """Compile ``model``'s one-token step with AOTInductor into ``directory``/``STEP_PACKAGE`` (and
+    its record), replacing any there; the files appear whole or not at all. CPU only."""
+    if model.device.type != "cpu":
+        raise RnnifyError(f"an ahead-of-time step is compiled for CPUs; this model is on {model.device}")
+    directory = Path(directory)
+    with warnings.catch_warnings(), tempfile.TemporaryDirectory(dir=directory, prefix=".step-") as scratch:
+        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)  # torch's own, not ours
+        program = _export(model)
+        try:
+            package = torch._inductor.aoti_compile_and_package(
+                program, package_path=str(Path(scratch) / STEP_PACKAGE),
+                inductor_configs={"aot_inductor.package_constants_in_so": False},
+            )
+        except (RuntimeError, OSError, TorchDynamoException) as exc:  # a C++ compiler missing or failing
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RnnifyError(f"compiling the step failed ({first}); an ahead-of-time step needs a working C++ "
+                              "compiler (gcc or clang) on PATH; without one, decode eagerly") from exc
+        record = Path(scratch) / STEP_RECORD
+        record.write_text(json.dumps({"fingerprint": fingerprint(model), "torch": torch.__version__}) + "\n")
+        (directory / STEP_RECORD).unlink(missing_ok=True)  # no record: a half-replaced package is never used
+        os.replace(package, directory / STEP_PACKAGE)
+        os.replace(record, directory / STEP_RECORD)
+    return directory / STEP_PACKAGE
+
+
+class StepPackage:
+    """A loaded package with the model's weights: called as the step graph is."""
+
+    def __init__(self, runner: Any, model: RecurrentModel):
+        self.runner = runner
+        self.graph, self.code = model.graph, model.graph.code
+        self.pointers = self._pointers(model)
+
+    @staticmethod
+    def _pointers(model: RecurrentModel) -> list[int]:
+        graph = model.graph
+        return [t.data_ptr() for t in (*graph.parameters(), *graph.buffers())]
+
+    def serves(self, model: RecurrentModel) -> bool:
+        """Is this still the model's step: the same graph and code, the same weights in place?"""
+        return model.graph is self.graph and model.graph.code == self.code and self._pointers(model) == self.pointers
+
+    def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        # compiled for contiguous inputs; a prefill's state may hold views (a no-op for a step's own)
+        return self.runner(*(t.contiguous() for t in inputs))
+
+
+def load_step_package(model: RecurrentModel, directory: str | os.PathLike) -> StepPackage | None:
+    """The package in ``directory`` bound to ``model``'s weights; None when there is none, the
+    model is not on a CPU, or the package was compiled for another model, torch or CPU (warned)."""
+    directory = Path(directory)
+    package, record = directory / STEP_PACKAGE, directory / STEP_RECORD
+    if model.device.type != "cpu" or not package.is_file():
+        return None
+    try:
+        recorded = json.loads(record.read_text())["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        recorded = None
+    if recorded != fingerprint(model):
+        warnings.warn(f"{package} was compiled for another model, torch version or CPU: decoding eagerly; run "
+                      f"`rnnify compile {directory}` again", RnnifyWarning, stacklevel=3)
+        return None
+    try:
+        runner = torch._inductor.aoti_load_package(str(package))
+        names = set(runner.get_constant_fqns())
+        weights = {name: t for name, t in (*model.graph.named_parameters(), *model.graph.named_buffers()) if name in names}
+        runner.load_constants(weights, check_full_update=True, user_managed=True)
+    except (RuntimeError, OSError) as exc:
+        warnings.warn(f"{package} could not be loaded on this machine ({exc}): decoding eagerly; run "
+                      f"`rnnify compile {directory}` here", RnnifyWarning, stacklevel=3)
+        return None
+    return StepPackage(runner, model)

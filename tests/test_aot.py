@@ -1,0 +1,111 @@
+"""The decode step compiled ahead of time (``rnnify compile``, ``rnnify.runtime.aot``): the same
+numbers as the eager step, at any batch size, and never used for a model it was not compiled for."""
+
+import shutil
+import warnings
+
+import pytest
+import torch
+
+import rnnify
+from rnnify.cli import main
+from rnnify.errors import RnnifyWarning
+from rnnify.runtime.aot import STEP_PACKAGE, STEP_RECORD
+
+
+@pytest.fixture(scope="module")
+def compiled(converted_dir, tmp_path_factory):
+    """``compiled(target)`` -> a copy of the converted tiny llama with its step compiled by the CLI."""
+    done = {}
+
+    def get(target: str):
+        if target not in done:
+            out = tmp_path_factory.mktemp(f"aot-{target}") / "model"
+            shutil.copytree(converted_dir("llama", target), out)
+            assert main(["compile", str(out), "--threads", "1"]) == 0
+            done[target] = out
+        return done[target]
+
+    return get
+
+
+def _decode(model, batch: int, prompt: int, steps: int = 4):
+    """Logits of ``steps`` one-token calls after a ``prompt``-token prompt (0: from the empty state)."""
+    ids = torch.arange(1, batch * (prompt + steps) + 1).reshape(batch, -1) % 50
+    state = model.init_state(batch)
+    if prompt:
+        _, state = model.prefill(ids[:, :prompt])
+    logits = []
+    for t in range(prompt, prompt + steps):
+        out, state = model.step(ids[:, t : t + 1], state)
+        logits.append(out)
+    return torch.cat(logits, 1), state
+
+
+@pytest.mark.parametrize("target", ["hybrid", "exact"])  # a constant state, and one that grows every step
+def test_compiled_step_matches_the_eager_step(compiled, target):
+    path = compiled(target)
+    aot, eager = rnnify.load(path), rnnify.load(path, aot_step=False)
+    assert aot.step_package is not None and eager.step_package is None
+    for batch, prompt in [(1, 5), (3, 2), (2, 0)]:
+        want, want_state = _decode(eager, batch, prompt)
+        got, got_state = _decode(aot, batch, prompt)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for a, b in zip(got_state.tensors, want_state.tensors):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_step_follows_weights_changed_in_place_and_stops_when_they_are_replaced(compiled):
+    model = rnnify.load(compiled("hybrid"))
+    weight = model.graph.get_parameter("lm_head.weight")
+    with torch.no_grad():
+        weight.mul_(2)  # in place: the package reads the model's own tensors
+    got, _ = _decode(model, 1, 3)
+    eager = rnnify.load(compiled("hybrid"), aot_step=False)
+    with torch.no_grad():
+        eager.graph.get_parameter("lm_head.weight").mul_(2)
+    torch.testing.assert_close(got, _decode(eager, 1, 3)[0], rtol=1e-4, atol=1e-4)
+    model.graph.lm_head.weight = torch.nn.Parameter(weight.detach().clone())  # replaced: the package no longer serves
+    assert model.step_package is None
+    torch.testing.assert_close(_decode(model, 1, 3)[0], _decode(eager, 1, 3)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_package_compiled_for_another_model_is_ignored_with_a_warning(compiled, converted_dir, tmp_path):
+    other = tmp_path / "linear"
+    shutil.copytree(converted_dir("llama", "linear"), other)
+    for name in (STEP_PACKAGE, STEP_RECORD):
+        shutil.copy(compiled("hybrid") / name, other / name)
+    with pytest.warns(RnnifyWarning, match="compiled for another model"):
+        model = rnnify.load(other)
+    assert model.step_package is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert rnnify.load(other, aot_step=False).step_package is None
+
+
+def test_info_says_how_the_step_runs(compiled, converted_dir, capsys):
+    assert main(["info", str(compiled("hybrid"))]) == 0
+    assert "compiled ahead of time" in capsys.readouterr().out
+    assert main(["info", str(converted_dir("llama", "hybrid"))]) == 0
+    assert "eager (rnnify compile DIR" in capsys.readouterr().out
+
+
+def test_compile_of_a_missing_directory_exits_2(tmp_path, capsys):
+    assert main(["compile", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and len(err.strip().splitlines()) == 1
+
+
+def test_a_failing_compiler_is_one_error_line_and_leaves_nothing(converted_dir, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "model"
+    shutil.copytree(converted_dir("llama", "linear"), out)
+    before = sorted(p.name for p in out.iterdir())
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("C++ compile error: g++: command not found")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
+    assert main(["compile", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and len(err.strip().splitlines()) == 1 and "C++ compiler" in err
+    assert sorted(p.name for p in out.iterdir()) == before
