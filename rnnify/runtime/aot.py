@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch._dynamo.exc import TorchDynamoException
 
 from rnnify.errors import RnnifyError, RnnifyWarning
 
@@ -44,11 +43,10 @@ def fingerprint(model: RecurrentModel) -> str:
     """What a package must match: the step graph's code, the name, shape and dtype of every weight
     (the package takes the model's own at load), torch's version (the package's runtime) and the
     CPU's vector instructions the code was built for (another CPU may lack them)."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
     graph = model.graph
     weights = [(name, tuple(t.shape), str(t.dtype)) for name, t in (*graph.named_parameters(), *graph.named_buffers())]
-    text = json.dumps([torch.__version__, platform.machine(), str(pick_vec_isa()), graph.code, weights])
+    cpu = [platform.machine(), torch.backends.cpu.get_cpu_capability()]
+    text = json.dumps([torch.__version__, cpu, graph.code, weights])
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -86,6 +84,8 @@ def write_step_package(model: RecurrentModel, directory: str | os.PathLike) -> P
     its record), replacing any there; the files appear whole or not at all. CPU only."""
     if model.device.type != "cpu":
         raise RnnifyError(f"an ahead-of-time step is compiled for CPUs; this model is on {model.device}")
+    from torch._dynamo.exc import TorchDynamoException  # the compiler's errors (a second to import: not at load)
+
     directory = Path(directory)
     with warnings.catch_warnings(), tempfile.TemporaryDirectory(dir=directory, prefix=".step-") as scratch:
         warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)  # torch's own, not ours
@@ -110,8 +110,9 @@ def write_step_package(model: RecurrentModel, directory: str | os.PathLike) -> P
 class StepPackage:
     """A loaded package with the model's weights: called as the step graph is."""
 
-    def __init__(self, runner: Any, model: RecurrentModel):
+    def __init__(self, runner: Any, weights: dict[str, torch.Tensor], model: RecurrentModel):
         self.runner = runner
+        self.weights = weights  # the runner holds their pointers: they must outlive it
         self.graph, self.code = model.graph, model.graph.code
         self.pointers = self._pointers(model)
 
@@ -126,7 +127,7 @@ class StepPackage:
 
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         # compiled for contiguous inputs; a prefill's state may hold views (a no-op for a step's own)
-        return self.runner(*(t.contiguous() for t in inputs))
+        return self.runner.boxed_run([t.contiguous() for t in inputs])
 
 
 def load_step_package(model: RecurrentModel, directory: str | os.PathLike) -> StepPackage | None:
@@ -144,13 +145,14 @@ def load_step_package(model: RecurrentModel, directory: str | os.PathLike) -> St
         warnings.warn(f"{package} was compiled for another model, torch version or CPU: decoding eagerly; run "
                       f"`rnnify compile {directory}` again", RnnifyWarning, stacklevel=3)
         return None
-    try:
-        runner = torch._inductor.aoti_load_package(str(package))
+    try:  # torch's own loader (``aoti_load_package`` wraps it, importing the whole of inductor first)
+        runner = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
         names = set(runner.get_constant_fqns())
         weights = {name: t for name, t in (*model.graph.named_parameters(), *model.graph.named_buffers()) if name in names}
-        runner.load_constants(weights, check_full_update=True, user_managed=True)
+        # into the active constants, checked complete, user-managed: the model's tensors are used in place
+        runner.load_constants(weights, False, True, True, False)
     except (RuntimeError, OSError) as exc:
         warnings.warn(f"{package} could not be loaded on this machine ({exc}): decoding eagerly; run "
                       f"`rnnify compile {directory}` here", RnnifyWarning, stacklevel=3)
         return None
-    return StepPackage(runner, model)
+    return StepPackage(runner, weights, model)
