@@ -148,7 +148,9 @@ def load_step_package(model: RecurrentModel, directory: str | os.PathLike) -> St
     try:  # torch's own loader (``aoti_load_package`` wraps it, importing the whole of inductor first)
         runner = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
         names = set(runner.get_constant_fqns())
-        weights = {name: t for name, t in (*model.graph.named_parameters(), *model.graph.named_buffers()) if name in names}
+        graph = model.graph  # every name a tied weight has: the package may know it by any of them
+        named = (*graph.named_parameters(remove_duplicate=False), *graph.named_buffers(remove_duplicate=False))
+        weights = {name: t for name, t in named if name in names}
         # into the active constants, checked complete, user-managed: the model's tensors are used in place
         runner.load_constants(weights, False, True, True, False)
     except (RuntimeError, OSError) as exc:
