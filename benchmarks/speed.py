@@ -211,6 +211,8 @@ def main() -> None:
                 write_step_package(models[name], path)
                 aot_compile_s[name] = time.perf_counter() - start
             models[name + "+aot"] = rnnify.load(path)
+            if models[name + "+aot"].step_package is None:  # a stale package: this row would be eager
+                raise SystemExit(f"{path}: its {STEP_PACKAGE} does not serve this model; delete it to recompile")
     info = machine(torch.device("cpu"))
     limit_ms = weight_bytes(next(iter(models.values()))) / (info.bandwidth_gb_s * 1e9) * 1e3
     out = {"command": " ".join(["python", *sys.argv]), "machine": dataclasses.asdict(info), "threads": torch.get_num_threads(),

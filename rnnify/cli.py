@@ -799,8 +799,9 @@ def add_compile(commands: argparse._SubParsersAction) -> None:
         description="Compile the one-token step of DIR with AOTInductor into DIR/step-cpu.pt2, once: "
         "rnnify.load (and every command) then decodes with it on a CPU, with no compile in the process "
         "that decodes. The package holds code only (the weights stay in DIR's weights file) and fits "
-        "any batch size; it is ignored, with a warning, on another CPU or torch or once DIR's graph "
-        "changes. Takes tens of seconds and needs a C++ compiler. See docs/performance.md.",
+        "any batch size; it is ignored, with a warning, on another CPU, torch or rnnify, or once DIR's "
+        "graph or options change. Takes tens of seconds and needs a C++ compiler. Not for exact "
+        "layers of a sliding-window model. See docs/performance.md.",
     )
 
 

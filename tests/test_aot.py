@@ -10,7 +10,7 @@ import torch
 import rnnify
 from rnnify.cli import main
 from rnnify.errors import RnnifyWarning
-from rnnify.runtime.aot import STEP_PACKAGE, STEP_RECORD
+from rnnify.runtime.aot import STEP_PACKAGE, STEP_RECORD, StepPackage
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +29,9 @@ def compiled(converted_dir, tmp_path_factory):
     return get
 
 
-def _decode(model, batch: int, prompt: int, steps: int = 4):
+def _decode(model, batch: int, prompt: int, steps: int = 4, ids: torch.dtype = torch.long):
     """Logits of ``steps`` one-token calls after a ``prompt``-token prompt (0: from the empty state)."""
-    ids = torch.arange(1, batch * (prompt + steps) + 1).reshape(batch, -1) % 50
+    ids = (torch.arange(1, batch * (prompt + steps) + 1).reshape(batch, -1) % 50).to(ids)
     state = model.init_state(batch)
     if prompt:
         _, state = model.prefill(ids[:, :prompt])
@@ -43,16 +43,20 @@ def _decode(model, batch: int, prompt: int, steps: int = 4):
 
 
 @pytest.mark.parametrize("target", ["hybrid", "exact"])  # a constant state, and one that grows every step
-def test_compiled_step_matches_the_eager_step(compiled, target):
+def test_compiled_step_matches_the_eager_step(compiled, target, monkeypatch):
     path = compiled(target)
     aot, eager = rnnify.load(path), rnnify.load(path, aot_step=False)
     assert aot.step_package is not None and eager.step_package is None
-    for batch, prompt in [(1, 5), (3, 2), (2, 0)]:
-        want, want_state = _decode(eager, batch, prompt)
-        got, got_state = _decode(aot, batch, prompt)
+    calls = []
+    run = StepPackage.__call__
+    monkeypatch.setattr(StepPackage, "__call__", lambda self, *inputs: calls.append(1) or run(self, *inputs))
+    for batch, prompt, ids in [(1, 5, torch.long), (3, 2, torch.long), (2, 0, torch.long), (2, 3, torch.int32)]:
+        want, want_state = _decode(eager, batch, prompt, ids=ids)
+        got, got_state = _decode(aot, batch, prompt, ids=ids)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         for a, b in zip(got_state.tensors, want_state.tensors):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert len(calls) == 4 * 4  # every one-token call ran the package, none the eager graph
 
 
 def test_compiled_step_follows_weights_changed_in_place_and_stops_when_they_are_replaced(compiled):
@@ -83,6 +87,33 @@ def test_a_package_compiled_for_another_model_is_ignored_with_a_warning(compiled
         assert rnnify.load(other, aot_step=False).step_package is None
 
 
+def test_a_package_for_other_cell_options_is_ignored(compiled, tiny_model_dir, tmp_path):
+    """Same graph code and weights, another window: the compiled code has the old state shapes."""
+    other = tmp_path / "hybrid-w8"
+    rnnify.convert(tiny_model_dir("llama"), to="hybrid", window=8).save(other)
+    for name in (STEP_PACKAGE, STEP_RECORD):
+        shutil.copy(compiled("hybrid") / name, other / name)
+    with pytest.warns(RnnifyWarning, match="compiled for another model"):
+        assert rnnify.load(other).step_package is None
+
+
+def test_compile_refuses_a_cache_that_grows_up_to_a_sliding_window(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "mistral-exact"
+    rnnify.convert(tiny_model_dir("mistral"), to="exact").save(out)
+    assert main(["compile", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and len(err.strip().splitlines()) == 1 and "sliding window" in err
+    assert not (out / STEP_PACKAGE).exists()
+
+
+def test_a_copied_model_decodes_eagerly(compiled):
+    import copy
+
+    model = copy.deepcopy(rnnify.load(compiled("hybrid")))
+    assert model.step_package is None
+    model.step(torch.tensor([[3]]), model.init_state(1))
+
+
 def test_info_says_how_the_step_runs(compiled, converted_dir, capsys):
     assert main(["info", str(compiled("hybrid"))]) == 0
     assert "compiled ahead of time" in capsys.readouterr().out
@@ -102,7 +133,9 @@ def test_a_failing_compiler_is_one_error_line_and_leaves_nothing(converted_dir, 
     before = sorted(p.name for p in out.iterdir())
 
     def no_compiler(*args, **kwargs):
-        raise RuntimeError("C++ compile error: g++: command not found")
+        from torch._inductor.exc import CppCompileError
+
+        raise CppCompileError(["g++", "step.cpp"], "g++: command not found")
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
     assert main(["compile", str(out)]) == 2

@@ -8,11 +8,12 @@ does the same compile once, into a package in the model's directory (``rnnify co
 The package holds the step's code, not its weights: the model's own parameters are handed to it
 when it is loaded (shared, not copied), so it adds no weight bytes on disk or in memory, and a
 weight changed in place is seen. It is compiled for the cells' own PyTorch forms on this CPU
-(any batch size; ``exact``'s growing state too). What it was compiled for (the graph's code, every
-weight's name, shape and dtype, torch's version, the CPU's vector instructions) is recorded
-beside it; a package that does not match the model and machine it is loaded on is ignored with a
-warning and the step runs eagerly, as it does whenever the model's graph or weights have been
-replaced since (``serves``).
+(any batch size; ``exact``'s growing state too, not a cache that grows up to a sliding window).
+What it was compiled for (``fingerprint``) is recorded beside it; a package that does not match
+the model and machine it is loaded on is ignored with a warning and the step runs eagerly, as it
+does whenever the model's graph or weights have been replaced since (``serves``). The code reads
+its inputs as laid out at compile time, unchecked: token ids go in as int64 and every input
+contiguous.
 """
 
 from __future__ import annotations
@@ -39,20 +40,38 @@ STEP_PACKAGE = "step-cpu.pt2"  # AOTInductor's package: the compiled step for CP
 STEP_RECORD = "step-cpu.json"  # what it was compiled for (``fingerprint``)
 
 
+def _cpu_flags() -> str:
+    """The CPU's instruction-set flags (Linux), else its name: inductor builds the package's code
+    for the CPU it compiles on (``-march=native``), which another CPU may not run."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
 def fingerprint(model: RecurrentModel) -> str:
-    """What a package must match: the step graph's code, the name, shape and dtype of every weight
-    (the package takes the model's own at load), torch's version (the package's runtime) and the
-    CPU's vector instructions the code was built for (another CPU may lack them)."""
+    """What a package must match: the step graph's code, every cell's target, spec and options and
+    the state's shapes and dtypes (the compiled code has them built in), the name, shape and dtype
+    of every weight (the package takes the model's own at load), rnnify's and torch's versions
+    (the package's runtime) and the CPU it was compiled for."""
+    from rnnify import __version__
+
     graph = model.graph
     weights = [(name, tuple(t.shape), str(t.dtype)) for name, t in (*graph.named_parameters(), *graph.named_buffers())]
-    cpu = [platform.machine(), torch.backends.cpu.get_cpu_capability()]
-    text = json.dumps([torch.__version__, cpu, graph.code, weights])
+    cells = [(entry.module, entry.target, entry.spec, entry.options) for entry in model.manifest.cells]
+    state = [(tuple(t.shape), str(t.dtype)) for t in model.init_state(1).tensors]
+    versions = [__version__, torch.__version__, platform.machine(), _cpu_flags()]
+    text = json.dumps([versions, graph.code, cells, state, weights], default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _example(model: RecurrentModel) -> tuple[tuple[torch.Tensor, ...], list[dict[int, Any]]]:
     """One decode token's graph inputs at batch 2 after a 3-token prompt, and their dynamic dims:
     the batch, and any state dim that grows with the context (found by a 4-token prompt)."""
+    if any(cell.grows_with_context and cell.spec.window is not None for cell in model.cells):
+        raise RnnifyError("an ahead-of-time step is not built for caches that grow up to a sliding window "
+                          "(exact layers of a sliding-window model): decode this model eagerly")
     ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], device=model.device)
     _, state = model.prefill(ids[:, :3])
     _, longer = model.prefill(ids)
@@ -84,27 +103,48 @@ def write_step_package(model: RecurrentModel, directory: str | os.PathLike) -> P
     its record), replacing any there; the files appear whole or not at all. CPU only."""
     if model.device.type != "cpu":
         raise RnnifyError(f"an ahead-of-time step is compiled for CPUs; this model is on {model.device}")
-    from torch._dynamo.exc import TorchDynamoException  # the compiler's errors (a second to import: not at load)
-
     directory = Path(directory)
-    with warnings.catch_warnings(), tempfile.TemporaryDirectory(dir=directory, prefix=".step-") as scratch:
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)  # torch's own, not ours
         program = _export(model)
         try:
-            package = torch._inductor.aoti_compile_and_package(
-                program, package_path=str(Path(scratch) / STEP_PACKAGE),
-                inductor_configs={"aot_inductor.package_constants_in_so": False},
-            )
-        except (RuntimeError, OSError, TorchDynamoException) as exc:  # a C++ compiler missing or failing
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise RnnifyError(f"compiling the step failed ({first}); an ahead-of-time step needs a working C++ "
-                              "compiler (gcc or clang) on PATH; without one, decode eagerly") from exc
-        record = Path(scratch) / STEP_RECORD
-        record.write_text(json.dumps({"fingerprint": fingerprint(model), "torch": torch.__version__}) + "\n")
-        (directory / STEP_RECORD).unlink(missing_ok=True)  # no record: a half-replaced package is never used
-        os.replace(package, directory / STEP_PACKAGE)
-        os.replace(record, directory / STEP_RECORD)
+            with tempfile.TemporaryDirectory(dir=directory, prefix=".step-") as scratch:
+                try:
+                    package = torch._inductor.aoti_compile_and_package(
+                        program, package_path=str(Path(scratch) / STEP_PACKAGE),
+                        inductor_configs={"aot_inductor.package_constants_in_so": False},
+                    )
+                except Exception as exc:  # noqa: BLE001 - only a compiler that is missing or fails is the user's
+                    if not _compiler_failed(exc):
+                        raise
+                    raise RnnifyError(f"compiling the step failed ({_first_line(exc)}); an ahead-of-time step "
+                                      "needs a working C++ compiler (gcc or clang) on PATH; without one, decode "
+                                      "eagerly") from exc
+                record = Path(scratch) / STEP_RECORD
+                record.write_text(json.dumps({"fingerprint": fingerprint(model), "torch": torch.__version__}) + "\n")
+                (directory / STEP_RECORD).unlink(missing_ok=True)  # no record: a half-replaced package is never used
+                os.replace(package, directory / STEP_PACKAGE)
+                os.replace(record, directory / STEP_RECORD)
+        except OSError as exc:
+            raise RnnifyError(f"cannot write the compiled step into {directory}: {exc.strerror or exc}") from exc
     return directory / STEP_PACKAGE
+
+
+def _compiler_failed(exc: BaseException | None) -> bool:
+    """Does ``exc`` (or what caused it: inductor wraps its errors) come from the C++ compiler?"""
+    from torch._inductor.exc import CppCompileError  # (a second to import: not at load)
+
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, (CppCompileError, FileNotFoundError)):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class StepPackage:
@@ -125,9 +165,13 @@ class StepPackage:
         """Is this still the model's step: the same graph and code, the same weights in place?"""
         return model.graph is self.graph and model.graph.code == self.code and self._pointers(model) == self.pointers
 
-    def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
-        # compiled for contiguous inputs; a prefill's state may hold views (a no-op for a step's own)
-        return self.runner.boxed_run([t.contiguous() for t in inputs])
+    def __call__(self, input_ids: torch.Tensor, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        # compiled for int64 ids and contiguous inputs (a prefill's state may hold views; a step's
+        # own are contiguous already): the code reads the memory as laid out then, unchecked
+        return self.runner.boxed_run([input_ids.long().contiguous(), *(t.contiguous() for t in inputs)])
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None  # the loader cannot be copied: a copied model decodes eagerly
 
 
 def load_step_package(model: RecurrentModel, directory: str | os.PathLike) -> StepPackage | None:
