@@ -3,7 +3,7 @@
 ``RecurrentModel.compile_step`` compiles in the process that decodes: on a CPU a minute or more
 before the first token, which a short generation never pays back (docs/performance.md). AOTInductor
 does the same compile once, into a package in the model's directory (``rnnify compile DIR``), and
-``rnnify.load`` picks it up in milliseconds, so every later process decodes compiled.
+``rnnify.load`` picks it up without compiling, so every later process decodes compiled.
 
 The package holds the step's code, not its weights: the model's own parameters are handed to it
 when it is loaded (shared, not copied), so it adds no weight bytes on disk or in memory, and a
@@ -50,6 +50,12 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
+def _named_weights(graph: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer under every name it has (a tied weight has several; the package
+    may know it by any of them)."""
+    return [*graph.named_parameters(remove_duplicate=False), *graph.named_buffers(remove_duplicate=False)]
+
+
 def fingerprint(model: RecurrentModel) -> str:
     """What a package must match: the step graph's code, every cell's target, spec and options and
     the state's shapes and dtypes (the compiled code has them built in), the name, shape and dtype
@@ -58,7 +64,7 @@ def fingerprint(model: RecurrentModel) -> str:
     from rnnify import __version__
 
     graph = model.graph
-    weights = [(name, tuple(t.shape), str(t.dtype)) for name, t in (*graph.named_parameters(), *graph.named_buffers())]
+    weights = [(name, tuple(t.shape), str(t.dtype)) for name, t in _named_weights(graph)]
     cells = [(entry.module, entry.target, entry.spec, entry.options) for entry in model.manifest.cells]
     state = [(tuple(t.shape), str(t.dtype)) for t in model.init_state(1).tensors]
     versions = [__version__, torch.__version__, platform.machine(), _cpu_flags()]
@@ -154,16 +160,14 @@ class StepPackage:
         self.runner = runner
         self.weights = weights  # the runner holds their pointers: they must outlive it
         self.graph, self.code = model.graph, model.graph.code
-        self.pointers = self._pointers(model)
-
-    @staticmethod
-    def _pointers(model: RecurrentModel) -> list[int]:
-        graph = model.graph
-        return [t.data_ptr() for t in (*graph.parameters(), *graph.buffers())]
+        # where each weight sits, and its memory: a flat list, checked every step without walking modules
+        self.slots = [(owner, name, t, t.data_ptr()) for module in model.graph.modules()
+                      for owner in (module._parameters, module._buffers) for name, t in owner.items() if t is not None]
 
     def serves(self, model: RecurrentModel) -> bool:
         """Is this still the model's step: the same graph and code, the same weights in place?"""
-        return model.graph is self.graph and model.graph.code == self.code and self._pointers(model) == self.pointers
+        return (model.graph is self.graph and model.graph.code == self.code
+                and all(owner.get(name) is t and t.data_ptr() == at for owner, name, t, at in self.slots))
 
     def __call__(self, input_ids: torch.Tensor, *inputs: torch.Tensor) -> list[torch.Tensor]:
         # compiled for int64 ids and contiguous inputs (a prefill's state may hold views; a step's
@@ -192,9 +196,7 @@ def load_step_package(model: RecurrentModel, directory: str | os.PathLike) -> St
     try:  # torch's own loader (``aoti_load_package`` wraps it, importing the whole of inductor first)
         runner = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
         names = set(runner.get_constant_fqns())
-        graph = model.graph  # every name a tied weight has: the package may know it by any of them
-        named = (*graph.named_parameters(remove_duplicate=False), *graph.named_buffers(remove_duplicate=False))
-        weights = {name: t for name, t in named if name in names}
+        weights = {name: t for name, t in _named_weights(model.graph) if name in names}
         # into the active constants, checked complete, user-managed: the model's tensors are used in place
         runner.load_constants(weights, False, True, True, False)
     except (RuntimeError, OSError) as exc:
