@@ -2,7 +2,7 @@
 
     python benchmarks/speed.py ORIGINAL CONVERTED [CONVERTED ...] [--contexts 256,1024] [--batch 1,8]
         [--prefill 256,1024,2048,4096] [--repeats 3] [--steps 8] [--kernels none,reference] [--compile]
-        [--aot] [--breakdown]
+        [--aot] [--row-major] [--breakdown]
         [--json benchmarks/results/speed-NAME.json]
 
 One thread (``torch.set_num_threads(1)``), CPU. Contexts are reached as ``rnnify bench`` reaches
@@ -17,7 +17,9 @@ ratios, not absolute times across runs.
 the default ``auto``. ``--compile`` adds each converted model with its step compiled (``RecurrentModel.compile_step``),
 and records how long the first compiled step took. ``--aot`` adds each with the step compiled ahead
 of time (``rnnify compile``: the package is written into the directory if it has none, and how long
-that took is recorded); the plain rows always decode eagerly. ``--breakdown`` adds, per converted model at
+that took is recorded); the plain rows always decode eagerly. ``--row-major`` adds each with its
+weights laid out as checkpoints hold them (``NAME[row-major]``; a head is otherwise column-major on
+a CPU, ``rnnify.runtime.weight_layout``). ``--breakdown`` adds, per converted model at
 batch 1 and the first context, where a step's time goes: the whole ``step`` call, the step graph
 alone, the time inside the cells, the aten ops dispatched in and out of the cells, and the time
 reading every weight once takes (``rnnify.bench.weight_bytes`` over the measured bandwidth).
@@ -177,6 +179,14 @@ def prefill(hf, models: dict, lengths: list[int], repeats: int) -> list[dict]:
     return rows
 
 
+def row_major(model):
+    """``model`` with every 2-D weight contiguous: the layout before ``runtime.weight_layout``."""
+    for weight in model.graph.parameters():
+        if weight.dim() == 2 and not weight.is_contiguous():
+            weight.data = weight.data.contiguous()
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("original", help="the original Hugging Face model directory")
@@ -190,6 +200,9 @@ def main() -> None:
     parser.add_argument("--aot", action="store_true", help="also time every model with its step compiled ahead of time")
     parser.add_argument("--kernels", type=lambda s: [x for x in s.split(",") if x], default=[],
                         help="also time every model loaded with these kernels, e.g. none,reference")
+    parser.add_argument("--row-major", action="store_true",
+                        help="also time every model with every linear weight row-major, as checkpoints hold them "
+                             "(not as rnnify.runtime.weight_layout keeps them)")
     parser.add_argument("--breakdown", action="store_true", help="where a batch-1 step's time goes")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
@@ -203,6 +216,8 @@ def main() -> None:
         models[name] = rnnify.load(path, aot_step=False)
         for kernels in args.kernels:
             models[f"{name}[{kernels}]"] = rnnify.load(path, kernels=kernels, aot_step=False)
+        if args.row_major:
+            models[name + "[row-major]"] = row_major(rnnify.load(path, aot_step=False))
         if args.compile:
             models[name + "+compile"] = rnnify.load(path, aot_step=False).compile_step()
         if args.aot:

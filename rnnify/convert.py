@@ -20,6 +20,7 @@ from rnnify.plan import make_plan
 from rnnify.runtime.manifest import CellEntry, Manifest
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.storage import SOURCE_FILES
+from rnnify.runtime.weight_layout import lay_out_linear_weights
 
 __all__ = ["convert", "STAGES"]
 
@@ -106,4 +107,5 @@ def convert(
         cells=entries,
         kernels=kernels,
     )
+    lay_out_linear_weights(graph)
     return RecurrentModel(graph, manifest, _source_files(model, source))

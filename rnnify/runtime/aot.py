@@ -58,13 +58,14 @@ def _named_weights(graph: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def fingerprint(model: RecurrentModel) -> str:
     """What a package must match: the step graph's code, every cell's target, spec and options and
-    the state's shapes and dtypes (the compiled code has them built in), the name, shape and dtype
-    of every weight (the package takes the model's own at load), rnnify's and torch's versions
+    the state's shapes and dtypes (the compiled code has them built in), the name, shape, strides
+    and dtype of every weight (the package takes the model's own at load and reads them as laid
+    out when it was compiled: ``runtime.weight_layout``), rnnify's and torch's versions
     (the package's runtime) and the CPU it was compiled for."""
     from rnnify import __version__
 
     graph = model.graph
-    weights = [(name, tuple(t.shape), str(t.dtype)) for name, t in _named_weights(graph)]
+    weights = [(name, tuple(t.shape), t.stride(), str(t.dtype)) for name, t in _named_weights(graph)]
     cells = [(entry.module, entry.target, entry.spec, entry.options) for entry in model.manifest.cells]
     state = [(tuple(t.shape), str(t.dtype)) for t in model.init_state(1).tensors]
     versions = [__version__, torch.__version__, platform.machine(), _cpu_flags()]

@@ -22,6 +22,7 @@ from rnnify.runtime.direct_calls import direct_forward
 from rnnify.runtime.manifest import Manifest
 from rnnify.runtime.sampling import check_sampling, next_token
 from rnnify.runtime.state import RecurrentState
+from rnnify.runtime.weight_layout import lay_out_linear_weights
 
 __all__ = ["RecurrentModel", "retarget_devices"]
 
@@ -93,11 +94,13 @@ class RecurrentModel(nn.Module):
         return self
 
     def to(self, *args, **kwargs) -> "RecurrentModel":
-        """``nn.Module.to``, and the graph's device constants follow the weights (``retarget_devices``)."""
+        """``nn.Module.to``, and the graph's device constants follow the weights (``retarget_devices``);
+        linear weights take the layout their new device and dtype read fastest (``runtime.weight_layout``)."""
         before = self.device
         super().to(*args, **kwargs)
         if self.device != before:
             retarget_devices(self.graph, self.device)
+        lay_out_linear_weights(self.graph)
         return self
 
     @property

@@ -36,6 +36,7 @@ from rnnify.runtime.manifest import MANIFEST_FORMAT_VERSION, MANIFEST_FILE, Mani
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.aot import load_step_package
 from rnnify.runtime.serialize import GraphFormatError, graph_from_json, graph_to_json
+from rnnify.runtime.weight_layout import lay_out_linear_weights
 from rnnify.runtime.weights_file import write_safetensors
 
 WEIGHTS_FILE = "model.safetensors"
@@ -226,6 +227,7 @@ def load(
             if not name.startswith(cell_prefixes):
                 install(root, name, tensor if name in buffers else nn.Parameter(tensor))
         module = torch.fx.GraphModule(root, graph, class_name="RecurrentStep")
+        lay_out_linear_weights(module)
     except (RuntimeError, AttributeError, KeyError) as exc:
         raise RnnifyError(f"{path}: weights do not match the graph ({exc}); convert the model again") from exc
     files = {name: (path / name).read_bytes() for name in SOURCE_FILES if (path / name).is_file()}

@@ -3,8 +3,8 @@
 ``safetensors.torch.save_file`` takes every tensor at once as contiguous CPU memory, so saving a
 model whose weights are views, or on a GPU, first copied all of them: a second copy of the
 weights at the peak of a conversion. This writer lays out the header from shapes alone, then
-writes each tensor's bytes straight from its memory (copying only a tensor that is not
-contiguous on the CPU, one at a time), and returns the file's sha256 so nothing is read back.
+writes each tensor's bytes straight from its memory (a tensor that is not contiguous on the CPU,
+such as a column-major weight, is copied a block of rows at a time), and returns the file's sha256 so nothing is read back.
 The file is the format ``safetensors.torch.load_file`` reads: an 8-byte little-endian header
 length, a JSON header padded with spaces to a multiple of 8 bytes, then the tensors' bytes.
 """
@@ -16,7 +16,7 @@ import json
 import struct
 import sys
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 
@@ -43,10 +43,19 @@ def _header(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None
     return struct.pack("<Q", len(text)) + text
 
 
-def _host_bytes(tensor: torch.Tensor) -> memoryview:
-    """``tensor``'s bytes in row-major order: its own memory when it is contiguous on the CPU."""
-    tensor = tensor.detach().to("cpu").contiguous()
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+_BLOCK_BYTES = 1 << 24  # at most this much of a tensor is copied at once to lay it out row-major
+
+
+def _host_bytes(tensor: torch.Tensor) -> Iterator[memoryview]:
+    """``tensor``'s bytes in row-major order: its own memory when it is contiguous on the CPU, else
+    copies of blocks of its rows."""
+    tensor = tensor.detach()
+    if tensor.dim() == 0 or tensor.numel() == 0 or (tensor.device.type == "cpu" and tensor.is_contiguous()):
+        blocks: tuple[torch.Tensor, ...] = (tensor,)
+    else:
+        blocks = tensor.split(max(1, _BLOCK_BYTES // (tensor[0].numel() * tensor.element_size())))
+    for block in blocks:
+        yield memoryview(block.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
@@ -59,7 +68,7 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata:
         f.write(header)
         digest.update(header)
         for tensor in tensors.values():
-            data = _host_bytes(tensor)
-            f.write(data)
-            digest.update(data)
+            for data in _host_bytes(tensor):
+                f.write(data)
+                digest.update(data)
     return digest.hexdigest()
