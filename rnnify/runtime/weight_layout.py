@@ -23,7 +23,7 @@ __all__ = ["TALL", "lay_out_linear_weights", "laid_out"]
 
 
 TALL = 8  # a float32 weight this many times taller than wide (a head) is stored column-major on a CPU
-_ALIGN = 16  # its columns start 16 floats past a multiple of 16 floats apart
+_ALIGN = 16  # its columns lie a multiple of 16 floats, plus 16, apart
 
 
 def _wants_column_major(tensor: torch.Tensor) -> bool:
@@ -51,8 +51,8 @@ def laid_out(weight: torch.Tensor) -> torch.Tensor:
 
 def lay_out_linear_weights(graph: torch.fx.GraphModule) -> int:
     """Re-store every 2-D weight the graph's ``aten.linear`` calls read as ``laid_out`` (module
-    docstring); returns how many tensors moved. Every name a tensor is
-    known by (a tied embedding and head) gets the same new tensor, so ties survive."""
+    docstring); returns how many tensors moved. Every name a tensor is known by (a tied embedding
+    and head) gets the same new tensor, so ties survive."""
     names = {
         node.args[1].target
         for node in graph.graph.nodes

@@ -4,7 +4,8 @@
 model whose weights are views, or on a GPU, first copied all of them: a second copy of the
 weights at the peak of a conversion. This writer lays out the header from shapes alone, then
 writes each tensor's bytes straight from its memory (a tensor that is not contiguous on the CPU,
-such as a column-major weight, is copied a block of rows at a time), and returns the file's sha256 so nothing is read back.
+such as a column-major weight, is copied a block of rows at a time), and returns the file's
+sha256 so nothing is read back.
 The file is the format ``safetensors.torch.load_file`` reads: an 8-byte little-endian header
 length, a JSON header padded with spaces to a multiple of 8 bytes, then the tensors' bytes.
 """
