@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import rnnify  # noqa: E402
 from rnnify.bench import machine  # noqa: E402
-from rnnify.runtime.weight_layout import TALL, laid_out as rnnify_layout  # noqa: E402
+from rnnify.runtime.weight_layout import TALL, laid_out as rnnify_layout, linear_weight_names  # noqa: E402
 
 LAYOUTS = ("row-major", "column-major", "rnnify")
 DTYPES = ("float32", "bfloat16")
@@ -40,13 +40,7 @@ DTYPES = ("float32", "bfloat16")
 def linear_weights(path: str) -> list[torch.Tensor]:
     """The distinct weights the model's ``aten.linear`` calls read, in graph order, row-major."""
     graph = rnnify.load(path, aot_step=False).graph
-    seen: dict[str, torch.Tensor] = {}
-    for node in graph.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.aten.linear.default:
-            weight = node.args[1]
-            if isinstance(weight, torch.fx.Node) and weight.op == "get_attr":
-                seen.setdefault(weight.target, reduce(getattr, weight.target.split("."), graph).detach().contiguous())
-    return list(seen.values())
+    return [reduce(getattr, name.split("."), graph).detach().contiguous() for name in linear_weight_names(graph)]
 
 
 def laid_out(weight: torch.Tensor, layout: str, dtype: torch.dtype) -> torch.Tensor:

@@ -8,13 +8,11 @@ from transformers import AutoModelForCausalLM
 
 import rnnify
 from rnnify.runtime.aot import fingerprint
-from rnnify.runtime.weight_layout import TALL, lay_out_linear_weights
+from rnnify.runtime.weight_layout import TALL, lay_out_linear_weights, linear_weight_names
 
 
 def _linear_weights(model: rnnify.RecurrentModel) -> dict[str, torch.Tensor]:
-    graph = model.graph
-    names = {node.args[1].target for node in graph.graph.nodes if node.target is torch.ops.aten.linear.default}
-    return {name: graph.get_parameter(name) for name in names}
+    return {name: model.graph.get_parameter(name) for name in linear_weight_names(model.graph)}
 
 
 def _column_major(tensor: torch.Tensor) -> bool:

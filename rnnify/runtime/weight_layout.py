@@ -19,7 +19,7 @@ from functools import reduce
 
 import torch
 
-__all__ = ["TALL", "lay_out_linear_weights", "laid_out"]
+__all__ = ["TALL", "lay_out_linear_weights", "laid_out", "linear_weight_names"]
 
 
 TALL = 8  # a float32 weight this many times taller than wide (a head) is stored column-major on a CPU
@@ -49,18 +49,22 @@ def laid_out(weight: torch.Tensor) -> torch.Tensor:
     return weight.contiguous()
 
 
-def lay_out_linear_weights(graph: torch.fx.GraphModule) -> int:
-    """Re-store every 2-D weight the graph's ``aten.linear`` calls read as ``laid_out`` (module
-    docstring); returns how many tensors moved. Every name a tensor is known by (a tied embedding
-    and head) gets the same new tensor, so ties survive."""
-    names = {
+def linear_weight_names(graph: torch.fx.GraphModule) -> list[str]:
+    """The names of the weights the graph's ``aten.linear`` calls read, each once, in graph order."""
+    return list(dict.fromkeys(
         node.args[1].target
         for node in graph.graph.nodes
         if node.op == "call_function" and node.target is torch.ops.aten.linear.default
         and isinstance(node.args[1], torch.fx.Node) and node.args[1].op == "get_attr"
-    }
+    ))
+
+
+def lay_out_linear_weights(graph: torch.fx.GraphModule) -> int:
+    """Re-store every 2-D weight the graph's ``aten.linear`` calls read as ``laid_out`` (module
+    docstring); returns how many tensors moved. Every name a tensor is known by (a tied embedding
+    and head) gets the same new tensor, so ties survive."""
     relaid: dict[tuple, torch.Tensor] = {}  # (where the old tensor lies, its shape) -> its replacement
-    for name in names:
+    for name in linear_weight_names(graph):
         tensor = reduce(getattr, name.split("."), graph)
         key = (tensor.data_ptr(), tensor.shape)
         if tensor.dim() != 2 or key in relaid:
