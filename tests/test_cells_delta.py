@@ -10,6 +10,8 @@ alpha_t = sigmoid(x_t W_alpha + b_alpha), and padding tokens skipped:
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -215,11 +217,11 @@ def test_convert_tiny_llama_left_padded(tiny_model_dir):
 def delta_memory_reference(cell, q, k, v, x, mask, window: int, sinks: int, expected_window):
     """float64: per row and kv head, token n - W (not a sink) is written when real token n >= W + S
     arrives, with beta and alpha of token n, through the reader's key map; every query blends the
-    window's output with the readout S q' by its share g_h 2 sigmoid(x W_s + b_s), once the memory
-    holds a token (before: the window's output alone)."""
+    window's output with the readout S q' by its share g_h 2 sigmoid(x W_s + b_s + c_h log(n / W)),
+    n the tokens written so far, once the memory holds one (before: the window's output alone)."""
     writer, reader = cell.writer, cell.reader
-    gate = cell.memory_gate.double()
-    factor = 2 * torch.sigmoid(x.double() @ reader.share_proj.weight.double().T + reader.share_proj.bias.double())
+    gate, count_weight = cell.memory_gate.double(), reader.count_weight.double()
+    logit = x.double() @ reader.share_proj.weight.double().T + reader.share_proj.bias.double()
 
     def mapped(t, h):
         return t.double() @ reader.key_map[h].double() + reader.key_bias[h].double()
@@ -229,17 +231,17 @@ def delta_memory_reference(cell, q, k, v, x, mask, window: int, sinks: int, expe
     for b in range(2):
         real = [t for t in range(q.shape[2]) if mask[b, t]]
         for h in range(2):
-            S, written = torch.zeros(6, 8, dtype=torch.float64), False
+            S, written = torch.zeros(6, 8, dtype=torch.float64), 0
             for t in range(q.shape[2]):
                 n = real.index(t) if t in real else -1
                 if n >= window + sinks:
                     j = real[n - window]
-                    S, written = delta_write(S, writer, x[b, t], h, mapped(k[b, h, j], h), v[b, h, j]), True
+                    S, written = delta_write(S, writer, x[b, t], h, mapped(k[b, h, j], h), v[b, h, j]), written + 1
                 if not written:
                     continue
                 for i in range(h * group, (h + 1) * group):
                     query = mapped(q[b, i, t], h)
-                    share = gate[i] * factor[b, t, i]
+                    share = gate[i] * 2 * torch.sigmoid(logit[b, t, i] + count_weight[i] * math.log(written / window))
                     out[b, i, t] += share * (S @ (query / query.norm()) - out[b, i, t])
     return out
 
@@ -464,14 +466,14 @@ class _OpCount(TorchDispatchMode):
 def test_hybrid_lean_step_dispatches_few_ops(memory):
     """A CPU decode step's time is its op count (docs/performance.md): here the general forms
     dispatched 219-282 aten ops a step, the lean step 92-116 for the linear and gla memories and
-    136-151 for the delta memories (their reader's key map and share); held under 160 so a
-    regression shows."""
+    148-163 for the delta memories (their reader's key map, and a share that counts the memory's
+    tokens: 7 ops); held under 170 so a regression shows."""
     cell = build_cell("hybrid", SPEC, {"window": 3, "sinks": 2, "memory": memory})
     q, k, v, x, mask = make_inputs(1, pad=0)
     count = _OpCount()
     with torch.no_grad(), count:
         cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)
-    assert count.ops < 160
+    assert count.ops < 170
 
 
 @pytest.mark.parametrize("memory", ["delta", "gated-delta"])
@@ -482,6 +484,28 @@ def test_hybrid_delta_reader_trains_from_the_start(memory):
     out, *_ = cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)
     out.square().sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in cell.reader.parameters())
+
+
+def test_hybrid_delta_memory_saved_before_the_count_keeps_the_share_it_was_trained_with():
+    """A delta memory saved before its share counted the memory's tokens loads with c = 0, which is
+    that share, g_h 2 sigmoid(x W_s + b_s)."""
+    torch.manual_seed(0)
+    options = {"window": 3, "memory": "delta", "memory_init": 0.5}
+    cell = build_cell("hybrid", SPEC, options)
+    with torch.no_grad():
+        for p in cell.reader.parameters():
+            p.add_(torch.randn_like(p), alpha=0.3)
+    earlier = {name: value for name, value in cell.state_dict().items() if name != "reader.count_weight"}
+    loaded = build_cell("hybrid", SPEC, options)
+    loaded.load_state_dict(earlier)
+    assert torch.equal(loaded.reader.count_weight, torch.zeros(SPEC.num_heads))
+    q, k, v, x, mask = make_inputs(11, pad=2)
+    windowed = build_cell("window", SPEC, {"window": 3})
+    expected_window, *_ = windowed(q, k, v, mask, *windowed.init_state(2, q.device, q.dtype))
+    expected = delta_memory_reference(loaded, q, k, v, x, mask, 3, 0, expected_window)
+    out, *_ = loaded(q, k, v, mask, *loaded.init_state(2, q.device, q.dtype), x=x)
+    real = mask[:, None, :, None].expand_as(out)
+    assert rel_diff(out[real], expected[real]) < 1e-5
 
 
 def test_hybrid_delta_memory_saved_with_the_added_readout_asks_to_convert_again():

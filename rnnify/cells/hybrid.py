@@ -63,7 +63,7 @@ output with the memory's readout instead:
 
     when token i arrives and token j = i - W leaves the ring (not a sink):
         H <- alpha_i (I - beta_i k'_j k'_j^T) H + beta_i k'_j v_j^T
-    out_i = w_i / u_i + s_i (H_i^T q'_i - w_i / u_i),      s_i = g_h 2 sigmoid(x_i W_s + b_s)_h
+    out_i = w_i / u_i + s_i (H_i^T q'_i - w_i / u_i),      s_i = g_h 2 sigmoid(x_i W_s + b_s + c_h log(n_i / W))_h
 
 with k' = normalise(k M + c) and q' = normalise(q M + c) through a map per kv head (``DeltaReader``;
 M = I and c = 0 at start): RoPE'd keys far apart in position need not look alike, and keys that
@@ -72,7 +72,9 @@ space. beta_i and alpha_i come from the layer input x_i of the arriving token
 (``cells.delta.DeltaWriter``, initialised to beta = 0.5, alpha = 0.99): the token that pushes j out
 decides how strongly j is written and how much the memory fades, so no layer input is kept in the
 ring. s_i, the memory's share, is what softmax gives the tokens beyond the window, so it depends on
-the query (here through x_i: W_s = 0, b_s = 0 at start, a factor of 1); it is 0 while the memory is
+the query (here through x_i: W_s = 0, b_s = 0 at start) and on how many tokens n_i the memory holds:
+n tokens of about the window's weight each have odds n / W against the window's W, hence the
+log(n_i / W), weighted by c_h (1 at start; a factor of 1 at n = W); it is 0 while the memory is
 still empty (nothing written yet: its readout 0 is no estimate). At g = 0 the model is again
 exactly its window target; the state is the window's plus ``kv`` (H, fp32), no ``k_sum``; f_h
 does not enter (w / u does not depend on it), so there is no ``window_logit`` and no feature map.
@@ -334,7 +336,7 @@ def step_delta_memory_hybrid_attn(
     log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
     memory, kv = step_delta_attn(memory_keys(q, key_map, key_bias), memory_keys(old_key, key_map, key_bias),
                                  old_value, beta, log_a, kv)
-    share = share * holds_memory(length, leaves, keys.shape[2] + sink_keys.shape[2])
+    share = memory_share(*share, written_count(length, leaves, keys.shape[2] + sink_keys.shape[2]), keys.shape[2])
     return torch.lerp(_window_output(w, u), memory, share[..., None]), *window_state, kv
 
 
@@ -509,7 +511,7 @@ def delta_memory_hybrid_attn(
         memory, kv = fused_delta_attn(*args, backend=kernels)
     else:
         memory, kv = chunk_delta_attn(*args, chunk_size=chunk_size)
-    share = share * holds_memory(length, leaves, keys.shape[2] + sink_keys.shape[2])
+    share = memory_share(*share, written_count(length, leaves, keys.shape[2] + sink_keys.shape[2]), keys.shape[2])
     return torch.lerp(readout(window_den, window_num), memory, share[..., None]), *window_state, kv
 
 
@@ -522,17 +524,26 @@ def memory_keys(x: torch.Tensor, key_map: torch.Tensor, key_bias: torch.Tensor) 
     return l2_normalise(x.float() @ key_map + key_bias)
 
 
-def holds_memory(length: torch.Tensor, leaves: torch.Tensor, held: int) -> torch.Tensor:
-    """``[B, 1, 1, T]``: has any token been written to the memory by the time each query reads it
-    (before this call: more than W + S real tokens read; or one leaving since). An empty delta
-    memory reads 0, which the blend must not mix in."""
+def written_count(length: torch.Tensor, leaves: torch.Tensor, held: int) -> torch.Tensor:
+    """``[B, T]`` fp32: the tokens written to the memory by the time each query reads it: the real
+    tokens read before this call past the W + S held, then one per leaving token."""
     leaves = leaves.reshape(length.shape[0], -1)
-    return ((length > held)[:, None] | (leaves.cumsum(-1) > 0))[:, None, None].float()
+    return ((length - held).clamp_min(0)[:, None] + leaves.cumsum(-1)).float()
+
+
+def memory_share(gate, logit, count_weight, written, window: int) -> torch.Tensor:
+    """s = g 2 sigmoid(logit + c log(n / W)) ``[B, Hkv, G, T]`` for n = ``written [B, T]`` tokens in
+    the memory, and s = 0 while n = 0: an empty delta memory reads 0, no estimate. gate and
+    count_weight ``[Hkv, G]``, logit ``[B, Hkv, G, T]`` (``DeltaReader.share``)."""
+    written = written[:, None, None]
+    share = torch.sigmoid(torch.addcmul(logit, count_weight[..., None], torch.log(written.clamp_min(1) / window)))
+    return torch.where(written > 0, share * (2 * gate[..., None]), 0.0)
 
 
 class DeltaReader(nn.Module):
     """How the hybrid reads its delta memory: a map of queries and written keys (one per kv head,
-    the identity at start) and the memory's share of the output, from the layer input."""
+    the identity at start) and the memory's share of the output, from the layer input and how many
+    tokens the memory holds."""
 
     def __init__(self, spec: CellSpec):
         super().__init__()
@@ -544,14 +555,16 @@ class DeltaReader(nn.Module):
         self.share_proj = nn.Linear(spec.hidden_size, spec.num_heads)
         nn.init.zeros_(self.share_proj.weight)
         nn.init.zeros_(self.share_proj.bias)
+        self.count_weight = nn.Parameter(torch.ones(spec.num_heads))  # c_h: 1, the count's odds as softmax's
 
-    def share(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """g_h 2 sigmoid(x W + b) ``[B, Hkv, G, T]``: the memory gate ``[Hkv, G]`` (0 at start) times a
-        factor from each token's layer input ``x [B, T, hidden]`` (1 at start)."""
+    def share(self, x: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What ``memory_share`` needs besides the count: the memory gate ``[Hkv, G]`` (0 at start),
+        the logit x W + b ``[B, Hkv, G, T]`` from each token's layer input ``x [B, T, hidden]`` (0 at
+        start) and the count's weight c ``[Hkv, G]`` (1 at start)."""
         proj = self.share_proj
-        factor = 2 * torch.sigmoid(F.linear(x.float(), proj.weight.float(), proj.bias.float()))  # [B, T, H]
-        factor = factor.transpose(1, 2).reshape(x.shape[0], self.num_kv_heads, self.group_size, x.shape[1])
-        return gate[None, :, :, None] * factor
+        logit = F.linear(x.float(), proj.weight.float(), proj.bias.float())  # [B, T, H]
+        logit = logit.transpose(1, 2).reshape(x.shape[0], self.num_kv_heads, self.group_size, x.shape[1])
+        return gate, logit, self.count_weight.float().reshape(self.num_kv_heads, self.group_size)
 
 
 class HybridCell(Cell):
@@ -673,6 +686,8 @@ class HybridCell(Cell):
             raise RnnifyError(
                 "this hybrid's delta memory was saved by an earlier rnnify, which added its readout to the window's "
                 "output; the memory is now read through a learned key map and blended in: convert the model again")
+        if self.memory in DELTA_MEMORIES:  # saved before the share counted the memory's tokens: c = 0 is that share
+            state_dict.setdefault(prefix + "reader.count_weight", torch.zeros_like(self.reader.count_weight))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def mixing_factor(self) -> torch.Tensor:
