@@ -13,6 +13,13 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# pytest-xdist runs the suite in one worker per CPU (``-n auto`` in pyproject.toml): each computes
+# with one thread, as two workers of two threads on two cores would wait on each other. Its workers
+# also get COLUMNS=80, which the CLI would take for a terminal's width: the tests read the CLI's
+# output as piped, at its own width, as they do without workers.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.pop("COLUMNS", None)
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "examples" / "make_tiny_model.py")
