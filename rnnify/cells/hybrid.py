@@ -498,7 +498,7 @@ def delta_memory_hybrid_attn(
     ``window_and_leaving``, the memory on the tokens leaving the window, at most one per new token
     (beta = 0 and no decay where none leaves), through ``cells.delta``'s forms (``fused_delta_attn``
     with ``kernels``). beta / log_a ``[B, Hkv, T]`` are those of the arriving tokens (0 at padding),
-    share ``[B, Hkv, G, T]`` the memory's share of each query's output (``DeltaReader.share``),
+    share what ``memory_share`` reads besides the count (``DeltaReader.share``: gate, logit, count weight),
     key_map / key_bias ``[Hkv, d, d]`` / ``[Hkv, d]`` the reader's key map."""
     unit = torch.ones(q.shape[1], q.shape[2], device=q.device)  # f = 1: w / u does not depend on it
     window_num, window_den, old_keys, old_values, leaves, window_state = window_and_leaving(
