@@ -18,7 +18,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # also get COLUMNS=80, which the CLI would take for a terminal's width: the tests read the CLI's
 # output as piped, at its own width, as they do without workers.
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.pop("COLUMNS", None)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -281,6 +282,19 @@ def test_resume_refuses_a_checkpoint_of_another_model(hybrid_dir, tiny_model_dir
     moved.manifest.source = "elsewhere/model"
     with pytest.raises(rnnify.RnnifyError, match="source: .* -> 'elsewhere/model'"):
         rnnify.distill(moved, tokens(8), stages=["transfer"], checkpoint_dir=tmp_path, resume=True, **FAST)
+
+
+def test_resume_refuses_a_checkpoint_without_every_cell_parameter(hybrid_dir, tmp_path):
+    """A checkpoint written for cells with fewer parameters (an earlier rnnify's) is one clear error,
+    not a failure deep in the optimizer."""
+    rnnify.distill(rnnify.load(hybrid_dir), tokens(8), stages=["transfer"], checkpoint_dir=tmp_path, **FAST)
+    saved = torch.load(tmp_path / CHECKPOINT_FILE, weights_only=True)
+    dropped = sorted(saved["trainable"])[0]
+    del saved["trainable"][dropped]
+    torch.save(saved, tmp_path / CHECKPOINT_FILE)
+    with pytest.raises(rnnify.RnnifyError, match=f"lacks {re.escape(dropped)}.*another checkpoint directory"):
+        rnnify.distill(rnnify.load(hybrid_dir), tokens(8), stages=["transfer"], checkpoint_dir=tmp_path, resume=True,
+                       **FAST)
 
 
 def test_a_fresh_run_sets_an_earlier_checkpoint_aside(hybrid_dir, tmp_path, monkeypatch, capsys):

@@ -577,7 +577,8 @@ class HybridCell(Cell):
     window target alone). Trainable: ``window_logit`` (f_h = sigmoid of it, per query head),
     ``memory_gate`` (g_h, per query head) and the feature map's parameters. ``memory``: ``linear``
     (the default), or ``delta`` / ``gated-delta``: a delta-rule memory (see the module docstring),
-    trainable through ``memory_gate`` and its beta (and alpha) projections, with no f_h or map;
+    trainable through ``memory_gate``, its beta (and alpha) projections and its reader (key map,
+    share projection, count weight), with no f_h or feature map;
     ``gla``: the linear memory decayed by GLA's gate of the arriving token (trainable too).
 
     The state is the window target's (keys, values, sink_keys, sink_values, length) then the linear

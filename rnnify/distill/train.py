@@ -282,6 +282,7 @@ class _Trainer:
             records: list[dict[str, Any]] = []
             if checkpoint is not None:
                 params = dict(model.named_parameters())
+                _check_parameters(checkpoint, params, self.cell_names, checkpoint_dir)
                 with torch.no_grad():
                     for name, tensor in checkpoint.trainable.items():
                         params[name].copy_(tensor)
@@ -454,6 +455,18 @@ def _names(model: nn.Module, params: list[nn.Parameter]) -> list[str]:
     """The names of ``params`` in ``model``, in ``model``'s order (checkpoints key tensors by name)."""
     wanted = {id(p) for p in params}
     return [name for name, p in model.named_parameters() if id(p) in wanted]
+
+
+def _check_parameters(checkpoint: Checkpoint, params: dict[str, torch.Tensor], cell_names: list[str],
+                      directory: Any) -> None:
+    """A checkpoint holds every parameter of the model's cells and none the model lacks (one
+    written by an earlier rnnify whose cells had other parameters does not)."""
+    missing = [n for n in cell_names if n not in checkpoint.trainable]
+    unknown = [n for n in checkpoint.trainable if n not in params]
+    if missing or unknown:
+        what = f"lacks {missing[0]}" if missing else f"has {unknown[0]}, which the model lacks"
+        raise RnnifyError(f"the checkpoint in {directory} {what} (written for cells with other parameters, by an "
+                          "earlier rnnify?); use another checkpoint directory to start over")
 
 
 def _teacher(model: RecurrentModel, teacher) -> nn.Module:
