@@ -41,6 +41,7 @@ from tqdm import tqdm
 import rnnify
 from rnnify.bench import fill_state, kv_cache, machine, weight_bytes
 from rnnify.runtime.aot import STEP_PACKAGE, write_step_package
+from rnnify.runtime.weight_layout import lay_out_linear_weights
 
 STEP_VARIANTS = ("+compile", "+aot")  # rows that differ from their model in the decode step only
 
@@ -180,10 +181,8 @@ def prefill(hf, models: dict, lengths: list[int], repeats: int) -> list[dict]:
 
 
 def row_major(model):
-    """``model`` with every 2-D weight contiguous: the layout before ``runtime.weight_layout``."""
-    for weight in model.graph.parameters():
-        if weight.dim() == 2 and not weight.is_contiguous():
-            weight.data = weight.data.contiguous()
+    """``model`` with its linear weights row-major, as checkpoints hold them (ties kept)."""
+    lay_out_linear_weights(model.graph, layout=torch.Tensor.contiguous)
     return model
 
 

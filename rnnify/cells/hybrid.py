@@ -336,7 +336,7 @@ def step_delta_memory_hybrid_attn(
     log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
     memory, kv = step_delta_attn(memory_keys(q, key_map, key_bias), memory_keys(old_key, key_map, key_bias),
                                  old_value, beta, log_a, kv)
-    share = memory_share(*share, written_count(length, leaves, keys.shape[2] + sink_keys.shape[2]), keys.shape[2])
+    share = memory_share(*share, length, leaves, keys.shape[2], sink_keys.shape[2])
     return torch.lerp(_window_output(w, u), memory, share[..., None]), *window_state, kv
 
 
@@ -511,7 +511,7 @@ def delta_memory_hybrid_attn(
         memory, kv = fused_delta_attn(*args, backend=kernels)
     else:
         memory, kv = chunk_delta_attn(*args, chunk_size=chunk_size)
-    share = memory_share(*share, written_count(length, leaves, keys.shape[2] + sink_keys.shape[2]), keys.shape[2])
+    share = memory_share(*share, length, leaves, keys.shape[2], sink_keys.shape[2])
     return torch.lerp(readout(window_den, window_num), memory, share[..., None]), *window_state, kv
 
 
@@ -524,18 +524,13 @@ def memory_keys(x: torch.Tensor, key_map: torch.Tensor, key_bias: torch.Tensor) 
     return l2_normalise(x.float() @ key_map + key_bias)
 
 
-def written_count(length: torch.Tensor, leaves: torch.Tensor, held: int) -> torch.Tensor:
-    """``[B, T]`` fp32: the tokens written to the memory by the time each query reads it: the real
-    tokens read before this call past the W + S held, then one per leaving token."""
+def memory_share(gate, logit, count_weight, length, leaves, window: int, sinks: int) -> torch.Tensor:
+    """s = g 2 sigmoid(logit + c log(n / W)) ``[B, Hkv, G, T]``, n the tokens written to the memory
+    by the time each query reads it (the real tokens read before this call past the W + S held,
+    then one per leaving token ``leaves``), and s = 0 while n = 0: an empty delta memory reads 0, no
+    estimate. gate and count_weight ``[Hkv, G]``, logit ``[B, Hkv, G, T]`` (``DeltaReader.share``)."""
     leaves = leaves.reshape(length.shape[0], -1)
-    return ((length - held).clamp_min(0)[:, None] + leaves.cumsum(-1)).float()
-
-
-def memory_share(gate, logit, count_weight, written, window: int) -> torch.Tensor:
-    """s = g 2 sigmoid(logit + c log(n / W)) ``[B, Hkv, G, T]`` for n = ``written [B, T]`` tokens in
-    the memory, and s = 0 while n = 0: an empty delta memory reads 0, no estimate. gate and
-    count_weight ``[Hkv, G]``, logit ``[B, Hkv, G, T]`` (``DeltaReader.share``)."""
-    written = written[:, None, None]
+    written = ((length - (window + sinks)).clamp_min(0)[:, None] + leaves.cumsum(-1)).float()[:, None, None]
     share = torch.sigmoid(torch.addcmul(logit, count_weight[..., None], torch.log(written.clamp_min(1) / window)))
     return torch.where(written > 0, share * (2 * gate[..., None]), 0.0)
 

@@ -15,6 +15,7 @@ row-major bytes as before, and tied weights stay one tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import reduce
 
 import torch
@@ -59,21 +60,23 @@ def linear_weight_names(graph: torch.fx.GraphModule) -> list[str]:
     ))
 
 
-def lay_out_linear_weights(graph: torch.fx.GraphModule) -> int:
-    """Re-store every 2-D weight the graph's ``aten.linear`` calls read as ``laid_out`` (module
-    docstring); returns how many tensors moved. Every name a tensor is known by (a tied embedding
-    and head) gets the same new tensor, so ties survive."""
+def lay_out_linear_weights(graph: torch.fx.GraphModule,
+                           layout: Callable[[torch.Tensor], torch.Tensor] = laid_out) -> int:
+    """Re-store every 2-D weight the graph's ``aten.linear`` calls read as ``layout`` gives it
+    (default ``laid_out``, the module docstring's; ``torch.Tensor.contiguous``: row-major, as
+    checkpoints hold them); returns how many tensors moved. Every name a tensor is known by (a tied
+    embedding and head) gets the same new tensor, so ties survive."""
     relaid: dict[tuple, torch.Tensor] = {}  # (where the old tensor lies, its shape) -> its replacement
     for name in linear_weight_names(graph):
         tensor = reduce(getattr, name.split("."), graph)
         key = (tensor.data_ptr(), tensor.shape)
         if tensor.dim() != 2 or key in relaid:
             continue
-        data = laid_out(tensor.detach())
+        data = layout(tensor.detach())
         if data.data_ptr() != tensor.data_ptr():
             relaid[key] = data
     for module in graph.modules() if relaid else ():
-        for name, param in module.named_parameters(recurse=False):
+        for param in module.parameters(recurse=False):
             if (param.data_ptr(), param.shape) in relaid:
                 param.data = relaid[param.data_ptr(), param.shape]
         for name, buffer in module.named_buffers(recurse=False):
