@@ -403,7 +403,7 @@ def band_window_part(q, k, v, window: int, sinks: int, factor, scale: float, blo
 
     One fused ``softmax`` gives p / u (p = exp(s - m)); its largest entry, exp(m - m) / u, gives u
     (every query sees itself, so u >= 1). The G query heads of a kv head and a block's queries are
-    one ``[G block, .]`` matrix, so each product is one bmm over (B, H_kv, block) with no copies."""
+    one ``[G block, .]`` matrix, so each product is one bmm over (B, H_kv, blocks) with no copies."""
     batch, num_kv_heads, group, steps, head_dim = q.shape
     sinks, blocks = min(sinks, steps), -(-steps // block)
     queries = torch.nn.functional.pad(scale * q, (0, 0, 0, blocks * block - steps))
