@@ -28,6 +28,7 @@ from rnnify.cells import hybrid as hybrid_cells
 from rnnify.cells.gated import gla_log_gates
 from rnnify.cells.hybrid import GLA_TAU, chunk_hybrid_attn, delta_memory_hybrid_attn, fused_hybrid_attn
 from rnnify.errors import RnnifyError
+from rnnify.kernels import utils
 from kernel_support import nan_buffers  # noqa: F401 - autouse: NaN-filled kernel outputs
 
 SPEC = CellSpec(num_heads=4, num_kv_heads=2, head_dim=8, value_dim=6, scale=8**-0.5, hidden_size=12)
@@ -430,7 +431,7 @@ def test_hybrid_lean_step_equals_the_general_path_and_the_reference(memory, sink
 def test_hybrid_whole_prompt_path_equals_the_general_path(memory, sinks, monkeypatch):
     """A whole unpadded prompt from the empty state (the window part in one go, the state from the
     prompt's tail) gives the general path's output and state, through the cell's own forms and the
-    kernels' references."""
+    kernels' references, and off Triton with kernels auto."""
     window, steps = 3, 23
     torch.manual_seed(0)
     cell = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4})
@@ -439,7 +440,8 @@ def test_hybrid_whole_prompt_path_equals_the_general_path(memory, sinks, monkeyp
         for p in cell.parameters():
             p.normal_(std=0.3) if p.dim() == 2 else None
     q, k, v, x, mask = make_inputs(steps, pad=0)
-    for kernels in ("none", "reference"):
+    monkeypatch.setattr(utils, "FORCE_TRITON", False)  # auto: the cell's own prompt forms (prompt_hybrid_attn)
+    for kernels in ("none", "reference", "auto"):
         cell.use_kernels(kernels)
         with torch.no_grad(), monkeypatch.context() as patch:
             fast, *fast_state = cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)

@@ -95,7 +95,8 @@ map applied by the op when it has it), the window part through ``window_attn_ste
 included) with its softmax statistics for a decode token, in PyTorch for a prompt. A whole
 unpadded prompt read from the empty state (``whole_prompt``) needs no ring or padding bookkeeping:
 its window part is computed for all query blocks at once (``band_window_part``), the leaving tokens
-are the keys and values shifted by W, and the state is written from its tail. Shapes: q
+are the keys and values shifted by W, and the state is written from its tail; off kernels the
+linear and gla memories read it without the shift (``prompt_hybrid_attn``). Shapes: q
 ``[B, Hkv, G, T, d]`` fp32, k/v ``[B, Hkv, T, d]``, mask ``[B, T]``, state ``keys/values
 [B, Hkv, W, d]``, ``sink_keys/sink_values [B, Hkv, S, d]`` (S = 0: empty), ``length [B]``,
 ``kv [B, Hkv, F, d_v]``, ``k_sum [B, Hkv, F]`` (fp32); ``factor`` is f ``[Hkv, G]``; ``phi`` maps
@@ -484,9 +485,13 @@ def fused_hybrid_attn(
     ``cells.linear.fused_feature_attn`` runs it (the op applies phi, masking the tokens where none
     leaves) unnormalised, with the denominator as one more value column of ones and z as one more
     state column; ``log_a`` ``[B, Hkv, T, F]`` (the GLA memory; None: linear) decays both, where a
-    token leaves. The window part: ``window_and_leaving``."""
+    token leaves. The window part: ``window_and_leaving``. A whole prompt off kernels:
+    ``prompt_hybrid_attn``."""
+    window_state = (keys, values, sink_keys, sink_values, length)
+    if backend is None and whole_prompt(mask, length):
+        return prompt_hybrid_attn(q, k, v, window_state, kv, k_sum, phi, factor, scale, gate, chunk_size, log_a)
     window_num, window_den, old_keys, old_values, leaves, window_state = window_and_leaving(
-        q, k, v, mask, (keys, values, sink_keys, sink_values, length), factor, scale, chunk_size, backend)
+        q, k, v, mask, window_state, factor, scale, chunk_size, backend)
     old_values = torch.cat([old_values, torch.ones_like(old_values[..., :1])], dim=-1)
     state = torch.cat([kv, k_sum[..., None]], dim=-1)
     if log_a is not None:
@@ -500,6 +505,30 @@ def fused_hybrid_attn(
         linear, state, _ = chunk_gated_attn(*args, chunk_size=chunk_size)
     out = _combine(window_num, window_den, linear[..., :-1], linear[..., -1], gate)
     return out, *window_state, state[..., :-1], state[..., -1]
+
+
+def prompt_hybrid_attn(q, k, v, window_state, kv, k_sum, phi, factor, scale: float, gate, chunk_size: int, log_a):
+    """``fused_hybrid_attn`` off kernels for a whole unpadded prompt from the empty state (so an
+    empty memory too): the window part by ``band_window_part``, the ring and sinks by
+    ``prompt_write``. Token j (S <= j < T - W) leaves as token j + W arrives, so the queries from
+    W + S on read the keys from S on, one step behind in the same order: the memory is causal linear
+    attention of q[W + S:] over k[S:T - W], with no shifted copies or masks, and the queries before
+    W + S read nothing (their output is the window's). k, v are read as the ring holds them."""
+    window, sinks, steps = window_state[0].shape[2], window_state[2].shape[2], k.shape[2]
+    k, v = k.to(window_state[0].dtype).float(), v.to(window_state[1].dtype).float()
+    window_num, window_den = band_window_part(q, k, v, window, sinks, factor, scale, PROMPT_BLOCK)
+    start, end = window + sinks, steps - window  # the first query that reads the memory, the last key + 1
+    state = torch.cat([kv, k_sum[..., None]], dim=-1)
+    if end > sinks:
+        values = torch.cat([v[:, :, sinks:end], torch.ones_like(v[:, :, sinks:end, :1])], dim=-1)
+        gates = None if log_a is None else log_a[:, :, start:]  # those of the arriving tokens
+        tail, state, _ = chunk_gated_attn(phi(q[:, :, :, start:]), phi(k[:, :, sinks:end]), values, gates, state,
+                                          chunk_size=chunk_size)
+        linear = F.pad(tail, (0, 0, start, 0))
+    else:
+        linear = window_num.new_zeros(*window_num.shape[:-1], window_num.shape[-1] + 1)
+    out = _combine(window_num, window_den, linear[..., :-1], linear[..., -1], gate)
+    return out, *prompt_write(k, v, *window_state), state[..., :-1], state[..., -1]
 
 
 def delta_memory_hybrid_attn(
