@@ -435,20 +435,28 @@ def band_window_part(q, k, v, window: int, sinks: int, factor, scale: float, blo
     return by_token(o) * window_den[..., None], window_den
 
 
+def prompt_window(q, k, v, window_state, factor, scale: float, block: int = PROMPT_BLOCK):
+    """The window part of a whole unpadded prompt from the empty state (``band_window_part``) and
+    the state written from the prompt's tail (``kernels.ring.prompt_write``): ``(k, v fp32 as the
+    ring holds them, window_num, window_den, window_state)``."""
+    k, v = k.to(window_state[0].dtype).float(), v.to(window_state[1].dtype).float()
+    window_num, window_den = band_window_part(q, k, v, window_state[0].shape[2], window_state[2].shape[2], factor,
+                                              scale, block)
+    return k, v, window_num, window_den, prompt_write(k, v, *window_state)
+
+
 def prompt_window_and_leaving(q, k, v, window_state, factor, scale: float, block: int = PROMPT_BLOCK):
-    """``chunked_window_and_leaving`` for a whole unpadded prompt from the empty state: the window
-    part by ``band_window_part``, token i - W leaving as token i >= W + S arrives (the keys and
-    values shifted by W), the state written from the prompt's tail (``kernels.ring.prompt_write``)."""
+    """``chunked_window_and_leaving`` for a whole unpadded prompt from the empty state: ``prompt_window``,
+    and token i - W leaving as token i >= W + S arrives (the keys and values shifted by W)."""
     window, sinks, steps = window_state[0].shape[2], window_state[2].shape[2], k.shape[2]
-    k, v = k.to(window_state[0].dtype).float(), v.to(window_state[1].dtype).float()  # as the ring holds them
-    window_num, window_den = band_window_part(q, k, v, window, sinks, factor, scale, block)
+    k, v, window_num, window_den, window_state = prompt_window(q, k, v, window_state, factor, scale, block)
     leaves = (torch.arange(steps, device=q.device) >= window + sinks).expand(q.shape[0], -1)
 
     def shifted(x: torch.Tensor) -> torch.Tensor:
         x = torch.nn.functional.pad(x, (0, 0, window, 0))[:, :, :steps]
         return torch.where(leaves[:, None, :, None], x, 0.0)
 
-    return window_num, window_den, shifted(k), shifted(v), leaves, prompt_write(k, v, *window_state)
+    return window_num, window_den, shifted(k), shifted(v), leaves, window_state
 
 
 def chunked_window_and_leaving(q, k, v, mask, window_state, factor, scale: float, chunk_size: int,
@@ -509,14 +517,13 @@ def fused_hybrid_attn(
 
 def prompt_hybrid_attn(q, k, v, window_state, kv, k_sum, phi, factor, scale: float, gate, chunk_size: int, log_a):
     """``fused_hybrid_attn`` off kernels for a whole unpadded prompt from the empty state (so an
-    empty memory too): the window part by ``band_window_part``, the ring and sinks by
-    ``prompt_write``. Token j (S <= j < T - W) leaves as token j + W arrives, so the queries from
-    W + S on read the keys from S on, one step behind in the same order: the memory is causal linear
-    attention of q[W + S:] over k[S:T - W], with no shifted copies or masks, and the queries before
-    W + S read nothing (their output is the window's). k, v are read as the ring holds them."""
+    empty memory too): the window part and the ring by ``prompt_window``. Token j (S <= j < T - W)
+    leaves as token j + W arrives, so the queries from W + S on read the keys from S on, one step
+    behind in the same order: the memory is causal linear attention of q[W + S:] over k[S:T - W],
+    with no shifted copies or masks, and the queries before W + S read nothing (their output is the
+    window's). k, v are read as the ring holds them."""
     window, sinks, steps = window_state[0].shape[2], window_state[2].shape[2], k.shape[2]
-    k, v = k.to(window_state[0].dtype).float(), v.to(window_state[1].dtype).float()
-    window_num, window_den = band_window_part(q, k, v, window, sinks, factor, scale, PROMPT_BLOCK)
+    k, v, window_num, window_den, window_state = prompt_window(q, k, v, window_state, factor, scale)
     start, end = window + sinks, steps - window  # the first query that reads the memory, the last key + 1
     state = torch.cat([kv, k_sum[..., None]], dim=-1)
     if end > sinks:
@@ -528,7 +535,7 @@ def prompt_hybrid_attn(q, k, v, window_state, kv, k_sum, phi, factor, scale: flo
     else:
         linear = window_num.new_zeros(*window_num.shape[:-1], window_num.shape[-1] + 1)
     out = _combine(window_num, window_den, linear[..., :-1], linear[..., -1], gate)
-    return out, *prompt_write(k, v, *window_state), state[..., :-1], state[..., -1]
+    return out, *window_state, state[..., :-1], state[..., -1]
 
 
 def delta_memory_hybrid_attn(
