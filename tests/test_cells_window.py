@@ -30,6 +30,7 @@ from rnnify.cells.hybrid import (
     HybridCell,
     chunk_hybrid_attn,
     chunked_window_and_leaving,
+    fused_hybrid_attn,
     naive_recurrent_hybrid_attn,
     parallel_hybrid_attn,
     prompt_window_and_leaving,
@@ -533,6 +534,28 @@ def test_hybrid_forms_equal_the_naive_loop_and_the_reference(p):
     }
     _assert_forms_agree(forms, want, want_state, real, FORM_STATE)
     assert all(torch.equal(a, b) for a, b in zip(before, (*args, *state)))
+
+
+@pytest.mark.parametrize("window, sinks, length", [(3, 0, 1), (3, 2, 4), (3, 2, 5), (3, 2, 6), (4, 1, 23),
+                                                   (8, 0, 30), (2, 3, 17), (64, 0, 70)])
+def test_whole_prompt_off_kernels_equals_the_naive_loop(window, sinks, length):
+    """``fused_hybrid_attn`` off kernels on a whole unpadded prompt (``prompt_hybrid_attn``: the window
+    part of all blocks at once, the memory read without the shift) gives the naive loop's output and
+    state, prompts shorter than W + S included."""
+    spec = _spec(2, 2, 8, 6)
+    cell = HybridCell(spec, window=window, sinks=sinks)
+    gen = _gen(length)
+    q, k, v = random_qkv(2, spec, length, gen)
+    mask = torch.ones(2, length, dtype=torch.bool)
+    state = _form_state(cell, _garbage_buffers(cell, cell.init_state(2, CPU, torch.float32), gen))
+    grouped = (spec.num_kv_heads, spec.group_size)
+    gate = torch.rand(spec.num_heads, generator=gen).reshape(grouped)
+    fixed = (cell.phi, _factor(spec, gen).reshape(grouped), spec.scale, gate)
+    want, *want_state = naive_recurrent_hybrid_attn(_grouped(q, spec), k, v, mask, *state, *fixed)
+    got, *got_state = fused_hybrid_attn(_grouped(q, spec), k, v, mask, *state, *fixed, backend=None)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    for name, a, b in zip(FORM_STATE, got_state, want_state):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=name)
 
 
 @HYPOTHESIS
