@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import stdlib_corpus  # noqa: E402
 
 import rnnify  # noqa: E402
-from rnnify.distill.train import SCHEDULES, TRAIN  # noqa: E402
+from rnnify.distill.train import SCHEDULES, STAGES, TRAIN  # noqa: E402
 from rnnify.eval import write_json  # noqa: E402
 from rnnify.passkey import evaluate_passkey, original_generator, passkey_prompts, passkey_trials  # noqa: E402
 
@@ -180,7 +180,8 @@ def run_row(spec: dict, heldout: Path, train: Path, args, cached: dict | None, s
     tokens = distill_budget(spec, args)
     wanted = None if tokens is None else {"tokens": tokens, "lr": list(args.lr), "seed": args.seed,
                                           "seq_len": args.distill_seq_len, "batch_size": args.distill_batch_size,
-                                          "train": args.train, "schedule": args.schedule}
+                                          "train": args.train, "schedule": args.schedule,
+                                          **({} if args.stages == list(STAGES) else {"stages": args.stages})}
     if wanted is None or (row.get("distill_settings") == wanted and "distilled" in row):
         if wanted is None:
             row = {k: v for k, v in row.items() if k not in ("distilled", "distill_settings", "distill_seconds",
@@ -191,7 +192,8 @@ def run_row(spec: dict, heldout: Path, train: Path, args, cached: dict | None, s
     start = time.time()
     model = rnnify.distill(
         model, train, teacher=args.teacher, max_tokens=tokens, seq_len=args.distill_seq_len,
-        batch_size=args.distill_batch_size, lr=args.lr, train=args.train, schedule=args.schedule, seed=args.seed,
+        batch_size=args.distill_batch_size, lr=[dict(zip(STAGES, args.lr))[s] for s in args.stages],
+        train=args.train, schedule=args.schedule, seed=args.seed, stages=args.stages,
         # with --checkpoint-dir a killed distillation continues where it stopped when rerun
         checkpoint_dir=None if args.checkpoint_dir is None else args.checkpoint_dir / spec["variant"],
         checkpoint_every=args.checkpoint_every, resume=args.checkpoint_dir is not None,
@@ -342,8 +344,9 @@ def transfer_rates(results: Path) -> str:
             "both memories:\n\n" + "\n".join(lines))
 
 
-def document(record: dict, png: Path, json_path: Path) -> str:
-    """docs/fidelity.md: what was measured, how to rerun it, the table, the goals and the plot."""
+def document(record: dict, png: Path, json_path: Path, memory_notes: str = "") -> str:
+    """docs/fidelity.md: what was measured, how to rerun it, the table, the goals and the plot;
+    ``memory_notes``, the page's kept ``MEMORY_NOTES`` section, after the memories' tables."""
     rows, original, window = record["rows"], record["original_perplexity"], record.get("window", WINDOW)
     first = rows[0]["training_free"]
     free = [r["training_free"]["perplexity"] / original for r in rows
@@ -419,7 +422,7 @@ runs measured KL 0.0192 (`hybrid-delta`) and 0.0192 (`hybrid-gated-delta`) at 25
 1.663 / 1.662 at 2,048, no better than the window alone.
 
 {memories_section(json_path)}
-
+{memory_notes}
 ![quality against state size]({Path("..") / png.relative_to(ROOT) if png.is_relative_to(ROOT) else png})
 """
 
@@ -501,6 +504,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="what finetune trains besides the cells (rnnify distill --train; default: lora, the recipe of the "
                         "bundled table, whose finetune lr 1e-3 suits LoRA but pulls every weight away from the original)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="cosine", help="learning-rate schedule (rnnify distill --schedule)")
+    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES),
+                        help="distillation stages, in order (rnnify distill --stages; default: transfer finetune); "
+                        "the budget is split evenly between them")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--eval-tokens", type=int, default=None, help="held-out tokens to evaluate (default: all)")
     group.add_argument("--eval-rows", type=int, default=None, help="held-out rows of --seq-len tokens to evaluate")
@@ -604,21 +610,24 @@ def main(argv: list[str] | None = None) -> dict:
     return record
 
 
-# a section of docs/fidelity.md that another script writes (benchmarks/per_head.py), kept when this one rewrites the page
+# sections of the page that other scripts or runs wrote: kept, between their markers, when it is rewritten
 KEPT = ("<!-- per-head: written by benchmarks/per_head.py -->", "<!-- /per-head -->")
+MEMORY_NOTES = ("<!-- memories: further runs, each with its command; kept when fidelity.py rewrites the page -->",
+                "<!-- /memories -->")
 
 
-def kept_section(doc: Path) -> str:
+def kept_section(doc: Path, markers: tuple[str, str] = KEPT) -> str:
     page = doc.read_text() if doc.is_file() else ""
-    if KEPT[0] not in page:
+    if markers[0] not in page:
         return ""
-    return "\n" + KEPT[0] + page.split(KEPT[0], 1)[1].split(KEPT[1], 1)[0] + KEPT[1] + "\n"
+    return "\n" + markers[0] + page.split(markers[0], 1)[1].split(markers[1], 1)[0] + markers[1] + "\n"
 
 
 def render(record: dict, args) -> None:
     plot(record, args.png)
     if args.doc is not None:
-        args.doc.write_text(document(record, args.png, args.json) + kept_section(args.doc))
+        page = document(record, args.png, args.json, kept_section(args.doc, MEMORY_NOTES))
+        args.doc.write_text(page + kept_section(args.doc))
     print(table(record))
 
 

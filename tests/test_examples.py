@@ -67,6 +67,9 @@ def test_fidelity_script_end_to_end(tmp_path, tiny_model_dir):
         "--batch-size", "4", "--threads", "1", "--json", str(out / "f.json"), "--doc", str(out / "f.md"),
         "--png", str(out / "f.png"),
     ]
+    notes = "\n".join([fidelity.MEMORY_NOTES[0], "A further run, measured by hand.", fidelity.MEMORY_NOTES[1]])
+    out.mkdir()
+    (out / "f.md").write_text(f"# an earlier page\n\nits generated part\n\n{notes}\n")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "argv", argv)
         fidelity.main()
@@ -76,7 +79,25 @@ def test_fidelity_script_end_to_end(tmp_path, tiny_model_dir):
     assert rows["linear-hedgehog"]["distilled"]["tokens"] > 0 and rows["linear-hedgehog"]["distill_tokens"] == 1024
     doc = (out / "f.md").read_text()
     assert "python benchmarks/fidelity.py" in doc and "`linear-hedgehog`" in doc and "goal" in doc
+    assert "its generated part" not in doc and doc.count(notes) == 1  # the page is rewritten, its kept notes not
+    assert doc.index(notes) < doc.index("![quality against state size]")  # after the memories' tables, as written
     assert (out / "f.png").stat().st_size > 0
+
+
+def test_fidelity_stages_transfer_only_spends_the_budget_on_transfer(tmp_path, tiny_model_dir):
+    """--stages transfer: the whole budget goes to attention transfer at the first --lr, no finetune."""
+    fidelity = _load(ROOT / "benchmarks" / "fidelity.py")
+    argv = ["--model", str(tiny_model_dir("llama")), "--row", "h=hybrid,window=4,feature_map=hedgehog",
+            "--distilled-only", "--distill-tokens", "512", "--stages", "transfer", "--lr", "0.03", "0.001",
+            "--seq-len", "32", "--eval-rows", "1", "--batch-size", "2", "--threads", "1", "--json", str(tmp_path / "f.json")]
+    seen = []
+    distill = rnnify.distill
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rnnify, "distill", lambda *a, **k: seen.append(k) or distill(*a, **k))
+        row = fidelity.main(argv)["rows"][0]
+    assert seen[0]["stages"] == ["transfer"] and seen[0]["lr"] == [0.03]
+    assert set(row["stage_tokens"]) == {"transfer"} and row["stage_tokens"]["transfer"] > 0
+    assert row["distill_settings"]["stages"] == ["transfer"]
 
 
 def test_python_docs_split_by_path_hash(tmp_path):
