@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--data", required=True, help="held-out text (file, folder or .jsonl)")
-    p.add_argument("--targets", nargs="+", default=["exact", "gated=gated,gate=gla", "hybrid=hybrid,window=64"],
+    p.add_argument("--targets", nargs="+", default=["exact", "gated=gated,gate=gla", "hybrid=hybrid,window=64,sinks=0,feature_map=elu"],
                    help="NAME or NAME=TARGET,key=value,... (default: exact, gated with the gla gate, hybrid)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per evaluated row (default: 256)")
     p.add_argument("--max-tokens", type=int, default=16384, help="tokens evaluated (default: 16384)")

@@ -51,7 +51,7 @@ def main() -> None:
     evaluate = dict(against=args.model, seq_len=args.seq_len, batch_size=args.batch_size, max_tokens=args.eval_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         train_dir, heldout = stdlib_corpus.write_split(tmp)
-        base = rnnify.convert(args.model, to="hybrid", window=64, feature_map="hedgehog", progress=False)
+        base = rnnify.convert(args.model, to="hybrid", window=64, sinks=0, feature_map="hedgehog", progress=False)
         free = rnnify.evaluate(base, heldout, **evaluate).to_json()
         record["training_free"] = {"perplexity": free["perplexity"], "kl": free["kl"],
                                    "original_perplexity": free["teacher_perplexity"]}

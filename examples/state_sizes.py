@@ -32,10 +32,10 @@ VARIANTS = [
     ("gated", {"gate": "gateloop"}),
     ("gated-rnn", {}),
     ("aaren", {}),
-    ("hybrid", {"window": 64, "feature_map": "elu"}),
+    ("hybrid", {"window": 64, "sinks": 0, "feature_map": "elu"}),
     ("hybrid", {"window": 64, "sinks": 4, "feature_map": "elu"}),
-    ("hybrid", {"window": 64, "feature_map": "hedgehog"}),
-    ("hybrid", {"window": 64, "memory": "gated-delta"}),
+    ("hybrid", {"window": 64, "sinks": 0, "feature_map": "hedgehog"}),
+    ("hybrid", {"window": 64, "sinks": 0, "memory": "gated-delta"}),
     ("delta", {}),
     ("gated-delta", {}),
 ]

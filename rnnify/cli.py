@@ -290,9 +290,12 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     )
     cell = p.add_argument_group("cell options (passed to every cell that accepts them)")
     cell.add_argument("--window", type=int, metavar="W", help="softmax window in tokens (window, hybrid)")
-    cell.add_argument("--sinks", type=int, metavar="S", help="first tokens always attended to (window, hybrid)")
+    cell.add_argument("--sinks", type=int, metavar="S",
+                      help="first tokens always attended to (window, hybrid; default: 4 for hybrid, 0 for window)")
     cell.add_argument(
-        "--feature-map", choices=sorted(FEATURE_MAPS), default=None, help="feature map phi (linear, hybrid, gated)"
+        "--feature-map", choices=sorted(FEATURE_MAPS), default=None,
+        help="feature map phi (linear, hybrid, gated; default: hedgehog for hybrid, whose memory distillation "
+        "fits through it, else elu)"
     )
     cell.add_argument("--gate", metavar="NAME", help="gate of the gated target: retnet, gla or gateloop")
     cell.add_argument(

@@ -295,6 +295,11 @@ def test_hybrid_delta_memory_blends_window_and_readout(memory):
 
 # --------------------------------------------------------------------------- the hybrid's gla memory
 
+def elu_map(memory: str) -> dict:
+    """The elu map for the linear and gla memories, as the references below compute it (the delta memories have none)."""
+    return {"feature_map": "elu"} if memory in ("linear", "gla") else {}
+
+
 def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > 0, x + 1, torch.exp(torch.clamp(x, max=0)))
 
@@ -339,7 +344,8 @@ def test_hybrid_gla_memory_is_the_decayed_lolcats_sum():
     from a state, left padding; the kernels' path too."""
     window, sinks = 3, 1
     torch.manual_seed(0)
-    hybrid = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": "gla", "chunk_size": 4})
+    hybrid = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": "gla", "chunk_size": 4,
+                                         "feature_map": "elu"})
     assert hybrid.state_names[-2:] == ("kv", "k_sum") and hybrid.needs_input
     q, k, v, x, mask = make_inputs(13, pad=2)
     assert_starts_as_window(hybrid, q, k, v, x, mask)
@@ -360,6 +366,10 @@ def test_hybrid_memory_option_is_checked():
         build_cell("hybrid", SPEC, {"memory": "delta", "feature_map": "hedgehog"})
     assert build_cell("hybrid", SPEC, {"memory": "gla", "feature_map": "hedgehog"}).phi.feature_dim == 16
     assert build_cell("hybrid", SPEC).state_names[-2:] == ("kv", "k_sum")
+    assert build_cell("hybrid", SPEC).feature_map == "hedgehog"  # trainable: distillation can fit the memory to softmax
+    # a delta memory has no map; its manifests recorded elu, the default before, and still load
+    assert build_cell("hybrid", SPEC, {"memory": "delta", "feature_map": "elu"}).state_names[-1] == "kv"
+    assert build_cell("hybrid", SPEC).sinks == 4  # a real model's window needs its first tokens (StreamingLLM)
 
 
 # --------------------------------------------------------------------------- the hybrid's lean decode step
@@ -396,7 +406,7 @@ def test_hybrid_lean_step_equals_the_general_path_and_the_reference(memory, sink
     float64 reference: a left-padded row, and 19 steps, so that a window of 3 wraps many times."""
     window, steps = 3, 19
     torch.manual_seed(0)
-    cell = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory})
+    cell = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory, **elu_map(memory)})
     with torch.no_grad():
         cell.memory_gate.copy_(torch.tensor([0.3, -0.5, 1.0, 0.7]))
         for p in cell.parameters():
@@ -434,7 +444,7 @@ def test_hybrid_whole_prompt_path_equals_the_general_path(memory, sinks, monkeyp
     kernels' references, and off Triton with kernels auto."""
     window, steps = 3, 23
     torch.manual_seed(0)
-    cell = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4})
+    cell = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4, **elu_map(memory)})
     with torch.no_grad():
         cell.memory_gate.copy_(torch.tensor([0.3, -0.5, 1.0, 0.7]))
         for p in cell.parameters():
@@ -470,7 +480,7 @@ def test_hybrid_lean_step_dispatches_few_ops(memory):
     dispatched 219-282 aten ops a step, the lean step 92-116 for the linear and gla memories and
     148-163 for the delta memories (their reader's key map, and a share that counts the memory's
     tokens: 7 ops); held under 170 so a regression shows."""
-    cell = build_cell("hybrid", SPEC, {"window": 3, "sinks": 2, "memory": memory})
+    cell = build_cell("hybrid", SPEC, {"window": 3, "sinks": 2, "memory": memory, **elu_map(memory)})
     q, k, v, x, mask = make_inputs(1, pad=0)
     count = _OpCount()
     with torch.no_grad(), count:
@@ -481,7 +491,7 @@ def test_hybrid_lean_step_dispatches_few_ops(memory):
 @pytest.mark.parametrize("memory", ["delta", "gated-delta"])
 def test_hybrid_delta_reader_trains_from_the_start(memory):
     """With the memory gate open, the key map, its bias and the share projection all get a gradient."""
-    cell = build_cell("hybrid", SPEC, {"window": 3, "memory": memory, "memory_init": 0.5})
+    cell = build_cell("hybrid", SPEC, {"window": 3, "memory": memory, "memory_init": 0.5, "sinks": 0})
     q, k, v, x, mask = make_inputs(9, pad=2)
     out, *_ = cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)
     out.square().sum().backward()
@@ -492,7 +502,7 @@ def test_hybrid_delta_memory_saved_before_the_count_keeps_the_share_it_was_train
     """A delta memory saved before its share counted the memory's tokens loads with c = 0, which is
     that share, g_h 2 sigmoid(x W_s + b_s)."""
     torch.manual_seed(0)
-    options = {"window": 3, "memory": "delta", "memory_init": 0.5}
+    options = {"window": 3, "memory": "delta", "memory_init": 0.5, "sinks": 0}
     cell = build_cell("hybrid", SPEC, options)
     with torch.no_grad():
         for p in cell.reader.parameters():
@@ -511,7 +521,7 @@ def test_hybrid_delta_memory_saved_before_the_count_keeps_the_share_it_was_train
 
 
 def test_hybrid_delta_memory_saved_with_the_added_readout_asks_to_convert_again():
-    cell = build_cell("hybrid", SPEC, {"window": 3, "memory": "delta"})
+    cell = build_cell("hybrid", SPEC, {"window": 3, "memory": "delta", "sinks": 0})
     earlier = {name: value for name, value in cell.state_dict().items() if not name.startswith("reader.")}
     with pytest.raises(RnnifyError, match="convert the model again"):
-        build_cell("hybrid", SPEC, {"window": 3, "memory": "delta"}).load_state_dict(earlier)
+        build_cell("hybrid", SPEC, {"window": 3, "memory": "delta", "sinks": 0}).load_state_dict(earlier)

@@ -395,8 +395,8 @@ def test_hybrid_cell_rejects_bad_options(options, message):
 def _cells():
     return [
         WindowCell(_spec(num_kv_heads=2, group=2, head_dim=4, value_dim=6), window=5, sinks=2),
-        HybridCell(_spec(num_kv_heads=2, group=2, head_dim=4, value_dim=6), window=5),
-        HybridCell(_spec(num_kv_heads=2, group=2, head_dim=4, value_dim=6), window=5, sinks=2, memory_init=0.5),
+        HybridCell(_spec(num_kv_heads=2, group=2, head_dim=4, value_dim=6), window=5, feature_map="elu", sinks=0),
+        HybridCell(_spec(num_kv_heads=2, group=2, head_dim=4, value_dim=6), window=5, sinks=2, memory_init=0.5, feature_map="elu"),
     ]
 
 
@@ -503,7 +503,7 @@ def _factor(spec, gen):
 @given(hybrid_problems())
 def test_hybrid_forms_equal_the_naive_loop_and_the_reference(p):
     spec = _spec(p["num_kv_heads"], p["group"], p["head_dim"], p["value_dim"])
-    cell = HybridCell(spec, window=p["window"], sinks=p["sinks"])
+    cell = HybridCell(spec, window=p["window"], sinks=p["sinks"], feature_map="elu")
     q, k, v, mask, state = _form_inputs(p, cell)
     state = _form_state(cell, state)
     factor = _factor(spec, _gen(p["seed"] + 1))
@@ -543,7 +543,7 @@ def test_whole_prompt_off_kernels_equals_the_naive_loop(window, sinks, length):
     part of all blocks at once, the memory read without the shift) gives the naive loop's output and
     state, prompts shorter than W + S included."""
     spec = _spec(2, 2, 8, 6)
-    cell = HybridCell(spec, window=window, sinks=sinks)
+    cell = HybridCell(spec, window=window, sinks=sinks, feature_map="elu")
     gen = _gen(length)
     q, k, v = random_qkv(2, spec, length, gen)
     mask = torch.ones(2, length, dtype=torch.bool)
@@ -568,7 +568,7 @@ def test_whole_prompt_window_part_equals_the_chunked_one(window, sinks, length, 
     (prompts shorter than the window or the sinks, any block size, a bf16 ring, junk in the buffers)."""
     gen, spec = _gen(seed), _spec(num_kv_heads=2, group=2, head_dim=4, value_dim=3)
     q, k, v = random_qkv(2, spec, length, gen)
-    cell = HybridCell(spec, window=window, sinks=sinks)
+    cell = HybridCell(spec, window=window, sinks=sinks, feature_map="elu")
     state = _garbage_buffers(cell, cell.init_state(2, CPU, dtype), gen)
     state = tuple(t.to(dtype) if t.is_floating_point() else t for t in _form_state(cell, state)[:5])
     args = (_grouped(q, spec), k, v)
@@ -591,7 +591,7 @@ def test_hybrid_forms_agree_for_every_feature_map(feature_map):
         gen = _gen(seed)
         q, k, v = random_qkv(2, spec, 19, gen)
         mask = _padding_mask("left", 2, 19, gen)
-        cell = HybridCell(spec, window=window, sinks=sinks)
+        cell = HybridCell(spec, window=window, sinks=sinks, feature_map="elu")
         init = _form_state(cell, cell.init_state(2, CPU, torch.float32))
         init = (*init[:5], torch.zeros(2, 2, phi.feature_dim, 4), torch.zeros(2, 2, phi.feature_dim))
         fixed = (phi, _factor(spec, gen).reshape(2, 2), spec.scale)
@@ -618,7 +618,7 @@ def test_hybrid_cell_chunked_and_stepped_equal_one_shot_and_reference(
     window, sinks, length, splits, chunk_size, group, left_pad, seed
 ):
     gen = _gen(seed)
-    cell = HybridCell(_spec(group=group), window=window, sinks=sinks, chunk_size=chunk_size)
+    cell = HybridCell(_spec(group=group), window=window, sinks=sinks, chunk_size=chunk_size, feature_map="elu")
     with torch.no_grad():
         cell.window_logit.copy_(2 * torch.randn(cell.spec.num_heads, generator=gen))
         cell.memory_gate.copy_(torch.rand(cell.spec.num_heads, generator=gen))
@@ -635,7 +635,7 @@ def test_hybrid_cell_chunked_and_stepped_equal_one_shot_and_reference(
 @pytest.mark.parametrize("window", [30, 31, 100])
 def test_hybrid_with_a_window_covering_everything_is_softmax_attention(window):
     gen = _gen(6)
-    cell = HybridCell(_spec(num_kv_heads=2, group=2), window=window, chunk_size=7)
+    cell = HybridCell(_spec(num_kv_heads=2, group=2), window=window, chunk_size=7, feature_map="elu", sinks=0)
     with torch.no_grad():
         cell.window_logit.copy_(torch.randn(4, generator=gen))  # f_h cancels out
         spec = cell.spec
@@ -655,7 +655,7 @@ def test_hybrid_with_a_window_covering_everything_is_softmax_attention(window):
 
 def test_hybrid_cell_bf16_inputs_keep_an_fp32_linear_state():
     gen = _gen(7)
-    cell = HybridCell(_spec(), window=4, chunk_size=3, memory_init=1.0)
+    cell = HybridCell(_spec(), window=4, chunk_size=3, memory_init=1.0, feature_map="elu", sinks=0)
     spec = cell.spec
     q, k, v = random_qkv(2, spec, 30, gen, dtype=torch.bfloat16)
     mask = torch.ones(2, 30, dtype=torch.bool)
@@ -678,7 +678,7 @@ def test_hybrid_cell_bf16_inputs_keep_an_fp32_linear_state():
 
 
 def test_hybrid_cell_parameters_train():
-    cell = HybridCell(_spec(), window=3, feature_options={})
+    cell = HybridCell(_spec(), window=3, feature_map="elu", feature_options={}, sinks=0)
     assert isinstance(cell.window_logit, torch.nn.Parameter) and not cell.window_logit.any()  # theta = 0
     assert isinstance(cell.memory_gate, torch.nn.Parameter) and not cell.memory_gate.any()  # g = 0
     assert {"window_logit", "memory_gate"} <= set(cell.state_dict())
@@ -706,7 +706,7 @@ def test_hybrid_cell_parameters_train():
 @pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0"])
 def test_hybrid_memory_init_outside_0_1_is_refused(bad):
     with pytest.raises(ValueError, match="memory_init"):
-        HybridCell(_spec(), window=3, memory_init=bad)
+        HybridCell(_spec(), window=3, memory_init=bad, sinks=0)
 
 
 @pytest.mark.parametrize("sinks", [0, 3])
@@ -732,16 +732,16 @@ def test_training_free_hybrid_is_its_window_alone(sinks):
 
 
 def test_hybrid_saved_without_a_memory_gate_loads_as_the_plain_lolcats_sum():
-    cell = HybridCell(_spec(), window=3)
+    cell = HybridCell(_spec(), window=3, feature_map="elu", sinks=0)
     old = {k: v for k, v in cell.state_dict().items() if k != "memory_gate"}
-    fresh = HybridCell(_spec(), window=3)
+    fresh = HybridCell(_spec(), window=3, feature_map="elu", sinks=0)
     fresh.load_state_dict(old, strict=True)
     assert torch.equal(fresh.memory_gate.detach(), torch.ones(fresh.spec.num_heads))
 
 
 @pytest.mark.skipif("hedgehog" not in FEATURE_MAPS, reason="no hedgehog feature map registered")
 def test_hybrid_hedgehog_feature_map_weights_get_gradients():
-    cell = HybridCell(_spec(), window=3, feature_map="hedgehog")
+    cell = HybridCell(_spec(), window=3, feature_map="hedgehog", sinks=0)
     trainable = list(cell.parameters())
     assert len(trainable) > 1  # window_logit and the feature map's weights
     q, k, v = random_qkv(1, cell.spec, 12, _gen(9))
@@ -774,7 +774,7 @@ def _long_decode(cell, steps: int):
 
 STABILITY_CELLS = {
     "window": lambda: WindowCell(_spec(num_kv_heads=1, group=2, head_dim=8), window=16, sinks=4),
-    "hybrid": lambda: HybridCell(_spec(num_kv_heads=1, group=2, head_dim=8), window=16, sinks=4, memory_init=1.0),
+    "hybrid": lambda: HybridCell(_spec(num_kv_heads=1, group=2, head_dim=8), window=16, sinks=4, memory_init=1.0, feature_map="elu"),
 }
 
 

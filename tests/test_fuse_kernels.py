@@ -39,8 +39,8 @@ FAMILIES = {
     "window": ("window", {"window": 4, "sinks": 1}),
     # memory_init: with the memory gated off the linear half would not reach the outputs; sinks:
     # tokens 2.. leave the ring for the memory, 0 and 1 stay attended through window_attn_step
-    "hybrid": ("hybrid", {"window": 3, "sinks": 2, "memory_init": 0.5}),
-    "hybrid-hedgehog": ("hybrid", {"window": 4, "feature_map": "hedgehog", "memory_init": 0.5}),
+    "hybrid": ("hybrid", {"window": 3, "sinks": 2, "memory_init": 0.5, "feature_map": "elu"}),
+    "hybrid-hedgehog": ("hybrid", {"window": 4, "feature_map": "hedgehog", "memory_init": 0.5, "sinks": 0}),
     "gated-delta": ("gated-delta", {"layers": "0:exact"}),
 }
 
@@ -117,9 +117,9 @@ CELL_CASES = {
     "linear-taylor": ("linear", {"feature_map": "taylor"}),
     "gated-gla": ("gated", {"gate": "gla"}),
     "gated-retnet-performer": ("gated", {"gate": "retnet", "feature_map": "performer"}),
-    "hybrid-hedgehog": ("hybrid", {"window": 3, "feature_map": "hedgehog", "memory_init": 0.5}),
-    "hybrid-performer": ("hybrid", {"window": 3, "feature_map": "performer", "memory_init": 0.5}),
-    "hybrid-sinks": ("hybrid", {"window": 2, "sinks": 2, "memory_init": 0.5}),
+    "hybrid-hedgehog": ("hybrid", {"window": 3, "feature_map": "hedgehog", "memory_init": 0.5, "sinks": 0}),
+    "hybrid-performer": ("hybrid", {"window": 3, "feature_map": "performer", "memory_init": 0.5, "sinks": 0}),
+    "hybrid-sinks": ("hybrid", {"window": 2, "sinks": 2, "memory_init": 0.5, "feature_map": "elu"}),
 }
 
 

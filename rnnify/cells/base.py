@@ -61,6 +61,9 @@ class Cell(nn.Module):
     # than its fused ops' PyTorch references (docs/performance.md §Which path kernels "auto" runs):
     # with kernels "auto" where Triton does not run, those phases take the cell's own forms.
     own_forms_without_triton: ClassVar[frozenset[str]] = frozenset()
+    # Options that manifests saved before the option existed lack, at the value those models were
+    # built with, where the default has changed since (``rnnify.load`` fills them in).
+    manifest_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, spec: CellSpec):
         super().__init__()

@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from rnnify.cells import CellSpec, build_cell
+from rnnify.cells import CELLS, CellSpec, build_cell
 from rnnify.errors import RnnifyError
 from rnnify.runtime import hf_files
 from rnnify.kernels.utils import check_kernels
@@ -217,7 +217,8 @@ def load(
     root = nn.Module()
     try:
         for entry in manifest.cells:
-            cell = build_cell(entry.target, CellSpec(**entry.spec), entry.options).to(device)
+            options = {**CELLS[entry.target].manifest_defaults, **entry.options} if entry.target in CELLS else entry.options
+            cell = build_cell(entry.target, CellSpec(**entry.spec), options).to(device)
             prefix = entry.module + "."
             cell.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, strict=True)
             install(root, entry.module, cell)
