@@ -435,7 +435,9 @@ def first_result(row: dict) -> dict:
 
 
 def plot(record: dict, path: Path) -> None:
-    """Quality (perplexity ratio) against state bytes, both log scale: one point per row and stage."""
+    """Two panels against state bytes (log scales): every row's perplexity ratio, and the KL of the
+    approximate rows within 2x of the original's perplexity, where the curve through the window rows
+    shows what the same bytes buy as a longer window."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -444,33 +446,62 @@ def plot(record: dict, path: Path) -> None:
 
     rows, original_ppl = record["rows"], record["original_perplexity"]
     seq_len = first_result(rows[0])["seq_len"]
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for key, marker, label in (("training_free", "o", "training-free"), ("distilled", "s", "distilled")):
-        points = [(r["state_bytes"], r[key]["perplexity"] / original_ppl, r["variant"]) for r in rows if r.get(key)]
-        if not points:
-            continue
-        ax.scatter([p[0] for p in points], [p[1] for p in points], marker=marker, label=label)
-        labels: dict[tuple[int, float], list] = {}  # rows on (almost) the same spot share one label
-        for x, y, name in points:
-            labels.setdefault((x, round(math.log10(y), 1)), [y, []])[1].append(name)
-        for (x, _), (y, names) in labels.items():
-            ax.annotate(", ".join(names), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ratios = [r[k]["perplexity"] / original_ppl for r in rows for k in ("training_free", "distilled") if r.get(k)]
-    ax.set_ylim(min(0.9, min(ratios) / 1.1), max(1.2, max(ratios) * 1.1))  # 1.0 always in view, never a sliver
+    stages = (("training_free", "o", "training-free"), ("distilled", "s", "distilled"))
+    points = [(r["state_bytes"], r[key]["perplexity"] / original_ppl, r[key]["kl"], r, key, marker, label)
+              for key, marker, label in stages for r in rows if r.get(key)]
+    fig, (every, near) = plt.subplots(1, 2, figsize=(14, 5.5))
     plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
-    ax.yaxis.set_major_formatter(plain)
-    low, high = ax.get_ylim()
+    for key, marker, label in stages:
+        mine = [p for p in points if p[4] == key]
+        if mine:
+            every.scatter([p[0] for p in mine], [p[1] for p in mine], marker=marker, label=label)
+    labels: dict[tuple[int, float], list] = {}  # rows on (almost) the same spot share one label
+    for x, y, _, row, *_ in points:
+        if y > 2.0:  # the rest are labelled in the other panel
+            labels.setdefault((x, round(math.log10(y), 1)), [y, []])[1].append(row["variant"])
+    for (x, _), (y, names) in labels.items():
+        every.annotate(", ".join(names), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    every.axhline(1.0, color="gray", lw=0.8)
+    every.set_yscale("log")
+    ratios = [p[1] for p in points]
+    every.set_ylim(min(0.9, min(ratios) / 1.1), max(1.2, max(ratios) * 1.1))  # 1.0 always in view, never a sliver
+    every.yaxis.set_major_formatter(plain)
+    low, high = every.get_ylim()
     # minor labels help within a decade or two; over more they overprint each other
-    ax.yaxis.set_minor_formatter(plain if high / low < 100 else matplotlib.ticker.NullFormatter())
-    ax.set_xlabel(f"state bytes per sequence (after {seq_len:,} tokens)")
-    ax.set_ylabel("perplexity / original perplexity (held-out)")
-    ax.set_title(f"rnnify targets on {Path(record['model']).name}, {seq_len:,}-token rows")
-    ax.legend()
+    every.yaxis.set_minor_formatter(plain if high / low < 100 else matplotlib.ticker.NullFormatter())
+    every.set_ylabel("perplexity / original perplexity (held-out)")
+    every.set_title("every row (those within 2x of the original: right)")
+    every.legend()
+    close = [p for p in points if p[1] <= 2.0 and p[3]["target"] != "exact"]  # exact's KL is float rounding
+    for key, marker, label in stages:
+        mine = [p for p in close if p[4] == key]
+        if mine:
+            near.scatter([p[0] for p in mine], [p[2] for p in mine], marker=marker, label=label)
+    windows = sorted((p[0], p[2]) for p in close if p[3]["target"] == "window")
+    if len(windows) > 1:
+        near.plot(*zip(*windows), color="gray", lw=0.8, zorder=0, label="window target, by size")
+    best: dict[tuple[float, str], list] = {}  # one label per state size (2 digits) and stage: its lowest KL, how many more
+    for x, _, kl, row, key, *_ in close:
+        best.setdefault((float(f"{x:.2g}"), key), []).append((kl, x, row["variant"]))
+    for (_, key), found in best.items():
+        kl, x, name = min(found)
+        more = f" (+{len(found) - 1})" if len(found) > 1 else ""
+        near.annotate(name + more, (x, kl), fontsize=7, xytext=(3, -9 if key == "distilled" else 3),
+                      textcoords="offset points")
+    if close:
+        near.set_yscale("log")
+        near.yaxis.set_major_formatter(plain)
+        low, high = near.get_ylim()
+        near.yaxis.set_minor_formatter(plain if high / low < 100 else matplotlib.ticker.NullFormatter())
+        near.legend()
+    near.set_ylabel("KL(original || converted), nats per token")
+    near.set_title("within 2x of the original's perplexity (lowest KL per state size labelled)")
+    for ax in (every, near):
+        ax.set_xscale("log")
+        ax.set_xlabel(f"state bytes per sequence (after {seq_len:,} tokens)")
+    fig.suptitle(f"rnnify targets on {Path(record['model']).name}, {seq_len:,}-token rows")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
