@@ -477,9 +477,9 @@ def plot(record: dict, path: Path) -> None:
         mine = [p for p in close if p[4] == key]
         if mine:
             near.scatter([p[0] for p in mine], [p[2] for p in mine], marker=marker, label=label)
-    windows = sorted((p[0], p[2]) for p in close if p[3]["target"] == "window")
+    windows = sorted((p[0], p[2]) for p in close if p[3]["target"] == "window" and p[4] == "training_free")
     if len(windows) > 1:
-        near.plot(*zip(*windows), color="gray", lw=0.8, zorder=0, label="window target, by size")
+        near.plot(*zip(*windows), color="gray", lw=0.8, zorder=0, label="window target by size, training-free")
     best: dict[tuple[float, str], list] = {}  # one label per state size (2 digits) and stage: its lowest KL, how many more
     for x, _, kl, row, key, *_ in close:
         best.setdefault((float(f"{x:.2g}"), key), []).append((kl, x, row["variant"]))
