@@ -277,6 +277,51 @@ def test_window_forms_equal_the_naive_loop_and_the_reference(p):
     assert all(torch.equal(a, b) for a, b in zip(before, (*args, *state)))  # inputs untouched
 
 
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_window_decode_off_triton_takes_the_lean_step(sinks, monkeypatch):
+    """A decode token with kernels auto off Triton runs ``step_window_attn`` (the hybrid's ``window_step``)
+    instead of the fused op's PyTorch reference: the same output and state token by token (19 tokens
+    through a window of 3, a left-padded row) in fewer than half the aten ops (48 against 116 here)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    from rnnify.kernels import utils
+
+    monkeypatch.setattr(utils, "FORCE_TRITON", False)  # kernels auto off Triton, whatever the environment
+    spec, steps = _spec(), 19
+    lean, fused = (WindowCell(spec, window=3, sinks=sinks) for _ in range(2))
+    fused.use_kernels("reference")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = random_qkv(2, spec, steps, gen)
+    mask = torch.ones(2, steps, dtype=torch.bool)
+    mask[1, :4] = False
+    lean_state, fused_state = lean.init_state(2, q.device, q.dtype), fused.init_state(2, q.device, q.dtype)
+    counts = {}
+    with torch.no_grad():
+        for t in range(steps):
+            token = (q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], mask[:, t:t + 1])
+            for name, cell in (("lean", lean), ("fused", fused)):
+                Count.ops = 0
+                with Count():
+                    out, *state = cell(*token, *(lean_state if name == "lean" else fused_state))
+                counts[name] = Count.ops
+                if name == "lean":
+                    lean_out, lean_state = out, state
+                else:
+                    fused_state = state
+            real = mask[:, t]
+            torch.testing.assert_close(lean_out[real], out[real], rtol=1e-5, atol=1e-6)
+            for a, b in zip(lean_state, fused_state):
+                torch.testing.assert_close(a, b)
+    assert counts["lean"] * 2 < counts["fused"]
+
+
 # --------------------------------------------------------------------------- window: the cell
 
 

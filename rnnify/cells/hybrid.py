@@ -119,6 +119,7 @@ from rnnify.errors import RnnifyError, check_int
 from rnnify.kernels.ring import held_index, prompt_write, token_index, window_write
 from rnnify.cells.delta import DeltaWriter, chunk_delta_attn, fused_delta_attn, l2_normalise, step_delta_attn
 from rnnify.cells.gated import _gate_bias, gla_log_gates, gla_projections
+from rnnify.cells.window import window_output, window_step
 from rnnify.kernels.linear_attn.naive import chunk_gated_attn
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
@@ -252,63 +253,6 @@ def chunk_hybrid_attn(
     return torch.cat(outs, dim=3), *state
 
 
-def _write_step(k, v, mask, keys, values, sink_keys, sink_values, length):
-    """``window_write`` of one decode token in few ops, with what ``window_step`` reads: ``(old_key,
-    old_value (fp32, the ring slot the token takes), leaves [B, 1, 1, 1] (a real token arrived and
-    the one pushed out is not a sink), held keys and values (sinks, then ring), empty [B, 1, 1, S + W]
-    (held slots not attended), (keys, values, sink_keys, sink_values, length))``."""
-    batch, num_kv_heads, window, head_dim = keys.shape
-    sinks = sink_keys.shape[2]
-    real, n = mask.reshape(batch, 1, 1, 1), length.reshape(batch, 1, 1, 1)
-    slot = n % window
-    key_index = slot.expand(-1, num_kv_heads, 1, head_dim)
-    value_index = key_index if values.shape[3] == head_dim else slot.expand(-1, num_kv_heads, 1, values.shape[3])
-    old_key, old_value = keys.gather(2, key_index), values.gather(2, value_index)
-    # the slot's new entry (a padding token leaves it as it was), scattered into a copy of the ring:
-    # a copy and one slot are cheaper than a where over the ring, 2.5x at batch 8 on a CPU
-    keys = keys.scatter(2, key_index, torch.where(real, k.to(keys.dtype), old_key))
-    values = values.scatter(2, value_index, torch.where(real, v.to(values.dtype), old_value))
-    old_key, old_value = old_key.float(), old_value.float()
-    ring = torch.arange(window, device=keys.device)
-    new_length = n + real
-    held_keys, held_values, empty = keys, values, ring >= new_length
-    if sinks:
-        sink_slots = torch.arange(sinks, device=keys.device)
-        into = real & (sink_slots[:, None] == n)
-        sink_keys = torch.where(into, k.to(sink_keys.dtype), sink_keys)
-        sink_values = torch.where(into, v.to(sink_values.dtype), sink_values)
-        held_keys, held_values = torch.cat([sink_keys, keys], dim=2), torch.cat([sink_values, values], dim=2)
-        empty = torch.cat([sink_slots >= new_length - window, empty], dim=3)  # sinks still in the ring
-    state = (keys, values, sink_keys, sink_values, new_length.view(batch))
-    return old_key, old_value, real & (n >= window + sinks), held_keys, held_values, empty, state
-
-
-def window_step(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float):
-    """One decode token's window part in the fewest ops (a CPU step's time is its op count,
-    docs/performance.md): ``_write_step``, then the unnormalised softmax over the sinks no longer in
-    the ring and the ring, self included, through ``bmm`` on ``[B Hkv, G, d]`` views. Returns ``(w
-    [B, Hkv, G, 1, d_v], u [B, Hkv, G, 1], old_key, old_value, leaves, window_state)``; w, u are
-    relative to the scores' max m."""
-    batch, num_kv_heads, group, _, head_dim = q.shape
-    old_key, old_value, leaves, held_keys, held_values, empty, state = _write_step(
-        k, v, mask, keys, values, sink_keys, sink_values, length)
-    held = held_keys.shape[2]
-    scores = torch.bmm(q.reshape(batch * num_kv_heads, group, head_dim),
-                       held_keys.float().reshape(batch * num_kv_heads, held, head_dim).transpose(1, 2))
-    scores = scores.view(batch, num_kv_heads, group, held).masked_fill(empty, float("-inf"))
-    m = scores.amax(-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)  # finite_or_zero in one op
-    p = torch.exp((scores - m) * scale)  # the max of the scaled scores is scale m: scale > 0
-    w = torch.bmm(p.view(batch * num_kv_heads, group, held),
-                  held_values.float().reshape(batch * num_kv_heads, held, -1))
-    return w.view(batch, num_kv_heads, group, 1, -1), p.sum(-1, keepdim=True), old_key, old_value, leaves, state
-
-
-def _window_output(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``readout(u, w)`` in fewer ops: u >= 1 wherever a key was read (the max's own term is 1),
-    and u = 0 only with w = 0, so clamping u at 1 changes nothing."""
-    return w / u.clamp_min(1.0)[..., None]
-
-
 def step_hybrid_attn(
     q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, k_sum, phi: FeatureMap, factor, scale: float,
     gate=None, log_a=None,
@@ -326,7 +270,7 @@ def step_hybrid_attn(
     linear_num, linear_den = read_step(phi(q), kv, k_sum)  # shaped as w and u
     factor = factor[..., None]  # [Hkv, G, 1]
     hybrid = readout(factor * u + linear_den, factor[..., None] * w + linear_num)
-    out = hybrid if gate is None else torch.lerp(_window_output(w, u), hybrid, gate[..., None, None])
+    out = hybrid if gate is None else torch.lerp(window_output(w, u), hybrid, gate[..., None, None])
     return out, *window_state, kv, k_sum
 
 
@@ -345,7 +289,7 @@ def step_delta_memory_hybrid_attn(
     memory, kv = step_delta_attn(memory_keys(q, key_map, key_bias), memory_keys(old_key, key_map, key_bias),
                                  old_value, beta, log_a, kv)
     share = memory_share(*share, length, leaves, keys.shape[2], sink_keys.shape[2])
-    return torch.lerp(_window_output(w, u), memory, share[..., None]), *window_state, kv
+    return torch.lerp(window_output(w, u), memory, share[..., None]), *window_state, kv
 
 
 def leaving(q_index, key_index, all_keys, all_values, window: int, sinks: int):

@@ -23,10 +23,11 @@ Forms, all computing the same thing (tests hold them to ``naive_recurrent_window
 ``naive_recurrent_*`` (a plain loop over tokens, the softmax key by key with the (m, u, w)
 recurrence of docs/math.md §Softmax attention as an RNN: the ground truth), ``parallel_*`` (one
 masked quadratic softmax over sinks + ring + new tokens), ``chunk_*`` (the parallel form over blocks of queries: the prefill
-path) and ``step_*`` (one token: write it, then ``softmax_attention_rnn`` of ``cells/exact.py``
-over sinks + ring; the decode path; ``fused_*`` is the same through ``rnnify.kernels.window_attn_step``,
-which writes with the ring helpers of ``rnnify/kernels/ring.py`` and reads in one kernel, once ``use_kernels`` is set; prefill
-keeps the chunk form). Shapes: q ``[B, Hkv, G, T, d]`` (G query heads per kv
+path) and ``step_*`` (one token: ``window_step`` writes it into its ring slot and reads sinks +
+ring in about 30 aten ops, the decode path off Triton, which the hybrid's step shares; a CPU step's
+time is its op count, docs/performance.md; ``fused_*`` is the same through
+``rnnify.kernels.window_attn_step``, which writes with the ring helpers of ``rnnify/kernels/ring.py``
+and reads in one kernel, with kernels "triton", or "auto" on CUDA, or "reference"; prefill keeps the chunk form). Shapes: q ``[B, Hkv, G, T, d]`` (G query heads per kv
 head, fp32), k/v ``[B, Hkv, T, d]``, mask ``[B, T]``; state ``keys/values [B, Hkv, W, d]`` and
 ``sink_keys/sink_values [B, Hkv, S, d]`` in the model dtype, ``length [B]`` int64. Every form
 returns ``(out [B, Hkv, G, T, d_v] fp32, *new_state)``.
@@ -40,7 +41,7 @@ import torch
 
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
-from rnnify.cells.exact import finite_or_zero, readout, softmax_attention_rnn
+from rnnify.cells.exact import finite_or_zero, readout
 from rnnify.errors import check_int
 from rnnify.kernels.ring import held_index, token_index, window_write
 
@@ -112,21 +113,68 @@ def chunk_window_attn(q, k, v, mask, keys, values, sink_keys, sink_values, lengt
     return torch.cat(outs, dim=3), *state
 
 
-def step_window_attn(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float, block_size: int = 512):
-    window, sinks = keys.shape[2], sink_keys.shape[2]
-    keys, values, sink_keys, sink_values, length = window_write(k, v, mask, keys, values, sink_keys, sink_values, length)
-    # the ring now holds the last W tokens, self included: attend to all of them and the sinks
-    valid = held_index(length, window, sinks) >= 0
+def write_step(k, v, mask, keys, values, sink_keys, sink_values, length):
+    """``window_write`` of one decode token in few ops, with what ``window_step`` reads: ``(old_key,
+    old_value (fp32, the ring slot the token takes), leaves [B, 1, 1, 1] (a real token arrived and
+    the one pushed out is not a sink: the hybrid's memory takes it), held keys and values (sinks,
+    then ring), empty [B, 1, 1, S + W] (held slots not attended), (keys, values, sink_keys,
+    sink_values, length))``."""
+    batch, num_kv_heads, window, head_dim = keys.shape
+    sinks = sink_keys.shape[2]
+    real, n = mask.reshape(batch, 1, 1, 1), length.reshape(batch, 1, 1, 1)
+    slot = n % window
+    key_index = slot.expand(-1, num_kv_heads, 1, head_dim)
+    value_index = key_index if values.shape[3] == head_dim else slot.expand(-1, num_kv_heads, 1, values.shape[3])
+    old_key, old_value = keys.gather(2, key_index), values.gather(2, value_index)
+    # the slot's new entry (a padding token leaves it as it was), scattered into a copy of the ring:
+    # a copy and one slot are cheaper than a where over the ring, 2.5x at batch 8 on a CPU
+    keys = keys.scatter(2, key_index, torch.where(real, k.to(keys.dtype), old_key))
+    values = values.scatter(2, value_index, torch.where(real, v.to(values.dtype), old_value))
+    old_key, old_value = old_key.float(), old_value.float()
+    ring = torch.arange(window, device=keys.device)
+    new_length = n + real
+    held_keys, held_values, empty = keys, values, ring >= new_length
+    if sinks:
+        sink_slots = torch.arange(sinks, device=keys.device)
+        into = real & (sink_slots[:, None] == n)
+        sink_keys = torch.where(into, k.to(sink_keys.dtype), sink_keys)
+        sink_values = torch.where(into, v.to(sink_values.dtype), sink_values)
+        held_keys, held_values = torch.cat([sink_keys, keys], dim=2), torch.cat([sink_values, values], dim=2)
+        empty = torch.cat([sink_slots >= new_length - window, empty], dim=3)  # sinks still in the ring
+    state = (keys, values, sink_keys, sink_values, new_length.view(batch))
+    return old_key, old_value, real & (n >= window + sinks), held_keys, held_values, empty, state
+
+
+def window_step(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float):
+    """One decode token's window part in the fewest ops (a CPU step's time is its op count,
+    docs/performance.md): ``write_step``, then the unnormalised softmax over the sinks no longer in
+    the ring and the ring, self included, through ``bmm`` on ``[B Hkv, G, d]`` views. Returns ``(w
+    [B, Hkv, G, 1, d_v], u [B, Hkv, G, 1], old_key, old_value, leaves, window_state)``; w, u are
+    relative to the scores' max m."""
     batch, num_kv_heads, group, _, head_dim = q.shape
-    out = softmax_attention_rnn(
-        q.reshape(batch, num_kv_heads * group, 1, head_dim),
-        torch.cat([sink_keys, keys], dim=2),
-        torch.cat([sink_values, values], dim=2),
-        valid,
-        scale,
-        block_size=block_size,
-    )
-    return out.reshape(batch, num_kv_heads, group, 1, -1).float(), keys, values, sink_keys, sink_values, length
+    old_key, old_value, leaves, held_keys, held_values, empty, state = write_step(
+        k, v, mask, keys, values, sink_keys, sink_values, length)
+    held = held_keys.shape[2]
+    scores = torch.bmm(q.reshape(batch * num_kv_heads, group, head_dim),
+                       held_keys.float().reshape(batch * num_kv_heads, held, head_dim).transpose(1, 2))
+    scores = scores.view(batch, num_kv_heads, group, held).masked_fill(empty, float("-inf"))
+    m = scores.amax(-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)  # finite_or_zero in one op
+    p = torch.exp((scores - m) * scale)  # the max of the scaled scores is scale m: scale > 0
+    w = torch.bmm(p.view(batch * num_kv_heads, group, held),
+                  held_values.float().reshape(batch * num_kv_heads, held, -1))
+    return w.view(batch, num_kv_heads, group, 1, -1), p.sum(-1, keepdim=True), old_key, old_value, leaves, state
+
+
+def window_output(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``readout(u, w)`` in fewer ops: u >= 1 wherever a key was read (the max's own term is 1),
+    and u = 0 only with w = 0, so clamping u at 1 changes nothing."""
+    return w / u.clamp_min(1.0)[..., None]
+
+
+def step_window_attn(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float):
+    """One decode token: ``window_step``, normalised; the window target's decode path off kernels."""
+    w, u, *_, state = window_step(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale)
+    return window_output(w, u), *state
 
 
 def fused_window_attn_step(
@@ -152,6 +200,7 @@ class WindowCell(Cell):
 
     target = "window"
     state_names = ("keys", "values", "sink_keys", "sink_values", "length")
+    own_forms_without_triton = frozenset({"decode"})
 
     def __init__(self, spec: CellSpec, window: int | None = None, sinks: int = 0, block_size: int = 64):
         super().__init__(spec)
@@ -189,8 +238,9 @@ class WindowCell(Cell):
         grouped = q.float().reshape(batch, self.spec.num_kv_heads, self.spec.group_size, steps, -1)
         state = (keys, values, sink_keys, sink_values, length)
         mask = mask.to(torch.bool)
-        if steps == 1 and self.kernels is not None:
-            out, *state = fused_window_attn_step(grouped, k, v, mask, *state, self.spec.scale, self.kernels)
+        backend = self.backend(q, steps)
+        if steps == 1 and backend is not None:
+            out, *state = fused_window_attn_step(grouped, k, v, mask, *state, self.spec.scale, backend)
         elif steps == 1:
             out, *state = step_window_attn(grouped, k, v, mask, *state, self.spec.scale)
         else:
