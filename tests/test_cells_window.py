@@ -322,6 +322,36 @@ def test_window_decode_off_triton_takes_the_lean_step(sinks, monkeypatch):
     assert counts["lean"] * 2 < counts["fused"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("length", [1, 4, 19, 40])
+def test_window_whole_prompt_takes_the_band_path(length, sinks, dtype, monkeypatch):
+    """A whole unpadded prompt from the empty state runs ``prompt_window_attn`` (every query block at
+    once, the state from the prompt's tail): the chunked form's output and state, and the step after
+    it continues alike; prompts shorter than the window and the sinks included."""
+    import rnnify.cells.window as window_cells
+
+    spec = _spec()
+    cell = WindowCell(spec, window=5, sinks=sinks)
+    gen = torch.Generator().manual_seed(length)
+    q, k, v = random_qkv(2, spec, length + 1, gen)
+    mask = torch.ones(2, length + 1, dtype=torch.bool)
+    runs = []
+    for banded in (True, False):
+        with torch.no_grad(), monkeypatch.context() as patch:
+            if not banded:
+                patch.setattr(window_cells, "whole_prompt", lambda mask, length: False)
+            out, *state = cell(q[:, :, :length], k[:, :, :length], v[:, :, :length], mask[:, :length],
+                               *cell.init_state(2, q.device, dtype))
+            step, *state = cell(q[:, :, length:], k[:, :, length:], v[:, :, length:], mask[:, length:], *state)
+        runs.append((out, step, state))
+    (fast, fast_step, fast_state), (chunked, chunked_step, chunked_state) = runs
+    torch.testing.assert_close(fast, chunked, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast_step, chunked_step, rtol=1e-5, atol=1e-6)
+    for a, b in zip(fast_state, chunked_state):
+        torch.testing.assert_close(a, b)
+
+
 # --------------------------------------------------------------------------- window: the cell
 
 

@@ -116,18 +116,15 @@ from rnnify.cells.base import Cell, CellSpec
 from rnnify.cells.exact import finite_or_zero, readout
 from rnnify.cells.linear import KERNEL_MAX_FEATURES, build_feature_map, fused_feature_attn, read_step
 from rnnify.errors import RnnifyError, check_int
-from rnnify.kernels.ring import held_index, prompt_write, token_index, window_write
+from rnnify.kernels.ring import held_index, token_index, window_write
 from rnnify.cells.delta import DeltaWriter, chunk_delta_attn, fused_delta_attn, l2_normalise, step_delta_attn
 from rnnify.cells.gated import _gate_bias, gla_log_gates, gla_projections
-from rnnify.cells.window import window_output, window_step
+from rnnify.cells.window import PROMPT_BLOCK, prompt_window, whole_prompt, window_output, window_step
 from rnnify.kernels.linear_attn.naive import chunk_gated_attn
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 MEMORIES = ("linear", "gla", "delta", "gated-delta")  # what holds the tokens that left the window
 DELTA_MEMORIES = ("delta", "gated-delta")
-# queries per block of a whole prompt's window part: each block also reads the W keys before it, so
-# small blocks waste fewer masked scores (16: a 4,096-token prompt's window part in half the time of 64)
-PROMPT_BLOCK = 16
 # the linear and gla memories' map when none is given: trainable, so distillation can fit the memory to
 # softmax (an untrained map leaves it gated off, the window alone); elu, the default before, has no parameters
 DEFAULT_FEATURE_MAP = "hedgehog"
@@ -324,11 +321,6 @@ def fused_window_step(
     return window_num, window_den, state
 
 
-def whole_prompt(mask: torch.Tensor, length: torch.Tensor) -> bool:
-    """Is this call a whole unpadded prompt read from the empty state? (One check a prompt, not a step.)"""
-    return mask.shape[1] > 1 and bool(mask.all() & (length == 0).all())
-
-
 def window_and_leaving(q, k, v, mask, window_state, factor, scale: float, chunk_size: int, backend: str | None):
     """The window part and the tokens leaving the window for the memory: ``(window_num, window_den,
     old_keys, old_values, leaves [B, T], window_state)``; ``prompt_window_and_leaving`` for a whole
@@ -338,68 +330,19 @@ def window_and_leaving(q, k, v, mask, window_state, factor, scale: float, chunk_
     return chunked_window_and_leaving(q, k, v, mask, window_state, factor, scale, chunk_size, backend)
 
 
-def _band_blocks(x: torch.Tensor, window: int, block: int) -> torch.Tensor:
-    """``x [B, Hkv, T, d]`` as the keys each block of ``block`` queries sees: the W tokens before
-    it and its own, ``[B, Hkv, blocks, d, W + block]`` (a view of x zero-padded; key n of block c is
-    token c block - W + n)."""
-    steps = x.shape[2]
-    padded = torch.nn.functional.pad(x, (0, 0, window, -steps % block))
-    return padded.unfold(2, window + block, block)
-
-
-def band_window_part(q, k, v, window: int, sinks: int, factor, scale: float, block: int):
-    """``_window_part`` for a whole unpadded prompt from the empty state: every block of ``block``
-    queries at once over the W keys before it, its own and the sinks, with a mask that depends on
-    positions only (no ring, no padding, no per-chunk loop). k, v fp32.
-
-    One fused ``softmax`` gives p / u (p = exp(s - m)); its largest entry, exp(m - m) / u, gives u
-    (every query sees itself, so u >= 1). The G query heads of a kv head and a block's queries are
-    one ``[G block, .]`` matrix, so each product is one bmm over (B, H_kv, blocks) with no copies."""
-    batch, num_kv_heads, group, steps, head_dim = q.shape
-    sinks, blocks = min(sinks, steps), -(-steps // block)
-    queries = torch.nn.functional.pad(scale * q, (0, 0, 0, blocks * block - steps))
-    queries = queries.view(batch, num_kv_heads, group, blocks, block, head_dim).transpose(2, 3)
-    queries = queries.reshape(batch, num_kv_heads, blocks, group * block, head_dim)
-    first = torch.arange(blocks, device=q.device)[:, None, None] * block  # the first token of each block
-    a = torch.arange(block, device=q.device)[:, None]  # the query's place in its block
-    n = torch.arange(window + block, device=q.device)  # the key's place in the block's band
-    allowed = (n > a) & (n <= a + window) & (first + n >= window)  # [blocks, block, W + block]
-    scores = torch.matmul(queries, _band_blocks(k, window, block))  # [B, Hkv, blocks, G block, W + block]
-    if sinks:  # a sink j is attended apart while out of the window: i - j >= W
-        sink = torch.arange(sinks, device=q.device)
-        allowed = torch.cat([first + a - sink >= window, allowed], dim=-1)
-        scores = torch.cat([torch.matmul(queries, k[:, :, None, :sinks].transpose(-1, -2)), scores], dim=-1)
-    masked = allowed.float().log()  # 0 where allowed, else -inf: added, 5x faster on a CPU than masked_fill
-    scores = scores.view(batch, num_kv_heads, blocks, group, block, -1).add_(masked[:, None])
-    p = torch.softmax(scores, dim=-1).view(batch, num_kv_heads, blocks, group * block, -1)
-    u = p.amax(-1).reciprocal()
-    o = torch.matmul(p[..., sinks:], _band_blocks(v, window, block).transpose(-1, -2))  # w / u
-    if sinks:
-        o = o + torch.matmul(p[..., :sinks], v[:, :, None, :sinks])
-
-    def by_token(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, blocks, G block, ...] -> [B, Hkv, G, T, ...]
-        x = x.view(batch, num_kv_heads, blocks, group, block, *x.shape[4:]).transpose(2, 3)
-        return x.reshape(batch, num_kv_heads, group, blocks * block, *x.shape[5:])[:, :, :, :steps]
-
-    window_den = factor[..., None] * by_token(u)
-    return by_token(o) * window_den[..., None], window_den
-
-
-def prompt_window(q, k, v, window_state, factor, scale: float, block: int = PROMPT_BLOCK):
-    """The window part of a whole unpadded prompt from the empty state (``band_window_part``) and
-    the state written from the prompt's tail (``kernels.ring.prompt_write``): ``(k, v fp32 as the
-    ring holds them, window_num, window_den, window_state)``."""
-    k, v = k.to(window_state[0].dtype).float(), v.to(window_state[1].dtype).float()
-    window_num, window_den = band_window_part(q, k, v, window_state[0].shape[2], window_state[2].shape[2], factor,
-                                              scale, block)
-    return k, v, window_num, window_den, prompt_write(k, v, *window_state)
+def factored_prompt_window(q, k, v, window_state, factor, scale: float, block: int = PROMPT_BLOCK):
+    """``prompt_window`` with its window part as the terms of the normalised sum, f w and f u:
+    ``(k, v, window_num, window_den, window_state)``."""
+    k, v, o, u, window_state = prompt_window(q, k, v, window_state, scale, block)
+    window_den = factor[..., None] * u
+    return k, v, o * window_den[..., None], window_den, window_state
 
 
 def prompt_window_and_leaving(q, k, v, window_state, factor, scale: float, block: int = PROMPT_BLOCK):
-    """``chunked_window_and_leaving`` for a whole unpadded prompt from the empty state: ``prompt_window``,
+    """``chunked_window_and_leaving`` for a whole unpadded prompt from the empty state: ``factored_prompt_window``,
     and token i - W leaving as token i >= W + S arrives (the keys and values shifted by W)."""
     window, sinks, steps = window_state[0].shape[2], window_state[2].shape[2], k.shape[2]
-    k, v, window_num, window_den, window_state = prompt_window(q, k, v, window_state, factor, scale, block)
+    k, v, window_num, window_den, window_state = factored_prompt_window(q, k, v, window_state, factor, scale, block)
     leaves = (torch.arange(steps, device=q.device) >= window + sinks).expand(q.shape[0], -1)
 
     def shifted(x: torch.Tensor) -> torch.Tensor:
@@ -473,7 +416,7 @@ def prompt_hybrid_attn(q, k, v, window_state, kv, k_sum, phi, factor, scale: flo
     with no shifted copies or masks, and the queries before W + S read nothing (their output is the
     window's). k, v are read as the ring holds them."""
     window, sinks, steps = window_state[0].shape[2], window_state[2].shape[2], k.shape[2]
-    k, v, window_num, window_den, window_state = prompt_window(q, k, v, window_state, factor, scale)
+    k, v, window_num, window_den, window_state = factored_prompt_window(q, k, v, window_state, factor, scale)
     start, end = window + sinks, steps - window  # the first query that reads the memory, the last key + 1
     state = torch.cat([kv, k_sum[..., None]], dim=-1)
     if end > sinks:

@@ -20,16 +20,23 @@ yet (the validity masks). Padding never advances it and is never written: it lea
 it was. A sink still inside the window is counted once, as a window key.
 
 Forms, all computing the same thing (tests hold them to ``naive_recurrent_window_attn``):
-``naive_recurrent_*`` (a plain loop over tokens, the softmax key by key with the (m, u, w)
-recurrence of docs/math.md §Softmax attention as an RNN: the ground truth), ``parallel_*`` (one
-masked quadratic softmax over sinks + ring + new tokens), ``chunk_*`` (the parallel form over blocks of queries: the prefill
-path) and ``step_*`` (one token: ``window_step`` writes it into its ring slot and reads sinks +
-ring in about 30 aten ops, the decode path off Triton, which the hybrid's step shares; a CPU step's
-time is its op count, docs/performance.md; ``fused_*`` is the same through
-``rnnify.kernels.window_attn_step``, which writes with the ring helpers of ``rnnify/kernels/ring.py``
-and reads in one kernel, with kernels "triton", or "auto" on CUDA, or "reference"; prefill keeps the chunk form). Shapes: q ``[B, Hkv, G, T, d]`` (G query heads per kv
-head, fp32), k/v ``[B, Hkv, T, d]``, mask ``[B, T]``; state ``keys/values [B, Hkv, W, d]`` and
-``sink_keys/sink_values [B, Hkv, S, d]`` in the model dtype, ``length [B]`` int64. Every form
+
+- ``naive_recurrent_*``: a plain loop over tokens, the softmax key by key with the (m, u, w)
+  recurrence of docs/math.md §Softmax attention as an RNN; the ground truth.
+- ``parallel_*``: one masked quadratic softmax over sinks + ring + new tokens.
+- ``chunk_*``: the parallel form over blocks of queries; the prefill path, except for
+- ``prompt_window_attn``: a whole unpadded prompt from the empty state, every block of queries at
+  once over its band of keys, the state written from the prompt's tail (the hybrid's prompt too).
+- ``step_*``: one token; ``window_step`` writes it into its ring slot and reads sinks + ring in
+  about 30 aten ops (a CPU step's time is its op count, docs/performance.md); the decode path off
+  Triton, which the hybrid's step shares.
+- ``fused_*``: the step through ``rnnify.kernels.window_attn_step``, which writes with the ring
+  helpers of ``rnnify/kernels/ring.py`` and reads in one kernel; with kernels "triton", "auto" on
+  CUDA, or "reference".
+
+Shapes: q ``[B, Hkv, G, T, d]`` (G query heads per kv head, fp32), k/v ``[B, Hkv, T, d]``, mask
+``[B, T]``; state ``keys/values [B, Hkv, W, d]`` and ``sink_keys/sink_values [B, Hkv, S, d]`` in
+the model dtype, ``length [B]`` int64. Every form
 returns ``(out [B, Hkv, G, T, d_v] fp32, *new_state)``.
 """
 
@@ -43,7 +50,12 @@ from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
 from rnnify.cells.exact import finite_or_zero, readout
 from rnnify.errors import check_int
-from rnnify.kernels.ring import held_index, token_index, window_write
+from rnnify.kernels.ring import held_index, prompt_write, token_index, window_write
+
+
+# queries per block of a whole prompt's window part: each block also reads the W keys before it, so
+# small blocks waste fewer masked scores (16: a 4,096-token prompt's window part in half the time of 64)
+PROMPT_BLOCK = 16
 
 
 def masked_softmax_attention(scores: torch.Tensor, allowed: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -111,6 +123,74 @@ def chunk_window_attn(q, k, v, mask, keys, values, sink_keys, sink_values, lengt
         out, *state = parallel_window_attn(*chunk, *state, scale)
         outs.append(out)
     return torch.cat(outs, dim=3), *state
+
+
+def whole_prompt(mask: torch.Tensor, length: torch.Tensor) -> bool:
+    """Is this call a whole unpadded prompt read from the empty state? (One check a prompt, not a step.)"""
+    return mask.shape[1] > 1 and bool(mask.all() & (length == 0).all())
+
+
+def _band_blocks(x: torch.Tensor, window: int, block: int) -> torch.Tensor:
+    """``x [B, Hkv, T, d]`` as the keys each block of ``block`` queries sees: the W tokens before
+    it and its own, ``[B, Hkv, blocks, d, W + block]`` (a view of x zero-padded; key n of block c is
+    token c block - W + n)."""
+    steps = x.shape[2]
+    padded = torch.nn.functional.pad(x, (0, 0, window, -steps % block))
+    return padded.unfold(2, window + block, block)
+
+
+def band_window_part(q, k, v, window: int, sinks: int, scale: float, block: int):
+    """The window part of a whole unpadded prompt from the empty state, ``(o [B, Hkv, G, T, d_v], u
+    [B, Hkv, G, T])``: the softmax output and its denominator sum exp(s - m) (u >= 1). Every block of
+    ``block`` queries at once over the W keys before it, its own and the sinks, with a mask that
+    depends on positions only (no ring, no padding, no per-chunk loop). k, v fp32.
+
+    One fused ``softmax`` gives p / u (p = exp(s - m)); its largest entry, exp(m - m) / u, gives u
+    (every query sees itself, so u >= 1). The G query heads of a kv head and a block's queries are
+    one ``[G block, .]`` matrix, so each product is one bmm over (B, H_kv, blocks) with no copies."""
+    batch, num_kv_heads, group, steps, head_dim = q.shape
+    sinks, blocks = min(sinks, steps), -(-steps // block)
+    queries = torch.nn.functional.pad(scale * q, (0, 0, 0, blocks * block - steps))
+    queries = queries.view(batch, num_kv_heads, group, blocks, block, head_dim).transpose(2, 3)
+    queries = queries.reshape(batch, num_kv_heads, blocks, group * block, head_dim)
+    first = torch.arange(blocks, device=q.device)[:, None, None] * block  # the first token of each block
+    a = torch.arange(block, device=q.device)[:, None]  # the query's place in its block
+    n = torch.arange(window + block, device=q.device)  # the key's place in the block's band
+    allowed = (n > a) & (n <= a + window) & (first + n >= window)  # [blocks, block, W + block]
+    scores = torch.matmul(queries, _band_blocks(k, window, block))  # [B, Hkv, blocks, G block, W + block]
+    if sinks:  # a sink j is attended apart while out of the window: i - j >= W
+        sink = torch.arange(sinks, device=q.device)
+        allowed = torch.cat([first + a - sink >= window, allowed], dim=-1)
+        scores = torch.cat([torch.matmul(queries, k[:, :, None, :sinks].transpose(-1, -2)), scores], dim=-1)
+    masked = allowed.float().log()  # 0 where allowed, else -inf: added, 5x faster on a CPU than masked_fill
+    scores = scores.view(batch, num_kv_heads, blocks, group, block, -1).add_(masked[:, None])
+    p = torch.softmax(scores, dim=-1).view(batch, num_kv_heads, blocks, group * block, -1)
+    u = p.amax(-1).reciprocal()
+    o = torch.matmul(p[..., sinks:], _band_blocks(v, window, block).transpose(-1, -2))  # w / u
+    if sinks:
+        o = o + torch.matmul(p[..., :sinks], v[:, :, None, :sinks])
+
+    def by_token(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, blocks, G block, ...] -> [B, Hkv, G, T, ...]
+        x = x.view(batch, num_kv_heads, blocks, group, block, *x.shape[4:]).transpose(2, 3)
+        return x.reshape(batch, num_kv_heads, group, blocks * block, *x.shape[5:])[:, :, :, :steps]
+
+    return by_token(o), by_token(u)
+
+
+def prompt_window(q, k, v, window_state, scale: float, block: int = PROMPT_BLOCK):
+    """The window part of a whole unpadded prompt from the empty state (``band_window_part``) and
+    the state written from the prompt's tail (``kernels.ring.prompt_write``): ``(k, v fp32 as the
+    ring holds them, o, u, window_state)``."""
+    k, v = k.to(window_state[0].dtype).float(), v.to(window_state[1].dtype).float()
+    o, u = band_window_part(q, k, v, window_state[0].shape[2], window_state[2].shape[2], scale, block)
+    return k, v, o, u, prompt_write(k, v, *window_state)
+
+
+def prompt_window_attn(q, k, v, keys, values, sink_keys, sink_values, length, scale: float):
+    """A whole unpadded prompt from the empty state (``whole_prompt``): ``prompt_window``'s output and
+    state; the window target's prefill path where it applies."""
+    *_, out, _, state = prompt_window(q, k, v, (keys, values, sink_keys, sink_values, length), scale)
+    return out, *state
 
 
 def write_step(k, v, mask, keys, values, sink_keys, sink_values, length):
@@ -243,6 +323,8 @@ class WindowCell(Cell):
             out, *state = fused_window_attn_step(grouped, k, v, mask, *state, self.spec.scale, backend)
         elif steps == 1:
             out, *state = step_window_attn(grouped, k, v, mask, *state, self.spec.scale)
+        elif whole_prompt(mask, length):
+            out, *state = prompt_window_attn(grouped, k, v, *state, self.spec.scale)
         else:
             out, *state = chunk_window_attn(grouped, k, v, mask, *state, self.spec.scale, self.block_size)
         return out.reshape(batch, self.spec.num_heads, steps, -1).to(q.dtype), *state
