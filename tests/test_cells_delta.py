@@ -14,7 +14,6 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import rnnify
 from rnnify.cells import CellSpec, build_cell, parameters
@@ -30,6 +29,7 @@ from rnnify.cells.hybrid import GLA_TAU, chunk_hybrid_attn, delta_memory_hybrid_
 from rnnify.errors import RnnifyError
 from rnnify.kernels import utils
 from kernel_support import nan_buffers  # noqa: F401 - autouse: NaN-filled kernel outputs
+from support import OpCount
 
 SPEC = CellSpec(num_heads=4, num_kv_heads=2, head_dim=8, value_dim=6, scale=8**-0.5, hidden_size=12)
 
@@ -462,18 +462,6 @@ def test_hybrid_whole_prompt_path_equals_the_general_path(memory, sinks, monkeyp
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-class _OpCount(TorchDispatchMode):
-    """Counts the aten ops dispatched (as ``benchmarks/speed.py --breakdown`` does)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("memory", ["linear", "gla", "delta", "gated-delta"])
 def test_hybrid_lean_step_dispatches_few_ops(memory):
     """A CPU decode step's time is its op count (docs/performance.md): here the general forms
@@ -482,7 +470,7 @@ def test_hybrid_lean_step_dispatches_few_ops(memory):
     tokens: 7 ops); held under 170 so a regression shows."""
     cell = build_cell("hybrid", SPEC, {"window": 3, "sinks": 2, "memory": memory, **elu_map(memory)})
     q, k, v, x, mask = make_inputs(1, pad=0)
-    count = _OpCount()
+    count = OpCount()
     with torch.no_grad(), count:
         cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)
     assert count.ops < 170

@@ -47,6 +47,7 @@ from rnnify.cells.window import (
 from rnnify.errors import RnnifyError
 from rnnify.runtime.manifest import MANIFEST_FILE
 from support import (
+    OpCount,
     assert_left_padded_rows_equal_rows_alone,
     assert_steps_and_split_prefill_match,
     decode,
@@ -282,15 +283,6 @@ def test_window_decode_off_triton_takes_the_lean_step(sinks, monkeypatch):
     """A decode token with kernels auto off Triton runs ``step_window_attn`` (the hybrid's ``window_step``)
     instead of the fused op's PyTorch reference: the same output and state token by token (19 tokens
     through a window of 3, a left-padded row) in fewer than half the aten ops (48 against 116 here)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.ops += 1
-            return func(*args, **(kwargs or {}))
-
     from rnnify.kernels import utils
 
     monkeypatch.setattr(utils, "FORCE_TRITON", False)  # kernels auto off Triton, whatever the environment
@@ -307,10 +299,9 @@ def test_window_decode_off_triton_takes_the_lean_step(sinks, monkeypatch):
         for t in range(steps):
             token = (q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], mask[:, t:t + 1])
             for name, cell in (("lean", lean), ("fused", fused)):
-                Count.ops = 0
-                with Count():
+                with OpCount() as count:
                     out, *state = cell(*token, *(lean_state if name == "lean" else fused_state))
-                counts[name] = Count.ops
+                counts[name] = count.ops
                 if name == "lean":
                     lean_out, lean_state = out, state
                 else:
