@@ -280,9 +280,10 @@ def test_window_forms_equal_the_naive_loop_and_the_reference(p):
 
 @pytest.mark.parametrize("sinks", [0, 2])
 def test_window_decode_off_triton_takes_the_lean_step(sinks, monkeypatch):
-    """A decode token with kernels auto off Triton runs ``step_window_attn`` (the hybrid's ``window_step``)
-    instead of the fused op's PyTorch reference: the same output and state token by token (19 tokens
-    through a window of 3, a left-padded row) in fewer than half the aten ops (48 against 116 here)."""
+    """A decode token with kernels auto off Triton runs ``step_window_attn`` (the ring write and read of
+    the hybrid's ``window_step``) instead of the fused op's PyTorch reference: the same output and
+    state token by token (19 tokens through a window of 3, a left-padded row) in fewer than half the
+    aten ops (46 against 116 here with 2 sinks)."""
     from rnnify.kernels import utils
 
     monkeypatch.setattr(utils, "FORCE_TRITON", False)  # kernels auto off Triton, whatever the environment

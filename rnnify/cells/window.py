@@ -27,8 +27,8 @@ Forms, all computing the same thing (tests hold them to ``naive_recurrent_window
 - ``chunk_*``: the parallel form over blocks of queries; the prefill path, except for
 - ``prompt_window_attn``: a whole unpadded prompt from the empty state, every block of queries at
   once over its band of keys, the state written from the prompt's tail (the hybrid's prompt too).
-- ``step_*``: one token; ``window_step`` writes it into its ring slot and reads sinks + ring in
-  about 30 aten ops (a CPU step's time is its op count, docs/performance.md); the decode path off
+- ``step_*``: one token; ``write_step`` writes it into its ring slot and ``read_held`` reads sinks +
+  ring, about 40 aten ops (a CPU step's time is its op count, docs/performance.md); the decode path off
   Triton, which the hybrid's step shares.
 - ``fused_*``: the step through ``rnnify.kernels.window_attn_step``, which writes with the ring
   helpers of ``rnnify/kernels/ring.py`` and reads in one kernel; with kernels "triton", "auto" on
@@ -194,10 +194,9 @@ def prompt_window_attn(q, k, v, keys, values, sink_keys, sink_values, length, sc
 
 
 def write_step(k, v, mask, keys, values, sink_keys, sink_values, length):
-    """``window_write`` of one decode token in few ops, with what ``window_step`` reads: ``(old_key,
-    old_value (fp32, the ring slot the token takes), leaves [B, 1, 1, 1] (a real token arrived and
-    the one pushed out is not a sink: the hybrid's memory takes it), held keys and values (sinks,
-    then ring), empty [B, 1, 1, S + W] (held slots not attended), (keys, values, sink_keys,
+    """``window_write`` of one decode token in few ops, with what a read of the window needs:
+    ``(old_key, old_value (the ring slot's entry the token replaces, ring dtype), held keys and values
+    (sinks, then ring), empty [B, 1, 1, S + W] (held slots not attended), (keys, values, sink_keys,
     sink_values, length))``."""
     batch, num_kv_heads, window, head_dim = keys.shape
     sinks = sink_keys.shape[2]
@@ -210,7 +209,6 @@ def write_step(k, v, mask, keys, values, sink_keys, sink_values, length):
     # a copy and one slot are cheaper than a where over the ring, 2.5x at batch 8 on a CPU
     keys = keys.scatter(2, key_index, torch.where(real, k.to(keys.dtype), old_key))
     values = values.scatter(2, value_index, torch.where(real, v.to(values.dtype), old_value))
-    old_key, old_value = old_key.float(), old_value.float()
     ring = torch.arange(window, device=keys.device)
     new_length = n + real
     held_keys, held_values, empty = keys, values, ring >= new_length
@@ -222,18 +220,14 @@ def write_step(k, v, mask, keys, values, sink_keys, sink_values, length):
         held_keys, held_values = torch.cat([sink_keys, keys], dim=2), torch.cat([sink_values, values], dim=2)
         empty = torch.cat([sink_slots >= new_length - window, empty], dim=3)  # sinks still in the ring
     state = (keys, values, sink_keys, sink_values, new_length.view(batch))
-    return old_key, old_value, real & (n >= window + sinks), held_keys, held_values, empty, state
+    return old_key, old_value, held_keys, held_values, empty, state
 
 
-def window_step(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float):
-    """One decode token's window part in the fewest ops (a CPU step's time is its op count,
-    docs/performance.md): ``write_step``, then the unnormalised softmax over the sinks no longer in
-    the ring and the ring, self included, through ``bmm`` on ``[B Hkv, G, d]`` views. Returns ``(w
-    [B, Hkv, G, 1, d_v], u [B, Hkv, G, 1], old_key, old_value, leaves, window_state)``; w, u are
-    relative to the scores' max m."""
+def read_held(q, held_keys, held_values, empty, scale: float):
+    """One decode token's unnormalised softmax over the held keys (``write_step``'s), through ``bmm``
+    on ``[B Hkv, G, d]`` views: ``(w [B, Hkv, G, 1, d_v], u [B, Hkv, G, 1])``, relative to the scores'
+    max m."""
     batch, num_kv_heads, group, _, head_dim = q.shape
-    old_key, old_value, leaves, held_keys, held_values, empty, state = write_step(
-        k, v, mask, keys, values, sink_keys, sink_values, length)
     held = held_keys.shape[2]
     scores = torch.bmm(q.reshape(batch * num_kv_heads, group, head_dim),
                        held_keys.float().reshape(batch * num_kv_heads, held, head_dim).transpose(1, 2))
@@ -242,7 +236,20 @@ def window_step(q, k, v, mask, keys, values, sink_keys, sink_values, length, sca
     p = torch.exp((scores - m) * scale)  # the max of the scaled scores is scale m: scale > 0
     w = torch.bmm(p.view(batch * num_kv_heads, group, held),
                   held_values.float().reshape(batch * num_kv_heads, held, -1))
-    return w.view(batch, num_kv_heads, group, 1, -1), p.sum(-1, keepdim=True), old_key, old_value, leaves, state
+    return w.view(batch, num_kv_heads, group, 1, -1), p.sum(-1, keepdim=True)
+
+
+def window_step(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float):
+    """One decode token's window part in the fewest ops (a CPU step's time is its op count,
+    docs/performance.md), for the hybrid: ``write_step`` and ``read_held``, with the token pushed out
+    of the ring for the memory. Returns ``(w, u, old_key, old_value (fp32), leaves [B, 1, 1, 1] (a
+    real token arrived and the one pushed out is not a sink), window_state)``."""
+    old_key, old_value, held_keys, held_values, empty, state = write_step(
+        k, v, mask, keys, values, sink_keys, sink_values, length)
+    w, u = read_held(q, held_keys, held_values, empty, scale)
+    batch = mask.shape[0]
+    leaves = mask.reshape(batch, 1, 1, 1) & (length.reshape(batch, 1, 1, 1) >= keys.shape[2] + sink_keys.shape[2])
+    return w, u, old_key.float(), old_value.float(), leaves, state
 
 
 def window_output(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -252,9 +259,9 @@ def window_output(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def step_window_attn(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float):
-    """One decode token: ``window_step``, normalised; the window target's decode path off kernels."""
-    w, u, *_, state = window_step(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale)
-    return window_output(w, u), *state
+    """One decode token: ``write_step``, ``read_held``, normalised; the window target's decode path off kernels."""
+    *_, held_keys, held_values, empty, state = write_step(k, v, mask, keys, values, sink_keys, sink_values, length)
+    return window_output(*read_held(q, held_keys, held_values, empty, scale)), *state
 
 
 def fused_window_attn_step(
