@@ -447,41 +447,44 @@ def plot(record: dict, path: Path) -> None:
     rows, original_ppl = record["rows"], record["original_perplexity"]
     seq_len = first_result(rows[0])["seq_len"]
     stages = (("training_free", "o", "training-free"), ("distilled", "s", "distilled"))
-    points = [(r["state_bytes"], r[key]["perplexity"] / original_ppl, r[key]["kl"], r, key, marker, label)
-              for key, marker, label in stages for r in rows if r.get(key)]
+    # (state bytes, perplexity ratio, KL, row, stage) per row and stage measured
+    points = [(r["state_bytes"], r[key]["perplexity"] / original_ppl, r[key]["kl"], r, key)
+              for key, _, _ in stages for r in rows if r.get(key)]
+    close = [p for p in points if p[1] <= 2.0 and p[3]["target"] != "exact"]  # exact's KL is float rounding
     fig, (every, near) = plt.subplots(1, 2, figsize=(14, 5.5))
     plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
-    for key, marker, label in stages:
-        mine = [p for p in points if p[4] == key]
-        if mine:
-            every.scatter([p[0] for p in mine], [p[1] for p in mine], marker=marker, label=label)
+
+    def scatter(ax, chosen: list, y: int) -> None:  # one series per stage, log y with plain labels
+        for key, marker, label in stages:
+            mine = [p for p in chosen if p[4] == key]
+            if mine:
+                ax.scatter([p[0] for p in mine], [p[y] for p in mine], marker=marker, label=label)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(plain)
+
+    def minor_labels(ax) -> None:  # minor labels help within a decade or two; over more they overprint each other
+        low, high = ax.get_ylim()
+        ax.yaxis.set_minor_formatter(plain if high / low < 100 else matplotlib.ticker.NullFormatter())
+
+    scatter(every, points, 1)
     labels: dict[tuple[int, float], list] = {}  # rows on (almost) the same spot share one label
-    for x, y, _, row, *_ in points:
+    for x, y, _, row, _ in points:
         if y > 2.0:  # the rest are labelled in the other panel
             labels.setdefault((x, round(math.log10(y), 1)), [y, []])[1].append(row["variant"])
     for (x, _), (y, names) in labels.items():
         every.annotate(", ".join(names), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     every.axhline(1.0, color="gray", lw=0.8)
-    every.set_yscale("log")
     ratios = [p[1] for p in points]
     every.set_ylim(min(0.9, min(ratios) / 1.1), max(1.2, max(ratios) * 1.1))  # 1.0 always in view, never a sliver
-    every.yaxis.set_major_formatter(plain)
-    low, high = every.get_ylim()
-    # minor labels help within a decade or two; over more they overprint each other
-    every.yaxis.set_minor_formatter(plain if high / low < 100 else matplotlib.ticker.NullFormatter())
+    minor_labels(every)
     every.set_ylabel("perplexity / original perplexity (held-out)")
     every.set_title("every row (those within 2x of the original: right)")
     every.legend()
-    close = [p for p in points if p[1] <= 2.0 and p[3]["target"] != "exact"]  # exact's KL is float rounding
-    for key, marker, label in stages:
-        mine = [p for p in close if p[4] == key]
-        if mine:
-            near.scatter([p[0] for p in mine], [p[2] for p in mine], marker=marker, label=label)
     windows = sorted((p[0], p[2]) for p in close if p[3]["target"] == "window" and p[4] == "training_free")
     if len(windows) > 1:
         near.plot(*zip(*windows), color="gray", lw=0.8, zorder=0, label="window target by size, training-free")
     best: dict[tuple[float, str], list] = {}  # one label per state size (2 digits) and stage: its lowest KL, how many more
-    for x, _, kl, row, key, *_ in close:
+    for x, _, kl, row, key in close:
         best.setdefault((float(f"{x:.2g}"), key), []).append((kl, x, row["variant"]))
     for (_, key), found in best.items():
         kl, x, name = min(found)
@@ -489,10 +492,8 @@ def plot(record: dict, path: Path) -> None:
         near.annotate(name + more, (x, kl), fontsize=7, xytext=(3, -9 if key == "distilled" else 3),
                       textcoords="offset points")
     if close:
-        near.set_yscale("log")
-        near.yaxis.set_major_formatter(plain)
-        low, high = near.get_ylim()
-        near.yaxis.set_minor_formatter(plain if high / low < 100 else matplotlib.ticker.NullFormatter())
+        scatter(near, close, 2)
+        minor_labels(near)
         near.legend()
     near.set_ylabel("KL(original || converted), nats per token")
     near.set_title("within 2x of the original's perplexity (lowest KL per state size labelled)")
