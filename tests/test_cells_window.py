@@ -320,7 +320,8 @@ def test_window_decode_off_triton_takes_the_lean_step(sinks, monkeypatch):
 def test_window_whole_prompt_takes_the_band_path(length, sinks, dtype, monkeypatch):
     """A whole unpadded prompt from the empty state runs ``prompt_window_attn`` (every query block at
     once, the state from the prompt's tail): the chunked form's output and state, and the step after
-    it continues alike; prompts shorter than the window and the sinks included."""
+    it continues alike, and the naive loop's output; prompts shorter than the window and the sinks
+    included."""
     import rnnify.cells.window as window_cells
 
     spec = _spec()
@@ -338,6 +339,9 @@ def test_window_whole_prompt_takes_the_band_path(length, sinks, dtype, monkeypat
             step, *state = cell(q[:, :, length:], k[:, :, length:], v[:, :, length:], mask[:, length:], *state)
         runs.append((out, step, state))
     (fast, fast_step, fast_state), (chunked, chunked_step, chunked_state) = runs
+    naive, *_ = naive_recurrent_window_attn(_grouped(q[:, :, :length], spec), k[:, :, :length], v[:, :, :length],
+                                            mask[:, :length], *cell.init_state(2, q.device, dtype), spec.scale)
+    torch.testing.assert_close(fast, naive.reshape(fast.shape), rtol=1e-5, atol=1e-6)  # the loop, independently
     torch.testing.assert_close(fast, chunked, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fast_step, chunked_step, rtol=1e-5, atol=1e-6)
     for a, b in zip(fast_state, chunked_state):
