@@ -6,7 +6,9 @@ target per group of kv heads.
     plan.options_for(target) # the options that target's cell accepts
     plan.cell_for(layer, spec)  # the cell itself; layer 2's kv head 0 is exact, its others hybrid
 
-``RANGE:heads(HEADS=TARGET;...)`` splits a layer's kv heads (with their query heads) into groups,
+A rule's target may carry options of its own, ``TARGET(KEY=VALUE,...)``, over the plan's:
+``"0-:heads(1=window(window=1024);*=window)"`` with ``window=64`` gives kv head 1 of every layer a
+1,024-token window and the others 64 tokens. ``RANGE:heads(HEADS=TARGET;...)`` splits a layer's kv heads (with their query heads) into groups,
 each its own cell (``rnnify.cells.heads``): ``HEADS`` is a comma list of kv heads and ranges
 (``0,2-3``) or ``*`` (the heads not named); heads not named, without ``*``, take the ``--to``
 target. Later rules win over earlier ones; ``keep_softmax`` wins over all. Options go to every cell
@@ -16,6 +18,7 @@ whose constructor accepts them; an option no chosen cell accepts is an error, no
 from __future__ import annotations
 
 import inspect
+import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -26,19 +29,22 @@ from rnnify.errors import RnnifyError
 __all__ = ["LayerRule", "ConversionPlan", "make_plan", "parse_layers"]
 
 
-# a head group: its kv heads (None: those no other group names) and their target
-HeadGroup = tuple[tuple[int, ...] | None, str]
+Options = tuple[tuple[str, Any], ...]  # a rule's own cell options, as sorted (key, value) pairs
+# a head group: its kv heads (None: those no other group names), their target and its own options
+HeadGroup = tuple[tuple[int, ...] | None, str, Options]
 
 
 @dataclass(frozen=True)
 class LayerRule:
-    """Layers ``start`` .. ``stop`` (inclusive; ``stop=None``: to the last layer) become ``target``;
-    for target ``"heads"``, ``heads`` gives each group of kv heads its own target."""
+    """Layers ``start`` .. ``stop`` (inclusive; ``stop=None``: to the last layer) become ``target``
+    with ``options`` over the plan's; for target ``"heads"``, ``heads`` gives each group of kv heads
+    its own target and options."""
 
     start: int
     stop: int | None
     target: str
     heads: tuple[HeadGroup, ...] | None = None
+    options: Options = ()
 
     def matches(self, layer: int) -> bool:
         return self.start <= layer and (self.stop is None or layer <= self.stop)
@@ -46,12 +52,12 @@ class LayerRule:
     @property
     def targets(self) -> set[str]:
         """The cell targets this rule uses."""
-        return {target for _, target in self.heads} if self.heads else {self.target}
+        return {target for _, target, _ in self.heads} if self.heads else {self.target}
 
     def __str__(self) -> str:
-        target = self.target
+        target = _target_text(self.target, self.options)
         if self.heads is not None:
-            target = f"{HEADS}(" + ";".join(f"{_heads_text(kv)}={t}" for kv, t in self.heads) + ")"
+            target = f"{HEADS}(" + ";".join(f"{_heads_text(kv)}={_target_text(t, o)}" for kv, t, o in self.heads) + ")"
         if self.stop == self.start:
             return f"{self.start}:{target}"
         return f"{self.start}-{'' if self.stop is None else self.stop}:{target}"
@@ -61,10 +67,39 @@ def _heads_text(kv: tuple[int, ...] | None) -> str:
     return "*" if kv is None else ",".join(map(str, kv))
 
 
+def _target_text(target: str, options: Options) -> str:
+    return target + (f"({','.join(f'{k}={json.dumps(v)}' for k, v in options)})" if options else "")
+
+
 def _check_target(target: str) -> str:
     if target not in CELLS:
         raise RnnifyError(f"unknown target {target!r}; choose from: {', '.join(CELLS)}")
     return target
+
+
+def _parse_target(text: str, where: str) -> tuple[str, Options]:
+    """``"window(window=1024,sinks=4)"`` -> ("window", (("sinks", 4), ("window", 1024))); values are
+    JSON where they parse as JSON, else text."""
+    name, paren, rest = text.strip().partition("(")
+    target = _check_target(name.strip())
+    if not paren:
+        return target, ()
+    if not rest.endswith(")"):
+        raise RnnifyError(f"{where}: expected {target}(KEY=VALUE,...), e.g. 'window(window=1024)'")
+    options: dict[str, Any] = {}
+    for pair in filter(None, (p.strip() for p in rest[:-1].split(","))):
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise RnnifyError(f"{where}: option {pair!r} of {target}: expected KEY=VALUE, e.g. 'window(window=1024)'")
+        try:
+            options[key.strip()] = json.loads(value)
+        except ValueError:
+            options[key.strip()] = value.strip()
+    unknown = sorted(set(options) - _accepted(target))
+    if unknown:
+        raise RnnifyError(f"{where}: {target} takes no option {', '.join(unknown)}; it takes: "
+                          f"{', '.join(sorted(_accepted(target))) or 'none'}")
+    return target, tuple(sorted(options.items()))
 
 
 def _split_outside_parentheses(text: str, sep: str) -> list[str]:
@@ -96,25 +131,24 @@ def _parse_head_list(text: str, where: str) -> tuple[int, ...] | None:
 
 
 def _parse_heads(text: str, where: str) -> tuple[HeadGroup, ...]:
-    """``"0,2=exact;*=window"`` -> ((0, 2), "exact"), (None, "window")."""
+    """``"0,2=exact;*=window(window=8)"`` -> ((0, 2), "exact", ()), (None, "window", (("window", 8),))."""
     groups: list[HeadGroup] = []
     for item in filter(None, (i.strip() for i in text.split(";"))):
         heads, sep, target = item.partition("=")
         if not sep:
             raise RnnifyError(f"{where}: expected HEADS=TARGET entries separated by ';', {_HEADS_EXAMPLE}")
-        target = _check_target(target.strip())
-        groups.append((_parse_head_list(heads.replace(" ", ""), where), target))
-    named = [h for kv, _ in groups if kv is not None for h in kv]
+        groups.append((_parse_head_list(heads.replace(" ", ""), where), *_parse_target(target, where)))
+    named = [h for kv, _, _ in groups if kv is not None for h in kv]
     if not groups:
         raise RnnifyError(f"{where}: names no head group, {_HEADS_EXAMPLE}")
-    if len(set(named)) != len(named) or sum(kv is None for kv, _ in groups) > 1:
+    if len(set(named)) != len(named) or sum(kv is None for kv, _, _ in groups) > 1:
         raise RnnifyError(f"{where}: a kv head (or '*') is named twice")
     return tuple(groups)
 
 
 def parse_layers(spec: str) -> list[LayerRule]:
-    """``"0-1:exact,2-:hybrid,3:heads(0=exact;*=window)"`` -> rules; ranges are inclusive, ``N-``
-    runs to the last layer."""
+    """``"0-1:exact,2-:hybrid(window=128),3:heads(0=exact;*=window)"`` -> rules; ranges are
+    inclusive, ``N-`` runs to the last layer."""
     rules = []
     for part in filter(None, (p.strip() for p in _split_outside_parentheses(spec, ","))):
         where, sep, target = part.partition(":")
@@ -134,7 +168,8 @@ def parse_layers(spec: str) -> list[LayerRule]:
         elif target.startswith(HEADS):
             raise RnnifyError(f"layer spec {part!r}: expected {HEADS}(HEADS=TARGET;...), {_HEADS_EXAMPLE}")
         else:
-            rules.append(LayerRule(first, last, _check_target(target)))
+            name, options = _parse_target(target, f"layer spec {part!r}")
+            rules.append(LayerRule(first, last, name, options=options))
     if not rules:
         raise RnnifyError(f"layer spec {spec!r} names no layers")
     return rules
@@ -164,30 +199,31 @@ class ConversionPlan:
         rule = self.rule_for(layer)
         if rule is None or rule.heads is None:
             target = self.target_for(layer)
-            return build_cell(target, spec, self.options_for(target))
+            return build_cell(target, spec, self.options_for(target, rule.options if rule else ()))
         groups = self.head_groups(rule, spec.num_kv_heads, layer)
         if len(groups) == 1:  # one target for every head: the plain cell
-            return build_cell(groups[0][1], spec, self.options_for(groups[0][1]))
-        return build_cell(HEADS, spec, {"groups": [{"kv_heads": kv, "target": target, "options": self.options_for(target)}
-                                                   for kv, target in groups]})
+            return build_cell(groups[0][1], spec, self.options_for(groups[0][1], groups[0][2]))
+        return build_cell(HEADS, spec, {"groups": [{"kv_heads": kv, "target": target,
+                                                    "options": self.options_for(target, options)}
+                                                   for kv, target, options in groups]})
 
-    def head_groups(self, rule: LayerRule, num_kv_heads: int, layer: int) -> list[tuple[list[int], str]]:
+    def head_groups(self, rule: LayerRule, num_kv_heads: int, layer: int) -> list[tuple[list[int], str, Options]]:
         """``rule``'s groups for a layer of ``num_kv_heads`` kv heads: ``*`` (or, without it, the
         default target) takes the heads no group names."""
-        named = {h for kv, _ in rule.heads if kv is not None for h in kv}
+        named = {h for kv, _, _ in rule.heads if kv is not None for h in kv}
         if max(named, default=-1) >= num_kv_heads:
             raise RnnifyError(f"layer rule '{rule}': layer {layer} has kv heads 0-{num_kv_heads - 1}, "
                               f"not {max(named)}")
         rest = [h for h in range(num_kv_heads) if h not in named]
-        star = next((target for kv, target in rule.heads if kv is None), self.default)
-        groups = [(list(kv), target) if kv is not None else (rest, target) for kv, target in rule.heads]
-        if not any(kv is None for kv, _ in rule.heads):
-            groups.append((rest, star))
-        return [(kv, target) for kv, target in groups if kv]
+        groups = [(list(kv) if kv is not None else rest, target, options) for kv, target, options in rule.heads]
+        if not any(kv is None for kv, _, _ in rule.heads):
+            groups.append((rest, self.default, ()))
+        return [group for group in groups if group[0]]
 
-    def options_for(self, target: str) -> dict[str, Any]:
+    def options_for(self, target: str, own: Options = ()) -> dict[str, Any]:
+        """The plan's options that ``target`` accepts, with a rule's ``own`` over them."""
         accepted = _accepted(target)
-        return {k: v for k, v in self.options.items() if k in accepted}
+        return {**{k: v for k, v in self.options.items() if k in accepted}, **dict(own)}
 
     def check(self, layers: Iterable[int]) -> None:
         """Every rule and option must be used by some layer of the model."""
@@ -198,7 +234,7 @@ class ConversionPlan:
         used: set[str] = set()
         for layer in layers:
             rule = self.rule_for(layer)
-            if rule is None or (rule.heads and all(kv is not None for kv, _ in rule.heads)):
+            if rule is None or (rule.heads and all(kv is not None for kv, _, _ in rule.heads)):
                 used.add(self.default)  # a heads rule without '*' gives the default the heads it does not name
             used |= rule.targets if rule is not None else set()
         self.check_options(used)

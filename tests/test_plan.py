@@ -46,6 +46,20 @@ def test_window_options_reach_both_window_cells():
     assert plan.options_for("window") == {"window": 8, "sinks": 4}
 
 
+def test_a_rule_s_own_options_win_and_survive_save(tiny_model_dir, tmp_path):
+    model = rnnify.convert(tiny_model_dir("llama"), to="window", layers="0:window(window=12,sinks=0)", window=4, sinks=1)
+    assert [(c.options()["window"], c.options()["sinks"]) for c in model.cells] == [(12, 0), (4, 1)]
+    assert model.manifest.layers == ["0:window(sinks=0,window=12)"]
+    model.save(tmp_path / "m")
+    loaded = rnnify.load(tmp_path / "m")
+    assert [c.options() for c in loaded.cells] == [c.options() for c in model.cells]
+    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(0))
+    full, _ = loaded.prefill(ids)
+    torch.testing.assert_close(decode(loaded, ids, 1)[0], full, rtol=1e-4, atol=1e-5)
+    with pytest.raises(RnnifyError, match="exact takes no option window"):
+        make_plan("window", layers="0:exact(window=3)")
+
+
 def test_keep_softmax_converts_a_mixed_model(tiny_model_dir):
     model = rnnify.convert(tiny_model_dir("llama"), to="linear", keep_softmax=[0])
     assert [cell.target for cell in model.cells] == ["exact", "linear"]

@@ -303,6 +303,9 @@ class WindowCell(Cell):
     def options(self) -> dict[str, Any]:
         return {"window": self.window, "sinks": self.sinks, "block_size": self.block_size}
 
+    def describe(self) -> str:
+        return f"{self.window} tokens" + (f" + {self.sinks} sinks" if self.sinks else "")
+
     def fused_ops(self) -> dict[str, str]:
         return {"decode": "window_attn_step"}
 
