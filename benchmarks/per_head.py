@@ -11,7 +11,8 @@ the original's KV cache at ``--at-context`` tokens): per head by each score in `
 kv head; ``auto-mass``: attention beyond the window, one pass), and per layer by
 the first score (``layers-<score>``: whole layers exact, the others windowed). Beside them, the
 per-layer targets without a choice (``--fixed``: every layer ``window`` with sinks, without
-them) and the original (its KV cache). Every model is converted and
+them) and the original (its KV cache). With ``--retrieval-window N`` the heads chosen keep an
+N-token window instead of staying exact, so every row's state is constant past N tokens. Every model is converted and
 measured as ``benchmarks/fidelity.py`` measures a row (``rnnify.evaluate`` on the held-out text
 against the original, ``--passkey``: pass-key recall); rows with the same exact heads are measured
 once. Writes ``--json``, a plot (``--png``) and, for the bundled model, the per-head section of
@@ -68,7 +69,8 @@ def run(args) -> dict:
     record = {"command": "python benchmarks/per_head.py " + shlex.join(args.argv),
               "model": str(args.model.relative_to(ROOT)) if args.model.is_relative_to(ROOT) else str(args.model),
               "data": args.data_name, "seq_len": args.seq_len, "eval_tokens": args.eval_tokens,
-              "context": args.at_context, "window": args.window, "sinks": args.sinks, "threads": args.threads,
+              "context": args.at_context, "window": args.window, "sinks": args.sinks,
+              "retrieval_window": args.retrieval_window, "threads": args.threads,
               "torch": torch.__version__, "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
         train, heldout = (args.data / "train", args.data / "heldout") if args.data else stdlib_corpus.write_split(tmp)
@@ -85,10 +87,11 @@ def run(args) -> dict:
         record["calibration"] = scorer.about
         if args.calibration_only:  # each choice's KL on the calibration rows, nothing converted
             record["calibration_choices"] = [
-                {"budget": b, "kind": name, "exact": len(r.exact), "state_bytes": r.state_bytes,
+                {"budget": b, "kind": name, "retrieval": len(r.retrieval), "state_bytes": r.state_bytes,
                  "kv_cache_bytes": r.kv_cache_bytes, "calibration_kl": r.calibration_kl}
                 for b in args.budgets for name, (score, per_layer) in choices(args.scores).items()
-                for r in [scorer.choose(f"{b * 100:g}%", args.at_context, per_layer=per_layer, score=score)]]
+                for r in [scorer.choose(f"{b * 100:g}%", args.at_context, per_layer=per_layer, score=score,
+                                        retrieval_window=args.retrieval_window)]]
             record["calibration_kl_all_windowed"] = scorer.kl(set())
             write_json(args.json, record)
             return record
@@ -96,12 +99,12 @@ def run(args) -> dict:
         record["kv_cache_bytes"] = kv_cache_bytes(scorer.specs, args.at_context, scorer.dtype)
         measured: dict[str, dict] = {}  # layers spec -> result: the same choice is measured once
 
-        def add(name: str, kind: str, budget: float | None, model, exact: list | None, state: int) -> None:
+        def add(name: str, kind: str, budget: float | None, model, retrieval: list | None, state: int) -> None:
             key = json.dumps([model.manifest.target, model.manifest.layers, model.cells[0].options()])
             if key not in measured:
                 print(f"== {name}", flush=True)
                 measured[key] = measure(model, heldout, args)
-            record["rows"].append({"variant": name, "kind": kind, "budget": budget, "exact": exact,
+            record["rows"].append({"variant": name, "kind": kind, "budget": budget, "retrieval": retrieval,
                                    "state_bytes": state, "training_free": measured[key]})
             write_json(args.json, record)
 
@@ -111,10 +114,11 @@ def run(args) -> dict:
             add(name, "per layer", None, model, None, model.state_nbytes(args.at_context))
         for budget in args.budgets:
             for name, (score, per_layer) in choices(args.scores).items():
-                report = scorer.choose(f"{budget * 100:g}%", args.at_context, per_layer=per_layer, score=score)
+                report = scorer.choose(f"{budget * 100:g}%", args.at_context, per_layer=per_layer, score=score,
+                                       retrieval_window=args.retrieval_window)
                 model = convert_chosen(args.model, report)
                 assert model.state_nbytes(args.at_context) == report.state_bytes
-                add(f"{name}-{budget:g}", name, budget, model, [list(h) for h in report.exact], report.state_bytes)
+                add(f"{name}-{budget:g}", name, budget, model, [list(h) for h in report.retrieval], report.state_bytes)
     record["original_perplexity"] = record["rows"][0]["training_free"]["teacher_perplexity"]
     write_json(args.json, record)
     return record
@@ -123,16 +127,24 @@ def run(args) -> dict:
 def table(record: dict) -> str:
     original, kv = record["original_perplexity"], record["kv_cache_bytes"]
     passkey = record.get("original_passkey")
-    lines = ["| row | exact kv heads | state at {:,} tokens (share of KV cache) | ppl ratio | KL | pass key |".format(record["context"]),
+    lines = [f"| row | {retrieval_name(record)} kv heads | state at {record['context']:,} tokens (share of KV cache) | "
+             "ppl ratio | KL | pass key |",
              "|---|---:|---:|---:|---:|---:|",
              f"| original (KV cache) | all | {kv:,} (100%) | 1.000 | 0 | {fidelity._passkey_cell(passkey and passkey['accuracy'])} |"]
     for row in record["rows"]:
         result = row["training_free"]
-        exact = "–" if row["exact"] is None else str(len(row["exact"]))
+        chosen = row["retrieval"]
+        chosen = "–" if chosen is None else str(len(chosen))
         key = result.get("passkey", {}).get("accuracy", {}).get("converted")
-        lines.append(f"| `{row['variant']}` | {exact} | {row['state_bytes']:,} ({row['state_bytes'] / kv:.1%}) | "
+        lines.append(f"| `{row['variant']}` | {chosen} | {row['state_bytes']:,} ({row['state_bytes'] / kv:.1%}) | "
                      f"{result['perplexity'] / original:.3f} | {result['kl']:.4f} | {fidelity._passkey_cell(key)} |")
     return "\n".join(lines)
+
+
+def retrieval_name(record: dict) -> str:
+    """What the retrieval heads are in ``record``: "exact" or "N-token window"."""
+    long = record.get("retrieval_window")
+    return "exact" if long is None else f"{long}-token window"
 
 
 def plot(record: dict, path: Path) -> None:
@@ -212,15 +224,15 @@ def section(record: dict, png: Path, json_path: Path) -> str:
         reading += (f" States are counted at {record['context']:,} tokens, quality on rows of {record['seq_len']:,} "
                     f"({record['seq_len'] / record['window']:g}x the {record['window']}-token window).")
     return f"""{SECTION_START}
-## Per-head targets: retrieval heads exact, the rest windowed
+## Per-head targets: retrieval heads {retrieval_name(record)}, the rest windowed
 
 Generated by `benchmarks/per_head.py`; rerun with
 
     {record["command"]}
 
 `rnnify convert --to auto` scores every kv head on calibration rows ({record["calibration"]["rows"]} text rows of
-{record["calibration"]["tokens"]} tokens from the training files and {record["calibration"]["passkey"]} pass-key prompts), then keeps
-exact the heads worth most per byte under a budget; the rest become a {record["window"]}-token window with
+{record["calibration"]["tokens"]} tokens from the training files and {record["calibration"]["passkey"]} pass-key prompts), then gives
+the heads worth most per byte under a budget {kept_as(record)}; the rest become a {record["window"]}-token window with
 {record["sinks"]} sinks. Budgets are shares of the original's KV cache at {record["context"]:,} tokens; quality is
 `rnnify.evaluate` on the held-out files, {first["tokens"]:,} tokens in rows of {first["seq_len"]} tokens
 (original perplexity {record["original_perplexity"]:.3f}). Scoring took {record["scoring_seconds"]:g} s on
@@ -238,6 +250,11 @@ Goals (issue 13, budgets at {record["context"]:,} tokens), for the best per-head
 
 ![state against quality, per head and per layer]({relative(png)})
 {SECTION_END}"""
+
+
+def kept_as(record: dict) -> str:
+    long = record.get("retrieval_window")
+    return "all their tokens (exact)" if long is None else f"a {long:,}-token window (`--retrieval-window {long}`)"
 
 
 def goal_lines(record: dict) -> str:
@@ -289,6 +306,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"per-layer rows without a choice, from {', '.join(FIXED)} (default: both)")
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--retrieval-window", type=int, default=None, metavar="N",
+                        help="the chosen heads keep an N-token window instead of staying exact (default: exact)")
     parser.add_argument("--calib-len", type=int, default=256, help="tokens per calibration row and pass-key prompt")
     parser.add_argument("--calib-rows", type=int, default=4)
     parser.add_argument("--calib-passkey", type=int, default=2)
@@ -337,9 +356,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def calibration_table(record: dict) -> str:
-    lines = ["| choice | budget | exact kv heads | state share | calibration KL |", "|---|---:|---:|---:|---:|",
+    lines = [f"| choice | budget | {retrieval_name(record)} kv heads | state share | calibration KL |", "|---|---:|---:|---:|---:|",
              f"| every head windowed | – | 0 | – | {record['calibration_kl_all_windowed']:.4f} |"]
-    lines += [f"| `{c['kind']}` | {c['budget']:.0%} | {c['exact']} | {c['state_bytes'] / c['kv_cache_bytes']:.1%} | "
+    lines += [f"| `{c['kind']}` | {c['budget']:.0%} | {c['retrieval']} | {c['state_bytes'] / c['kv_cache_bytes']:.1%} | "
               f"{c['calibration_kl']:.4f} |" for c in record["calibration_choices"]]
     return "\n".join(lines)
 

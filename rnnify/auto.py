@@ -13,6 +13,11 @@ head's score is the mean over text plus the mean over pass-key answers. ``choose
 from every head windowed and makes heads exact by score per byte while the state at ``context``
 tokens fits the budget, or, for ``max_kl``, makes the best-scored heads exact until the measured
 KL of the whole assignment is at most the bound (a bisection on their number).
+
+With ``retrieval_window`` the heads chosen keep a long window (``retrieval_window`` tokens and the
+sinks) instead of the whole context: the state stops growing at that window, so the model decodes in
+constant memory, and a head's cost is counted at ``min(context, retrieval_window)`` tokens. The
+scores stay those of the short window (what a head loses when it streams).
 """
 
 from __future__ import annotations
@@ -79,13 +84,14 @@ def calibration_rows(tokenizer: Any, data: Any, seq_len: int, rows: int, passkey
 
 
 class _Probe:
-    """An attention function for transformers' ``AttentionInterface``: softmax attention in which the
-    kv heads in ``windowed`` see only the last ``window`` tokens and the first ``sinks``; with
-    ``mass`` set it adds, per (layer, kv head), the weighted attention mass beyond them."""
+    """An attention function for transformers' ``AttentionInterface``: softmax attention in which
+    each kv head in ``windowed`` sees only the last ``windowed[head]`` tokens and the first
+    ``sinks``; with ``mass`` set it adds, per (layer, kv head), the weighted attention mass beyond
+    the last ``window`` tokens and the sinks."""
 
     def __init__(self, window: int, sinks: int):
         self.window, self.sinks = window, sinks
-        self.windowed: set[Head] = set()
+        self.windowed: dict[Head, int] = {}
         self.weights: torch.Tensor | None = None  # [T] of the row running, for ``mass``
         self.mass: dict[Head, float] | None = None
         self.calls = 0
@@ -99,8 +105,8 @@ class _Probe:
         j = torch.arange(length, device=query.device)[None, :]
         causal = j <= i
         stream = causal & ((i - j < self.window) | (j < self.sinks))
-        windowed = torch.tensor([(layer, h // group) in self.windowed for h in range(heads)], device=query.device)
-        allowed = torch.where(windowed[:, None, None], stream, causal)
+        windows = torch.tensor([self.windowed.get((layer, h // group), length) for h in range(heads)], device=query.device)
+        allowed = causal & ((i - j < windows[:, None, None]) | (j < self.sinks))
         scores = (query.float() @ key.float().repeat_interleave(group, 1).transpose(-1, -2)) * (scaling or dim**-0.5)
         p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
         if self.mass is not None:
@@ -203,7 +209,7 @@ def score_heads(source: torch.nn.Module, calibration: Calibration, window: int, 
         if "kl" in scores:
             out["kl"] = {}
             for head in heads:
-                probe.windowed = {head}
+                probe.windowed = {head: window}
                 kls = []
                 for ids, w, want, before in zip(calibration.rows, calibration.weights, originals, recorded):
                     with _replayed(layers, before, head[0]):
@@ -214,11 +220,12 @@ def score_heads(source: torch.nn.Module, calibration: Calibration, window: int, 
 
 
 @torch.no_grad()
-def measure_kl(source: torch.nn.Module, calibration: Calibration, originals: list[torch.Tensor], windowed: set[Head],
-               window: int, sinks: int) -> float:
-    """The calibration KL (text mean plus pass-key mean) with the heads in ``windowed`` windowed."""
-    probe = _Probe(window, sinks)
-    probe.windowed = set(windowed)
+def measure_kl(source: torch.nn.Module, calibration: Calibration, originals: list[torch.Tensor],
+               windowed: dict[Head, int], sinks: int) -> float:
+    """The calibration KL (text mean plus pass-key mean) with each head in ``windowed`` windowed
+    to its number of tokens (and the sinks)."""
+    probe = _Probe(0, sinks)
+    probe.windowed = dict(windowed)
     with _probed(source, probe):
         kls = [_kl(want, _logits(source, ids), w) for ids, w, want in zip(calibration.rows, calibration.weights, originals)]
     return _mean_by_kind(kls, calibration.kinds)
@@ -237,27 +244,40 @@ def layer_specs(source: torch.nn.Module) -> list[CellSpec]:
     return [CellSpec(heads, kv_heads, dim, dim, dim**-0.5, window) for _ in range(config.num_hidden_layers)]
 
 
-def layers_spec(specs: list[CellSpec], exact: set[Head]) -> str | None:
-    """``--layers`` rules that keep the heads in ``exact`` softmax (the rest take the ``window`` target)."""
-    rules = []
+def retrieval_target(retrieval_window: int | None) -> str:
+    """The target text of a retrieval head: ``exact``, or a window of ``retrieval_window`` tokens."""
+    return "exact" if retrieval_window is None else f"window(window={retrieval_window})"
+
+
+def layers_spec(specs: list[CellSpec], retrieval: set[Head], retrieval_window: int | None = None) -> str | None:
+    """``--layers`` rules that give the heads in ``retrieval`` their ``retrieval_target`` (the rest
+    take the ``window`` target)."""
+    rules, target = [], retrieval_target(retrieval_window)
     for layer, spec in enumerate(specs):
-        heads = sorted(h for lay, h in exact if lay == layer)
+        heads = sorted(h for lay, h in retrieval if lay == layer)
         if len(heads) == spec.num_kv_heads:
-            rules.append(f"{layer}:exact")
+            rules.append(f"{layer}:{target}")
         elif heads:
-            rules.append(f"{layer}:heads({','.join(map(str, heads))}=exact)")
+            rules.append(f"{layer}:heads({','.join(map(str, heads))}={target})")
     return ",".join(rules) or None
 
 
-def head_costs(specs: list[CellSpec], exact: set[Head], context: int, window: int, sinks: int,
-               dtype: torch.dtype) -> int:
-    """State bytes per sequence at ``context`` tokens with ``exact`` heads exact, the rest windowed:
-    the cells' own ``state_nbytes`` (plus the positions), as ``RecurrentModel.state_nbytes`` counts."""
+def _plan_options(every_head: bool, window: int, sinks: int, retrieval_window: int | None) -> tuple[str, dict[str, int]]:
+    """The ``--to`` target and options of a choice: ``window`` unless every head is exact."""
+    if retrieval_window is None and every_head:
+        return "exact", {}
+    return "window", {"window": window, "sinks": sinks}
+
+
+def head_costs(specs: list[CellSpec], retrieval: set[Head], context: int, window: int, sinks: int,
+               dtype: torch.dtype, retrieval_window: int | None = None) -> int:
+    """State bytes per sequence at ``context`` tokens with the heads in ``retrieval`` exact (or
+    windowed to ``retrieval_window``), the rest windowed to ``window``: the cells' own
+    ``state_nbytes`` (plus the positions), as ``RecurrentModel.state_nbytes`` counts."""
     from rnnify.plan import make_plan
 
-    spec_text = layers_spec(specs, exact)
-    options = {"window": window, "sinks": sinks} if len(exact) < sum(s.num_kv_heads for s in specs) else {}
-    plan = make_plan("window" if options else "exact", spec_text, **options)
+    target, options = _plan_options(len(retrieval) == sum(s.num_kv_heads for s in specs), window, sinks, retrieval_window)
+    plan = make_plan(target, layers_spec(specs, retrieval, retrieval_window), **options)
     total = sum(plan.cell_for(layer, spec).state_nbytes(context, 1, dtype) for layer, spec in enumerate(specs))
     return total + torch.empty((), dtype=torch.long).element_size()
 
@@ -274,13 +294,14 @@ class HeadReport:
     score: str
     window: int
     sinks: int
+    retrieval_window: int | None  # the retrieval heads' window, or None: they are exact
     context: int
     budget: int | None
     max_kl: float | None
-    exact: list[Head]
+    retrieval: list[Head]  # the heads chosen: exact, or windowed to retrieval_window
     layers: str | None  # the --layers spec that rebuilds the choice (with --to window --window --sinks)
     scores: dict[str, dict[str, float]]  # score -> "layer.head" -> value
-    head_bytes: dict[str, int]  # "exact"/"window": one kv head's state at `context`
+    head_bytes: dict[str, int]  # "retrieval"/"streaming": one kv head's state at `context`
     state_bytes: int  # the chosen model's state per sequence at `context`
     kv_cache_bytes: int  # the original's KV cache at `context`
     calibration_kl: float  # measured with the choice, on the calibration rows
@@ -294,20 +315,24 @@ class HeadReport:
             f.write(json.dumps(self.to_json(), indent=2) + "\n")
 
 
-def one_head_bytes(spec: CellSpec, target: str, context: int, window: int, sinks: int, dtype: torch.dtype) -> int:
-    """One kv head's state (with its query group) at ``context`` tokens."""
+def one_head_bytes(spec: CellSpec, window: int | None, sinks: int, context: int, dtype: torch.dtype) -> int:
+    """One kv head's state (with its query group) at ``context`` tokens: exact (``window`` None) or
+    a window with sinks."""
     from rnnify.cells import build_cell
     from rnnify.cells.heads import part_spec
 
-    options = {"window": window, "sinks": sinks} if target == "window" else {}
-    return build_cell(target, part_spec(spec, 1), options).state_nbytes(context, 1, dtype)
+    if window is None:
+        return build_cell("exact", part_spec(spec, 1), {}).state_nbytes(context, 1, dtype)
+    return build_cell("window", part_spec(spec, 1), {"window": window, "sinks": sinks}).state_nbytes(context, 1, dtype)
 
 
 def choose(scores: dict[Head, float], specs: list[CellSpec], *, context: int, window: int, sinks: int,
            dtype: torch.dtype, budget: int | None = None, kl_of: Callable[[set[Head]], float] | None = None,
-           max_kl: float | None = None, units: list[list[Head]] | None = None) -> set[Head]:
-    """The heads to keep exact. ``units`` (default: each head alone) are chosen whole, e.g. all heads
-    of a layer for a per-layer choice; a unit's score is the sum of its heads'.
+           max_kl: float | None = None, units: list[list[Head]] | None = None,
+           retrieval_window: int | None = None) -> set[Head]:
+    """The retrieval heads: exact, or windowed to ``retrieval_window``; the rest stream. ``units``
+    (default: each head alone) are chosen whole, e.g. all heads of a layer for a per-layer choice;
+    a unit's score is the sum of its heads'.
 
     With ``budget``: greedily by score per byte, every unit that still fits; a budget below the
     all-windowed state is an error naming that state. With ``max_kl`` (and ``kl_of``, the measured
@@ -315,17 +340,18 @@ def choose(scores: dict[Head, float], specs: list[CellSpec], *, context: int, wi
     units = units or [[h] for h in sorted(scores)]
     unit_score = [sum(scores[h] for h in unit) for unit in units]
     if budget is not None:
-        smallest = head_costs(specs, set(), context, window, sinks, dtype)
+        cost = lambda heads: head_costs(specs, heads, context, window, sinks, dtype, retrieval_window)  # noqa: E731
+        smallest = cost(set())
         if budget < smallest:
             raise RnnifyError(f"--state-budget {budget:,} bytes cannot be met at {context:,} tokens: the smallest state "
                               f"(every head a {window}-token window with {sinks} sinks) is {smallest:,} bytes; give at least that")
-        extra = [head_costs(specs, set(u), context, window, sinks, dtype) - smallest for u in units]
+        extra = [cost(set(u)) - smallest for u in units]
         order = sorted(range(len(units)), key=lambda i: -unit_score[i] / max(extra[i], 1))
-        exact: set[Head] = set()
+        chosen: set[Head] = set()
         for i in order:
-            if head_costs(specs, exact | set(units[i]), context, window, sinks, dtype) <= budget:
-                exact |= set(units[i])
-        return exact
+            if cost(chosen | set(units[i])) <= budget:
+                chosen |= set(units[i])
+        return chosen
     if max_kl is None or kl_of is None:
         raise RnnifyError("--to auto needs --state-budget BYTES (with --at-context N) or --max-kl X")
     order = sorted(range(len(units)), key=lambda i: -unit_score[i])
@@ -333,6 +359,9 @@ def choose(scores: dict[Head, float], specs: list[CellSpec], *, context: int, wi
     low, high = 0, len(units)  # KL(first(high)) <= max_kl: every head exact is the original
     if kl_of(first(0)) <= max_kl:
         return set()
+    if retrieval_window is not None and (best := kl_of(first(high))) > max_kl:
+        raise RnnifyError(f"--max-kl {max_kl:g} cannot be met with --retrieval-window {retrieval_window}: with every "
+                          f"head at that window the calibration KL is {best:.4g}; give a longer window or a higher --max-kl")
     while high - low > 1:
         middle = (low + high) // 2
         if kl_of(first(middle)) <= max_kl:
@@ -401,15 +430,20 @@ class HeadScorer:
                       "rows": self.calibration.kinds.count("text"), "passkey": self.calibration.kinds.count("passkey"),
                       "tokens": calib_len, "seed": seed}
 
-    def kl(self, exact: set[Head]) -> float:
-        """The calibration KL with the heads not in ``exact`` windowed."""
-        return measure_kl(self.source, self.calibration, self.originals, set(self.heads) - exact, self.window, self.sinks)
+    def kl(self, retrieval: set[Head], retrieval_window: int | None = None) -> float:
+        """The calibration KL with the heads in ``retrieval`` exact (or windowed to
+        ``retrieval_window``), the rest windowed."""
+        windowed = {h: self.window for h in self.heads if h not in retrieval}
+        if retrieval_window is not None:
+            windowed |= {h: retrieval_window for h in retrieval}
+        return measure_kl(self.source, self.calibration, self.originals, windowed, self.sinks)
 
     def choose(self, budget: str | int | None = None, context: int = 4096, max_kl: float | None = None,
-               per_layer: bool = False, score: str | None = None) -> HeadReport:
-        """The heads kept exact (``choose``) by ``score`` (default: the one scored for): under ``budget``
+               per_layer: bool = False, score: str | None = None, retrieval_window: int | None = None) -> HeadReport:
+        """The retrieval heads (``choose``) by ``score`` (default: the one scored for): under ``budget``
         (bytes or a ``parse_bytes`` text) at ``context`` tokens, or at most ``max_kl``; whole layers
-        with ``per_layer``."""
+        with ``per_layer``. They stay exact, or with ``retrieval_window`` keep a window of that many
+        tokens, so the state stops growing there."""
         score = score or self.score
         if score not in self.scores:
             raise RnnifyError(f"score {score!r} was not measured (scored for {self.score!r})")
@@ -419,45 +453,51 @@ class HeadScorer:
             raise RnnifyError(f"--max-kl must be >= 0, got {max_kl}")
         if isinstance(context, bool) or not isinstance(context, int) or context < 1:
             raise RnnifyError(f"--at-context must be a positive token count, got {context!r}")
-        specs, window, sinks, dtype = self.specs, self.window, self.sinks, self.dtype
+        if retrieval_window is not None and (isinstance(retrieval_window, bool) or not isinstance(retrieval_window, int)
+                                             or retrieval_window <= self.window):
+            raise RnnifyError(f"--retrieval-window must be a token count above --window ({self.window}), "
+                              f"got {retrieval_window!r}")
+        specs, window, sinks, dtype, long = self.specs, self.window, self.sinks, self.dtype, retrieval_window
         if isinstance(budget, str):
             budget = parse_bytes(budget, lambda: kv_cache_bytes(specs, context, dtype))
         units = [[h for h in self.heads if h[0] == layer] for layer in range(len(specs))] if per_layer else None
-        exact = choose(self.scores[score], specs, context=context, window=window, sinks=sinks, dtype=dtype,
-                       budget=budget, kl_of=self.kl, max_kl=max_kl, units=units)
+        chosen = choose(self.scores[score], specs, context=context, window=window, sinks=sinks, dtype=dtype,
+                        budget=budget, kl_of=lambda heads: self.kl(heads, long), max_kl=max_kl, units=units,
+                        retrieval_window=long)
         return HeadReport(
-            score=score, window=window, sinks=sinks, context=context, budget=budget, max_kl=max_kl,
-            exact=sorted(exact), layers=layers_spec(specs, exact),
+            score=score, window=window, sinks=sinks, retrieval_window=long, context=context, budget=budget,
+            max_kl=max_kl, retrieval=sorted(chosen), layers=layers_spec(specs, chosen, long),
             scores={name: {f"{lay}.{h}": v for (lay, h), v in values.items()} for name, values in self.scores.items()},
-            head_bytes={t: one_head_bytes(specs[0], t, context, window, sinks, dtype) for t in ("exact", "window")},
-            state_bytes=head_costs(specs, exact, context, window, sinks, dtype),
+            head_bytes={"retrieval": one_head_bytes(specs[0], long, sinks, context, dtype),
+                        "streaming": one_head_bytes(specs[0], window, sinks, context, dtype)},
+            state_bytes=head_costs(specs, chosen, context, window, sinks, dtype, long),
             kv_cache_bytes=kv_cache_bytes(specs, context, dtype),
-            calibration_kl=self.kl(exact),
+            calibration_kl=self.kl(chosen, long),
             calibration={**self.about, "per_layer": per_layer},
         )
 
 
 def choose_heads(model: Any, data: Any, *, budget: str | int | None = None, context: int = 4096,
-                 max_kl: float | None = None, per_layer: bool = False, **scoring: Any) -> HeadReport:
-    """``HeadScorer(model, data, **scoring).choose(budget, context, max_kl, per_layer)``: the heads
-    ``--to auto`` keeps exact, with the report."""
+                 max_kl: float | None = None, per_layer: bool = False, retrieval_window: int | None = None,
+                 **scoring: Any) -> HeadReport:
+    """``HeadScorer(model, data, **scoring).choose(...)``: the retrieval heads ``--to auto`` keeps,
+    with the report."""
     if (budget is None) == (max_kl is None):  # before any model loads
         raise RnnifyError("--to auto needs one of --state-budget BYTES (with --at-context N) or --max-kl X")
-    return HeadScorer(model, data, **scoring).choose(budget, context, max_kl, per_layer)
+    return HeadScorer(model, data, **scoring).choose(budget, context, max_kl, per_layer, retrieval_window=retrieval_window)
 
 
 REPORT_FILE = "head_map.json"  # saved beside a model converted with --to auto
 
 
 def convert_chosen(model: Any, report: HeadReport, dtype: str = "float32", kernels: str = "auto"):
-    """``model`` converted with the heads ``report`` keeps exact, the rest windowed; the report is
-    saved beside it as ``head_map.json``."""
+    """``model`` converted with the retrieval heads ``report`` chose, the rest windowed; the report
+    is saved beside it as ``head_map.json``."""
     from rnnify.convert import convert
 
-    windowed = len(report.exact) < len(report.scores[report.score])
-    options = {"window": report.window, "sinks": report.sinks} if windowed else {}
-    converted = convert(model, to="window" if windowed else "exact", layers=report.layers, dtype=dtype,
-                               kernels=kernels, **options)
+    every_head = len(report.retrieval) == len(report.scores[report.score])
+    target, options = _plan_options(every_head, report.window, report.sinks, report.retrieval_window)
+    converted = convert(model, to=target, layers=report.layers, dtype=dtype, kernels=kernels, **options)
     converted.files[REPORT_FILE] = (json.dumps(report.to_json(), indent=2) + "\n").encode()
     return converted
 

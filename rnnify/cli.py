@@ -309,7 +309,8 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
         help="any other cell option, repeatable; VALUE is read as JSON when it parses (chunk_size=128, "
         'feature_options={"num_features":256})',
     )
-    auto = p.add_argument_group("--to auto: which kv heads stay exact (the rest: --window, default 64, with --sinks, default 4)")
+    auto = p.add_argument_group("--to auto: which kv heads are retrieval heads, exact or with a long window (the rest: "
+                                "--window, default 64, with --sinks, default 4)")
     auto.add_argument("--state-budget", metavar="BYTES",
                       help="state per sequence at --at-context tokens: bytes (2000000, 2MB, 1.5MiB) or a share of the "
                       "original's KV cache (30%%); the heads that score highest per byte stay exact while it fits")
@@ -327,7 +328,10 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
                       help="tokens per text row and per pass-key prompt (default: 1024)")
     auto.add_argument("--calib-passkey", type=int, default=2, metavar="N",
                       help="pass-key prompts (made here, key at evenly spaced depths) to score on (default: 2)")
-    auto.add_argument("--per-layer", action="store_true", help="keep whole layers exact instead of single heads")
+    auto.add_argument("--per-layer", action="store_true", help="choose whole layers instead of single heads")
+    auto.add_argument("--retrieval-window", type=int, metavar="N",
+                      help="the retrieval heads keep the last N tokens (and the sinks) instead of every token: the "
+                      "state stops growing at N, so the model decodes in constant memory (default: they stay exact)")
     p.add_argument(
         "--distill", metavar="PATH",
         help="then distil the converted model on this text file, folder or .jsonl before saving (flags below)",
@@ -383,7 +387,7 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
 
 _CELL_FLAGS = ("window", "sinks", "feature_map", "gate", "memory")  # first-class cell options; others via --option
 _AUTO_FLAGS = {"state_budget": None, "max_kl": None, "data": None, "score": "kl", "calib_rows": 2, "calib_len": 1024,
-               "calib_passkey": 2, "per_layer": False, "at_context": 4096}
+               "calib_passkey": 2, "per_layer": False, "at_context": 4096, "retrieval_window": None}
 
 
 def _no_auto_flags(args: argparse.Namespace) -> None:
@@ -405,7 +409,7 @@ def _auto(args: argparse.Namespace, options: dict, keep, console: Console):
         args.model, args.data, budget=args.state_budget, context=args.at_context, max_kl=args.max_kl,
         score=args.score, window=options.get("window", WINDOW), sinks=options.get("sinks", SINKS),
         calib_len=args.calib_len, calib_rows=args.calib_rows, passkey=args.calib_passkey, per_layer=args.per_layer,
-        dtype=args.dtype, kernels=args.kernels, progress=True,
+        retrieval_window=args.retrieval_window, dtype=args.dtype, kernels=args.kernels, progress=True,
     )
     _print_head_report(report, console)
     return model
@@ -419,24 +423,24 @@ def _print_head_report(report, console: Console) -> None:
     scores = report.scores[report.score]
     layers = sorted({int(k.split(".")[0]) for k in scores})
     heads = sorted({int(k.split(".")[1]) for k in scores})
-    exact = {tuple(h) for h in report.exact}
+    chosen = {tuple(h) for h in report.retrieval}
+    long = "exact" if report.retrieval_window is None else f"window {report.retrieval_window}"
     table = Table(box=box.SIMPLE_HEAD, title=Text(
-        f"kv heads: {report.score} score and choice (exact {_nbytes(report.head_bytes['exact'])}, window "
-        f"{_nbytes(report.head_bytes['window'])} per head at {report.context:,} tokens)"))
+        f"kv heads: {report.score} score and choice ({long} {_nbytes(report.head_bytes['retrieval'])}, window "
+        f"{report.window} {_nbytes(report.head_bytes['streaming'])} per head at {report.context:,} tokens)"))
     table.add_column("layer", justify="right")
     for h in heads:
         table.add_column(f"kv {h}", justify="right")
     for layer in layers:
         cells = []
         for h in heads:
-            chosen = (layer, h) in exact
-            cells.append(Text(f"{'exact' if chosen else 'window'} {scores[f'{layer}.{h}']:.3g}",
-                              "bold" if chosen else ""))
+            kept = (layer, h) in chosen
+            cells.append(Text(f"{long if kept else 'window'} {scores[f'{layer}.{h}']:.3g}", "bold" if kept else ""))
         table.add_row(str(layer), *cells)
     console.print(table)
     share = report.state_bytes / report.kv_cache_bytes
     console.print(Text(
-        f"{len(exact)} of {len(layers) * len(heads)} kv heads exact; state {_nbytes(report.state_bytes)} per sequence "
+        f"{len(chosen)} of {len(layers) * len(heads)} kv heads {long}; state {_nbytes(report.state_bytes)} per sequence "
         f"at {report.context:,} tokens ({share:.1%} of the original's KV cache, {_nbytes(report.kv_cache_bytes)}); "
         f"calibration KL {report.calibration_kl:.4f} nats/token; report saved as head_map.json"), soft_wrap=True)
 

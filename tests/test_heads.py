@@ -111,12 +111,28 @@ def test_layer_syntax_round_trips_and_resolves_the_heads_not_named():
     ("0:heads(0=exact;0=window)", "named twice"),
     ("0:heads(0=foo)", "unknown target"),
     ("0:heads(0=heads)", "unknown target"),
+    ("0:heads(0=window(foo=1))", "window takes no option foo"),
+    ("0:heads(0=window(window=8)", "expected window(KEY=VALUE"),
+    ("0:window(8)", "expected KEY=VALUE"),
 ])
 def test_bad_head_specs_are_one_line_cli_errors(capsys, tmp_path, tiny_model_dir, spec, message):
     code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "window", "--window", "4",
                        "--layers", spec, "-o", tmp_path / "o")
     assert_user_error(code, err, message)
     assert not (tmp_path / "o").exists()
+
+
+def test_a_rule_s_own_options_give_heads_their_own_windows():
+    plan = make_plan("window", "0-:heads(0,1=window(window=6);*=window),1:window(sinks=0)", window=3, sinks=1)
+    assert plan.describe() == "*:window,0-:heads(0,1=window(window=6);*=window),1:window(sinks=0)"
+    assert [str(r) for r in parse_layers(plan.describe().removeprefix("*:window,"))] == [str(r) for r in plan.rules]
+    cell = plan.cell_for(0, SPEC)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 11, d, generator=gen) for n, d in ((8, 8), (4, 8), (4, 6)))
+    mask = torch.ones(2, 11, dtype=torch.bool)
+    full, *_ = cell(q, k, v, mask, *cell.init_state(2, torch.device("cpu"), torch.float32))
+    assert rel_diff(full, reference(q, k, v, {0: (6, 1), 1: (6, 1), 2: (3, 1), 3: (3, 1)})) < 1e-5
+    assert plan.cell_for(1, SPEC).options()["sinks"] == 0 and plan.cell_for(1, SPEC).options()["window"] == 3
 
 
 def test_all_exact_head_map_is_the_original_and_saves(tmp_path, tiny_model_dir):
@@ -196,7 +212,7 @@ def auto(directory, rows, **kwargs):
 def test_auto_keeps_the_retrieval_head_exact(retrieval_model):
     directory, rows = retrieval_model
     model, report = auto_convert(directory, rows, budget="30%", score="kl", **AUTO)  # room for one exact head of four
-    assert report.exact == [(0, 1)]
+    assert report.retrieval == [(0, 1)]
     for score in ("kl", "mass"):  # scoring by kl measures both
         assert max(report.scores[score], key=report.scores[score].get) == "0.1"
     layer0 = model.cells[0]
@@ -206,7 +222,7 @@ def test_auto_keeps_the_retrieval_head_exact(retrieval_model):
     assert report.calibration_kl < 1e-3  # the heads windowed lose (almost) nothing
     checks = {r.name: r for r in run_checks(model, tokens=24)}
     assert checks["step == prefill"].passed and checks["split prefill"].passed
-    assert json.loads(model.files["head_map.json"])["exact"] == [[0, 1]]
+    assert json.loads(model.files["head_map.json"])["retrieval"] == [[0, 1]]
 
 
 def test_kl_score_is_a_full_pass_with_the_head_windowed(retrieval_model, tiny_model_dir):
@@ -219,11 +235,29 @@ def test_kl_score_is_a_full_pass_with_the_head_windowed(retrieval_model, tiny_mo
 
 def test_auto_max_kl_per_layer_and_mass(retrieval_model):
     directory, rows = retrieval_model
-    assert auto(directory, rows, budget="30%", score="mass").exact == [(0, 1)]
+    assert auto(directory, rows, budget="30%", score="mass").retrieval == [(0, 1)]
     report = auto(directory, rows, max_kl=1e-3, score="kl")
-    assert report.exact == [(0, 1)]
+    assert report.retrieval == [(0, 1)]
     report = auto(directory, rows, budget="60%", per_layer=True)
-    assert report.exact == [(0, 0), (0, 1)]
+    assert report.retrieval == [(0, 0), (0, 1)]
+
+
+def test_auto_retrieval_window_keeps_the_state_constant(retrieval_model):
+    directory, rows = retrieval_model
+    model, report = auto_convert(directory, rows, max_kl=1e-3, retrieval_window=LENGTH, **AUTO)
+    assert report.retrieval == [(0, 1)] and report.layers == f"0:heads(1=window(window={LENGTH}))"
+    layer0 = model.cells[0]
+    assert [(p.target, p.options()["window"]) for p in layer0.parts] == [("window", LENGTH), ("window", 4)]
+    assert model.constant_memory and model.state_nbytes(1024) == model.state_nbytes(100_000) == report.state_bytes
+    assert report.calibration_kl < 1e-3  # a window as long as the rows: the marker stays in reach
+    checks = {r.name: r for r in run_checks(model, tokens=24)}
+    assert checks["step == prefill"].passed and checks["split prefill"].passed
+    scorer = HeadScorer(directory, rows, **{k: v for k, v in AUTO.items() if k != "context"})
+    assert scorer.kl({(0, 1)}, 16) > 10 * scorer.kl({(0, 1)}, LENGTH) + 1e-3  # the marker (token 2) leaves 16
+    with pytest.raises(RnnifyError, match="above --window"):
+        scorer.choose(budget="30%", retrieval_window=4)
+    with pytest.raises(RnnifyError, match="cannot be met with --retrieval-window 6"):
+        scorer.choose(max_kl=1e-6, retrieval_window=6)
 
 
 def test_auto_unmeetable_budget_names_the_smallest(retrieval_model):
@@ -232,7 +266,7 @@ def test_auto_unmeetable_budget_names_the_smallest(retrieval_model):
         auto(directory, rows, budget=1000)
     smallest = int(error.value.args[0].split(" is ")[1].split(" bytes")[0].replace(",", ""))
     report = auto(directory, rows, budget=smallest)  # and that budget is met
-    assert report.exact == [] and report.state_bytes == smallest
+    assert report.retrieval == [] and report.state_bytes == smallest
 
 
 def test_auto_cli_errors(capsys, tmp_path, retrieval_model, tiny_model_dir):
@@ -252,6 +286,8 @@ def test_auto_cli_errors(capsys, tmp_path, retrieval_model, tiny_model_dir):
     assert_user_error(code, err, "past the model's 128 positions")
     code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "exact", "--max-kl", "1", "-o", tmp_path / "o")
     assert_user_error(code, err, "--to auto only")
+    code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "window", "--retrieval-window", "64", "-o", tmp_path / "o")
+    assert_user_error(code, err, "--retrieval-window applies to --to auto only")
     assert not (tmp_path / "o").exists()
     code, out, err = run(capsys, *base, "--data", text, "--state-budget", "30%")
     assert code == 0, err
