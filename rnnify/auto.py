@@ -36,7 +36,7 @@ from rnnify.cells import CellSpec
 from rnnify.errors import RnnifyError
 
 __all__ = ["SCORES", "Calibration", "HeadReport", "HeadScorer", "auto_convert", "calibration_rows", "choose", "choose_heads",
-           "convert_chosen", "head_costs", "layers_spec", "measure_kl", "score_heads"]
+           "convert_chosen", "head_costs", "layers_spec", "measure_kl", "read_scores", "score_heads"]
 
 SCORES = ("kl", "mass")
 # kl: on SmolLM2 its choices' calibration KL was a fraction of mass's; on the bundled model they tied but
@@ -395,7 +395,8 @@ class HeadScorer:
 
     def __init__(self, model: Any, data: Any, *, score: str = DEFAULT_SCORE, window: int = WINDOW, sinks: int = SINKS,
                  calib_len: int = 1024, calib_rows: int = 2, passkey: int = 2, dtype: str = "float32",
-                 tokenizer: Any = None, seed: int = 0, progress: bool = False):
+                 tokenizer: Any = None, seed: int = 0, progress: bool = False,
+                 scores_from: str | os.PathLike | None = None):
         from tqdm import tqdm
 
         from rnnify.capture import load_source
@@ -421,12 +422,21 @@ class HeadScorer:
             tokenizer = load_tokenizer(model)
         self.calibration = calibration_rows(tokenizer, data, calib_len, calib_rows, passkey, seed)
         rows = len(self.calibration.rows)
-        passes = rows * (1 + (sum(s.num_kv_heads for s in self.specs) if score == "kl" else 0))
+        saved = None if scores_from is None else read_scores(scores_from, score, window, sinks)
+        wanted = () if saved else (score, "mass") if score == "kl" else (score,)
+        passes = rows * (1 + (sum(s.num_kv_heads for s in self.specs) if "kl" in wanted else 0))
         with tqdm(total=passes, unit="pass", desc="scoring heads", disable=None if progress else True, leave=False) as bar:
-            self.scores, self.originals = score_heads(self.source, self.calibration, window, sinks,
-                                                      (score, "mass") if score == "kl" else (score,), progress=bar.update)
+            self.scores, self.originals = score_heads(self.source, self.calibration, window, sinks, wanted,
+                                                      progress=bar.update)
+        if saved:
+            model_heads = {(layer, h) for layer, spec in enumerate(self.specs) for h in range(spec.num_kv_heads)}
+            if set(saved[score]) != model_heads:
+                raise RnnifyError(f"{scores_from}: its scores name {len(saved[score])} kv heads, this model has "
+                                  f"{len(model_heads)}: they were measured on another model")
+            self.scores = saved
         self.heads = sorted(self.scores[score])
-        self.about = {"data": str(data) if isinstance(data, (str, os.PathLike)) else "(token ids)",
+        self.about = {"scores_from": None if scores_from is None else str(scores_from),
+                      "data": str(data) if isinstance(data, (str, os.PathLike)) else "(token ids)",
                       "rows": self.calibration.kinds.count("text"), "passkey": self.calibration.kinds.count("passkey"),
                       "tokens": calib_len, "seed": seed}
 
@@ -475,6 +485,27 @@ class HeadScorer:
             calibration_kl=self.kl(chosen, long),
             calibration={**self.about, "per_layer": per_layer},
         )
+
+
+def read_scores(path: str | os.PathLike, score: str, window: int, sinks: int) -> dict[str, dict[Head, float]]:
+    """The head scores of an earlier choice (``head_map.json``, or a ``benchmarks/per_head.py``
+    result), checked against the ``score``, ``window`` and ``sinks`` they are to choose with."""
+    try:
+        saved = json.loads(open(path).read())
+        scores = {name: {(int(k.split(".")[0]), int(k.split(".")[1])): float(v) for k, v in values.items()}
+                  for name, values in saved["scores"].items()}
+        measured = (saved["window"], saved["sinks"])
+    except OSError as exc:
+        raise RnnifyError(f"--scores-from {path}: cannot read it ({exc.strerror})") from exc
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+        raise RnnifyError(f"--scores-from {path}: not a head_map.json (expected its scores, window and sinks)") from None
+    if score not in scores:
+        raise RnnifyError(f"--scores-from {path} holds the {', '.join(scores)} score(s), not {score!r}: pass --score "
+                          f"{next(iter(scores))}")
+    if measured != (window, sinks):
+        raise RnnifyError(f"--scores-from {path}: its scores were measured with a {measured[0]}-token window and "
+                          f"{measured[1]} sinks; pass --window {measured[0]} --sinks {measured[1]}")
+    return scores
 
 
 def choose_heads(model: Any, data: Any, *, budget: str | int | None = None, context: int = 4096,

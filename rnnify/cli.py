@@ -329,6 +329,9 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     auto.add_argument("--calib-passkey", type=int, default=2, metavar="N",
                       help="pass-key prompts (made here, key at evenly spaced depths) to score on (default: 2)")
     auto.add_argument("--per-layer", action="store_true", help="choose whole layers instead of single heads")
+    auto.add_argument("--scores-from", metavar="FILE",
+                      help="choose again from the scores in an earlier run's head_map.json (same model, --score, "
+                      "--window and --sinks) instead of scoring: one pass per calibration row, for the calibration KL")
     auto.add_argument("--retrieval-window", type=int, metavar="N",
                       help="the retrieval heads keep the last N tokens (and the sinks) instead of every token: the "
                       "state stops growing at N, so the model decodes in constant memory (default: they stay exact)")
@@ -387,7 +390,8 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
 
 _CELL_FLAGS = ("window", "sinks", "feature_map", "gate", "memory")  # first-class cell options; others via --option
 _AUTO_FLAGS = {"state_budget": None, "max_kl": None, "data": None, "score": "kl", "calib_rows": 2, "calib_len": 1024,
-               "calib_passkey": 2, "per_layer": False, "at_context": 4096, "retrieval_window": None}
+               "calib_passkey": 2, "per_layer": False, "at_context": 4096, "retrieval_window": None,
+               "scores_from": None}
 
 
 def _no_auto_flags(args: argparse.Namespace) -> None:
@@ -409,7 +413,8 @@ def _auto(args: argparse.Namespace, options: dict, keep, console: Console):
         args.model, args.data, budget=args.state_budget, context=args.at_context, max_kl=args.max_kl,
         score=args.score, window=options.get("window", WINDOW), sinks=options.get("sinks", SINKS),
         calib_len=args.calib_len, calib_rows=args.calib_rows, passkey=args.calib_passkey, per_layer=args.per_layer,
-        retrieval_window=args.retrieval_window, dtype=args.dtype, kernels=args.kernels, progress=True,
+        retrieval_window=args.retrieval_window, scores_from=args.scores_from, dtype=args.dtype, kernels=args.kernels,
+        progress=True,
     )
     _print_head_report(report, console)
     return model

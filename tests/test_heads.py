@@ -260,6 +260,25 @@ def test_auto_retrieval_window_keeps_the_state_constant(retrieval_model):
         scorer.choose(max_kl=1e-6, retrieval_window=6)
 
 
+def test_auto_chooses_again_from_saved_scores(retrieval_model, tmp_path):
+    directory, rows = retrieval_model
+    model, report = auto_convert(directory, rows, budget="30%", score="mass", **AUTO)
+    model.save(tmp_path / "m")
+    again = auto(directory, rows, budget="30%", score="mass", scores_from=tmp_path / "m" / "head_map.json")
+    assert again.scores == report.scores and again.retrieval == report.retrieval == [(0, 1)]
+    assert again.calibration_kl == pytest.approx(report.calibration_kl, rel=1e-5)
+    assert again.calibration["scores_from"] == str(tmp_path / "m" / "head_map.json")
+    saved = json.loads((tmp_path / "m" / "head_map.json").read_text())
+    for change, message in (({"window": 8}, "8-token window and 1 sinks; pass --window 8 --sinks 1"),
+                            ({"scores": {"mass": {"0.0": 1.0}}}, "name 1 kv heads, this model has 4"),
+                            ({"scores": {"x": 1}}, "not a head_map.json")):
+        (tmp_path / "bad.json").write_text(json.dumps({**saved, **change}))
+        with pytest.raises(RnnifyError, match=message):
+            auto(directory, rows, budget="30%", score="mass", scores_from=tmp_path / "bad.json")
+    with pytest.raises(RnnifyError, match="holds the mass score.*not 'kl'"):
+        auto(directory, rows, budget="30%", score="kl", scores_from=tmp_path / "m" / "head_map.json")
+
+
 def test_auto_unmeetable_budget_names_the_smallest(retrieval_model):
     directory, rows = retrieval_model
     with pytest.raises(RnnifyError, match=r"the smallest state .* is ([\d,]+) bytes") as error:
