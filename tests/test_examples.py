@@ -240,12 +240,22 @@ def test_per_head_script_end_to_end(tmp_path, tiny_model_dir):
     rows = {row["variant"]: row for row in record["rows"]}
     assert set(rows) == {"window-sinks", "window", "auto-kl-0.3", "auto-mass-0.3", "layers-kl-0.3"}
     for name in ("auto-kl-0.3", "auto-mass-0.3"):  # one exact head of four fits 30% of the KV cache
-        assert len(rows[name]["exact"]) == 1 and rows[name]["state_bytes"] <= 0.3 * record["kv_cache_bytes"]
-    assert rows["layers-kl-0.3"]["exact"] == []  # a whole layer (two heads) does not fit
+        assert len(rows[name]["retrieval"]) == 1 and rows[name]["state_bytes"] <= 0.3 * record["kv_cache_bytes"]
+    assert rows["layers-kl-0.3"]["retrieval"] == []  # a whole layer (two heads) does not fit
     assert rows["layers-kl-0.3"]["training_free"] == rows["window-sinks"]["training_free"]
     doc = (out / "p.md").read_text()
     assert doc.startswith(per_head.SECTION_START) and "python benchmarks/per_head.py" in doc
     assert (out / "p.png").stat().st_size > 0
+    # the same scores, the chosen heads a 16-token window: more of them fit, and the doc says so
+    again = per_head.main([
+        "--model", str(tiny_model_dir("llama")), "--data", str(data), "--budgets", "0.3", "--window", "8",
+        "--sinks", "1", "--calib-len", "32", "--calib-rows", "2", "--calib-passkey", "0", "--seq-len", "32",
+        "--eval-tokens", "256", "--fixed", "", "--scores-from", str(out / "p.json"), "--retrieval-window", "16",
+        "--json", str(out / "q.json"), "--doc", str(out / "q.md"),
+    ])
+    assert again["scores"] == record["scores"]
+    assert len(next(r for r in again["rows"] if r["variant"] == "auto-kl-0.3")["retrieval"]) > 1
+    assert "16-token window" in (out / "q.md").read_text() and "not measured again" in (out / "q.md").read_text()
 
 
 def test_fidelity_distilled_only_saves_what_dir_rows_measure_again(tmp_path, tiny_model_dir):
