@@ -440,7 +440,8 @@ def _print_head_report(report, console: Console) -> None:
         cells = []
         for h in heads:
             kept = (layer, h) in chosen
-            cells.append(Text(f"{long if kept else 'window'} {scores[f'{layer}.{h}']:.3g}", "bold" if kept else ""))
+            cells.append(Text(f"{long if kept else f'window {report.window}'} {scores[f'{layer}.{h}']:.3g}",
+                              "bold" if kept else ""))
         table.add_row(str(layer), *cells)
     console.print(table)
     share = report.state_bytes / report.kv_cache_bytes

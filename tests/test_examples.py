@@ -256,6 +256,35 @@ def test_per_head_script_end_to_end(tmp_path, tiny_model_dir):
     assert again["scores"] == record["scores"]
     assert len(next(r for r in again["rows"] if r["variant"] == "auto-kl-0.3")["retrieval"]) > 1
     assert "16-token window" in (out / "q.md").read_text() and "not measured again" in (out / "q.md").read_text()
+    compare = _load(ROOT / "benchmarks" / "retrieval_windows.py")
+    text = compare.main([str(out / "q.json"), "--png", str(out / "r.png")])
+    assert "| window 8 + " in text and " heads at 16 (per head) |" in text and (out / "r.png").stat().st_size > 0
+    with pytest.raises(SystemExit) as error:  # the first run kept its heads exact
+        compare.main([str(out / "p.json")])
+    assert error.value.code == 2
+
+
+def test_retrieval_windows_table_orders_by_state_and_takes_plain_window_rows(tmp_path):
+    compare = _load(ROOT / "benchmarks" / "retrieval_windows.py")
+
+    def result(kl, keys):
+        return {"perplexity": 12.0, "teacher_perplexity": 10.0, "kl": kl,
+                "passkey": {"accuracy": {"converted": keys}}}
+
+    per_head = {"window": 128, "retrieval_window": 1024, "rows": [
+        {"kind": "auto-kl", "retrieval": [[0, 1]] * 21, "state_bytes": 300, "training_free": result(0.08, {"1024": 1.0})},
+        {"kind": "layers-kl", "retrieval": [[0, 0]] * 3, "state_bytes": 100, "training_free": result(0.2, {"1024": 0.25})}]}
+    windows = {"rows": [
+        {"target": "window", "options": {"window": 256, "sinks": 4}, "state_bytes": 200, "training_free": result(0.1, {"1024": 0.25})},
+        {"target": "window", "options": {"window": 64}, "state_bytes": 50, "training_free": result(1.6, {})},  # no sinks
+        {"target": "hybrid", "options": {"window": 64, "sinks": 4}, "state_bytes": 60, "training_free": result(0.4, {})},
+        {"target": "window", "options": {"window": 64, "sinks": 4}, "state_bytes": 70, "training_free": None}]}
+    (tmp_path / "a.json").write_text(json.dumps(per_head))
+    (tmp_path / "w.json").write_text(json.dumps(windows))
+    lines = compare.main([str(tmp_path / "a.json"), "--windows", str(tmp_path / "w.json")]).splitlines()
+    assert [line.split(" | ")[0] for line in lines[2:]] == [
+        "| window 128 + 3 heads at 1,024 (per layer)", "| window 256 (every head)", "| window 128 + 21 heads at 1,024 (per head)"]
+    assert lines[-1].endswith("| 300 | 1.200 | 0.0800 | 100% |")
 
 
 def test_fidelity_distilled_only_saves_what_dir_rows_measure_again(tmp_path, tiny_model_dir):
