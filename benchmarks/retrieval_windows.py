@@ -1,13 +1,16 @@
 """Retrieval heads with a long window against plain windows, at equal state bytes.
 
     python benchmarks/retrieval_windows.py benchmarks/results/per-head-smollm2-hf-rw1024-w*.json \
-        --windows benchmarks/results/fidelity-smollm2-hf-2048.json --png benchmarks/results/retrieval-windows-smollm2.png
+        --windows benchmarks/results/fidelity-smollm2-hf-2048.json --png benchmarks/results/retrieval-windows-smollm2.png \
+        --doc docs/fidelity-smollm2.md
 
 Reads ``benchmarks/per_head.py`` results made with ``--retrieval-window`` (every kv head a short
 window with sinks, the chosen ones a long window: a constant state) and the training-free
 ``window`` rows of a ``benchmarks/fidelity.py`` table measured on the same held-out rows, prints
 one Markdown table of them by state size and plots the KL against the state bytes, each point
-filled where the pass key at 1,024 tokens was recalled at least half the time.
+filled where the pass key at 1,024 tokens was recalled at least half the time. Rows of heads chosen
+per layer (``layers-*``) are left out unless ``--per-layer``. ``--doc`` puts the table between the
+page's ``retrieval-windows`` markers, indented as the first marker is.
 """
 
 from __future__ import annotations
@@ -18,13 +21,17 @@ import sys
 from pathlib import Path
 
 PASSKEY_AT = "1024"  # the length whose recall the plot marks
+WINDOWS = "window, every head"  # the series of plain windows, drawn last
+START, END = "<!-- retrieval-windows: python benchmarks/retrieval_windows.py -->", "<!-- /retrieval-windows -->"
 
 
-def per_head_rows(path: Path) -> list[dict]:
+def per_head_rows(path: Path, per_layer: bool) -> list[dict]:
     record = json.loads(path.read_text())
     if record.get("retrieval_window") is None:
         raise ValueError(f"{path}: not a per_head.py run with --retrieval-window")
-    kind = {"auto-kl": "per head", "auto-mass": "per head, mass score", "layers-kl": "per layer", "layers-mass": "per layer, mass score"}
+    kind = {"auto-kl": "per head", "auto-mass": "per head, mass score"}
+    if per_layer:
+        kind |= {"layers-kl": "per layer", "layers-mass": "per layer, mass score"}
     return [{"name": f"window {record['window']} + {len(row['retrieval'])} heads at {record['retrieval_window']:,} "
                      f"({kind[row['kind']]})",
              "series": f"window {record['window']} + retrieval heads at {record['retrieval_window']:,}, {kind[row['kind']]}",
@@ -34,7 +41,7 @@ def per_head_rows(path: Path) -> list[dict]:
 
 def window_rows(path: Path) -> list[dict]:
     record = json.loads(path.read_text())
-    return [{"name": f"window {row['options']['window']} (every head)", "series": "window, every head",
+    return [{"name": f"window {row['options']['window']} (every head)", "series": WINDOWS,
              "bytes": row["state_bytes"], "result": row["training_free"], "source": path.name}
             for row in record["rows"]
             if row["target"] == "window" and row.get("training_free") and row["options"].get("sinks") == 4
@@ -64,7 +71,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for i, series in enumerate(dict.fromkeys(r["series"] for r in rows)):
+    for i, series in enumerate(dict.fromkeys(r["series"] for r in sorted(rows, key=lambda r: r["series"] == WINDOWS))):
         mine = sorted((r for r in rows if r["series"] == series), key=lambda r: r["bytes"])
         color = f"C{i}"
         ax.plot([r["bytes"] for r in mine], [r["result"]["kl"] for r in mine], "-", color=color, lw=0.8, label=series)
@@ -83,21 +90,37 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def write_doc(doc: Path, text: str) -> None:
+    """Put ``text`` between the page's markers, each line indented as the first marker is."""
+    page = doc.read_text()
+    if START not in page or END not in page:
+        raise ValueError(f"{doc}: no {START} ... {END} markers to write the table between")
+    before, rest = page.split(START, 1)
+    indent = before[before.rfind("\n") + 1:]
+    body = "".join(f"{indent}{line}\n" for line in text.splitlines())
+    doc.write_text(before + START + "\n" + body + indent + END + rest.split(END, 1)[1])
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("per_head", nargs="+", type=Path, help="per_head.py results made with --retrieval-window")
     parser.add_argument("--windows", type=Path, default=None, help="a fidelity.py table whose window rows to add")
     parser.add_argument("--png", type=Path, default=None, help="write the plot here")
+    parser.add_argument("--doc", type=Path, default=None, help="write the table into this page, between its markers")
+    parser.add_argument("--per-layer", action="store_true", help="add the rows of heads chosen per layer")
     args = parser.parse_args(argv)
     try:
-        rows = [row for path in args.per_head for row in per_head_rows(path)]
+        rows = [row for path in sorted(args.per_head, key=lambda p: json.loads(p.read_text())["window"])
+                for row in per_head_rows(path, args.per_layer)]
         rows += window_rows(args.windows) if args.windows else []
+        text = table(rows)
+        if args.doc:
+            write_doc(args.doc, text)
     except (OSError, ValueError, KeyError) as exc:
         parser.exit(2, f"error: {exc}\n")
     if args.png:
         plot(rows, args.png)
-    text = table(rows)
     print(text)
     return text
 

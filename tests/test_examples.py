@@ -257,7 +257,7 @@ def test_per_head_script_end_to_end(tmp_path, tiny_model_dir):
     assert len(next(r for r in again["rows"] if r["variant"] == "auto-kl-0.3")["retrieval"]) > 1
     assert "16-token window" in (out / "q.md").read_text() and "not measured again" in (out / "q.md").read_text()
     compare = _load(ROOT / "benchmarks" / "retrieval_windows.py")
-    text = compare.main([str(out / "q.json"), "--png", str(out / "r.png")])
+    text = compare.main([str(out / "q.json"), "--png", str(out / "r.png"), "--per-layer"])
     assert "| window 8 + " in text and " heads at 16 (per head) |" in text and (out / "r.png").stat().st_size > 0
     with pytest.raises(SystemExit) as error:  # the first run kept its heads exact
         compare.main([str(out / "p.json")])
@@ -281,10 +281,16 @@ def test_retrieval_windows_table_orders_by_state_and_takes_plain_window_rows(tmp
         {"target": "window", "options": {"window": 64, "sinks": 4}, "state_bytes": 70, "training_free": None}]}
     (tmp_path / "a.json").write_text(json.dumps(per_head))
     (tmp_path / "w.json").write_text(json.dumps(windows))
-    lines = compare.main([str(tmp_path / "a.json"), "--windows", str(tmp_path / "w.json")]).splitlines()
+    doc = tmp_path / "page.md"
+    doc.write_text(f"1. an item:\n\n   {compare.START}\n   old table\n   {compare.END}\n\n   more\n")
+    text = compare.main([str(tmp_path / "a.json"), "--windows", str(tmp_path / "w.json"), "--per-layer", "--doc", str(doc)])
+    lines = text.splitlines()
     assert [line.split(" | ")[0] for line in lines[2:]] == [
         "| window 128 + 3 heads at 1,024 (per layer)", "| window 256 (every head)", "| window 128 + 21 heads at 1,024 (per head)"]
     assert lines[-1].endswith("| 300 | 1.200 | 0.0800 | 100% |")
+    page = doc.read_text()
+    assert "old table" not in page and "".join(f"   {line}\n" for line in lines) in page and page.endswith("   more\n")
+    assert "per layer" not in compare.main([str(tmp_path / "a.json")])  # per-layer rows only when asked
 
 
 def test_fidelity_distilled_only_saves_what_dir_rows_measure_again(tmp_path, tiny_model_dir):
