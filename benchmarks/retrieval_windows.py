@@ -35,6 +35,7 @@ def per_head_rows(path: Path, per_layer: bool) -> list[dict]:
     return [{"name": f"window {record['window']} + {len(row['retrieval'])} heads at {record['retrieval_window']:,} "
                      f"({kind[row['kind']]})",
              "series": f"window {record['window']} + retrieval heads at {record['retrieval_window']:,}, {kind[row['kind']]}",
+             "window": record["window"],
              "bytes": row["state_bytes"], "result": row["training_free"], "source": path.name}
             for row in record["rows"] if row["kind"] in kind]
 
@@ -71,7 +72,8 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for i, series in enumerate(dict.fromkeys(r["series"] for r in sorted(rows, key=lambda r: r["series"] == WINDOWS))):
+    ordered = sorted(rows, key=lambda r: (r["series"] == WINDOWS, r.get("window", 0)))  # plain windows last
+    for i, series in enumerate(dict.fromkeys(r["series"] for r in ordered)):
         mine = sorted((r for r in rows if r["series"] == series), key=lambda r: r["bytes"])
         color = f"C{i}"
         ax.plot([r["bytes"] for r in mine], [r["result"]["kl"] for r in mine], "-", color=color, lw=0.8, label=series)
@@ -111,8 +113,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--per-layer", action="store_true", help="add the rows of heads chosen per layer")
     args = parser.parse_args(argv)
     try:
-        rows = [row for path in sorted(args.per_head, key=lambda p: json.loads(p.read_text())["window"])
-                for row in per_head_rows(path, args.per_layer)]
+        rows = [row for path in args.per_head for row in per_head_rows(path, args.per_layer)]
         rows += window_rows(args.windows) if args.windows else []
         text = table(rows)
         if args.doc:

@@ -349,11 +349,12 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
     from rnnify.passes import PIPELINE
 
     from rnnify.cells.hybrid import MEMORIES
+    from rnnify.plan import parse_options
 
     if args.memory is not None and args.memory not in MEMORIES:  # before the model is loaded
         raise RnnifyError(f"--memory {args.memory!r} is not a memory; choose one of {', '.join(MEMORIES)}")
     options = {name: getattr(args, name) for name in _CELL_FLAGS if getattr(args, name) is not None}
-    options.update(_parse_options(args.option or []))
+    options.update(parse_options(args.option or [], lambda pair: f"--option {pair!r}: expected KEY=VALUE, e.g. chunk_size=128"))
     keep = _parse_layer_list(args.keep_softmax) if args.keep_softmax else None
     training = _training_options(args) if args.distill else None  # the flags' mistakes before converting
     stages = ["load", "capture", *(p.__name__ for p in PIPELINE), *(["distill"] if args.distill else []), "save"]
@@ -449,20 +450,6 @@ def _print_head_report(report, console: Console) -> None:
         f"{len(chosen)} of {len(layers) * len(heads)} kv heads {long}; state {_nbytes(report.state_bytes)} per sequence "
         f"at {report.context:,} tokens ({share:.1%} of the original's KV cache, {_nbytes(report.kv_cache_bytes)}); "
         f"calibration KL {report.calibration_kl:.4f} nats/token; report saved as head_map.json"), soft_wrap=True)
-
-
-def _parse_options(pairs: list[str]) -> dict:
-    """``KEY=VALUE`` pairs; values are JSON when they parse as JSON (numbers, true, lists), else text."""
-    options = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise RnnifyError(f"--option {pair!r}: expected KEY=VALUE, e.g. chunk_size=128")
-        try:
-            options[key.strip()] = json.loads(value)
-        except ValueError:
-            options[key.strip()] = value
-    return options
 
 
 def _parse_layer_list(text: str) -> list[int]:

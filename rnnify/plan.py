@@ -20,13 +20,13 @@ from __future__ import annotations
 import inspect
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from rnnify.cells import CELLS, Cell, CellSpec, build_cell
 from rnnify.cells.heads import TARGET as HEADS
 from rnnify.errors import RnnifyError
 
-__all__ = ["LayerRule", "ConversionPlan", "make_plan", "parse_layers"]
+__all__ = ["LayerRule", "ConversionPlan", "make_plan", "parse_layers", "parse_options"]
 
 
 Options = tuple[tuple[str, Any], ...]  # a rule's own cell options, as sorted (key, value) pairs
@@ -86,20 +86,28 @@ def _parse_target(text: str, where: str) -> tuple[str, Options]:
         return target, ()
     if not rest.endswith(")"):
         raise RnnifyError(f"{where}: expected {target}(KEY=VALUE,...), e.g. 'window(window=1024)'")
-    options: dict[str, Any] = {}
-    for pair in filter(None, (p.strip() for p in rest[:-1].split(","))):
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise RnnifyError(f"{where}: option {pair!r} of {target}: expected KEY=VALUE, e.g. 'window(window=1024)'")
-        try:
-            options[key.strip()] = json.loads(value)
-        except ValueError:
-            options[key.strip()] = value.strip()
+    options = parse_options(filter(None, (p.strip() for p in rest[:-1].split(","))),
+                            lambda pair: f"{where}: option {pair!r} of {target}: expected KEY=VALUE, e.g. 'window(window=1024)'")
     unknown = sorted(set(options) - _accepted(target))
     if unknown:
         raise RnnifyError(f"{where}: {target} takes no option {', '.join(unknown)}; it takes: "
                           f"{', '.join(sorted(_accepted(target))) or 'none'}")
     return target, tuple(sorted(options.items()))
+
+
+def parse_options(pairs: Iterable[str], bad: Callable[[str], str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs -> options; values are JSON when they parse as JSON (numbers, true, lists),
+    else text. A pair that is not ``KEY=VALUE`` is an error with the message ``bad(pair)``."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise RnnifyError(bad(pair))
+        try:
+            options[key.strip()] = json.loads(value)
+        except ValueError:
+            options[key.strip()] = value.strip()
+    return options
 
 
 def _split_outside_parentheses(text: str, sep: str) -> list[str]:
