@@ -92,15 +92,16 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write_doc(doc: Path, text: str) -> None:
-    """Put ``text`` between the page's markers, each line indented as the first marker is."""
+def write_doc(doc: Path, text: str, markers: tuple[str, str] = (START, END)) -> None:
+    """Put ``text`` between the page's ``markers``, each line indented as the first marker is."""
+    start, end = markers
     page = doc.read_text()
-    if START not in page or END not in page:
-        raise ValueError(f"{doc}: no {START} ... {END} markers to write the table between")
-    before, rest = page.split(START, 1)
+    if start not in page or end not in page:
+        raise ValueError(f"{doc}: no {start} ... {end} markers to write the table between")
+    before, rest = page.split(start, 1)
     indent = before[before.rfind("\n") + 1:]
     body = "".join(f"{indent}{line}\n" for line in text.splitlines())
-    doc.write_text(before + START + "\n" + body + indent + END + rest.split(END, 1)[1])
+    doc.write_text(before + start + "\n" + body + indent + end + rest.split(end, 1)[1])
 
 
 def main(argv: list[str] | None = None) -> str:

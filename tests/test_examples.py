@@ -293,6 +293,43 @@ def test_retrieval_windows_table_orders_by_state_and_takes_plain_window_rows(tmp
     assert "per layer" not in compare.main([str(tmp_path / "a.json")])  # per-layer rows only when asked
 
 
+def test_long_context_table_merges_short_ranges_and_writes_the_page(tmp_path):
+    long_context = _load(ROOT / "benchmarks" / "long_context.py")
+    config = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32, "num_hidden_layers": 3}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+
+    def result(kls):  # KL per range [0, 512), [512, 1024), [1024, 2048), [2048, 4096) of 4,096-token rows
+        edges = [0, 512, 1024, 2048, 4096]
+        return {"perplexity": 11.0, "teacher_perplexity": 10.0, "kl": 0.5, "top1_agreement": 0.9,
+                "kl_by_position": [{"start": a, "end": b, "kl": kl, "tokens": 2 * (b - a)}
+                                   for a, b, kl in zip(edges, edges[1:], kls)]}
+
+    record = {"model": str(tmp_path / "model"), "seq_len": 4096, "eval_tokens": 8192, "rows": [
+        {"variant": "big", "state_bytes": 9000, "training_free": result([0.0, 0.3, 0.2, 0.4])},
+        {"variant": "small", "state_bytes": 1000, "training_free": None, "distilled": result([0.1, 0.1, 0.6, 0.8]),
+         "distill_tokens": 5000}]}
+    (tmp_path / "r.json").write_text(json.dumps(record))
+    doc = tmp_path / "page.md"
+    start, end = long_context.MARKERS
+    doc.write_text(f"intro\n{start}\nold\n{end}\nafter\n")
+    text = long_context.main([str(tmp_path / "r.json"), "--png", str(tmp_path / "k.png"), "--doc", str(doc)])
+    cache = 2 * 3 * 2 * 8 * 4096 * 4  # K and V, layers, kv heads, head dim 32 / 4, tokens, fp32
+    assert f"KV cache there: {cache:,} bytes" in text
+    lines = text.splitlines()
+    assert lines[2].endswith("| KL at positions 0-1,023 | 1,024-2,047 | 2,048-4,095 |")
+    assert lines[4] == f"| `small` (distilled, 5,000 tokens) | 1,000 ({1000 / cache:.1%}) | 1.100 | 0.5000 | 90.0% | 0.1000 | 0.6000 | 0.8000 |"
+    assert lines[5].endswith("| 0.1500 | 0.2000 | 0.4000 |")  # 512 tokens at 0.0 and 512 at 0.3
+    assert (tmp_path / "k.png").stat().st_size > 0
+    page = doc.read_text()
+    assert "old" not in page and text in page and page.endswith(f"{end}\nafter\n")
+    record["rows"][0]["training_free"].pop("kl_by_position")
+    (tmp_path / "r.json").write_text(json.dumps(record))
+    with pytest.raises(SystemExit) as error:
+        long_context.main([str(tmp_path / "r.json")])
+    assert error.value.code == 2
+
+
 def test_fidelity_distilled_only_saves_what_dir_rows_measure_again(tmp_path, tiny_model_dir):
     """--distilled-only skips the training-free step; --save keeps each distilled model, and a
     --dir row of it measures the same numbers; the memories section renders such runs."""
