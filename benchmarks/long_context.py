@@ -5,7 +5,7 @@
     python benchmarks/long_context.py benchmarks/results/long-context-smollm2-8192.json \
         --png benchmarks/results/long-context-smollm2-8192.png --doc docs/fidelity-smollm2.md
 
-Reads ``benchmarks/fidelity.py`` results measured at a long ``--seq-len`` and prints one Markdown
+Reads ``benchmarks/fidelity.py`` results measured at one long ``--seq-len`` and prints one Markdown
 table: each row's state at that length beside the original's KV cache there, its perplexity ratio,
 KL and top-1 agreement over whole rows, then its KL over the positions of each doubling range from
 1,024 tokens on (``rnnify.eval.position_ranges``, merged below 1,024), which shows whether a
@@ -25,6 +25,8 @@ from retrieval_windows import write_doc  # noqa: E402
 
 MARKERS = ("<!-- long-context: python benchmarks/long_context.py -->", "<!-- /long-context -->")
 FIRST_EDGE = 1024  # the ranges before it are merged into one column
+FLOOR = 1e-3  # the plot's lowest KL
+SAME = ("model", "seq_len", "eval_tokens")  # what results read together must share
 
 
 def kv_cache_bytes(model: str, seq_len: int) -> int | None:
@@ -50,14 +52,21 @@ def columns(by_position: list[dict]) -> list[tuple[int, int, float]]:
     return [(start, end, kl / max(tokens, 1)) for (start, end), (kl, tokens) in groups.items()]
 
 
-def rows_of(path: Path) -> tuple[dict, list[dict]]:
-    record = json.loads(path.read_text())
-    rows = [row for row in record["rows"] if row.get("training_free") or row.get("distilled")]
-    if not rows:
-        raise ValueError(f"{path}: no measured rows")
-    for row in rows:
-        if "kl_by_position" not in (row.get("training_free") or row["distilled"]):
-            raise ValueError(f"{path}: row {row['variant']} has no KL by position (measured by an older fidelity.py)")
+def rows_of(paths: list[Path]) -> tuple[dict, list[dict]]:
+    """The measured rows of every result, which must share the model, row length and held-out tokens."""
+    record, rows = None, []
+    for path in paths:
+        this = json.loads(path.read_text())
+        if record is not None and [this[k] for k in SAME] != [record[k] for k in SAME]:
+            raise ValueError(f"{path}: measured with other {', '.join(SAME)} than {paths[0]}")
+        record = record or this
+        mine = [row for row in this["rows"] if row.get("training_free") or row.get("distilled")]
+        if not mine:
+            raise ValueError(f"{path}: no measured rows")
+        for row in mine:
+            if "kl_by_position" not in result(row):
+                raise ValueError(f"{path}: row {row['variant']} has no KL by position (measured by an older fidelity.py)")
+        rows += mine
     return record, rows
 
 
@@ -101,6 +110,7 @@ def plot(record: dict, rows: list[dict], path: Path) -> None:
            ylabel="KL(original || converted), nats per token",
            title=f"{Path(record['model']).name}, rows of {record['seq_len']:,} tokens")
     ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=FLOOR)  # a window is exact (KL ~1e-7, rounding) while it holds the whole row
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -110,7 +120,8 @@ def plot(record: dict, rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("results", type=Path, help="a fidelity.py result measured at a long --seq-len")
+    parser.add_argument("results", type=Path, nargs="+",
+                        help="fidelity.py results measured at one long --seq-len on the same held-out rows")
     parser.add_argument("--png", type=Path, default=None, help="write the plot here")
     parser.add_argument("--doc", type=Path, default=None, help="write the table into this page, between its markers")
     args = parser.parse_args(argv)

@@ -100,7 +100,7 @@ def write_doc(doc: Path, text: str, markers: tuple[str, str] = (START, END)) -> 
         raise ValueError(f"{doc}: no {start} ... {end} markers to write the table between")
     before, rest = page.split(start, 1)
     indent = before[before.rfind("\n") + 1:]
-    body = "".join(f"{indent}{line}\n" for line in text.splitlines())
+    body = "".join(f"{indent}{line}\n" if line else "\n" for line in text.splitlines())
     doc.write_text(before + start + "\n" + body + indent + end + rest.split(end, 1)[1])
 
 

@@ -323,7 +323,14 @@ def test_long_context_table_merges_short_ranges_and_writes_the_page(tmp_path):
     assert (tmp_path / "k.png").stat().st_size > 0
     page = doc.read_text()
     assert "old" not in page and text in page and page.endswith(f"{end}\nafter\n")
-    record["rows"][0]["training_free"].pop("kl_by_position")
+    other = {**record, "rows": [{"variant": "more", "state_bytes": 5000, "training_free": result([0.0] * 4)}]}
+    (tmp_path / "o.json").write_text(json.dumps(other))
+    assert "| `more` | 5,000" in long_context.main([str(tmp_path / "r.json"), str(tmp_path / "o.json")])
+    (tmp_path / "o.json").write_text(json.dumps({**other, "seq_len": 2048}))  # other rows: not one table
+    with pytest.raises(SystemExit) as error:
+        long_context.main([str(tmp_path / "r.json"), str(tmp_path / "o.json")])
+    assert error.value.code == 2
+    record["rows"][0]["training_free"].pop("kl_by_position")  # measured by an older fidelity.py
     (tmp_path / "r.json").write_text(json.dumps(record))
     with pytest.raises(SystemExit) as error:
         long_context.main([str(tmp_path / "r.json")])
