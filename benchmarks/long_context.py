@@ -19,6 +19,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from transformers import PretrainedConfig
+
+from rnnify import auto
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from retrieval_windows import write_doc  # noqa: E402
@@ -34,22 +40,23 @@ def kv_cache_bytes(model: str, seq_len: int) -> int | None:
     path = Path(model) / "config.json"
     if not path.is_file():
         return None
-    config = json.loads(path.read_text())
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    kv_heads = config.get("num_key_value_heads") or heads
-    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * seq_len * 4
+    config = PretrainedConfig.from_json_file(path)
+    return auto.kv_cache_bytes(auto.layer_specs(SimpleNamespace(config=config)), seq_len, torch.float32)
 
 
 def columns(by_position: list[dict]) -> list[tuple[int, int, float]]:
     """(start, end, KL) per table column: positions before ``FIRST_EDGE`` merged, then each range."""
     groups: dict[tuple[int, int], list[float]] = {}
     for entry in by_position:
-        start = 0 if entry["end"] <= FIRST_EDGE else entry["start"]
-        group = groups.setdefault((start, max(entry["end"], FIRST_EDGE) if start == 0 else entry["end"]), [0.0, 0.0])
+        key = (0, FIRST_EDGE) if entry["end"] <= FIRST_EDGE else (entry["start"], entry["end"])
+        group = groups.setdefault(key, [0.0, 0.0])
         group[0] += entry["kl"] * entry["tokens"]
         group[1] += entry["tokens"]
     return [(start, end, kl / max(tokens, 1)) for (start, end), (kl, tokens) in groups.items()]
+
+
+def result(row: dict) -> dict:
+    return row.get("distilled") or row["training_free"]
 
 
 def rows_of(paths: list[Path]) -> tuple[dict, list[dict]]:
@@ -68,10 +75,6 @@ def rows_of(paths: list[Path]) -> tuple[dict, list[dict]]:
                 raise ValueError(f"{path}: row {row['variant']} has no KL by position (measured by an older fidelity.py)")
         rows += mine
     return record, rows
-
-
-def result(row: dict) -> dict:
-    return row.get("distilled") or row["training_free"]
 
 
 def table(record: dict, rows: list[dict]) -> str:
@@ -106,7 +109,7 @@ def plot(record: dict, rows: list[dict], path: Path) -> None:
         ranges = result(row)["kl_by_position"]
         ax.plot([(e["start"] + e["end"]) / 2 for e in ranges], [e["kl"] for e in ranges], "o-", ms=4,
                 label=f"{row['variant']} ({row['state_bytes'] / 2**20:.1f} MiB)")
-    ax.set(xscale="log", yscale="log", xlabel="position in the row (middle of each range [2^k, 2^(k+1)))",
+    ax.set(yscale="log", xlabel="position in the row (middle of each range [2^k, 2^(k+1)))",
            ylabel="KL(original || converted), nats per token",
            title=f"{Path(record['model']).name}, rows of {record['seq_len']:,} tokens")
     ax.set_xscale("log", base=2)

@@ -27,6 +27,7 @@ import math
 import os
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -491,7 +492,7 @@ def read_scores(path: str | os.PathLike, score: str, window: int, sinks: int) ->
     """The head scores of an earlier choice (``head_map.json``, or a ``benchmarks/per_head.py``
     result), checked against the ``score``, ``window`` and ``sinks`` they are to choose with."""
     try:
-        saved = json.loads(open(path).read())
+        saved = json.loads(Path(path).read_text())
         scores = {name: {(int(k.split(".")[0]), int(k.split(".")[1])): float(v) for k, v in values.items()}
                   for name, values in saved["scores"].items()}
         measured = (saved["window"], saved["sinks"])
