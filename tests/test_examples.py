@@ -353,3 +353,28 @@ def test_fidelity_distilled_only_saves_what_dir_rows_measure_again(tmp_path, tin
     (tmp_path / fidelity.MEMORY_RUNS[0]).write_text(json.dumps(record))
     section = fidelity.memories_section(tmp_path / "fidelity.json")
     assert "| `h` |" in section and "Goals (issue 12)" in section
+
+
+def test_cell_speed_replays_the_calls_the_model_makes(tmp_path, converted_dir):
+    """The cell benchmark times the cell on the inputs the model gives it: a replayed capture gives
+    the output the cell gave inside the model, for the prompt and the decode step."""
+    cell_speed = _load(ROOT / "benchmarks" / "cell_speed.py")
+    model = rnnify.load(converted_dir("llama", "hybrid"))
+    cell = model.cells[1]
+    outputs = []
+    handle = cell.register_forward_hook(lambda _, args, out: outputs.append(out[0]))
+    ids = torch.randint(0, 100, (1, 12))
+    with torch.no_grad():
+        args, kwargs = cell_speed._captured(model, cell, lambda: model.prefill(ids))
+        expected = outputs[-1]
+        assert args[0].shape[2] == 12
+        torch.testing.assert_close(cell(*args, **kwargs)[0], expected, rtol=0, atol=0)
+        _, state = model.prefill(ids)
+        args, kwargs = cell_speed._captured(model, cell, lambda: model.step(ids[:, -1:], state))
+        expected = outputs[-1]
+        assert args[0].shape[2] == 1
+        torch.testing.assert_close(cell(*args, **kwargs)[0], expected, rtol=0, atol=0)
+    handle.remove()
+    rows = cell_speed.measure(model, 1, [12], 8, rounds=1)
+    assert [(row["phase"], row["tokens"]) for row in rows] == [("prompt", 12), ("step", 8)]
+    assert all(row["cell_ms"] > 0 and row["sdpa_ms"] > 0 and row["ops"] > 0 for row in rows)

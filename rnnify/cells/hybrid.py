@@ -259,12 +259,14 @@ def step_hybrid_attn(
     which the query reads; one normalised sum as in ``_combine``."""
     w, u, old_key, old_value, leaves, window_state = window_step(
         q, k, v, mask, keys, values, sink_keys, sink_values, length, scale)
-    phi_old = phi(old_key) * leaves  # [B, Hkv, 1, F], 0 where none leaves
+    group = q.shape[2]
+    features = phi(torch.cat([q, old_key[:, :, None]], dim=2))  # the G queries and the leaving key: one call
+    phi_q, phi_old = features[:, :, :group], features[:, :, group] * leaves  # phi_old [B, Hkv, 1, F], 0 where none leaves
     if log_a is not None:
         a = torch.where(leaves, log_a, 0.0).exp()
         kv, k_sum = kv * a.transpose(-1, -2), k_sum * a.squeeze(2)
     kv, k_sum = torch.addcmul(kv, phi_old.transpose(-1, -2), old_value), k_sum + phi_old.squeeze(2)
-    linear_num, linear_den = read_step(phi(q), kv, k_sum)  # shaped as w and u
+    linear_num, linear_den = read_step(phi_q, kv, k_sum)  # shaped as w and u
     factor = factor[..., None]  # [Hkv, G, 1]
     hybrid = readout(factor * u + linear_den, factor[..., None] * w + linear_num)
     out = hybrid if gate is None else torch.lerp(window_output(w, u), hybrid, gate[..., None, None])
@@ -413,21 +415,23 @@ def prompt_hybrid_attn(q, k, v, window_state, kv, k_sum, phi, factor, scale: flo
     empty memory too): the window part and the ring by ``prompt_window``. Token j (S <= j < T - W)
     leaves as token j + W arrives, so the queries from W + S on read the keys from S on, one step
     behind in the same order: the memory is causal linear attention of q[W + S:] over k[S:T - W],
-    with no shifted copies or masks, and the queries before W + S read nothing (their output is the
-    window's). k, v are read as the ring holds them."""
+    with no shifted copies or masks. The queries before W + S read nothing, so their output is the
+    window's own o, and only the tail is combined (``_combine``'s sum, as o + g (hybrid - o)). k, v
+    are read as the ring holds them."""
     window, sinks, steps = window_state[0].shape[2], window_state[2].shape[2], k.shape[2]
-    k, v, window_num, window_den, window_state = factored_prompt_window(q, k, v, window_state, factor, scale)
+    k, v, o, u, window_state = prompt_window(q, k, v, window_state, scale)
     start, end = window + sinks, steps - window  # the first query that reads the memory, the last key + 1
+    if end <= sinks:  # nothing leaves the window: the memory stays empty
+        return o, *window_state, kv, k_sum
+    values = torch.cat([v[:, :, sinks:end], torch.ones_like(v[:, :, sinks:end, :1])], dim=-1)
+    gates = None if log_a is None else log_a[:, :, start:]  # those of the arriving tokens
     state = torch.cat([kv, k_sum[..., None]], dim=-1)
-    if end > sinks:
-        values = torch.cat([v[:, :, sinks:end], torch.ones_like(v[:, :, sinks:end, :1])], dim=-1)
-        gates = None if log_a is None else log_a[:, :, start:]  # those of the arriving tokens
-        tail, state, _ = chunk_gated_attn(phi(q[:, :, :, start:]), phi(k[:, :, sinks:end]), values, gates, state,
-                                          chunk_size=chunk_size)
-        linear = F.pad(tail, (0, 0, start, 0))
-    else:
-        linear = window_num.new_zeros(*window_num.shape[:-1], window_num.shape[-1] + 1)
-    out = _combine(window_num, window_den, linear[..., :-1], linear[..., -1], gate)
+    linear, state, _ = chunk_gated_attn(phi(q[:, :, :, start:]), phi(k[:, :, sinks:end]), values, gates, state,
+                                        chunk_size=chunk_size)
+    window_out, window_den = o[:, :, :, start:], factor[..., None] * u[:, :, :, start:]  # o and f u of the tail
+    hybrid = readout(window_den + linear[..., -1], window_den[..., None] * window_out + linear[..., :-1])
+    change = hybrid - window_out if gate is None else gate[..., None, None] * (hybrid - window_out)
+    out = torch.cat([o[:, :, :, :start], window_out + change], dim=3)
     return out, *window_state, state[..., :-1], state[..., -1]
 
 

@@ -157,18 +157,19 @@ def band_window_part(q, k, v, window: int, sinks: int, scale: float, block: int)
     a = torch.arange(block, device=q.device)[:, None]  # the query's place in its block
     n = torch.arange(window + block, device=q.device)  # the key's place in the block's band
     allowed = (n > a) & (n <= a + window) & (first + n >= window)  # [blocks, block, W + block]
-    scores = torch.matmul(queries, _band_blocks(k, window, block))  # [B, Hkv, blocks, G block, W + block]
-    if sinks:  # a sink j is attended apart while out of the window: i - j >= W
+    keys, values = _band_blocks(k, window, block), _band_blocks(v, window, block).transpose(-1, -2)
+    if sinks:  # a sink j is attended apart while out of the window (i - j >= W): first in every band
         sink = torch.arange(sinks, device=q.device)
         allowed = torch.cat([first + a - sink >= window, allowed], dim=-1)
-        scores = torch.cat([torch.matmul(queries, k[:, :, None, :sinks].transpose(-1, -2)), scores], dim=-1)
-    masked = allowed.float().log()  # 0 where allowed, else -inf: added, 5x faster on a CPU than masked_fill
+        keys = torch.cat([k[:, :, None, :sinks].transpose(-1, -2).expand(-1, -1, blocks, -1, -1), keys], dim=-1)
+        values = torch.cat([v[:, :, None, :sinks].expand(-1, -1, blocks, -1, -1), values], dim=-2)
+    # 0 where allowed, else -inf, added: on a CPU 5x faster than masked_fill, and where is 8x faster than log
+    masked = torch.where(allowed, 0.0, float("-inf"))
+    scores = torch.matmul(queries, keys)  # [B, Hkv, blocks, G block, S + W + block]
     scores = scores.view(batch, num_kv_heads, blocks, group, block, -1).add_(masked[:, None])
     p = torch.softmax(scores, dim=-1).view(batch, num_kv_heads, blocks, group * block, -1)
     u = p.amax(-1).reciprocal()
-    o = torch.matmul(p[..., sinks:], _band_blocks(v, window, block).transpose(-1, -2))  # w / u
-    if sinks:
-        o = o + torch.matmul(p[..., :sinks], v[:, :, None, :sinks])
+    o = torch.matmul(p, values)  # w / u
 
     def by_token(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, blocks, G block, ...] -> [B, Hkv, G, T, ...]
         x = x.view(batch, num_kv_heads, blocks, group, block, *x.shape[4:]).transpose(2, 3)
