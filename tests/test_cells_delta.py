@@ -463,12 +463,41 @@ def test_hybrid_whole_prompt_path_equals_the_general_path(memory, sinks, steps, 
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("steps", [23, 4])  # 4: nothing leaves the window (3 + 2 sinks)
+@pytest.mark.parametrize("memory", ["linear", "gla"])
+def test_hybrid_whole_prompt_path_trains_as_the_general_path(memory, steps, monkeypatch):
+    """Under autograd the whole-prompt path (``prompt_hybrid_attn``) gives the general path's
+    gradients for q, k, v and every parameter; the window factor and the memory gate stay in the
+    graph even when nothing leaves the window, so attention transfer on such rows still runs."""
+    torch.manual_seed(0)
+    cell = build_cell("hybrid", SPEC, {"window": 3, "sinks": 2, "memory": memory, "chunk_size": 4})
+    with torch.no_grad():
+        cell.memory_gate.copy_(torch.tensor([0.3, -0.5, 1.0, 0.7]))
+    q, k, v, x, mask = make_inputs(steps, pad=0)
+    monkeypatch.setattr(utils, "FORCE_TRITON", False)
+    cell.use_kernels("auto")
+    grads = []
+    for whole in (True, False):
+        with monkeypatch.context() as patch:
+            if not whole:
+                patch.setattr(hybrid_cells, "whole_prompt", lambda mask, length: False)
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            cell.zero_grad(set_to_none=True)
+            out, *_ = cell(*inputs, mask, *cell.init_state(2, q.device, q.dtype), x=x)
+            out.square().sum().backward()
+            assert cell.window_logit.grad is not None and cell.memory_gate.grad is not None
+            grads.append([t.grad for t in inputs] + [p.grad for p in cell.parameters()])
+    for (name, param), fast, general in zip([("q", q), ("k", k), ("v", v), *cell.named_parameters()], *grads):
+        fast, general = (torch.zeros_like(param) if g is None else g for g in (fast, general))
+        torch.testing.assert_close(fast, general, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")  # f, g: 0 up to rounding
+
+
 @pytest.mark.parametrize("memory", ["linear", "gla", "delta", "gated-delta"])
 def test_hybrid_lean_step_dispatches_few_ops(memory):
     """A CPU decode step's time is its op count (docs/performance.md): here the general forms
     dispatched 219-282 aten ops a step, the lean step 95-118 for the linear and gla memories (the
     feature map applied to the queries and the leaving key in one call: 2 ops more with this cheap
-    elu map, 8 fewer with hedgehog) and 149-164 for the delta memories (their reader's key map, and a
+    elu map, 9 fewer with hedgehog) and 149-164 for the delta memories (their reader's key map, and a
     share that counts the memory's tokens: 7 ops); held under 170 so a regression shows."""
     cell = build_cell("hybrid", SPEC, {"window": 3, "sinks": 2, "memory": memory, **elu_map(memory)})
     q, k, v, x, mask = make_inputs(1, pad=0)

@@ -261,7 +261,8 @@ def step_hybrid_attn(
         q, k, v, mask, keys, values, sink_keys, sink_values, length, scale)
     group = q.shape[2]
     features = phi(torch.cat([q, old_key[:, :, None]], dim=2))  # the G queries and the leaving key: one call
-    phi_q, phi_old = features[:, :, :group], features[:, :, group] * leaves  # phi_old [B, Hkv, 1, F], 0 where none leaves
+    # phi_old [B, Hkv, 1, F], 0 where none leaves
+    phi_q, phi_old = features[:, :, :group], features[:, :, group] * leaves
     if log_a is not None:
         a = torch.where(leaves, log_a, 0.0).exp()
         kv, k_sum = kv * a.transpose(-1, -2), k_sum * a.squeeze(2)
@@ -416,12 +417,15 @@ def prompt_hybrid_attn(q, k, v, window_state, kv, k_sum, phi, factor, scale: flo
     leaves as token j + W arrives, so the queries from W + S on read the keys from S on, one step
     behind in the same order: the memory is causal linear attention of q[W + S:] over k[S:T - W],
     with no shifted copies or masks. The queries before W + S read nothing, so their output is the
-    window's own o, and only the tail is combined (``_combine``'s sum, as o + g (hybrid - o)). k, v
-    are read as the ring holds them."""
+    window's own o, and only the tail is combined (``_combine``'s sum, blended as o + g (hybrid - o)).
+    k, v are read as the ring holds them."""
     window, sinks, steps = window_state[0].shape[2], window_state[2].shape[2], k.shape[2]
     k, v, o, u, window_state = prompt_window(q, k, v, window_state, scale)
     start, end = window + sinks, steps - window  # the first query that reads the memory, the last key + 1
-    if end <= sinks:  # nothing leaves the window: the memory stays empty
+    if end <= sinks:  # nothing leaves the window: the memory stays empty and the output is the window's o;
+        if torch.is_grad_enabled():  # under autograd as the sum gives it, so f and g stay in the graph (grad 0)
+            window_den = factor[..., None] * u
+            o = _combine(window_den[..., None] * o, window_den, 0.0, 0.0, gate)
         return o, *window_state, kv, k_sum
     values = torch.cat([v[:, :, sinks:end], torch.ones_like(v[:, :, sinks:end, :1])], dim=-1)
     gates = None if log_a is None else log_a[:, :, start:]  # those of the arriving tokens
@@ -430,8 +434,8 @@ def prompt_hybrid_attn(q, k, v, window_state, kv, k_sum, phi, factor, scale: flo
                                         chunk_size=chunk_size)
     window_out, window_den = o[:, :, :, start:], factor[..., None] * u[:, :, :, start:]  # o and f u of the tail
     hybrid = readout(window_den + linear[..., -1], window_den[..., None] * window_out + linear[..., :-1])
-    change = hybrid - window_out if gate is None else gate[..., None, None] * (hybrid - window_out)
-    out = torch.cat([o[:, :, :, :start], window_out + change], dim=3)
+    tail = hybrid if gate is None else torch.lerp(window_out, hybrid, gate[..., None, None])
+    out = torch.cat([o[:, :, :, :start], tail], dim=3)
     return out, *window_state, state[..., :-1], state[..., -1]
 
 
@@ -667,7 +671,8 @@ class HybridCell(Cell):
     def _linear_memory(self, q, k, v, mask, state, gate, x, backend: str | None):
         """A linear or gla memory: the lean step for a decode token off kernels; a prompt through
         ``fused_hybrid_attn`` (in PyTorch off Triton: the whole-prompt window part, the linear part
-        chunked on featurised inputs), or the general ``chunk_hybrid_attn`` with kernels "none"."""
+        chunked on featurised inputs), or the general ``chunk_hybrid_attn`` with kernels "none" (and
+        for a cell with no fused form: a feature map wider than the ops take)."""
         args, log_a = (self.phi, self.mixing_factor(), self.spec.scale, gate), None
         if self.memory == "gla":
             if x is None:
@@ -675,6 +680,6 @@ class HybridCell(Cell):
             log_a = gla_log_gates(x, self.gate_down, self.gate_up, GLA_TAU, self.spec.num_kv_heads, mask)
         if q.shape[3] == 1 and backend is None:
             return step_hybrid_attn(q, k, v, mask, *state, *args, log_a)
-        if self.kernels == "none" and log_a is None:
+        if self.kernels is None and log_a is None:  # kernels "none" (or no fused form): the general chunked form
             return chunk_hybrid_attn(q, k, v, mask, *state, *args, self.chunk_size)
         return fused_hybrid_attn(q, k, v, mask, *state, *args, self.chunk_size, backend, log_a)
