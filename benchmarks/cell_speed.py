@@ -22,20 +22,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import rnnify
+from rnnify.bench import OpCount
 from rnnify.runtime.threads import set_threads
-
-
-class _OpCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _captured(model, cell: torch.nn.Module, run) -> tuple[tuple, dict]:
@@ -65,7 +55,7 @@ def _best_ms(fn, rounds: int) -> float:
 
 
 def _ops(fn) -> int:
-    count = _OpCount()
+    count = OpCount()
     with count:
         fn()
     return count.ops

@@ -35,11 +35,10 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 
 import rnnify
-from rnnify.bench import fill_state, kv_cache, machine, weight_bytes
+from rnnify.bench import OpCount, fill_state, kv_cache, machine, weight_bytes
 from rnnify.runtime.aot import STEP_PACKAGE, write_step_package
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 
@@ -59,26 +58,13 @@ def _min_ms(fn, steps: int) -> float:
     return best * 1e3
 
 
-class _Ops(TorchDispatchMode):
-    """Counts the aten ops dispatched, apart inside the cells (``inside`` is set by hooks)."""
-
-    def __init__(self):
-        super().__init__()
-        self.inside, self.cells, self.total = False, 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.total += 1
-        self.cells += self.inside
-        return func(*args, **(kwargs or {}))
-
-
 def breakdown(model, context: int, steps: int, limit_ms: float) -> dict:
     """Where a batch-1 step's time goes (see the module docstring)."""
     state = fill_state(model, context, 1, 256)
     token = torch.tensor([[5]], device=model.device)
     inputs = (token, state.positions[:, None], torch.ones_like(token, dtype=torch.bool), *state.tensors)
     spent = [0.0]
-    ops = _Ops()
+    ops = OpCount()
 
     def enter(*_):
         ops.inside = True
@@ -102,16 +88,16 @@ def breakdown(model, context: int, steps: int, limit_ms: float) -> dict:
             model.graph(*inputs)
     for handle in handles:
         handle.remove()
-    return {"step_ms": step_ms, "graph_ms": graph_ms, "cells_ms": cells_ms, "ops_total": ops.total,
-            "ops_in_cells": ops.cells, "weight_read_ms": limit_ms}
+    return {"step_ms": step_ms, "graph_ms": graph_ms, "cells_ms": cells_ms, "ops_total": ops.ops,
+            "ops_in_cells": ops.inside_ops, "weight_read_ms": limit_ms}
 
 
 def original_ops(hf, context: int) -> int:
     cache = kv_cache(hf, context, 1)
-    ops = _Ops()
+    ops = OpCount()
     with torch.no_grad(), ops:
         hf(input_ids=torch.tensor([[5]]), cache=cache, position_ids=torch.tensor([[context]]), use_cache=True)
-    return ops.total
+    return ops.ops
 
 
 def _order(runs: dict, round_: int) -> list:

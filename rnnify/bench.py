@@ -23,18 +23,33 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel
 
 __all__ = [
     "Run", "Result", "Machine", "benchmark", "machine", "bandwidth", "weight_bytes", "bench_converted",
-    "bench_original", "plot", "timing_warning", "busy_warning",
+    "bench_original", "plot", "timing_warning", "busy_warning", "OpCount",
 ]
 
 WARMUP = 2  # decode steps before timing
 FILL_TOKENS = 256  # real tokens a constant-state model reads before its position jumps to the context
 SPREAD = 2.0  # timings of the same work that disagree by more than this factor are not to be trusted
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched while active (``ops``), and apart those while ``inside`` is set
+    (``inside_ops``; hooks set it around the cells): on a CPU a small step's time is its op count."""
+
+    def __init__(self):
+        super().__init__()
+        self.inside, self.ops, self.inside_ops = False, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.inside_ops += self.inside
+        return func(*args, **(kwargs or {}))
 
 
 @dataclass

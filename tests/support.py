@@ -4,20 +4,6 @@ from __future__ import annotations
 
 import torch
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
-
-
-class OpCount(TorchDispatchMode):
-    """Counts the aten ops dispatched (as ``benchmarks/speed.py --breakdown`` does): a CPU step's time
-    is its op count, so tests hold the lean paths to few ops with it."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:

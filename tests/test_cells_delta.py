@@ -23,13 +23,13 @@ from rnnify.cells.delta import (
     naive_recurrent_delta_attn,
     step_delta_attn,
 )
+from rnnify.bench import OpCount
 from rnnify.cells import hybrid as hybrid_cells
 from rnnify.cells.gated import gla_log_gates
 from rnnify.cells.hybrid import GLA_TAU, chunk_hybrid_attn, delta_memory_hybrid_attn, fused_hybrid_attn
 from rnnify.errors import RnnifyError
 from rnnify.kernels import utils
 from kernel_support import nan_buffers  # noqa: F401 - autouse: NaN-filled kernel outputs
-from support import OpCount
 
 SPEC = CellSpec(num_heads=4, num_kv_heads=2, head_dim=8, value_dim=6, scale=8**-0.5, hidden_size=12)
 

@@ -44,10 +44,10 @@ from rnnify.cells.window import (
     parallel_window_attn,
     step_window_attn,
 )
+from rnnify.bench import OpCount
 from rnnify.errors import RnnifyError
 from rnnify.runtime.manifest import MANIFEST_FILE
 from support import (
-    OpCount,
     assert_left_padded_rows_equal_rows_alone,
     assert_steps_and_split_prefill_match,
     decode,
