@@ -180,10 +180,12 @@ def run_row(spec: dict, heldout: Path, train: Path, args, cached: dict | None, s
         if not args.distilled_only:  # a row is saved once it has a measurement
             save(row)
     tokens = distill_budget(spec, args)
+    gate_scales = [dict(zip(STAGES, args.gate_lr_scale))[s] for s in args.stages]
     wanted = None if tokens is None else {"tokens": tokens, "lr": list(args.lr), "seed": args.seed,
                                           "seq_len": args.distill_seq_len, "batch_size": args.distill_batch_size,
                                           "train": args.train, "schedule": args.schedule,
-                                          **({} if args.stages == list(STAGES) else {"stages": args.stages})}
+                                          **({} if args.stages == list(STAGES) else {"stages": args.stages}),
+                                          **({} if gate_scales == [1.0] * len(args.stages) else {"gate_lr_scale": gate_scales})}
     if wanted is None or (row.get("distill_settings") == wanted and "distilled" in row):
         if wanted is None:
             row = {k: v for k, v in row.items() if k not in ("distilled", "distill_settings", "distill_seconds",
@@ -195,7 +197,7 @@ def run_row(spec: dict, heldout: Path, train: Path, args, cached: dict | None, s
     model = rnnify.distill(
         model, train, teacher=args.teacher, max_tokens=tokens, seq_len=args.distill_seq_len,
         batch_size=args.distill_batch_size, lr=[dict(zip(STAGES, args.lr))[s] for s in args.stages],
-        train=args.train, schedule=args.schedule, seed=args.seed, stages=args.stages,
+        train=args.train, schedule=args.schedule, seed=args.seed, stages=args.stages, gate_lr_scale=gate_scales,
         # with --checkpoint-dir a killed distillation continues where it stopped when rerun
         checkpoint_dir=None if args.checkpoint_dir is None else args.checkpoint_dir / spec["variant"],
         checkpoint_every=args.checkpoint_every, resume=args.checkpoint_dir is not None,
@@ -538,6 +540,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="what finetune trains besides the cells (rnnify distill --train; default: lora, the recipe of the "
                         "bundled table, whose finetune lr 1e-3 suits LoRA but pulls every weight away from the original)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="cosine", help="learning-rate schedule (rnnify distill --schedule)")
+    parser.add_argument("--gate-lr-scale", type=float, nargs=2, default=(1.0, 1.0), metavar=("TRANSFER", "FINETUNE"),
+                        help="the cells' gates train at these multiples of each stage's rate (rnnify distill --gate-lr-scale)")
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES),
                         help="distillation stages, in order (rnnify distill --stages; default: transfer finetune); "
                         "the budget is split evenly between them")

@@ -264,6 +264,21 @@ def test_cosine_schedule_warms_up_then_decays_to_a_tenth(hybrid_dir, monkeypatch
     assert unbounded == pytest.approx([5e-3, 1e-2, 1e-2, 1e-2])
 
 
+def test_gates_train_at_their_multiple_of_the_rate(tiny_model_dir):
+    # gates half open: at 0 only the gate itself gets a gradient (the memory's share of the output is 0)
+    model = rnnify.convert(tiny_model_dir("llama"), to="hybrid", window=4, feature_map="hedgehog", memory_init=0.5)
+    before = state_dict(model)
+    rnnify.distill(model, tokens(4), stages=["transfer"], lr=1e-3, schedule="constant", gate_lr_scale=20, **FAST)
+    moved = {k: (v - before[k]).abs().max().item() for k, v in state_dict(model).items() if k.startswith("graph.cells.")}
+    gates = {k for k in moved if k.endswith(("memory_gate", "window_logit"))}
+    assert len(gates) == 2 * len(model.cells)
+    # AdamW's first step moves a weight by its rate times g / (|g| + eps): 20 x 1e-3 for the gates, <= 1e-3 for the rest
+    assert all(moved[k] == pytest.approx(2e-2, rel=1e-3) for k in gates)
+    rest = [v for k, v in moved.items() if k not in gates]
+    assert rest and 0 < max(rest) <= 1e-3 * (1 + 1e-6)
+    assert model.manifest.distill["gate_lr_scale"] == [20]
+
+
 def test_resume_refuses_other_settings(hybrid_dir, tmp_path):
     model = rnnify.load(hybrid_dir)
     rnnify.distill(model, tokens(8), stages=["transfer"], checkpoint_dir=tmp_path, **FAST)
@@ -340,6 +355,8 @@ def test_seq_len_is_checked_against_learned_positions_first(converted_dir):
     ({"resume": True}, "checkpoint_dir"),
     ({"kl_weight": -1}, "kl_weight"),
     ({"schedule": "linear"}, "schedule"),
+    ({"gate_lr_scale": 0}, "gate_lr_scale"),
+    ({"gate_lr_scale": [1, 10, 100]}, "gate_lr_scale"),
     ({"batch_size": 0}, "batch_size"),
 ])
 def test_bad_arguments_are_user_errors(hybrid_dir, options, words):
@@ -434,11 +451,12 @@ def test_cli_distill_writes_a_distilled_model(capsys, hybrid_dir, corpus, tmp_pa
     out = tmp_path / "distilled"
     code, stdout, err = run_cli(capsys, "distill", hybrid_dir, "--data", corpus, "-o", out, "--seq-len", 16,
                                 "--batch-size", 4, "--max-tokens", 256, "--lr", "1e-2,1e-3", "--checkpoint-every", 4,
-                                "--kernels", "none", "--device", "cpu")
+                                "--gate-lr-scale", "1,20", "--kernels", "none", "--device", "cpu")
     assert code == 0, err
     assert f"saved to {out}" in stdout and "transfer:" in err and "finetune:" in err
     manifest = json.loads((out / "rnnify.json").read_text())
     assert [r["tokens"] for r in manifest["distill"]["trained"]] == [128, 128]
+    assert manifest["distill"]["gate_lr_scale"] == [1, 20]
     assert manifest["kernels"] == "none"  # trained and saved as --kernels said
     assert not (tmp_path / "distilled.checkpoints").exists()  # served its purpose once the model is saved
     assert rnnify.load(out).target == "hybrid"
@@ -462,6 +480,8 @@ def test_cli_convert_then_distill_in_one_go(capsys, tiny_model_dir, corpus, tmp_
     (["--data", "missing.txt"], "does not exist"),
     (["--stages", "transfer,pretrain"], "stages"),
     (["--lr", "fast"], "--lr"),
+    (["--gate-lr-scale", "1,x"], "--gate-lr-scale"),
+    (["--gate-lr-scale", "1,2,3"], "gate_lr_scale"),
     (["--seq-len", "1"], "seq_len (--seq-len) must be"),
     (["--tokenizer", "no/such/dir"], "--tokenizer DIR"),
     (["--device", "cuda:0" if not torch.cuda.is_available() else "nope"], "--device"),

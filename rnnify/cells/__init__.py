@@ -23,7 +23,7 @@ from rnnify.cells.linear import LinearCell
 from rnnify.cells.window import WindowCell
 from rnnify.errors import RnnifyError
 
-__all__ = ["CELLS", "Cell", "CellSpec", "HeadSplitCell", "build_cell", "parameters"]
+__all__ = ["CELLS", "Cell", "CellSpec", "HeadSplitCell", "build_cell", "gate_parameters", "parameters"]
 
 CELLS: dict[str, type[Cell]] = {cls.target: cls for cls in (ExactCell, LinearCell, AarenCell, GatedCell, WindowCell, HybridCell, GatedRNNCell,
                                                            DeltaCell, GatedDeltaCell)}
@@ -48,4 +48,15 @@ def parameters(module: nn.Module) -> Iterator[nn.Parameter]:
             for parameter in sub.parameters():
                 if id(parameter) not in seen:
                     seen.add(id(parameter))
+                    yield parameter
+
+
+def gate_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
+    """The trainable ``Cell.gates`` of every cell in ``module``: the per-head scalars that weigh a
+    cell's parts (distillation trains them at a multiple of the stage's rate)."""
+    for sub in module.modules():
+        if isinstance(sub, Cell):
+            for name in sub.gates:
+                parameter = getattr(sub, name, None)  # e.g. the window share, which a delta memory lacks
+                if isinstance(parameter, nn.Parameter):
                     yield parameter

@@ -64,6 +64,11 @@ class Cell(nn.Module):
     # Options that manifests saved before the option existed lack, at the value those models were
     # built with, where the default has changed since (``rnnify.load`` fills them in).
     manifest_defaults: ClassVar[dict[str, Any]] = {}
+    # Parameters that weigh the cell's parts against each other, one scalar per head (the hybrid's
+    # memory gate): AdamW moves a weight by about its rate a step whatever the gradient, so a few
+    # steps at a projection's rate leave them near their start; distillation trains them at a
+    # multiple of it (``gate_lr_scale``).
+    gates: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, spec: CellSpec):
         super().__init__()

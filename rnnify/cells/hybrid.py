@@ -533,6 +533,7 @@ class HybridCell(Cell):
     target = "hybrid"
     own_forms_without_triton = frozenset({"prefill", "decode"})
     manifest_defaults = {"sinks": 0}  # hybrids saved before sinks existed had none
+    gates = ("memory_gate", "window_logit")
     state_names = ("keys", "values", "length", "kv", "k_sum")  # with sinks: + sink_keys, sink_values after values
 
     def __init__(

@@ -45,6 +45,10 @@ def add_training_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    "a small budget, see docs/distill.md) or auto: all for models up to 1B parameters, else lora "
                    "(default: auto)")
     g.add_argument("--lora-rank", type=int, default=8, metavar="R", help="LoRA rank of the finetune stage with --train lora (default: 8)")
+    g.add_argument("--gate-lr-scale", metavar="X[,X]",
+                   help="the cells' gates (the hybrid's memory gate and window share, one number per head) train at "
+                   "X times the stage's rate, one X for all stages or one per stage, so that a short stage moves "
+                   "them far enough (default: 1)")
     g.add_argument("--kl-weight", type=float, default=1.0, metavar="X",
                    help="weight of KL(teacher || model) next to the next-token loss; 0 needs no teacher (default: 1)")
     g.add_argument("--checkpoint-dir", metavar="DIR",
@@ -67,18 +71,25 @@ def training_options(args: argparse.Namespace) -> dict[str, Any]:
     Also refuses an ``--output`` that saving would refuse, now rather than after hours of training.
     """
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    lr = None
-    if args.lr is not None:
-        try:
-            lr = [float(x) for x in args.lr.split(",")]
-        except ValueError:
-            raise RnnifyError(f"--lr {args.lr!r}: expected a number or comma-separated numbers, e.g. 1e-2,1e-4") from None
-        lr = lr[0] if len(lr) == 1 else lr
+    lr = _numbers("--lr", args.lr, "1e-2,1e-4")
+    gate_lr_scale = _numbers("--gate-lr-scale", args.gate_lr_scale, "1,100")
     output = check_output(Path(args.output))
     return {
         "tokenizer": args.tokenizer, "stages": stages, "max_tokens": args.max_tokens, "seq_len": args.seq_len,
         "batch_size": args.batch_size, "lr": lr, "lora_rank": args.lora_rank, "train": args.train, "kl_weight": args.kl_weight,
+        **({} if gate_lr_scale is None else {"gate_lr_scale": gate_lr_scale}),
         "schedule": args.schedule, "seed": args.seed,
         "checkpoint_dir": args.checkpoint_dir or output.with_name(output.name + ".checkpoints"),
         "checkpoint_every": args.checkpoint_every, "resume": args.resume, "fsdp": args.fsdp,
     }
+
+
+def _numbers(flag: str, text: str | None, example: str) -> float | list[float] | None:
+    """``X`` or ``X,X,...`` as a number or a list of them (None: the flag was not given)."""
+    if text is None:
+        return None
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise RnnifyError(f"{flag} {text!r}: expected a number or comma-separated numbers, e.g. {example}") from None
+    return values[0] if len(values) == 1 else values

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rnnify.cells import gate_parameters
 from rnnify.cells import parameters as cell_parameters
 from rnnify.data import row_length, token_batches, tokenizer_for
 from rnnify.distill.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, set_aside
@@ -69,6 +70,7 @@ def distill(
     train: str = "auto",
     kl_weight: float = 1.0,
     schedule: str = "cosine",
+    gate_lr_scale: float | Sequence[float] = 1.0,
     seed: int = 0,
     checkpoint_dir: str | os.PathLike | None = None,
     checkpoint_every: int = 500,
@@ -99,7 +101,10 @@ def distill(
     no teacher; otherwise ``teacher`` goes to ``load_teacher``. AdamW, gradient norm clipped at 1.
     ``schedule``: ``"cosine"`` warms the rate up over the first 5% of a stage's steps and decays it
     to a tenth by its last (``lr_factor``; a stage without a token budget, whose length is unknown,
-    keeps the rate after the warm-up), ``"constant"`` keeps it throughout.
+    keeps the rate after the warm-up), ``"constant"`` keeps it throughout. ``gate_lr_scale`` (one
+    for all stages or one per stage run): the cells' gates (``Cell.gates``, e.g. the hybrid's memory
+    gate, one scalar per head) train at this multiple of the stage's rate, so that a short stage can
+    move them as far as they need.
 
     ``checkpoint_dir``: every ``checkpoint_every`` steps and at the end of each stage the trainable
     tensors, optimizer and step go there; ``resume=True`` continues from it exactly (a fresh start
@@ -118,7 +123,8 @@ def distill(
     distillation's record under ``"earlier"``).
     """
     stages = _check_stages(stages)
-    lrs = _check_lrs(stages, lr)
+    lrs = _per_stage("lr", stages, DEFAULT_LR if lr is None else lr)
+    gate_scales = _per_stage("gate_lr_scale", stages, gate_lr_scale)
     seq_len = row_length(model, seq_len)  # before the teacher loads, and before the data is read
     for name, value, low in (("batch_size", batch_size, 1), ("checkpoint_every", checkpoint_every, 1),
                              ("lora_rank", lora_rank, 1)):
@@ -143,7 +149,7 @@ def distill(
     config = _Config(
         stages, lrs, max_tokens, seq_len, batch_size, lora_rank,
         float(lora_alpha if lora_alpha is not None else 2 * lora_rank), train, float(kl_weight), schedule, seed,
-        checkpoint_every,
+        checkpoint_every, gate_scales,
     )
     runtime = setup(torch.device(device) if device is not None else model.device)
     try:
@@ -166,6 +172,7 @@ class _Config:
     schedule: str
     seed: int
     checkpoint_every: int
+    gate_lr_scale: dict[str, float]
 
 
 def lr_factor(step: int, total: int | None, schedule: str = "cosine") -> float:
@@ -196,13 +203,15 @@ def _check_stages(stages: Sequence[str]) -> list[str]:
     return sorted(stages, key=STAGES.index)
 
 
-def _check_lrs(stages: list[str], lr: float | Sequence[float] | None) -> dict[str, float]:
-    if lr is None:
-        return {s: DEFAULT_LR[s] for s in stages}
-    rates = [lr] * len(stages) if isinstance(lr, (int, float)) else list(lr)
-    if len(rates) != len(stages) or not all(isinstance(r, (int, float)) and r > 0 for r in rates):
-        raise RnnifyError(f"lr must be a positive number or one per stage ({', '.join(stages)}), got {lr!r}")
-    return dict(zip(stages, map(float, rates)))
+def _per_stage(name: str, stages: list[str], value: float | Sequence[float] | dict[str, float]) -> dict[str, float]:
+    """``value`` by stage: one positive number for every stage, one per stage, or a dict of defaults."""
+    if isinstance(value, dict):
+        return {s: value[s] for s in stages}
+    values = [value] * len(stages) if isinstance(value, (int, float)) else list(value)
+    if len(values) != len(stages) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):
+        raise RnnifyError(f"{name} must be a positive number or one per stage ({', '.join(stages)}), got {value!r}")
+    return dict(zip(stages, map(float, values)))
 
 
 class _Trainer:
@@ -241,7 +250,8 @@ class _Trainer:
         self.teacher: nn.Module | None = None  # loaded by ``run``
         self.settings = {
             **{k: v for k, v in asdict(config).items() if k != "checkpoint_every"},
-            "stages": stages, "lr": [config.lr[s] for s in stages], "target": model.target,
+            "stages": stages, "lr": [config.lr[s] for s in stages],
+            "gate_lr_scale": [config.gate_lr_scale[s] for s in stages], "target": model.target,
             "data": os.fspath(data) if isinstance(data, (str, os.PathLike)) else type(data).__name__,
             "teacher": _teacher_name(model, teacher) if self.uses_teacher else None,
         }
@@ -307,6 +317,18 @@ class _Trainer:
         }
         return model
 
+    def param_groups(self, originals: list[nn.Parameter], trainable: list[nn.Parameter], lr: float,
+                     gate_scale: float) -> list[dict]:
+        """AdamW's groups over ``trainable`` (``originals`` or their shards, in the same order): the
+        cells' gates at ``gate_scale`` times ``lr``, the rest at ``lr``; each group's ``scale`` is its
+        multiple of the stage's scheduled rate."""
+        gates = {id(p) for p in gate_parameters(self.model)}
+        groups = [
+            {"params": [t for p, t in zip(originals, trainable) if (id(p) in gates) == is_gate], "scale": scale}
+            for is_gate, scale in ((False, 1.0), (True, gate_scale))
+        ]
+        return [{**g, "lr": lr * g["scale"]} for g in groups if g["params"]]
+
     def train_stage(self, stage: str, names: list[str], resumed: Checkpoint | None,
                     records: list[dict[str, Any]]) -> dict[str, Any]:
         """Train ``names`` for one stage (from ``resumed`` if given); the stage's record."""
@@ -328,7 +350,8 @@ class _Trainer:
                 if stage == "transfer":  # the losses are at the cells: nothing after the last one runs
                     restore.enter_context(cells_only(model))
                 run, wrapped, trainable = model, runtime.wrap(model), originals
-            optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+            optimizer = torch.optim.AdamW(self.param_groups(originals, trainable, lr, self.config.gate_lr_scale[stage]),
+                                          lr=lr, weight_decay=0.0)
             step, tokens = 0, 0
             if resumed is not None:
                 state = resumed.optimizer
@@ -349,7 +372,7 @@ class _Trainer:
             with tqdm(total=total, initial=step, desc=stage, unit="step", disable=not self.progress, file=sys.stderr) as bar:
                 for batch in token_batches(**self.batches_args, skip_batches=step):
                     for group in optimizer.param_groups:
-                        group["lr"] = lr * lr_factor(step, total, self.config.schedule)
+                        group["lr"] = lr * group["scale"] * lr_factor(step, total, self.config.schedule)
                     loss, batch_tokens = self.step(stage, run, wrapped, optimizer, trainable, batch)
                     step, tokens = step + 1, tokens + batch_tokens
                     bar.update()
