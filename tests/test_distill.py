@@ -357,6 +357,7 @@ def test_seq_len_is_checked_against_learned_positions_first(converted_dir):
     ({"schedule": "linear"}, "schedule"),
     ({"gate_lr_scale": 0}, "gate_lr_scale"),
     ({"gate_lr_scale": [1, 10, 100]}, "gate_lr_scale"),
+    ({"gate_lr_scale": float("inf")}, "gate_lr_scale"),
     ({"batch_size": 0}, "batch_size"),
 ])
 def test_bad_arguments_are_user_errors(hybrid_dir, options, words):

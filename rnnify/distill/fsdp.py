@@ -85,6 +85,11 @@ class _SplitView(RecurrentModel):
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
             return super().forward(*args, **kwargs)
 
+    def _direct_forward(self) -> Any:
+        # Direct calls run the graph's code without its module hooks; FSDP's root gathers the
+        # rooted pieces' weights (a tied embedding) in its pre-forward hook, so no_grad calls too go through it.
+        return nn.Module.__call__
+
 
 class ShardedModel:
     """The FSDP training copy of ``model`` (see the module docstring).
@@ -102,6 +107,10 @@ class ShardedModel:
         self.memo: dict[int, Any] = {}
         graph = split_layers(model.graph, model.manifest.cells, memo=self.memo)
         retarget_devices(graph, mesh.device_type)  # the model may sit on the CPU, its shards run on the mesh's device
+        with torch.no_grad():  # FSDP shards only contiguous tensors: not a linear weight laid out column-major
+            for param in graph.parameters():  # (runtime.weight_layout); the model's own keep their layout
+                if not param.is_contiguous():
+                    param.data = param.data.contiguous()
         self.view = _SplitView(graph, model, [self.memo[id(cell)] for cell in model.cells])
         self._where: dict[int, tuple[nn.Module, str]] = {}  # copy's id -> a module holding it, and its name
         for module in graph.modules():

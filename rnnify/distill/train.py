@@ -123,7 +123,7 @@ def distill(
     distillation's record under ``"earlier"``).
     """
     stages = _check_stages(stages)
-    lrs = _per_stage("lr", stages, DEFAULT_LR if lr is None else lr)
+    lrs = _per_stage("lr", stages, [DEFAULT_LR[s] for s in stages] if lr is None else lr)
     gate_scales = _per_stage("gate_lr_scale", stages, gate_lr_scale)
     seq_len = row_length(model, seq_len)  # before the teacher loads, and before the data is read
     for name, value, low in (("batch_size", batch_size, 1), ("checkpoint_every", checkpoint_every, 1),
@@ -203,13 +203,11 @@ def _check_stages(stages: Sequence[str]) -> list[str]:
     return sorted(stages, key=STAGES.index)
 
 
-def _per_stage(name: str, stages: list[str], value: float | Sequence[float] | dict[str, float]) -> dict[str, float]:
-    """``value`` by stage: one positive number for every stage, one per stage, or a dict of defaults."""
-    if isinstance(value, dict):
-        return {s: value[s] for s in stages}
+def _per_stage(name: str, stages: list[str], value: float | Sequence[float]) -> dict[str, float]:
+    """``value`` by stage: one positive number for every stage, or one per stage."""
     values = [value] * len(stages) if isinstance(value, (int, float)) else list(value)
     if len(values) != len(stages) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in values):
         raise RnnifyError(f"{name} must be a positive number or one per stage ({', '.join(stages)}), got {value!r}")
     return dict(zip(stages, map(float, values)))
 
@@ -358,7 +356,8 @@ class _Trainer:
                 if sharded is not None:
                     from rnnify.distill.fsdp import shard_optimizer_state
 
-                    state = shard_optimizer_state(state, trainable)
+                    # the state is numbered in the groups' order (gates last), not in ``trainable``'s
+                    state = shard_optimizer_state(state, [p for g in optimizer.param_groups for p in g["params"]])
                 optimizer.load_state_dict(state)
                 step, tokens = resumed.step, resumed.tokens
             self.log(f"{stage}: training {sum(p.numel() for p in trainable):,} parameters in {len(trainable)} tensors, "
