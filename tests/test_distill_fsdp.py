@@ -192,6 +192,29 @@ def _worker(rank: int, world_size: int, port: int, model_dir: str, gpt2_dir: str
     dist.destroy_process_group()
 
 
+def _one_rank(rank: int, port: int, model_dir: str, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.save(_memory_probe(model_dir), out)
+    dist.destroy_process_group()
+
+
+def test_fsdp_shards_a_laid_out_tied_head_and_runs_without_grad(converted_dir, tmp_path):
+    """The default suite's guard for what the slow tests cover: GPT-2's head, tied to the embedding and
+    laid out column-major (``runtime.weight_layout``), shards (FSDP takes only contiguous tensors)
+    and a no-grad call gathers it (through the root's hook, which a direct call would skip)."""
+    gpt2_dir = str(converted_dir("gpt2", "hybrid"))
+    assert any(p.dim() == 2 and not p.is_contiguous() for p in rnnify.load(gpt2_dir).parameters())
+    out = str(tmp_path / "probe")
+    torch.multiprocessing.spawn(_one_rank, args=(free_port(), gpt2_dir, out), nprocs=1, join=True)
+    memory = torch.load(out, weights_only=False)
+    assert memory["all_sharded"] and memory["model_plain"] and memory["full"] == memory["model_bytes"]
+    assert [name for name, _ in memory["seen"]] == ["layer_0", "layer_1"]
+
+
 @pytest.fixture(scope="module")
 def fsdp_runs(hybrid_dir, converted_dir, tmp_path_factory):
     """Results of 2 gloo processes with FSDP (see ``_worker``), and of 1 process without it."""
