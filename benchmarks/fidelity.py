@@ -165,6 +165,11 @@ def run_dir_row(spec: dict, heldout: Path, args, cached: dict | None, save) -> d
     return row
 
 
+def by_stage(pair, stages: list[str]) -> list[float]:
+    """A (transfer, finetune) option's values for the stages that run."""
+    return [dict(zip(STAGES, pair))[s] for s in stages]
+
+
 def run_row(spec: dict, heldout: Path, train: Path, args, cached: dict | None, save) -> dict:
     """One row: training-free, then distilled; each step reused from ``cached`` when its settings match,
     else run and handed to ``save`` as soon as it is done."""
@@ -180,7 +185,7 @@ def run_row(spec: dict, heldout: Path, train: Path, args, cached: dict | None, s
         if not args.distilled_only:  # a row is saved once it has a measurement
             save(row)
     tokens = distill_budget(spec, args)
-    gate_scales = [dict(zip(STAGES, args.gate_lr_scale))[s] for s in args.stages]
+    gate_scales = by_stage(args.gate_lr_scale, args.stages)
     wanted = None if tokens is None else {"tokens": tokens, "lr": list(args.lr), "seed": args.seed,
                                           "seq_len": args.distill_seq_len, "batch_size": args.distill_batch_size,
                                           "train": args.train, "schedule": args.schedule,
@@ -196,7 +201,7 @@ def run_row(spec: dict, heldout: Path, train: Path, args, cached: dict | None, s
     start = time.time()
     model = rnnify.distill(
         model, train, teacher=args.teacher, max_tokens=tokens, seq_len=args.distill_seq_len,
-        batch_size=args.distill_batch_size, lr=[dict(zip(STAGES, args.lr))[s] for s in args.stages],
+        batch_size=args.distill_batch_size, lr=by_stage(args.lr, args.stages),
         train=args.train, schedule=args.schedule, seed=args.seed, stages=args.stages, gate_lr_scale=gate_scales,
         # with --checkpoint-dir a killed distillation continues where it stopped when rerun
         checkpoint_dir=None if args.checkpoint_dir is None else args.checkpoint_dir / spec["variant"],

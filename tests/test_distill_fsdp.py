@@ -155,13 +155,19 @@ def _memory_probe(model_dir: str) -> dict:
     }
 
 
-def _worker(rank: int, world_size: int, port: int, model_dir: str, gpt2_dir: str, data: torch.Tensor, out: str) -> None:
+def _join_gloo(rank: int, world_size: int, port: int) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")  # ours, so the distill calls below share it
+    dist.init_process_group("gloo")  # ours, so the distill calls share it
+
+
+def _worker(rank: int, world_size: int, port: int, model_dir: str, gpt2_dir: str, data: torch.Tensor, out: str) -> None:
+    import torch.distributed as dist
+
+    _join_gloo(rank, world_size, port)
     result = {"memory": _memory_probe(model_dir), "memory_gpt2": _memory_probe(gpt2_dir)}
     losses, model = _distill(model_dir, data, fsdp=True, checkpoint_dir=f"{out}.a")
     result.update(losses=losses, weights=state_dict(model), record=model.manifest.distill)
@@ -195,9 +201,7 @@ def _worker(rank: int, world_size: int, port: int, model_dir: str, gpt2_dir: str
 def _one_rank(rank: int, port: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    _join_gloo(rank, 1, port)
     torch.save(_memory_probe(model_dir), out)
     dist.destroy_process_group()
 

@@ -52,7 +52,7 @@ def parameters(module: nn.Module) -> Iterator[nn.Parameter]:
 
 
 def gate_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
-    """The trainable ``Cell.gates`` of every cell in ``module``: the per-head scalars that weigh a
+    """The ``Cell.gates`` parameters of every cell in ``module``: the per-head scalars that weigh a
     cell's parts (distillation trains them at a multiple of the stage's rate)."""
     for sub in module.modules():
         if isinstance(sub, Cell):

@@ -107,10 +107,9 @@ class ShardedModel:
         self.memo: dict[int, Any] = {}
         graph = split_layers(model.graph, model.manifest.cells, memo=self.memo)
         retarget_devices(graph, mesh.device_type)  # the model may sit on the CPU, its shards run on the mesh's device
-        with torch.no_grad():  # FSDP shards only contiguous tensors: not a linear weight laid out column-major
-            for param in graph.parameters():  # (runtime.weight_layout); the model's own keep their layout
-                if not param.is_contiguous():
-                    param.data = param.data.contiguous()
+        for param in graph.parameters():  # FSDP shards only contiguous tensors, not a head laid out column-major
+            if not param.is_contiguous():  # (runtime.weight_layout); the model's own weights keep their layout
+                param.data = param.data.contiguous()
         self.view = _SplitView(graph, model, [self.memo[id(cell)] for cell in model.cells])
         self._where: dict[int, tuple[nn.Module, str]] = {}  # copy's id -> a module holding it, and its name
         for module in graph.modules():

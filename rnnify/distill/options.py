@@ -45,7 +45,7 @@ def add_training_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    "a small budget, see docs/distill.md) or auto: all for models up to 1B parameters, else lora "
                    "(default: auto)")
     g.add_argument("--lora-rank", type=int, default=8, metavar="R", help="LoRA rank of the finetune stage with --train lora (default: 8)")
-    g.add_argument("--gate-lr-scale", metavar="X[,X]",
+    g.add_argument("--gate-lr-scale", default="1", metavar="X[,X]",
                    help="the cells' gates (the hybrid's memory gate and window share, one number per head) train at "
                    "X times the stage's rate, one X for all stages or one per stage, so that a short stage moves "
                    "them far enough (default: 1)")
@@ -77,8 +77,7 @@ def training_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "tokenizer": args.tokenizer, "stages": stages, "max_tokens": args.max_tokens, "seq_len": args.seq_len,
         "batch_size": args.batch_size, "lr": lr, "lora_rank": args.lora_rank, "train": args.train, "kl_weight": args.kl_weight,
-        **({} if gate_lr_scale is None else {"gate_lr_scale": gate_lr_scale}),
-        "schedule": args.schedule, "seed": args.seed,
+        "gate_lr_scale": gate_lr_scale, "schedule": args.schedule, "seed": args.seed,
         "checkpoint_dir": args.checkpoint_dir or output.with_name(output.name + ".checkpoints"),
         "checkpoint_every": args.checkpoint_every, "resume": args.resume, "fsdp": args.fsdp,
     }

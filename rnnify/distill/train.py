@@ -315,17 +315,17 @@ class _Trainer:
         }
         return model
 
-    def param_groups(self, originals: list[nn.Parameter], trainable: list[nn.Parameter], lr: float,
+    def param_groups(self, originals: list[nn.Parameter], trainable: list[nn.Parameter],
                      gate_scale: float) -> list[dict]:
-        """AdamW's groups over ``trainable`` (``originals`` or their shards, in the same order): the
-        cells' gates at ``gate_scale`` times ``lr``, the rest at ``lr``; each group's ``scale`` is its
-        multiple of the stage's scheduled rate."""
+        """AdamW's groups over ``trainable`` (``originals`` or their shards, in the same order), each
+        with its ``scale``, the multiple of the stage's scheduled rate it trains at (set every step):
+        ``gate_scale`` for the cells' gates, 1 for the rest."""
         gates = {id(p) for p in gate_parameters(self.model)}
         groups = [
             {"params": [t for p, t in zip(originals, trainable) if (id(p) in gates) == is_gate], "scale": scale}
             for is_gate, scale in ((False, 1.0), (True, gate_scale))
         ]
-        return [{**g, "lr": lr * g["scale"]} for g in groups if g["params"]]
+        return [g for g in groups if g["params"]]
 
     def train_stage(self, stage: str, names: list[str], resumed: Checkpoint | None,
                     records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -348,8 +348,8 @@ class _Trainer:
                 if stage == "transfer":  # the losses are at the cells: nothing after the last one runs
                     restore.enter_context(cells_only(model))
                 run, wrapped, trainable = model, runtime.wrap(model), originals
-            optimizer = torch.optim.AdamW(self.param_groups(originals, trainable, lr, self.config.gate_lr_scale[stage]),
-                                          lr=lr, weight_decay=0.0)
+            groups = self.param_groups(originals, trainable, self.config.gate_lr_scale[stage])
+            optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
             step, tokens = 0, 0
             if resumed is not None:
                 state = resumed.optimizer
