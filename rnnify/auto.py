@@ -18,6 +18,10 @@ With ``retrieval_window`` the heads chosen keep a long window (``retrieval_windo
 sinks) instead of the whole context: the state stops growing at that window, so the model decodes in
 constant memory, and a head's cost is counted at ``min(context, retrieval_window)`` tokens. The
 scores stay those of the short window (what a head loses when it streams).
+
+With ``memory`` the streaming heads are hybrids: the window and a memory of what left it
+(``cells.hybrid``), gated off at first, so the scores and the choice are those of the window and
+distillation then trains the memories (docs/fidelity-smollm2.md's per-head hybrid).
 """
 
 from __future__ import annotations
@@ -263,21 +267,32 @@ def layers_spec(specs: list[CellSpec], retrieval: set[Head], retrieval_window: i
     return ",".join(rules) or None
 
 
-def _plan_options(every_head: bool, window: int, sinks: int, retrieval_window: int | None) -> tuple[str, dict[str, int]]:
-    """The ``--to`` target and options of a choice: ``window`` unless every head is exact."""
+def _plan_options(every_head: bool, window: int, sinks: int, retrieval_window: int | None,
+                  memory: str | None = None) -> tuple[str, dict[str, Any]]:
+    """The ``--to`` target and options of a choice: the streaming heads' target (``window``, or
+    ``hybrid`` with ``memory``) unless every head is exact."""
     if retrieval_window is None and every_head:
         return "exact", {}
-    return "window", {"window": window, "sinks": sinks}
+    return streaming_target(window, sinks, memory)
+
+
+def streaming_target(window: int, sinks: int, memory: str | None = None) -> tuple[str, dict[str, Any]]:
+    """The target of the heads that stream: a window with sinks, or with ``memory`` a hybrid whose
+    memory (gated off at first: training-free it is that window) keeps what leaves the window."""
+    if memory is None:
+        return "window", {"window": window, "sinks": sinks}
+    return "hybrid", {"window": window, "sinks": sinks, "memory": memory}
 
 
 def head_costs(specs: list[CellSpec], retrieval: set[Head], context: int, window: int, sinks: int,
-               dtype: torch.dtype, retrieval_window: int | None = None) -> int:
+               dtype: torch.dtype, retrieval_window: int | None = None, memory: str | None = None) -> int:
     """State bytes per sequence at ``context`` tokens with the heads in ``retrieval`` exact (or
-    windowed to ``retrieval_window``), the rest windowed to ``window``: the cells' own
+    windowed to ``retrieval_window``), the rest streaming (``streaming_target``): the cells' own
     ``state_nbytes`` (plus the positions), as ``RecurrentModel.state_nbytes`` counts."""
     from rnnify.plan import make_plan
 
-    target, options = _plan_options(len(retrieval) == sum(s.num_kv_heads for s in specs), window, sinks, retrieval_window)
+    every_head = len(retrieval) == sum(s.num_kv_heads for s in specs)
+    target, options = _plan_options(every_head, window, sinks, retrieval_window, memory)
     plan = make_plan(target, layers_spec(specs, retrieval, retrieval_window), **options)
     total = sum(plan.cell_for(layer, spec).state_nbytes(context, 1, dtype) for layer, spec in enumerate(specs))
     return total + torch.empty((), dtype=torch.long).element_size()
@@ -300,13 +315,14 @@ class HeadReport:
     budget: int | None
     max_kl: float | None
     retrieval: list[Head]  # the heads chosen: exact, or windowed to retrieval_window
-    layers: str | None  # the --layers spec that rebuilds the choice (with --to window --window --sinks)
+    layers: str | None  # the --layers spec that rebuilds the choice (with --to window, or hybrid --memory, --window --sinks)
     scores: dict[str, dict[str, float]]  # score -> "layer.head" -> value
     head_bytes: dict[str, int]  # "retrieval"/"streaming": one kv head's state at `context`
     state_bytes: int  # the chosen model's state per sequence at `context`
     kv_cache_bytes: int  # the original's KV cache at `context`
     calibration_kl: float  # measured with the choice, on the calibration rows
     calibration: dict[str, Any] = field(default_factory=dict)
+    memory: str | None = None  # the streaming heads' hybrid memory, or None: they are windows
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -316,21 +332,21 @@ class HeadReport:
             f.write(json.dumps(self.to_json(), indent=2) + "\n")
 
 
-def one_head_bytes(spec: CellSpec, window: int | None, sinks: int, context: int, dtype: torch.dtype) -> int:
+def one_head_bytes(spec: CellSpec, window: int | None, sinks: int, context: int, dtype: torch.dtype,
+                   memory: str | None = None) -> int:
     """One kv head's state (with its query group) at ``context`` tokens: exact (``window`` None) or
-    a window with sinks."""
+    ``streaming_target``."""
     from rnnify.cells import build_cell
     from rnnify.cells.heads import part_spec
 
-    if window is None:
-        return build_cell("exact", part_spec(spec, 1), {}).state_nbytes(context, 1, dtype)
-    return build_cell("window", part_spec(spec, 1), {"window": window, "sinks": sinks}).state_nbytes(context, 1, dtype)
+    target, options = ("exact", {}) if window is None else streaming_target(window, sinks, memory)
+    return build_cell(target, part_spec(spec, 1), options).state_nbytes(context, 1, dtype)
 
 
 def choose(scores: dict[Head, float], specs: list[CellSpec], *, context: int, window: int, sinks: int,
            dtype: torch.dtype, budget: int | None = None, kl_of: Callable[[set[Head]], float] | None = None,
            max_kl: float | None = None, units: list[list[Head]] | None = None,
-           retrieval_window: int | None = None) -> set[Head]:
+           retrieval_window: int | None = None, memory: str | None = None) -> set[Head]:
     """The retrieval heads: exact, or windowed to ``retrieval_window``; the rest stream. ``units``
     (default: each head alone) are chosen whole, e.g. all heads of a layer for a per-layer choice;
     a unit's score is the sum of its heads'.
@@ -341,11 +357,12 @@ def choose(scores: dict[Head, float], specs: list[CellSpec], *, context: int, wi
     units = units or [[h] for h in sorted(scores)]
     unit_score = [sum(scores[h] for h in unit) for unit in units]
     if budget is not None:
-        cost = lambda heads: head_costs(specs, heads, context, window, sinks, dtype, retrieval_window)  # noqa: E731
+        cost = lambda heads: head_costs(specs, heads, context, window, sinks, dtype, retrieval_window, memory)  # noqa: E731
         smallest = cost(set())
         if budget < smallest:
             raise RnnifyError(f"--state-budget {budget:,} bytes cannot be met at {context:,} tokens: the smallest state "
-                              f"(every head a {window}-token window with {sinks} sinks) is {smallest:,} bytes; give at least that")
+                              f"(every head a {window}-token {'window' if memory is None else memory + ' hybrid'} "
+                              f"with {sinks} sinks) is {smallest:,} bytes; give at least that")
         extra = [cost(set(u)) - smallest for u in units]
         order = sorted(range(len(units)), key=lambda i: -unit_score[i] / max(extra[i], 1))
         chosen: set[Head] = set()
@@ -450,11 +467,16 @@ class HeadScorer:
         return measure_kl(self.source, self.calibration, self.originals, windowed, self.sinks)
 
     def choose(self, budget: str | int | None = None, context: int = 4096, max_kl: float | None = None,
-               per_layer: bool = False, score: str | None = None, retrieval_window: int | None = None) -> HeadReport:
+               per_layer: bool = False, score: str | None = None, retrieval_window: int | None = None,
+               memory: str | None = None) -> HeadReport:
         """The retrieval heads (``choose``) by ``score`` (default: the one scored for): under ``budget``
         (bytes or a ``parse_bytes`` text) at ``context`` tokens, or at most ``max_kl``; whole layers
         with ``per_layer``. They stay exact, or with ``retrieval_window`` keep a window of that many
-        tokens, so the state stops growing there."""
+        tokens, so the state stops growing there. With ``memory`` the other heads are hybrids with
+        that memory (``streaming_target``), whose bytes the budget counts; training-free they are
+        their window, so the scores and the calibration KL are the window's."""
+        from rnnify.cells.hybrid import MEMORIES
+
         score = score or self.score
         if score not in self.scores:
             raise RnnifyError(f"score {score!r} was not measured (scored for {self.score!r})")
@@ -468,23 +490,25 @@ class HeadScorer:
                                              or retrieval_window <= self.window):
             raise RnnifyError(f"--retrieval-window must be a token count above --window ({self.window}), "
                               f"got {retrieval_window!r}")
+        if memory is not None and memory not in MEMORIES:
+            raise RnnifyError(f"--memory {memory!r} is not a memory; choose one of {', '.join(MEMORIES)}")
         specs, window, sinks, dtype, long = self.specs, self.window, self.sinks, self.dtype, retrieval_window
         if isinstance(budget, str):
             budget = parse_bytes(budget, lambda: kv_cache_bytes(specs, context, dtype))
         units = [[h for h in self.heads if h[0] == layer] for layer in range(len(specs))] if per_layer else None
         chosen = choose(self.scores[score], specs, context=context, window=window, sinks=sinks, dtype=dtype,
                         budget=budget, kl_of=lambda heads: self.kl(heads, long), max_kl=max_kl, units=units,
-                        retrieval_window=long)
+                        retrieval_window=long, memory=memory)
         return HeadReport(
             score=score, window=window, sinks=sinks, retrieval_window=long, context=context, budget=budget,
             max_kl=max_kl, retrieval=sorted(chosen), layers=layers_spec(specs, chosen, long),
             scores={name: {f"{lay}.{h}": v for (lay, h), v in values.items()} for name, values in self.scores.items()},
             head_bytes={"retrieval": one_head_bytes(specs[0], long, sinks, context, dtype),
-                        "streaming": one_head_bytes(specs[0], window, sinks, context, dtype)},
-            state_bytes=head_costs(specs, chosen, context, window, sinks, dtype, long),
+                        "streaming": one_head_bytes(specs[0], window, sinks, context, dtype, memory)},
+            state_bytes=head_costs(specs, chosen, context, window, sinks, dtype, long, memory),
             kv_cache_bytes=kv_cache_bytes(specs, context, dtype),
             calibration_kl=self.kl(chosen, long),
-            calibration={**self.about, "per_layer": per_layer},
+            calibration={**self.about, "per_layer": per_layer}, memory=memory,
         )
 
 
@@ -511,24 +535,25 @@ def read_scores(path: str | os.PathLike, score: str, window: int, sinks: int) ->
 
 def choose_heads(model: Any, data: Any, *, budget: str | int | None = None, context: int = 4096,
                  max_kl: float | None = None, per_layer: bool = False, retrieval_window: int | None = None,
-                 **scoring: Any) -> HeadReport:
+                 memory: str | None = None, **scoring: Any) -> HeadReport:
     """``HeadScorer(model, data, **scoring).choose(...)``: the retrieval heads ``--to auto`` keeps,
     with the report."""
     if (budget is None) == (max_kl is None):  # before any model loads
         raise RnnifyError("--to auto needs one of --state-budget BYTES (with --at-context N) or --max-kl X")
-    return HeadScorer(model, data, **scoring).choose(budget, context, max_kl, per_layer, retrieval_window=retrieval_window)
+    return HeadScorer(model, data, **scoring).choose(budget, context, max_kl, per_layer, retrieval_window=retrieval_window,
+                                                     memory=memory)
 
 
 REPORT_FILE = "head_map.json"  # saved beside a model converted with --to auto
 
 
 def convert_chosen(model: Any, report: HeadReport, dtype: str = "float32", kernels: str = "auto"):
-    """``model`` converted with the retrieval heads ``report`` chose, the rest windowed; the report
-    is saved beside it as ``head_map.json``."""
+    """``model`` converted with the retrieval heads ``report`` chose, the rest streaming (windows, or
+    hybrids with ``report.memory``); the report is saved beside it as ``head_map.json``."""
     from rnnify.convert import convert
 
     every_head = len(report.retrieval) == len(report.scores[report.score])
-    target, options = _plan_options(every_head, report.window, report.sinks, report.retrieval_window)
+    target, options = _plan_options(every_head, report.window, report.sinks, report.retrieval_window, report.memory)
     converted = convert(model, to=target, layers=report.layers, dtype=dtype, kernels=kernels, **options)
     converted.files[REPORT_FILE] = (json.dumps(report.to_json(), indent=2) + "\n").encode()
     return converted

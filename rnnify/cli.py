@@ -271,7 +271,7 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     targets = "; ".join(f"{name}: {text[:1].lower()}{text[1:]}" for name, text in summaries.items())
     p.add_argument("--to", choices=[*CELLS, "auto"], required=True,
                    help=f"target cell ({targets}); auto: per kv head, exact for the heads that read far back and "
-                   "window with sinks for the rest, chosen on calibration data (flags below)")
+                   "window with sinks (or, with --memory, a hybrid) for the rest, chosen on calibration data (flags below)")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the converted model to")
     _add_dtype_flag(p, "float32", "dtype to load and save the weights in (default: float32)")
     p.add_argument(
@@ -302,7 +302,7 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
         "--memory", metavar="NAME", default=None,
         help=f"hybrid: what holds the tokens that left the window, one of {', '.join(MEMORIES)}: linear attention "
         "(the default), gated linear attention (gla) or a delta-rule memory (delta, gated-delta), blended into the "
-        "window's output by a learned gate that starts at 0",
+        "window's output by a learned gate that starts at 0; with --to auto, the streaming heads become such hybrids",
     )
     cell.add_argument(
         "--option", action="append", metavar="KEY=VALUE",
@@ -310,7 +310,7 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
         'feature_options={"num_features":256})',
     )
     auto = p.add_argument_group("--to auto: which kv heads are retrieval heads, exact or with a long window (the rest: "
-                                "--window, default 64, with --sinks, default 4)")
+                                "--window, default 64, with --sinks, default 4; with --memory NAME hybrids of that window and memory)")
     auto.add_argument("--state-budget", metavar="BYTES",
                       help="state per sequence at --at-context tokens: bytes (2000000, 2MB, 1.5MiB) or a share of the "
                       "original's KV cache (30%%); the heads that score highest per byte stay exact while it fits")
@@ -405,8 +405,8 @@ def _auto(args: argparse.Namespace, options: dict, keep, console: Console):
     """Score the heads, choose, print the report; the converted model (saved by the caller)."""
     from rnnify.auto import SINKS, WINDOW, auto_convert
 
-    if args.layers or keep or set(options) - {"window", "sinks"} or args.distill:
-        raise RnnifyError("--to auto chooses every layer's heads itself: it takes --window and --sinks, "
+    if args.layers or keep or set(options) - {"window", "sinks", "memory"} or args.distill:
+        raise RnnifyError("--to auto chooses every layer's heads itself: it takes --window, --sinks and --memory, "
                           "not --layers, --keep-softmax, other cell options or --distill")
     if args.data is None:
         raise RnnifyError("--to auto needs calibration text: --data PATH (a file, folder or .jsonl)")
@@ -414,8 +414,8 @@ def _auto(args: argparse.Namespace, options: dict, keep, console: Console):
         args.model, args.data, budget=args.state_budget, context=args.at_context, max_kl=args.max_kl,
         score=args.score, window=options.get("window", WINDOW), sinks=options.get("sinks", SINKS),
         calib_len=args.calib_len, calib_rows=args.calib_rows, passkey=args.calib_passkey, per_layer=args.per_layer,
-        retrieval_window=args.retrieval_window, scores_from=args.scores_from, dtype=args.dtype, kernels=args.kernels,
-        progress=True,
+        retrieval_window=args.retrieval_window, memory=options.get("memory"), scores_from=args.scores_from,
+        dtype=args.dtype, kernels=args.kernels, progress=True,
     )
     _print_head_report(report, console)
     return model
@@ -431,9 +431,11 @@ def _print_head_report(report, console: Console) -> None:
     heads = sorted({int(k.split(".")[1]) for k in scores})
     chosen = {tuple(h) for h in report.retrieval}
     long = "exact" if report.retrieval_window is None else f"window {report.retrieval_window}"
+    streaming = f"window {report.window}" if report.memory is None else f"hybrid {report.window}"
     table = Table(box=box.SIMPLE_HEAD, title=Text(
-        f"kv heads: {report.score} score and choice ({long} {_nbytes(report.head_bytes['retrieval'])}, window "
-        f"{report.window} {_nbytes(report.head_bytes['streaming'])} per head at {report.context:,} tokens)"))
+        f"kv heads: {report.score} score and choice ({long} {_nbytes(report.head_bytes['retrieval'])}, {streaming}"
+        f"{'' if report.memory is None else ' + ' + report.memory + ' memory'} "
+        f"{_nbytes(report.head_bytes['streaming'])} per head at {report.context:,} tokens)"))
     table.add_column("layer", justify="right")
     for h in heads:
         table.add_column(f"kv {h}", justify="right")
@@ -441,7 +443,7 @@ def _print_head_report(report, console: Console) -> None:
         cells = []
         for h in heads:
             kept = (layer, h) in chosen
-            cells.append(Text(f"{long if kept else f'window {report.window}'} {scores[f'{layer}.{h}']:.3g}",
+            cells.append(Text(f"{long if kept else streaming} {scores[f'{layer}.{h}']:.3g}",
                               "bold" if kept else ""))
         table.add_row(str(layer), *cells)
     console.print(table)

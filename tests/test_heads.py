@@ -260,6 +260,34 @@ def test_auto_retrieval_window_keeps_the_state_constant(retrieval_model):
         scorer.choose(max_kl=1e-6, retrieval_window=6)
 
 
+def test_auto_memory_streams_through_hybrids_that_start_as_the_window(retrieval_model):
+    """With ``memory`` the streaming heads are hybrids: the budget counts their memory, and
+    training-free (memory gated off) the model computes what the windowed choice computes."""
+    directory, rows = retrieval_model
+    windowed, report = auto_convert(directory, rows, max_kl=1e-3, retrieval_window=LENGTH, **AUTO)
+    hybrid, with_memory = auto_convert(directory, rows, max_kl=1e-3, retrieval_window=LENGTH, memory="linear", **AUTO)
+    assert with_memory.retrieval == report.retrieval == [(0, 1)] and with_memory.memory == "linear"
+    layer0 = hybrid.cells[0]
+    assert [(p.target, p.options()["window"]) for p in layer0.parts] == [("window", LENGTH), ("hybrid", 4)]
+    assert layer0.parts[1].options()["memory"] == "linear" and hybrid.cells[1].target == "hybrid"
+    assert hybrid.constant_memory and with_memory.state_bytes == hybrid.state_nbytes(1024) > report.state_bytes
+    assert with_memory.head_bytes["streaming"] > report.head_bytes["streaming"]
+    ids = rows[:2, :24]
+    expected, _ = windowed.prefill(ids)
+    got, _ = hybrid.prefill(ids)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert json.loads(hybrid.files["head_map.json"])["memory"] == "linear"
+    # the smallest state counts the memories: a budget the windows meet is too small for the hybrids
+    with pytest.raises(RnnifyError, match=r"4-token linear hybrid with 1 sinks\) is ([\d,]+) bytes") as error:
+        auto(directory, rows, budget=1000, memory="linear")
+    smallest = int(error.value.args[0].split(" is ")[1].split(" bytes")[0].replace(",", ""))
+    windows_only = auto(directory, rows, budget=smallest - 1)
+    assert windows_only.state_bytes < smallest
+    assert auto(directory, rows, budget=smallest, memory="linear").state_bytes == smallest
+    with pytest.raises(RnnifyError, match="--memory 'lstm' is not a memory"):
+        auto(directory, rows, budget="30%", memory="lstm")
+
+
 def test_auto_chooses_again_from_saved_scores(retrieval_model, tmp_path):
     directory, rows = retrieval_model
     model, report = auto_convert(directory, rows, budget="30%", score="mass", **AUTO)
@@ -314,6 +342,23 @@ def test_auto_cli_errors(capsys, tmp_path, retrieval_model, tiny_model_dir):
     code, out, _ = run(capsys, "info", tmp_path / "o")
     layers = json.loads((tmp_path / "o" / "head_map.json").read_text())["layers"]
     assert code == 0 and layers.startswith("0:heads(") and layers in out.replace("\n", "")
+
+
+def test_auto_cli_memory_makes_the_streaming_heads_hybrids(capsys, tmp_path, retrieval_model):
+    directory, _ = retrieval_model
+    text = tmp_path / "calib.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 200)
+    base = ["convert", directory, "--to", "auto", "--data", text, "--state-budget", "30%", "--calib-len", "32",
+            "--calib-passkey", "0", "--window", "4", "--sinks", "1"]
+    code, _, err = run(capsys, *base, "--memory", "linear", "--feature-map", "elu", "-o", tmp_path / "bad")
+    assert_user_error(code, err, "--window, --sinks and --memory", "not --layers")
+    assert not (tmp_path / "bad").exists()
+    code, out, err = run(capsys, *base, "--memory", "linear", "-o", tmp_path / "o")
+    assert code == 0, err
+    assert "hybrid 4 + linear memory" in out.replace("\n", "")
+    model = rnnify.load(tmp_path / "o")
+    assert [p.target for p in model.cells[0].parts] == ["exact", "hybrid"] and model.cells[1].target == "hybrid"
+    assert json.loads((tmp_path / "o" / "head_map.json").read_text())["memory"] == "linear"
 
 
 def test_bench_fills_a_per_head_state_like_the_prefill_it_stands_for(tiny_model_dir):
