@@ -475,7 +475,6 @@ class HeadScorer:
         tokens, so the state stops growing there. With ``memory`` the other heads are hybrids with
         that memory (``streaming_target``), whose bytes the budget counts; training-free they are
         their window, so the scores and the calibration KL are the window's."""
-        from rnnify.cells.hybrid import MEMORIES
 
         score = score or self.score
         if score not in self.scores:
@@ -490,8 +489,7 @@ class HeadScorer:
                                              or retrieval_window <= self.window):
             raise RnnifyError(f"--retrieval-window must be a token count above --window ({self.window}), "
                               f"got {retrieval_window!r}")
-        if memory is not None and memory not in MEMORIES:
-            raise RnnifyError(f"--memory {memory!r} is not a memory; choose one of {', '.join(MEMORIES)}")
+        check_memory(memory)
         specs, window, sinks, dtype, long = self.specs, self.window, self.sinks, self.dtype, retrieval_window
         if isinstance(budget, str):
             budget = parse_bytes(budget, lambda: kv_cache_bytes(specs, context, dtype))
@@ -499,6 +497,7 @@ class HeadScorer:
         chosen = choose(self.scores[score], specs, context=context, window=window, sinks=sinks, dtype=dtype,
                         budget=budget, kl_of=lambda heads: self.kl(heads, long), max_kl=max_kl, units=units,
                         retrieval_window=long, memory=memory)
+        memory = memory if len(chosen) < len(self.heads) else None  # no head streams: no memory anywhere
         return HeadReport(
             score=score, window=window, sinks=sinks, retrieval_window=long, context=context, budget=budget,
             max_kl=max_kl, retrieval=sorted(chosen), layers=layers_spec(specs, chosen, long),
@@ -533,6 +532,14 @@ def read_scores(path: str | os.PathLike, score: str, window: int, sinks: int) ->
     return scores
 
 
+def check_memory(memory: str | None) -> None:
+    """``memory`` is None or one of the hybrid's memories."""
+    from rnnify.cells.hybrid import MEMORIES
+
+    if memory is not None and memory not in MEMORIES:
+        raise RnnifyError(f"--memory {memory!r} is not a memory; choose one of {', '.join(MEMORIES)}")
+
+
 def choose_heads(model: Any, data: Any, *, budget: str | int | None = None, context: int = 4096,
                  max_kl: float | None = None, per_layer: bool = False, retrieval_window: int | None = None,
                  memory: str | None = None, **scoring: Any) -> HeadReport:
@@ -540,6 +547,7 @@ def choose_heads(model: Any, data: Any, *, budget: str | int | None = None, cont
     with the report."""
     if (budget is None) == (max_kl is None):  # before any model loads
         raise RnnifyError("--to auto needs one of --state-budget BYTES (with --at-context N) or --max-kl X")
+    check_memory(memory)
     return HeadScorer(model, data, **scoring).choose(budget, context, max_kl, per_layer, retrieval_window=retrieval_window,
                                                      memory=memory)
 

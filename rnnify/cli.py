@@ -301,7 +301,7 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     cell.add_argument(
         "--memory", metavar="NAME", default=None,
         help=f"hybrid: what holds the tokens that left the window, one of {', '.join(MEMORIES)}: linear attention "
-        "(the default), gated linear attention (gla) or a delta-rule memory (delta, gated-delta), blended into the "
+        "(the default for --to hybrid), gated linear attention (gla) or a delta-rule memory (delta, gated-delta), blended into the "
         "window's output by a learned gate that starts at 0; with --to auto, the streaming heads become such hybrids",
     )
     cell.add_argument(

@@ -284,8 +284,10 @@ def test_auto_memory_streams_through_hybrids_that_start_as_the_window(retrieval_
     windows_only = auto(directory, rows, budget=smallest - 1)
     assert windows_only.state_bytes < smallest
     assert auto(directory, rows, budget=smallest, memory="linear").state_bytes == smallest
+    every = auto(directory, rows, budget=10**9, memory="linear")  # every head exact: no memory anywhere
+    assert len(every.retrieval) == 4 and every.memory is None
     with pytest.raises(RnnifyError, match="--memory 'lstm' is not a memory"):
-        auto(directory, rows, budget="30%", memory="lstm")
+        choose_heads("not loaded: the name is checked first", rows, budget="30%", memory="lstm")
 
 
 def test_auto_chooses_again_from_saved_scores(retrieval_model, tmp_path):
