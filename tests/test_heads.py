@@ -260,7 +260,7 @@ def test_auto_retrieval_window_keeps_the_state_constant(retrieval_model):
         scorer.choose(max_kl=1e-6, retrieval_window=6)
 
 
-def test_auto_memory_streams_through_hybrids_that_start_as_the_window(retrieval_model):
+def test_auto_memory_streams_through_hybrids_that_start_as_the_window(retrieval_model, tmp_path):
     """With ``memory`` the streaming heads are hybrids: the budget counts their memory, and
     training-free (memory gated off) the model computes what the windowed choice computes."""
     directory, rows = retrieval_model
@@ -277,6 +277,10 @@ def test_auto_memory_streams_through_hybrids_that_start_as_the_window(retrieval_
     got, _ = hybrid.prefill(ids)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert json.loads(hybrid.files["head_map.json"])["memory"] == "linear"
+    hybrid.save(tmp_path / "m")  # its scores choose again, as for windows
+    again = auto(directory, rows, max_kl=1e-3, retrieval_window=LENGTH, memory="linear",
+                 scores_from=tmp_path / "m" / "head_map.json")
+    assert (again.retrieval, again.memory, again.state_bytes) == ([(0, 1)], "linear", with_memory.state_bytes)
     # the smallest state counts the memories: a budget the windows meet is too small for the hybrids
     with pytest.raises(RnnifyError, match=r"4-token linear hybrid with 1 sinks\) is ([\d,]+) bytes") as error:
         auto(directory, rows, budget=1000, memory="linear")
