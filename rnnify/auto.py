@@ -475,7 +475,6 @@ class HeadScorer:
         tokens, so the state stops growing there. With ``memory`` the other heads are hybrids with
         that memory (``streaming_target``), whose bytes the budget counts; training-free they are
         their window, so the scores and the calibration KL are the window's."""
-
         score = score or self.score
         if score not in self.scores:
             raise RnnifyError(f"score {score!r} was not measured (scored for {self.score!r})")

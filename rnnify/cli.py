@@ -348,11 +348,10 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
     import rnnify
     from rnnify.passes import PIPELINE
 
-    from rnnify.cells.hybrid import MEMORIES
+    from rnnify.auto import check_memory
     from rnnify.plan import parse_options
 
-    if args.memory is not None and args.memory not in MEMORIES:  # before the model is loaded
-        raise RnnifyError(f"--memory {args.memory!r} is not a memory; choose one of {', '.join(MEMORIES)}")
+    check_memory(args.memory)  # before the model is loaded
     options = {name: getattr(args, name) for name in _CELL_FLAGS if getattr(args, name) is not None}
     options.update(parse_options(args.option or [], lambda pair: f"--option {pair!r}: expected KEY=VALUE, e.g. chunk_size=128"))
     keep = _parse_layer_list(args.keep_softmax) if args.keep_softmax else None
