@@ -5,10 +5,10 @@
 #   2. fla (package flash-linear-attention, import name fla): installed from wheels in $FLA_WHEELS
 #      (default .whl/, carried to the machine) when there are any, else `pip install` is tried
 #      (the lent machines reach no registry: the fla rows then say "not installed");
-#   3. the Triton path against the PyTorch reference on CUDA, fp32 (benchmarks/kernels.py --parity).
+#   3. the Triton path against the PyTorch reference on CUDA, fp32 (benchmarks/kernel_bench.py --parity).
 #      This stands in for tests/test_kernels.py, which cannot test the GPU: it sets TRITON_INTERPRET=1
 #      itself and builds CPU tensors, so under pytest it always runs the interpreter on the CPU;
-#   4. python benchmarks/kernels.py $BENCH_ARGS, by default --preset issue (it stops starting rows
+#   4. python benchmarks/kernel_bench.py $BENCH_ARGS, by default --preset issue (it stops starting rows
 #      after 300 s; BENCH_ARGS="--preset smoke" tries this script on any machine);
 #   5. results (JSON, PNG, parity JSON, this log) copied to benchmarks/results/ and to $OUT if set.
 #
@@ -62,16 +62,16 @@ main() {
     step "python stack" 60 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'triton', triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE')"
     install_fla
-    step "parity: Triton vs reference on CUDA, fp32" 150 "$PY" benchmarks/kernels.py --parity --out "$RUN"
+    step "parity: Triton vs reference on CUDA, fp32" 150 "$PY" benchmarks/kernel_bench.py --parity --out "$RUN"
     parity_rc=$?
     bench_cap=$((LIMIT - SECONDS - 50))  # leaves time to replot what a killed run kept
     ((bench_cap > 420)) && bench_cap=420
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
-    step "benchmark $BENCH_ARGS" "$bench_cap" "$PY" benchmarks/kernels.py $BENCH_ARGS --out "$RUN"
+    step "benchmark $BENCH_ARGS" "$bench_cap" "$PY" benchmarks/kernel_bench.py $BENCH_ARGS --out "$RUN"
     bench_rc=$?
     json=$(find "$RUN" -name 'kernels-*.json' ! -name 'kernels-parity-*' | head -n 1)
     if ((bench_rc != 0)) && [[ -n $json ]]; then  # killed or crashed: draw what the JSON kept
-        step "replot $json" 60 "$PY" benchmarks/kernels.py --replot "$json"
+        step "replot $json" 60 "$PY" benchmarks/kernel_bench.py --replot "$json"
     fi
     echo "== parity exit $parity_rc, benchmark exit $bench_rc, ${SECONDS}s"
     ((parity_rc == 0 && bench_rc == 0))

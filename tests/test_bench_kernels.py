@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py on CPU: the smoke preset's JSON, table and PNG; failures and the time budget
+"""benchmarks/kernel_bench.py on CPU: the smoke preset's JSON, table and PNG; failures and the time budget
 become rows; the goals' verdicts; the Triton rows and the parity check through the interpreter
 (tests/conftest.py sets TRITON_INTERPRET=1), since the GPU run gets one try."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "benchmarks" / "kernels.py")
+_spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "benchmarks" / "kernel_bench.py")
 bench = sys.modules["bench_kernels"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up there
 _spec.loader.exec_module(bench)
 

@@ -1,10 +1,10 @@
 """Time rnnify.kernels: Triton path vs PyTorch reference, SDPA and fla, prefill and decode.
 
-    python benchmarks/kernels.py --preset issue           # the issue's grid on a GPU: 300 s of rows at most
-    python benchmarks/kernels.py --preset smoke           # tiny, any machine, seconds
-    python benchmarks/kernels.py --batch 1 8 --heads 16 32 --head-dim 64 128 --lengths 1024 32768 --dtype bfloat16
-    python benchmarks/kernels.py --parity                 # fp32 Triton-vs-reference check on this device
-    python benchmarks/kernels.py --replot RESULTS.json    # table, goals and PNG again from a JSON
+    python benchmarks/kernel_bench.py --preset issue           # the issue's grid on a GPU: 300 s of rows at most
+    python benchmarks/kernel_bench.py --preset smoke           # tiny, any machine, seconds
+    python benchmarks/kernel_bench.py --batch 1 8 --heads 16 32 --head-dim 64 128 --lengths 1024 32768 --dtype bfloat16
+    python benchmarks/kernel_bench.py --parity                 # fp32 Triton-vs-reference check on this device
+    python benchmarks/kernel_bench.py --replot RESULTS.json    # table, goals and PNG again from a JSON
 
 Prefill (T tokens): forward and forward+backward of chunk_linear_attn (variants: plain, plain-tf32
 (tl.dot in tf32), scalar gate g, per-channel gate gk, elu + normalize, fused hedgehog map),
