@@ -359,6 +359,49 @@ def test_hybrid_gla_memory_is_the_decayed_lolcats_sum():
     assert_every_phase_matches(hybrid, q, k, v, x, mask, expected)
 
 
+@pytest.mark.parametrize("memory, sinks, gated, feature_map", [
+    ("linear", 1, True, "elu"), ("linear", 0, False, "elu"), ("gla", 2, True, "elu"),
+    ("linear", 1, True, "identity"),  # products of either sign: the read keeps its guard
+])
+def test_hybrid_steady_decode_is_the_lolcats_sum(monkeypatch, memory, sinks, gated, feature_map):
+    """Decoding an unpadded batch token by token from the empty state: once every row holds W + S
+    tokens, each step takes the steady path (``steady_step_hybrid_attn``: slice_scatter into the
+    ring, no masks, the sum divided through by u), and every output equals the float64 reference
+    (elu), before and after that point; output and state are the general step's."""
+    window, T = 3, 14
+    torch.manual_seed(0)
+    hybrid = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory,
+                                         "feature_map": feature_map})
+    with torch.no_grad():
+        hybrid.window_logit.normal_()
+        hybrid.memory_gate.copy_(torch.tensor([0.3, -0.5, 1.0, 0.7]) if gated else torch.ones(4))
+        if memory == "gla":
+            hybrid.gate_up.weight.normal_(std=0.3)
+            hybrid.gate_up.bias.normal_(std=2.0)
+    q, k, v, x, mask = make_inputs(T, pad=0)
+    steady, steady_step = [], hybrid_cells.steady_step_hybrid_attn
+
+    def spy(*args):
+        steady.append(args[13])  # n
+        return steady_step(*args)
+
+    monkeypatch.setattr(hybrid_cells, "steady_step_hybrid_attn", spy)
+    state, general_state, outs = hybrid.init_state(2, q.device, q.dtype), None, []
+    with torch.no_grad():
+        for t in range(T):
+            one = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1])
+            with monkeypatch.context() as general:  # the same token through the general step
+                general.setattr(hybrid_cells, "steady_length", lambda *a: None)
+                general_out, *general_state = hybrid(*one, *state, x=x[:, t : t + 1])
+            out, *state = hybrid(*one, *state, x=x[:, t : t + 1])
+            outs.append(out)
+            for a, b in zip((out, *state), (general_out, *general_state)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert steady == list(range(window + sinks, T))  # n, the tokens held before each steady step
+    if feature_map == "elu":
+        assert rel_diff(torch.cat(outs, 2), gla_memory_reference(hybrid, q, k, v, x, mask, window, sinks)) < 1e-5
+
+
 def test_hybrid_memory_option_is_checked():
     with pytest.raises(RnnifyError, match="unknown memory 'lstm'"):
         build_cell("hybrid", SPEC, {"memory": "lstm"})

@@ -119,7 +119,9 @@ from rnnify.errors import RnnifyError, check_int
 from rnnify.kernels.ring import held_index, token_index, window_write
 from rnnify.cells.delta import DeltaWriter, chunk_delta_attn, fused_delta_attn, l2_normalise, step_delta_attn
 from rnnify.cells.gated import _gate_bias, gla_log_gates, gla_projections
-from rnnify.cells.window import PROMPT_BLOCK, prompt_window, whole_prompt, window_output, window_step
+from rnnify.cells.window import (
+    PROMPT_BLOCK, prompt_window, steady_length, steady_window_step, whole_prompt, window_output, window_step,
+)
 from rnnify.kernels.linear_attn.naive import chunk_gated_attn
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
@@ -256,7 +258,12 @@ def step_hybrid_attn(
 ):
     """The decode path off kernels: ``window_step``, then the token leaving the window joins the
     linear memory (decayed by a = exp(``log_a [B, Hkv, 1, F]``), the gla memory, where it leaves),
-    which the query reads; one normalised sum as in ``_combine``."""
+    which the query reads; one normalised sum as in ``_combine``. In the steady state
+    (``steady_length``: the common decode token) ``steady_step_hybrid_attn`` instead."""
+    n = steady_length(mask, length, keys.shape[2], sink_keys.shape[2])
+    if n is not None:
+        return steady_step_hybrid_attn(q, k, v, keys, values, sink_keys, sink_values, length, kv, k_sum, phi,
+                                       factor, scale, n, gate, log_a)
     w, u, old_key, old_value, leaves, window_state = window_step(
         q, k, v, mask, keys, values, sink_keys, sink_values, length, scale)
     group = q.shape[2]
@@ -272,6 +279,36 @@ def step_hybrid_attn(
     hybrid = readout(factor * u + linear_den, factor[..., None] * w + linear_num)
     out = hybrid if gate is None else torch.lerp(window_output(w, u), hybrid, gate[..., None, None])
     return out, *window_state, kv, k_sum
+
+
+def steady_step_hybrid_attn(
+    q, k, v, keys, values, sink_keys, sink_values, length, kv, k_sum, phi: FeatureMap, factor, scale: float, n: int,
+    gate=None, log_a=None,
+):
+    """``step_hybrid_attn`` for a decode token in the steady state (``steady_length``: every row real,
+    holding n >= W + S tokens), in about half its ops: ``steady_window_step`` gives the window's
+    normalised output o = w / u and p_max = 1 / u, a token leaves every row, and the sum is read
+    divided through by u: (f o + p_max phi(q) kv) / (f + p_max phi(q) . z), on ``[B, Hkv, G, .]``
+    views (no token axis, added back to the output)."""
+    o, p_max, old_key, old_value, window_state = steady_window_step(
+        q, k, v, keys, values, sink_keys, sink_values, length, n, scale)
+    batch, num_kv_heads, group, _, head_dim = q.shape
+    features = phi(torch.cat([q.reshape(batch, num_kv_heads, group, head_dim), old_key], dim=2))  # queries, leaving key
+    phi_q, phi_old = features.narrow(2, 0, group), features.narrow(2, group, 1)  # [B, Hkv, G, F], [B, Hkv, 1, F]
+    if log_a is not None:
+        a = log_a.exp()
+        kv, k_sum = kv * a.transpose(-1, -2), k_sum * a.squeeze(2)
+    kv, k_sum = torch.addcmul(kv, phi_old.transpose(-1, -2), old_value), k_sum + phi_old.squeeze(2)
+    rows, features = batch * num_kv_heads, phi_q.shape[-1]
+    phi_q = phi_q.reshape(rows, group, features)  # a view: bmm reads each kv head's state once for its G queries
+    linear_num = torch.bmm(phi_q, kv.view(rows, features, -1)).view(o.shape)
+    linear_den = torch.bmm(phi_q, k_sum.view(rows, features, 1)).view(p_max.shape)
+    factor = factor.unsqueeze(-1)  # [Hkv, G, 1]
+    num = torch.addcmul(factor * o, p_max, linear_num)
+    den = torch.addcmul(factor, p_max, linear_den)  # >= f > 0 where phi(q) . phi(k) >= 0
+    hybrid = num / den if phi.non_negative_products else readout(den.squeeze(-1), num)
+    out = hybrid if gate is None else torch.lerp(o, hybrid, gate.unsqueeze(-1))
+    return out.unsqueeze(3), *window_state, kv, k_sum
 
 
 def step_delta_memory_hybrid_attn(

@@ -64,8 +64,11 @@ class FeatureMap(nn.Module):
 
     Dimension 1 is the kv head, so maps with per-head weights apply the weights of kv head h to
     its keys and to the queries of its group alike. ``options()`` returns the keyword arguments
-    that rebuild the map (JSON-able, defaults resolved).
+    that rebuild the map (JSON-able, defaults resolved). ``non_negative_products``: phi(q) . phi(k) >= 0
+    for every q and k, so a sum that adds such products to a positive term needs no guard against 0.
     """
+
+    non_negative_products = False
 
     def __init__(self, spec: CellSpec):
         super().__init__()
@@ -109,6 +112,8 @@ def _check_feature_dim(name: str, value: Any, even: bool = False) -> int:
 class EluFeatureMap(FeatureMap):
     """elu(x) + 1: positive, so the normaliser never vanishes (Katharopoulos et al.)."""
 
+    non_negative_products = True
+
     def kernel_form(self):
         return "elu", None, 1.0
 
@@ -118,6 +123,8 @@ class EluFeatureMap(FeatureMap):
 
 class ReluFeatureMap(FeatureMap):
     """relu(x): non-negative; a query or key with no positive entry contributes nothing."""
+
+    non_negative_products = True
 
     def kernel_form(self):
         return "relu", None, 1.0
@@ -157,6 +164,8 @@ class PerformerFeatureMap(FeatureMap):
     rescale every phi(q) . phi(k) (against eps) without preventing anything. Their exponent is
     bounded anyway, W x' - |x'|^2/2 <= |w_i|^2 / 2. Both are per token, so every form agrees.
     """
+
+    non_negative_products = True
 
     def __init__(self, spec: CellSpec, num_features: int | None = None, seed: int = 0):
         super().__init__(spec)
@@ -200,6 +209,8 @@ class TaylorFeatureMap(FeatureMap):
     stays positive. feature_dim = 1 + d + d^2 (4,161 for d = 64: a large state).
     """
 
+    non_negative_products = True
+
     @property
     def feature_dim(self) -> int:
         d = self.spec.head_dim
@@ -218,6 +229,8 @@ class HedgehogFeatureMap(FeatureMap):
     docs/math.md §Attention transfer), initialised to the identity (padded with zeros or cut when feature_dim != 2d).
     Features are positive and each half sums to 1, so the normaliser never vanishes.
     """
+
+    non_negative_products = True
 
     def __init__(self, spec: CellSpec, feature_dim: int | None = None):
         super().__init__(spec)
@@ -247,6 +260,8 @@ class T2RFeatureMap(FeatureMap):
     ``W`` ``[H_kv, d, feature_dim]`` and ``b`` ``[H_kv, feature_dim]`` are ``nn.Parameter``s,
     initialised to W = I (padded or cut when feature_dim != d), b = 0: at init phi = relu.
     """
+
+    non_negative_products = True
 
     def __init__(self, spec: CellSpec, feature_dim: int | None = None):
         super().__init__(spec)

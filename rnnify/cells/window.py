@@ -253,6 +253,42 @@ def window_step(q, k, v, mask, keys, values, sink_keys, sink_values, length, sca
     return w, u, old_key.float(), old_value.float(), leaves, state
 
 
+def steady_length(mask: torch.Tensor, length: torch.Tensor, window: int, sinks: int) -> int | None:
+    """n when a decode token may take ``steady_window_step``, else None: eager on a CPU (where reading
+    ``mask`` and ``length`` on the host costs no op; compiled or exported steps keep one graph), every
+    row real and every row holding the same n >= W + S tokens, so the ring is full, the sinks are
+    fixed, the token in slot n mod W leaves and is no sink, and every held slot is attended."""
+    if length.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    counts = length.tolist()
+    n = counts[0]
+    if n < window + sinks or any(c != n for c in counts) or not all(real for row in mask.tolist() for real in row):
+        return None
+    return n
+
+
+def steady_window_step(q, k, v, keys, values, sink_keys, sink_values, length, n: int, scale: float):
+    """One decode token's window part in the steady state (``steady_length``), in the fewest ops: the
+    token is written into slot n mod W with ``slice_scatter``, no mask is needed, and the softmax is
+    normalised in one op, its largest probability giving the statistic the hybrid needs, 1 / u =
+    1 / sum exp(s - m) (the max's own term is exp(0)). Returns ``(o [B, Hkv, G, d_v], p_max [B, Hkv,
+    G, 1] (= 1 / u), old_key, old_value (fp32, [B, Hkv, 1, d]), window_state)``."""
+    batch, num_kv_heads, group, _, head_dim = q.shape
+    slot, rows = n % keys.shape[2], batch * num_kv_heads
+    old_key, old_value = keys.narrow(2, slot, 1).float(), values.narrow(2, slot, 1).float()
+    keys = keys.slice_scatter(k.to(keys.dtype), 2, slot, slot + 1)
+    values = values.slice_scatter(v.to(values.dtype), 2, slot, slot + 1)
+    held_keys, held_values = keys, values
+    if sink_keys.shape[2]:
+        held_keys, held_values = torch.cat([sink_keys, keys], dim=2), torch.cat([sink_values, values], dim=2)
+    scores = torch.bmm(q.reshape(rows, group, head_dim), held_keys.float().view(rows, -1, head_dim).transpose(1, 2))
+    p = torch.softmax(scores * scale, dim=-1)
+    o = torch.bmm(p, held_values.float().view(rows, held_keys.shape[2], -1))
+    p_max = p.amax(-1, keepdim=True)
+    state = (keys, values, sink_keys, sink_values, length + 1)
+    return o.view(batch, num_kv_heads, group, -1), p_max.view(batch, num_kv_heads, group, 1), old_key, old_value, state
+
+
 def window_output(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``readout(u, w)`` in fewer ops: u >= 1 wherever a key was read (the max's own term is 1),
     and u = 0 only with w = 0, so clamping u at 1 changes nothing."""
