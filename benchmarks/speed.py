@@ -43,6 +43,7 @@ from rnnify.runtime.aot import STEP_PACKAGE, write_step_package
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 
 STEP_VARIANTS = ("+compile", "+aot")  # rows that differ from their model in the decode step only
+ORIGINAL_INFERENCE = "original[inference_mode]"
 
 
 def _ints(text: str) -> list[int]:
@@ -106,19 +107,28 @@ def _order(runs: dict, round_: int) -> list:
     return items[::-1] if round_ % 2 else items
 
 
-def decode(hf, models: dict, contexts: list[int], batches: list[int], repeats: int, steps: int) -> list[dict]:
+def original_step(hf, token: torch.Tensor, context: int, inference: bool = False):
+    """One decode step of the original with its KV cache, as transformers' ``generate`` runs it
+    (``torch.no_grad``, the caller's), or under ``torch.inference_mode``, as rnnify's ``step`` runs."""
+    cache, position = kv_cache(hf, context, token.shape[0]), [context]
+
+    def step():
+        with torch.inference_mode(inference):
+            hf(input_ids=token, cache=cache, position_ids=torch.full_like(token, position[0]), use_cache=True)
+        position[0] += 1
+
+    return step
+
+
+def decode(hf, models: dict, contexts: list[int], batches: list[int], repeats: int, steps: int,
+           original_inference: bool = False) -> list[dict]:
     rows = []
     for batch in batches:
         for context in contexts:
             token = torch.full((batch, 1), 5)
-            cache, position = kv_cache(hf, context, batch), [context]
-
-            def original():
-                ids = torch.full((batch, 1), position[0])
-                hf(input_ids=token, cache=cache, position_ids=ids, use_cache=True)
-                position[0] += 1
-
-            runs = {"original": original}
+            runs = {"original": original_step(hf, token, context)}
+            if original_inference:
+                runs[ORIGINAL_INFERENCE] = original_step(hf, token, context, inference=True)
             for name, model in models.items():
                 holder = [fill_state(model, context, batch, 256)]
 
@@ -137,11 +147,12 @@ def decode(hf, models: dict, contexts: list[int], batches: list[int], repeats: i
                 for round_ in tqdm(range(repeats), desc=f"decode batch {batch} @ {context}", leave=False):
                     for name, run in _order(runs, round_):
                         best[name] = min(best[name], _min_ms(run, steps))
-            for name in models:
+            for name in runs:
+                if name == "original":
+                    continue
                 rows.append({"model": name, "batch": batch, "context": context, "ms": best[name],
                              "original_ms": best["original"], "ratio": best["original"] / best[name],
                              "first_step_s": compile_s[name]})
-            del cache
     return rows
 
 
@@ -189,6 +200,10 @@ def main() -> None:
                         help="also time every model with every linear weight row-major, as checkpoints hold them "
                              "(not as rnnify.runtime.weight_layout keeps them)")
     parser.add_argument("--breakdown", action="store_true", help="where a batch-1 step's time goes")
+    parser.add_argument("--original-inference-mode", action="store_true",
+                        help=f"also time the original's decode under torch.inference_mode, as rnnify's step runs "
+                             f"(row {ORIGINAL_INFERENCE!r}; the original row runs as transformers' generate does, "
+                             f"under torch.no_grad)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -217,7 +232,8 @@ def main() -> None:
     limit_ms = weight_bytes(next(iter(models.values()))) / (info.bandwidth_gb_s * 1e9) * 1e3
     out = {"command": " ".join(["python", *sys.argv]), "machine": dataclasses.asdict(info), "threads": torch.get_num_threads(),
            "aot_compile_s": aot_compile_s,
-           "weight_read_ms": limit_ms, "decode": decode(hf, models, args.contexts, args.batch, args.repeats, args.steps),
+           "weight_read_ms": limit_ms, "decode": decode(hf, models, args.contexts, args.batch, args.repeats, args.steps,
+                                                args.original_inference_mode),
            "prefill": prefill(hf, models, args.prefill, args.repeats)}
     if args.breakdown:
         out["breakdown"] = {name: breakdown(model, args.contexts[0], 3 * args.steps, limit_ms)

@@ -45,7 +45,13 @@ def retarget_devices(gm: torch.fx.GraphModule, device: torch.device | str) -> No
 
 
 class RecurrentModel(nn.Module):
-    """A converted model that reads tokens into a recurrent state and decodes one token at a time."""
+    """A converted model that reads tokens into a recurrent state and decodes one token at a time.
+
+    ``prefill``, ``step`` and ``generate`` run under ``torch.inference_mode`` (a CPU's decode step is
+    mostly per-op overhead, which that mode trims: docs/performance.md): what they return are inference
+    tensors, which later in-place updates or autograd outside that mode refuse; ``.clone()`` one
+    for those. Calling the model itself (``forward``) keeps autograd, for training.
+    """
 
     def __init__(self, graph: torch.fx.GraphModule, manifest: Manifest, files: dict[str, bytes] | None = None):
         super().__init__()
@@ -226,7 +232,7 @@ class RecurrentModel(nn.Module):
             self._direct = (graph, code, direct_forward(graph))
         return self._direct[2]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def prefill(
         self,
         input_ids: torch.Tensor,
@@ -241,7 +247,7 @@ class RecurrentModel(nn.Module):
             state = self.init_state(input_ids.shape[0] if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else 1)
         return self(input_ids, state, attention_mask)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, state: RecurrentState) -> tuple[torch.Tensor, RecurrentState]:
         """Read one token per row (``input_ids [B, 1]``); logits ``[B, 1, V]`` and the new state."""
         if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
@@ -266,7 +272,7 @@ class RecurrentModel(nn.Module):
         self._step_graph = torch.compile(self.graph, dynamic=None if not self.constant_memory else False, mode=mode)
         return self
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(
         self,
         input_ids: torch.Tensor,
