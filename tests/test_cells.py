@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rnnify.cells import CELLS, CellSpec, build_cell
+from rnnify.cells.base import every_token_real
 from rnnify.cells.exact import ExactCell, sdpa_softmax_attn, softmax_attention_rnn
 from rnnify.cells.linear import (
     LinearCell,
@@ -364,6 +365,16 @@ def test_linear_cell_matches_reference_with_gqa_and_padding(group):
     torch.testing.assert_close(out[1, :, 4:].double(), ref[1, :, 4:], rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(kv.double(), ref_kv, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(k_sum.double(), ref_z, rtol=RTOL, atol=ATOL)
+
+
+def test_every_token_real_reads_the_mask_only_where_that_costs_no_op(monkeypatch):
+    """Eager on a CPU the mask is read on the host (cells then skip zeroing padding); on another
+    device, or while compiling or exporting (one graph for every mask), it is not read: False."""
+    assert every_token_real(torch.ones(2, 3, dtype=torch.bool))
+    assert not every_token_real(torch.tensor([[True, True], [False, True]]))
+    assert not every_token_real(torch.ones(2, 1, dtype=torch.bool, device="meta"))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not every_token_real(torch.ones(2, 3, dtype=torch.bool))
 
 
 def test_linear_cell_padding_tokens_do_not_change_the_state():

@@ -26,6 +26,15 @@ from torch import nn
 from rnnify.kernels.utils import check_kernels, resolve_backend
 
 
+def every_token_real(mask: torch.Tensor) -> bool:
+    """True when ``mask [B, T]`` is known to hold no padding at no op's cost: eager on a CPU, where
+    reading it on the host dispatches nothing (a compiled or exported graph keeps its masking ops,
+    and on CUDA a host read would wait for the device). Then a cell can skip zeroing padding."""
+    if mask.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    return all(all(row) for row in mask.tolist())
+
+
 @dataclass(frozen=True)
 class CellSpec:
     """Shape and scale of the attention site a cell replaces."""

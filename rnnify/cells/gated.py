@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rnnify.cells.base import CellSpec
-from rnnify.cells.linear import FeatureMapCell, fused_feature_attn, read_step
+from rnnify.cells.linear import FeatureMapCell, fused_feature_attn, masked, read_step
 from rnnify.errors import check_int
 from rnnify.kernels.linear_attn.naive import Forms, chunk_gated_attn, normalise
 
@@ -102,8 +102,7 @@ def gla_log_gates(x: torch.Tensor, down: nn.Linear, up: nn.Linear, tau: float, n
     """GLA's log a_t = logsigmoid(x_t W_down W_up + b) / tau, ``[B, H_kv, T, F]``, 0 at padding."""
     batch, length = mask.shape
     logits = F.linear(F.linear(x.float(), down.weight.float()), up.weight.float(), up.bias.float())
-    log_a = F.logsigmoid(logits.reshape(batch, length, num_kv_heads, -1).transpose(1, 2)) / tau
-    return torch.where(mask[:, None, :, None], log_a, 0.0)
+    return masked(F.logsigmoid(logits.reshape(batch, length, num_kv_heads, -1).transpose(1, 2)) / tau, mask)
 
 
 class GatedCell(FeatureMapCell):
@@ -188,13 +187,13 @@ class GatedCell(FeatureMapCell):
                 return gla_log_gates(x, self.gate_down, self.gate_up, self.tau, num_kv_heads, mask)
             logits = F.linear(x.float(), self.gate_proj.weight.float(), self.gate_proj.bias.float())
             log_a = F.logsigmoid(logits.reshape(batch, length, num_kv_heads, 1).transpose(1, 2)) / self.tau
-        return torch.where(mask[:, None, :, None], log_a, 0.0)
+        return masked(log_a, mask)
 
     def forward(self, q, k, v, mask, *state, x=None):
         kv, k_sum = state if self.normalize else (state[0], None)
         mask = mask.to(torch.bool)
         log_a = self.log_gates(x, mask)
-        v = torch.where(mask[:, None, :, None], v.float(), 0.0)  # padding: phi(k) = 0, a = 1, v = 0
+        v = masked(v.float(), mask)  # padding: phi(k) = 0, a = 1, v = 0
         backend = self.backend(q, q.shape[2])
         if backend is not None:  # the ops featurise (and mask) q, k themselves
             out, kv, k_sum = fused_feature_attn(self.grouped(q), k, v, kv, k_sum, self.phi, mask, self.eps, log_a,

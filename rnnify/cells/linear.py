@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rnnify import kernels
-from rnnify.cells.base import Cell, CellSpec
+from rnnify.cells.base import Cell, CellSpec, every_token_real
 from rnnify.errors import check_int
 # the ungated forms live beside the gated ones, where the ops' reference runs them too
 from rnnify.kernels.linear_attn.naive import (
@@ -379,6 +379,12 @@ def fused_feature_attn(q, k, v, kv, k_sum, phi: FeatureMap, mask, eps: float = 1
 KERNEL_MAX_FEATURES = 256
 
 
+def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x ``[B, H_kv, T, .]`` with 0 at padding (``mask [B, T]`` False), so padding writes nothing;
+    x itself where ``every_token_real``, without the op."""
+    return x if every_token_real(mask) else torch.where(mask[:, None, :, None].to(torch.bool), x, 0.0)
+
+
 class FeatureMapCell(Cell):
     """What every cell with a state (S, z) over phi(k) shares: linear attention and its gated forms.
 
@@ -423,8 +429,7 @@ class FeatureMapCell(Cell):
         normaliser cancels a positive factor per query), and phi(k) with padding keys zeroed, in fp32."""
         grouped = self.grouped(q.float())
         phi_q = self.phi.normalised_query(grouped) if self.normalize else self.phi(grouped)
-        phi_k = torch.where(mask[:, None, :, None].to(torch.bool), self.phi(k.float()), 0.0)
-        return phi_q, phi_k
+        return phi_q, masked(self.phi(k.float()), mask)
 
 
 class LinearCell(FeatureMapCell):
@@ -461,7 +466,7 @@ class LinearCell(FeatureMapCell):
     def forward(self, q, k, v, mask, *state):
         kv, k_sum = state if self.normalize else (state[0], None)
         mask = mask.to(torch.bool)
-        v = torch.where(mask[:, None, :, None], v.float(), 0.0)
+        v = masked(v.float(), mask)
         backend = self.backend(q, q.shape[2])
         if backend is not None:  # the ops featurise (and mask) q, k themselves
             out, kv, k_sum = fused_feature_attn(self.grouped(q), k, v, kv, k_sum, self.phi, mask, self.eps,

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from rnnify import kernels
-from rnnify.cells.base import Cell, CellSpec
+from rnnify.cells.base import Cell, CellSpec, every_token_real
 from rnnify.cells.exact import finite_or_zero, readout
 from rnnify.errors import check_int
 from rnnify.kernels.ring import held_index, prompt_write, token_index, window_write
@@ -258,13 +258,11 @@ def steady_length(mask: torch.Tensor, length: torch.Tensor, window: int, sinks: 
     ``mask`` and ``length`` on the host costs no op; compiled or exported steps keep one graph), every
     row real and every row holding the same n >= W + S tokens, so the ring is full, the sinks are
     fixed, the token in slot n mod W leaves and is no sink, and every held slot is attended."""
-    if length.device.type != "cpu" or torch.compiler.is_compiling():
+    if not every_token_real(mask):
         return None
     counts = length.tolist()
     n = counts[0]
-    if n < window + sinks or any(c != n for c in counts) or not all(real for row in mask.tolist() for real in row):
-        return None
-    return n
+    return None if n < window + sinks or any(c != n for c in counts) else n
 
 
 def steady_window_step(q, k, v, keys, values, sink_keys, sink_values, length, n: int, scale: float):
