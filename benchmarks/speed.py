@@ -28,6 +28,7 @@ reading every weight once takes (``rnnify.bench.weight_bytes`` over the measured
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -113,7 +114,8 @@ def original_step(hf, token: torch.Tensor, context: int, inference: bool = False
     cache, position = kv_cache(hf, context, token.shape[0]), [context]
 
     def step():
-        with torch.inference_mode(inference):
+        # not inference_mode(False): that turns autograd back on inside the caller's no_grad
+        with torch.inference_mode() if inference else contextlib.nullcontext():
             hf(input_ids=token, cache=cache, position_ids=torch.full_like(token, position[0]), use_cache=True)
         position[0] += 1
 

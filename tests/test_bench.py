@@ -201,6 +201,26 @@ def test_speed_script_measures_side_by_side_and_counts_ops(tiny_model_dir, conve
     assert 0 < ops["ops_in_cells"] < ops["ops_total"] and data["breakdown"]["original"]["ops_total"] > 0
 
 
+def test_speed_script_times_the_original_without_autograd_in_either_mode(tiny_model_dir):
+    """The original's decode step records no autograd graph: under the caller's no_grad (as
+    transformers' generate runs it) and under --original-inference-mode alike."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.spec_from_file_location("speed", Path(__file__).resolve().parents[1] / "benchmarks" / "speed.py")
+    speed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(speed)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
+    seen = []
+    hf.register_forward_hook(lambda module, args, out: seen.append((torch.is_grad_enabled(), out.logits.requires_grad)))
+    for inference in (False, True):
+        with torch.no_grad():
+            speed.original_step(hf, torch.full((1, 1), 5), 8, inference=inference)()
+    assert seen == [(False, False), (False, False)]
+
+
 def _result(context: int, median: float, low: float, high: float, model: str = "converted", batch: int = 1) -> Result:
     return Result(model, batch, context, median, batch / median * 1e3, low, high, 1, 0)
 

@@ -370,8 +370,9 @@ def test_linear_cell_matches_reference_with_gqa_and_padding(group):
 def test_every_token_real_reads_the_mask_only_where_that_costs_no_op(monkeypatch):
     """Eager on a CPU the mask is read on the host (cells then skip zeroing padding); on another
     device, or while compiling or exporting (one graph for every mask), it is not read: False."""
-    assert every_token_real(torch.ones(2, 3, dtype=torch.bool))
+    assert every_token_real(torch.ones(2, 3, dtype=torch.bool)) and every_token_real(torch.ones(2, 1, dtype=torch.bool))
     assert not every_token_real(torch.tensor([[True, True], [False, True]]))
+    assert not every_token_real(torch.tensor([[True], [False]]))  # a decode step with a padded row
     assert not every_token_real(torch.ones(2, 1, dtype=torch.bool, device="meta"))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not every_token_real(torch.ones(2, 3, dtype=torch.bool))

@@ -359,15 +359,17 @@ def test_hybrid_gla_memory_is_the_decayed_lolcats_sum():
     assert_every_phase_matches(hybrid, q, k, v, x, mask, expected)
 
 
-@pytest.mark.parametrize("memory, sinks, gated, feature_map", [
-    ("linear", 1, True, "elu"), ("linear", 0, False, "elu"), ("gla", 2, True, "elu"),
-    ("linear", 1, True, "identity"),  # products of either sign: the read keeps its guard
+@pytest.mark.parametrize("memory, sinks, gated, feature_map, dtype", [
+    ("linear", 1, True, "elu", torch.float32), ("linear", 0, False, "elu", torch.float32),
+    ("gla", 2, True, "elu", torch.float32),
+    ("linear", 1, True, "identity", torch.float32),  # products of either sign: the read keeps its guard
+    ("linear", 4, True, "hedgehog", torch.bfloat16),  # the defaults, with a bf16 ring
 ])
-def test_hybrid_steady_decode_is_the_lolcats_sum(monkeypatch, memory, sinks, gated, feature_map):
+def test_hybrid_steady_decode_is_the_lolcats_sum(monkeypatch, memory, sinks, gated, feature_map, dtype):
     """Decoding an unpadded batch token by token from the empty state: once every row holds W + S
     tokens, each step takes the steady path (``steady_step_hybrid_attn``: slice_scatter into the
     ring, no masks, the sum divided through by u), and every output equals the float64 reference
-    (elu), before and after that point; output and state are the general step's."""
+    (elu, fp32), before and after that point; output and state are the general step's."""
     window, T = 3, 14
     torch.manual_seed(0)
     hybrid = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory,
@@ -386,7 +388,8 @@ def test_hybrid_steady_decode_is_the_lolcats_sum(monkeypatch, memory, sinks, gat
         return steady_step(*args)
 
     monkeypatch.setattr(hybrid_cells, "steady_step_hybrid_attn", spy)
-    state, general_state, outs = hybrid.init_state(2, q.device, q.dtype), None, []
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    state, general_state, outs = hybrid.init_state(2, q.device, dtype), None, []
     with torch.no_grad():
         for t in range(T):
             one = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1])
@@ -400,6 +403,23 @@ def test_hybrid_steady_decode_is_the_lolcats_sum(monkeypatch, memory, sinks, gat
     assert steady == list(range(window + sinks, T))  # n, the tokens held before each steady step
     if feature_map == "elu":
         assert rel_diff(torch.cat(outs, 2), gla_memory_reference(hybrid, q, k, v, x, mask, window, sinks)) < 1e-5
+
+
+def test_hybrid_decode_of_rows_at_different_lengths_keeps_the_general_step(monkeypatch):
+    """Every row real but one left-padded before (so the rows hold different counts): no steady step,
+    and the output is still the reference's."""
+    window, sinks = 3, 1
+    hybrid = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "feature_map": "elu", "memory_init": 0.5})
+    q, k, v, x, mask = make_inputs(14, pad=2)
+    monkeypatch.setattr(hybrid_cells, "steady_step_hybrid_attn", lambda *a: pytest.fail("took the steady step"))
+    state, outs = hybrid.init_state(2, q.device, q.dtype), []
+    with torch.no_grad():
+        for t in range(14):
+            out, *state = hybrid(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1], *state)
+            outs.append(out)
+    real = mask[:, None, :, None].expand(-1, 4, -1, 6)
+    expected = gla_memory_reference(hybrid, q, k, v, x, mask, window, sinks)
+    assert rel_diff(torch.cat(outs, 2)[real], expected[real]) < 1e-5
 
 
 def test_hybrid_memory_option_is_checked():

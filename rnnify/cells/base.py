@@ -22,17 +22,22 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from rnnify.kernels.utils import check_kernels, resolve_backend
 
 
 def every_token_real(mask: torch.Tensor) -> bool:
-    """True when ``mask [B, T]`` is known to hold no padding at no op's cost: eager on a CPU, where
-    reading it on the host dispatches nothing (a compiled or exported graph keeps its masking ops,
-    and on CUDA a host read would wait for the device). Then a cell can skip zeroing padding."""
-    if mask.device.type != "cpu" or torch.compiler.is_compiling():
+    """True when ``mask [B, T]`` holds no padding, read on the host where that is cheap: eager on a
+    CPU (a compiled, exported or traced graph keeps its masking ops for every mask, and on CUDA a
+    host read would wait for the device). A decode step's mask is read with no op at all, a prompt's
+    with one reduction. Then a cell can skip zeroing padding."""
+    if (mask.device.type != "cpu" or torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or isinstance(mask, FakeTensor)):
         return False
-    return all(all(row) for row in mask.tolist())
+    if mask.shape[-1] == 1:
+        return all(row[0] for row in mask.tolist())
+    return bool(mask.all())
 
 
 @dataclass(frozen=True)

@@ -301,12 +301,12 @@ def steady_step_hybrid_attn(
     kv, k_sum = torch.addcmul(kv, phi_old.transpose(-1, -2), old_value), k_sum + phi_old.squeeze(2)
     rows, features = batch * num_kv_heads, phi_q.shape[-1]
     phi_q = phi_q.reshape(rows, group, features)  # a view: bmm reads each kv head's state once for its G queries
-    linear_num = torch.bmm(phi_q, kv.view(rows, features, -1)).view(o.shape)
-    linear_den = torch.bmm(phi_q, k_sum.view(rows, features, 1)).view(p_max.shape)
+    linear_num = torch.bmm(phi_q, kv.reshape(rows, features, -1)).view(o.shape)
+    linear_den = torch.bmm(phi_q, k_sum.reshape(rows, features, 1)).view(p_max.shape)
     factor = factor.unsqueeze(-1)  # [Hkv, G, 1]
     num = torch.addcmul(factor * o, p_max, linear_num)
     den = torch.addcmul(factor, p_max, linear_den)  # >= f > 0 where phi(q) . phi(k) >= 0
-    hybrid = num / den if phi.non_negative_products else readout(den.squeeze(-1), num)
+    hybrid = num / den if getattr(phi, "non_negative_products", False) else readout(den.squeeze(-1), num)
     out = hybrid if gate is None else torch.lerp(o, hybrid, gate.unsqueeze(-1))
     return out.unsqueeze(3), *window_state, kv, k_sum
 

@@ -279,9 +279,9 @@ def steady_window_step(q, k, v, keys, values, sink_keys, sink_values, length, n:
     held_keys, held_values = keys, values
     if sink_keys.shape[2]:
         held_keys, held_values = torch.cat([sink_keys, keys], dim=2), torch.cat([sink_values, values], dim=2)
-    scores = torch.bmm(q.reshape(rows, group, head_dim), held_keys.float().view(rows, -1, head_dim).transpose(1, 2))
+    scores = torch.bmm(q.reshape(rows, group, head_dim), held_keys.float().reshape(rows, -1, head_dim).transpose(1, 2))
     p = torch.softmax(scores * scale, dim=-1)
-    o = torch.bmm(p, held_values.float().view(rows, held_keys.shape[2], -1))
+    o = torch.bmm(p, held_values.float().reshape(rows, held_keys.shape[2], -1))
     p_max = p.amax(-1, keepdim=True)
     state = (keys, values, sink_keys, sink_values, length + 1)
     return o.view(batch, num_kv_heads, group, -1), p_max.view(batch, num_kv_heads, group, 1), old_key, old_value, state
