@@ -252,6 +252,21 @@ def chunk_hybrid_attn(
     return torch.cat(outs, dim=3), *state
 
 
+def _query_and_leaving_features(phi: FeatureMap, q, old_key):
+    """phi of the G queries ``[B, Hkv, G, 1, F]`` and of the key leaving the window ``[B, Hkv, 1, F]``, in one call."""
+    features = phi(torch.cat([q, old_key[:, :, None]], dim=2))
+    return features[:, :, : q.shape[2]], features[:, :, q.shape[2]]
+
+
+def _write_memory(kv, k_sum, phi_old, old_value, log_a=None):
+    """The leaving token written into the linear memory, decayed first by a = exp(``log_a [B, Hkv, 1,
+    F]``) for the gla memory: kv <- a kv + phi(k)^T v, z <- a z + phi(k)."""
+    if log_a is not None:
+        a = log_a.exp()
+        kv, k_sum = kv * a.transpose(-1, -2), k_sum * a.squeeze(2)
+    return torch.addcmul(kv, phi_old.transpose(-1, -2), old_value), k_sum + phi_old.squeeze(2)
+
+
 def step_hybrid_attn(
     q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, k_sum, phi: FeatureMap, factor, scale: float,
     gate=None, log_a=None,
@@ -266,14 +281,10 @@ def step_hybrid_attn(
                                        factor, scale, n, gate, log_a)
     w, u, old_key, old_value, leaves, window_state = window_step(
         q, k, v, mask, keys, values, sink_keys, sink_values, length, scale)
-    group = q.shape[2]
-    features = phi(torch.cat([q, old_key[:, :, None]], dim=2))  # the G queries and the leaving key: one call
-    # phi_old [B, Hkv, 1, F], 0 where none leaves
-    phi_q, phi_old = features[:, :, :group], features[:, :, group] * leaves
-    if log_a is not None:
-        a = torch.where(leaves, log_a, 0.0).exp()
-        kv, k_sum = kv * a.transpose(-1, -2), k_sum * a.squeeze(2)
-    kv, k_sum = torch.addcmul(kv, phi_old.transpose(-1, -2), old_value), k_sum + phi_old.squeeze(2)
+    phi_q, phi_old = _query_and_leaving_features(phi, q, old_key)
+    # nothing written where none leaves: phi_old = 0, no decay
+    kv, k_sum = _write_memory(kv, k_sum, phi_old * leaves, old_value,
+                              None if log_a is None else torch.where(leaves, log_a, 0.0))
     linear_num, linear_den = read_step(phi_q, kv, k_sum)  # shaped as w and u
     factor = factor[..., None]  # [Hkv, G, 1]
     hybrid = readout(factor * u + linear_den, factor[..., None] * w + linear_num)
@@ -288,27 +299,18 @@ def steady_step_hybrid_attn(
     """``step_hybrid_attn`` for a decode token in the steady state (``steady_length``: every row real,
     holding n >= W + S tokens), in about half its ops: ``steady_window_step`` gives the window's
     normalised output o = w / u and p_max = 1 / u, a token leaves every row, and the sum is read
-    divided through by u: (f o + p_max phi(q) kv) / (f + p_max phi(q) . z), on ``[B, Hkv, G, .]``
-    views (no token axis, added back to the output)."""
+    divided through by u: (f o + p_max phi(q) kv) / (f + p_max phi(q) . z)."""
     o, p_max, old_key, old_value, window_state = steady_window_step(
         q, k, v, keys, values, sink_keys, sink_values, length, n, scale)
-    batch, num_kv_heads, group, _, head_dim = q.shape
-    features = phi(torch.cat([q.reshape(batch, num_kv_heads, group, head_dim), old_key], dim=2))  # queries, leaving key
-    phi_q, phi_old = features.narrow(2, 0, group), features.narrow(2, group, 1)  # [B, Hkv, G, F], [B, Hkv, 1, F]
-    if log_a is not None:
-        a = log_a.exp()
-        kv, k_sum = kv * a.transpose(-1, -2), k_sum * a.squeeze(2)
-    kv, k_sum = torch.addcmul(kv, phi_old.transpose(-1, -2), old_value), k_sum + phi_old.squeeze(2)
-    rows, features = batch * num_kv_heads, phi_q.shape[-1]
-    phi_q = phi_q.reshape(rows, group, features)  # a view: bmm reads each kv head's state once for its G queries
-    linear_num = torch.bmm(phi_q, kv.reshape(rows, features, -1)).view(o.shape)
-    linear_den = torch.bmm(phi_q, k_sum.reshape(rows, features, 1)).view(p_max.shape)
-    factor = factor.unsqueeze(-1)  # [Hkv, G, 1]
+    phi_q, phi_old = _query_and_leaving_features(phi, q, old_key)
+    kv, k_sum = _write_memory(kv, k_sum, phi_old, old_value, log_a)
+    linear_num, linear_den = read_step(phi_q, kv, k_sum)
+    factor = factor.view(*factor.shape, 1, 1)  # [Hkv, G, 1, 1], as p_max
     num = torch.addcmul(factor * o, p_max, linear_num)
-    den = torch.addcmul(factor, p_max, linear_den)  # >= f > 0 where phi(q) . phi(k) >= 0
+    den = torch.addcmul(factor, p_max, linear_den.unsqueeze(-1))  # >= f > 0 where phi(q) . phi(k) >= 0
     hybrid = num / den if getattr(phi, "non_negative_products", False) else readout(den.squeeze(-1), num)
-    out = hybrid if gate is None else torch.lerp(o, hybrid, gate.unsqueeze(-1))
-    return out.unsqueeze(3), *window_state, kv, k_sum
+    out = hybrid if gate is None else torch.lerp(o, hybrid, gate.view(*gate.shape, 1, 1))
+    return out, *window_state, kv, k_sum
 
 
 def step_delta_memory_hybrid_attn(

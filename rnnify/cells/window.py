@@ -269,8 +269,8 @@ def steady_window_step(q, k, v, keys, values, sink_keys, sink_values, length, n:
     """One decode token's window part in the steady state (``steady_length``), in the fewest ops: the
     token is written into slot n mod W with ``slice_scatter``, no mask is needed, and the softmax is
     normalised in one op, its largest probability giving the statistic the hybrid needs, 1 / u =
-    1 / sum exp(s - m) (the max's own term is exp(0)). Returns ``(o [B, Hkv, G, d_v], p_max [B, Hkv,
-    G, 1] (= 1 / u), old_key, old_value (fp32, [B, Hkv, 1, d]), window_state)``."""
+    1 / sum exp(s - m) (the max's own term is exp(0)). Returns ``(o [B, Hkv, G, 1, d_v], p_max [B, Hkv,
+    G, 1, 1] (= 1 / u, shaped to scale o), old_key, old_value (fp32, [B, Hkv, 1, d]), window_state)``."""
     batch, num_kv_heads, group, _, head_dim = q.shape
     slot, rows = n % keys.shape[2], batch * num_kv_heads
     old_key, old_value = keys.narrow(2, slot, 1).float(), values.narrow(2, slot, 1).float()
@@ -284,7 +284,7 @@ def steady_window_step(q, k, v, keys, values, sink_keys, sink_values, length, n:
     o = torch.bmm(p, held_values.float().reshape(rows, held_keys.shape[2], -1))
     p_max = p.amax(-1, keepdim=True)
     state = (keys, values, sink_keys, sink_values, length + 1)
-    return o.view(batch, num_kv_heads, group, -1), p_max.view(batch, num_kv_heads, group, 1), old_key, old_value, state
+    return o.view(batch, num_kv_heads, group, 1, -1), p_max.view(batch, num_kv_heads, group, 1, 1), old_key, old_value, state
 
 
 def window_output(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
