@@ -10,7 +10,9 @@ run on it, one after the other:
 
 * transformers alone: import, ``from_pretrained(dtype=bfloat16)`` and one forward pass over 8
   tokens, which reads every weight once, as converting does;
-* ``rnnify convert DIR --to linear --dtype bfloat16 -o OUT``.
+* ``rnnify convert DIR --to linear --dtype bfloat16 -o OUT --no-compile``: the conversion, without
+  the decode step compiled ahead of time that ``convert`` adds by default on a CPU (``--convert-args
+  ''`` measures that too; it is also what a checkout older than that default needs).
 
 Each process's peak resident set size is its own ``ru_maxrss`` (``os.wait4``), against the bytes of
 the weights; the time is wall-clock, and CPU time (user + system) is the steadier figure on a
@@ -76,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", default="2,4,8,16", help="layer counts to measure (default: 2,4,8,16)")
     p.add_argument("--target", default="linear", help="rnnify convert --to (default: linear)")
+    p.add_argument("--convert-args", default="--no-compile",
+                   help="more arguments of rnnify convert, space-separated (default: --no-compile)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the measured processes (default: 1)")
     p.add_argument("--rnnify", default=str(ROOT), help="checkout whose rnnify converts, to compare versions (default: this one)")
     p.add_argument("--workdir", default=None, help="where the models are written (default: a temporary directory)")
@@ -116,7 +120,7 @@ def point(layers: int, args: argparse.Namespace, workdir: Path) -> dict:
         hf = measure([sys.executable, "-c", _TRANSFORMERS, str(model)], env, workdir)
         convert = measure(
             [sys.executable, "-m", "rnnify", "convert", str(model), "--to", args.target, "--dtype", "bfloat16",
-             "-o", str(out)],
+             "-o", str(out), *args.convert_args.split()],
             env, workdir,  # not this checkout: ``-m`` would import the rnnify beside it before PYTHONPATH's
         )
     finally:
@@ -143,6 +147,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "model": {"shape": "Llama-3.2-1B", "config": LLAMA_1B, "dtype": "bfloat16"},
         "target": args.target,
+        "convert_args": args.convert_args,
         "threads": args.threads,
         "rnnify": "this checkout" if Path(args.rnnify).resolve() == ROOT else args.rnnify,
         "rnnify_commit": commit.stdout.strip() or None,  # the checkout's HEAD; its uncommitted changes not included

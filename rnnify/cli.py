@@ -235,6 +235,36 @@ def _save(model, output: str) -> Path:
         raise RnnifyError(f"cannot write {output}: {exc.strerror or exc}; choose another output directory") from exc
 
 
+def _add_compile_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-compile", dest="compile_step", action="store_false",
+        help="do not compile the decode step ahead of time into DIR (by default it is, on a CPU: tens of "
+        "seconds to a few minutes and a C++ compiler, after which every load of DIR decodes with it, "
+        "several times faster for small models; `rnnify compile DIR` does it later)",
+    )
+
+
+def _compile_step(model, path: Path, source: str | None = None) -> str:
+    """Put the decode step compiled ahead of time into the saved model directory ``path``: copied from
+    ``source`` when that package was compiled for this model (a distilled copy keeps its graph), else
+    compiled. The model is saved already, so a compile that fails only warns. Returns how DIR decodes."""
+    from rnnify.runtime.aot import copy_step_package, refusal, write_step_package
+
+    reason = refusal(model)
+    if reason is not None:
+        return f"decode step: eager ({reason})"
+    if source is not None and copy_step_package(model, source, path):
+        return f"decode step: compiled ahead of time (copied from {source})"
+    try:
+        write_step_package(model, path)
+    except Exception as exc:  # noqa: BLE001 - the model is whole without it; say why and go on
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        warnings.warn(f"the decode step was not compiled ahead of time ({first}); {path} decodes eagerly. "
+                      f"`rnnify compile {path}` tries again and shows the whole error", RnnifyWarning, stacklevel=2)
+        return "decode step: eager"
+    return "decode step: compiled ahead of time (step-cpu.pt2)"
+
+
 def _quiet_transformers() -> None:
     """Keep transformers' loading bars and notices out of the command's output."""
     from transformers.utils import logging
@@ -339,6 +369,7 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
         "--distill", metavar="PATH",
         help="then distil the converted model on this text file, folder or .jsonl before saving (flags below)",
     )
+    _add_compile_flag(p)
     _add_training_flags(p, add_training_flags)
 
 
@@ -358,6 +389,7 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
     training = _training_options(args) if args.distill else None  # the flags' mistakes before converting
     stages = ["load", "capture", *(p.__name__ for p in PIPELINE), *(["distill"] if args.distill else []), "save"]
     stages = ["save"] if args.to == "auto" else stages  # auto converts while it chooses
+    stages += ["compile step"] if args.compile_step else []
     if args.to == "auto":
         model = _auto(args, options, keep, console)
     else:
@@ -374,6 +406,9 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
                 return 0
         start("save")
         path = _save(model, args.output)
+        if args.compile_step:
+            start("compile step")
+            step = _compile_step(model, path)
     growth = "grows with context, like a KV cache" if not model.constant_memory else "constant"
     console.print(Text(f"saved to {path}"), soft_wrap=True)
     console.print(
@@ -383,6 +418,8 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
         ),
         soft_wrap=True,
     )
+    if args.compile_step:
+        console.print(Text(step), soft_wrap=True)
     if args.distill:
         _drop_checkpoint(training["checkpoint_dir"], args.keep_checkpoints, console)
     return 0
@@ -498,7 +535,9 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
     total = len(CHECKS) if args.against is not None else len(CHECKS) - 1
     with _stage_bar(total, "check", leave=False) as start:
         results = run_checks(model, args.against, tokens=args.tokens, batch=args.batch, seed=args.seed, progress=start)
-    title = f"{model.target} model, {model.manifest.dtype}, batch {args.batch}, tolerance {tolerance(model.dtype):g} relative"
+    step = ", step compiled ahead of time" if model.step_package is not None else ""  # the step the checks ran
+    title = (f"{model.target} model, {model.manifest.dtype}{step}, batch {args.batch}, "
+             f"tolerance {tolerance(model.dtype):g} relative")
     table = Table(box=box.SIMPLE_HEAD, title=Text(title))
     table.add_column("check", no_wrap=True)
     for column in ("max abs diff", "relative diff", "argmax agreement", "tokens"):
@@ -799,7 +838,8 @@ def add_compile(commands: argparse._SubParsersAction) -> None:
         help="compile DIR's decode step ahead of time, so every later load decodes compiled (CPU)",
         description="Compile the one-token step of DIR with AOTInductor into DIR/step-cpu.pt2, once: "
         "rnnify.load (and every command) then decodes with it on a CPU, with no compile in the process "
-        "that decodes. The package holds code only (the weights stay in DIR's weights file) and fits "
+        "that decodes. rnnify convert and rnnify distill do this by default; this command does it for a "
+        "directory written with --no-compile, or again on another CPU or torch. The package holds code only (the weights stay in DIR's weights file) and fits "
         "any batch size; it is ignored, with a warning, on another CPU, torch or rnnify, or once DIR's "
         "graph or options change. Takes tens of seconds and needs a C++ compiler. Not for exact "
         "layers of a sliding-window model. See docs/performance.md.",
@@ -1081,6 +1121,7 @@ def _distill_arguments(p: argparse.ArgumentParser) -> None:
                    help="text file, folder of text files or .jsonl file with a \"text\" field per line")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the distilled model to")
     _add_kernels_flag(p)
+    _add_compile_flag(p)
     _add_training_flags(p, add_training_flags)
 
 
@@ -1117,6 +1158,10 @@ def _distill(args: argparse.Namespace, console: Console) -> int:
         return 0
     path = _save(model, args.output)
     console.print(Text(f"saved to {path}"), soft_wrap=True)
+    if args.compile_step:
+        with console.status("compiling the decode step (AOTInductor)"):
+            step = _compile_step(model, path, source=args.dir)
+        console.print(Text(step), soft_wrap=True)
     _drop_checkpoint(training["checkpoint_dir"], args.keep_checkpoints, console)
     return 0
 

@@ -14,15 +14,19 @@ from rnnify.runtime.aot import STEP_PACKAGE, STEP_RECORD, StepPackage
 
 
 @pytest.fixture(scope="module")
-def compiled(converted_dir, tmp_path_factory):
-    """``compiled(target)`` -> a copy of the converted tiny llama with its step compiled by the CLI."""
+def compiled(converted_dir, tiny_model_dir, tmp_path_factory):
+    """``compiled(target)`` -> the tiny llama converted with its step compiled ahead of time: by
+    ``rnnify convert`` itself (its default) for the hybrid, by ``rnnify compile`` afterwards for the rest."""
     done = {}
 
     def get(target: str):
         if target not in done:
             out = tmp_path_factory.mktemp(f"aot-{target}") / "model"
-            shutil.copytree(converted_dir("llama", target), out)
-            assert main(["compile", str(out), "--threads", "1"]) == 0
+            if target == "hybrid":
+                assert main(["convert", str(tiny_model_dir("llama")), "--to", target, "-o", str(out), "--threads", "1"]) == 0
+            else:
+                shutil.copytree(converted_dir("llama", target), out)
+                assert main(["compile", str(out), "--threads", "1"]) == 0
             done[target] = out
         return done[target]
 
@@ -142,3 +146,61 @@ def test_a_failing_compiler_is_one_error_line_and_leaves_nothing(converted_dir, 
     err = capsys.readouterr().err
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1 and "C++ compiler" in err
     assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_convert_compiles_the_step_unless_told_not_to(compiled, tiny_model_dir, tmp_path, capsys):
+    assert (compiled("hybrid") / STEP_PACKAGE).is_file() and rnnify.load(compiled("hybrid")).step_package is not None
+    out = tmp_path / "eager"
+    assert main(["convert", str(tiny_model_dir("llama")), "--to", "hybrid", "-o", str(out), "--no-compile"]) == 0
+    assert "decode step" not in capsys.readouterr().out and not (out / STEP_PACKAGE).exists()
+
+
+def test_convert_with_a_failing_compiler_warns_and_saves_the_whole_model(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    def no_compiler(*args, **kwargs):
+        from torch._inductor.exc import CppCompileError
+
+        raise CppCompileError(["g++", "step.cpp"], "g++: command not found")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
+    out = tmp_path / "model"
+    assert main(["convert", str(tiny_model_dir("llama")), "--to", "linear", "-o", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "decode step: eager" in captured.out and "C++ compiler" in captured.err and "rnnify compile" in captured.err
+    assert "Traceback" not in captured.err
+    assert not (out / STEP_PACKAGE).exists() and not (out / STEP_RECORD).exists()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no scratch left behind
+    assert rnnify.load(out).step_package is None
+
+
+def test_convert_of_a_sliding_window_exact_model_says_its_step_stays_eager(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "mistral-exact"
+    assert main(["convert", str(tiny_model_dir("mistral")), "--to", "exact", "-o", str(out)]) == 0
+    assert "decode step: eager (" in capsys.readouterr().out and not (out / STEP_PACKAGE).exists()
+
+
+def test_distill_keeps_the_package_its_model_was_compiled_with(compiled, tmp_path, capsys, monkeypatch):
+    """A distilled copy has the same graph and weight shapes: its package is the source's, copied, not
+    compiled again, and it computes the distilled weights' step."""
+    import rnnify.runtime.aot as aot
+
+    monkeypatch.setattr(aot, "write_step_package", lambda *a, **k: pytest.fail("compiled again"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def main(argv):\n    for arg in argv:\n        print(arg.upper(), len(arg))\n" * 8)
+    out = tmp_path / "distilled"
+    argv = ["distill", str(compiled("hybrid")), "--data", str(corpus), "-o", str(out), "--seq-len", "16",
+            "--batch-size", "2", "--max-tokens", "64", "--stages", "transfer", "--lr", "0.5", "--threads", "1"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "copied from" in capsys.readouterr().out
+    distilled, source = rnnify.load(out), rnnify.load(compiled("hybrid"))
+    assert distilled.step_package is not None
+    changed = [name for name, t in distilled.graph.named_parameters()
+               if not torch.equal(t, source.graph.get_parameter(name))]
+    assert changed  # the step below runs other weights than the package was compiled beside
+    want, _ = _decode(rnnify.load(out, aot_step=False), 2, 3)
+    torch.testing.assert_close(_decode(distilled, 2, 3)[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_verify_checks_the_compiled_step(compiled, capsys):
+    assert main(["verify", str(compiled("hybrid")), "--tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "step compiled ahead of time" in out and "all checks passed" in out

@@ -59,7 +59,8 @@ def eos_id(directory: Path) -> int:
 @pytest.mark.parametrize("target, memory", [("exact", "grows with context"), ("linear", "constant")])
 def test_convert_writes_a_loadable_directory(capsys, tmp_path, tiny_model_dir, target, memory):
     extra = ["--feature-map", "elu"] if target == "linear" else []
-    code, out, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", target, "-o", tmp_path / "out", *extra)
+    code, out, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", target, "-o", tmp_path / "out", *extra,
+                         "--no-compile")
     assert code == 0, err
     assert f"saved to {tmp_path / 'out'}" in out
     assert f"{target}: 2 layers" in out and memory in out
@@ -69,7 +70,7 @@ def test_convert_writes_a_loadable_directory(capsys, tmp_path, tiny_model_dir, t
 
 def test_convert_per_layer_targets_and_options(capsys, tmp_path, tiny_model_dir):
     argv = ["convert", tiny_model_dir("llama"), "--to", "linear", "--keep-softmax", "1", "--option", "chunk_size=16"]
-    code, _, err = run(capsys, *argv, "-o", tmp_path / "out")
+    code, _, err = run(capsys, *argv, "-o", tmp_path / "out", "--no-compile")
     assert code == 0, err
     model = rnnify.load(tmp_path / "out")
     assert [cell.target for cell in model.cells] == ["linear", "exact"]
@@ -84,7 +85,7 @@ def test_convert_hybrid_memory_is_recorded_and_verifies(capsys, tmp_path, tiny_m
     form to its prefill with the memory switched on (gate 0.5) and tokens leaving a 4-token window."""
     out = tmp_path / "out"
     argv = ["convert", tiny_model_dir("llama"), "--to", "hybrid", "--memory", memory, "--window", "4"]
-    code, _, err = run(capsys, *argv, "--option", "memory_init=0.5", "-o", out)
+    code, _, err = run(capsys, *argv, "--option", "memory_init=0.5", "-o", out, "--no-compile")
     assert code == 0, err
     manifest = json.loads((out / MANIFEST_FILE).read_text())
     assert manifest["options"]["memory"] == memory and manifest["options"]["memory_init"] == 0.5
@@ -389,7 +390,7 @@ def test_piped_info_fits_120_columns_and_keeps_names_whole(capsys, monkeypatch, 
     monkeypatch.delenv("COLUMNS", raising=False)  # capsys's stdout is not a terminal: piped
     out = tmp_path / "mixed"
     assert run(capsys, "convert", tiny_model_dir("llama"), "--to", "hybrid", "--keep-softmax", "1",
-               "--kernels", "reference", "-o", out)[0] == 0
+               "--kernels", "reference", "-o", out, "--no-compile")[0] == 0
     code, text, err = run(capsys, "info", out)
     assert code == 0, err
     assert max(len(line) for line in text.splitlines()) <= 120

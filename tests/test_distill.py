@@ -452,7 +452,7 @@ def test_cli_distill_writes_a_distilled_model(capsys, hybrid_dir, corpus, tmp_pa
     out = tmp_path / "distilled"
     code, stdout, err = run_cli(capsys, "distill", hybrid_dir, "--data", corpus, "-o", out, "--seq-len", 16,
                                 "--batch-size", 4, "--max-tokens", 256, "--lr", "1e-2,1e-3", "--checkpoint-every", 4,
-                                "--gate-lr-scale", "1,20", "--kernels", "none", "--device", "cpu")
+                                "--gate-lr-scale", "1,20", "--kernels", "none", "--device", "cpu", "--no-compile")
     assert code == 0, err
     assert f"saved to {out}" in stdout and "transfer:" in err and "finetune:" in err
     manifest = json.loads((out / "rnnify.json").read_text())
@@ -466,7 +466,7 @@ def test_cli_distill_writes_a_distilled_model(capsys, hybrid_dir, corpus, tmp_pa
 def test_cli_convert_then_distill_in_one_go(capsys, tiny_model_dir, corpus, tmp_path):
     out = tmp_path / "out"
     code, stdout, err = run_cli(capsys, "convert", tiny_model_dir("gpt2"), "--to", "hybrid", "--window", 4,
-                                "--distill", corpus, "-o", out, "--seq-len", 16, "--batch-size", 4,
+                                "--distill", corpus, "-o", out, "--no-compile", "--seq-len", 16, "--batch-size", 4,
                                 "--max-tokens", 128, "--stages", "finetune", "--lora-rank", 2,
                                 "--tokenizer", tiny_model_dir("llama"),  # the same tokenizer files
                                 "--keep-checkpoints")
@@ -500,6 +500,7 @@ def test_cli_distill_mistakes_are_one_line_errors(capsys, hybrid_dir, corpus, tm
 
 def test_cli_default_seq_len_stops_at_learned_positions(capsys, converted_dir, corpus, tmp_path):
     code, _, err = run_cli(capsys, "distill", converted_dir("gpt2", "hybrid"), "--data", corpus, "-o", tmp_path / "out",
-                           "--stages", "finetune", "--kl-weight", 0, "--batch-size", 1, "--max-tokens", 64)
+                           "--stages", "finetune", "--kl-weight", 0, "--batch-size", 1, "--max-tokens", 64,
+                           "--no-compile")
     assert code == 0, err
     assert json.loads((tmp_path / "out" / "rnnify.json").read_text())["distill"]["seq_len"] == 128  # not 1024

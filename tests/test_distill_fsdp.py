@@ -97,7 +97,8 @@ def test_cli_fsdp_flag(capsys, hybrid_dir, tmp_path):
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def main(argv):\n    for arg in argv:\n        print(arg.upper(), len(arg))\n" * 4)
-    args = ["--data", corpus, "-o", tmp_path / "out", "--seq-len", 16, "--batch-size", 4, "--stages", "transfer"]
+    args = ["--data", corpus, "-o", tmp_path / "out", "--seq-len", 16, "--batch-size", 4, "--stages", "transfer",
+            "--no-compile"]
     assert main(["distill", str(hybrid_dir), *map(str, args), "--fsdp"]) == 0
     assert "fsdp: one process" in capsys.readouterr().err
     assert build_parser().parse_args(["convert", "m", "--to", "hybrid", "--distill", "c", "-o", "o", "--fsdp"]).fsdp

@@ -182,7 +182,7 @@ def test_cli_train_flag(capsys, hybrid_dir, tmp_path):
     out = tmp_path / "out"
     code = main(["distill", str(hybrid_dir), "--data", str(data), "-o", str(out), "--stages", "finetune",
                  "--train", "attention", "--kl-weight", "0", "--seq-len", "16", "--batch-size", "2",
-                 "--max-tokens", "64"])
+                 "--max-tokens", "64", "--no-compile"])
     assert code in (0, None)
     assert rnnify.load(out).manifest.distill["train"] == "attention"
     assert main(["distill", str(hybrid_dir), "--data", str(data), "-o", str(tmp_path / "o2"), "--train", "everything"]) == 2

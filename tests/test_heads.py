@@ -326,7 +326,7 @@ def test_auto_cli_errors(capsys, tmp_path, retrieval_model, tiny_model_dir):
     directory, _ = retrieval_model
     text = tmp_path / "calib.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 200)
-    base = ["convert", directory, "--to", "auto", "--calib-len", "32", "--calib-passkey", "0", "-o", tmp_path / "o"]
+    base = ["convert", directory, "--to", "auto", "--calib-len", "32", "--calib-passkey", "0", "-o", tmp_path / "o", "--no-compile"]
     code, _, err = run(capsys, *base, "--data", text, "--state-budget", "10")
     assert_user_error(code, err, "cannot be met", "give at least that")
     code, _, err = run(capsys, *base, "--state-budget", "30%")
@@ -359,7 +359,7 @@ def test_auto_cli_memory_makes_the_streaming_heads_hybrids(capsys, tmp_path, ret
     code, _, err = run(capsys, *base, "--memory", "linear", "--feature-map", "elu", "-o", tmp_path / "bad")
     assert_user_error(code, err, "--window, --sinks and --memory", "not --layers")
     assert not (tmp_path / "bad").exists()
-    code, out, err = run(capsys, *base, "--memory", "linear", "-o", tmp_path / "o")
+    code, out, err = run(capsys, *base, "--memory", "linear", "-o", tmp_path / "o", "--no-compile")
     assert code == 0, err
     assert "hybrid 4 + linear memory" in out.replace("\n", "")
     model = rnnify.load(tmp_path / "o")

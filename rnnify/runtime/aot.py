@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -34,7 +35,7 @@ from rnnify.errors import RnnifyError, RnnifyWarning
 if TYPE_CHECKING:
     from rnnify.runtime.model import RecurrentModel
 
-__all__ = ["STEP_PACKAGE", "StepPackage", "load_step_package", "write_step_package"]
+__all__ = ["STEP_PACKAGE", "StepPackage", "copy_step_package", "load_step_package", "refusal", "write_step_package"]
 
 STEP_PACKAGE = "step-cpu.pt2"  # AOTInductor's package: the compiled step for CPUs
 STEP_RECORD = "step-cpu.json"  # what it was compiled for (``fingerprint``)
@@ -65,7 +66,8 @@ def fingerprint(model: RecurrentModel) -> str:
     from rnnify import __version__
 
     graph = model.graph
-    weights = [(name, tuple(t.shape), t.stride(), str(t.dtype)) for name, t in _named_weights(graph)]
+    # by name: a converted model and the same model loaded from its directory list them in other orders
+    weights = sorted((name, tuple(t.shape), t.stride(), str(t.dtype)) for name, t in _named_weights(graph))
     cells = [(entry.module, entry.target, entry.spec, entry.options) for entry in model.manifest.cells]
     state = [(tuple(t.shape), str(t.dtype)) for t in model.init_state(1).tensors]
     versions = [__version__, torch.__version__, platform.machine(), _cpu_flags()]
@@ -73,12 +75,19 @@ def fingerprint(model: RecurrentModel) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def refusal(model: RecurrentModel) -> str | None:
+    """Why ``model``'s step is not compiled ahead of time, in words; None when it can be."""
+    if model.device.type != "cpu":
+        return f"an ahead-of-time step is compiled for CPUs; this model is on {model.device}"
+    if any(cell.grows_with_context and cell.spec.window is not None for cell in model.cells):
+        return ("an ahead-of-time step is not built for caches that grow up to a sliding window "
+                "(exact layers of a sliding-window model): decode this model eagerly")
+    return None
+
+
 def _example(model: RecurrentModel) -> tuple[tuple[torch.Tensor, ...], list[dict[int, Any]]]:
     """One decode token's graph inputs at batch 2 after a 3-token prompt, and their dynamic dims:
     the batch, and any state dim that grows with the context (found by a 4-token prompt)."""
-    if any(cell.grows_with_context and cell.spec.window is not None for cell in model.cells):
-        raise RnnifyError("an ahead-of-time step is not built for caches that grow up to a sliding window "
-                          "(exact layers of a sliding-window model): decode this model eagerly")
     ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], device=model.device)
     _, state = model.prefill(ids[:, :3])
     _, longer = model.prefill(ids)
@@ -108,8 +117,9 @@ def _export(model: RecurrentModel) -> torch.export.ExportedProgram:
 def write_step_package(model: RecurrentModel, directory: str | os.PathLike) -> Path:
     """Compile ``model``'s one-token step with AOTInductor into ``directory``/``STEP_PACKAGE`` (and
     its record), replacing any there; the files appear whole or not at all. CPU only."""
-    if model.device.type != "cpu":
-        raise RnnifyError(f"an ahead-of-time step is compiled for CPUs; this model is on {model.device}")
+    reason = refusal(model)
+    if reason is not None:
+        raise RnnifyError(reason)
     directory = Path(directory)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)  # torch's own, not ours
@@ -135,6 +145,32 @@ def write_step_package(model: RecurrentModel, directory: str | os.PathLike) -> P
         except OSError as exc:
             raise RnnifyError(f"cannot write the compiled step into {directory}: {exc.strerror or exc}") from exc
     return directory / STEP_PACKAGE
+
+
+def copy_step_package(model: RecurrentModel, source: str | os.PathLike, directory: str | os.PathLike) -> bool:
+    """Copy ``source``'s package into ``directory`` when it was compiled for ``model`` as it is now
+    (the weights' values may differ: a distilled copy of ``source`` decodes with it); True if copied."""
+    source, directory = Path(source), Path(directory)
+    if _recorded_fingerprint(source) != fingerprint(model) or not (source / STEP_PACKAGE).is_file():
+        return False
+    try:
+        with tempfile.TemporaryDirectory(dir=directory, prefix=".step-") as scratch:
+            for name in (STEP_PACKAGE, STEP_RECORD):
+                shutil.copyfile(source / name, Path(scratch) / name)
+            (directory / STEP_RECORD).unlink(missing_ok=True)  # the record last, as write_step_package does
+            os.replace(Path(scratch) / STEP_PACKAGE, directory / STEP_PACKAGE)
+            os.replace(Path(scratch) / STEP_RECORD, directory / STEP_RECORD)
+    except OSError as exc:
+        raise RnnifyError(f"cannot write the compiled step into {directory}: {exc.strerror or exc}") from exc
+    return True
+
+
+def _recorded_fingerprint(directory: Path) -> str | None:
+    """What the package in ``directory`` was compiled for (``fingerprint``), if it says."""
+    try:
+        return json.loads((directory / STEP_RECORD).read_text())["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _compiler_failed(exc: BaseException | None) -> bool:
@@ -183,14 +219,10 @@ def load_step_package(model: RecurrentModel, directory: str | os.PathLike) -> St
     """The package in ``directory`` bound to ``model``'s weights; None when there is none, the
     model is not on a CPU, or the package was compiled for another model, torch or CPU (warned)."""
     directory = Path(directory)
-    package, record = directory / STEP_PACKAGE, directory / STEP_RECORD
+    package = directory / STEP_PACKAGE
     if model.device.type != "cpu" or not package.is_file():
         return None
-    try:
-        recorded = json.loads(record.read_text())["fingerprint"]
-    except (OSError, ValueError, KeyError, TypeError):
-        recorded = None
-    if recorded != fingerprint(model):
+    if _recorded_fingerprint(directory) != fingerprint(model):
         warnings.warn(f"{package} was compiled for another model, torch version or CPU: decoding eagerly; run "
                       f"`rnnify compile {directory}` again", RnnifyWarning, stacklevel=3)
         return None
