@@ -357,7 +357,7 @@ def document(record: dict, png: Path, json_path: Path, memory_notes: str = "") -
     """docs/fidelity.md: what was measured, how to rerun it, the table, the goals and the plot;
     ``memory_notes``, the page's kept ``MEMORY_NOTES`` section, after the memories' tables."""
     rows, original, window = record["rows"], record["original_perplexity"], record.get("window", WINDOW)
-    first = rows[0]["training_free"]
+    first = first_result(rows[0])
     free = [r["training_free"]["perplexity"] / original for r in rows
             if r["target"] in ("linear", "gated", "aaren") and r.get("training_free")]
     spread = f"{min(free):.1f}-{max(free):.1f}" if free else "(not run)"

@@ -293,6 +293,67 @@ def test_hybrid_delta_memory_blends_window_and_readout(memory):
     assert_every_phase_matches(hybrid, q, k, v, x, mask, expected)
 
 
+def delta_memory_mass_reference(cell, q, k, v, x, mask, window: int, sinks: int):
+    """float64, share by mass (elu map): the delta memory written as in ``delta_memory_reference``,
+    and z += phi(k_j) beside it; each query blends the window's output w / u with the readout S q'
+    by g_h M / (f_h u + M), M = phi(q) . z, the linear memory's weight of the tokens it holds (0 while M = 0)."""
+    writer, reader = cell.writer, cell.reader
+    gate, f = cell.memory_gate.double(), torch.sigmoid(cell.window_logit.double())
+
+    def mapped(t, h):
+        return t.double() @ reader.key_map[h].double() + reader.key_bias[h].double()
+
+    out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=torch.float64)
+    group = SPEC.group_size
+    for b in range(2):
+        real = [t for t in range(q.shape[2]) if mask[b, t]]
+        for h in range(2):
+            S, z = torch.zeros(6, 8, dtype=torch.float64), torch.zeros(8, dtype=torch.float64)
+            for n, t in enumerate(real):
+                if n >= window + sinks:
+                    j = real[n - window]
+                    S = delta_write(S, writer, x[b, t], h, mapped(k[b, h, j], h), v[b, h, j])
+                    z = z + elu_plus_one(k[b, h, j].double())
+                held = [real[i] for i in range(n + 1) if n - i < window or i < sinks]
+                for i in range(h * group, (h + 1) * group):
+                    scores = SPEC.scale * k[b, h, held].double() @ q[b, i, t].double()
+                    e = torch.exp(scores - scores.max())
+                    w, u = e @ v[b, h, held].double(), e.sum()
+                    mass = elu_plus_one(q[b, i, t].double()) @ z
+                    query = mapped(q[b, i, t], h)
+                    share = gate[i] * mass / (f[i] * u + mass) if mass > 0 else 0.0
+                    out[b, i, t] = w / u + share * (S @ (query / query.norm()) - w / u)
+    return out
+
+
+@pytest.mark.parametrize("memory", ["delta", "gated-delta"])
+def test_hybrid_delta_memory_weighed_by_mass(memory):
+    """share="mass": the delta memory's readout takes the weight the linear memory's tokens would
+    have in LoLCATs' sum; at g = 0 the window target; every phase against the float64 loop."""
+    window, sinks = 3, 1
+    torch.manual_seed(0)
+    options = {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4, "share": "mass", "feature_map": "elu"}
+    hybrid = build_cell("hybrid", SPEC, options)
+    assert hybrid.state_names[-2:] == ("kv", "k_sum") and not hasattr(hybrid.reader, "share_proj")
+    q, k, v, x, mask = make_inputs(13, pad=2)
+    assert_starts_as_window(hybrid, q, k, v, x, mask)
+    with torch.no_grad():
+        hybrid.memory_gate.copy_(torch.tensor([0.3, -0.5, 1.0, 0.7]))
+        hybrid.window_logit.copy_(torch.tensor([0.5, -1.0, 0.0, 2.0]))
+        for p in (*hybrid.writer.parameters(), *hybrid.reader.parameters()):
+            p.add_(torch.randn_like(p), alpha=0.3)
+    expected = delta_memory_mass_reference(hybrid, q, k, v, x, mask, window, sinks)
+    assert_every_phase_matches(hybrid, q, k, v, x, mask, expected)
+
+
+def test_hybrid_share_by_mass_is_for_the_delta_memories():
+    with pytest.raises(RnnifyError, match="'mass' applies to the delta memories only"):
+        build_cell("hybrid", SPEC, {"memory": "linear", "share": "mass"})
+    with pytest.raises(RnnifyError, match="share must be one of"):
+        build_cell("hybrid", SPEC, {"memory": "delta", "share": "softmax"})
+    assert build_cell("hybrid", SPEC, {"memory": "delta", "share": "mass"}).options()["feature_map"] == "hedgehog"
+
+
 # --------------------------------------------------------------------------- the hybrid's gla memory
 
 def elu_map(memory: str) -> dict:
@@ -425,7 +486,7 @@ def test_hybrid_decode_of_rows_at_different_lengths_keeps_the_general_step(monke
 def test_hybrid_memory_option_is_checked():
     with pytest.raises(RnnifyError, match="unknown memory 'lstm'"):
         build_cell("hybrid", SPEC, {"memory": "lstm"})
-    with pytest.raises(RnnifyError, match="feature_map and feature_options apply to the linear and gla memories only"):
+    with pytest.raises(RnnifyError, match="no feature map unless share='mass'"):
         build_cell("hybrid", SPEC, {"memory": "delta", "feature_map": "hedgehog"})
     assert build_cell("hybrid", SPEC, {"memory": "gla", "feature_map": "hedgehog"}).phi.feature_dim == 16
     assert build_cell("hybrid", SPEC).state_names[-2:] == ("kv", "k_sum")

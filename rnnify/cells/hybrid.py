@@ -78,6 +78,10 @@ log(n_i / W), weighted by c_h (1 at start; a factor of 1 at n = W); it is 0 whil
 still empty (nothing written yet: its readout 0 is no estimate). At g = 0 the model is again
 exactly its window target; the state is the window's plus ``kv`` (H, fp32), no ``k_sum``; f_h
 does not enter (w / u does not depend on it), so there is no ``window_logit`` and no feature map.
+With ``share="mass"`` the share is the weight LoLCATs' sum gives the linear memory's tokens
+instead, s_i = g_h M_i / (f_h u_i + M_i), M_i = phi(q_i) . z_i, z the sum of phi(k_j) over the
+keys written (``mass_share``): the cell has phi and f_h, the state adds ``k_sum`` (z), the reader
+no share projection.
 (Until this version the readout was added, out_i = w_i / u_i + g_h H^T q^_i, which could not give
 the window's share to the memory: on SmolLM2 it ended worse than the window alone.) Forms:
 ``delta_memory_hybrid_attn`` (the window part as ``fused_hybrid_attn``'s, the memory through the
@@ -127,6 +131,7 @@ from rnnify.kernels.linear_attn.naive import chunk_gated_attn
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 MEMORIES = ("linear", "gla", "delta", "gated-delta")  # what holds the tokens that left the window
 DELTA_MEMORIES = ("delta", "gated-delta")
+SHARES = ("count", "mass")  # how a delta memory's readout is weighed against the window's output
 # the linear and gla memories' map when none is given: trainable, so distillation can fit the memory to
 # softmax (an untrained map leaves it gated off, the window alone); elu, the default before, has no parameters
 DEFAULT_FEATURE_MAP = "hedgehog"
@@ -315,7 +320,7 @@ def steady_step_hybrid_attn(
 
 def step_delta_memory_hybrid_attn(
     q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, beta, log_a, share, key_map, key_bias,
-    scale: float,
+    scale: float, mass=None,
 ):
     """The decode path of the delta memories off kernels: ``window_step``, then the token leaving
     the window is written by the delta rule (beta = 0 and no decay where none leaves: the stale key
@@ -327,8 +332,13 @@ def step_delta_memory_hybrid_attn(
     log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
     memory, kv = step_delta_attn(memory_keys(q, key_map, key_bias), memory_keys(old_key, key_map, key_bias),
                                  old_value, beta, log_a, kv)
-    share = memory_share(*share, length, leaves, keys.shape[2], sink_keys.shape[2])
-    return torch.lerp(window_output(w, u), memory, share[..., None]), *window_state, kv
+    if mass is None:
+        share = memory_share(*share, length, leaves, keys.shape[2], sink_keys.shape[2])
+        return torch.lerp(window_output(w, u), memory, share[..., None]), *window_state, kv
+    phi, factor, k_sum = mass
+    phi_q, phi_old = _query_and_leaving_features(phi, q, old_key)
+    share, k_sum = mass_share(share, factor, phi_q, phi_old * leaves[..., None], k_sum, u)
+    return torch.lerp(window_output(w, u), memory, share[..., None]), *window_state, kv, k_sum
 
 
 def leaving(q_index, key_index, all_keys, all_values, window: int, sinks: int):
@@ -480,14 +490,16 @@ def prompt_hybrid_attn(q, k, v, window_state, kv, k_sum, phi, factor, scale: flo
 
 def delta_memory_hybrid_attn(
     q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, beta, log_a, share, key_map, key_bias,
-    scale: float, chunk_size: int = 64, kernels: str | None = None,
+    scale: float, chunk_size: int = 64, kernels: str | None = None, mass=None,
 ):
     """The hybrid with a delta-rule memory (see above), every phase: the window part by
     ``window_and_leaving``, the memory on the tokens leaving the window, at most one per new token
     (beta = 0 and no decay where none leaves), through ``cells.delta``'s forms (``fused_delta_attn``
     with ``kernels``). beta / log_a ``[B, Hkv, T]`` are those of the arriving tokens (0 at padding),
     share what ``memory_share`` reads besides the count (``DeltaReader.share``: gate, logit, count weight),
-    key_map / key_bias ``[Hkv, d, d]`` / ``[Hkv, d]`` the reader's key map."""
+    key_map / key_bias ``[Hkv, d, d]`` / ``[Hkv, d]`` the reader's key map. ``mass``: ``(phi, factor,
+    k_sum)`` for the share by mass (``mass_share``; ``share`` is then the gate alone), which adds
+    ``k_sum`` to the returned state."""
     unit = torch.ones(q.shape[1], q.shape[2], device=q.device)  # f = 1: w / u does not depend on it
     window_num, window_den, old_keys, old_values, leaves, window_state = window_and_leaving(
         q, k, v, mask, (keys, values, sink_keys, sink_values, length), unit, scale, chunk_size, kernels)
@@ -499,8 +511,24 @@ def delta_memory_hybrid_attn(
         memory, kv = fused_delta_attn(*args, backend=kernels)
     else:
         memory, kv = chunk_delta_attn(*args, chunk_size=chunk_size)
-    share = memory_share(*share, length, leaves, keys.shape[2], sink_keys.shape[2])
-    return torch.lerp(readout(window_den, window_num), memory, share[..., None]), *window_state, kv
+    if mass is None:
+        share = memory_share(*share, length, leaves, keys.shape[2], sink_keys.shape[2])
+        return torch.lerp(readout(window_den, window_num), memory, share[..., None]), *window_state, kv
+    phi, factor, k_sum = mass
+    share, k_sum = mass_share(share, factor, phi(q), phi(old_keys) * leaves[..., None], k_sum, window_den)
+    return torch.lerp(readout(window_den, window_num), memory, share[..., None]), *window_state, kv, k_sum
+
+
+def mass_share(gate, factor, phi_q, phi_written, k_sum, window_den) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta memory's share by mass, as the linear memory's LoLCATs sum weighs its tokens:
+    s_i = g M_i / (f u_i + M_i), M_i = phi(q_i) . z_i, z_i = z + the features of the keys written up
+    to token i; 0 while M_i = 0 (nothing written). gate, factor ``[Hkv, G]``; phi_q ``[B, Hkv, G, T,
+    F]``, phi_written ``[B, Hkv, T, F]`` (0 where no key is written), k_sum z ``[B, Hkv, F]``,
+    window_den u ``[B, Hkv, G, T]``. Returns ``(s [B, Hkv, G, T], the last z)``."""
+    z = k_sum[:, :, None] + phi_written.cumsum(2)  # [B, Hkv, T, F]
+    memory_mass = (phi_q * z[:, :, None]).sum(-1)
+    share = gate[..., None] * memory_mass / (factor[..., None] * window_den + memory_mass)
+    return torch.where(memory_mass > 0, share, 0.0), z[:, :, -1]
 
 
 def memory_keys(x: torch.Tensor, key_map: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
@@ -528,13 +556,15 @@ class DeltaReader(nn.Module):
     the identity at start) and the memory's share of the output, from the layer input and how many
     tokens the memory holds."""
 
-    def __init__(self, spec: CellSpec):
+    def __init__(self, spec: CellSpec, by_count: bool = True):
         super().__init__()
-        if spec.hidden_size is None:
-            raise ValueError("the delta memory reads the layer input, but its width (spec.hidden_size) is unknown")
         self.num_kv_heads, self.group_size = spec.num_kv_heads, spec.group_size
         self.key_map = nn.Parameter(torch.eye(spec.head_dim).repeat(spec.num_kv_heads, 1, 1))
         self.key_bias = nn.Parameter(torch.zeros(spec.num_kv_heads, spec.head_dim))
+        if not by_count:  # the share is read by mass (``mass_share``), not from the layer input and the count
+            return
+        if spec.hidden_size is None:
+            raise ValueError("the delta memory reads the layer input, but its width (spec.hidden_size) is unknown")
         self.share_proj = nn.Linear(spec.hidden_size, spec.num_heads)
         nn.init.zeros_(self.share_proj.weight)
         nn.init.zeros_(self.share_proj.bias)
@@ -563,6 +593,8 @@ class HybridCell(Cell):
     delta-rule memory (see the module docstring), trainable through ``memory_gate``, its beta (and
     alpha) projections and its reader (key map, share projection, count weight), with no f_h or
     feature map; ``gla``: the linear memory decayed by GLA's gate of the arriving token (trainable too).
+    ``share`` (delta memories): ``count`` (the default) or ``mass``, the readout weighed as the linear
+    memory's tokens would be, through the feature map and f_h (module docstring).
 
     The state is the window target's (keys, values, sink_keys, sink_values, length) then the linear
     memory (kv, k_sum); with no sinks the empty sink buffers are left out, so a hybrid without
@@ -585,14 +617,18 @@ class HybridCell(Cell):
         memory_init: float = 0.0,
         sinks: int = DEFAULT_SINKS,
         memory: str = "linear",
+        share: str = "count",
     ):
         super().__init__(spec)
         if memory not in MEMORIES:
             raise ValueError(f"unknown memory {memory!r}; choose from {list(MEMORIES)}")
-        # a delta memory has no feature map: "elu" is what its manifests recorded while that was the default
-        if memory in DELTA_MEMORIES and (feature_map not in (None, "elu") or feature_options):
-            raise ValueError(f"memory {memory!r} has no feature map: feature_map and feature_options apply to the "
-                             "linear and gla memories only")
+        if share not in SHARES or (share != "count" and memory not in DELTA_MEMORIES):
+            raise ValueError(f"share must be one of {list(SHARES)}, and 'mass' applies to the delta memories only; "
+                             f"got {share!r} with memory {memory!r}")
+        # a delta memory read by count has no feature map: "elu" is what its manifests recorded while that was the default
+        if memory in DELTA_MEMORIES and share == "count" and (feature_map not in (None, "elu") or feature_options):
+            raise ValueError(f"memory {memory!r} has no feature map unless share='mass': feature_map and "
+                             "feature_options apply to the linear and gla memories and to share='mass'")
         if feature_options is not None and not isinstance(feature_options, dict):
             raise ValueError(f"feature_options must be a dict of feature-map options, got {feature_options!r}")
         if isinstance(memory_init, bool) or not isinstance(memory_init, (int, float)) or not 0 <= memory_init <= 1:
@@ -600,13 +636,14 @@ class HybridCell(Cell):
         self.window = check_int("window", window, 1)
         self.sinks = check_int("sinks", sinks, 0)
         self.chunk_size = check_int("chunk_size", chunk_size, 1)
-        self.memory_init, self.memory = float(memory_init), memory
-        if feature_map is None:  # the delta memories record the old default, which they never use
-            feature_map = "elu" if memory in DELTA_MEMORIES else DEFAULT_FEATURE_MAP
+        self.memory_init, self.memory, self.share = float(memory_init), memory, share
+        weighed = memory not in DELTA_MEMORIES or share == "mass"  # has a feature map and f_h
+        if feature_map is None:  # the delta memories read by count record the old default, which they never use
+            feature_map = DEFAULT_FEATURE_MAP if weighed else "elu"
         self.feature_map, self.feature_options = feature_map, dict(feature_options or {})
         self.memory_gate = nn.Parameter(torch.full((spec.num_heads,), self.memory_init))
         memory_state = ("kv", "k_sum")
-        if memory not in DELTA_MEMORIES:
+        if weighed:
             self.phi = build_feature_map(feature_map, spec, **self.feature_options)
             self.window_logit = nn.Parameter(torch.zeros(spec.num_heads))
         if memory == "gla":  # per-feature decays from the layer input
@@ -618,8 +655,9 @@ class HybridCell(Cell):
             self.needs_input = True
         elif memory in DELTA_MEMORIES:  # beta (and alpha) from the layer input
             self.writer = DeltaWriter(spec, memory == "gated-delta", 0.5, None)
-            self.reader = DeltaReader(spec)
-            self.needs_input, memory_state = True, ("kv",)
+            self.reader = DeltaReader(spec, by_count=share == "count")
+            self.needs_input = True
+            memory_state = ("kv", "k_sum") if share == "mass" else ("kv",)
         window_state = ("keys", "values", "sink_keys", "sink_values") if self.sinks else ("keys", "values")
         self.state_names = (*window_state, "length", *memory_state)
 
@@ -632,6 +670,7 @@ class HybridCell(Cell):
             "chunk_size": self.chunk_size,
             "memory_init": self.memory_init,
             "memory": self.memory,
+            **({"share": self.share} if self.memory in DELTA_MEMORIES else {}),
         }
 
     def fused_ops(self) -> dict[str, str]:
@@ -650,6 +689,8 @@ class HybridCell(Cell):
 
         sinks = (buffer(self.sinks, spec.head_dim), buffer(self.sinks, spec.value_dim)) if self.sinks else ()
         if self.memory in DELTA_MEMORIES:
+            mass = (torch.zeros(batch_size, spec.num_kv_heads, self.phi.feature_dim, device=device, dtype=torch.float32),
+                    ) if self.share == "mass" else ()
             return (
                 buffer(self.window, spec.head_dim),
                 buffer(self.window, spec.value_dim),
@@ -657,6 +698,7 @@ class HybridCell(Cell):
                 torch.zeros(batch_size, device=device, dtype=torch.long),
                 torch.zeros(batch_size, spec.num_kv_heads, spec.head_dim, spec.value_dim, device=device,
                             dtype=torch.float32),
+                *mass,
             )
         features = self.phi.feature_dim
         return (
@@ -671,11 +713,12 @@ class HybridCell(Cell):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # hybrids saved before the memory gate existed computed the plain LoLCATs sum: gate 1
         state_dict.setdefault(prefix + "memory_gate", torch.ones_like(self.memory_gate))
-        if self.memory in DELTA_MEMORIES and prefix + "reader.share_proj.weight" not in state_dict:
+        by_count = self.memory in DELTA_MEMORIES and self.share == "count"
+        if by_count and prefix + "reader.share_proj.weight" not in state_dict:
             raise RnnifyError(
                 "this hybrid's delta memory was saved by an earlier rnnify, which added its readout to the window's "
                 "output; the memory is now read through a learned key map and blended in: convert the model again")
-        if self.memory in DELTA_MEMORIES:  # saved before the share counted the memory's tokens: c = 0 is that share
+        if by_count:  # saved before the share counted the memory's tokens: c = 0 is that share
             state_dict.setdefault(prefix + "reader.count_weight", torch.zeros_like(self.reader.count_weight))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -703,10 +746,16 @@ class HybridCell(Cell):
     def _delta_memory(self, q, k, v, mask, state, gate, x, backend: str | None):
         """A delta or gated-delta memory: the lean step for a decode token off kernels, else the general forms."""
         beta, log_a = self.writer(x, mask)
-        reading = (self.reader.share(x, gate), self.reader.key_map, self.reader.key_bias, self.spec.scale)
+        mass = None
+        if self.share == "mass":  # the last state tensor is z; the share is read from it and the gate
+            *state, k_sum = state
+            mass, share = (self.phi, self.mixing_factor(), k_sum), gate
+        else:
+            share = self.reader.share(x, gate)
+        reading = (share, self.reader.key_map, self.reader.key_bias, self.spec.scale)
         if q.shape[3] == 1 and backend is None:
-            return step_delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, *reading)
-        return delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, *reading, self.chunk_size, backend)
+            return step_delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, *reading, mass)
+        return delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, *reading, self.chunk_size, backend, mass)
 
     def _linear_memory(self, q, k, v, mask, state, gate, x, backend: str | None):
         """A linear or gla memory: the lean step for a decode token off kernels; a prompt through
