@@ -15,7 +15,7 @@ import torch
 import torch.fx
 from torch.export import Dim
 
-from rnnify.errors import RnnifyError, UnsupportedModelError
+from rnnify.errors import RnnifyError, UnsupportedModelError, first_line
 
 __all__ = ["load_source", "capture", "source_name"]
 
@@ -56,7 +56,7 @@ def _load_pretrained(path_or_id: str, dtype: torch.dtype):
                 f"{path_or_id}: not a local directory and not in the local Hugging Face cache; "
                 "rnnify works offline: download the model elsewhere and pass its local directory"
             ) from exc
-        raise RnnifyError(f"{path_or_id}: cannot read the model config ({_first_line(exc)})") from exc
+        raise RnnifyError(f"{path_or_id}: cannot read the model config ({first_line(exc)})") from exc
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
             f"{path_or_id}: encoder-decoder model ({config.model_type}); only decoder-only causal "
@@ -70,12 +70,7 @@ def _load_pretrained(path_or_id: str, dtype: torch.dtype):
                 f"{path_or_id}: {config.model_type} has no attention that runs through "
                 "scaled_dot_product_attention; rnnify converts attention-based causal LMs"
             ) from exc
-        raise UnsupportedModelError(f"{path_or_id}: cannot load as a causal LM ({_first_line(exc)})") from exc
-
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+        raise UnsupportedModelError(f"{path_or_id}: cannot load as a causal LM ({first_line(exc)})") from exc
 
 
 def load_source(model, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -139,7 +134,7 @@ def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
     except Exception as exc:  # export failures come in many types; report them as one
         raise UnsupportedModelError(
             f"{type(model).__name__}: torch.export could not capture the forward pass: "
-            f"{type(exc).__name__}: {_first_line(exc)}"
+            f"{type(exc).__name__}: {first_line(exc)}"
         ) from exc
     return _plain_graph_module(program.module())
 

@@ -246,23 +246,29 @@ def _add_compile_flag(p: argparse.ArgumentParser) -> None:
 
 def _compile_step(model, path: Path, source: str | None = None) -> str:
     """Put the decode step compiled ahead of time into the saved model directory ``path``: copied from
-    ``source`` when that package was compiled for this model (a distilled copy keeps its graph), else
-    compiled. The model is saved already, so a compile that fails only warns. Returns how DIR decodes."""
-    from rnnify.runtime.aot import copy_step_package, refusal, write_step_package
+    ``source`` when that package was compiled for this model as it is now (a distilled copy keeps
+    its graph and weight layout), else compiled, from the saved model when ``model`` was trained on
+    another device. The model is saved already, so a compile that fails only warns. Returns how
+    ``path`` decodes, in words."""
+    import rnnify
+    from rnnify.errors import first_line
+    from rnnify.runtime.aot import STEP_PACKAGE, copy_step_package, refusal, write_step_package
 
+    if model.device.type != "cpu":  # the package is for CPUs: compile it from the saved model, loaded there
+        model = rnnify.load(path, aot_step=False, verify_weights=False)
     reason = refusal(model)
     if reason is not None:
         return f"decode step: eager ({reason})"
-    if source is not None and copy_step_package(model, source, path):
-        return f"decode step: compiled ahead of time (copied from {source})"
     try:
+        if source is not None and copy_step_package(model, source, path):
+            return f"decode step: compiled ahead of time ({STEP_PACKAGE}, copied from {source})"
         write_step_package(model, path)
     except Exception as exc:  # noqa: BLE001 - the model is whole without it; say why and go on
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        warnings.warn(f"the decode step was not compiled ahead of time ({first}); {path} decodes eagerly. "
-                      f"`rnnify compile {path}` tries again and shows the whole error", RnnifyWarning, stacklevel=2)
+        warnings.warn(f"the decode step was not compiled ahead of time ({first_line(exc)}); {path} decodes "
+                      f"eagerly. `rnnify compile {path}` tries again and shows the whole error", RnnifyWarning,
+                      stacklevel=2)
         return "decode step: eager"
-    return "decode step: compiled ahead of time (step-cpu.pt2)"
+    return f"decode step: compiled ahead of time ({STEP_PACKAGE})"
 
 
 def _quiet_transformers() -> None:
@@ -408,7 +414,7 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
         path = _save(model, args.output)
         if args.compile_step:
             start("compile step")
-            step = _compile_step(model, path)
+            decode_note = _compile_step(model, path)
     growth = "grows with context, like a KV cache" if not model.constant_memory else "constant"
     console.print(Text(f"saved to {path}"), soft_wrap=True)
     console.print(
@@ -419,7 +425,7 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
         soft_wrap=True,
     )
     if args.compile_step:
-        console.print(Text(step), soft_wrap=True)
+        console.print(Text(decode_note), soft_wrap=True)
     if args.distill:
         _drop_checkpoint(training["checkpoint_dir"], args.keep_checkpoints, console)
     return 0
@@ -1160,8 +1166,8 @@ def _distill(args: argparse.Namespace, console: Console) -> int:
     console.print(Text(f"saved to {path}"), soft_wrap=True)
     if args.compile_step:
         with console.status("compiling the decode step (AOTInductor)"):
-            step = _compile_step(model, path, source=args.dir)
-        console.print(Text(step), soft_wrap=True)
+            decode_note = _compile_step(model, path, source=args.dir)
+        console.print(Text(decode_note), soft_wrap=True)
     _drop_checkpoint(training["checkpoint_dir"], args.keep_checkpoints, console)
     return 0
 

@@ -27,6 +27,15 @@ class StateError(RnnifyError):
     """A recurrent state that does not belong to this model or batch."""
 
 
+def first_line(exc: BaseException, with_type: bool = False) -> str:
+    """The first line of ``exc``'s message, to quote inside a one-line error or warning (its type
+    name when it has no message; prefixed with it when ``with_type``)."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if with_type else text.splitlines()[0]
+
+
 def check_int(name: str, value: object, minimum: int = 1, error: type[Exception] = ValueError, why: str = "") -> int:
     """``value`` if it is an int (not a bool) >= ``minimum``; else ``error`` naming ``name`` (and ``why``)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rnnify.errors import RnnifyError, UnsupportedModelError
+from rnnify.errors import RnnifyError, UnsupportedModelError, first_line
 
 __all__ = ["is_gguf", "load_gguf", "tokenizer_files"]
 
@@ -34,11 +34,6 @@ def is_gguf(path: str | os.PathLike) -> bool:
         return True
     with path.open("rb") as f:
         return f.read(len(_MAGIC)) == _MAGIC
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def _require_packages(path: Path) -> None:
@@ -66,7 +61,7 @@ def _architecture(path: Path) -> str:
         end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     except Exception as exc:  # the reader fails in many ways on a damaged file; report them as one
         raise RnnifyError(
-            f"{path}: not a readable GGUF file ({_first_line(exc)}); it may be truncated or corrupt, download it again"
+            f"{path}: not a readable GGUF file ({first_line(exc, with_type=True)}); it may be truncated or corrupt, download it again"
         ) from exc
     if end > path.stat().st_size:
         raise RnnifyError(
@@ -99,7 +94,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> to
         )
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise UnsupportedModelError(
-            f"{path}: transformers cannot read a {architecture} GGUF file as a causal LM ({_first_line(exc)}); "
+            f"{path}: transformers cannot read a {architecture} GGUF file as a causal LM ({first_line(exc, with_type=True)}); "
             "rnnify reads the GGUF architectures transformers supports (llama, mistral, qwen2, ...)"
         ) from exc
     model.config._name_or_path = str(path)

@@ -150,6 +150,7 @@ def test_a_failing_compiler_is_one_error_line_and_leaves_nothing(converted_dir, 
 
 def test_convert_compiles_the_step_unless_told_not_to(compiled, tiny_model_dir, tmp_path, capsys):
     assert (compiled("hybrid") / STEP_PACKAGE).is_file() and rnnify.load(compiled("hybrid")).step_package is not None
+    capsys.readouterr()  # what building the fixture printed, if this test built it
     out = tmp_path / "eager"
     assert main(["convert", str(tiny_model_dir("llama")), "--to", "hybrid", "-o", str(out), "--no-compile"]) == 0
     assert "decode step" not in capsys.readouterr().out and not (out / STEP_PACKAGE).exists()
@@ -183,15 +184,17 @@ def test_distill_keeps_the_package_its_model_was_compiled_with(compiled, tmp_pat
     compiled again, and it computes the distilled weights' step."""
     import rnnify.runtime.aot as aot
 
+    source_dir = compiled("hybrid")  # built (and compiled) before compiling is made to fail
     monkeypatch.setattr(aot, "write_step_package", lambda *a, **k: pytest.fail("compiled again"))
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def main(argv):\n    for arg in argv:\n        print(arg.upper(), len(arg))\n" * 8)
     out = tmp_path / "distilled"
-    argv = ["distill", str(compiled("hybrid")), "--data", str(corpus), "-o", str(out), "--seq-len", "16",
-            "--batch-size", "2", "--max-tokens", "64", "--stages", "transfer", "--lr", "0.5", "--threads", "1"]
+    argv = ["distill", str(source_dir), "--data", str(corpus), "-o", str(out), "--seq-len", "16", "--batch-size",
+            "2", "--max-tokens", "64", "--stages", "transfer", "--lr", "0.5", "--threads", "1", "--device", "cpu"]
+    capsys.readouterr()
     assert main(argv) == 0, capsys.readouterr().err
     assert "copied from" in capsys.readouterr().out
-    distilled, source = rnnify.load(out), rnnify.load(compiled("hybrid"))
+    distilled, source = rnnify.load(out), rnnify.load(source_dir)
     assert distilled.step_package is not None
     changed = [name for name, t in distilled.graph.named_parameters()
                if not torch.equal(t, source.graph.get_parameter(name))]
@@ -204,3 +207,36 @@ def test_verify_checks_the_compiled_step(compiled, capsys):
     assert main(["verify", str(compiled("hybrid")), "--tokens", "12"]) == 0
     out = capsys.readouterr().out
     assert "step compiled ahead of time" in out and "all checks passed" in out
+
+
+def test_a_package_is_copied_only_into_a_model_it_fits(compiled, converted_dir, tmp_path):
+    """``copy_step_package`` refuses a source compiled for another model, or without a package, and
+    then leaves the directory as it was."""
+    from rnnify.runtime.aot import copy_step_package
+
+    other = tmp_path / "linear"
+    shutil.copytree(converted_dir("llama", "linear"), other)
+    before = sorted(p.name for p in other.iterdir())
+    model = rnnify.load(other)
+    assert not copy_step_package(model, compiled("hybrid"), other)  # compiled for the hybrid
+    assert not copy_step_package(model, converted_dir("llama", "hybrid"), other)  # no package there
+    assert sorted(p.name for p in other.iterdir()) == before
+
+
+def test_distill_of_a_model_trained_elsewhere_compiles_from_the_saved_copy(compiled, tmp_path, monkeypatch):
+    """A model distilled on another device is compiled from its saved directory, loaded on the CPU
+    (the package is for CPUs); here the device is faked and the compile recorded."""
+    import rnnify.cli as cli
+    import rnnify.runtime.aot as aot
+
+    out = tmp_path / "model"
+    shutil.copytree(compiled("hybrid"), out)
+    for name in (STEP_PACKAGE, STEP_RECORD):
+        (out / name).unlink()
+    trained = rnnify.load(out)
+    trained.__class__ = type("OnAGpu", (type(trained),), {"device": property(lambda self: torch.device("cuda", 0))})
+    compiled_models = []
+    monkeypatch.setattr(aot, "write_step_package", lambda model, path: compiled_models.append(model))
+    assert cli._compile_step(trained, out) == f"decode step: compiled ahead of time ({STEP_PACKAGE})"
+    [model] = compiled_models
+    assert model is not trained and model.path == out

@@ -346,11 +346,35 @@ def test_hybrid_delta_memory_weighed_by_mass(memory):
     assert_every_phase_matches(hybrid, q, k, v, x, mask, expected)
 
 
+def test_hybrid_delta_memory_weighed_by_mass_unpadded_with_hedgehog_and_trains():
+    """A whole unpadded prompt (its own window path) with the default hedgehog map: the prompt equals
+    its token-by-token steps, and the gate, f_h, the map and the memory's reader all get gradients."""
+    torch.manual_seed(0)
+    hybrid = build_cell("hybrid", SPEC, {"window": 3, "sinks": 1, "memory": "delta", "share": "mass",
+                                         "memory_init": 0.5})
+    assert hybrid.feature_map == "hedgehog"
+    q, k, v, x, mask = make_inputs(11, pad=0)
+    mask = torch.ones_like(mask)
+    prompt, *_ = hybrid(q, k, v, mask, *hybrid.init_state(2, q.device, q.dtype), x=x)
+    state, steps = hybrid.init_state(2, q.device, q.dtype), []
+    for t in range(q.shape[2]):
+        out, *state = hybrid(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1], *state,
+                             x=x[:, t : t + 1])
+        steps.append(out)
+    assert rel_diff(torch.cat(steps, 2), prompt) < 1e-5
+    prompt.square().sum().backward()
+    for name, p in hybrid.named_parameters():
+        if not name.startswith("writer.gate"):
+            assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
 def test_hybrid_share_by_mass_is_for_the_delta_memories():
     with pytest.raises(RnnifyError, match="'mass' applies to the delta memories only"):
         build_cell("hybrid", SPEC, {"memory": "linear", "share": "mass"})
     with pytest.raises(RnnifyError, match="share must be one of"):
         build_cell("hybrid", SPEC, {"memory": "delta", "share": "softmax"})
+    with pytest.raises(RnnifyError, match="can make negative"):
+        build_cell("hybrid", SPEC, {"memory": "delta", "share": "mass", "feature_map": "identity"})
     assert build_cell("hybrid", SPEC, {"memory": "delta", "share": "mass"}).options()["feature_map"] == "hedgehog"
 
 

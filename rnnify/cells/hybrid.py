@@ -337,7 +337,7 @@ def step_delta_memory_hybrid_attn(
         return torch.lerp(window_output(w, u), memory, share[..., None]), *window_state, kv
     phi, factor, k_sum = mass
     phi_q, phi_old = _query_and_leaving_features(phi, q, old_key)
-    share, k_sum = mass_share(share, factor, phi_q, phi_old * leaves[..., None], k_sum, u)
+    share, k_sum = mass_share(share, factor, phi_q, torch.where(leaves[..., None], phi_old, 0.0), k_sum, u)
     return torch.lerp(window_output(w, u), memory, share[..., None]), *window_state, kv, k_sum
 
 
@@ -515,7 +515,8 @@ def delta_memory_hybrid_attn(
         share = memory_share(*share, length, leaves, keys.shape[2], sink_keys.shape[2])
         return torch.lerp(readout(window_den, window_num), memory, share[..., None]), *window_state, kv
     phi, factor, k_sum = mass
-    share, k_sum = mass_share(share, factor, phi(q), phi(old_keys) * leaves[..., None], k_sum, window_den)
+    written = torch.where(leaves[..., None], phi(old_keys), 0.0)
+    share, k_sum = mass_share(share, factor, phi(q), written, k_sum, window_den)
     return torch.lerp(readout(window_den, window_num), memory, share[..., None]), *window_state, kv, k_sum
 
 
@@ -645,6 +646,9 @@ class HybridCell(Cell):
         memory_state = ("kv", "k_sum")
         if weighed:
             self.phi = build_feature_map(feature_map, spec, **self.feature_options)
+            if share == "mass" and not getattr(self.phi, "non_negative_products", False):
+                raise ValueError(f"share='mass' weighs the memory by phi(q) . phi(k), which feature map {feature_map!r} "
+                                 "can make negative: choose a non-negative map (hedgehog, elu, relu, ...)")
             self.window_logit = nn.Parameter(torch.zeros(spec.num_heads))
         if memory == "gla":  # per-feature decays from the layer input
             if spec.hidden_size is None:

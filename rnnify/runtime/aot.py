@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rnnify.errors import RnnifyError, RnnifyWarning
+from rnnify.errors import RnnifyError, RnnifyWarning, first_line
 
 if TYPE_CHECKING:
     from rnnify.runtime.model import RecurrentModel
@@ -134,7 +134,7 @@ def write_step_package(model: RecurrentModel, directory: str | os.PathLike) -> P
                 except Exception as exc:  # noqa: BLE001 - only a compiler that is missing or fails is the user's
                     if not _compiler_failed(exc):
                         raise
-                    raise RnnifyError(f"compiling the step failed ({_first_line(exc)}); an ahead-of-time step "
+                    raise RnnifyError(f"compiling the step failed ({first_line(exc)}); an ahead-of-time step "
                                       "needs a working C++ compiler (gcc or clang) on PATH; without one, decode "
                                       "eagerly") from exc
                 record = Path(scratch) / STEP_RECORD
@@ -185,11 +185,6 @@ def _compiler_failed(exc: BaseException | None) -> bool:
     return False
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 class StepPackage:
     """A loaded package with the model's weights: called as the step graph is."""
 
@@ -223,7 +218,7 @@ def load_step_package(model: RecurrentModel, directory: str | os.PathLike) -> St
     if model.device.type != "cpu" or not package.is_file():
         return None
     if _recorded_fingerprint(directory) != fingerprint(model):
-        warnings.warn(f"{package} was compiled for another model, torch version or CPU: decoding eagerly; run "
+        warnings.warn(f"{package} was compiled for another model, rnnify or torch version or CPU: decoding eagerly; run "
                       f"`rnnify compile {directory}` again", RnnifyWarning, stacklevel=3)
         return None
     try:  # torch's own loader (``aoti_load_package`` wraps it, importing the whole of inductor first)
