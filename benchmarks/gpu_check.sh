@@ -8,14 +8,18 @@
 #   3. the Triton path against the PyTorch reference on CUDA, fp32 (benchmarks/kernel_bench.py --parity).
 #      This stands in for tests/test_kernels.py, which cannot test the GPU: it sets TRITON_INTERPRET=1
 #      itself and builds CPU tensors, so under pytest it always runs the interpreter on the CPU;
-#   4. python benchmarks/kernel_bench.py $BENCH_ARGS, by default --preset issue (it stops starting rows
-#      after 300 s; BENCH_ARGS="--preset smoke" tries this script on any machine);
-#   5. results (JSON, PNG, parity JSON, this log) copied to benchmarks/results/ and to $OUT if set.
+#   4. decode on the GPU: the test that holds the CUDA-graph step (compile_step on CUDA) to the eager
+#      one, then the bundled model converted to hybrid, `rnnify bench` against the original on the GPU,
+#      eager and with --compile (the step captured as a CUDA graph), batch 1 and 8 at 256 and 1,024
+#      tokens (JSON: bench-cuda-hybrid{,-compile}.json);
+#   5. python benchmarks/kernel_bench.py $BENCH_ARGS, by default --preset issue (it stops starting rows
+#      after 300 s; BENCH_ARGS="--preset smoke" tries this script on any machine), in the time left;
+#   6. results (JSON, PNG, parity JSON, this log) copied to benchmarks/results/ and to $OUT if set.
 #
 # TRITON_INTERPRET must be unset before triton is imported, or the kernels are built for the
 # interpreter (rnnify.kernels.utils reads it once; triton decides at @triton.jit) and the benchmark
 # refuses to time them. RNNIFY_FORCE_TRITON is unset too: the benchmark pins backend= per row.
-# Exit status: 0 when the parity check passed and the benchmark finished, else 1.
+# Exit status: 0 when the parity check, the decode checks and the benchmark passed, else 1.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 unset TRITON_INTERPRET RNNIFY_FORCE_TRITON
@@ -56,14 +60,32 @@ install_fla() {
     "$PY" -c "import fla; print('fla', fla.__version__)" || echo "fla: not installed; its rows will say so"
 }
 
+# the decode step on the GPU: the CUDA-graph test, then rnnify bench eager and compiled (CUDA graphs)
+decode_on_gpu() {
+    local model=examples/models/stdlib-llama rc=0 flag
+    # TRITON_INTERPRET=0: tests/conftest.py sets it to 1 only where it is unset
+    step "CUDA-graph step against the eager one" 120 env TRITON_INTERPRET=0 "$PY" -m pytest -q -n 0 \
+        -p no:cacheprovider tests/test_bench.py -k cuda_graph || rc=1
+    step "convert the bundled model to hybrid" 60 "$PY" -m rnnify convert "$model" --to hybrid \
+        -o "$RUN/llama-hybrid" --no-compile || return 1
+    for flag in "" --compile; do
+        step "rnnify bench on the GPU ${flag:-eager}" 90 "$PY" -m rnnify bench "$RUN/llama-hybrid" --against "$model" \
+            --device cuda --contexts 256,1024 --batch 1,8 $flag --json "$RUN/bench-cuda-hybrid${flag:+-compile}.json" || rc=1
+    done
+    rm -rf "$RUN/llama-hybrid"
+    return $rc
+}
+
 main() {
-    local parity_rc bench_rc bench_cap json
+    local parity_rc decode_rc bench_rc bench_cap json
     step "nvidia-smi" 20 nvidia-smi
     step "python stack" 60 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'triton', triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE')"
     install_fla
     step "parity: Triton vs reference on CUDA, fp32" 150 "$PY" benchmarks/kernel_bench.py --parity --out "$RUN"
     parity_rc=$?
+    decode_on_gpu
+    decode_rc=$?
     bench_cap=$((LIMIT - SECONDS - 50))  # leaves time to replot what a killed run kept
     ((bench_cap > 420)) && bench_cap=420
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
@@ -73,14 +95,14 @@ main() {
     if ((bench_rc != 0)) && [[ -n $json ]]; then  # killed or crashed: draw what the JSON kept
         step "replot $json" 60 "$PY" benchmarks/kernel_bench.py --replot "$json"
     fi
-    echo "== parity exit $parity_rc, benchmark exit $bench_rc, ${SECONDS}s"
-    ((parity_rc == 0 && bench_rc == 0))
+    echo "== parity exit $parity_rc, decode exit $decode_rc, benchmark exit $bench_rc, ${SECONDS}s"
+    ((parity_rc == 0 && decode_rc == 0 && bench_rc == 0))
 }
 
 main 2>&1 | tee "$RUN/gpu_check.log"
 rc=${PIPESTATUS[0]}
 mkdir -p benchmarks/results
-cp "$RUN"/kernels-* benchmarks/results/ 2>/dev/null
+cp "$RUN"/kernels-* "$RUN"/bench-cuda-* benchmarks/results/ 2>/dev/null
 if [[ -n ${OUT:-} ]]; then
     cp "$RUN"/* "$OUT"/
 fi
