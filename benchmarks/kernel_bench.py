@@ -324,30 +324,21 @@ def build(case: Case, run: Run):
 
 
 def fla_call(case: Case):
-    if case.op == "fused_recurrent_delta_rule":
-        module, name, kw = FLA_DELTA_DECODE[case.variant]
-        fn = fla_function(module, name)
-
-        def call(x):
-            return fn(q=x["qn1"], k=x["kn1"], v=x["v1"], **kw(x), initial_state=x[f"deltastate_{case.variant}"],
-                      output_final_state=True)[0]
-        return call, (), {"kernel": f"{module}.{name}"}
-    if case.op == "chunk_delta_rule":
-        module, name, kw, extra = FLA_DELTA_CHUNK[case.variant]
-        fn = fla_function(module, name)
-        return (lambda x: fn(q=x["qn"], k=x["kn"], v=x["v"], **kw(x))[0]), ("qn", "kn", "v", *extra), \
-            {"kernel": f"{module}.{name}"}
+    """fla's kernel beside ``case``'s op: its recurrent form after a state for a decode row, its
+    chunked form over the prompt otherwise; the delta rule reads the L2-normalised q and k."""
+    delta = case.op in ("chunk_delta_rule", "fused_recurrent_delta_rule")
+    q, k = ("qn", "kn") if delta else ("q", "k")
     if case.section == "decode":
-        module, name, kw = FLA_DECODE[case.variant]
-        fn = fla_function(module, name)
+        module, name, kw = (FLA_DELTA_DECODE if delta else FLA_DECODE)[case.variant]
+        fn, state = fla_function(module, name), f"{'deltastate' if delta else 'state'}_{case.variant}"
 
         def call(x):
-            return fn(q=x["q1"], k=x["k1"], v=x["v1"], **kw(x), initial_state=x[f"state_{case.variant}"],
+            return fn(q=x[q + "1"], k=x[k + "1"], v=x["v1"], **kw(x), initial_state=x[state],
                       output_final_state=True)[0]
         return call, (), {"kernel": f"{module}.{name}"}
-    module, name, kw, extra = FLA_CHUNK[case.variant]
+    module, name, kw, extra = (FLA_DELTA_CHUNK if delta else FLA_CHUNK)[case.variant]
     fn = fla_function(module, name)
-    return lambda x: fn(q=x["q"], k=x["k"], v=x["v"], **kw(x))[0], ("q", "k", "v", *extra), {"kernel": f"{module}.{name}"}
+    return lambda x: fn(q=x[q], k=x[k], v=x["v"], **kw(x))[0], (q, k, "v", *extra), {"kernel": f"{module}.{name}"}
 
 
 @contextlib.contextmanager

@@ -134,7 +134,7 @@ def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
     except Exception as exc:  # export failures come in many types; report them as one
         raise UnsupportedModelError(
             f"{type(model).__name__}: torch.export could not capture the forward pass: "
-            f"{type(exc).__name__}: {first_line(exc)}"
+            f"{first_line(exc, with_type=True)}"
         ) from exc
     return _plain_graph_module(program.module())
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from rnnify.errors import RnnifyError, RnnifyWarning
+from rnnify.errors import RnnifyError, RnnifyWarning, first_line
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -251,7 +251,6 @@ def _compile_step(model, path: Path, source: str | None = None) -> str:
     another device. The model is saved already, so a compile that fails only warns. Returns how
     ``path`` decodes, in words."""
     import rnnify
-    from rnnify.errors import first_line
     from rnnify.runtime.aot import STEP_PACKAGE, copy_step_package, refusal, write_step_package
 
     if model.device.type != "cpu":  # the package is for CPUs: compile it from the saved model, loaded there

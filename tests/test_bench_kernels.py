@@ -132,3 +132,37 @@ def test_parity_passes_and_catches_a_wrong_kernel(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench.K, "linear_recurrence", off_by_one)
     assert [r["status"] for r in bench.parity(torch.device("cpu"), PARITY_CASES)] == ["fail", "pass"]
+
+
+@pytest.mark.parametrize("section, op, table", [
+    ("prefill", "chunk_linear_attn", "FLA_CHUNK"), ("decode", "fused_recurrent_linear_attn", "FLA_DECODE"),
+    ("prefill", "chunk_delta_rule", "FLA_DELTA_CHUNK"), ("decode", "fused_recurrent_delta_rule", "FLA_DELTA_DECODE"),
+])
+def test_fla_rows_call_fla_with_the_inputs_of_their_op(monkeypatch, section, op, table):
+    """Without fla here: each fla row calls its table's function with the op's inputs (the delta rule's
+    normalised q and k, a decode row's one token and state) and differentiates those of a prompt."""
+    calls = []
+
+    def fake_fla_function(module, name):
+        return lambda **kwargs: calls.append((module, name, kwargs)) or ["out"]
+
+    class Named(dict):  # every input is its own name
+        def __missing__(self, key):
+            return key
+
+    monkeypatch.setattr(bench, "fla_function", fake_fla_function)
+    delta = "delta" in op
+    for variant, entry in getattr(bench, table).items():
+        call, leaves, info = bench.fla_call(bench.Case(section, op, variant, "fla", "fwd", 1, 2, 16, 32))
+        assert call(Named()) == "out" and info == {"kernel": f"{entry[0]}.{entry[1]}"}
+        module, name, kwargs = calls.pop()
+        assert (module, name) == entry[:2]
+        q, k = ("qn", "kn") if delta else ("q", "k")
+        if section == "decode":
+            state = f"{'deltastate' if delta else 'state'}_{variant}"
+            assert kwargs == {"q": q + "1", "k": k + "1", "v": "v1", **entry[2](Named()), "initial_state": state,
+                              "output_final_state": True}
+            assert leaves == ()
+        else:
+            assert kwargs == {"q": q, "k": k, "v": "v", **entry[2](Named())}
+            assert leaves == (q, k, "v", *entry[3])

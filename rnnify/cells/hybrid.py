@@ -333,12 +333,13 @@ def step_delta_memory_hybrid_attn(
     memory, kv = step_delta_attn(memory_keys(q, key_map, key_bias), memory_keys(old_key, key_map, key_bias),
                                  old_value, beta, log_a, kv)
     if mass is None:
-        share = memory_share(*share, length, leaves, keys.shape[2], sink_keys.shape[2])
-        return torch.lerp(window_output(w, u), memory, share[..., None]), *window_state, kv
-    phi, factor, k_sum = mass
-    phi_q, phi_old = _query_and_leaving_features(phi, q, old_key)
-    share, k_sum = mass_share(share, factor, phi_q, torch.where(leaves[..., None], phi_old, 0.0), k_sum, u)
-    return torch.lerp(window_output(w, u), memory, share[..., None]), *window_state, kv, k_sum
+        share, z = memory_share(*share, length, leaves, keys.shape[2], sink_keys.shape[2]), ()
+    else:
+        phi, factor, k_sum = mass
+        phi_q, phi_old = _query_and_leaving_features(phi, q, old_key)
+        share, k_sum = mass_share(share, factor, phi_q, torch.where(leaves[..., None], phi_old, 0.0), k_sum, u)
+        z = (k_sum,)
+    return torch.lerp(window_output(w, u), memory, share[..., None]), *window_state, kv, *z
 
 
 def leaving(q_index, key_index, all_keys, all_values, window: int, sinks: int):
@@ -512,12 +513,13 @@ def delta_memory_hybrid_attn(
     else:
         memory, kv = chunk_delta_attn(*args, chunk_size=chunk_size)
     if mass is None:
-        share = memory_share(*share, length, leaves, keys.shape[2], sink_keys.shape[2])
-        return torch.lerp(readout(window_den, window_num), memory, share[..., None]), *window_state, kv
-    phi, factor, k_sum = mass
-    written = torch.where(leaves[..., None], phi(old_keys), 0.0)
-    share, k_sum = mass_share(share, factor, phi(q), written, k_sum, window_den)
-    return torch.lerp(readout(window_den, window_num), memory, share[..., None]), *window_state, kv, k_sum
+        share, z = memory_share(*share, length, leaves, keys.shape[2], sink_keys.shape[2]), ()
+    else:
+        phi, factor, k_sum = mass
+        written = torch.where(leaves[..., None], phi(old_keys), 0.0)
+        share, k_sum = mass_share(share, factor, phi(q), written, k_sum, window_den)
+        z = (k_sum,)
+    return torch.lerp(readout(window_den, window_num), memory, share[..., None]), *window_state, kv, *z
 
 
 def mass_share(gate, factor, phi_q, phi_written, k_sum, window_den) -> tuple[torch.Tensor, torch.Tensor]:

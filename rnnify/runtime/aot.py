@@ -127,7 +127,7 @@ def write_step_package(model: RecurrentModel, directory: str | os.PathLike) -> P
         try:
             with tempfile.TemporaryDirectory(dir=directory, prefix=".step-") as scratch:
                 try:
-                    package = torch._inductor.aoti_compile_and_package(
+                    torch._inductor.aoti_compile_and_package(
                         program, package_path=str(Path(scratch) / STEP_PACKAGE),
                         inductor_configs={"aot_inductor.package_constants_in_so": False},
                     )
@@ -137,11 +137,9 @@ def write_step_package(model: RecurrentModel, directory: str | os.PathLike) -> P
                     raise RnnifyError(f"compiling the step failed ({first_line(exc)}); an ahead-of-time step "
                                       "needs a working C++ compiler (gcc or clang) on PATH; without one, decode "
                                       "eagerly") from exc
-                record = Path(scratch) / STEP_RECORD
-                record.write_text(json.dumps({"fingerprint": fingerprint(model), "torch": torch.__version__}) + "\n")
-                (directory / STEP_RECORD).unlink(missing_ok=True)  # no record: a half-replaced package is never used
-                os.replace(package, directory / STEP_PACKAGE)
-                os.replace(record, directory / STEP_RECORD)
+                record = {"fingerprint": fingerprint(model), "torch": torch.__version__}
+                (Path(scratch) / STEP_RECORD).write_text(json.dumps(record) + "\n")
+                _install(Path(scratch), directory)
         except OSError as exc:
             raise RnnifyError(f"cannot write the compiled step into {directory}: {exc.strerror or exc}") from exc
     return directory / STEP_PACKAGE
@@ -157,12 +155,19 @@ def copy_step_package(model: RecurrentModel, source: str | os.PathLike, director
         with tempfile.TemporaryDirectory(dir=directory, prefix=".step-") as scratch:
             for name in (STEP_PACKAGE, STEP_RECORD):
                 shutil.copyfile(source / name, Path(scratch) / name)
-            (directory / STEP_RECORD).unlink(missing_ok=True)  # the record last, as write_step_package does
-            os.replace(Path(scratch) / STEP_PACKAGE, directory / STEP_PACKAGE)
-            os.replace(Path(scratch) / STEP_RECORD, directory / STEP_RECORD)
+            _install(Path(scratch), directory)
     except OSError as exc:
         raise RnnifyError(f"cannot write the compiled step into {directory}: {exc.strerror or exc}") from exc
     return True
+
+
+def _install(scratch: Path, directory: Path) -> None:
+    """Move a package and its record from ``scratch`` into ``directory`` (the same file system),
+    replacing any there: the old record goes first and the new one comes last, so a package that is
+    half replaced never has a record and is never used."""
+    (directory / STEP_RECORD).unlink(missing_ok=True)
+    os.replace(scratch / STEP_PACKAGE, directory / STEP_PACKAGE)
+    os.replace(scratch / STEP_RECORD, directory / STEP_RECORD)
 
 
 def _recorded_fingerprint(directory: Path) -> str | None:
