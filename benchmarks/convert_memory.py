@@ -2,6 +2,7 @@
 
     python benchmarks/convert_memory.py                          # 2, 4, 8 and 16 layers
     python benchmarks/convert_memory.py --layers 2,4 --rnnify /path/to/another/checkout --label before
+    python benchmarks/convert_memory.py --layers 16 --make llama-1b   # only write the 16-layer model
 
 For each layer count the model (Llama-3.2-1B's shape: hidden 2048, intermediate 8192, 32 query and
 8 key/value heads, 128,256-token vocabulary, tied embeddings, llama3 RoPE scaling; random weights)
@@ -84,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rnnify", default=str(ROOT), help="checkout whose rnnify converts, to compare versions (default: this one)")
     p.add_argument("--workdir", default=None, help="where the models are written (default: a temporary directory)")
     p.add_argument("--label", default=None, help="name of the result file (default: convert-memory.json)")
+    p.add_argument("--make", metavar="DIR", default=None,
+                   help="only write the model with the first --layers count to DIR, for other benchmarks (speed.py)")
     return p.parse_args(argv)
 
 
@@ -195,6 +198,10 @@ def show(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.make:
+        layers = args.layers.split(",")[0]
+        subprocess.run([sys.executable, "-c", _MAKE.format(config=LLAMA_1B), args.make, layers], check=True)
+        return
     result = run(args)
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = f"convert-memory-{args.label}.json" if args.label else "convert-memory.json"

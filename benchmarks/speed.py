@@ -22,7 +22,7 @@ weights laid out as checkpoints hold them (``NAME[row-major]``; a head is otherw
 a CPU, ``rnnify.runtime.weight_layout``). ``--breakdown`` adds, per converted model at
 batch 1 and the first context, where a step's time goes: the whole ``step`` call, the step graph
 alone, the time inside the cells, the aten ops dispatched in and out of the cells, and the time
-reading every weight once takes (``rnnify.bench.weight_bytes`` over the measured bandwidth).
+reading every weight once takes (``RecurrentModel.weight_nbytes_per_token`` over the measured bandwidth).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 import rnnify
-from rnnify.bench import OpCount, fill_state, kv_cache, machine, weight_bytes
+from rnnify.bench import OpCount, fill_state, kv_cache, machine
 from rnnify.runtime.aot import STEP_PACKAGE, write_step_package
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 
@@ -231,7 +231,7 @@ def main() -> None:
             if models[name + "+aot"].step_package is None:  # a stale package: this row would be eager
                 raise SystemExit(f"{path}: its {STEP_PACKAGE} does not serve this model; delete it to recompile")
     info = machine(torch.device("cpu"))
-    limit_ms = weight_bytes(next(iter(models.values()))) / (info.bandwidth_gb_s * 1e9) * 1e3
+    limit_ms = next(iter(models.values())).weight_nbytes_per_token() / (info.bandwidth_gb_s * 1e9) * 1e3
     out = {"command": " ".join(["python", *sys.argv]), "machine": dataclasses.asdict(info), "threads": torch.get_num_threads(),
            "aot_compile_s": aot_compile_s,
            "weight_read_ms": limit_ms, "decode": decode(hf, models, args.contexts, args.batch, args.repeats, args.steps,

@@ -29,7 +29,7 @@ from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel
 
 __all__ = [
-    "Run", "Result", "Machine", "benchmark", "machine", "bandwidth", "weight_bytes", "bench_converted",
+    "Run", "Result", "Machine", "benchmark", "machine", "bandwidth", "bench_converted",
     "bench_original", "plot", "timing_warning", "busy_warning", "OpCount",
 ]
 
@@ -160,7 +160,7 @@ def benchmark(
         machine=machine(device, load),
         target=model.target + (" (compiled step)" if compile else aot),
         dtype=str(model.dtype).removeprefix("torch."),
-        weight_bytes=weight_bytes(model),
+        weight_bytes=model.weight_nbytes_per_token(),
     )
     # Read every weight once (they are memory-mapped) so page-ins do not count as decode memory.
     bench_converted(model, 1, 1, 1, 0, 1)
@@ -282,32 +282,6 @@ def timing_warning(results: Sequence[Result], constant_memory: bool) -> str | No
     worst = max(bad)[1]
     return (f"timings disagree by more than {SPREAD:g}x in {len(bad)} of {len(spreads)} comparisons (worst: {worst}); "
             "other work on the machine, or more threads than idle cores: rerun on an idle machine, with fewer threads")
-
-
-def weight_bytes(model) -> int:
-    """Bytes of weights one decode step reads: every tensor, but one row of a table only looked up."""
-    graph = model.graph
-    used: dict[int, int] = {}  # storage pointer -> bytes read
-    for node in graph.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        tensor = _attr(graph, node.target)
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        lookup_only = all(
-            user.op == "call_function" and user.target is torch.ops.aten.embedding.default and user.args[0] is node
-            for user in node.users
-        )
-        read = tensor[0].nbytes if lookup_only and tensor.dim() == 2 else tensor.nbytes
-        key = tensor.untyped_storage().data_ptr()
-        used[key] = max(used.get(key, 0), read)
-    return sum(used.values())
-
-
-def _attr(module, target: str):
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
 
 
 # -- measuring --------------------------------------------------------------------------------

@@ -173,6 +173,23 @@ def test_convert_with_a_failing_compiler_warns_and_saves_the_whole_model(tiny_mo
     assert rnnify.load(out).step_package is None
 
 
+def test_convert_leaves_a_large_models_step_eager_unless_told_to_compile(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """A step that reads more weights than aot.WORTH_COMPILING_BELOW is mostly those reads: not compiled
+    by default (here the bound is lowered under the tiny model's weights and the compile recorded)."""
+    import rnnify.runtime.aot as aot
+
+    compiles = []
+    monkeypatch.setattr(aot, "WORTH_COMPILING_BELOW", 1024)
+    monkeypatch.setattr(aot, "write_step_package", lambda model, path: compiles.append(path))
+    model = tiny_model_dir("llama")
+    assert main(["convert", str(model), "--to", "linear", "-o", str(tmp_path / "default")]) == 0
+    printed = capsys.readouterr().out
+    assert "decode step: eager (a step reads" in printed and "--compile compiles it anyway" in printed and not compiles
+    assert main(["convert", str(model), "--to", "linear", "-o", str(tmp_path / "forced"), "--compile"]) == 0
+    assert compiles == [tmp_path / "forced"]
+    assert "decode step: compiled ahead of time" in capsys.readouterr().out
+
+
 def test_convert_of_a_sliding_window_exact_model_says_its_step_stays_eager(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "mistral-exact"
     assert main(["convert", str(tiny_model_dir("mistral")), "--to", "exact", "-o", str(out)]) == 0

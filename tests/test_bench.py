@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rnnify
-from rnnify.bench import Machine, Result, benchmark, busy_warning, fill_state, timing_warning, weight_bytes
+from rnnify.bench import Machine, Result, benchmark, busy_warning, fill_state, timing_warning
 from rnnify.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:decoding past max_position_embeddings")
@@ -66,7 +66,7 @@ def test_weight_bytes_counts_a_lookup_table_once_per_row(converted_dir):
     tensors = [*model.graph.parameters(), *model.graph.buffers()]
     total = sum({t.untyped_storage().data_ptr(): t.nbytes for t in tensors}.values())
     embed = model.graph.model.embed_tokens.weight  # llama: not tied, only looked up
-    assert weight_bytes(model) == total - embed.nbytes + embed[0].nbytes
+    assert model.weight_nbytes_per_token() == total - embed.nbytes + embed[0].nbytes
 
 
 def test_bench_smoke(tmp_path, tiny_model_dir, converted_dir, capsys):

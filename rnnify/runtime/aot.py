@@ -35,10 +35,16 @@ from rnnify.errors import RnnifyError, RnnifyWarning, first_line
 if TYPE_CHECKING:
     from rnnify.runtime.model import RecurrentModel
 
-__all__ = ["STEP_PACKAGE", "StepPackage", "copy_step_package", "load_step_package", "refusal", "write_step_package"]
+__all__ = [
+    "STEP_PACKAGE", "StepPackage", "copy_step_package", "gains_little", "load_step_package", "refusal", "write_step_package",
+]
 
 STEP_PACKAGE = "step-cpu.pt2"  # AOTInductor's package: the compiled step for CPUs
 STEP_RECORD = "step-cpu.json"  # what it was compiled for (``fingerprint``)
+# A step that reads this many bytes of weights a token is mostly those reads, which compiling does not
+# shorten: Llama-3.2-1B's shape in bf16 (2.3 GiB) decoded 1.07x faster compiled, for 90 s of compiling;
+# the bundled model and GPT-2 small (under 0.5 GiB) 1.2-2.5x (docs/performance.md).
+WORTH_COMPILING_BELOW = 1 << 30
 
 
 def _cpu_flags() -> str:
@@ -83,6 +89,15 @@ def refusal(model: RecurrentModel) -> str | None:
         return ("an ahead-of-time step is not built for caches that grow up to a sliding window "
                 "(exact layers of a sliding-window model): decode this model eagerly")
     return None
+
+
+def gains_little(model: RecurrentModel) -> str | None:
+    """Why compiling ``model``'s step is not worth its time by default, in words; None when it is."""
+    nbytes = model.weight_nbytes_per_token()
+    if nbytes < WORTH_COMPILING_BELOW:
+        return None
+    return (f"a step reads {nbytes / 2**30:.1f} GiB of weights, which compiling does not make faster: a few "
+            "percent for minutes of compiling; --compile compiles it anyway")
 
 
 def _example(model: RecurrentModel) -> tuple[tuple[torch.Tensor, ...], list[dict[int, Any]]]:

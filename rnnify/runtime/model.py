@@ -7,6 +7,7 @@ only real tokens so left-padded rows match unpadded ones), input and state check
 
 from __future__ import annotations
 
+import operator
 import warnings
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,24 @@ class RecurrentModel(nn.Module):
         """Bytes of state per ``batch_size`` sequences after ``length`` tokens."""
         cells = sum(c.state_nbytes(length, batch_size, self.dtype) for c in self.cells)
         return cells + batch_size * torch.empty((), dtype=torch.long).element_size()
+
+    def weight_nbytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads: every tensor, but one row of a table only looked up."""
+        read: dict[int, int] = {}  # storage pointer -> bytes read
+        for node in self.graph.graph.nodes:
+            if node.op != "get_attr":
+                continue
+            tensor = operator.attrgetter(node.target)(self.graph)
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            lookup_only = all(
+                user.op == "call_function" and user.target is torch.ops.aten.embedding.default and user.args[0] is node
+                for user in node.users
+            )
+            nbytes = tensor[0].nbytes if lookup_only and tensor.dim() == 2 else tensor.nbytes
+            key = tensor.untyped_storage().data_ptr()
+            read[key] = max(read.get(key, 0), nbytes)
+        return sum(read.values())
 
     # -- state ------------------------------------------------------------------------------
 
