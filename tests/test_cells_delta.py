@@ -58,10 +58,10 @@ def make_inputs(T: int, seed: int = 1, pad: int = 3):
     return q, k, v, x, mask
 
 
-def delta_write(S, writer, x_t, h, k_t, v_t):
-    """S alpha (I - beta k^ k^T) + beta v k^T with beta, alpha of kv head h from x_t, float64."""
+def delta_write(S, writer, x_t, h, k_t, v_t, beta_scale=1.0):
+    """S alpha (I - beta k^ k^T) + beta v k^T with beta (times beta_scale), alpha of kv head h from x_t, float64."""
     x_t = x_t.double()
-    beta = torch.sigmoid(x_t @ writer.beta_proj.weight[h].double() + writer.beta_proj.bias[h].double())
+    beta = beta_scale * torch.sigmoid(x_t @ writer.beta_proj.weight[h].double() + writer.beta_proj.bias[h].double())
     alpha = 1.0
     if writer.gated:
         alpha = torch.sigmoid(x_t @ writer.gate_proj.weight[h].double() + writer.gate_proj.bias[h].double())
@@ -215,11 +215,20 @@ def test_convert_tiny_llama_left_padded(tiny_model_dir):
 
 # --------------------------------------------------------------------------- the hybrid's delta memory
 
+def anneal_scale(cell, h: int, written: int) -> float:
+    """tau_h / (tau_h + m) for a write after m others when the cell anneals beta, else 1."""
+    if not cell.anneal:
+        return 1.0
+    tau = math.exp(cell.log_tau[h].item())
+    return tau / (tau + written)
+
+
 def delta_memory_reference(cell, q, k, v, x, mask, window: int, sinks: int, expected_window):
     """float64: per row and kv head, token n - W (not a sink) is written when real token n >= W + S
-    arrives, with beta and alpha of token n, through the reader's key map; every query blends the
-    window's output with the readout S q' by its share g_h 2 sigmoid(x W_s + b_s + c_h log(n / W)),
-    n the tokens written so far, once the memory holds one (before: the window's output alone)."""
+    arrives, with beta and alpha of token n (beta annealed: times tau_h / (tau_h + m), m the writes
+    before), through the reader's key map; every query blends the window's output with the readout
+    S q' by its share g_h 2 sigmoid(x W_s + b_s + c_h log(n / W)), n the tokens written so far, once
+    the memory holds one (before: the window's output alone)."""
     writer, reader = cell.writer, cell.reader
     gate, count_weight = cell.memory_gate.double(), reader.count_weight.double()
     logit = x.double() @ reader.share_proj.weight.double().T + reader.share_proj.bias.double()
@@ -237,7 +246,8 @@ def delta_memory_reference(cell, q, k, v, x, mask, window: int, sinks: int, expe
                 n = real.index(t) if t in real else -1
                 if n >= window + sinks:
                     j = real[n - window]
-                    S, written = delta_write(S, writer, x[b, t], h, mapped(k[b, h, j], h), v[b, h, j]), written + 1
+                    scale = anneal_scale(cell, h, written)
+                    S, written = delta_write(S, writer, x[b, t], h, mapped(k[b, h, j], h), v[b, h, j], scale), written + 1
                 if not written:
                     continue
                 for i in range(h * group, (h + 1) * group):
@@ -312,7 +322,8 @@ def delta_memory_mass_reference(cell, q, k, v, x, mask, window: int, sinks: int)
             for n, t in enumerate(real):
                 if n >= window + sinks:
                     j = real[n - window]
-                    S = delta_write(S, writer, x[b, t], h, mapped(k[b, h, j], h), v[b, h, j])
+                    scale = anneal_scale(cell, h, n - window - sinks)
+                    S = delta_write(S, writer, x[b, t], h, mapped(k[b, h, j], h), v[b, h, j], scale)
                     z = z + elu_plus_one(k[b, h, j].double())
                 held = [real[i] for i in range(n + 1) if n - i < window or i < sinks]
                 for i in range(h * group, (h + 1) * group):
@@ -344,6 +355,49 @@ def test_hybrid_delta_memory_weighed_by_mass(memory):
             p.add_(torch.randn_like(p), alpha=0.3)
     expected = delta_memory_mass_reference(hybrid, q, k, v, x, mask, window, sinks)
     assert_every_phase_matches(hybrid, q, k, v, x, mask, expected)
+
+
+@pytest.mark.parametrize("share", ["count", "mass"])
+@pytest.mark.parametrize("memory", ["delta", "gated-delta"])
+def test_hybrid_delta_memory_annealed(memory, share):
+    """anneal=tau: each write's beta times tau_h / (tau_h + m), m the tokens written before (a running
+    mean along each key direction), tau_h learned; every phase against the float64 loops, with a
+    row padded and prompts split across calls, so m continues from the state."""
+    window, sinks = 3, 1
+    torch.manual_seed(0)
+    options = {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4, "share": share, "anneal": 2.0}
+    if share == "mass":
+        options["feature_map"] = "elu"
+    hybrid = build_cell("hybrid", SPEC, options)
+    assert hybrid.options()["anneal"] == 2.0
+    q, k, v, x, mask = make_inputs(13, pad=2)
+    expected_window = assert_starts_as_window(hybrid, q, k, v, x, mask)
+    with torch.no_grad():
+        hybrid.memory_gate.copy_(torch.tensor([0.3, -0.5, 1.0, 0.7]))
+        hybrid.log_tau.copy_(torch.tensor([-1.0, 1.5]))  # tau 0.37 and 4.5: strongly and mildly annealed
+        if share == "mass":
+            hybrid.window_logit.copy_(torch.tensor([0.5, -1.0, 0.0, 2.0]))
+        for p in (*hybrid.writer.parameters(), *hybrid.reader.parameters()):
+            p.add_(torch.randn_like(p), alpha=0.3)
+    if share == "mass":
+        expected = delta_memory_mass_reference(hybrid, q, k, v, x, mask, window, sinks)
+    else:
+        expected = delta_memory_reference(hybrid, q, k, v, x, mask, window, sinks, expected_window)
+    assert_every_phase_matches(hybrid, q, k, v, x, mask, expected)
+    hybrid.anneal = 0.0  # the same cell unannealed is another function: the test can tell them apart
+    unannealed, *_ = hybrid(q, k, v, mask, *hybrid.init_state(2, q.device, q.dtype), x=x)
+    real = mask[:, None, :, None].expand_as(expected)
+    assert rel_diff(unannealed[real], expected[real]) > 1e-3
+
+
+def test_hybrid_delta_memory_annealed_trains_tau():
+    hybrid = build_cell("hybrid", SPEC, {"window": 3, "sinks": 0, "memory": "delta", "anneal": 4.0})
+    with torch.no_grad():
+        hybrid.memory_gate.fill_(0.5)
+    q, k, v, x, mask = make_inputs(13, pad=0)
+    out, *_ = hybrid(q, k, v, mask, *hybrid.init_state(2, q.device, q.dtype), x=x)
+    out.square().sum().backward()
+    assert hybrid.log_tau.grad is not None and hybrid.log_tau.grad.abs().min() > 0
 
 
 def test_hybrid_delta_memory_weighed_by_mass_unpadded_with_hedgehog_and_trains():
@@ -518,6 +572,13 @@ def test_hybrid_memory_option_is_checked():
     # a delta memory has no map; its manifests recorded elu, the default before, and still load
     assert build_cell("hybrid", SPEC, {"memory": "delta", "feature_map": "elu"}).state_names[-1] == "kv"
     assert build_cell("hybrid", SPEC).sinks == 4  # a real model's window needs its first tokens (StreamingLLM)
+    with pytest.raises(RnnifyError, match="anneal must be a number >= 0"):
+        build_cell("hybrid", SPEC, {"memory": "linear", "anneal": 4.0})
+    with pytest.raises(RnnifyError, match="anneal must be a number >= 0"):
+        build_cell("hybrid", SPEC, {"memory": "delta", "anneal": -1})
+    assert build_cell("hybrid", SPEC, {"memory": "delta"}).options()["anneal"] == 4.0  # on by default
+    unannealed = build_cell("hybrid", SPEC, {"memory": "delta", "anneal": 0})
+    assert "anneal" not in unannealed.options() and not hasattr(unannealed, "log_tau")  # saved as before it existed
 
 
 # --------------------------------------------------------------------------- the hybrid's lean decode step
@@ -533,7 +594,8 @@ def general_step(cell, q, k, v, x, mask, state):
     gate = cell.memory_gate.reshape(spec.num_kv_heads, spec.group_size)
     if cell.memory in ("delta", "gated-delta"):
         reading = (cell.reader.share(x, gate), cell.reader.key_map, cell.reader.key_bias, spec.scale)
-        out, *state = delta_memory_hybrid_attn(grouped, k, v, mask, *state, *cell.writer(x, mask), *reading)
+        out, *state = delta_memory_hybrid_attn(grouped, k, v, mask, *state, *cell.writer(x, mask), *reading,
+                                               log_tau=cell.log_tau if cell.anneal else None)
     else:
         fixed = (cell.phi, cell.mixing_factor(), spec.scale, gate)
         if cell.memory == "gla":
@@ -645,14 +707,15 @@ def test_hybrid_lean_step_dispatches_few_ops(memory):
     """A CPU decode step's time is its op count (docs/performance.md): here the general forms
     dispatched 219-282 aten ops a step, the lean step 95-118 for the linear and gla memories (the
     feature map applied to the queries and the leaving key in one call: 2 ops more with this cheap
-    elu map, 9 fewer with hedgehog) and 149-164 for the delta memories (their reader's key map, and a
-    share that counts the memory's tokens: 7 ops); held under 170 so a regression shows."""
+    elu map, 9 fewer with hedgehog) and 158-173 for the delta memories (their reader's key map, a
+    share that counts the memory's tokens: 7 ops, and annealed writes: 9); held under 180 so a
+    regression shows."""
     cell = build_cell("hybrid", SPEC, {"window": 3, "sinks": 2, "memory": memory, **elu_map(memory)})
     q, k, v, x, mask = make_inputs(1, pad=0)
     count = OpCount()
     with torch.no_grad(), count:
         cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)
-    assert count.ops < 170
+    assert count.ops < 180
 
 
 @pytest.mark.parametrize("memory", ["delta", "gated-delta"])

@@ -956,6 +956,20 @@ def test_hybrid_saved_before_sinks_existed_loads_without_sinks(converted, tmp_pa
     assert rel_diff(decode(loaded, ids, 20)[0], decode(model, ids, 20)[0]) < 1e-6
 
 
+def test_delta_memory_saved_before_annealing_loads_unannealed(converted, tmp_path):
+    """A delta memory saved before ``anneal`` existed has none in its manifest and loads with none
+    (``anneal=0`` saves the same manifest), though new ones anneal by default."""
+    assert converted("llama", "hybrid", window=8, sinks=0, memory="delta").cells[0].anneal == 4.0
+    model = converted("llama", "hybrid", window=8, sinks=0, memory="delta", anneal=0)
+    model.save(tmp_path / "m")
+    manifest = json.loads((tmp_path / "m" / MANIFEST_FILE).read_text())
+    assert all("anneal" not in entry["options"] for entry in manifest["cells"])
+    loaded = rnnify.load(tmp_path / "m")
+    assert [c.anneal for c in loaded.cells] == [0.0] * len(model.cells)
+    ids = torch.randint(0, model.manifest.vocab_size, (1, 30), generator=_gen(17))
+    assert torch.equal(loaded.prefill(ids)[0], model.prefill(ids)[0])
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_converted_step_equals_prefill_and_prefill_continues(arch, variant, converted):

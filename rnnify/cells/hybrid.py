@@ -81,7 +81,9 @@ does not enter (w / u does not depend on it), so there is no ``window_logit`` an
 With ``share="mass"`` the share is the weight LoLCATs' sum gives the linear memory's tokens
 instead, s_i = g_h M_i / (f_h u_i + M_i), M_i = phi(q_i) . z_i, z the sum of phi(k_j) over the
 keys written (``mass_share``): the cell has phi and f_h, the state adds ``k_sum`` (z), the reader
-no share projection.
+no share projection. With ``anneal=tau`` each write's beta is beta tau_h / (tau_h + m), m the
+tokens written before, tau_h learned from tau (``annealed``): a running mean of what leaves the
+window, not its last writes.
 (Until this version the readout was added, out_i = w_i / u_i + g_h H^T q^_i, which could not give
 the window's share to the memory: on SmolLM2 it ended worse than the window alone.) Forms:
 ``delta_memory_hybrid_attn`` (the window part as ``fused_hybrid_attn``'s, the memory through the
@@ -109,6 +111,7 @@ linear and gla memories read it without the shift (``prompt_hybrid_attn``). Shap
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -138,6 +141,9 @@ DEFAULT_FEATURE_MAP = "hedgehog"
 # attention sinks when none are given: on a real model a window without them loses what its first
 # tokens anchor (SmolLM2-135M at 2,048 tokens, window 64: KL 1.62 without, 0.40 with 4; StreamingLLM)
 DEFAULT_SINKS = 4
+# the delta memories' tau_0 when none is given: on the bundled model annealed writes came closer to the
+# original at 256 and 2,048 tokens, with either share (6 of 6 runs; tau_0 = 1 less so: docs/fidelity.md)
+DEFAULT_ANNEAL = 4.0
 GLA_RANK, GLA_TAU, GLA_DECAY = 16, 16.0, 0.99  # the gla memory's gate: the gated target's defaults (cells/gated.py)
 
 
@@ -320,7 +326,7 @@ def steady_step_hybrid_attn(
 
 def step_delta_memory_hybrid_attn(
     q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, beta, log_a, share, key_map, key_bias,
-    scale: float, mass=None,
+    scale: float, mass=None, log_tau=None,
 ):
     """The decode path of the delta memories off kernels: ``window_step``, then the token leaving
     the window is written by the delta rule (beta = 0 and no decay where none leaves: the stale key
@@ -329,6 +335,8 @@ def step_delta_memory_hybrid_attn(
         q, k, v, mask, keys, values, sink_keys, sink_values, length, scale)
     leaves = leaves.view(-1, 1, 1)  # [B, 1, T]
     beta = torch.where(leaves, beta, 0.0)
+    if log_tau is not None:  # the tokens written before: every one the call read past the W + S held
+        beta = annealed(beta, log_tau, (length - keys.shape[2] - sink_keys.shape[2]).clamp_min(0).view(-1, 1, 1))
     log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
     memory, kv = step_delta_attn(memory_keys(q, key_map, key_bias), memory_keys(old_key, key_map, key_bias),
                                  old_value, beta, log_a, kv)
@@ -491,7 +499,7 @@ def prompt_hybrid_attn(q, k, v, window_state, kv, k_sum, phi, factor, scale: flo
 
 def delta_memory_hybrid_attn(
     q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, beta, log_a, share, key_map, key_bias,
-    scale: float, chunk_size: int = 64, kernels: str | None = None, mass=None,
+    scale: float, chunk_size: int = 64, kernels: str | None = None, mass=None, log_tau=None,
 ):
     """The hybrid with a delta-rule memory (see above), every phase: the window part by
     ``window_and_leaving``, the memory on the tokens leaving the window, at most one per new token
@@ -500,12 +508,15 @@ def delta_memory_hybrid_attn(
     share what ``memory_share`` reads besides the count (``DeltaReader.share``: gate, logit, count weight),
     key_map / key_bias ``[Hkv, d, d]`` / ``[Hkv, d]`` the reader's key map. ``mass``: ``(phi, factor,
     k_sum)`` for the share by mass (``mass_share``; ``share`` is then the gate alone), which adds
-    ``k_sum`` to the returned state."""
+    ``k_sum`` to the returned state. ``log_tau`` ``[Hkv]``: beta annealed by the count (``annealed``)."""
     unit = torch.ones(q.shape[1], q.shape[2], device=q.device)  # f = 1: w / u does not depend on it
     window_num, window_den, old_keys, old_values, leaves, window_state = window_and_leaving(
         q, k, v, mask, (keys, values, sink_keys, sink_values, length), unit, scale, chunk_size, kernels)
     leaves = leaves[:, None]  # [B, 1, T]
     beta = torch.where(leaves, beta, 0.0)
+    if log_tau is not None:  # the tokens written before each: those read before past the W + S held, then this call's
+        before = (length - keys.shape[2] - sink_keys.shape[2]).clamp_min(0)[:, None, None] + leaves.cumsum(-1) - leaves.long()
+        beta = annealed(beta, log_tau, before)
     log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
     args = (memory_keys(q, key_map, key_bias), memory_keys(old_keys, key_map, key_bias), old_values, beta, log_a, kv)
     if kernels is not None:
@@ -520,6 +531,14 @@ def delta_memory_hybrid_attn(
         share, k_sum = mass_share(share, factor, phi(q), written, k_sum, window_den)
         z = (k_sum,)
     return torch.lerp(readout(window_den, window_num), memory, share[..., None]), *window_state, kv, *z
+
+
+def annealed(beta, log_tau, before) -> torch.Tensor:
+    """beta_i tau_h / (tau_h + m_i): the writing strength falls as 1 / m with the m tokens written
+    before, so the memory keeps a running mean along each key direction rather than its last few
+    writes. beta ``[B, Hkv, T]``, log_tau ``[Hkv]``, before m ``[B, 1, T]``."""
+    tau = log_tau.float().exp()[:, None]
+    return beta * tau / (tau + before)
 
 
 def mass_share(gate, factor, phi_q, phi_written, k_sum, window_den) -> tuple[torch.Tensor, torch.Tensor]:
@@ -597,7 +616,9 @@ class HybridCell(Cell):
     alpha) projections and its reader (key map, share projection, count weight), with no f_h or
     feature map; ``gla``: the linear memory decayed by GLA's gate of the arriving token (trainable too).
     ``share`` (delta memories): ``count`` (the default) or ``mass``, the readout weighed as the linear
-    memory's tokens would be, through the feature map and f_h (module docstring).
+    memory's tokens would be, through the feature map and f_h (module docstring). ``anneal`` (delta
+    memories, default ``DEFAULT_ANNEAL``; 0: off): beta falls as 1 / n with the tokens the memory
+    holds, from tau_h = ``anneal``, learned (``log_tau``; module docstring).
 
     The state is the window target's (keys, values, sink_keys, sink_values, length) then the linear
     memory (kv, k_sum); with no sinks the empty sink buffers are left out, so a hybrid without
@@ -606,7 +627,7 @@ class HybridCell(Cell):
 
     target = "hybrid"
     own_forms_without_triton = frozenset({"prefill", "decode"})
-    manifest_defaults = {"sinks": 0}  # hybrids saved before sinks existed had none
+    manifest_defaults = {"sinks": 0, "anneal": 0.0}  # hybrids saved before these options had neither
     gates = ("memory_gate", "window_logit")
     state_names = ("keys", "values", "length", "kv", "k_sum")  # with sinks: + sink_keys, sink_values after values
 
@@ -621,6 +642,7 @@ class HybridCell(Cell):
         sinks: int = DEFAULT_SINKS,
         memory: str = "linear",
         share: str = "count",
+        anneal: float | None = None,
     ):
         super().__init__(spec)
         if memory not in MEMORIES:
@@ -632,6 +654,12 @@ class HybridCell(Cell):
         if memory in DELTA_MEMORIES and share == "count" and (feature_map not in (None, "elu") or feature_options):
             raise ValueError(f"memory {memory!r} has no feature map unless share='mass': feature_map and "
                              "feature_options apply to the linear and gla memories and to share='mass'")
+        if anneal is None:
+            anneal = DEFAULT_ANNEAL if memory in DELTA_MEMORIES else 0.0
+        if isinstance(anneal, bool) or not isinstance(anneal, (int, float)) or anneal < 0 or (
+                anneal and memory not in DELTA_MEMORIES):
+            raise ValueError(f"anneal must be a number >= 0 (0: off), for the delta memories only; got {anneal!r} "
+                             f"with memory {memory!r}")
         if feature_options is not None and not isinstance(feature_options, dict):
             raise ValueError(f"feature_options must be a dict of feature-map options, got {feature_options!r}")
         if isinstance(memory_init, bool) or not isinstance(memory_init, (int, float)) or not 0 <= memory_init <= 1:
@@ -639,7 +667,7 @@ class HybridCell(Cell):
         self.window = check_int("window", window, 1)
         self.sinks = check_int("sinks", sinks, 0)
         self.chunk_size = check_int("chunk_size", chunk_size, 1)
-        self.memory_init, self.memory, self.share = float(memory_init), memory, share
+        self.memory_init, self.memory, self.share, self.anneal = float(memory_init), memory, share, float(anneal)
         weighed = memory not in DELTA_MEMORIES or share == "mass"  # has a feature map and f_h
         if feature_map is None:  # the delta memories read by count record the old default, which they never use
             feature_map = DEFAULT_FEATURE_MAP if weighed else "elu"
@@ -662,6 +690,8 @@ class HybridCell(Cell):
         elif memory in DELTA_MEMORIES:  # beta (and alpha) from the layer input
             self.writer = DeltaWriter(spec, memory == "gated-delta", 0.5, None)
             self.reader = DeltaReader(spec, by_count=share == "count")
+            if self.anneal:  # tau_h of ``annealed``, learned from here
+                self.log_tau = nn.Parameter(torch.full((spec.num_kv_heads,), math.log(self.anneal)))
             self.needs_input = True
             memory_state = ("kv", "k_sum") if share == "mass" else ("kv",)
         window_state = ("keys", "values", "sink_keys", "sink_values") if self.sinks else ("keys", "values")
@@ -677,6 +707,7 @@ class HybridCell(Cell):
             "memory_init": self.memory_init,
             "memory": self.memory,
             **({"share": self.share} if self.memory in DELTA_MEMORIES else {}),
+            **({"anneal": self.anneal} if self.anneal else {}),  # 0 where absent (``manifest_defaults``)
         }
 
     def fused_ops(self) -> dict[str, str]:
@@ -759,9 +790,11 @@ class HybridCell(Cell):
         else:
             share = self.reader.share(x, gate)
         reading = (share, self.reader.key_map, self.reader.key_bias, self.spec.scale)
+        log_tau = self.log_tau if self.anneal else None
         if q.shape[3] == 1 and backend is None:
-            return step_delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, *reading, mass)
-        return delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, *reading, self.chunk_size, backend, mass)
+            return step_delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, *reading, mass, log_tau)
+        return delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, *reading, self.chunk_size, backend, mass,
+                                        log_tau)
 
     def _linear_memory(self, q, k, v, mask, state, gate, x, backend: str | None):
         """A linear or gla memory: the lean step for a decode token off kernels; a prompt through
