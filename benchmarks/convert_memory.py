@@ -12,8 +12,8 @@ run on it, one after the other:
 * transformers alone: import, ``from_pretrained(dtype=bfloat16)`` and one forward pass over 8
   tokens, which reads every weight once, as converting does;
 * ``rnnify convert DIR --to linear --dtype bfloat16 -o OUT --no-compile``: the conversion, without
-  the decode step compiled ahead of time that ``convert`` adds by default on a CPU (``--convert-args
-  ''`` measures that too; it is also what a checkout older than that default needs).
+  the decode step compiled ahead of time that ``convert`` adds by default on a CPU for models under
+  1 GiB of weights (``--convert-args=--compile`` measures that too, ``--convert-args=`` the default).
 
 Each process's peak resident set size is its own ``ru_maxrss`` (``os.wait4``), against the bytes of
 the weights; the time is wall-clock, and CPU time (user + system) is the steadier figure on a

@@ -246,17 +246,17 @@ def _add_compile_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _compile_step(model, path: Path, source: str | None = None, forced: bool = False) -> str:
-    """Put the decode step compiled ahead of time into the saved model directory ``path``, unless it
-    gains little and is not ``forced``: copied from ``source`` when that package was compiled for this
-    model as it is now (a distilled copy keeps its graph and weight layout), else compiled, from the
-    saved model when ``model`` was trained on another device. The model is saved already, so a
-    compile that fails only warns. Returns how ``path`` decodes, in words."""
+    """Put the decode step compiled ahead of time into the saved model directory ``path``: copied from
+    ``source`` when that package was compiled for this model as it is now (a distilled copy keeps
+    its graph and weight layout), else compiled (unless that gains little and is not ``forced``),
+    from the saved model when ``model`` was trained on another device. The model is saved already,
+    so a compile that fails only warns. Returns how ``path`` decodes, in words."""
     import rnnify
     from rnnify.runtime.aot import STEP_PACKAGE, copy_step_package, gains_little, refusal, write_step_package
 
-    reason = None if forced else gains_little(model)
-    if reason is not None:
-        return f"decode step: eager ({reason})"
+    little = None if forced else gains_little(model)
+    if little is not None and source is None:  # nothing to copy, and not worth compiling
+        return f"decode step: eager ({little})"
     if model.device.type != "cpu":  # the package is for CPUs: compile it from the saved model, loaded there
         model = rnnify.load(path, aot_step=False, verify_weights=False)
     reason = refusal(model)
@@ -265,6 +265,8 @@ def _compile_step(model, path: Path, source: str | None = None, forced: bool = F
     try:
         if source is not None and copy_step_package(model, source, path):
             return f"decode step: compiled ahead of time ({STEP_PACKAGE}, copied from {source})"
+        if little is not None:
+            return f"decode step: eager ({little})"
         write_step_package(model, path)
     except Exception as exc:  # noqa: BLE001 - the model is whole without it; say why and go on
         warnings.warn(f"the decode step was not compiled ahead of time ({first_line(exc)}); {path} decodes "

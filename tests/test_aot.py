@@ -196,13 +196,17 @@ def test_convert_of_a_sliding_window_exact_model_says_its_step_stays_eager(tiny_
     assert "decode step: eager (" in capsys.readouterr().out and not (out / STEP_PACKAGE).exists()
 
 
-def test_distill_keeps_the_package_its_model_was_compiled_with(compiled, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("large", [False, True])
+def test_distill_keeps_the_package_its_model_was_compiled_with(compiled, tmp_path, capsys, monkeypatch, large):
     """A distilled copy has the same graph and weight shapes: its package is the source's, copied, not
-    compiled again, and it computes the distilled weights' step."""
+    compiled again, and it computes the distilled weights' step; copied too for a model large enough
+    that it would not be compiled by default (a copy costs nothing)."""
     import rnnify.runtime.aot as aot
 
     source_dir = compiled("hybrid")  # built (and compiled) before compiling is made to fail
     monkeypatch.setattr(aot, "write_step_package", lambda *a, **k: pytest.fail("compiled again"))
+    if large:
+        monkeypatch.setattr(aot, "WORTH_COMPILING_BELOW", 1024)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def main(argv):\n    for arg in argv:\n        print(arg.upper(), len(arg))\n" * 8)
     out = tmp_path / "distilled"

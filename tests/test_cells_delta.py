@@ -357,12 +357,13 @@ def test_hybrid_delta_memory_weighed_by_mass(memory):
     assert_every_phase_matches(hybrid, q, k, v, x, mask, expected)
 
 
+@pytest.mark.parametrize("pad", [2, 0])  # 0: the whole unpadded prompt's own path too
 @pytest.mark.parametrize("share", ["count", "mass"])
 @pytest.mark.parametrize("memory", ["delta", "gated-delta"])
-def test_hybrid_delta_memory_annealed(memory, share):
+def test_hybrid_delta_memory_annealed(memory, share, pad):
     """anneal=tau: each write's beta times tau_h / (tau_h + m), m the tokens written before (a running
-    mean along each key direction), tau_h learned; every phase against the float64 loops, with a
-    row padded and prompts split across calls, so m continues from the state."""
+    mean along each key direction), tau_h learned; every phase against the float64 loops, with
+    prompts split across calls, so m continues from the state."""
     window, sinks = 3, 1
     torch.manual_seed(0)
     options = {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4, "share": share, "anneal": 2.0}
@@ -370,7 +371,7 @@ def test_hybrid_delta_memory_annealed(memory, share):
         options["feature_map"] = "elu"
     hybrid = build_cell("hybrid", SPEC, options)
     assert hybrid.options()["anneal"] == 2.0
-    q, k, v, x, mask = make_inputs(13, pad=2)
+    q, k, v, x, mask = make_inputs(13, pad=pad)
     expected_window = assert_starts_as_window(hybrid, q, k, v, x, mask)
     with torch.no_grad():
         hybrid.memory_gate.copy_(torch.tensor([0.3, -0.5, 1.0, 0.7]))
@@ -572,13 +573,11 @@ def test_hybrid_memory_option_is_checked():
     # a delta memory has no map; its manifests recorded elu, the default before, and still load
     assert build_cell("hybrid", SPEC, {"memory": "delta", "feature_map": "elu"}).state_names[-1] == "kv"
     assert build_cell("hybrid", SPEC).sinks == 4  # a real model's window needs its first tokens (StreamingLLM)
-    with pytest.raises(RnnifyError, match="anneal must be a number >= 0"):
-        build_cell("hybrid", SPEC, {"memory": "linear", "anneal": 4.0})
-    with pytest.raises(RnnifyError, match="anneal must be a number >= 0"):
-        build_cell("hybrid", SPEC, {"memory": "delta", "anneal": -1})
-    assert build_cell("hybrid", SPEC, {"memory": "delta"}).options()["anneal"] == 4.0  # on by default
-    unannealed = build_cell("hybrid", SPEC, {"memory": "delta", "anneal": 0})
-    assert "anneal" not in unannealed.options() and not hasattr(unannealed, "log_tau")  # saved as before it existed
+    for memory, anneal in (("linear", 4.0), ("delta", -1), ("delta", math.inf), ("delta", math.nan)):
+        with pytest.raises(RnnifyError, match="anneal must be a finite number >= 0"):
+            build_cell("hybrid", SPEC, {"memory": memory, "anneal": anneal})
+    unannealed = build_cell("hybrid", SPEC, {"memory": "delta"})  # off by default: manifests as before it existed
+    assert "anneal" not in unannealed.options() and not hasattr(unannealed, "log_tau")
 
 
 # --------------------------------------------------------------------------- the hybrid's lean decode step

@@ -956,16 +956,17 @@ def test_hybrid_saved_before_sinks_existed_loads_without_sinks(converted, tmp_pa
     assert rel_diff(decode(loaded, ids, 20)[0], decode(model, ids, 20)[0]) < 1e-6
 
 
-def test_delta_memory_saved_before_annealing_loads_unannealed(converted, tmp_path):
-    """A delta memory saved before ``anneal`` existed has none in its manifest and loads with none
-    (``anneal=0`` saves the same manifest), though new ones anneal by default."""
-    assert converted("llama", "hybrid", window=8, sinks=0, memory="delta").cells[0].anneal == 4.0
-    model = converted("llama", "hybrid", window=8, sinks=0, memory="delta", anneal=0)
+def test_hybrid_part_of_a_head_split_saved_before_sinks_existed_loads_without_sinks(converted, tmp_path):
+    """A head split's hybrid part whose manifest options lack ``sinks`` loads as S = 0, as a whole
+    hybrid cell does (``Cell.manifest_defaults`` apply to the parts too), not with today's default."""
+    model = converted("llama", "hybrid", layers="0-:heads(1=exact;*=hybrid(window=8,sinks=0))")
     model.save(tmp_path / "m")
     manifest = json.loads((tmp_path / "m" / MANIFEST_FILE).read_text())
-    assert all("anneal" not in entry["options"] for entry in manifest["cells"])
+    for entry in manifest["cells"]:
+        del entry["options"]["groups"][1]["options"]["sinks"]
+    (tmp_path / "m" / MANIFEST_FILE).write_text(json.dumps(manifest))
     loaded = rnnify.load(tmp_path / "m")
-    assert [c.anneal for c in loaded.cells] == [0.0] * len(model.cells)
+    assert [cell.parts[1].sinks for cell in loaded.cells] == [0] * len(model.cells)
     ids = torch.randint(0, model.manifest.vocab_size, (1, 30), generator=_gen(17))
     assert torch.equal(loaded.prefill(ids)[0], model.prefill(ids)[0])
 

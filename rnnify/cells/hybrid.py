@@ -141,9 +141,6 @@ DEFAULT_FEATURE_MAP = "hedgehog"
 # attention sinks when none are given: on a real model a window without them loses what its first
 # tokens anchor (SmolLM2-135M at 2,048 tokens, window 64: KL 1.62 without, 0.40 with 4; StreamingLLM)
 DEFAULT_SINKS = 4
-# the delta memories' tau_0 when none is given: on the bundled model annealed writes came closer to the
-# original at 256 and 2,048 tokens, with either share (6 of 6 runs; tau_0 = 1 less so: docs/fidelity.md)
-DEFAULT_ANNEAL = 4.0
 GLA_RANK, GLA_TAU, GLA_DECAY = 16, 16.0, 0.99  # the gla memory's gate: the gated target's defaults (cells/gated.py)
 
 
@@ -536,9 +533,9 @@ def delta_memory_hybrid_attn(
 def annealed(beta, log_tau, before) -> torch.Tensor:
     """beta_i tau_h / (tau_h + m_i): the writing strength falls as 1 / m with the m tokens written
     before, so the memory keeps a running mean along each key direction rather than its last few
-    writes. beta ``[B, Hkv, T]``, log_tau ``[Hkv]``, before m ``[B, 1, T]``."""
-    tau = log_tau.float().exp()[:, None]
-    return beta * tau / (tau + before)
+    writes. beta ``[B, Hkv, T]``, log_tau ``[Hkv]``, before m ``[B, 1, T]``. As sigmoid(log tau -
+    log m), finite for any finite log tau (m = 0: 1)."""
+    return beta * torch.sigmoid(log_tau.float()[:, None] - before.float().log())
 
 
 def mass_share(gate, factor, phi_q, phi_written, k_sum, window_den) -> tuple[torch.Tensor, torch.Tensor]:
@@ -617,8 +614,8 @@ class HybridCell(Cell):
     feature map; ``gla``: the linear memory decayed by GLA's gate of the arriving token (trainable too).
     ``share`` (delta memories): ``count`` (the default) or ``mass``, the readout weighed as the linear
     memory's tokens would be, through the feature map and f_h (module docstring). ``anneal`` (delta
-    memories, default ``DEFAULT_ANNEAL``; 0: off): beta falls as 1 / n with the tokens the memory
-    holds, from tau_h = ``anneal``, learned (``log_tau``; module docstring).
+    memories; 0, the default: off): beta falls as 1 / n with the tokens the memory holds, from tau_h
+    = ``anneal``, learned (``log_tau``; module docstring).
 
     The state is the window target's (keys, values, sink_keys, sink_values, length) then the linear
     memory (kv, k_sum); with no sinks the empty sink buffers are left out, so a hybrid without
@@ -627,7 +624,7 @@ class HybridCell(Cell):
 
     target = "hybrid"
     own_forms_without_triton = frozenset({"prefill", "decode"})
-    manifest_defaults = {"sinks": 0, "anneal": 0.0}  # hybrids saved before these options had neither
+    manifest_defaults = {"sinks": 0}  # hybrids saved before sinks existed had none
     gates = ("memory_gate", "window_logit")
     state_names = ("keys", "values", "length", "kv", "k_sum")  # with sinks: + sink_keys, sink_values after values
 
@@ -642,7 +639,7 @@ class HybridCell(Cell):
         sinks: int = DEFAULT_SINKS,
         memory: str = "linear",
         share: str = "count",
-        anneal: float | None = None,
+        anneal: float = 0.0,
     ):
         super().__init__(spec)
         if memory not in MEMORIES:
@@ -654,12 +651,10 @@ class HybridCell(Cell):
         if memory in DELTA_MEMORIES and share == "count" and (feature_map not in (None, "elu") or feature_options):
             raise ValueError(f"memory {memory!r} has no feature map unless share='mass': feature_map and "
                              "feature_options apply to the linear and gla memories and to share='mass'")
-        if anneal is None:
-            anneal = DEFAULT_ANNEAL if memory in DELTA_MEMORIES else 0.0
-        if isinstance(anneal, bool) or not isinstance(anneal, (int, float)) or anneal < 0 or (
+        if isinstance(anneal, bool) or not isinstance(anneal, (int, float)) or not 0 <= anneal < math.inf or (
                 anneal and memory not in DELTA_MEMORIES):
-            raise ValueError(f"anneal must be a number >= 0 (0: off), for the delta memories only; got {anneal!r} "
-                             f"with memory {memory!r}")
+            raise ValueError(f"anneal must be a finite number >= 0 (0: off), for the delta memories only; got "
+                             f"{anneal!r} with memory {memory!r}")
         if feature_options is not None and not isinstance(feature_options, dict):
             raise ValueError(f"feature_options must be a dict of feature-map options, got {feature_options!r}")
         if isinstance(memory_init, bool) or not isinstance(memory_init, (int, float)) or not 0 <= memory_init <= 1:
@@ -707,7 +702,7 @@ class HybridCell(Cell):
             "memory_init": self.memory_init,
             "memory": self.memory,
             **({"share": self.share} if self.memory in DELTA_MEMORIES else {}),
-            **({"anneal": self.anneal} if self.anneal else {}),  # 0 where absent (``manifest_defaults``)
+            **({"anneal": self.anneal} if self.anneal else {}),
         }
 
     def fused_ops(self) -> dict[str, str]:

@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from rnnify.cells import CELLS, CellSpec, build_cell
+from rnnify.cells.heads import TARGET as HEADS_TARGET
 from rnnify.errors import RnnifyError
 from rnnify.runtime import hf_files
 from rnnify.kernels.utils import check_kernels
@@ -91,6 +92,15 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def saved_options(target: str, options: dict[str, Any]) -> dict[str, Any]:
+    """A saved cell's options, with the value each option added since had before it existed
+    (``Cell.manifest_defaults``), for every group of a head split too."""
+    if target == HEADS_TARGET:
+        groups = [{**g, "options": saved_options(g["target"], g.get("options") or {})} for g in options["groups"]]
+        options = {**options, "groups": groups}
+    return {**CELLS[target].manifest_defaults, **options} if target in CELLS else options
 
 
 def weights_digest(directory: Path) -> str:
@@ -217,8 +227,7 @@ def load(
     root = nn.Module()
     try:
         for entry in manifest.cells:
-            options = {**CELLS[entry.target].manifest_defaults, **entry.options} if entry.target in CELLS else entry.options
-            cell = build_cell(entry.target, CellSpec(**entry.spec), options).to(device)
+            cell = build_cell(entry.target, CellSpec(**entry.spec), saved_options(entry.target, entry.options)).to(device)
             prefix = entry.module + "."
             cell.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, strict=True)
             install(root, entry.module, cell)
