@@ -332,13 +332,15 @@ def step_delta_memory_hybrid_attn(
         q, k, v, mask, keys, values, sink_keys, sink_values, length, scale)
     leaves = leaves.view(-1, 1, 1)  # [B, 1, T]
     beta = torch.where(leaves, beta, 0.0)
-    if log_tau is not None:  # the tokens written before: every one the call read past the W + S held
-        beta = annealed(beta, log_tau, (length - keys.shape[2] - sink_keys.shape[2]).clamp_min(0).view(-1, 1, 1))
+    counted = mass is None or log_tau is not None  # the share by count, or annealed writes
+    written = tokens_written(length, leaves, keys.shape[2] + sink_keys.shape[2]) if counted else None
+    if log_tau is not None:
+        beta = annealed(beta, log_tau, written[:, None] - leaves.long())
     log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
     memory, kv = step_delta_attn(memory_keys(q, key_map, key_bias), memory_keys(old_key, key_map, key_bias),
                                  old_value, beta, log_a, kv)
     if mass is None:
-        share, z = memory_share(*share, length, leaves, keys.shape[2], sink_keys.shape[2]), ()
+        share, z = memory_share(*share, written, keys.shape[2]), ()
     else:
         phi, factor, k_sum = mass
         phi_q, phi_old = _query_and_leaving_features(phi, q, old_key)
@@ -511,9 +513,10 @@ def delta_memory_hybrid_attn(
         q, k, v, mask, (keys, values, sink_keys, sink_values, length), unit, scale, chunk_size, kernels)
     leaves = leaves[:, None]  # [B, 1, T]
     beta = torch.where(leaves, beta, 0.0)
-    if log_tau is not None:  # the tokens written before each: those read before past the W + S held, then this call's
-        before = (length - keys.shape[2] - sink_keys.shape[2]).clamp_min(0)[:, None, None] + leaves.cumsum(-1) - leaves.long()
-        beta = annealed(beta, log_tau, before)
+    counted = mass is None or log_tau is not None  # the share by count, or annealed writes
+    written = tokens_written(length, leaves, keys.shape[2] + sink_keys.shape[2]) if counted else None
+    if log_tau is not None:
+        beta = annealed(beta, log_tau, written[:, None] - leaves.long())
     log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
     args = (memory_keys(q, key_map, key_bias), memory_keys(old_keys, key_map, key_bias), old_values, beta, log_a, kv)
     if kernels is not None:
@@ -521,11 +524,11 @@ def delta_memory_hybrid_attn(
     else:
         memory, kv = chunk_delta_attn(*args, chunk_size=chunk_size)
     if mass is None:
-        share, z = memory_share(*share, length, leaves, keys.shape[2], sink_keys.shape[2]), ()
+        share, z = memory_share(*share, written, keys.shape[2]), ()
     else:
         phi, factor, k_sum = mass
-        written = torch.where(leaves[..., None], phi(old_keys), 0.0)
-        share, k_sum = mass_share(share, factor, phi(q), written, k_sum, window_den)
+        phi_written = torch.where(leaves[..., None], phi(old_keys), 0.0)
+        share, k_sum = mass_share(share, factor, phi(q), phi_written, k_sum, window_den)
         z = (k_sum,)
     return torch.lerp(readout(window_den, window_num), memory, share[..., None]), *window_state, kv, *z
 
@@ -559,13 +562,18 @@ def memory_keys(x: torch.Tensor, key_map: torch.Tensor, key_bias: torch.Tensor) 
     return l2_normalise(x.float() @ key_map + key_bias)
 
 
-def memory_share(gate, logit, count_weight, length, leaves, window: int, sinks: int) -> torch.Tensor:
-    """s = g 2 sigmoid(logit + c log(n / W)) ``[B, Hkv, G, T]``, n the tokens written to the memory
-    by the time each query reads it (the real tokens read before this call past the W + S held,
-    then one per leaving token ``leaves``), and s = 0 while n = 0: an empty delta memory reads 0, no
-    estimate. gate and count_weight ``[Hkv, G]``, logit ``[B, Hkv, G, T]`` (``DeltaReader.share``)."""
-    leaves = leaves.reshape(length.shape[0], -1)
-    written = ((length - (window + sinks)).clamp_min(0)[:, None] + leaves.cumsum(-1)).float()[:, None, None]
+def tokens_written(length, leaves, held: int) -> torch.Tensor:
+    """n ``[B, T]``, the tokens written to the memory by the time each token of the call reads it:
+    the real tokens read before the call (``length [B]``) past the ``held`` = W + S the window
+    keeps, then one per leaving token (``leaves``, T last)."""
+    return (length - held).clamp_min(0)[:, None] + leaves.reshape(length.shape[0], -1).cumsum(-1)
+
+
+def memory_share(gate, logit, count_weight, written, window: int) -> torch.Tensor:
+    """s = g 2 sigmoid(logit + c log(n / W)) ``[B, Hkv, G, T]``, n ``written`` (``tokens_written``),
+    and s = 0 while n = 0: an empty delta memory reads 0, no estimate. gate and count_weight
+    ``[Hkv, G]``, logit ``[B, Hkv, G, T]`` (``DeltaReader.share``)."""
+    written = written.float()[:, None, None]
     share = torch.sigmoid(torch.addcmul(logit, count_weight[..., None], torch.log(written.clamp_min(1) / window)))
     return torch.where(written > 0, share * (2 * gate[..., None]), 0.0)
 
