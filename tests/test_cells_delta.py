@@ -306,8 +306,10 @@ def test_hybrid_delta_memory_blends_window_and_readout(memory):
 def delta_memory_mass_reference(cell, q, k, v, x, mask, window: int, sinks: int):
     """float64, share by mass (elu map): the delta memory written as in ``delta_memory_reference``,
     and z += phi(k_j) beside it; each query blends the window's output w / u with the readout S q'
-    by g_h M / (f_h u + M), M = phi(q) . z, the linear memory's weight of the tokens it holds (0 while M = 0)."""
+    by g_h M / (f_h u + M), M = phi(q) . z, the linear memory's weight of the tokens it holds (0 while M = 0);
+    with ``share="mass-input"`` by g_h M / (f_h u exp(-l) + M), l = x W_s + b_s of the query's token."""
     writer, reader = cell.writer, cell.reader
+    by_input = cell.share == "mass-input"
     gate, f = cell.memory_gate.double(), torch.sigmoid(cell.window_logit.double())
 
     def mapped(t, h):
@@ -332,20 +334,28 @@ def delta_memory_mass_reference(cell, q, k, v, x, mask, window: int, sinks: int)
                     w, u = e @ v[b, h, held].double(), e.sum()
                     mass = elu_plus_one(q[b, i, t].double()) @ z
                     query = mapped(q[b, i, t], h)
-                    share = gate[i] * mass / (f[i] * u + mass) if mass > 0 else 0.0
+                    odds = 1.0
+                    if by_input:
+                        odds = torch.exp(x[b, t].double() @ reader.share_proj.weight[i].double()
+                                         + reader.share_proj.bias[i].double())
+                    share = gate[i] * mass / (f[i] * u / odds + mass) if mass > 0 else 0.0
                     out[b, i, t] = w / u + share * (S @ (query / query.norm()) - w / u)
     return out
 
 
+@pytest.mark.parametrize("share", ["mass", "mass-input"])
 @pytest.mark.parametrize("memory", ["delta", "gated-delta"])
-def test_hybrid_delta_memory_weighed_by_mass(memory):
+def test_hybrid_delta_memory_weighed_by_mass(memory, share):
     """share="mass": the delta memory's readout takes the weight the linear memory's tokens would
-    have in LoLCATs' sum; at g = 0 the window target; every phase against the float64 loop."""
+    have in LoLCATs' sum ("mass-input": those odds times exp of a logit from the layer input); at
+    g = 0 the window target; every phase against the float64 loop."""
     window, sinks = 3, 1
     torch.manual_seed(0)
-    options = {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4, "share": "mass", "feature_map": "elu"}
+    options = {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4, "share": share,
+               "feature_map": "elu"}
     hybrid = build_cell("hybrid", SPEC, options)
-    assert hybrid.state_names[-2:] == ("kv", "k_sum") and not hasattr(hybrid.reader, "share_proj")
+    assert hybrid.state_names[-2:] == ("kv", "k_sum") and not hasattr(hybrid.reader, "count_weight")
+    assert hasattr(hybrid.reader, "share_proj") == (share == "mass-input")
     q, k, v, x, mask = make_inputs(13, pad=2)
     assert_starts_as_window(hybrid, q, k, v, x, mask)
     with torch.no_grad():
@@ -358,7 +368,7 @@ def test_hybrid_delta_memory_weighed_by_mass(memory):
 
 
 @pytest.mark.parametrize("pad", [2, 0])  # 0: the whole unpadded prompt's own path too
-@pytest.mark.parametrize("share", ["count", "mass"])
+@pytest.mark.parametrize("share", ["count", "mass", "mass-input"])
 @pytest.mark.parametrize("memory", ["delta", "gated-delta"])
 def test_hybrid_delta_memory_annealed(memory, share, pad):
     """anneal=tau: each write's beta times tau_h / (tau_h + m), m the tokens written before (a running
@@ -367,7 +377,7 @@ def test_hybrid_delta_memory_annealed(memory, share, pad):
     window, sinks = 3, 1
     torch.manual_seed(0)
     options = {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4, "share": share, "anneal": 2.0}
-    if share == "mass":
+    if share != "count":
         options["feature_map"] = "elu"
     hybrid = build_cell("hybrid", SPEC, options)
     assert hybrid.options()["anneal"] == 2.0
@@ -376,11 +386,11 @@ def test_hybrid_delta_memory_annealed(memory, share, pad):
     with torch.no_grad():
         hybrid.memory_gate.copy_(torch.tensor([0.3, -0.5, 1.0, 0.7]))
         hybrid.log_tau.copy_(torch.tensor([-1.0, 1.5]))  # tau 0.37 and 4.5: strongly and mildly annealed
-        if share == "mass":
+        if share != "count":
             hybrid.window_logit.copy_(torch.tensor([0.5, -1.0, 0.0, 2.0]))
         for p in (*hybrid.writer.parameters(), *hybrid.reader.parameters()):
             p.add_(torch.randn_like(p), alpha=0.3)
-    if share == "mass":
+    if share != "count":
         expected = delta_memory_mass_reference(hybrid, q, k, v, x, mask, window, sinks)
     else:
         expected = delta_memory_reference(hybrid, q, k, v, x, mask, window, sinks, expected_window)
@@ -401,11 +411,12 @@ def test_hybrid_delta_memory_annealed_trains_tau():
     assert hybrid.log_tau.grad is not None and hybrid.log_tau.grad.abs().min() > 0
 
 
-def test_hybrid_delta_memory_weighed_by_mass_unpadded_with_hedgehog_and_trains():
+@pytest.mark.parametrize("share", ["mass", "mass-input"])
+def test_hybrid_delta_memory_weighed_by_mass_unpadded_with_hedgehog_and_trains(share):
     """A whole unpadded prompt (its own window path) with the default hedgehog map: the prompt equals
     its token-by-token steps, and the gate, f_h, the map and the memory's reader all get gradients."""
     torch.manual_seed(0)
-    hybrid = build_cell("hybrid", SPEC, {"window": 3, "sinks": 1, "memory": "delta", "share": "mass",
+    hybrid = build_cell("hybrid", SPEC, {"window": 3, "sinks": 1, "memory": "delta", "share": share,
                                          "memory_init": 0.5})
     assert hybrid.feature_map == "hedgehog"
     q, k, v, x, mask = make_inputs(11, pad=0)
@@ -424,7 +435,7 @@ def test_hybrid_delta_memory_weighed_by_mass_unpadded_with_hedgehog_and_trains()
 
 
 def test_hybrid_share_by_mass_is_for_the_delta_memories():
-    with pytest.raises(RnnifyError, match="'mass' applies to the delta memories only"):
+    with pytest.raises(RnnifyError, match="shares by mass apply to the delta memories only"):
         build_cell("hybrid", SPEC, {"memory": "linear", "share": "mass"})
     with pytest.raises(RnnifyError, match="share must be one of"):
         build_cell("hybrid", SPEC, {"memory": "delta", "share": "softmax"})
@@ -565,7 +576,7 @@ def test_hybrid_decode_of_rows_at_different_lengths_keeps_the_general_step(monke
 def test_hybrid_memory_option_is_checked():
     with pytest.raises(RnnifyError, match="unknown memory 'lstm'"):
         build_cell("hybrid", SPEC, {"memory": "lstm"})
-    with pytest.raises(RnnifyError, match="no feature map unless share='mass'"):
+    with pytest.raises(RnnifyError, match="no feature map unless its share is by mass"):
         build_cell("hybrid", SPEC, {"memory": "delta", "feature_map": "hedgehog"})
     assert build_cell("hybrid", SPEC, {"memory": "gla", "feature_map": "hedgehog"}).phi.feature_dim == 16
     assert build_cell("hybrid", SPEC).state_names[-2:] == ("kv", "k_sum")

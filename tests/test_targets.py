@@ -28,6 +28,7 @@ VARIANTS = {
     "gated-rnn": {},
     "aaren": {},
     "hybrid-deltamemory": {"window": 8, "memory": "gated-delta", "memory_init": 0.5},
+    "hybrid-deltamass": {"window": 8, "memory": "delta", "share": "mass-input", "anneal": 4.0, "memory_init": 0.5},
     "delta": {},
     "gated-delta": {},
 }

@@ -81,9 +81,10 @@ does not enter (w / u does not depend on it), so there is no ``window_logit`` an
 With ``share="mass"`` the share is the weight LoLCATs' sum gives the linear memory's tokens
 instead, s_i = g_h M_i / (f_h u_i + M_i), M_i = phi(q_i) . z_i, z the sum of phi(k_j) over the
 keys written (``mass_share``): the cell has phi and f_h, the state adds ``k_sum`` (z), the reader
-no share projection. With ``anneal=tau`` each write's beta is beta tau_h / (tau_h + m), m the
-tokens written before, tau_h learned from tau (``annealed``): a running mean of what leaves the
-window, not its last writes.
+no share projection; ``share="mass-input"`` scales those odds by exp(x_i W_s + b_s) (0 at start:
+``"mass"`` again), a learned say of the query's token in how much it reads the memory. With
+``anneal=tau`` each write's beta is beta tau_h / (tau_h + m), m the tokens written before, tau_h
+learned from tau (``annealed``): a running mean of what leaves the window, not its last writes.
 (Until this version the readout was added, out_i = w_i / u_i + g_h H^T q^_i, which could not give
 the window's share to the memory: on SmolLM2 it ended worse than the window alone.) Forms:
 ``delta_memory_hybrid_attn`` (the window part as ``fused_hybrid_attn``'s, the memory through the
@@ -134,7 +135,8 @@ from rnnify.kernels.linear_attn.naive import chunk_gated_attn
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 MEMORIES = ("linear", "gla", "delta", "gated-delta")  # what holds the tokens that left the window
 DELTA_MEMORIES = ("delta", "gated-delta")
-SHARES = ("count", "mass")  # how a delta memory's readout is weighed against the window's output
+SHARES = ("count", "mass", "mass-input")  # how a delta memory's readout is weighed against the window's output
+BY_MASS = ("mass", "mass-input")  # the shares read from phi(q) . z, with a feature map, f_h and z in the state
 # the linear and gla memories' map when none is given: trainable, so distillation can fit the memory to
 # softmax (an untrained map leaves it gated off, the window alone); elu, the default before, has no parameters
 DEFAULT_FEATURE_MAP = "hedgehog"
@@ -342,9 +344,9 @@ def step_delta_memory_hybrid_attn(
     if mass is None:
         share, z = memory_share(*share, written, keys.shape[2]), ()
     else:
-        phi, factor, k_sum = mass
+        phi, factor, k_sum, logit = mass
         phi_q, phi_old = _query_and_leaving_features(phi, q, old_key)
-        share, k_sum = mass_share(share, factor, phi_q, torch.where(leaves[..., None], phi_old, 0.0), k_sum, u)
+        share, k_sum = mass_share(share, factor, phi_q, torch.where(leaves[..., None], phi_old, 0.0), k_sum, u, logit)
         z = (k_sum,)
     return torch.lerp(window_output(w, u), memory, share[..., None]), *window_state, kv, *z
 
@@ -506,7 +508,7 @@ def delta_memory_hybrid_attn(
     with ``kernels``). beta / log_a ``[B, Hkv, T]`` are those of the arriving tokens (0 at padding),
     share what ``memory_share`` reads besides the count (``DeltaReader.share``: gate, logit, count weight),
     key_map / key_bias ``[Hkv, d, d]`` / ``[Hkv, d]`` the reader's key map. ``mass``: ``(phi, factor,
-    k_sum)`` for the share by mass (``mass_share``; ``share`` is then the gate alone), which adds
+    k_sum, logit)`` for the shares by mass (``mass_share``; ``share`` is then the gate alone), which add
     ``k_sum`` to the returned state. ``log_tau`` ``[Hkv]``: beta annealed by the count (``annealed``)."""
     unit = torch.ones(q.shape[1], q.shape[2], device=q.device)  # f = 1: w / u does not depend on it
     window_num, window_den, old_keys, old_values, leaves, window_state = window_and_leaving(
@@ -526,9 +528,9 @@ def delta_memory_hybrid_attn(
     if mass is None:
         share, z = memory_share(*share, written, keys.shape[2]), ()
     else:
-        phi, factor, k_sum = mass
+        phi, factor, k_sum, logit = mass
         phi_written = torch.where(leaves[..., None], phi(old_keys), 0.0)
-        share, k_sum = mass_share(share, factor, phi(q), phi_written, k_sum, window_den)
+        share, k_sum = mass_share(share, factor, phi(q), phi_written, k_sum, window_den, logit)
         z = (k_sum,)
     return torch.lerp(readout(window_den, window_num), memory, share[..., None]), *window_state, kv, *z
 
@@ -541,15 +543,19 @@ def annealed(beta, log_tau, before) -> torch.Tensor:
     return beta * torch.sigmoid(log_tau.float()[:, None] - before.float().log())
 
 
-def mass_share(gate, factor, phi_q, phi_written, k_sum, window_den) -> tuple[torch.Tensor, torch.Tensor]:
+def mass_share(gate, factor, phi_q, phi_written, k_sum, window_den, logit=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta memory's share by mass, as the linear memory's LoLCATs sum weighs its tokens:
     s_i = g M_i / (f u_i + M_i), M_i = phi(q_i) . z_i, z_i = z + the features of the keys written up
     to token i; 0 while M_i = 0 (nothing written). gate, factor ``[Hkv, G]``; phi_q ``[B, Hkv, G, T,
     F]``, phi_written ``[B, Hkv, T, F]`` (0 where no key is written), k_sum z ``[B, Hkv, F]``,
-    window_den u ``[B, Hkv, G, T]``. Returns ``(s [B, Hkv, G, T], the last z)``."""
+    window_den u ``[B, Hkv, G, T]``. ``logit`` ``[B, Hkv, G, T]`` (``share="mass-input"``): the odds M / f u
+    times exp(logit), s = g M / (f u exp(-logit) + M). Returns ``(s [B, Hkv, G, T], the last z)``."""
     z = k_sum[:, :, None] + phi_written.cumsum(2)  # [B, Hkv, T, F]
     memory_mass = (phi_q * z[:, :, None]).sum(-1)
-    share = gate[..., None] * memory_mass / (factor[..., None] * window_den + memory_mass)
+    window_weight = factor[..., None] * window_den
+    if logit is not None:
+        window_weight = window_weight * torch.exp(-logit)
+    share = gate[..., None] * memory_mass / (window_weight + memory_mass)
     return torch.where(memory_mass > 0, share, 0.0), z[:, :, -1]
 
 
@@ -581,30 +587,35 @@ def memory_share(gate, logit, count_weight, written, window: int) -> torch.Tenso
 class DeltaReader(nn.Module):
     """How the hybrid reads its delta memory: a map of queries and written keys (one per kv head,
     the identity at start) and the memory's share of the output, from the layer input and how many
-    tokens the memory holds."""
+    tokens the memory holds (``share="count"``) or by mass (``mass_share``: ``"mass"``, from phi(q) . z
+    alone, or ``"mass-input"``, corrected by the layer input)."""
 
-    def __init__(self, spec: CellSpec, by_count: bool = True):
+    def __init__(self, spec: CellSpec, share: str = "count"):
         super().__init__()
         self.num_kv_heads, self.group_size = spec.num_kv_heads, spec.group_size
         self.key_map = nn.Parameter(torch.eye(spec.head_dim).repeat(spec.num_kv_heads, 1, 1))
         self.key_bias = nn.Parameter(torch.zeros(spec.num_kv_heads, spec.head_dim))
-        if not by_count:  # the share is read by mass (``mass_share``), not from the layer input and the count
+        if share == "mass":  # the share is read by mass alone, not from the layer input
             return
         if spec.hidden_size is None:
             raise ValueError("the delta memory reads the layer input, but its width (spec.hidden_size) is unknown")
         self.share_proj = nn.Linear(spec.hidden_size, spec.num_heads)
         nn.init.zeros_(self.share_proj.weight)
         nn.init.zeros_(self.share_proj.bias)
-        self.count_weight = nn.Parameter(torch.ones(spec.num_heads))  # c_h: 1, the count's odds as softmax's
+        if share == "count":
+            self.count_weight = nn.Parameter(torch.ones(spec.num_heads))  # c_h: 1, the count's odds as softmax's
+
+    def logit(self, x: torch.Tensor) -> torch.Tensor:
+        """The share's logit x W + b ``[B, Hkv, G, T]`` from each token's layer input ``x [B, T, hidden]``
+        (0 at start)."""
+        proj = self.share_proj
+        logit = F.linear(x.float(), proj.weight.float(), proj.bias.float())  # [B, T, H]
+        return logit.transpose(1, 2).reshape(x.shape[0], self.num_kv_heads, self.group_size, x.shape[1])
 
     def share(self, x: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What ``memory_share`` needs besides the count: the memory gate ``[Hkv, G]`` (0 at start),
-        the logit x W + b ``[B, Hkv, G, T]`` from each token's layer input ``x [B, T, hidden]`` (0 at
-        start) and the count's weight c ``[Hkv, G]`` (1 at start)."""
-        proj = self.share_proj
-        logit = F.linear(x.float(), proj.weight.float(), proj.bias.float())  # [B, T, H]
-        logit = logit.transpose(1, 2).reshape(x.shape[0], self.num_kv_heads, self.group_size, x.shape[1])
-        return gate, logit, self.count_weight.float().reshape(self.num_kv_heads, self.group_size)
+        the ``logit`` and the count's weight c ``[Hkv, G]`` (1 at start)."""
+        return gate, self.logit(x), self.count_weight.float().reshape(self.num_kv_heads, self.group_size)
 
 
 class HybridCell(Cell):
@@ -621,7 +632,8 @@ class HybridCell(Cell):
     alpha) projections and its reader (key map, share projection, count weight), with no f_h or
     feature map; ``gla``: the linear memory decayed by GLA's gate of the arriving token (trainable too).
     ``share`` (delta memories): ``count`` (the default) or ``mass``, the readout weighed as the linear
-    memory's tokens would be, through the feature map and f_h (module docstring). ``anneal`` (delta
+    memory's tokens would be, through the feature map and f_h, or ``mass-input``, those odds scaled
+    by a learned factor of the layer input (module docstring). ``anneal`` (delta
     memories; 0, the default: off): beta falls as 1 / n with the tokens the memory holds, from tau_h
     = ``anneal``, learned (``log_tau``; module docstring).
 
@@ -653,12 +665,13 @@ class HybridCell(Cell):
         if memory not in MEMORIES:
             raise ValueError(f"unknown memory {memory!r}; choose from {list(MEMORIES)}")
         if share not in SHARES or (share != "count" and memory not in DELTA_MEMORIES):
-            raise ValueError(f"share must be one of {list(SHARES)}, and 'mass' applies to the delta memories only; "
-                             f"got {share!r} with memory {memory!r}")
+            raise ValueError(f"share must be one of {list(SHARES)}, and the shares by mass apply to the delta "
+                             f"memories only; got {share!r} with memory {memory!r}")
         # a delta memory read by count has no feature map: "elu" is what its manifests recorded while that was the default
         if memory in DELTA_MEMORIES and share == "count" and (feature_map not in (None, "elu") or feature_options):
-            raise ValueError(f"memory {memory!r} has no feature map unless share='mass': feature_map and "
-                             "feature_options apply to the linear and gla memories and to share='mass'")
+            raise ValueError(f"memory {memory!r} has no feature map unless its share is by mass (share='mass' or "
+                             "'mass-input'): feature_map and feature_options apply to the linear and gla memories "
+                             "and to the shares by mass")
         if isinstance(anneal, bool) or not isinstance(anneal, (int, float)) or not 0 <= anneal < math.inf or (
                 anneal and memory not in DELTA_MEMORIES):
             raise ValueError(f"anneal must be a finite number >= 0 (0: off), for the delta memories only; got "
@@ -671,7 +684,7 @@ class HybridCell(Cell):
         self.sinks = check_int("sinks", sinks, 0)
         self.chunk_size = check_int("chunk_size", chunk_size, 1)
         self.memory_init, self.memory, self.share, self.anneal = float(memory_init), memory, share, float(anneal)
-        weighed = memory not in DELTA_MEMORIES or share == "mass"  # has a feature map and f_h
+        weighed = memory not in DELTA_MEMORIES or share in BY_MASS  # has a feature map and f_h
         if feature_map is None:  # the delta memories read by count record the old default, which they never use
             feature_map = DEFAULT_FEATURE_MAP if weighed else "elu"
         self.feature_map, self.feature_options = feature_map, dict(feature_options or {})
@@ -679,8 +692,8 @@ class HybridCell(Cell):
         memory_state = ("kv", "k_sum")
         if weighed:
             self.phi = build_feature_map(feature_map, spec, **self.feature_options)
-            if share == "mass" and not getattr(self.phi, "non_negative_products", False):
-                raise ValueError(f"share='mass' weighs the memory by phi(q) . phi(k), which feature map {feature_map!r} "
+            if share in BY_MASS and not getattr(self.phi, "non_negative_products", False):
+                raise ValueError(f"share={share!r} weighs the memory by phi(q) . phi(k), which feature map {feature_map!r} "
                                  "can make negative: choose a non-negative map (hedgehog, elu, relu, ...)")
             self.window_logit = nn.Parameter(torch.zeros(spec.num_heads))
         if memory == "gla":  # per-feature decays from the layer input
@@ -692,11 +705,11 @@ class HybridCell(Cell):
             self.needs_input = True
         elif memory in DELTA_MEMORIES:  # beta (and alpha) from the layer input
             self.writer = DeltaWriter(spec, memory == "gated-delta", 0.5, None)
-            self.reader = DeltaReader(spec, by_count=share == "count")
+            self.reader = DeltaReader(spec, share)
             if self.anneal:  # tau_h of ``annealed``, learned from here
                 self.log_tau = nn.Parameter(torch.full((spec.num_kv_heads,), math.log(self.anneal)))
             self.needs_input = True
-            memory_state = ("kv", "k_sum") if share == "mass" else ("kv",)
+            memory_state = ("kv", "k_sum") if share in BY_MASS else ("kv",)
         window_state = ("keys", "values", "sink_keys", "sink_values") if self.sinks else ("keys", "values")
         self.state_names = (*window_state, "length", *memory_state)
 
@@ -730,7 +743,7 @@ class HybridCell(Cell):
         sinks = (buffer(self.sinks, spec.head_dim), buffer(self.sinks, spec.value_dim)) if self.sinks else ()
         if self.memory in DELTA_MEMORIES:
             mass = (torch.zeros(batch_size, spec.num_kv_heads, self.phi.feature_dim, device=device, dtype=torch.float32),
-                    ) if self.share == "mass" else ()
+                    ) if self.share in BY_MASS else ()
             return (
                 buffer(self.window, spec.head_dim),
                 buffer(self.window, spec.value_dim),
@@ -787,9 +800,10 @@ class HybridCell(Cell):
         """A delta or gated-delta memory: the lean step for a decode token off kernels, else the general forms."""
         beta, log_a = self.writer(x, mask)
         mass = None
-        if self.share == "mass":  # the last state tensor is z; the share is read from it and the gate
+        if self.share in BY_MASS:  # the last state tensor is z; the share is read from it, the gate (and the input)
             *state, k_sum = state
-            mass, share = (self.phi, self.mixing_factor(), k_sum), gate
+            logit = self.reader.logit(x) if self.share == "mass-input" else None
+            mass, share = (self.phi, self.mixing_factor(), k_sum, logit), gate
         else:
             share = self.reader.share(x, gate)
         reading = (share, self.reader.key_map, self.reader.key_bias, self.spec.scale)
