@@ -196,25 +196,30 @@ def test_convert_of_a_sliding_window_exact_model_says_its_step_stays_eager(tiny_
     assert "decode step: eager (" in capsys.readouterr().out and not (out / STEP_PACKAGE).exists()
 
 
-@pytest.mark.parametrize("large", [False, True])
-def test_distill_keeps_the_package_its_model_was_compiled_with(compiled, tmp_path, capsys, monkeypatch, large):
+@pytest.mark.parametrize("case", ["copy", "large", "in place"])
+def test_distill_keeps_the_package_its_model_was_compiled_with(compiled, tmp_path, capsys, monkeypatch, case):
     """A distilled copy has the same graph and weight shapes: its package is the source's, copied, not
     compiled again, and it computes the distilled weights' step; copied too for a model large enough
-    that it would not be compiled by default (a copy costs nothing)."""
+    that it would not be compiled by default (a copy costs nothing), and kept when the model is
+    distilled in place (-o its own directory, which saving replaces)."""
     import rnnify.runtime.aot as aot
 
     source_dir = compiled("hybrid")  # built (and compiled) before compiling is made to fail
     monkeypatch.setattr(aot, "write_step_package", lambda *a, **k: pytest.fail("compiled again"))
-    if large:
+    if case == "large":
         monkeypatch.setattr(aot, "WORTH_COMPILING_BELOW", 1024)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def main(argv):\n    for arg in argv:\n        print(arg.upper(), len(arg))\n" * 8)
     out = tmp_path / "distilled"
-    argv = ["distill", str(source_dir), "--data", str(corpus), "-o", str(out), "--seq-len", "16", "--batch-size",
+    if case == "in place":  # a copy of the shared fixture, distilled into itself
+        shutil.copytree(source_dir, out)
+    given = out if case == "in place" else source_dir
+    argv = ["distill", str(given), "--data", str(corpus), "-o", str(out), "--seq-len", "16", "--batch-size",
             "2", "--max-tokens", "64", "--stages", "transfer", "--lr", "0.5", "--threads", "1", "--device", "cpu"]
     capsys.readouterr()
     assert main(argv) == 0, capsys.readouterr().err
-    assert "copied from" in capsys.readouterr().out
+    assert f"copied from {given}" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".rnnify")] == []  # no scratch left behind
     distilled, source = rnnify.load(out), rnnify.load(source_dir)
     assert distilled.step_package is not None
     changed = [name for name, t in distilled.graph.named_parameters()
