@@ -434,6 +434,23 @@ def test_hybrid_delta_memory_weighed_by_mass_unpadded_with_hedgehog_and_trains(s
             assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
 
 
+def test_mass_share_is_finite_with_extreme_logits_and_empty_memories():
+    """The share by mass and input at logits far past any odds that matter, with an empty memory
+    (M = 0) and a query with no window weight (u = 0): finite shares and gradients, 0 where M = 0,
+    and within (0, g] elsewhere."""
+    from rnnify.cells.hybrid import mass_share
+
+    gate, factor = torch.full((1, 1), 0.7), torch.ones(1, 1)
+    phi_q = torch.ones(1, 1, 1, 4, 2)
+    phi_written = torch.tensor([0.0, 0.0, 1.0, 1.0])[None, None, :, None].expand(1, 1, 4, 2).clone()
+    window_den = torch.tensor([1.0, 0.0, 1.0, 0.0]).view(1, 1, 1, 4)
+    logit = torch.tensor([-100.0, 120.0, -1000.0, 1000.0]).view(1, 1, 1, 4).requires_grad_()
+    share, _ = mass_share(gate, factor, phi_q, phi_written, torch.zeros(1, 1, 2), window_den, logit)
+    share.sum().backward()
+    assert torch.isfinite(share).all() and torch.isfinite(logit.grad).all()
+    assert share[..., :2].eq(0).all() and (share[..., 2:] > 0).all() and (share[..., 2:] <= 0.7).all()
+
+
 def test_hybrid_share_by_mass_is_for_the_delta_memories():
     with pytest.raises(RnnifyError, match="shares by mass apply to the delta memories only"):
         build_cell("hybrid", SPEC, {"memory": "linear", "share": "mass"})

@@ -143,6 +143,9 @@ DEFAULT_FEATURE_MAP = "hedgehog"
 # attention sinks when none are given: on a real model a window without them loses what its first
 # tokens anchor (SmolLM2-135M at 2,048 tokens, window 64: KL 1.62 without, 0.40 with 4; StreamingLLM)
 DEFAULT_SINKS = 4
+# the mass share's logit is clamped to this: e^30 already scales its odds 1e13-fold, and past about 88
+# exp(-logit) overflows (inf * 0 = NaN in the gradients)
+MAX_SHARE_LOGIT = 30.0
 GLA_RANK, GLA_TAU, GLA_DECAY = 16, 16.0, 0.99  # the gla memory's gate: the gated target's defaults (cells/gated.py)
 
 
@@ -549,14 +552,15 @@ def mass_share(gate, factor, phi_q, phi_written, k_sum, window_den, logit=None) 
     to token i; 0 while M_i = 0 (nothing written). gate, factor ``[Hkv, G]``; phi_q ``[B, Hkv, G, T,
     F]``, phi_written ``[B, Hkv, T, F]`` (0 where no key is written), k_sum z ``[B, Hkv, F]``,
     window_den u ``[B, Hkv, G, T]``. ``logit`` ``[B, Hkv, G, T]`` (``share="mass-input"``): the odds M / f u
-    times exp(logit), s = g M / (f u exp(-logit) + M). Returns ``(s [B, Hkv, G, T], the last z)``."""
+    times exp(logit), s = g M / (f u exp(-logit) + M), the logit within +-``MAX_SHARE_LOGIT``. Returns
+    ``(s [B, Hkv, G, T], the last z)``."""
     z = k_sum[:, :, None] + phi_written.cumsum(2)  # [B, Hkv, T, F]
     memory_mass = (phi_q * z[:, :, None]).sum(-1)
     window_weight = factor[..., None] * window_den
     if logit is not None:
-        window_weight = window_weight * torch.exp(-logit)
-    share = gate[..., None] * memory_mass / (window_weight + memory_mass)
-    return torch.where(memory_mass > 0, share, 0.0), z[:, :, -1]
+        window_weight = window_weight * torch.exp(-logit.clamp(-MAX_SHARE_LOGIT, MAX_SHARE_LOGIT))
+    # M = 0 (nothing written): s = 0 / 1, so no 0 / 0 reaches the output or the gradients
+    return gate[..., None] * memory_mass / torch.where(memory_mass > 0, window_weight + memory_mass, 1.0), z[:, :, -1]
 
 
 def memory_keys(x: torch.Tensor, key_map: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
@@ -592,6 +596,8 @@ class DeltaReader(nn.Module):
 
     def __init__(self, spec: CellSpec, share: str = "count"):
         super().__init__()
+        if share not in SHARES:
+            raise ValueError(f"share must be one of {list(SHARES)}, got {share!r}")
         self.num_kv_heads, self.group_size = spec.num_kv_heads, spec.group_size
         self.key_map = nn.Parameter(torch.eye(spec.head_dim).repeat(spec.num_kv_heads, 1, 1))
         self.key_bias = nn.Parameter(torch.zeros(spec.num_kv_heads, spec.head_dim))
