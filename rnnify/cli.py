@@ -400,7 +400,7 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
     training = _training_options(args) if args.distill else None  # the flags' mistakes before converting
     stages = ["load", "capture", *(p.__name__ for p in PIPELINE), *(["distill"] if args.distill else []), "save"]
     stages = ["save"] if args.to == "auto" else stages  # auto converts while it chooses
-    stages += ["compile step"] if args.compile_step is not False else []
+    stages += ["decode step"] if args.compile_step is not False else []  # compiled, or why not
     if args.to == "auto":
         model = _auto(args, options, keep, console)
     else:
@@ -418,7 +418,7 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
         start("save")
         path = _save(model, args.output)
         if args.compile_step is not False:
-            start("compile step")
+            start("decode step")
             decode_note = _compile_step(model, path, forced=bool(args.compile_step))
     growth = "grows with context, like a KV cache" if not model.constant_memory else "constant"
     console.print(Text(f"saved to {path}"), soft_wrap=True)
