@@ -1167,39 +1167,14 @@ def _distill(args: argparse.Namespace, console: Console) -> int:
     model = _load(args)  # on the CPU: distill moves it (or, under FSDP, its shards)
     if not _train(model, args.data, args.teacher, training):
         return 0
-    with _step_package_kept(args.dir, args.output) as source:
-        path = _save(model, args.output)
-        console.print(Text(f"saved to {path}"), soft_wrap=True)
-        if args.compile_step is not False:
-            with console.status("compiling the decode step (AOTInductor)"):
-                decode_note = _compile_step(model, path, source=source, forced=bool(args.compile_step))
-            console.print(Text(decode_note.replace(str(source), args.dir)), soft_wrap=True)
+    path = _save(model, args.output)
+    console.print(Text(f"saved to {path}"), soft_wrap=True)
+    if args.compile_step is not False:
+        with console.status("compiling the decode step (AOTInductor)"):
+            decode_note = _compile_step(model, path, source=args.dir, forced=bool(args.compile_step))
+        console.print(Text(decode_note), soft_wrap=True)
     _drop_checkpoint(training["checkpoint_dir"], args.keep_checkpoints, console)
     return 0
-
-
-@contextmanager
-def _step_package_kept(source: str, output: str) -> Iterator[str]:
-    """Where ``source``'s compiled step can be copied from once ``output`` is written: ``source``
-    itself, or, when the model is distilled in place (saving replaces the directory and the package
-    with it), a scratch directory beside it holding the package, hard-linked where the file system can."""
-    import shutil
-    import tempfile
-
-    from rnnify.runtime.aot import STEP_PACKAGE, STEP_RECORD
-
-    source_dir, output_dir = Path(source), Path(output)
-    in_place = output_dir.exists() and output_dir.resolve() == source_dir.resolve()
-    if not (in_place and (source_dir / STEP_PACKAGE).is_file() and (source_dir / STEP_RECORD).is_file()):
-        yield source
-        return
-    with tempfile.TemporaryDirectory(dir=output_dir.resolve().parent, prefix=".rnnify-step-") as kept:
-        for name in (STEP_PACKAGE, STEP_RECORD):
-            try:
-                os.link(source_dir / name, Path(kept) / name)
-            except OSError:
-                shutil.copyfile(source_dir / name, Path(kept) / name)
-        yield kept
 
 
 def _drop_checkpoint(directory: Path, keep: bool, console: Console) -> None:

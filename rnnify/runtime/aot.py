@@ -166,6 +166,8 @@ def copy_step_package(model: RecurrentModel, source: str | os.PathLike, director
     source, directory = Path(source), Path(directory)
     if _recorded_fingerprint(source) != fingerprint(model) or not (source / STEP_PACKAGE).is_file():
         return False
+    if source.resolve() == directory.resolve():  # saved over itself, the package kept (``keep_step_package``)
+        return True
     try:
         with tempfile.TemporaryDirectory(dir=directory, prefix=".step-") as scratch:
             for name in (STEP_PACKAGE, STEP_RECORD):
@@ -174,6 +176,20 @@ def copy_step_package(model: RecurrentModel, source: str | os.PathLike, director
     except OSError as exc:
         raise RnnifyError(f"cannot write the compiled step into {directory}: {exc.strerror or exc}") from exc
     return True
+
+
+def keep_step_package(model: RecurrentModel, old: Path, new: Path) -> None:
+    """Put ``old``'s package into ``new`` when it was compiled for ``model`` as it is now: a model saved
+    over its own directory (distilled in place) keeps its compiled step. Hard-linked where the file
+    system can, so ``old`` stays whole until the save replaces it."""
+    recorded = _recorded_fingerprint(old)  # first: most directories saved over have no package to fingerprint for
+    if recorded is None or not (old / STEP_PACKAGE).is_file() or recorded != fingerprint(model):
+        return
+    for name in (STEP_PACKAGE, STEP_RECORD):  # the record last: a package without one is never used
+        try:
+            os.link(old / name, new / name)
+        except OSError:
+            shutil.copyfile(old / name, new / name)
 
 
 def _install(scratch: Path, directory: Path) -> None:

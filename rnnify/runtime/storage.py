@@ -6,7 +6,8 @@ and generation files, and a ``config.json`` plus ``modeling_rnnify.py`` that mak
 the converted model rather than the original (``rnnify.runtime.hf_files``). Writing goes to
 a temporary directory that is renamed into place at the end, so a failed save leaves nothing
 behind; the directory and its files get the modes the umask gives (``tempfile.mkdtemp`` makes
-0700). The weights are written one tensor at a time from the model's own memory (``weights_file``),
+0700). Saved over its own directory, a model keeps the compiled step there while it still fits
+(``runtime.aot.keep_step_package``). The weights are written one tensor at a time from the model's own memory (``weights_file``),
 so saving adds no copy of them. Loading checks the weights against the sha256 the manifest
 recorded (a streamed read, about a second per GB) unless told not to.
 """
@@ -35,7 +36,7 @@ from rnnify.runtime import hf_files
 from rnnify.kernels.utils import check_kernels
 from rnnify.runtime.manifest import MANIFEST_FORMAT_VERSION, MANIFEST_FILE, Manifest
 from rnnify.runtime.model import RecurrentModel
-from rnnify.runtime.aot import load_step_package
+from rnnify.runtime.aot import keep_step_package, load_step_package
 from rnnify.runtime.serialize import GraphFormatError, graph_from_json, graph_to_json
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 from rnnify.runtime.weights_file import write_safetensors
@@ -150,6 +151,7 @@ def save(model: RecurrentModel, path: Path) -> Path:
         manifest.write(tmp)
         _follow_umask(tmp)
         if path.exists():
+            keep_step_package(model, path, tmp)
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
             os.replace(path, old / path.name)
             os.replace(tmp, path)
