@@ -21,7 +21,9 @@ scores stay those of the short window (what a head loses when it streams).
 
 With ``memory`` the streaming heads are hybrids: the window and a memory of what left it
 (``cells.hybrid``), gated off at first, so the scores and the choice are those of the window and
-distillation then trains the memories (docs/fidelity-smollm2.md's per-head hybrid).
+distillation then trains the memories (docs/fidelity-smollm2.md's per-head hybrid). ``memory_options``
+are those hybrids' other cell options (a feature map, ``share``, ``anneal``, ``memory_init``...): the
+budget counts the state they make, and the choice is still scored on the windows.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +52,7 @@ DEFAULT_SCORE = "kl"
 WINDOW, SINKS = 64, 4
 _PROBE = "rnnify_head_probe"
 Head = tuple[int, int]  # (layer, kv head)
+Options = Mapping[str, Any] | None  # the streaming hybrids' cell options besides window, sinks and memory
 
 
 @dataclass
@@ -246,7 +249,8 @@ def layer_specs(source: torch.nn.Module) -> list[CellSpec]:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     window = getattr(config, "sliding_window", None)
-    return [CellSpec(heads, kv_heads, dim, dim, dim**-0.5, window) for _ in range(config.num_hidden_layers)]
+    return [CellSpec(heads, kv_heads, dim, dim, dim**-0.5, window, config.hidden_size)  # the width: delta memories read x
+            for _ in range(config.num_hidden_layers)]
 
 
 def retrieval_target(retrieval_window: int | None) -> str:
@@ -268,31 +272,34 @@ def layers_spec(specs: list[CellSpec], retrieval: set[Head], retrieval_window: i
 
 
 def _plan_options(every_head: bool, window: int, sinks: int, retrieval_window: int | None,
-                  memory: str | None = None) -> tuple[str, dict[str, Any]]:
+                  memory: str | None = None, memory_options: Options = None) -> tuple[str, dict[str, Any]]:
     """The ``--to`` target and options of a choice: the streaming heads' target (``window``, or
     ``hybrid`` with ``memory``) unless every head is exact."""
     if retrieval_window is None and every_head:
         return "exact", {}
-    return streaming_target(window, sinks, memory)
+    return streaming_target(window, sinks, memory, memory_options)
 
 
-def streaming_target(window: int, sinks: int, memory: str | None = None) -> tuple[str, dict[str, Any]]:
+def streaming_target(window: int, sinks: int, memory: str | None = None,
+                     memory_options: Options = None) -> tuple[str, dict[str, Any]]:
     """The target of the heads that stream: a window with sinks, or with ``memory`` a hybrid whose
-    memory (gated off at first: training-free it is that window) keeps what leaves the window."""
+    memory (gated off at first, unless ``memory_options`` open it: training-free it is that window)
+    keeps what leaves the window, with ``memory_options`` its other cell options."""
     if memory is None:
         return "window", {"window": window, "sinks": sinks}
-    return "hybrid", {"window": window, "sinks": sinks, "memory": memory}
+    return "hybrid", {**(memory_options or {}), "window": window, "sinks": sinks, "memory": memory}
 
 
 def head_costs(specs: list[CellSpec], retrieval: set[Head], context: int, window: int, sinks: int,
-               dtype: torch.dtype, retrieval_window: int | None = None, memory: str | None = None) -> int:
+               dtype: torch.dtype, retrieval_window: int | None = None, memory: str | None = None,
+               memory_options: Options = None) -> int:
     """State bytes per sequence at ``context`` tokens with the heads in ``retrieval`` exact (or
     windowed to ``retrieval_window``), the rest streaming (``streaming_target``): the cells' own
     ``state_nbytes`` (plus the positions), as ``RecurrentModel.state_nbytes`` counts."""
     from rnnify.plan import make_plan
 
     every_head = len(retrieval) == sum(s.num_kv_heads for s in specs)
-    target, options = _plan_options(every_head, window, sinks, retrieval_window, memory)
+    target, options = _plan_options(every_head, window, sinks, retrieval_window, memory, memory_options)
     plan = make_plan(target, layers_spec(specs, retrieval, retrieval_window), **options)
     total = sum(plan.cell_for(layer, spec).state_nbytes(context, 1, dtype) for layer, spec in enumerate(specs))
     return total + torch.empty((), dtype=torch.long).element_size()
@@ -323,6 +330,7 @@ class HeadReport:
     calibration_kl: float  # measured with the choice, on the calibration rows
     calibration: dict[str, Any] = field(default_factory=dict)
     memory: str | None = None  # the streaming heads' hybrid memory, or None: they are windows
+    memory_options: dict[str, Any] = field(default_factory=dict)  # those hybrids' other cell options
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -333,20 +341,21 @@ class HeadReport:
 
 
 def one_head_bytes(spec: CellSpec, window: int | None, sinks: int, context: int, dtype: torch.dtype,
-                   memory: str | None = None) -> int:
+                   memory: str | None = None, memory_options: Options = None) -> int:
     """One kv head's state (with its query group) at ``context`` tokens: exact (``window`` None) or
     ``streaming_target``."""
     from rnnify.cells import build_cell
     from rnnify.cells.heads import part_spec
 
-    target, options = ("exact", {}) if window is None else streaming_target(window, sinks, memory)
+    target, options = ("exact", {}) if window is None else streaming_target(window, sinks, memory, memory_options)
     return build_cell(target, part_spec(spec, 1), options).state_nbytes(context, 1, dtype)
 
 
 def choose(scores: dict[Head, float], specs: list[CellSpec], *, context: int, window: int, sinks: int,
            dtype: torch.dtype, budget: int | None = None, kl_of: Callable[[set[Head]], float] | None = None,
            max_kl: float | None = None, units: list[list[Head]] | None = None,
-           retrieval_window: int | None = None, memory: str | None = None) -> set[Head]:
+           retrieval_window: int | None = None, memory: str | None = None,
+           memory_options: Options = None) -> set[Head]:
     """The retrieval heads: exact, or windowed to ``retrieval_window``; the rest stream. ``units``
     (default: each head alone) are chosen whole, e.g. all heads of a layer for a per-layer choice;
     a unit's score is the sum of its heads'.
@@ -357,7 +366,8 @@ def choose(scores: dict[Head, float], specs: list[CellSpec], *, context: int, wi
     units = units or [[h] for h in sorted(scores)]
     unit_score = [sum(scores[h] for h in unit) for unit in units]
     if budget is not None:
-        cost = lambda heads: head_costs(specs, heads, context, window, sinks, dtype, retrieval_window, memory)  # noqa: E731
+        cost = lambda heads: head_costs(specs, heads, context, window, sinks, dtype, retrieval_window,  # noqa: E731
+                                        memory, memory_options)
         smallest = cost(set())
         if budget < smallest:
             raise RnnifyError(f"--state-budget {budget:,} bytes cannot be met at {context:,} tokens: the smallest state "
@@ -468,13 +478,14 @@ class HeadScorer:
 
     def choose(self, budget: str | int | None = None, context: int = 4096, max_kl: float | None = None,
                per_layer: bool = False, score: str | None = None, retrieval_window: int | None = None,
-               memory: str | None = None) -> HeadReport:
+               memory: str | None = None, memory_options: Options = None) -> HeadReport:
         """The retrieval heads (``choose``) by ``score`` (default: the one scored for): under ``budget``
         (bytes or a ``parse_bytes`` text) at ``context`` tokens, or at most ``max_kl``; whole layers
         with ``per_layer``. They stay exact, or with ``retrieval_window`` keep a window of that many
         tokens, so the state stops growing there. With ``memory`` the other heads are hybrids with
-        that memory (``streaming_target``), whose bytes the budget counts; training-free they are
-        their window, so the scores and the calibration KL are the window's."""
+        that memory and ``memory_options`` (``streaming_target``), whose bytes the budget counts;
+        the scores and the calibration KL are the windows' (the memories gated off, as they start
+        unless ``memory_init`` opens them)."""
         score = score or self.score
         if score not in self.scores:
             raise RnnifyError(f"score {score!r} was not measured (scored for {self.score!r})")
@@ -488,25 +499,27 @@ class HeadScorer:
                                              or retrieval_window <= self.window):
             raise RnnifyError(f"--retrieval-window must be a token count above --window ({self.window}), "
                               f"got {retrieval_window!r}")
-        check_memory(memory)
+        check_memory(memory, memory_options)
         specs, window, sinks, dtype, long = self.specs, self.window, self.sinks, self.dtype, retrieval_window
         if isinstance(budget, str):
             budget = parse_bytes(budget, lambda: kv_cache_bytes(specs, context, dtype))
         units = [[h for h in self.heads if h[0] == layer] for layer in range(len(specs))] if per_layer else None
         chosen = choose(self.scores[score], specs, context=context, window=window, sinks=sinks, dtype=dtype,
                         budget=budget, kl_of=lambda heads: self.kl(heads, long), max_kl=max_kl, units=units,
-                        retrieval_window=long, memory=memory)
-        memory = memory if len(chosen) < len(self.heads) else None  # no head streams: no memory anywhere
+                        retrieval_window=long, memory=memory, memory_options=memory_options)
+        if len(chosen) == len(self.heads):  # no head streams: no memory anywhere
+            memory, memory_options = None, None
         return HeadReport(
             score=score, window=window, sinks=sinks, retrieval_window=long, context=context, budget=budget,
             max_kl=max_kl, retrieval=sorted(chosen), layers=layers_spec(specs, chosen, long),
             scores={name: {f"{lay}.{h}": v for (lay, h), v in values.items()} for name, values in self.scores.items()},
             head_bytes={"retrieval": one_head_bytes(specs[0], long, sinks, context, dtype),
-                        "streaming": one_head_bytes(specs[0], window, sinks, context, dtype, memory)},
-            state_bytes=head_costs(specs, chosen, context, window, sinks, dtype, long, memory),
+                        "streaming": one_head_bytes(specs[0], window, sinks, context, dtype, memory, memory_options)},
+            state_bytes=head_costs(specs, chosen, context, window, sinks, dtype, long, memory, memory_options),
             kv_cache_bytes=kv_cache_bytes(specs, context, dtype),
             calibration_kl=self.kl(chosen, long),
             calibration={**self.about, "per_layer": per_layer}, memory=memory,
+            memory_options=dict(memory_options or {}),
         )
 
 
@@ -531,24 +544,37 @@ def read_scores(path: str | os.PathLike, score: str, window: int, sinks: int) ->
     return scores
 
 
-def check_memory(memory: str | None) -> None:
-    """``memory`` is None or one of the hybrid's memories."""
+def check_memory(memory: str | None, memory_options: Options = None) -> None:
+    """``memory`` is None or one of the hybrid's memories, and ``memory_options`` (which need one)
+    are options of the hybrid: checked before any model loads."""
+    from rnnify.cells import build_cell
     from rnnify.cells.hybrid import MEMORIES
+    from rnnify.plan import make_plan
 
     if memory is not None and memory not in MEMORIES:
         raise RnnifyError(f"--memory {memory!r} is not a memory; choose one of {', '.join(MEMORIES)}")
+    if memory_options:
+        if memory is None:
+            raise RnnifyError(f"cell option(s) {', '.join(sorted(memory_options))} apply to the streaming heads' "
+                              f"hybrids: give --memory too ({', '.join(MEMORIES)})")
+        reserved = sorted(set(memory_options) & {"window", "sinks", "memory"})
+        if reserved:
+            raise RnnifyError(f"give {', '.join(reserved)} as their own arguments, not among the memory's options")
+        target, options = streaming_target(WINDOW, SINKS, memory, memory_options)
+        make_plan(target, **options)  # their names
+        build_cell(target, CellSpec(2, 1, 64, 64, 0.125, hidden_size=64), options)  # their values, on a stand-in head
 
 
 def choose_heads(model: Any, data: Any, *, budget: str | int | None = None, context: int = 4096,
                  max_kl: float | None = None, per_layer: bool = False, retrieval_window: int | None = None,
-                 memory: str | None = None, **scoring: Any) -> HeadReport:
+                 memory: str | None = None, memory_options: Options = None, **scoring: Any) -> HeadReport:
     """``HeadScorer(model, data, **scoring).choose(...)``: the retrieval heads ``--to auto`` keeps,
     with the report."""
     if (budget is None) == (max_kl is None):  # before any model loads
         raise RnnifyError("--to auto needs one of --state-budget BYTES (with --at-context N) or --max-kl X")
-    check_memory(memory)
+    check_memory(memory, memory_options)
     return HeadScorer(model, data, **scoring).choose(budget, context, max_kl, per_layer, retrieval_window=retrieval_window,
-                                                     memory=memory)
+                                                     memory=memory, memory_options=memory_options)
 
 
 REPORT_FILE = "head_map.json"  # saved beside a model converted with --to auto
@@ -556,11 +582,12 @@ REPORT_FILE = "head_map.json"  # saved beside a model converted with --to auto
 
 def convert_chosen(model: Any, report: HeadReport, dtype: str = "float32", kernels: str = "auto"):
     """``model`` converted with the retrieval heads ``report`` chose, the rest streaming (windows, or
-    hybrids with ``report.memory``); the report is saved beside it as ``head_map.json``."""
+    hybrids with ``report.memory`` and its options); the report is saved beside it as ``head_map.json``."""
     from rnnify.convert import convert
 
     every_head = len(report.retrieval) == len(report.scores[report.score])
-    target, options = _plan_options(every_head, report.window, report.sinks, report.retrieval_window, report.memory)
+    target, options = _plan_options(every_head, report.window, report.sinks, report.retrieval_window, report.memory,
+                                    report.memory_options)
     converted = convert(model, to=target, layers=report.layers, dtype=dtype, kernels=kernels, **options)
     converted.files[REPORT_FILE] = (json.dumps(report.to_json(), indent=2) + "\n").encode()
     return converted

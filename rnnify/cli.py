@@ -312,7 +312,8 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     targets = "; ".join(f"{name}: {text[:1].lower()}{text[1:]}" for name, text in summaries.items())
     p.add_argument("--to", choices=[*CELLS, "auto"], required=True,
                    help=f"target cell ({targets}); auto: per kv head, exact for the heads that read far back and "
-                   "window with sinks (or, with --memory, a hybrid) for the rest, chosen on calibration data (flags below)")
+                   "window with sinks (or, with --memory, a hybrid, which takes the other cell options) for the rest, chosen on "
+                   "calibration data (flags below)")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the converted model to")
     _add_dtype_flag(p, "float32", "dtype to load and save the weights in (default: float32)")
     p.add_argument(
@@ -452,9 +453,9 @@ def _auto(args: argparse.Namespace, options: dict, keep, console: Console):
     """Score the heads, choose, print the report; the converted model (saved by the caller)."""
     from rnnify.auto import SINKS, WINDOW, auto_convert
 
-    if args.layers or keep or set(options) - {"window", "sinks", "memory"} or args.distill:
-        raise RnnifyError("--to auto chooses every layer's heads itself: it takes --window, --sinks and --memory, "
-                          "not --layers, --keep-softmax, other cell options or --distill")
+    if args.layers or keep or args.distill:
+        raise RnnifyError("--to auto chooses every layer's heads itself: it takes --window, --sinks, --memory and the "
+                          "memory's cell options, not --layers, --keep-softmax or --distill")
     if args.data is None:
         raise RnnifyError("--to auto needs calibration text: --data PATH (a file, folder or .jsonl)")
     model, report = auto_convert(
@@ -462,10 +463,17 @@ def _auto(args: argparse.Namespace, options: dict, keep, console: Console):
         score=args.score, window=options.get("window", WINDOW), sinks=options.get("sinks", SINKS),
         calib_len=args.calib_len, calib_rows=args.calib_rows, passkey=args.calib_passkey, per_layer=args.per_layer,
         retrieval_window=args.retrieval_window, memory=options.get("memory"), scores_from=args.scores_from,
+        memory_options={k: v for k, v in options.items() if k not in ("window", "sinks", "memory")},
         dtype=args.dtype, kernels=args.kernels, progress=True,
     )
     _print_head_report(report, console)
     return model
+
+
+def _options_text(options: dict) -> str:
+    """`` (key=value, ...)`` for a head report's memory options, or nothing."""
+    text = [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in options.items()]
+    return f" ({', '.join(text)})" if text else ""
 
 
 def _print_head_report(report, console: Console) -> None:
@@ -481,7 +489,7 @@ def _print_head_report(report, console: Console) -> None:
     streaming = f"window {report.window}" if report.memory is None else f"hybrid {report.window}"
     table = Table(box=box.SIMPLE_HEAD, title=Text(
         f"kv heads: {report.score} score and choice ({long} {_nbytes(report.head_bytes['retrieval'])}, {streaming}"
-        f"{'' if report.memory is None else ' + ' + report.memory + ' memory'} "
+        f"{'' if report.memory is None else ' + ' + report.memory + ' memory' + _options_text(report.memory_options)} "
         f"{_nbytes(report.head_bytes['streaming'])} per head at {report.context:,} tokens)"))
     table.add_column("layer", justify="right")
     for h in heads:

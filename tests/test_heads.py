@@ -294,6 +294,38 @@ def test_auto_memory_streams_through_hybrids_that_start_as_the_window(retrieval_
         choose_heads("not loaded: the name is checked first", rows, budget="30%", memory="lstm")
 
 
+def test_auto_memory_options_reach_the_streaming_hybrids_and_their_bytes(retrieval_model, tmp_path):
+    """``memory_options`` are the streaming hybrids' other cell options: the converted cells take
+    them, the budget counts the state they make, head_map.json keeps them, and their mistakes are
+    errors before any model loads."""
+    directory, rows = retrieval_model
+    delta = auto(directory, rows, max_kl=1e-3, retrieval_window=LENGTH, memory="delta")
+    options = {"share": "mass-input", "feature_options": {"feature_dim": 8}}
+    model, report = auto_convert(directory, rows, max_kl=1e-3, retrieval_window=LENGTH, memory="delta",
+                                 memory_options=options, **AUTO)
+    assert report.retrieval == delta.retrieval and report.memory_options == options
+    streaming = model.cells[1].options()
+    assert (streaming["memory"], streaming["share"], streaming["feature_options"]) == ("delta", "mass-input", {"feature_dim": 8})
+    assert model.cells[0].parts[1].options()["share"] == "mass-input"
+    # the share by mass keeps the keys' feature sum besides the delta state: more bytes, all counted
+    assert report.state_bytes == model.state_nbytes(1024) > delta.state_bytes
+    assert report.head_bytes["streaming"] > delta.head_bytes["streaming"]
+    assert json.loads(model.files["head_map.json"])["memory_options"] == options
+    opened = auto_convert(directory, rows, max_kl=1e-3, retrieval_window=LENGTH, memory="linear",
+                          memory_options={"memory_init": 0.2}, **AUTO)[0]
+    assert opened.cells[1].options()["memory_init"] == 0.2
+    every = auto(directory, rows, budget=10**9, memory="delta", memory_options=options)  # nothing streams
+    assert (every.memory, every.memory_options) == (None, {})
+    unloaded = "not loaded: the options are checked first"
+    for given, message in [({"memory_options": {"anneal": 4}}, "anneal apply to the streaming heads' hybrids: give --memory"),
+                           ({"memory": "delta", "memory_options": {"share": "bogus"}}, "share must be one of"),
+                           ({"memory": "linear", "memory_options": {"anneal": 4}}, "anneal must be"),
+                           ({"memory": "delta", "memory_options": {"windw": 8}}, "windw apply to none"),
+                           ({"memory": "delta", "memory_options": {"window": 8}}, "give window as their own")]:
+        with pytest.raises(RnnifyError, match=message):
+            choose_heads(unloaded, rows, budget="30%", **given)
+
+
 def test_auto_chooses_again_from_saved_scores(retrieval_model, tmp_path):
     directory, rows = retrieval_model
     model, report = auto_convert(directory, rows, budget="30%", score="mass", **AUTO)
@@ -356,15 +388,20 @@ def test_auto_cli_memory_makes_the_streaming_heads_hybrids(capsys, tmp_path, ret
     text.write_text("def f(x):\n    return x + 1\n" * 200)
     base = ["convert", directory, "--to", "auto", "--data", text, "--state-budget", "30%", "--calib-len", "32",
             "--calib-passkey", "0", "--window", "4", "--sinks", "1"]
-    code, _, err = run(capsys, *base, "--memory", "linear", "--feature-map", "elu", "-o", tmp_path / "bad")
-    assert_user_error(code, err, "--window, --sinks and --memory", "not --layers")
+    code, _, err = run(capsys, *base, "--memory", "linear", "--layers", "0:exact", "-o", tmp_path / "bad")
+    assert_user_error(code, err, "--window, --sinks, --memory and the memory's cell options", "not --layers")
+    code, _, err = run(capsys, *base, "--option", "anneal=4", "-o", tmp_path / "bad")
+    assert_user_error(code, err, "anneal apply to the streaming heads' hybrids: give --memory")
     assert not (tmp_path / "bad").exists()
-    code, out, err = run(capsys, *base, "--memory", "linear", "-o", tmp_path / "o", "--no-compile")
+    code, out, err = run(capsys, *base, "--memory", "linear", "--feature-map", "elu", "--option", "memory_init=0.2",
+                         "-o", tmp_path / "o", "--no-compile")
     assert code == 0, err
-    assert "hybrid 4 + linear memory" in out.replace("\n", "")
+    assert "hybrid 4 + linear memory (feature_map=elu, memory_init=0.2)" in " ".join(out.split())
     model = rnnify.load(tmp_path / "o")
     assert [p.target for p in model.cells[0].parts] == ["exact", "hybrid"] and model.cells[1].target == "hybrid"
-    assert json.loads((tmp_path / "o" / "head_map.json").read_text())["memory"] == "linear"
+    assert (model.cells[1].options()["feature_map"], model.cells[1].options()["memory_init"]) == ("elu", 0.2)
+    saved = json.loads((tmp_path / "o" / "head_map.json").read_text())
+    assert (saved["memory"], saved["memory_options"]) == ("linear", {"feature_map": "elu", "memory_init": 0.2})
 
 
 def test_bench_fills_a_per_head_state_like_the_prefill_it_stands_for(tiny_model_dir):
