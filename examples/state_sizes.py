@@ -38,6 +38,7 @@ VARIANTS = [
     ("hybrid", {"window": 64, "sinks": 0, "memory": "gated-delta"}),
     ("delta", {}),
     ("gated-delta", {}),
+    ("select", {"window": 64, "sinks": 4, "keep": 64, "chunk": 32}),
 ]
 
 

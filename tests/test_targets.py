@@ -31,6 +31,8 @@ VARIANTS = {
     "hybrid-deltamass": {"window": 8, "memory": "delta", "share": "mass-input", "anneal": 4.0, "memory_init": 0.5},
     "delta": {},
     "gated-delta": {},
+    "select": {"window": 8, "keep": 4, "chunk": 4},
+    "select-snapkv": {"window": 8, "keep": 4, "chunk": 4, "policy": "snapkv", "pool": 3},
 }
 
 

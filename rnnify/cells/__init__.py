@@ -20,13 +20,14 @@ from rnnify.cells.gated_rnn import GatedRNNCell
 from rnnify.cells.heads import HeadSplitCell
 from rnnify.cells.hybrid import HybridCell
 from rnnify.cells.linear import LinearCell
+from rnnify.cells.select import SelectCell
 from rnnify.cells.window import WindowCell
 from rnnify.errors import RnnifyError
 
 __all__ = ["CELLS", "Cell", "CellSpec", "HeadSplitCell", "build_cell", "gate_parameters", "parameters"]
 
 CELLS: dict[str, type[Cell]] = {cls.target: cls for cls in (ExactCell, LinearCell, AarenCell, GatedCell, WindowCell, HybridCell, GatedRNNCell,
-                                                           DeltaCell, GatedDeltaCell)}
+                                                           DeltaCell, GatedDeltaCell, SelectCell)}
 
 
 def build_cell(target: str, spec: CellSpec, options: dict[str, Any] | None = None) -> Cell:
