@@ -112,8 +112,10 @@ def measure(command: list[str], env: dict[str, str], cwd: Path) -> dict:
 
 
 def point(layers: int, args: argparse.Namespace, workdir: Path) -> dict:
+    # a step cache of this point's own: with --compile, every point compiles (random weights of one
+    # shape would otherwise find the step an earlier run compiled) and nothing is left in the user's
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(Path(args.rnnify).resolve()),
-           "TQDM_DISABLE": "1"}
+           "TQDM_DISABLE": "1", "RNNIFY_CACHE": str(workdir / f"step-cache-{layers}")}
     load_average = round(os.getloadavg()[0], 2)
     model, out = workdir / f"llama-1b-{layers}", workdir / f"llama-1b-{layers}-{args.target}"
     try:
@@ -129,6 +131,7 @@ def point(layers: int, args: argparse.Namespace, workdir: Path) -> dict:
     finally:
         shutil.rmtree(model, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(env["RNNIFY_CACHE"], ignore_errors=True)
     for run in (hf, convert):
         del run["stdout"]
         run["peak_rss_x_weights"] = round(run["peak_rss_bytes"] / weight_bytes, 3)

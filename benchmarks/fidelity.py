@@ -148,7 +148,7 @@ def run_dir_row(spec: dict, heldout: Path, args, cached: dict | None, save) -> d
     model = rnnify.load(spec["dir"])
     manifest = model.manifest
     wanted = {**settings({"target": manifest.target, "options": manifest.options}, args), "dir": spec["dir"],
-              "weights_sha256": manifest.weights_sha256}
+              "weights_sha256": manifest.files.get("model.safetensors")}
     if cached is not None and cached.get("settings") == wanted:
         return cached
     print(f"== {spec['variant']}: {spec['dir']}", flush=True)

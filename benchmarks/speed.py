@@ -16,8 +16,8 @@ ratios, not absolute times across runs.
 ``NAME[none]``...): the cells' own PyTorch forms, and the kernel ops' PyTorch references, against
 the default ``auto``. ``--compile`` adds each converted model with its step compiled (``RecurrentModel.compile_step``),
 and records how long the first compiled step took. ``--aot`` adds each with the step compiled ahead
-of time (``rnnify compile``: the package is written into the directory if it has none, and how long
-that took is recorded); the plain rows always decode eagerly. ``--row-major`` adds each with its
+of time (``rnnify compile``: compiled into this machine's step cache if it holds none for the model,
+and how long that took is recorded); the plain rows always decode eagerly. ``--row-major`` adds each with its
 weights laid out as checkpoints hold them (``NAME[row-major]``; a head is otherwise column-major on
 a CPU, ``rnnify.runtime.weight_layout``). ``--breakdown`` adds, per converted model at
 batch 1 and the first context, where a step's time goes: the whole ``step`` call, the step graph
@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 import rnnify
 from rnnify.bench import OpCount, fill_state, kv_cache, machine
-from rnnify.runtime.aot import STEP_PACKAGE, write_step_package
+from rnnify.runtime.step_cache import cached, compile_into_cache
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 
 STEP_VARIANTS = ("+compile", "+aot")  # rows that differ from their model in the decode step only
@@ -223,13 +223,13 @@ def main() -> None:
         if args.compile:
             models[name + "+compile"] = rnnify.load(path, aot_step=False).compile_step()
         if args.aot:
-            if not (Path(path) / STEP_PACKAGE).is_file():
+            if cached(models[name]) is None:
                 start = time.perf_counter()
-                write_step_package(models[name], path)
+                compile_into_cache(models[name])
                 aot_compile_s[name] = time.perf_counter() - start
             models[name + "+aot"] = rnnify.load(path)
-            if models[name + "+aot"].step_package is None:  # a stale package: this row would be eager
-                raise SystemExit(f"{path}: its {STEP_PACKAGE} does not serve this model; delete it to recompile")
+            if models[name + "+aot"].step_package is None:  # warned why: this row would be eager
+                raise SystemExit(f"{path}: the compiled step in this machine's cache could not be loaded")
     info = machine(torch.device("cpu"))
     limit_ms = next(iter(models.values())).weight_nbytes_per_token() / (info.bandwidth_gb_s * 1e9) * 1e3
     out = {"command": " ".join(["python", *sys.argv]), "machine": dataclasses.asdict(info), "threads": torch.get_num_threads(),

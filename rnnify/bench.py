@@ -125,7 +125,7 @@ def benchmark(
     a directory is loaded (``rnnify.load``'s meanings); a loaded model runs as it is. ``dtype``, when
     given, must be the model's: a check that the numbers are for the dtype meant. ``compile``
     decodes with ``torch.compile`` of the step graph (the model is changed in place); otherwise a
-    directory with a step compiled ahead of time (``rnnify compile``) decodes with it. ``progress``
+    directory whose step this machine compiled ahead of time (``rnnify compile``) decodes with it. ``progress``
     shows a tqdm bar of runs on a terminal. ``Run.warnings`` says when the numbers may not be
     trusted: a busy machine at the start (``busy_warning``), timings that disagree (``timing_warning``).
     """

@@ -12,6 +12,7 @@ exits 1; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -20,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
+from rnnify import arguments
 from rnnify.errors import RnnifyError, RnnifyWarning, first_line
 
 if TYPE_CHECKING:
@@ -159,13 +161,50 @@ def _torch_threads(args: argparse.Namespace) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def _claims_output(run: Callable[[argparse.Namespace, Console], int]) -> Callable[[argparse.Namespace, Console], int]:
+    """``run`` holding its ``-o DIR`` against other writers from its start (``runtime.output_dir.claim``):
+    a second run on it is refused now, not after hours of work. Only the process that writes it does
+    (``_writes_results``)."""
+
+    @functools.wraps(run)
+    def claimed(args: argparse.Namespace, console: Console) -> int:
+        if not _writes_results():
+            return run(args, console)
+        from rnnify.runtime import output_dir
+        from rnnify.runtime.storage import check_output
+
+        with output_dir.claim(check_output(Path(args.output))):
+            return run(args, console)
+
+    return claimed
+
+
+def _writes_results() -> bool:
+    """Whether this process writes what the command makes: rank 0 under torchrun, or the only process."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _add_dir(p: argparse.ArgumentParser, help: str = "converted model directory") -> None:
-    """``DIR``, and ``--no-verify-weights`` for how it is loaded (``_load``)."""
+    """``DIR``, and the flags of how it is loaded (``_load``)."""
     p.add_argument("dir", metavar="DIR", help=help)
     p.add_argument(
-        "--no-verify-weights", dest="verify_weights", action="store_false",
-        help="load DIR without comparing its weights with the sha256 its manifest recorded "
-        "(a read of the whole file, about 1 s per GB); altered weights then run unnoticed",
+        "--no-verify", "--no-verify-weights", dest="verify", action="store_false",
+        help="load DIR without comparing its files with the sha256 its manifest recorded (a read of the "
+        "weights, about 1 s per GB); altered files then run unnoticed. Needed for directories of rnnify "
+        "before manifest format 3, which recorded none",
+    )
+    _add_trust_flags(p)
+
+
+def _add_trust_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trust-compiled-step", action="store_true",
+        help="run the compiled decode step DIR ships (native code: rnnify compile --ship) if its sha256 matches "
+        "DIR's manifest; without this a shipped step is never opened",
+    )
+    p.add_argument(
+        "--expect-digest", metavar="HEX",
+        help="refuse DIR unless its digest (rnnify info) is HEX, as someone you trust gave it to you",
     )
 
 
@@ -174,7 +213,8 @@ def _load(args: argparse.Namespace, **kwargs: Any):
     import rnnify
 
     kernels = getattr(args, "kernels", None)
-    return rnnify.load(args.dir, kernels=kernels, verify_weights=args.verify_weights, **kwargs)
+    return rnnify.load(args.dir, kernels=kernels, verify=args.verify, trust_compiled_step=args.trust_compiled_step,
+                       expected_digest=args.expect_digest, **kwargs)
 
 
 def _add_kernels_flag(p: argparse.ArgumentParser) -> None:
@@ -238,42 +278,45 @@ def _save(model, output: str) -> Path:
 def _add_compile_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile", dest="compile_step", action=argparse.BooleanOptionalAction, default=None,
-        help="compile the decode step ahead of time into DIR, on a CPU: every later load of DIR decodes with it. "
+        help="compile the decode step ahead of time into this machine's cache, on a CPU: every later load of DIR "
+        "here decodes with it. "
         "By default only where that pays: a model whose step reads under 1 GiB of weights (decoding 1.15-3.2x "
         "faster at batch 1 where measured); a larger one's step is mostly those reads. Takes tens of seconds to a few "
         "minutes, once, and a C++ compiler; `rnnify compile DIR` does it later. --no-compile: never",
     )
 
 
-def _compile_step(model, path: Path, source: str | None = None, forced: bool = False) -> str:
-    """Put the decode step compiled ahead of time into the saved model directory ``path``: copied from
-    ``source`` when that package was compiled for this model as it is now (a distilled copy keeps
-    its graph and weight layout), else compiled (unless that gains little and is not ``forced``),
-    from the saved model when ``model`` was trained on another device. The model is saved already,
-    so a compile that fails only warns. Returns how ``path`` decodes, in words."""
+def _compile_step(model, path: Path, forced: bool = False) -> str:
+    """See that this machine's cache holds the decode step compiled ahead of time for the saved model
+    ``path`` (``runtime.step_cache``): found there when it was compiled for a model of the same graph
+    and weight layout (a distilled copy, the model converted again), else compiled (unless that gains
+    little and is not ``forced``), from the saved model when ``model`` was trained on another device.
+    The model is saved already, so a compile that fails only warns. Returns how ``path`` decodes."""
     import rnnify
-    from rnnify.runtime.aot import STEP_PACKAGE, copy_step_package, gains_little, refusal, write_step_package
+    from rnnify.runtime.aot import gains_little, refusal
+    from rnnify.runtime.step_cache import cached, compile_into_cache
 
     little = None if forced else gains_little(model)
-    if little is not None and source is None:  # nothing to copy, and not worth compiling
-        return f"decode step: eager ({little})"
-    if model.device.type != "cpu":  # the package is for CPUs: compile it from the saved model, loaded there
-        model = rnnify.load(path, aot_step=False, verify_weights=False)
+    if model.device.type != "cpu":  # the step is for CPUs: found or compiled from the saved model, loaded there
+        if little is not None:  # not worth loading a large model again to look
+            return f"decode step: eager ({little})"
+        model = rnnify.load(path, aot_step=False, verify=False)
     reason = refusal(model)
     if reason is not None:
         return f"decode step: eager ({reason})"
+    found = cached(model)
+    if found is not None:
+        return f"decode step: compiled ahead of time (found in this machine's cache: {found})"
+    if little is not None:
+        return f"decode step: eager ({little})"
     try:
-        if source is not None and copy_step_package(model, source, path):
-            return f"decode step: compiled ahead of time ({STEP_PACKAGE}, copied from {source})"
-        if little is not None:
-            return f"decode step: eager ({little})"
-        write_step_package(model, path)
+        found = compile_into_cache(model)
     except Exception as exc:  # noqa: BLE001 - the model is whole without it; say why and go on
         warnings.warn(f"the decode step was not compiled ahead of time ({first_line(exc)}); {path} decodes "
                       f"eagerly. `rnnify compile {path}` tries again and shows the whole error", RnnifyWarning,
                       stacklevel=2)
         return "decode step: eager"
-    return f"decode step: compiled ahead of time ({STEP_PACKAGE})"
+    return f"decode step: compiled ahead of time (into this machine's cache: {found})"
 
 
 def _quiet_transformers() -> None:
@@ -385,6 +428,7 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     _add_training_flags(p, add_training_flags)
 
 
+@_claims_output
 def _convert(args: argparse.Namespace, console: Console) -> int:
     from rich.text import Text
 
@@ -531,6 +575,7 @@ def add_verify(commands: argparse._SubParsersAction) -> None:
 
 def _verify_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", metavar="DIR", help="converted model directory")
+    _add_trust_flags(p)
     p.add_argument(
         "--against", metavar="MODEL",
         help="original model (directory or cached hub id) to compare logits with; "
@@ -538,7 +583,8 @@ def _verify_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tokens", type=int, default=32, metavar="N", help="tokens per sequence (default: 32)")
     p.add_argument("--batch", type=int, default=2, metavar="B", help="sequences per batch (default: 2)")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the random token ids (default: 0)")
+    p.add_argument("--seed", type=arguments.seed("--seed"), default=0, metavar="S",
+                   help="seed of the random token ids (default: 0)")
     _add_kernels_flag(p)
 
 
@@ -550,10 +596,12 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
     import rnnify
     from rnnify.verify import CHECKS, run_checks, tolerance
 
-    model = rnnify.load(args.dir, kernels=args.kernels, verify_weights=False)  # the "weights" check reports it
+    # unchecked: the "integrity" check reports it
+    model = rnnify.load(args.dir, kernels=args.kernels, verify=False, trust_compiled_step=args.trust_compiled_step)
     total = len(CHECKS) if args.against is not None else len(CHECKS) - 1
     with _stage_bar(total, "check", leave=False) as start:
-        results = run_checks(model, args.against, tokens=args.tokens, batch=args.batch, seed=args.seed, progress=start)
+        results = run_checks(model, args.against, tokens=args.tokens, batch=args.batch, seed=args.seed, progress=start,
+                             expected_digest=args.expect_digest)
     step = ", step compiled ahead of time" if model.step_package is not None else ""  # the step the checks ran
     title = (f"{model.target} model, {model.manifest.dtype}{step}, batch {args.batch}, "
              f"tolerance {tolerance(model.dtype):g} relative")
@@ -592,7 +640,8 @@ def add_generate(commands: argparse._SubParsersAction) -> None:
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
     _add_dir(p)
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", metavar="TEXT", help="text prompt, tokenized with the tokenizer saved in DIR")
+    prompt.add_argument("--prompt", type=arguments.utf8("--prompt"), metavar="TEXT",
+                        help="text prompt, tokenized with the tokenizer saved in DIR")
     prompt.add_argument("--ids", metavar="IDS", help="prompt as comma-separated token ids, e.g. 1,2,3; prints ids back")
     _add_sampling_flags(p, max_new_tokens=20)
     _add_kernels_flag(p)
@@ -605,13 +654,15 @@ def _add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None
         help=f"most tokens to generate (default: {max_new_tokens})",
     )
     p.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
-    p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature, > 0 (default: 1.0)")
+    p.add_argument("--temperature", type=arguments.temperature("--temperature"), default=1.0, metavar="T",
+                   help="sampling temperature, > 0 (default: 1.0)")
     p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample only from the K most likely tokens")
     p.add_argument(
         "--top-p", type=float, default=None, metavar="P",
         help="sample only from the smallest set of tokens whose probability adds up to P",
     )
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling, for repeatable output")
+    p.add_argument("--seed", type=arguments.seed("--seed"), default=None, metavar="S",
+                   help="seed for sampling, for repeatable output")
 
 
 class _IdStreamer:
@@ -707,7 +758,8 @@ def add_chat(commands: argparse._SubParsersAction) -> None:
 
 def _chat_arguments(p: argparse.ArgumentParser) -> None:
     _add_dir(p, "converted model directory with a tokenizer and chat template")
-    p.add_argument("--system", metavar="TEXT", help="system prompt that opens every conversation")
+    p.add_argument("--system", type=arguments.utf8("--system"), metavar="TEXT",
+                   help="system prompt that opens every conversation")
     _add_sampling_flags(p, max_new_tokens=256)
     p.add_argument("--verbose", action="store_true", help="before each reply, show how many new tokens the turn read")
     _add_kernels_flag(p)
@@ -737,6 +789,10 @@ def _chat(args: argparse.Namespace, console: Console) -> int:
                 text = input("> " if interactive else "").strip()
             except EOFError:
                 break
+            except UnicodeDecodeError as exc:  # the tokenizer takes text: say which bytes are not
+                bad = exc.object[exc.start : exc.end].hex(" ")
+                raise RnnifyError(f"stdin is not {exc.encoding} text ({exc.reason}: {bad}); send the messages "
+                                  f"in {exc.encoding}") from None
             if text == "/reset":
                 chat.reset()
                 console.print(Text("(new conversation)", "dim"))
@@ -769,6 +825,8 @@ def _info(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
     from rich.text import Text
 
+    from rnnify.runtime.step_cache import describe
+
     model = _load(args)
     manifest = model.manifest
     # the first cell's options show the defaults it filled in; a per-head cell's are its groups
@@ -793,7 +851,8 @@ def _info(args: argparse.Namespace, console: Console) -> int:
         "vocab size": str(manifest.vocab_size),
         "positions": where,
         "kernels": _kernels_line(model),
-        "decode step": _step_line(model),
+        "decode step": describe(model, args.trust_compiled_step),
+        "digest": (manifest.digest or "none (saved by an older rnnify)") + ("" if args.verify else " (not checked)"),
         **({"fused ops": f"{', '.join(fused_ops[0].splitlines())} (every layer)"} if same_ops and fused_ops[0] else {}),
         "converted with": ", ".join(f"{k} {v}" for k, v in manifest.versions.items()) or "(unknown)",
     }
@@ -832,13 +891,6 @@ def _info(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _step_line(model) -> str:
-    """How one-token calls run, in words."""
-    if model.step_package is not None:
-        return "compiled ahead of time (step-cpu.pt2, rnnify compile)"
-    return "eager (rnnify compile DIR compiles it ahead of time for CPUs)"
-
-
 def _kernels_line(model) -> str:
     """The backend of the fused ops and how many layers run them, in words."""
     if model.kernels == "none":
@@ -853,15 +905,25 @@ def _kernels_line(model) -> str:
 
 def add_compile(commands: argparse._SubParsersAction) -> None:
     _add_command(
-        commands, "compile", _compile, _add_dir,
-        help="compile DIR's decode step ahead of time, so every later load decodes compiled (CPU)",
-        description="Compile the one-token step of DIR with AOTInductor into DIR/step-cpu.pt2, once: "
-        "rnnify.load (and every command) then decodes with it on a CPU, with no compile in the process "
-        "that decodes. rnnify convert and rnnify distill do this by default; this command does it for a "
-        "directory written with --no-compile, or again on another CPU or torch. The package holds code only (the weights stay in DIR's weights file) and fits "
-        "any batch size; it is ignored, with a warning, on another CPU, torch or rnnify, or once DIR's "
-        "graph or options change. Takes tens of seconds and needs a C++ compiler. Not for exact "
-        "layers of a sliding-window model. See docs/performance.md.",
+        commands, "compile", _compile, _compile_arguments,
+        help="compile DIR's decode step ahead of time, so every later load here decodes compiled (CPU)",
+        description="Compile the one-token step of DIR with AOTInductor, once, into this machine's step cache "
+        "($RNNIFY_CACHE, else $XDG_CACHE_HOME/rnnify, else ~/.cache/rnnify): rnnify.load (and every command) "
+        "then decodes with it on this CPU, with no compile in the process that decodes, for DIR and every "
+        "model of the same graph and weight shapes. rnnify convert and rnnify distill do this by default; this "
+        "command does it for a directory written with --no-compile, copied from another machine, or again "
+        "after a torch or rnnify upgrade. The package holds code only (the weights stay in DIR's weights file) "
+        "and fits any batch size. Takes tens of seconds and needs a C++ compiler. Not for exact layers of a "
+        "sliding-window model. See docs/performance.md.",
+    )
+
+
+def _compile_arguments(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
+    p.add_argument(
+        "--ship", action="store_true",
+        help="also write the compiled step into DIR as step-cpu.pt2, its sha256 recorded in DIR's manifest: "
+        "machines like this one run it when loading DIR with --trust-compiled-step (it is native code)",
     )
 
 
@@ -870,14 +932,17 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
 
     from rich.text import Text
 
-    from rnnify.runtime.aot import write_step_package
+    from rnnify.runtime.step_cache import compile_into_cache, ship
 
+    if args.ship and not args.verify:
+        raise RnnifyError("--ship records the step in DIR's checked manifest: drop --no-verify")
     model = _load(args, aot_step=False)
     start = time.perf_counter()
     with console.status("compiling the decode step (AOTInductor)"):
-        path = write_step_package(model, args.dir)
-    console.print(Text(f"wrote {path} in {time.perf_counter() - start:.0f} s: loading {args.dir} now decodes "
-                       "with the compiled step on a CPU"), soft_wrap=True)
+        path = ship(model, model.path) if args.ship else compile_into_cache(model)
+    users = "with --trust-compiled-step on a CPU like this one" if args.ship else "on this machine's CPU"
+    console.print(Text(f"wrote {path} in {time.perf_counter() - start:.0f} s: loading {args.dir} {users} now "
+                       "decodes with the compiled step"), soft_wrap=True)
     return 0
 
 
@@ -1160,14 +1225,13 @@ def _training_options(args: argparse.Namespace) -> dict:
 
 def _train(model, data: str, teacher, options: dict) -> bool:
     """Distil ``model`` in place (docs/distill.md); True on the process that writes the result (rank 0)."""
-    import os
-
     from rnnify.distill import distill
 
     distill(model, data, teacher=teacher, **options)  # reports each stage on stderr
-    return int(os.environ.get("RANK", "0")) == 0
+    return _writes_results()
 
 
+@_claims_output
 def _distill(args: argparse.Namespace, console: Console) -> int:
     from rich.text import Text
 
@@ -1179,7 +1243,7 @@ def _distill(args: argparse.Namespace, console: Console) -> int:
     console.print(Text(f"saved to {path}"), soft_wrap=True)
     if args.compile_step is not False:
         with console.status("compiling the decode step (AOTInductor)"):
-            decode_note = _compile_step(model, path, source=args.dir, forced=bool(args.compile_step))
+            decode_note = _compile_step(model, path, forced=bool(args.compile_step))
         console.print(Text(decode_note), soft_wrap=True)
     _drop_checkpoint(training["checkpoint_dir"], args.keep_checkpoints, console)
     return 0
@@ -1222,6 +1286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = list(sys.argv[1:] if argv is None else argv)
     except SystemExit as exc:  # --help, or argparse's own usage error (code 2)
         return exc.code if isinstance(exc.code, int) else 0
+    except RnnifyError as exc:  # a value its flag's type refuses (``rnnify.arguments``)
+        return _user_error(exc)
     from rich.console import Console
 
     # A terminal's own width; piped output gets PIPED_WIDTH columns (or $COLUMNS), not rich's 80.
@@ -1234,14 +1300,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             with _torch_threads(args):
                 return args.run(args, console)
     except RnnifyError as exc:
-        print("error: " + " ".join(str(exc).split()), file=sys.stderr)
-        return 2
+        return _user_error(exc)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
 
 
 PIPED_WIDTH = 120
+
+
+def _user_error(exc: RnnifyError) -> int:
+    """Print a user's mistake as one ``error:`` line; the exit code that says so."""
+    print("error: " + " ".join(str(exc).split()), file=sys.stderr)
+    return 2
 
 
 def _one_line_warnings(default: Callable[..., None]) -> Callable[..., None]:

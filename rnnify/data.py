@@ -129,8 +129,9 @@ def load_tokenizer(directory: str | os.PathLike, fix: str = _TOKENIZER_FIX):
 
     config = source_pretrained_config(directory)  # a converted directory: the tokenizer is its source's
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(directory), local_files_only=True, **({"config": config} if config is not None else {})
+        tokenizer = AutoTokenizer.from_pretrained(  # a tokenizer is data: never a tokenizer class's code from the directory
+            str(directory), local_files_only=True, trust_remote_code=False,
+            **({"config": config} if config is not None else {}),
         )
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise RnnifyError(f"cannot load a tokenizer from {directory} ({exc}); {fix}") from exc

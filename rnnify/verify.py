@@ -2,10 +2,13 @@
 
 The recurrence is only useful if every way of feeding it agrees: one-shot prefill, token-by-token
 steps, prefill split in two, and (where every cell is exact) the original model's full forward pass.
+First, the directory's files are checked against its manifest's record (``runtime.integrity``):
+every recorded file, not only those a load reads, and a directory without a record fails.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -14,11 +17,13 @@ import torch
 from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.state import RecurrentState
-from rnnify.runtime.storage import WEIGHTS_FILE, weights_digest
+from rnnify.runtime import integrity
+from rnnify.runtime.manifest import read_data
+from rnnify.runtime.storage import READ_AT_LOAD, READ_IF_PRESENT
 
 __all__ = ["CHECKS", "CheckResult", "run_checks", "tolerance"]
 
-CHECKS = ("weights", "step == prefill", "split prefill", "vs original")  # "vs original" needs `against`
+CHECKS = ("integrity", "step == prefill", "split prefill", "vs original")  # "vs original" needs `against`
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -59,13 +64,16 @@ def _steps(model: RecurrentModel, ids: torch.Tensor, state: RecurrentState) -> t
     return torch.cat(logits, dim=1), state
 
 
-def _check_weights(model: RecurrentModel) -> CheckResult:
+def _check_integrity(model: RecurrentModel, expected_digest: str | None) -> CheckResult:
     if model.path is None:
-        return CheckResult("weights", None, None, None, None, None, "model not loaded from a directory: nothing to check")
-    if model.manifest.weights_sha256 is None:
-        return CheckResult("weights", None, None, None, None, None, "no weights digest in the manifest: not checked")
-    same = weights_digest(model.path) == model.manifest.weights_sha256
-    return CheckResult("weights", None, None, None, None, same, "" if same else f"{WEIGHTS_FILE} differs from the manifest")
+        return CheckResult("integrity", None, None, None, None, None, "model not loaded from a directory: nothing to check")
+    data = read_data(model.path)
+    recorded = data.get("files") if isinstance(data.get("files"), dict) else {}
+    try:  # every recorded file, not only those a load reads (a shipped step, head_map.json)
+        integrity.check(model.path, data, [*READ_AT_LOAD, *recorded], READ_IF_PRESENT, expected_digest)
+    except RnnifyError as exc:  # named in the directory the report is about
+        return CheckResult("integrity", None, None, None, None, False, str(exc).replace(f"{model.path}{os.sep}", ""))
+    return CheckResult("integrity", None, None, None, None, True, f"{len(recorded)} files match the manifest")
 
 
 def _random_ids(model: RecurrentModel, tokens: int, batch: int, seed: int) -> tuple[torch.Tensor, str]:
@@ -92,20 +100,21 @@ def run_checks(
     seed: int = 0,
     *,
     progress: Callable[[str], None] | None = None,
+    expected_digest: str | None = None,
 ) -> list[CheckResult]:
     """Run ``CHECKS`` on ``batch`` random sequences of ``tokens`` ids; one result per check.
 
     ``against`` (a directory, cached hub id or ``PreTrainedModel``) adds the comparison with the
     original model, judged only where every cell is exact softmax (the ``exact`` target, or a
-    per-head map whose groups are all ``exact``). ``progress(name)`` is called as each
-    check starts.
+    per-head map whose groups are all ``exact``). ``expected_digest`` is the directory's digest as
+    the user was given it (``integrity.check``). ``progress(name)`` is called as each check starts.
     """
     report = progress or (lambda name: None)
     ids, note = _random_ids(model, tokens, batch, seed)
     n, dtype = ids.shape[1], model.dtype
 
-    report("weights")
-    results = [_check_weights(model)]
+    report("integrity")
+    results = [_check_integrity(model, expected_digest)]
 
     report("step == prefill")
     full, _ = model.prefill(ids)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,13 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.pop("COLUMNS", None)
+# The decode steps the tests compile go to a cache of this run's own, never the user's (even one named
+# by RNNIFY_CACHE): made by the run's first process, shared with the workers it starts (so a step
+# compiles once per run), removed when that process exits.
+if not os.environ.get("RNNIFY_TEST_CACHE"):
+    os.environ["RNNIFY_TEST_CACHE"] = tempfile.mkdtemp(prefix="rnnify-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["RNNIFY_TEST_CACHE"], ignore_errors=True)
+os.environ["RNNIFY_CACHE"] = os.environ["RNNIFY_TEST_CACHE"]
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "examples" / "make_tiny_model.py")
@@ -53,5 +63,39 @@ def converted_dir(tmp_path_factory, tiny_model_dir):
             rnnify.convert(tiny_model_dir(arch), to=target).save(out)
             saved[arch, target] = out
         return saved[arch, target]
+
+    return get
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """The compiled-step cache, empty for one test: another machine's, or this one's before anything
+    was compiled (the session's holds what other tests compiled)."""
+    monkeypatch.setenv("RNNIFY_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="session")
+def compiled(converted_dir, tiny_model_dir, tmp_path_factory):
+    """``compiled(target)`` -> the tiny llama converted with its step compiled ahead of time into the
+    session's cache (whichever cache the asking test has set): by ``rnnify convert`` itself (its
+    default) for the hybrid, by ``rnnify compile`` afterwards for the rest."""
+    from rnnify.cli import main
+
+    done = {}
+
+    def get(target: str):
+        if target not in done:
+            out = tmp_path_factory.mktemp(f"aot-{target}") / "model"
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("RNNIFY_CACHE", os.environ["RNNIFY_TEST_CACHE"])
+                if target == "hybrid":
+                    argv = ["convert", str(tiny_model_dir("llama")), "--to", target, "-o", str(out), "--threads", "1"]
+                    assert main(argv) == 0
+                else:
+                    shutil.copytree(converted_dir("llama", target), out)
+                    assert main(["compile", str(out), "--threads", "1"]) == 0
+            done[target] = out
+        return done[target]
 
     return get

@@ -2,8 +2,26 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from hypothesis import strategies as st
+
+
+def reseal(directory: Path, **changes) -> dict:
+    """Change ``directory``'s manifest by ``changes`` and record the files now there, sealed as a save
+    records them (``rnnify.runtime.integrity``): a directory as someone who rewrote it whole would
+    leave it, or a test's edit that is not about the record. Returns the manifest written."""
+    from rnnify.runtime.integrity import record
+    from rnnify.runtime.manifest import MANIFEST_FILE, content_digest
+
+    path = directory / MANIFEST_FILE
+    data = {**json.loads(path.read_text()), **changes}
+    data["files"] = record(directory, sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST_FILE))
+    data["digest"] = content_digest(data)
+    path.write_text(json.dumps(data))
+    return data
 
 
 def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:

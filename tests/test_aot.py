@@ -1,36 +1,18 @@
 """The decode step compiled ahead of time (``rnnify compile``, ``rnnify.runtime.aot``): the same
-numbers as the eager step, at any batch size, and never used for a model it was not compiled for."""
+numbers as the eager step, at any batch size, and never used for a model it was not compiled for.
+Where the compiled steps are kept, and what a directory may ship, is tests/test_step_cache.py's."""
 
+import os
 import shutil
-import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import rnnify
 from rnnify.cli import main
-from rnnify.errors import RnnifyWarning
-from rnnify.runtime.aot import STEP_PACKAGE, STEP_RECORD, StepPackage
-
-
-@pytest.fixture(scope="module")
-def compiled(converted_dir, tiny_model_dir, tmp_path_factory):
-    """``compiled(target)`` -> the tiny llama converted with its step compiled ahead of time: by
-    ``rnnify convert`` itself (its default) for the hybrid, by ``rnnify compile`` afterwards for the rest."""
-    done = {}
-
-    def get(target: str):
-        if target not in done:
-            out = tmp_path_factory.mktemp(f"aot-{target}") / "model"
-            if target == "hybrid":
-                assert main(["convert", str(tiny_model_dir("llama")), "--to", target, "-o", str(out), "--threads", "1"]) == 0
-            else:
-                shutil.copytree(converted_dir("llama", target), out)
-                assert main(["compile", str(out), "--threads", "1"]) == 0
-            done[target] = out
-        return done[target]
-
-    return get
+from rnnify.runtime.aot import STEP_PACKAGE, StepPackage, fingerprint
+from rnnify.runtime.step_cache import cached
 
 
 def _decode(model, batch: int, prompt: int, steps: int = 4, ids: torch.dtype = torch.long):
@@ -78,27 +60,25 @@ def test_compiled_step_follows_weights_changed_in_place_and_stops_when_they_are_
     torch.testing.assert_close(_decode(model, 1, 3)[0], _decode(eager, 1, 3)[0], rtol=1e-5, atol=1e-5)
 
 
-def test_a_package_compiled_for_another_model_is_ignored_with_a_warning(compiled, converted_dir, tmp_path):
-    other = tmp_path / "linear"
-    shutil.copytree(converted_dir("llama", "linear"), other)
-    for name in (STEP_PACKAGE, STEP_RECORD):
-        shutil.copy(compiled("hybrid") / name, other / name)
-    with pytest.warns(RnnifyWarning, match="compiled for another model"):
-        model = rnnify.load(other)
-    assert model.step_package is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert rnnify.load(other, aot_step=False).step_package is None
-
-
-def test_a_package_for_other_cell_options_is_ignored(compiled, tiny_model_dir, tmp_path):
-    """Same graph code and weights, another window: the compiled code has the old state shapes."""
-    other = tmp_path / "hybrid-w8"
-    rnnify.convert(tiny_model_dir("llama"), to="hybrid", window=8).save(other)
-    for name in (STEP_PACKAGE, STEP_RECORD):
-        shutil.copy(compiled("hybrid") / name, other / name)
-    with pytest.warns(RnnifyWarning, match="compiled for another model"):
-        assert rnnify.load(other).step_package is None
+@pytest.mark.parametrize("other", ["linear", "hybrid-w8"])
+def test_a_step_compiled_for_another_model_is_not_found(compiled, converted_dir, tiny_model_dir, tmp_path, other,
+                                                         empty_cache):
+    """The cache is keyed by what a step was compiled for: another target, or the same graph code and
+    weights with another window (the compiled code has the old state shapes), finds nothing."""
+    hybrid = rnnify.load(compiled("hybrid"))
+    entry = Path(os.environ["RNNIFY_TEST_CACHE"]) / "steps" / fingerprint(hybrid) / STEP_PACKAGE  # the session's
+    if other == "linear":
+        path = converted_dir("llama", "linear")
+    else:
+        path = tmp_path / "hybrid-w8"
+        rnnify.convert(tiny_model_dir("llama"), to="hybrid", window=8).save(path)
+    model = rnnify.load(path, aot_step=False)
+    assert fingerprint(model) != fingerprint(hybrid)
+    key = empty_cache / "steps" / fingerprint(hybrid)
+    key.mkdir(parents=True, mode=0o700)
+    shutil.copy(entry, key / STEP_PACKAGE)  # only the hybrid's step in this cache
+    assert rnnify.load(compiled("hybrid")).step_package is not None
+    assert cached(model) is None and rnnify.load(path).step_package is None
 
 
 def test_compile_refuses_a_cache_that_grows_up_to_a_sliding_window(tiny_model_dir, tmp_path, capsys):
@@ -118,10 +98,11 @@ def test_a_copied_model_decodes_eagerly(compiled):
     model.step(torch.tensor([[3]]), model.init_state(1))
 
 
-def test_info_says_how_the_step_runs(compiled, converted_dir, capsys):
+def test_info_says_how_the_step_runs(compiled, capsys, monkeypatch, tmp_path):
     assert main(["info", str(compiled("hybrid"))]) == 0
-    assert "compiled ahead of time" in capsys.readouterr().out
-    assert main(["info", str(converted_dir("llama", "hybrid"))]) == 0
+    assert "compiled ahead of time (this machine's cache:" in " ".join(capsys.readouterr().out.split())
+    monkeypatch.setenv("RNNIFY_CACHE", str(tmp_path / "empty"))  # another machine's
+    assert main(["info", str(compiled("hybrid"))]) == 0
     assert "eager (rnnify compile DIR" in capsys.readouterr().out
 
 
@@ -131,7 +112,8 @@ def test_compile_of_a_missing_directory_exits_2(tmp_path, capsys):
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1
 
 
-def test_a_failing_compiler_is_one_error_line_and_leaves_nothing(converted_dir, tmp_path, capsys, monkeypatch):
+def test_a_failing_compiler_is_one_error_line_and_leaves_nothing(converted_dir, tmp_path, capsys, monkeypatch,
+                                                                 empty_cache):
     out = tmp_path / "model"
     shutil.copytree(converted_dir("llama", "linear"), out)
     before = sorted(p.name for p in out.iterdir())
@@ -146,17 +128,19 @@ def test_a_failing_compiler_is_one_error_line_and_leaves_nothing(converted_dir, 
     err = capsys.readouterr().err
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1 and "C++ compiler" in err
     assert sorted(p.name for p in out.iterdir()) == before
+    assert [p for p in empty_cache.rglob("*") if p.is_file()] == []  # no scratch left in the cache
 
 
-def test_convert_compiles_the_step_unless_told_not_to(compiled, tiny_model_dir, tmp_path, capsys):
-    assert (compiled("hybrid") / STEP_PACKAGE).is_file() and rnnify.load(compiled("hybrid")).step_package is not None
+def test_convert_compiles_the_step_unless_told_not_to(compiled, tiny_model_dir, tmp_path, capsys, empty_cache):
     capsys.readouterr()  # what building the fixture printed, if this test built it
     out = tmp_path / "eager"
     assert main(["convert", str(tiny_model_dir("llama")), "--to", "hybrid", "-o", str(out), "--no-compile"]) == 0
     assert "decode step" not in capsys.readouterr().out and not (out / STEP_PACKAGE).exists()
+    assert not empty_cache.exists() and rnnify.load(out).step_package is None
 
 
-def test_convert_with_a_failing_compiler_warns_and_saves_the_whole_model(tiny_model_dir, tmp_path, capsys, monkeypatch):
+def test_convert_with_a_failing_compiler_warns_and_saves_the_whole_model(tiny_model_dir, tmp_path, capsys, monkeypatch,
+                                                                         empty_cache):
     def no_compiler(*args, **kwargs):
         from torch._inductor.exc import CppCompileError
 
@@ -168,25 +152,28 @@ def test_convert_with_a_failing_compiler_warns_and_saves_the_whole_model(tiny_mo
     captured = capsys.readouterr()
     assert "decode step: eager" in captured.out and "C++ compiler" in captured.err and "rnnify compile" in captured.err
     assert "Traceback" not in captured.err
-    assert not (out / STEP_PACKAGE).exists() and not (out / STEP_RECORD).exists()
+    assert not (out / STEP_PACKAGE).exists()
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no scratch left behind
+    assert [p for p in empty_cache.rglob("*") if p.is_file()] == []
     assert rnnify.load(out).step_package is None
 
 
-def test_convert_leaves_a_large_models_step_eager_unless_told_to_compile(tiny_model_dir, tmp_path, capsys, monkeypatch):
+def test_convert_leaves_a_large_models_step_eager_unless_told_to_compile(tiny_model_dir, tmp_path, capsys, monkeypatch,
+                                                                         empty_cache):
     """A step that reads more weights than aot.WORTH_COMPILING_BELOW is mostly those reads: not compiled
     by default (here the bound is lowered under the tiny model's weights and the compile recorded)."""
     import rnnify.runtime.aot as aot
+    import rnnify.runtime.step_cache as step_cache
 
     compiles = []
     monkeypatch.setattr(aot, "WORTH_COMPILING_BELOW", 1024)
-    monkeypatch.setattr(aot, "write_step_package", lambda model, path: compiles.append(path))
+    monkeypatch.setattr(step_cache, "compile_into_cache", lambda model: compiles.append(model) or empty_cache)
     model = tiny_model_dir("llama")
     assert main(["convert", str(model), "--to", "linear", "-o", str(tmp_path / "default")]) == 0
     printed = capsys.readouterr().out
     assert "decode step: eager (a step reads" in printed and "--compile compiles it anyway" in printed and not compiles
     assert main(["convert", str(model), "--to", "linear", "-o", str(tmp_path / "forced"), "--compile"]) == 0
-    assert compiles == [tmp_path / "forced"]
+    assert len(compiles) == 1
     assert "decode step: compiled ahead of time" in capsys.readouterr().out
 
 
@@ -197,15 +184,16 @@ def test_convert_of_a_sliding_window_exact_model_says_its_step_stays_eager(tiny_
 
 
 @pytest.mark.parametrize("case", ["copy", "large", "in place"])
-def test_distill_keeps_the_package_its_model_was_compiled_with(compiled, tmp_path, capsys, monkeypatch, case):
-    """A distilled copy has the same graph and weight shapes: its package is the source's, copied, not
-    compiled again, and it computes the distilled weights' step; copied too for a model large enough
-    that it would not be compiled by default (a copy costs nothing), and kept when the model is
-    distilled in place (-o its own directory, which saving replaces)."""
+def test_distill_finds_the_step_its_model_was_compiled_with(compiled, tmp_path, capsys, monkeypatch, case):
+    """A distilled copy has the same graph and weight shapes: it finds its source's step in this
+    machine's cache, not compiled again, and that step computes the distilled weights' logits; found
+    too for a model large enough that it would not be compiled by default (finding costs nothing), and
+    when the model is distilled in place (-o its own directory, which saving replaces)."""
     import rnnify.runtime.aot as aot
+    import rnnify.runtime.step_cache as step_cache
 
     source_dir = compiled("hybrid")  # built (and compiled) before compiling is made to fail
-    monkeypatch.setattr(aot, "write_step_package", lambda *a, **k: pytest.fail("compiled again"))
+    monkeypatch.setattr(step_cache, "compile_into_cache", lambda *a, **k: pytest.fail("compiled again"))
     if case == "large":
         monkeypatch.setattr(aot, "WORTH_COMPILING_BELOW", 1024)
     corpus = tmp_path / "corpus.txt"
@@ -218,13 +206,14 @@ def test_distill_keeps_the_package_its_model_was_compiled_with(compiled, tmp_pat
             "2", "--max-tokens", "64", "--stages", "transfer", "--lr", "0.5", "--threads", "1", "--device", "cpu"]
     capsys.readouterr()
     assert main(argv) == 0, capsys.readouterr().err
-    assert f"copied from {given}" in capsys.readouterr().out
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".rnnify")] == []  # no scratch left behind
+    assert "found in this machine's cache" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no scratch left behind
+    assert not (out / STEP_PACKAGE).exists()
     distilled, source = rnnify.load(out), rnnify.load(source_dir)
     assert distilled.step_package is not None
     changed = [name for name, t in distilled.graph.named_parameters()
                if not torch.equal(t, source.graph.get_parameter(name))]
-    assert changed  # the step below runs other weights than the package was compiled beside
+    assert changed  # the step below runs other weights than the step was compiled beside
     want, _ = _decode(rnnify.load(out, aot_step=False), 2, 3)
     torch.testing.assert_close(_decode(distilled, 2, 3)[0], want, rtol=1e-4, atol=1e-4)
 
@@ -235,34 +224,19 @@ def test_verify_checks_the_compiled_step(compiled, capsys):
     assert "step compiled ahead of time" in out and "all checks passed" in out
 
 
-def test_a_package_is_copied_only_into_a_model_it_fits(compiled, converted_dir, tmp_path):
-    """``copy_step_package`` refuses a source compiled for another model, or without a package, and
-    then leaves the directory as it was."""
-    from rnnify.runtime.aot import copy_step_package
-
-    other = tmp_path / "linear"
-    shutil.copytree(converted_dir("llama", "linear"), other)
-    before = sorted(p.name for p in other.iterdir())
-    model = rnnify.load(other)
-    assert not copy_step_package(model, compiled("hybrid"), other)  # compiled for the hybrid
-    assert not copy_step_package(model, converted_dir("llama", "hybrid"), other)  # no package there
-    assert sorted(p.name for p in other.iterdir()) == before
-
-
-def test_distill_of_a_model_trained_elsewhere_compiles_from_the_saved_copy(compiled, tmp_path, monkeypatch):
+def test_distill_of_a_model_trained_elsewhere_compiles_from_the_saved_copy(compiled, tmp_path, monkeypatch,
+                                                                           empty_cache):
     """A model distilled on another device is compiled from its saved directory, loaded on the CPU
-    (the package is for CPUs); here the device is faked and the compile recorded."""
+    (the step is for CPUs); here the device is faked and the compile recorded."""
     import rnnify.cli as cli
-    import rnnify.runtime.aot as aot
+    import rnnify.runtime.step_cache as step_cache
 
     out = tmp_path / "model"
     shutil.copytree(compiled("hybrid"), out)
-    for name in (STEP_PACKAGE, STEP_RECORD):
-        (out / name).unlink()
     trained = rnnify.load(out)
     trained.__class__ = type("OnAGpu", (type(trained),), {"device": property(lambda self: torch.device("cuda", 0))})
     compiled_models = []
-    monkeypatch.setattr(aot, "write_step_package", lambda model, path: compiled_models.append(model))
-    assert cli._compile_step(trained, out) == f"decode step: compiled ahead of time ({STEP_PACKAGE})"
+    monkeypatch.setattr(step_cache, "compile_into_cache", lambda model: compiled_models.append(model) or empty_cache)
+    assert cli._compile_step(trained, out) == f"decode step: compiled ahead of time (into this machine's cache: {empty_cache})"
     [model] = compiled_models
     assert model is not trained and model.path == out

@@ -54,6 +54,7 @@ from support import (
     draw_heads,
     random_qkv,
     rel_diff,
+    reseal,
 )
 
 # fp32 computation against float64 on O(1) inputs: 1e-5 relative, the same absolute floor.
@@ -947,7 +948,7 @@ def test_hybrid_saved_before_sinks_existed_loads_without_sinks(converted, tmp_pa
     manifest = json.loads((tmp_path / "m" / MANIFEST_FILE).read_text())
     for entry in manifest["cells"]:
         del entry["options"]["sinks"]
-    (tmp_path / "m" / MANIFEST_FILE).write_text(json.dumps(manifest))
+    reseal(tmp_path / "m", cells=manifest["cells"])
     loaded = rnnify.load(tmp_path / "m")
     assert [c.sinks for c in loaded.cells] == [0] * len(model.cells)
     assert [c.state_names for c in loaded.cells] == [("keys", "values", "length", "kv", "k_sum")] * len(model.cells)
@@ -964,7 +965,7 @@ def test_hybrid_part_of_a_head_split_saved_before_sinks_existed_loads_without_si
     manifest = json.loads((tmp_path / "m" / MANIFEST_FILE).read_text())
     for entry in manifest["cells"]:
         del entry["options"]["groups"][1]["options"]["sinks"]
-    (tmp_path / "m" / MANIFEST_FILE).write_text(json.dumps(manifest))
+    reseal(tmp_path / "m", cells=manifest["cells"])
     loaded = rnnify.load(tmp_path / "m")
     assert [cell.parts[1].sinks for cell in loaded.cells] == [0] * len(model.cells)
     ids = torch.randint(0, model.manifest.vocab_size, (1, 30), generator=_gen(17))

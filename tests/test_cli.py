@@ -17,6 +17,7 @@ from rnnify.cli import main
 from rnnify.errors import RnnifyWarning
 from rnnify.runtime.manifest import MANIFEST_FILE
 from rnnify.runtime.storage import WEIGHTS_FILE
+from support import reseal
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -128,7 +129,7 @@ def test_verify_passes_on_a_good_model(capsys, converted_dir, tiny_model_dir, ta
     code, out, err = run(capsys, "verify", converted_dir("llama", target), *extra)
     assert code == 0, out + err
     assert "FAIL" not in out and "all checks passed" in out
-    for check in ("weights", "step == prefill", "split prefill"):
+    for check in ("integrity", "step == prefill", "split prefill"):
         assert check in out
     assert ("vs original" in out) == against
     if against and target == "linear":
@@ -140,13 +141,13 @@ def test_verify_fails_when_weights_differ_from_the_digest(capsys, tmp_path, conv
     alter_weight(directory)
     code, out, _ = run(capsys, "verify", directory)
     assert code == 1
-    assert "FAIL" in out and "model.safetensors differs from the manifest" in " ".join(out.split())  # wrapped
+    assert "FAIL" in out and "model.safetensors does not match the sha256" in " ".join(out.split())  # wrapped
 
 
 def test_verify_against_the_original_catches_an_altered_weight(capsys, tmp_path, converted_dir, tiny_model_dir):
     directory = copy_model(converted_dir("llama", "exact"), tmp_path)
     alter_weight(directory)
-    edit_manifest(directory, weights_sha256=None)
+    reseal(directory)  # the record rewritten to match
     code, out, _ = run(capsys, "verify", directory)
     assert code == 0, out  # self-consistent: only the original can tell
     code, out, _ = run(capsys, "verify", directory, "--against", tiny_model_dir("llama"))
@@ -195,6 +196,7 @@ def test_generate_prompt_needs_a_tokenizer(capsys, tmp_path, converted_dir):
     directory = copy_model(converted_dir("llama", "exact"), tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (directory / name).unlink()
+    reseal(directory)  # saved so
     code, _, err = run(capsys, "generate", directory, "--prompt", "hello")
     assert_user_error(code, err, f"{directory} holds no tokenizer files", "with --ids")
 
@@ -368,7 +370,7 @@ def test_altered_weights_are_an_error_at_load_unless_not_verified(capsys, tmp_pa
     data[-1] ^= 0xFF  # one byte of the last tensor's data: the file still parses
     (directory / WEIGHTS_FILE).write_bytes(bytes(data))
     code, _, err = run(capsys, "generate", directory, "--ids", "1,2", "--max-new-tokens", "1")
-    assert_user_error(code, err, "does not match the sha256", "--no-verify-weights")
+    assert_user_error(code, err, "does not match the sha256", "--no-verify")
     code, out, err = run(capsys, "generate", directory, "--ids", "1,2", "--max-new-tokens", "1", "--no-verify-weights")
     assert code == 0, err
     assert out.startswith("1,2,")

@@ -194,7 +194,7 @@ def test_distilled_model_round_trips_through_save(hybrid_dir, tmp_path):
     ids = tokens(2, seed=3)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids, loaded.init_state(2))[0], model(ids, model.init_state(2))[0])
-    assert loaded.manifest.weights_sha256 != rnnify.load(hybrid_dir).manifest.weights_sha256
+    assert loaded.manifest.files["model.safetensors"] != rnnify.load(hybrid_dir).manifest.files["model.safetensors"]
     record = loaded.manifest.distill
     assert [r["stage"] for r in record["trained"]] == ["transfer", "finetune"]
     assert record["lr"] == [1e-2, 1e-3] and record["kl_weight"] == 1.0 and record["teacher"]

@@ -65,8 +65,10 @@ def test_model_without_attention_is_rejected():
 def test_corrupted_weights(converted_dir, tmp_path):
     broken = shutil.copytree(converted_dir("llama", "linear"), tmp_path / "m")
     (broken / "model.safetensors").write_bytes(b"\x00garbage" * 10)
-    with pytest.raises(RnnifyError, match="corrupted weights"):
+    with pytest.raises(RnnifyError, match="model.safetensors does not match the sha256"):
         rnnify.load(broken)
+    with pytest.raises(RnnifyError, match="corrupted weights"):
+        rnnify.load(broken, verify=False)
 
 
 def test_manifest_from_a_newer_format(converted_dir, tmp_path):

@@ -14,6 +14,7 @@ import rnnify
 from rnnify.eval import copy_kinds, position_ranges
 from rnnify.cli import main
 from rnnify.data import token_batches
+from support import reseal
 
 TEXT = "def main(argv):\n    for arg in argv:\n        print(arg.upper(), len(arg))\n    return 0\n" * 6
 OPTIONS = dict(seq_len=16, batch_size=2, max_tokens=100)
@@ -126,9 +127,7 @@ def test_cli_prints_and_writes_json(converted_dir, corpus, tmp_path, capsys):
 def _source_elsewhere(converted, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(converted, copy)
-    manifest = json.loads((copy / "rnnify.json").read_text())
-    manifest["source"] = "someone/some-model"
-    (copy / "rnnify.json").write_text(json.dumps(manifest))
+    reseal(copy, source="someone/some-model")
     return copy
 
 
@@ -157,10 +156,7 @@ def _without_tokenizer(converted, tmp_path, source=None):
     shutil.copytree(converted, copy)
     for name in TOKENIZER_FILES:
         (copy / name).unlink(missing_ok=True)
-    if source is not None:
-        manifest = json.loads((copy / "rnnify.json").read_text())
-        manifest["source"] = source
-        (copy / "rnnify.json").write_text(json.dumps(manifest))
+    reseal(copy, **({} if source is None else {"source": source}))  # saved without them
     return copy
 
 

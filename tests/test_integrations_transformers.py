@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 import rnnify
 from rnnify.runtime import hf_files
 from rnnify.integrations.transformers import RnnifyForCausalLM
+from support import reseal
 
 PROMPT = "def read(path):"
 
@@ -173,6 +174,7 @@ def test_directories_with_the_source_config_still_load(converted_dir, tiny_model
     old = shutil.copytree(converted_dir("llama", "exact"), tmp_path / "old")
     shutil.copy(tiny_model_dir("llama") / "config.json", old / "config.json")
     (old / hf_files.MODELING_FILE).unlink()
+    reseal(old)  # saved so: the files are all that differs
     ids = torch.arange(3, 19)[None]
     expected, _ = rnnify.load(converted_dir("llama", "exact")).prefill(ids)
     loaded = rnnify.load(old)

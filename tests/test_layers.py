@@ -23,6 +23,7 @@ LAYERS = [
     {"plan", "gguf"},
     {"passes", "capture"},
     {"runtime"},
+    {"arguments"},  # the command line's value checks (distill's flags too), before a command runs
     {"data"},
     {"original"},
     {"convert", "eval", "distill", "verify", "bench", "chat", "passkey"},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -33,7 +34,7 @@ def test_load_works_after_source_is_deleted(target, tiny_model_dir, tmp_path):
 
 def test_manifest_records_what_was_done(converted_dir, tiny_model_dir):
     manifest = json.loads((converted_dir("llama", "linear") / "rnnify.json").read_text())
-    assert manifest["format_version"] == 2 and manifest["target"] == "linear" and manifest["kernels"] == "auto"
+    assert manifest["format_version"] == 3 and manifest["target"] == "linear" and manifest["kernels"] == "auto"
     assert manifest["source"] == str(tiny_model_dir("llama"))
     assert set(manifest["versions"]) == {"rnnify", "torch", "transformers"}
     assert [c["layer"] for c in manifest["cells"]] == [0, 1]
@@ -87,19 +88,26 @@ def test_save_replaces_a_model_but_not_other_directories(converted_dir, tmp_path
 
 def test_weights_digest_is_recorded(converted_dir):
     directory = converted_dir("llama", "exact")
-    assert rnnify.load(directory).manifest.weights_sha256 == storage.weights_digest(directory)
+    want = hashlib.sha256((directory / storage.WEIGHTS_FILE).read_bytes()).hexdigest()
+    assert rnnify.load(directory).manifest.files[storage.WEIGHTS_FILE] == want
 
 
-def test_saving_a_format_1_model_writes_format_2(converted_dir, tmp_path):
+def test_saving_a_format_1_model_writes_format_3(converted_dir, tmp_path):
+    """A format-1 directory (no fused ops, the weights' sha256 alone) loads unchecked and is saved
+    with every file's sha256, which the next load checks."""
     old = shutil.copytree(converted_dir("llama", "linear"), tmp_path / "old")
     manifest = json.loads((old / "rnnify.json").read_text())
-    del manifest["kernels"]
+    del manifest["kernels"], manifest["files"], manifest["digest"]
     for cell in manifest["cells"]:
         del cell["kernels"]
-    (old / "rnnify.json").write_text(json.dumps({**manifest, "format_version": 1}))
-    rnnify.load(old).save(tmp_path / "new")
+    weights_sha256 = hashlib.sha256((old / storage.WEIGHTS_FILE).read_bytes()).hexdigest()
+    (old / "rnnify.json").write_text(json.dumps({**manifest, "format_version": 1, "weights_sha256": weights_sha256}))
+    rnnify.load(old, verify=False).save(tmp_path / "new")
     saved = json.loads((tmp_path / "new" / "rnnify.json").read_text())
-    assert saved["format_version"] == 2 and saved["kernels"] == "none"
+    assert saved["format_version"] == 3 and saved["kernels"] == "none" and "weights_sha256" not in saved
+    new_weights = (tmp_path / "new" / storage.WEIGHTS_FILE).read_bytes()
+    assert saved["files"][storage.WEIGHTS_FILE] == hashlib.sha256(new_weights).hexdigest()
+    rnnify.load(tmp_path / "new")
 
 
 def test_kernels_none_is_a_choice_and_none_keeps_the_recorded_one(tiny_model_dir, tmp_path, capsys):
@@ -157,7 +165,7 @@ def test_load_refuses_altered_weights_unless_told_not_to_check(converted_dir, tm
     _flip_two_bytes(directory / storage.WEIGHTS_FILE)
     with pytest.raises(rnnify.RnnifyError, match="does not match the sha256 recorded in rnnify.json"):
         rnnify.load(directory)
-    altered = rnnify.load(directory, verify_weights=False)
+    altered = rnnify.load(directory, verify_weights=False)  # the earlier name of verify=False
     original = rnnify.load(converted_dir("llama", "linear"))
     changed = [n for n, t in altered.graph.state_dict().items() if not torch.equal(t, original.graph.state_dict()[n])]
     assert len(changed) == 1  # it did load the altered weights

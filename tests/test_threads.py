@@ -73,18 +73,20 @@ def test_default_threads_counts_logical_cpus_without_topology(tmp_path, affinity
 
 
 def test_flag_then_environment_then_default(monkeypatch):
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 4)  # whatever this machine has
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert threads.choose_threads(2) == (2, "--threads")
     assert threads.choose_threads() == (3, "OMP_NUM_THREADS")
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(threads, "default_threads", lambda: 7)
     assert threads.choose_threads() == (7, "physical cores available")
-    for bad in (0, -1, True, 1.5):
+    for bad in (0, -1, True, 1.5, 5):
         with pytest.raises(RnnifyError, match="--threads"):
             threads.choose_threads(bad)
-    monkeypatch.setenv("OMP_NUM_THREADS", "many")
-    with pytest.raises(RnnifyError, match="OMP_NUM_THREADS"):
-        threads.choose_threads()
+    for bad in ("many", "5"):
+        monkeypatch.setenv("OMP_NUM_THREADS", bad)
+        with pytest.raises(RnnifyError, match="OMP_NUM_THREADS"):
+            threads.choose_threads()
 
 
 # the fewest arguments each command that computes parses with (its handler is replaced)
@@ -108,6 +110,7 @@ def test_every_command_but_info_computes():
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_threads_flag_sets_torch_threads_inside_the_command(monkeypatch, name):
+    monkeypatch.setattr(threads, "max_threads", lambda: 4)  # whatever this machine has
     seen = []
     handler = f"_{name}"
     monkeypatch.setattr(cli, handler, lambda args, console: seen.append(torch.get_num_threads()) or 0)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from rnnify.errors import check_int
 from rnnify.kernels.utils import check_kernels, resolve_backend
 
 
@@ -51,6 +52,18 @@ class CellSpec:
     scale: float
     window: int | None = None  # the model's own sliding window, if it has one
     hidden_size: int | None = None  # width of the layer input x (for cells with needs_input)
+
+    def __post_init__(self) -> None:
+        # a spec read from a manifest is data: sizes that no attention has fail here, by name
+        for name in ("num_heads", "num_kv_heads", "head_dim", "value_dim"):
+            check_int(name, getattr(self, name))
+        for name in ("window", "hidden_size"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if not (isinstance(self.scale, (int, float)) and 0 < self.scale < float("inf")):
+            raise ValueError(f"scale must be a positive number, got {self.scale!r}")
 
     @property
     def group_size(self) -> int:

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from rnnify import arguments
 from rnnify.data import DEFAULT_SEQ_LEN
 from rnnify.distill.train import DEFAULT_LR, SCHEDULES, STAGES, TRAIN
 from rnnify.errors import RnnifyError
@@ -61,7 +62,8 @@ def add_training_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard the weights over the processes, one FSDP unit per decoder layer, "
                    "instead of a full copy per process (models that do not fit one device)")
-    g.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the data order and LoRA init (default: 0)")
+    g.add_argument("--seed", type=arguments.seed("--seed"), default=0, metavar="S",
+                   help="seed of the data order and LoRA init (default: 0)")
     return g
 
 

@@ -161,14 +161,19 @@ class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
         dtype: Any = None,
         torch_dtype: Any = None,
         kernels: str | None = None,
+        verify: bool = True,
+        trust_compiled_step: bool = False,
+        expected_digest: str | None = None,
         **kwargs: Any,
     ) -> "RnnifyForCausalLM":
-        """Load a converted directory with ``rnnify.load``. ``device_map`` is one device (or ``"auto"``);
+        """Load a converted directory with ``rnnify.load`` (``kernels``, ``verify``, ``trust_compiled_step``
+        and ``expected_digest`` as it takes them). ``device_map`` is one device (or ``"auto"``);
         ``dtype`` must be the one the model was converted in (or ``"auto"``); hub options are ignored:
         rnnify reads local directories only."""
         import rnnify
 
-        model = rnnify.load(pretrained_model_name_or_path, device=_device(device_map), kernels=kernels)
+        model = rnnify.load(pretrained_model_name_or_path, device=_device(device_map), kernels=kernels, verify=verify,
+                            trust_compiled_step=trust_compiled_step, expected_digest=expected_digest)
         wanted = dtype if dtype is not None else torch_dtype
         if wanted not in (None, "auto") and str(wanted).removeprefix("torch.") != model.manifest.dtype:
             raise RnnifyError(

@@ -1,18 +1,18 @@
-"""A decode step compiled ahead of time and kept beside the model it belongs to.
+"""A decode step compiled ahead of time: compiling it, and loading it with a model's weights.
 
 ``RecurrentModel.compile_step`` compiles in the process that decodes: on a CPU a minute or more
 before the first token, which a short generation never pays back (docs/performance.md). AOTInductor
-does the same compile once, into a package in the model's directory (``rnnify compile DIR``), and
-``rnnify.load`` picks it up without compiling, so every later process decodes compiled.
+does the same compile once, into a package (``compile_package``), and later processes load it
+without compiling. A package is native code (a zip holding a shared object), so where one is kept
+and when it is trusted is ``runtime.step_cache``'s business, not this module's.
 
 The package holds the step's code, not its weights: the model's own parameters are handed to it
 when it is loaded (shared, not copied), so it adds no weight bytes on disk or in memory, and a
 weight changed in place is seen. It is compiled for the cells' own PyTorch forms on this CPU
 (any batch size; ``exact``'s growing state too, not a cache that grows up to a sliding window).
-What it was compiled for (``fingerprint``) is recorded beside it; a package that does not match
-the model and machine it is loaded on is ignored with a warning and the step runs eagerly, as it
-does whenever the model's graph or weights have been replaced since (``serves``). The code reads
-its inputs as laid out at compile time, unchecked: token ids go in as int64 and every input
+What it was compiled for is its ``fingerprint``, which says which models and machines it serves;
+once the model's graph or weights have been replaced the step runs eagerly (``serves``). The code
+reads its inputs as laid out at compile time, unchecked: token ids go in as int64 and every input
 contiguous.
 """
 
@@ -22,25 +22,27 @@ import hashlib
 import json
 import os
 import platform
-import shutil
+import stat
 import tempfile
 import warnings
-from pathlib import Path
+import zipfile
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rnnify.errors import RnnifyError, RnnifyWarning, first_line
+from rnnify.runtime.child_reaper import reaping_children
 
 if TYPE_CHECKING:
     from rnnify.runtime.model import RecurrentModel
 
 __all__ = [
-    "STEP_PACKAGE", "StepPackage", "copy_step_package", "gains_little", "load_step_package", "refusal", "write_step_package",
+    "STEP_PACKAGE", "StepPackage", "check_archive", "compile_package", "fingerprint", "gains_little", "load_package",
+    "refusal",
 ]
 
 STEP_PACKAGE = "step-cpu.pt2"  # AOTInductor's package: the compiled step for CPUs
-STEP_RECORD = "step-cpu.json"  # what it was compiled for (``fingerprint``)
 # Compiling saves per-op overhead, which a step this heavy hardly has: Llama-3.2-1B's shape in bf16
 # (2.3 GiB a token) decoded 1.07-1.13x faster compiled, for 110-165 s of compiling; the bundled model
 # and GPT-2 small (under 0.5 GiB) 1.15-3.2x at batch 1 (docs/performance.md). A line between those.
@@ -129,84 +131,54 @@ def _export(model: RecurrentModel) -> torch.export.ExportedProgram:
         model.use_kernels(kernels)
 
 
-def write_step_package(model: RecurrentModel, directory: str | os.PathLike) -> Path:
-    """Compile ``model``'s one-token step with AOTInductor into ``directory``/``STEP_PACKAGE`` (and
-    its record), replacing any there; the files appear whole or not at all. CPU only."""
+def compile_package(model: RecurrentModel, package: Path) -> Path:
+    """Compile ``model``'s one-token step with AOTInductor into the file ``package`` (named
+    ``STEP_PACKAGE``), replacing any there; it appears whole or not at all. CPU only."""
     reason = refusal(model)
     if reason is not None:
         raise RnnifyError(reason)
-    directory = Path(directory)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)  # torch's own, not ours
         program = _export(model)
         try:
-            with tempfile.TemporaryDirectory(dir=directory, prefix=".step-") as scratch:
+            with tempfile.TemporaryDirectory(dir=package.parent, prefix=".step-") as scratch:
+                built = Path(scratch) / STEP_PACKAGE  # the archive's folder is named after the file
                 try:
-                    torch._inductor.aoti_compile_and_package(
-                        program, package_path=str(Path(scratch) / STEP_PACKAGE),
-                        inductor_configs={"aot_inductor.package_constants_in_so": False},
-                    )
+                    with reaping_children():  # the C++ compiler it starts ends with this process
+                        torch._inductor.aoti_compile_and_package(
+                            program, package_path=str(built),
+                            inductor_configs={"aot_inductor.package_constants_in_so": False},
+                        )
                 except Exception as exc:  # noqa: BLE001 - only a compiler that is missing or fails is the user's
                     if not _compiler_failed(exc):
                         raise
                     raise RnnifyError(f"compiling the step failed ({first_line(exc)}); an ahead-of-time step "
                                       "needs a working C++ compiler (gcc or clang) on PATH; without one, decode "
                                       "eagerly") from exc
-                record = {"fingerprint": fingerprint(model), "torch": torch.__version__}
-                (Path(scratch) / STEP_RECORD).write_text(json.dumps(record) + "\n")
-                _install(Path(scratch), directory)
+                built.chmod(0o600)
+                os.replace(built, package)
         except OSError as exc:
-            raise RnnifyError(f"cannot write the compiled step into {directory}: {exc.strerror or exc}") from exc
-    return directory / STEP_PACKAGE
+            raise RnnifyError(f"cannot write the compiled step into {package.parent}: {exc.strerror or exc}") from exc
+    return package
 
 
-def copy_step_package(model: RecurrentModel, source: str | os.PathLike, directory: str | os.PathLike) -> bool:
-    """Copy ``source``'s package into ``directory`` when it was compiled for ``model`` as it is now
-    (the weights' values may differ: a distilled copy of ``source`` decodes with it); True if copied."""
-    source, directory = Path(source), Path(directory)
-    if _recorded_fingerprint(source) != fingerprint(model) or not (source / STEP_PACKAGE).is_file():
-        return False
-    if source.resolve() == directory.resolve():  # saved over itself, the package kept (``keep_step_package``)
-        return True
+def check_archive(package: Path) -> None:
+    """Refuse (``RnnifyError``) a package whose zip could put anything outside the folder torch's loader
+    unpacks it into, which joins the names as they are: every entry must be a plain file or folder
+    under the package's own folder, by a relative path without ``..``."""
+    folder = PurePosixPath(STEP_PACKAGE).stem
     try:
-        with tempfile.TemporaryDirectory(dir=directory, prefix=".step-") as scratch:
-            for name in (STEP_PACKAGE, STEP_RECORD):
-                shutil.copyfile(source / name, Path(scratch) / name)
-            _install(Path(scratch), directory)
-    except OSError as exc:
-        raise RnnifyError(f"cannot write the compiled step into {directory}: {exc.strerror or exc}") from exc
-    return True
-
-
-def keep_step_package(model: RecurrentModel, old: Path, new: Path) -> None:
-    """Put ``old``'s package into ``new`` when it was compiled for ``model`` as it is now: a model saved
-    over its own directory (distilled in place) keeps its compiled step. Hard-linked where the file
-    system can, so ``old`` stays whole until the save replaces it."""
-    recorded = _recorded_fingerprint(old)  # first: most directories saved over have no package to fingerprint for
-    if recorded is None or not (old / STEP_PACKAGE).is_file() or recorded != fingerprint(model):
-        return
-    for name in (STEP_PACKAGE, STEP_RECORD):  # the record last: a package without one is never used
-        try:
-            os.link(old / name, new / name)
-        except OSError:
-            shutil.copyfile(old / name, new / name)
-
-
-def _install(scratch: Path, directory: Path) -> None:
-    """Move a package and its record from ``scratch`` into ``directory`` (the same file system),
-    replacing any there: the old record goes first and the new one comes last, so a package that is
-    half replaced never has a record and is never used."""
-    (directory / STEP_RECORD).unlink(missing_ok=True)
-    os.replace(scratch / STEP_PACKAGE, directory / STEP_PACKAGE)
-    os.replace(scratch / STEP_RECORD, directory / STEP_RECORD)
-
-
-def _recorded_fingerprint(directory: Path) -> str | None:
-    """What the package in ``directory`` was compiled for (``fingerprint``), if it says."""
-    try:
-        return json.loads((directory / STEP_RECORD).read_text())["fingerprint"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        with zipfile.ZipFile(package) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise RnnifyError(f"{package}: not a compiled step ({exc}); it is not loaded") from exc
+    for entry in entries:
+        name, kind = entry.filename, stat.S_IFMT(entry.external_attr >> 16)
+        parts = PurePosixPath(name).parts
+        if ("\\" in name or name.startswith("/") or ".." in parts or not parts or parts[0] != folder
+                or kind not in (0, stat.S_IFREG, stat.S_IFDIR)):
+            raise RnnifyError(f"{package}: its entry {name!r} is not a file under {folder}/ (a link, an absolute "
+                              "path or one that climbs out with ..): refused, not loaded")
 
 
 def _compiler_failed(exc: BaseException | None) -> bool:
@@ -224,8 +196,10 @@ def _compiler_failed(exc: BaseException | None) -> bool:
 class StepPackage:
     """A loaded package with the model's weights: called as the step graph is."""
 
-    def __init__(self, runner: Any, weights: dict[str, torch.Tensor], model: RecurrentModel):
+    def __init__(self, runner: Any, weights: dict[str, torch.Tensor], model: RecurrentModel, path: Path,
+                 shipped: bool):
         self.runner = runner
+        self.path, self.shipped = path, shipped  # where it was loaded from: this machine's cache, or the directory
         self.weights = weights  # the runner holds their pointers: they must outlive it
         self.graph, self.code = model.graph, model.graph.code
         # where each weight sits, and its memory: a flat list, checked every step without walking modules
@@ -246,17 +220,11 @@ class StepPackage:
         return None  # the loader cannot be copied: a copied model decodes eagerly
 
 
-def load_step_package(model: RecurrentModel, directory: str | os.PathLike) -> StepPackage | None:
-    """The package in ``directory`` bound to ``model``'s weights; None when there is none, the
-    model is not on a CPU, or the package was compiled for another model, torch or CPU (warned)."""
-    directory = Path(directory)
-    package = directory / STEP_PACKAGE
-    if model.device.type != "cpu" or not package.is_file():
-        return None
-    if _recorded_fingerprint(directory) != fingerprint(model):
-        warnings.warn(f"{package} was compiled for another model, rnnify or torch version or CPU: decoding eagerly; run "
-                      f"`rnnify compile {directory}` again", RnnifyWarning, stacklevel=3)
-        return None
+def load_package(model: RecurrentModel, package: Path, shipped: bool = False) -> StepPackage | None:
+    """The package file ``package`` bound to ``model``'s weights (``check_archive`` first, refused by
+    ``RnnifyError``); None, warned, when torch cannot load it on this machine. The caller vouches that
+    the package was compiled for ``model`` (``fingerprint``) and that its code may run."""
+    check_archive(package)
     try:  # torch's own loader (``aoti_load_package`` wraps it, importing the whole of inductor first)
         runner = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
         names = set(runner.get_constant_fqns())
@@ -264,7 +232,7 @@ def load_step_package(model: RecurrentModel, directory: str | os.PathLike) -> St
         # into the active constants, checked complete, user-managed: the model's tensors are used in place
         runner.load_constants(weights, False, True, True, False)
     except (RuntimeError, OSError) as exc:
-        warnings.warn(f"{package} could not be loaded on this machine ({exc}): decoding eagerly; run "
-                      f"`rnnify compile {directory}` here", RnnifyWarning, stacklevel=3)
+        warnings.warn(f"{package} could not be loaded on this machine ({first_line(exc)}): decoding eagerly",
+                      RnnifyWarning, stacklevel=4)
         return None
-    return StepPackage(runner, weights, model)
+    return StepPackage(runner, weights, model, package, shipped)

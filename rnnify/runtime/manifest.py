@@ -1,18 +1,32 @@
-"""The manifest (``rnnify.json``): what a saved directory holds and how to rebuild it."""
+"""The manifest (``rnnify.json``): what a saved directory holds and how to rebuild it.
+
+It also records the sha256 of the directory's files (``files``) and seals itself with ``digest``,
+the sha256 of its own canonical JSON (``content_digest``): a manifest edited by hand, or a file
+changed without its record, no longer matches (``runtime.integrity`` checks both). The digest
+covers every file's sha256, so it names the whole directory: a user who got it from someone they
+trust can ask a load for it (``expected_digest``). A digest stored beside the files proves only that
+nothing was damaged or half changed; whoever can rewrite the directory can rewrite the record too.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rnnify.errors import RnnifyError
+from rnnify.errors import RnnifyError, check_int, first_line
+from rnnify.runtime.json_fields import check_fields
 
 # rnnify.json's version (graph.json has its own: serialize.GRAPH_FORMAT_VERSION). 2 adds ``kernels``
-# (and each cell's fused ops) and ``distill``; version 1 still loads, unfused.
-MANIFEST_FORMAT_VERSION = 2
+# (and each cell's fused ops) and ``distill``; version 1 still loads, unfused. 3 records every file's
+# sha256 (``files``, where 1 and 2 had the weights' alone) and seals the manifest (``digest``): 1 and 2
+# load only unchecked (``rnnify.load(verify=False)``).
+MANIFEST_FORMAT_VERSION = 3
 MANIFEST_FILE = "rnnify.json"
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # the dtypes a model is saved in (``Manifest.dtype``)
 
 
 @dataclass
@@ -40,46 +54,85 @@ class Manifest:
     cells: list[CellEntry]
     layers: list[str] = field(default_factory=list)  # per-layer rules over `target`, e.g. "0-1:exact"
     versions: dict[str, str] = field(default_factory=dict)
-    weights_sha256: str | None = None
+    files: dict[str, str] = field(default_factory=dict)  # name -> sha256 of every file saved beside the manifest
     aliases: dict[str, str] = field(default_factory=dict)  # tied tensors: alias -> stored name
     buffers: list[str] = field(default_factory=list)  # tensors that are buffers, not parameters
     distill: dict[str, Any] | None = None  # settings and tokens of `rnnify distill`, if it trained the model
     kernels: str = "none"  # backend of the fused ops (auto, triton, reference), or none: the cells' PyTorch forms
+    shipped_step: str | None = None  # what a shipped step-cpu.pt2 was compiled for (``aot.fingerprint``), if one ships
     format_version: int = MANIFEST_FORMAT_VERSION
+    digest: str | None = None  # ``content_digest`` of the rest, set by ``write``
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Manifest":
+        """The manifest of ``data``; ``ValueError`` naming the first field that does not fit."""
+        if not isinstance(data, dict):
+            raise ValueError(f"the manifest must be an object, got {type(data).__name__}")
         data = dict(data)
-        data["cells"] = [CellEntry(**c) for c in data["cells"]]
         data["kernels"] = data.get("kernels") or "none"  # format 1 has none; early format 2 wrote null for none
+        data.pop("weights_sha256", None)  # formats 1 and 2 recorded the weights' sha256 alone; 3 has ``files``
+        check_fields(cls, data, "manifest")
+        if data["dtype"] not in DTYPES:
+            raise ValueError(f"manifest.dtype must be one of {', '.join(DTYPES)}, got {data['dtype']!r}")
+        check_int("manifest.vocab_size", data["vocab_size"], error=ValueError)
+        limit = data["positions"].get("limit")
+        if limit is not None:
+            check_int("manifest.positions.limit", limit, error=ValueError)
+        data["cells"] = [CellEntry(**c) for c in data["cells"]]
         return cls(**data)
 
     @classmethod
     def read(cls, directory: Path) -> "Manifest":
-        path = directory / MANIFEST_FILE
-        if not directory.is_dir():
-            raise RnnifyError(f"{directory}: no such directory")
-        if not path.is_file():
-            raise RnnifyError(f"{directory}: not an rnnify model directory (no {MANIFEST_FILE}); make one with `rnnify convert`")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RnnifyError(f"{path}: corrupted manifest ({exc})") from exc
-        version = data.get("format_version") if isinstance(data, dict) else None
-        if not isinstance(version, int):
-            raise RnnifyError(f"{path}: corrupted manifest (no format_version)")
-        if version > MANIFEST_FORMAT_VERSION:
-            raise RnnifyError(
-                f"{path}: written by a newer rnnify (format version {version}; this one reads up to "
-                f"{MANIFEST_FORMAT_VERSION}): upgrade rnnify"
-            )
+        return cls.parse(read_data(directory), directory)
+
+    @classmethod
+    def parse(cls, data: dict[str, Any], directory: Path) -> "Manifest":
+        """The manifest ``read_data`` read from ``directory``."""
         try:
             return cls.from_json(data)
-        except (KeyError, TypeError) as exc:
-            raise RnnifyError(f"{path}: corrupted manifest ({exc})") from exc
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RnnifyError(f"{directory / MANIFEST_FILE}: corrupted manifest ({exc})") from exc
 
     def write(self, directory: Path) -> None:
-        (directory / MANIFEST_FILE).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        """Write ``rnnify.json`` into ``directory``, sealed with its ``digest``; the file is replaced whole
+        (a manifest rewritten in place, by ``rnnify compile --ship``, is never seen half written)."""
+        data = json.loads(json.dumps(self.to_json()))  # as it will be read back: tuples as lists, keys as strings
+        self.digest = data["digest"] = content_digest(data)
+        scratch = directory / f".{MANIFEST_FILE}.{os.getpid()}.tmp"
+        try:
+            scratch.write_text(json.dumps(data, indent=2) + "\n")
+            os.replace(scratch, directory / MANIFEST_FILE)
+        finally:
+            scratch.unlink(missing_ok=True)
+
+
+def content_digest(data: dict[str, Any]) -> str:
+    """sha256 of a manifest's canonical JSON (sorted keys, no spaces) without its ``digest``: what
+    ``digest`` records, and the directory's digest (it covers every file's sha256)."""
+    rest = {key: value for key, value in data.items() if key != "digest"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def read_data(directory: Path) -> dict[str, Any]:
+    """``directory``'s manifest as JSON, of a format this rnnify reads (``Manifest.parse`` builds it)."""
+    path = directory / MANIFEST_FILE
+    if not directory.is_dir():
+        raise RnnifyError(f"{directory}: no such directory")
+    if not path.is_file():
+        raise RnnifyError(f"{directory}: not an rnnify model directory (no {MANIFEST_FILE}); make one with `rnnify convert`")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise RnnifyError(f"{path}: corrupted manifest ({first_line(exc)})") from exc
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if not isinstance(version, int):
+        raise RnnifyError(f"{path}: corrupted manifest (no format_version)")
+    if version > MANIFEST_FORMAT_VERSION:
+        raise RnnifyError(
+            f"{path}: written by a newer rnnify (format version {version}; this one reads up to "
+            f"{MANIFEST_FORMAT_VERSION}): upgrade rnnify"
+        )
+    return data

@@ -113,7 +113,8 @@ class RecurrentModel(nn.Module):
     @property
     def step_package(self) -> Any:
         """The decode step compiled ahead of time that one-token calls run (``rnnify.runtime.aot``,
-        found by ``rnnify.load``), or None: none was found, or the graph or its weights were replaced
+        found by ``rnnify.load`` in this machine's cache or, trusted, in the directory:
+        ``runtime.step_cache``), or None: none was found, or the graph or its weights were replaced
         since it was loaded."""
         package = self._step_package
         return package if package is not None and package.serves(self) else None

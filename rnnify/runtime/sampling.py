@@ -5,14 +5,23 @@ Order as in transformers' ``generate``: temperature, then top-k, then top-p (nuc
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rnnify.errors import RnnifyError
 
 
+def check_temperature(temperature: float, name: str = "temperature") -> float:
+    """``temperature`` if it is a finite number > 0. However small, it cannot overflow (``next_token``);
+    infinity would turn a logit of -inf into nan."""
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise RnnifyError(f"{name} must be a finite number > 0, got {temperature}")
+    return temperature
+
+
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not temperature > 0:
-        raise RnnifyError(f"temperature must be > 0, got {temperature}")
+    check_temperature(temperature)
     if top_k is not None and top_k < 1:
         raise RnnifyError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
@@ -30,7 +39,11 @@ def next_token(
     """``logits [B, V]`` -> token ids ``[B]``: argmax, or a sample from the filtered distribution."""
     if not do_sample:
         return logits.argmax(-1)
-    logits = logits.float() / temperature
+    # Shifted so that the largest is 0 before dividing: a temperature near 0 then sends the others to
+    # -inf, where dividing first overflows to inf and the softmax to nan. Softmax, top-k and top-p
+    # ignore the shift.
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

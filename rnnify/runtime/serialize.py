@@ -7,10 +7,10 @@ weights separately (e.g. safetensors), then rebuild with
 ``torch.fx.GraphModule(root_with_weights, graph_from_json(data))``.
 
 The graphs we handle come from ``torch.export.export(..., strict=False).module()``
-followed by our own passes, so the vocabulary is small: ATen / custom ops,
-``operator`` and ``math`` builtins, ``torch.sym_*`` helpers, and simple
-constant arguments. Everything else is rejected with :class:`GraphFormatError`
-rather than silently degraded.
+followed by our own passes, so the vocabulary is small and closed: the ops of
+``op_vocabulary.OPS``, each with the argument types its schema declares, and simple
+constant arguments. Everything else is rejected with :class:`GraphFormatError`, on
+save and on load, rather than silently degraded or run.
 
 What is *not* stored: ``node.meta`` (fake tensors, stack traces), ``node.type``
 annotations and the graph's ``_codegen``; a loaded graph always uses the plain
@@ -18,9 +18,9 @@ annotations and the graph's ``_codegen``; a loaded graph always uses the plain
 stored), so swap out pytree codegen before saving if the calling convention
 matters.
 
-Loading never calls ``eval``/``importlib``: call targets are resolved against
-a fixed whitelist, and every name that fx pastes into generated Python source
-(node names, placeholder / attribute / module targets, kwarg keys) is
+Loading never calls ``eval``/``importlib``: call targets are resolved only when
+they are in the vocabulary, and every name that fx pastes into generated Python
+source (node names, placeholder / attribute / module targets, kwarg keys) is
 validated, so a hostile file cannot inject code through ``recompile()``.
 """
 
@@ -30,7 +30,6 @@ import keyword
 import math
 import operator
 import re
-import types
 from typing import Any, Callable
 
 import torch
@@ -38,12 +37,15 @@ import torch.fx
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from rnnify.errors import GraphFormatError
+from rnnify.runtime.op_vocabulary import OPS, check_call
 
 __all__ = ["GRAPH_FORMAT_VERSION", "GraphFormatError", "graph_from_json", "graph_to_json"]
 
 # graph.json's own layout version (independent of rnnify.json's MANIFEST_FORMAT_VERSION)
 GRAPH_FORMAT_VERSION = 1
 
+# Arguments nest a few levels (a tuple of slices, a list of sizes); far deeper is no graph of ours.
+MAX_NESTING = 8
 _OPS = ("placeholder", "get_attr", "call_function", "call_module", "output")
 # Tag keys of the tagged value encoding; every JSON object in an argument is one of these.
 _TAGS = (
@@ -62,38 +64,18 @@ _PLACEHOLDER_TARGET = re.compile(r"(\*{0,2})([A-Za-z_][A-Za-z0-9_]*)\Z")
 
 
 def _build_function_table() -> dict[str, Callable[..., Any]]:
-    """The whitelist of plain-function call targets, keyed by their stored string."""
+    """The plain-function call targets of the vocabulary (``op_vocabulary.OPS``), keyed by their stored string."""
+    modules = {"operator": operator, "math": math, "torch": torch}
     table: dict[str, Callable[..., Any]] = {}
-    for name in sorted(dir(operator)):
-        fn = getattr(operator, name)
-        # Builtin functions only: excludes the attrgetter/itemgetter/methodcaller classes;
-        # operator.call would let a graph invoke any callable it can reach.
-        if isinstance(fn, types.BuiltinFunctionType) and not name.startswith("__") and name != "call":
-            table[f"operator.{name}"] = fn
-    for name in sorted(dir(math)):
-        fn = getattr(math, name)
-        if isinstance(fn, types.BuiltinFunctionType):
-            table[f"math.{name}"] = fn
-    for name in sorted(dir(torch)):
-        if name.startswith(("sym_", "_sym_")):
-            fn = getattr(torch, name)
-            if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)):
-                table[f"torch.{name}"] = fn
+    for name in sorted(OPS):
+        module, _, attr = name.partition(".")
+        if module in modules and not name.startswith("torch.ops."):
+            table[name] = getattr(modules[module], attr)
     return table
 
 
 _FUNCTIONS = _build_function_table()
-
-
-def _build_reverse_table() -> dict[int, str]:
-    # Some objects have two names (torch.sym_sqrt is torch._sym_sqrt); prefer the public one.
-    reverse: dict[int, str] = {}
-    for key in sorted(_FUNCTIONS, key=lambda k: (k.split(".")[-1].startswith("_"), k)):
-        reverse.setdefault(id(_FUNCTIONS[key]), key)
-    return reverse
-
-
-_FUNCTION_NAMES = _build_reverse_table()
+_FUNCTION_NAMES = {id(fn): name for name, fn in _FUNCTIONS.items()}
 
 
 def _resolve_op(path: str) -> Callable[..., Any] | None:
@@ -136,6 +118,8 @@ def _target_to_str(target: Any) -> str | None:
 
 
 def _str_to_target(name: str) -> Callable[..., Any] | None:
+    if name not in OPS:  # before any lookup: nothing outside the vocabulary is even resolved
+        return None
     if name.startswith("torch.ops."):
         return _resolve_op(name)
     return _FUNCTIONS.get(name)
@@ -197,11 +181,14 @@ class _Decoder:
         self.nodes = nodes
         self.device = device
 
-    def decode(self, value: Any, where: str) -> Any:
+    def decode(self, value: Any, where: str, depth: int = 0) -> Any:
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
+        if depth > MAX_NESTING:
+            raise GraphFormatError(f"{where}: argument nested deeper than {MAX_NESTING} levels")
+        depth += 1
         if isinstance(value, list):
-            return [self.decode(v, where) for v in value]
+            return [self.decode(v, where, depth) for v in value]
         if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in _TAGS:
             raise GraphFormatError(f"{where}: malformed argument value {value!r:.200}")
         (tag, payload), = value.items()
@@ -214,15 +201,15 @@ class _Decoder:
         if tag in ("tuple", "slice"):
             if not isinstance(payload, list) or (tag == "slice" and len(payload) != 3):
                 raise GraphFormatError(f"{where}: malformed {tag} {payload!r:.200}")
-            items = [self.decode(v, where) for v in payload]
+            items = [self.decode(v, where, depth) for v in payload]
             return tuple(items) if tag == "tuple" else slice(*items)
         if tag == "dict":
             if not isinstance(payload, dict):
                 raise GraphFormatError(f"{where}: malformed dict {payload!r:.200}")
-            return {k: self.decode(v, where) for k, v in payload.items()}
+            return {k: self.decode(v, where, depth) for k, v in payload.items()}
         if tag == "float":
             special = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-            if payload not in special:
+            if not isinstance(payload, str) or payload not in special:
                 raise GraphFormatError(f"{where}: unknown float constant {payload!r}")
             return special[payload]
         if tag == "dtype":
@@ -278,9 +265,9 @@ def graph_to_json(graph: torch.fx.Graph) -> dict:
             target = _target_to_str(node.target)
             if target is None:
                 raise GraphFormatError(
-                    f"{where}: unsupported call target {node.target!r}; only torch.ops overloads, "
-                    "operator/math builtins and torch.sym_* functions can be serialized"
+                    f"{where}: {node.target!r} is outside rnnify's op vocabulary (rnnify.runtime.op_vocabulary)"
                 )
+            check_call(target, node.target, node.args, node.kwargs, where)
         else:
             target = node.target
             _check_target(node.op, target, where)
@@ -348,20 +335,18 @@ def graph_from_json(data: dict, device: torch.device | str | None = None) -> tor
         if op == "call_function":
             resolved = _str_to_target(target) if isinstance(target, str) else None
             if resolved is None:
-                raise GraphFormatError(f"{where}: unknown or disallowed call target {target!r}")
+                raise GraphFormatError(f"{where}: {target!r} is outside rnnify's op vocabulary; nothing was run")
             target = resolved
         else:
             _check_target(op, target, where)
-        if op == "output" and index != len(raw_nodes) - 1:
-            raise GraphFormatError(f"{where}: output must be the last node")
+        if op == "output" and (index != len(raw_nodes) - 1 or len(args) != 1 or kwargs):
+            raise GraphFormatError(f"{where}: output must be the last node, with one value")
 
-        node = graph.create_node(
-            op,
-            target,
-            tuple(decoder.decode(a, where) for a in args),
-            {k: decoder.decode(v, where) for k, v in kwargs.items()},
-            name=name,
-        )
+        args = tuple(decoder.decode(a, where) for a in args)
+        kwargs = {k: decoder.decode(v, where) for k, v in kwargs.items()}
+        if op == "call_function":
+            check_call(raw["target"], target, args, kwargs, where)
+        node = graph.create_node(op, target, args, kwargs, name=name)
         if node.name != name:
             # fx renames clashes with builtins/reserved names; a renamed node would break references.
             raise GraphFormatError(f"{where}: name is not usable in an fx graph (fx renamed it to {node.name!r})")

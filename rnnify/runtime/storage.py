@@ -4,21 +4,22 @@ A directory holds ``model.safetensors`` (every tensor, cell parameters included)
 (the step graph, see ``serialize``), ``rnnify.json`` (the manifest), the source model's tokenizer
 and generation files, and a ``config.json`` plus ``modeling_rnnify.py`` that make transformers load
 the converted model rather than the original (``rnnify.runtime.hf_files``). Writing goes to
-a temporary directory that is renamed into place at the end, so a failed save leaves nothing
-behind; the directory and its files get the modes the umask gives (``tempfile.mkdtemp`` makes
-0700). Saved over its own directory, a model keeps the compiled step there while it still fits
-(``runtime.aot.keep_step_package``). The weights are written one tensor at a time from the model's own memory (``weights_file``),
-so saving adds no copy of them. Loading checks the weights against the sha256 the manifest
-recorded (a streamed read, about a second per GB) unless told not to.
+a temporary directory that is swapped into place at the end, so a failed save leaves nothing
+behind; one writer at a time holds the target, and what a killed one left is put right by the
+next (``output_dir``). The directory and its files get the modes the umask gives (``mkdtemp`` makes
+0700). The weights are written one tensor at a time from the model's own memory (``weights_file``),
+so saving adds no copy of them. The manifest records every file's sha256, and loading checks each
+file it reads against that record before using it (``runtime.integrity``; a streamed read, about a
+second per GB of weights) unless told not to. A directory never brings code that a load runs: the
+compiled decode step comes from this machine's cache (``runtime.step_cache``), or from a package the
+directory ships only when the user trusts it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,12 +32,13 @@ from torch import nn
 
 from rnnify.cells import CELLS, CellSpec, build_cell
 from rnnify.cells.heads import TARGET as HEADS_TARGET
-from rnnify.errors import RnnifyError
-from rnnify.runtime import hf_files
+from rnnify.errors import RnnifyError, first_line
+from rnnify.runtime import hf_files, integrity, output_dir
 from rnnify.kernels.utils import check_kernels
-from rnnify.runtime.manifest import MANIFEST_FORMAT_VERSION, MANIFEST_FILE, Manifest
+from rnnify.runtime.manifest import MANIFEST_FORMAT_VERSION, MANIFEST_FILE, Manifest, read_data
 from rnnify.runtime.model import RecurrentModel
-from rnnify.runtime.aot import keep_step_package, load_step_package
+from rnnify.runtime.step_cache import find_step
+from rnnify.runtime.op_vocabulary import check_references, check_returns
 from rnnify.runtime.serialize import GraphFormatError, graph_from_json, graph_to_json
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 from rnnify.runtime.weights_file import write_safetensors
@@ -87,14 +89,6 @@ def _unique_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[st
     return tensors, aliases, buffers
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def saved_options(target: str, options: dict[str, Any]) -> dict[str, Any]:
     """A saved cell's options, with the value each option added since had before it existed
     (``Cell.manifest_defaults``), for every group of a head split too."""
@@ -102,10 +96,6 @@ def saved_options(target: str, options: dict[str, Any]) -> dict[str, Any]:
         groups = [{**g, "options": saved_options(g["target"], g.get("options") or {})} for g in options["groups"]]
         options = {**options, "groups": groups}
     return {**CELLS[target].manifest_defaults, **options} if target in CELLS else options
-
-
-def weights_digest(directory: Path) -> str:
-    return _sha256(directory / WEIGHTS_FILE)
 
 
 def _follow_umask(directory: Path) -> None:
@@ -127,9 +117,15 @@ def check_output(path: Path) -> Path:
 
 
 def save(model: RecurrentModel, path: Path) -> Path:
+    """Write ``model`` to the directory ``path``, holding it against other writers (``output_dir.claim``)."""
     path = check_output(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    with output_dir.claim(path):
+        return _write(model, path)
+
+
+def _write(model: RecurrentModel, path: Path) -> Path:
+    """Write ``model`` into a new directory beside the claimed ``path`` and swap it in whole."""
+    tmp = output_dir.scratch(path)
     try:
         tensors, aliases, buffers = _unique_tensors(model.graph)
         weights_sha256 = write_safetensors(tmp / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
@@ -140,9 +136,11 @@ def save(model: RecurrentModel, path: Path) -> Path:
             wrapped = hf_files.wrap_config(model.files[hf_files.CONFIG_FILE], model.manifest.to_json())
             (tmp / hf_files.CONFIG_FILE).write_bytes(wrapped)
         (tmp / hf_files.MODELING_FILE).write_bytes(hf_files.modeling_file())
+        written = sorted(p.name for p in tmp.iterdir() if p.name != WEIGHTS_FILE)
         manifest = replace(
             model.manifest,
-            weights_sha256=weights_sha256,
+            files={WEIGHTS_FILE: weights_sha256, **integrity.record(tmp, written)},
+            shipped_step=None,  # a step compiled into the old directory is not carried over (``step_cache``)
             aliases=aliases,
             buffers=buffers,
             versions=versions(),
@@ -150,14 +148,7 @@ def save(model: RecurrentModel, path: Path) -> Path:
         )
         manifest.write(tmp)
         _follow_umask(tmp)
-        if path.exists():
-            keep_step_package(model, path, tmp)
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
-            os.replace(path, old / path.name)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
+        output_dir.install(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -191,43 +182,73 @@ def install(root: nn.Module, path: str, value: Any) -> None:
         setattr(module, leaf, value)
 
 
+# What a load reads, which the manifest must record: these always, and these others when present or
+# recorded (a tokenizer file removed changes what is read too; transformers' route runs the modeling file).
+READ_AT_LOAD = (WEIGHTS_FILE, GRAPH_FILE)
+READ_IF_PRESENT = (hf_files.MODELING_FILE, *SOURCE_FILES)
+
+
 def load(
-    path: str | Path, device: torch.device | str | None = None, kernels: str | None = None, verify_weights: bool = True,
-    aot_step: bool = True,
+    path: str | Path, device: torch.device | str | None = None, kernels: str | None = None, verify: bool = True,
+    aot_step: bool = True, trust_compiled_step: bool = False, expected_digest: str | None = None,
+    *, verify_weights: bool | None = None,
 ) -> RecurrentModel:
     """Load a directory written by ``RecurrentModel.save``; needs neither the source model nor a hub.
 
     ``kernels`` overrides the backend of the fused ops recorded at conversion (``auto``, ``triton``,
     ``reference``, or ``none`` for the cells' own PyTorch forms; see ``RecurrentModel.use_kernels``);
-    None keeps the recorded one. ``verify_weights`` compares the weights file with the sha256 the
-    manifest recorded when it was saved, so altered or damaged weights are refused rather than run;
-    False skips that read of the whole file. ``aot_step``: run one-token calls on a CPU through the
-    decode step compiled ahead of time for this model (``rnnify compile``, ``runtime.aot``) when the
-    directory holds one; False decodes eagerly.
+    None keeps the recorded one. ``verify`` compares every file the load reads with the sha256 the
+    manifest recorded when it was saved (``runtime.integrity``), so altered or damaged files are
+    refused rather than run; False skips those reads, and loads directories of older rnnify, which
+    recorded none (``verify_weights`` is its earlier name, still accepted). ``expected_digest``: the
+    directory's digest (``rnnify info``) as someone the user trusts gave it; anything else is refused.
+    ``aot_step``: run one-token calls on a CPU through the decode step compiled ahead of time for this
+    model when this machine's cache holds one (``runtime.step_cache``); False decodes eagerly.
+    ``trust_compiled_step``: run the step the directory ships instead (native code, ``rnnify compile
+    --ship``), once its sha256 matches the manifest's; without it a shipped step is never opened.
     """
     path = Path(path).expanduser()
+    output_dir.restore(path)  # a save killed halfway through replacing it may have left it aside
+    verify = verify if verify_weights is None else verify_weights
     if kernels is not None:
         check_kernels(kernels)
-    manifest = Manifest.read(path)
+    if expected_digest is not None and not verify:
+        raise RnnifyError("an expected digest is checked with the files it covers: drop verify=False (--no-verify)")
+    data = read_data(path)
+    if verify:
+        integrity.check(path, data, READ_AT_LOAD, READ_IF_PRESENT, expected_digest)
+    manifest = Manifest.parse(data, path)
     device = torch.device(device) if device is not None else torch.device("cpu")
     try:
         tensors = load_file(path / WEIGHTS_FILE, device=str(device))
     except (SafetensorError, OSError, ValueError) as exc:
         raise RnnifyError(f"{path / WEIGHTS_FILE}: missing or corrupted weights ({exc}); convert the model again") from exc
-    if verify_weights and manifest.weights_sha256 is not None and weights_digest(path) != manifest.weights_sha256:
-        raise RnnifyError(
-            f"{path / WEIGHTS_FILE} does not match the sha256 recorded in {MANIFEST_FILE} when it was saved: the "
-            "weights were changed or damaged since; convert the model again, or load it anyway with "
-            "verify_weights=False (--no-verify-weights)"
-        )
     try:
         graph = graph_from_json(json.loads((path / GRAPH_FILE).read_text()), device=device)
-    except (OSError, ValueError, KeyError, TypeError, GraphFormatError) as exc:
-        raise RnnifyError(f"{path / GRAPH_FILE}: missing or corrupted graph ({exc}); convert the model again") from exc
-    for alias, stored in manifest.aliases.items():
-        tensors[alias] = tensors[stored]
-    root = nn.Module()
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, GraphFormatError) as exc:
+        raise RnnifyError(f"{path / GRAPH_FILE}: missing or corrupted graph ({first_line(exc)}); convert the model "
+                          "again") from exc
+    files = {name: (path / name).read_bytes() for name in SOURCE_FILES if (path / name).is_file()}
+    if hf_files.CONFIG_FILE in files:  # in memory, always the source's config (directories of either format)
+        files[hf_files.CONFIG_FILE] = hf_files.source_config(files[hf_files.CONFIG_FILE])
+    chosen_kernels = manifest.kernels if kernels is None else kernels
+    model = RecurrentModel(_step_module(path, graph, manifest, tensors, device), manifest, files)
+    _check_runs(model, path)
+    model.use_kernels(chosen_kernels)
+    model.path = path
+    model._step_package = find_step(model, path, trust_compiled_step) if aot_step else None
+    return model
+
+
+def _step_module(path: Path, graph: torch.fx.Graph, manifest: Manifest, tensors: dict[str, torch.Tensor],
+                 device: torch.device) -> torch.fx.GraphModule:
+    """The step graph bound to its cells and weights; a graph that reaches anything else, or weights
+    that do not fit the cells, are refused (``op_vocabulary.check_references``)."""
     try:
+        for alias, stored in manifest.aliases.items():
+            tensors[alias] = tensors[stored]
+        check_references(graph, tensors, (entry.module for entry in manifest.cells))
+        root = nn.Module()
         for entry in manifest.cells:
             cell = build_cell(entry.target, CellSpec(**entry.spec), saved_options(entry.target, entry.options)).to(device)
             prefix = entry.module + "."
@@ -240,15 +261,22 @@ def load(
                 install(root, name, tensor if name in buffers else nn.Parameter(tensor))
         module = torch.fx.GraphModule(root, graph, class_name="RecurrentStep")
         lay_out_linear_weights(module)
-    except (RuntimeError, AttributeError, KeyError) as exc:
-        raise RnnifyError(f"{path}: weights do not match the graph ({exc}); convert the model again") from exc
-    files = {name: (path / name).read_bytes() for name in SOURCE_FILES if (path / name).is_file()}
-    if hf_files.CONFIG_FILE in files:  # in memory, always the source's config (directories of either format)
-        files[hf_files.CONFIG_FILE] = hf_files.source_config(files[hf_files.CONFIG_FILE])
-    model = RecurrentModel(module, manifest, files).use_kernels(manifest.kernels if kernels is None else kernels)
-    model.path = path
-    model._step_package = load_step_package(model, path) if aot_step else None
-    return model
+    except (RuntimeError, AttributeError, KeyError, TypeError, ValueError, GraphFormatError) as exc:
+        raise RnnifyError(f"{path}: weights, cells and graph do not fit together ({first_line(exc)}); convert the "
+                          "model again") from exc
+    return module
+
+
+def _check_runs(model: RecurrentModel, path: Path) -> None:
+    """Run one token through the cells' own forms: graph, cells and weights that are each well formed
+    but do not fit together (a weight of another shape or dtype, a node where a size goes) fail here,
+    as one line, and not at a user's first prompt."""
+    try:
+        check_returns(model.graph.graph, 1 + len(model.init_state(1).tensors))
+        model.use_kernels("none").prefill(torch.zeros(1, 1, dtype=torch.long, device=model.device))
+    except (RuntimeError, TypeError, ValueError, IndexError, AttributeError, GraphFormatError) as exc:
+        raise RnnifyError(f"{path}: the saved step does not run ({first_line(exc, with_type=True)}); convert the "
+                          "model again") from exc
 
 
 def load_or_take(model_or_dir: RecurrentModel | str | os.PathLike, device=None, kernels: str | None = None,

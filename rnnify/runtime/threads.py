@@ -4,7 +4,8 @@ torch's default counts every CPU of the machine. In a container whose CPU quota 
 hyperthreads, or on cores that other work also uses, the extra threads wait on each other at every
 operation's barrier: one decode step of a small model measured 312 ms with torch's 2 threads on a
 shared 2-core machine, and 4.4 ms with one. The default here is the physical cores this process may
-run on, at most its CPU quota; ``OMP_NUM_THREADS`` or ``--threads`` overrides it.
+run on, at most its CPU quota; ``OMP_NUM_THREADS`` or ``--threads`` overrides it, up to the
+machine's logical CPUs (``max_threads``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 
 from rnnify.errors import RnnifyError
 
-__all__ = ["usable_cpus", "cpu_quota", "physical_cores", "default_threads", "choose_threads", "set_threads"]
+__all__ = [
+    "usable_cpus", "cpu_quota", "physical_cores", "default_threads", "max_threads", "choose_threads", "set_threads",
+]
 
 SYS = Path("/sys")
 
@@ -73,12 +76,20 @@ def default_threads(sysfs: Path = SYS, cgroup: str | None = None) -> int:
     return max(1, threads)
 
 
+def max_threads() -> int:
+    """The most threads a command may compute with: the machine's logical CPUs. More only wait on each
+    other, and tens of thousands exhaust the system's threads: ``--threads 100000`` crashed the
+    process (SIGSEGV; 30,000: libgomp aborted)."""
+    return os.cpu_count() or 1
+
+
 def choose_threads(threads: int | None = None) -> tuple[int, str]:
     """The thread count and where it came from: ``threads`` (``--threads``), else ``OMP_NUM_THREADS``,
     else ``default_threads()``."""
+    allowed = f"an integer from 1 to {max_threads()} (the logical CPUs of this machine)"
     if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise RnnifyError(f"--threads must be a positive integer, got {threads!r}")
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= max_threads():
+            raise RnnifyError(f"--threads must be {allowed}, got {threads!r}")
         return threads, "--threads"
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if env:
@@ -86,8 +97,8 @@ def choose_threads(threads: int | None = None) -> tuple[int, str]:
             value = int(env)
         except ValueError:
             value = 0
-        if value < 1:
-            raise RnnifyError(f"OMP_NUM_THREADS={env!r} is not a positive integer; set it to one, or unset it")
+        if not 1 <= value <= max_threads():
+            raise RnnifyError(f"OMP_NUM_THREADS={env!r} is not {allowed}; set it to one, or unset it")
         return value, "OMP_NUM_THREADS"
     return default_threads(), "physical cores available"
 

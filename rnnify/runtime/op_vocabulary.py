@@ -1,0 +1,319 @@
+"""The closed vocabulary of a step graph: the only calls ``graph.json`` may name, and their argument types.
+
+A converted directory is data that others share, so loading its graph must not be able to do
+anything a conversion would not have done. ``torch.ops`` holds ops that read and write files
+(``aten.from_file``, ``aten.save``) or reach the network of a process group; a graph that may name
+any of them is a program. So a step graph may name only the ops rnnify's capture and passes emit
+for the models it converts (``OPS``), and every argument must have the type the op's schema
+declares: a tensor argument takes a node or a number, never a string; a string argument exists
+only where its values are a small closed set (``STRING_ARGUMENTS``), so no file path or free text
+reaches an op. Graph outputs, node references and targets are checked by ``serialize``; which
+tensors and cells a graph may reach by ``get_attr`` and ``call_module`` is checked against the
+manifest at load (``check_references``), and so is what it returns (``check_returns``).
+
+Saving checks the same vocabulary, so a model whose graph needs an op outside it fails when it is
+converted, with the op's name, instead of producing a directory that no rnnify loads.
+"""
+
+from __future__ import annotations
+
+import numbers
+import re
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx
+
+from rnnify.errors import GraphFormatError
+
+__all__ = ["OPS", "STRING_ARGUMENTS", "check_call", "check_references", "check_returns"]
+
+# Every call target a step graph may name, as ``graph.json`` stores it: exactly the ops that
+# ``benchmarks/arch_sweep.py`` found in the step graphs of every architecture that converts and of
+# every target (its JSON in benchmarks/results; tests/test_graph_vocabulary.py holds the two equal).
+# A new entry is a decision, reviewed as such, that the op only computes on tensors it is given:
+# no file, process, device or library beyond torch and transformers.
+OPS = frozenset({
+    "operator.getitem",
+    "operator.mul",
+    "torch.ops.aten.abs.default",
+    "torch.ops.aten.add.Tensor",
+    "torch.ops.aten.add_.Tensor",
+    "torch.ops.aten.addmm.default",
+    "torch.ops.aten.alias.default",
+    "torch.ops.aten.arange.default",
+    "torch.ops.aten.arange.start_step",
+    "torch.ops.aten.bitwise_not.default",
+    "torch.ops.aten.bmm.default",
+    "torch.ops.aten.broadcast_tensors.default",
+    "torch.ops.aten.cat.default",
+    "torch.ops.aten.chunk.default",
+    "torch.ops.aten.clamp.Tensor",
+    "torch.ops.aten.clamp.default",
+    "torch.ops.aten.clamp_max.default",
+    "torch.ops.aten.clone.default",
+    "torch.ops.aten.concat.default",
+    "torch.ops.aten.contiguous.default",
+    "torch.ops.aten.conv1d.default",
+    "torch.ops.aten.copy_.default",
+    "torch.ops.aten.cos.default",
+    "torch.ops.aten.cumsum.default",
+    "torch.ops.aten.detach_.default",
+    "torch.ops.aten.div.Tensor",
+    "torch.ops.aten.div.Tensor_mode",
+    "torch.ops.aten.div_.Tensor",
+    "torch.ops.aten.dropout.default",
+    "torch.ops.aten.embedding.default",
+    "torch.ops.aten.empty_like.default",
+    "torch.ops.aten.erfinv.default",
+    "torch.ops.aten.exp.default",
+    "torch.ops.aten.expand.default",
+    "torch.ops.aten.expand_as.default",
+    "torch.ops.aten.expm1.default",
+    "torch.ops.aten.flatten.using_ints",
+    "torch.ops.aten.floor.default",
+    "torch.ops.aten.floor_divide.default",
+    "torch.ops.aten.full_like.default",
+    "torch.ops.aten.gather.default",
+    "torch.ops.aten.ge.Scalar",
+    "torch.ops.aten.gelu.default",
+    "torch.ops.aten.gt.Scalar",
+    "torch.ops.aten.histc.default",
+    "torch.ops.aten.index.Tensor",
+    "torch.ops.aten.index_add.default",
+    "torch.ops.aten.index_put_.default",
+    "torch.ops.aten.item.default",
+    "torch.ops.aten.layer_norm.default",
+    "torch.ops.aten.lift_fresh_copy.default",
+    "torch.ops.aten.linear.default",
+    "torch.ops.aten.log.default",
+    "torch.ops.aten.log1p.default",
+    "torch.ops.aten.log_sigmoid.default",
+    "torch.ops.aten.logical_and.default",
+    "torch.ops.aten.logsumexp.default",
+    "torch.ops.aten.lt.Scalar",
+    "torch.ops.aten.masked_fill.Scalar",
+    "torch.ops.aten.matmul.default",
+    "torch.ops.aten.max.dim",
+    "torch.ops.aten.mean.dim",
+    "torch.ops.aten.min.other",
+    "torch.ops.aten.mul.Tensor",
+    "torch.ops.aten.mul_.Tensor",
+    "torch.ops.aten.multiply.Tensor",
+    "torch.ops.aten.neg.default",
+    "torch.ops.aten.new_empty.default",
+    "torch.ops.aten.new_ones.default",
+    "torch.ops.aten.numpy_T.default",
+    "torch.ops.aten.ones_like.default",
+    "torch.ops.aten.permute.default",
+    "torch.ops.aten.polar.default",
+    "torch.ops.aten.pow.Scalar",
+    "torch.ops.aten.pow.Tensor_Scalar",
+    "torch.ops.aten.reciprocal.default",
+    "torch.ops.aten.relu.default",
+    "torch.ops.aten.repeat.default",
+    "torch.ops.aten.repeat_interleave.self_int",
+    "torch.ops.aten.reshape.default",
+    "torch.ops.aten.rms_norm.default",
+    "torch.ops.aten.rsqrt.default",
+    "torch.ops.aten.scatter.value",
+    "torch.ops.aten.scatter_.src",
+    "torch.ops.aten.scatter_.value",
+    "torch.ops.aten.select.int",
+    "torch.ops.aten.sigmoid.default",
+    "torch.ops.aten.silu.default",
+    "torch.ops.aten.sin.default",
+    "torch.ops.aten.slice.Tensor",
+    "torch.ops.aten.softmax.int",
+    "torch.ops.aten.softplus.default",
+    "torch.ops.aten.sort.default",
+    "torch.ops.aten.split.Tensor",
+    "torch.ops.aten.split_with_sizes.default",
+    "torch.ops.aten.sqrt.default",
+    "torch.ops.aten.square.default",
+    "torch.ops.aten.squeeze.default",
+    "torch.ops.aten.squeeze.dim",
+    "torch.ops.aten.stack.default",
+    "torch.ops.aten.std.dim",
+    "torch.ops.aten.sub.Tensor",
+    "torch.ops.aten.sum.dim_IntList",
+    "torch.ops.aten.sym_size.int",
+    "torch.ops.aten.tanh.default",
+    "torch.ops.aten.to.device",
+    "torch.ops.aten.to.dtype",
+    "torch.ops.aten.to.dtype_layout",
+    "torch.ops.aten.topk.default",
+    "torch.ops.aten.transpose.int",
+    "torch.ops.aten.type_as.default",
+    "torch.ops.aten.unbind.int",
+    "torch.ops.aten.unsqueeze.default",
+    "torch.ops.aten.view.default",
+    "torch.ops.aten.view_as.default",
+    "torch.ops.aten.view_as_complex.default",
+    "torch.ops.aten.view_as_real.default",
+    "torch.ops.aten.where.ScalarOther",
+    "torch.ops.aten.where.self",
+    "torch.ops.aten.zeros.default",
+    "torch.ops.aten.zeros_like.default",
+    "torch.ops.transformers.grouped_mm_fallback.default",
+})
+
+# String arguments, by argument name, and the values they may take (a full match). Any other
+# string argument, or another value, is refused: that is what keeps paths out of the graph.
+STRING_ARGUMENTS: dict[str, re.Pattern[str]] = {
+    "approximate": re.compile(r"none|tanh"),  # gelu
+    "rounding_mode": re.compile(r"trunc|floor"),  # div
+}
+
+_MAX_LIST = 1 << 16  # longer constant lists than any shape or index list a conversion writes
+
+
+def _fail(where: str, message: str) -> GraphFormatError:
+    return GraphFormatError(f"{where}: {message}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _constant_fits(value: Any, kind: str, arg: Any) -> bool:
+    """Does the constant ``value`` fit a schema type of kind ``kind`` (``arg``: the schema type)?"""
+    if kind == "OptionalType":
+        return value is None or _fits(value, arg.getElementType())
+    if kind == "ListType":
+        if not isinstance(value, (list, tuple)) or len(value) > _MAX_LIST:
+            return False
+        return all(_fits(item, arg.getElementType()) for item in value)
+    if kind in ("IntType", "SymIntType"):
+        return _is_int(value)
+    if kind in ("FloatType", "SymFloatType"):
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if kind in ("BoolType", "SymBoolType"):
+        return isinstance(value, bool)
+    if kind == "NumberType":  # a Scalar: int, float or bool
+        return isinstance(value, (int, float))
+    if kind == "ScalarTypeType":
+        return isinstance(value, torch.dtype)
+    if kind == "LayoutType":
+        return isinstance(value, torch.layout)
+    if kind == "MemoryFormatType":
+        return isinstance(value, torch.memory_format)
+    if kind == "DeviceObjType":
+        return isinstance(value, torch.device)
+    return False  # strings (checked by name), generators, storages, ...: never a constant
+
+
+def _fits(value: Any, arg_type: Any) -> bool:
+    kind = arg_type.kind()
+    if isinstance(value, torch.fx.Node):
+        return kind != "StringType"  # nodes hold tensors and sizes, never text
+    if kind == "TensorType":  # a Python number stands for a 0-d tensor (``add.Tensor(x, 1.0)``)
+        return isinstance(value, (int, float))
+    return _constant_fits(value, kind, arg_type)
+
+
+def _check_strings(value: Any, name: str, where: str) -> None:
+    """A string anywhere in ``value`` must be one of ``STRING_ARGUMENTS[name]``'s values."""
+    for item in value if isinstance(value, (list, tuple)) else (value,):
+        if isinstance(item, str):
+            pattern = STRING_ARGUMENTS.get(name)
+            if pattern is None or pattern.fullmatch(item) is None:
+                raise _fail(where, f"argument {name!r} may not be the string {item[:64]!r}")
+
+
+def _check_schema(op: torch._ops.OpOverload, args: tuple, kwargs: dict, where: str) -> None:
+    """Bind ``args``/``kwargs`` to ``op``'s schema as the dispatcher would, and check each type."""
+    schema = op._schema.arguments
+    positional = [a for a in schema if not a.kwarg_only]
+    if len(args) > len(positional):
+        raise _fail(where, f"{op} takes at most {len(positional)} positional arguments, got {len(args)}")
+    bound = dict(zip((a.name for a in positional), args))
+    for name, value in kwargs.items():
+        if name in bound:
+            raise _fail(where, f"argument {name!r} given twice")
+        bound[name] = value
+    known = {a.name for a in schema}
+    unknown = sorted(set(bound) - known)
+    if unknown:
+        raise _fail(where, f"{op} has no argument {unknown[0]!r}")
+    for arg in schema:
+        if arg.name not in bound:
+            if not arg.has_default_value():
+                raise _fail(where, f"{op} needs argument {arg.name!r}")
+            continue
+        value = bound[arg.name]
+        kind = arg.real_type.kind()
+        element = arg.real_type.getElementType() if kind in ("OptionalType", "ListType") else None
+        if kind == "StringType" or (element is not None and element.kind() == "StringType"):
+            _check_strings(value, arg.name, where)
+            if isinstance(value, str) or value is None:
+                continue
+        if not _fits(value, arg.real_type):
+            raise _fail(where, f"argument {arg.name!r} of {op} must be {arg.real_type}, got {_describe(value)}")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.fx.Node):
+        return f"node {value.name!r}"
+    return f"{type(value).__name__} {value!r:.64}"
+
+
+def _check_plain(name: str, args: tuple, kwargs: dict, where: str) -> None:
+    """Arguments of a Python function target: ``operator.getitem`` takes a node and an index, the
+    others (size arithmetic such as ``operator.mul``) nodes and numbers."""
+    if kwargs:
+        raise _fail(where, f"{name} takes no keyword arguments")
+    if name == "operator.getitem":
+        if len(args) != 2 or not isinstance(args[0], torch.fx.Node):
+            raise _fail(where, "operator.getitem takes a node and an index")
+        _check_index(args[1], where)
+        return
+    for value in args:
+        if not isinstance(value, (torch.fx.Node, int, float)):
+            raise _fail(where, f"{name} takes nodes and numbers, got {_describe(value)}")
+
+
+def _check_index(value: Any, where: str) -> None:
+    items = value if isinstance(value, tuple) else (value,)
+    for item in items:
+        if isinstance(item, slice):
+            parts = (item.start, item.stop, item.step)
+            if all(p is None or _is_int(p) or isinstance(p, torch.fx.Node) for p in parts):
+                continue
+        elif item is None or item is Ellipsis or _is_int(item) or isinstance(item, torch.fx.Node):
+            continue
+        raise _fail(where, f"index {_describe(item)} is not an int, slice, None, ... or node")
+
+
+def check_call(name: str, target: Callable[..., Any], args: tuple, kwargs: dict, where: str) -> None:
+    """Refuse a call_function node unless ``name`` is in ``OPS`` and its arguments fit its schema.
+
+    ``name`` is the target as ``graph.json`` stores it, ``target`` what it resolved to."""
+    if name not in OPS:
+        raise _fail(where, f"{name!r} is outside rnnify's op vocabulary")
+    if isinstance(target, torch._ops.OpOverload):
+        _check_schema(target, args, kwargs, where)
+    else:
+        _check_plain(name, args, kwargs, where)
+
+
+def check_returns(graph: torch.fx.Graph, outputs: int) -> None:
+    """A step graph returns ``(logits, *state)``: one tuple of ``outputs`` nodes."""
+    node = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
+    value = node.args[0] if node is not None and len(node.args) == 1 else None
+    if not isinstance(value, (tuple, list)) or not all(isinstance(v, torch.fx.Node) for v in value):
+        raise GraphFormatError("the graph must return a tuple of nodes: (logits, *state)")
+    if len(value) != outputs:
+        raise GraphFormatError(f"the graph returns {len(value)} values, the manifest's cells need {outputs}: "
+                               "(logits, *state)")
+
+
+def check_references(graph: torch.fx.Graph, tensors: Iterable[str], cells: Iterable[str]) -> None:
+    """Every ``get_attr`` must name a stored tensor and every ``call_module`` a cell of the manifest,
+    so a graph reaches nothing but the weights and cells it was saved with."""
+    tensors, cells = set(tensors), set(cells)
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target not in tensors:
+            raise GraphFormatError(f"node {node.name!r} (get_attr): {node.target!r} is not a tensor of the weights file")
+        if node.op == "call_module" and node.target not in cells:
+            raise GraphFormatError(f"node {node.name!r} (call_module): {node.target!r} is not a cell of the manifest")

@@ -1,0 +1,266 @@
+"""Writing a model directory: one writer at a time, and whole whatever kills it.
+
+A directory is written beside its target as ``.NAME.XXXXXXXX.tmp`` and swapped into place at the
+end (``install``). Three things can go wrong around that, and each is handled here:
+
+- Two runs writing the same target (``rnnify convert -o out`` twice) would each report success for
+  a directory that holds only one of them. ``claim`` takes an exclusive ``flock`` on ``.NAME.lock``
+  beside the target, without waiting: the second run is refused at once, naming the first one's
+  pid, before hours of converting or training rather than after. The command line claims its
+  output when it starts; ``storage.save`` claims it too, re-entrantly within one thread, for
+  callers of the Python API.
+- Replacing a directory that exists takes two renames where the file system cannot swap two names
+  in one step (the old one aside, the new one in): a run killed between them leaves the target
+  missing, its old contents in ``.NAME.XXXXXXXX.old/NAME``. On Linux ``renameat2(RENAME_EXCHANGE)``
+  swaps them atomically instead, so the target is never missing; where that is refused (another
+  OS, a file system without it) the next ``claim`` of the target puts the old contents back, and
+  ``rnnify.load`` of the missing target does so too (``restore``).
+- A killed run leaves its ``.tmp`` and ``.old`` directories behind. The next ``claim`` removes
+  them, with a warning naming them: it holds the lock, so they are never a live run's.
+
+The lock file is removed on release; a claimer checks that the file it locked is still the one at
+that path, so a release racing a claim never leaves two holders.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from rnnify.errors import RnnifyError, RnnifyWarning
+
+__all__ = ["claim", "scratch", "install", "restore"]
+
+NEW, OLD = ".tmp", ".old"  # suffixes of a directory being written, and of a replaced one being removed
+
+
+@dataclass
+class _Hold:
+    fd: int
+    thread: int
+    depth: int = 1
+
+
+_held: dict[Path, _Hold] = {}  # lock file -> this process's hold on it
+_held_guard = threading.Lock()
+
+
+@contextmanager
+def claim(path: Path) -> Iterator[None]:
+    """Hold the exclusive right to write ``path`` (creating its parent directories): an RnnifyError
+    naming the holder if another process, or another thread of this one, holds it. Nested claims by
+    one thread share its hold; the outermost puts back a target a killed run left missing and removes
+    the temporary directories killed runs left beside it."""
+    path = Path(path).expanduser()
+    lock = _beside(path, ".lock")
+    with _held_guard:
+        hold = _held.get(lock)
+        if hold is not None and hold.thread != threading.get_ident():
+            raise _busy(path, os.getpid())
+        if hold is not None:
+            hold.depth += 1
+    if hold is None:
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            hold = _Hold(_lock(lock, path), threading.get_ident())
+        except OSError as exc:
+            raise RnnifyError(f"cannot write {path}: {exc.strerror or exc}; choose another output directory") from exc
+        with _held_guard:
+            _held[lock] = hold
+    try:
+        if hold.depth == 1:
+            _tidy(path)
+        yield
+    finally:
+        with _held_guard:
+            hold.depth -= 1
+            if hold.depth == 0:
+                del _held[lock]
+                lock.unlink(missing_ok=True)  # before unlocking: a claimer then re-checks the path (``_lock``)
+                os.close(hold.fd)
+
+
+def scratch(path: Path) -> Path:
+    """A new empty directory beside ``path`` (mode 0700) to write its next contents into."""
+    return _new_beside(path, NEW)
+
+
+def install(new: Path, path: Path) -> None:
+    """Put the directory ``new`` (from ``scratch``) at ``path``, replacing what is there; the caller
+    holds ``claim(path)``. An existing target is swapped out atomically where the system can, else
+    moved aside first (a run killed then leaves it for ``claim`` or ``restore`` to put back)."""
+    if not os.path.lexists(path):
+        os.replace(new, path)
+    elif _exchange(new, path):
+        _remove(new)  # now the old contents
+    else:
+        aside = _new_beside(path, OLD)
+        os.replace(path, aside / _name(path))
+        os.replace(new, path)
+        _remove(aside)
+
+
+def restore(path: Path) -> None:
+    """Put back ``path`` if a write killed between its two renames (``install``) left it missing, for a
+    reader that finds it missing; nothing when a live run holds it, or when it cannot be claimed."""
+    path = Path(path).expanduser()
+    if os.path.lexists(path) or not any(p.name.endswith(OLD) for p in _leftovers(path)):
+        return
+    try:
+        with claim(path):
+            pass
+    except (RnnifyError, OSError):
+        pass
+
+
+# -- the lock ------------------------------------------------------------------------------
+
+
+_NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP}  # file systems without flock (Lustre mounted without it)
+
+
+def _lock(lock: Path, path: Path) -> int:
+    """An open descriptor of ``lock`` holding its exclusive flock, this process's pid written in it."""
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise _busy(path, int(holder) if holder.isdigit() else None) from None
+        except OSError as exc:
+            if exc.errno not in _NO_FLOCK:
+                os.close(fd)
+                raise
+            warnings.warn(f"{lock.parent} cannot be locked ({exc.strerror}): nothing stops a second rnnify run "
+                          f"from writing {path} at the same time", RnnifyWarning, stacklevel=2)
+            return fd
+        if _same_file(fd, lock):
+            break
+        os.close(fd)  # its holder released and removed it after we opened it: lock the file there now
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        here = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (opened.st_dev, opened.st_ino)
+
+
+def _busy(path: Path, pid: int | None) -> RnnifyError:
+    who = f"another rnnify run (pid {pid})" if pid is not None else "another rnnify run"
+    if pid == os.getpid():
+        who = "another thread of this process"
+    return RnnifyError(f"{path}: {who} is writing this directory; wait for it to finish or choose another "
+                       "output directory")
+
+
+# -- what killed runs leave ----------------------------------------------------------------
+
+
+def _leftovers(path: Path) -> list[Path]:
+    """The ``scratch`` and aside directories of ``path`` (``mkdtemp``'s 8 characters between its name
+    and the suffix: those of a target ``NAME.x`` beside it do not match)."""
+    pattern = re.compile(rf"\.{re.escape(_name(path))}\.[a-z0-9_]{{8}}({re.escape(NEW)}|{re.escape(OLD)})")
+    try:
+        return sorted(p for p in _parent(path).iterdir() if pattern.fullmatch(p.name))
+    except OSError:  # no parent yet
+        return []
+
+
+def _tidy(path: Path) -> None:
+    """Under the claim: put back a target a killed ``install`` left missing, then remove every leftover."""
+    leftovers = _leftovers(path)
+    if not os.path.lexists(path):
+        kept = [p / _name(path) for p in leftovers if p.name.endswith(OLD) and os.path.lexists(p / _name(path))]
+        if kept:
+            newest = max(kept, key=lambda p: p.lstat().st_mtime)
+            os.replace(newest, path)
+            warnings.warn(f"{path} was missing, its contents left in {newest.parent.name} by an interrupted rnnify "
+                          "run: put back", RnnifyWarning, stacklevel=2)
+    for leftover in leftovers:
+        _remove(leftover)
+    if leftovers:
+        names = ", ".join(p.name for p in leftovers)
+        warnings.warn(f"removed what interrupted rnnify runs left beside {path}: {names}", RnnifyWarning,
+                      stacklevel=2)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# -- the swap ------------------------------------------------------------------------------
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+_NOT_HERE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}  # kernel or file system without it
+
+
+def _renameat2():
+    """libc's ``renameat2`` (glibc 2.28+), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` in one step; False where the system cannot (nothing changed then)."""
+    function = _renameat2()
+    if function is None:
+        return False
+    if function(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _NOT_HERE:
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
+# -- names ---------------------------------------------------------------------------------
+
+
+def _new_beside(path: Path, suffix: str) -> Path:
+    """A new directory ``.NAME.XXXXXXXX<suffix>`` beside ``path`` (``mkdtemp``'s name and mode 0700)."""
+    return Path(tempfile.mkdtemp(prefix=f".{_name(path)}.", suffix=suffix, dir=_parent(path)))
+
+
+def _beside(path: Path, suffix: str) -> Path:
+    """``.NAME<suffix>`` beside ``path``."""
+    return _parent(path) / f".{_name(path)}{suffix}"
+
+
+def _parent(path: Path) -> Path:
+    """The directory ``path`` is in, absolute (``abspath`` does not follow a symlink at ``path``)."""
+    return Path(os.path.abspath(path)).parent
+
+
+def _name(path: Path) -> str:
+    """The target's own name, also for ``.`` or ``out/``."""
+    return Path(os.path.abspath(path)).name

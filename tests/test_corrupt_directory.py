@@ -1,0 +1,99 @@
+"""A directory whose files are each well formed but wrong is one line and exit 2, never a traceback.
+
+Each case is written as someone who rewrote the directory would leave it: the files' sha256
+recorded again (``reseal``), so the digest check passes and what is checked is the content.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rnnify.cli import main
+from rnnify.runtime.manifest import MANIFEST_FILE
+from rnnify.runtime.storage import GRAPH_FILE, WEIGHTS_FILE
+from support import reseal
+
+
+@pytest.fixture
+def model_copy(tmp_path, converted_dir) -> Path:
+    return Path(shutil.copytree(converted_dir("llama", "linear"), tmp_path / "model"))
+
+
+def _manifest(directory: Path) -> dict:
+    return json.loads((directory / MANIFEST_FILE).read_text())
+
+
+def _edit_cell(directory: Path, key: str, change) -> None:
+    cells = _manifest(directory)["cells"]
+    change(cells[0][key])
+    reseal(directory, cells=cells)
+
+
+def _edit_weights(directory: Path, name: str, change) -> None:
+    tensors = load_file(directory / WEIGHTS_FILE)
+    tensors[name] = change(tensors[name])
+    save_file(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+    reseal(directory)
+
+
+def _edit_graph(directory: Path, change) -> None:
+    data = json.loads((directory / GRAPH_FILE).read_text())
+    change(data)
+    (directory / GRAPH_FILE).write_text(json.dumps(data))
+    reseal(directory)
+
+
+def _first(data: dict, target: str) -> dict:
+    return next(n for n in data["nodes"] if n.get("target") == target)
+
+
+CASES = {
+    "alias to a missing name": (lambda d: reseal(d, aliases={"lm_head.weight": "no.such.tensor"}), "no.such.tensor"),
+    "string num_heads": (lambda d: _edit_cell(d, "spec", lambda s: s.update(num_heads="4")), "num_heads"),
+    "extra spec key": (lambda d: _edit_cell(d, "spec", lambda s: s.update(heads=4)), "'heads'"),
+    "zero head_dim": (lambda d: _edit_cell(d, "spec", lambda s: s.update(head_dim=0)), "head_dim"),
+    "positions null": (lambda d: reseal(d, positions=None), "positions"),
+    "string vocab_size": (lambda d: reseal(d, vocab_size="320"), "vocab_size"),
+    "unknown dtype": (lambda d: reseal(d, dtype="load"), "dtype"),
+    "cells not a list": (lambda d: reseal(d, cells={"module": "cells.0"}), "cells"),
+    "weight of another shape": (
+        lambda d: _edit_weights(d, "model.layers.0.self_attn.q_proj.weight", lambda t: t[:, :-1].contiguous()),
+        "does not run"),
+    "weight of another dtype": (
+        lambda d: _edit_weights(d, "model.layers.0.self_attn.q_proj.weight", lambda t: t.to(torch.float16)),
+        "does not run"),
+    "missing weight": (lambda d: _edit_weights(d, "model.norm.weight", lambda t: t[:0]), "does not run"),
+    "graph op with too few args": (
+        lambda d: _edit_graph(d, lambda g: _first(g, "torch.ops.aten.linear.default").__setitem__("args", [])),
+        "needs argument"),
+    "graph op with a node where a size goes": (
+        lambda d: _edit_graph(d, lambda g: _first(g, "torch.ops.aten.transpose.int")["args"].__setitem__(
+            1, {"node": "input_ids"})),
+        "does not run"),
+    "empty graph output": (lambda d: _edit_graph(d, lambda g: g["nodes"][-1].__setitem__("args", [{"tuple": []}])),
+                           "returns 0 values"),
+    "deeply nested graph": (
+        lambda d: ((d / GRAPH_FILE).write_text('{"format": 1, "nodes": ' + "[" * 50_000 + "]" * 50_000 + "}"),
+                   reseal(d)),
+        "graph"),
+    "deeply nested manifest": (
+        lambda d: (d / MANIFEST_FILE).write_text('{"format_version": 3, "x": ' + "[" * 50_000 + "]" * 50_000 + "}"),
+        "manifest"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_wrong_directory_is_one_line(capsys, model_copy, case):
+    corrupt, words = CASES[case]
+    corrupt(model_copy)
+    code = main(["generate", str(model_copy), "--ids", "1,2,3", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    assert words in err, err

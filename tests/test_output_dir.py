@@ -1,0 +1,174 @@
+"""Writing a model directory: one writer at a time, whole whatever kills it, and what killed runs
+leave put right by the next (``rnnify.runtime.output_dir``)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import rnnify
+from rnnify.errors import RnnifyError, RnnifyWarning
+from rnnify.runtime import output_dir
+from test_cli import assert_user_error, run
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def beside(path: Path) -> list[str]:
+    """What lies beside ``path`` in its directory, ``path`` itself included."""
+    return sorted(p.name for p in path.parent.iterdir())
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """``holder(path)``: another process holding ``claim(path)`` until the test ends; returns its pid."""
+    started = []
+
+    def hold(path: Path) -> int:
+        code = "import sys; from rnnify.runtime.output_dir import claim\n" \
+               "with claim(sys.argv[1]):\n    print('held', flush=True); sys.stdin.read()"
+        child = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, env=ENV)
+        started.append(child)
+        assert child.stdout.readline() == "held\n"
+        return child.pid
+
+    yield hold
+    for child in started:
+        child.communicate("", timeout=30)  # its stdin closed: it releases and exits
+
+
+def test_a_second_convert_on_the_same_output_is_refused_before_it_loads_anything(
+        capsys, monkeypatch, tmp_path, tiny_model_dir, holder):
+    out = tmp_path / "out"
+    pid = holder(out)
+    monkeypatch.setattr(rnnify, "convert", lambda *a, **k: pytest.fail("converted while another run writes -o"))
+    code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "exact", "-o", out, "--no-compile")
+    assert_user_error(code, err, f"{out}: another rnnify run (pid {pid}) is writing this directory",
+                      "choose another output directory")
+
+
+def test_a_second_distill_on_the_same_output_is_refused(capsys, monkeypatch, tmp_path, converted_dir, holder):
+    out = tmp_path / "out"
+    pid = holder(out)
+    monkeypatch.setattr(rnnify, "load", lambda *a, **k: pytest.fail("loaded while another run writes -o"))
+    code, _, err = run(capsys, "distill", converted_dir("llama", "exact"), "--data", tmp_path, "-o", out)
+    assert_user_error(code, err, f"another rnnify run (pid {pid}) is writing this directory")
+
+
+def test_save_waits_for_no_one_and_leaves_only_the_model(converted_dir, tmp_path, holder):
+    model = rnnify.load(converted_dir("llama", "linear"))
+    holder(tmp_path / "busy")
+    with pytest.raises(RnnifyError, match="another rnnify run"):
+        model.save(tmp_path / "busy")
+    model.save(tmp_path / "free")
+    model.save(tmp_path / "free")  # replacing it: swapped, the old contents removed
+    assert beside(tmp_path / "free") == [".busy.lock", "free"]  # .busy.lock: the holder's, still held
+
+
+def test_claims_nest_within_a_thread_and_refuse_other_threads(converted_dir, tmp_path):
+    model = rnnify.load(converted_dir("llama", "linear"))
+    out = tmp_path / "out"
+    refused = []
+
+    def other_thread() -> None:
+        try:
+            with output_dir.claim(out):
+                pass
+        except RnnifyError as exc:
+            refused.append(str(exc))
+
+    with output_dir.claim(out):
+        model.save(out)  # the CLI's claim, then save's own
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+    assert refused and "another thread of this process" in refused[0]
+    assert beside(out) == ["out"]
+    with output_dir.claim(out):  # released: free again
+        pass
+
+
+def test_what_killed_runs_left_is_removed_by_the_next_run(capsys, tmp_path, tiny_model_dir, converted_dir):
+    out = shutil.copytree(converted_dir("llama", "linear"), tmp_path / "out")
+    (tmp_path / ".out.k1ll3d_1.tmp").mkdir()
+    (tmp_path / ".out.k1ll3d_1.tmp" / "model.safetensors").write_bytes(b"half")
+    (tmp_path / ".out.k1ll3d_2.old" / "out").mkdir(parents=True)
+    (tmp_path / ".out.v2.k1ll3d_3.tmp").mkdir()  # another target's (out.v2): not this run's to remove
+    code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "exact", "-o", out, "--no-compile")
+    assert code == 0, err
+    assert err.strip() == ("warning: removed what interrupted rnnify runs left beside "
+                           f"{out}: .out.k1ll3d_1.tmp, .out.k1ll3d_2.old")
+    assert beside(out) == [".out.v2.k1ll3d_3.tmp", "out"]
+    assert rnnify.load(out).target == "exact"
+
+
+# A save killed at the dangerous point: after swapping the new directory in, before removing the old
+# one; or, where the system cannot swap, between moving the old one aside and the new one in.
+KILLED_SAVE = """
+import os, sys
+import rnnify
+from rnnify.runtime import output_dir
+
+source, out, how = sys.argv[1:]
+if how == "exchange":
+    output_dir._remove = lambda path: os._exit(9)
+else:
+    output_dir._exchange = lambda a, b: False
+    replace = os.replace
+    os.replace = lambda src, dst: os._exit(9) if str(dst) == out else replace(src, dst)  # the new one in
+rnnify.load(source).save(out)
+"""
+
+
+@pytest.mark.parametrize("how", ["exchange", "two renames"])
+def test_a_save_killed_halfway_leaves_a_loadable_model(converted_dir, tmp_path, how):
+    if how == "exchange":
+        (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+        if not output_dir._exchange(tmp_path / "a", tmp_path / "b"):
+            pytest.skip(f"{tmp_path} cannot swap two names in one step")
+        (tmp_path / "a").rmdir(), (tmp_path / "b").rmdir()
+    out = shutil.copytree(converted_dir("llama", "linear"), tmp_path / "out")
+    argv = [sys.executable, "-c", KILLED_SAVE, str(converted_dir("llama", "exact")), str(out), how]
+    assert subprocess.run(argv, env=ENV, timeout=300).returncode == 9
+    leftovers = [name for name in beside(out) if name.endswith((".tmp", ".old"))]
+    if how == "exchange":  # swapped atomically: the new model is in place, the old one beside it
+        assert rnnify.load(out).target == "exact" and [n[-4:] for n in leftovers] == [".tmp"]
+        with pytest.warns(RnnifyWarning, match="removed what interrupted rnnify runs left"):
+            rnnify.load(out).save(out)
+    else:  # the window two renames leave: the target is missing, a reader puts the old one back
+        assert not out.exists() and sorted(n[-4:] for n in leftovers) == [".old", ".tmp"]
+        with pytest.warns(RnnifyWarning, match="was missing, its contents left in .* put back"), \
+                pytest.warns(RnnifyWarning, match="removed what interrupted rnnify runs left"):
+            assert rnnify.load(out).target == "linear"
+    assert beside(out) == ["out"]
+
+
+def test_install_moves_aside_where_the_system_cannot_swap(monkeypatch, tmp_path):
+    monkeypatch.setattr(output_dir, "_exchange", lambda a, b: False)
+    target = tmp_path / "out"
+    for contents in ("old", "new"):
+        with output_dir.claim(target):
+            new = output_dir.scratch(target)
+            (new / "file").write_text(contents)
+            output_dir.install(new, target)
+    assert (target / "file").read_text() == "new" and beside(target) == ["out"]
+
+
+def test_a_file_system_without_flock_saves_with_a_warning(converted_dir, tmp_path, monkeypatch):
+    """Lustre mounted without ``-o flock`` answers ENOSYS: saving there still works, unguarded."""
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(output_dir.fcntl, "flock", no_flock)
+    with pytest.warns(RnnifyWarning, match="cannot be locked .* nothing stops a second rnnify run"):
+        rnnify.load(converted_dir("llama", "linear")).save(tmp_path / "out")
+    assert beside(tmp_path / "out") == ["out"]
