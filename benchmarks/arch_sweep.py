@@ -1,5 +1,4 @@
-"""Convert a tiny random model of every causal-LM architecture in transformers; record what happened
-and which ops the step graphs call.
+"""Convert a tiny random model of every causal-LM architecture; record outcomes and step-graph ops.
 
     python benchmarks/arch_sweep.py [--only llama,gpt2,llama:linear] [--timeout 120] [--workers 2]
         [-o benchmarks/results/arch_sweep.json]
@@ -70,7 +69,8 @@ SIZES = {
                      "intermediate_size_mlp", "dense_intermediate_size", "first_dense_intermediate_size", "mlp_dim",
                      "feed_forward_size", "dim_ff", "d_inner"), 128),
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "shared_intermediate_size",
-                     "moe_shared_expert_intermediate_size", "expert_ffn_hidden_size", "shared_experts_intermediate_size",
+                     "moe_shared_expert_intermediate_size", "expert_ffn_hidden_size",
+                     "shared_experts_intermediate_size",
                      "mlp_only_intermediate_size"), 32),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
     **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_top_k", "moe_topk"), 2),
@@ -98,7 +98,8 @@ CAPS = {  # attribute -> upper bound, applied only where the default is larger
 # lists of layer indices (remapped to the layers kept; the others dropped), and per-layer lists whose values are indices
 INDEX_LISTS = {"index_layers", "mlp_only_layers", "moe_layers", "cross_attention_layers", "full_attn_idxs"}
 INDEX_VALUED = {"kv_source_layers"}
-TARGET_OPTIONS = {"window": {"window": 8}, "hybrid": {"window": 8}}  # windows shorter than the 24 tokens compared
+# targets given a window (shorter than the 24 tokens compared) where they need one or have a longer default
+TARGET_OPTIONS = {target: {"window": 8} for target in ("window", "hybrid", "select")}
 SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 # per model type, set after the generic rules (the names listed in a layer-types list are kept too)
 SPECIAL: dict[str, dict] = {
@@ -183,8 +184,8 @@ def build(model_type: str):
     try:
         default = config_class()
     except Exception:  # noqa: BLE001  (a default that fails its own checks: the special values may mend it)
-        text = {"text_config": {"model_type": "gemma4_text", **SPECIAL[model_type]}} if "assistant" in model_type else {}
-        default = config_class(**text)
+        text = {"model_type": "gemma4_text", **SPECIAL[model_type]} if "assistant" in model_type else None
+        default = config_class(**({"text_config": text} if text else {}))
     config = config_class(**overrides(default, model_type))
     if not isinstance(config, model_class.config_class):  # e.g. Llama4ForCausalLM takes the text config
         config = next((v for v in vars(config).values() if isinstance(v, model_class.config_class)), config)
@@ -207,7 +208,8 @@ def tiny_example(arch: str):
 def _function_names() -> dict[int, str]:
     table = {f"operator.{n}": getattr(operator, n) for n in dir(operator)
              if isinstance(getattr(operator, n), types.BuiltinFunctionType) and not n.startswith("__") and n != "call"}
-    table.update({f"math.{n}": getattr(math, n) for n in dir(math) if isinstance(getattr(math, n), types.BuiltinFunctionType)})
+    table.update({f"math.{n}": getattr(math, n) for n in dir(math)
+                  if isinstance(getattr(math, n), types.BuiltinFunctionType)})
     table.update({f"torch.{n}": getattr(torch, n) for n in dir(torch) if n.startswith(("sym_", "_sym_"))
                   and isinstance(getattr(torch, n), (types.FunctionType, types.BuiltinFunctionType))})
     names: dict[int, str] = {}
@@ -241,7 +243,8 @@ def _constants(value, entry: dict) -> None:
         entry["types"].add("slice")
         _constants([value.start, value.stop, value.step], entry)
     else:
-        kinds = {torch.dtype: "dtype", torch.device: "device", torch.layout: "layout", torch.memory_format: "memory_format"}
+        kinds = {torch.dtype: "dtype", torch.device: "device", torch.layout: "layout",
+                 torch.memory_format: "memory_format"}
         kind = next((k for cls, k in kinds.items() if isinstance(value, cls)), None)
         kind = kind or ("ellipsis" if value is Ellipsis else type(value).__name__)  # NoneType, bool, int, float, str
         entry["types"].add(kind)
@@ -399,7 +402,8 @@ def summary(results: dict, ops: dict) -> None:
         if r.get("status") in ("mismatch", "crash", "timeout"):
             console.print(f"{name} {r['status']}: {r.get('errors') or ''} {r.get('message', '')}", markup=False)
     refused = sorted(n for n, r in results.items() if "serialize_error" in r)
-    console.print(f"converted, but graph_to_json refuses the graph: {len(refused)} ({', '.join(refused)})", markup=False)
+    console.print(f"converted, but graph_to_json refuses the graph: {len(refused)} ({', '.join(refused)})",
+                  markup=False)
 
 
 def main() -> None:
@@ -423,7 +427,7 @@ def main() -> None:
 
     def one(name: str) -> None:
         results[name] = result = run_isolated(name, args.timeout)
-        errors = " ".join(f"{k} {v:.1e}" if v is not None else f"{k} nan" for k, v in (result.get("errors") or {}).items())
+        errors = " ".join(f"{k} {'nan' if v is None else f'{v:.1e}'}" for k, v in (result.get("errors") or {}).items())
         print(f"[{len(results)}/{len(jobs)}] {name}: {result['status']} ({result['seconds']} s) {errors} "
               f"{result.get('message', '')}"[:300], flush=True)
 
@@ -432,7 +436,8 @@ def main() -> None:
         list(pool.map(one, jobs))
     merged = {**previous["results"], **results}
     run = {"command": " ".join(["python", "benchmarks/arch_sweep.py", *sys.argv[1:]]), "jobs": len(jobs),
-           "seconds": round(time.perf_counter() - start), "torch": torch.__version__, "transformers": transformers.__version__}
+           "seconds": round(time.perf_counter() - start), "torch": torch.__version__,
+           "transformers": transformers.__version__}
     ops = union(merged)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps({

@@ -288,3 +288,26 @@ def test_fuzzed_directories_load_only_as_allowed_graphs(tmp_path_factory, conver
         return
     names = {n["target"] for n in graph_to_json(model.graph.graph)["nodes"] if n["op"] == "call_function"}
     assert names <= OPS
+
+
+def test_an_op_another_library_registers_resolves_in_a_fresh_process(tmp_path):
+    """A mixture-of-experts layer exports transformers' own grouped matmul op, which exists only once
+    transformers' MoE module is imported: a process that only loads the model has not imported it."""
+    import subprocess
+    import sys
+
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    model = rnnify.convert(MixtralForCausalLM(config).eval(), to="exact")
+    assert "torch.ops.transformers.grouped_mm_fallback.default" in {
+        n["target"] for n in graph_to_json(model.graph.graph)["nodes"]}
+    model.save(tmp_path / "moe")
+    ids = torch.tensor([[1, 2, 3]])
+    want = model.prefill(ids)[0]
+    code = ("import sys, torch, rnnify; m = rnnify.load(sys.argv[1]); "
+            "torch.save(m.prefill(torch.tensor([[1, 2, 3]]))[0], sys.argv[2])")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "moe"), str(tmp_path / "logits.pt")], check=True)
+    assert torch.equal(torch.load(tmp_path / "logits.pt"), want)

@@ -26,6 +26,7 @@ validated, so a hostile file cannot inject code through ``recompile()``.
 
 from __future__ import annotations
 
+import importlib
 import keyword
 import math
 import operator
@@ -117,10 +118,18 @@ def _target_to_str(target: Any) -> str | None:
     return name if _resolve_op(name) is target else None
 
 
+# Op namespaces of the vocabulary that an installed library registers when one of its modules is
+# imported (an MoE layer's grouped matmul): a process that loads a model has not necessarily imported it.
+_OP_LIBRARIES = {"transformers": "transformers.integrations.moe"}
+
+
 def _str_to_target(name: str) -> Callable[..., Any] | None:
     if name not in OPS:  # before any lookup: nothing outside the vocabulary is even resolved
         return None
     if name.startswith("torch.ops."):
+        library = _OP_LIBRARIES.get(name.split(".")[2])
+        if library is not None:
+            importlib.import_module(library)
         return _resolve_op(name)
     return _FUNCTIONS.get(name)
 
