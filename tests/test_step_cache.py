@@ -104,7 +104,9 @@ def test_the_test_cache_is_not_the_users():
 
 def test_a_converted_model_decodes_with_the_step_its_machine_compiled(compiled, tiny_model_dir, tmp_path, capsys):
     """``rnnify convert`` then a load, on one machine: compiled with no flag, kept in the cache (private
-    to the user), nothing written into the directory, the eager step's numbers."""
+    to the user), nothing written into the directory, the eager step's numbers. (The session compiles
+    this model once, ``compiled``: the convert here finds that step in the cache.)"""
+    compiled("hybrid")
     out = tmp_path / "model"
     assert main(["convert", str(tiny_model_dir("llama")), "--to", "hybrid", "-o", str(out), "--threads", "1"]) == 0
     assert "decode step: compiled ahead of time" in capsys.readouterr().out

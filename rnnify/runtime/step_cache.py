@@ -82,14 +82,14 @@ def compile_into_cache(model: RecurrentModel) -> Path:
 
 
 def ship(model: RecurrentModel, directory: Path) -> Path:
-    """Compile ``model``'s step into the cache and copy it into ``directory`` (which ``model`` was loaded
-    from, checked), recording its sha256 and fingerprint in the manifest: users of machines like this
+    """Copy ``model``'s step from the cache (compiled into it first if it is not there) into
+    ``directory`` (which ``model`` was loaded from, checked), recording its sha256 and fingerprint in the manifest: users of machines like this
     one may then run it with ``trust_compiled_step``. The directory is held against writers meanwhile
     (``output_dir.claim``)."""
     if Manifest.read(directory).format_version < MANIFEST_FORMAT_VERSION:
         raise RnnifyError(f"{directory} was saved by an older rnnify, whose manifest cannot record a shipped step: "
                           "save it again with this one first")
-    built = compile_into_cache(model)
+    built = cached(model) or compile_into_cache(model)
     shipped = directory / STEP_PACKAGE
     try:
         with output_dir.claim(directory):
