@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from rnnify.errors import RnnifyError
 from rnnify.gguf import load_gguf, tokenizer_files
+from rnnify.runtime.storage import follow_umask
 
 
 def smollm2_gguf() -> Path:
@@ -52,9 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             model.save_pretrained(partial)
             for name, data in tokenizer_files(path).items():
                 (partial / name).write_bytes(data)
-            umask = os.umask(0)
-            os.umask(umask)
-            partial.chmod(0o777 & ~umask)  # mkdtemp makes it 0700
+            follow_umask(partial)  # not mkdtemp's 0700, nor the 0600 of the weights safetensors writes
             partial.rename(args.out)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)

@@ -4,6 +4,7 @@
     logits, state = model.prefill(input_ids)
     logits, state = model.step(next_ids, state)              # one token, carried state
     model.save("out/"); model = rnnify.load("out/")
+    text = model.generate("def main(", max_new_tokens=40)     # text in, text out (its tokenizer)
 
 The names below import on first use (module ``__getattr__``), so ``import rnnify`` and the
 command line's ``--help`` do not pay for importing torch and transformers.

@@ -1,16 +1,47 @@
-"""``type=`` functions for the command line's flags whose allowed values are narrower than their
-Python type. A value outside them fails while the command line is parsed, before a model is
-loaded, as an ``RnnifyError`` (``cli.main`` prints it as one ``error:`` line, exit 2) that says what
-is allowed, rather than as a traceback or a crash halfway through the command.
+"""Parsing the command line: its parsers, and ``type=`` functions for flags whose allowed values are
+narrower than their Python type.
+
+A mistake on the command line is one ``error:`` line and exit 2, as every other mistake of the user
+is (``cli.main``), whether argparse finds it (``Parser``: an unknown flag, a missing argument, a
+choice that is not one) or a ``type=`` function here does (an ``RnnifyError`` that says what is
+allowed), before a model is loaded rather than as a traceback or a crash halfway through the command.
+Both answer without importing torch: ``Command`` adds a command's arguments only when it parses, and
+their choices and defaults come from ``rnnify.choices``.
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
+from typing import Any
 
 from rnnify.errors import RnnifyError
 
-__all__ = ["SEEDS", "seed", "temperature", "utf8"]
+__all__ = ["SEEDS", "Command", "Parser", "seed", "temperature", "utf8"]
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one ``error:`` line and exit 2, without the usage
+    block argparse prints first (``--help`` still shows it): the line says what is wrong, and a
+    command's usage runs to tens of lines that would push it out of sight."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"error: {' '.join(message.split())}\n")
+
+
+class Command(Parser):
+    """A command's parser whose arguments are added by ``arguments`` when it first parses, so that
+    ``rnnify --help`` and the other commands do not build them."""
+
+    def __init__(self, *args: Any, arguments: Callable[[argparse.ArgumentParser], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._arguments: Callable[[argparse.ArgumentParser], None] | None = arguments
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._arguments is not None:
+            add, self._arguments = self._arguments, None
+            add(self)
+        return super().parse_known_args(args, namespace)
 
 SEEDS = range(-(2**63), 2**64)  # what torch.Generator.manual_seed takes (a negative one as its two's complement)
 

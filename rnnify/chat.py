@@ -31,8 +31,9 @@ from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.sampling import check_sampling, next_token
 from rnnify.runtime.state import RecurrentState
+from rnnify.runtime.tokenizer import check_template, encode, render
 
-__all__ = ["Chat", "Turn"]
+__all__ = ["Chat", "Turn", "check_template", "encode", "render"]
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,7 @@ class Chat:
         check_sampling(temperature, top_k, top_p)
         if max_new_tokens < 1:
             raise RnnifyError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not getattr(tokenizer, "chat_template", None):
-            raise RnnifyError("the tokenizer has no chat template; use rnnify generate for plain text prompts")
+        check_template(tokenizer)
         self.model, self.tokenizer, self.system = model, tokenizer, system
         self.max_new_tokens = max_new_tokens
         self.sampling = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k, "top_p": top_p}
@@ -92,26 +92,17 @@ class Chat:
 
     # -- rendering --------------------------------------------------------------------------
 
-    def render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        except Exception as exc:  # jinja raises its own types, and templates raise_exception() on bad turns
-            raise RnnifyError(f"the chat template cannot render this conversation ({exc})") from exc
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False).input_ids  # templates write their own bos
-
     def _new_tokens(self) -> tuple[list[int], str, str]:
         """(new token ids, their rule, the rendered conversation) for the messages so far."""
-        text = self.render(self.messages, True)
-        ids, done = self._encode(text), len(self.consumed)
+        text = render(self.tokenizer, self.messages, True)
+        ids, done = encode(self.tokenizer, text), len(self.consumed)
         if ids[:done] == self.consumed:
             return ids[done:], "tokens", text
         if text.startswith(self.consumed_text):
-            return self._encode(text[len(self.consumed_text) :]), "text", text
-        earlier = self.render(self.messages[:-1], False)
+            return encode(self.tokenizer, text[len(self.consumed_text) :]), "text", text
+        earlier = render(self.tokenizer, self.messages[:-1], False)
         if text.startswith(earlier):
-            return self._encode(text[len(earlier) :]), "messages", text
+            return encode(self.tokenizer, text[len(earlier) :]), "messages", text
         raise RnnifyError("the chat template renders earlier turns differently now; type /reset to start over")
 
     # -- turns ------------------------------------------------------------------------------

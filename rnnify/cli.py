@@ -2,11 +2,12 @@
 
 Each command has a section below: ``add_<command>(commands)`` declares its arguments beside the
 handler that runs it; ``build_parser`` calls them all. A command's arguments are added only when
-that command runs (``_Command``), and torch, transformers, rich and the rnnify modules that need
-them are imported inside the handlers, so ``rnnify --help`` starts in a fraction of a second.
+that command runs (``arguments.Command``), from names that ``rnnify.choices`` states without
+torch, and torch, transformers, rich and the rnnify modules that need them are imported inside the
+handlers, so ``rnnify COMMAND --help`` and a mistyped flag answer in a fraction of a second.
 
-User mistakes (``RnnifyError``) print one ``error:`` line and exit 2; a failed verification
-exits 1; anything else is a bug and keeps its traceback.
+User mistakes (``RnnifyError``, and argparse's usage errors) print one ``error:`` line and exit 2;
+a failed verification exits 1; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -73,43 +74,7 @@ def _memory_line(model) -> str:
     return "state is constant: memory does not grow with context"
 
 
-@contextmanager
-def _stage_bar(total: int, unit: str, leave: bool = True) -> Iterator[Callable[[str], None]]:
-    """A tqdm bar that advances as each named stage starts (hidden when stderr is not a terminal)."""
-    from tqdm import tqdm
-
-    with tqdm(total=total, unit=unit, disable=None, leave=leave) as bar:
-        started: list[str] = []
-
-        def start(stage: str) -> None:
-            if started:
-                bar.update()
-            started.append(stage)
-            bar.set_description_str(stage)
-
-        yield start
-        bar.update()
-
-
 # -- arguments and helpers shared by the commands -------------------------------------------
-
-
-class _Command(argparse.ArgumentParser):
-    """A command's parser whose arguments are added by ``arguments`` when it first parses.
-
-    Their help needs modules that import torch (the cells' names, the kernel backends), which
-    ``rnnify --help`` and the other commands should not wait for.
-    """
-
-    def __init__(self, *args: Any, arguments: Callable[[argparse.ArgumentParser], None], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._arguments: Callable[[argparse.ArgumentParser], None] | None = arguments
-
-    def parse_known_args(self, args=None, namespace=None):
-        if self._arguments is not None:
-            add, self._arguments = self._arguments, None
-            add(self)
-        return super().parse_known_args(args, namespace)
 
 
 def _add_command(
@@ -161,19 +126,32 @@ def _torch_threads(args: argparse.Namespace) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def _add_output_flags(p: argparse.ArgumentParser, help: str) -> None:
+    """``-o DIR`` and ``--overwrite``, checked by ``_claims_output``."""
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help=help)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace -o DIR if it holds a converted model already, as distilling a model into its own "
+                   "directory does (default: refuse, before any work, rather than replace it unasked)")
+
+
 def _claims_output(run: Callable[[argparse.Namespace, Console], int]) -> Callable[[argparse.Namespace, Console], int]:
-    """``run`` holding its ``-o DIR`` against other writers from its start (``runtime.output_dir.claim``):
-    a second run on it is refused now, not after hours of work. Only the process that writes it does
-    (``_writes_results``)."""
+    """``run`` refused at its start if its ``-o DIR`` holds a model and ``--overwrite`` was not given (on
+    every process under torchrun, so that all stop), and holding DIR against other writers from its
+    start (``runtime.output_dir.claim``): a second run on it is refused now, not after hours of work.
+    Only the process that writes DIR claims it (``_writes_results``)."""
 
     @functools.wraps(run)
     def claimed(args: argparse.Namespace, console: Console) -> int:
-        if not _writes_results():
-            return run(args, console)
         from rnnify.runtime import output_dir
+        from rnnify.runtime.manifest import MANIFEST_FILE
         from rnnify.runtime.storage import check_output
 
-        with output_dir.claim(check_output(Path(args.output))):
+        output = check_output(Path(args.output))
+        if not args.overwrite and (output / MANIFEST_FILE).is_file():
+            raise RnnifyError(f"{args.output} already holds a converted model; pass --overwrite to replace it")
+        if not _writes_results():
+            return run(args, console)
+        with output_dir.claim(output):
             return run(args, console)
 
     return claimed
@@ -218,7 +196,7 @@ def _load(args: argparse.Namespace, **kwargs: Any):
 
 
 def _add_kernels_flag(p: argparse.ArgumentParser) -> None:
-    from rnnify.kernels.utils import KERNELS
+    from rnnify.choices import KERNELS
 
     p.add_argument(
         "--kernels", choices=KERNELS, default=None,
@@ -340,24 +318,20 @@ def add_convert(commands: argparse._SubParsersAction) -> None:
 
 
 def _convert_arguments(p: argparse.ArgumentParser) -> None:
-    from rnnify.cells import CELLS
-    from rnnify.cells.hybrid import MEMORIES
-    from rnnify.cells.linear import FEATURE_MAPS
+    from rnnify.choices import FEATURE_MAPS, KERNELS, MEMORIES, TARGETS
     from rnnify.distill.options import add_training_flags
-    from rnnify.kernels.utils import KERNELS
 
     p.add_argument(
         "model", metavar="MODEL",
         help="local Hugging Face model directory, a .gguf file (dequantised to --dtype; needs "
         "pip install 'rnnify[gguf]'), or a hub id already in the local cache",
     )
-    summaries = {name: cls.__doc__.splitlines()[0].rstrip(".") for name, cls in CELLS.items()}
-    targets = "; ".join(f"{name}: {text[:1].lower()}{text[1:]}" for name, text in summaries.items())
-    p.add_argument("--to", choices=[*CELLS, "auto"], required=True,
+    targets = "; ".join(f"{name}: {text}" for name, text in TARGETS.items())
+    p.add_argument("--to", choices=[*TARGETS, "auto"], required=True,
                    help=f"target cell ({targets}); auto: per kv head, exact for the heads that read far back and "
                    "window with sinks (or, with --memory, a hybrid, which takes the other cell options) for the rest, chosen on "
                    "calibration data (flags below)")
-    p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the converted model to")
+    _add_output_flags(p, "directory to write the converted model to")
     _add_dtype_flag(p, "float32", "dtype to load and save the weights in (default: float32)")
     p.add_argument(
         "--layers", metavar="SPEC",
@@ -433,9 +407,9 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
     from rich.text import Text
 
     import rnnify
-    from rnnify.passes import PIPELINE
-
+    from rnnify import progress
     from rnnify.auto import check_memory
+    from rnnify.passes import PIPELINE
     from rnnify.plan import parse_options
 
     check_memory(args.memory)  # before the model is loaded
@@ -444,14 +418,18 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
     keep = _parse_layer_list(args.keep_softmax) if args.keep_softmax else None
     training = _training_options(args) if args.distill else None  # the flags' mistakes before converting
     stages = ["load", "capture", *(p.__name__ for p in PIPELINE), *(["distill"] if args.distill else []), "save"]
-    stages = ["save"] if args.to == "auto" else stages  # auto converts while it chooses
+    stages = ["choose heads", "save"] if args.to == "auto" else stages  # auto converts while it chooses
     stages += ["decode step"] if args.compile_step is not False else []  # compiled, or why not
     if args.to == "auto":
-        model = _auto(args, options, keep, console)
+        _check_auto(args, keep)
     else:
         _no_auto_flags(args)
-    with _stage_bar(len(stages), "stage") as start:
-        if args.to != "auto":
+    report = None
+    with progress.stages(len(stages), "stage") as start:
+        if args.to == "auto":
+            start("choose heads")
+            model, report = _auto(args, options)
+        else:
             model = rnnify.convert(
                 args.model, to=args.to, layers=args.layers, keep_softmax=keep, dtype=args.dtype, kernels=args.kernels,
                 progress=start, **options,
@@ -463,8 +441,10 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
         start("save")
         path = _save(model, args.output)
         if args.compile_step is not False:
-            start("decode step")
+            start("decode step", spin=True)  # one call of seconds to minutes: nothing else moves meanwhile
             decode_note = _compile_step(model, path, forced=bool(args.compile_step))
+    if report is not None:
+        _print_head_report(report, console)
     growth = "grows with context, like a KV cache" if not model.constant_memory else "constant"
     console.print(Text(f"saved to {path}"), soft_wrap=True)
     console.print(
@@ -493,16 +473,21 @@ def _no_auto_flags(args: argparse.Namespace) -> None:
         raise RnnifyError(f"--{given[0].replace('_', '-')} applies to --to auto only")
 
 
-def _auto(args: argparse.Namespace, options: dict, keep, console: Console):
-    """Score the heads, choose, print the report; the converted model (saved by the caller)."""
-    from rnnify.auto import SINKS, WINDOW, auto_convert
-
+def _check_auto(args: argparse.Namespace, keep) -> None:
+    """What --to auto refuses or needs, before anything loads."""
     if args.layers or keep or args.distill:
         raise RnnifyError("--to auto chooses every layer's heads itself: it takes --window, --sinks, --memory and the "
                           "memory's cell options, not --layers, --keep-softmax or --distill")
     if args.data is None:
         raise RnnifyError("--to auto needs calibration text: --data PATH (a file, folder or .jsonl)")
-    model, report = auto_convert(
+
+
+def _auto(args: argparse.Namespace, options: dict):
+    """Score the heads and choose (flags checked by ``_check_auto``); the converted model (saved by the
+    caller) and the report of the choice."""
+    from rnnify.auto import SINKS, WINDOW, auto_convert
+
+    return auto_convert(
         args.model, args.data, budget=args.state_budget, context=args.at_context, max_kl=args.max_kl,
         score=args.score, window=options.get("window", WINDOW), sinks=options.get("sinks", SINKS),
         calib_len=args.calib_len, calib_rows=args.calib_rows, passkey=args.calib_passkey, per_layer=args.per_layer,
@@ -510,8 +495,6 @@ def _auto(args: argparse.Namespace, options: dict, keep, console: Console):
         memory_options={k: v for k, v in options.items() if k not in ("window", "sinks", "memory")},
         dtype=args.dtype, kernels=args.kernels, progress=True,
     )
-    _print_head_report(report, console)
-    return model
 
 
 def _options_text(options: dict) -> str:
@@ -594,12 +577,13 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
     from rich.text import Text
 
     import rnnify
+    from rnnify import progress
     from rnnify.verify import CHECKS, run_checks, tolerance
 
     # unchecked: the "integrity" check reports it
     model = rnnify.load(args.dir, kernels=args.kernels, verify=False, trust_compiled_step=args.trust_compiled_step)
     total = len(CHECKS) if args.against is not None else len(CHECKS) - 1
-    with _stage_bar(total, "check", leave=False) as start:
+    with progress.stages(total, "check", leave=False, lines=False) as start:  # the table says the rest
         results = run_checks(model, args.against, tokens=args.tokens, batch=args.batch, seed=args.seed, progress=start,
                              expected_digest=args.expect_digest)
     step = ", step compiled ahead of time" if model.step_package is not None else ""  # the step the checks ran
@@ -694,24 +678,10 @@ def _parse_ids(text: str, vocab_size: int) -> list[int]:
     return ids
 
 
-def _eos_ids(model, tokenizer=None) -> list[int]:
-    """End-of-sequence ids from the generation config (or model config) and the tokenizer."""
-    eos: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        try:
-            value = json.loads(model.files.get(name, b"{}")).get("eos_token_id")
-        except (ValueError, AttributeError):
-            value = None
-        if value is not None:
-            eos = [value] if isinstance(value, int) else list(value)
-            break
-    if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-        eos.append(tokenizer.eos_token_id)
-    return eos
-
-
 def _generate(args: argparse.Namespace, console: Console) -> int:
     import torch
+
+    from rnnify.runtime.text import eos_ids
 
     model = _load(args)
     if args.ids is not None:
@@ -734,7 +704,7 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        eos_token_id=_eos_ids(model, tokenizer) or None,
+        eos_token_id=eos_ids(model, tokenizer) or None,
         seed=args.seed,
         streamer=streamer,
     )
@@ -761,8 +731,18 @@ def _chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", type=arguments.utf8("--system"), metavar="TEXT",
                    help="system prompt that opens every conversation")
     _add_sampling_flags(p, max_new_tokens=256)
-    p.add_argument("--verbose", action="store_true", help="before each reply, show how many new tokens the turn read")
+    p.add_argument("--verbose", action="store_true",
+                   help="before each reply, show how many new tokens the turn read and how they were told from the "
+                   "history the state holds, in the order tried: " + "; or ".join(_RULES.values()) + " (rnnify/chat.py)")
     _add_kernels_flag(p)
+
+
+# How ``Chat.ask`` told a turn's new tokens from what the state read (its rules, in order; rnnify/chat.py).
+_RULES = {
+    "tokens": "the history tokenizes again to the tokens the state read",
+    "text": "the history tokenizes differently, but its text is what the state read",
+    "messages": "the template rewrote earlier turns; the state keeps them as it read them",
+}
 
 
 def _chat(args: argparse.Namespace, console: Console) -> int:
@@ -772,13 +752,14 @@ def _chat(args: argparse.Namespace, console: Console) -> int:
 
     from rnnify.chat import Chat
     from rnnify.data import load_tokenizer
+    from rnnify.runtime.text import eos_ids
 
     model = _load(args)
     tokenizer = load_tokenizer(args.dir, "chat needs the tokenizer and chat template of the source model in DIR")
     chat = Chat(
         model, tokenizer, system=args.system, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        eos_token_id=_eos_ids(model, tokenizer) or None, seed=args.seed,
+        eos_token_id=eos_ids(model, tokenizer) or None, seed=args.seed,
     )
     interactive = sys.stdin.isatty()
     if interactive:
@@ -799,7 +780,7 @@ def _chat(args: argparse.Namespace, console: Console) -> int:
             elif text:
                 read, rule = chat.ask(text)
                 if args.verbose:
-                    console.print(Text(f"(read {read} new tokens, {rule} rule)", "dim"))
+                    console.print(Text(f"(read {read} new tokens; {_RULES[rule]})", "dim"))
                 chat.reply(TextStreamer(tokenizer, skip_special_tokens=True))
                 console.print(Text(f"[{len(chat.consumed):,} tokens, state {_nbytes(chat.state.nbytes)}]", "dim"))
     except KeyboardInterrupt:
@@ -1080,7 +1061,7 @@ def add_eval(commands: argparse._SubParsersAction) -> None:
 
 
 def _eval_arguments(p: argparse.ArgumentParser) -> None:
-    from rnnify.data import DEFAULT_SEQ_LEN
+    from rnnify.choices import DEFAULT_SEQ_LEN
 
     _add_dir(p)
     p.add_argument("--data", required=True, metavar="PATH",
@@ -1186,14 +1167,19 @@ def _passkey_table(result) -> Table:
 
 
 def add_distill(commands: argparse._SubParsersAction) -> None:
+    from rnnify.choices import AUTO_ALL_MAX_PARAMETERS
+
+    up_to = f"{AUTO_ALL_MAX_PARAMETERS / 1e9:g}B parameters"  # --train auto: every weight up to it, LoRA above
     _add_command(
         commands, "distill", _distill, _distill_arguments,
-        help="train a converted model towards its original: attention transfer, then LoRA fine-tuning",
-        description="LoLCATs' recipe (docs/distill.md): 'transfer' trains the cells' own parameters to "
-        "match the original softmax attention layer by layer; 'finetune' trains LoRA on the attention "
-        "projections plus the cells on next-token loss and KL to the original model, then merges LoRA "
-        "into the weights. Writes -o DIR; checkpoints allow --resume. Runs under torchrun for data "
-        "parallelism (--batch-size is the global batch), with --fsdp sharding the weights per decoder layer.",
+        help=f"train a converted model towards its original: attention transfer, then fine-tuning of every weight "
+        f"(LoRA above {up_to})",
+        description="After LoLCATs' recipe (docs/distill.md): 'transfer' trains the cells' own parameters to "
+        "match the original softmax attention layer by layer; 'finetune' trains the cells and what --train says "
+        f"(by default every weight of a model up to {up_to}, and LoRA on the attention projections of a larger one, "
+        "merged into its weights at the end) on next-token loss and KL to the original model. Writes -o DIR; "
+        "checkpoints allow --resume. Runs under torchrun for data parallelism (--batch-size is the global batch), "
+        "with --fsdp sharding the weights per decoder layer.",
     )
 
 
@@ -1203,7 +1189,7 @@ def _distill_arguments(p: argparse.ArgumentParser) -> None:
     _add_dir(p)
     p.add_argument("--data", required=True, metavar="PATH",
                    help="text file, folder of text files or .jsonl file with a \"text\" field per line")
-    p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the distilled model to")
+    _add_output_flags(p, "directory to write the distilled model to (DIR itself with --overwrite)")
     _add_kernels_flag(p)
     _add_compile_flag(p)
     _add_training_flags(p, add_training_flags)
@@ -1267,13 +1253,13 @@ COMMANDS = (add_convert, add_verify, add_generate, add_chat, add_info, add_compi
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = arguments.Parser(
         prog="rnnify",
         description="Compile attention-based Hugging Face causal LMs into recurrent models.",
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Command)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=arguments.Command)
     for add in COMMANDS:
         add(commands)
     return parser

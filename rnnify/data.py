@@ -18,16 +18,13 @@ from typing import Any
 
 import torch
 
+from rnnify.choices import DEFAULT_SEQ_LEN
 from rnnify.errors import RnnifyError, check_int
+from rnnify.runtime.tokenizer import TOKENIZER_FILES, TOKENIZER_FIX, load_tokenizer, tokenizer_dir, tokenizer_places
 
 __all__ = ["DEFAULT_SEQ_LEN", "TOKENIZER_FILES", "adds_bos", "load_tokenizer", "row_length", "token_batches",
-           "tokenizer_for"]
+           "tokenizer_dir", "tokenizer_for", "tokenizer_places"]
 
-DEFAULT_SEQ_LEN = 1024  # tokens per row unless told otherwise, clamped to the model's position limit
-# Files of which a directory must hold one to have a tokenizer: without any, transformers may still
-# build one from config.json alone (GPT-2's: an empty vocabulary) instead of failing.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-_TOKENIZER_FIX = "pass one with --tokenizer DIR (command line) or tokenizer= (Python)"
 _PIECE_CHARS = 1 << 20  # text files are tokenized in line-aligned pieces of about this many characters
 _TOKENIZE_DOCS = 64  # documents per tokenizer call: fast tokenizers batch, Python overhead amortised
 _SNIFF_BYTES = 8192  # a folder's file is text if this many leading bytes hold no NUL and decode as UTF-8
@@ -108,52 +105,17 @@ def _check_sizes(seq_len, batch_size, rank, world_size, max_tokens, skip_batches
 # -- text ---------------------------------------------------------------------------------
 
 
-def _has_tokenizer(directory: Path) -> bool:
-    return any((directory / name).is_file() for name in TOKENIZER_FILES)
-
-
-def load_tokenizer(directory: str | os.PathLike, fix: str = _TOKENIZER_FIX):
-    """The Hugging Face tokenizer saved in ``directory``; errors end with ``fix`` (what to do instead).
-
-    Refuses a directory without tokenizer files and a tokenizer of at most one token, which
-    transformers builds from some configs alone and which would turn text into nothing.
-    """
-    directory = Path(directory).expanduser()
-    if not directory.is_dir():
-        raise RnnifyError(f"tokenizer directory {directory} does not exist; {fix}")
-    if not _has_tokenizer(directory):
-        raise RnnifyError(f"{directory} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); {fix}")
-    from transformers import AutoTokenizer
-
-    from rnnify.runtime.hf_files import source_pretrained_config
-
-    config = source_pretrained_config(directory)  # a converted directory: the tokenizer is its source's
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(  # a tokenizer is data: never a tokenizer class's code from the directory
-            str(directory), local_files_only=True, trust_remote_code=False,
-            **({"config": config} if config is not None else {}),
-        )
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise RnnifyError(f"cannot load a tokenizer from {directory} ({exc}); {fix}") from exc
-    if len(tokenizer) <= 1:
-        raise RnnifyError(f"the tokenizer in {directory} has {len(tokenizer)} token(s), no vocabulary; {fix}")
-    return tokenizer
-
-
 def tokenizer_for(model: Any, data: Any, tokenizer: Any = None) -> Any:
-    """``tokenizer``, or for text ``data`` without one the model's: its own directory's tokenizer files,
-    else its source's (a converted directory copied without them still names its source).
+    """``tokenizer``, or for text ``data`` without one the model's (``tokenizer_dir``).
 
     Evaluation and distillation both use this, so they read the same text as the same tokens.
     """
     if tokenizer is not None or not isinstance(data, (str, os.PathLike)):
         return tokenizer
-    places = [str(directory) for directory in (model.path, model.manifest.source) if directory is not None]
-    for directory in places:
-        if _has_tokenizer(Path(directory).expanduser()):
-            return directory
-    where = " or ".join(places) or "the model (in memory, no source recorded)"
-    raise RnnifyError(f"{data} is text, but no tokenizer files are in {where}; {_TOKENIZER_FIX}")
+    directory = tokenizer_dir(model)
+    if directory is None:
+        raise RnnifyError(f"{data} is text, but no tokenizer files are in {tokenizer_places(model)}; {TOKENIZER_FIX}")
+    return directory
 
 
 def row_length(model: Any, seq_len: int | None) -> int:
@@ -175,7 +137,7 @@ def row_length(model: Any, seq_len: int | None) -> int:
 def _tokenizer(tokenizer: Any, data: Path):
     """``tokenizer`` itself, or loaded from the directory it names."""
     if tokenizer is None:
-        raise RnnifyError(f"{data} is text and needs a tokenizer: {_TOKENIZER_FIX} (a Hugging Face tokenizer or "
+        raise RnnifyError(f"{data} is text and needs a tokenizer: {TOKENIZER_FIX} (a Hugging Face tokenizer or "
                           "a directory holding one), or pass token ids as a LongTensor")
     if isinstance(tokenizer, (str, os.PathLike)):
         return load_tokenizer(tokenizer)

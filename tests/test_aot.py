@@ -203,7 +203,8 @@ def test_distill_finds_the_step_its_model_was_compiled_with(compiled, tmp_path, 
         shutil.copytree(source_dir, out)
     given = out if case == "in place" else source_dir
     argv = ["distill", str(given), "--data", str(corpus), "-o", str(out), "--seq-len", "16", "--batch-size",
-            "2", "--max-tokens", "64", "--stages", "transfer", "--lr", "0.5", "--threads", "1", "--device", "cpu"]
+            "2", "--max-tokens", "64", "--stages", "transfer", "--lr", "0.5", "--threads", "1", "--device", "cpu",
+            *(["--overwrite"] if case == "in place" else [])]
     capsys.readouterr()
     assert main(argv) == 0, capsys.readouterr().err
     assert "found in this machine's cache" in capsys.readouterr().out

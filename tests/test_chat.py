@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import rnnify
+from rnnify import cli
 from rnnify.chat import Chat
 from rnnify.cli import main
 from rnnify.data import load_tokenizer
@@ -172,6 +173,8 @@ def test_chat_command_through_stdin(chat_dirs):
     )
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     reads = [int(n) for n in re.findall(r"^\(read (\d+) new tokens", result.stdout, flags=re.M)]
+    how = re.findall(r"^\(read \d+ new tokens; (.+)\)$", result.stdout, flags=re.M)  # a rule of rnnify.chat, in words
+    assert len(how) == 2 and set(how) <= set(cli._RULES.values()), result.stdout
     sizes = re.findall(r"^\[(\d+) tokens, state .+\]$", result.stdout, flags=re.M)
     assert len(reads) == len(sizes) == 2
     # The second turn reads the reply's close, the new message and the header: not the history again.

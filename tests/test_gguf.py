@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 from gguf_support import CHAT_TEMPLATE, tokens, write_tiny_llama
+from test_cli import assert_user_error
 
 import rnnify
 from rnnify.capture import load_source
@@ -22,12 +23,7 @@ def tiny_gguf(tmp_path_factory):
 
 
 def assert_one_line_error(capsys, code: int, *words: str) -> None:
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
-    for word in words:
-        assert word in lines[0], err
+    assert_user_error(code, capsys.readouterr().err, *words)
 
 
 def test_convert_gguf_matches_transformers_and_keeps_the_tokenizer(capsys, tmp_path, tiny_gguf):

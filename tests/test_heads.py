@@ -377,6 +377,8 @@ def test_auto_cli_errors(capsys, tmp_path, retrieval_model, tiny_model_dir):
     code, out, err = run(capsys, *base, "--data", text, "--state-budget", "30%")
     assert code == 0, err
     assert "kv 1" in out and (tmp_path / "o" / "head_map.json").is_file()
+    first, second = err.splitlines()[:2]  # the stage that scores, chooses and converts, as it starts and ends
+    assert first == "choose heads ..." and second.startswith("choose heads: ") and second.endswith(" s"), err
     code, out, _ = run(capsys, "info", tmp_path / "o")
     layers = json.loads((tmp_path / "o" / "head_map.json").read_text())["layers"]
     assert code == 0 and layers.startswith("0:heads(") and layers in out.replace("\n", "")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -193,3 +196,32 @@ def test_modeling_file_asks_for_a_newer_rnnify(monkeypatch):
 def test_converting_a_converted_directory_is_refused(converted_dir):
     with pytest.raises(rnnify.RnnifyError, match="already converted"):
         rnnify.convert(converted_dir("llama", "exact"), to="exact")
+
+
+def test_pipeline_with_trust_remote_code_in_a_fresh_process_generates_rnnify_s_tokens(converted_dir, tmp_path):
+    """``pipeline(model=dir, trust_remote_code=True)`` in a process that never imported rnnify: the directory's
+    ``modeling_rnnify.py`` loads the model, its tokenizer loads without a question or a warning, and greedy
+    decoding gives ``rnnify.load(dir).generate``'s tokens. (With stdin at EOF a question would not wait, so
+    its text is what shows one was asked.)"""
+    from rnnify.runtime.text import eos_ids
+
+    directory = converted_dir("llama", "exact")
+    script = (
+        "import json, sys\n"
+        "from transformers import pipeline\n"
+        "assert 'rnnify' not in sys.modules\n"
+        f"generator = pipeline('text-generation', model={str(directory)!r}, trust_remote_code=True)\n"
+        f"out = generator({PROMPT!r}, max_new_tokens=16, do_sample=False, return_tensors=True)\n"
+        "print(json.dumps(out[0]['generated_token_ids']))\n"
+    )
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "TRANSFORMERS_VERBOSITY": "warning"}
+    done = subprocess.run([sys.executable, "-c", script], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    said = done.stdout + done.stderr
+    assert "custom code" not in said and "`rnnify`" not in said, said
+    got = json.loads(done.stdout.splitlines()[-1])
+    model = rnnify.load(directory)
+    prompt = model.tokenizer(PROMPT).input_ids
+    want = model.generate(torch.tensor([prompt]), 16, eos_token_id=eos_ids(model, model.tokenizer))
+    assert got == want[0].tolist()

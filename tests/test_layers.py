@@ -14,10 +14,12 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rnnify"
 
-# Lowest first. errors: the error types every layer raises; original: the original model and its
-# attention, which evaluation and distillation both compare against.
+# Lowest first. errors: the error types every layer raises; choices: the names and defaults the
+# command line offers, torch-free, which the layers that implement them import; progress: a command's
+# stages as they run; original: the original model and its attention, which evaluation and
+# distillation both compare against.
 LAYERS = [
-    {"errors"},
+    {"errors", "choices", "progress"},
     {"kernels"},
     {"cells"},
     {"plan", "gguf"},

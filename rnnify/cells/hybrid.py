@@ -123,6 +123,7 @@ from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
 from rnnify.cells.exact import finite_or_zero, readout
 from rnnify.cells.linear import KERNEL_MAX_FEATURES, build_feature_map, fused_feature_attn, read_step
+from rnnify.choices import MEMORIES
 from rnnify.errors import RnnifyError, check_int
 from rnnify.kernels.ring import held_index, token_index, window_write
 from rnnify.cells.delta import DeltaWriter, chunk_delta_attn, fused_delta_attn, l2_normalise, step_delta_attn
@@ -133,7 +134,6 @@ from rnnify.cells.window import (
 from rnnify.kernels.linear_attn.naive import chunk_gated_attn
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
-MEMORIES = ("linear", "gla", "delta", "gated-delta")  # what holds the tokens that left the window
 DELTA_MEMORIES = ("delta", "gated-delta")
 SHARES = ("count", "mass", "mass-input")  # how a delta memory's readout is weighed against the window's output
 BY_MASS = ("mass", "mass-input")  # the shares read from phi(q) . z, with a feature map, f_h and z in the state

@@ -8,25 +8,54 @@ here) compares each cell with the softmax attention it replaced (stage 1, and ``
 loads the original model; ``lora`` adds and merges LoRA; ``losses``, ``checkpoint``, ``distributed`` and
 ``fsdp`` (sharding per decoder layer) serve the training loop; ``options`` holds its
 command-line flags.
+
+The names below import on first use (module ``__getattr__``), as ``rnnify``'s do: the command
+line imports ``options`` to build its flags, which must not import torch (``rnnify.choices``).
 """
 
+import importlib
 import sys
 import types
+from typing import TYPE_CHECKING, Any
 
-from rnnify.distill.train import DEFAULT_LR, STAGES, distill
-from rnnify.original import AttentionRecorder, LayerError, attention_transfer, load_teacher, softmax_attention
+# public name -> module that defines it
+_LAZY = {
+    "distill": "rnnify.distill.train",
+    "DEFAULT_LR": "rnnify.choices",
+    "STAGES": "rnnify.choices",
+    "AttentionRecorder": "rnnify.original",
+    "LayerError": "rnnify.original",
+    "attention_transfer": "rnnify.original",
+    "load_teacher": "rnnify.original",
+    "softmax_attention": "rnnify.original",
+}
 
-__all__ = [
-    "AttentionRecorder", "DEFAULT_LR", "LayerError", "STAGES", "attention_transfer", "distill", "load_teacher",
-    "softmax_attention",
-]
+__all__ = sorted(_LAZY)
+
+if TYPE_CHECKING:
+    from rnnify.choices import DEFAULT_LR, STAGES
+    from rnnify.distill.train import distill
+    from rnnify.original import AttentionRecorder, LayerError, attention_transfer, load_teacher, softmax_attention
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'rnnify.distill' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # found directly from now on
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 class _CallablePackage(types.ModuleType):
     def __call__(self, *args, **kwargs):
-        return distill(*args, **kwargs)
+        """``rnnify.distill.train.distill``: train ``model`` towards the model it was converted from."""
+        from rnnify.distill.train import distill
 
-    __call__.__doc__ = distill.__doc__
+        return distill(*args, **kwargs)
 
 
 sys.modules[__name__].__class__ = _CallablePackage

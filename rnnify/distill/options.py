@@ -1,4 +1,8 @@
-"""The command-line flags of training, shared by ``rnnify distill`` and ``rnnify convert --distill``."""
+"""The command-line flags of training, shared by ``rnnify distill`` and ``rnnify convert --distill``.
+
+Torch-free, as ``--help`` and a mistyped flag must be (``rnnify.choices``): what checking the flags
+needs of the runtime is imported when they are checked.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from rnnify import arguments
-from rnnify.data import DEFAULT_SEQ_LEN
-from rnnify.distill.train import DEFAULT_LR, SCHEDULES, STAGES, TRAIN
+from rnnify.choices import AUTO_ALL_MAX_PARAMETERS, DEFAULT_LR, DEFAULT_SEQ_LEN, SCHEDULES, STAGES, TRAIN
 from rnnify.errors import RnnifyError
-from rnnify.runtime.storage import check_output
 
 __all__ = ["add_training_flags", "training_options"]
 
@@ -24,8 +26,9 @@ def add_training_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--tokenizer", metavar="DIR",
                    help="directory of the tokenizer to read the data with (default: the model's, else its source's)")
     g.add_argument("--stages", default=",".join(STAGES), metavar="LIST",
-                   help="stages to run, in order: transfer (cell parameters vs softmax attention), finetune "
-                   "(LoRA + cells on next-token loss and KL to the teacher) (default: transfer,finetune)")
+                   help="stages to run, in order: transfer (the cells' parameters, to match softmax attention), "
+                   "finetune (the cells and what --train says, on next-token loss and KL to the teacher) "
+                   "(default: %(default)s)")
     g.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="real tokens to train on, split evenly between the stages (default: one pass over "
                    "the data per stage)")
@@ -43,8 +46,8 @@ def add_training_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="what the finetune stage trains besides the cells' parameters: lora (rank --lora-rank "
                    "on the attention projections), attention (those projection weights in full), all (every "
                    "weight: gradients and AdamW state take 3x the weights; much closer to the teacher than LoRA on "
-                   "a small budget, see docs/distill.md) or auto: all for models up to 1B parameters, else lora "
-                   "(default: auto)")
+                   f"a small budget, see docs/distill.md) or auto: all for models up to {AUTO_ALL_MAX_PARAMETERS / 1e9:g}B "
+                   "parameters, else lora (default: %(default)s)")
     g.add_argument("--lora-rank", type=int, default=8, metavar="R", help="LoRA rank of the finetune stage with --train lora (default: 8)")
     g.add_argument("--gate-lr-scale", default="1", metavar="X[,X]",
                    help="the cells' gates (the hybrid's memory gate and window share, one number per head) train at "
@@ -72,6 +75,8 @@ def training_options(args: argparse.Namespace) -> dict[str, Any]:
 
     Also refuses an ``--output`` that saving would refuse, now rather than after hours of training.
     """
+    from rnnify.runtime.storage import check_output
+
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     lr = _numbers("--lr", args.lr, "1e-2,1e-4")
     gate_lr_scale = _numbers("--gate-lr-scale", args.gate_lr_scale, "1,100")

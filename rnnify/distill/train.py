@@ -33,6 +33,7 @@ from torch import nn
 
 from rnnify.cells import gate_parameters
 from rnnify.cells import parameters as cell_parameters
+from rnnify.choices import AUTO_ALL_MAX_PARAMETERS, DEFAULT_LR, SCHEDULES, STAGES, TRAIN
 from rnnify.data import row_length, token_batches, tokenizer_for
 from rnnify.distill.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, set_aside
 from rnnify.distill.distributed import Runtime, setup
@@ -45,11 +46,6 @@ from rnnify.runtime.model import RecurrentModel
 
 __all__ = ["AUTO_ALL_MAX_PARAMETERS", "DEFAULT_LR", "SCHEDULES", "STAGES", "TRAIN", "distill", "lr_factor"]
 
-STAGES = ("transfer", "finetune")
-TRAIN = ("auto", "lora", "attention", "all")  # what the finetune stage trains besides the cells' parameters
-AUTO_ALL_MAX_PARAMETERS = 1_000_000_000  # train "auto": every weight up to this size, LoRA above
-DEFAULT_LR = {"transfer": 1e-2, "finetune": 1e-4}  # LoLCATs' learning rates
-SCHEDULES = ("cosine", "constant")
 _WARMUP, _FINAL = 0.05, 0.1  # cosine: warm-up share of a stage's steps, and the last step's share of the rate
 _MAX_GRAD_NORM = 1.0
 

@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from rnnify.choices import BACKENDS, KERNELS
 from rnnify.errors import RnnifyError
 
 try:  # triton is optional: without it every op runs its reference implementation
@@ -33,11 +34,6 @@ INTERPRET = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") not in ("", "
 FORCE_TRITON = os.environ.get("RNNIFY_FORCE_TRITON", "") not in ("", "0")
 # tl.dot precision: "ieee" is exact fp32 (what the interpreter computes); "tf32" is faster on GPUs.
 DOT_PRECISION = os.environ.get("RNNIFY_DOT_PRECISION", "ieee")
-
-
-BACKENDS = ("auto", "triton", "reference")  # the ops' ``backend=``
-# A model's ``kernels``: a backend of its cells' fused ops, or "none": the cells' own PyTorch forms.
-KERNELS = (*BACKENDS, "none")
 
 
 def check_kernels(kernels: str, choices: tuple[str, ...] = KERNELS) -> str:

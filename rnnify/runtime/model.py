@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ from rnnify.runtime.state import RecurrentState
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 
 __all__ = ["RecurrentModel", "retarget_devices"]
+
+_NOT_LOADED = object()  # ``RecurrentModel.tokenizer`` before its first use
 
 
 def retarget_devices(gm: torch.fx.GraphModule, device: torch.device | str) -> None:
@@ -65,6 +68,7 @@ class RecurrentModel(nn.Module):
         self._step_package: Any = None  # a ``runtime.aot.StepPackage``, set by ``rnnify.load``
         self._cuda_graphs = False  # compile_step on CUDA: the step replays as a CUDA graph
         self._direct: tuple[Any, str, Any] | None = None  # (graph, its code, direct_forward of it)
+        self._tokenizer: Any = _NOT_LOADED  # see ``tokenizer``
 
     # -- description ------------------------------------------------------------------------
 
@@ -295,7 +299,7 @@ class RecurrentModel(nn.Module):
     @torch.inference_mode()
     def generate(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | str,
         max_new_tokens: int = 20,
         *,
         attention_mask: torch.Tensor | None = None,
@@ -307,13 +311,57 @@ class RecurrentModel(nn.Module):
         pad_token_id: int | None = None,
         seed: int | None = None,
         streamer: Any = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | str:
         """Prompt plus up to ``max_new_tokens`` new tokens per row, as transformers' ``generate``.
 
         Rows that produced ``eos_token_id`` are filled with ``pad_token_id`` (default: the eos id)
         and generation stops when every row has finished. ``streamer`` gets ``put(ids)`` and
         ``end()`` calls, as transformers' streamers expect.
+
+        A string prompt returns the text generated after it instead (``runtime.text``): read with
+        ``tokenizer``, ending at the model's end-of-sequence ids unless ``eos_token_id`` is given.
         """
+        if isinstance(input_ids, str):
+            from rnnify.runtime.text import generate_text
+
+            return generate_text(self, input_ids, dict(
+                max_new_tokens=max_new_tokens, attention_mask=attention_mask, do_sample=do_sample,
+                temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+                pad_token_id=pad_token_id, seed=seed, streamer=streamer,
+            ))
+        steps = self._new_tokens(
+            input_ids, max_new_tokens, attention_mask=attention_mask, do_sample=do_sample, temperature=temperature,
+            top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed,
+        )
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        tokens = [input_ids]
+        for token in steps:
+            tokens.append(token[:, None])
+            if streamer is not None:
+                streamer.put(token.cpu())
+        if streamer is not None:
+            streamer.end()
+        return torch.cat(tokens, dim=1)
+
+    def _new_tokens(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        attention_mask: torch.Tensor | None,
+        do_sample: bool,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        eos_token_id: int | list[int] | None,
+        pad_token_id: int | None,
+        seed: int | None,
+    ) -> Iterator[torch.Tensor]:
+        """``generate``'s new tokens, one ``[B]`` tensor a step, each decoded when the iterator is read
+        (so a text stream, ``runtime.text``, shows each piece as it comes, and stopping reading stops
+        decoding). The options, checked now rather than at the first token, mean what they mean
+        for ``generate``, which states their defaults."""
         check_sampling(temperature, top_k, top_p)
         if max_new_tokens < 0:
             raise RnnifyError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -322,25 +370,55 @@ class RecurrentModel(nn.Module):
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
+        return self._steps(input_ids, attention_mask, max_new_tokens, (do_sample, temperature, top_k, top_p, generator),
+                           eos, pad)
+
+    @torch.inference_mode()
+    def _steps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
+               sampling: tuple, eos: list[int], pad: int) -> Iterator[torch.Tensor]:
         logits, state = self.prefill(input_ids, attention_mask=attention_mask)
         finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         eos_ids = torch.tensor(eos, dtype=input_ids.dtype, device=input_ids.device)
-        tokens = [input_ids]
         for i in range(max_new_tokens):
-            token = next_token(logits[:, -1], do_sample, temperature, top_k, top_p, generator)
+            token = next_token(logits[:, -1], *sampling)
             token = torch.where(finished, torch.full_like(token, pad), token)
-            tokens.append(token[:, None])
-            if streamer is not None:
-                streamer.put(token.cpu())
+            yield token
             finished |= torch.isin(token, eos_ids)
             if bool(finished.all()) or i == max_new_tokens - 1:
-                break
+                return
             logits, state = self.step(token[:, None], state)
-        if streamer is not None:
-            streamer.end()
-        return torch.cat(tokens, dim=1)
+
+    # -- text -------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer of this model's directory, else of its source (``data.tokenizer_dir``),
+        loaded on first use with ``trust_remote_code=False``; None when neither holds one. Assign
+        another to use it instead."""
+        if self._tokenizer is _NOT_LOADED:
+            from rnnify.runtime.text import find_tokenizer
+
+            self._tokenizer = find_tokenizer(self)
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def stream(self, prompt: str | list[dict[str, Any]], **options: Any) -> Iterator[str]:
+        """The text generated after ``prompt`` (a string, or chat messages as ``chat`` takes them), in
+        pieces as they decode; they join to what ``generate`` or ``chat`` returns. ``options`` are
+        ``generate``'s (``runtime.text``)."""
+        from rnnify.runtime.text import stream
+
+        return stream(self, prompt, options)
+
+    def chat(self, messages: list[dict[str, Any]], **options: Any) -> str:
+        """The assistant's reply to ``messages`` (``[{"role": "user", "content": "..."}, ...]``), rendered
+        with the tokenizer's chat template and its generation prompt. ``options`` are ``generate``'s."""
+        from rnnify.runtime.text import chat
+
+        return chat(self, messages, options)
 
     @torch.no_grad()
     def calibrate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> "RecurrentModel":

@@ -98,8 +98,9 @@ def saved_options(target: str, options: dict[str, Any]) -> dict[str, Any]:
     return {**CELLS[target].manifest_defaults, **options} if target in CELLS else options
 
 
-def _follow_umask(directory: Path) -> None:
-    """Give ``directory`` and the files in it the modes ``mkdir`` and ``open`` would under the umask."""
+def follow_umask(directory: Path) -> None:
+    """Give ``directory`` and the files in it the modes ``mkdir`` and ``open`` would under the umask: a
+    directory from ``mkdtemp`` is 0700, and safetensors writes its files 0600."""
     umask = os.umask(0)
     os.umask(umask)
     directory.chmod(0o777 & ~umask)
@@ -147,7 +148,7 @@ def _write(model: RecurrentModel, path: Path) -> Path:
             format_version=MANIFEST_FORMAT_VERSION,  # what is written now, whatever the loaded manifest said
         )
         manifest.write(tmp)
-        _follow_umask(tmp)
+        follow_umask(tmp)
         output_dir.install(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -14,8 +14,6 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
-
 from rnnify.errors import RnnifyError
 
 __all__ = [
@@ -105,6 +103,8 @@ def choose_threads(threads: int | None = None) -> tuple[int, str]:
 
 def set_threads(threads: int | None = None) -> int:
     """Set torch's intra-op threads as ``choose_threads`` says; returns the count."""
+    import torch  # here, not above: the command line builds its --threads help from this module
+
     count, _ = choose_threads(threads)
     torch.set_num_threads(count)
     return count

@@ -1,0 +1,94 @@
+"""A converted model's tokenizer: where it is, loading it as data, and rendering chat messages with it.
+
+Below the commands and the text layer (``runtime.text``) alike, so that ``model.generate("text")``,
+``rnnify chat`` and evaluation find and read the same tokenizer the same way. A tokenizer in a model
+directory is data like the rest of it: it loads with ``trust_remote_code=False``, and a chat template
+renders in transformers' sandboxed Jinja environment.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from rnnify.errors import RnnifyError
+
+__all__ = [
+    "TOKENIZER_FILES", "TOKENIZER_FIX", "check_template", "encode", "has_tokenizer", "load_tokenizer", "render",
+    "tokenizer_dir", "tokenizer_places",
+]
+
+# Files of which a directory must hold one to have a tokenizer: without any, transformers may still
+# build one from config.json alone (GPT-2's: an empty vocabulary) instead of failing.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+TOKENIZER_FIX = "pass one with --tokenizer DIR (command line) or tokenizer= (Python)"
+
+
+def has_tokenizer(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(directory: str | os.PathLike, fix: str = TOKENIZER_FIX):
+    """The Hugging Face tokenizer saved in ``directory``; errors end with ``fix`` (what to do instead).
+
+    Refuses a directory without tokenizer files and a tokenizer of at most one token, which
+    transformers builds from some configs alone and which would turn text into nothing.
+    """
+    directory = Path(directory).expanduser()
+    if not directory.is_dir():
+        raise RnnifyError(f"tokenizer directory {directory} does not exist; {fix}")
+    if not has_tokenizer(directory):
+        raise RnnifyError(f"{directory} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); {fix}")
+    from transformers import AutoTokenizer
+
+    from rnnify.runtime.hf_files import source_pretrained_config
+
+    config = source_pretrained_config(directory)  # a converted directory: the tokenizer is its source's
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(  # a tokenizer is data: never a tokenizer class's code from the directory
+            str(directory), local_files_only=True, trust_remote_code=False,
+            **({"config": config} if config is not None else {}),
+        )
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise RnnifyError(f"cannot load a tokenizer from {directory} ({exc}); {fix}") from exc
+    if len(tokenizer) <= 1:
+        raise RnnifyError(f"the tokenizer in {directory} has {len(tokenizer)} token(s), no vocabulary; {fix}")
+    return tokenizer
+
+
+def _tokenizer_places(model: Any) -> list[str]:
+    return [str(directory) for directory in (model.path, model.manifest.source) if directory is not None]
+
+
+def tokenizer_dir(model: Any) -> str | None:
+    """The directory of ``model``'s tokenizer: its own directory if that holds tokenizer files, else its
+    source's (a converted directory copied without them still names its source); None if neither does."""
+    return next((d for d in _tokenizer_places(model) if has_tokenizer(Path(d).expanduser())), None)
+
+
+def tokenizer_places(model: Any) -> str:
+    """Where ``tokenizer_dir`` looks, for an error that says where no tokenizer was found."""
+    return " or ".join(_tokenizer_places(model)) or "the model (in memory, no source recorded)"
+
+
+
+def check_template(tokenizer: Any) -> None:
+    """Refuse a tokenizer without a chat template: there is no way to render messages for its model."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise RnnifyError("the tokenizer has no chat template; give a plain text prompt (rnnify generate, "
+                          "model.generate(text))")
+
+
+def render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+    """``messages`` as the tokenizer's chat template writes them, with the assistant header when
+    ``generation_prompt``; a template that fails on them is one ``RnnifyError``."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as exc:  # jinja raises its own types, and templates raise_exception() on bad turns
+        raise RnnifyError(f"the chat template cannot render this conversation ({exc})") from exc
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of rendered ``text``: without the tokenizer's special tokens, as templates write their own bos."""
+    return tokenizer(text, add_special_tokens=False).input_ids

@@ -1,0 +1,140 @@
+"""Text in, text out: ``model.generate("text")``, ``model.stream``, ``model.chat`` and ``model.tokenizer``.
+
+The reference for a text is the token ids ``generate`` returns for the tokenized prompt, decoded. The
+tiny model is random, so its replies are arbitrary bytes: characters split over tokens and invalid
+UTF-8 come up in every few tokens, which is what the stream has to decode as the whole does.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import rnnify
+from rnnify.runtime.text import eos_ids
+from support import reseal
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "def read(path):"
+NEW_TOKENS = 24
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+SAMPLING = {"do_sample": True, "temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 3}
+
+
+@pytest.fixture(scope="module")
+def model(converted_dir):
+    return rnnify.load(converted_dir("llama", "exact"))
+
+
+@pytest.fixture(scope="module")
+def chat_dir(converted_dir, tmp_path_factory):
+    """The tiny converted llama with a chat template saved beside its tokenizer."""
+    directory = shutil.copytree(converted_dir("llama", "exact"), tmp_path_factory.mktemp("chat") / "model")
+    (directory / "chat_template.jinja").write_text(TEMPLATE)
+    reseal(directory)
+    return directory
+
+
+def _ids_reply(model, ids: list[int], **options) -> str:
+    """What ``generate`` on token ids gives after ``ids``, decoded."""
+    out = model.generate(torch.tensor([ids]), NEW_TOKENS, eos_token_id=eos_ids(model, model.tokenizer), **options)
+    return model.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("options", [{}, SAMPLING], ids=["greedy", "sampling"])
+def test_text_equals_the_decoded_ids_of_generate(model, options):
+    text = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, **options)
+    assert text == _ids_reply(model, model.tokenizer(PROMPT).input_ids, **options)
+    assert text  # the random model does not end at once; an empty text would prove nothing
+
+
+def test_stream_pieces_join_to_the_returned_text(model):
+    pieces = list(model.stream(PROMPT, max_new_tokens=NEW_TOKENS, **SAMPLING))
+    assert len(pieces) > 1 and all(pieces)
+    assert "".join(pieces) == model.generate(PROMPT, max_new_tokens=NEW_TOKENS, **SAMPLING)
+
+
+def test_stream_decodes_as_it_is_read(converted_dir, monkeypatch):
+    model = rnnify.load(converted_dir("llama", "exact"))
+    steps = []
+    step = model.step
+    monkeypatch.setattr(model, "step", lambda *args: steps.append(1) or step(*args))
+    pieces = model.stream(PROMPT, max_new_tokens=NEW_TOKENS)
+    assert not steps  # nothing decoded before the first piece is asked for
+    next(pieces)
+    pieces.close()
+    assert 0 < len(steps) < NEW_TOKENS - 1
+
+
+def test_a_character_split_over_tokens_comes_out_whole(model):
+    """The byte-level tokenizer spells "é" and "€" in byte tokens; the stream never shows half of one."""
+    from rnnify.runtime.text import _pieces
+
+    text = "naïve café 5 €\nok"
+    ids = model.tokenizer(text, add_special_tokens=False).input_ids
+    assert any("\ufffd" in model.tokenizer.decode([i]) for i in ids)  # a token that is part of a character
+    pieces = list(_pieces((torch.tensor([i]) for i in ids), model.tokenizer))
+    assert "".join(pieces) == text and not any("\ufffd" in piece for piece in pieces)
+
+
+def test_chat_replies_through_the_saved_template(chat_dir):
+    model = rnnify.load(chat_dir)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a state?"}]
+    rendered = model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered.endswith("<assistant>")  # the directory's template, with the generation prompt
+    reply = model.chat(messages, max_new_tokens=NEW_TOKENS)
+    assert reply == _ids_reply(model, model.tokenizer(rendered, add_special_tokens=False).input_ids)
+    assert "".join(model.stream(messages, max_new_tokens=NEW_TOKENS)) == reply
+
+
+def test_a_model_without_a_tokenizer_fails_with_one_line(converted_dir, tmp_path):
+    directory = shutil.copytree(converted_dir("llama", "exact"), tmp_path / "model")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).unlink()
+    reseal(directory, source=str(tmp_path / "gone"))  # nor a source to take one from
+    model = rnnify.load(directory)
+    assert model.tokenizer is None
+    with pytest.raises(rnnify.RnnifyError, match="no tokenizer") as error:
+        model.generate(PROMPT)
+    assert "\n" not in str(error.value)
+    ids = torch.tensor([[5, 6, 7]])
+    assert model.generate(ids, 4).shape == (1, 7)  # token ids need none
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda m: m.stream(PROMPT, max_tokens=4), "unknown option 'max_tokens'"),
+        (lambda m: m.generate(PROMPT, attention_mask=torch.ones(1, 4)), "attention_mask applies to token-id"),
+        (lambda m: m.stream(PROMPT, top_k=0), "top_k must be >= 1"),
+        (lambda m: m.stream(""), "the prompt is empty"),
+        (lambda m: m.stream(42), "a string or a list of messages"),
+        (lambda m: m.chat(PROMPT), "chat takes a list of messages"),
+        (lambda m: m.chat([{"role": "user", "content": "hi"}]), "no chat template"),
+    ],
+    ids=["unknown-option", "ids-only-option", "bad-sampling", "empty", "not-text", "chat-text", "no-template"],
+)
+def test_mistakes_are_one_line_errors_before_decoding(model, call, match):
+    with pytest.raises(rnnify.RnnifyError, match=match) as error:
+        call(model)
+    assert "\n" not in str(error.value)
+
+
+def test_readme_python_api_runs(chat_dir, tmp_path, monkeypatch, capsys):
+    """Every ```python block of README.md's "## Python API" section, in order, as a reader would run them
+    from the repository's root; the chat model it names is the tiny one with a chat template."""
+    readme = (ROOT / "README.md").read_text()
+    section = re.search(r"^## Python API\n(.*?)^## ", readme, flags=re.S | re.M).group(1)
+    blocks = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
+    assert len(blocks) >= 3 and "model.chat(" in section and "model.stream(" in section
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    (tmp_path / "smol-hybrid-ft").symlink_to(chat_dir)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "README.md (Python API)", "exec"), namespace)
+    assert namespace["run"].results and capsys.readouterr().out
