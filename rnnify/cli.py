@@ -580,8 +580,11 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
     from rnnify import progress
     from rnnify.verify import CHECKS, run_checks, tolerance
 
-    # unchecked: the "integrity" check reports it
-    model = rnnify.load(args.dir, kernels=args.kernels, verify=False, trust_compiled_step=args.trust_compiled_step)
+    # unchecked, as the "integrity" check reports it; but a shipped step (native code) runs only once
+    # everything, the expected digest included, is checked
+    trusted = args.trust_compiled_step
+    model = rnnify.load(args.dir, kernels=args.kernels, verify=trusted, trust_compiled_step=trusted,
+                        expected_digest=args.expect_digest if trusted else None)
     total = len(CHECKS) if args.against is not None else len(CHECKS) - 1
     with progress.stages(total, "check", leave=False, lines=False) as start:  # the table says the rest
         results = run_checks(model, args.against, tokens=args.tokens, batch=args.batch, seed=args.seed, progress=start,

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rnnify.cli import main
-from rnnify.runtime.manifest import MANIFEST_FILE
+from rnnify.runtime.manifest import MANIFEST_FILE, content_digest
 from rnnify.runtime.storage import GRAPH_FILE, WEIGHTS_FILE
 from support import reseal
 
@@ -97,3 +97,16 @@ def test_a_wrong_directory_is_one_line(capsys, model_copy, case):
     assert code == 2, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
     assert words in err, err
+
+
+def test_a_manifest_may_record_only_files_of_its_directory(model_copy, tmp_path, capsys):
+    """A recorded name is a file beside the manifest: ``verify`` would otherwise hash files elsewhere."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the model's")
+    data = _manifest(model_copy)
+    data["files"]["../outside.txt"] = "0" * 64
+    data["digest"] = content_digest(data)  # sealed as a save seals it (``reseal`` records the directory's own files)
+    (model_copy / MANIFEST_FILE).write_text(json.dumps(data))
+    code = main(["verify", str(model_copy)])
+    err = capsys.readouterr().err
+    assert code == 2 and "not a file of the directory" in err and len(err.strip().splitlines()) == 1, err

@@ -109,6 +109,8 @@ def test_the_transformers_route_refuses_a_graph_that_writes_a_file(hostile):
      "aten.save"),
     # a required argument missing
     (lambda n: n.__setitem__("args", []), "needs argument"),
+    # a cell called with a constant that is neither a number nor None
+    (lambda n: n.update(op="call_module", target="cells.0", args=["/etc/passwd"]), "a cell takes nodes"),
 ])
 def test_argument_types_are_checked_against_the_schema(converted_dir, change, words):
     data = _graph(converted_dir("llama", "linear"))

@@ -145,12 +145,29 @@ def test_a_save_killed_halfway_leaves_a_loadable_model(converted_dir, tmp_path, 
         assert rnnify.load(out).target == "exact" and [n[-4:] for n in leftovers] == [".tmp"]
         with pytest.warns(RnnifyWarning, match="removed what interrupted rnnify runs left"):
             rnnify.load(out).save(out)
-    else:  # the window two renames leave: the target is missing, a reader puts the old one back
+    else:  # the window two renames leave: the target is missing; a reader says where, the next writer puts it back
         assert not out.exists() and sorted(n[-4:] for n in leftovers) == [".old", ".tmp"]
+        with pytest.raises(RnnifyError, match="is missing: an interrupted rnnify run left its contents in"):
+            rnnify.load(out)
+        assert sorted(n[-4:] for n in beside(out) if n.endswith((".tmp", ".old"))) == [".old", ".tmp"]  # untouched
         with pytest.warns(RnnifyWarning, match="was missing, its contents left in .* put back"), \
                 pytest.warns(RnnifyWarning, match="removed what interrupted rnnify runs left"):
-            assert rnnify.load(out).target == "linear"
+            with output_dir.claim(out):
+                pass
+        assert rnnify.load(out).target == "linear"
     assert beside(out) == ["out"]
+
+
+def test_a_lock_that_is_a_link_is_refused_and_its_target_untouched(tmp_path):
+    """A directory from elsewhere may hold ``.NAME.lock`` as a link to a file of the user's: claiming
+    the target must not open, truncate or write through it."""
+    precious = tmp_path / "precious"
+    precious.write_text("keep me")
+    (tmp_path / ".out.lock").symlink_to(precious)
+    with pytest.raises((RnnifyError, OSError)):
+        with output_dir.claim(tmp_path / "out"):
+            pass
+    assert precious.read_text() == "keep me"
 
 
 def test_install_moves_aside_where_the_system_cannot_swap(monkeypatch, tmp_path):

@@ -181,21 +181,23 @@ def test_infinite_constants_execute():
     assert torch.isnan(y_v).all()
 
 
-def test_placeholder_default_and_output_structure():
+def test_output_structure_round_trips_and_placeholder_defaults_are_refused():
     g = torch.fx.Graph()
     x = g.placeholder("x")
-    s = g.placeholder("scale", default_value=2.0)
-    t = g.placeholder("flag", default_value=None)
-    y = g.call_function(torch.ops.aten.mul.Tensor, (x, s))
+    t = g.placeholder("flag")
+    y = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
     g.output(((y, x), [t]))
     g2 = _round_trip(g)
-    ph = [n for n in g2.nodes if n.op == "placeholder"]
-    assert [p.args for p in ph] == [(), (2.0,), (None,)]
     out = list(g2.nodes)[-1]
     assert type(out.args[0]) is tuple and type(out.args[0][0]) is tuple
     gm = torch.fx.GraphModule(torch.nn.Module(), g2)
-    (a, b), c = gm(torch.ones(2))
+    (a, b), c = gm(torch.ones(2), None)
     assert torch.equal(a, torch.full((2,), 2.0)) and torch.equal(b, torch.ones(2)) and c == [None]
+    # a default value would become a node's value unchecked (a string where a device goes): refused
+    data = json.loads(_dumps(graph_to_json(g)))
+    data["nodes"][1]["args"] = ["cuda"]
+    with pytest.raises(GraphFormatError, match="takes no arguments"):
+        graph_from_json(data)
 
 
 def test_getitem_indices_round_trip():

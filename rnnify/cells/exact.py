@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from rnnify.cells.base import Cell, CellSpec
+from rnnify.errors import check_int
 
 
 def finite_or_zero(m: torch.Tensor) -> torch.Tensor:
@@ -212,7 +213,7 @@ class ExactCell(Cell):
 
     def __init__(self, spec: CellSpec, block_size: int = 512):
         super().__init__(spec)
-        self.block_size = block_size
+        self.block_size = check_int("block_size", block_size)
 
     def options(self) -> dict[str, Any]:
         return {"block_size": self.block_size}

@@ -33,6 +33,7 @@ __all__ = ["reaping_children"]
 MARK = "RNNIFY_REAP"  # environment variable naming the guard a process was started under
 DONE = b"done"  # what the guarded process writes when its block ended normally
 PROC = Path("/proc")
+INSTALLED = Path(__file__).resolve().parents[2]  # the folder holding the rnnify package
 
 
 @contextmanager
@@ -43,8 +44,10 @@ def reaping_children() -> Iterator[None]:
         yield
         return
     token = f"{os.getpid()}-{secrets.token_hex(8)}"
+    # started before the mark is set (not marked itself), in the folder rnnify is installed from: ``-m``
+    # puts the working folder first on the path, and a working folder may be a directory from elsewhere
     watchdog = subprocess.Popen([sys.executable, "-m", __name__, token], stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL)  # started before the mark is set: not marked itself
+                                stdout=subprocess.DEVNULL, cwd=INSTALLED)
     before = os.environ.get(MARK)
     os.environ[MARK] = token
     finished = False

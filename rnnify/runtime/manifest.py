@@ -78,6 +78,9 @@ class Manifest:
         if data["dtype"] not in DTYPES:
             raise ValueError(f"manifest.dtype must be one of {', '.join(DTYPES)}, got {data['dtype']!r}")
         check_int("manifest.vocab_size", data["vocab_size"], error=ValueError)
+        for name in data.get("files", {}):  # names of files beside the manifest, never a path elsewhere
+            if name in ("", ".", "..") or "/" in name or "\\" in name:
+                raise ValueError(f"manifest.files names {name!r}, not a file of the directory")
         limit = data["positions"].get("limit")
         if limit is not None:
             check_int("manifest.positions.limit", limit, error=ValueError)

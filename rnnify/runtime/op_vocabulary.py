@@ -26,7 +26,7 @@ import torch.fx
 
 from rnnify.errors import GraphFormatError
 
-__all__ = ["OPS", "STRING_ARGUMENTS", "check_call", "check_references", "check_returns"]
+__all__ = ["OPS", "STRING_ARGUMENTS", "check_call", "check_module_call", "check_references", "check_returns"]
 
 # Every call target a step graph may name, as ``graph.json`` stores it: exactly the ops that
 # ``benchmarks/arch_sweep.py`` found in the step graphs of every architecture that converts and of
@@ -205,8 +205,11 @@ def _constant_fits(value: Any, kind: str, arg: Any) -> bool:
 
 def _fits(value: Any, arg_type: Any) -> bool:
     kind = arg_type.kind()
-    if isinstance(value, torch.fx.Node):
-        return kind != "StringType"  # nodes hold tensors and sizes, never text
+    if isinstance(value, torch.fx.Node):  # nodes hold tensors and sizes, never text
+        while kind in ("OptionalType", "ListType"):
+            arg_type = arg_type.getElementType()
+            kind = arg_type.kind()
+        return kind != "StringType"
     if kind == "TensorType":  # a Python number stands for a 0-d tensor (``add.Tensor(x, 1.0)``)
         return isinstance(value, (int, float))
     return _constant_fits(value, kind, arg_type)
@@ -295,6 +298,14 @@ def check_call(name: str, target: Callable[..., Any], args: tuple, kwargs: dict,
         _check_schema(target, args, kwargs, where)
     else:
         _check_plain(name, args, kwargs, where)
+
+
+def check_module_call(args: tuple, kwargs: dict, where: str) -> None:
+    """A cell is called with nodes (q, k, v, the mask, its state, the layer input): no constant but a
+    number or None reaches its Python code."""
+    for value in (*args, *kwargs.values()):
+        if not (value is None or isinstance(value, (torch.fx.Node, int, float))):
+            raise _fail(where, f"a cell takes nodes, numbers and None, got {_describe(value)}")
 
 
 def check_returns(graph: torch.fx.Graph, outputs: int) -> None:

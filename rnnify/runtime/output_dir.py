@@ -13,8 +13,8 @@ end (``install``). Three things can go wrong around that, and each is handled he
   in one step (the old one aside, the new one in): a run killed between them leaves the target
   missing, its old contents in ``.NAME.XXXXXXXX.old/NAME``. On Linux ``renameat2(RENAME_EXCHANGE)``
   swaps them atomically instead, so the target is never missing; where that is refused (another
-  OS, a file system without it) the next ``claim`` of the target puts the old contents back, and
-  ``rnnify.load`` of the missing target does so too (``restore``).
+  OS, a file system without it) the next ``claim`` of the target puts the old contents back; ``rnnify.load``
+  of the missing target changes nothing and says where they are (``check_not_left_aside``).
 - A killed run leaves its ``.tmp`` and ``.old`` directories behind. The next ``claim`` removes
   them, with a warning naming them: it holds the lock, so they are never a live run's.
 
@@ -30,6 +30,7 @@ import fcntl
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -41,7 +42,7 @@ from pathlib import Path
 
 from rnnify.errors import RnnifyError, RnnifyWarning
 
-__all__ = ["claim", "scratch", "install", "restore"]
+__all__ = ["check_not_left_aside", "claim", "install", "scratch"]
 
 NEW, OLD = ".tmp", ".old"  # suffixes of a directory being written, and of a replaced one being removed
 
@@ -100,7 +101,7 @@ def scratch(path: Path) -> Path:
 def install(new: Path, path: Path) -> None:
     """Put the directory ``new`` (from ``scratch``) at ``path``, replacing what is there; the caller
     holds ``claim(path)``. An existing target is swapped out atomically where the system can, else
-    moved aside first (a run killed then leaves it for ``claim`` or ``restore`` to put back)."""
+    moved aside first (a run killed then leaves it for the next ``claim`` to put back)."""
     if not os.path.lexists(path):
         os.replace(new, path)
     elif _exchange(new, path):
@@ -112,17 +113,17 @@ def install(new: Path, path: Path) -> None:
         _remove(aside)
 
 
-def restore(path: Path) -> None:
-    """Put back ``path`` if a write killed between its two renames (``install``) left it missing, for a
-    reader that finds it missing; nothing when a live run holds it, or when it cannot be claimed."""
+def check_not_left_aside(path: Path) -> None:
+    """Refuse to read a missing ``path`` whose contents a write killed between its two renames
+    (``install``) left aside, saying where they are. A reader changes nothing on disk: the next
+    ``claim`` of ``path`` (a command writing it) puts them back."""
     path = Path(path).expanduser()
-    if os.path.lexists(path) or not any(p.name.endswith(OLD) for p in _leftovers(path)):
+    if os.path.lexists(path):
         return
-    try:
-        with claim(path):
-            pass
-    except (RnnifyError, OSError):
-        pass
+    aside = [p / _name(path) for p in _leftovers(path) if p.name.endswith(OLD)]
+    if aside:
+        raise RnnifyError(f"{path} is missing: an interrupted rnnify run left its contents in {aside[-1]}; move "
+                          f"them back, or let the next rnnify run writing {path} do it")
 
 
 # -- the lock ------------------------------------------------------------------------------
@@ -134,7 +135,11 @@ _NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP}  # file systems witho
 def _lock(lock: Path, path: Path) -> int:
     """An open descriptor of ``lock`` holding its exclusive flock, this process's pid written in it."""
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        # never through a link: a directory from elsewhere may hold one named like the lock
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise RnnifyError(f"{lock} is not a plain file: remove it, or choose another output directory")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -181,7 +186,7 @@ def _leftovers(path: Path) -> list[Path]:
     and the suffix: those of a target ``NAME.x`` beside it do not match)."""
     pattern = re.compile(rf"\.{re.escape(_name(path))}\.[a-z0-9_]{{8}}({re.escape(NEW)}|{re.escape(OLD)})")
     try:
-        return sorted(p for p in _parent(path).iterdir() if pattern.fullmatch(p.name))
+        return sorted(p for p in _parent(path).iterdir() if pattern.fullmatch(p.name) and not p.is_symlink())
     except OSError:  # no parent yet
         return []
 
@@ -190,7 +195,8 @@ def _tidy(path: Path) -> None:
     """Under the claim: put back a target a killed ``install`` left missing, then remove every leftover."""
     leftovers = _leftovers(path)
     if not os.path.lexists(path):
-        kept = [p / _name(path) for p in leftovers if p.name.endswith(OLD) and os.path.lexists(p / _name(path))]
+        kept = [p / _name(path) for p in leftovers if p.name.endswith(OLD) and (p / _name(path)).is_dir()
+                and not (p / _name(path)).is_symlink()]
         if kept:
             newest = max(kept, key=lambda p: p.lstat().st_mtime)
             os.replace(newest, path)

@@ -38,7 +38,7 @@ import torch.fx
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from rnnify.errors import GraphFormatError
-from rnnify.runtime.op_vocabulary import OPS, check_call
+from rnnify.runtime.op_vocabulary import OPS, check_call, check_module_call
 
 __all__ = ["GRAPH_FORMAT_VERSION", "GraphFormatError", "graph_from_json", "graph_to_json"]
 
@@ -65,14 +65,9 @@ _PLACEHOLDER_TARGET = re.compile(r"(\*{0,2})([A-Za-z_][A-Za-z0-9_]*)\Z")
 
 
 def _build_function_table() -> dict[str, Callable[..., Any]]:
-    """The plain-function call targets of the vocabulary (``op_vocabulary.OPS``), keyed by their stored string."""
-    modules = {"operator": operator, "math": math, "torch": torch}
-    table: dict[str, Callable[..., Any]] = {}
-    for name in sorted(OPS):
-        module, _, attr = name.partition(".")
-        if module in modules and not name.startswith("torch.ops."):
-            table[name] = getattr(modules[module], attr)
-    return table
+    """The plain-function call targets of the vocabulary (``op_vocabulary.OPS``: ``operator``'s), keyed by
+    their stored string."""
+    return {name: getattr(operator, name.partition(".")[2]) for name in sorted(OPS) if name.startswith("operator.")}
 
 
 _FUNCTIONS = _build_function_table()
@@ -80,13 +75,13 @@ _FUNCTION_NAMES = {id(fn): name for name, fn in _FUNCTIONS.items()}
 
 
 def _resolve_op(path: str) -> Callable[..., Any] | None:
-    """Resolve "torch.ops.ns.op[.overload]" by attribute lookup with type checks at each step.
+    """Resolve "torch.ops.ns.op.overload" by attribute lookup with type checks at each step.
 
     Type checks (not name checks) are what keep this safe: ``torch.ops`` also exposes
     ``import_module``/``load_library``, which are never namespaces.
     """
     parts = path.split(".")
-    if len(parts) not in (4, 5) or parts[:2] != ["torch", "ops"]:
+    if len(parts) != 5 or parts[:2] != ["torch", "ops"]:
         return None
     if not all(_IDENT.match(p) for p in parts[2:]):
         return None
@@ -97,8 +92,6 @@ def _resolve_op(path: str) -> Callable[..., Any] | None:
         packet = getattr(ns, parts[3])
         if not isinstance(packet, torch._ops.OpOverloadPacket):
             return None
-        if len(parts) == 4:
-            return packet
         overload = getattr(packet, parts[4])
     except (AttributeError, RuntimeError):
         return None
@@ -107,13 +100,9 @@ def _resolve_op(path: str) -> Callable[..., Any] | None:
 
 def _target_to_str(target: Any) -> str | None:
     """Stored name of a call_function target, or None if it is not whitelisted."""
-    if isinstance(target, torch._ops.OpOverload):
-        name = f"torch.ops.{target.namespace}.{target._opname}.{target._overloadname}"
-    elif isinstance(target, torch._ops.OpOverloadPacket):
-        ns, _, op = target._qualified_op_name.partition("::")
-        name = f"torch.ops.{ns}.{op}"
-    else:
+    if not isinstance(target, torch._ops.OpOverload):
         return _FUNCTION_NAMES.get(id(target))
+    name = f"torch.ops.{target.namespace}.{target._opname}.{target._overloadname}"
     # Only accept what loads back to the very same object, so saving fails early, not loading.
     return name if _resolve_op(name) is target else None
 
@@ -355,6 +344,10 @@ def graph_from_json(data: dict, device: torch.device | str | None = None) -> tor
         kwargs = {k: decoder.decode(v, where) for k, v in kwargs.items()}
         if op == "call_function":
             check_call(raw["target"], target, args, kwargs, where)
+        elif op == "call_module":
+            check_module_call(args, kwargs, where)
+        elif op in ("placeholder", "get_attr") and (args or kwargs):  # a default value would be a node's value
+            raise GraphFormatError(f"{where}: a {op} takes no arguments")
         node = graph.create_node(op, target, args, kwargs, name=name)
         if node.name != name:
             # fx renames clashes with builtins/reserved names; a renamed node would break references.

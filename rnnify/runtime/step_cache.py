@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 import warnings
 from pathlib import Path
@@ -56,17 +57,18 @@ def _private(package: Path) -> bool:
     user's own.)"""
     if not hasattr(os, "getuid"):
         return True
-    paths = [package, package.parent, package.parent.parent]
-    try:
-        return all(p.stat().st_uid == os.getuid() and not p.stat().st_mode & 0o022 for p in paths)
+    paths = [package, package.parent, package.parent.parent, cache_root()]
+    try:  # lstat: a link in the cache is refused, whoever owns what it points to
+        return all(not stat.S_ISLNK(p.lstat().st_mode) and p.lstat().st_uid == os.getuid()
+                   and not p.lstat().st_mode & 0o022 for p in paths)
     except OSError:
         return False
 
 
 def cached(model: RecurrentModel) -> Path | None:
-    """This machine's compiled step for ``model``, if the cache holds one."""
+    """This machine's compiled step for ``model``, if the cache holds one of this user's own (``_private``)."""
     package = _entry(fingerprint(model))
-    return package if package.is_file() else None
+    return package if package.is_file() and _private(package) else None
 
 
 def compile_into_cache(model: RecurrentModel) -> Path:

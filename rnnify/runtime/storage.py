@@ -209,7 +209,7 @@ def load(
     --ship``), once its sha256 matches the manifest's; without it a shipped step is never opened.
     """
     path = Path(path).expanduser()
-    output_dir.restore(path)  # a save killed halfway through replacing it may have left it aside
+    output_dir.check_not_left_aside(path)  # a save killed halfway through replacing it may have left it aside
     verify = verify if verify_weights is None else verify_weights
     if kernels is not None:
         check_kernels(kernels)
@@ -262,7 +262,7 @@ def _step_module(path: Path, graph: torch.fx.Graph, manifest: Manifest, tensors:
                 install(root, name, tensor if name in buffers else nn.Parameter(tensor))
         module = torch.fx.GraphModule(root, graph, class_name="RecurrentStep")
         lay_out_linear_weights(module)
-    except (RuntimeError, AttributeError, KeyError, TypeError, ValueError, GraphFormatError) as exc:
+    except (RuntimeError, AttributeError, KeyError, TypeError, ValueError, OverflowError, GraphFormatError) as exc:
         raise RnnifyError(f"{path}: weights, cells and graph do not fit together ({first_line(exc)}); convert the "
                           "model again") from exc
     return module
@@ -275,7 +275,9 @@ def _check_runs(model: RecurrentModel, path: Path) -> None:
     try:
         check_returns(model.graph.graph, 1 + len(model.init_state(1).tensors))
         model.use_kernels("none").prefill(torch.zeros(1, 1, dtype=torch.long, device=model.device))
-    except (RuntimeError, TypeError, ValueError, IndexError, AttributeError, GraphFormatError) as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever running a directory's graph raises is the directory's fault
+        if isinstance(exc, RnnifyError) and not isinstance(exc, GraphFormatError):
+            raise
         raise RnnifyError(f"{path}: the saved step does not run ({first_line(exc, with_type=True)}); convert the "
                           "model again") from exc
 
