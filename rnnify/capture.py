@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.fx
@@ -115,13 +116,26 @@ class _LogitsOnly(torch.nn.Module):
         return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
 
+def vocab_size(config: Any) -> int:
+    """The vocabulary the logits span, from the config's own ``vocab_size``. A composite config (a
+    vision-language model's, whose ``vocab_size`` sits in ``text_config``) is refused: converting its
+    text model from the whole gave exact results for some and wrong ones for others (Gemma 3's) in
+    ``benchmarks/arch_sweep.py``, and a wrong conversion must never pass silently."""
+    value = getattr(config, "vocab_size", None)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        where = " (it is in its text config: a composite model)" if hasattr(config, "text_config") else ""
+        raise UnsupportedModelError(f"{type(config).__name__} names no vocab_size of its own{where}; rnnify converts "
+                                    "causal language models whose config does")
+    return value
+
+
 def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
     """Export ``model`` and return a plain GraphModule ``(input_ids, position_ids) -> logits``.
 
     Parameters keep the source model's state-dict names (``model.layers.0.self_attn...``).
     """
     device = next(model.parameters()).device
-    vocab = model.config.vocab_size
+    vocab = vocab_size(model.config)
     input_ids = torch.randint(0, vocab, (_EXAMPLE_BATCH, _EXAMPLE_LENGTH), device=device)
     position_ids = torch.arange(_EXAMPLE_LENGTH, device=device).expand(_EXAMPLE_BATCH, -1)
     batch, length = Dim("batch", min=1, max=1 << 16), Dim("length", min=2, max=_MAX_LENGTH)

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from rnnify.capture import capture, load_source, source_name
+from rnnify.capture import capture, load_source, source_name, vocab_size
 from rnnify.errors import RnnifyError
 from rnnify.gguf import is_gguf, tokenizer_files
 from rnnify.kernels.utils import check_kernels
@@ -102,7 +102,7 @@ def convert(
         layers=[str(rule) for rule in plan.rules],
         source=source_name(model),
         dtype=str(next(source.parameters()).dtype).removeprefix("torch."),
-        vocab_size=int(source.config.vocab_size),
+        vocab_size=vocab_size(source.config),
         positions=ctx.positions,
         cells=entries,
         kernels=kernels,

@@ -111,3 +111,15 @@ def test_unknown_target(tiny_model_dir):
         rnnify.convert(tiny_model_dir("llama"), to="quantum")
     with pytest.raises(RnnifyError, match="feature map"):
         rnnify.convert(tiny_model_dir("llama"), to="linear", feature_map="nope")
+
+
+def test_a_composite_config_without_its_own_vocab_size_is_refused():
+    """A vision-language model keeps ``vocab_size`` in its text config: refused by name (it crashed with
+    an AttributeError), not converted from the whole model, which came out wrong for Gemma 3."""
+    from transformers import Gemma3Config
+
+    from rnnify.capture import vocab_size
+    from rnnify.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="Gemma3Config names no vocab_size of its own .*composite"):
+        vocab_size(Gemma3Config())
