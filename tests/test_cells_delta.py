@@ -14,22 +14,23 @@ import math
 
 import pytest
 import torch
+from kernel_support import nan_buffers  # noqa: F401 - autouse: NaN-filled kernel outputs
 
 import rnnify
-from rnnify.cells import CellSpec, build_cell, parameters
+from rnnify.bench import OpCount
+from rnnify.cells import CellSpec, build_cell, hybrid_window, linear_memory, parameters
 from rnnify.cells.delta import (
     DeltaCell,
     chunk_delta_attn,
     naive_recurrent_delta_attn,
     step_delta_attn,
 )
-from rnnify.bench import OpCount
-from rnnify.cells import hybrid as hybrid_cells
+from rnnify.cells.delta_memory import delta_memory_hybrid_attn, mass_share
 from rnnify.cells.gated import gla_log_gates
-from rnnify.cells.hybrid import GLA_TAU, chunk_hybrid_attn, delta_memory_hybrid_attn, fused_hybrid_attn
+from rnnify.cells.hybrid import GLA_TAU
+from rnnify.cells.linear_memory import chunk_hybrid_attn, fused_hybrid_attn
 from rnnify.errors import RnnifyError
 from rnnify.kernels import utils
-from kernel_support import nan_buffers  # noqa: F401 - autouse: NaN-filled kernel outputs
 
 SPEC = CellSpec(num_heads=4, num_kv_heads=2, head_dim=8, value_dim=6, scale=8**-0.5, hidden_size=12)
 
@@ -438,8 +439,6 @@ def test_mass_share_is_finite_with_extreme_logits_and_empty_memories():
     """The share by mass and input at logits far past any odds that matter, with an empty memory
     (M = 0) and a query with no window weight (u = 0): finite shares and gradients, 0 where M = 0,
     and within (0, g] elsewhere."""
-    from rnnify.cells.hybrid import mass_share
-
     gate, factor = torch.full((1, 1), 0.7), torch.ones(1, 1)
     phi_q = torch.ones(1, 1, 1, 4, 2)
     phi_written = torch.tensor([0.0, 0.0, 1.0, 1.0])[None, None, :, None].expand(1, 1, 4, 2).clone()
@@ -549,20 +548,20 @@ def test_hybrid_steady_decode_is_the_lolcats_sum(monkeypatch, memory, sinks, gat
             hybrid.gate_up.weight.normal_(std=0.3)
             hybrid.gate_up.bias.normal_(std=2.0)
     q, k, v, x, mask = make_inputs(T, pad=0)
-    steady, steady_step = [], hybrid_cells.steady_step_hybrid_attn
+    steady, steady_step = [], linear_memory.steady_step_hybrid_attn
 
     def spy(*args):
         steady.append(args[13])  # n
         return steady_step(*args)
 
-    monkeypatch.setattr(hybrid_cells, "steady_step_hybrid_attn", spy)
+    monkeypatch.setattr(linear_memory, "steady_step_hybrid_attn", spy)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     state, general_state, outs = hybrid.init_state(2, q.device, dtype), None, []
     with torch.no_grad():
         for t in range(T):
             one = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1])
             with monkeypatch.context() as general:  # the same token through the general step
-                general.setattr(hybrid_cells, "steady_length", lambda *a: None)
+                general.setattr(linear_memory, "steady_length", lambda *a: None)
                 general_out, *general_state = hybrid(*one, *state, x=x[:, t : t + 1])
             out, *state = hybrid(*one, *state, x=x[:, t : t + 1])
             outs.append(out)
@@ -579,7 +578,7 @@ def test_hybrid_decode_of_rows_at_different_lengths_keeps_the_general_step(monke
     window, sinks = 3, 1
     hybrid = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "feature_map": "elu", "memory_init": 0.5})
     q, k, v, x, mask = make_inputs(14, pad=2)
-    monkeypatch.setattr(hybrid_cells, "steady_step_hybrid_attn", lambda *a: pytest.fail("took the steady step"))
+    monkeypatch.setattr(linear_memory, "steady_step_hybrid_attn", lambda *a: pytest.fail("took the steady step"))
     state, outs = hybrid.init_state(2, q.device, q.dtype), []
     with torch.no_grad():
         for t in range(14):
@@ -673,6 +672,12 @@ def test_hybrid_lean_step_equals_the_general_path_and_the_reference(memory, sink
     assert rel_diff(out[real], expected[real]) < 1e-5
 
 
+def no_whole_prompt(patch: pytest.MonkeyPatch) -> None:
+    """Every memory's general path for a whole prompt: ``whole_prompt`` False where the forms read it."""
+    for module in (hybrid_window, linear_memory):
+        patch.setattr(module, "whole_prompt", lambda mask, length: False)
+
+
 @pytest.mark.parametrize("steps", [23, 4])  # 4: with 2 sinks nothing leaves the window of 3
 @pytest.mark.parametrize("sinks", [0, 2])
 @pytest.mark.parametrize("memory", ["linear", "gla", "delta", "gated-delta"])
@@ -693,7 +698,7 @@ def test_hybrid_whole_prompt_path_equals_the_general_path(memory, sinks, steps, 
         cell.use_kernels(kernels)
         with torch.no_grad(), monkeypatch.context() as patch:
             fast, *fast_state = cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)
-            patch.setattr(hybrid_cells, "whole_prompt", lambda mask, length: False)
+            no_whole_prompt(patch)
             general, *general_state = cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)
         assert rel_diff(fast, general) < 1e-5, kernels
         for a, b in zip(fast_state, general_state):
@@ -717,7 +722,7 @@ def test_hybrid_whole_prompt_path_trains_as_the_general_path(memory, steps, monk
     for whole in (True, False):
         with monkeypatch.context() as patch:
             if not whole:
-                patch.setattr(hybrid_cells, "whole_prompt", lambda mask, length: False)
+                no_whole_prompt(patch)
             inputs = [t.clone().requires_grad_() for t in (q, k, v)]
             cell.zero_grad(set_to_none=True)
             out, *_ = cell(*inputs, mask, *cell.init_state(2, q.device, q.dtype), x=x)
@@ -726,7 +731,7 @@ def test_hybrid_whole_prompt_path_trains_as_the_general_path(memory, steps, monk
             grads.append([t.grad for t in inputs] + [p.grad for p in cell.parameters()])
     for (name, param), fast, general in zip([("q", q), ("k", k), ("v", v), *cell.named_parameters()], *grads):
         fast, general = (torch.zeros_like(param) if g is None else g for g in (fast, general))
-        torch.testing.assert_close(fast, general, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")  # f, g: 0 up to rounding
+        torch.testing.assert_close(fast, general, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")  # f, g: 0 up to rounding
 
 
 @pytest.mark.parametrize("memory", ["linear", "gla", "delta", "gated-delta"])

@@ -22,31 +22,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM
-
-import rnnify
-from rnnify.cells import CELLS, CellSpec, build_cell, parameters
-from rnnify.cells.hybrid import (
-    HybridCell,
-    chunk_hybrid_attn,
-    chunked_window_and_leaving,
-    fused_hybrid_attn,
-    naive_recurrent_hybrid_attn,
-    parallel_hybrid_attn,
-    prompt_window_and_leaving,
-    step_hybrid_attn,
-)
-from rnnify.cells.linear import FEATURE_MAPS, build_feature_map
-from rnnify.cells.window import (
-    WindowCell,
-    chunk_window_attn,
-    naive_recurrent_window_attn,
-    parallel_window_attn,
-    step_window_attn,
-)
-from rnnify.bench import OpCount
-from rnnify.errors import RnnifyError
-from rnnify.runtime.manifest import MANIFEST_FILE
 from support import (
     assert_left_padded_rows_equal_rows_alone,
     assert_steps_and_split_prefill_match,
@@ -56,6 +31,33 @@ from support import (
     rel_diff,
     reseal,
 )
+from transformers import AutoModelForCausalLM
+
+import rnnify
+from rnnify.bench import OpCount
+from rnnify.cells import CELLS, CellSpec, build_cell, parameters
+from rnnify.cells.hybrid import HybridCell
+from rnnify.cells.hybrid_window import (
+    chunked_window_and_leaving,
+    prompt_window_and_leaving,
+)
+from rnnify.cells.linear import FEATURE_MAPS, build_feature_map
+from rnnify.cells.linear_memory import (
+    chunk_hybrid_attn,
+    fused_hybrid_attn,
+    naive_recurrent_hybrid_attn,
+    parallel_hybrid_attn,
+    step_hybrid_attn,
+)
+from rnnify.cells.window import (
+    WindowCell,
+    chunk_window_attn,
+    naive_recurrent_window_attn,
+    parallel_window_attn,
+    step_window_attn,
+)
+from rnnify.errors import RnnifyError
+from rnnify.runtime.manifest import MANIFEST_FILE
 
 # fp32 computation against float64 on O(1) inputs: 1e-5 relative, the same absolute floor.
 RTOL = ATOL = 1e-5
@@ -197,7 +199,7 @@ def _step_loop(step, q, k, v, mask, *state, fixed=(), **kwargs):
 def _assert_states_close(got, want, what):
     for name, a, b in zip(what, got, want):
         if a.is_floating_point():
-            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
         else:
             assert torch.equal(a, b), name
 
@@ -209,7 +211,7 @@ def _assert_forms_agree(forms, want, want_state, real, state_names) -> None:
         out, *new_state = form()
         assert out.shape == want.shape and out.dtype == torch.float32, name
         assert torch.isfinite(out).all(), name
-        torch.testing.assert_close(out[real], want[real], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(out[real], want[real], rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
         _assert_states_close(new_state, want_state, [f"{name} {n}" for n in state_names])
 
 
@@ -353,14 +355,14 @@ def test_window_whole_prompt_takes_the_band_path(length, sinks, dtype, monkeypat
 
 
 # what the window and hybrid cells' property tests draw alike
-CELL_DRAWS = dict(
-    window=st.integers(1, 12),
-    length=st.integers(1, 24),
-    splits=st.lists(st.integers(1, 20), max_size=3),
-    group=st.sampled_from([1, 2, 4]),
-    left_pad=st.integers(0, 6),
-    seed=st.integers(0, 2**31 - 1),
-)
+CELL_DRAWS = {
+    "window": st.integers(1, 12),
+    "length": st.integers(1, 24),
+    "splits": st.lists(st.integers(1, 20), max_size=3),
+    "group": st.sampled_from([1, 2, 4]),
+    "left_pad": st.integers(0, 6),
+    "seed": st.integers(0, 2**31 - 1),
+}
 
 
 def _check_cell(cell, reference, length, splits, left_pad, gen) -> None:
@@ -676,9 +678,9 @@ def test_hybrid_forms_agree_for_every_feature_map(feature_map):
                 "step_loop": _step_loop(step_hybrid_attn, *args, fixed=fixed),
             }.items():
                 assert torch.isfinite(out).all(), name
-                torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+                torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
                 for a, b in zip(state, want_state):
-                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # --------------------------------------------------------------------------- hybrid: the cell

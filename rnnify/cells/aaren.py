@@ -45,7 +45,7 @@ from torch import nn
 
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
-from rnnify.cells.exact import finite_or_zero, readout
+from rnnify.cells.online_softmax import finite_or_zero, online_softmax_update, readout
 from rnnify.errors import check_int
 
 Forms = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -71,11 +71,7 @@ def naive_recurrent_aaren(s, v, m, u, w) -> Forms:
     outs = []
     for t in range(s.shape[-1]):
         s_t, v_t = s[..., t], v[:, :, None, t]  # [B, Hkv, G], [B, Hkv, 1, Dv]
-        m_new = torch.maximum(m, s_t)
-        decay, p = torch.exp(m - finite_or_zero(m_new)), torch.exp(s_t - finite_or_zero(m_new))
-        u = u * decay + p
-        w = w * decay[..., None] + p[..., None] * v_t
-        m = m_new
+        m, u, w = online_softmax_update(m, u, w, s_t[..., None], v_t)  # rows: the G queries, one key
         outs.append(readout(u, w))
     return torch.stack(outs, dim=3), m, u, w
 
@@ -172,7 +168,7 @@ class AarenCell(Cell):
         )
 
     @torch.no_grad()
-    def calibrate(self, q: torch.Tensor, mask: torch.Tensor | None = None) -> "AarenCell":
+    def calibrate(self, q: torch.Tensor, mask: torch.Tensor | None = None) -> AarenCell:
         """Set q^ to the mean of ``q [B, H, T, d]`` (as the cell receives it) over batch and real tokens."""
         q = q.float()
         if mask is None:

@@ -48,7 +48,7 @@ from torch import nn
 
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec
-from rnnify.cells.gated import _gate_bias
+from rnnify.cells.gated import gate_bias
 from rnnify.kernels.delta_rule import chunk_delta_rule_reference
 
 Forms = tuple[torch.Tensor, torch.Tensor]
@@ -131,7 +131,7 @@ class DeltaWriter(nn.Module):
             self.decay_init = check_probability("decay_init", 0.99 if decay_init is None else decay_init)
             self.gate_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads)
             nn.init.zeros_(self.gate_proj.weight)
-            nn.init.constant_(self.gate_proj.bias, _gate_bias(self.decay_init, 1.0))
+            nn.init.constant_(self.gate_proj.bias, gate_bias(self.decay_init, 1.0))
 
     def forward(self, x: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """beta ``[B, H_kv, T]`` and log alpha (None ungated), 0 at padding (mask False)."""

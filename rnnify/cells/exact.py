@@ -34,18 +34,13 @@ import torch
 import torch.nn.functional as F
 
 from rnnify.cells.base import Cell, CellSpec
+from rnnify.cells.online_softmax import (
+    finite_or_zero,
+    online_softmax_init,
+    online_softmax_update,
+    readout,
+)
 from rnnify.errors import check_int
-
-
-def finite_or_zero(m: torch.Tensor) -> torch.Tensor:
-    """m where finite, else 0: the reference point for exp() when nothing has been read (m = -inf),
-    so -inf - -inf never occurs."""
-    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-
-
-def readout(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """o = w / u, and 0 where nothing has been read (u = 0)."""
-    return torch.where(u[..., None] > 0, w / u.clamp_min(torch.finfo(u.dtype).tiny)[..., None], 0.0)
 
 
 def _allowed(length: int, total: int, valid: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -71,18 +66,11 @@ def naive_recurrent_softmax_attn(
     num_kv_heads, total = keys.shape[1], keys.shape[2]
     q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, -1).float() * scale
     allowed = _allowed(length, total, valid, window)
-    m = q.new_full(q.shape[:-1], float("-inf"))
-    u = q.new_zeros(q.shape[:-1])
-    w = q.new_zeros((*q.shape[:-1], values.shape[-1]))
+    m, u, w = online_softmax_init(q, q.shape[:-1], values.shape[-1])
     for j in range(total):
         s = (q * keys[:, :, None, None, j].float()).sum(-1)  # [B, Hkv, G, T]
         s = s.masked_fill(~allowed[..., j], float("-inf"))
-        m_new = torch.maximum(m, s)
-        m_safe = finite_or_zero(m_new)
-        decay, p = torch.exp(m - m_safe), torch.exp(s - m_safe)
-        u = u * decay + p
-        w = w * decay[..., None] + p[..., None] * values[:, :, None, None, j].float()
-        m = m_new
+        m, u, w = online_softmax_update(m, u, w, s[..., None], values[:, :, None, j : j + 1].float())
     out = readout(u, w)
     return out.reshape(batch, num_heads, length, -1).to(values.dtype)
 
@@ -134,9 +122,7 @@ def softmax_attention_rnn(
     num_kv_heads, total = keys.shape[1], keys.shape[2]
     group = num_heads // num_kv_heads
     q = q.reshape(batch, num_kv_heads, group, length, -1).float() * scale
-    m = q.new_full((batch, num_kv_heads, group, length), float("-inf"))
-    u = q.new_zeros((batch, num_kv_heads, group, length))
-    w = q.new_zeros((batch, num_kv_heads, group, length, values.shape[-1]))
+    m, u, w = online_softmax_init(q, (batch, num_kv_heads, group, length), values.shape[-1])
     q_pos = torch.arange(total - length, total, device=q.device)
     first = 0 if window is None else max(0, total - length - window + 1)
     for start in range(first - first % block_size, total, block_size):
@@ -145,13 +131,7 @@ def softmax_attention_rnn(
         allowed = allowed & valid[:, None, None, None, start:end]  # [B, 1, 1, T, n]
         s = torch.einsum("bhgtd,bhnd->bhgtn", q, keys[:, :, start:end].float())
         s = s.masked_fill(~allowed, float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1))
-        m_safe = finite_or_zero(m_new)
-        decay = torch.exp(m - m_safe)
-        p = torch.exp(s - m_safe[..., None])
-        u = u * decay + p.sum(-1)
-        w = w * decay[..., None] + torch.einsum("bhgtn,bhnd->bhgtd", p, values[:, :, start:end].float())
-        m = m_new
+        m, u, w = online_softmax_update(m, u, w, s, values[:, :, None, start:end].float())
     out = readout(u, w)
     return out.reshape(batch, num_heads, length, -1).to(values.dtype)
 

@@ -82,7 +82,7 @@ def retnet_log_gammas(num_kv_heads: int) -> torch.Tensor:
     return torch.log1p(-torch.pow(2.0, -5.0 - torch.arange(num_kv_heads, dtype=torch.float64)))
 
 
-def _gate_bias(decay_init: float, tau: float) -> float:
+def gate_bias(decay_init: float, tau: float) -> float:
     """b with logsigmoid(b) / tau = log(decay_init): logit(decay_init ** tau)."""
     p = math.exp(tau * math.log(decay_init))
     return math.log(p) - math.log1p(-p)
@@ -148,7 +148,7 @@ class GatedCell(FeatureMapCell):
             raise ValueError(f"tau must be > 0, got {tau!r}")
         if not 0 < self.decay_init < 1:
             raise ValueError(f"decay_init must be strictly between 0 and 1, got {decay_init!r}")
-        bias = _gate_bias(self.decay_init, self.tau)
+        bias = gate_bias(self.decay_init, self.tau)
         if gate == "gla":
             self.gate_rank = 16 if gate_rank is None else gate_rank
             check_int("gate_rank", self.gate_rank)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from rnnify.cells.base import Cell, CellSpec
+from rnnify.cells.registry import build_target_cell
 
 TARGET = "heads"
 
@@ -47,14 +48,12 @@ class HeadSplitCell(Cell):
 
     def __init__(self, spec: CellSpec, groups: list[dict[str, Any]]):
         super().__init__(spec)
-        from rnnify.cells import build_cell  # the registry imports this module
-
         heads = _check_groups(groups, spec.num_kv_heads)
         self.parts = torch.nn.ModuleList()
         for kv, group in zip(heads, groups):
             if group.get("target") == TARGET:
                 raise ValueError("a head group cannot itself be split by heads")
-            self.parts.append(build_cell(group["target"], part_spec(spec, len(kv)), group.get("options") or {}))
+            self.parts.append(build_target_cell(group["target"], part_spec(spec, len(kv)), group.get("options") or {}))
         self.kv_heads = heads
         size = spec.group_size
         q_heads = [[h * size + g for h in kv for g in range(size)] for kv in heads]

@@ -68,7 +68,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from rnnify.cells.base import Cell, CellSpec
-from rnnify.cells.exact import finite_or_zero
+from rnnify.cells.online_softmax import finite_or_zero
 from rnnify.errors import check_int
 from rnnify.kernels.ring import ring_index, write_slots
 

@@ -48,10 +48,14 @@ import torch
 
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec, every_token_real
-from rnnify.cells.exact import finite_or_zero, readout
+from rnnify.cells.online_softmax import (
+    finite_or_zero,
+    online_softmax_init,
+    online_softmax_update,
+    readout,
+)
 from rnnify.errors import check_int
 from rnnify.kernels.ring import held_index, prompt_write, token_index, window_write
-
 
 # queries per block of a whole prompt's window part: each block also reads the W keys before it, so
 # small blocks waste fewer masked scores (16: a 4,096-token prompt's window part in half the time of 64)
@@ -85,18 +89,11 @@ def naive_recurrent_window_attn(q, k, v, mask, keys, values, sink_keys, sink_val
         # the held keys with, per row, whether query t attends to them
         held = [(sink_keys[:, :, j], sink_values[:, :, j], j < length - window) for j in range(sinks)]
         held += [(keys[:, :, s], values[:, :, s], s < length) for s in range(window)]
-        m = q.new_full(q.shape[:3], float("-inf"))  # [B, Hkv, G]
-        u = q.new_zeros(q.shape[:3])
-        w = q.new_zeros((*q.shape[:3], values.shape[-1]))
+        m, u, w = online_softmax_init(q, q.shape[:3], values.shape[-1])  # [B, Hkv, G]
         for key, value, attended in held:
             s = scale * (q[:, :, :, t] * key[:, :, None].float()).sum(-1)
             s = torch.where(attended[:, None, None], s, float("-inf"))
-            m_new = torch.maximum(m, s)
-            m_safe = finite_or_zero(m_new)
-            decay, p = torch.exp(m - m_safe), torch.exp(s - m_safe)
-            u = u * decay + p
-            w = w * decay[..., None] + p[..., None] * value[:, :, None].float()
-            m = m_new
+            m, u, w = online_softmax_update(m, u, w, s[..., None], value[:, :, None].float())
         outs.append(readout(u, w))
     return torch.stack(outs, dim=3), keys, values, sink_keys, sink_values, length
 
