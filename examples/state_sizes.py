@@ -39,6 +39,8 @@ VARIANTS = [
     ("delta", {}),
     ("gated-delta", {}),
     ("select", {"window": 64, "sinks": 4, "keep": 64, "chunk": 32}),
+    ("lola", {"window": 64, "sinks": 4, "keep": 64, "chunk": 32, "feature_map": "taylor"}),
+    ("lola", {"window": 64, "sinks": 4, "keep": 64, "chunk": 32, "feature_map": "hedgehog"}),
 ]
 
 

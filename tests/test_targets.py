@@ -33,6 +33,7 @@ VARIANTS = {
     "gated-delta": {},
     "select": {"window": 8, "keep": 4, "chunk": 4},
     "select-snapkv": {"window": 8, "keep": 4, "chunk": 4, "policy": "snapkv", "pool": 3},
+    "lola": {"window": 8, "keep": 4, "chunk": 4, "memory_init": 0.5},
 }
 
 
