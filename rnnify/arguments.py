@@ -6,7 +6,8 @@ is (``cli.main``), whether argparse finds it (``Parser``: an unknown flag, a mis
 choice that is not one) or a ``type=`` function here does (an ``RnnifyError`` that says what is
 allowed), before a model is loaded rather than as a traceback or a crash halfway through the command.
 Both answer without importing torch: ``Command`` adds a command's arguments only when it parses, and
-their choices and defaults come from ``rnnify.choices``.
+their choices and defaults come from ``rnnify.choices``. A command's help shows each flag's default
+as the flag holds it (``DefaultsFormatter``), so that no help text repeats a value by hand.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from rnnify.errors import RnnifyError
 
-__all__ = ["SEEDS", "Command", "Parser", "seed", "temperature", "utf8"]
+__all__ = ["SEEDS", "Command", "DefaultsFormatter", "Parser", "seed", "temperature", "utf8"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -29,11 +30,26 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {' '.join(message.split())}\n")
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that ends a flag's text with ``(default: VALUE)``, read from the flag itself. Not for a
+    flag without a value of its own (None, or a switch), whose text says in words what happens
+    without it, nor for one whose text states its default already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        default = action.default
+        if (not action.option_strings or action.nargs == 0 or default is None or default is argparse.SUPPRESS
+                or "%(default)" in help or "(default:" in help):
+            return help
+        return help + " (default: %(default)s)"
+
+
 class Command(Parser):
     """A command's parser whose arguments are added by ``arguments`` when it first parses, so that
-    ``rnnify --help`` and the other commands do not build them."""
+    ``rnnify --help`` and the other commands do not build them; its help shows the flags' defaults."""
 
     def __init__(self, *args: Any, arguments: Callable[[argparse.ArgumentParser], None], **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
         super().__init__(*args, **kwargs)
         self._arguments: Callable[[argparse.ArgumentParser], None] | None = arguments
 

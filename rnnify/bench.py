@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rnnify.choices import BENCH_BATCHES, BENCH_CONTEXTS, BENCH_PREFILL_MAX, BENCH_STEPS
 from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel
 
@@ -105,15 +106,15 @@ class Run:
 
 def benchmark(
     model_or_dir: RecurrentModel | str | os.PathLike,
-    contexts: Sequence[int] = (256, 1024, 4096, 16384),
-    batches: Sequence[int] = (1, 8),
+    contexts: Sequence[int] = BENCH_CONTEXTS,
+    batches: Sequence[int] = BENCH_BATCHES,
     *,
     against: str | os.PathLike | torch.nn.Module | None = None,
     device: torch.device | str | None = None,
     dtype: str | None = None,
     kernels: str | None = None,
-    steps: int = 10,
-    prefill_max: int = 2048,
+    steps: int = BENCH_STEPS,
+    prefill_max: int = BENCH_PREFILL_MAX,
     compile: bool = False,
     command: str = "",
     progress: bool = False,

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from rnnify.choices import CHAT_MAX_NEW_TOKENS, TEMPERATURE
 from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.sampling import check_sampling, next_token
@@ -61,9 +62,9 @@ class Chat:
         tokenizer: Any,
         *,
         system: str | None = None,
-        max_new_tokens: int = 256,
+        max_new_tokens: int = CHAT_MAX_NEW_TOKENS,
         do_sample: bool = False,
-        temperature: float = 1.0,
+        temperature: float = TEMPERATURE,
         top_k: int | None = None,
         top_p: float | None = None,
         eos_token_id: int | list[int] | None = None,

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from rnnify.capture import capture, load_source, source_name, vocab_size
+from rnnify.choices import DEFAULT_DTYPE, DEFAULT_KERNELS, DTYPES
 from rnnify.errors import RnnifyError
 from rnnify.gguf import is_gguf, tokenizer_files
 from rnnify.kernels.utils import check_kernels
@@ -26,7 +27,7 @@ __all__ = ["convert", "STAGES"]
 
 STAGES = ("load", "capture", "passes")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -60,8 +61,8 @@ def convert(
     *,
     layers: str | None = None,
     keep_softmax: Iterable[int] | None = None,
-    dtype: str | torch.dtype = "float32",
-    kernels: str = "auto",
+    dtype: str | torch.dtype = DEFAULT_DTYPE,
+    kernels: str = DEFAULT_KERNELS,
     progress: Callable[[str], None] | None = None,
     **options: Any,
 ) -> RecurrentModel:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from rnnify.choices import SEED, VERIFY_BATCH, VERIFY_TOKENS
 from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.state import RecurrentState
@@ -95,9 +96,9 @@ def _random_ids(model: RecurrentModel, tokens: int, batch: int, seed: int) -> tu
 def run_checks(
     model: RecurrentModel,
     against: Any = None,
-    tokens: int = 32,
-    batch: int = 2,
-    seed: int = 0,
+    tokens: int = VERIFY_TOKENS,
+    batch: int = VERIFY_BATCH,
+    seed: int = SEED,
     *,
     progress: Callable[[str], None] | None = None,
     expected_digest: str | None = None,

@@ -229,8 +229,8 @@ def test_distill_of_a_model_trained_elsewhere_compiles_from_the_saved_copy(compi
                                                                            empty_cache):
     """A model distilled on another device is compiled from its saved directory, loaded on the CPU
     (the step is for CPUs); here the device is faked and the compile recorded."""
-    import rnnify.cli as cli
     import rnnify.runtime.step_cache as step_cache
+    from rnnify.cli.compile import compile_step
 
     out = tmp_path / "model"
     shutil.copytree(compiled("hybrid"), out)
@@ -238,6 +238,6 @@ def test_distill_of_a_model_trained_elsewhere_compiles_from_the_saved_copy(compi
     trained.__class__ = type("OnAGpu", (type(trained),), {"device": property(lambda self: torch.device("cuda", 0))})
     compiled_models = []
     monkeypatch.setattr(step_cache, "compile_into_cache", lambda model: compiled_models.append(model) or empty_cache)
-    assert cli._compile_step(trained, out) == f"decode step: compiled ahead of time (into this machine's cache: {empty_cache})"
+    assert compile_step(trained, out) == f"decode step: compiled ahead of time (into this machine's cache: {empty_cache})"
     [model] = compiled_models
     assert model is not trained and model.path == out

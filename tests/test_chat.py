@@ -174,7 +174,7 @@ def test_chat_command_through_stdin(chat_dirs):
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     reads = [int(n) for n in re.findall(r"^\(read (\d+) new tokens", result.stdout, flags=re.M)]
     how = re.findall(r"^\(read \d+ new tokens; (.+)\)$", result.stdout, flags=re.M)  # a rule of rnnify.chat, in words
-    assert len(how) == 2 and set(how) <= set(cli._RULES.values()), result.stdout
+    assert len(how) == 2 and set(how) <= set(cli.chat._RULES.values()), result.stdout
     sizes = re.findall(r"^\[(\d+) tokens, state .+\]$", result.stdout, flags=re.M)
     assert len(reads) == len(sizes) == 2
     # The second turn reads the reply's close, the new message and the header: not the history again.

@@ -337,7 +337,7 @@ def test_usage_errors_are_one_line_without_the_usage(capsys, monkeypatch, name):
     """A bad choice, a missing argument and an unknown flag: one line each, not argparse's usage block
     (convert's ran to 24 lines); --help still shows the usage."""
     argv, choice = COMMANDS[name]
-    monkeypatch.setattr(f"rnnify.cli._{name}", lambda args, console: pytest.fail("ran with a usage error"))
+    monkeypatch.setattr(f"rnnify.cli.{name}.run", lambda args, console: pytest.fail("ran with a usage error"))
     if choice is not None:
         code, _, err = run(capsys, *argv, choice, "x")
         assert_user_error(code, err, f"error: argument {choice}: invalid choice: 'x' (choose from ")
@@ -491,7 +491,7 @@ def test_piped_convert_prints_a_line_as_each_stage_starts_and_ends(capsys, monke
     """Not a bar (tqdm prints nothing off a terminal), which left a log silent for minutes."""
     from rnnify.passes import PIPELINE
 
-    monkeypatch.setattr("rnnify.cli._compile_step", lambda *a, **k: "decode step: eager (not compiled here)")
+    monkeypatch.setattr("rnnify.cli.convert.compile_step", lambda *a, **k: "decode step: eager (not compiled here)")
     code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "linear", "-o", tmp_path / "out")
     assert code == 0, err
     stages = ["load", "capture", *(p.__name__ for p in PIPELINE), "save", "decode step"]

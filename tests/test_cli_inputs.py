@@ -49,7 +49,7 @@ def test_chat_stdin_that_is_not_utf8(capsys, monkeypatch, chat_dir):
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "-inf", "warm"])
 def test_temperature_out_of_range(capsys, monkeypatch, value):
-    monkeypatch.setattr("rnnify.cli._generate", lambda args, console: pytest.fail("ran with a bad --temperature"))
+    monkeypatch.setattr("rnnify.cli.generate.run", lambda args, console: pytest.fail("ran with a bad --temperature"))
     code, _, err = run(capsys, "generate", "d", "--ids", "1", "--do-sample", f"--temperature={value}")
     assert_user_error(code, err, "--temperature", "finite number > 0" if value != "warm" else "expected a number")
 
@@ -66,7 +66,7 @@ def test_a_tiny_temperature_samples_the_most_likely_token(capsys, converted_dir)
 @pytest.mark.parametrize("value", [str(2**64), str(-(2**63) - 1), "1.5"])
 @pytest.mark.parametrize("command", ["generate", "verify", "distill"])
 def test_seed_out_of_range(capsys, monkeypatch, command, value):
-    monkeypatch.setattr(f"rnnify.cli._{command}", lambda args, console: pytest.fail("ran with a bad --seed"))
+    monkeypatch.setattr(f"rnnify.cli.{command}.run", lambda args, console: pytest.fail("ran with a bad --seed"))
     argv = {"generate": ["generate", "d", "--ids", "1", "--do-sample"], "verify": ["verify", "d"],
             "distill": ["distill", "d", "--data", "x", "-o", "out"]}[command]
     code, _, err = run(capsys, *argv, "--seed", value)
@@ -84,6 +84,6 @@ def test_seeds_torch_takes_are_taken(capsys, converted_dir, value):
 @pytest.mark.parametrize("value", ["100000", str(os.cpu_count() + 1), "0"])
 def test_threads_out_of_range(capsys, monkeypatch, value):
     """100000 threads crashed torch (SIGSEGV) before the command ran."""
-    monkeypatch.setattr("rnnify.cli._generate", lambda args, console: pytest.fail("ran with a bad --threads"))
+    monkeypatch.setattr("rnnify.cli.generate.run", lambda args, console: pytest.fail("ran with a bad --threads"))
     code, _, err = run(capsys, "generate", "d", "--ids", "1", "--threads", value)
     assert_user_error(code, err, f"--threads must be an integer from 1 to {os.cpu_count()}")

@@ -112,8 +112,7 @@ def test_every_command_but_info_computes():
 def test_threads_flag_sets_torch_threads_inside_the_command(monkeypatch, name):
     monkeypatch.setattr(threads, "max_threads", lambda: 4)  # whatever this machine has
     seen = []
-    handler = f"_{name}"
-    monkeypatch.setattr(cli, handler, lambda args, console: seen.append(torch.get_num_threads()) or 0)
+    monkeypatch.setattr(f"rnnify.cli.{name}.run", lambda args, console: seen.append(torch.get_num_threads()) or 0)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     before = torch.get_num_threads()
     assert cli.main([*COMMANDS[name], "--threads", "3"]) == 0
@@ -123,7 +122,7 @@ def test_threads_flag_sets_torch_threads_inside_the_command(monkeypatch, name):
 
 
 def test_bad_threads_is_one_line_and_exit_2(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_generate", lambda args, console: pytest.fail("ran with bad --threads"))
+    monkeypatch.setattr(cli.generate, "run", lambda args, console: pytest.fail("ran with bad --threads"))
     assert cli.main(["generate", "d", "--ids", "1", "--threads", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --threads") and len(err.splitlines()) == 1

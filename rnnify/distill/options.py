@@ -1,7 +1,8 @@
 """The command-line flags of training, shared by ``rnnify distill`` and ``rnnify convert --distill``.
 
 Torch-free, as ``--help`` and a mistyped flag must be (``rnnify.choices``): what checking the flags
-needs of the runtime is imported when they are checked.
+needs of the runtime is imported when they are checked. Their defaults are ``rnnify.distill``'s,
+from ``rnnify.choices``; the help shows them (``arguments.Command``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,22 @@ from pathlib import Path
 from typing import Any
 
 from rnnify import arguments
-from rnnify.choices import AUTO_ALL_MAX_PARAMETERS, DEFAULT_LR, DEFAULT_SEQ_LEN, SCHEDULES, STAGES, TRAIN
+from rnnify.choices import (
+    AUTO_ALL_MAX_PARAMETERS,
+    CHECKPOINT_EVERY,
+    DEFAULT_LR,
+    DEFAULT_SCHEDULE,
+    DEFAULT_SEQ_LEN,
+    DEFAULT_TRAIN,
+    DISTILL_BATCH_SIZE,
+    GATE_LR_SCALE,
+    KL_WEIGHT,
+    LORA_RANK,
+    SCHEDULES,
+    SEED,
+    STAGES,
+    TRAIN,
+)
 from rnnify.errors import RnnifyError
 
 __all__ = ["add_training_flags", "training_options"]
@@ -27,46 +43,45 @@ def add_training_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="directory of the tokenizer to read the data with (default: the model's, else its source's)")
     g.add_argument("--stages", default=",".join(STAGES), metavar="LIST",
                    help="stages to run, in order: transfer (the cells' parameters, to match softmax attention), "
-                   "finetune (the cells and what --train says, on next-token loss and KL to the teacher) "
-                   "(default: %(default)s)")
+                   "finetune (the cells and what --train says, on next-token loss and KL to the teacher)")
     g.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="real tokens to train on, split evenly between the stages (default: one pass over "
                    "the data per stage)")
     g.add_argument("--seq-len", type=int, default=None, metavar="N",
                    help=f"tokens per row (default: {DEFAULT_SEQ_LEN}, or the model's position limit if lower)")
-    g.add_argument("--batch-size", type=int, default=8, metavar="B",
-                   help="rows per optimizer step, all processes together (default: 8)")
+    g.add_argument("--batch-size", type=int, default=DISTILL_BATCH_SIZE, metavar="B",
+                   help="rows per optimizer step, all processes together")
     g.add_argument("--lr", metavar="X[,X]",
                    help="learning rate, one for all stages or one per stage (default: "
                    + ", ".join(f"{s} {r:g}" for s, r in DEFAULT_LR.items()) + ")")
-    g.add_argument("--schedule", choices=SCHEDULES, default="cosine",
+    g.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
                    help="learning rate over each stage: cosine (warm-up over the first 5%% of its steps, then down to "
-                   "a tenth by the last; constant after the warm-up without --max-tokens) or constant (default: cosine)")
-    g.add_argument("--train", choices=TRAIN, default="auto",
+                   "a tenth by the last; constant after the warm-up without --max-tokens) or constant")
+    g.add_argument("--train", choices=TRAIN, default=DEFAULT_TRAIN,
                    help="what the finetune stage trains besides the cells' parameters: lora (rank --lora-rank "
                    "on the attention projections), attention (those projection weights in full), all (every "
-                   "weight: gradients and AdamW state take 3x the weights; much closer to the teacher than LoRA on "
-                   f"a small budget, see docs/distill.md) or auto: all for models up to {AUTO_ALL_MAX_PARAMETERS / 1e9:g}B "
-                   "parameters, else lora (default: %(default)s)")
-    g.add_argument("--lora-rank", type=int, default=8, metavar="R", help="LoRA rank of the finetune stage with --train lora (default: 8)")
-    g.add_argument("--gate-lr-scale", default="1", metavar="X[,X]",
+                   "weight: gradients and AdamW state take 3x the weights; docs/distill.md compares them) or auto: "
+                   f"all for models up to {AUTO_ALL_MAX_PARAMETERS / 1e9:g}B parameters, else lora")
+    g.add_argument("--lora-rank", type=int, default=LORA_RANK, metavar="R",
+                   help="LoRA rank of the finetune stage with --train lora")
+    g.add_argument("--gate-lr-scale", default=f"{GATE_LR_SCALE:g}", metavar="X[,X]",
                    help="the cells' gates (the hybrid's memory gate and window share, one number per head) train at "
                    "X times the stage's rate, one X for all stages or one per stage, so that a short stage moves "
-                   "them far enough (default: 1)")
-    g.add_argument("--kl-weight", type=float, default=1.0, metavar="X",
-                   help="weight of KL(teacher || model) next to the next-token loss; 0 needs no teacher (default: 1)")
+                   "them far enough")
+    g.add_argument("--kl-weight", type=float, default=KL_WEIGHT, metavar="X",
+                   help="weight of KL(teacher || model) next to the next-token loss; 0 needs no teacher")
     g.add_argument("--checkpoint-dir", metavar="DIR",
                    help="where checkpoints go (default: the output directory's name + '.checkpoints', beside it)")
-    g.add_argument("--checkpoint-every", type=int, default=500, metavar="N",
-                   help="steps between checkpoints (default: 500)")
+    g.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY, metavar="N",
+                   help="steps between checkpoints")
     g.add_argument("--keep-checkpoints", action="store_true",
                    help="keep the checkpoint once the distilled model is saved (default: delete it then)")
     g.add_argument("--resume", action="store_true", help="continue from the checkpoint of an interrupted run")
     g.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard the weights over the processes, one FSDP unit per decoder layer, "
                    "instead of a full copy per process (models that do not fit one device)")
-    g.add_argument("--seed", type=arguments.seed("--seed"), default=0, metavar="S",
-                   help="seed of the data order and LoRA init (default: 0)")
+    g.add_argument("--seed", type=arguments.seed("--seed"), default=SEED, metavar="S",
+                   help="seed of the data order and LoRA init")
     return g
 
 

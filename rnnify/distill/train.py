@@ -33,7 +33,21 @@ from torch import nn
 
 from rnnify.cells import gate_parameters
 from rnnify.cells import parameters as cell_parameters
-from rnnify.choices import AUTO_ALL_MAX_PARAMETERS, DEFAULT_LR, SCHEDULES, STAGES, TRAIN
+from rnnify.choices import (
+    AUTO_ALL_MAX_PARAMETERS,
+    CHECKPOINT_EVERY,
+    DEFAULT_LR,
+    DEFAULT_SCHEDULE,
+    DEFAULT_TRAIN,
+    DISTILL_BATCH_SIZE,
+    GATE_LR_SCALE,
+    KL_WEIGHT,
+    LORA_RANK,
+    SCHEDULES,
+    SEED,
+    STAGES,
+    TRAIN,
+)
 from rnnify.data import row_length, token_batches, tokenizer_for
 from rnnify.distill.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, set_aside
 from rnnify.distill.distributed import Runtime, setup
@@ -59,17 +73,17 @@ def distill(
     stages: Sequence[str] = STAGES,
     max_tokens: int | None = None,
     seq_len: int | None = None,
-    batch_size: int = 8,
+    batch_size: int = DISTILL_BATCH_SIZE,
     lr: float | Sequence[float] | None = None,
-    lora_rank: int = 8,
+    lora_rank: int = LORA_RANK,
     lora_alpha: float | None = None,
-    train: str = "auto",
-    kl_weight: float = 1.0,
-    schedule: str = "cosine",
-    gate_lr_scale: float | Sequence[float] = 1.0,
-    seed: int = 0,
+    train: str = DEFAULT_TRAIN,
+    kl_weight: float = KL_WEIGHT,
+    schedule: str = DEFAULT_SCHEDULE,
+    gate_lr_scale: float | Sequence[float] = GATE_LR_SCALE,
+    seed: int = SEED,
     checkpoint_dir: str | os.PathLike | None = None,
-    checkpoint_every: int = 500,
+    checkpoint_every: int = CHECKPOINT_EVERY,
     resume: bool = False,
     fsdp: bool = False,
     device: torch.device | str | None = None,
@@ -171,7 +185,7 @@ class _Config:
     gate_lr_scale: dict[str, float]
 
 
-def lr_factor(step: int, total: int | None, schedule: str = "cosine") -> float:
+def lr_factor(step: int, total: int | None, schedule: str = DEFAULT_SCHEDULE) -> float:
     """The rate of a stage's optimizer step ``step`` (0-based, of ``total``; None: unknown) as a share of its lr.
 
     Cosine: linear warm-up to the full rate over the first 5% of the steps (at least one), then a

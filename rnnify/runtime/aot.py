@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rnnify.choices import WORTH_COMPILING_BELOW
 from rnnify.errors import RnnifyError, RnnifyWarning, first_line
 from rnnify.runtime.child_reaper import reaping_children
 
@@ -43,10 +44,6 @@ __all__ = [
 ]
 
 STEP_PACKAGE = "step-cpu.pt2"  # AOTInductor's package: the compiled step for CPUs
-# Compiling saves per-op overhead, which a step this heavy hardly has: Llama-3.2-1B's shape in bf16
-# (2.3 GiB a token) decoded 1.07-1.13x faster compiled, for 110-165 s of compiling; the bundled model
-# and GPT-2 small (under 0.5 GiB) 1.15-3.2x at batch 1 (docs/performance.md). A line between those.
-WORTH_COMPILING_BELOW = 1 << 30
 
 
 def _cpu_flags() -> str:

@@ -18,6 +18,7 @@ import torch.fx
 from torch import nn
 
 from rnnify.cells import Cell
+from rnnify.choices import MAX_NEW_TOKENS, TEMPERATURE
 from rnnify.errors import PositionError, RnnifyError, RnnifyWarning, StateError
 from rnnify.kernels.utils import check_kernels, check_runnable
 from rnnify.runtime.direct_calls import direct_forward
@@ -300,11 +301,11 @@ class RecurrentModel(nn.Module):
     def generate(
         self,
         input_ids: torch.Tensor | str,
-        max_new_tokens: int = 20,
+        max_new_tokens: int = MAX_NEW_TOKENS,
         *,
         attention_mask: torch.Tensor | None = None,
         do_sample: bool = False,
-        temperature: float = 1.0,
+        temperature: float = TEMPERATURE,
         top_k: int | None = None,
         top_p: float | None = None,
         eos_token_id: int | list[int] | None = None,

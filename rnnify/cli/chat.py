@@ -1,0 +1,91 @@
+"""``rnnify chat``: a conversation on stdin, its recurrent state carrying it from turn to turn."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from rnnify import arguments
+from rnnify.cli.common import add_command, add_dir, add_kernels_flag, load, nbytes
+from rnnify.cli.generate import add_sampling_flags
+from rnnify.errors import RnnifyError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+# How ``Chat.ask`` told a turn's new tokens from what the state read (its rules, in order; rnnify/chat.py).
+_RULES = {
+    "tokens": "the history tokenizes again to the tokens the state read",
+    "text": "the history tokenizes differently, but its text is what the state read",
+    "messages": "the template rewrote earlier turns; the state keeps them as it read them",
+}
+
+
+def add(commands: argparse._SubParsersAction) -> None:
+    add_command(
+        commands, "chat", run, _arguments,
+        help="chat with a converted model, its recurrent state carrying the conversation",
+        description="Read one user message per line from stdin, apply the chat template saved in DIR and "
+        "stream the reply. Each turn reads only its new tokens, continuing from the state after the "
+        "previous reply (history is never re-read); after each reply a dim line shows the tokens so far "
+        "and the state's size, constant for recurrent targets. /reset starts a new conversation; "
+        "Ctrl-D or Ctrl-C ends. Greedy unless --do-sample.",
+    )
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    from rnnify.choices import CHAT_MAX_NEW_TOKENS
+
+    add_dir(p, "converted model directory with a tokenizer and chat template")
+    p.add_argument("--system", type=arguments.utf8("--system"), metavar="TEXT",
+                   help="system prompt that opens every conversation")
+    add_sampling_flags(p, max_new_tokens=CHAT_MAX_NEW_TOKENS)
+    p.add_argument("--verbose", action="store_true",
+                   help="before each reply, show how many new tokens the turn read and how they were told from the "
+                   "history the state holds, in the order tried: " + "; or ".join(_RULES.values())
+                   + " (rnnify/chat.py)")
+    add_kernels_flag(p)
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    """Read user messages from stdin, one per line, and stream each reply; /reset starts over."""
+    from rich.text import Text
+    from transformers import TextStreamer
+
+    from rnnify.chat import Chat
+    from rnnify.data import load_tokenizer
+    from rnnify.runtime.text import eos_ids
+
+    model = load(args)
+    tokenizer = load_tokenizer(args.dir, "chat needs the tokenizer and chat template of the source model in DIR")
+    chat = Chat(
+        model, tokenizer, system=args.system, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        eos_token_id=eos_ids(model, tokenizer) or None, seed=args.seed,
+    )
+    interactive = sys.stdin.isatty()
+    if interactive:
+        console.print(Text("one message per line; /reset starts a new conversation; Ctrl-D ends", "dim"))
+    try:
+        while True:
+            try:
+                text = input("> " if interactive else "").strip()
+            except EOFError:
+                break
+            except UnicodeDecodeError as exc:  # the tokenizer takes text: say which bytes are not
+                bad = exc.object[exc.start : exc.end].hex(" ")
+                raise RnnifyError(f"stdin is not {exc.encoding} text ({exc.reason}: {bad}); send the messages "
+                                  f"in {exc.encoding}") from None
+            if text == "/reset":
+                chat.reset()
+                console.print(Text("(new conversation)", "dim"))
+            elif text:
+                read, rule = chat.ask(text)
+                if args.verbose:
+                    console.print(Text(f"(read {read} new tokens; {_RULES[rule]})", "dim"))
+                chat.reply(TextStreamer(tokenizer, skip_special_tokens=True))
+                console.print(Text(f"[{len(chat.consumed):,} tokens, state {nbytes(chat.state.nbytes)}]", "dim"))
+    except KeyboardInterrupt:
+        print()
+    return 0

@@ -1,0 +1,105 @@
+"""``rnnify distill``, and the training that ``rnnify convert --distill`` runs with the same flags."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rnnify.cli.common import (
+    add_command,
+    add_device_flag,
+    add_dir,
+    add_kernels_flag,
+    add_output_flags,
+    claims_output,
+    device,
+    load,
+    save,
+    writes_results,
+)
+from rnnify.cli.compile import add_compile_flag, compile_step
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+def add(commands: argparse._SubParsersAction) -> None:
+    from rnnify.choices import AUTO_ALL_MAX_PARAMETERS
+
+    up_to = f"{AUTO_ALL_MAX_PARAMETERS / 1e9:g}B parameters"  # --train auto: every weight up to it, LoRA above
+    add_command(
+        commands, "distill", run, _arguments,
+        help=f"train a converted model towards its original: attention transfer, then fine-tuning of every weight "
+        f"(LoRA above {up_to})",
+        description="After LoLCATs' recipe (docs/distill.md): 'transfer' trains the cells' own parameters to "
+        "match the original softmax attention layer by layer; 'finetune' trains the cells and what --train says "
+        f"(by default every weight of a model up to {up_to}, and LoRA on the attention projections of a larger one, "
+        "merged into its weights at the end) on next-token loss and KL to the original model. Writes -o DIR; "
+        "checkpoints allow --resume. Runs under torchrun for data parallelism (--batch-size is the global batch), "
+        "with --fsdp sharding the weights per decoder layer.",
+    )
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    add_dir(p)
+    p.add_argument("--data", required=True, metavar="PATH",
+                   help="text file, folder of text files or .jsonl file with a \"text\" field per line")
+    add_output_flags(p, "directory to write the distilled model to (DIR itself with --overwrite)")
+    add_kernels_flag(p)
+    add_compile_flag(p)
+    add_training_flags(p)
+
+
+@claims_output
+def run(args: argparse.Namespace, console: Console) -> int:
+    from rich.text import Text
+
+    training = training_options(args)
+    model = load(args)  # on the CPU: distill moves it (or, under FSDP, its shards)
+    if not train(model, args.data, args.teacher, training):
+        return 0
+    path = save(model, args.output)
+    console.print(Text(f"saved to {path}"), soft_wrap=True)
+    if args.compile_step is not False:
+        with console.status("compiling the decode step (AOTInductor)"):
+            decode_note = compile_step(model, path, forced=bool(args.compile_step))
+        console.print(Text(decode_note), soft_wrap=True)
+    drop_checkpoint(training["checkpoint_dir"], args.keep_checkpoints, console)
+    return 0
+
+
+def add_training_flags(p: argparse.ArgumentParser) -> None:
+    """The training flags of ``rnnify.distill.options``, and ``--device`` among them."""
+    from rnnify.distill.options import add_training_flags
+
+    group = add_training_flags(p)
+    add_device_flag(group, "device to train on",
+                    "; with --fsdp the model stays on the CPU and only its shards go there")
+
+
+def training_options(args: argparse.Namespace) -> dict:
+    """``rnnify.distill``'s keyword arguments from the training flags, checked."""
+    from rnnify.distill.options import training_options
+
+    return {**training_options(args), "device": device(args.device)}
+
+
+def train(model, data: str, teacher, options: dict) -> bool:
+    """Distil ``model`` in place (docs/distill.md); True on the process that writes the result (rank 0)."""
+    from rnnify.distill import distill
+
+    distill(model, data, teacher=teacher, **options)  # reports each stage on stderr
+    return writes_results()
+
+
+def drop_checkpoint(directory: Path, keep: bool, console: Console) -> None:
+    """Delete the checkpoint of a run whose model is saved, unless ``--keep-checkpoints``."""
+    from rich.text import Text
+
+    from rnnify.distill.checkpoint import remove_checkpoint
+
+    if keep:
+        console.print(Text(f"checkpoint kept in {directory}"), soft_wrap=True)
+    elif not remove_checkpoint(directory):
+        console.print(Text(f"kept {directory}: it holds more than this run's checkpoint"), soft_wrap=True)

@@ -1,0 +1,113 @@
+"""``rnnify generate``: continue a prompt, streaming each token; and the sampling flags ``chat`` shares."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from rnnify import arguments
+from rnnify.cli.common import add_command, add_dir, add_kernels_flag, load
+from rnnify.errors import RnnifyError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+def add(commands: argparse._SubParsersAction) -> None:
+    add_command(
+        commands, "generate", run, _arguments,
+        help="generate text or token ids, streamed as they are produced",
+        description="Continue a prompt with the converted model, one recurrent step per token, printing "
+        "each token as it comes (the prompt first). Greedy unless --do-sample.",
+    )
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    from rnnify.choices import MAX_NEW_TOKENS
+
+    add_dir(p)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", type=arguments.utf8("--prompt"), metavar="TEXT",
+                        help="text prompt, tokenized with the tokenizer saved in DIR")
+    prompt.add_argument("--ids", metavar="IDS", help="prompt as comma-separated token ids, e.g. 1,2,3; prints ids back")
+    add_sampling_flags(p, max_new_tokens=MAX_NEW_TOKENS)
+    add_kernels_flag(p)
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """How tokens are chosen, shared by ``generate`` and ``chat``: greedy unless --do-sample."""
+    from rnnify.choices import TEMPERATURE
+
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N", help="most tokens to generate")
+    p.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
+    p.add_argument("--temperature", type=arguments.temperature("--temperature"), default=TEMPERATURE, metavar="T",
+                   help="sampling temperature, > 0")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample only from the K most likely tokens")
+    p.add_argument(
+        "--top-p", type=float, default=None, metavar="P",
+        help="sample only from the smallest set of tokens whose probability adds up to P",
+    )
+    p.add_argument("--seed", type=arguments.seed("--seed"), default=None, metavar="S",
+                   help="seed for sampling, for repeatable output")
+
+
+class _IdStreamer:
+    """Prints token ids as ``generate`` produces them, comma-separated, prompt first."""
+
+    def __init__(self) -> None:
+        self._first = True
+
+    def put(self, ids) -> None:
+        for token in ids.flatten().tolist():
+            print(("" if self._first else ",") + str(token), end="", flush=True)
+            self._first = False
+
+    def end(self) -> None:
+        print(flush=True)
+
+
+def _parse_ids(text: str, vocab_size: int) -> list[int]:
+    ids = []
+    for part in text.split(","):
+        try:
+            ids.append(int(part.strip()))
+        except ValueError:
+            message = f"--ids: {part.strip()!r} is not an integer; give comma-separated token ids like 1,2,3"
+            raise RnnifyError(message) from None
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise RnnifyError(f"--ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    import torch
+
+    from rnnify.runtime.text import eos_ids
+
+    model = load(args)
+    if args.ids is not None:
+        tokenizer, streamer = None, _IdStreamer()
+        ids = _parse_ids(args.ids, model.manifest.vocab_size)
+    else:
+        from transformers import TextStreamer
+
+        from rnnify.data import load_tokenizer
+
+        tokenizer = load_tokenizer(args.dir, "pass the prompt as token ids with --ids")
+        ids = tokenizer(args.prompt, add_special_tokens=True).input_ids
+        if not ids:
+            raise RnnifyError("--prompt is empty: give some text")
+        streamer = TextStreamer(tokenizer, skip_special_tokens=True)
+    model.generate(
+        torch.tensor([ids], device=model.device),
+        args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eos_token_id=eos_ids(model, tokenizer) or None,
+        seed=args.seed,
+        streamer=streamer,
+    )
+    return 0
