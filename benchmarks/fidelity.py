@@ -38,7 +38,8 @@ import stdlib_corpus  # noqa: E402
 import rnnify  # noqa: E402
 from rnnify.distill.train import SCHEDULES, STAGES, TRAIN  # noqa: E402
 from rnnify.eval import write_json  # noqa: E402
-from rnnify.passkey import evaluate_passkey, original_generator, passkey_prompts, passkey_trials  # noqa: E402
+from rnnify.passkey import evaluate_passkey, original_generator, passkey_trials, usable_probes  # noqa: E402
+from rnnify.probes import prompts  # noqa: E402
 
 BUNDLED = ROOT / "examples/models/stdlib-llama"
 
@@ -222,7 +223,8 @@ def original_passkey(args, cached: dict | None) -> dict | None:
     """The original model's pass-key accuracy (length -> share), on the prompts every row gets."""
     if not args.passkey:
         return None
-    wanted = {"model": str(args.model), "lengths": args.passkey, "trials": args.passkey_trials, "seed": args.seed}
+    wanted = {"model": str(args.model), "lengths": args.passkey, "trials": args.passkey_trials, "seed": args.seed,
+              "probes": "evaluation"}  # rnnify.passkey.usable_probes, as evaluate_passkey's default
     if cached is not None and cached.get("settings") == wanted:
         return cached
     from rnnify.capture import load_source
@@ -231,7 +233,7 @@ def original_passkey(args, cached: dict | None) -> dict | None:
     print("== original: pass key", flush=True)
     tokenizer = load_tokenizer(args.model)
     trials = passkey_trials({"original": original_generator(load_source(args.model))}, tokenizer,
-                            passkey_prompts(tokenizer, args.passkey, args.passkey_trials, args.seed))
+                            prompts(tokenizer, args.passkey, args.passkey_trials, args.seed, usable_probes(tokenizer)))
     accuracy = rnnify.PasskeyResult(str(args.model), None, args.seed, trials).to_json()["accuracy"]["original"]
     return {"settings": wanted, "accuracy": accuracy}
 

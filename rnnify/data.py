@@ -20,10 +20,16 @@ import torch
 
 from rnnify.choices import DEFAULT_SEQ_LEN
 from rnnify.errors import RnnifyError, check_int
-from rnnify.runtime.tokenizer import TOKENIZER_FILES, TOKENIZER_FIX, load_tokenizer, tokenizer_dir, tokenizer_places
+from rnnify.runtime.tokenizer import (
+    TOKENIZER_FILES,
+    TOKENIZER_FIX,
+    load_tokenizer,
+    tokenizer_dir,
+    tokenizer_places,
+)
 
-__all__ = ["DEFAULT_SEQ_LEN", "TOKENIZER_FILES", "adds_bos", "load_tokenizer", "row_length", "token_batches",
-           "tokenizer_dir", "tokenizer_for", "tokenizer_places"]
+__all__ = ["DEFAULT_SEQ_LEN", "TOKENIZER_FILES", "adds_bos", "load_tokenizer", "read_text", "row_length",
+           "token_batches", "tokenizer_dir", "tokenizer_for", "tokenizer_places"]
 
 _PIECE_CHARS = 1 << 20  # text files are tokenized in line-aligned pieces of about this many characters
 _TOKENIZE_DOCS = 64  # documents per tokenizer call: fast tokenizers batch, Python overhead amortised
@@ -157,6 +163,18 @@ def _is_text(path: Path) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def read_text(data: str | os.PathLike, max_chars: int, seed: int = 0) -> str:
+    """Up to ``max_chars`` characters of the text at ``data`` (what ``token_batches`` reads as text), its
+    files in the order ``seed`` gives them: real prose for a probe to fill its prompts with."""
+    out, size = [], 0
+    for text, _ in _documents(_text_files(Path(data).expanduser(), seed)):
+        out.append(text)
+        size += len(text)
+        if size >= max_chars:
+            break
+    return "".join(out)[:max_chars]
 
 
 def _text_files(path: Path, seed: int) -> list[Path]:

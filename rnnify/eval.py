@@ -18,9 +18,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from rnnify.choices import EVAL_BATCH_SIZE
 from rnnify.data import row_length, token_batches, tokenizer_for
 from rnnify.errors import RnnifyError
 from rnnify.original import LayerError, attention_transfer, load_teacher, source_directory
+from rnnify.original.outputs import OriginalOutputs, content_digest
 from rnnify.runtime.manifest import MANIFEST_FILE
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.storage import load, load_or_take
@@ -105,11 +107,13 @@ def evaluate(
     *,
     against: str | os.PathLike | torch.nn.Module | None = None,
     seq_len: int | None = None,
-    batch_size: int = 8,
+    batch_size: int = EVAL_BATCH_SIZE,
     max_tokens: int | None = None,
     tokenizer: Any = None,
     device: torch.device | str | None = None,
     kernels: str | None = None,
+    layer_errors: bool = True,
+    cache: bool = True,
     progress: bool = False,
 ) -> EvalResult:
     """Evaluate a converted model on ``data`` (anything ``rnnify.data.token_batches`` reads).
@@ -120,27 +124,30 @@ def evaluate(
     tokenized with ``tokenizer``, by default the one saved with the model, else its source's
     (``rnnify.data.tokenizer_for``). ``device`` and ``kernels`` are how a directory is loaded
     (``rnnify.load``'s meanings: default the CPU and the recorded kernels); a loaded model runs as
-    it is. ``progress`` shows a tqdm bar of tokens on a terminal.
+    it is. ``layer_errors=False`` skips the per-layer attention error, a second pass of the
+    converted model. ``cache=False`` recomputes the original's logits instead of reading (and
+    storing) them in the user's cache (``rnnify.original.outputs``). ``progress`` shows a tqdm bar
+    of tokens on a terminal.
     """
     model = load_or_take(model_or_dir, device, kernels, "evaluate")
     seq_len = row_length(model, seq_len)
     # the data's mistakes surface here, before the (possibly large) teacher loads
     batches = token_batches(data, tokenizer_for(model, data, tokenizer), seq_len=seq_len, batch_size=batch_size,
                             max_tokens=max_tokens)
-    teacher, teacher_name = _teacher(model, against)
+    teacher, teacher_name = _teacher(model, against, cache)
     sums = _Sums(len(model.cells), seq_len)
     from tqdm import tqdm
 
     with tqdm(total=max_tokens, unit="tok", disable=None if progress else True, leave=False) as bar:
         for batch in batches:
-            real = _evaluate_batch(model, teacher, batch, sums)
+            real = _evaluate_batch(model, teacher, batch, sums, layer_errors)
             bar.update(real)
     if sums.predicted == 0:
         raise RnnifyError("no token follows another in the data's rows: give rows of at least 2 tokens")
     layers = [
         LayerError(entry.layer, entry.module, mse / max(n, 1), rel / max(n, 1), int(n))
         for entry, (mse, rel, n) in zip(model.manifest.cells, sums.layers.tolist())
-    ]
+    ] if layer_errors else []
     return EvalResult(
         model=str(model.path) if model.path is not None else "(in memory)",
         target=model.target,
@@ -173,8 +180,12 @@ def write_json(path: str | os.PathLike, data: dict[str, Any]) -> None:
         raise RnnifyError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
-def _teacher(model: RecurrentModel, against) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:
-    """A function from token ids to the compared model's logits, and that model's name."""
+def _teacher(model: RecurrentModel, against, cache: bool) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:
+    """A function from token ids to the compared model's logits, and that model's name.
+
+    An original given as a local directory loads on the first row the cache (``cache``,
+    ``rnnify.original.outputs``) does not hold: a sweep that has seen the rows never loads it.
+    """
     if against is None:
         against = source_directory(model, "--against (command line) or against= (Python)")
     if isinstance(against, (str, os.PathLike)) and (Path(against).expanduser() / MANIFEST_FILE).is_file():
@@ -187,9 +198,19 @@ def _teacher(model: RecurrentModel, against) -> tuple[Callable[[torch.Tensor], t
                 f"model has {model.manifest.vocab_size}; compare models with the same tokenizer"
             )
         return (lambda ids: other.prefill(ids)[0]), str(other.path or "(in memory)")
-    teacher = load_teacher(model, against)
-    name = str(against) if isinstance(against, (str, os.PathLike)) else type(against).__name__
-    return (lambda ids: teacher(input_ids=ids, use_cache=False).logits), name
+    if not isinstance(against, (str, os.PathLike)):
+        teacher = load_teacher(model, against)
+        return (lambda ids: teacher(input_ids=ids, use_cache=False).logits), type(against).__name__
+    loaded: list[torch.nn.Module] = []
+
+    def logits(ids: torch.Tensor) -> torch.Tensor:
+        if not loaded:
+            loaded.append(load_teacher(model, against))
+        return loaded[0](input_ids=ids, use_cache=False).logits
+
+    digest = content_digest(against) if cache else None
+    outputs = OriginalOutputs(None if digest is None else f"{digest}:{model.dtype}", logits)
+    return outputs.logits, str(against)
 
 
 class _Sums:
@@ -206,7 +227,8 @@ class _Sums:
 
 
 @torch.no_grad()
-def _evaluate_batch(model: RecurrentModel, teacher, batch: dict[str, torch.Tensor], sums: _Sums) -> int:
+def _evaluate_batch(model: RecurrentModel, teacher, batch: dict[str, torch.Tensor], sums: _Sums,
+                    layer_errors: bool) -> int:
     """Add one batch to ``sums``; returns its real tokens.
 
     Rows are right-padded, so every call runs without a mask (causal: real positions never see
@@ -215,11 +237,12 @@ def _evaluate_batch(model: RecurrentModel, teacher, batch: dict[str, torch.Tenso
     """
     ids = batch["input_ids"].to(model.device)
     mask = batch["attention_mask"].to(model.device)
-    with attention_transfer(model, teacher_forcing=True) as recorder:
-        recorder.loss_mask = mask
-        model.prefill(ids)
-        for i, layer in enumerate(recorder.errors()):
-            sums.layers[i] += torch.tensor([layer.mse * layer.tokens, layer.rel_error * layer.tokens, layer.tokens])
+    if layer_errors:
+        with attention_transfer(model, teacher_forcing=True) as recorder:
+            recorder.loss_mask = mask
+            model.prefill(ids)
+            for i, layer in enumerate(recorder.errors()):
+                sums.layers[i] += torch.tensor([layer.mse * layer.tokens, layer.rel_error * layer.tokens, layer.tokens])
     logits, teacher_logits = model.prefill(ids)[0], teacher(ids)
     for row in range(ids.shape[0]):
         _add_row(sums, logits[row], teacher_logits[row], ids[row], mask[row])

@@ -3,46 +3,53 @@
 Perplexity averages over every token and hides whether a constant-size state can carry a single
 fact across thousands of tokens. The classic probe (Mohtashami & Jaggi's landmark attention,
 reused by LongLoRA) tests that directly: a random 5-digit key is stated once, at some depth of
-repetitive filler, and the prompt ends by asking for it. Both models decode greedily and a trial
-counts when the first number in the answer is the key.
+filler, and the prompt ends by asking for it. Both models decode greedily and a trial counts when
+the first number in the answer is the key. The prompts come in several families
+(``rnnify.probes``); evaluation uses those that ``--to auto`` never calibrates on.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
+from rnnify.choices import PASSKEY_TRIALS, SEED
 from rnnify.data import load_tokenizer, tokenizer_for
 from rnnify.errors import RnnifyError
+from rnnify.probes import (
+    CALIBRATION,
+    EVALUATION,
+    PROBES,
+    Probe,
+    Prompt,
+    prose_sentences,
+)
+from rnnify.probes import prompts as probe_prompts
 from rnnify.runtime.manifest import MANIFEST_FILE
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.storage import load, load_or_take
 
-__all__ = ["PasskeyResult", "PasskeyTrial", "Prompt", "build_prompt", "depths", "evaluate_passkey",
-           "passkey_prompts", "passkey_trials", "score", "converted_generator", "original_generator"]
+__all__ = [
+    "PasskeyResult",
+    "PasskeyTrial",
+    "converted_generator",
+    "evaluate_passkey",
+    "original_generator",
+    "passkey_trials",
+    "score",
+    "usable_probes",
+]
 
-HEADER = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-          "I will quiz you about the important information there.")
-FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
-NEEDLE = "The pass key is {key}. Remember it."
-QUESTION = "What is the pass key? The pass key is"
 ANSWER_MARGIN = 4  # new tokens beyond the key's own, for a space, a colon or a newline before it
 
 # prompt ids, number of new tokens -> the greedily decoded new token ids
 Generator = Callable[[list[int], int], list[int]]
-
-
-@dataclass
-class Prompt:
-    ids: list[int]
-    key: str
-    depth: float  # requested share of the filler sentences before the key
 
 
 @dataclass
@@ -53,6 +60,7 @@ class PasskeyTrial:
     key: str
     answers: dict[str, str]  # model name ("converted", "original") -> decoded answer
     correct: dict[str, bool]
+    probe: str = CALIBRATION.name  # the prompt family (rnnify.probes)
 
 
 @dataclass
@@ -62,49 +70,25 @@ class PasskeyResult:
     seed: int
     trials: list[PasskeyTrial]
 
-    def accuracy(self) -> dict[str, dict[int, float]]:
-        """Model name -> requested length -> share of trials answered with the key."""
+    def accuracy(self, probe: str | None = None) -> dict[str, dict[int, float]]:
+        """Model name -> requested length -> share of trials answered with the key (of ``probe``, else all)."""
         out: dict[str, dict[int, list[bool]]] = {}
         for trial in self.trials:
+            if probe is not None and trial.probe != probe:
+                continue
             for name, ok in trial.correct.items():
                 out.setdefault(name, {}).setdefault(trial.length, []).append(ok)
         return {name: {n: sum(oks) / len(oks) for n, oks in by.items()} for name, by in out.items()}
 
+    def probes(self) -> list[str]:
+        return list(dict.fromkeys(trial.probe for trial in self.trials))
+
     def to_json(self) -> dict[str, Any]:
-        accuracy = {name: {str(n): a for n, a in by.items()} for name, by in self.accuracy().items()}
-        return {**asdict(self), "accuracy": accuracy}
+        def keyed(accuracy: dict[str, dict[int, float]]) -> dict[str, dict[str, float]]:
+            return {name: {str(n): a for n, a in by.items()} for name, by in accuracy.items()}
 
-
-def depths(trials: int) -> list[float]:
-    """``trials`` depths evenly spaced from the start of the filler (0) to its end (1)."""
-    if trials < 1:
-        raise RnnifyError(f"passkey trials (--passkey-trials) must be >= 1, got {trials}")
-    return [0.5] if trials == 1 else [i / (trials - 1) for i in range(trials)]
-
-
-def _text(key: str, filler: int, before: int) -> str:
-    sentences = [FILLER[i % len(FILLER)] for i in range(filler)]
-    return " ".join([HEADER, *sentences[:before], NEEDLE.format(key=key), *sentences[before:], QUESTION])
-
-
-def build_prompt(tokenizer: Any, length: int, depth: float, key: str) -> Prompt:
-    """The longest prompt of at most ``length`` tokens (whole filler sentences) with ``key`` at ``depth``.
-
-    Tokenized as one text, with the tokenizer's special tokens (a BOS where the model expects one).
-    """
-    def size(filler: int) -> int:
-        return len(tokenizer(_text(key, filler, round(depth * filler)))["input_ids"])
-
-    if size(1) > length:
-        raise RnnifyError(f"a pass-key prompt needs at least {size(1)} tokens with this tokenizer; "
-                          f"ask for longer contexts than {length}")
-    per_sentence = max(1, (size(len(FILLER) + 1) - size(1)) // len(FILLER))
-    filler = max(1, (length - size(1)) // per_sentence + 1)  # an estimate, then whole sentences either way
-    while filler > 1 and size(filler) > length:
-        filler -= 1
-    while size(filler + 1) <= length:
-        filler += 1
-    return Prompt(tokenizer(_text(key, filler, round(depth * filler)))["input_ids"], key, depth)
+        by_probe = {probe: keyed(self.accuracy(probe)) for probe in self.probes()}
+        return {**asdict(self), "accuracy": keyed(self.accuracy()), "accuracy_by_probe": by_probe}
 
 
 def score(answer: str, key: str) -> bool:
@@ -113,16 +97,15 @@ def score(answer: str, key: str) -> bool:
     return found is not None and found.group() == key
 
 
-def passkey_prompts(tokenizer: Any, lengths: list[int], trials: int = 6, seed: int = 0) -> list[tuple[int, Prompt]]:
-    """(requested length, prompt) pairs: ``trials`` depths per length, a random key each (seeded)."""
-    rng = random.Random(seed)
-    jobs = [(n, d, str(rng.randrange(10_000, 100_000))) for n in lengths for d in depths(trials)]
-    return [(n, build_prompt(tokenizer, n, d, key)) for n, d, key in jobs]
+def usable_probes(tokenizer: Any, text: Sequence[str] = ()) -> list[Probe]:
+    """The evaluation probes this tokenizer and text can build: prose needs text, chat a chat template."""
+    return [probe for probe in EVALUATION
+            if (probe.filler or text) and (not probe.chat or getattr(tokenizer, "chat_template", None))]
 
 
 def passkey_trials(generators: dict[str, Generator], tokenizer: Any, prompts: list[tuple[int, Prompt]],
                    progress: bool = False) -> list[PasskeyTrial]:
-    """Run every generator on the same ``prompts`` (``passkey_prompts``) and score the answers."""
+    """Run every generator on the same ``prompts`` (``rnnify.probes.prompts``) and score the answers."""
     from tqdm import tqdm
 
     out = []
@@ -132,7 +115,7 @@ def passkey_trials(generators: dict[str, Generator], tokenizer: Any, prompts: li
         answers = {name: tokenizer.decode(generate(prompt.ids, new), skip_special_tokens=True)
                    for name, generate in generators.items()}
         out.append(PasskeyTrial(length, len(prompt.ids), prompt.depth, key, answers,
-                                {name: score(a, key) for name, a in answers.items()}))
+                                {name: score(a, key) for name, a in answers.items()}, prompt.probe))
     return out
 
 
@@ -167,33 +150,48 @@ def evaluate_passkey(
     model_or_dir: RecurrentModel | str | os.PathLike,
     lengths: Sequence[int] = (512, 1024, 2048),
     *,
-    trials: int = 6,
-    seed: int = 0,
+    trials: int = PASSKEY_TRIALS,
+    seed: int = SEED,
     against: str | os.PathLike | torch.nn.Module | None = None,
     original: bool = True,
     tokenizer: Any = None,
     device: torch.device | str | None = None,
     kernels: str | None = None,
+    probes: Sequence[str] | None = None,
+    text: str | None = None,
+    cache: bool = True,
     progress: bool = False,
 ) -> PasskeyResult:
     """Pass-key accuracy of a converted model at each prompt length in ``lengths``, and of its original.
 
     ``against``, ``tokenizer``, ``device`` and ``kernels`` mean what they mean for ``rnnify.evaluate``;
-    ``original=False`` runs the converted model alone. ``trials`` prompts per length put the key at
-    depths evenly spaced through the filler; ``seed`` draws the keys.
+    ``original=False`` runs the converted model alone. ``trials`` prompts per length and probe put
+    the key at depths evenly spaced through the filler; ``seed`` draws the keys. ``probes`` names
+    the prompt families (``rnnify.probes.PROBES``); by default every evaluation family that can be
+    built (``usable_probes``: the prose filler needs ``text``, the chat probe a chat template), never
+    the one ``--to auto`` calibrates on. ``cache`` as for ``rnnify.evaluate``: the original's answers.
     """
     model = load_or_take(model_or_dir, device=device, kernels=kernels, caller="evaluate_passkey")
     lengths = _check_lengths(model, lengths)
     tokenizer = tokenizer_for(model, "the pass-key prompt", tokenizer)
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)
-    prompts = passkey_prompts(tokenizer, lengths, trials, seed)  # a context too short fails before a model runs
+    sentences = prose_sentences(text) if text else ()
+    chosen = usable_probes(tokenizer, sentences) if probes is None else [_probe(name) for name in probes]
+    # a context too short fails here, before a model runs
+    prompts = probe_prompts(tokenizer, lengths, trials, seed, chosen, sentences)
     generators = {"converted": converted_generator(model)}
     name = None
     if original:
-        generators["original"], name = _original(model, against)
+        generators["original"], name = _original(model, against, cache)
     trials_run = passkey_trials(generators, tokenizer, prompts, progress)
     return PasskeyResult(str(model.path) if model.path is not None else "(in memory)", name, seed, trials_run)
+
+
+def _probe(name: str) -> Probe:
+    if name not in PROBES:
+        raise RnnifyError(f"unknown pass-key probe {name!r}; choose from {', '.join(PROBES)}")
+    return PROBES[name]
 
 
 def _check_lengths(model: RecurrentModel, lengths) -> list[int]:
@@ -208,9 +206,14 @@ def _check_lengths(model: RecurrentModel, lengths) -> list[int]:
     return lengths
 
 
-def _original(model: RecurrentModel, against) -> tuple[Generator, str]:
-    """A generator for the compared model (a transformers model, or another rnnify directory) and its name."""
+def _original(model: RecurrentModel, against, cache: bool) -> tuple[Generator, str]:
+    """A generator for the compared model (a transformers model, or another rnnify directory) and its name.
+
+    An original given as a local directory answers from the cache where it can
+    (``rnnify.original.outputs``), and loads on the first prompt the cache does not hold.
+    """
     from rnnify.original import load_teacher, source_directory
+    from rnnify.original.outputs import OriginalOutputs, content_digest
 
     if against is None:
         against = source_directory(model, "--against (command line) or against= (Python)")
@@ -218,5 +221,15 @@ def _original(model: RecurrentModel, against) -> tuple[Generator, str]:
         return converted_generator(load(against, device=model.device)), str(against)
     if isinstance(against, RecurrentModel):
         return converted_generator(against), str(against.path or "(in memory)")
-    name = str(against) if isinstance(against, (str, os.PathLike)) else type(against).__name__
-    return original_generator(load_teacher(model, against)), name
+    if not isinstance(against, (str, os.PathLike)):
+        return original_generator(load_teacher(model, against)), type(against).__name__
+    loaded: list[Generator] = []
+
+    def answer(ids: list[int], new: int) -> list[int]:
+        if not loaded:
+            loaded.append(original_generator(load_teacher(model, against)))
+        return loaded[0](ids, new)
+
+    digest = content_digest(against) if cache else None
+    outputs = OriginalOutputs(None if digest is None else f"{digest}:{model.dtype}", None, answer)
+    return outputs.answer, str(against)

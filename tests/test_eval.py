@@ -202,3 +202,31 @@ def test_cli_checks_flags_before_the_work(converted_dir, corpus, tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith("error:") and match.format(tmp=tmp_path) in err
     assert str(tmp_path / "nope") not in err
+
+
+def test_the_originals_logits_come_back_from_the_cache(converted_dir, tiny_model_dir, corpus, tmp_path, monkeypatch):
+    source = tmp_path / "original"
+    shutil.copytree(tiny_model_dir("llama"), source)
+    monkeypatch.setenv("RNNIFY_CACHE", str(tmp_path / "cache"))
+    model = rnnify.load(converted_dir("llama", "linear"))
+    fresh = rnnify.evaluate(model, corpus, against=source, cache=False, **OPTIONS)
+    first = rnnify.evaluate(model, corpus, against=source, **OPTIONS)
+    assert list((tmp_path / "cache" / "original" / "logits").rglob("*.safetensors"))
+    assert first.to_json() | {"against": ""} == fresh.to_json() | {"against": ""}
+
+    def unloadable(*args, **kwargs):
+        raise AssertionError("the original was loaded although the cache holds its logits")
+
+    monkeypatch.setattr(rnnify.eval, "load_teacher", unloadable)
+    again = rnnify.evaluate(model, corpus, against=source, layer_errors=False, **OPTIONS)
+    assert again.kl == first.kl and again.teacher_perplexity == first.teacher_perplexity and again.layers == []
+    # other weights are other content: recomputed, never a stale hit
+    weights = next(source.glob("*.safetensors"))
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(weights)
+    name = next(n for n in tensors if n.endswith("o_proj.weight"))
+    tensors[name] = tensors[name] * 0.5
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(AssertionError, match="the original was loaded"):
+        rnnify.evaluate(model, corpus, against=source, **OPTIONS)
