@@ -260,6 +260,35 @@ def test_auto_retrieval_window_keeps_the_state_constant(retrieval_model):
         scorer.choose(max_kl=1e-6, retrieval_window=6)
 
 
+def test_auto_retrieval_keep_selects_what_the_head_reads(retrieval_model):
+    from transformers import AutoModelForCausalLM
+
+    directory, rows = retrieval_model
+    scorer = HeadScorer(directory, rows, **{k: v for k, v in AUTO.items() if k != "context"})
+    # an 8-token window loses the marker (token 2) for the later queries; 4 selected tokens keep it
+    assert scorer.kl({(0, 1)}, 8, 4) < scorer.kl({(0, 1)}, 8) / 10
+    model, report = auto_convert(directory, rows, max_kl=1e-3, retrieval_window=8, retrieval_keep=4, **AUTO)
+    assert report.retrieval == [(0, 1)] and report.layers == "0:heads(1=select(window=8,keep=4))"
+    assert report.retrieval_keep == 4
+    layer0 = model.cells[0]
+    assert [(p.target, p.options()["window"]) for p in layer0.parts] == [("select", 8), ("window", 4)]
+    assert layer0.parts[0].options()["keep"] == 4
+    assert model.constant_memory and model.state_nbytes(1024) == model.state_nbytes(100_000) == report.state_bytes
+    # what the probe measured is what the converted model computes
+    original = AutoModelForCausalLM.from_pretrained(directory).eval()
+    kls = []
+    with torch.no_grad():
+        for row in rows:
+            want = original(input_ids=row[None]).logits[0].log_softmax(-1)
+            got = model.prefill(row[None])[0][0].float().log_softmax(-1)
+            kls.append(float((want.exp() * (want - got)).sum(-1).mean()))
+    assert report.calibration_kl == pytest.approx(sum(kls) / len(kls), rel=1e-3, abs=1e-7)
+    checks = {r.name: r for r in run_checks(model, tokens=24)}
+    assert checks["step == prefill"].passed and checks["split prefill"].passed
+    with pytest.raises(RnnifyError, match="--retrieval-keep must be"):
+        scorer.choose(budget="30%", retrieval_keep=4)
+
+
 def test_auto_memory_streams_through_hybrids_that_start_as_the_window(retrieval_model, tmp_path):
     """With ``memory`` the streaming heads are hybrids: the budget counts their memory, and
     training-free (memory gated off) the model computes what the windowed choice computes."""
@@ -374,6 +403,12 @@ def test_auto_cli_errors(capsys, tmp_path, retrieval_model, tiny_model_dir):
     code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "window", "--retrieval-window", "64", "-o", tmp_path / "o")
     assert_user_error(code, err, "--retrieval-window applies to --to auto only")
     assert not (tmp_path / "o").exists()
+    code, _, err = run(capsys, *base, "--data", text, "--state-budget", "30%", "--retrieval-keep", "8")
+    assert_user_error(code, err, "--retrieval-keep K needs --retrieval-window N")
+    code, out, err = run(capsys, *base, "--data", text, "--state-budget", "30%", "--window", "4", "--retrieval-window", "16",
+                         "--retrieval-keep", "8", "-o", tmp_path / "sel")
+    assert code == 0, err
+    assert "window 16 + 8 selected" in out.replace("\n", " ")
     code, out, err = run(capsys, *base, "--data", text, "--state-budget", "30%")
     assert code == 0, err
     assert "kv 1" in out and (tmp_path / "o" / "head_map.json").is_file()
