@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -18,12 +19,13 @@ from rnnify.passes.find_attention import SITE_KEY
 from rnnify.passes.fuse_kernels import KERNELS_KEY
 from rnnify.passes.rewrite_attention import cell_calls
 from rnnify.plan import make_plan
+from rnnify.runtime.agreement import check_against_original
 from rnnify.runtime.manifest import CellEntry, Manifest
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.storage import SOURCE_FILES
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 
-__all__ = ["convert", "STAGES"]
+__all__ = ["STAGES", "convert"]
 
 STAGES = ("load", "capture", "passes")
 
@@ -109,4 +111,8 @@ def convert(
         kernels=kernels,
     )
     lay_out_linear_weights(graph)
-    return RecurrentModel(graph, manifest, _source_files(model, source))
+    converted = RecurrentModel(graph, manifest, _source_files(model, source))
+    if all(cell.exact for cell in converted.cells):  # a claim of the original's outputs: checked before it is saved
+        report("check")
+        check_against_original(converted, source)
+    return converted

@@ -9,17 +9,19 @@ every recorded file, not only those a load reads, and a directory without a reco
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from rnnify.choices import SEED, VERIFY_BATCH, VERIFY_TOKENS
 from rnnify.errors import RnnifyError
+from rnnify.runtime import integrity
+from rnnify.runtime.agreement import tolerance
+from rnnify.runtime.manifest import read_data
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.state import RecurrentState
-from rnnify.runtime import integrity
-from rnnify.runtime.manifest import read_data
 from rnnify.runtime.storage import READ_AT_LOAD, READ_IF_PRESENT
 
 __all__ = ["CHECKS", "CheckResult", "run_checks", "tolerance"]
@@ -40,11 +42,6 @@ class CheckResult:
     tokens: int | None
     passed: bool | None
     note: str = ""
-
-
-def tolerance(dtype: torch.dtype) -> float:
-    """Largest relative difference that passes: half precision rounds every op, float32 barely."""
-    return 2e-2 if dtype in _HALF else 1e-4
 
 
 def _compare(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, note: str = "") -> CheckResult:

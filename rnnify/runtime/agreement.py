@@ -1,0 +1,123 @@
+"""Does a converted model compute what its original computes? Checked before an exact model is saved.
+
+An ``exact`` conversion claims the original's outputs. Where the capture or a pass misses
+something the original computes outside softmax attention (an additive position bias that reached
+attention as a float mask, the state of a convolution layer, positions numbered from an offset),
+the converted model still runs and is silently wrong. So ``convert`` runs both models on a few
+random tokens, a prefill and then decoding steps, and refuses a model that differs, naming the
+first decoder layer whose output differs in the prefill (by the ``nn_module_stack`` that
+torch.export records on every node), or saying that only the steps differ (state that a step does
+not carry).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rnnify.errors import RnnifyError
+
+if TYPE_CHECKING:
+    from rnnify.runtime.model import RecurrentModel
+
+__all__ = ["check_against_original", "relative_difference", "tolerance"]
+
+_HALF = (torch.bfloat16, torch.float16)
+CHECK_TOKENS = 12  # random tokens: half read as a prompt, half as decoding steps
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Largest relative difference that passes: half precision rounds every op, float32 barely."""
+    return 2e-2 if dtype in _HALF else 1e-4
+
+
+def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| over max |want|."""
+    got, want = got.float(), want.float()
+    return float((got - want).abs().max()) / max(float(want.abs().max()), torch.finfo(torch.float32).tiny)
+
+
+@torch.no_grad()
+def check_against_original(model: RecurrentModel, source: torch.nn.Module, seed: int = 0) -> None:
+    """Raise ``RnnifyError`` unless ``model`` (every cell exact) gives ``source``'s logits on
+    ``CHECK_TOKENS`` random tokens, read as a prompt and then step by step."""
+    ids = torch.randint(0, model.manifest.vocab_size, (1, CHECK_TOKENS), generator=torch.Generator().manual_seed(seed))
+    ids = ids.to(model.device)
+    want = source(input_ids=ids.to(next(source.parameters()).device), use_cache=False).logits.to(ids.device)
+    limit, half = tolerance(model.dtype), CHECK_TOKENS // 2
+    full, _ = model.prefill(ids)
+    if relative_difference(full, want) > limit:
+        layer = _first_diverging_layer(model, source, ids, limit)
+        where = f"from layer {layer}" if layer else "after the last decoder layer"
+        raise RnnifyError(f"the exact conversion differs from the original {where} (relative difference "
+                          f"{relative_difference(full, want):.2g} on random tokens, tolerance {limit:g}): this "
+                          "architecture computes something the conversion does not carry; nothing was saved")
+    logits, state = model.prefill(ids[:, :half])
+    steps = [logits]
+    for t in range(half, CHECK_TOKENS):
+        logits, state = model.step(ids[:, t : t + 1], state)
+        steps.append(logits)
+    stepped = torch.cat(steps, dim=1)
+    if relative_difference(stepped, want) > limit:
+        raise RnnifyError(f"the exact conversion reads a prompt as the original does but decodes differently "
+                          f"(relative difference {relative_difference(stepped, want):.2g} over {CHECK_TOKENS - half} "
+                          f"steps, tolerance {limit:g}): a layer keeps state between tokens that the conversion does "
+                          "not carry; nothing was saved")
+
+
+def _layer_paths(model: RecurrentModel) -> list[str]:
+    """The decoder layers' module paths in the source (the parents of the attention sites), in order."""
+    paths = [entry.module_path.rpartition(".")[0] for entry in model.manifest.cells]
+    return [p for p in dict.fromkeys(paths) if p]
+
+
+def _first_diverging_layer(model: RecurrentModel, source: torch.nn.Module, ids: torch.Tensor,
+                           limit: float) -> str | None:
+    """The first decoder layer (``model.layers.3``) whose prefill output differs from the source's."""
+    wanted: dict[str, Any] = {}
+    hooks = []
+    for path in _layer_paths(model):
+        try:
+            module = source.get_submodule(path)
+        except AttributeError:
+            return None
+        hooks.append(module.register_forward_hook(
+            lambda _m, _a, out, path=path: wanted.__setitem__(path, out[0] if isinstance(out, tuple) else out)))
+    try:
+        source(input_ids=ids.to(next(source.parameters()).device), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    got = _graph_layer_outputs(model, ids, list(wanted))
+    for path, want in wanted.items():
+        if path not in got or got[path].shape != want.shape:
+            return None
+        if relative_difference(got[path], want.to(got[path].device)) > limit:
+            return path
+    return None
+
+
+def _graph_layer_outputs(model: RecurrentModel, ids: torch.Tensor, paths: list[str]) -> dict[str, torch.Tensor]:
+    """Each layer's output in the converted graph's prefill: the value of the last node that
+    torch.export recorded as inside that layer's module."""
+    last: dict[str, torch.fx.Node] = {}
+    for node in model.graph.graph.nodes:
+        for owner, _ in (node.meta.get("nn_module_stack") or {}).values():
+            for path in paths:
+                if owner == path or owner.endswith("." + path):
+                    last[path] = node
+    wanted = {node: path for path, node in last.items()}
+    out: dict[str, torch.Tensor] = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, node):
+            value = super().run_node(node)
+            if node in wanted and isinstance(value, torch.Tensor):
+                out[wanted[node]] = value
+            return value
+
+    state = model.init_state(1)
+    mask = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+    Recorder(model.graph).run(ids, model._position_ids(ids, state, None), mask, *state.tensors)
+    return out
