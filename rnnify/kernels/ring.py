@@ -31,6 +31,11 @@ def write_slots(buffer: torch.Tensor, new: torch.Tensor, target: torch.Tensor) -
     """
     if buffer.shape[2] == 0:
         return buffer
+    if new.shape[2] == 1:  # a decode step: one copy of the buffer with one slot replaced, not a gather of all
+        slot = target[:, 0]
+        index = slot.clamp_min(0)[:, None, None, None].expand(-1, buffer.shape[1], 1, buffer.shape[3])
+        kept = torch.where((slot >= 0)[:, None, None, None], new.to(buffer.dtype), buffer.gather(2, index))
+        return buffer.scatter(2, index, kept)
     hit = target[:, :, None] == torch.arange(buffer.shape[2], device=target.device)  # [B, T, N]
     source = hit.long().argmax(1)  # [B, N]: which new token lands in each slot
     taken = new.gather(2, source[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[3]))
