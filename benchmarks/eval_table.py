@@ -65,9 +65,9 @@ def table(seq_len: int, rows: list[tuple[str, dict]], model: str | None) -> str:
     head = " | ".join(f"KL {start:,}-{end - 1:,}" for start, end in ranges)
     keys = "".join(f" pass key {n:,} |" for n in lengths)
     first = rows[0][1]
+    there = f"; the original's KV cache there: {cache:,} bytes" if cache else ""
     lines = [f"Rows of {seq_len:,} tokens, {first['tokens']:,} held-out tokens (the original's perplexity "
-             f"{first['teacher_perplexity']:.2f})" + (f"; the original's KV cache there: {cache:,} bytes" if cache else "")
-             + ".", "",
+             f"{first['teacher_perplexity']:.2f}){there}.", "",
              f"| model | state bytes (share of KV cache) | perplexity ratio | KL | top-1 | {head} |{keys}",
              "|---|---:|---:|---:|---:|" + "---:|" * (len(ranges) + len(lengths))]
     original = next((r["passkey"]["accuracy"].get("original") for _, r in rows if r.get("passkey")), None)
@@ -79,8 +79,9 @@ def table(seq_len: int, rows: list[tuple[str, dict]], model: str | None) -> str:
         kls = " | ".join(f"{kl:.4f}" for _, _, kl in columns(res["kl_by_position"]))
         converted = res.get("passkey", {}).get("accuracy", {}).get("converted", {})
         accuracy = "".join(f" {converted[str(n)]:.0%} |" if str(n) in converted else " – |" for n in lengths)
-        lines.append(f"| `{name}` | {res['state_bytes']:,}{share} | {res['perplexity'] / res['teacher_perplexity']:.3f} | "
-                     f"{res['kl']:.4f} | {res['top1_agreement']:.1%} | {kls} |{accuracy}")
+        ratio = res["perplexity"] / res["teacher_perplexity"]
+        lines.append(f"| `{name}` | {res['state_bytes']:,}{share} | {ratio:.3f} | {res['kl']:.4f} | "
+                     f"{res['top1_agreement']:.1%} | {kls} |{accuracy}")
     return "\n".join(lines)
 
 

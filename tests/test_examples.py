@@ -379,3 +379,28 @@ def test_cell_speed_replays_the_calls_the_model_makes(tmp_path, converted_dir):
     rows = cell_speed.measure(model, 1, [12], 8, rounds=1)
     assert [(row["phase"], row["tokens"]) for row in rows] == [("prompt", 12), ("step", 8)]
     assert all(row["cell_ms"] > 0 and row["sdpa_ms"] > 0 and row["ops"] > 0 for row in rows)
+
+
+def test_eval_table_groups_by_length_and_reads_passkey(tmp_path, converted_dir, tiny_model_dir):
+    """Real ``rnnify eval`` results at two row lengths, one with pass-key trials, into tables and a plot."""
+    from rnnify.cli import main
+
+    eval_table = _load(ROOT / "benchmarks" / "eval_table.py")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The river runs past the mill and the children play in the park. " * 200)
+    files = []
+    for name, length, extra in (("exact", 32, ["--passkey", "320", "--passkey-trials", "1",
+                                               "--passkey-probes", "reworded"]), ("linear", 32, []),
+                                ("linear", 64, [])):
+        out = tmp_path / f"{name}-{length}.json"
+        assert main(["eval", str(converted_dir("llama", name)), "--data", str(corpus), "--seq-len", str(length),
+                     "--max-tokens", str(2 * length), "--no-layer-errors", "--json", str(out), *extra]) == 0
+        files.append(f"{name}={out}")
+    doc = tmp_path / "page.md"
+    doc.write_text(f"intro\n\n{eval_table.MARKERS[0]}\nold\n{eval_table.MARKERS[1]}\n")
+    assert eval_table.main([*files, "--model", str(tiny_model_dir("llama")), "--png", str(tmp_path / "p.png"),
+                            "--doc", str(doc)]) == 0
+    page = doc.read_text()
+    assert "old" not in page and "Rows of 32 tokens" in page and "Rows of 64 tokens" in page
+    assert "| original (KV cache) |" in page and " pass key 320 |" in page and "| `exact` |" in page
+    assert (tmp_path / "p.png").stat().st_size > 0
