@@ -13,12 +13,13 @@ as the flag holds it (``DefaultsFormatter``), so that no help text repeats a val
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from typing import Any
 
 from rnnify.errors import RnnifyError
 
-__all__ = ["SEEDS", "Command", "DefaultsFormatter", "Parser", "seed", "temperature", "utf8"]
+__all__ = ["SEEDS", "Command", "DefaultsFormatter", "Parser", "seed", "temperature", "threads", "utf8"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -75,12 +76,25 @@ def seed(flag: str) -> Callable[[str], int]:
 
 
 def temperature(flag: str) -> Callable[[str], float]:
-    """A sampling temperature as ``runtime.sampling.check_temperature`` allows it."""
+    """A sampling temperature as ``runtime.sampling.check_temperature`` allows it: a finite number > 0
+    (checked here without torch, which that module imports, so that a bad value answers at once)."""
 
     def parse(text: str) -> float:
-        from rnnify.runtime.sampling import check_temperature  # imports torch: only once a value is given
+        value = _number(float, flag, text, "a number")
+        if not (value > 0 and math.isfinite(value)):
+            raise RnnifyError(f"{flag} must be a finite number > 0, got {value}")
+        return value
 
-        return check_temperature(_number(float, flag, text, "a number"), flag)
+    return parse
+
+
+def threads(flag: str) -> Callable[[str], int]:
+    """A thread count as ``runtime.threads.choose_threads`` allows it (that module imports no torch)."""
+
+    def parse(text: str) -> int:
+        from rnnify.runtime.threads import choose_threads
+
+        return choose_threads(_number(int, flag, text, "an integer"))[0]
 
     return parse
 

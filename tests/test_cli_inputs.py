@@ -4,6 +4,7 @@ traceback or a crash: text that is not UTF-8, temperatures, seeds and thread cou
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -87,3 +88,28 @@ def test_threads_out_of_range(capsys, monkeypatch, value):
     monkeypatch.setattr("rnnify.cli.generate.run", lambda args, console: pytest.fail("ran with a bad --threads"))
     code, _, err = run(capsys, "generate", "d", "--ids", "1", "--threads", value)
     assert_user_error(code, err, f"--threads must be an integer from 1 to {os.cpu_count()}")
+
+
+_BAD_VALUES = [("--temperature", "-1", "--temperature must be a finite number > 0, got -1.0"),
+               ("--temperature", "nan", "--temperature must be a finite number > 0, got nan"),
+               ("--threads", "0", "--threads must be an integer from 1 to"),
+               ("--threads", "x", "--threads 'x': expected an integer")]
+_COMMANDS = {"generate": ["generate", "d", "--ids", "1", "--do-sample"], "chat": ["chat", "d"],
+             "eval": ["eval", "d", "--data", "x"]}
+
+
+@pytest.mark.parametrize(("command", "flag", "value", "said"), [
+    (command, *bad) for command in _COMMANDS for bad in _BAD_VALUES if command != "eval" or bad[0] == "--threads"])
+def test_bad_sampling_and_thread_values_are_refused_before_torch_loads(command, flag, value, said):
+    """Issue 43: the value checks of --temperature and --threads are torch-free, so that a mistyped value
+    answers at once (one ``error:`` line, exit 2) in a fresh interpreter that never imports torch (eval
+    does not sample: --threads only)."""
+    argv = [*_COMMANDS[command], flag, value]
+    probe = ("import json, sys\nfrom rnnify.cli import main\n"
+             f"code = main({argv!r})\n"
+             "print(json.dumps([code, sorted(m for m in ('torch', 'transformers', 'rich') if m in sys.modules)]))")
+    done = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code, heavy = json.loads(done.stdout.strip().splitlines()[-1])
+    assert_user_error(code, done.stderr, said)
+    assert heavy == []

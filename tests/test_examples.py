@@ -404,3 +404,63 @@ def test_eval_table_groups_by_length_and_reads_passkey(tmp_path, converted_dir, 
     assert "old" not in page and "Rows of 32 tokens" in page and "Rows of 64 tokens" in page
     assert "| original (KV cache) |" in page and " pass key 320 |" in page and "| `exact` |" in page
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+# -- the examples a user copies (issue 43): each run on the bundled model, or a tiny GGUF, at tiny sizes --
+
+
+@pytest.fixture(scope="module")
+def stdlib_text(tmp_path_factory):
+    """A few files of the bundled model's corpus split (examples/stdlib_corpus.py): (train, heldout)."""
+    corpus = _load(ROOT / "examples" / "stdlib_corpus.py")
+    train, heldout = corpus.split()
+    return corpus.write_files(tmp_path_factory.mktemp("stdlib"), (train[:3], heldout[:2]), corpus.read)
+
+
+def test_example_convert_gguf_and_chat(tmp_path, capsys):
+    from gguf_support import write_tiny_llama
+
+    example = _load(ROOT / "examples" / "convert_gguf_and_chat.py")
+    gguf = write_tiny_llama(tmp_path / "tiny.gguf")
+    out = tmp_path / "chat-window"
+    answers = example.main([str(gguf), "-o", str(out), "--window", "16", "--sinks", "2", "--max-new-tokens", "4",
+                            "--message", "hello there", "--message", "tell me more"])
+    printed = capsys.readouterr().out
+    assert len(answers) == 2 and all(answers)
+    assert "> hello there\n" in printed and "> tell me more\n" in printed and printed.startswith(f"saved to {out}")
+    model = rnnify.load(out)  # the saved directory: a constant-memory window with the GGUF's chat template
+    assert model.target == "window" and model.constant_memory and model.tokenizer.chat_template
+    assert model.chat([{"role": "user", "content": "hello there"}], max_new_tokens=4) == answers[0]
+
+
+def test_example_long_context_auto(tmp_path, capsys, stdlib_text):
+    example = _load(ROOT / "examples" / "long_context_auto.py")
+    train, heldout = stdlib_text
+    out = tmp_path / "auto"
+    record = example.main([
+        str(BUNDLED), "--data", str(train), "--heldout", str(heldout), "-o", str(out), "--state-budget", "8%",
+        "--at-context", "512", "--window", "16", "--sinks", "2", "--retrieval-window", "64", "--calib-len", "64",
+        "--calib-rows", "1", "--calib-passkey", "0", "--seq-len", "128", "--eval-tokens", "256", "--passkey", "160",
+        "--passkey-trials", "1"])
+    printed = capsys.readouterr().out
+    assert 0 < len(record["retrieval"]) < 8  # 8% of the KV cache at 512 tokens: some of the 8 kv heads, not all
+    assert f"{len(record['retrieval'])} of 8 kv heads keep 64 tokens, the rest 16" in printed
+    assert record["kl"] > 0 and f"KL {record['kl']:.4f} nats/token" in printed and "rows of 128 tokens" in printed
+    assert set(record["passkey"]) == {"converted", "original"} and "pass key at 160 tokens: " in printed
+    head_map = json.loads((out / "head_map.json").read_text())
+    assert head_map["retrieval_window"] == 64 and len(head_map["retrieval"]) == len(record["retrieval"])
+    assert rnnify.load(out).constant_memory
+
+
+def test_example_distill_hybrid(tmp_path, capsys, stdlib_text):
+    example = _load(ROOT / "examples" / "distill_hybrid.py")
+    train, heldout = stdlib_text
+    out = tmp_path / "hybrid"
+    record = example.main([str(BUNDLED), "--data", str(train), "--heldout", str(heldout), "-o", str(out), "--window",
+                           "16", "--sinks", "2", "--tokens", "1024", "--seq-len", "64", "--batch-size", "4",
+                           "--eval-tokens", "128"])
+    printed = capsys.readouterr().out
+    assert record["trained"] == {"transfer": 512, "finetune": 512}  # the budget split between the two stages
+    assert f"converted: KL {record['kl_before']:.4f}" in printed and f"distilled: KL {record['kl_after']:.4f}" in printed
+    saved = rnnify.load(out)
+    assert saved.target == "hybrid" and [s["stage"] for s in saved.manifest.distill["trained"]] == ["transfer", "finetune"]

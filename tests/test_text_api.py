@@ -138,3 +138,31 @@ def test_readme_python_api_runs(chat_dir, tmp_path, monkeypatch, capsys):
     for block in blocks:
         exec(compile(block, "README.md (Python API)", "exec"), namespace)
     assert namespace["run"].results and capsys.readouterr().out
+
+
+def test_auto_tokenizer_loads_a_converted_directory_after_rnnify_s_integration_is_imported(converted_dir, tmp_path):
+    """Issue 43 item 4. ``AutoTokenizer.from_pretrained(dir)`` builds ``config.json`` with ``AutoConfig`` before it
+    reads ``tokenizer_config.json`` (transformers 5), so no file rnnify writes can stop its remote-code question
+    while ``AutoModelForCausalLM(dir, trust_remote_code=True)`` still finds rnnify's config class through
+    ``auto_map`` (docs/interop.md §Tokenizers). What that page offers instead, checked in a fresh process with
+    stdin closed (a question would not wait, so its text is what shows one was asked): importing
+    ``rnnify.integrations.transformers`` first registers the ``rnnify`` config, and the tokenizer loads with
+    neither a question nor transformers' "model of type `rnnify`" warning."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    directory = converted_dir("llama", "exact")
+    script = ("import json, sys\n"
+              "import rnnify.integrations.transformers\n"
+              "from transformers import AutoTokenizer\n"
+              f"tokenizer = AutoTokenizer.from_pretrained({str(directory)!r})\n"
+              f"print(json.dumps(tokenizer({PROMPT!r}).input_ids))\n")
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "TRANSFORMERS_VERBOSITY": "warning"}
+    done = subprocess.run([sys.executable, "-c", script], check=False, stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    said = done.stdout + done.stderr
+    assert "custom code" not in said and "trust_remote_code" not in said and "`rnnify`" not in said, said
+    assert json.loads(done.stdout.splitlines()[-1]) == rnnify.load(directory).tokenizer(PROMPT).input_ids

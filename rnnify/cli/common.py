@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rnnify import arguments
 from rnnify.choices import DTYPES
 from rnnify.errors import RnnifyError, RnnifyWarning
 
@@ -55,7 +56,7 @@ def _add_threads_flag(p: argparse.ArgumentParser) -> None:
     from rnnify.runtime.threads import default_threads
 
     p.add_argument(
-        "--threads", type=int, default=None, metavar="N",
+        "--threads", type=arguments.threads("--threads"), default=None, metavar="N",
         help="torch threads to compute with (default: $OMP_NUM_THREADS if set, else the physical cores this "
         f"process may use, at most its cgroup CPU quota, here {default_threads()}); on a machine that other "
         "work shares, fewer threads can run faster and steadier",
