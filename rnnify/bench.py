@@ -474,7 +474,10 @@ def bench_original(hf_model, context: int, batch: int, steps: int, warmup: int) 
 
 def plot(run: Run, path: str) -> None:
     """Two panels: decode latency vs context, and state / KV-cache bytes vs context (log scales)."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise RnnifyError("--plot needs matplotlib: pip install 'rnnify[plots]'") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -7,6 +7,12 @@ import torch
 
 from rnnify.kernels import utils
 
+# Tests that run the Triton path (through the interpreter on CPU): skipped where triton is not installed
+# (it is an extra, "rnnify[triton]"; dev brings it). The rest of a file still runs.
+needs_triton = pytest.mark.skipif(
+    not utils.HAS_TRITON, reason="triton is not installed: the Triton path cannot run (pip install 'rnnify[triton]')"
+)
+
 
 @pytest.fixture(autouse=True)
 def nan_buffers(monkeypatch):

@@ -18,6 +18,9 @@ bench = sys.modules["bench_kernels"] = importlib.util.module_from_spec(_spec)  #
 _spec.loader.exec_module(bench)
 
 needs_interpreter = pytest.mark.skipif(not bench.utils.INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+needs_matplotlib = pytest.mark.skipif(  # the runs below draw their PNG
+    importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed (pip install 'rnnify[plots]')"
+)
 
 
 def run_main(tmp_path, *args) -> dict:
@@ -27,6 +30,7 @@ def run_main(tmp_path, *args) -> dict:
     return json.loads(path.read_text())
 
 
+@needs_matplotlib
 def test_smoke_preset_writes_json_and_png(tmp_path):
     doc = run_main(tmp_path, "--preset", "smoke")
     assert doc["preset"] == "smoke" and "--preset smoke" in doc["command"]
@@ -45,6 +49,7 @@ def test_smoke_preset_writes_json_and_png(tmp_path):
     assert [g["verdict"] for g in doc["goals"]] == ["not measured"] * 5
 
 
+@needs_matplotlib
 def test_failures_are_rows_not_crashes(tmp_path, monkeypatch):
     """A size that runs out of memory, or that a backend cannot run, is recorded and the run goes on."""
     build = bench.build
@@ -65,6 +70,7 @@ def test_failures_are_rows_not_crashes(tmp_path, monkeypatch):
     assert "96.00 GiB" in next(r["error"] for r in doc["rows"] if r["status"] == "oom")
 
 
+@needs_matplotlib
 def test_time_budget_skips_the_rest_and_replot_redraws(tmp_path):
     doc = run_main(tmp_path, "--preset", "smoke", "--ops", "window_attn_step", "--time-budget", "0")
     assert doc["rows"] and all(r["status"] == "skipped" and "time budget" in r["error"] for r in doc["rows"])

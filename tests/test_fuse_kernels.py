@@ -21,6 +21,7 @@ from rnnify.passes.fuse_kernels import KERNELS_KEY, fuse_kernels
 from rnnify.passes.rewrite_attention import cell_calls
 from rnnify.plan import make_plan
 from rnnify.runtime.manifest import MANIFEST_FILE
+from kernel_support import needs_triton
 from support import decode, rel_diff
 
 LINEAR_OPS = {"prefill": "chunk_linear_attn", "decode": "fused_recurrent_linear_attn"}
@@ -141,6 +142,7 @@ def run_cell(cell, kernels, inputs):
     return out.detach(), [g for g in grads if g is not None], [s.detach() for s in state]
 
 
+@needs_triton
 @pytest.mark.parametrize("case", list(CELL_CASES))
 def test_cells_fused_match_their_own_forms(case, monkeypatch):
     """Fused (Triton through the interpreter, and the reference path) against the cell's PyTorch
@@ -235,6 +237,7 @@ def run_model(model, kernels: str, steps: int = 2) -> torch.Tensor:
     return decode(model, ids, 6, mask)[0][:, 2:]  # row 0's padding positions excluded
 
 
+@needs_triton
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_triton_matches_reference_and_the_cells_own_forms(family, converted):
     model = converted(family)
@@ -245,6 +248,7 @@ def test_triton_matches_reference_and_the_cells_own_forms(family, converted):
     assert rel_diff(run_model(model, "none"), reference) < 1e-5
 
 
+@needs_triton
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_triton_matches_reference_over_chunks(family, tiny_model_dir):
@@ -264,6 +268,7 @@ def test_triton_matches_reference_over_chunks(family, tiny_model_dir):
 # -- manifest, load, CLI --------------------------------------------------------------------
 
 
+@needs_triton
 def test_manifest_round_trip_and_load_override(converted, tmp_path):
     model = converted("linear")
     model.use_kernels("reference")
@@ -297,6 +302,7 @@ def test_format_1_manifest_loads_unfused(converted, tmp_path):
     assert rnnify.load(tmp_path / "m", kernels="auto", verify=False).cells[0].kernels == "auto"
 
 
+@needs_triton
 def test_bad_kernels_are_user_errors(tiny_model_dir, converted, tmp_path, monkeypatch):
     with pytest.raises(rnnify.RnnifyError, match="unknown kernels 'gpu'"):
         rnnify.convert(tiny_model_dir("llama"), to="linear", kernels="gpu")
@@ -315,6 +321,7 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
     return code, out, err
 
 
+@needs_triton
 def test_cli_kernels_flag(capsys, tmp_path, tiny_model_dir):
     out_dir = tmp_path / "m"
     code, _, err = run_cli(capsys, "convert", tiny_model_dir("llama"), "--to", "window", "--window", "4",
@@ -341,6 +348,7 @@ def test_cli_kernels_flag(capsys, tmp_path, tiny_model_dir):
     assert not (tmp_path / "x").exists()
 
 
+@needs_triton
 def test_cli_pinned_triton_without_a_gpu_is_a_user_error(capsys, tmp_path, converted, monkeypatch):
     model = converted("linear")
     model.use_kernels("triton")

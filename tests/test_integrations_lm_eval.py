@@ -1,4 +1,5 @@
-"""The ``rnnify`` lm-eval model on local YAML tasks, against lm-eval's own ``hf`` model on the original.
+"""A converted directory in stock lm-evaluation-harness (its ``hf`` model, ``trust_remote_code=True``), on
+local YAML tasks, against lm-eval's ``hf`` model on the original and against rnnify's own computation.
 
 Skipped without lm-eval (``pip install -e ".[lm-eval]"``).
 """
@@ -11,13 +12,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 lm_eval = pytest.importorskip("lm_eval")
 
-import rnnify.integrations.lm_eval  # noqa: E402,F401  (registers the "rnnify" model)
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
+
+import rnnify  # noqa: E402
 
 TASKS = ("tiny_mc", "tiny_rolling", "tiny_gen")
 
@@ -35,7 +38,9 @@ def write_tasks(directory) -> None:
         for i in range(4)
     ]
     (directory / "docs.json").write_text(json.dumps(docs))
-    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {directory / 'docs.json'}\ntest_split: test\n"
+    common = (
+        f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {directory / 'docs.json'}\ntest_split: test\n"
+    )
     (directory / "mc.yaml").write_text(
         "task: tiny_mc\n" + common + "output_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
         "doc_to_choice: '{{choices}}'\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n"
@@ -58,11 +63,12 @@ def tasks(tmp_path_factory):
     return directory
 
 
-def test_exact_scores_and_generates_as_the_original_through_lm_eval(tasks, converted_dir, tiny_model_dir, monkeypatch):
+def test_exact_scores_and_generates_as_the_original_in_stock_lm_eval(tasks, converted_dir, tiny_model_dir, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     results = lm_eval.simple_evaluate(
-        model="rnnify",
-        model_args=f"path={converted_dir('llama', 'exact')},batch_size=3",
+        model="hf",
+        model_args=f"pretrained={converted_dir('llama', 'exact')},trust_remote_code=True,batch_size=3",
+        device="cpu",
         tasks=list(TASKS),
         task_manager=TaskManager(include_path=str(tasks)),
         log_samples=True,
@@ -73,7 +79,9 @@ def test_exact_scores_and_generates_as_the_original_through_lm_eval(tasks, conve
         requests = [
             Instance(request_type=request_type, doc={}, arguments=tuple(arguments), idx=0)
             for sample in samples
-            for arguments in (sample["arguments"].values() if isinstance(sample["arguments"], dict) else sample["arguments"])
+            for arguments in (
+                sample["arguments"].values() if isinstance(sample["arguments"], dict) else sample["arguments"]
+            )
         ]
         got = [response[0] for sample in samples for response in sample["resps"]]
         want = getattr(reference, request_type)(requests, disable_tqdm=True)
@@ -86,13 +94,32 @@ def test_exact_scores_and_generates_as_the_original_through_lm_eval(tasks, conve
             assert got == want
 
 
+def test_stock_hflm_loglikelihood_equals_rnnify_s_own(converted_dir):
+    """``HFLM(pretrained=DIR, trust_remote_code=True)`` as lm-eval builds it (``device_map={"": "cpu"}``): its
+    log-likelihoods and greedy flags are those of ``rnnify.load(DIR).prefill``, summed in float64 here."""
+    directory = converted_dir("llama", "exact")
+    lm = HFLM(pretrained=str(directory), trust_remote_code=True, device="cpu", batch_size=1)
+    assert type(lm.model).__name__ == "RnnifyForCausalLM"
+    pairs = [("def read(path):", "\n    return open(path).read()"), ("import os\n", "import sys")]
+    requests = [Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i) for i, pair in enumerate(pairs)]
+    got = lm.loglikelihood(requests, disable_tqdm=True)
+    model = rnnify.load(directory)
+    for (logprob, greedy), (context, continuation) in zip(got, pairs):
+        context_ids, continuation_ids = lm._encode_pair(context, continuation)
+        logits, _ = model.prefill(torch.tensor([(context_ids + continuation_ids)[:-1]]))
+        scores = torch.log_softmax(logits[0, -len(continuation_ids) :].double(), dim=-1)
+        target = torch.tensor(continuation_ids)
+        assert abs(logprob - float(scores.gather(-1, target[:, None]).sum())) < 1e-4
+        assert greedy == bool((scores.argmax(-1) == target).all())
+
+
 @pytest.mark.slow
-def test_rnnify_lm_eval_command_runs_a_local_task(tasks, converted_dir, tmp_path):
+def test_stock_lm_eval_command_runs_a_local_task(tasks, converted_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     command = [
-        sys.executable, "-m", "rnnify.integrations.lm_eval", "run", "--model", "rnnify",
-        "--model_args", f"path={converted_dir('llama', 'exact')}", "--tasks", "tiny_rolling",
-        "--include_path", str(tasks), "--output_path", str(tmp_path / "out"),
+        sys.executable, "-m", "lm_eval", "run", "--model", "hf",
+        "--model_args", f"pretrained={converted_dir('llama', 'exact')},trust_remote_code=True", "--device", "cpu",
+        "--tasks", "tiny_rolling", "--include_path", str(tasks), "--output_path", str(tmp_path / "out"),
     ]
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-2000:]

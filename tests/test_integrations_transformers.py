@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
@@ -11,11 +12,11 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, pipeline
 
 import rnnify
-from rnnify.runtime import hf_files
 from rnnify.integrations.transformers import RnnifyForCausalLM
+from rnnify.runtime import hf_files
 from support import reseal
 
 PROMPT = "def read(path):"
@@ -26,7 +27,8 @@ def models(tiny_model_dir, converted_dir):
     """(the original Llama, the wrapper over its exact conversion, tokenizer)."""
     source = tiny_model_dir("llama")
     original = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager").eval()
-    return original, RnnifyForCausalLM.from_pretrained(converted_dir("llama", "exact")), AutoTokenizer.from_pretrained(source)
+    wrapper = RnnifyForCausalLM.from_pretrained(converted_dir("llama", "exact"))
+    return original, wrapper, AutoTokenizer.from_pretrained(source)
 
 
 def _ids(tokenizer, text=PROMPT):
@@ -71,7 +73,8 @@ def test_without_cache_and_continuing_a_returned_cache(models):
     ids = _ids(tokenizer)
     want = original.generate(ids, max_new_tokens=10, min_new_tokens=10, pad_token_id=0)
     fixed = {"min_new_tokens": 5, "max_new_tokens": 5, "pad_token_id": 0}
-    assert torch.equal(wrapper.generate(ids, use_cache=False, **{**fixed, "min_new_tokens": 10, "max_new_tokens": 10}), want)
+    uncached = wrapper.generate(ids, use_cache=False, **{**fixed, "min_new_tokens": 10, "max_new_tokens": 10})
+    assert torch.equal(uncached, want)
     first = wrapper.generate(ids, return_dict_in_generate=True, **fixed)
     assert torch.equal(wrapper.generate(first.sequences, cache=first.cache, **fixed), want)
 
@@ -94,7 +97,8 @@ def test_stop_strings_and_streamer(models):
             self.tokens.append(-1)
 
     streamer = Collect()
-    got = wrapper.generate(ids, max_new_tokens=30, stop_strings=[stop], tokenizer=tokenizer, streamer=streamer, pad_token_id=0)
+    got = wrapper.generate(ids, max_new_tokens=30, stop_strings=[stop], tokenizer=tokenizer, streamer=streamer,
+                           pad_token_id=0)
     new = tokenizer.decode(got[0, ids.shape[1] :])
     assert new.endswith(stop) and text.startswith(new) and len(new) < len(text)
     assert streamer.tokens == got[0].tolist() + [-1]
@@ -116,12 +120,45 @@ def test_pipeline_gives_the_originals_text(models):
         ({"prompt_lookup_num_tokens": 3}, "assisted_generation cannot run"),
         ({"cache_implementation": "static"}, "cache_implementation='static'"),
         ({"prefill_chunk_size": 4}, "prefill_chunk_size"),
+        ({"dola_layers": "low"}, "dola_generation cannot run"),
+        ({"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0}, "group_beam_search cannot run"),
+        ({"cache": DynamicCache()}, "cache must be a RecurrentCache .*, got DynamicCache"),
     ],
 )
 def test_modes_that_need_past_keys_are_refused(models, options, match):
     _, wrapper, tokenizer = models
     with pytest.raises(ValueError, match=match):
         wrapper.generate(_ids(tokenizer), max_new_tokens=4, **options)
+
+
+def test_the_default_cache_implementation_is_the_recurrent_state(models):
+    """``cache_implementation="dynamic"`` (transformers' default cache), given or from the model's generation
+    config, decodes over the recurrent state as if unset."""
+    _, wrapper, tokenizer = models
+    ids, fixed = _ids(tokenizer), {"max_new_tokens": 6, "min_new_tokens": 6, "pad_token_id": 0}
+    want = wrapper.generate(ids, **fixed)
+    assert torch.equal(wrapper.generate(ids, cache_implementation="dynamic", **fixed), want)
+    config = copy.deepcopy(wrapper.generation_config)
+    config.update(cache_implementation="dynamic", **fixed)
+    assert torch.equal(wrapper.generate(ids, generation_config=config), want)
+
+
+@pytest.mark.parametrize(
+    "device_map", [None, "cpu", "auto", {"": "cpu"}, {"model": "cpu", "lm_head": "cpu"}, torch.device("cpu")],
+    ids=["none", "cpu", "auto", "all-cpu", "each-cpu", "torch-device"],
+)
+def test_device_maps_to_one_device_are_accepted(converted_dir, device_map):
+    """lm-eval's ``hf`` model passes ``{"": device}``; "auto" is the CPU where there is no GPU."""
+    if device_map == "auto" and torch.cuda.is_available():
+        pytest.skip("'auto' is CUDA here")
+    model = RnnifyForCausalLM.from_pretrained(converted_dir("llama", "exact"), device_map=device_map)
+    assert model.rnn.device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("device_map", [{"model": "cpu", "lm_head": "cuda:0"}, {"": "disk"}, {}, "disk"])
+def test_device_maps_over_several_devices_are_refused(converted_dir, device_map):
+    with pytest.raises(rnnify.RnnifyError, match=r"^device_map=.*: an rnnify model runs on one device; give one"):
+        RnnifyForCausalLM.from_pretrained(converted_dir("llama", "exact"), device_map=device_map)
 
 
 def test_forward_loss_and_logits_equal_the_original(models):
@@ -131,6 +168,23 @@ def test_forward_loss_and_logits_equal_the_original(models):
         want, got = original(ids, labels=ids), wrapper(ids, labels=ids)
     assert torch.allclose(got.logits, want.logits, rtol=1e-4, atol=1e-4)
     assert abs(float(got.loss) - float(want.loss)) < 1e-4
+
+
+def test_loss_is_transformers_causal_lm_loss_and_equals_the_shifted_cross_entropy(models):
+    """The loss is ``loss_function`` (ForCausalLMLoss): equal to the shifted cross-entropy the wrapper computed
+    before, with ignored (-100) labels, over a batch, and summed over ``num_items_in_batch`` when given."""
+    _, wrapper, tokenizer = models
+    ids = torch.cat([_ids(tokenizer, PROMPT + " return open(path).read()")] * 2)
+    labels = ids.clone()
+    labels[0, :3] = labels[1, -2:] = -100
+    with torch.no_grad():
+        got = wrapper(ids, labels=labels)
+        summed = wrapper(ids, labels=labels, num_items_in_batch=torch.tensor(7))
+    flat_logits, flat_labels = got.logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten()
+    before = torch.nn.functional.cross_entropy(flat_logits, flat_labels, ignore_index=-100)
+    assert abs(float(got.loss) - float(before)) < 1e-6
+    total = torch.nn.functional.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum")
+    assert abs(float(summed.loss) - float(total) / 7) < 1e-5
 
 
 def test_auto_classes_refuse_without_trust_remote_code_and_load_with_it(converted_dir, monkeypatch):

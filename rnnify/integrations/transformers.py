@@ -3,7 +3,9 @@
 ``RnnifyForCausalLM`` wraps a ``RecurrentModel``; its cache (``RecurrentCache``) is the recurrent
 state, so transformers' own decoding loops (greedy, sampling, beam search, with their logits
 processors, stopping criteria and streamers) run over it one token per step. The decoding modes
-that need what a recurrent state does not keep are refused up front (``REFUSED``).
+that need what a recurrent state does not keep are refused up front (``REFUSED``). Only public
+hooks are overridden: ``generate`` (the refusals, and the cache passed in as ``cache=``),
+``prepare_inputs_for_generation`` and ``forward``; the loss is transformers' ``loss_function``.
 
 Importing this module registers the classes with ``AutoConfig`` and ``AutoModelForCausalLM``, so
 ``AutoModelForCausalLM.from_pretrained(dir)`` then loads a converted directory without
@@ -12,12 +14,20 @@ Importing this module registers the classes with ``AutoConfig`` and ``AutoModelF
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    GenerationMixin,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
 from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -37,11 +47,15 @@ SUPPORTED_MODES = (
 )
 # Why each other decoding mode cannot run on a recurrent state.
 REFUSED = {
-    GenerationMode.CONTRASTIVE_SEARCH: "it compares candidates with the past keys, which a recurrent state does not keep",
-    GenerationMode.ASSISTED_GENERATION: "it rolls the cache back past rejected draft tokens; a recurrent state cannot go back",
+    GenerationMode.CONTRASTIVE_SEARCH:
+        "it compares candidates with the past keys, which a recurrent state does not keep",
+    GenerationMode.ASSISTED_GENERATION:
+        "it rolls the cache back past rejected draft tokens; a recurrent state cannot go back",
     GenerationMode.DOLA_GENERATION: "it reads every layer's hidden states, which the compiled step does not return",
-    GenerationMode.GROUP_BEAM_SEARCH: "transformers runs it from a hub repository (custom_generate), which rnnify does not fetch",
-    GenerationMode.CONSTRAINED_BEAM_SEARCH: "transformers runs it from a hub repository (custom_generate), which rnnify does not fetch",
+    GenerationMode.GROUP_BEAM_SEARCH:
+        "transformers runs it from a hub repository (custom_generate), which rnnify does not fetch",
+    GenerationMode.CONSTRAINED_BEAM_SEARCH:
+        "transformers runs it from a hub repository (custom_generate), which rnnify does not fetch",
 }
 
 
@@ -112,14 +126,38 @@ def _read_json(files: dict[str, bytes], name: str) -> dict[str, Any] | None:
         return None
 
 
+# transformers' placement strategies; with one device to place on they all mean that device
+_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
 def _device(device_map: Any) -> torch.device:
+    """The one device ``device_map`` puts the model on: None (the CPU), a device (``"cuda:1"``, ``1``,
+    a ``torch.device``), a strategy such as ``"auto"`` (CUDA when available, else the CPU), or a dict
+    mapping every module to one device (``{"": "cpu"}``, as lm-eval and accelerate pass it)."""
     if device_map is None:
         return torch.device("cpu")
-    if device_map == "auto":
+    if isinstance(device_map, str) and device_map in _STRATEGIES:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if isinstance(device_map, (str, int, torch.device)):
-        return torch.device(device_map)
-    raise RnnifyError(f"device_map={device_map!r}: an rnnify model runs on one device; give a device such as 'cuda' or 'cpu'")
+    values = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
+    devices = {_one_device(value) for value in values}
+    if len(devices) != 1 or None in devices:
+        raise RnnifyError(
+            f"device_map={device_map!r}: an rnnify model runs on one device; give one, such as 'cuda:0', 'cpu' "
+            "or {'': 'cuda:0'}"
+        )
+    return devices.pop()
+
+
+def _one_device(value: Any) -> torch.device | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = f"cuda:{value}"  # transformers' GPU index
+    if not isinstance(value, (str, torch.device)):
+        return None
+    try:
+        device = torch.device(value)
+    except RuntimeError:  # "disk" (offloading), a typo
+        return None
+    return None if device.type == "meta" else device
 
 
 class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
@@ -129,7 +167,6 @@ class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = RnnifyConfig
     base_model_prefix = "rnn"
     main_input_name = "input_ids"
-    _is_stateful = True  # transformers refuses assisted decoding for stateful models
 
     def __init__(self, config: RnnifyConfig, recurrent: RecurrentModel | None = None):
         super().__init__(config)
@@ -144,7 +181,8 @@ class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
     def from_rnnify(cls, model: RecurrentModel) -> "RnnifyForCausalLM":
         """Wrap a converted model; its source config and generation config come with it."""
         source = _read_json(model.files, hf_files.CONFIG_FILE) or {"vocab_size": model.manifest.vocab_size}
-        config = RnnifyConfig.from_dict(json.loads(hf_files.wrap_config(json.dumps(source).encode(), model.manifest.to_json())))
+        wrapped = hf_files.wrap_config(json.dumps(source).encode(), model.manifest.to_json())
+        config = RnnifyConfig.from_dict(json.loads(wrapped))
         wrapper = cls(config, model)
         generation = _read_json(model.files, "generation_config.json")
         wrapper.generation_config = (
@@ -167,9 +205,11 @@ class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
         **kwargs: Any,
     ) -> "RnnifyForCausalLM":
         """Load a converted directory with ``rnnify.load`` (``kernels``, ``verify``, ``trust_compiled_step``
-        and ``expected_digest`` as it takes them). ``device_map`` is one device (or ``"auto"``);
-        ``dtype`` must be the one the model was converted in (or ``"auto"``); hub options are ignored:
-        rnnify reads local directories only."""
+        and ``expected_digest`` as it takes them). ``device_map`` names one device: a device, ``"auto"``
+        (CUDA when available, else the CPU) or a map of everything to one device (``{"": "cpu"}``, as
+        lm-eval's ``hf`` model passes); a map over several devices is refused. ``dtype`` must be the one
+        the model was converted in (or ``"auto"``); hub options are ignored: rnnify reads local
+        directories only."""
         import rnnify
 
         model = rnnify.load(pretrained_model_name_or_path, device=_device(device_map), kernels=kernels, verify=verify,
@@ -210,7 +250,8 @@ class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("inputs_embeds: an rnnify model reads token ids; pass input_ids")
         if cache is not None and not isinstance(cache, RecurrentCache):
             raise ValueError(f"cache must be a RecurrentCache (an rnnify model's state), got {type(cache).__name__}")
-        state = cache.state if cache is not None and cache.state is not None else self.rnn.init_state(input_ids.shape[0])
+        state = cache.state if cache is not None else None
+        state = state if state is not None else self.rnn.init_state(input_ids.shape[0])
         if attention_mask is not None:
             attention_mask = attention_mask[:, -input_ids.shape[1] :]
         try:
@@ -218,10 +259,9 @@ class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
         except RnnifyError as exc:
             raise ValueError(str(exc)) from exc
         loss = None
-        if labels is not None:
-            loss = torch.nn.functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device), ignore_index=-100
-            )
+        if labels is not None:  # transformers' causal-LM loss (ForCausalLMLoss): shifted, float32, -100 ignored
+            options = {key: kwargs[key] for key in ("num_items_in_batch", "shift_labels") if key in kwargs}
+            loss = self.loss_function(logits=logits.contiguous(), labels=labels, vocab_size=logits.shape[-1], **options)
         new_cache = None
         if use_cache is not False:
             new_cache = cache if cache is not None else RecurrentCache()
@@ -243,7 +283,9 @@ class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("inputs_embeds: an rnnify model reads token ids; pass input_ids")
         read = cache.length if cache is not None else 0
         if read >= input_ids.shape[1]:
-            raise ValueError(f"the cache has read {read} tokens but input_ids has {input_ids.shape[1]}: nothing new to read")
+            raise ValueError(
+                f"the cache has read {read} tokens but input_ids has {input_ids.shape[1]}: nothing new to read"
+            )
         inputs = {"input_ids": input_ids[:, read:], "cache": cache}
         if attention_mask is not None and next_sequence_length != 1:
             inputs["attention_mask"] = attention_mask[:, read:]
@@ -254,31 +296,56 @@ class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
 
     # -- what generate may and may not do ----------------------------------------------------
 
-    def _get_deprecated_gen_repo(self, generation_mode: GenerationMode, trust_remote_code: bool, custom_generate: Any = None):
-        # generate() asks this right after choosing the decoding mode: the first place to refuse one.
-        if custom_generate is None and generation_mode not in SUPPORTED_MODES:
-            why = REFUSED.get(generation_mode, "it is not one of the modes rnnify supports")
-            raise ValueError(
-                f"{generation_mode.value} cannot run on an rnnify model: {why}. Use greedy decoding, sampling "
-                "(do_sample=True) or beam search (num_beams > 1)"
-            )
-        return super()._get_deprecated_gen_repo(generation_mode, trust_remote_code, custom_generate)
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None,
+                 **kwargs: Any) -> Any:
+        """transformers' ``generate``, over a ``RecurrentCache``, after refusing what a recurrent state cannot do
+        (``REFUSED``, ``cache_implementation``, ``prefill_chunk_size``, a cache of another kind).
 
-    def _prepare_cache_for_generation(self, generation_config: GenerationConfig, model_kwargs: dict, *args: Any, **kwargs: Any) -> None:
-        if generation_config.cache_implementation not in (None, "dynamic"):
+        Public API only, so that it does not break when transformers' internals move: the options are read
+        from copies (``GenerationConfig.get_generation_mode``) before transformers reads them, and the cache
+        goes in as ``cache=``, as a user's would (transformers' default ``DynamicCache`` needs the attention
+        layers' shapes, which ``RnnifyConfig`` does not have)."""
+        options = self._generation_options(generation_config, kwargs)
+        if kwargs.get("custom_generate") is None:
+            mode = options.get_generation_mode(kwargs.get("assistant_model"))
+            if mode not in SUPPORTED_MODES:
+                why = REFUSED.get(mode, "it is not one of the modes rnnify supports")
+                raise ValueError(
+                    f"{mode.value} cannot run on an rnnify model: {why}. Use greedy decoding, sampling "
+                    "(do_sample=True) or beam search (num_beams > 1)"
+                )
+        if options.cache_implementation not in (None, "dynamic", "hybrid"):  # "hybrid": transformers' old default
             raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r}: an rnnify model keeps its own "
+                f"cache_implementation={options.cache_implementation!r}: an rnnify model keeps its own "
                 "recurrent state; leave cache_implementation unset"
             )
-        if generation_config.prefill_chunk_size is not None:
-            raise ValueError("prefill_chunk_size: an rnnify model reads a prompt in one prefill already; leave it unset")
-        cache = model_kwargs.get("cache")
-        if cache is not None:
-            if not isinstance(cache, RecurrentCache):
-                raise ValueError(f"cache must be a RecurrentCache (an rnnify model's state), got {type(cache).__name__}")
-            cache._is_user_defined = True
-        elif generation_config.use_cache is not False:
-            model_kwargs["cache"] = RecurrentCache()
+        if options.prefill_chunk_size is not None:
+            raise ValueError(
+                "prefill_chunk_size: an rnnify model reads a prompt in one prefill already; leave it unset"
+            )
+        names = [name for name in ("cache", "past_key_values", "cache_params") if kwargs.get(name) is not None]
+        for name in names:
+            if not isinstance(kwargs[name], RecurrentCache):
+                raise ValueError(
+                    f"{name} must be a RecurrentCache (an rnnify model's state), got {type(kwargs[name]).__name__}"
+                )
+        if not names and options.use_cache is not False:
+            kwargs["cache"] = RecurrentCache()
+            if options.cache_implementation == "dynamic":  # the default cache, here the recurrent state; transformers
+                kwargs["cache_implementation"] = None  # refuses it beside a cache (it unsets "hybrid" itself)
+        return super().generate(inputs, generation_config, **kwargs)
+
+    def _generation_options(self, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
+        """The options ``generate`` runs with: ``generation_config`` (else the model's), its unset ones
+        from the model's, then ``kwargs``; a copy, so nothing the caller passed changes."""
+        options = copy.deepcopy(generation_config if generation_config is not None else self.generation_config)
+        for key, value in self.generation_config.to_dict().items():
+            if hasattr(options, key) and getattr(options, key) is None:
+                setattr(options, key, value)
+        for key, value in kwargs.items():
+            if hasattr(options, key):
+                setattr(options, key, value)
+        return options
 
 
 def register() -> None:
