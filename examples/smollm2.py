@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rnnify.errors import RnnifyError
 from rnnify.gguf import load_gguf, tokenizer_files
-from rnnify.runtime.storage import follow_umask
+from rnnify.runtime.saving import follow_umask
 
 
 def smollm2_gguf() -> Path:

@@ -22,7 +22,7 @@ from rnnify.plan import make_plan
 from rnnify.runtime.agreement import check_against_original
 from rnnify.runtime.manifest import CellEntry, Manifest
 from rnnify.runtime.model import RecurrentModel
-from rnnify.runtime.storage import SOURCE_FILES
+from rnnify.runtime.saving import SOURCE_FILES
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 
 __all__ = ["STAGES", "convert"]

@@ -57,12 +57,18 @@ def is_module(name: str) -> bool:
     return (PACKAGE / relative).with_suffix(".py").is_file() or (PACKAGE / relative / "__init__.py").is_file()
 
 
-def imports(path: Path, source: str | None = None) -> list[tuple[int, str]]:
+def imports(path: Path, source: str | None = None, typing: bool = True) -> list[tuple[int, str]]:
     """``(line, module)`` for every rnnify module ``path`` (or ``source`` as if it were there) imports,
-    anywhere in the file."""
+    anywhere in the file; ``typing=False`` leaves out those under ``if TYPE_CHECKING:``, which never run."""
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    tree = ast.parse(path.read_text() if source is None else source, str(path))
+    typing_only = {id(inner) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for inner in ast.walk(node)}
     found = []
-    for node in ast.walk(ast.parse(path.read_text() if source is None else source, str(path))):
+    for node in ast.walk(tree):
+        if not typing and id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -91,25 +97,15 @@ def violations() -> list[str]:
     return sorted(set(found))
 
 
-# Import cycles not yet removed, each as the import that closes it, (importer, imported): the check
-# leaves these out. Remove an entry when its import goes: test_known_cycles_are_still_cycles fails until then.
-KNOWN_CYCLES = {
-    # RecurrentModel.save calls storage.save, and storage builds RecurrentModels when it loads
-    ("rnnify.runtime.model", "rnnify.runtime.storage"),
-    # RecurrentModel.generate (on a string), .tokenizer, .stream and .chat call runtime.text, which
-    # imports RecurrentModel for its annotations
-    ("rnnify.runtime.model", "rnnify.runtime.text"),
-}
-
-
 def import_graph() -> dict[str, dict[str, str]]:
-    """Every rnnify module -> the rnnify modules it imports anywhere in its file (a package is its
-    ``__init__``), each with where it first does (``rnnify/<path>:<line>``)."""
+    """Every rnnify module -> the rnnify modules it imports when it runs, anywhere in its file (a
+    package is its ``__init__``; annotations-only imports left out), each with where it first does
+    (``rnnify/<path>:<line>``)."""
     graph: dict[str, dict[str, str]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         here = module_name(path)
         edges = graph.setdefault(here, {})
-        for line, name in sorted(imports(path)):
+        for line, name in sorted(imports(path, typing=False)):
             if name != here:
                 edges.setdefault(name, f"rnnify/{path.relative_to(PACKAGE)}:{line}")
     return graph
@@ -173,22 +169,18 @@ def test_imports_are_all_found(source, expected):
 
 
 def test_no_module_imports_itself_back():
-    """No cycle among rnnify's modules, through function-level imports too, but ``KNOWN_CYCLES``."""
+    """No cycle among rnnify's modules, through function-level imports too."""
     graph = import_graph()
-    for importer, imported in KNOWN_CYCLES:
-        graph[importer].pop(imported, None)
     found = [[f"{graph[module][other]} imports {other}" for module in cycle for other in cycle if other in graph[module]]
              for cycle in import_cycles(graph)]
     assert found == []
 
 
-def test_known_cycles_are_still_cycles():
-    """Each ``KNOWN_CYCLES`` import is still there and still closes a cycle: remove those that do not."""
-    graph = import_graph()
-    stale = [(importer, imported) for importer, imported in sorted(KNOWN_CYCLES)
-             if imported not in graph[importer] or not any(importer in cycle and imported in cycle
-                                                           for cycle in import_cycles(graph))]
-    assert stale == []
+def test_annotation_imports_count_for_layers_not_for_cycles():
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rnnify.cells import gated\n"
+    path = PACKAGE / "kernels" / "linear_attn" / "naive.py"
+    assert [name for _, name in imports(path, source)] == ["rnnify.cells.gated"]
+    assert imports(path, source, typing=False) == []
 
 
 @pytest.mark.parametrize(

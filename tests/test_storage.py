@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import rnnify
-from rnnify.runtime import storage
+from rnnify.runtime import saving, storage
 
 
 @pytest.mark.parametrize("target", ["exact", "linear"])
@@ -68,7 +68,7 @@ def test_failed_save_leaves_nothing(converted_dir, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(storage, "write_safetensors", broken)
+    monkeypatch.setattr(saving, "write_safetensors", broken)
     with pytest.raises(OSError, match="disk full"):
         model.save(tmp_path / "out")
     assert list(tmp_path.iterdir()) == []

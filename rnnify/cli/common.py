@@ -103,7 +103,7 @@ def claims_output(run: Run) -> Run:
     def claimed(args: argparse.Namespace, console: Console) -> int:
         from rnnify.runtime import output_dir
         from rnnify.runtime.manifest import MANIFEST_FILE
-        from rnnify.runtime.storage import check_output
+        from rnnify.runtime.saving import check_output
 
         output = check_output(Path(args.output))
         if not args.overwrite and (output / MANIFEST_FILE).is_file():

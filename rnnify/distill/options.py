@@ -90,7 +90,7 @@ def training_options(args: argparse.Namespace) -> dict[str, Any]:
 
     Also refuses an ``--output`` that saving would refuse, now rather than after hours of training.
     """
-    from rnnify.runtime.storage import check_output
+    from rnnify.runtime.saving import check_output
 
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     lr = _numbers("--lr", args.lr, "1e-2,1e-4")

@@ -448,7 +448,7 @@ class RecurrentModel(nn.Module):
 
     def save(self, path: str | Path) -> Path:
         """Write the model to directory ``path`` (see ``rnnify.runtime.storage``)."""
-        from rnnify.runtime.storage import save
+        from rnnify.runtime.saving import save
 
         return save(self, Path(path))
 

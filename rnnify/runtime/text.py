@@ -13,14 +13,16 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import TextStreamer
 
 from rnnify.errors import RnnifyError
-from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.tokenizer import check_template, encode, load_tokenizer, render, tokenizer_dir, tokenizer_places
+
+if TYPE_CHECKING:  # annotations only: the model calls this module, which must not import it back
+    from rnnify.runtime.model import RecurrentModel
 
 __all__ = ["chat", "eos_ids", "find_tokenizer", "generate_text", "stream"]
 
@@ -104,7 +106,7 @@ def _options(model: RecurrentModel, tokenizer: Any, options: dict[str, Any]) -> 
     """``options`` for ``RecurrentModel._new_tokens``: those given, ``generate``'s defaults for the rest
     (read from its signature, so they are stated once), the model's end ids unless ``eos_token_id`` is
     given. Options that only token-id batches have are refused."""
-    signature = inspect.signature(RecurrentModel.generate)
+    signature = inspect.signature(type(model).generate)
     names = [name for name in signature.parameters if name not in ("self", "input_ids")]
     unknown = sorted(set(options) - set(names))
     if unknown:
