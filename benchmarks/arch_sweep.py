@@ -50,42 +50,133 @@ from rnnify.verify import tolerance
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 from make_tiny_model import make_tiny_model, tiny_config  # noqa: E402
+
 SEQ, STEPS, BATCH, VOCAB = 16, 8, 2, 256
 
 # --------------------------------------------------------------------------- tiny configs
 # attribute -> value, set wherever a config (or sub-config) has it as an int
 SIZES = {
     **dict.fromkeys(("vocab_size",), VOCAB),
-    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "word_embed_proj_dim",
-                     "hidden_size_global", "lru_width", "emb_dim"), 64),
+    **dict.fromkeys(
+        (
+            "hidden_size",
+            "d_model",
+            "n_embd",
+            "embed_dim",
+            "dim",
+            "model_dim",
+            "word_embed_proj_dim",
+            "hidden_size_global",
+            "lru_width",
+            "emb_dim",
+        ),
+        64,
+    ),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"), 2),
-    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
-                     "attention_heads", "swa_num_attention_heads"), 4),
-    **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_n_heads", "multi_query_group_num",
-                     "num_query_groups", "swa_num_key_value_heads"), 2),
-    **dict.fromkeys(("head_dim", "d_head", "attention_head_dim", "dim_head", "kv_channels", "attention_head_size",
-                     "swa_head_dim", "d_kv", "v_head_dim", "qk_head_dim", "index_head_dim"), 16),
-    **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "decoder_ffn_dim", "ffn_hidden_size", "d_ff", "dff",
-                     "intermediate_size_mlp", "dense_intermediate_size", "first_dense_intermediate_size", "mlp_dim",
-                     "feed_forward_size", "dim_ff", "d_inner"), 128),
-    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "shared_intermediate_size",
-                     "moe_shared_expert_intermediate_size", "expert_ffn_hidden_size",
-                     "shared_experts_intermediate_size",
-                     "mlp_only_intermediate_size"), 32),
+    **dict.fromkeys(
+        (
+            "num_attention_heads",
+            "n_head",
+            "n_heads",
+            "num_heads",
+            "decoder_attention_heads",
+            "attention_heads",
+            "swa_num_attention_heads",
+        ),
+        4,
+    ),
+    **dict.fromkeys(
+        (
+            "num_key_value_heads",
+            "num_kv_heads",
+            "n_kv_heads",
+            "kv_n_heads",
+            "multi_query_group_num",
+            "num_query_groups",
+            "swa_num_key_value_heads",
+        ),
+        2,
+    ),
+    **dict.fromkeys(
+        (
+            "head_dim",
+            "d_head",
+            "attention_head_dim",
+            "dim_head",
+            "kv_channels",
+            "attention_head_size",
+            "swa_head_dim",
+            "d_kv",
+            "v_head_dim",
+            "qk_head_dim",
+            "index_head_dim",
+        ),
+        16,
+    ),
+    **dict.fromkeys(
+        (
+            "intermediate_size",
+            "ffn_dim",
+            "n_inner",
+            "decoder_ffn_dim",
+            "ffn_hidden_size",
+            "d_ff",
+            "dff",
+            "intermediate_size_mlp",
+            "dense_intermediate_size",
+            "first_dense_intermediate_size",
+            "mlp_dim",
+            "feed_forward_size",
+            "dim_ff",
+            "d_inner",
+        ),
+        128,
+    ),
+    **dict.fromkeys(
+        (
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "shared_intermediate_size",
+            "moe_shared_expert_intermediate_size",
+            "expert_ffn_hidden_size",
+            "shared_experts_intermediate_size",
+            "mlp_only_intermediate_size",
+        ),
+        32,
+    ),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
     **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_top_k", "moe_topk"), 2),
     **dict.fromkeys(("n_shared_experts", "num_shared_experts", "moe_num_shared_experts"), 1),
     **dict.fromkeys(("n_group", "num_expert_group"), 2),
-    "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "o_lora_rank": 16,
-    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "rotary_dim": 8, "index_n_heads": 2, "index_num_heads": 2,
-    **dict.fromkeys(("linear_num_key_heads", "linear_num_heads"), 2), "linear_num_value_heads": 4,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "o_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "rotary_dim": 8,
+    "index_n_heads": 2,
+    "index_num_heads": 2,
+    **dict.fromkeys(("linear_num_key_heads", "linear_num_heads"), 2),
+    "linear_num_value_heads": 4,
     **dict.fromkeys(("linear_key_head_dim", "linear_value_head_dim", "linear_head_dim"), 16),
     **dict.fromkeys(("state_size", "ssm_state_size", "mamba_d_state"), 8),
     **dict.fromkeys(("mamba_n_heads", "mamba_num_heads", "n_mamba_heads"), 4),
     **dict.fromkeys(("mamba_d_head", "mamba_head_dim", "mamba_headdim"), 32),
-    **dict.fromkeys(("n_groups", "mamba_n_groups", "mamba_ngroups"), 1), "mamba_d_ssm": 128,
-    **dict.fromkeys(("unpadded_vocab_size", "vocab_size_per_layer_input", "encoder_hash_byte_group_vocab",
-                     "decoder_vocab_size", "pronunciation_vocab_size", "shape_vocab_size"), VOCAB),
+    **dict.fromkeys(("n_groups", "mamba_n_groups", "mamba_ngroups"), 1),
+    "mamba_d_ssm": 128,
+    **dict.fromkeys(
+        (
+            "unpadded_vocab_size",
+            "vocab_size_per_layer_input",
+            "encoder_hash_byte_group_vocab",
+            "decoder_vocab_size",
+            "pronunciation_vocab_size",
+            "shape_vocab_size",
+        ),
+        VOCAB,
+    ),
     **dict.fromkeys(("pronunciation_embed_dim", "shape_embed_dim"), 16),
 }
 # set even where the default is None (a None that the model code divides by or indexes with)
@@ -104,8 +195,12 @@ SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 # per model type, set after the generic rules (the names listed in a layer-types list are kept too)
 SPECIAL: dict[str, dict] = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
-    "zamba": {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1,
-              "layers_block_type": ["linear_attention", "hybrid"] * 2},
+    "zamba": {
+        "num_hidden_layers": 4,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "layers_block_type": ["linear_attention", "hybrid"] * 2,
+    },
     "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
     "dots3_note_text": {"num_key_value_heads": 4, "head_dim": 16},
     "dots3_note": {"num_key_value_heads": 4, "head_dim": 16, "adapter_in_dim": 64, "adapter_input_size": 64},
@@ -115,10 +210,21 @@ SPECIAL: dict[str, dict] = {
     "reformer": {"is_decoder": True, "axial_pos_embds": False},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "gemma3n_text": {"num_kv_shared_layers": 0},
-    **dict.fromkeys(("gemma4_assistant", "gemma4_unified_assistant"), {  # its defaults fail its own checks
-        "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0, "num_kv_shared_layers": 2}),
-    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
-                       "indexer_compress_ratio": 4},
+    **dict.fromkeys(
+        ("gemma4_assistant", "gemma4_unified_assistant"),
+        {  # its defaults fail its own checks
+            "hidden_size_per_layer_input": 0,
+            "vocab_size_per_layer_input": 0,
+            "num_kv_shared_layers": 2,
+        },
+    ),
+    "qwen4_exp_text": {
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+    },
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
 }
 
@@ -141,11 +247,19 @@ def _tiny(values: dict, mla: bool) -> dict:
 def overrides(config, model_type: str) -> dict:
     """Constructor arguments that make ``config`` (and its sub-configs) tiny: every size-like attribute set
     (``SIZES``, ``CAPS``), per-layer lists cut to the layers kept, then ``SPECIAL[model_type]``."""
-    layers_before = next((getattr(config, k) for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
-                          if isinstance(getattr(config, k, None), int)), 0)
+    layers_before = next(
+        (
+            getattr(config, k)
+            for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+            if isinstance(getattr(config, k, None), int)
+        ),
+        0,
+    )
     lists = [k for k, v in vars(config).items() if isinstance(v, list) and len(v) == layers_before > 2]
-    typed = next((k for k in ("layer_types", "layers_block_type", "block_types", "attention_types") if k in lists),
-                 lists[0] if lists else None)
+    typed = next(
+        (k for k in ("layer_types", "layers_block_type", "block_types", "attention_types") if k in lists),
+        lists[0] if lists else None,
+    )
     keep = _keep_layers(getattr(config, typed)) if typed else None
     out: dict = {}
     for key, value in vars(config).items():
@@ -206,12 +320,22 @@ def tiny_example(arch: str):
 # Named as graph.json names them (rnnify/runtime/serialize.py at 63805d8), walked on the fx graph itself so that
 # the sweep sees every op, including those a (changing) vocabulary in serialize would refuse.
 def _function_names() -> dict[int, str]:
-    table = {f"operator.{n}": getattr(operator, n) for n in dir(operator)
-             if isinstance(getattr(operator, n), types.BuiltinFunctionType) and not n.startswith("__") and n != "call"}
-    table.update({f"math.{n}": getattr(math, n) for n in dir(math)
-                  if isinstance(getattr(math, n), types.BuiltinFunctionType)})
-    table.update({f"torch.{n}": getattr(torch, n) for n in dir(torch) if n.startswith(("sym_", "_sym_"))
-                  and isinstance(getattr(torch, n), (types.FunctionType, types.BuiltinFunctionType))})
+    table = {
+        f"operator.{n}": getattr(operator, n)
+        for n in dir(operator)
+        if isinstance(getattr(operator, n), types.BuiltinFunctionType) and not n.startswith("__") and n != "call"
+    }
+    table.update(
+        {f"math.{n}": getattr(math, n) for n in dir(math) if isinstance(getattr(math, n), types.BuiltinFunctionType)}
+    )
+    table.update(
+        {
+            f"torch.{n}": getattr(torch, n)
+            for n in dir(torch)
+            if n.startswith(("sym_", "_sym_"))
+            and isinstance(getattr(torch, n), (types.FunctionType, types.BuiltinFunctionType))
+        }
+    )
     names: dict[int, str] = {}
     for key in sorted(table, key=lambda k: (k.split(".")[-1].startswith("_"), k)):  # public name first
         names.setdefault(id(table[key]), key)
@@ -243,8 +367,12 @@ def _constants(value, entry: dict) -> None:
         entry["types"].add("slice")
         _constants([value.start, value.stop, value.step], entry)
     else:
-        kinds = {torch.dtype: "dtype", torch.device: "device", torch.layout: "layout",
-                 torch.memory_format: "memory_format"}
+        kinds = {
+            torch.dtype: "dtype",
+            torch.device: "device",
+            torch.layout: "layout",
+            torch.memory_format: "memory_format",
+        }
         kind = next((k for cls, k in kinds.items() if isinstance(value, cls)), None)
         kind = kind or ("ellipsis" if value is Ellipsis else type(value).__name__)  # NoneType, bool, int, float, str
         entry["types"].add(kind)
@@ -294,8 +422,22 @@ def _convert(name: str):
     data = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"
     memory = {"memory": "linear"} if target == "auto-memory" else {}
     # a budget of about half the state every head exact would need at 4,096 tokens: some heads each way
-    return model, lambda: auto_convert(directory, data, budget=300_000, context=4096, window=8, sinks=2, calib_len=64,
-                                       calib_rows=2, passkey=0, **memory)[0], type(model).__name__
+    return (
+        model,
+        lambda: auto_convert(
+            directory,
+            data,
+            budget=300_000,
+            context=4096,
+            window=8,
+            sinks=2,
+            calib_len=64,
+            calib_rows=2,
+            passkey=0,
+            **memory,
+        )[0],
+        type(model).__name__,
+    )
 
 
 def run_job(name: str) -> dict:
@@ -383,8 +525,10 @@ def union(results: dict) -> dict:
             for key in CONSTANTS:
                 into[key].update(entry.get(key, ()))
             into["used_by"].append(name)
-    return {k: {**{key: sorted(v[key]) for key in CONSTANTS}, "count": len(v["used_by"]), "used_by": v["used_by"]}
-            for k, v in sorted(ops.items())}
+    return {
+        k: {**{key: sorted(v[key]) for key in CONSTANTS}, "count": len(v["used_by"]), "used_by": v["used_by"]}
+        for k, v in sorted(ops.items())
+    }
 
 
 STATUSES = ("exact", "approx", "mismatch", "refused", "crash", "config", "timeout")
@@ -402,8 +546,9 @@ def summary(results: dict, ops: dict) -> None:
         if r.get("status") in ("mismatch", "crash", "timeout"):
             console.print(f"{name} {r['status']}: {r.get('errors') or ''} {r.get('message', '')}", markup=False)
     refused = sorted(n for n, r in results.items() if "serialize_error" in r)
-    console.print(f"converted, but graph_to_json refuses the graph: {len(refused)} ({', '.join(refused)})",
-                  markup=False)
+    console.print(
+        f"converted, but graph_to_json refuses the graph: {len(refused)} ({', '.join(refused)})", markup=False
+    )
 
 
 def main() -> None:
@@ -428,24 +573,41 @@ def main() -> None:
     def one(name: str) -> None:
         results[name] = result = run_isolated(name, args.timeout)
         errors = " ".join(f"{k} {'nan' if v is None else f'{v:.1e}'}" for k, v in (result.get("errors") or {}).items())
-        print(f"[{len(results)}/{len(jobs)}] {name}: {result['status']} ({result['seconds']} s) {errors} "
-              f"{result.get('message', '')}"[:300], flush=True)
+        print(
+            f"[{len(results)}/{len(jobs)}] {name}: {result['status']} ({result['seconds']} s) {errors} "
+            f"{result.get('message', '')}"[:300],
+            flush=True,
+        )
 
     start = time.perf_counter()
     with ThreadPoolExecutor(args.workers) as pool:
         list(pool.map(one, jobs))
     merged = {**previous["results"], **results}
-    run = {"command": " ".join(["python", "benchmarks/arch_sweep.py", *sys.argv[1:]]), "jobs": len(jobs),
-           "seconds": round(time.perf_counter() - start), "torch": torch.__version__,
-           "transformers": transformers.__version__}
+    run = {
+        "command": " ".join(["python", "benchmarks/arch_sweep.py", *sys.argv[1:]]),
+        "jobs": len(jobs),
+        "seconds": round(time.perf_counter() - start),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
     ops = union(merged)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({
-        "runs": [*previous.get("runs", []), run], "seq": SEQ, "steps": STEPS, "batch": BATCH,
-        "tolerance": "rnnify.verify.tolerance: 1e-4, 2e-2 in half precision",
-        "counts": {s: sum(r.get("status") == s for r in merged.values()) for s in STATUSES},
-        "results": dict(sorted(merged.items())), "ops": ops,
-    }, indent=1) + "\n")
+    output.write_text(
+        json.dumps(
+            {
+                "runs": [*previous.get("runs", []), run],
+                "seq": SEQ,
+                "steps": STEPS,
+                "batch": BATCH,
+                "tolerance": "rnnify.verify.tolerance: 1e-4, 2e-2 in half precision",
+                "counts": {s: sum(r.get("status") == s for r in merged.values()) for s in STATUSES},
+                "results": dict(sorted(merged.items())),
+                "ops": ops,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     summary(merged, ops)
     print(f"wrote {output}")
 

@@ -63,8 +63,10 @@ def speed(model, context: int, prefill: int, steps: int, repeat: int) -> dict:
     ids = torch.randint(0, model.manifest.vocab_size, (1, prefill), generator=torch.Generator().manual_seed(0))
     prefill_cpu, prefill_wall = timed(lambda: model.prefill(ids), repeat, warmup=1)
     return {
-        "decode_ms_cpu": step_cpu * 1e3, "decode_ms_wall": step_wall * 1e3,
-        "prefill_tokens_per_s_cpu": prefill / prefill_cpu, "prefill_tokens_per_s_wall": prefill / prefill_wall,
+        "decode_ms_cpu": step_cpu * 1e3,
+        "decode_ms_wall": step_wall * 1e3,
+        "prefill_tokens_per_s_cpu": prefill / prefill_cpu,
+        "prefill_tokens_per_s_wall": prefill / prefill_wall,
     }
 
 
@@ -88,8 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--data", required=True, help="held-out text (file, folder or .jsonl)")
-    p.add_argument("--targets", nargs="+", default=["exact", "gated=gated,gate=gla", "hybrid=hybrid,window=64,sinks=0,feature_map=elu"],
-                   help="NAME or NAME=TARGET,key=value,... (default: exact, gated with the gla gate, hybrid)")
+    p.add_argument(
+        "--targets",
+        nargs="+",
+        default=["exact", "gated=gated,gate=gla", "hybrid=hybrid,window=64,sinks=0,feature_map=elu"],
+        help="NAME or NAME=TARGET,key=value,... (default: exact, gated with the gla gate, hybrid)",
+    )
     p.add_argument("--seq-len", type=int, default=256, help="tokens per evaluated row (default: 256)")
     p.add_argument("--max-tokens", type=int, default=16384, help="tokens evaluated (default: 16384)")
     p.add_argument("--context", type=int, default=256, help="context before the timed decode steps (default: 256)")
@@ -105,20 +111,34 @@ def main(argv: list[str] | None = None) -> int:
     logging.disable_progress_bar()
     result = {
         "command": "python " + " ".join(["benchmarks/bf16.py", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": vars(machine(torch.device("cpu"))), "threads": torch.get_num_threads(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": [],
+        "machine": vars(machine(torch.device("cpu"))),
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "rows": [],
     }
     console = Console()
     for name, target, options in map(parse_target, args.targets):
         models = {dtype: rnnify.convert(args.model, to=target, dtype=dtype, **options) for dtype in DTYPES}
-        timing = {dtype: speed(model, args.context, args.prefill, args.steps, args.repeat)
-                  for dtype, model in models.items()}
-        ev = rnnify.evaluate(models["bfloat16"], args.data, against=models["float32"], seq_len=args.seq_len,
-                             max_tokens=args.max_tokens, progress=True)
+        timing = {
+            dtype: speed(model, args.context, args.prefill, args.steps, args.repeat) for dtype, model in models.items()
+        }
+        ev = rnnify.evaluate(
+            models["bfloat16"],
+            args.data,
+            against=models["float32"],
+            seq_len=args.seq_len,
+            max_tokens=args.max_tokens,
+            progress=True,
+        )
         row = {
-            "name": name, "target": target, "options": options, "tokens": ev.tokens,
-            "perplexity_fp32": ev.teacher_perplexity, "perplexity_bf16": ev.perplexity,
-            "perplexity_ratio": ev.perplexity / ev.teacher_perplexity, "kl_fp32_bf16": ev.kl,
+            "name": name,
+            "target": target,
+            "options": options,
+            "tokens": ev.tokens,
+            "perplexity_fp32": ev.teacher_perplexity,
+            "perplexity_bf16": ev.perplexity,
+            "perplexity_ratio": ev.perplexity / ev.teacher_perplexity,
+            "kl_fp32_bf16": ev.kl,
             "top1_agreement": ev.top1_agreement,
             "state_bytes": {dtype: model.state_nbytes(args.seq_len) for dtype, model in models.items()},
             **{f"{key}_{dtype}": value for dtype, t in timing.items() for key, value in t.items()},
@@ -127,14 +147,32 @@ def main(argv: list[str] | None = None) -> int:
         console.print(row)
         del models
     table = Table(title=f"bf16 vs fp32, batch 1, {result['threads']} thread(s), CPU time")
-    for column in ("target", "decode ms fp32", "decode ms bf16", "prefill tok/s fp32", "prefill tok/s bf16",
-                   "ppl fp32", "ppl bf16", "ratio", "KL", "top-1"):
+    for column in (
+        "target",
+        "decode ms fp32",
+        "decode ms bf16",
+        "prefill tok/s fp32",
+        "prefill tok/s bf16",
+        "ppl fp32",
+        "ppl bf16",
+        "ratio",
+        "KL",
+        "top-1",
+    ):
         table.add_column(column, justify="right")
     for r in result["rows"]:
-        table.add_row(r["name"], f"{r['decode_ms_cpu_float32']:.2f}", f"{r['decode_ms_cpu_bfloat16']:.2f}",
-                      f"{r['prefill_tokens_per_s_cpu_float32']:.0f}", f"{r['prefill_tokens_per_s_cpu_bfloat16']:.0f}",
-                      f"{r['perplexity_fp32']:.3f}", f"{r['perplexity_bf16']:.3f}", f"{r['perplexity_ratio']:.4f}",
-                      f"{r['kl_fp32_bf16']:.2e}", f"{r['top1_agreement']:.1%}")
+        table.add_row(
+            r["name"],
+            f"{r['decode_ms_cpu_float32']:.2f}",
+            f"{r['decode_ms_cpu_bfloat16']:.2f}",
+            f"{r['prefill_tokens_per_s_cpu_float32']:.0f}",
+            f"{r['prefill_tokens_per_s_cpu_bfloat16']:.0f}",
+            f"{r['perplexity_fp32']:.3f}",
+            f"{r['perplexity_bf16']:.3f}",
+            f"{r['perplexity_ratio']:.4f}",
+            f"{r['kl_fp32_bf16']:.2e}",
+            f"{r['top1_agreement']:.1%}",
+        )
     console.print(table)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -75,16 +75,30 @@ def measure(model, layer: int, lengths: list[int], context: int, rounds: int) ->
             args, kwargs = _captured(model, cell, lambda: model.prefill(ids))
             q, k, v = args[:3]
             call = lambda: cell(*args, **kwargs)  # noqa: E731
-            rows.append({"phase": "prompt", "tokens": length, "cell_ms": _best_ms(call, rounds), "ops": _ops(call),
-                         "sdpa_ms": _best_ms(_sdpa(q, k, v, True), rounds)})
+            rows.append(
+                {
+                    "phase": "prompt",
+                    "tokens": length,
+                    "cell_ms": _best_ms(call, rounds),
+                    "ops": _ops(call),
+                    "sdpa_ms": _best_ms(_sdpa(q, k, v, True), rounds),
+                }
+            )
         ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(context))
         _, state = model.prefill(ids)
         args, kwargs = _captured(model, cell, lambda: model.step(ids[:, -1:], state))
         q = args[0]
         cache = torch.randn(1, args[1].shape[1], context + 1, args[1].shape[3])
         call = lambda: cell(*args, **kwargs)  # noqa: E731
-        rows.append({"phase": "step", "tokens": context, "cell_ms": _best_ms(call, rounds), "ops": _ops(call),
-                     "sdpa_ms": _best_ms(_sdpa(q, cache, cache, False), rounds)})
+        rows.append(
+            {
+                "phase": "step",
+                "tokens": context,
+                "cell_ms": _best_ms(call, rounds),
+                "ops": _ops(call),
+                "sdpa_ms": _best_ms(_sdpa(q, cache, cache, False), rounds),
+            }
+        )
     return rows
 
 
@@ -108,14 +122,23 @@ def main() -> None:
     print("| phase | tokens | cell ms | ops | SDPA ms | cell / SDPA |")
     print("|---|---:|---:|---:|---:|---:|")
     for row in rows:
-        print(f"| {row['phase']} | {row['tokens']:,} | {row['cell_ms']:.3f} | {row['ops']} | {row['sdpa_ms']:.3f} | "
-              f"{row['cell_ms'] / row['sdpa_ms']:.2f} |")
+        print(
+            f"| {row['phase']} | {row['tokens']:,} | {row['cell_ms']:.3f} | {row['ops']} | {row['sdpa_ms']:.3f} | "
+            f"{row['cell_ms'] / row['sdpa_ms']:.2f} |"
+        )
     if args.json:
         path = Path(args.json)
         runs = json.loads(path.read_text()) if path.exists() else []
-        runs.append({"command": " ".join(["python", "benchmarks/cell_speed.py", *sys.argv[1:]]), "label": args.label,
-                     "rnnify": str(Path(rnnify.__file__).parent), "threads": args.threads,
-                     "cell": type(cell).__name__, "rows": rows})
+        runs.append(
+            {
+                "command": " ".join(["python", "benchmarks/cell_speed.py", *sys.argv[1:]]),
+                "label": args.label,
+                "rnnify": str(Path(rnnify.__file__).parent),
+                "threads": args.threads,
+                "cell": type(cell).__name__,
+                "rows": rows,
+            }
+        )
         path.write_text(json.dumps(runs, indent=1) + "\n")
 
 

@@ -41,11 +41,23 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 # Llama-3.2-1B's config, less the layer count.
 LLAMA_1B = {
-    "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True, "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "bos_token_id": 128000, "eos_token_id": 128001,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 128256,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
     "rope_scaling": {
-        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     },
 }
@@ -76,17 +88,28 @@ with torch.no_grad():
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--layers", default="2,4,8,16", help="layer counts to measure (default: 2,4,8,16)")
     p.add_argument("--target", default="linear", help="rnnify convert --to (default: linear)")
-    p.add_argument("--convert-args", default="--no-compile",
-                   help="more arguments of rnnify convert, space-separated (default: --no-compile)")
+    p.add_argument(
+        "--convert-args",
+        default="--no-compile",
+        help="more arguments of rnnify convert, space-separated (default: --no-compile)",
+    )
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the measured processes (default: 1)")
-    p.add_argument("--rnnify", default=str(ROOT), help="checkout whose rnnify converts, to compare versions (default: this one)")
+    p.add_argument(
+        "--rnnify", default=str(ROOT), help="checkout whose rnnify converts, to compare versions (default: this one)"
+    )
     p.add_argument("--workdir", default=None, help="where the models are written (default: a temporary directory)")
     p.add_argument("--label", default=None, help="name of the result file (default: convert-memory.json)")
-    p.add_argument("--make", metavar="DIR", default=None,
-                   help="only write the model with the first --layers count to DIR, for other benchmarks (speed.py)")
+    p.add_argument(
+        "--make",
+        metavar="DIR",
+        default=None,
+        help="only write the model with the first --layers count to DIR, for other benchmarks (speed.py)",
+    )
     return p.parse_args(argv)
 
 
@@ -114,8 +137,13 @@ def measure(command: list[str], env: dict[str, str], cwd: Path) -> dict:
 def point(layers: int, args: argparse.Namespace, workdir: Path) -> dict:
     # a step cache of this point's own: with --compile, every point compiles (random weights of one
     # shape would otherwise find the step an earlier run compiled) and nothing is left in the user's
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(Path(args.rnnify).resolve()),
-           "TQDM_DISABLE": "1", "RNNIFY_CACHE": str(workdir / f"step-cache-{layers}")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "PYTHONPATH": str(Path(args.rnnify).resolve()),
+        "TQDM_DISABLE": "1",
+        "RNNIFY_CACHE": str(workdir / f"step-cache-{layers}"),
+    }
     load_average = round(os.getloadavg()[0], 2)
     model, out = workdir / f"llama-1b-{layers}", workdir / f"llama-1b-{layers}-{args.target}"
     try:
@@ -124,9 +152,22 @@ def point(layers: int, args: argparse.Namespace, workdir: Path) -> dict:
         weight_bytes = 2 * params
         hf = measure([sys.executable, "-c", _TRANSFORMERS, str(model)], env, workdir)
         convert = measure(
-            [sys.executable, "-m", "rnnify", "convert", str(model), "--to", args.target, "--dtype", "bfloat16",
-             "-o", str(out), *args.convert_args.split()],
-            env, workdir,  # not this checkout: ``-m`` would import the rnnify beside it before PYTHONPATH's
+            [
+                sys.executable,
+                "-m",
+                "rnnify",
+                "convert",
+                str(model),
+                "--to",
+                args.target,
+                "--dtype",
+                "bfloat16",
+                "-o",
+                str(out),
+                *args.convert_args.split(),
+            ],
+            env,
+            workdir,  # not this checkout: ``-m`` would import the rnnify beside it before PYTHONPATH's
         )
     finally:
         shutil.rmtree(model, ignore_errors=True)
@@ -135,8 +176,14 @@ def point(layers: int, args: argparse.Namespace, workdir: Path) -> dict:
     for run in (hf, convert):
         del run["stdout"]
         run["peak_rss_x_weights"] = round(run["peak_rss_bytes"] / weight_bytes, 3)
-    return {"layers": layers, "params": params, "weight_bytes": weight_bytes, "load_average_1min": load_average,
-            "transformers": hf, "convert": convert}
+    return {
+        "layers": layers,
+        "params": params,
+        "weight_bytes": weight_bytes,
+        "load_average_1min": load_average,
+        "transformers": hf,
+        "convert": convert,
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -191,9 +238,12 @@ def show(result: dict) -> None:
     for p in result["points"]:
         hf, cv = p["transformers"], p["convert"]
         table.add_row(
-            str(p["layers"]), _gib(p["weight_bytes"]),
-            f"{hf['wall_s']:.1f} s, {hf['cpu_s']:.1f} CPU s", f"{_gib(hf['peak_rss_bytes'])}, {hf['peak_rss_x_weights']:.2f}x",
-            f"{cv['wall_s']:.1f} s, {cv['cpu_s']:.1f} CPU s", f"{_gib(cv['peak_rss_bytes'])}, {cv['peak_rss_x_weights']:.2f}x",
+            str(p["layers"]),
+            _gib(p["weight_bytes"]),
+            f"{hf['wall_s']:.1f} s, {hf['cpu_s']:.1f} CPU s",
+            f"{_gib(hf['peak_rss_bytes'])}, {hf['peak_rss_x_weights']:.2f}x",
+            f"{cv['wall_s']:.1f} s, {cv['cpu_s']:.1f} CPU s",
+            f"{_gib(cv['peak_rss_bytes'])}, {cv['peak_rss_x_weights']:.2f}x",
             f"{cv['wall_s'] - hf['wall_s']:+.1f} s, {cv['cpu_s'] - hf['cpu_s']:+.1f} CPU s",
         )
     Console(width=max(Console().width, 130)).print(table)

@@ -70,8 +70,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     B, H, D, T = args.batch, args.heads, args.head_dim, args.length
-    result = {"command": "python " + " ".join(["benchmarks/delta_cpu.py", *sys.argv[1:]]), "threads": args.threads,
-              "torch": torch.__version__, "shape": {"B": B, "H": H, "D": D, "T": T}, "prefill": [], "decode": []}
+    result = {
+        "command": "python " + " ".join(["benchmarks/delta_cpu.py", *sys.argv[1:]]),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "shape": {"B": B, "H": H, "D": D, "T": T},
+        "prefill": [],
+        "decode": [],
+    }
     console = Console()
     table = Table(title=f"delta rule prefill on CPU, B={B} H={H} D={D} T={T}, {args.threads} thread(s)")
     for col in ("variant", "chunked (CPU s)", "token loop (CPU s)", "speed-up", "max |diff|"):
@@ -81,10 +87,24 @@ def main(argv=None) -> int:
         for variant, gate in (("delta", None), ("gated-delta", g)):
             chunked = median_seconds(lambda: K.chunk_delta_rule(q, k, v, beta, gate, backend="reference"), args.repeat)
             loop = median_seconds(lambda: K.naive_recurrent_delta_rule(q, k, v, beta, gate), max(1, args.repeat // 2))
-            diff = (K.chunk_delta_rule(q, k, v, beta, gate, backend="reference")[0]
-                    - K.naive_recurrent_delta_rule(q, k, v, beta, gate)[0]).abs().max().item()
-            result["prefill"].append({"variant": variant, "chunked_s": chunked, "loop_s": loop,
-                                      "speedup": loop / chunked, "max_abs_diff": diff})
+            diff = (
+                (
+                    K.chunk_delta_rule(q, k, v, beta, gate, backend="reference")[0]
+                    - K.naive_recurrent_delta_rule(q, k, v, beta, gate)[0]
+                )
+                .abs()
+                .max()
+                .item()
+            )
+            result["prefill"].append(
+                {
+                    "variant": variant,
+                    "chunked_s": chunked,
+                    "loop_s": loop,
+                    "speedup": loop / chunked,
+                    "max_abs_diff": diff,
+                }
+            )
             table.add_row(variant, f"{chunked:.4f}", f"{loop:.4f}", f"{loop / chunked:.1f}x", f"{diff:.1e}")
         console.print(table)
         steps = Table(title=f"one decode step (fused_recurrent_delta_rule, gated) after C tokens, B={B} H={H} D={D}")
@@ -94,8 +114,12 @@ def main(argv=None) -> int:
         for context in args.contexts:
             cq, ck, cv, cbeta, cg = inputs(B, context, H, D, seed=2)
             _, state = K.chunk_delta_rule(cq, ck, cv, cbeta, cg, output_final_state=True, backend="reference")
-            step = median_seconds(lambda: K.fused_recurrent_delta_rule(
-                q1, k1, v1, beta1, g1, initial_state=state, output_final_state=True, backend="reference"), 200)
+            step = median_seconds(
+                lambda: K.fused_recurrent_delta_rule(
+                    q1, k1, v1, beta1, g1, initial_state=state, output_final_state=True, backend="reference"
+                ),
+                200,
+            )
             result["decode"].append({"context": context, "step_ms": 1e3 * step, "state_bytes": state.nbytes})
             steps.add_row(f"{context:,}", f"{1e3 * step:.3f}", f"{state.nbytes:,}")
         console.print(steps)

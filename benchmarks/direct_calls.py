@@ -59,15 +59,34 @@ def main() -> None:
                     times["module"].append(ms_per_call(lambda: graph(*inputs), args.steps))
                     times["direct"].append(ms_per_call(lambda: direct(graph, *inputs), args.steps))
             module_ms, direct_ms = min(times["module"]), min(times["direct"])
-            rows.append({"model": directory, "target": model.manifest.target, "batch": batch,
-                         "context": args.context, "rewritten_calls": rewritten,
-                         "module_ms": module_ms, "direct_ms": direct_ms, "rounds": times})
-            print(f"{directory} ({model.manifest.target}) batch {batch} @ {args.context}: module {module_ms:.3f} ms, "
-                  f"direct {direct_ms:.3f} ms, {module_ms / direct_ms:.3f}x ({rewritten} calls rewritten)")
+            rows.append(
+                {
+                    "model": directory,
+                    "target": model.manifest.target,
+                    "batch": batch,
+                    "context": args.context,
+                    "rewritten_calls": rewritten,
+                    "module_ms": module_ms,
+                    "direct_ms": direct_ms,
+                    "rounds": times,
+                }
+            )
+            print(
+                f"{directory} ({model.manifest.target}) batch {batch} @ {args.context}: module {module_ms:.3f} ms, "
+                f"direct {direct_ms:.3f} ms, {module_ms / direct_ms:.3f}x ({rewritten} calls rewritten)"
+            )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": " ".join(["python", "benchmarks/direct_calls.py", *sys.argv[1:]]),
-                       "threads": args.threads, "torch": torch.__version__, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "command": " ".join(["python", "benchmarks/direct_calls.py", *sys.argv[1:]]),
+                    "threads": args.threads,
+                    "torch": torch.__version__,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

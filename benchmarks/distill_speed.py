@@ -40,24 +40,36 @@ REGIONS = ("teacher forward", "student forward", "losses", "backward", "optimize
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("model", help="converted model directory (rnnify convert ... -o DIR)")
     p.add_argument("--stages", default="transfer,finetune", help="stages to time (default: transfer,finetune)")
     p.add_argument("--batch-size", type=int, default=4, help="rows per step (default: 4)")
-    p.add_argument("--seq-len", default="512", help="tokens per row, or a schedule as rnnify distill takes it (default: 512)")
+    p.add_argument(
+        "--seq-len", default="512", help="tokens per row, or a schedule as rnnify distill takes it (default: 512)"
+    )
     p.add_argument("--steps", type=int, default=3, help="timed steps per stage (default: 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first, per stage (default: 1)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: as OMP_NUM_THREADS gives)")
     p.add_argument("--kernels", default=None, help="override the model's kernels backend (none, reference, ...)")
     p.add_argument("--teacher", default=None, help="teacher for the KL term (default: the model's source)")
     p.add_argument("--kl-weight", type=float, default=1.0, help="0: no teacher (default: 1)")
-    p.add_argument("--option", action="append", default=[], metavar="KEY=JSON",
-                   help="another rnnify.distill keyword, e.g. --option train='\"all\"' (repeatable)")
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="another rnnify.distill keyword, e.g. --option train='\"all\"' (repeatable)",
+    )
     p.add_argument("--profile", action="store_true", help="also break each timed step down by part (torch.profiler)")
     p.add_argument("--label", default=None, help="name of the result file (default: the model directory's name)")
-    p.add_argument("--matmul", action="store_true",
-                   help="only time one [B*T, hidden] x [hidden, intermediate] product in float32 and bfloat16 "
-                   "(is bfloat16 faster on this CPU?)")
+    p.add_argument(
+        "--matmul",
+        action="store_true",
+        help="only time one [B*T, hidden] x [hidden, intermediate] product in float32 and bfloat16 "
+        "(is bfloat16 faster on this CPU?)",
+    )
     return p.parse_args(argv)
 
 
@@ -94,42 +106,66 @@ def run(args: argparse.Namespace) -> dict:
         index = len(times[stage])
         profiling = args.profile and index >= args.warmup
         start, start_cpu = time.perf_counter(), time.process_time()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profiling else nullcontext() as prof:
+        with (
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            if profiling
+            else nullcontext() as prof
+        ):
             loss, count = step(self, stage, *rest)
         times[stage].append(time.perf_counter() - start)  # before reading the profile, which takes a while
         cpu[stage].append(time.process_time() - start_cpu)
         if profiling:
             for event in prof.key_averages():
                 if event.key.startswith("distill: "):
-                    name = event.key[len("distill: "):]
+                    name = event.key[len("distill: ") :]
                     parts[stage][name] = parts[stage].get(name, 0.0) + event.cpu_time_total / 1e6
         tokens[stage].append(rest[-1]["input_ids"].numel())
         return loss, count
 
     train._Trainer.step = timed
     try:
-        rnnify.distill(model, data, stages=stages, max_tokens=per_stage_tokens * len(stages), seq_len=args.seq_len
-                       if len(seq) > 1 else seq[0], batch_size=args.batch_size, kl_weight=args.kl_weight,
-                       teacher=args.teacher, progress=False, **options)
+        rnnify.distill(
+            model,
+            data,
+            stages=stages,
+            max_tokens=per_stage_tokens * len(stages),
+            seq_len=args.seq_len if len(seq) > 1 else seq[0],
+            batch_size=args.batch_size,
+            kl_weight=args.kl_weight,
+            teacher=args.teacher,
+            progress=False,
+            **options,
+        )
     finally:
         train._Trainer.step = step
     result = {
-        "model": os.fspath(args.model), "batch_size": args.batch_size, "seq_len": args.seq_len,
-        "dtype": str(model.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-        "kernels": model.kernels, "options": options, "kl_weight": args.kl_weight,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)", "torch": torch.__version__,
+        "model": os.fspath(args.model),
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "kernels": model.kernels,
+        "options": options,
+        "kl_weight": args.kl_weight,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
+        "torch": torch.__version__,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": "python benchmarks/distill_speed.py " + " ".join(sys.argv[1:]), "stages": {},
+        "command": "python benchmarks/distill_speed.py " + " ".join(sys.argv[1:]),
+        "stages": {},
     }
     for stage in stages:
-        timed_steps = times[stage][args.warmup:]
-        timed_tokens = tokens[stage][args.warmup:]
+        timed_steps = times[stage][args.warmup :]
+        timed_tokens = tokens[stage][args.warmup :]
         if not timed_steps:
             continue
         seconds = sum(timed_steps)
-        entry = {"steps": len(timed_steps), "seconds": seconds, "median_step_s": statistics.median(timed_steps),
-                 "tokens_per_s": sum(timed_tokens) / seconds,
-                 "tokens_per_cpu_s": sum(timed_tokens) / sum(cpu[stage][args.warmup:])}
+        entry = {
+            "steps": len(timed_steps),
+            "seconds": seconds,
+            "median_step_s": statistics.median(timed_steps),
+            "tokens_per_s": sum(timed_tokens) / seconds,
+            "tokens_per_cpu_s": sum(timed_tokens) / sum(cpu[stage][args.warmup :]),
+        }
         if parts[stage]:
             entry["parts_s"] = {k: v / len(timed_steps) for k, v in parts[stage].items()}
         result["stages"][stage] = entry
@@ -152,7 +188,9 @@ def matmul(args: argparse.Namespace) -> dict:
             start = time.perf_counter()
             torch.nn.functional.linear(x, w)
             seconds.append(time.perf_counter() - start)
-        out[str(dtype).removeprefix("torch.") + "_gflop_s"] = 2 * rows * hidden * width / statistics.median(seconds) / 1e9
+        out[str(dtype).removeprefix("torch.") + "_gflop_s"] = (
+            2 * rows * hidden * width / statistics.median(seconds) / 1e9
+        )
     print(json.dumps(out))
     return out
 
@@ -161,8 +199,10 @@ def show(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"rnnify distill speed: {result['model']} (batch {result['batch_size']} x {result['seq_len']}, "
-                  f"{result['dtype']}, {result['threads']} threads)")
+    table = Table(
+        title=f"rnnify distill speed: {result['model']} (batch {result['batch_size']} x {result['seq_len']}, "
+        f"{result['dtype']}, {result['threads']} threads)"
+    )
     table.add_column("stage")
     table.add_column("tokens/s", justify="right")
     table.add_column("tokens/CPU s", justify="right")
@@ -171,8 +211,13 @@ def show(result: dict) -> None:
         table.add_column(region, justify="right")
     for stage, entry in result["stages"].items():
         parts = entry.get("parts_s", {})
-        table.add_row(stage, f"{entry['tokens_per_s']:,.0f}", f"{entry['tokens_per_cpu_s']:,.0f}", f"{entry['median_step_s']:.2f}",
-                      *(f"{parts[r]:.2f}" if r in parts else "" for r in REGIONS))
+        table.add_row(
+            stage,
+            f"{entry['tokens_per_s']:,.0f}",
+            f"{entry['tokens_per_cpu_s']:,.0f}",
+            f"{entry['median_step_s']:.2f}",
+            *(f"{parts[r]:.2f}" if r in parts else "" for r in REGIONS),
+        )
     Console().print(table)
 
 

@@ -44,17 +44,26 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/distill-train-choice.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    record = {"command": "python benchmarks/distill_train_choice.py " + " ".join(sys.argv[1:]),
-              "model": str(args.model.relative_to(ROOT)) if args.model.is_relative_to(ROOT) else str(args.model),
-              "tokens": args.tokens, "lr": list(args.lr), "seq_len": args.seq_len, "batch_size": args.batch_size,
-              "threads": args.threads, "rows": []}
+    record = {
+        "command": "python benchmarks/distill_train_choice.py " + " ".join(sys.argv[1:]),
+        "model": str(args.model.relative_to(ROOT)) if args.model.is_relative_to(ROOT) else str(args.model),
+        "tokens": args.tokens,
+        "lr": list(args.lr),
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "threads": args.threads,
+        "rows": [],
+    }
     evaluate = dict(against=args.model, seq_len=args.seq_len, batch_size=args.batch_size, max_tokens=args.eval_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         train_dir, heldout = stdlib_corpus.write_split(tmp)
         base = rnnify.convert(args.model, to="hybrid", window=64, sinks=0, feature_map="hedgehog", progress=False)
         free = rnnify.evaluate(base, heldout, **evaluate).to_json()
-        record["training_free"] = {"perplexity": free["perplexity"], "kl": free["kl"],
-                                   "original_perplexity": free["teacher_perplexity"]}
+        record["training_free"] = {
+            "perplexity": free["perplexity"],
+            "kl": free["kl"],
+            "original_perplexity": free["teacher_perplexity"],
+        }
         common = dict(teacher=args.model, max_tokens=args.tokens // 2, seq_len=args.seq_len, batch_size=args.batch_size)
         rnnify.distill(base, train_dir, stages=["transfer"], lr=args.lr[0], **common)
         base.save(Path(tmp) / "transferred")
@@ -64,8 +73,13 @@ def main() -> None:
             rnnify.distill(model, train_dir, stages=["finetune"], lr=args.lr[1], train=choice, **common)
             seconds = time.time() - start
             result = rnnify.evaluate(model, heldout, **evaluate).to_json()
-            row = {"train": choice, "perplexity": result["perplexity"], "kl": result["kl"], "seconds": round(seconds, 1),
-                   "trained": model.manifest.distill["trained"]}
+            row = {
+                "train": choice,
+                "perplexity": result["perplexity"],
+                "kl": result["kl"],
+                "seconds": round(seconds, 1),
+                "trained": model.manifest.distill["trained"],
+            }
             record["rows"].append(row)
             print(json.dumps(row), flush=True)
             args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -78,8 +92,10 @@ def show(record: dict) -> None:
     from rich.table import Table
 
     free = record["training_free"]
-    table = Table(title=f"finetune choices, {record['tokens']:,} tokens (original ppl {free['original_perplexity']:.2f}; "
-                  f"training-free ppl {free['perplexity']:.2f}, KL {free['kl']:.3f})")
+    table = Table(
+        title=f"finetune choices, {record['tokens']:,} tokens (original ppl {free['original_perplexity']:.2f}; "
+        f"training-free ppl {free['perplexity']:.2f}, KL {free['kl']:.3f})"
+    )
     for column in ("--train", "perplexity", "KL to the original", "finetune seconds"):
         table.add_column(column, justify="left" if column == "--train" else "right")
     for row in record["rows"]:

@@ -47,8 +47,10 @@ def load(specs: list[str]) -> dict[int, list[tuple[str, dict]]]:
         result = json.loads(Path(path).read_text())
         result["name"] = name or Path(path).stem
         group = by_length.setdefault(result["seq_len"], [])
-        if group and (result["tokens"], result["teacher_perplexity"]) != (group[0][1]["tokens"],
-                                                                           group[0][1]["teacher_perplexity"]):
+        if group and (result["tokens"], result["teacher_perplexity"]) != (
+            group[0][1]["tokens"],
+            group[0][1]["teacher_perplexity"],
+        ):
             raise ValueError(f"{path}: other held-out tokens than {group[0][0]} at {result['seq_len']} tokens")
         group.append((result["name"], result))
     return dict(sorted(by_length.items()))
@@ -66,10 +68,13 @@ def table(seq_len: int, rows: list[tuple[str, dict]], model: str | None) -> str:
     keys = "".join(f" pass key {n:,} |" for n in lengths)
     first = rows[0][1]
     there = f"; the original's KV cache there: {cache:,} bytes" if cache else ""
-    lines = [f"Rows of {seq_len:,} tokens, {first['tokens']:,} held-out tokens (the original's perplexity "
-             f"{first['teacher_perplexity']:.2f}){there}.", "",
-             f"| model | state bytes (share of KV cache) | perplexity ratio | KL | top-1 | {head} |{keys}",
-             "|---|---:|---:|---:|---:|" + "---:|" * (len(ranges) + len(lengths))]
+    lines = [
+        f"Rows of {seq_len:,} tokens, {first['tokens']:,} held-out tokens (the original's perplexity "
+        f"{first['teacher_perplexity']:.2f}){there}.",
+        "",
+        f"| model | state bytes (share of KV cache) | perplexity ratio | KL | top-1 | {head} |{keys}",
+        "|---|---:|---:|---:|---:|" + "---:|" * (len(ranges) + len(lengths)),
+    ]
     original = next((r["passkey"]["accuracy"].get("original") for _, r in rows if r.get("passkey")), None)
     if original and cache:
         accuracy = "".join(f" {original.get(str(n), float('nan')):.0%} |" for n in lengths)
@@ -80,8 +85,10 @@ def table(seq_len: int, rows: list[tuple[str, dict]], model: str | None) -> str:
         converted = res.get("passkey", {}).get("accuracy", {}).get("converted", {})
         accuracy = "".join(f" {converted[str(n)]:.0%} |" if str(n) in converted else " – |" for n in lengths)
         ratio = res["perplexity"] / res["teacher_perplexity"]
-        lines.append(f"| `{name}` | {res['state_bytes']:,}{share} | {ratio:.3f} | {res['kl']:.4f} | "
-                     f"{res['top1_agreement']:.1%} | {kls} |{accuracy}")
+        lines.append(
+            f"| `{name}` | {res['state_bytes']:,}{share} | {ratio:.3f} | {res['kl']:.4f} | "
+            f"{res['top1_agreement']:.1%} | {kls} |{accuracy}"
+        )
     return "\n".join(lines)
 
 
@@ -94,10 +101,19 @@ def plot(seq_len: int, rows: list[tuple[str, dict]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, res in sorted(rows, key=lambda item: item[1]["state_bytes"]):
         ranges = res["kl_by_position"]
-        ax.plot([(e["start"] + e["end"]) / 2 for e in ranges], [max(e["kl"], FLOOR) for e in ranges], "o-", ms=4,
-                label=f"{name} ({res['state_bytes'] / 2**20:.1f} MiB)")
-    ax.set(yscale="log", xlabel="position in the row (middle of each range [2^k, 2^(k+1)))",
-           ylabel="KL(original || converted), nats per token", title=f"rows of {seq_len:,} tokens")
+        ax.plot(
+            [(e["start"] + e["end"]) / 2 for e in ranges],
+            [max(e["kl"], FLOOR) for e in ranges],
+            "o-",
+            ms=4,
+            label=f"{name} ({res['state_bytes'] / 2**20:.1f} MiB)",
+        )
+    ax.set(
+        yscale="log",
+        xlabel="position in the row (middle of each range [2^k, 2^(k+1)))",
+        ylabel="KL(original || converted), nats per token",
+        title=f"rows of {seq_len:,} tokens",
+    )
     ax.set_xscale("log", base=2)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -106,9 +122,11 @@ def plot(seq_len: int, rows: list[tuple[str, dict]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     parser.add_argument("results", nargs="+", metavar="NAME=FILE", help="rnnify eval --json results, named")
     parser.add_argument("--model", help="the original's directory, for its KV cache at each length")
     parser.add_argument("--png", type=Path, help="write the KL-by-position plot of the longest rows here")

@@ -54,7 +54,10 @@ def variants(window: int = WINDOW) -> dict[str, tuple[str, dict]]:
         "exact": ("exact", {}),
         "window": ("window", {"window": window}),
         "window-sinks": ("window", {"window": window, "sinks": 4}),
-        **{f"linear-{m}": ("linear", {"feature_map": m}) for m in ("elu", "relu", "performer", "taylor", "hedgehog", "t2r")},
+        **{
+            f"linear-{m}": ("linear", {"feature_map": m})
+            for m in ("elu", "relu", "performer", "taylor", "hedgehog", "t2r")
+        },
         **{f"gated-{g}": ("gated", {"gate": g, "feature_map": "hedgehog"}) for g in ("retnet", "gla", "gateloop")},
         "aaren": ("aaren", {}),
         "hybrid-hedgehog": ("hybrid", {"window": window, "sinks": 0, "feature_map": "hedgehog"}),
@@ -62,8 +65,10 @@ def variants(window: int = WINDOW) -> dict[str, tuple[str, dict]]:
         "gated-delta": ("gated-delta", {}),
         # the hybrid's memories at equal state bytes: a 32 x 32 delta state per kv head, 32 hedgehog
         # features for linear and GLA (kv [32, 32] plus k_sum [32]: 1.6% more than delta's)
-        **{f"hybrid-{m}": ("hybrid", {"window": window, "sinks": 0, "memory": m, **HEDGEHOG_32})
-           for m in ("linear", "gla")},
+        **{
+            f"hybrid-{m}": ("hybrid", {"window": window, "sinks": 0, "memory": m, **HEDGEHOG_32})
+            for m in ("linear", "gla")
+        },
         **{f"hybrid-{m}": ("hybrid", {"window": window, "sinks": 0, "memory": m}) for m in ("delta", "gated-delta")},
     }
 
@@ -94,28 +99,43 @@ def read_rows(path: Path) -> list[dict]:
     """A JSON list of ``{"variant": NAME, "target": TARGET, "options": {...}}`` rows."""
     rows = json.loads(path.read_text())
     if not isinstance(rows, list) or not all(isinstance(r, dict) and {"variant", "target"} <= set(r) for r in rows):
-        raise ValueError(f"--rows {path}: expected a JSON list of {{\"variant\": ..., \"target\": ..., \"options\": {{...}}}}")
+        raise ValueError(
+            f'--rows {path}: expected a JSON list of {{"variant": ..., "target": ..., "options": {{...}}}}'
+        )
     return [{"variant": r["variant"], "target": r["target"], "options": r.get("options", {})} for r in rows]
 
 
 def measure(model, heldout: Path, args) -> dict:
     """Training-free or distilled: ``rnnify.evaluate`` against the original, and pass-key recall."""
     result = rnnify.evaluate(
-        model, heldout, against=args.teacher, seq_len=args.seq_len, batch_size=args.batch_size,
+        model,
+        heldout,
+        against=args.teacher,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
         max_tokens=args.eval_tokens,
     ).to_json()
     if args.passkey:
-        result["passkey"] = evaluate_passkey(model, args.passkey, trials=args.passkey_trials, seed=args.seed,
-                                             original=False).to_json()
+        result["passkey"] = evaluate_passkey(
+            model, args.passkey, trials=args.passkey_trials, seed=args.seed, original=False
+        ).to_json()
     return result
 
 
 def settings(spec: dict, args) -> dict:
     """What a row's training-free numbers depend on: a cached row is reused only when these match."""
-    return {"target": spec["target"], "options": spec["options"], "model": str(args.model), "data": args.data_name,
-            **({"training_free": False} if args.distilled_only else {}),
-            "seq_len": args.seq_len, "eval_tokens": args.eval_tokens, "passkey": args.passkey,
-            "passkey_trials": args.passkey_trials, "seed": args.seed}
+    return {
+        "target": spec["target"],
+        "options": spec["options"],
+        "model": str(args.model),
+        "data": args.data_name,
+        **({"training_free": False} if args.distilled_only else {}),
+        "seq_len": args.seq_len,
+        "eval_tokens": args.eval_tokens,
+        "passkey": args.passkey,
+        "passkey_trials": args.passkey_trials,
+        "seed": args.seed,
+    }
 
 
 def distill_budget(spec: dict, args) -> int | None:
@@ -148,20 +168,33 @@ def run_dir_row(spec: dict, heldout: Path, args, cached: dict | None, save) -> d
     distillation, else as training-free; reused from ``cached`` while the weights are the same."""
     model = rnnify.load(spec["dir"])
     manifest = model.manifest
-    wanted = {**settings({"target": manifest.target, "options": manifest.options}, args), "dir": spec["dir"],
-              "weights_sha256": manifest.files.get("model.safetensors")}
+    wanted = {
+        **settings({"target": manifest.target, "options": manifest.options}, args),
+        "dir": spec["dir"],
+        "weights_sha256": manifest.files.get("model.safetensors"),
+    }
     if cached is not None and cached.get("settings") == wanted:
         return cached
     print(f"== {spec['variant']}: {spec['dir']}", flush=True)
-    row = {"variant": spec["variant"], "target": manifest.target, "options": manifest.options, "settings": wanted,
-           "state_bytes": model.state_nbytes(args.seq_len)}
+    row = {
+        "variant": spec["variant"],
+        "target": manifest.target,
+        "options": manifest.options,
+        "settings": wanted,
+        "state_bytes": model.state_nbytes(args.seq_len),
+    }
     result = measure(model, heldout, args)
     if manifest.distill is None:
         row["training_free"] = result
     else:
         stages = stage_tokens(manifest.distill)
-        row.update(training_free=None, distilled=result, stage_tokens=stages, distill_tokens=sum(stages.values()),
-                   distill_seconds=spec["seconds"])
+        row.update(
+            training_free=None,
+            distilled=result,
+            stage_tokens=stages,
+            distill_tokens=sum(stages.values()),
+            distill_seconds=spec["seconds"],
+        )
     save(row)
     return row
 
@@ -181,37 +214,69 @@ def run_row(spec: dict, heldout: Path, train: Path, args, cached: dict | None, s
     if row is None:
         print(f"== {spec['variant']}: {'converting' if args.distilled_only else 'training-free'}", flush=True)
         model = rnnify.convert(args.model, to=spec["target"], progress=False, **spec["options"])
-        row = {**spec, "settings": settings(spec, args), "state_bytes": model.state_nbytes(args.seq_len),
-               "training_free": None if args.distilled_only else measure(model, heldout, args)}
+        row = {
+            **spec,
+            "settings": settings(spec, args),
+            "state_bytes": model.state_nbytes(args.seq_len),
+            "training_free": None if args.distilled_only else measure(model, heldout, args),
+        }
         if not args.distilled_only:  # a row is saved once it has a measurement
             save(row)
     tokens = distill_budget(spec, args)
     gate_scales = by_stage(args.gate_lr_scale, args.stages)
-    wanted = None if tokens is None else {"tokens": tokens, "lr": list(args.lr), "seed": args.seed,
-                                          "seq_len": args.distill_seq_len, "batch_size": args.distill_batch_size,
-                                          "train": args.train, "schedule": args.schedule,
-                                          **({} if args.stages == list(STAGES) else {"stages": args.stages}),
-                                          **({} if gate_scales == [1.0] * len(args.stages) else {"gate_lr_scale": gate_scales})}
+    wanted = (
+        None
+        if tokens is None
+        else {
+            "tokens": tokens,
+            "lr": list(args.lr),
+            "seed": args.seed,
+            "seq_len": args.distill_seq_len,
+            "batch_size": args.distill_batch_size,
+            "train": args.train,
+            "schedule": args.schedule,
+            **({} if args.stages == list(STAGES) else {"stages": args.stages}),
+            **({} if gate_scales == [1.0] * len(args.stages) else {"gate_lr_scale": gate_scales}),
+        }
+    )
     if wanted is None or (row.get("distill_settings") == wanted and "distilled" in row):
         if wanted is None:
-            row = {k: v for k, v in row.items() if k not in ("distilled", "distill_settings", "distill_seconds",
-                                                             "distill_tokens", "stage_tokens")}
+            row = {
+                k: v
+                for k, v in row.items()
+                if k not in ("distilled", "distill_settings", "distill_seconds", "distill_tokens", "stage_tokens")
+            }
         return row
     print(f"== {spec['variant']}: distilling {tokens:,} tokens", flush=True)
     model = model or rnnify.convert(args.model, to=spec["target"], progress=False, **spec["options"])
     start = time.time()
     model = rnnify.distill(
-        model, train, teacher=args.teacher, max_tokens=tokens, seq_len=args.distill_seq_len,
-        batch_size=args.distill_batch_size, lr=by_stage(args.lr, args.stages),
-        train=args.train, schedule=args.schedule, seed=args.seed, stages=args.stages, gate_lr_scale=gate_scales,
+        model,
+        train,
+        teacher=args.teacher,
+        max_tokens=tokens,
+        seq_len=args.distill_seq_len,
+        batch_size=args.distill_batch_size,
+        lr=by_stage(args.lr, args.stages),
+        train=args.train,
+        schedule=args.schedule,
+        seed=args.seed,
+        stages=args.stages,
+        gate_lr_scale=gate_scales,
         # with --checkpoint-dir a killed distillation continues where it stopped when rerun
         checkpoint_dir=None if args.checkpoint_dir is None else args.checkpoint_dir / spec["variant"],
-        checkpoint_every=args.checkpoint_every, resume=args.checkpoint_dir is not None,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.checkpoint_dir is not None,
     )
-    row = {**row, "distill_settings": wanted, "distill_seconds": round(time.time() - start, 1), "distill_tokens": tokens,
-           # the budget is split between the stages that ran (transfer is skipped when the cells have
-           # nothing to train): the tokens each stage read
-           "stage_tokens": stage_tokens(model.manifest.distill)}
+    row = {
+        **row,
+        "distill_settings": wanted,
+        "distill_seconds": round(time.time() - start, 1),
+        "distill_tokens": tokens,
+        # the budget is split between the stages that ran (transfer is skipped when the cells have
+        # nothing to train): the tokens each stage read
+        "stage_tokens": stage_tokens(model.manifest.distill),
+    }
     row["distilled"] = measure(model, heldout, args)
     if args.save is not None:  # for --dir rows at another length, e.g. --seq-len 2048
         model.save(args.save / spec["variant"])
@@ -223,8 +288,13 @@ def original_passkey(args, cached: dict | None) -> dict | None:
     """The original model's pass-key accuracy (length -> share), on the prompts every row gets."""
     if not args.passkey:
         return None
-    wanted = {"model": str(args.model), "lengths": args.passkey, "trials": args.passkey_trials, "seed": args.seed,
-              "probes": "evaluation"}  # rnnify.passkey.usable_probes, as evaluate_passkey's default
+    wanted = {
+        "model": str(args.model),
+        "lengths": args.passkey,
+        "trials": args.passkey_trials,
+        "seed": args.seed,
+        "probes": "evaluation",
+    }  # rnnify.passkey.usable_probes, as evaluate_passkey's default
     if cached is not None and cached.get("settings") == wanted:
         return cached
     from rnnify.capture import load_source
@@ -232,8 +302,11 @@ def original_passkey(args, cached: dict | None) -> dict | None:
 
     print("== original: pass key", flush=True)
     tokenizer = load_tokenizer(args.model)
-    trials = passkey_trials({"original": original_generator(load_source(args.model))}, tokenizer,
-                            prompts(tokenizer, args.passkey, args.passkey_trials, args.seed, usable_probes(tokenizer)))
+    trials = passkey_trials(
+        {"original": original_generator(load_source(args.model))},
+        tokenizer,
+        prompts(tokenizer, args.passkey, args.passkey_trials, args.seed, usable_probes(tokenizer)),
+    )
     accuracy = rnnify.PasskeyResult(str(args.model), None, args.seed, trials).to_json()["accuracy"]["original"]
     return {"settings": wanted, "accuracy": accuracy}
 
@@ -250,27 +323,52 @@ def table(record: dict) -> str:
     passkey = record.get("original_passkey")
     lengths = "/".join(passkey["accuracy"]) if passkey else None
     pk_head = [f"pass key {lengths}"] if passkey else []
-    head = ["variant", "state bytes / sequence", "training-free ppl (ratio)", "KL", "top-1", *pk_head,
-            "distilled ppl (ratio)", "KL", "top-1", *pk_head, "tokens: transfer + finetune", "distill time"]
+    head = [
+        "variant",
+        "state bytes / sequence",
+        "training-free ppl (ratio)",
+        "KL",
+        "top-1",
+        *pk_head,
+        "distilled ppl (ratio)",
+        "KL",
+        "top-1",
+        *pk_head,
+        "tokens: transfer + finetune",
+        "distill time",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
 
     def quality(result: dict | None) -> list[str]:
         if result is None:
             return ["–"] * (3 + bool(passkey))
-        cells = [f"{result['perplexity']:.2f} ({result['perplexity'] / original_ppl:.3f})", f"{result['kl']:.4f}",
-                 f"{result.get('top1_agreement', float('nan')):.1%}"]
-        return cells + ([_passkey_cell(result.get("passkey", {}).get("accuracy", {}).get("converted"))] if passkey else [])
+        cells = [
+            f"{result['perplexity']:.2f} ({result['perplexity'] / original_ppl:.3f})",
+            f"{result['kl']:.4f}",
+            f"{result.get('top1_agreement', float('nan')):.1%}",
+        ]
+        return cells + (
+            [_passkey_cell(result.get("passkey", {}).get("accuracy", {}).get("converted"))] if passkey else []
+        )
 
-    first = ["original", "–", f"{original_ppl:.2f} (1.000)", "0", "100%"] + ([_passkey_cell(passkey["accuracy"])] if passkey else [])
+    first = ["original", "–", f"{original_ppl:.2f} (1.000)", "0", "100%"] + (
+        [_passkey_cell(passkey["accuracy"])] if passkey else []
+    )
     lines.append("| " + " | ".join(first + ["–"] * (len(head) - len(first))) + " |")
     for row in rows:
-        cells = [f"`{row['variant']}`", f"{row['state_bytes']:,}", *quality(row.get("training_free")),
-                 *quality(row.get("distilled"))]
+        cells = [
+            f"`{row['variant']}`",
+            f"{row['state_bytes']:,}",
+            *quality(row.get("training_free")),
+            *quality(row.get("distilled")),
+        ]
         if "distilled" in row:
             stages = row["stage_tokens"]
             seconds = row.get("distill_seconds")
-            cells += [f"{stages.get('transfer', 0):,} + {stages.get('finetune', 0):,}",
-                      "–" if seconds is None else f"{seconds:.0f} s"]
+            cells += [
+                f"{stages.get('transfer', 0):,} + {stages.get('finetune', 0):,}",
+                "–" if seconds is None else f"{seconds:.0f} s",
+            ]
         else:
             cells += ["–", "–"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -296,8 +394,10 @@ def further_runs(json_path: Path) -> str:
         ratio = row["distilled"]["perplexity"] / extra["original_perplexity"]
         settings = row.get("distill_settings", {})
         recipe = ", ".join(f"{k} {settings[k]}" for k in ("train", "schedule") if k in settings)
-        lines.append(f"- `{row['variant']}` with {row['distill_tokens']:,} tokens{f' ({recipe})' if recipe else ''}: "
-                     f"perplexity {ratio:.3f}x the original (`{name}`; `{extra['command']}`)")
+        lines.append(
+            f"- `{row['variant']}` with {row['distill_tokens']:,} tokens{f' ({recipe})' if recipe else ''}: "
+            f"perplexity {ratio:.3f}x the original (`{name}`; `{extra['command']}`)"
+        )
     return "\n".join(lines) if lines else "- none"
 
 
@@ -315,28 +415,46 @@ def memories_section(json_path: Path) -> str:
     parts = []
     for record in records:
         first = first_result(record["rows"][0])
-        parts.append(f"{first['tokens']:,} held-out tokens in rows of {first['seq_len']:,}; "
-                     f"`{record['command']}`:\n\n{table(record)}")
+        parts.append(
+            f"{first['tokens']:,} held-out tokens in rows of {first['seq_len']:,}; "
+            f"`{record['command']}`:\n\n{table(record)}"
+        )
     goals = []
     for record in records:
         seq_len, rows = first_result(record["rows"][0])["seq_len"], {r["variant"]: r for r in record["rows"]}
-        ratio = {n: r["distilled"]["perplexity"] / record["original_perplexity"] for n, r in rows.items() if r.get("distilled")}
+        ratio = {
+            n: r["distilled"]["perplexity"] / record["original_perplexity"]
+            for n, r in rows.items()
+            if r.get("distilled")
+        }
         kl = {n: r["distilled"]["kl"] for n, r in rows.items() if r.get("distilled")}
         if "gated-delta" in ratio and record is records[0]:  # the goal is at the length the model was trained on
             # the best within the goal's budget, here or in a further run at this length
             best = (ratio["gated-delta"], f"{rows['gated-delta']['distill_tokens']:,} tokens, this table")
             for name, extra, row in further_results(json_path):
-                if (row["variant"] == "gated-delta" and row["distill_tokens"] <= 1_000_000
-                        and first_result(row)["seq_len"] == seq_len):
-                    best = min(best, (row["distilled"]["perplexity"] / extra["original_perplexity"],
-                                      f"{row['distill_tokens']:,} tokens, `{name}`"))
-            goals.append(f"- {seq_len:,} tokens: `gated-delta` distilled {best[0]:.3f}x the original ({best[1]}; "
-                         f"goal: at most 1.20x with at most 1M tokens) — {'met' if best[0] <= 1.2 else 'not met'}")
+                if (
+                    row["variant"] == "gated-delta"
+                    and row["distill_tokens"] <= 1_000_000
+                    and first_result(row)["seq_len"] == seq_len
+                ):
+                    best = min(
+                        best,
+                        (
+                            row["distilled"]["perplexity"] / extra["original_perplexity"],
+                            f"{row['distill_tokens']:,} tokens, `{name}`",
+                        ),
+                    )
+            goals.append(
+                f"- {seq_len:,} tokens: `gated-delta` distilled {best[0]:.3f}x the original ({best[1]}; "
+                f"goal: at most 1.20x with at most 1M tokens) — {'met' if best[0] <= 1.2 else 'not met'}"
+            )
         for memory in ("delta", "gated-delta"):
             if f"hybrid-{memory}" in kl and "hybrid-linear" in kl:
                 a, b = kl[f"hybrid-{memory}"], kl["hybrid-linear"]
-                goals.append(f"- {seq_len:,} tokens: `hybrid-{memory}` KL {a:.4f} against `hybrid-linear` {b:.4f} "
-                             f"({'as good or better' if a <= b else 'worse'})")
+                goals.append(
+                    f"- {seq_len:,} tokens: `hybrid-{memory}` KL {a:.4f} against `hybrid-linear` {b:.4f} "
+                    f"({'as good or better' if a <= b else 'worse'})"
+                )
     return "\n\n".join(parts) + "\n\nGoals (issue 12):\n\n" + "\n".join(goals) + transfer_rates(results)
 
 
@@ -347,12 +465,16 @@ def transfer_rates(results: Path) -> str:
     for path in sorted(results.glob("memories-stdlib-llama-256-transfer-lr*.json")):
         record = json.loads(path.read_text())
         kl = {row["variant"]: row["distilled"]["kl"] for row in record["rows"] if row.get("distilled")}
-        lines.append(f"- transfer learning rate {record['lr'][0]:g}: KL `hybrid-delta` {kl['hybrid-delta']:.4f}, "
-                     f"`hybrid-linear` {kl['hybrid-linear']:.4f} (`{path.name}`; `{record['command']}`)")
+        lines.append(
+            f"- transfer learning rate {record['lr'][0]:g}: KL `hybrid-delta` {kl['hybrid-delta']:.4f}, "
+            f"`hybrid-linear` {kl['hybrid-linear']:.4f} (`{path.name}`; `{record['command']}`)"
+        )
     if not lines:
         return ""
-    return ("\n\nThe same 256-token runs with other attention-transfer learning rates (the table's is 0.01), "
-            "both memories:\n\n" + "\n".join(lines))
+    return (
+        "\n\nThe same 256-token runs with other attention-transfer learning rates (the table's is 0.01), "
+        "both memories:\n\n" + "\n".join(lines)
+    )
 
 
 def document(record: dict, png: Path, json_path: Path, memory_notes: str = "") -> str:
@@ -360,21 +482,29 @@ def document(record: dict, png: Path, json_path: Path, memory_notes: str = "") -
     ``memory_notes``, the page's kept ``MEMORY_NOTES`` section, after the memories' tables."""
     rows, original, window = record["rows"], record["original_perplexity"], record.get("window", WINDOW)
     first = first_result(rows[0])
-    free = [r["training_free"]["perplexity"] / original for r in rows
-            if r["target"] in ("linear", "gated", "aaren") and r.get("training_free")]
+    free = [
+        r["training_free"]["perplexity"] / original
+        for r in rows
+        if r["target"] in ("linear", "gated", "aaren") and r.get("training_free")
+    ]
     spread = f"{min(free):.1f}-{max(free):.1f}" if free else "(not run)"
     goals = []
     for name, limit in GOALS.items():
         row = next((r for r in rows if r["variant"] == name and "distilled" in r), None)
         if row:
             ratio = row["distilled"]["perplexity"] / original
-            goals.append(f"- `{name}` distilled: perplexity {ratio:.3f}x the original (goal: within "
-                         f"{limit - 1:.0%}) — {'met' if ratio <= limit else 'not met'}")
+            goals.append(
+                f"- `{name}` distilled: perplexity {ratio:.3f}x the original (goal: within "
+                f"{limit - 1:.0%}) — {'met' if ratio <= limit else 'not met'}"
+            )
     # rows without "settings" predate the recorded settings, and a hybrid among them the memory gate
-    gate_note = (" The `hybrid-hedgehog` row was measured before the hybrid's memory gate existed, with LoLCATs' plain "
-                 "sum (today `--option memory_init=1`); a hybrid converted now starts as its window (training-free, "
-                 "about the `window` row)." if any(r["variant"] == "hybrid-hedgehog" and "settings" not in r
-                                                   for r in rows) else "")
+    gate_note = (
+        " The `hybrid-hedgehog` row was measured before the hybrid's memory gate existed, with LoLCATs' plain "
+        "sum (today `--option memory_init=1`); a hybrid converted now starts as its window (training-free, "
+        "about the `window` row)."
+        if any(r["variant"] == "hybrid-hedgehog" and "settings" not in r for r in rows)
+        else ""
+    )
     # rows distilled before --schedule existed ran at a constant rate
     used = sorted({r.get("distill_settings", {}).get("schedule", "constant") for r in rows if r.get("distilled")})
     schedules = " or ".join(f"{s} schedule" for s in used) if used else "no distillation"
@@ -457,8 +587,12 @@ def plot(record: dict, path: Path) -> None:
     seq_len = first_result(rows[0])["seq_len"]
     stages = (("training_free", "o", "training-free"), ("distilled", "s", "distilled"))
     # (state bytes, perplexity ratio, KL, row, stage) per row and stage measured
-    points = [(r["state_bytes"], r[key]["perplexity"] / original_ppl, r[key]["kl"], r, key)
-              for key, _, _ in stages for r in rows if r.get(key)]
+    points = [
+        (r["state_bytes"], r[key]["perplexity"] / original_ppl, r[key]["kl"], r, key)
+        for key, _, _ in stages
+        for r in rows
+        if r.get(key)
+    ]
     close = [p for p in points if p[1] <= 2.0 and p[3]["target"] != "exact"]  # exact's KL is float rounding
     fig, (every, near) = plt.subplots(1, 2, figsize=(14, 5.5))
     plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
@@ -492,14 +626,17 @@ def plot(record: dict, path: Path) -> None:
     windows = sorted((p[0], p[2]) for p in close if p[3]["target"] == "window" and p[4] == "training_free")
     if len(windows) > 1:
         near.plot(*zip(*windows), color="gray", lw=0.8, zorder=0, label="window target by size, training-free")
-    best: dict[tuple[float, str], list] = {}  # one label per state size (2 digits) and stage: its lowest KL, how many more
+    best: dict[
+        tuple[float, str], list
+    ] = {}  # one label per state size (2 digits) and stage: its lowest KL, how many more
     for x, _, kl, row, key in close:
         best.setdefault((float(f"{x:.2g}"), key), []).append((kl, x, row["variant"]))
     for (_, key), found in best.items():
         kl, x, name = min(found)
         more = f" (+{len(found) - 1})" if len(found) > 1 else ""
-        near.annotate(name + more, (x, kl), fontsize=7, xytext=(3, -9 if key == "distilled" else 3),
-                      textcoords="offset points")
+        near.annotate(
+            name + more, (x, kl), fontsize=7, xytext=(3, -9 if key == "distilled" else 3), textcoords="offset points"
+        )
     if close:
         scatter(near, close, 2)
         minor_labels(near)
@@ -516,63 +653,144 @@ def plot(record: dict, path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--model", type=Path, default=BUNDLED, help="Hugging Face model directory (default: the bundled one)")
-    parser.add_argument("--data", type=Path, default=None,
-                        help="folder with train/ and heldout/ text (default: the stdlib split, written to a temp dir)")
-    parser.add_argument("--variants", nargs="*", default=None, choices=list(VARIANTS), metavar="NAME",
-                        help=f"named rows (default: all, unless --row or --rows is given): {', '.join(VARIANTS)}")
-    parser.add_argument("--row", action="append", default=[], metavar="NAME=TARGET[,KEY=VALUE...]",
-                        help="a row of your own: a name, a target and its cell options, e.g. "
-                        "hybrid-w256=hybrid,window=256,feature_map=hedgehog (repeatable)")
-    parser.add_argument("--rows", type=Path, default=None, metavar="FILE.json",
-                        help='rows from a JSON list of {"variant": NAME, "target": TARGET, "options": {...}}')
-    parser.add_argument("--dir", action="append", default=[], metavar="NAME=DIR[,seconds=S]",
-                        help="a row from an rnnify directory converted or distilled elsewhere, e.g. with rnnify "
-                        "distill over several sessions; S: its distillation wall time (repeatable)")
-    parser.add_argument("--window", type=int, default=WINDOW, help=f"window of the named window rows (default: {WINDOW})")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument(
+        "--model", type=Path, default=BUNDLED, help="Hugging Face model directory (default: the bundled one)"
+    )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="folder with train/ and heldout/ text (default: the stdlib split, written to a temp dir)",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        default=None,
+        choices=list(VARIANTS),
+        metavar="NAME",
+        help=f"named rows (default: all, unless --row or --rows is given): {', '.join(VARIANTS)}",
+    )
+    parser.add_argument(
+        "--row",
+        action="append",
+        default=[],
+        metavar="NAME=TARGET[,KEY=VALUE...]",
+        help="a row of your own: a name, a target and its cell options, e.g. "
+        "hybrid-w256=hybrid,window=256,feature_map=hedgehog (repeatable)",
+    )
+    parser.add_argument(
+        "--rows",
+        type=Path,
+        default=None,
+        metavar="FILE.json",
+        help='rows from a JSON list of {"variant": NAME, "target": TARGET, "options": {...}}',
+    )
+    parser.add_argument(
+        "--dir",
+        action="append",
+        default=[],
+        metavar="NAME=DIR[,seconds=S]",
+        help="a row from an rnnify directory converted or distilled elsewhere, e.g. with rnnify "
+        "distill over several sessions; S: its distillation wall time (repeatable)",
+    )
+    parser.add_argument(
+        "--window", type=int, default=WINDOW, help=f"window of the named window rows (default: {WINDOW})"
+    )
     parser.add_argument("--no-distill", action="store_true", help="training-free numbers only")
-    parser.add_argument("--distilled-only", action="store_true",
-                        help="skip the training-free measurement (e.g. hybrids, whose memory gate starts at 0: "
-                        "training-free they are their window target)")
+    parser.add_argument(
+        "--distilled-only",
+        action="store_true",
+        help="skip the training-free measurement (e.g. hybrids, whose memory gate starts at 0: "
+        "training-free they are their window target)",
+    )
     parser.add_argument("--distill-tokens", type=int, default=200_000, help="per row, both stages together")
-    parser.add_argument("--goal-distill-tokens", type=int, default=1_000_000,
-                        help="for the rows with a goal (%s)" % ", ".join(GOALS))
-    parser.add_argument("--distill-seq-len", type=int, default=None,
-                        help="tokens per training row (default: --seq-len; shorter rows need less memory)")
-    parser.add_argument("--distill-batch-size", type=int, default=None, help="training rows per step (default: --batch-size)")
+    parser.add_argument(
+        "--goal-distill-tokens", type=int, default=1_000_000, help="for the rows with a goal (%s)" % ", ".join(GOALS)
+    )
+    parser.add_argument(
+        "--distill-seq-len",
+        type=int,
+        default=None,
+        help="tokens per training row (default: --seq-len; shorter rows need less memory)",
+    )
+    parser.add_argument(
+        "--distill-batch-size", type=int, default=None, help="training rows per step (default: --batch-size)"
+    )
     parser.add_argument("--lr", type=float, nargs=2, default=(1e-2, 1e-3), metavar=("TRANSFER", "FINETUNE"))
-    parser.add_argument("--train", choices=TRAIN, default="lora",
-                        help="what finetune trains besides the cells (rnnify distill --train; default: lora, the recipe of the "
-                        "bundled table, whose finetune lr 1e-3 suits LoRA but pulls every weight away from the original)")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="cosine", help="learning-rate schedule (rnnify distill --schedule)")
-    parser.add_argument("--gate-lr-scale", type=float, nargs=2, default=(1.0, 1.0), metavar=("TRANSFER", "FINETUNE"),
-                        help="the cells' gates train at these multiples of each stage's rate (rnnify distill --gate-lr-scale)")
-    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES),
-                        help="distillation stages, in order (rnnify distill --stages; default: transfer finetune); "
-                        "the budget is split evenly between them")
+    parser.add_argument(
+        "--train",
+        choices=TRAIN,
+        default="lora",
+        help="what finetune trains besides the cells (rnnify distill --train; default: lora, the recipe of the "
+        "bundled table, whose finetune lr 1e-3 suits LoRA but pulls every weight away from the original)",
+    )
+    parser.add_argument(
+        "--schedule", choices=SCHEDULES, default="cosine", help="learning-rate schedule (rnnify distill --schedule)"
+    )
+    parser.add_argument(
+        "--gate-lr-scale",
+        type=float,
+        nargs=2,
+        default=(1.0, 1.0),
+        metavar=("TRANSFER", "FINETUNE"),
+        help="the cells' gates train at these multiples of each stage's rate (rnnify distill --gate-lr-scale)",
+    )
+    parser.add_argument(
+        "--stages",
+        nargs="+",
+        choices=STAGES,
+        default=list(STAGES),
+        help="distillation stages, in order (rnnify distill --stages; default: transfer finetune); "
+        "the budget is split evenly between them",
+    )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--eval-tokens", type=int, default=None, help="held-out tokens to evaluate (default: all)")
     group.add_argument("--eval-rows", type=int, default=None, help="held-out rows of --seq-len tokens to evaluate")
-    parser.add_argument("--passkey", default=None, metavar="LIST",
-                        help="pass-key recall at these prompt lengths, e.g. 512,1024,2048 (default: off)")
+    parser.add_argument(
+        "--passkey",
+        default=None,
+        metavar="LIST",
+        help="pass-key recall at these prompt lengths, e.g. 512,1024,2048 (default: off)",
+    )
     parser.add_argument("--passkey-trials", type=int, default=6, help="key depths per length (default: 6)")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per row, for evaluation and distillation")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None,
-                        help="results, also the cache a rerun reads (default: benchmarks/results/fidelity.json for "
-                        "the bundled model, else benchmarks/results/fidelity-MODEL-SEQLEN.json)")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="results, also the cache a rerun reads (default: benchmarks/results/fidelity.json for "
+        "the bundled model, else benchmarks/results/fidelity-MODEL-SEQLEN.json)",
+    )
     parser.add_argument("--png", type=Path, default=None, help="the plot (default: --json with .png)")
-    parser.add_argument("--doc", type=Path, default=None,
-                        help="write a markdown page (default: docs/fidelity.md for the bundled model on its own data)")
-    parser.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
-                        help="checkpoint each distillation in DIR/NAME; a rerun resumes a killed one from there")
+    parser.add_argument(
+        "--doc",
+        type=Path,
+        default=None,
+        help="write a markdown page (default: docs/fidelity.md for the bundled model on its own data)",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="checkpoint each distillation in DIR/NAME; a rerun resumes a killed one from there",
+    )
     parser.add_argument("--checkpoint-every", type=int, default=5, metavar="N", help="steps between checkpoints")
-    parser.add_argument("--save", type=Path, default=None, metavar="DIR",
-                        help="save each model distilled in this run to DIR/NAME, to measure it again as a --dir row")
+    parser.add_argument(
+        "--save",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="save each model distilled in this run to DIR/NAME, to measure it again as a --dir row",
+    )
     parser.add_argument("--fresh", action="store_true", help="ignore rows already in --json: run every step again")
     parser.add_argument("--render", action="store_true", help="only rewrite --doc and --png from --json")
     args = parser.parse_args(argv)
@@ -585,9 +803,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.doc is None and default:
         args.doc = ROOT / "docs/fidelity.md"
     try:
-        specs = [{"variant": n, "target": VARIANTS[n][0], "options": variants(args.window)[n][1]}
-                 for n in (args.variants if args.variants is not None else [] if args.row or args.rows or args.dir
-                           else VARIANTS)]
+        specs = [
+            {"variant": n, "target": VARIANTS[n][0], "options": variants(args.window)[n][1]}
+            for n in (
+                args.variants if args.variants is not None else [] if args.row or args.rows or args.dir else VARIANTS
+            )
+        ]
         specs += [parse_row(text) for text in args.row] + (read_rows(args.rows) if args.rows else [])
         specs += [parse_dir_row(text) for text in args.dir]
         passkey_text = args.passkey
@@ -596,13 +817,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             if min(args.passkey) < 1:
                 raise ValueError
     except (ValueError, OSError) as exc:
-        parser.error(str(exc) if str(exc) and "int()" not in str(exc) else
-                     f"--passkey {passkey_text!r}: expected comma-separated positive token counts, e.g. 512,1024,2048")
+        parser.error(
+            str(exc)
+            if str(exc) and "int()" not in str(exc)
+            else f"--passkey {passkey_text!r}: expected comma-separated positive token counts, e.g. 512,1024,2048"
+        )
     names = [spec["variant"] for spec in specs]
     if len(set(names)) != len(names):
         parser.error(f"row names must differ: {names}")
     if args.data is not None and not all((args.data / part).is_dir() for part in ("train", "heldout")):
-        parser.error(f"--data {args.data} needs train/ and heldout/ folders (examples/python_docs_corpus.py writes them)")
+        parser.error(
+            f"--data {args.data} needs train/ and heldout/ folders (examples/python_docs_corpus.py writes them)"
+        )
     if not args.render and not specs:
         parser.error("no rows: give --variants, --row, --rows or --dir")
     args.distill_seq_len = args.distill_seq_len or args.seq_len
@@ -630,13 +856,20 @@ def main(argv: list[str] | None = None) -> dict:
     record = {
         "command": "python benchmarks/fidelity.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "model": str(args.model.relative_to(ROOT)) if args.model.is_relative_to(ROOT) else str(args.model),
-        "data": args.data_name, "seq_len": args.seq_len, "eval_tokens": args.eval_tokens, "window": args.window,
-        "lr": list(args.lr), "threads": args.threads, "torch": torch.__version__,
+        "data": args.data_name,
+        "seq_len": args.seq_len,
+        "eval_tokens": args.eval_tokens,
+        "window": args.window,
+        "lr": list(args.lr),
+        "threads": args.threads,
+        "torch": torch.__version__,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     requested = [spec["variant"] for spec in args.specs]
     # the file keeps rows of other commands (after this command's rows): a rerun never loses results
-    record["rows"] = [by_name.get(name) for name in requested] + [r for r in by_name.values() if r["variant"] not in requested]
+    record["rows"] = [by_name.get(name) for name in requested] + [
+        r for r in by_name.values() if r["variant"] not in requested
+    ]
     record["original_passkey"] = original_passkey(args, cached.get("original_passkey"))
     if record["original_passkey"] is not None:  # kept for a rerun at once
         write_json(args.json, {**cached, **record, "rows": [r for r in record["rows"] if r is not None]})
@@ -657,8 +890,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 # sections of the page that other scripts or runs wrote: kept, between their markers, when it is rewritten
 KEPT = ("<!-- per-head: written by benchmarks/per_head.py -->", "<!-- /per-head -->")
-MEMORY_NOTES = ("<!-- memories: further runs, each with its command; kept when fidelity.py rewrites the page -->",
-                "<!-- /memories -->")
+MEMORY_NOTES = (
+    "<!-- memories: further runs, each with its command; kept when fidelity.py rewrites the page -->",
+    "<!-- /memories -->",
+)
 
 
 def kept_section(doc: Path, markers: tuple[str, str] = KEPT) -> str:

@@ -59,7 +59,9 @@ def main() -> None:
     if not torch.equal(first, second) or first.shape[1] != ids.shape[1] + args.tokens:
         raise SystemExit("the two loops produced different tokens, or stopped early; try another --tokens")
     base = best["rnnify generate"]
-    table = Table(title=f"{model.target} model, {args.tokens} greedy tokens, batch 1, {args.threads} thread(s), min of {args.repeats}")
+    table = Table(
+        title=f"{model.target} model, {args.tokens} greedy tokens, batch 1, {args.threads} thread(s), min of {args.repeats}"
+    )
     for column in ("loop", "ms / token", "vs rnnify"):
         table.add_column(column, justify="left" if column == "loop" else "right")
     for name, value in best.items():

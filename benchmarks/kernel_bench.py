@@ -58,8 +58,15 @@ import rnnify.kernels as K  # noqa: E402
 from rnnify.kernels import utils  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-OPS = ("chunk_linear_attn", "fused_recurrent_linear_attn", "linear_recurrence", "aaren_scan", "window_attn_step",
-       "chunk_delta_rule", "fused_recurrent_delta_rule")
+OPS = (
+    "chunk_linear_attn",
+    "fused_recurrent_linear_attn",
+    "linear_recurrence",
+    "aaren_scan",
+    "window_attn_step",
+    "chunk_delta_rule",
+    "fused_recurrent_delta_rule",
+)
 DELTA_VARIANTS = ("plain", "g")  # the delta rule, and gated (Gated DeltaNet)
 VARIANTS = ("plain", "plain-tf32", "g", "gk", "normalize", "hedgehog")
 DECODE_VARIANTS = ("plain", "g", "gk")
@@ -90,14 +97,37 @@ PRESETS = {
     # The issue's grid, frugal enough for ~6 minutes on an H200: every op and variant over T = 1k..32k
     # at B=1 H=32 D=128 (the goals' sizes); the plain ops at every B/H/D corner at T=4k; the largest
     # batch at long T. The reference stops at T=4k (its Python chunk loop is slow and not the point).
-    "issue": dict(groups=[Group((1,), (32,), (128,), (1024, 2048, 4096, 8192, 16384, 32768)),
-                          Group((1, 8), (16, 32), (64, 128), (4096,), ops=OPS[:2], variants=("plain",)),
-                          Group((8,), (16, 32), (128,), (16384, 32768), ops=OPS[:1], variants=("plain",))],
-                  dtype="bfloat16", repeat=20, warmup=1, case_seconds=0.1, reference_max_len=4096, time_budget=300.0),
-    "smoke": dict(groups=[Group((1,), (2,), (16,), (16, 32))], dtype="bfloat16", repeat=3, warmup=0,
-                  case_seconds=0.02, reference_max_len=None, time_budget=None),
-    "default": dict(groups=[Group((1,), (16,), (64,), (1024, 4096))], dtype="bfloat16", repeat=10, warmup=1,
-                    case_seconds=0.2, reference_max_len=None, time_budget=None),
+    "issue": dict(
+        groups=[
+            Group((1,), (32,), (128,), (1024, 2048, 4096, 8192, 16384, 32768)),
+            Group((1, 8), (16, 32), (64, 128), (4096,), ops=OPS[:2], variants=("plain",)),
+            Group((8,), (16, 32), (128,), (16384, 32768), ops=OPS[:1], variants=("plain",)),
+        ],
+        dtype="bfloat16",
+        repeat=20,
+        warmup=1,
+        case_seconds=0.1,
+        reference_max_len=4096,
+        time_budget=300.0,
+    ),
+    "smoke": dict(
+        groups=[Group((1,), (2,), (16,), (16, 32))],
+        dtype="bfloat16",
+        repeat=3,
+        warmup=0,
+        case_seconds=0.02,
+        reference_max_len=None,
+        time_budget=None,
+    ),
+    "default": dict(
+        groups=[Group((1,), (16,), (64,), (1024, 4096))],
+        dtype="bfloat16",
+        repeat=10,
+        warmup=1,
+        case_seconds=0.2,
+        reference_max_len=None,
+        time_budget=None,
+    ),
 }
 
 
@@ -137,6 +167,7 @@ class Run:
 
 # --------------------------------------------------------------------------- inputs
 
+
 class Inputs:
     """Seeded tensors of one (B, H, D, T), each made on first use: a case builds only what it reads."""
 
@@ -157,14 +188,19 @@ class Inputs:
         B, H, D, T = self.shape
         f32, r = torch.float32, self._randn
         makers = {
-            "q": lambda: r(name, B, T, H, D), "k": lambda: r(name, B, T, H, D), "v": lambda: r(name, B, T, H, D),
+            "q": lambda: r(name, B, T, H, D),
+            "k": lambda: r(name, B, T, H, D),
+            "v": lambda: r(name, B, T, H, D),
             "g": lambda: F.logsigmoid(r(name, B, T, H, dtype=f32) + 4),
             "gk": lambda: F.logsigmoid(r(name, B, T, H, D, dtype=f32) + 4),
             # hedgehog as the cells build it (W [H_kv, D, F/2], F = 2D), near its identity init
             "w": lambda: (torch.eye(D, device=self.device) + 0.1 * r(name, H, D, D, dtype=f32)).to(self.dtype),
             "a": lambda: torch.sigmoid(r(name, B, T, H * D, dtype=f32) + 2).to(self.dtype),
-            "b": lambda: r(name, B, T, H * D), "s": lambda: r(name, B, T, H, dtype=f32),
-            "q1": lambda: r(name, B, 1, H, D), "k1": lambda: r(name, B, 1, H, D), "v1": lambda: r(name, B, 1, H, D),
+            "b": lambda: r(name, B, T, H * D),
+            "s": lambda: r(name, B, T, H, dtype=f32),
+            "q1": lambda: r(name, B, 1, H, D),
+            "k1": lambda: r(name, B, 1, H, D),
+            "v1": lambda: r(name, B, 1, H, D),
             "g1": lambda: F.logsigmoid(r(name, B, 1, H, dtype=f32) + 4),
             "gk1": lambda: F.logsigmoid(r(name, B, 1, H, D, dtype=f32) + 4),
             "cache_k": lambda: self["k"].transpose(1, 2).contiguous(),  # [B, H, T, D], a KV cache's layout
@@ -184,17 +220,29 @@ class Inputs:
             return self._context_state(name.removeprefix("state_"))
         if name.startswith("deltastate_"):
             with torch.no_grad():
-                return K.chunk_delta_rule(self["qn"], self["kn"], self["v"], self["beta"],
-                                          **DELTA[name.removeprefix("deltastate_")](self), output_final_state=True,
-                                          backend=self.state_backend)[1]
+                return K.chunk_delta_rule(
+                    self["qn"],
+                    self["kn"],
+                    self["v"],
+                    self["beta"],
+                    **DELTA[name.removeprefix("deltastate_")](self),
+                    output_final_state=True,
+                    backend=self.state_backend,
+                )[1]
         if name not in makers:
             raise KeyError(name)
         return makers[name]()
 
     def _context_state(self, variant: str) -> torch.Tensor:
         with torch.no_grad():
-            return K.chunk_linear_attn(self["q"], self["k"], self["v"], **CHUNK[variant][0](self),
-                                       output_final_state=True, backend=self.state_backend)[1]
+            return K.chunk_linear_attn(
+                self["q"],
+                self["k"],
+                self["v"],
+                **CHUNK[variant][0](self),
+                output_final_state=True,
+                backend=self.state_backend,
+            )[1]
 
     def grad_out(self, o: torch.Tensor) -> torch.Tensor:
         """The output gradient of a forward+backward row (one per output shape)."""
@@ -234,13 +282,16 @@ DELTA = {"plain": lambda x: {}, "g": lambda x: {"g": x["g"]}}
 DELTA_DECODE = {"plain": lambda x: {}, "g": lambda x: {"g": x["g1"]}}
 FLA_DELTA_CHUNK = {
     "plain": ("fla.ops.delta_rule", "chunk_delta_rule", lambda x: {"beta": x["beta"]}, ("beta",)),
-    "g": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", lambda x: {"g": x["g"], "beta": x["beta"]},
-          ("g", "beta")),
+    "g": (
+        "fla.ops.gated_delta_rule",
+        "chunk_gated_delta_rule",
+        lambda x: {"g": x["g"], "beta": x["beta"]},
+        ("g", "beta"),
+    ),
 }
 FLA_DELTA_DECODE = {
     "plain": ("fla.ops.delta_rule", "fused_recurrent_delta_rule", lambda x: {"beta": x["beta1"]}),
-    "g": ("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule",
-          lambda x: {"g": x["g1"], "beta": x["beta1"]}),
+    "g": ("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule", lambda x: {"g": x["g1"], "beta": x["beta1"]}),
 }
 FLA_SAME_MATH = ("plain", "g", "gk")  # variants whose fla rows are checked against our reference
 SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")  # tried in this order
@@ -285,8 +336,11 @@ def sdpa_call(case: Case, run: Run):
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return o.transpose(1, 2)
 
-    return call, ("q", "k", "v"), {"kernel": f"torch.nn.functional.scaled_dot_product_attention[{backend}]",
-                                   "sdpa_backend": backend}
+    return (
+        call,
+        ("q", "k", "v"),
+        {"kernel": f"torch.nn.functional.scaled_dot_product_attention[{backend}]", "sdpa_backend": backend},
+    )
 
 
 def build(case: Case, run: Run):
@@ -301,25 +355,67 @@ def build(case: Case, run: Run):
         kw, extra = CHUNK[case.variant]
         return lambda x: K.chunk_linear_attn(x["q"], x["k"], x["v"], **kw(x), backend=b)[0], qkv + extra, info
     if case.op == "fused_recurrent_linear_attn":
-        return (lambda x: K.fused_recurrent_linear_attn(x["q1"], x["k1"], x["v1"], **DECODE[case.variant](x),
-                                                        initial_state=x[f"state_{case.variant}"],
-                                                        output_final_state=True, backend=b)[0]), (), info
+        return (
+            (
+                lambda x: K.fused_recurrent_linear_attn(
+                    x["q1"],
+                    x["k1"],
+                    x["v1"],
+                    **DECODE[case.variant](x),
+                    initial_state=x[f"state_{case.variant}"],
+                    output_final_state=True,
+                    backend=b,
+                )[0]
+            ),
+            (),
+            info,
+        )
     if case.op == "linear_recurrence":
         return lambda x: K.linear_recurrence(x["a"], x["b"], backend=b)[0], ("a", "b"), info
     if case.op == "aaren_scan":
         return lambda x: K.aaren_scan(x["s"], x["v"], backend=b)[0], ("s", "v"), info
     if case.op == "chunk_delta_rule":
         extra = ("beta",) + (("g",) if case.variant == "g" else ())
-        return (lambda x: K.chunk_delta_rule(x["qn"], x["kn"], x["v"], x["beta"], **DELTA[case.variant](x),
-                                             backend=b)[0]), ("qn", "kn", "v", *extra), info
+        return (
+            (lambda x: K.chunk_delta_rule(x["qn"], x["kn"], x["v"], x["beta"], **DELTA[case.variant](x), backend=b)[0]),
+            ("qn", "kn", "v", *extra),
+            info,
+        )
     if case.op == "fused_recurrent_delta_rule":
-        return (lambda x: K.fused_recurrent_delta_rule(x["qn1"], x["kn1"], x["v1"], x["beta1"],
-                                                       **DELTA_DECODE[case.variant](x),
-                                                       initial_state=x[f"deltastate_{case.variant}"],
-                                                       output_final_state=True, backend=b)[0]), (), info
+        return (
+            (
+                lambda x: K.fused_recurrent_delta_rule(
+                    x["qn1"],
+                    x["kn1"],
+                    x["v1"],
+                    x["beta1"],
+                    **DELTA_DECODE[case.variant](x),
+                    initial_state=x[f"deltastate_{case.variant}"],
+                    output_final_state=True,
+                    backend=b,
+                )[0]
+            ),
+            (),
+            info,
+        )
     if case.op == "window_attn_step":
-        return (lambda x: K.window_attn_step(x["q1"], x["k1"], x["v1"], x["cache_k"], x["cache_v"], x["length"],
-                                             x["sink_k"], x["sink_v"], backend=b)[0]), (), info
+        return (
+            (
+                lambda x: K.window_attn_step(
+                    x["q1"],
+                    x["k1"],
+                    x["v1"],
+                    x["cache_k"],
+                    x["cache_v"],
+                    x["length"],
+                    x["sink_k"],
+                    x["sink_v"],
+                    backend=b,
+                )[0]
+            ),
+            (),
+            info,
+        )
     raise ValueError(f"unknown op {case.op!r}")
 
 
@@ -333,8 +429,10 @@ def fla_call(case: Case):
         fn, state = fla_function(module, name), f"{'deltastate' if delta else 'state'}_{case.variant}"
 
         def call(x):
-            return fn(q=x[q + "1"], k=x[k + "1"], v=x["v1"], **kw(x), initial_state=x[state],
-                      output_final_state=True)[0]
+            return fn(q=x[q + "1"], k=x[k + "1"], v=x["v1"], **kw(x), initial_state=x[state], output_final_state=True)[
+                0
+            ]
+
         return call, (), {"kernel": f"{module}.{name}"}
     module, name, kw, extra = (FLA_DELTA_CHUNK if delta else FLA_CHUNK)[case.variant]
     fn = fla_function(module, name)
@@ -355,9 +453,11 @@ def timed_function(case: Case, call, leaves, x: Inputs):
     """The function timed: the output (fwd, step) or the leaves' gradients (fwd+bwd)."""
     precision = "tf32" if case.variant == "plain-tf32" else utils.DOT_PRECISION
     if case.mode != "fwd+bwd":
+
         def fn():
             with torch.no_grad(), dot_precision(precision):
                 return [call(x)]
+
         return fn
     params = {n: x[n].detach().requires_grad_() for n in leaves}
     xs = collections.ChainMap(params, x)
@@ -366,10 +466,12 @@ def timed_function(case: Case, call, leaves, x: Inputs):
         with dot_precision(precision):
             o = call(xs)
             return list(torch.autograd.grad(o, list(params.values()), x.grad_out(o)))
+
     return fn
 
 
 # --------------------------------------------------------------------------- timing
+
 
 def call_ms(fn, device: torch.device) -> float:
     if device.type == "cuda":
@@ -457,6 +559,7 @@ def context_lost(row: dict, device: torch.device) -> str | None:
 
 # --------------------------------------------------------------------------- planning
 
+
 def available(section: str, T: int, run: Run) -> set[str]:
     impls = {"sdpa"}
     if section == "decode" or run.reference_max_len is None or T <= run.reference_max_len:
@@ -492,7 +595,9 @@ def shape_cases(group: Group, shape, run: Run) -> list[Case]:
     if "fused_recurrent_delta_rule" in group.ops:
         for variant in delta_variants:
             add("decode", "fused_recurrent_delta_rule", variant, ("reference", "triton", "fla"), ("step",))
-    if {"chunk_linear_attn", "linear_recurrence", "aaren_scan", "chunk_delta_rule"} & set(group.ops):  # the baseline of every prefill op
+    if {"chunk_linear_attn", "linear_recurrence", "aaren_scan", "chunk_delta_rule"} & set(
+        group.ops
+    ):  # the baseline of every prefill op
         add("prefill", "sdpa", "causal", ("sdpa",), both)
     if "fused_recurrent_linear_attn" in group.ops:
         for variant in (v for v in DECODE_VARIANTS if v in group.variants):
@@ -542,6 +647,7 @@ def run_cases(cases: list[Case], run: Run, write) -> list[dict]:
 
 # --------------------------------------------------------------------------- goals, table, plot
 
+
 def order(r: dict) -> tuple:
     """Rows and panels in reading order: section, op, variant, mode, size."""
     op = OPS.index(r["op"]) if r["op"] in OPS else len(OPS)
@@ -585,21 +691,36 @@ def goal_fla(rows, why: dict, mode: str) -> dict:
         return verdict(goal, None, "; ".join(missing(rows, why, impl=i, **at) for i in ("triton", "fla")))
     tf32 = find(rows, impl="triton", **{**at, "variant": "plain-tf32"})
     extra = f"; with tf32 dots {tf32['ms']:.3f} ms" if tf32 and tf32["status"] == "ok" else ""
-    return verdict(goal, ours["ms"] <= fla["ms"],
-                   f"rnnify {ours['ms']:.3f} ms, fla {fla['ms']:.3f} ms ({fla['ms'] / ours['ms']:.2f}x){extra}")
+    return verdict(
+        goal,
+        ours["ms"] <= fla["ms"],
+        f"rnnify {ours['ms']:.3f} ms, fla {fla['ms']:.3f} ms ({fla['ms'] / ours['ms']:.2f}x){extra}",
+    )
 
 
 def goal_sdpa(rows, mode: str) -> dict:
     goal = f"chunk_linear_attn {mode} at least {GOAL_SDPA_RATIO:g}x faster than SDPA at T={GOAL_SDPA_T}"
     ratios = []
     for ours in rows:
-        if (ours["op"], ours["variant"], ours["impl"], ours["mode"], ours["T"], ours["status"]) == \
-                ("chunk_linear_attn", "plain", "triton", mode, GOAL_SDPA_T, "ok"):
-            sdpa = find(rows, op="sdpa", section="prefill", mode=mode, status="ok",
-                        **{k: ours[k] for k in ("B", "H", "D", "T")})
+        if (ours["op"], ours["variant"], ours["impl"], ours["mode"], ours["T"], ours["status"]) == (
+            "chunk_linear_attn",
+            "plain",
+            "triton",
+            mode,
+            GOAL_SDPA_T,
+            "ok",
+        ):
+            sdpa = find(
+                rows, op="sdpa", section="prefill", mode=mode, status="ok", **{k: ours[k] for k in ("B", "H", "D", "T")}
+            )
             if sdpa:
-                ratios.append((sdpa["ms"] / ours["ms"], f"B={ours['B']} H={ours['H']} D={ours['D']}: "
-                               f"{ours['ms']:.2f} vs {sdpa['ms']:.2f} ms ({sdpa['ms'] / ours['ms']:.2f}x)"))
+                ratios.append(
+                    (
+                        sdpa["ms"] / ours["ms"],
+                        f"B={ours['B']} H={ours['H']} D={ours['D']}: "
+                        f"{ours['ms']:.2f} vs {sdpa['ms']:.2f} ms ({sdpa['ms'] / ours['ms']:.2f}x)",
+                    )
+                )
     if not ratios:
         return verdict(goal, None, f"no size at T={GOAL_SDPA_T} with both a Triton and an SDPA {mode} row")
     return verdict(goal, min(r for r, _ in ratios) >= GOAL_SDPA_RATIO, "; ".join(d for _, d in ratios))
@@ -615,7 +736,9 @@ def goal_decode(rows) -> dict:
     for (B, H, D), t in steps.items():
         lo, hi = min(t.values()), max(t.values())
         if len(t) > 1:
-            spreads.append((hi / lo, f"B={B} H={H} D={D}: {lo:.4f}..{hi:.4f} ms over T={min(t)}..{max(t)} ({hi / lo:.2f}x)"))
+            spreads.append(
+                (hi / lo, f"B={B} H={H} D={D}: {lo:.4f}..{hi:.4f} ms over T={min(t)}..{max(t)} ({hi / lo:.2f}x)")
+            )
     if not spreads:
         return verdict(goal, None, "no Triton decode rows at two or more context lengths")
     return verdict(goal, max(s for s, _ in spreads) <= GOAL_DECODE_SPREAD, "; ".join(d for _, d in spreads))
@@ -624,19 +747,29 @@ def goal_decode(rows) -> dict:
 def goals(doc: dict) -> list[dict]:
     """The issue's goals, each met, not met or not measured (with what was missing)."""
     rows, m = doc["rows"], doc["machine"]
-    why = {"triton": "not run" if m["device"] == "cuda" else "no Triton rows without CUDA",
-           "fla": "not run" if m["device"] == "cuda" else "no fla rows without CUDA"}
+    why = {
+        "triton": "not run" if m["device"] == "cuda" else "no Triton rows without CUDA",
+        "fla": "not run" if m["device"] == "cuda" else "no fla rows without CUDA",
+    }
     if m["fla"].startswith("not installed"):
         why["fla"] = f"fla {m['fla']}"
-    return [goal_fla(rows, why, "fwd"), goal_fla(rows, why, "fwd+bwd"), goal_sdpa(rows, "fwd"),
-            goal_sdpa(rows, "fwd+bwd"), goal_decode(rows)]
+    return [
+        goal_fla(rows, why, "fwd"),
+        goal_fla(rows, why, "fwd+bwd"),
+        goal_sdpa(rows, "fwd"),
+        goal_sdpa(rows, "fwd+bwd"),
+        goal_decode(rows),
+    ]
 
 
 def checks(rows) -> dict:
     """How far the Triton and fla rows are from the reference at the same sizes."""
     errs = [r for r in rows if "err_vs_reference" in r]
-    flagged = [f"{row_label(r)}: {r['err_vs_reference']}" for r in errs
-               if isinstance(r["err_vs_reference"], str) or r["err_vs_reference"] > ERR_FLAG]
+    flagged = [
+        f"{row_label(r)}: {r['err_vs_reference']}"
+        for r in errs
+        if isinstance(r["err_vs_reference"], str) or r["err_vs_reference"] > ERR_FLAG
+    ]
     worst = max((r["err_vs_reference"] for r in errs if not isinstance(r["err_vs_reference"], str)), default=None)
     return {"compared": len(errs), "max_err": worst, "threshold": ERR_FLAG, "flagged": flagged}
 
@@ -648,8 +781,23 @@ def print_report(doc: dict) -> None:
     console = Console(width=None if sys.stdout.isatty() else 200)
     rows = doc["rows"]
     table = Table(title=f"rnnify.kernels on {doc['machine']['device_name']} ({doc['config']['dtype']}), ms")
-    for name in ("section", "op", "variant", "mode", "B", "H", "D", "T", "triton", "reference", "fla", "sdpa",
-                 "fla/ours", "sdpa/ours", "err"):
+    for name in (
+        "section",
+        "op",
+        "variant",
+        "mode",
+        "B",
+        "H",
+        "D",
+        "T",
+        "triton",
+        "reference",
+        "fla",
+        "sdpa",
+        "fla/ours",
+        "sdpa/ours",
+        "err",
+    ):
         table.add_column(name, justify="right" if name not in ("section", "op", "variant", "mode") else "left")
     by_key = collections.defaultdict(dict)
     for r in sorted(rows, key=order):
@@ -659,17 +807,30 @@ def print_report(doc: dict) -> None:
             continue
         sdpa = find(rows, op="sdpa", section=key[0], mode=key[3], B=key[4], H=key[5], D=key[6], T=key[7])
         ours = impls.get("triton") or impls.get("reference")
-        errs = " ".join(f"{i} {e if isinstance(e, str) else f'{e:.1e}'}" for i, r in impls.items()
-                        if (e := r.get("err_vs_reference")) is not None)
-        table.add_row(*map(str, key), cell(impls.get("triton")), cell(impls.get("reference")), cell(impls.get("fla")),
-                      cell(sdpa), ratio(impls.get("fla"), ours), ratio(sdpa, ours), errs)
+        errs = " ".join(
+            f"{i} {e if isinstance(e, str) else f'{e:.1e}'}"
+            for i, r in impls.items()
+            if (e := r.get("err_vs_reference")) is not None
+        )
+        table.add_row(
+            *map(str, key),
+            cell(impls.get("triton")),
+            cell(impls.get("reference")),
+            cell(impls.get("fla")),
+            cell(sdpa),
+            ratio(impls.get("fla"), ours),
+            ratio(sdpa, ours),
+            errs,
+        )
     console.print(table)
     console.print("[bold]Goals[/bold]")
     for g in doc["goals"]:
         console.print(f"  {g['verdict']:>12}  {g['goal']}\n                {g['detail']}")
     c = doc["checks"]
-    console.print(f"Checks: {c['compared']} rows compared with the reference at the same size, max err {c['max_err']}; "
-                  f"{len(c['flagged'])} over {c['threshold']}" + "".join(f"\n  {f}" for f in c["flagged"]))
+    console.print(
+        f"Checks: {c['compared']} rows compared with the reference at the same size, max err {c['max_err']}; "
+        f"{len(c['flagged'])} over {c['threshold']}" + "".join(f"\n  {f}" for f in c["flagged"])
+    )
 
 
 def ratio(other: dict | None, ours: dict | None) -> str:
@@ -688,18 +849,31 @@ def plot(doc: dict, path: Path) -> None:
     ok = [r for r in doc["rows"] if r["status"] == "ok"]
     size = collections.Counter((r["B"], r["H"], r["D"]) for r in ok).most_common(1)
     ok = [r for r in ok if size and (r["B"], r["H"], r["D"]) == size[0][0]]
-    panels = list(dict.fromkeys((r["section"], r["op"], r["variant"], r["mode"])
-                                for r in sorted(ok, key=order) if r["op"] != "sdpa"))
+    panels = list(
+        dict.fromkeys(
+            (r["section"], r["op"], r["variant"], r["mode"]) for r in sorted(ok, key=order) if r["op"] != "sdpa"
+        )
+    )
     cols = min(4, max(1, len(panels)))
     rows = max(1, math.ceil(len(panels) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False)
     for ax, (section, op, variant, mode) in zip(axes.flat, panels):
         for impl in IMPLS:
-            pts = sorted((r["T"], r["ms"]) for r in ok if (r["section"], r["mode"], r["impl"]) == (section, mode, impl)
-                         and ((r["op"], r["variant"]) == (op, variant) or impl == "sdpa"))
+            pts = sorted(
+                (r["T"], r["ms"])
+                for r in ok
+                if (r["section"], r["mode"], r["impl"]) == (section, mode, impl)
+                and ((r["op"], r["variant"]) == (op, variant) or impl == "sdpa")
+            )
             if pts:
-                ax.loglog(*zip(*pts), marker="o", ms=3, label=impl, color=COLORS[impl],
-                          linestyle="--" if impl == "sdpa" else "-")
+                ax.loglog(
+                    *zip(*pts),
+                    marker="o",
+                    ms=3,
+                    label=impl,
+                    color=COLORS[impl],
+                    linestyle="--" if impl == "sdpa" else "-",
+                )
         lengths = sorted({r["T"] for r in ok})
         ax.set_xticks(lengths, [f"{t // 1024}k" if t >= 1024 else str(t) for t in lengths], fontsize=7)
         ax.minorticks_off()
@@ -707,14 +881,17 @@ def plot(doc: dict, path: Path) -> None:
         ax.set_xlabel("context T" if section == "decode" else "T", fontsize=8)
         ax.set_ylabel("ms", fontsize=8)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     if not panels:
         axes.flat[0].text(0.5, 0.5, "no measurements", ha="center", va="center")
     m = doc["machine"]
     where = f"B={size[0][0][0]} H={size[0][0][1]} D={size[0][0][2]}" if size else ""
-    fig.suptitle(f"rnnify.kernels on {m['device_name']} {doc['config']['dtype']} {where} | torch {m['torch']} "
-                 f"triton {m['triton']} fla {m['fla'].split(' (')[0]}", fontsize=10)
+    fig.suptitle(
+        f"rnnify.kernels on {m['device_name']} {doc['config']['dtype']} {where} | torch {m['torch']} "
+        f"triton {m['triton']} fla {m['fla'].split(' (')[0]}",
+        fontsize=10,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -729,8 +906,15 @@ PARITY = [
     ("chunk_linear_attn", 1, 37, 2, 1, 128, {"gates": "gk", "state": True}),
     ("chunk_linear_attn", 2, 70, 2, 2, 64, {"feature_map": "hedgehog", "normalize": True, "mask": True}),
     ("fused_recurrent_linear_attn", 2, 37, 4, 2, 64, {"gates": "g", "state": True}),
-    ("fused_recurrent_linear_attn", 2, 37, 2, 2, 128, {"gates": "gk", "normalize": True, "feature_map": "elu",
-                                                        "mask": True}),
+    (
+        "fused_recurrent_linear_attn",
+        2,
+        37,
+        2,
+        2,
+        128,
+        {"gates": "gk", "normalize": True, "feature_map": "elu", "mask": True},
+    ),
     ("fused_recurrent_linear_attn", 2, 1, 4, 4, 128, {"state": True}),
     ("linear_recurrence", 2, 70, 1, 1, 40, {}),
     ("linear_recurrence", 2, 70, 1, 1, 40, {"reverse": True}),
@@ -750,30 +934,44 @@ def parity_scan(op, B, T, H, D, opts, r):
         def call(b, x):
             reverse = opts.get("reverse", False)
             return list(K.linear_recurrence(**x, reverse=reverse, output_final_state=True, backend=b))
+
         return x, call
     x = {"s": r(B, T, H), "v": r(B, T, H, D), "initial_state": (r(B, H), r(B, H).abs() + 0.5, r(B, H, D))}
 
     def call(b, x):
         o, state = K.aaren_scan(**x, output_final_state=True, backend=b)
         return [o, *state]
+
     return x, call
 
 
 def parity_window(B, H, Hkv, D, opts, r):
     W, S = opts["window"], opts["sinks"]
-    x = {"q": r(B, 1, H, D), "k": r(B, 1, Hkv, D), "v": r(B, 1, Hkv, D), "keys": r(B, Hkv, W, D),
-         "values": r(B, Hkv, W, D), "sink_keys": r(B, Hkv, S, D), "sink_values": r(B, Hkv, S, D)}
+    x = {
+        "q": r(B, 1, H, D),
+        "k": r(B, 1, Hkv, D),
+        "v": r(B, 1, Hkv, D),
+        "keys": r(B, Hkv, W, D),
+        "values": r(B, Hkv, W, D),
+        "sink_keys": r(B, Hkv, S, D),
+        "sink_values": r(B, Hkv, S, D),
+    }
     length = torch.tensor([W + S + 5, 3][:B], device=x["q"].device)  # one full window, one barely started
 
     def call(b, x):
         o, _, (m, u) = K.window_attn_step(**x, length=length, return_stats=True, backend=b)
         return [o, m, u]
+
     return x, call
 
 
 def parity_delta(op, B, T, H, Hkv, D, opts, r):
-    x = {"q": F.normalize(r(B, T, H, D), dim=-1), "k": F.normalize(r(B, T, Hkv, D), dim=-1), "v": r(B, T, Hkv, D),
-         "beta": torch.sigmoid(r(B, T, Hkv))}
+    x = {
+        "q": F.normalize(r(B, T, H, D), dim=-1),
+        "k": F.normalize(r(B, T, Hkv, D), dim=-1),
+        "v": r(B, T, Hkv, D),
+        "beta": torch.sigmoid(r(B, T, Hkv)),
+    }
     if "g" in opts.get("gates", ""):
         x["g"] = F.logsigmoid(r(B, T, Hkv) + 3)
     if opts.get("state"):
@@ -785,6 +983,7 @@ def parity_delta(op, B, T, H, Hkv, D, opts, r):
 
     def call(b, x):
         return list(getattr(K, op)(**x, mask=mask, output_final_state=True, backend=b))
+
     return x, call
 
 
@@ -792,7 +991,7 @@ def parity_linear_attn(op, B, T, H, Hkv, D, opts, r):
     fmap, normalize = opts.get("feature_map"), opts.get("normalize", False)
     Fd = 2 * D if fmap == "hedgehog" else D
     gates = opts.get("gates", "").split("+")
-    x = {"q": r(B, T, H, D), "k": r(B, T, Hkv, D) / D ** 0.5, "v": r(B, T, Hkv, D)}
+    x = {"q": r(B, T, H, D), "k": r(B, T, Hkv, D) / D**0.5, "v": r(B, T, Hkv, D)}
     device = x["q"].device
     if "g" in gates:
         x["g"] = F.logsigmoid(r(B, T, Hkv) + 3)
@@ -809,6 +1008,7 @@ def parity_linear_attn(op, B, T, H, Hkv, D, opts, r):
     def call(b, x):
         o, h = getattr(K, op)(**x, normalize=normalize, feature_map=fmap, mask=mask, output_final_state=True, backend=b)
         return [o, *(h if isinstance(h, tuple) else (h,))]
+
     return x, call
 
 
@@ -871,11 +1071,16 @@ def parity(device: torch.device, cases=PARITY) -> list[dict]:
 
 # --------------------------------------------------------------------------- machine, files, CLI
 
+
 def driver_version() -> str | None:
     """The NVIDIA driver's version (torch.cuda reports only the CUDA versions): nvidia-smi, else NVML."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip().splitlines()[0]
     except (OSError, subprocess.SubprocessError):
@@ -899,8 +1104,9 @@ def fla_version() -> str:
 
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=10)
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -908,15 +1114,30 @@ def git_commit() -> str | None:
 
 def machine(device: torch.device) -> dict:
     info = {
-        "device": device.type, "device_name": "cpu", "gpu": None, "driver": None, "cuda": torch.version.cuda,
-        "torch": torch.__version__, "triton": getattr(utils.triton, "__version__", None), "fla": fla_version(),
-        "python": platform.python_version(), "platform": platform.platform(), "cpu_threads": torch.get_num_threads(),
-        "dot_precision": utils.DOT_PRECISION, "triton_interpret": utils.INTERPRET, "git": git_commit(),
+        "device": device.type,
+        "device_name": "cpu",
+        "gpu": None,
+        "driver": None,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": getattr(utils.triton, "__version__", None),
+        "fla": fla_version(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_threads": torch.get_num_threads(),
+        "dot_precision": utils.DOT_PRECISION,
+        "triton_interpret": utils.INTERPRET,
+        "git": git_commit(),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(device_name=props.name, gpu=props.name, capability=f"{props.major}.{props.minor}",
-                    gpu_memory_gib=round(props.total_memory / 2 ** 30, 1), driver=driver_version())
+        info.update(
+            device_name=props.name,
+            gpu=props.name,
+            capability=f"{props.major}.{props.minor}",
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            driver=driver_version(),
+        )
     return info
 
 
@@ -929,8 +1150,16 @@ def write_json(path: Path, doc: dict) -> None:
 def settings(args) -> dict:
     """The preset's settings, with the ones given on the command line instead."""
     s = dict(PRESETS[args.preset or "default"])
-    grid = {k: tuple(v) for k, v in (("batch", args.batch), ("heads", args.heads), ("head_dim", args.head_dim),
-                                     ("lengths", args.lengths)) if v}
+    grid = {
+        k: tuple(v)
+        for k, v in (
+            ("batch", args.batch),
+            ("heads", args.heads),
+            ("head_dim", args.head_dim),
+            ("lengths", args.lengths),
+        )
+        if v
+    }
     groups = [replace(s["groups"][0], **grid)] if grid else s["groups"]
     if args.ops:
         groups = [replace(g, ops=tuple(o for o in g.ops if o in args.ops)) for g in groups]
@@ -982,18 +1211,27 @@ def replot(path: Path) -> int:
 
 def parity_main(device: torch.device, out: Path, cases=PARITY, command: str = "") -> int:
     if device.type != "cuda" and not utils.INTERPRET:
-        print("parity: not run; the Triton path runs on CUDA, or on CPU under TRITON_INTERPRET=1 "
-              "(set before triton is imported)")
+        print(
+            "parity: not run; the Triton path runs on CUDA, or on CPU under TRITON_INTERPRET=1 "
+            "(set before triton is imported)"
+        )
         return 0
     rows = parity(device, cases)
-    doc = {"command": command, "time": datetime.now(timezone.utc).isoformat(), "machine": machine(device),
-           "tolerance": PARITY_TOL, "results": rows}
+    doc = {
+        "command": command,
+        "time": datetime.now(timezone.utc).isoformat(),
+        "machine": machine(device),
+        "tolerance": PARITY_TOL,
+        "results": rows,
+    }
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{stem('parity', doc['machine']['device_name'])}.json"
     write_json(path, doc)
     for r in rows:
-        print(f"{r['status']:>5}  {r['op']} B={r['B']} T={r['T']} H={r['H']}/{r['H_kv']} D={r['D']} {r['options']}  "
-              f"max |diff| {r.get('max_abs_err', '-')}  {r.get('error', '')[:300]}")
+        print(
+            f"{r['status']:>5}  {r['op']} B={r['B']} T={r['T']} H={r['H']}/{r['H_kv']} D={r['D']} {r['options']}  "
+            f"max |diff| {r.get('max_abs_err', '-')}  {r.get('error', '')[:300]}"
+        )
     print(f"wrote {path}")
     return 0 if all(r["status"] == "pass" for r in rows) else 1
 
@@ -1011,12 +1249,22 @@ def main(argv=None) -> int:
         return parity_main(device, args.out, command=command)
     s = settings(args)
     info = machine(device)
-    run = Run(device, getattr(torch, s["dtype"]), s["repeat"], s["warmup"], s["case_seconds"], s["reference_max_len"],
-              s["time_budget"], triton=device.type == "cuda" and utils.HAS_TRITON,
-              fla=device.type == "cuda" and not info["fla"].startswith("not installed"))
+    run = Run(
+        device,
+        getattr(torch, s["dtype"]),
+        s["repeat"],
+        s["warmup"],
+        s["case_seconds"],
+        s["reference_max_len"],
+        s["time_budget"],
+        triton=device.type == "cuda" and utils.HAS_TRITON,
+        fla=device.type == "cuda" and not info["fla"].startswith("not installed"),
+    )
     doc = {
-        "command": command, "time": datetime.now(timezone.utc).isoformat(),
-        "preset": args.preset, "machine": info,
+        "command": command,
+        "time": datetime.now(timezone.utc).isoformat(),
+        "preset": args.preset,
+        "machine": info,
         "config": {**{k: v for k, v in s.items() if k != "groups"}, "groups": [asdict(g) for g in s["groups"]]},
         "note": None if run.triton else "no Triton rows: they need CUDA (this run has the reference and SDPA)",
         "rows": [],

@@ -72,7 +72,9 @@ def rows_of(paths: list[Path]) -> tuple[dict, list[dict]]:
             raise ValueError(f"{path}: no measured rows")
         for row in mine:
             if "kl_by_position" not in result(row):
-                raise ValueError(f"{path}: row {row['variant']} has no KL by position (measured by an older fidelity.py)")
+                raise ValueError(
+                    f"{path}: row {row['variant']} has no KL by position (measured by an older fidelity.py)"
+                )
         rows += mine
     return record, rows
 
@@ -82,19 +84,24 @@ def table(record: dict, rows: list[dict]) -> str:
     cache = kv_cache_bytes(record["model"], seq_len)
     ranges = [(start, end) for start, end, _ in columns(result(rows[0])["kl_by_position"])]
     head = " | ".join(f"{start:,}-{end - 1:,}" for start, end in ranges)
-    lines = [f"State at {seq_len:,} tokens; {record['eval_tokens']:,} held-out tokens in rows of {seq_len:,}"
-             + (f"; the original's KV cache there: {cache:,} bytes" if cache else "") + ".",
-             "",
-             f"| row | state bytes (share of KV cache) | perplexity ratio | KL | top-1 | KL at positions {head} |",
-             "|---|---:|---:|---:|---:|" + "---:|" * len(ranges)]
+    lines = [
+        f"State at {seq_len:,} tokens; {record['eval_tokens']:,} held-out tokens in rows of {seq_len:,}"
+        + (f"; the original's KV cache there: {cache:,} bytes" if cache else "")
+        + ".",
+        "",
+        f"| row | state bytes (share of KV cache) | perplexity ratio | KL | top-1 | KL at positions {head} |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(ranges),
+    ]
     for row in sorted(rows, key=lambda r: (r["state_bytes"], result(r)["kl"])):
         res = result(row)
         share = f" ({row['state_bytes'] / cache:.1%})" if cache else ""
         kls = " | ".join(f"{kl:.4f}" for _, _, kl in columns(res["kl_by_position"]))
         distilled = f" (distilled, {row['distill_tokens']:,} tokens)" if row.get("distill_tokens") else ""
-        lines.append(f"| `{row['variant']}`{distilled} | {row['state_bytes']:,}{share} | "
-                     f"{res['perplexity'] / res['teacher_perplexity']:.3f} | {res['kl']:.4f} | "
-                     f"{res['top1_agreement']:.1%} | {kls} |")
+        lines.append(
+            f"| `{row['variant']}`{distilled} | {row['state_bytes']:,}{share} | "
+            f"{res['perplexity'] / res['teacher_perplexity']:.3f} | {res['kl']:.4f} | "
+            f"{res['top1_agreement']:.1%} | {kls} |"
+        )
     return "\n".join(lines)
 
 
@@ -107,11 +114,19 @@ def plot(record: dict, rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for row in sorted(rows, key=lambda r: r["state_bytes"]):
         ranges = result(row)["kl_by_position"]
-        ax.plot([(e["start"] + e["end"]) / 2 for e in ranges], [e["kl"] for e in ranges], "o-", ms=4,
-                label=f"{row['variant']} ({row['state_bytes'] / 2**20:.1f} MiB)")
-    ax.set(yscale="log", xlabel="position in the row (middle of each range [2^k, 2^(k+1)))",
-           ylabel="KL(original || converted), nats per token",
-           title=f"{Path(record['model']).name}, rows of {record['seq_len']:,} tokens")
+        ax.plot(
+            [(e["start"] + e["end"]) / 2 for e in ranges],
+            [e["kl"] for e in ranges],
+            "o-",
+            ms=4,
+            label=f"{row['variant']} ({row['state_bytes'] / 2**20:.1f} MiB)",
+        )
+    ax.set(
+        yscale="log",
+        xlabel="position in the row (middle of each range [2^k, 2^(k+1)))",
+        ylabel="KL(original || converted), nats per token",
+        title=f"{Path(record['model']).name}, rows of {record['seq_len']:,} tokens",
+    )
     ax.set_xscale("log", base=2)
     ax.set_ylim(bottom=FLOOR)  # a window is exact (KL ~1e-7, rounding) while it holds the whole row
     ax.legend(fontsize=8)
@@ -121,10 +136,17 @@ def plot(record: dict, rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("results", type=Path, nargs="+",
-                        help="fidelity.py results measured at one long --seq-len on the same held-out rows")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument(
+        "results",
+        type=Path,
+        nargs="+",
+        help="fidelity.py results measured at one long --seq-len on the same held-out rows",
+    )
     parser.add_argument("--png", type=Path, default=None, help="write the plot here")
     parser.add_argument("--doc", type=Path, default=None, help="write the table into this page, between its markers")
     args = parser.parse_args(argv)

@@ -50,8 +50,10 @@ def main() -> None:
         for text in rows:
             found = ANSWER.search(text)
             if found is None:
-                raise SystemExit(f"{args.data}: a row does not end with its 5-digit answer; "
-                                 "write the rows with examples/needle_corpus.py")
+                raise SystemExit(
+                    f"{args.data}: a row does not end with its 5-digit answer; "
+                    "write the rows with examples/needle_corpus.py"
+                )
             ids = tokenizer(text[: found.start()], add_special_tokens=False)["input_ids"]
             for name, generate in generators.items():
                 hits[name] += score(tokenizer.decode(generate(ids, NEW_TOKENS)), found.group(1))

@@ -42,8 +42,12 @@ from rnnify.auto import HeadScorer, convert_chosen, kv_cache_bytes  # noqa: E402
 from rnnify.eval import write_json  # noqa: E402
 
 SECTION_START, SECTION_END = fidelity.KEPT  # benchmarks/fidelity.py keeps the section when it rewrites the page
-LABELS = {"auto-kl": "per head, KL score (--to auto's default)", "auto-mass": "per head, attention-mass score",
-          "layers-kl": "per layer, KL score", "layers-mass": "per layer, attention-mass score"}
+LABELS = {
+    "auto-kl": "per head, KL score (--to auto's default)",
+    "auto-mass": "per head, attention-mass score",
+    "layers-kl": "per layer, KL score",
+    "layers-mass": "per layer, attention-mass score",
+}
 STYLES = {"auto-kl": "o-", "auto-mass": "s--", "layers-kl": "^:", "layers-mass": "v:"}
 FIXED = {"window-sinks": True, "window": False}  # per-layer rows without a choice: name -> with sinks
 
@@ -66,32 +70,68 @@ def measure(model, heldout: Path, args) -> dict:
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    record = {"command": "python benchmarks/per_head.py " + shlex.join(args.argv),
-              "model": str(args.model.relative_to(ROOT)) if args.model.is_relative_to(ROOT) else str(args.model),
-              "data": args.data_name, "seq_len": args.seq_len, "eval_tokens": args.eval_tokens,
-              "context": args.at_context, "window": args.window, "sinks": args.sinks,
-              "retrieval_window": args.retrieval_window, "threads": args.threads,
-              "torch": torch.__version__, "rows": []}
+    record = {
+        "command": "python benchmarks/per_head.py " + shlex.join(args.argv),
+        "model": str(args.model.relative_to(ROOT)) if args.model.is_relative_to(ROOT) else str(args.model),
+        "data": args.data_name,
+        "seq_len": args.seq_len,
+        "eval_tokens": args.eval_tokens,
+        "context": args.at_context,
+        "window": args.window,
+        "sinks": args.sinks,
+        "retrieval_window": args.retrieval_window,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "rows": [],
+    }
     with tempfile.TemporaryDirectory() as tmp:
         train, heldout = (args.data / "train", args.data / "heldout") if args.data else stdlib_corpus.write_split(tmp)
         start = time.time()
-        scorer = HeadScorer(args.model, train, score="kl" if "kl" in args.scores else "mass", window=args.window, sinks=args.sinks,
-                            calib_len=args.calib_len, calib_rows=args.calib_rows, passkey=args.calib_passkey,
-                            seed=args.seed, progress=True, scores_from=args.scores_from)
+        scorer = HeadScorer(
+            args.model,
+            train,
+            score="kl" if "kl" in args.scores else "mass",
+            window=args.window,
+            sinks=args.sinks,
+            calib_len=args.calib_len,
+            calib_rows=args.calib_rows,
+            passkey=args.calib_passkey,
+            seed=args.seed,
+            progress=True,
+            scores_from=args.scores_from,
+        )
         record["scoring_seconds"] = round(time.time() - start, 1)
-        record["scores"] = {name: {f"{lay}.{h}": v for (lay, h), v in values.items()} for name, values in scorer.scores.items()}
+        record["scores"] = {
+            name: {f"{lay}.{h}": v for (lay, h), v in values.items()} for name, values in scorer.scores.items()
+        }
         heads = scorer.heads
         if len(scorer.scores) == 2:
-            record["score_rank_correlation"] = spearman([scorer.scores["kl"][h] for h in heads],
-                                                        [scorer.scores["mass"][h] for h in heads])
+            record["score_rank_correlation"] = spearman(
+                [scorer.scores["kl"][h] for h in heads], [scorer.scores["mass"][h] for h in heads]
+            )
         record["calibration"] = scorer.about
         if args.calibration_only:  # each choice's KL on the calibration rows, nothing converted
             record["calibration_choices"] = [
-                {"budget": b, "kind": name, "retrieval": len(r.retrieval), "state_bytes": r.state_bytes,
-                 "kv_cache_bytes": r.kv_cache_bytes, "calibration_kl": r.calibration_kl}
-                for b in args.budgets for name, (score, per_layer) in choices(args.scores).items()
-                for r in [scorer.choose(f"{b * 100:g}%", args.at_context, per_layer=per_layer, score=score,
-                                        retrieval_window=args.retrieval_window)]]
+                {
+                    "budget": b,
+                    "kind": name,
+                    "retrieval": len(r.retrieval),
+                    "state_bytes": r.state_bytes,
+                    "kv_cache_bytes": r.kv_cache_bytes,
+                    "calibration_kl": r.calibration_kl,
+                }
+                for b in args.budgets
+                for name, (score, per_layer) in choices(args.scores).items()
+                for r in [
+                    scorer.choose(
+                        f"{b * 100:g}%",
+                        args.at_context,
+                        per_layer=per_layer,
+                        score=score,
+                        retrieval_window=args.retrieval_window,
+                    )
+                ]
+            ]
             record["calibration_kl_all_windowed"] = scorer.kl(set())
             write_json(args.json, record)
             return record
@@ -104,8 +144,16 @@ def run(args) -> dict:
             if key not in measured:
                 print(f"== {name}", flush=True)
                 measured[key] = measure(model, heldout, args)
-            record["rows"].append({"variant": name, "kind": kind, "budget": budget, "retrieval": retrieval,
-                                   "state_bytes": state, "training_free": measured[key]})
+            record["rows"].append(
+                {
+                    "variant": name,
+                    "kind": kind,
+                    "budget": budget,
+                    "retrieval": retrieval,
+                    "state_bytes": state,
+                    "training_free": measured[key],
+                }
+            )
             write_json(args.json, record)
 
         for name in args.fixed:
@@ -114,8 +162,13 @@ def run(args) -> dict:
             add(name, "per layer", None, model, None, model.state_nbytes(args.at_context))
         for budget in args.budgets:
             for name, (score, per_layer) in choices(args.scores).items():
-                report = scorer.choose(f"{budget * 100:g}%", args.at_context, per_layer=per_layer, score=score,
-                                       retrieval_window=args.retrieval_window)
+                report = scorer.choose(
+                    f"{budget * 100:g}%",
+                    args.at_context,
+                    per_layer=per_layer,
+                    score=score,
+                    retrieval_window=args.retrieval_window,
+                )
                 model = convert_chosen(args.model, report)
                 assert model.state_nbytes(args.at_context) == report.state_bytes
                 add(f"{name}-{budget:g}", name, budget, model, [list(h) for h in report.retrieval], report.state_bytes)
@@ -127,17 +180,21 @@ def run(args) -> dict:
 def table(record: dict) -> str:
     original, kv = record["original_perplexity"], record["kv_cache_bytes"]
     passkey = record.get("original_passkey")
-    lines = [f"| row | {retrieval_name(record)} kv heads | state at {record['context']:,} tokens (share of KV cache) | "
-             "ppl ratio | KL | pass key |",
-             "|---|---:|---:|---:|---:|---:|",
-             f"| original (KV cache) | all | {kv:,} (100%) | 1.000 | 0 | {fidelity._passkey_cell(passkey and passkey['accuracy'])} |"]
+    lines = [
+        f"| row | {retrieval_name(record)} kv heads | state at {record['context']:,} tokens (share of KV cache) | "
+        "ppl ratio | KL | pass key |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| original (KV cache) | all | {kv:,} (100%) | 1.000 | 0 | {fidelity._passkey_cell(passkey and passkey['accuracy'])} |",
+    ]
     for row in record["rows"]:
         result = row["training_free"]
         chosen = row["retrieval"]
         chosen = "–" if chosen is None else str(len(chosen))
         key = result.get("passkey", {}).get("accuracy", {}).get("converted")
-        lines.append(f"| `{row['variant']}` | {chosen} | {row['state_bytes']:,} ({row['state_bytes'] / kv:.1%}) | "
-                     f"{result['perplexity'] / original:.3f} | {result['kl']:.4f} | {fidelity._passkey_cell(key)} |")
+        lines.append(
+            f"| `{row['variant']}` | {chosen} | {row['state_bytes']:,} ({row['state_bytes'] / kv:.1%}) | "
+            f"{result['perplexity'] / original:.3f} | {result['kl']:.4f} | {fidelity._passkey_cell(key)} |"
+        )
     return "\n".join(lines)
 
 
@@ -158,8 +215,12 @@ def plot(record: dict, path: Path) -> None:
     for kind, marker in STYLES.items():
         rows = sorted((r for r in record["rows"] if r["kind"] == kind), key=lambda r: r["state_bytes"])
         if rows:
-            ax.plot([r["state_bytes"] for r in rows], [r["training_free"]["perplexity"] / original for r in rows],
-                    marker, label=LABELS[kind])
+            ax.plot(
+                [r["state_bytes"] for r in rows],
+                [r["training_free"]["perplexity"] / original for r in rows],
+                marker,
+                label=LABELS[kind],
+            )
     for row in (r for r in record["rows"] if r["kind"] == "per layer"):
         ratio = row["training_free"]["perplexity"] / original
         ax.scatter([row["state_bytes"]], [ratio], marker="x", color="black")
@@ -171,7 +232,9 @@ def plot(record: dict, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel(f"state bytes per sequence at {record['context']:,} tokens")
     ax.set_ylabel(f"perplexity / original ({record['seq_len']:,}-token held-out rows)")
-    ax.set_title(f"per-head targets on {Path(record['model']).name}: window {record['window']}, {record['sinks']} sinks")
+    ax.set_title(
+        f"per-head targets on {Path(record['model']).name}: window {record['window']}, {record['sinks']} sinks"
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -195,34 +258,44 @@ def section(record: dict, png: Path, json_path: Path) -> str:
     kinds = [k for k in STYLES if any(r["kind"] == k for r in rows)]
     comparison, wins = [], {"kl": 0, "mass": 0, "tie": 0}
     for budget in budgets:
-        comparison.append(f"{budget:.0%}: " + ", ".join(f"{at(k, budget)['training_free']['kl']:.4f} ({LABELS[k].split(' (')[0]})"
-                                                      for k in kinds))
+        comparison.append(
+            f"{budget:.0%}: "
+            + ", ".join(f"{at(k, budget)['training_free']['kl']:.4f} ({LABELS[k].split(' (')[0]})" for k in kinds)
+        )
         if "auto-kl" in kinds and "auto-mass" in kinds:
             a, b = (at(k, budget)["training_free"]["kl"] for k in ("auto-kl", "auto-mass"))
             wins["tie" if abs(a - b) <= 1e-4 else "kl" if a < b else "mass"] += 1
     verdict = ""
     if "score_rank_correlation" in record and {"auto-kl", "auto-mass"} <= set(kinds):
-        verdict = (f" The mass score chose better at {wins['mass']} of {len(budgets)} budgets, the KL score at "
-                   f"{wins['kl']}, the same (within 1e-4) at {wins['tie']}; the two scores' rank correlation over the kv "
-                   f"heads is {record['score_rank_correlation']:.2f}. Mass costs one forward pass per calibration row, "
-                   "KL one per kv head and row.")
+        verdict = (
+            f" The mass score chose better at {wins['mass']} of {len(budgets)} budgets, the KL score at "
+            f"{wins['kl']}, the same (within 1e-4) at {wins['tie']}; the two scores' rank correlation over the kv "
+            f"heads is {record['score_rank_correlation']:.2f}. Mass costs one forward pass per calibration row, "
+            "KL one per kv head and row."
+        )
     goals = goal_lines(record)
     others = ""
     for path in sorted(json_path.parent.glob("per-head-*-calibration.json")):  # --calibration-only runs
         other = json.loads(path.read_text())
         calib = other["calibration"]
-        others += (f"\n\nThe scores on {Path(other['model']).name}, choices compared on their calibration rows only "
-                   f"({calib['rows']} text row(s) of {calib['tokens']} tokens and {calib['passkey']} pass-key prompts; "
-                   f"scoring took {other['scoring_seconds']:g} s on {other['threads']} thread(s); `{relative(path)}`; "
-                   "calibration KL: mean per text token plus mean per pass-key answer token), by\n\n"
-                   f"    {other['command']}\n\n"
-                   f"{calibration_table(other)}")
+        others += (
+            f"\n\nThe scores on {Path(other['model']).name}, choices compared on their calibration rows only "
+            f"({calib['rows']} text row(s) of {calib['tokens']} tokens and {calib['passkey']} pass-key prompts; "
+            f"scoring took {other['scoring_seconds']:g} s on {other['threads']} thread(s); `{relative(path)}`; "
+            "calibration KL: mean per text token plus mean per pass-key answer token), by\n\n"
+            f"    {other['command']}\n\n"
+            f"{calibration_table(other)}"
+        )
     ranked = sorted(record["scores"]["mass"], key=lambda h: -record["scores"]["mass"][h])
-    reading = (f"The kv heads (layer.head) by mass score, highest first: {', '.join(ranked[:8])}"
-               f"{', ...' if len(ranked) > 8 else ''}.")
+    reading = (
+        f"The kv heads (layer.head) by mass score, highest first: {', '.join(ranked[:8])}"
+        f"{', ...' if len(ranked) > 8 else ''}."
+    )
     if record["seq_len"] < record["context"]:
-        reading += (f" States are counted at {record['context']:,} tokens, quality on rows of {record['seq_len']:,} "
-                    f"({record['seq_len'] / record['window']:g}x the {record['window']}-token window).")
+        reading += (
+            f" States are counted at {record['context']:,} tokens, quality on rows of {record['seq_len']:,} "
+            f"({record['seq_len'] / record['window']:g}x the {record['window']}-token window)."
+        )
     return f"""{SECTION_START}
 ## Per-head targets: retrieval heads {retrieval_name(record)}, the rest windowed
 
@@ -271,15 +344,19 @@ def goal_lines(record: dict) -> str:
         return "- (no per-head row within 30% of the KV cache was run)"
     best = min(fits, key=lambda r: r["training_free"]["perplexity"])
     ratio = best["training_free"]["perplexity"] / original
-    lines = [f"- state at most 30% of the KV cache, perplexity within 2% (rows of {record['seq_len']:,} tokens): "
-             f"`{best['variant']}` holds {best['state_bytes'] / kv:.1%} at ratio {ratio:.3f} — "
-             f"{'met' if ratio <= 1.02 else 'not met'}"]
+    lines = [
+        f"- state at most 30% of the KV cache, perplexity within 2% (rows of {record['seq_len']:,} tokens): "
+        f"`{best['variant']}` holds {best['state_bytes'] / kv:.1%} at ratio {ratio:.3f} — "
+        f"{'met' if ratio <= 1.02 else 'not met'}"
+    ]
     key = best["training_free"].get("passkey", {}).get("accuracy", {}).get("converted")
     want = (record.get("original_passkey") or {}).get("accuracy")
     if key and want:
         same = all(key.get(n) == a for n, a in want.items())
-        lines.append(f"- pass-key accuracy equal to the original's: {fidelity._passkey_cell(key)} against "
-                     f"{fidelity._passkey_cell(want)} ({', '.join(want)} tokens) — {'met' if same else 'not met'}")
+        lines.append(
+            f"- pass-key accuracy equal to the original's: {fidelity._passkey_cell(key)} against "
+            f"{fidelity._passkey_cell(want)} ({', '.join(want)} tokens) — {'met' if same else 'not met'}"
+        )
     else:
         lines.append("- pass-key accuracy: not measured in this run (`--passkey`)")
     return "\n".join(lines)
@@ -297,25 +374,53 @@ def write_section(doc: Path, text: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--model", type=Path, default=fidelity.BUNDLED, help="Hugging Face model directory (default: the bundled one)")
-    parser.add_argument("--data", type=Path, default=None,
-                        help="folder with train/ and heldout/ text (default: the stdlib split, written to a temp dir)")
-    parser.add_argument("--budgets", default="0.15,0.3,0.45,0.6",
-                        help="shares of the original's KV cache (default: 0.15,0.3,0.45,0.6: 1-4 exact heads of the bundled model's 8)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument(
+        "--model", type=Path, default=fidelity.BUNDLED, help="Hugging Face model directory (default: the bundled one)"
+    )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="folder with train/ and heldout/ text (default: the stdlib split, written to a temp dir)",
+    )
+    parser.add_argument(
+        "--budgets",
+        default="0.15,0.3,0.45,0.6",
+        help="shares of the original's KV cache (default: 0.15,0.3,0.45,0.6: 1-4 exact heads of the bundled model's 8)",
+    )
     parser.add_argument("--at-context", type=int, default=4096, help="context of the budgets (default: 4096)")
-    parser.add_argument("--scores", default="kl,mass",
-                        help="scores to choose by, per head (default: kl,mass; on a large model mass alone: kl takes "
-                        "one forward pass per kv head and calibration row)")
-    parser.add_argument("--fixed", default="window-sinks,window",
-                        help=f"per-layer rows without a choice, from {', '.join(FIXED)} (default: both)")
+    parser.add_argument(
+        "--scores",
+        default="kl,mass",
+        help="scores to choose by, per head (default: kl,mass; on a large model mass alone: kl takes "
+        "one forward pass per kv head and calibration row)",
+    )
+    parser.add_argument(
+        "--fixed",
+        default="window-sinks,window",
+        help=f"per-layer rows without a choice, from {', '.join(FIXED)} (default: both)",
+    )
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--sinks", type=int, default=4)
-    parser.add_argument("--scores-from", type=Path, default=None, metavar="JSON",
-                        help="the scores of an earlier run (its --json, or a head_map.json) instead of scoring again")
-    parser.add_argument("--retrieval-window", type=int, default=None, metavar="N",
-                        help="the chosen heads keep an N-token window instead of staying exact (default: exact)")
+    parser.add_argument(
+        "--scores-from",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="the scores of an earlier run (its --json, or a head_map.json) instead of scoring again",
+    )
+    parser.add_argument(
+        "--retrieval-window",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the chosen heads keep an N-token window instead of staying exact (default: exact)",
+    )
     parser.add_argument("--calib-len", type=int, default=256, help="tokens per calibration row and pass-key prompt")
     parser.add_argument("--calib-rows", type=int, default=4)
     parser.add_argument("--calib-passkey", type=int, default=2)
@@ -328,20 +433,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None,
-                        help="results (default: benchmarks/results/per-head.json for the bundled model, else per-head-MODEL.json)")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="results (default: benchmarks/results/per-head.json for the bundled model, else per-head-MODEL.json)",
+    )
     parser.add_argument("--png", type=Path, default=None, help="the plot (default: --json with .png)")
-    parser.add_argument("--doc", type=Path, default=None,
-                        help="the page whose per-head section to write (default: docs/fidelity.md for the bundled model)")
+    parser.add_argument(
+        "--doc",
+        type=Path,
+        default=None,
+        help="the page whose per-head section to write (default: docs/fidelity.md for the bundled model)",
+    )
     parser.add_argument("--render", action="store_true", help="only rewrite the plot and the section from --json")
-    parser.add_argument("--calibration-only", action="store_true",
-                        help="score and choose only: each choice's KL on the calibration rows, nothing converted or "
-                        "evaluated (a quick comparison of the scores on a large model)")
+    parser.add_argument(
+        "--calibration-only",
+        action="store_true",
+        help="score and choose only: each choice's KL on the calibration rows, nothing converted or "
+        "evaluated (a quick comparison of the scores on a large model)",
+    )
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     default = args.model == fidelity.BUNDLED and args.data is None
     stem = "per-head" if default else f"per-head-{args.model.name}"
-    args.json = args.json or ROOT / "benchmarks/results" / f"{stem}{'-calibration' if args.calibration_only else ''}.json"
+    args.json = (
+        args.json or ROOT / "benchmarks/results" / f"{stem}{'-calibration' if args.calibration_only else ''}.json"
+    )
     args.png = args.png or args.json.with_suffix(".png")
     args.doc = args.doc or (ROOT / "docs/fidelity.md" if default else None)
     try:
@@ -352,8 +470,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise ValueError
         args.passkey = [int(n) for n in args.passkey.split(",")] if args.passkey else None
     except ValueError:
-        parser.error("--budgets and --passkey are comma-separated numbers (0.1,0.2,0.3 and 1024), --scores from kl, mass, "
-                     f"--fixed from {', '.join(FIXED)}")
+        parser.error(
+            "--budgets and --passkey are comma-separated numbers (0.1,0.2,0.3 and 1024), --scores from kl, mass, "
+            f"--fixed from {', '.join(FIXED)}"
+        )
     if args.data is not None and not all((args.data / part).is_dir() for part in ("train", "heldout")):
         parser.error(f"--data {args.data} needs train/ and heldout/ folders")
     if args.eval_rows is not None:
@@ -364,10 +484,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def calibration_table(record: dict) -> str:
-    lines = [f"| choice | budget | {retrieval_name(record)} kv heads | state share | calibration KL |", "|---|---:|---:|---:|---:|",
-             f"| every head windowed | – | 0 | – | {record['calibration_kl_all_windowed']:.4f} |"]
-    lines += [f"| `{c['kind']}` | {c['budget']:.0%} | {c['retrieval']} | {c['state_bytes'] / c['kv_cache_bytes']:.1%} | "
-              f"{c['calibration_kl']:.4f} |" for c in record["calibration_choices"]]
+    lines = [
+        f"| choice | budget | {retrieval_name(record)} kv heads | state share | calibration KL |",
+        "|---|---:|---:|---:|---:|",
+        f"| every head windowed | – | 0 | – | {record['calibration_kl_all_windowed']:.4f} |",
+    ]
+    lines += [
+        f"| `{c['kind']}` | {c['budget']:.0%} | {c['retrieval']} | {c['state_bytes'] / c['kv_cache_bytes']:.1%} | "
+        f"{c['calibration_kl']:.4f} |"
+        for c in record["calibration_choices"]
+    ]
     return "\n".join(lines)
 
 

@@ -32,21 +32,37 @@ def per_head_rows(path: Path, per_layer: bool) -> list[dict]:
     kind = {"auto-kl": "per head", "auto-mass": "per head, mass score"}
     if per_layer:
         kind |= {"layers-kl": "per layer", "layers-mass": "per layer, mass score"}
-    return [{"name": f"window {record['window']} + {len(row['retrieval'])} heads at {record['retrieval_window']:,} "
-                     f"({kind[row['kind']]})",
-             "series": f"window {record['window']} + retrieval heads at {record['retrieval_window']:,}, {kind[row['kind']]}",
-             "window": record["window"],
-             "bytes": row["state_bytes"], "result": row["training_free"], "source": path.name}
-            for row in record["rows"] if row["kind"] in kind]
+    return [
+        {
+            "name": f"window {record['window']} + {len(row['retrieval'])} heads at {record['retrieval_window']:,} "
+            f"({kind[row['kind']]})",
+            "series": f"window {record['window']} + retrieval heads at {record['retrieval_window']:,}, {kind[row['kind']]}",
+            "window": record["window"],
+            "bytes": row["state_bytes"],
+            "result": row["training_free"],
+            "source": path.name,
+        }
+        for row in record["rows"]
+        if row["kind"] in kind
+    ]
 
 
 def window_rows(path: Path) -> list[dict]:
     record = json.loads(path.read_text())
-    return [{"name": f"window {row['options']['window']} (every head)", "series": WINDOWS,
-             "bytes": row["state_bytes"], "result": row["training_free"], "source": path.name}
-            for row in record["rows"]
-            if row["target"] == "window" and row.get("training_free") and row["options"].get("sinks") == 4
-            and set(row["options"]) <= {"window", "sinks"}]
+    return [
+        {
+            "name": f"window {row['options']['window']} (every head)",
+            "series": WINDOWS,
+            "bytes": row["state_bytes"],
+            "result": row["training_free"],
+            "source": path.name,
+        }
+        for row in record["rows"]
+        if row["target"] == "window"
+        and row.get("training_free")
+        and row["options"].get("sinks") == 4
+        and set(row["options"]) <= {"window", "sinks"}
+    ]
 
 
 def passkey(result: dict) -> dict[str, float]:
@@ -55,8 +71,10 @@ def passkey(result: dict) -> dict[str, float]:
 
 def table(rows: list[dict]) -> str:
     lengths = sorted({n for r in rows for n in passkey(r["result"])}, key=int)
-    lines = [f"| row | state bytes | perplexity (ratio) | KL | pass key {' / '.join(f'{int(n):,}' for n in lengths)} |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"| row | state bytes | perplexity (ratio) | KL | pass key {' / '.join(f'{int(n):,}' for n in lengths)} |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for row in sorted(rows, key=lambda r: (r["bytes"], r["result"]["kl"])):
         result, keys = row["result"], passkey(row["result"])
         ratio = result["perplexity"] / result["teacher_perplexity"]
@@ -79,8 +97,15 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.plot([r["bytes"] for r in mine], [r["result"]["kl"] for r in mine], "-", color=color, lw=0.8, label=series)
         for row in mine:
             recalled = passkey(row["result"]).get(PASSKEY_AT, 0) >= 0.5
-            ax.scatter([row["bytes"]], [row["result"]["kl"]], marker="o", s=36, color=color if recalled else "white",
-                       edgecolors=color, zorder=3)
+            ax.scatter(
+                [row["bytes"]],
+                [row["result"]["kl"]],
+                marker="o",
+                s=36,
+                color=color if recalled else "white",
+                edgecolors=color,
+                zorder=3,
+            )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("state bytes per sequence (constant)")
@@ -99,14 +124,17 @@ def write_doc(doc: Path, text: str, markers: tuple[str, str] = (START, END)) -> 
     if start not in page or end not in page:
         raise ValueError(f"{doc}: no {start} ... {end} markers to write the table between")
     before, rest = page.split(start, 1)
-    indent = before[before.rfind("\n") + 1:]
+    indent = before[before.rfind("\n") + 1 :]
     body = "".join(f"{indent}{line}\n" if line else "\n" for line in text.splitlines())
     doc.write_text(before + start + "\n" + body + indent + end + rest.split(end, 1)[1])
 
 
 def main(argv: list[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     parser.add_argument("per_head", nargs="+", type=Path, help="per_head.py results made with --retrieval-window")
     parser.add_argument("--windows", type=Path, default=None, help="a fidelity.py table whose window rows to add")
     parser.add_argument("--png", type=Path, default=None, help="write the plot here")

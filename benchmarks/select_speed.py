@@ -61,14 +61,33 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'model':>12} {'state':>12} {'ms/step':>9} {'ratio':>6}")
     for name, model in models.items():
         median = statistics.median(times[name])
-        rows.append({"name": name, "dir": str(model.path), "target": model.target,
-                     "state_bytes": model.state_nbytes(args.context), "ms_per_step": median * 1e3,
-                     "ratio": median / reference, "rounds_ms": [t * 1e3 for t in times[name]]})
+        rows.append(
+            {
+                "name": name,
+                "dir": str(model.path),
+                "target": model.target,
+                "state_bytes": model.state_nbytes(args.context),
+                "ms_per_step": median * 1e3,
+                "ratio": median / reference,
+                "rounds_ms": [t * 1e3 for t in times[name]],
+            }
+        )
         print(f"{name:>12} {rows[-1]['state_bytes']:>12,} {median * 1e3:>9.2f} {median / reference:>6.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"context": args.context, "steps": args.steps, "rounds": args.rounds,
-                                               "threads": args.threads, "torch": torch.__version__,
-                                               "models": rows}, indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "context": args.context,
+                    "steps": args.steps,
+                    "rounds": args.rounds,
+                    "threads": args.threads,
+                    "torch": torch.__version__,
+                    "models": rows,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0
 
 

@@ -76,8 +76,9 @@ def breakdown(model, context: int, steps: int, limit_ms: float) -> dict:
         ops.inside = False
         spent[0] += time.perf_counter() - spent.pop()
 
-    handles = [h for cell in model.cells for h in (cell.register_forward_pre_hook(enter),
-                                                    cell.register_forward_hook(leave))]
+    handles = [
+        h for cell in model.cells for h in (cell.register_forward_pre_hook(enter), cell.register_forward_hook(leave))
+    ]
     with torch.no_grad():
         step_ms = _min_ms(lambda: model.step(token, state), steps)
         graph_ms = _min_ms(lambda: model.graph(*inputs), steps)
@@ -90,8 +91,14 @@ def breakdown(model, context: int, steps: int, limit_ms: float) -> dict:
             model.graph(*inputs)
     for handle in handles:
         handle.remove()
-    return {"step_ms": step_ms, "graph_ms": graph_ms, "cells_ms": cells_ms, "ops_total": ops.ops,
-            "ops_in_cells": ops.inside_ops, "weight_read_ms": limit_ms}
+    return {
+        "step_ms": step_ms,
+        "graph_ms": graph_ms,
+        "cells_ms": cells_ms,
+        "ops_total": ops.ops,
+        "ops_in_cells": ops.inside_ops,
+        "weight_read_ms": limit_ms,
+    }
 
 
 def original_ops(hf, context: int) -> int:
@@ -122,8 +129,15 @@ def original_step(hf, token: torch.Tensor, context: int, inference: bool = False
     return step
 
 
-def decode(hf, models: dict, contexts: list[int], batches: list[int], repeats: int, steps: int,
-           original_inference: bool = False) -> list[dict]:
+def decode(
+    hf,
+    models: dict,
+    contexts: list[int],
+    batches: list[int],
+    repeats: int,
+    steps: int,
+    original_inference: bool = False,
+) -> list[dict]:
     rows = []
     for batch in batches:
         for context in contexts:
@@ -152,9 +166,17 @@ def decode(hf, models: dict, contexts: list[int], batches: list[int], repeats: i
             for name in runs:
                 if name == "original":
                     continue
-                rows.append({"model": name, "batch": batch, "context": context, "ms": best[name],
-                             "original_ms": best["original"], "ratio": best["original"] / best[name],
-                             "first_step_s": compile_s[name]})
+                rows.append(
+                    {
+                        "model": name,
+                        "batch": batch,
+                        "context": context,
+                        "ms": best[name],
+                        "original_ms": best["original"],
+                        "ratio": best["original"] / best[name],
+                        "first_step_s": compile_s[name],
+                    }
+                )
     return rows
 
 
@@ -174,8 +196,15 @@ def prefill(hf, models: dict, lengths: list[int], repeats: int) -> list[dict]:
                     best[name] = min(best[name], _min_ms(lambda: run(ids), 1))
             for name in runs:
                 if name != "original":
-                    rows.append({"model": name, "length": length, "ms": best[name], "original_ms": best["original"],
-                                 "ratio": best["original"] / best[name]})
+                    rows.append(
+                        {
+                            "model": name,
+                            "length": length,
+                            "ms": best[name],
+                            "original_ms": best["original"],
+                            "ratio": best["original"] / best[name],
+                        }
+                    )
     return rows
 
 
@@ -196,16 +225,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--compile", action="store_true", help="also time every model with its step compiled")
     parser.add_argument("--aot", action="store_true", help="also time every model with its step compiled ahead of time")
-    parser.add_argument("--kernels", type=lambda s: [x for x in s.split(",") if x], default=[],
-                        help="also time every model loaded with these kernels, e.g. none,reference")
-    parser.add_argument("--row-major", action="store_true",
-                        help="also time every model with every linear weight row-major, as checkpoints hold them "
-                             "(not as rnnify.runtime.weight_layout keeps them)")
+    parser.add_argument(
+        "--kernels",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=[],
+        help="also time every model loaded with these kernels, e.g. none,reference",
+    )
+    parser.add_argument(
+        "--row-major",
+        action="store_true",
+        help="also time every model with every linear weight row-major, as checkpoints hold them "
+        "(not as rnnify.runtime.weight_layout keeps them)",
+    )
     parser.add_argument("--breakdown", action="store_true", help="where a batch-1 step's time goes")
-    parser.add_argument("--original-inference-mode", action="store_true",
-                        help=f"also time the original's decode under torch.inference_mode, as rnnify's step runs "
-                             f"(row {ORIGINAL_INFERENCE!r}; the original row runs as transformers' generate does, "
-                             f"under torch.no_grad)")
+    parser.add_argument(
+        "--original-inference-mode",
+        action="store_true",
+        help=f"also time the original's decode under torch.inference_mode, as rnnify's step runs "
+        f"(row {ORIGINAL_INFERENCE!r}; the original row runs as transformers' generate does, "
+        f"under torch.no_grad)",
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -232,24 +271,37 @@ def main() -> None:
                 raise SystemExit(f"{path}: the compiled step in this machine's cache could not be loaded")
     info = machine(torch.device("cpu"))
     limit_ms = next(iter(models.values())).weight_nbytes_per_token() / (info.bandwidth_gb_s * 1e9) * 1e3
-    out = {"command": " ".join(["python", *sys.argv]), "machine": dataclasses.asdict(info), "threads": torch.get_num_threads(),
-           "aot_compile_s": aot_compile_s,
-           "weight_read_ms": limit_ms, "decode": decode(hf, models, args.contexts, args.batch, args.repeats, args.steps,
-                                                args.original_inference_mode),
-           "prefill": prefill(hf, models, args.prefill, args.repeats)}
+    out = {
+        "command": " ".join(["python", *sys.argv]),
+        "machine": dataclasses.asdict(info),
+        "threads": torch.get_num_threads(),
+        "aot_compile_s": aot_compile_s,
+        "weight_read_ms": limit_ms,
+        "decode": decode(hf, models, args.contexts, args.batch, args.repeats, args.steps, args.original_inference_mode),
+        "prefill": prefill(hf, models, args.prefill, args.repeats),
+    }
     if args.breakdown:
-        out["breakdown"] = {name: breakdown(model, args.contexts[0], 3 * args.steps, limit_ms)
-                            for name, model in models.items() if "[" not in name and not name.endswith(STEP_VARIANTS)}
+        out["breakdown"] = {
+            name: breakdown(model, args.contexts[0], 3 * args.steps, limit_ms)
+            for name, model in models.items()
+            if "[" not in name and not name.endswith(STEP_VARIANTS)
+        }
         out["breakdown"]["original"] = {"ops_total": original_ops(hf, args.contexts[0])}
     for row in out["decode"]:
-        print(f"decode  {row['model']:22s} batch {row['batch']} @ {row['context']:5d}: {row['ms']:8.2f} ms, "
-              f"original {row['original_ms']:8.2f} ms, ratio {row['ratio']:.2f}")
+        print(
+            f"decode  {row['model']:22s} batch {row['batch']} @ {row['context']:5d}: {row['ms']:8.2f} ms, "
+            f"original {row['original_ms']:8.2f} ms, ratio {row['ratio']:.2f}"
+        )
     for row in out["prefill"]:
-        print(f"prefill {row['model']:22s} {row['length']:5d} tokens: {row['ms']:9.1f} ms, "
-              f"original {row['original_ms']:9.1f} ms, ratio {row['ratio']:.2f}")
+        print(
+            f"prefill {row['model']:22s} {row['length']:5d} tokens: {row['ms']:9.1f} ms, "
+            f"original {row['original_ms']:9.1f} ms, ratio {row['ratio']:.2f}"
+        )
     for name, row in out.get("breakdown", {}).items():
-        print(f"breakdown {name}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
-                                                for k, v in row.items()))
+        print(
+            f"breakdown {name}: "
+            + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 import rnnify  # noqa: E402
 from rnnify.bench import machine  # noqa: E402
-from rnnify.runtime.weight_layout import TALL, laid_out as rnnify_layout, linear_weight_names  # noqa: E402
+from rnnify.runtime.weight_layout import TALL, linear_weight_names  # noqa: E402
+from rnnify.runtime.weight_layout import laid_out as rnnify_layout  # noqa: E402
 
 LAYOUTS = ("row-major", "column-major", "rnnify")
 DTYPES = ("float32", "bfloat16")
@@ -75,28 +76,48 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
-    for path, part, weights in [(path, part, chosen) for path in args.models
-                                for part, chosen in _parts(linear_weights(path))]:
+    for path, part, weights in [
+        (path, part, chosen) for path in args.models for part, chosen in _parts(linear_weights(path))
+    ]:
         for dtype_name in DTYPES:
             dtype = getattr(torch, dtype_name)
             nbytes = sum(w.numel() for w in weights) * dtype.itemsize
             for batch in (int(b) for b in args.batch.split(",")):
-                ms = {layout: stream_ms([laid_out(w, layout, dtype) for w in weights], batch, args.repeats)
-                      for layout in LAYOUTS}
-                rows.append({"model": path, "weights": part, "linears": len(weights), "bytes": nbytes, "dtype": dtype_name,
-                             "batch": batch, **{f"{layout}_ms": v for layout, v in ms.items()}})
+                ms = {
+                    layout: stream_ms([laid_out(w, layout, dtype) for w in weights], batch, args.repeats)
+                    for layout in LAYOUTS
+                }
+                rows.append(
+                    {
+                        "model": path,
+                        "weights": part,
+                        "linears": len(weights),
+                        "bytes": nbytes,
+                        "dtype": dtype_name,
+                        "batch": batch,
+                        **{f"{layout}_ms": v for layout, v in ms.items()},
+                    }
+                )
     table = Table(title="linear weights streamed once, 1 thread (ms, lower is better)")
     for column in ("model", "weights", "dtype", "batch", *LAYOUTS, "row / rnnify"):
         table.add_column(column, justify="left" if column == "model" else "right")
     for row in rows:
-        table.add_row(Path(row["model"]).name, f"{row['weights']}: {row['linears']} ({row['bytes'] / 2**20:.0f} MiB)",
-                      row["dtype"], str(row["batch"]), *(f"{row[f'{layout}_ms']:.2f}" for layout in LAYOUTS),
-                      f"{row['row-major_ms'] / row['rnnify_ms']:.2f}")
+        table.add_row(
+            Path(row["model"]).name,
+            f"{row['weights']}: {row['linears']} ({row['bytes'] / 2**20:.0f} MiB)",
+            row["dtype"],
+            str(row["batch"]),
+            *(f"{row[f'{layout}_ms']:.2f}" for layout in LAYOUTS),
+            f"{row['row-major_ms'] / row['rnnify_ms']:.2f}",
+        )
     Console(width=150).print(table)
     if args.json:
         info = machine(torch.device("cpu"))
-        args.json.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "machine": dataclasses.asdict(info),
-                                         "rows": rows}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"command": "python " + " ".join(sys.argv), "machine": dataclasses.asdict(info), "rows": rows}, indent=1
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,10 @@ def main(argv: list[str] | None = None) -> list[str]:
     output = Path(args.output or f"{Path(args.gguf).stem}-window")
     converted = rnnify.convert(args.gguf, to="window", window=args.window, sinks=args.sinks)
     model = rnnify.load(converted.save(output))  # from here on the directory alone: weights, tokenizer, template
-    print(f"saved to {output}: {len(model.cells)} layers as {model.target}, state {model.state_nbytes(1 << 20):,} "
-          f"bytes per sequence at any context")
+    print(
+        f"saved to {output}: {len(model.cells)} layers as {model.target}, state {model.state_nbytes(1 << 20):,} "
+        f"bytes per sequence at any context"
+    )
 
     messages, answers = [], []
     for text in args.message or MESSAGES:

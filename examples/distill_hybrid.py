@@ -23,7 +23,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("model", help="a Hugging Face model directory (or GGUF file)")
     p.add_argument("--data", required=True, help="text to distil on: a file, folder or .jsonl")
     p.add_argument("--heldout", help="text to evaluate on (default: --data)")
-    p.add_argument("-o", "--output", default="hybrid-distilled", help="directory to save to (default: hybrid-distilled)")
+    p.add_argument(
+        "-o", "--output", default="hybrid-distilled", help="directory to save to (default: hybrid-distilled)"
+    )
     p.add_argument("--window", type=int, default=64, help="recent tokens of softmax (default: 64)")
     p.add_argument("--sinks", type=int, default=4, help="first tokens kept (default: 4)")
     p.add_argument("--memory", default="linear", help="linear, gla, delta or gated-delta (default: linear)")
@@ -38,13 +40,22 @@ def main(argv: list[str] | None = None) -> dict:
 
     def measure(when: str) -> float:
         result = rnnify.evaluate(model, heldout, seq_len=args.seq_len, max_tokens=args.eval_tokens, layer_errors=False)
-        print(f"{when}: KL {result.kl:.4f} nats/token, perplexity {result.perplexity:.3f} "
-              f"(original {result.teacher_perplexity:.3f}), top-1 agreement {result.top1_agreement:.1%}")
+        print(
+            f"{when}: KL {result.kl:.4f} nats/token, perplexity {result.perplexity:.3f} "
+            f"(original {result.teacher_perplexity:.3f}), top-1 agreement {result.top1_agreement:.1%}"
+        )
         return result.kl
 
     before = measure("converted")
-    rnnify.distill(model, args.data, stages=("transfer", "finetune"), max_tokens=args.tokens, seq_len=args.seq_len,
-                   batch_size=args.batch_size, progress=False)
+    rnnify.distill(
+        model,
+        args.data,
+        stages=("transfer", "finetune"),
+        max_tokens=args.tokens,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        progress=False,
+    )
     trained = {stage["stage"]: stage["tokens"] for stage in model.manifest.distill["trained"]}
     print("distilled: " + ", ".join(f"{stage} {tokens:,} tokens" for stage, tokens in trained.items()))
     after = measure("distilled")

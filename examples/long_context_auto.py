@@ -40,27 +40,47 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
 
     model, report = auto_convert(
-        args.model, args.data, budget=args.state_budget, context=args.at_context, window=args.window,
-        sinks=args.sinks, retrieval_window=args.retrieval_window, calib_len=args.calib_len,
-        calib_rows=args.calib_rows, passkey=args.calib_passkey)
+        args.model,
+        args.data,
+        budget=args.state_budget,
+        context=args.at_context,
+        window=args.window,
+        sinks=args.sinks,
+        retrieval_window=args.retrieval_window,
+        calib_len=args.calib_len,
+        calib_rows=args.calib_rows,
+        passkey=args.calib_passkey,
+    )
     model.save(args.output)  # with head_map.json: the scores and the choice
     heads, share = len(report.scores[report.score]), report.state_bytes / report.kv_cache_bytes
-    print(f"saved to {args.output}: {len(report.retrieval)} of {heads} kv heads keep {args.retrieval_window} tokens, "
-          f"the rest {args.window}; state {report.state_bytes:,} bytes at {args.at_context:,} tokens "
-          f"({share:.1%} of the KV cache)")
+    print(
+        f"saved to {args.output}: {len(report.retrieval)} of {heads} kv heads keep {args.retrieval_window} tokens, "
+        f"the rest {args.window}; state {report.state_bytes:,} bytes at {args.at_context:,} tokens "
+        f"({share:.1%} of the KV cache)"
+    )
 
-    result = rnnify.evaluate(model, args.heldout or args.data, seq_len=args.seq_len, max_tokens=args.eval_tokens,
-                             layer_errors=False)
+    result = rnnify.evaluate(
+        model, args.heldout or args.data, seq_len=args.seq_len, max_tokens=args.eval_tokens, layer_errors=False
+    )
     ratio = result.perplexity / result.teacher_perplexity
-    print(f"rows of {result.seq_len} tokens ({result.tokens:,} tokens): perplexity {result.perplexity:.3f} "
-          f"(original {result.teacher_perplexity:.3f}, ratio {ratio:.3f}), KL {result.kl:.4f} nats/token")
+    print(
+        f"rows of {result.seq_len} tokens ({result.tokens:,} tokens): perplexity {result.perplexity:.3f} "
+        f"(original {result.teacher_perplexity:.3f}, ratio {ratio:.3f}), KL {result.kl:.4f} nats/token"
+    )
 
     passkey = rnnify.evaluate_passkey(model, args.passkey, trials=args.passkey_trials).accuracy()
     for length in args.passkey:
-        print(f"pass key at {length:,} tokens: {passkey['converted'][length]:.0%} "
-              f"(original {passkey['original'][length]:.0%})")
-    return {"retrieval": report.retrieval, "state_bytes": report.state_bytes, "perplexity_ratio": ratio,
-            "kl": result.kl, "passkey": passkey}
+        print(
+            f"pass key at {length:,} tokens: {passkey['converted'][length]:.0%} "
+            f"(original {passkey['original'][length]:.0%})"
+        )
+    return {
+        "retrieval": report.retrieval,
+        "state_bytes": report.state_bytes,
+        "perplexity_ratio": ratio,
+        "kl": result.kl,
+        "passkey": passkey,
+    }
 
 
 if __name__ == "__main__":

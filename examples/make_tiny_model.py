@@ -53,13 +53,24 @@ def tiny_config(arch: str, vocab_size: int = VOCAB_SIZE):
         return GPT2Config(n_embd=768, n_layer=12, n_head=12, n_positions=GPT2_SMALL_POSITIONS, **common)
     if arch == "llama":
         return LlamaConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128, **common,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            **common,
         )
     if arch == "mistral":
         return MistralConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, sliding_window=16, **common,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            sliding_window=16,
+            **common,
         )
     raise ValueError(f"unknown arch {arch!r}")
 

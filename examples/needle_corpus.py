@@ -59,11 +59,13 @@ def needle_rows(tokenizer, files: list[Path], rows: int, seq_len: int, min_gap: 
                 raise SystemExit(f"--seq-len {seq_len} leaves no room for a {min_gap}-token gap: raise it")
             depth = rng.randrange(0, room - min_gap + 1)
             for pad in range(MAX_PAD):
-                text = tokenizer.decode(haystack[:depth]) + said + tokenizer.decode(haystack[depth:room + pad]) + asked
+                text = (
+                    tokenizer.decode(haystack[:depth]) + said + tokenizer.decode(haystack[depth : room + pad]) + asked
+                )
                 size = len(encode(text))
                 if size >= budget:
                     break
-            del haystack[:room + pad]
+            del haystack[: room + pad]
             if size == budget:
                 out.append(text)
         if len(out) == rows:
@@ -78,15 +80,20 @@ def main() -> None:
     parser.add_argument("--tokenizer", required=True, help="directory of the model's tokenizer")
     parser.add_argument("--rows", type=int, default=300)
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per row; pass the same to rnnify distill")
-    parser.add_argument("--min-gap", type=int, default=90,
-                        help="tokens at least between the number and the row's end (beyond a 64-token window)")
+    parser.add_argument(
+        "--min-gap",
+        type=int,
+        default=90,
+        help="tokens at least between the number and the row's end (beyond a 64-token window)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if not args.source.is_dir():
         parser.error(f"{args.source} is not a folder: pass a folder of text files")
     files = [p for p in args.source.rglob("*") if p.is_file() and not p.name.startswith(".")]
-    rows = needle_rows(AutoTokenizer.from_pretrained(args.tokenizer), files, args.rows, args.seq_len,
-                       args.min_gap, args.seed)
+    rows = needle_rows(
+        AutoTokenizer.from_pretrained(args.tokenizer), files, args.rows, args.seq_len, args.min_gap, args.seed
+    )
     partial = args.output.with_name(f".{args.output.name}.tmp")
     partial.write_text("".join(json.dumps({"text": row}) + "\n" for row in rows))
     partial.replace(args.output)

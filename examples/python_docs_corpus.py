@@ -47,11 +47,14 @@ def _run(command: list[str], cwd: Path) -> None:
     try:
         subprocess.run(command, cwd=cwd, check=True, capture_output=True, text=True)
     except FileNotFoundError:
-        raise RuntimeError(f"{command[0]} is not installed: this script needs a Debian-like system "
-                           f"(or {PACKAGE} installed)") from None
+        raise RuntimeError(
+            f"{command[0]} is not installed: this script needs a Debian-like system (or {PACKAGE} installed)"
+        ) from None
     except subprocess.CalledProcessError as exc:
         last = (exc.stderr.strip().splitlines() or ["no message"])[-1]
-        raise RuntimeError(f"{' '.join(command)} failed ({last}); check the apt sources, or install {PACKAGE}") from None
+        raise RuntimeError(
+            f"{' '.join(command)} failed ({last}); check the apt sources, or install {PACKAGE}"
+        ) from None
 
 
 def write_split(directory: str | Path, sources: Path) -> tuple[Path, Path, list[str], list[str]]:

@@ -54,7 +54,9 @@ def write_split(directory: str | Path) -> tuple[Path, Path]:
     return write_files(directory, split(), read)
 
 
-def write_files(directory: str | Path, parts: tuple[list[str], list[str]], read: Callable[[str], str]) -> tuple[Path, Path]:
+def write_files(
+    directory: str | Path, parts: tuple[list[str], list[str]], read: Callable[[str], str]
+) -> tuple[Path, Path]:
     """Write ``parts`` (train and heldout relative paths) under ``directory/train`` and ``directory/heldout``,
     each file's text from ``read(relpath)``.
 

@@ -41,7 +41,9 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
@@ -61,9 +63,17 @@ def model_config(vocab_size: int, eos_id: int):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=256, intermediate_size=640, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0,
-        tie_word_embeddings=True, bos_token_id=eos_id, eos_token_id=eos_id,
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=640,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
     )
 
 
@@ -118,16 +128,22 @@ def main() -> None:
     tokenizer = train_tokenizer(train_texts, args.vocab_size)
     train_ids = encode(tokenizer, train_texts)
     heldout_ids = encode(tokenizer, [stdlib_corpus.read(f) for f in heldout_files])
-    print(f"corpus: {len(train_files)} train files ({len(train_ids):,} tokens), "
-          f"{len(heldout_files)} held-out files ({len(heldout_ids):,} tokens)")
+    print(
+        f"corpus: {len(train_files)} train files ({len(train_ids):,} tokens), "
+        f"{len(heldout_files)} held-out files ({len(heldout_ids):,} tokens)"
+    )
 
-    model = AutoModelForCausalLM.from_config(model_config(len(tokenizer), tokenizer.eos_token_id), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(
+        model_config(len(tokenizer), tokenizer.eos_token_id), attn_implementation="sdpa"
+    )
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.2f}M parameters")
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95)
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
     )
     generator = torch.Generator().manual_seed(args.seed)
     model.train()
@@ -143,12 +159,16 @@ def main() -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{(step + 1) * batch.numel() / bar.format_dict['elapsed']:.0f}")
+        bar.set_postfix(
+            loss=f"{loss.item():.3f}", tok_s=f"{(step + 1) * batch.numel() / bar.format_dict['elapsed']:.0f}"
+        )
     model.eval()
 
     heldout_ppl = perplexity(model, heldout_ids, args.seq_len, args.batch_size, args.eval_tokens)
     wall = time.time() - start
-    print(f"held-out perplexity {heldout_ppl:.2f} ({min(len(heldout_ids), args.eval_tokens):,} tokens); {wall / 60:.1f} min")
+    print(
+        f"held-out perplexity {heldout_ppl:.2f} ({min(len(heldout_ids), args.eval_tokens):,} tokens); {wall / 60:.1f} min"
+    )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))  # renamed into place at the end

@@ -39,8 +39,14 @@ class DefaultsFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         help = action.help or ""
         default = action.default
-        if (not action.option_strings or action.nargs == 0 or default is None or default is argparse.SUPPRESS
-                or "%(default)" in help or "(default:" in help):
+        if (
+            not action.option_strings
+            or action.nargs == 0
+            or default is None
+            or default is argparse.SUPPRESS
+            or "%(default)" in help
+            or "(default:" in help
+        ):
             return help
         return help + " (default: %(default)s)"
 
@@ -59,6 +65,7 @@ class Command(Parser):
             add, self._arguments = self._arguments, None
             add(self)
         return super().parse_known_args(args, namespace)
+
 
 SEEDS = range(-(2**63), 2**64)  # what torch.Generator.manual_seed takes (a negative one as its two's complement)
 

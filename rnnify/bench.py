@@ -30,8 +30,18 @@ from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel
 
 __all__ = [
-    "Run", "Result", "Machine", "benchmark", "machine", "bandwidth", "bench_converted",
-    "bench_original", "plot", "timing_warning", "busy_warning", "OpCount",
+    "Run",
+    "Result",
+    "Machine",
+    "benchmark",
+    "machine",
+    "bandwidth",
+    "bench_converted",
+    "bench_original",
+    "plot",
+    "timing_warning",
+    "busy_warning",
+    "OpCount",
 ]
 
 WARMUP = 2  # decode steps before timing
@@ -90,7 +100,9 @@ class Run:
     weight_bytes: int  # bytes of weights read per decoded token
     results: list[Result] = field(default_factory=list)
     prefill_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # model -> context -> ms
-    warnings: list[str] = field(default_factory=list)  # why the timings may not be trusted (busy_warning, timing_warning)
+    warnings: list[str] = field(
+        default_factory=list
+    )  # why the timings may not be trusted (busy_warning, timing_warning)
 
     @property
     def limit_ms(self) -> float:
@@ -141,12 +153,16 @@ def benchmark(
     model = load_or_take(model_or_dir, device, kernels, "benchmark")
     if dtype is not None and dtype != model.manifest.dtype:
         where = model.path if model.path is not None else "the model"
-        raise RnnifyError(f"{where} holds {model.manifest.dtype} weights; convert with --dtype {dtype} to bench {dtype}")
+        raise RnnifyError(
+            f"{where} holds {model.manifest.dtype} weights; convert with --dtype {dtype} to bench {dtype}"
+        )
     positions = model.manifest.positions
     limit = positions.get("limit") if positions.get("kind") == "learned" else None
     if limit is not None and max(contexts) + steps + WARMUP >= limit:
-        raise RnnifyError(f"contexts (--contexts) {max(contexts)}: this model has {limit} learned positions; "
-                          f"keep contexts below {limit - steps - WARMUP}")
+        raise RnnifyError(
+            f"contexts (--contexts) {max(contexts)}: this model has {limit} learned positions; "
+            f"keep contexts below {limit - steps - WARMUP}"
+        )
     device = model.device
     if compile:
         model.compile_step()
@@ -172,8 +188,9 @@ def benchmark(
     models = 1 + (original is not None)
     from tqdm import tqdm
 
-    with tqdm(total=(len(jobs) + len(prefills)) * models, unit="run", disable=None if progress else True,
-              leave=False) as bar:
+    with tqdm(
+        total=(len(jobs) + len(prefills)) * models, unit="run", disable=None if progress else True, leave=False
+    ) as bar:
         for b, c in jobs:
             bar.set_description_str(f"converted, batch {b}, context {c}")
             run.results.append(bench_converted(model, c, b, steps, WARMUP, FILL_TOKENS))
@@ -190,8 +207,10 @@ def benchmark(
                 bar.set_description_str(f"{name} prefill, context {c}")
                 run.prefill_ms.setdefault(name, {})[c] = prefill_ms(call, model.manifest.vocab_size, c, device)
                 bar.update()
-    warnings = [busy_warning(run.machine) if device.type == "cpu" else None,
-                timing_warning(run.results, model.constant_memory)]
+    warnings = [
+        busy_warning(run.machine) if device.type == "cpu" else None,
+        timing_warning(run.results, model.constant_memory),
+    ]
     run.warnings = [w for w in warnings if w is not None]
     return run
 
@@ -230,8 +249,9 @@ def machine(device: torch.device, load: float | None = None) -> Machine:
     """This machine, ``load`` being its load average when the run started (default: now)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model()
     load = _load_average() if load is None else load
-    return Machine(_cpu_model(), os.cpu_count() or 0, torch.get_num_threads(), torch.__version__, name,
-                   bandwidth(device), load)
+    return Machine(
+        _cpu_model(), os.cpu_count() or 0, torch.get_num_threads(), torch.__version__, name, bandwidth(device), load
+    )
 
 
 def _load_average() -> float:
@@ -259,30 +279,46 @@ def busy_warning(machine: Machine) -> str | None:
     if idle + BUSY_SLACK >= machine.threads:
         return None
     fewer = "fewer threads (--threads) or " if machine.threads > 1 else ""
-    return (f"the machine was busy: load average {machine.load:.1f} on {machine.cores} CPUs leaves "
-            f"{max(idle, 0):.1f} idle for {machine.threads} thread{'s' * (machine.threads > 1)}; timings may be "
-            f"slow and erratic (try {fewer}an idle machine)")
+    return (
+        f"the machine was busy: load average {machine.load:.1f} on {machine.cores} CPUs leaves "
+        f"{max(idle, 0):.1f} idle for {machine.threads} thread{'s' * (machine.threads > 1)}; timings may be "
+        f"slow and erratic (try {fewer}an idle machine)"
+    )
 
 
 def timing_warning(results: Sequence[Result], constant_memory: bool) -> str | None:
     """A warning when timings of the same work disagree by more than ``SPREAD``: the timed steps of
     one measurement, or (``constant_memory``) the converted model's median steps at one batch size
     over the contexts, whose state and work are the same at every context (docs/performance.md)."""
-    spreads = [(r.step_ms_max / r.step_ms_min, f"{r.model}, batch {r.batch}, context {r.context:,}: steps took "
-                f"{r.step_ms_min:.3g} to {r.step_ms_max:.3g} ms") for r in results if r.step_ms_min > 0]
+    spreads = [
+        (
+            r.step_ms_max / r.step_ms_min,
+            f"{r.model}, batch {r.batch}, context {r.context:,}: steps took "
+            f"{r.step_ms_min:.3g} to {r.step_ms_max:.3g} ms",
+        )
+        for r in results
+        if r.step_ms_min > 0
+    ]
     if constant_memory:
         for batch in sorted({r.batch for r in results}):
             rows = [r for r in results if r.model == "converted" and r.batch == batch]
             if len(rows) > 1:
                 fast, slow = min(rows, key=lambda r: r.step_ms), max(rows, key=lambda r: r.step_ms)
-                spreads.append((slow.step_ms / fast.step_ms, f"converted, batch {batch}: {fast.step_ms:.3g} ms at "
-                                f"{fast.context:,} tokens but {slow.step_ms:.3g} ms at {slow.context:,}, same work"))
+                spreads.append(
+                    (
+                        slow.step_ms / fast.step_ms,
+                        f"converted, batch {batch}: {fast.step_ms:.3g} ms at "
+                        f"{fast.context:,} tokens but {slow.step_ms:.3g} ms at {slow.context:,}, same work",
+                    )
+                )
     bad = [(spread, text) for spread, text in spreads if spread > SPREAD]
     if not bad:
         return None
     worst = max(bad)[1]
-    return (f"timings disagree by more than {SPREAD:g}x in {len(bad)} of {len(spreads)} comparisons (worst: {worst}); "
-            "other work on the machine, or more threads than idle cores: rerun on an idle machine, with fewer threads")
+    return (
+        f"timings disagree by more than {SPREAD:g}x in {len(bad)} of {len(spreads)} comparisons (worst: {worst}); "
+        "other work on the machine, or more threads than idle cores: rerun on an idle machine, with fewer threads"
+    )
 
 
 # -- measuring --------------------------------------------------------------------------------
@@ -405,7 +441,7 @@ def bench_converted(model, context: int, batch: int, steps: int, warmup: int, fi
         holder = [state]
 
         def step() -> None:
-            _, holder[0] = model.step(token, holder[0])
+            _, holder[0] = model.step(token, holder[0])  # noqa: F821 (ruff misreads the closure)
 
         times = _time_steps(step, device, steps, warmup, peak.sample)
         del holder, state
@@ -461,7 +497,7 @@ def bench_original(hf_model, context: int, batch: int, steps: int, warmup: int) 
 
         def step() -> None:
             ids = torch.full((batch, 1), position[0], device=device)
-            hf_model(input_ids=token, cache=cache, position_ids=ids, use_cache=True)
+            hf_model(input_ids=token, cache=cache, position_ids=ids, use_cache=True)  # noqa: F821 (as above)
             position[0] += 1
 
         times = _time_steps(step, device, steps, warmup, peak.sample)
@@ -488,10 +524,13 @@ def plot(run: Run, path: str) -> None:
     for (model, batch), rows in _series(run).items():
         contexts = [r.context for r in rows]
         latency.plot(contexts, [r.step_ms for r in rows], styles[model], label=f"{labels[model]}, batch {batch}")
-        memory.plot(contexts, [r.memory_bytes / 2**20 for r in rows], styles[model], label=f"{labels[model]}, batch {batch}")
+        memory.plot(
+            contexts, [r.memory_bytes / 2**20 for r in rows], styles[model], label=f"{labels[model]}, batch {batch}"
+        )
     latency.axhline(run.limit_ms, color="grey", lw=0.8, label="weight-bandwidth limit (batch 1)")
-    latency.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms per decode step",
-                title="decode latency")
+    latency.set(
+        xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms per decode step", title="decode latency"
+    )
     memory.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="MiB", title="state vs KV cache")
     for ax in (latency, memory):
         ax.grid(True, which="both", alpha=0.3)

@@ -84,9 +84,7 @@ def load_source(model, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 
     if isinstance(model, PreTrainedModel):
         if getattr(model.config, "is_encoder_decoder", False):
-            raise UnsupportedModelError(
-                f"{type(model).__name__}: encoder-decoder models cannot become recurrent"
-            )
+            raise UnsupportedModelError(f"{type(model).__name__}: encoder-decoder models cannot become recurrent")
         try:
             model.set_attn_implementation("sdpa")
         except (ValueError, AttributeError):
@@ -124,8 +122,10 @@ def vocab_size(config: Any) -> int:
     value = getattr(config, "vocab_size", None)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         where = " (it is in its text config: a composite model)" if hasattr(config, "text_config") else ""
-        raise UnsupportedModelError(f"{type(config).__name__} names no vocab_size of its own{where}; rnnify converts "
-                                    "causal language models whose config does")
+        raise UnsupportedModelError(
+            f"{type(config).__name__} names no vocab_size of its own{where}; rnnify converts "
+            "causal language models whose config does"
+        )
     return value
 
 
@@ -166,4 +166,3 @@ def _plain_graph_module(exported: torch.fx.GraphModule) -> torch.fx.GraphModule:
             node.target = name
     graph._codegen = torch.fx.graph.CodeGen()
     return torch.fx.GraphModule(attrs, graph, class_name="CapturedModel")
-

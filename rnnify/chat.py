@@ -79,7 +79,9 @@ class Chat:
         self.sampling = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k, "top_p": top_p}
         if eos_token_id is None:
             eos_token_id = tokenizer.eos_token_id
-        self.eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+        self.eos = (
+            set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+        )
         self.generator = None if seed is None else torch.Generator(device=model.device).manual_seed(seed)
         self.reset()
 
@@ -152,7 +154,9 @@ class Chat:
         content = self.tokenizer.decode(generated[:-1] if ended else generated, skip_special_tokens=False)
         self.messages.append({"role": "assistant", "content": content})
         self.consumed += generated
-        self.consumed_text += content + (self.tokenizer.decode(generated[-1:], skip_special_tokens=False) if ended else "")
+        self.consumed_text += content + (
+            self.tokenizer.decode(generated[-1:], skip_special_tokens=False) if ended else ""
+        )
         return generated
 
     def send(self, text: str, streamer: Any = None) -> Turn:

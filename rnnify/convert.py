@@ -94,7 +94,12 @@ def convert(
         site, cell = call.meta[SITE_KEY], graph.get_submodule(call.target)
         entries.append(
             CellEntry(
-                call.target, site.layer, site.module_path, cell.target, cell.spec.to_json(), cell.options(),
+                call.target,
+                site.layer,
+                site.module_path,
+                cell.target,
+                cell.spec.to_json(),
+                cell.options(),
                 call.meta.get(KERNELS_KEY, {}),
             )
         )

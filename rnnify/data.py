@@ -28,8 +28,18 @@ from rnnify.runtime.tokenizer import (
     tokenizer_places,
 )
 
-__all__ = ["DEFAULT_SEQ_LEN", "TOKENIZER_FILES", "adds_bos", "load_tokenizer", "read_text", "row_length",
-           "token_batches", "tokenizer_dir", "tokenizer_for", "tokenizer_places"]
+__all__ = [
+    "DEFAULT_SEQ_LEN",
+    "TOKENIZER_FILES",
+    "adds_bos",
+    "load_tokenizer",
+    "read_text",
+    "row_length",
+    "token_batches",
+    "tokenizer_dir",
+    "tokenizer_for",
+    "tokenizer_places",
+]
 
 _PIECE_CHARS = 1 << 20  # text files are tokenized in line-aligned pieces of about this many characters
 _TOKENIZE_DOCS = 64  # documents per tokenizer call: fast tokenizers batch, Python overhead amortised
@@ -94,8 +104,12 @@ def token_batches(
 
 
 def _check_sizes(seq_len, batch_size, rank, world_size, max_tokens, skip_batches) -> None:
-    for flag, value, low in (("seq_len", seq_len, 1), ("batch_size", batch_size, 1), ("world_size", world_size, 1),
-                             ("skip_batches", skip_batches, 0)):
+    for flag, value, low in (
+        ("seq_len", seq_len, 1),
+        ("batch_size", batch_size, 1),
+        ("world_size", world_size, 1),
+        ("skip_batches", skip_batches, 0),
+    ):
         check_int(flag, value, low, RnnifyError)
     if max_tokens is not None:
         check_int("max_tokens", max_tokens, 1, RnnifyError, " or None")
@@ -135,16 +149,19 @@ def row_length(model: Any, seq_len: int | None) -> int:
         return min(DEFAULT_SEQ_LEN, limit) if limit else DEFAULT_SEQ_LEN
     check_int("seq_len (--seq-len)", seq_len, 2, RnnifyError, " (a next-token target needs a token before it)")
     if positions.get("kind") == "learned" and limit is not None and seq_len > limit:
-        raise RnnifyError(f"seq_len (--seq-len) {seq_len} is past the model's {limit} learned positions; "
-                          f"use at most {limit}")
+        raise RnnifyError(
+            f"seq_len (--seq-len) {seq_len} is past the model's {limit} learned positions; use at most {limit}"
+        )
     return seq_len
 
 
 def _tokenizer(tokenizer: Any, data: Path):
     """``tokenizer`` itself, or loaded from the directory it names."""
     if tokenizer is None:
-        raise RnnifyError(f"{data} is text and needs a tokenizer: {TOKENIZER_FIX} (a Hugging Face tokenizer or "
-                          "a directory holding one), or pass token ids as a LongTensor")
+        raise RnnifyError(
+            f"{data} is text and needs a tokenizer: {TOKENIZER_FIX} (a Hugging Face tokenizer or "
+            "a directory holding one), or pass token ids as a LongTensor"
+        )
     if isinstance(tokenizer, (str, os.PathLike)):
         return load_tokenizer(tokenizer)
     return tokenizer
@@ -203,7 +220,9 @@ def _documents(files: list[Path]) -> Iterator[tuple[str, bool]]:
         try:
             yield from (_jsonl(path) if path.suffix == ".jsonl" else _text_pieces(path))
         except UnicodeDecodeError as exc:
-            raise RnnifyError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); convert or remove it") from exc
+            raise RnnifyError(
+                f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); convert or remove it"
+            ) from exc
         except OSError as exc:
             raise RnnifyError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
@@ -230,11 +249,13 @@ def _jsonl(path: Path) -> Iterator[tuple[str, bool]]:
             try:
                 record = json.loads(line)
             except ValueError as exc:
-                raise RnnifyError(f"{path}:{number} is not JSON ({exc}); each line must be an object like "
-                                  '{"text": "..."}') from None
+                raise RnnifyError(
+                    f'{path}:{number} is not JSON ({exc}); each line must be an object like {{"text": "..."}}'
+                ) from None
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise RnnifyError(f'{path}:{number} has no string "text" field; each line must be an object like '
-                                  '{"text": "..."}')
+                raise RnnifyError(
+                    f'{path}:{number} has no string "text" field; each line must be an object like {{"text": "..."}}'
+                )
             if record["text"]:
                 yield record["text"], True
 
@@ -322,7 +343,12 @@ def _check_item(item: Any, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids, mask = item["input_ids"], item.get("attention_mask")
     else:
         ids = item
-    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+    if (
+        not isinstance(ids, torch.Tensor)
+        or ids.dtype.is_floating_point
+        or ids.dtype.is_complex
+        or ids.dtype == torch.bool
+    ):
         got = f"a {ids.dtype} tensor" if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise RnnifyError(f"{where} must be an integer tensor of token ids (torch.long), got {got}")
     if ids.dim() != 2:
@@ -367,8 +393,15 @@ def _groups(rows: Iterator[torch.Tensor], size: int) -> Iterator[list[torch.Tens
         yield group
 
 
-def _batches(rows: Iterator[torch.Tensor], name: str, seq_len: int, batch_size: int, rank: int,
-             world_size: int, skip_batches: int) -> Iterator[dict[str, torch.Tensor]]:
+def _batches(
+    rows: Iterator[torch.Tensor],
+    name: str,
+    seq_len: int,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    skip_batches: int,
+) -> Iterator[dict[str, torch.Tensor]]:
     b = batch_size // world_size
     empty = True
     for index, group in enumerate(_groups(rows, batch_size)):

@@ -56,7 +56,7 @@ class CopyKL:
 def position_ranges(seq_len: int) -> list[tuple[int, int]]:
     """[0, 64), [64, 128), [128, 256), ... up to ``seq_len``: where a constant-state model's error
     grows with the context it has read (a 64-token window is exact in the first range)."""
-    edges = [0, *(2 ** k for k in range(6, seq_len.bit_length()) if 2 ** k < seq_len), seq_len]
+    edges = [0, *(2**k for k in range(6, seq_len.bit_length()) if 2**k < seq_len), seq_len]
     return list(zip(edges[:-1], edges[1:]))
 
 
@@ -70,7 +70,7 @@ def copy_kinds(ids: torch.Tensor, window: int = COPY_WINDOW, span: int = COPY_SP
     kinds, last = [0] * max(len(ids) - 1, 0), {}
     tokens = ids.tolist()
     for t in range(span - 2, len(tokens) - 1):
-        key = tuple(tokens[t - span + 2: t + 2])
+        key = tuple(tokens[t - span + 2 : t + 2])
         if key in last:
             kinds[t] = 1 if last[key] >= t - window else 2
         last[key] = t
@@ -132,8 +132,9 @@ def evaluate(
     model = load_or_take(model_or_dir, device, kernels, "evaluate")
     seq_len = row_length(model, seq_len)
     # the data's mistakes surface here, before the (possibly large) teacher loads
-    batches = token_batches(data, tokenizer_for(model, data, tokenizer), seq_len=seq_len, batch_size=batch_size,
-                            max_tokens=max_tokens)
+    batches = token_batches(
+        data, tokenizer_for(model, data, tokenizer), seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens
+    )
     teacher, teacher_name = _teacher(model, against, cache)
     sums = _Sums(len(model.cells), seq_len)
     from tqdm import tqdm
@@ -144,10 +145,14 @@ def evaluate(
             bar.update(real)
     if sums.predicted == 0:
         raise RnnifyError("no token follows another in the data's rows: give rows of at least 2 tokens")
-    layers = [
-        LayerError(entry.layer, entry.module, mse / max(n, 1), rel / max(n, 1), int(n))
-        for entry, (mse, rel, n) in zip(model.manifest.cells, sums.layers.tolist())
-    ] if layer_errors else []
+    layers = (
+        [
+            LayerError(entry.layer, entry.module, mse / max(n, 1), rel / max(n, 1), int(n))
+            for entry, (mse, rel, n) in zip(model.manifest.cells, sums.layers.tolist())
+        ]
+        if layer_errors
+        else []
+    )
     return EvalResult(
         model=str(model.path) if model.path is not None else "(in memory)",
         target=model.target,
@@ -162,8 +167,10 @@ def evaluate(
         top1_agreement=sums.agree / sums.tokens,
         state_bytes=model.state_nbytes(seq_len),
         layers=layers,
-        kl_by_position=[PositionKL(start, end, kl / max(n, 1), int(n))
-                        for (start, end), (kl, n) in zip(sums.ranges, sums.position_kl.tolist())],
+        kl_by_position=[
+            PositionKL(start, end, kl / max(n, 1), int(n))
+            for (start, end), (kl, n) in zip(sums.ranges, sums.position_kl.tolist())
+        ],
         kl_by_copy=[CopyKL(kind, kl / max(n, 1), int(n)) for kind, (kl, n) in zip(COPY_KINDS, sums.copy_kl.tolist())],
     )
 
@@ -227,8 +234,9 @@ class _Sums:
 
 
 @torch.no_grad()
-def _evaluate_batch(model: RecurrentModel, teacher, batch: dict[str, torch.Tensor], sums: _Sums,
-                    layer_errors: bool) -> int:
+def _evaluate_batch(
+    model: RecurrentModel, teacher, batch: dict[str, torch.Tensor], sums: _Sums, layer_errors: bool
+) -> int:
     """Add one batch to ``sums``; returns its real tokens.
 
     Rows are right-padded, so every call runs without a mask (causal: real positions never see
@@ -249,8 +257,9 @@ def _evaluate_batch(model: RecurrentModel, teacher, batch: dict[str, torch.Tenso
     return int(mask.sum())
 
 
-def _add_row(sums: _Sums, logits: torch.Tensor, teacher_logits: torch.Tensor, ids: torch.Tensor,
-             mask: torch.Tensor) -> None:
+def _add_row(
+    sums: _Sums, logits: torch.Tensor, teacher_logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
+) -> None:
     logp, teacher_logp = logits.float().log_softmax(-1), teacher_logits.float().log_softmax(-1)  # [T, V]
     targets, follows = ids[1:, None], mask[1:]  # right padding: a real target follows a real token
     predicted = int(follows.sum())  # so the first `predicted` positions have a real next token

@@ -89,7 +89,11 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> to
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=dtype, attn_implementation="sdpa", local_files_only=True,
+            str(path.parent),
+            gguf_file=path.name,
+            dtype=dtype,
+            attn_implementation="sdpa",
+            local_files_only=True,
             **_dequantize_options(),
         )
     except (ValueError, KeyError, NotImplementedError) as exc:

@@ -86,12 +86,16 @@ def _parse_target(text: str, where: str) -> tuple[str, Options]:
         return target, ()
     if not rest.endswith(")"):
         raise RnnifyError(f"{where}: expected {target}(KEY=VALUE,...), e.g. 'window(window=1024)'")
-    options = parse_options(filter(None, (p.strip() for p in rest[:-1].split(","))),
-                            lambda pair: f"{where}: option {pair!r} of {target}: expected KEY=VALUE, e.g. 'window(window=1024)'")
+    options = parse_options(
+        filter(None, (p.strip() for p in rest[:-1].split(","))),
+        lambda pair: f"{where}: option {pair!r} of {target}: expected KEY=VALUE, e.g. 'window(window=1024)'",
+    )
     unknown = sorted(set(options) - _accepted(target))
     if unknown:
-        raise RnnifyError(f"{where}: {target} takes no option {', '.join(unknown)}; it takes: "
-                          f"{', '.join(sorted(_accepted(target))) or 'none'}")
+        raise RnnifyError(
+            f"{where}: {target} takes no option {', '.join(unknown)}; it takes: "
+            f"{', '.join(sorted(_accepted(target))) or 'none'}"
+        )
     return target, tuple(sorted(options.items()))
 
 
@@ -132,7 +136,9 @@ def _parse_head_list(text: str, where: str) -> tuple[int, ...] | None:
             first, dash, last = item.partition("-")
             heads += range(int(first), int(last) + 1) if dash else [int(first)]
     except ValueError:
-        raise RnnifyError(f"{where}: kv heads {text!r} must be numbers, ranges (2-3) or '*', {_HEADS_EXAMPLE}") from None
+        raise RnnifyError(
+            f"{where}: kv heads {text!r} must be numbers, ranges (2-3) or '*', {_HEADS_EXAMPLE}"
+        ) from None
     if not heads or min(heads) < 0:
         raise RnnifyError(f"{where}: kv heads {text!r} name no head")
     return tuple(heads)
@@ -172,7 +178,9 @@ def parse_layers(spec: str) -> list[LayerRule]:
             raise RnnifyError(f"layer spec {part!r}: empty or negative layer range")
         target = target.strip()
         if target.startswith(f"{HEADS}(") and target.endswith(")"):
-            rules.append(LayerRule(first, last, HEADS, _parse_heads(target[len(HEADS) + 1 : -1], f"layer spec {part!r}")))
+            rules.append(
+                LayerRule(first, last, HEADS, _parse_heads(target[len(HEADS) + 1 : -1], f"layer spec {part!r}"))
+            )
         elif target.startswith(HEADS):
             raise RnnifyError(f"layer spec {part!r}: expected {HEADS}(HEADS=TARGET;...), {_HEADS_EXAMPLE}")
         else:
@@ -211,17 +219,23 @@ class ConversionPlan:
         groups = self.head_groups(rule, spec.num_kv_heads, layer)
         if len(groups) == 1:  # one target for every head: the plain cell
             return build_cell(groups[0][1], spec, self.options_for(groups[0][1], groups[0][2]))
-        return build_cell(HEADS, spec, {"groups": [{"kv_heads": kv, "target": target,
-                                                    "options": self.options_for(target, options)}
-                                                   for kv, target, options in groups]})
+        return build_cell(
+            HEADS,
+            spec,
+            {
+                "groups": [
+                    {"kv_heads": kv, "target": target, "options": self.options_for(target, options)}
+                    for kv, target, options in groups
+                ]
+            },
+        )
 
     def head_groups(self, rule: LayerRule, num_kv_heads: int, layer: int) -> list[tuple[list[int], str, Options]]:
         """``rule``'s groups for a layer of ``num_kv_heads`` kv heads: ``*`` (or, without it, the
         default target) takes the heads no group names."""
         named = {h for kv, _, _ in rule.heads if kv is not None for h in kv}
         if max(named, default=-1) >= num_kv_heads:
-            raise RnnifyError(f"layer rule '{rule}': layer {layer} has kv heads 0-{num_kv_heads - 1}, "
-                              f"not {max(named)}")
+            raise RnnifyError(f"layer rule '{rule}': layer {layer} has kv heads 0-{num_kv_heads - 1}, not {max(named)}")
         rest = [h for h in range(num_kv_heads) if h not in named]
         groups = [(list(kv) if kv is not None else rest, target, options) for kv, target, options in rule.heads]
         if not any(kv is None for kv, _, _ in rule.heads):
@@ -238,7 +252,9 @@ class ConversionPlan:
         layers = sorted(set(layers))
         for rule in self.rules:
             if not any(rule.matches(layer) for layer in layers):
-                raise RnnifyError(f"layer rule '{rule}' matches no layer (the model has layers {layers[0]}-{layers[-1]})")
+                raise RnnifyError(
+                    f"layer rule '{rule}' matches no layer (the model has layers {layers[0]}-{layers[-1]})"
+                )
         used: set[str] = set()
         for layer in layers:
             rule = self.rule_for(layer)

@@ -24,8 +24,17 @@ from typing import Any
 from rnnify.choices import PASSKEY_TRIALS, SEED
 from rnnify.errors import RnnifyError
 
-__all__ = ["CALIBRATION", "EVALUATION", "PROBES", "Probe", "Prompt", "build_prompt", "depths", "prompts",
-           "prose_sentences"]
+__all__ = [
+    "CALIBRATION",
+    "EVALUATION",
+    "PROBES",
+    "Probe",
+    "Prompt",
+    "build_prompt",
+    "depths",
+    "prompts",
+    "prose_sentences",
+]
 
 
 @dataclass(frozen=True)
@@ -43,8 +52,10 @@ class Probe:
 
 CALIBRATION = Probe(
     "calibration",
-    header=("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-            "I will quiz you about the important information there."),
+    header=(
+        "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+        "I will quiz you about the important information there."
+    ),
     needle="The pass key is {key}. Remember it.",
     question="What is the pass key? The pass key is",
     filler=("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again."),
@@ -54,19 +65,38 @@ _SAFE = {
     "needle": "Write this down: the code to the safe is {key}.",
     "question": "What is the code to the safe? The code to the safe is",
 }
-_TOWN = ("A river runs past the old mill.", "Children play in the park after school.",
-         "The train leaves the station at noon.", "Clouds gather over the hills in the evening.",
-         "A cat sleeps on the warm windowsill.", "The baker opens his shop before dawn.")
+_TOWN = (
+    "A river runs past the old mill.",
+    "Children play in the park after school.",
+    "The train leaves the station at noon.",
+    "Clouds gather over the hills in the evening.",
+    "A cat sleeps on the warm windowsill.",
+    "The baker opens his shop before dawn.",
+)
 EVALUATION = (
     Probe("reworded", filler=_TOWN, **_SAFE),
-    Probe("prose", header="Read the following text carefully; one sentence in it does not belong there.",
-          needle="The magic number is {key}.", question="What is the magic number in the text? The magic number is"),
-    Probe("chat", filler=_TOWN, chat=True, header=_SAFE["header"], needle=_SAFE["needle"],
-          question="What is the code to the safe? Answer with the number only."),
-    Probe("multikey", filler=_TOWN, header="Below is a long note with several numbers in it, each with its own name.",
-          needle="The special number for the {label} is {key}.",
-          question="What is the special number for the {label}? The special number for the {label} is",
-          labels=("red door", "blue box", "green lamp", "white boat")),
+    Probe(
+        "prose",
+        header="Read the following text carefully; one sentence in it does not belong there.",
+        needle="The magic number is {key}.",
+        question="What is the magic number in the text? The magic number is",
+    ),
+    Probe(
+        "chat",
+        filler=_TOWN,
+        chat=True,
+        header=_SAFE["header"],
+        needle=_SAFE["needle"],
+        question="What is the code to the safe? Answer with the number only.",
+    ),
+    Probe(
+        "multikey",
+        filler=_TOWN,
+        header="Below is a long note with several numbers in it, each with its own name.",
+        needle="The special number for the {label} is {key}.",
+        question="What is the special number for the {label}? The special number for the {label} is",
+        labels=("red door", "blue box", "green lamp", "white boat"),
+    ),
 )
 PROBES = {probe.name: probe for probe in (CALIBRATION, *EVALUATION)}
 
@@ -102,8 +132,9 @@ def _body(probe: Probe, filler: Sequence[str], count: int, depth: float, needles
     """The header, ``count`` filler sentences with the needles inserted, and (outside chat) the question."""
     sentences = [filler[i % len(filler)] for i in range(count)]
     # the asked-for needle (first) at ``depth``, the others spread evenly around it
-    spots = [round(depth * count)] + [round((i + 1) * count / len(needles)) % (count + 1)
-                                      for i in range(len(needles) - 1)]
+    spots = [round(depth * count)] + [
+        round((i + 1) * count / len(needles)) % (count + 1) for i in range(len(needles) - 1)
+    ]
     for spot, needle in sorted(zip(spots, needles), key=lambda pair: -pair[0]):
         sentences.insert(spot, needle)
     return " ".join([probe.header, *sentences])
@@ -113,15 +144,24 @@ def _ids(tokenizer: Any, probe: Probe, body: str, question: str) -> list[int]:
     if not probe.chat:
         return list(tokenizer(f"{body} {question}")["input_ids"])
     if not getattr(tokenizer, "chat_template", None):
-        raise RnnifyError(f"the pass-key probe {probe.name!r} asks through a chat template and this tokenizer has "
-                          "none; leave that probe out")
+        raise RnnifyError(
+            f"the pass-key probe {probe.name!r} asks through a chat template and this tokenizer has "
+            "none; leave that probe out"
+        )
     messages = [{"role": "user", "content": f"{body}\n\n{question}"}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def build_prompt(tokenizer: Any, length: int, depth: float, key: str, probe: Probe = CALIBRATION,
-                 filler: Sequence[str] = (), others: Sequence[str] = ()) -> Prompt:
+def build_prompt(
+    tokenizer: Any,
+    length: int,
+    depth: float,
+    key: str,
+    probe: Probe = CALIBRATION,
+    filler: Sequence[str] = (),
+    others: Sequence[str] = (),
+) -> Prompt:
     """The longest prompt of ``probe`` of at most ``length`` tokens (whole filler sentences) with ``key`` at ``depth``.
 
     ``filler``: the sentences of real text for a probe without its own; ``others``: the keys of the
@@ -130,8 +170,10 @@ def build_prompt(tokenizer: Any, length: int, depth: float, key: str, probe: Pro
     """
     filler = probe.filler or tuple(filler)
     if not filler:
-        raise RnnifyError(f"the pass-key probe {probe.name!r} fills its prompts with real text: give text "
-                          "(rnnify eval --data) or leave that probe out")
+        raise RnnifyError(
+            f"the pass-key probe {probe.name!r} fills its prompts with real text: give text "
+            "(rnnify eval --data) or leave that probe out"
+        )
     labels = probe.labels or ("",)
     needles = [probe.needle.format(key=k, label=label) for k, label in zip([key, *others], labels)]
     question = probe.question.format(label=labels[0])
@@ -143,8 +185,10 @@ def build_prompt(tokenizer: Any, length: int, depth: float, key: str, probe: Pro
         return len(encoded(count))
 
     if size(1) > length:
-        raise RnnifyError(f"a pass-key prompt ({probe.name}) needs at least {size(1)} tokens with this tokenizer; "
-                          f"ask for longer contexts than {length}")
+        raise RnnifyError(
+            f"a pass-key prompt ({probe.name}) needs at least {size(1)} tokens with this tokenizer; "
+            f"ask for longer contexts than {length}"
+        )
     sample = min(len(filler), 32)
     per_sentence = max(1, (size(sample + 1) - size(1)) // sample)
     count = max(1, (length - size(1)) // per_sentence + 1)  # an estimate, then whole sentences either way
@@ -162,8 +206,14 @@ def _key(rng: random.Random, taken: set[str]) -> str:
     return key
 
 
-def prompts(tokenizer: Any, lengths: Sequence[int], trials: int = PASSKEY_TRIALS, seed: int = SEED,
-            probes: Sequence[Probe] = (CALIBRATION,), text: Sequence[str] = ()) -> list[tuple[int, Prompt]]:
+def prompts(
+    tokenizer: Any,
+    lengths: Sequence[int],
+    trials: int = PASSKEY_TRIALS,
+    seed: int = SEED,
+    probes: Sequence[Probe] = (CALIBRATION,),
+    text: Sequence[str] = (),
+) -> list[tuple[int, Prompt]]:
     """(requested length, prompt) pairs: per probe and length, ``trials`` depths, each with random keys.
 
     Keys are drawn from a stream per (probe, seed); ``text`` is the sentences of real text

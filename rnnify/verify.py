@@ -64,7 +64,9 @@ def _steps(model: RecurrentModel, ids: torch.Tensor, state: RecurrentState) -> t
 
 def _check_integrity(model: RecurrentModel, expected_digest: str | None) -> CheckResult:
     if model.path is None:
-        return CheckResult("integrity", None, None, None, None, None, "model not loaded from a directory: nothing to check")
+        return CheckResult(
+            "integrity", None, None, None, None, None, "model not loaded from a directory: nothing to check"
+        )
     data = read_data(model.path)
     recorded = data.get("files") if isinstance(data.get("files"), dict) else {}
     try:  # every recorded file, not only those a load reads (a shipped step, head_map.json)

@@ -22,9 +22,15 @@ HEADS, KV_HEADS, WIDTH, LAYERS, FFN, CONTEXT = 4, 2, 64, 2, 128, 256
 
 _TOP = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm", "lm_head.weight": "output"}
 _LAYER = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 
 
@@ -36,7 +42,9 @@ def tokens() -> list[str]:
 
 def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's row order for q and k (its rotary pairs halves differently); transformers undoes it."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 def write_tiny_llama(
@@ -53,9 +61,15 @@ def write_tiny_llama(
     vocab = tokens()
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=WIDTH, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=CONTEXT,
-        rms_norm_eps=1e-5, tie_word_embeddings=False,
+        vocab_size=len(vocab),
+        hidden_size=WIDTH,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=CONTEXT,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
     writer = gguf.GGUFWriter(str(path), architecture)

@@ -18,7 +18,9 @@ def reseal(directory: Path, **changes) -> dict:
 
     path = directory / MANIFEST_FILE
     data = {**json.loads(path.read_text()), **changes}
-    data["files"] = record(directory, sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST_FILE))
+    data["files"] = record(
+        directory, sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
+    )
     data["digest"] = content_digest(data)
     path.write_text(json.dumps(data))
     return data
@@ -48,8 +50,9 @@ def decode(model, ids: torch.Tensor, prefill_length: int, attention_mask: torch.
     return torch.cat([logits, stepped], 1), state
 
 
-def assert_steps_and_split_prefill_match(model, ids: torch.Tensor, split: int, tol: float = 1e-4,
-                                         state_tol: float = 1e-5):
+def assert_steps_and_split_prefill_match(
+    model, ids: torch.Tensor, split: int, tol: float = 1e-4, state_tol: float = 1e-5
+):
     """One step per token after a 1-token prefill, and a prefill split at ``split`` and continued
     from its state, give the one-shot prefill's logits (and, for the split, its state). Returns the
     one-shot ``(logits, state)``."""

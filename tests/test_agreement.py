@@ -14,8 +14,17 @@ def _falcon_alibi():
     from transformers import FalconConfig, FalconForCausalLM
 
     torch.manual_seed(0)
-    config = FalconConfig(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True,
-                          new_decoder_architecture=False, multi_query=False, parallel_attn=True, bias=True)
+    config = FalconConfig(
+        vocab_size=320,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        alibi=True,
+        new_decoder_architecture=False,
+        multi_query=False,
+        parallel_attn=True,
+        bias=True,
+    )
     return FalconForCausalLM(config).eval()
 
 
@@ -24,15 +33,25 @@ def _lfm2():
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
     torch.manual_seed(0)
-    config = Lfm2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
-                        max_position_embeddings=128)
+    config = Lfm2Config(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention"],
+        max_position_embeddings=128,
+    )
     return Lfm2ForCausalLM(config).eval()
 
 
 def test_a_dropped_bias_is_refused_naming_the_first_layer():
-    with pytest.raises(rnnify.RnnifyError, match=r"differs from the original from layer transformer\.h\.0 .*nothing "
-                                                 "was saved"):
+    with pytest.raises(
+        rnnify.RnnifyError,
+        match=r"differs from the original from layer transformer\.h\.0 .*nothing "
+        "was saved",
+    ):
         rnnify.convert(_falcon_alibi(), to="exact")
 
 

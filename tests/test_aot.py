@@ -61,8 +61,9 @@ def test_compiled_step_follows_weights_changed_in_place_and_stops_when_they_are_
 
 
 @pytest.mark.parametrize("other", ["linear", "hybrid-w8"])
-def test_a_step_compiled_for_another_model_is_not_found(compiled, converted_dir, tiny_model_dir, tmp_path, other,
-                                                         empty_cache):
+def test_a_step_compiled_for_another_model_is_not_found(
+    compiled, converted_dir, tiny_model_dir, tmp_path, other, empty_cache
+):
     """The cache is keyed by what a step was compiled for: another target, or the same graph code and
     weights with another window (the compiled code has the old state shapes), finds nothing."""
     hybrid = rnnify.load(compiled("hybrid"))
@@ -112,8 +113,9 @@ def test_compile_of_a_missing_directory_exits_2(tmp_path, capsys):
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1
 
 
-def test_a_failing_compiler_is_one_error_line_and_leaves_nothing(converted_dir, tmp_path, capsys, monkeypatch,
-                                                                 empty_cache):
+def test_a_failing_compiler_is_one_error_line_and_leaves_nothing(
+    converted_dir, tmp_path, capsys, monkeypatch, empty_cache
+):
     out = tmp_path / "model"
     shutil.copytree(converted_dir("llama", "linear"), out)
     before = sorted(p.name for p in out.iterdir())
@@ -139,8 +141,9 @@ def test_convert_compiles_the_step_unless_told_not_to(compiled, tiny_model_dir, 
     assert not empty_cache.exists() and rnnify.load(out).step_package is None
 
 
-def test_convert_with_a_failing_compiler_warns_and_saves_the_whole_model(tiny_model_dir, tmp_path, capsys, monkeypatch,
-                                                                         empty_cache):
+def test_convert_with_a_failing_compiler_warns_and_saves_the_whole_model(
+    tiny_model_dir, tmp_path, capsys, monkeypatch, empty_cache
+):
     def no_compiler(*args, **kwargs):
         from torch._inductor.exc import CppCompileError
 
@@ -158,8 +161,9 @@ def test_convert_with_a_failing_compiler_warns_and_saves_the_whole_model(tiny_mo
     assert rnnify.load(out).step_package is None
 
 
-def test_convert_leaves_a_large_models_step_eager_unless_told_to_compile(tiny_model_dir, tmp_path, capsys, monkeypatch,
-                                                                         empty_cache):
+def test_convert_leaves_a_large_models_step_eager_unless_told_to_compile(
+    tiny_model_dir, tmp_path, capsys, monkeypatch, empty_cache
+):
     """A step that reads more weights than aot.WORTH_COMPILING_BELOW is mostly those reads: not compiled
     by default (here the bound is lowered under the tiny model's weights and the compile recorded)."""
     import rnnify.runtime.aot as aot
@@ -202,9 +206,29 @@ def test_distill_finds_the_step_its_model_was_compiled_with(compiled, tmp_path, 
     if case == "in place":  # a copy of the shared fixture, distilled into itself
         shutil.copytree(source_dir, out)
     given = out if case == "in place" else source_dir
-    argv = ["distill", str(given), "--data", str(corpus), "-o", str(out), "--seq-len", "16", "--batch-size",
-            "2", "--max-tokens", "64", "--stages", "transfer", "--lr", "0.5", "--threads", "1", "--device", "cpu",
-            *(["--overwrite"] if case == "in place" else [])]
+    argv = [
+        "distill",
+        str(given),
+        "--data",
+        str(corpus),
+        "-o",
+        str(out),
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--max-tokens",
+        "64",
+        "--stages",
+        "transfer",
+        "--lr",
+        "0.5",
+        "--threads",
+        "1",
+        "--device",
+        "cpu",
+        *(["--overwrite"] if case == "in place" else []),
+    ]
     capsys.readouterr()
     assert main(argv) == 0, capsys.readouterr().err
     assert "found in this machine's cache" in capsys.readouterr().out
@@ -212,8 +236,9 @@ def test_distill_finds_the_step_its_model_was_compiled_with(compiled, tmp_path, 
     assert not (out / STEP_PACKAGE).exists()
     distilled, source = rnnify.load(out), rnnify.load(source_dir)
     assert distilled.step_package is not None
-    changed = [name for name, t in distilled.graph.named_parameters()
-               if not torch.equal(t, source.graph.get_parameter(name))]
+    changed = [
+        name for name, t in distilled.graph.named_parameters() if not torch.equal(t, source.graph.get_parameter(name))
+    ]
     assert changed  # the step below runs other weights than the step was compiled beside
     want, _ = _decode(rnnify.load(out, aot_step=False), 2, 3)
     torch.testing.assert_close(_decode(distilled, 2, 3)[0], want, rtol=1e-4, atol=1e-4)
@@ -225,8 +250,9 @@ def test_verify_checks_the_compiled_step(compiled, capsys):
     assert "step compiled ahead of time" in out and "all checks passed" in out
 
 
-def test_distill_of_a_model_trained_elsewhere_compiles_from_the_saved_copy(compiled, tmp_path, monkeypatch,
-                                                                           empty_cache):
+def test_distill_of_a_model_trained_elsewhere_compiles_from_the_saved_copy(
+    compiled, tmp_path, monkeypatch, empty_cache
+):
     """A model distilled on another device is compiled from its saved directory, loaded on the CPU
     (the step is for CPUs); here the device is faked and the compile recorded."""
     import rnnify.runtime.step_cache as step_cache
@@ -238,6 +264,8 @@ def test_distill_of_a_model_trained_elsewhere_compiles_from_the_saved_copy(compi
     trained.__class__ = type("OnAGpu", (type(trained),), {"device": property(lambda self: torch.device("cuda", 0))})
     compiled_models = []
     monkeypatch.setattr(step_cache, "compile_into_cache", lambda model: compiled_models.append(model) or empty_cache)
-    assert compile_step(trained, out) == f"decode step: compiled ahead of time (into this machine's cache: {empty_cache})"
+    assert (
+        compile_step(trained, out) == f"decode step: compiled ahead of time (into this machine's cache: {empty_cache})"
+    )
     [model] = compiled_models
     assert model is not trained and model.path == out

@@ -71,10 +71,24 @@ def test_weight_bytes_counts_a_lookup_table_once_per_row(converted_dir):
 
 def test_bench_smoke(tmp_path, tiny_model_dir, converted_dir, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    code = main([
-        "bench", str(converted_dir("llama", "linear")), "--against", str(tiny_model_dir("llama")),
-        "--contexts", "8,32", "--batch", "1,2", "--steps", "2", "--json", str(out), "--plot", str(png),
-    ])
+    code = main(
+        [
+            "bench",
+            str(converted_dir("llama", "linear")),
+            "--against",
+            str(tiny_model_dir("llama")),
+            "--contexts",
+            "8,32",
+            "--batch",
+            "1,2",
+            "--steps",
+            "2",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     text = capsys.readouterr().out
     assert code == 0
     assert "speedup" in text and "limit" in text
@@ -183,9 +197,30 @@ def test_speed_script_measures_side_by_side_and_counts_ops(tiny_model_dir, conve
     spec.loader.exec_module(speed)
     out = tmp_path / "speed.json"
     converted = str(converted_dir("llama", "linear"))
-    monkeypatch.setattr(sys, "argv", ["speed.py", str(tiny_model_dir("llama")), converted, "--contexts", "8",
-                                      "--batch", "1,2", "--prefill", "16", "--repeats", "1", "--steps", "1",
-                                      "--kernels", "none", "--breakdown", "--json", str(out)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "speed.py",
+            str(tiny_model_dir("llama")),
+            converted,
+            "--contexts",
+            "8",
+            "--batch",
+            "1,2",
+            "--prefill",
+            "16",
+            "--repeats",
+            "1",
+            "--steps",
+            "1",
+            "--kernels",
+            "none",
+            "--breakdown",
+            "--json",
+            str(out),
+        ],
+    )
     threads = torch.get_num_threads()
     try:
         speed.main()
@@ -193,7 +228,9 @@ def test_speed_script_measures_side_by_side_and_counts_ops(tiny_model_dir, conve
         torch.set_num_threads(threads)
     data = json.loads(out.read_text())
     name = Path(converted).name
-    assert {(r["model"], r["batch"]) for r in data["decode"]} == {(m, b) for m in (name, f"{name}[none]") for b in (1, 2)}
+    assert {(r["model"], r["batch"]) for r in data["decode"]} == {
+        (m, b) for m in (name, f"{name}[none]") for b in (1, 2)
+    }
     for row in data["decode"] + data["prefill"]:
         assert row["ratio"] == pytest.approx(row["original_ms"] / row["ms"])
     assert {r["length"] for r in data["prefill"]} == {16}
@@ -209,7 +246,9 @@ def test_speed_script_times_the_original_without_autograd_in_either_mode(tiny_mo
 
     from transformers import AutoModelForCausalLM
 
-    spec = importlib.util.spec_from_file_location("speed", Path(__file__).resolve().parents[1] / "benchmarks" / "speed.py")
+    spec = importlib.util.spec_from_file_location(
+        "speed", Path(__file__).resolve().parents[1] / "benchmarks" / "speed.py"
+    )
     speed = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(speed)
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
@@ -236,8 +275,12 @@ def test_timing_warning_fires_when_one_measurements_steps_disagree_by_more_than_
 
 def test_timing_warning_compares_contexts_only_where_the_work_is_the_same():
     # the table: 316 ms at 256 tokens, 13 ms at 1,024, each row steady in itself
-    rows = [_result(256, 316.0, 310.0, 320.0), _result(1024, 13.0, 12.9, 13.1),
-            _result(256, 5.0, 5.0, 5.0, model="original"), _result(1024, 20.0, 19.9, 20.1, model="original")]
+    rows = [
+        _result(256, 316.0, 310.0, 320.0),
+        _result(1024, 13.0, 12.9, 13.1),
+        _result(256, 5.0, 5.0, 5.0, model="original"),
+        _result(1024, 20.0, 19.9, 20.1, model="original"),
+    ]
     warning = timing_warning(rows, constant_memory=True)
     assert "316 ms at 256" in warning and "13 ms at 1,024" in warning
     # a growing state (exact) and the original with its KV cache may rightly cost more at longer contexts
@@ -260,8 +303,22 @@ def test_bench_prints_and_records_the_warning_of_disagreeing_timings(tmp_path, c
     monkeypatch.setattr(bench, "_time_steps", lambda step, device, steps, warmup, sample: [next(times), next(times)])
     monkeypatch.setattr(bench, "bandwidth", lambda device: 10.0)  # not what is tested here
     out = tmp_path / "bench.json"
-    code = main(["bench", str(converted_dir("llama", "linear")), "--contexts", "8,16", "--batch", "1",
-                 "--steps", "2", "--prefill-max", "1", "--json", str(out)])
+    code = main(
+        [
+            "bench",
+            str(converted_dir("llama", "linear")),
+            "--contexts",
+            "8,16",
+            "--batch",
+            "1",
+            "--steps",
+            "2",
+            "--prefill-max",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: timings disagree")]
     assert code == 0 and len(lines) == 1
     assert "in 2 of 3 comparisons" in lines[0]  # two measurements 1 to 5 ms; their medians (3 ms) agree

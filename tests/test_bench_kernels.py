@@ -64,9 +64,14 @@ def test_failures_are_rows_not_crashes(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "build", failing_build)
     doc = run_main(tmp_path, "--preset", "smoke", "--ops", "linear_recurrence", "aaren_scan", "--lengths", "16")
     status = {(r["op"], r["mode"]): r["status"] for r in doc["rows"]}
-    assert status == {("aaren_scan", "fwd"): "oom", ("aaren_scan", "fwd+bwd"): "ok",
-                      ("linear_recurrence", "fwd"): "ok", ("linear_recurrence", "fwd+bwd"): "unsupported",
-                      ("sdpa", "fwd"): "ok", ("sdpa", "fwd+bwd"): "ok"}
+    assert status == {
+        ("aaren_scan", "fwd"): "oom",
+        ("aaren_scan", "fwd+bwd"): "ok",
+        ("linear_recurrence", "fwd"): "ok",
+        ("linear_recurrence", "fwd+bwd"): "unsupported",
+        ("sdpa", "fwd"): "ok",
+        ("sdpa", "fwd+bwd"): "ok",
+    }
     assert "96.00 GiB" in next(r["error"] for r in doc["rows"] if r["status"] == "oom")
 
 
@@ -87,13 +92,17 @@ def row(op, impl, mode, ms, B=1, H=32, D=128, T=8192, variant="plain", section="
 
 def test_goals_verdicts():
     rows = [
-        row("chunk_linear_attn", "triton", "fwd", 1.0), row("chunk_linear_attn", "fla", "fwd", 1.5),
-        row("chunk_linear_attn", "triton", "fwd+bwd", 4.0), row("chunk_linear_attn", "fla", "fwd+bwd", 3.0),
+        row("chunk_linear_attn", "triton", "fwd", 1.0),
+        row("chunk_linear_attn", "fla", "fwd", 1.5),
+        row("chunk_linear_attn", "triton", "fwd+bwd", 4.0),
+        row("chunk_linear_attn", "fla", "fwd+bwd", 3.0),
         row("chunk_linear_attn", "triton", "fwd", 2.0, T=32768),
         row("sdpa", "sdpa", "fwd", 30.0, T=32768, variant="causal"),
         row("chunk_linear_attn", "triton", "fwd+bwd", 8.0, T=32768),
-        *(row("fused_recurrent_linear_attn", "triton", "step", ms, T=T, section="decode")
-          for T, ms in ((1024, 0.020), (32768, 0.022))),
+        *(
+            row("fused_recurrent_linear_attn", "triton", "step", ms, T=T, section="decode")
+            for T, ms in ((1024, 0.020), (32768, 0.022))
+        ),
     ]
     doc = {"rows": rows, "machine": {"device": "cuda", "fla": "0.6.0"}}
     assert [g["verdict"] for g in bench.goals(doc)] == ["met", "not met", "met", "not measured", "met"]
@@ -107,21 +116,38 @@ def test_goals_verdicts():
 @needs_interpreter
 def test_triton_rows_are_checked_against_the_reference():
     """The Triton rows' code path (timing, gradients, err_vs_reference), through the interpreter."""
-    run = bench.Run(torch.device("cpu"), torch.float32, repeat=1, warmup=0, case_seconds=0.0, reference_max_len=None,
-                    time_budget=None, triton=True, fla=False)
-    group = bench.Group((1,), (2,), (16,), (16,), ops=("chunk_linear_attn", "fused_recurrent_linear_attn"),
-                        variants=("plain", "plain-tf32", "gk"))
+    run = bench.Run(
+        torch.device("cpu"),
+        torch.float32,
+        repeat=1,
+        warmup=0,
+        case_seconds=0.0,
+        reference_max_len=None,
+        time_budget=None,
+        triton=True,
+        fla=False,
+    )
+    group = bench.Group(
+        (1,),
+        (2,),
+        (16,),
+        (16,),
+        ops=("chunk_linear_attn", "fused_recurrent_linear_attn"),
+        variants=("plain", "plain-tf32", "gk"),
+    )
     rows = bench.run_cases(bench.plan([group], run), run, lambda rows: None)
     assert all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"]
     checked = [r for r in rows if "err_vs_reference" in r]
     assert {(r["op"], r["variant"], r["mode"]) for r in checked} == {
-        ("chunk_linear_attn", v, m) for v in ("plain", "gk") for m in ("fwd", "fwd+bwd")} | {
-        ("fused_recurrent_linear_attn", v, "step") for v in ("plain", "gk")}
+        ("chunk_linear_attn", v, m) for v in ("plain", "gk") for m in ("fwd", "fwd+bwd")
+    } | {("fused_recurrent_linear_attn", v, "step") for v in ("plain", "gk")}
     assert all(r["impl"] == "triton" and r["err_vs_reference"] < 1e-5 for r in checked)
 
 
-PARITY_CASES = [("linear_recurrence", 1, 9, 1, 1, 8, {"reverse": True}),
-                ("fused_recurrent_linear_attn", 1, 5, 2, 1, 16, {"gates": "g", "state": True})]
+PARITY_CASES = [
+    ("linear_recurrence", 1, 9, 1, 1, 8, {"reverse": True}),
+    ("fused_recurrent_linear_attn", 1, 5, 2, 1, 16, {"gates": "g", "state": True}),
+]
 
 
 @needs_interpreter
@@ -140,10 +166,15 @@ def test_parity_passes_and_catches_a_wrong_kernel(tmp_path, monkeypatch):
     assert [r["status"] for r in bench.parity(torch.device("cpu"), PARITY_CASES)] == ["fail", "pass"]
 
 
-@pytest.mark.parametrize("section, op, table", [
-    ("prefill", "chunk_linear_attn", "FLA_CHUNK"), ("decode", "fused_recurrent_linear_attn", "FLA_DECODE"),
-    ("prefill", "chunk_delta_rule", "FLA_DELTA_CHUNK"), ("decode", "fused_recurrent_delta_rule", "FLA_DELTA_DECODE"),
-])
+@pytest.mark.parametrize(
+    "section, op, table",
+    [
+        ("prefill", "chunk_linear_attn", "FLA_CHUNK"),
+        ("decode", "fused_recurrent_linear_attn", "FLA_DECODE"),
+        ("prefill", "chunk_delta_rule", "FLA_DELTA_CHUNK"),
+        ("decode", "fused_recurrent_delta_rule", "FLA_DELTA_DECODE"),
+    ],
+)
 def test_fla_rows_call_fla_with_the_inputs_of_their_op(monkeypatch, section, op, table):
     """Without fla here: each fla row calls its table's function with the op's inputs (the delta rule's
     normalised q and k, a decode row's one token and state) and differentiates those of a prompt."""
@@ -166,8 +197,14 @@ def test_fla_rows_call_fla_with_the_inputs_of_their_op(monkeypatch, section, op,
         q, k = ("qn", "kn") if delta else ("q", "k")
         if section == "decode":
             state = f"{'deltastate' if delta else 'state'}_{variant}"
-            assert kwargs == {"q": q + "1", "k": k + "1", "v": "v1", **entry[2](Named()), "initial_state": state,
-                              "output_final_state": True}
+            assert kwargs == {
+                "q": q + "1",
+                "k": k + "1",
+                "v": "v1",
+                **entry[2](Named()),
+                "initial_state": state,
+                "output_final_state": True,
+            }
             assert leaves == ()
         else:
             assert kwargs == {"q": q, "k": k, "v": "v", **entry[2](Named())}

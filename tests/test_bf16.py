@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import decode, random_qkv, rel_diff
 
 import rnnify
 from rnnify.cells import Cell, CellSpec, build_cell
-from support import decode, random_qkv, rel_diff
 
 SPEC = CellSpec(num_heads=4, num_kv_heads=2, head_dim=8, value_dim=6, scale=8**-0.5, hidden_size=12)
 CACHES = ("keys", "values", "sink_keys", "sink_values")  # copies of bf16 keys/values: lossless in bf16
@@ -44,7 +44,9 @@ def _run(cell: Cell, inputs: list[tuple], dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("kernels", ["none", "reference"])
-@pytest.mark.parametrize("target, options", CELLS, ids=lambda v: str(v) if not isinstance(v, dict) else "-".join(map(str, v.values())))
+@pytest.mark.parametrize(
+    "target, options", CELLS, ids=lambda v: str(v) if not isinstance(v, dict) else "-".join(map(str, v.values()))
+)
 def test_a_cell_fed_bf16_keeps_the_state_of_an_fp32_run(target, options, kernels):
     gen = torch.Generator().manual_seed(0)
     cell = build_cell(target, SPEC, options)

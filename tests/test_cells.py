@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import random_qkv
 
 from rnnify.cells import CELLS, CellSpec, build_cell
 from rnnify.cells.base import every_token_real
@@ -26,7 +27,6 @@ from rnnify.cells.linear import (
     step_feature_attn,
 )
 from rnnify.errors import RnnifyError
-from support import random_qkv
 
 # fp32 computation against a float64 reference on O(1) inputs: 1e-5 relative, and the same
 # absolute floor for entries that happen to be near zero.
@@ -40,6 +40,7 @@ def _gen(seed: int) -> torch.Generator:
 
 
 # --------------------------------------------------------------------------- references
+
 
 def reference_softmax_attention(q, keys, values, valid, scale, window=None):
     """float64 softmax attention of the queries at cache positions N-T..N-1.
@@ -58,8 +59,7 @@ def reference_softmax_attention(q, keys, values, valid, scale, window=None):
             for t in range(length):
                 i = total - length + t  # cache position of this query
                 allowed = [
-                    j for j in range(total)
-                    if j <= i and bool(valid[b, j]) and (window is None or i - j < window)
+                    j for j in range(total) if j <= i and bool(valid[b, j]) and (window is None or i - j < window)
                 ]
                 if not allowed:
                     continue
@@ -105,6 +105,7 @@ def reference_linear_cell(q, k, v, mask, kv0, z0, eps=1e-6):
 
 
 # --------------------------------------------------------------------------- exact: the function
+
 
 @st.composite
 def attention_problems(draw):
@@ -191,6 +192,7 @@ def test_softmax_attention_rnn_keeps_value_dtype():
 
 # --------------------------------------------------------------------------- exact: the cell
 
+
 def _exact_cell(num_kv_heads=2, group=2, head_dim=8, window=None, block_size=4) -> ExactCell:
     spec = CellSpec(num_kv_heads * group, num_kv_heads, head_dim, head_dim, 1 / math.sqrt(head_dim), window)
     return ExactCell(spec, block_size=block_size)
@@ -205,7 +207,9 @@ def _exact_cell(num_kv_heads=2, group=2, head_dim=8, window=None, block_size=4) 
     left_pad=st.integers(0, 4),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_exact_cell_chunked_and_stepped_equal_one_shot_and_reference(window, length, splits, block_size, left_pad, seed):
+def test_exact_cell_chunked_and_stepped_equal_one_shot_and_reference(
+    window, length, splits, block_size, left_pad, seed
+):
     gen = _gen(seed)
     cell = _exact_cell(window=window, block_size=block_size)
     batch, spec = 2, cell.spec
@@ -269,6 +273,7 @@ def test_exact_cell_does_not_mutate_its_state():
 
 
 # --------------------------------------------------------------------------- linear: the forms
+
 
 @st.composite
 def linear_problems(draw):
@@ -341,6 +346,7 @@ def test_linear_chunk_form_lengths_around_the_chunk_size():
 
 
 # --------------------------------------------------------------------------- linear: the cell
+
 
 def _linear_cell(num_kv_heads=2, group=2, head_dim=8, value_dim=8, chunk_size=4) -> LinearCell:
     spec = CellSpec(num_kv_heads * group, num_kv_heads, head_dim, value_dim, 1 / math.sqrt(head_dim))
@@ -435,7 +441,9 @@ def test_linear_cell_state_size_does_not_depend_on_length():
         q = torch.randn(1, 6, length, 4)
         k = torch.randn(1, 3, length, 4)
         v = torch.randn(1, 3, length, 6)
-        _, kv, k_sum = cell(q, k, v, torch.ones(1, length, dtype=torch.bool), *cell.init_state(1, torch.device("cpu"), torch.float32))
+        _, kv, k_sum = cell(
+            q, k, v, torch.ones(1, length, dtype=torch.bool), *cell.init_state(1, torch.device("cpu"), torch.float32)
+        )
         shapes.add((tuple(kv.shape), tuple(k_sum.shape)))
     assert shapes == {((1, 3, 4, 6), (1, 3, 4))}
     assert cell.state_nbytes(1) == cell.state_nbytes(10**6) == (3 * 4 * 6 + 3 * 4) * 4
@@ -470,6 +478,7 @@ def test_linear_cell_bf16_inputs_keep_an_fp32_state():
 
 
 # --------------------------------------------------------------------------- build_cell
+
 
 def test_build_cell_builds_each_target_with_its_options():
     spec = CellSpec(4, 2, 8, 8, 0.125, None)

@@ -21,6 +21,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
+from support import (
+    assert_left_padded_rows_equal_rows_alone,
+    assert_steps_and_split_prefill_match,
+    random_qkv,
+    rel_diff,
+)
 from test_cells import _padding_mask, reference_softmax_attention
 
 import rnnify
@@ -40,12 +46,6 @@ from rnnify.cells.exact import (
     softmax_attention_rnn,
 )
 from rnnify.errors import RnnifyError
-from support import (
-    assert_left_padded_rows_equal_rows_alone,
-    assert_steps_and_split_prefill_match,
-    random_qkv,
-    rel_diff,
-)
 
 RTOL = ATOL = 1e-5
 HYPOTHESIS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -57,6 +57,7 @@ def _gen(seed: int) -> torch.Generator:
 
 
 # --------------------------------------------------------------------------- references
+
 
 def reference_prefix_softmax(s, v, m0, u0, w0):
     """float64: outputs and final state of softmax over the prefix 1..t, continued from (m0, u0, w0).
@@ -114,6 +115,7 @@ def reference_aaren_cell(query, k, v, mask, scale):
 
 
 # --------------------------------------------------------------------------- aaren: the forms
+
 
 def _step_loop(s, v, m, u, w):
     outs = []
@@ -252,6 +254,7 @@ def test_aaren_forms_have_the_same_gradients():
 
 
 # --------------------------------------------------------------------------- aaren: the cell
+
 
 def _aaren_cell(num_kv_heads=2, group=2, head_dim=8, value_dim=8, chunk_size=4, prefill="chunk", seed=None):
     spec = CellSpec(num_kv_heads * group, num_kv_heads, head_dim, value_dim, 1 / math.sqrt(head_dim))
@@ -496,6 +499,7 @@ def test_aaren_options_rebuild_and_are_validated():
 
 # --------------------------------------------------------------------------- aaren: stability
 
+
 def _stability(steps: int):
     """``steps`` single steps from random inputs: finite, and the last outputs equal the other forms."""
     gen = _gen(31)
@@ -537,6 +541,7 @@ def test_aaren_100000_steps_are_stable():
 
 
 # --------------------------------------------------------------------------- aaren: converted models
+
 
 @pytest.fixture(scope="module")
 def aaren_models(tiny_model_dir):

@@ -67,8 +67,9 @@ def delta_write(S, writer, x_t, h, k_t, v_t, beta_scale=1.0):
     if writer.gated:
         alpha = torch.sigmoid(x_t @ writer.gate_proj.weight[h].double() + writer.gate_proj.bias[h].double())
     k_t = k_t.double() / k_t.double().norm()
-    return alpha * S @ (torch.eye(len(k_t), dtype=torch.float64) - beta * torch.outer(k_t, k_t)) \
-        + beta * torch.outer(v_t.double(), k_t)
+    return alpha * S @ (torch.eye(len(k_t), dtype=torch.float64) - beta * torch.outer(k_t, k_t)) + beta * torch.outer(
+        v_t.double(), k_t
+    )
 
 
 def read(out, S, q, b, h, t):
@@ -102,12 +103,14 @@ def test_cell_matches_float64_reference(target):
     real = mask[:, None, :, None].expand_as(out)
     assert rel_diff(out[real], ref[real]) < 1e-5 and rel_diff(S, ref_S) < 1e-5
     # decode: one token at a time from the state the prefill of the first 7 left
-    _, state = cell(q[:, :, :7], k[:, :, :7], v[:, :, :7], mask[:, :7], *cell.init_state(2, q.device, q.dtype),
-                    x=x[:, :7])
+    _, state = cell(
+        q[:, :, :7], k[:, :, :7], v[:, :, :7], mask[:, :7], *cell.init_state(2, q.device, q.dtype), x=x[:, :7]
+    )
     outs = []
     for t in range(7, 19):
-        o, state = cell(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], mask[:, t:t + 1], state,
-                        x=x[:, t:t + 1])
+        o, state = cell(
+            q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1], state, x=x[:, t : t + 1]
+        )
         outs.append(o)
     assert rel_diff(torch.cat(outs, 2), ref[:, :, 7:]) < 1e-5 and rel_diff(state, ref_S) < 1e-5
 
@@ -126,8 +129,14 @@ def test_forms_agree(gated):
         assert rel_diff(out, ref) < 1e-5 and rel_diff(new_kv, ref_kv) < 1e-5
     outs, state = [], kv
     for t in range(23):
-        o, state = step_delta_attn(q[:, :, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], beta[:, :, t:t + 1],
-                                   None if log_a is None else log_a[:, :, t:t + 1], state)
+        o, state = step_delta_attn(
+            q[:, :, :, t : t + 1],
+            k[:, :, t : t + 1],
+            v[:, :, t : t + 1],
+            beta[:, :, t : t + 1],
+            None if log_a is None else log_a[:, :, t : t + 1],
+            state,
+        )
         outs.append(o)
     assert rel_diff(torch.cat(outs, 3), ref) < 1e-5 and rel_diff(state, ref_kv) < 1e-5
 
@@ -149,8 +158,12 @@ def test_initialisation_is_modest():
 def test_trainable_parameters_and_gradients():
     cell = make_cell("gated-delta")
     names = {n for n, _ in cell.named_parameters()}
-    assert names == {"writer.beta_proj.weight", "writer.beta_proj.bias", "writer.gate_proj.weight",
-                     "writer.gate_proj.bias"}
+    assert names == {
+        "writer.beta_proj.weight",
+        "writer.beta_proj.bias",
+        "writer.gate_proj.weight",
+        "writer.gate_proj.bias",
+    }
     assert len(list(parameters(torch.nn.ModuleList([cell])))) == 4
     q, k, v, x, mask = make_inputs(9)
     out, _ = cell(q, k, v, mask, *cell.init_state(2, q.device, q.dtype), x=x)
@@ -158,8 +171,14 @@ def test_trainable_parameters_and_gradients():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in cell.parameters())
 
 
-@pytest.mark.parametrize("target, kernels", [("delta", "reference"), ("gated-delta", "reference"),
-                                            pytest.param("gated-delta", "triton", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "target, kernels",
+    [
+        ("delta", "reference"),
+        ("gated-delta", "reference"),
+        pytest.param("gated-delta", "triton", marks=pytest.mark.slow),
+    ],
+)
 def test_fused_matches_own_forms(target, kernels):
     """The kernels' ops (the reference path; Triton through the interpreter, slow) against the cell's own forms: left-padded prefill then decode steps, outputs, state and
     gradients of q, k, v, x and the cell's parameters."""
@@ -216,6 +235,7 @@ def test_convert_tiny_llama_left_padded(tiny_model_dir):
 
 # --------------------------------------------------------------------------- the hybrid's delta memory
 
+
 def anneal_scale(cell, h: int, written: int) -> float:
     """tau_h / (tau_h + m) for a write after m others when the cell anneals beta, else 1."""
     if not cell.anneal:
@@ -248,7 +268,10 @@ def delta_memory_reference(cell, q, k, v, x, mask, window: int, sinks: int, expe
                 if n >= window + sinks:
                     j = real[n - window]
                     scale = anneal_scale(cell, h, written)
-                    S, written = delta_write(S, writer, x[b, t], h, mapped(k[b, h, j], h), v[b, h, j], scale), written + 1
+                    S, written = (
+                        delta_write(S, writer, x[b, t], h, mapped(k[b, h, j], h), v[b, h, j], scale),
+                        written + 1,
+                    )
                 if not written:
                     continue
                 for i in range(h * group, (h + 1) * group):
@@ -337,8 +360,9 @@ def delta_memory_mass_reference(cell, q, k, v, x, mask, window: int, sinks: int)
                     query = mapped(q[b, i, t], h)
                     odds = 1.0
                     if by_input:
-                        odds = torch.exp(x[b, t].double() @ reader.share_proj.weight[i].double()
-                                         + reader.share_proj.bias[i].double())
+                        odds = torch.exp(
+                            x[b, t].double() @ reader.share_proj.weight[i].double() + reader.share_proj.bias[i].double()
+                        )
                     share = gate[i] * mass / (f[i] * u / odds + mass) if mass > 0 else 0.0
                     out[b, i, t] = w / u + share * (S @ (query / query.norm()) - w / u)
     return out
@@ -352,8 +376,14 @@ def test_hybrid_delta_memory_weighed_by_mass(memory, share):
     g = 0 the window target; every phase against the float64 loop."""
     window, sinks = 3, 1
     torch.manual_seed(0)
-    options = {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4, "share": share,
-               "feature_map": "elu"}
+    options = {
+        "window": window,
+        "sinks": sinks,
+        "memory": memory,
+        "chunk_size": 4,
+        "share": share,
+        "feature_map": "elu",
+    }
     hybrid = build_cell("hybrid", SPEC, options)
     assert hybrid.state_names[-2:] == ("kv", "k_sum") and not hasattr(hybrid.reader, "count_weight")
     assert hasattr(hybrid.reader, "share_proj") == (share == "mass-input")
@@ -417,16 +447,18 @@ def test_hybrid_delta_memory_weighed_by_mass_unpadded_with_hedgehog_and_trains(s
     """A whole unpadded prompt (its own window path) with the default hedgehog map: the prompt equals
     its token-by-token steps, and the gate, f_h, the map and the memory's reader all get gradients."""
     torch.manual_seed(0)
-    hybrid = build_cell("hybrid", SPEC, {"window": 3, "sinks": 1, "memory": "delta", "share": share,
-                                         "memory_init": 0.5})
+    hybrid = build_cell(
+        "hybrid", SPEC, {"window": 3, "sinks": 1, "memory": "delta", "share": share, "memory_init": 0.5}
+    )
     assert hybrid.feature_map == "hedgehog"
     q, k, v, x, mask = make_inputs(11, pad=0)
     mask = torch.ones_like(mask)
     prompt, *_ = hybrid(q, k, v, mask, *hybrid.init_state(2, q.device, q.dtype), x=x)
     state, steps = hybrid.init_state(2, q.device, q.dtype), []
     for t in range(q.shape[2]):
-        out, *state = hybrid(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1], *state,
-                             x=x[:, t : t + 1])
+        out, *state = hybrid(
+            q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1], *state, x=x[:, t : t + 1]
+        )
         steps.append(out)
     assert rel_diff(torch.cat(steps, 2), prompt) < 1e-5
     prompt.square().sum().backward()
@@ -461,6 +493,7 @@ def test_hybrid_share_by_mass_is_for_the_delta_memories():
 
 
 # --------------------------------------------------------------------------- the hybrid's gla memory
+
 
 def elu_map(memory: str) -> dict:
     """The elu map for the linear and gla memories, as the references below compute it (the delta memories have none)."""
@@ -511,8 +544,9 @@ def test_hybrid_gla_memory_is_the_decayed_lolcats_sum():
     from a state, left padding; the kernels' path too."""
     window, sinks = 3, 1
     torch.manual_seed(0)
-    hybrid = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": "gla", "chunk_size": 4,
-                                         "feature_map": "elu"})
+    hybrid = build_cell(
+        "hybrid", SPEC, {"window": window, "sinks": sinks, "memory": "gla", "chunk_size": 4, "feature_map": "elu"}
+    )
     assert hybrid.state_names[-2:] == ("kv", "k_sum") and hybrid.needs_input
     q, k, v, x, mask = make_inputs(13, pad=2)
     assert_starts_as_window(hybrid, q, k, v, x, mask)
@@ -526,12 +560,16 @@ def test_hybrid_gla_memory_is_the_decayed_lolcats_sum():
     assert_every_phase_matches(hybrid, q, k, v, x, mask, expected)
 
 
-@pytest.mark.parametrize("memory, sinks, gated, feature_map, dtype", [
-    ("linear", 1, True, "elu", torch.float32), ("linear", 0, False, "elu", torch.float32),
-    ("gla", 2, True, "elu", torch.float32),
-    ("linear", 1, True, "identity", torch.float32),  # products of either sign: the read keeps its guard
-    ("linear", 4, True, "hedgehog", torch.bfloat16),  # the defaults, with a bf16 ring
-])
+@pytest.mark.parametrize(
+    "memory, sinks, gated, feature_map, dtype",
+    [
+        ("linear", 1, True, "elu", torch.float32),
+        ("linear", 0, False, "elu", torch.float32),
+        ("gla", 2, True, "elu", torch.float32),
+        ("linear", 1, True, "identity", torch.float32),  # products of either sign: the read keeps its guard
+        ("linear", 4, True, "hedgehog", torch.bfloat16),  # the defaults, with a bf16 ring
+    ],
+)
 def test_hybrid_steady_decode_is_the_lolcats_sum(monkeypatch, memory, sinks, gated, feature_map, dtype):
     """Decoding an unpadded batch token by token from the empty state: once every row holds W + S
     tokens, each step takes the steady path (``steady_step_hybrid_attn``: slice_scatter into the
@@ -539,8 +577,9 @@ def test_hybrid_steady_decode_is_the_lolcats_sum(monkeypatch, memory, sinks, gat
     (elu, fp32), before and after that point; output and state are the general step's."""
     window, T = 3, 14
     torch.manual_seed(0)
-    hybrid = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory,
-                                         "feature_map": feature_map})
+    hybrid = build_cell(
+        "hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory, "feature_map": feature_map}
+    )
     with torch.no_grad():
         hybrid.window_logit.normal_()
         hybrid.memory_gate.copy_(torch.tensor([0.3, -0.5, 1.0, 0.7]) if gated else torch.ones(4))
@@ -609,6 +648,7 @@ def test_hybrid_memory_option_is_checked():
 
 # --------------------------------------------------------------------------- the hybrid's lean decode step
 
+
 def general_step(cell, q, k, v, x, mask, state):
     """One token through the hybrid's general forms (the prefill's, off kernels), not its lean step:
     ``(out [B, H, 1, d_v], *state)`` in the cell's layout."""
@@ -620,8 +660,9 @@ def general_step(cell, q, k, v, x, mask, state):
     gate = cell.memory_gate.reshape(spec.num_kv_heads, spec.group_size)
     if cell.memory in ("delta", "gated-delta"):
         reading = (cell.reader.share(x, gate), cell.reader.key_map, cell.reader.key_bias, spec.scale)
-        out, *state = delta_memory_hybrid_attn(grouped, k, v, mask, *state, *cell.writer(x, mask), *reading,
-                                               log_tau=cell.log_tau if cell.anneal else None)
+        out, *state = delta_memory_hybrid_attn(
+            grouped, k, v, mask, *state, *cell.writer(x, mask), *reading, log_tau=cell.log_tau if cell.anneal else None
+        )
     else:
         fixed = (cell.phi, cell.mixing_factor(), spec.scale, gate)
         if cell.memory == "gla":
@@ -654,7 +695,7 @@ def test_hybrid_lean_step_equals_the_general_path_and_the_reference(memory, sink
     outs = []
     with torch.no_grad():
         for t in range(steps):
-            token = (q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], x[:, t:t + 1], mask[:, t:t + 1])
+            token = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], x[:, t : t + 1], mask[:, t : t + 1])
             out, *lean = cell(*token[:3], token[4], *lean, x=token[3])
             want, *general = general_step(cell, *token, general)
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
@@ -687,7 +728,9 @@ def test_hybrid_whole_prompt_path_equals_the_general_path(memory, sinks, steps, 
     kernels' references, and off Triton with kernels auto."""
     window = 3
     torch.manual_seed(0)
-    cell = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4, **elu_map(memory)})
+    cell = build_cell(
+        "hybrid", SPEC, {"window": window, "sinks": sinks, "memory": memory, "chunk_size": 4, **elu_map(memory)}
+    )
     with torch.no_grad():
         cell.memory_gate.copy_(torch.tensor([0.3, -0.5, 1.0, 0.7]))
         for p in cell.parameters():
@@ -731,7 +774,9 @@ def test_hybrid_whole_prompt_path_trains_as_the_general_path(memory, steps, monk
             grads.append([t.grad for t in inputs] + [p.grad for p in cell.parameters()])
     for (name, param), fast, general in zip([("q", q), ("k", k), ("v", v), *cell.named_parameters()], *grads):
         fast, general = (torch.zeros_like(param) if g is None else g for g in (fast, general))
-        torch.testing.assert_close(fast, general, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")  # f, g: 0 up to rounding
+        torch.testing.assert_close(
+            fast, general, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )  # f, g: 0 up to rounding
 
 
 @pytest.mark.parametrize("memory", ["linear", "gla", "delta", "gated-delta"])

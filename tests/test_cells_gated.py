@@ -21,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
+from support import assert_steps_and_split_prefill_match, random_qkv, rel_diff
 
 import rnnify
 from rnnify.cells import CELLS, CellSpec, build_cell, parameters
@@ -28,7 +29,6 @@ from rnnify.cells.gated import GatedCell, step_gated_attn
 from rnnify.cells.linear import FEATURE_MAPS, LinearCell
 from rnnify.errors import RnnifyError
 from rnnify.kernels.linear_attn.naive import chunk_gated_attn, naive_recurrent_gated_attn, parallel_gated_attn
-from support import assert_steps_and_split_prefill_match, random_qkv, rel_diff
 
 # fp32 computation against a float64 reference on O(1) inputs: 1e-5 relative, and the same
 # absolute floor for entries that happen to be near zero.
@@ -40,6 +40,8 @@ def assert_close(got, want, msg=None):
     to T terms, so an entry that cancels to near 0 carries the fp32 error of its O(T) terms."""
     atol = ATOL * max(1.0, float(want.detach().abs().max())) if want.numel() else ATOL
     torch.testing.assert_close(got.double(), want.double(), rtol=RTOL, atol=atol, msg=msg)
+
+
 GATES = ("retnet", "gla", "gateloop")
 HIDDEN = 12  # width of the layer input x in the cell-level tests
 
@@ -51,6 +53,7 @@ def _gen(seed: int) -> torch.Generator:
 
 
 # --------------------------------------------------------------------------- references
+
 
 def reference_gated_attention(phi_q, phi_k, v, log_a, kv0, z0, eps=1e-6):
     """float64 loop; phi_q [B, Hkv, G, T, F], log_a [B, Hkv, T, 1 or F]; z0 None: no normaliser."""
@@ -89,7 +92,9 @@ def reference_log_gates(cell: GatedCell, x, mask) -> torch.Tensor:
     else:
         x = x.double()
         if cell.gate == "gla":
-            w_down, w_up, bias = (p.detach().double() for p in (cell.gate_down.weight, cell.gate_up.weight, cell.gate_up.bias))
+            w_down, w_up, bias = (
+                p.detach().double() for p in (cell.gate_down.weight, cell.gate_up.weight, cell.gate_up.bias)
+            )
             logits = x @ w_down.T @ w_up.T + bias
         else:
             weight, bias = cell.gate_proj.weight.detach().double(), cell.gate_proj.bias.detach().double()
@@ -113,11 +118,18 @@ def reference_gated_cell(cell: GatedCell, q, k, v, mask, x, state):
 
 # --------------------------------------------------------------------------- the forms
 
+
 def _step_loop(phi_q, phi_k, v, log_a, kv, k_sum, eps=1e-6):
     outs = []
     for t in range(phi_k.shape[2]):
         out, kv, k_sum = step_gated_attn(
-            phi_q[:, :, :, t : t + 1], phi_k[:, :, t : t + 1], v[:, :, t : t + 1], log_a[:, :, t : t + 1], kv, k_sum, eps
+            phi_q[:, :, :, t : t + 1],
+            phi_k[:, :, t : t + 1],
+            v[:, :, t : t + 1],
+            log_a[:, :, t : t + 1],
+            kv,
+            k_sum,
+            eps,
         )
         outs.append(out)
     return torch.cat(outs, dim=3), kv, k_sum
@@ -225,7 +237,10 @@ def test_long_sequences_with_strong_decay_stay_finite_in_every_form(vector):
 
 # --------------------------------------------------------------------------- the cell
 
-def _cell(gate="retnet", num_kv_heads=2, group=2, head_dim=8, value_dim=8, chunk_size=4, seed=0, **options) -> GatedCell:
+
+def _cell(
+    gate="retnet", num_kv_heads=2, group=2, head_dim=8, value_dim=8, chunk_size=4, seed=0, **options
+) -> GatedCell:
     """A cell whose trainable gates (gla, gateloop) are randomised, so they vary with x."""
     spec = CellSpec(num_kv_heads * group, num_kv_heads, head_dim, value_dim, head_dim**-0.5, hidden_size=HIDDEN)
     cell = GatedCell(spec, gate=gate, chunk_size=chunk_size, **options)
@@ -390,7 +405,11 @@ def test_trainable_gates_start_close_to_no_decay(gate):
     assert (log_a > -0.05).all() and (log_a <= 0).all()
     torch.testing.assert_close(log_a.exp(), torch.full_like(log_a, 0.99), rtol=1e-5, atol=0)  # decay_init
     names = set(cell.state_dict())
-    expected = {"gate_down.weight", "gate_up.weight", "gate_up.bias"} if gate == "gla" else {"gate_proj.weight", "gate_proj.bias"}
+    expected = (
+        {"gate_down.weight", "gate_up.weight", "gate_up.bias"}
+        if gate == "gla"
+        else {"gate_proj.weight", "gate_proj.bias"}
+    )
     assert expected <= names and expected == {n for n, _ in cell.named_parameters()}
 
 
@@ -444,7 +463,14 @@ def test_state_size_does_not_depend_on_length(normalize):
     shapes = set()
     for length in (1, 7, 100):
         q, k, v, x = _qkvx(cell, 1, length, _gen(length))
-        _, *state = cell(q, k, v, torch.ones(1, length, dtype=torch.bool), *cell.init_state(1, torch.device("cpu"), torch.float32), x=x)
+        _, *state = cell(
+            q,
+            k,
+            v,
+            torch.ones(1, length, dtype=torch.bool),
+            *cell.init_state(1, torch.device("cpu"), torch.float32),
+            x=x,
+        )
         shapes.add(tuple(tuple(t.shape) for t in state))
     expected = ((1, 3, 4, 6), (1, 3, 4)) if normalize else ((1, 3, 4, 6),)
     assert shapes == {expected}
@@ -453,6 +479,7 @@ def test_state_size_does_not_depend_on_length(normalize):
 
 
 # --------------------------------------------------------------------------- options
+
 
 @pytest.mark.parametrize("gate", GATES)
 def test_options_rebuild_the_cell(gate):
@@ -474,12 +501,24 @@ def test_default_options():
     cell = build_cell("gated", spec)
     assert isinstance(CELLS["gated"](spec), GatedCell)
     assert cell.options() == {
-        "gate": "retnet", "feature_map": "elu", "feature_options": {}, "normalize": True, "chunk_size": 64, "eps": 1e-6,
+        "gate": "retnet",
+        "feature_map": "elu",
+        "feature_options": {},
+        "normalize": True,
+        "chunk_size": 64,
+        "eps": 1e-6,
     }
     gla = build_cell("gated", CellSpec(4, 2, 8, 8, 0.35, hidden_size=HIDDEN), {"gate": "gla"})
     assert gla.options() == {
-        "gate": "gla", "feature_map": "elu", "feature_options": {}, "normalize": True, "chunk_size": 64, "eps": 1e-6,
-        "gate_rank": 16, "tau": 16.0, "decay_init": 0.99,
+        "gate": "gla",
+        "feature_map": "elu",
+        "feature_options": {},
+        "normalize": True,
+        "chunk_size": 64,
+        "eps": 1e-6,
+        "gate_rank": 16,
+        "tau": 16.0,
+        "decay_init": 0.99,
     }
     assert gla.gate_down.weight.shape == (16, HIDDEN) and gla.gate_up.weight.shape == (2 * 8, 16)
     gateloop = build_cell("gated", CellSpec(4, 2, 8, 8, 0.35, hidden_size=HIDDEN), {"gate": "gateloop"})
@@ -549,6 +588,7 @@ def test_every_feature_map_works_in_every_form(feature_map):
 
 # --------------------------------------------------------------------------- stability
 
+
 def _stability(gate: str, steps: int) -> None:
     """``steps`` single decode steps on random fp32 inputs (B=1, H=2, d=8): always finite, and the
     last outputs and the final state equal the chunked form over the same inputs."""
@@ -588,6 +628,7 @@ def test_100000_steps_stay_finite_and_match_the_chunked_form(gate):
 
 
 # --------------------------------------------------------------------------- converted models
+
 
 @pytest.fixture(scope="module")
 def gated_model(tiny_model_dir):

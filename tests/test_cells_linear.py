@@ -25,6 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
+from support import assert_steps_and_split_prefill_match, decode, draw_heads, random_qkv, rel_diff
 
 import rnnify
 from rnnify.cells import CELLS, CellSpec, build_cell, parameters
@@ -48,7 +49,6 @@ from rnnify.cells.linear import (
     step_feature_attn,
 )
 from rnnify.errors import RnnifyError
-from support import assert_steps_and_split_prefill_match, decode, draw_heads, random_qkv, rel_diff
 
 TOL = 1e-5
 HYPOTHESIS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -56,8 +56,17 @@ CPU = torch.device("cpu")
 
 # (feature_map, normalize): every map, normalised and not where that makes sense
 LINEAR_CONFIGS = [
-    ("elu", True), ("elu", False), ("relu", True), ("relu", False), ("identity", False),
-    ("performer", True), ("taylor", True), ("taylor", False), ("hedgehog", True), ("t2r", True), ("t2r", False),
+    ("elu", True),
+    ("elu", False),
+    ("relu", True),
+    ("relu", False),
+    ("identity", False),
+    ("performer", True),
+    ("taylor", True),
+    ("taylor", False),
+    ("hedgehog", True),
+    ("t2r", True),
+    ("t2r", False),
 ]
 
 
@@ -102,6 +111,7 @@ def _left_padding(batch, length, gen) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- references
+
 
 def reference_phi(name: str, x: torch.Tensor, phi: FeatureMap, scale: float, query: bool = False) -> torch.Tensor:
     """float64 feature maps from their equations; x ``[B, Hkv, ..., d]`` (dim 1 = kv head)."""
@@ -192,6 +202,7 @@ def reference_gated_rnn(q, k, v, mask, h0, decay):
 
 # --------------------------------------------------------------------------- feature maps
 
+
 @pytest.mark.parametrize("name", sorted(FEATURE_MAPS))
 def test_each_feature_map_matches_its_equation(name):
     spec = _spec(num_kv_heads=3, group=2, head_dim=4)
@@ -213,8 +224,13 @@ def test_feature_dims():
     spec = _spec(head_dim=8)
     dims = {name: build_feature_map(name, spec).feature_dim for name in FEATURE_MAPS}
     assert dims == {
-        "elu": 8, "relu": 8, "identity": 8, "performer": int(8 * math.log(8)), "taylor": 1 + 8 + 64,
-        "hedgehog": 16, "t2r": 8,
+        "elu": 8,
+        "relu": 8,
+        "identity": 8,
+        "performer": int(8 * math.log(8)),
+        "taylor": 1 + 8 + 64,
+        "hedgehog": 16,
+        "t2r": 8,
     }
     assert build_feature_map("performer", spec, num_features=5).feature_dim == 5
     assert build_feature_map("hedgehog", spec, feature_dim=6).feature_dim == 6
@@ -295,6 +311,7 @@ def test_trainable_maps_start_at_identity(name):
 
 
 # --------------------------------------------------------------------------- linear forms
+
 
 @st.composite
 def cell_problems(draw):
@@ -450,8 +467,10 @@ def test_linear_options_round_trip_through_json(name, normalize):
     assert {k: v for k, v in cell.options().items() if k in options} == options
     q, k, v = random_qkv(1, spec, 6, _gen(10))
     mask = torch.ones(1, 6, dtype=torch.bool)
-    assert torch.equal(cell(q, k, v, mask, *cell.init_state(1, CPU, torch.float32))[0],
-                       again(q, k, v, mask, *again.init_state(1, CPU, torch.float32))[0])
+    assert torch.equal(
+        cell(q, k, v, mask, *cell.init_state(1, CPU, torch.float32))[0],
+        again(q, k, v, mask, *again.init_state(1, CPU, torch.float32))[0],
+    )
 
 
 @pytest.mark.parametrize(
@@ -497,6 +516,7 @@ def test_trainable_feature_maps_learn_at_the_cell_level():
 
 
 # --------------------------------------------------------------------------- gated RNN
+
 
 def test_gated_rnn_neurons_follow_the_construction():
     """d^2 kv neurons (lambda = decay, input v_i k_j) and d query neurons (lambda = 0, input q_j)."""
@@ -589,7 +609,11 @@ def test_gated_rnn_options_state_and_errors():
     assert cell.state_names == ("h",) and cell.neurons_per_head == 4 * 6 + 2 * 4
     assert cell.state_nbytes(1) == cell.state_nbytes(10**6) == 3 * (4 * 6 + 2 * 4) * 4
     assert list(cell.parameters()) == [] and cell.state_dict() == {}  # the construction is rebuilt, not saved
-    bad_options = (({"decay": 1.5}, "decay must be"), ({"decay": -0.1}, "decay must"), ({"chunk_size": 0}, "chunk_size"))
+    bad_options = (
+        ({"decay": 1.5}, "decay must be"),
+        ({"decay": -0.1}, "decay must"),
+        ({"chunk_size": 0}, "chunk_size"),
+    )
     for bad, match in bad_options:
         with pytest.raises(RnnifyError, match=match):
             build_cell("gated-rnn", spec, bad)
@@ -597,9 +621,9 @@ def test_gated_rnn_options_state_and_errors():
 
 # --------------------------------------------------------------------------- converted models
 
+
 def _ids(model, batch, length, seed):
     return torch.randint(0, model.manifest.vocab_size, (batch, length), generator=_gen(seed))
-
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

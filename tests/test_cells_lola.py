@@ -146,8 +146,9 @@ def _padding_mask(kind: str, batch: int, length: int, gen: torch.Generator) -> t
 
 def _garbage_buffers(cell, state, gen):
     """Key/value buffers filled with large junk: slots not written must never be read."""
-    return tuple(100 * torch.randn(t.shape, generator=gen) if name in BUFFERS else t
-                 for t, name in zip(state, cell.state_names))
+    return tuple(
+        100 * torch.randn(t.shape, generator=gen) if name in BUFFERS else t for t, name in zip(state, cell.state_names)
+    )
 
 
 def _cast(state, dtype):
@@ -157,15 +158,21 @@ def _cast(state, dtype):
 def _form_args(cell, dtype):
     spec = cell.spec
     gate = cell.memory_gate.detach().reshape(spec.num_kv_heads, spec.group_size)
-    return {"phi": cell.phi, "factor": cell.mixing_factor().detach().to(dtype), "gate": gate.to(dtype),
-            "scale": spec.scale, "rule": cell.rule}
+    return {
+        "phi": cell.phi,
+        "factor": cell.mixing_factor().detach().to(dtype),
+        "gate": gate.to(dtype),
+        "scale": spec.scale,
+        "rule": cell.rule,
+    }
 
 
 def _step_loop(q, k, v, mask, *state, **kwargs):
     outs = []
     for t in range(q.shape[3]):
-        out, *state = step_lola_attn(q[:, :, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], mask[:, t:t + 1],
-                                     *state, **kwargs)
+        out, *state = step_lola_attn(
+            q[:, :, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1], *state, **kwargs
+        )
         outs.append(out)
     return torch.cat(outs, dim=3), *state
 
@@ -176,8 +183,9 @@ FORMS = {"chunk": chunk_lola_attn, "step_loop": _step_loop}
 def _assert_states_close(got, want, names, tol=RTOL):
     for name, a, b in zip(names, got, want):
         if a.is_floating_point():
-            torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol,
-                                       msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(
+                a.double(), b.double(), rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}"
+            )
         else:
             assert torch.equal(a, b), name
 
@@ -228,8 +236,13 @@ def test_forms_equal_the_naive_loop_and_the_reference(p):
     spec = _spec(p["num_kv_heads"], p["group"], p["head_dim"], p["value_dim"])
     gen = _gen(p["seed"])
     gate = p["gate"] if p["gate"] == "random" else None
-    cell = _cell(spec, gen, gate, **{name: p[name] for name in ("window", "sinks", "keep", "chunk", "feature_map")},
-                 memory_init=0.0 if gate else p["gate"])
+    cell = _cell(
+        spec,
+        gen,
+        gate,
+        **{name: p[name] for name in ("window", "sinks", "keep", "chunk", "feature_map")},
+        memory_init=0.0 if gate else p["gate"],
+    )
     P, length = p["prefix"], p["prefix"] + p["length"]
     q, k, v = (t.double() for t in random_qkv(p["batch"], spec, length, gen))
     mask = _padding_mask(p["padding"], p["batch"], length, gen)
@@ -248,42 +261,58 @@ def test_forms_equal_the_naive_loop_and_the_reference(p):
         for name, form in FORMS.items():
             out, *new_state = form(*args, *state, **kwargs)
             assert torch.isfinite(out).all(), name
-            torch.testing.assert_close(out[real], want[real], rtol=TIGHT, atol=TIGHT,
-                                       msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(
+                out[real], want[real], rtol=TIGHT, atol=TIGHT, msg=lambda m, name=name: f"{name}: {m}"
+            )
             _assert_states_close(new_state, want_state, [f"{name} {n}" for n in cell.state_names], TIGHT)
 
 
-@pytest.mark.parametrize("options, gate, padding, seed", [
-    ({"window": 3, "sinks": 1, "keep": 2, "chunk": 3}, 1.0, "left", 0),
-    ({"window": 4, "sinks": 0, "keep": 3, "chunk": 2}, "random", "random", 1),
-    ({"window": 2, "sinks": 2, "keep": 0, "chunk": 4}, 1.0, "none", 2),
-    ({"window": 5, "sinks": 2, "keep": 4, "chunk": 1, "feature_map": "hedgehog"}, 0.0, "left", 3),
-])
+@pytest.mark.parametrize(
+    "options, gate, padding, seed",
+    [
+        ({"window": 3, "sinks": 1, "keep": 2, "chunk": 3}, 1.0, "left", 0),
+        ({"window": 4, "sinks": 0, "keep": 3, "chunk": 2}, "random", "random", 1),
+        ({"window": 2, "sinks": 2, "keep": 0, "chunk": 4}, 1.0, "none", 2),
+        ({"window": 5, "sinks": 2, "keep": 4, "chunk": 1, "feature_map": "hedgehog"}, 0.0, "left", 3),
+    ],
+)
 def test_fp32_forms_equal_the_float64_loop(options, gate, padding, seed):
     """The model's path: fp32 state and scores against the float64 loop (fixed draws: an fp32 decision
     could only differ from float64's where two errors tie to rounding, which these do not)."""
     spec = _spec(value_dim=6)
     gen = _gen(seed)
-    cell = _cell(spec, gen, gate if gate == "random" else None, **options,
-                 memory_init=0.0 if gate == "random" else gate)
+    cell = _cell(
+        spec, gen, gate if gate == "random" else None, **options, memory_init=0.0 if gate == "random" else gate
+    )
     q, k, v = random_qkv(3, spec, 40, gen)
     mask = _padding_mask(padding, 3, 40, gen)
     state = _garbage_buffers(cell, cell.init_state(3, CPU, torch.float32), gen)
     with torch.no_grad():
-        want, *want_state = naive_recurrent_lola_attn(_grouped(q, spec).double(), k.double(), v.double(), mask,
-                                                      *_cast(state, torch.float64), **_form_args(cell, torch.float64))
+        want, *want_state = naive_recurrent_lola_attn(
+            _grouped(q, spec).double(),
+            k.double(),
+            v.double(),
+            mask,
+            *_cast(state, torch.float64),
+            **_form_args(cell, torch.float64),
+        )
         real = mask[:, None, None, :, None].expand_as(want)
         for name, form in FORMS.items():
             out, *new_state = form(_grouped(q, spec), k, v, mask, *state, **_form_args(cell, torch.float32))
             assert out.dtype == torch.float32, name
-            torch.testing.assert_close(out.double()[real], want[real], rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(
+                out.double()[real], want[real], rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}"
+            )
             _assert_states_close(new_state, want_state, [f"{name} {n}" for n in cell.state_names])
 
 
 @settings(max_examples=10, deadline=None)
-@given(chunk=st.integers(1, 5), keep=st.integers(0, 3),
-       splits=st.lists(st.integers(1, 36), min_size=1, max_size=3, unique=True), seed=st.integers(0, 2**16))
+@given(
+    chunk=st.integers(1, 5),
+    keep=st.integers(0, 3),
+    splits=st.lists(st.integers(1, 36), min_size=1, max_size=3, unique=True),
+    seed=st.integers(0, 2**16),
+)
 def test_a_prefill_split_anywhere_equals_the_whole(chunk, keep, splits, seed):
     """Outputs and state, splits on chunk boundaries or not, and every token a call (decode)."""
     spec = _spec()
@@ -350,8 +379,12 @@ def test_a_cache_that_holds_every_token_is_softmax_attention():
     q, k, v = random_qkv(2, spec, 24, _gen(9))
     mask = torch.ones(2, 24, dtype=torch.bool)
     causal = torch.ones(24, 24, dtype=torch.bool).tril()
-    full = torch.softmax((spec.scale * q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2))
-                         .masked_fill(~causal, float("-inf")), dim=-1) @ v.double().repeat_interleave(2, 1)
+    full = torch.softmax(
+        (spec.scale * q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)).masked_fill(
+            ~causal, float("-inf")
+        ),
+        dim=-1,
+    ) @ v.double().repeat_interleave(2, 1)
     for splits in ((), (7,), range(1, 24)):
         out, _ = _run(cell, q, k, v, mask, cell.init_state(2, CPU, torch.float32), splits)
         torch.testing.assert_close(out.double(), full, rtol=RTOL, atol=ATOL)
@@ -399,10 +432,16 @@ def test_rows_that_evict_different_tokens_equal_the_rows_alone():
     assert kept[0] != kept[1] != kept[2] != kept[0]
     for b in range(3):
         real = mask[b]
-        alone, alone_state = _run(cell, q[b:b + 1, :, real], k[b:b + 1, :, real], v[b:b + 1, :, real],
-                                  mask[b:b + 1, real], cell.init_state(1, CPU, torch.float32))
-        torch.testing.assert_close(out[b:b + 1, :, real], alone, rtol=RTOL, atol=ATOL)
-        _assert_states_close([t[b:b + 1] for t in state], alone_state, cell.state_names)
+        alone, alone_state = _run(
+            cell,
+            q[b : b + 1, :, real],
+            k[b : b + 1, :, real],
+            v[b : b + 1, :, real],
+            mask[b : b + 1, real],
+            cell.init_state(1, CPU, torch.float32),
+        )
+        torch.testing.assert_close(out[b : b + 1, :, real], alone, rtol=RTOL, atol=ATOL)
+        _assert_states_close([t[b : b + 1] for t in state], alone_state, cell.state_names)
 
 
 def test_left_padding_is_never_written():
@@ -422,8 +461,10 @@ def test_bf16_inputs_keep_the_state_of_an_fp32_run():
     q, k, v = (t.bfloat16().float() for t in random_qkv(2, spec, 41, _gen(16)))
     mask = torch.ones(2, 41, dtype=torch.bool)
     mask[1, :3] = False
-    runs = {dtype: _run(cell, q.to(dtype), k.to(dtype), v.to(dtype), mask, cell.init_state(2, CPU, dtype), (17, 18))
-            for dtype in (torch.bfloat16, torch.float32)}
+    runs = {
+        dtype: _run(cell, q.to(dtype), k.to(dtype), v.to(dtype), mask, cell.init_state(2, CPU, dtype), (17, 18))
+        for dtype in (torch.bfloat16, torch.float32)
+    }
     (out16, state16), (out32, state32) = runs[torch.bfloat16], runs[torch.float32]
     assert out16.dtype == torch.bfloat16
     for name, got, want in zip(cell.state_names, state16, state32):
@@ -440,8 +481,14 @@ def test_state_is_constant_from_the_first_token():
     mask = torch.ones(2, 300, dtype=torch.bool)
     shapes = [[t.shape for t in cell.init_state(2, CPU, torch.float32)]]
     for length in (1, 2, 4, 5, 31, 32, 33, 100, 300):
-        _, state = _run(cell, q[:, :, :length], k[:, :, :length], v[:, :, :length], mask[:, :length],
-                        cell.init_state(2, CPU, torch.float32))
+        _, state = _run(
+            cell,
+            q[:, :, :length],
+            k[:, :, :length],
+            v[:, :, :length],
+            mask[:, :length],
+            cell.init_state(2, CPU, torch.float32),
+        )
         shapes.append([t.shape for t in state])
         assert sum(t.numel() * t.element_size() for t in state) == cell.state_nbytes(length, 2)
     assert all(s == shapes[0] for s in shapes)
@@ -457,25 +504,37 @@ def test_state_is_constant_from_the_first_token():
 def test_options_round_trip_and_describe():
     spec = _spec()
     cell = build_cell("lola", spec, {"window": 16, "keep": 8, "chunk": 8})
-    assert cell.options() == {"window": 16, "sinks": 4, "keep": 8, "chunk": 8, "feature_map": "taylor",
-                              "feature_options": {}, "memory_init": 0.0, "eps": 1e-6}
+    assert cell.options() == {
+        "window": 16,
+        "sinks": 4,
+        "keep": 8,
+        "chunk": 8,
+        "feature_map": "taylor",
+        "feature_options": {},
+        "memory_init": 0.0,
+        "eps": 1e-6,
+    }
     assert build_cell("lola", spec, cell.options()).options() == cell.options()
-    assert cell.describe() == ("16 tokens + 4 sinks + 8 selected by memory error every 8 tokens"
-                               " + a taylor linear memory (73 features)")
+    assert cell.describe() == (
+        "16 tokens + 4 sinks + 8 selected by memory error every 8 tokens + a taylor linear memory (73 features)"
+    )
     default = LolaCell(CellSpec(4, 2, 8, 8, 8**-0.5, window=32))
     assert (default.rule.window, default.rule.keep, default.rule.chunk) == (32, 32, 32)
     assert CELLS["lola"] is LolaCell
 
 
-@pytest.mark.parametrize("options, message", [
-    ({}, "no sliding window of its own"),
-    ({"window": 8, "feature_map": "cosine"}, "unknown feature map"),
-    ({"window": 8, "memory_init": 2}, "memory_init must be a number in"),
-    ({"window": 8, "eps": 0}, "eps must be a positive number"),
-    ({"window": 8, "keep": -1}, "keep must be an integer >= 0"),
-    ({"window": 8, "chunk": 0}, "chunk must be a positive integer"),
-    ({"window": 8, "policy": "mass"}, "unexpected keyword"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({}, "no sliding window of its own"),
+        ({"window": 8, "feature_map": "cosine"}, "unknown feature map"),
+        ({"window": 8, "memory_init": 2}, "memory_init must be a number in"),
+        ({"window": 8, "eps": 0}, "eps must be a positive number"),
+        ({"window": 8, "keep": -1}, "keep must be an integer >= 0"),
+        ({"window": 8, "chunk": 0}, "chunk must be a positive integer"),
+        ({"window": 8, "policy": "mass"}, "unexpected keyword"),
+    ],
+)
 def test_bad_options_are_errors(options, message):
     with pytest.raises(RnnifyError, match=message):
         build_cell("lola", _spec(), options)

@@ -20,6 +20,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import (
+    assert_left_padded_rows_equal_rows_alone,
+    assert_steps_and_split_prefill_match,
+    draw_heads,
+    random_qkv,
+)
 
 import rnnify
 from rnnify.cells import CELLS, CellSpec, build_cell
@@ -31,12 +37,6 @@ from rnnify.cells.select import (
 )
 from rnnify.cells.window import WindowCell
 from rnnify.errors import RnnifyError
-from support import (
-    assert_left_padded_rows_equal_rows_alone,
-    assert_steps_and_split_prefill_match,
-    draw_heads,
-    random_qkv,
-)
 
 # fp32 computation against float64 on O(1) inputs: 1e-5 relative, the same absolute floor.
 RTOL = ATOL = 1e-5
@@ -58,8 +58,9 @@ def _spec(num_kv_heads=2, group=2, head_dim=8, value_dim=None) -> CellSpec:
 # --------------------------------------------------------------------------- the reference
 
 
-def reference_select_attention(q, k, v, mask, *, window, sinks, keep, chunk, scale, observation=None,
-                               policy="mass", pool=1, pooling="avg"):
+def reference_select_attention(
+    q, k, v, mask, *, window, sinks, keep, chunk, scale, observation=None, policy="mass", pool=1, pooling="avg"
+):
     """float64 outputs ``[B, H, T, d_v]`` (0 for padding queries) and the selected positions at the
     end, a sorted list per row and kv head."""
     q, k, v = q.double(), k.double(), v.double()
@@ -119,8 +120,10 @@ def _padding_mask(kind: str, batch: int, length: int, gen: torch.Generator) -> t
 
 def _garbage_buffers(cell, state, gen):
     """Key/value buffers and scores filled with large junk: slots not written must never be read."""
-    return tuple(100 * torch.randn(t.shape, generator=gen) if name in (*BUFFERS, "scores", "selected_scores") else t
-                 for t, name in zip(state, cell.state_names))
+    return tuple(
+        100 * torch.randn(t.shape, generator=gen) if name in (*BUFFERS, "scores", "selected_scores") else t
+        for t, name in zip(state, cell.state_names)
+    )
 
 
 def _double(state):
@@ -130,8 +133,9 @@ def _double(state):
 def _step_loop(q, k, v, mask, *state, **kwargs):
     outs = []
     for t in range(q.shape[3]):
-        out, *state = step_select_attn(q[:, :, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], mask[:, t:t + 1],
-                                       *state, **kwargs)
+        out, *state = step_select_attn(
+            q[:, :, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1], *state, **kwargs
+        )
         outs.append(out)
     return torch.cat(outs, dim=3), *state
 
@@ -190,8 +194,9 @@ def test_forms_equal_the_naive_loop_and_the_reference(p):
     mask = _padding_mask(p["padding"], p["batch"], P + p["length"], gen)
     state = _double(_garbage_buffers(cell, cell.init_state(p["batch"], CPU, torch.float32), gen))
     gq = _grouped(q, spec).double()
-    _, *state = naive_recurrent_select_attn(gq[:, :, :, :P], k[:, :, :P].double(), v[:, :, :P].double(), mask[:, :P],
-                                            *state, scale=scale, rule=rule)
+    _, *state = naive_recurrent_select_attn(
+        gq[:, :, :, :P], k[:, :, :P].double(), v[:, :, :P].double(), mask[:, :P], *state, scale=scale, rule=rule
+    )
     args = (gq[:, :, :, P:], k[:, :, P:].double(), v[:, :, P:].double(), mask[:, P:])
     want, *want_state = naive_recurrent_select_attn(*args, *state, scale=scale, rule=rule)
 
@@ -212,8 +217,13 @@ def test_forms_equal_the_naive_loop_and_the_reference(p):
 
 
 @settings(max_examples=15, deadline=None)
-@given(chunk=st.integers(1, 5), policy=st.sampled_from(["mass", "snapkv"]), pool=st.sampled_from([1, 3]),
-       splits=st.lists(st.integers(1, 36), min_size=1, max_size=3, unique=True), seed=st.integers(0, 2**16))
+@given(
+    chunk=st.integers(1, 5),
+    policy=st.sampled_from(["mass", "snapkv"]),
+    pool=st.sampled_from([1, 3]),
+    splits=st.lists(st.integers(1, 36), min_size=1, max_size=3, unique=True),
+    seed=st.integers(0, 2**16),
+)
 def test_a_prefill_split_anywhere_equals_the_whole(chunk, policy, pool, splits, seed):
     """Outputs and state, splits on chunk boundaries or not, and every token a call (decode)."""
     spec = _spec()
@@ -225,8 +235,12 @@ def test_a_prefill_split_anywhere_equals_the_whole(chunk, policy, pool, splits, 
     whole, whole_state = _run(cell, q, k, v, mask, init)
     for cuts in (sorted(splits), range(1, 37)):
         out, state = _run(cell, q, k, v, mask, init, cuts)
-        torch.testing.assert_close(out[mask[:, None, :, None].expand_as(out)],
-                                   whole[mask[:, None, :, None].expand_as(whole)], rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(
+            out[mask[:, None, :, None].expand_as(out)],
+            whole[mask[:, None, :, None].expand_as(whole)],
+            rtol=RTOL,
+            atol=ATOL,
+        )
         _assert_states_close(state, whole_state, cell.state_names)
 
 
@@ -277,8 +291,12 @@ def test_a_cache_that_holds_every_token_is_softmax_attention(policy):
     q, k, v = random_qkv(2, spec, 24, _gen(3))
     mask = torch.ones(2, 24, dtype=torch.bool)
     causal = torch.ones(24, 24, dtype=torch.bool).tril()
-    full = torch.softmax((spec.scale * q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2))
-                         .masked_fill(~causal, float("-inf")), dim=-1) @ v.double().repeat_interleave(2, 1)
+    full = torch.softmax(
+        (spec.scale * q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)).masked_fill(
+            ~causal, float("-inf")
+        ),
+        dim=-1,
+    ) @ v.double().repeat_interleave(2, 1)
     for splits in ((), (7,), range(1, 24)):
         out, _ = _run(cell, q, k, v, mask, cell.init_state(2, CPU, torch.float32), splits)
         torch.testing.assert_close(out.double(), full, rtol=RTOL, atol=ATOL)
@@ -293,7 +311,7 @@ def _planted(batch: int, spec, length: int, heavy: list[int], gen: torch.Generat
     q, k, v = random_qkv(batch, spec, length, gen)
     direction = torch.randn(spec.head_dim, generator=gen)
     direction = direction / direction.norm()
-    q[:, :spec.group_size] += 4 * direction
+    q[:, : spec.group_size] += 4 * direction
     for b, j in enumerate(heavy):
         k[b, 0, j] = 8 * direction
         v[b, 0, j] = 5.0
@@ -330,10 +348,16 @@ def test_rows_that_evict_different_tokens_equal_the_rows_alone():
     assert 3 in kept[0] and 6 in kept[1] and 9 in kept[2]
     for b in range(3):
         real = mask[b]
-        alone, alone_state = _run(cell, q[b:b + 1, :, real], k[b:b + 1, :, real], v[b:b + 1, :, real],
-                                  mask[b:b + 1, real], cell.init_state(1, CPU, torch.float32))
-        torch.testing.assert_close(out[b:b + 1, :, real], alone, rtol=RTOL, atol=ATOL)
-        _assert_states_close([t[b:b + 1] for t in state], alone_state, cell.state_names)
+        alone, alone_state = _run(
+            cell,
+            q[b : b + 1, :, real],
+            k[b : b + 1, :, real],
+            v[b : b + 1, :, real],
+            mask[b : b + 1, real],
+            cell.init_state(1, CPU, torch.float32),
+        )
+        torch.testing.assert_close(out[b : b + 1, :, real], alone, rtol=RTOL, atol=ATOL)
+        _assert_states_close([t[b : b + 1] for t in state], alone_state, cell.state_names)
 
 
 def test_left_padding_is_never_written():
@@ -355,8 +379,9 @@ def test_bf16_inputs_keep_the_state_of_an_fp32_run():
     mask[1, :3] = False
     runs = {}
     for dtype in (torch.bfloat16, torch.float32):
-        runs[dtype] = _run(cell, q.to(dtype), k.to(dtype), v.to(dtype), mask, cell.init_state(2, CPU, dtype),
-                           (17, 18, 19))
+        runs[dtype] = _run(
+            cell, q.to(dtype), k.to(dtype), v.to(dtype), mask, cell.init_state(2, CPU, dtype), (17, 18, 19)
+        )
     (out16, state16), (out32, state32) = runs[torch.bfloat16], runs[torch.float32]
     assert out16.dtype == torch.bfloat16
     for name, got, want in zip(cell.state_names, state16, state32):
@@ -373,8 +398,14 @@ def test_state_is_constant_from_the_first_token():
     mask = torch.ones(2, 40, dtype=torch.bool)
     shapes = [[t.shape for t in cell.init_state(2, CPU, torch.float32)]]
     for length in (1, 3, 4, 17, 40):
-        _, state = _run(cell, q[:, :, :length], k[:, :, :length], v[:, :, :length], mask[:, :length],
-                        cell.init_state(2, CPU, torch.float32))
+        _, state = _run(
+            cell,
+            q[:, :, :length],
+            k[:, :, :length],
+            v[:, :, :length],
+            mask[:, :length],
+            cell.init_state(2, CPU, torch.float32),
+        )
         shapes.append([t.shape for t in state])
         assert sum(t.numel() * t.element_size() for t in state) == cell.state_nbytes(length, 2)
     assert all(s == shapes[0] for s in shapes)
@@ -389,8 +420,16 @@ def test_state_is_constant_from_the_first_token():
 def test_options_round_trip_and_describe():
     spec = _spec()
     cell = build_cell("select", spec, {"window": 16, "keep": 8, "policy": "snapkv", "observation": 8, "pool": 5})
-    assert cell.options() == {"window": 16, "sinks": 4, "keep": 8, "chunk": 32, "observation": 8,
-                              "policy": "snapkv", "pool": 5, "pooling": "avg"}
+    assert cell.options() == {
+        "window": 16,
+        "sinks": 4,
+        "keep": 8,
+        "chunk": 32,
+        "observation": 8,
+        "policy": "snapkv",
+        "pool": 5,
+        "pooling": "avg",
+    }
     assert build_cell("select", spec, cell.options()).options() == cell.options()
     assert cell.describe() == "16 tokens + 4 sinks + 8 selected by SnapKV's observation window every 32 tokens"
     default = SelectCell(CellSpec(4, 2, 8, 8, 8**-0.5, window=32))
@@ -399,15 +438,18 @@ def test_options_round_trip_and_describe():
     assert CELLS["select"] is SelectCell
 
 
-@pytest.mark.parametrize("options, message", [
-    ({}, "no sliding window of its own"),
-    ({"window": 8, "policy": "lru"}, "policy must be one of"),
-    ({"window": 8, "pooling": "sum"}, "pooling must be one of"),
-    ({"window": 8, "chunk": 4, "observation": 5}, "must be at most chunk"),
-    ({"window": 8, "pool": 4}, "pool must be odd"),
-    ({"window": 8, "keep": -1}, "keep must be an integer >= 0"),
-    ({"window": 0}, "window must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({}, "no sliding window of its own"),
+        ({"window": 8, "policy": "lru"}, "policy must be one of"),
+        ({"window": 8, "pooling": "sum"}, "pooling must be one of"),
+        ({"window": 8, "chunk": 4, "observation": 5}, "must be at most chunk"),
+        ({"window": 8, "pool": 4}, "pool must be odd"),
+        ({"window": 8, "keep": -1}, "keep must be an integer >= 0"),
+        ({"window": 0}, "window must be a positive integer"),
+    ],
+)
 def test_bad_options_are_errors(options, message):
     with pytest.raises(RnnifyError, match=message):
         build_cell("select", _spec(), options)

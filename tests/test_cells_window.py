@@ -301,7 +301,7 @@ def test_window_decode_off_triton_takes_the_lean_step(sinks, monkeypatch):
     counts = {}
     with torch.no_grad():
         for t in range(steps):
-            token = (q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], mask[:, t:t + 1])
+            token = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1])
             for name, cell in (("lean", lean), ("fused", fused)):
                 with OpCount() as count:
                     out, *state = cell(*token, *(lean_state if name == "lean" else fused_state))
@@ -337,13 +337,24 @@ def test_window_whole_prompt_takes_the_band_path(length, sinks, dtype, monkeypat
         with torch.no_grad(), monkeypatch.context() as patch:
             if not banded:
                 patch.setattr(window_cells, "whole_prompt", lambda mask, length: False)
-            out, *state = cell(q[:, :, :length], k[:, :, :length], v[:, :, :length], mask[:, :length],
-                               *cell.init_state(2, q.device, dtype))
+            out, *state = cell(
+                q[:, :, :length],
+                k[:, :, :length],
+                v[:, :, :length],
+                mask[:, :length],
+                *cell.init_state(2, q.device, dtype),
+            )
             step, *state = cell(q[:, :, length:], k[:, :, length:], v[:, :, length:], mask[:, length:], *state)
         runs.append((out, step, state))
     (fast, fast_step, fast_state), (chunked, chunked_step, chunked_state) = runs
-    naive, *_ = naive_recurrent_window_attn(_grouped(q[:, :, :length], spec), k[:, :, :length], v[:, :, :length],
-                                            mask[:, :length], *cell.init_state(2, q.device, dtype), spec.scale)
+    naive, *_ = naive_recurrent_window_attn(
+        _grouped(q[:, :, :length], spec),
+        k[:, :, :length],
+        v[:, :, :length],
+        mask[:, :length],
+        *cell.init_state(2, q.device, dtype),
+        spec.scale,
+    )
     torch.testing.assert_close(fast, naive.reshape(fast.shape), rtol=1e-5, atol=1e-6)  # the loop, independently
     torch.testing.assert_close(fast, chunked, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fast_step, chunked_step, rtol=1e-5, atol=1e-6)
@@ -395,8 +406,14 @@ def test_window_cell_chunked_and_stepped_equal_one_shot_and_reference(
     window, sinks, length, splits, block_size, group, left_pad, seed
 ):
     cell = WindowCell(_spec(group=group), window=window, sinks=sinks, block_size=block_size)
-    _check_cell(cell, lambda q, k, v, mask: reference_window_attention(q, k, v, mask, window, sinks, cell.spec.scale),
-                length, splits, left_pad, _gen(seed))
+    _check_cell(
+        cell,
+        lambda q, k, v, mask: reference_window_attention(q, k, v, mask, window, sinks, cell.spec.scale),
+        length,
+        splits,
+        left_pad,
+        _gen(seed),
+    )
 
 
 def test_window_cell_ring_holds_the_last_window_tokens_and_the_sinks():
@@ -470,7 +487,13 @@ def _cells():
     return [
         WindowCell(_spec(num_kv_heads=2, group=2, head_dim=4, value_dim=6), window=5, sinks=2),
         HybridCell(_spec(num_kv_heads=2, group=2, head_dim=4, value_dim=6), window=5, feature_map="elu", sinks=0),
-        HybridCell(_spec(num_kv_heads=2, group=2, head_dim=4, value_dim=6), window=5, sinks=2, memory_init=0.5, feature_map="elu"),
+        HybridCell(
+            _spec(num_kv_heads=2, group=2, head_dim=4, value_dim=6),
+            window=5,
+            sinks=2,
+            memory_init=0.5,
+            feature_map="elu",
+        ),
     ]
 
 
@@ -610,8 +633,10 @@ def test_hybrid_forms_equal_the_naive_loop_and_the_reference(p):
     assert all(torch.equal(a, b) for a, b in zip(before, (*args, *state)))
 
 
-@pytest.mark.parametrize("window, sinks, length", [(3, 0, 1), (3, 2, 4), (3, 2, 5), (3, 2, 6), (4, 1, 23),
-                                                   (8, 0, 30), (2, 3, 17), (64, 0, 70)])
+@pytest.mark.parametrize(
+    "window, sinks, length",
+    [(3, 0, 1), (3, 2, 4), (3, 2, 5), (3, 2, 6), (4, 1, 23), (8, 0, 30), (2, 3, 17), (64, 0, 70)],
+)
 def test_whole_prompt_off_kernels_equals_the_naive_loop(window, sinks, length):
     """``fused_hybrid_attn`` off kernels on a whole unpadded prompt (``prompt_hybrid_attn``: the window
     part of all blocks at once, the memory read without the shift) gives the naive loop's output and
@@ -633,9 +658,14 @@ def test_whole_prompt_off_kernels_equals_the_naive_loop(window, sinks, length):
 
 
 @HYPOTHESIS
-@given(window=st.integers(1, 12), sinks=st.integers(0, 5), length=st.integers(2, 40),
-       block=st.sampled_from([1, 3, 16, 64]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+    window=st.integers(1, 12),
+    sinks=st.integers(0, 5),
+    length=st.integers(2, 40),
+    block=st.sampled_from([1, 3, 16, 64]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_whole_prompt_window_part_equals_the_chunked_one(window, sinks, length, block, dtype, seed):
     """A whole unpadded prompt from the empty state: the window part of all query blocks at once, the
     leaving tokens shifted by W and the state written from the tail equal the general, chunked path
@@ -648,8 +678,9 @@ def test_whole_prompt_window_part_equals_the_chunked_one(window, sinks, length, 
     args = (_grouped(q, spec), k, v)
     factor = _factor(spec, gen).reshape(2, 2)
     fast = prompt_window_and_leaving(*args, state, factor, spec.scale, block)
-    general = chunked_window_and_leaving(*args, torch.ones(2, length, dtype=torch.bool), state, factor, spec.scale,
-                                         5, None)
+    general = chunked_window_and_leaving(
+        *args, torch.ones(2, length, dtype=torch.bool), state, factor, spec.scale, 5, None
+    )
     for a, b in zip(fast[:5], general[:5]):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
     assert all(torch.equal(a, b) for a, b in zip(fast[5], general[5]))
@@ -699,8 +730,9 @@ def test_hybrid_cell_chunked_and_stepped_equal_one_shot_and_reference(
 
     def reference(q, k, v, mask):
         factor = torch.sigmoid(cell.window_logit)
-        return reference_gated_hybrid_attention(q, k, v, mask, window, factor, cell.memory_gate, cell.spec.scale,
-                                                sinks=sinks)
+        return reference_gated_hybrid_attention(
+            q, k, v, mask, window, factor, cell.memory_gate, cell.spec.scale, sinks=sinks
+        )
 
     _check_cell(cell, reference, length, splits, left_pad, gen)
     assert len(cell.state_names) == (7 if sinks else 5)
@@ -757,7 +789,12 @@ def test_hybrid_cell_parameters_train():
     assert isinstance(cell.memory_gate, torch.nn.Parameter) and not cell.memory_gate.any()  # g = 0
     assert {"window_logit", "memory_gate"} <= set(cell.state_dict())
     assert cell.options() == {
-        "window": 3, "sinks": 0, "feature_map": "elu", "feature_options": {}, "chunk_size": 64, "memory_init": 0.0,
+        "window": 3,
+        "sinks": 0,
+        "feature_map": "elu",
+        "feature_options": {},
+        "chunk_size": 64,
+        "memory_init": 0.0,
         "memory": "linear",
     }
     assert type(cell)(cell.spec, **cell.options()).options() == cell.options()
@@ -848,7 +885,9 @@ def _long_decode(cell, steps: int):
 
 STABILITY_CELLS = {
     "window": lambda: WindowCell(_spec(num_kv_heads=1, group=2, head_dim=8), window=16, sinks=4),
-    "hybrid": lambda: HybridCell(_spec(num_kv_heads=1, group=2, head_dim=8), window=16, sinks=4, memory_init=1.0, feature_map="elu"),
+    "hybrid": lambda: HybridCell(
+        _spec(num_kv_heads=1, group=2, head_dim=8), window=16, sinks=4, memory_init=1.0, feature_map="elu"
+    ),
 }
 
 

@@ -51,8 +51,14 @@ def make_chat_model(directory: Path) -> Path:
     tokenizer.chat_template = TEMPLATE
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=vocab["<|im_end|>"],
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=vocab["<|im_end|>"],
         bos_token_id=vocab["<|im_start|>"],
     )
     LlamaForCausalLM(config).save_pretrained(directory)
@@ -101,7 +107,7 @@ def test_carried_state_equals_a_fresh_prefill_of_the_conversation(chat_dirs, tar
         assert prefilled[-1] == turn.read == len(conversation) - consumed
         assert turn.rule == "tokens"
         fresh = reference.generate(torch.tensor([conversation]), NEW_TOKENS, eos_token_id=tokenizer.eos_token_id)
-        assert turn.reply_ids == fresh[0, len(conversation):].tolist()
+        assert turn.reply_ids == fresh[0, len(conversation) :].tolist()
         consumed = len(conversation) + len(turn.reply_ids)
         assert turn.tokens == consumed
         reply = turn.reply_ids[:-1] if turn.reply_ids[-1] == tokenizer.eos_token_id else turn.reply_ids
@@ -169,7 +175,11 @@ def test_chat_command_through_stdin(chat_dirs):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "rnnify", "chat", str(chat_dirs("exact")), "--verbose", "--max-new-tokens", "4"],
-        input="hello there\nand you?\n", capture_output=True, text=True, env=env, timeout=300,
+        input="hello there\nand you?\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     reads = [int(n) for n in re.findall(r"^\(read (\d+) new tokens", result.stdout, flags=re.M)]

@@ -109,10 +109,25 @@ def descendants(pid: int) -> dict[int, str]:
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
 def test_the_compiler_dies_with_a_killed_convert(tmp_path, tiny_model_dir, sig):
     """Without the guard, cc1plus compiled on for seconds after ``kill -9`` or ``kill -TERM`` of convert."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "RNNIFY_CACHE": str(tmp_path / "steps"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    argv = [sys.executable, "-m", "rnnify", "convert", str(tiny_model_dir("llama")), "--to", "exact",
-            "-o", str(tmp_path / "out"), "--compile"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "RNNIFY_CACHE": str(tmp_path / "steps"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "rnnify",
+        "convert",
+        str(tiny_model_dir("llama")),
+        "--to",
+        "exact",
+        "-o",
+        str(tmp_path / "out"),
+        "--compile",
+    ]
     convert = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from support import reseal
 
 import rnnify
 from rnnify.cli import main
 from rnnify.errors import RnnifyWarning
 from rnnify.runtime.manifest import MANIFEST_FILE
 from rnnify.runtime.storage import WEIGHTS_FILE
-from support import reseal
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -68,8 +68,9 @@ def eos_id(directory: Path) -> int:
 @pytest.mark.parametrize("target, memory", [("exact", "grows with context"), ("linear", "constant")])
 def test_convert_writes_a_loadable_directory(capsys, tmp_path, tiny_model_dir, target, memory):
     extra = ["--feature-map", "elu"] if target == "linear" else []
-    code, out, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", target, "-o", tmp_path / "out", *extra,
-                         "--no-compile")
+    code, out, err = run(
+        capsys, "convert", tiny_model_dir("llama"), "--to", target, "-o", tmp_path / "out", *extra, "--no-compile"
+    )
     assert code == 0, err
     assert f"saved to {tmp_path / 'out'}" in out
     assert f"{target}: 2 layers" in out and memory in out
@@ -106,8 +107,9 @@ def test_convert_hybrid_memory_is_recorded_and_verifies(capsys, tmp_path, tiny_m
 
 
 def test_convert_bad_memory_is_one_line(capsys, tmp_path, tiny_model_dir):
-    code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "hybrid", "--memory", "lstm",
-                       "-o", tmp_path / "o")
+    code, _, err = run(
+        capsys, "convert", tiny_model_dir("llama"), "--to", "hybrid", "--memory", "lstm", "-o", tmp_path / "o"
+    )
     assert_user_error(code, err, "--memory 'lstm'", "linear, gla, delta, gated-delta")
     assert not (tmp_path / "o").exists()
 
@@ -194,8 +196,23 @@ def test_generate_prompt_streams_decoded_text(capsys, converted_dir):
 
 
 def test_generate_samples_repeatably_with_a_seed(capsys, converted_dir):
-    argv = ["generate", converted_dir("llama", "exact"), "--ids", "5,6", "--do-sample", "--top-k", 20, "--top-p", 0.9,
-            "--temperature", 0.8, "--seed", 3, "--max-new-tokens", 5]
+    argv = [
+        "generate",
+        converted_dir("llama", "exact"),
+        "--ids",
+        "5,6",
+        "--do-sample",
+        "--top-k",
+        20,
+        "--top-p",
+        0.9,
+        "--temperature",
+        0.8,
+        "--seed",
+        3,
+        "--max-new-tokens",
+        5,
+    ]
     first, second = run(capsys, *argv), run(capsys, *argv)
     assert first[0] == 0 and first[1] == second[1]
 
@@ -275,13 +292,15 @@ def _empty(tmp_path) -> Path:
 
 BAD_INPUT = {
     "convert missing path": (
-        lambda t, c: ["convert", t / "missing", "--to", "exact", "-o", t / "out"], "no such directory"
+        lambda t, c: ["convert", t / "missing", "--to", "exact", "-o", t / "out"],
+        "no such directory",
     ),
     "verify missing path": (lambda t, c: ["verify", t / "missing"], "no such directory"),
     "info missing path": (lambda t, c: ["info", t / "missing"], "no such directory"),
     "generate missing path": (lambda t, c: ["generate", t / "missing", "--ids", "1"], "no such directory"),
     "hub id offline": (
-        lambda t, c: ["convert", "someone/some-model", "--to", "exact", "-o", t / "out"], "local Hugging Face cache"
+        lambda t, c: ["convert", "someone/some-model", "--to", "exact", "-o", t / "out"],
+        "local Hugging Face cache",
     ),
     "no attention": (lambda t, c: ["convert", _no_attention(t), "--to", "exact", "-o", t / "out"], "no attention"),
     "no config.json": (lambda t, c: ["convert", _empty(t), "--to", "linear", "-o", t / "out"], "no config.json"),
@@ -386,8 +405,16 @@ def _heavy_imports(code: str) -> list[str]:
     return json.loads(result.stdout.strip().splitlines()[-1].replace("'", '"'))
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["no-such-command"], [],
-                                  *([name, "--help"] for name in COMMANDS), *([*COMMANDS[n][0], "--bad"] for n in COMMANDS)])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["no-such-command"],
+        [],
+        *([name, "--help"] for name in COMMANDS),
+        *([*COMMANDS[n][0], "--bad"] for n in COMMANDS),
+    ],
+)
 def test_help_and_usage_errors_import_neither_torch_nor_rich(argv):
     """What keeps them fast: the commands import what they need when they run, and their arguments'
     choices and defaults come from rnnify.choices (convert --help imported torch, 2.6 s)."""
@@ -408,6 +435,7 @@ def test_the_names_the_command_line_offers_are_the_cells_and_feature_maps():
 def test_help_and_usage_errors_answer_at_once(argv):
     """0.05 s here, 2.2-2.6 s before; 1 s leaves room for a loaded machine (the import check above is the
     robust one)."""
+
     def seconds() -> float:
         start = time.perf_counter()
         subprocess.run([sys.executable, "-m", "rnnify", *argv], capture_output=True, timeout=60)
@@ -456,8 +484,23 @@ def test_rnnify_warnings_are_one_clean_line(capsys, converted_dir):
 def test_piped_info_fits_120_columns_and_keeps_names_whole(capsys, monkeypatch, tmp_path, tiny_model_dir):
     monkeypatch.delenv("COLUMNS", raising=False)  # capsys's stdout is not a terminal: piped
     out = tmp_path / "mixed"
-    assert run(capsys, "convert", tiny_model_dir("llama"), "--to", "hybrid", "--keep-softmax", "1",
-               "--kernels", "reference", "-o", out, "--no-compile")[0] == 0
+    assert (
+        run(
+            capsys,
+            "convert",
+            tiny_model_dir("llama"),
+            "--to",
+            "hybrid",
+            "--keep-softmax",
+            "1",
+            "--kernels",
+            "reference",
+            "-o",
+            out,
+            "--no-compile",
+        )[0]
+        == 0
+    )
     code, text, err = run(capsys, "info", out)
     assert code == 0, err
     assert max(len(line) for line in text.splitlines()) <= 120
@@ -473,8 +516,9 @@ def test_convert_onto_a_converted_model_needs_overwrite(capsys, monkeypatch, tmp
         code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "linear", "-o", out, "--no-compile")
     assert_user_error(code, err, f"error: {out} already holds a converted model; pass --overwrite to replace it")
     assert rnnify.load(out).target == "exact"
-    code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "linear", "-o", out, "--no-compile",
-                       "--overwrite")
+    code, _, err = run(
+        capsys, "convert", tiny_model_dir("llama"), "--to", "linear", "-o", out, "--no-compile", "--overwrite"
+    )
     assert code == 0, err
     assert rnnify.load(out).target == "linear"
 
@@ -544,7 +588,9 @@ def test_the_smollm2_example_writes_what_git_ignores_with_the_umasks_modes(tmp_p
     spec = importlib.util.spec_from_file_location("smollm2_example", root / "examples" / "smollm2.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
     monkeypatch.setattr(example, "load_gguf", lambda path: LlamaForCausalLM(config))
     monkeypatch.setattr(example, "tokenizer_files", lambda path: {})
     old = os.umask(0o022)

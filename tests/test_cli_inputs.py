@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-import rnnify
 from test_chat import make_chat_model
 from test_cli import assert_user_error, run
+
+import rnnify
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,8 +25,9 @@ def test_prompt_bytes_that_are_not_utf8(converted_dir):
     argv = [sys.executable, "-m", "rnnify", "generate", directory, "--prompt", b"hi \xff\xfe"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(argv, capture_output=True, env=env, timeout=300)
-    assert_user_error(result.returncode, result.stderr.decode(), "--prompt is not UTF-8 text", "bytes ff fe",
-                      "character 4")
+    assert_user_error(
+        result.returncode, result.stderr.decode(), "--prompt is not UTF-8 text", "bytes ff fe", "character 4"
+    )
 
 
 def test_system_prompt_that_is_not_utf8(capsys, converted_dir):
@@ -59,8 +60,20 @@ def test_a_tiny_temperature_samples_the_most_likely_token(capsys, converted_dir)
     """1e-40 overflowed the scaled logits to inf and the softmax to nan; now it is greedy decoding's limit."""
     directory = converted_dir("llama", "exact")
     greedy = run(capsys, "generate", directory, "--ids", "1,2,3", "--max-new-tokens", "6")
-    sampled = run(capsys, "generate", directory, "--ids", "1,2,3", "--max-new-tokens", "6", "--do-sample",
-                  "--temperature", "1e-40", "--seed", "0")
+    sampled = run(
+        capsys,
+        "generate",
+        directory,
+        "--ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "6",
+        "--do-sample",
+        "--temperature",
+        "1e-40",
+        "--seed",
+        "0",
+    )
     assert sampled == greedy and greedy[0] == 0
 
 
@@ -68,16 +81,29 @@ def test_a_tiny_temperature_samples_the_most_likely_token(capsys, converted_dir)
 @pytest.mark.parametrize("command", ["generate", "verify", "distill"])
 def test_seed_out_of_range(capsys, monkeypatch, command, value):
     monkeypatch.setattr(f"rnnify.cli.{command}.run", lambda args, console: pytest.fail("ran with a bad --seed"))
-    argv = {"generate": ["generate", "d", "--ids", "1", "--do-sample"], "verify": ["verify", "d"],
-            "distill": ["distill", "d", "--data", "x", "-o", "out"]}[command]
+    argv = {
+        "generate": ["generate", "d", "--ids", "1", "--do-sample"],
+        "verify": ["verify", "d"],
+        "distill": ["distill", "d", "--data", "x", "-o", "out"],
+    }[command]
     code, _, err = run(capsys, *argv, "--seed", value)
     assert_user_error(code, err, "--seed", "-2**63 to 2**64 - 1" if value != "1.5" else "expected an integer")
 
 
 @pytest.mark.parametrize("value", [str(2**64 - 1), "-1"])
 def test_seeds_torch_takes_are_taken(capsys, converted_dir, value):
-    code, out, err = run(capsys, "generate", converted_dir("llama", "exact"), "--ids", "1", "--max-new-tokens", "2",
-                         "--do-sample", "--seed", value)
+    code, out, err = run(
+        capsys,
+        "generate",
+        converted_dir("llama", "exact"),
+        "--ids",
+        "1",
+        "--max-new-tokens",
+        "2",
+        "--do-sample",
+        "--seed",
+        value,
+    )
     assert code == 0, err
     assert len(out.strip().split(",")) == 3
 
@@ -90,26 +116,41 @@ def test_threads_out_of_range(capsys, monkeypatch, value):
     assert_user_error(code, err, f"--threads must be an integer from 1 to {os.cpu_count()}")
 
 
-_BAD_VALUES = [("--temperature", "-1", "--temperature must be a finite number > 0, got -1.0"),
-               ("--temperature", "nan", "--temperature must be a finite number > 0, got nan"),
-               ("--threads", "0", "--threads must be an integer from 1 to"),
-               ("--threads", "x", "--threads 'x': expected an integer")]
-_COMMANDS = {"generate": ["generate", "d", "--ids", "1", "--do-sample"], "chat": ["chat", "d"],
-             "eval": ["eval", "d", "--data", "x"]}
+_BAD_VALUES = [
+    ("--temperature", "-1", "--temperature must be a finite number > 0, got -1.0"),
+    ("--temperature", "nan", "--temperature must be a finite number > 0, got nan"),
+    ("--threads", "0", "--threads must be an integer from 1 to"),
+    ("--threads", "x", "--threads 'x': expected an integer"),
+]
+_COMMANDS = {
+    "generate": ["generate", "d", "--ids", "1", "--do-sample"],
+    "chat": ["chat", "d"],
+    "eval": ["eval", "d", "--data", "x"],
+}
 
 
-@pytest.mark.parametrize(("command", "flag", "value", "said"), [
-    (command, *bad) for command in _COMMANDS for bad in _BAD_VALUES if command != "eval" or bad[0] == "--threads"])
+@pytest.mark.parametrize(
+    ("command", "flag", "value", "said"),
+    [(command, *bad) for command in _COMMANDS for bad in _BAD_VALUES if command != "eval" or bad[0] == "--threads"],
+)
 def test_bad_sampling_and_thread_values_are_refused_before_torch_loads(command, flag, value, said):
     """Issue 43: the value checks of --temperature and --threads are torch-free, so that a mistyped value
     answers at once (one ``error:`` line, exit 2) in a fresh interpreter that never imports torch (eval
     does not sample: --threads only)."""
     argv = [*_COMMANDS[command], flag, value]
-    probe = ("import json, sys\nfrom rnnify.cli import main\n"
-             f"code = main({argv!r})\n"
-             "print(json.dumps([code, sorted(m for m in ('torch', 'transformers', 'rich') if m in sys.modules)]))")
-    done = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    probe = (
+        "import json, sys\nfrom rnnify.cli import main\n"
+        f"code = main({argv!r})\n"
+        "print(json.dumps([code, sorted(m for m in ('torch', 'transformers', 'rich') if m in sys.modules)]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     code, heavy = json.loads(done.stdout.strip().splitlines()[-1])
     assert_user_error(code, done.stderr, said)
     assert heavy == []

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from support import reseal
 
 from rnnify.cli import main
 from rnnify.runtime.manifest import MANIFEST_FILE, content_digest
 from rnnify.runtime.storage import GRAPH_FILE, WEIGHTS_FILE
-from support import reseal
 
 
 @pytest.fixture
@@ -64,27 +64,38 @@ CASES = {
     "cells not a list": (lambda d: reseal(d, cells={"module": "cells.0"}), "cells"),
     "weight of another shape": (
         lambda d: _edit_weights(d, "model.layers.0.self_attn.q_proj.weight", lambda t: t[:, :-1].contiguous()),
-        "does not run"),
+        "does not run",
+    ),
     "weight of another dtype": (
         lambda d: _edit_weights(d, "model.layers.0.self_attn.q_proj.weight", lambda t: t.to(torch.float16)),
-        "does not run"),
+        "does not run",
+    ),
     "missing weight": (lambda d: _edit_weights(d, "model.norm.weight", lambda t: t[:0]), "does not run"),
     "graph op with too few args": (
         lambda d: _edit_graph(d, lambda g: _first(g, "torch.ops.aten.linear.default").__setitem__("args", [])),
-        "needs argument"),
+        "needs argument",
+    ),
     "graph op with a node where a size goes": (
-        lambda d: _edit_graph(d, lambda g: _first(g, "torch.ops.aten.transpose.int")["args"].__setitem__(
-            1, {"node": "input_ids"})),
-        "does not run"),
-    "empty graph output": (lambda d: _edit_graph(d, lambda g: g["nodes"][-1].__setitem__("args", [{"tuple": []}])),
-                           "returns 0 values"),
+        lambda d: _edit_graph(
+            d, lambda g: _first(g, "torch.ops.aten.transpose.int")["args"].__setitem__(1, {"node": "input_ids"})
+        ),
+        "does not run",
+    ),
+    "empty graph output": (
+        lambda d: _edit_graph(d, lambda g: g["nodes"][-1].__setitem__("args", [{"tuple": []}])),
+        "returns 0 values",
+    ),
     "deeply nested graph": (
-        lambda d: ((d / GRAPH_FILE).write_text('{"format": 1, "nodes": ' + "[" * 50_000 + "]" * 50_000 + "}"),
-                   reseal(d)),
-        "graph"),
+        lambda d: (
+            (d / GRAPH_FILE).write_text('{"format": 1, "nodes": ' + "[" * 50_000 + "]" * 50_000 + "}"),
+            reseal(d),
+        ),
+        "graph",
+    ),
     "deeply nested manifest": (
         lambda d: (d / MANIFEST_FILE).write_text('{"format_version": 3, "x": ' + "[" * 50_000 + "]" * 50_000 + "}"),
-        "manifest"),
+        "manifest",
+    ),
 }
 
 

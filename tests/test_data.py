@@ -10,8 +10,14 @@ import torch
 from rnnify.data import token_batches
 from rnnify.errors import RnnifyError
 
-DOCS = ["def main():\n    return 1\n", "import os\nprint(os.getcwd())\n", "x = [i * i for i in range(10)]\n",
-        "class A:\n    pass\n", "while True:\n    break\n", "# a comment\n"]
+DOCS = [
+    "def main():\n    return 1\n",
+    "import os\nprint(os.getcwd())\n",
+    "x = [i * i for i in range(10)]\n",
+    "class A:\n    pass\n",
+    "while True:\n    break\n",
+    "# a comment\n",
+]
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +90,10 @@ def test_tokenizer_from_directory(tmp_path, tokenizer, tiny_model_dir):
 def test_ranks_see_the_single_process_rows(tmp_path, tokenizer, world_size):
     path = _jsonl(tmp_path / "d.jsonl", DOCS * 3)
     single = list(token_batches(path, tokenizer, seq_len=5, batch_size=8))
-    ranks = [list(token_batches(path, tokenizer, seq_len=5, batch_size=8, rank=r, world_size=world_size))
-             for r in range(world_size)]
+    ranks = [
+        list(token_batches(path, tokenizer, seq_len=5, batch_size=8, rank=r, world_size=world_size))
+        for r in range(world_size)
+    ]
     assert all(len(r) == len(ranks[0]) for r in ranks) and len(ranks[0]) >= len(single) - 1
     for step, want in enumerate(single[: len(ranks[0])]):
         for key in ("input_ids", "attention_mask"):
@@ -125,8 +133,10 @@ def test_max_tokens_counts_real_tokens(tmp_path, tokenizer):
     stream = _stream(tokenizer, DOCS)
     got = _real(token_batches(path, tokenizer, seq_len=8, batch_size=2, max_tokens=21))
     assert got == stream[:21]
-    ranks = [list(token_batches(path, tokenizer, seq_len=8, batch_size=2, world_size=2, rank=r, max_tokens=29))
-             for r in range(2)]  # rows of 8, 8 | 8, 5: every rank has real tokens in both batches
+    ranks = [
+        list(token_batches(path, tokenizer, seq_len=8, batch_size=2, world_size=2, rank=r, max_tokens=29))
+        for r in range(2)
+    ]  # rows of 8, 8 | 8, 5: every rank has real tokens in both batches
     assert sum(int(b["attention_mask"].sum()) for r in ranks for b in r) == 29
 
 
@@ -160,8 +170,11 @@ def _file(tmp_path, name, content):
         (lambda p: torch.arange(5), {}, r"\[N, T\]"),
         (lambda p: torch.tensor([[1, -2]]), {}, "negative"),
         (lambda p: {"ids": torch.ones(1, 2)}, {}, "without input_ids"),
-        (lambda p: {"input_ids": torch.ones(1, 2, dtype=torch.long), "attention_mask": torch.ones(1, 3)}, {},
-         "shaped like input_ids"),
+        (
+            lambda p: {"input_ids": torch.ones(1, 2, dtype=torch.long), "attention_mask": torch.ones(1, 3)},
+            {},
+            "shaped like input_ids",
+        ),
         (lambda p: 42, {}, "got int"),
         (lambda p: torch.ones(1, 2, dtype=torch.long), {"batch_size": 6, "world_size": 4}, "not divisible"),
         (lambda p: torch.ones(1, 2, dtype=torch.long), {"rank": 2, "world_size": 2}, "rank must be"),

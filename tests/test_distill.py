@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from distill_support import distill_recording_losses, free_port
 
 import rnnify
-from distill_support import distill_recording_losses, free_port
 from rnnify.cli import main
 from rnnify.distill import attention_transfer, load_teacher, train
 from rnnify.distill.checkpoint import CHECKPOINT_FILE, PREVIOUS_FILE, remove_checkpoint
@@ -176,8 +176,10 @@ def test_merged_lora_gives_the_logits_of_the_unmerged_model(converted_dir, arch)
 
 
 def test_lora_goes_only_where_a_gradient_reaches(hybrid_dir, aaren_dir):
-    for directory, projections in ((hybrid_dir, {"q_proj", "k_proj", "v_proj", "o_proj"}),
-                                   (aaren_dir, {"k_proj", "v_proj", "o_proj"})):  # Aaren ignores q
+    for directory, projections in (
+        (hybrid_dir, {"q_proj", "k_proj", "v_proj", "o_proj"}),
+        (aaren_dir, {"k_proj", "v_proj", "o_proj"}),
+    ):  # Aaren ignores q
         model = rnnify.load(directory)
         loras = add_lora(model, rank=2, alpha=4.0)
         assert {name.split(".")[-2] for name in loras} == projections and len(loras) == 2 * len(projections)
@@ -269,7 +271,9 @@ def test_gates_train_at_their_multiple_of_the_rate(tiny_model_dir):
     model = rnnify.convert(tiny_model_dir("llama"), to="hybrid", window=4, feature_map="hedgehog", memory_init=0.5)
     before = state_dict(model)
     rnnify.distill(model, tokens(4), stages=["transfer"], lr=1e-3, schedule="constant", gate_lr_scale=20, **FAST)
-    moved = {k: (v - before[k]).abs().max().item() for k, v in state_dict(model).items() if k.startswith("graph.cells.")}
+    moved = {
+        k: (v - before[k]).abs().max().item() for k, v in state_dict(model).items() if k.startswith("graph.cells.")
+    }
     gates = {k for k in moved if k.endswith(("memory_gate", "window_logit"))}
     assert len(gates) == 2 * len(model.cells)
     # AdamW's first step moves a weight by its rate times g / (|g| + eps): 20 x 1e-3 for the gates, <= 1e-3 for the rest
@@ -284,8 +288,9 @@ def test_resume_refuses_other_settings(hybrid_dir, tmp_path):
     rnnify.distill(model, tokens(8), stages=["transfer"], checkpoint_dir=tmp_path, **FAST)
     assert (tmp_path / CHECKPOINT_FILE).is_file()
     with pytest.raises(rnnify.RnnifyError, match="seq_len"):
-        rnnify.distill(model, tokens(8), stages=["transfer"], checkpoint_dir=tmp_path, resume=True,
-                       **{**FAST, "seq_len": 8})
+        rnnify.distill(
+            model, tokens(8), stages=["transfer"], checkpoint_dir=tmp_path, resume=True, **{**FAST, "seq_len": 8}
+        )
 
 
 def test_resume_refuses_a_checkpoint_of_another_model(hybrid_dir, tiny_model_dir, tmp_path):
@@ -308,8 +313,9 @@ def test_resume_refuses_a_checkpoint_without_every_cell_parameter(hybrid_dir, tm
     del saved["trainable"][dropped]
     torch.save(saved, tmp_path / CHECKPOINT_FILE)
     with pytest.raises(rnnify.RnnifyError, match=f"lacks {re.escape(dropped)}.*another checkpoint directory"):
-        rnnify.distill(rnnify.load(hybrid_dir), tokens(8), stages=["transfer"], checkpoint_dir=tmp_path, resume=True,
-                       **FAST)
+        rnnify.distill(
+            rnnify.load(hybrid_dir), tokens(8), stages=["transfer"], checkpoint_dir=tmp_path, resume=True, **FAST
+        )
 
 
 def test_a_fresh_run_sets_an_earlier_checkpoint_aside(hybrid_dir, tmp_path, monkeypatch, capsys):
@@ -321,14 +327,25 @@ def test_a_fresh_run_sets_an_earlier_checkpoint_aside(hybrid_dir, tmp_path, monk
 
     monkeypatch.setattr(train._Trainer, "step", interrupted)
     with pytest.raises(KeyboardInterrupt):  # stopped before its first checkpoint
-        rnnify.distill(rnnify.load(hybrid_dir), tokens(8), stages=["transfer"], checkpoint_dir=tmp_path,
-                       **{**FAST, "progress": True})
+        rnnify.distill(
+            rnnify.load(hybrid_dir),
+            tokens(8),
+            stages=["transfer"],
+            checkpoint_dir=tmp_path,
+            **{**FAST, "progress": True},
+        )
     assert not (tmp_path / CHECKPOINT_FILE).exists()
     assert (tmp_path / "checkpoint.pt.previous").read_bytes() == finished
     assert "moved the checkpoint of an earlier run" in capsys.readouterr().err
     monkeypatch.undo()
-    rnnify.distill(rnnify.load(hybrid_dir), tokens(8), stages=["transfer"], checkpoint_dir=tmp_path, resume=True,
-                   **{**FAST, "progress": True})
+    rnnify.distill(
+        rnnify.load(hybrid_dir),
+        tokens(8),
+        stages=["transfer"],
+        checkpoint_dir=tmp_path,
+        resume=True,
+        **{**FAST, "progress": True},
+    )
     assert "no checkpoint in" in capsys.readouterr().err  # not the finished earlier run's
 
 
@@ -349,17 +366,20 @@ def test_seq_len_is_checked_against_learned_positions_first(converted_dir):
         rnnify.distill(model, tokens(4), teacher="no/such/teacher", **{**FAST, "seq_len": 129})
 
 
-@pytest.mark.parametrize("options, words", [
-    ({"stages": ["pretrain"]}, "stages"),
-    ({"lr": [1e-2]}, "lr"),
-    ({"resume": True}, "checkpoint_dir"),
-    ({"kl_weight": -1}, "kl_weight"),
-    ({"schedule": "linear"}, "schedule"),
-    ({"gate_lr_scale": 0}, "gate_lr_scale"),
-    ({"gate_lr_scale": [1, 10, 100]}, "gate_lr_scale"),
-    ({"gate_lr_scale": float("inf")}, "gate_lr_scale"),
-    ({"batch_size": 0}, "batch_size"),
-])
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"stages": ["pretrain"]}, "stages"),
+        ({"lr": [1e-2]}, "lr"),
+        ({"resume": True}, "checkpoint_dir"),
+        ({"kl_weight": -1}, "kl_weight"),
+        ({"schedule": "linear"}, "schedule"),
+        ({"gate_lr_scale": 0}, "gate_lr_scale"),
+        ({"gate_lr_scale": [1, 10, 100]}, "gate_lr_scale"),
+        ({"gate_lr_scale": float("inf")}, "gate_lr_scale"),
+        ({"batch_size": 0}, "batch_size"),
+    ],
+)
 def test_bad_arguments_are_user_errors(hybrid_dir, options, words):
     with pytest.raises(rnnify.RnnifyError, match=words):
         rnnify.distill(rnnify.load(hybrid_dir), tokens(4), **{**FAST, **options})
@@ -403,8 +423,9 @@ def _run_recording_losses(model_dir: str, data: torch.Tensor, **options) -> tupl
 def _ddp_worker(rank: int, world_size: int, port: int, runs: list, out: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # one group for every run: distill uses the group it finds
     try:
@@ -450,9 +471,32 @@ def corpus(tmp_path) -> Path:
 
 def test_cli_distill_writes_a_distilled_model(capsys, hybrid_dir, corpus, tmp_path):
     out = tmp_path / "distilled"
-    code, stdout, err = run_cli(capsys, "distill", hybrid_dir, "--data", corpus, "-o", out, "--seq-len", 16,
-                                "--batch-size", 4, "--max-tokens", 256, "--lr", "1e-2,1e-3", "--checkpoint-every", 4,
-                                "--gate-lr-scale", "1,20", "--kernels", "none", "--device", "cpu", "--no-compile")
+    code, stdout, err = run_cli(
+        capsys,
+        "distill",
+        hybrid_dir,
+        "--data",
+        corpus,
+        "-o",
+        out,
+        "--seq-len",
+        16,
+        "--batch-size",
+        4,
+        "--max-tokens",
+        256,
+        "--lr",
+        "1e-2,1e-3",
+        "--checkpoint-every",
+        4,
+        "--gate-lr-scale",
+        "1,20",
+        "--kernels",
+        "none",
+        "--device",
+        "cpu",
+        "--no-compile",
+    )
     assert code == 0, err
     assert f"saved to {out}" in stdout and "transfer:" in err and "finetune:" in err
     manifest = json.loads((out / "rnnify.json").read_text())
@@ -465,11 +509,33 @@ def test_cli_distill_writes_a_distilled_model(capsys, hybrid_dir, corpus, tmp_pa
 
 def test_cli_convert_then_distill_in_one_go(capsys, tiny_model_dir, corpus, tmp_path):
     out = tmp_path / "out"
-    code, stdout, err = run_cli(capsys, "convert", tiny_model_dir("gpt2"), "--to", "hybrid", "--window", 4,
-                                "--distill", corpus, "-o", out, "--no-compile", "--seq-len", 16, "--batch-size", 4,
-                                "--max-tokens", 128, "--stages", "finetune", "--lora-rank", 2,
-                                "--tokenizer", tiny_model_dir("llama"),  # the same tokenizer files
-                                "--keep-checkpoints")
+    code, stdout, err = run_cli(
+        capsys,
+        "convert",
+        tiny_model_dir("gpt2"),
+        "--to",
+        "hybrid",
+        "--window",
+        4,
+        "--distill",
+        corpus,
+        "-o",
+        out,
+        "--no-compile",
+        "--seq-len",
+        16,
+        "--batch-size",
+        4,
+        "--max-tokens",
+        128,
+        "--stages",
+        "finetune",
+        "--lora-rank",
+        2,
+        "--tokenizer",
+        tiny_model_dir("llama"),  # the same tokenizer files
+        "--keep-checkpoints",
+    )
     assert code == 0, err
     assert (tmp_path / "out.checkpoints" / CHECKPOINT_FILE).is_file() and "checkpoint kept in" in stdout
     record = json.loads((out / "rnnify.json").read_text())["distill"]
@@ -477,21 +543,37 @@ def test_cli_convert_then_distill_in_one_go(capsys, tiny_model_dir, corpus, tmp_
     assert record["teacher"] == str(tiny_model_dir("gpt2"))
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--data", "missing.txt"], "does not exist"),
-    (["--stages", "transfer,pretrain"], "stages"),
-    (["--lr", "fast"], "--lr"),
-    (["--gate-lr-scale", "1,x"], "--gate-lr-scale"),
-    (["--gate-lr-scale", "1,2,3"], "gate_lr_scale"),
-    (["--seq-len", "1"], "seq_len (--seq-len) must be"),
-    (["--tokenizer", "no/such/dir"], "--tokenizer DIR"),
-    (["--device", "cuda:0" if not torch.cuda.is_available() else "nope"], "--device"),
-    (["-o", "{corpus}"], "not an rnnify model directory"),
-    (["--teacher", "no/such/dir"], "no such directory"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--data", "missing.txt"], "does not exist"),
+        (["--stages", "transfer,pretrain"], "stages"),
+        (["--lr", "fast"], "--lr"),
+        (["--gate-lr-scale", "1,x"], "--gate-lr-scale"),
+        (["--gate-lr-scale", "1,2,3"], "gate_lr_scale"),
+        (["--seq-len", "1"], "seq_len (--seq-len) must be"),
+        (["--tokenizer", "no/such/dir"], "--tokenizer DIR"),
+        (["--device", "cuda:0" if not torch.cuda.is_available() else "nope"], "--device"),
+        (["-o", "{corpus}"], "not an rnnify model directory"),
+        (["--teacher", "no/such/dir"], "no such directory"),
+    ],
+)
 def test_cli_distill_mistakes_are_one_line_errors(capsys, hybrid_dir, corpus, tmp_path, args, words):
-    argv = ["distill", hybrid_dir, "--data", corpus, "-o", tmp_path / "out", "--seq-len", 16, "--batch-size", 4,
-            "--max-tokens", 64, *(str(a).format(corpus=corpus) for a in args)]
+    argv = [
+        "distill",
+        hybrid_dir,
+        "--data",
+        corpus,
+        "-o",
+        tmp_path / "out",
+        "--seq-len",
+        16,
+        "--batch-size",
+        4,
+        "--max-tokens",
+        64,
+        *(str(a).format(corpus=corpus) for a in args),
+    ]
     code, _, err = run_cli(capsys, *argv)
     assert code == 2 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1].startswith("error: ") and words in err, err
@@ -499,8 +581,23 @@ def test_cli_distill_mistakes_are_one_line_errors(capsys, hybrid_dir, corpus, tm
 
 
 def test_cli_default_seq_len_stops_at_learned_positions(capsys, converted_dir, corpus, tmp_path):
-    code, _, err = run_cli(capsys, "distill", converted_dir("gpt2", "hybrid"), "--data", corpus, "-o", tmp_path / "out",
-                           "--stages", "finetune", "--kl-weight", 0, "--batch-size", 1, "--max-tokens", 64,
-                           "--no-compile")
+    code, _, err = run_cli(
+        capsys,
+        "distill",
+        converted_dir("gpt2", "hybrid"),
+        "--data",
+        corpus,
+        "-o",
+        tmp_path / "out",
+        "--stages",
+        "finetune",
+        "--kl-weight",
+        0,
+        "--batch-size",
+        1,
+        "--max-tokens",
+        64,
+        "--no-compile",
+    )
     assert code == 0, err
     assert json.loads((tmp_path / "out" / "rnnify.json").read_text())["distill"]["seq_len"] == 128  # not 1024

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 import torch
+from distill_support import distill_recording_losses, free_port
 
 import rnnify
-from distill_support import distill_recording_losses, free_port
 from rnnify.distill import train
 from rnnify.distill.lora import add_lora
 from rnnify.distill.split_layers import split_layers
@@ -75,7 +75,10 @@ def test_split_copies_alias_the_model_and_train_the_same(converted_dir):
     originals = {id(p): p for p in model.parameters()}
     copies = {id(p) for p in split.parameters()}
     assert not copies & originals.keys()  # new objects, so FSDP can replace them without touching the model...
-    for key, original in originals.items():  # ...over the same storage (LoRA factors and cells copied with their modules)
+    for (
+        key,
+        original,
+    ) in originals.items():  # ...over the same storage (LoRA factors and cells copied with their modules)
         assert memo[key].data_ptr() == original.data_ptr() and id(memo[key]) in copies
     inputs = graph_inputs(model, tokens(2, length=12))
     assert all(torch.equal(a, b) for a, b in zip(model.graph(*inputs), split(*inputs)))
@@ -97,8 +100,19 @@ def test_cli_fsdp_flag(capsys, hybrid_dir, tmp_path):
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def main(argv):\n    for arg in argv:\n        print(arg.upper(), len(arg))\n" * 4)
-    args = ["--data", corpus, "-o", tmp_path / "out", "--seq-len", 16, "--batch-size", 4, "--stages", "transfer",
-            "--no-compile"]
+    args = [
+        "--data",
+        corpus,
+        "-o",
+        tmp_path / "out",
+        "--seq-len",
+        16,
+        "--batch-size",
+        4,
+        "--stages",
+        "transfer",
+        "--no-compile",
+    ]
     assert main(["distill", str(hybrid_dir), *map(str, args), "--fsdp"]) == 0
     assert "fsdp: one process" in capsys.readouterr().err
     assert build_parser().parse_args(["convert", "m", "--to", "hybrid", "--distill", "c", "-o", "o", "--fsdp"]).fsdp
@@ -138,7 +152,9 @@ def _memory_probe(model_dir: str) -> dict:
 
     def probe(name):
         def hook(module, args):
-            gathered = sorted(n for n, piece in pieces.items() if any(not isinstance(p, DTensor) for p in piece.parameters()))
+            gathered = sorted(
+                n for n, piece in pieces.items() if any(not isinstance(p, DTensor) for p in piece.parameters())
+            )
             seen.append((name, gathered))
 
         return hook
@@ -149,18 +165,22 @@ def _memory_probe(model_dir: str) -> dict:
     with torch.no_grad():
         sharded.view(ids, sharded.view.init_state(2))
     return {
-        "units": sharded.units, "all_sharded": all(isinstance(p, DTensor) for p in params),
-        "local": sum(nbytes(p.to_local()) for p in params), "full": sum(nbytes(p) for p in params),
+        "units": sharded.units,
+        "all_sharded": all(isinstance(p, DTensor) for p in params),
+        "local": sum(nbytes(p.to_local()) for p in params),
+        "full": sum(nbytes(p) for p in params),
         "model_bytes": sum(nbytes(p) for p in model.parameters()),
-        "model_plain": not any(isinstance(p, DTensor) for p in model.parameters()), "seen": seen,
+        "model_plain": not any(isinstance(p, DTensor) for p in model.parameters()),
+        "seen": seen,
     }
 
 
 def _join_gloo(rank: int, world_size: int, port: int) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # ours, so the distill calls share it
 
@@ -183,7 +203,9 @@ def _worker(rank: int, world_size: int, port: int, model_dir: str, gpt2_dir: str
 
     train._Trainer.step = interrupted
     try:
-        rnnify.distill(stopped := rnnify.load(model_dir), data, **{**OPTIONS, "fsdp": True, "checkpoint_dir": f"{out}.b"})
+        rnnify.distill(
+            stopped := rnnify.load(model_dir), data, **{**OPTIONS, "fsdp": True, "checkpoint_dir": f"{out}.b"}
+        )
     except KeyboardInterrupt:
         pass
     finally:
@@ -227,11 +249,19 @@ def fsdp_runs(hybrid_dir, converted_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp") / "run"
     data = tokens(20)  # 5 global batches of 4 rows per stage; each rank reads 2 rows of each
     gpt2_dir = str(converted_dir("gpt2", "hybrid"))
-    torch.multiprocessing.spawn(_worker, args=(2, free_port(), model_dir, gpt2_dir, data, str(out)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(
+        _worker, args=(2, free_port(), model_dir, gpt2_dir, data, str(out)), nprocs=2, join=True
+    )
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     losses, single = _distill(model_dir, data)
-    return {"ranks": ranks, "losses": losses, "weights": state_dict(single), "model_dir": model_dir, "data": data,
-            "out": out}
+    return {
+        "ranks": ranks,
+        "losses": losses,
+        "weights": state_dict(single),
+        "model_dir": model_dir,
+        "data": data,
+        "out": out,
+    }
 
 
 @pytest.mark.slow  # multi-process / end to end; the default suite stays under 10 minutes
@@ -239,17 +269,22 @@ def test_fsdp_on_two_processes_follows_the_loss_curve_of_one(fsdp_runs):
     assert len(fsdp_runs["losses"]) == 10
     for result in fsdp_runs["ranks"]:
         assert result["record"]["fsdp"] and result["record"]["world_size"] == 2
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(fsdp_runs["losses"]), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]), torch.tensor(fsdp_runs["losses"]), rtol=1e-4, atol=1e-6
+        )
         assert result["weights"].keys() == fsdp_runs["weights"].keys()  # LoRA merged into the model's own weights
         for name, tensor in fsdp_runs["weights"].items():
             torch.testing.assert_close(result["weights"][name], tensor, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow  # multi-process / end to end; the default suite stays under 10 minutes
-@pytest.mark.parametrize("arch, units, root", [
-    ("llama", ["prologue", "layer_0", "layer_1", "epilogue"], []),
-    ("gpt2", ["layer_0", "layer_1"], ["prologue", "epilogue"]),  # tied embedding: both ends stay with the root
-])
+@pytest.mark.parametrize(
+    "arch, units, root",
+    [
+        ("llama", ["prologue", "layer_0", "layer_1", "epilogue"], []),
+        ("gpt2", ["layer_0", "layer_1"], ["prologue", "epilogue"]),  # tied embedding: both ends stay with the root
+    ],
+)
 def test_fsdp_shards_each_layer_and_gathers_one_at_a_time(fsdp_runs, arch, units, root):
     memories = [result["memory" if arch == "llama" else f"memory_{arch}"] for result in fsdp_runs["ranks"]]
     for memory in memories:
@@ -271,6 +306,8 @@ def test_fsdp_checkpoints_resume_with_and_without_fsdp(fsdp_runs, tmp_path):
         for name, tensor in whole.items():  # resumed under FSDP: where the uninterrupted FSDP run ended
             torch.testing.assert_close(result["resumed"][name], tensor, rtol=0, atol=0)
     # the FSDP checkpoint holds full tensors: one process without FSDP continues from it
-    _, resumed = _distill(fsdp_runs["model_dir"], fsdp_runs["data"], checkpoint_dir=f"{fsdp_runs['out']}.c", resume=True)
+    _, resumed = _distill(
+        fsdp_runs["model_dir"], fsdp_runs["data"], checkpoint_dir=f"{fsdp_runs['out']}.c", resume=True
+    )
     for name, tensor in state_dict(resumed).items():
         torch.testing.assert_close(tensor, fsdp_runs["weights"][name], rtol=1e-4, atol=1e-5)

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_distill import FAST, aaren_dir, hybrid_dir, tokens  # noqa: F401  (fixtures)
 
 import rnnify
 from rnnify.cells import parameters as cell_parameters
 from rnnify.cli import main
 from rnnify.distill import attention_transfer, train
-from rnnify.original.attention import cells_only
 from rnnify.distill.losses import token_losses
-from test_distill import FAST, aaren_dir, hybrid_dir, tokens  # noqa: F401  (fixtures)
-
+from rnnify.original.attention import cells_only
 
 # -- attention transfer without what follows the last cell ----------------------------------
 
@@ -180,10 +179,33 @@ def test_cli_train_flag(capsys, hybrid_dir, tmp_path):
     data = tmp_path / "ids.txt"
     data.write_text("def f(x):\n    return x + 1\n" * 40)
     out = tmp_path / "out"
-    code = main(["distill", str(hybrid_dir), "--data", str(data), "-o", str(out), "--stages", "finetune",
-                 "--train", "attention", "--kl-weight", "0", "--seq-len", "16", "--batch-size", "2",
-                 "--max-tokens", "64", "--no-compile"])
+    code = main(
+        [
+            "distill",
+            str(hybrid_dir),
+            "--data",
+            str(data),
+            "-o",
+            str(out),
+            "--stages",
+            "finetune",
+            "--train",
+            "attention",
+            "--kl-weight",
+            "0",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+            "--max-tokens",
+            "64",
+            "--no-compile",
+        ]
+    )
     assert code in (0, None)
     assert rnnify.load(out).manifest.distill["train"] == "attention"
-    assert main(["distill", str(hybrid_dir), "--data", str(data), "-o", str(tmp_path / "o2"), "--train", "everything"]) == 2
+    assert (
+        main(["distill", str(hybrid_dir), "--data", str(data), "-o", str(tmp_path / "o2"), "--train", "everything"])
+        == 2
+    )
     assert "--train" in capsys.readouterr().err

@@ -92,14 +92,21 @@ def test_results_pages_are_dated_and_listed():
 
 # page -> the markers a benchmark script writes between (the script, the start marker's text)
 MARKERS = {
-    "docs/fidelity-smollm2.md": [("benchmarks/long_context.py", "<!-- long-context: python benchmarks/long_context.py -->"),
-                                 ("benchmarks/long_context.py", "<!-- /long-context -->"),
-                                 ("benchmarks/retrieval_windows.py", "<!-- retrieval-windows: python benchmarks/retrieval_windows.py -->"),
-                                 ("benchmarks/retrieval_windows.py", "<!-- /retrieval-windows -->")],
-    "docs/fidelity.md": [("benchmarks/fidelity.py", "<!-- memories: further runs, each with its command; kept when fidelity.py rewrites the page -->"),
-                         ("benchmarks/fidelity.py", "<!-- /memories -->"),
-                         ("benchmarks/fidelity.py", "<!-- per-head: written by benchmarks/per_head.py -->"),
-                         ("benchmarks/fidelity.py", "<!-- /per-head -->")],
+    "docs/fidelity-smollm2.md": [
+        ("benchmarks/long_context.py", "<!-- long-context: python benchmarks/long_context.py -->"),
+        ("benchmarks/long_context.py", "<!-- /long-context -->"),
+        ("benchmarks/retrieval_windows.py", "<!-- retrieval-windows: python benchmarks/retrieval_windows.py -->"),
+        ("benchmarks/retrieval_windows.py", "<!-- /retrieval-windows -->"),
+    ],
+    "docs/fidelity.md": [
+        (
+            "benchmarks/fidelity.py",
+            "<!-- memories: further runs, each with its command; kept when fidelity.py rewrites the page -->",
+        ),
+        ("benchmarks/fidelity.py", "<!-- /memories -->"),
+        ("benchmarks/fidelity.py", "<!-- per-head: written by benchmarks/per_head.py -->"),
+        ("benchmarks/fidelity.py", "<!-- /per-head -->"),
+    ],
 }
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import assert_left_padded_rows_equal_rows_alone, decode, rel_diff
 from transformers import AutoModelForCausalLM
 
 import rnnify
-from support import assert_left_padded_rows_equal_rows_alone, decode, rel_diff
 
 
 def original(path):

@@ -32,7 +32,9 @@ def test_directory_without_config(tmp_path):
 
 
 def test_encoder_decoder_is_rejected(tmp_path):
-    T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)).save_pretrained(tmp_path)
+    T5ForConditionalGeneration(
+        T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
+    ).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
         rnnify.convert(tmp_path)
 

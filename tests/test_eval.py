@@ -9,12 +9,12 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from support import reseal
 
 import rnnify
-from rnnify.eval import copy_kinds, position_ranges
 from rnnify.cli import main
 from rnnify.data import token_batches
-from support import reseal
+from rnnify.eval import copy_kinds, position_ranges
 
 TEXT = "def main(argv):\n    for arg in argv:\n        print(arg.upper(), len(arg))\n    return 0\n" * 6
 OPTIONS = dict(seq_len=16, batch_size=2, max_tokens=100)
@@ -115,8 +115,22 @@ def test_kl_by_copy_splits_the_predicted_positions(tiny_model_dir):
 
 def test_cli_prints_and_writes_json(converted_dir, corpus, tmp_path, capsys):
     out = tmp_path / "eval.json"
-    code = main(["eval", str(converted_dir("llama", "exact")), "--data", str(corpus), "--seq-len", "16",
-                 "--batch-size", "2", "--max-tokens", "40", "--json", str(out)])
+    code = main(
+        [
+            "eval",
+            str(converted_dir("llama", "exact")),
+            "--data",
+            str(corpus),
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+            "--max-tokens",
+            "40",
+            "--json",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0 and "perplexity" in printed and "cells.1" in printed and "copy beyond 64" in printed
     data = json.loads(out.read_text())
@@ -160,16 +174,27 @@ def _without_tokenizer(converted, tmp_path, source=None):
     return copy
 
 
-def test_a_directory_without_tokenizer_files_reads_text_with_its_sources(converted_dir, tiny_model_dir, corpus,
-                                                                          tmp_path):
+def test_a_directory_without_tokenizer_files_reads_text_with_its_sources(
+    converted_dir, tiny_model_dir, corpus, tmp_path
+):
     result = rnnify.evaluate(_without_tokenizer(converted_dir("llama", "exact"), tmp_path), corpus, **OPTIONS)
     assert result.perplexity == pytest.approx(_hf_perplexity(tiny_model_dir("llama"), corpus), rel=1e-4)
 
 
 def test_cli_tokenizer_flag_and_its_error(converted_dir, tiny_model_dir, corpus, tmp_path, capsys):
     bare = str(_without_tokenizer(converted_dir("llama", "exact"), tmp_path, source=str(tmp_path / "gone")))
-    argv = ["eval", bare, "--data", str(corpus), "--against", str(tiny_model_dir("llama")), "--seq-len", "16",
-            "--max-tokens", "32"]
+    argv = [
+        "eval",
+        bare,
+        "--data",
+        str(corpus),
+        "--against",
+        str(tiny_model_dir("llama")),
+        "--seq-len",
+        "16",
+        "--max-tokens",
+        "32",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "no tokenizer files" in err and "--tokenizer DIR" in err
@@ -189,15 +214,28 @@ def test_kernels_and_device_choose_how_a_directory_loads(converted_dir, monkeypa
         rnnify.evaluate(rnnify.load(converted_dir("llama", "linear")), ids, kernels="none", **OPTIONS)
 
 
-@pytest.mark.parametrize("args, match", [
-    (["--seq-len", "1"], "seq_len (--seq-len) must be an integer >= 2"),
-    (["--json", "{tmp}/missing/eval.json"], "--json {tmp}/missing/eval.json: directory {tmp}/missing does not exist"),
-    (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nope"], "--device"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--seq-len", "1"], "seq_len (--seq-len) must be an integer >= 2"),
+        (
+            ["--json", "{tmp}/missing/eval.json"],
+            "--json {tmp}/missing/eval.json: directory {tmp}/missing does not exist",
+        ),
+        (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nope"], "--device"),
+    ],
+)
 def test_cli_checks_flags_before_the_work(converted_dir, corpus, tmp_path, capsys, args, match):
     # --against names nothing: an error about it would mean the flags were checked only after loading it
-    argv = ["eval", str(converted_dir("llama", "exact")), "--data", str(corpus), "--against", str(tmp_path / "nope"),
-            *(a.format(tmp=tmp_path) for a in args)]
+    argv = [
+        "eval",
+        str(converted_dir("llama", "exact")),
+        "--data",
+        str(corpus),
+        "--against",
+        str(tmp_path / "nope"),
+        *(a.format(tmp=tmp_path) for a in args),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and match.format(tmp=tmp_path) in err

@@ -62,10 +62,30 @@ def test_fidelity_script_end_to_end(tmp_path, tiny_model_dir):
     fidelity = _load(ROOT / "benchmarks" / "fidelity.py")
     out = tmp_path / "fidelity"
     argv = [
-        "fidelity.py", "--model", str(tiny_model_dir("llama")), "--variants", "exact", "linear-hedgehog",
-        "--distill-tokens", "1024", "--goal-distill-tokens", "1024", "--eval-tokens", "512", "--seq-len", "32",
-        "--batch-size", "4", "--threads", "1", "--json", str(out / "f.json"), "--doc", str(out / "f.md"),
-        "--png", str(out / "f.png"),
+        "fidelity.py",
+        "--model",
+        str(tiny_model_dir("llama")),
+        "--variants",
+        "exact",
+        "linear-hedgehog",
+        "--distill-tokens",
+        "1024",
+        "--goal-distill-tokens",
+        "1024",
+        "--eval-tokens",
+        "512",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--threads",
+        "1",
+        "--json",
+        str(out / "f.json"),
+        "--doc",
+        str(out / "f.md"),
+        "--png",
+        str(out / "f.png"),
     ]
     notes = "\n".join([fidelity.MEMORY_NOTES[0], "A further run, measured by hand.", fidelity.MEMORY_NOTES[1]])
     out.mkdir()
@@ -87,9 +107,30 @@ def test_fidelity_script_end_to_end(tmp_path, tiny_model_dir):
 def test_fidelity_stages_transfer_only_spends_the_budget_on_transfer(tmp_path, tiny_model_dir):
     """--stages transfer: the whole budget goes to attention transfer at the first --lr, no finetune."""
     fidelity = _load(ROOT / "benchmarks" / "fidelity.py")
-    argv = ["--model", str(tiny_model_dir("llama")), "--row", "h=hybrid,window=4,feature_map=hedgehog",
-            "--distilled-only", "--distill-tokens", "512", "--stages", "transfer", "--lr", "0.03", "0.001",
-            "--seq-len", "32", "--eval-rows", "1", "--batch-size", "2", "--threads", "1", "--json", str(tmp_path / "f.json")]
+    argv = [
+        "--model",
+        str(tiny_model_dir("llama")),
+        "--row",
+        "h=hybrid,window=4,feature_map=hedgehog",
+        "--distilled-only",
+        "--distill-tokens",
+        "512",
+        "--stages",
+        "transfer",
+        "--lr",
+        "0.03",
+        "0.001",
+        "--seq-len",
+        "32",
+        "--eval-rows",
+        "1",
+        "--batch-size",
+        "2",
+        "--threads",
+        "1",
+        "--json",
+        str(tmp_path / "f.json"),
+    ]
     seen = []
     distill = rnnify.distill
     with pytest.MonkeyPatch.context() as patch:
@@ -156,9 +197,27 @@ def test_needle_rows_pack_one_exercise_per_row(tmp_path):
 def test_fidelity_rows_are_saved_as_they_finish_and_reused(tmp_path, tiny_model_dir, capsys):
     fidelity = _load(ROOT / "benchmarks" / "fidelity.py")
     out = tmp_path / "f.json"
-    argv = ["--model", str(tiny_model_dir("llama")), "--variants", "exact", "--row", "lin=linear,feature_map=elu",
-            "--seq-len", "64", "--eval-rows", "1", "--no-distill", "--passkey", "200", "--passkey-trials", "1",
-            "--threads", "1", "--json", str(out)]
+    argv = [
+        "--model",
+        str(tiny_model_dir("llama")),
+        "--variants",
+        "exact",
+        "--row",
+        "lin=linear,feature_map=elu",
+        "--seq-len",
+        "64",
+        "--eval-rows",
+        "1",
+        "--no-distill",
+        "--passkey",
+        "200",
+        "--passkey-trials",
+        "1",
+        "--threads",
+        "1",
+        "--json",
+        str(out),
+    ]
     evaluate, convert = rnnify.evaluate, rnnify.convert
     calls = []
 
@@ -210,9 +269,27 @@ def test_fidelity_dir_rows_measure_a_saved_model_as_it_was_trained(tmp_path, tin
     trained = rnnify.convert(source, to="window", window=8)
     trained.manifest.distill = {"trained": [{"stage": "transfer", "tokens": 300}, {"stage": "finetune", "tokens": 200}]}
     trained.save(tmp_path / "trained")
-    argv = ["--model", str(source), "--row", "w8=window,window=8", "--dir", f"plain={tmp_path / 'plain'}",
-            "--dir", f"trained={tmp_path / 'trained'},seconds=42", "--no-distill", "--seq-len", "32",
-            "--eval-rows", "1", "--batch-size", "1", "--threads", "1", "--json", str(tmp_path / "f.json")]
+    argv = [
+        "--model",
+        str(source),
+        "--row",
+        "w8=window,window=8",
+        "--dir",
+        f"plain={tmp_path / 'plain'}",
+        "--dir",
+        f"trained={tmp_path / 'trained'},seconds=42",
+        "--no-distill",
+        "--seq-len",
+        "32",
+        "--eval-rows",
+        "1",
+        "--batch-size",
+        "1",
+        "--threads",
+        "1",
+        "--json",
+        str(tmp_path / "f.json"),
+    ]
     record = fidelity.main(argv)
     rows = {row["variant"]: row for row in record["rows"]}
     assert rows["plain"]["training_free"]["kl"] == pytest.approx(rows["w8"]["training_free"]["kl"])
@@ -232,11 +309,34 @@ def test_per_head_script_end_to_end(tmp_path, tiny_model_dir):
         (data / part).mkdir(parents=True)
         (data / part / "a.py").write_text("def f(x):\n    return [x + i for i in range(10)]\n" * 80)
     out = tmp_path / "out"
-    record = per_head.main([
-        "--model", str(tiny_model_dir("llama")), "--data", str(data), "--budgets", "0.3", "--window", "8",
-        "--sinks", "1", "--calib-len", "32", "--calib-rows", "2", "--calib-passkey", "0", "--seq-len", "32",
-        "--eval-tokens", "256", "--json", str(out / "p.json"), "--doc", str(out / "p.md"),
-    ])
+    record = per_head.main(
+        [
+            "--model",
+            str(tiny_model_dir("llama")),
+            "--data",
+            str(data),
+            "--budgets",
+            "0.3",
+            "--window",
+            "8",
+            "--sinks",
+            "1",
+            "--calib-len",
+            "32",
+            "--calib-rows",
+            "2",
+            "--calib-passkey",
+            "0",
+            "--seq-len",
+            "32",
+            "--eval-tokens",
+            "256",
+            "--json",
+            str(out / "p.json"),
+            "--doc",
+            str(out / "p.md"),
+        ]
+    )
     rows = {row["variant"]: row for row in record["rows"]}
     assert set(rows) == {"window-sinks", "window", "auto-kl-0.3", "auto-mass-0.3", "layers-kl-0.3"}
     for name in ("auto-kl-0.3", "auto-mass-0.3"):  # one exact head of four fits 30% of the KV cache
@@ -247,12 +347,40 @@ def test_per_head_script_end_to_end(tmp_path, tiny_model_dir):
     assert doc.startswith(per_head.SECTION_START) and "python benchmarks/per_head.py" in doc
     assert (out / "p.png").stat().st_size > 0
     # the same scores, the chosen heads a 16-token window: more of them fit, and the doc says so
-    again = per_head.main([
-        "--model", str(tiny_model_dir("llama")), "--data", str(data), "--budgets", "0.3", "--window", "8",
-        "--sinks", "1", "--calib-len", "32", "--calib-rows", "2", "--calib-passkey", "0", "--seq-len", "32",
-        "--eval-tokens", "256", "--fixed", "", "--scores-from", str(out / "p.json"), "--retrieval-window", "16",
-        "--json", str(out / "q.json"), "--doc", str(out / "q.md"),
-    ])
+    again = per_head.main(
+        [
+            "--model",
+            str(tiny_model_dir("llama")),
+            "--data",
+            str(data),
+            "--budgets",
+            "0.3",
+            "--window",
+            "8",
+            "--sinks",
+            "1",
+            "--calib-len",
+            "32",
+            "--calib-rows",
+            "2",
+            "--calib-passkey",
+            "0",
+            "--seq-len",
+            "32",
+            "--eval-tokens",
+            "256",
+            "--fixed",
+            "",
+            "--scores-from",
+            str(out / "p.json"),
+            "--retrieval-window",
+            "16",
+            "--json",
+            str(out / "q.json"),
+            "--doc",
+            str(out / "q.md"),
+        ]
+    )
     assert again["scores"] == record["scores"]
     assert len(next(r for r in again["rows"] if r["variant"] == "auto-kl-0.3")["retrieval"]) > 1
     assert "16-token window" in (out / "q.md").read_text() and "not measured again" in (out / "q.md").read_text()
@@ -268,25 +396,62 @@ def test_retrieval_windows_table_orders_by_state_and_takes_plain_window_rows(tmp
     compare = _load(ROOT / "benchmarks" / "retrieval_windows.py")
 
     def result(kl, keys):
-        return {"perplexity": 12.0, "teacher_perplexity": 10.0, "kl": kl,
-                "passkey": {"accuracy": {"converted": keys}}}
+        return {"perplexity": 12.0, "teacher_perplexity": 10.0, "kl": kl, "passkey": {"accuracy": {"converted": keys}}}
 
-    per_head = {"window": 128, "retrieval_window": 1024, "rows": [
-        {"kind": "auto-kl", "retrieval": [[0, 1]] * 21, "state_bytes": 300, "training_free": result(0.08, {"1024": 1.0})},
-        {"kind": "layers-kl", "retrieval": [[0, 0]] * 3, "state_bytes": 100, "training_free": result(0.2, {"1024": 0.25})}]}
-    windows = {"rows": [
-        {"target": "window", "options": {"window": 256, "sinks": 4}, "state_bytes": 200, "training_free": result(0.1, {"1024": 0.25})},
-        {"target": "window", "options": {"window": 64}, "state_bytes": 50, "training_free": result(1.6, {})},  # no sinks
-        {"target": "hybrid", "options": {"window": 64, "sinks": 4}, "state_bytes": 60, "training_free": result(0.4, {})},
-        {"target": "window", "options": {"window": 64, "sinks": 4}, "state_bytes": 70, "training_free": None}]}
+    per_head = {
+        "window": 128,
+        "retrieval_window": 1024,
+        "rows": [
+            {
+                "kind": "auto-kl",
+                "retrieval": [[0, 1]] * 21,
+                "state_bytes": 300,
+                "training_free": result(0.08, {"1024": 1.0}),
+            },
+            {
+                "kind": "layers-kl",
+                "retrieval": [[0, 0]] * 3,
+                "state_bytes": 100,
+                "training_free": result(0.2, {"1024": 0.25}),
+            },
+        ],
+    }
+    windows = {
+        "rows": [
+            {
+                "target": "window",
+                "options": {"window": 256, "sinks": 4},
+                "state_bytes": 200,
+                "training_free": result(0.1, {"1024": 0.25}),
+            },
+            {
+                "target": "window",
+                "options": {"window": 64},
+                "state_bytes": 50,
+                "training_free": result(1.6, {}),
+            },  # no sinks
+            {
+                "target": "hybrid",
+                "options": {"window": 64, "sinks": 4},
+                "state_bytes": 60,
+                "training_free": result(0.4, {}),
+            },
+            {"target": "window", "options": {"window": 64, "sinks": 4}, "state_bytes": 70, "training_free": None},
+        ]
+    }
     (tmp_path / "a.json").write_text(json.dumps(per_head))
     (tmp_path / "w.json").write_text(json.dumps(windows))
     doc = tmp_path / "page.md"
     doc.write_text(f"1. an item:\n\n   {compare.START}\n   old table\n   {compare.END}\n\n   more\n")
-    text = compare.main([str(tmp_path / "a.json"), "--windows", str(tmp_path / "w.json"), "--per-layer", "--doc", str(doc)])
+    text = compare.main(
+        [str(tmp_path / "a.json"), "--windows", str(tmp_path / "w.json"), "--per-layer", "--doc", str(doc)]
+    )
     lines = text.splitlines()
     assert [line.split(" | ")[0] for line in lines[2:]] == [
-        "| window 128 + 3 heads at 1,024 (per layer)", "| window 256 (every head)", "| window 128 + 21 heads at 1,024 (per head)"]
+        "| window 128 + 3 heads at 1,024 (per layer)",
+        "| window 256 (every head)",
+        "| window 128 + 21 heads at 1,024 (per head)",
+    ]
     assert lines[-1].endswith("| 300 | 1.200 | 0.0800 | 100% |")
     page = doc.read_text()
     assert "old table" not in page and "".join(f"   {line}\n" for line in lines) in page and page.endswith("   more\n")
@@ -301,14 +466,31 @@ def test_long_context_table_merges_short_ranges_and_writes_the_page(tmp_path):
 
     def result(kls):  # KL per range [0, 512), [512, 1024), [1024, 2048), [2048, 4096) of 4,096-token rows
         edges = [0, 512, 1024, 2048, 4096]
-        return {"perplexity": 11.0, "teacher_perplexity": 10.0, "kl": 0.5, "top1_agreement": 0.9,
-                "kl_by_position": [{"start": a, "end": b, "kl": kl, "tokens": 2 * (b - a)}
-                                   for a, b, kl in zip(edges, edges[1:], kls)]}
+        return {
+            "perplexity": 11.0,
+            "teacher_perplexity": 10.0,
+            "kl": 0.5,
+            "top1_agreement": 0.9,
+            "kl_by_position": [
+                {"start": a, "end": b, "kl": kl, "tokens": 2 * (b - a)} for a, b, kl in zip(edges, edges[1:], kls)
+            ],
+        }
 
-    record = {"model": str(tmp_path / "model"), "seq_len": 4096, "eval_tokens": 8192, "rows": [
-        {"variant": "big", "state_bytes": 9000, "training_free": result([0.0, 0.3, 0.2, 0.4])},
-        {"variant": "small", "state_bytes": 1000, "training_free": None, "distilled": result([0.1, 0.1, 0.6, 0.8]),
-         "distill_tokens": 5000}]}
+    record = {
+        "model": str(tmp_path / "model"),
+        "seq_len": 4096,
+        "eval_tokens": 8192,
+        "rows": [
+            {"variant": "big", "state_bytes": 9000, "training_free": result([0.0, 0.3, 0.2, 0.4])},
+            {
+                "variant": "small",
+                "state_bytes": 1000,
+                "training_free": None,
+                "distilled": result([0.1, 0.1, 0.6, 0.8]),
+                "distill_tokens": 5000,
+            },
+        ],
+    }
     (tmp_path / "r.json").write_text(json.dumps(record))
     doc = tmp_path / "page.md"
     start, end = long_context.MARKERS
@@ -318,7 +500,10 @@ def test_long_context_table_merges_short_ranges_and_writes_the_page(tmp_path):
     assert f"KV cache there: {cache:,} bytes" in text
     lines = text.splitlines()
     assert lines[2].endswith("| KL at positions 0-1,023 | 1,024-2,047 | 2,048-4,095 |")
-    assert lines[4] == f"| `small` (distilled, 5,000 tokens) | 1,000 ({1000 / cache:.1%}) | 1.100 | 0.5000 | 90.0% | 0.1000 | 0.6000 | 0.8000 |"
+    assert (
+        lines[4]
+        == f"| `small` (distilled, 5,000 tokens) | 1,000 ({1000 / cache:.1%}) | 1.100 | 0.5000 | 90.0% | 0.1000 | 0.6000 | 0.8000 |"
+    )
     assert lines[5].endswith("| 0.1500 | 0.2000 | 0.4000 |")  # 512 tokens at 0.0 and 512 at 0.3
     assert (tmp_path / "k.png").stat().st_size > 0
     page = doc.read_text()
@@ -341,11 +526,36 @@ def test_fidelity_distilled_only_saves_what_dir_rows_measure_again(tmp_path, tin
     """--distilled-only skips the training-free step; --save keeps each distilled model, and a
     --dir row of it measures the same numbers; the memories section renders such runs."""
     fidelity = _load(ROOT / "benchmarks" / "fidelity.py")
-    common = ["--model", str(tiny_model_dir("llama")), "--seq-len", "32", "--eval-rows", "1", "--batch-size", "2",
-              "--threads", "1"]
-    record = fidelity.main([*common, "--row", "h=hybrid,window=8,memory=gla", "--distilled-only", "--distill-tokens",
-                            "128", "--save", str(tmp_path / "models"), "--checkpoint-dir", str(tmp_path / "ckpt"),
-                            "--checkpoint-every", "1", "--json", str(tmp_path / "a.json")])
+    common = [
+        "--model",
+        str(tiny_model_dir("llama")),
+        "--seq-len",
+        "32",
+        "--eval-rows",
+        "1",
+        "--batch-size",
+        "2",
+        "--threads",
+        "1",
+    ]
+    record = fidelity.main(
+        [
+            *common,
+            "--row",
+            "h=hybrid,window=8,memory=gla",
+            "--distilled-only",
+            "--distill-tokens",
+            "128",
+            "--save",
+            str(tmp_path / "models"),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--checkpoint-every",
+            "1",
+            "--json",
+            str(tmp_path / "a.json"),
+        ]
+    )
     row = record["rows"][0]
     assert row["training_free"] is None and row["distilled"]["tokens"] > 0 and row["stage_tokens"]
     again = fidelity.main([*common, "--dir", f"h={tmp_path / 'models' / 'h'}", "--json", str(tmp_path / "b.json")])
@@ -389,17 +599,40 @@ def test_eval_table_groups_by_length_and_reads_passkey(tmp_path, converted_dir, 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("The river runs past the mill and the children play in the park. " * 200)
     files = []
-    for name, length, extra in (("exact", 32, ["--passkey", "320", "--passkey-trials", "1",
-                                               "--passkey-probes", "reworded"]), ("linear", 32, []),
-                                ("linear", 64, [])):
+    for name, length, extra in (
+        ("exact", 32, ["--passkey", "320", "--passkey-trials", "1", "--passkey-probes", "reworded"]),
+        ("linear", 32, []),
+        ("linear", 64, []),
+    ):
         out = tmp_path / f"{name}-{length}.json"
-        assert main(["eval", str(converted_dir("llama", name)), "--data", str(corpus), "--seq-len", str(length),
-                     "--max-tokens", str(2 * length), "--no-layer-errors", "--json", str(out), *extra]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    str(converted_dir("llama", name)),
+                    "--data",
+                    str(corpus),
+                    "--seq-len",
+                    str(length),
+                    "--max-tokens",
+                    str(2 * length),
+                    "--no-layer-errors",
+                    "--json",
+                    str(out),
+                    *extra,
+                ]
+            )
+            == 0
+        )
         files.append(f"{name}={out}")
     doc = tmp_path / "page.md"
     doc.write_text(f"intro\n\n{eval_table.MARKERS[0]}\nold\n{eval_table.MARKERS[1]}\n")
-    assert eval_table.main([*files, "--model", str(tiny_model_dir("llama")), "--png", str(tmp_path / "p.png"),
-                            "--doc", str(doc)]) == 0
+    assert (
+        eval_table.main(
+            [*files, "--model", str(tiny_model_dir("llama")), "--png", str(tmp_path / "p.png"), "--doc", str(doc)]
+        )
+        == 0
+    )
     page = doc.read_text()
     assert "old" not in page and "Rows of 32 tokens" in page and "Rows of 64 tokens" in page
     assert "| original (KV cache) |" in page and " pass key 320 |" in page and "| `exact` |" in page
@@ -423,8 +656,23 @@ def test_example_convert_gguf_and_chat(tmp_path, capsys):
     example = _load(ROOT / "examples" / "convert_gguf_and_chat.py")
     gguf = write_tiny_llama(tmp_path / "tiny.gguf")
     out = tmp_path / "chat-window"
-    answers = example.main([str(gguf), "-o", str(out), "--window", "16", "--sinks", "2", "--max-new-tokens", "4",
-                            "--message", "hello there", "--message", "tell me more"])
+    answers = example.main(
+        [
+            str(gguf),
+            "-o",
+            str(out),
+            "--window",
+            "16",
+            "--sinks",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--message",
+            "hello there",
+            "--message",
+            "tell me more",
+        ]
+    )
     printed = capsys.readouterr().out
     assert len(answers) == 2 and all(answers)
     assert "> hello there\n" in printed and "> tell me more\n" in printed and printed.startswith(f"saved to {out}")
@@ -437,11 +685,41 @@ def test_example_long_context_auto(tmp_path, capsys, stdlib_text):
     example = _load(ROOT / "examples" / "long_context_auto.py")
     train, heldout = stdlib_text
     out = tmp_path / "auto"
-    record = example.main([
-        str(BUNDLED), "--data", str(train), "--heldout", str(heldout), "-o", str(out), "--state-budget", "8%",
-        "--at-context", "512", "--window", "16", "--sinks", "2", "--retrieval-window", "64", "--calib-len", "64",
-        "--calib-rows", "1", "--calib-passkey", "0", "--seq-len", "128", "--eval-tokens", "256", "--passkey", "160",
-        "--passkey-trials", "1"])
+    record = example.main(
+        [
+            str(BUNDLED),
+            "--data",
+            str(train),
+            "--heldout",
+            str(heldout),
+            "-o",
+            str(out),
+            "--state-budget",
+            "8%",
+            "--at-context",
+            "512",
+            "--window",
+            "16",
+            "--sinks",
+            "2",
+            "--retrieval-window",
+            "64",
+            "--calib-len",
+            "64",
+            "--calib-rows",
+            "1",
+            "--calib-passkey",
+            "0",
+            "--seq-len",
+            "128",
+            "--eval-tokens",
+            "256",
+            "--passkey",
+            "160",
+            "--passkey-trials",
+            "1",
+        ]
+    )
     printed = capsys.readouterr().out
     assert 0 < len(record["retrieval"]) < 8  # 8% of the KV cache at 512 tokens: some of the 8 kv heads, not all
     assert f"{len(record['retrieval'])} of 8 kv heads keep 64 tokens, the rest 16" in printed
@@ -456,11 +734,36 @@ def test_example_distill_hybrid(tmp_path, capsys, stdlib_text):
     example = _load(ROOT / "examples" / "distill_hybrid.py")
     train, heldout = stdlib_text
     out = tmp_path / "hybrid"
-    record = example.main([str(BUNDLED), "--data", str(train), "--heldout", str(heldout), "-o", str(out), "--window",
-                           "16", "--sinks", "2", "--tokens", "1024", "--seq-len", "64", "--batch-size", "4",
-                           "--eval-tokens", "128"])
+    record = example.main(
+        [
+            str(BUNDLED),
+            "--data",
+            str(train),
+            "--heldout",
+            str(heldout),
+            "-o",
+            str(out),
+            "--window",
+            "16",
+            "--sinks",
+            "2",
+            "--tokens",
+            "1024",
+            "--seq-len",
+            "64",
+            "--batch-size",
+            "4",
+            "--eval-tokens",
+            "128",
+        ]
+    )
     printed = capsys.readouterr().out
     assert record["trained"] == {"transfer": 512, "finetune": 512}  # the budget split between the two stages
-    assert f"converted: KL {record['kl_before']:.4f}" in printed and f"distilled: KL {record['kl_after']:.4f}" in printed
+    assert (
+        f"converted: KL {record['kl_before']:.4f}" in printed and f"distilled: KL {record['kl_after']:.4f}" in printed
+    )
     saved = rnnify.load(out)
-    assert saved.target == "hybrid" and [s["stage"] for s in saved.manifest.distill["trained"]] == ["transfer", "finetune"]
+    assert saved.target == "hybrid" and [s["stage"] for s in saved.manifest.distill["trained"]] == [
+        "transfer",
+        "finetune",
+    ]

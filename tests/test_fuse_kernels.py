@@ -9,6 +9,8 @@ import json
 
 import pytest
 import torch
+from kernel_support import needs_triton
+from support import decode, rel_diff
 
 import rnnify
 from rnnify.capture import capture, load_source
@@ -21,8 +23,6 @@ from rnnify.passes.fuse_kernels import KERNELS_KEY, fuse_kernels
 from rnnify.passes.rewrite_attention import cell_calls
 from rnnify.plan import make_plan
 from rnnify.runtime.manifest import MANIFEST_FILE
-from kernel_support import needs_triton
-from support import decode, rel_diff
 
 LINEAR_OPS = {"prefill": "chunk_linear_attn", "decode": "fused_recurrent_linear_attn"}
 HYBRID_OPS = {"prefill": "chunk_linear_attn", "decode": "window_attn_step + fused_recurrent_linear_attn"}
@@ -193,8 +193,14 @@ def test_auto_without_triton_runs_the_faster_form_per_phase(target, monkeypatch)
     q, k, v = (torch.randn(2, h, 7, 8, generator=gen) for h in (4, 2, 2))
     inputs = (q, k, v, torch.randn(2, 7, 12, generator=gen), torch.ones(2, 7, dtype=torch.bool))
     calls = []
-    for name in ("chunk_linear_attn", "fused_recurrent_linear_attn", "window_attn_step", "aaren_scan",
-                 "chunk_delta_rule", "fused_recurrent_delta_rule"):
+    for name in (
+        "chunk_linear_attn",
+        "fused_recurrent_linear_attn",
+        "window_attn_step",
+        "aaren_scan",
+        "chunk_delta_rule",
+        "fused_recurrent_delta_rule",
+    ):
         op = getattr(rnnify.kernels, name)
         monkeypatch.setattr(rnnify.kernels, name, lambda *a, _op=op, _n=name, **kw: calls.append(_n) or _op(*a, **kw))
     expected = run_cell(cell, "none", inputs)
@@ -324,8 +330,22 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
 @needs_triton
 def test_cli_kernels_flag(capsys, tmp_path, tiny_model_dir):
     out_dir = tmp_path / "m"
-    code, _, err = run_cli(capsys, "convert", tiny_model_dir("llama"), "--to", "window", "--window", "4",
-                           "--layers", "0:exact", "--kernels", "reference", "-o", out_dir, "--no-compile")
+    code, _, err = run_cli(
+        capsys,
+        "convert",
+        tiny_model_dir("llama"),
+        "--to",
+        "window",
+        "--window",
+        "4",
+        "--layers",
+        "0:exact",
+        "--kernels",
+        "reference",
+        "-o",
+        out_dir,
+        "--no-compile",
+    )
     assert code == 0, err
     assert json.loads((out_dir / MANIFEST_FILE).read_text())["kernels"] == "reference"
 
@@ -334,15 +354,18 @@ def test_cli_kernels_flag(capsys, tmp_path, tiny_model_dir):
     assert "reference (the ops' PyTorch references); fused ops in 1 of 2 layers" in out
     assert "fused ops" in out and "decode window_attn_step" in out
 
-    code, out, err = run_cli(capsys, "generate", out_dir, "--ids", "1,2,3", "--max-new-tokens", "2",
-                             "--kernels", "triton")
+    code, out, err = run_cli(
+        capsys, "generate", out_dir, "--ids", "1,2,3", "--max-new-tokens", "2", "--kernels", "triton"
+    )
     assert code == 0, err
     assert out.strip().startswith("1,2,3,")
     code, out, err = run_cli(capsys, "verify", out_dir, "--tokens", "6", "--batch", "1", "--kernels", "triton")
     assert code == 0, out + err
 
-    for argv in (["convert", tiny_model_dir("llama"), "--to", "linear", "--kernels", "cuda", "-o", tmp_path / "x"],
-                 ["generate", out_dir, "--ids", "1", "--kernels", "fast"]):
+    for argv in (
+        ["convert", tiny_model_dir("llama"), "--to", "linear", "--kernels", "cuda", "-o", tmp_path / "x"],
+        ["generate", out_dir, "--ids", "1", "--kernels", "fast"],
+    ):
         code, _, err = run_cli(capsys, *argv)
         assert code == 2 and "invalid choice" in err and "Traceback" not in err
     assert not (tmp_path / "x").exists()

@@ -30,8 +30,12 @@ def test_convert_gguf_matches_transformers_and_keeps_the_tokenizer(capsys, tmp_p
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "exact"
-    assert main(["convert", str(tiny_gguf), "--to", "exact", "-o", str(out), "--no-compile"]) == 0, capsys.readouterr().err
-    reference = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32)
+    assert main(["convert", str(tiny_gguf), "--to", "exact", "-o", str(out), "--no-compile"]) == 0, (
+        capsys.readouterr().err
+    )
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32
+    )
     model = rnnify.load(out)
     ids = torch.randint(0, reference.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -59,7 +63,9 @@ def test_gguf_loaded_with_its_quantizer_attached_becomes_a_plain_model(monkeypat
     import rnnify.gguf
 
     monkeypatch.setattr(rnnify.gguf, "_dequantize_options", dict)
-    reference = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32
+    )
     assert reference.config.quantization_config is not None
     model = rnnify.convert(tiny_gguf, to="exact")
     assert "quantization_config" not in json.loads(model.files["config.json"])

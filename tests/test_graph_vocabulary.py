@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import reseal
 
 import rnnify
 from rnnify.cli import main
@@ -24,7 +25,6 @@ from rnnify.errors import GraphFormatError, RnnifyError
 from rnnify.runtime.op_vocabulary import OPS, STRING_ARGUMENTS
 from rnnify.runtime.serialize import graph_from_json, graph_to_json
 from rnnify.runtime.storage import GRAPH_FILE
-from support import reseal
 
 
 def _graph(directory: Path) -> dict:
@@ -36,12 +36,27 @@ def _write_file_nodes(marker: Path) -> list[dict]:
     and ``aten.copy_`` of the one into the other."""
     size = 4
     return [
-        {"name": "payload", "op": "call_function", "target": "torch.ops.aten.full.default",
-         "args": [[size], 65], "kwargs": {"dtype": {"dtype": "uint8"}}},
-        {"name": "mapped", "op": "call_function", "target": "torch.ops.aten.from_file.default",
-         "args": [str(marker), True, size], "kwargs": {"dtype": {"dtype": "uint8"}}},
-        {"name": "written", "op": "call_function", "target": "torch.ops.aten.copy_.default",
-         "args": [{"node": "mapped"}, {"node": "payload"}], "kwargs": {}},
+        {
+            "name": "payload",
+            "op": "call_function",
+            "target": "torch.ops.aten.full.default",
+            "args": [[size], 65],
+            "kwargs": {"dtype": {"dtype": "uint8"}},
+        },
+        {
+            "name": "mapped",
+            "op": "call_function",
+            "target": "torch.ops.aten.from_file.default",
+            "args": [str(marker), True, size],
+            "kwargs": {"dtype": {"dtype": "uint8"}},
+        },
+        {
+            "name": "written",
+            "op": "call_function",
+            "target": "torch.ops.aten.copy_.default",
+            "args": [{"node": "mapped"}, {"node": "payload"}],
+            "kwargs": {},
+        },
     ]
 
 
@@ -96,22 +111,27 @@ def test_the_transformers_route_refuses_a_graph_that_writes_a_file(hostile):
     assert marker.read_bytes() == b"\0" * 4
 
 
-@pytest.mark.parametrize(("change", "words"), [
-    # a string where a tensor goes
-    (lambda n: n["args"].__setitem__(0, "/etc/passwd"), "must be Tensor"),
-    # a file path in a known op's string-free argument list
-    (lambda n: n["args"].append("x.pt"), r"'bias' of aten.linear.default must be Optional\[Tensor\], got str"),
-    (lambda n: n["args"].extend([None, 1]), "positional"),
-    # an unknown keyword
-    (lambda n: n["kwargs"].__setitem__("filename", "x"), "no argument 'filename'"),
-    # an op outside the vocabulary, with the arguments it wants
-    (lambda n: n.update(target="torch.ops.aten.save.default", args=[{"node": n["args"][0]["node"]}, "x.pt"]),
-     "aten.save"),
-    # a required argument missing
-    (lambda n: n.__setitem__("args", []), "needs argument"),
-    # a cell called with a constant that is neither a number nor None
-    (lambda n: n.update(op="call_module", target="cells.0", args=["/etc/passwd"]), "a cell takes nodes"),
-])
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        # a string where a tensor goes
+        (lambda n: n["args"].__setitem__(0, "/etc/passwd"), "must be Tensor"),
+        # a file path in a known op's string-free argument list
+        (lambda n: n["args"].append("x.pt"), r"'bias' of aten.linear.default must be Optional\[Tensor\], got str"),
+        (lambda n: n["args"].extend([None, 1]), "positional"),
+        # an unknown keyword
+        (lambda n: n["kwargs"].__setitem__("filename", "x"), "no argument 'filename'"),
+        # an op outside the vocabulary, with the arguments it wants
+        (
+            lambda n: n.update(target="torch.ops.aten.save.default", args=[{"node": n["args"][0]["node"]}, "x.pt"]),
+            "aten.save",
+        ),
+        # a required argument missing
+        (lambda n: n.__setitem__("args", []), "needs argument"),
+        # a cell called with a constant that is neither a number nor None
+        (lambda n: n.update(op="call_module", target="cells.0", args=["/etc/passwd"]), "a cell takes nodes"),
+    ],
+)
 def test_argument_types_are_checked_against_the_schema(converted_dir, change, words):
     data = _graph(converted_dir("llama", "linear"))
     node = next(n for n in data["nodes"] if n["target"] == "torch.ops.aten.linear.default")
@@ -157,9 +177,16 @@ def test_deep_nesting_is_one_error(tmp_path, converted_dir):
         graph_from_json(data)
 
 
-@pytest.mark.parametrize(("arch", "target"), [
-    ("llama", "exact"), ("llama", "linear"), ("llama", "hybrid"), ("gpt2", "exact"), ("gpt2", "hybrid"),
-])
+@pytest.mark.parametrize(
+    ("arch", "target"),
+    [
+        ("llama", "exact"),
+        ("llama", "linear"),
+        ("llama", "hybrid"),
+        ("gpt2", "exact"),
+        ("gpt2", "hybrid"),
+    ],
+)
 def test_what_conversion_emits_is_in_the_vocabulary(converted_dir, arch, target):
     """Saving checks the vocabulary too: these graphs saved, so their ops are in it; and the graph
     that loads back runs only ops of it."""
@@ -190,21 +217,39 @@ def test_saving_refuses_an_op_outside_the_vocabulary():
 # -- fuzzing -------------------------------------------------------------------------------
 
 _DANGEROUS = [
-    "torch.ops.aten.from_file.default", "torch.ops.aten.save.default", "torch.ops.aten.copy_.default",
-    "torch.ops.aten.empty.memory_format", "torch.ops.aten.full.default", "torch.ops.aten.hardswish.default",
-    "torch.ops.rnnify.window_attn_step.default", "operator.setitem", "operator.call", "builtins.open",
-    "torch.load", "torch.ops.aten.linear", "torch.sym_max", "math.floor",
+    "torch.ops.aten.from_file.default",
+    "torch.ops.aten.save.default",
+    "torch.ops.aten.copy_.default",
+    "torch.ops.aten.empty.memory_format",
+    "torch.ops.aten.full.default",
+    "torch.ops.aten.hardswish.default",
+    "torch.ops.rnnify.window_attn_step.default",
+    "operator.setitem",
+    "operator.call",
+    "builtins.open",
+    "torch.load",
+    "torch.ops.aten.linear",
+    "torch.sym_max",
+    "math.floor",
 ]
 _json_leaf = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=12),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=12),
     st.sampled_from(["/tmp/x.pth", "../../x", "x' or 1", "trunc", "none"]),
 )
 _json_value = st.recursive(
     _json_leaf,
     lambda inner: st.one_of(
         st.lists(inner, max_size=4),
-        st.dictionaries(st.sampled_from(["node", "tuple", "dtype", "device", "float", "slice", "dict", "x"]),
-                        inner, min_size=1, max_size=2),
+        st.dictionaries(
+            st.sampled_from(["node", "tuple", "dtype", "device", "float", "slice", "dict", "x"]),
+            inner,
+            min_size=1,
+            max_size=2,
+        ),
     ),
     max_leaves=12,
 )
@@ -301,15 +346,26 @@ def test_an_op_another_library_registers_resolves_in_a_fresh_process(tmp_path):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    config = MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
     model = rnnify.convert(MixtralForCausalLM(config).eval(), to="exact")
     assert "torch.ops.transformers.grouped_mm_fallback.default" in {
-        n["target"] for n in graph_to_json(model.graph.graph)["nodes"]}
+        n["target"] for n in graph_to_json(model.graph.graph)["nodes"]
+    }
     model.save(tmp_path / "moe")
     ids = torch.tensor([[1, 2, 3]])
     want = model.prefill(ids)[0]
-    code = ("import sys, torch, rnnify; m = rnnify.load(sys.argv[1]); "
-            "torch.save(m.prefill(torch.tensor([[1, 2, 3]]))[0], sys.argv[2])")
+    code = (
+        "import sys, torch, rnnify; m = rnnify.load(sys.argv[1]); "
+        "torch.save(m.prefill(torch.tensor([[1, 2, 3]]))[0], sys.argv[2])"
+    )
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "moe"), str(tmp_path / "logits.pt")], check=True)
     assert torch.equal(torch.load(tmp_path / "logits.pt"), want)

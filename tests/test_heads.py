@@ -35,8 +35,9 @@ def reference(q, k, v, window_of: dict[int, tuple[int, int] | None]) -> torch.Te
     for h in range(heads):
         kv = h // group
         for i in range(length):
-            keys = [j for j in range(i + 1)
-                    if window_of[kv] is None or i - j < window_of[kv][0] or j < window_of[kv][1]]
+            keys = [
+                j for j in range(i + 1) if window_of[kv] is None or i - j < window_of[kv][0] or j < window_of[kv][1]
+            ]
             s = torch.stack([(q[:, h, i].double() * k[:, kv, j].double()).sum(-1) * SPEC.scale for j in keys], -1)
             out[:, h, i] = (torch.softmax(s, -1)[..., None] * v[:, kv, keys].double()).sum(-2)
     return out
@@ -61,7 +62,9 @@ def test_head_split_matches_a_per_head_reference_in_prefill_steps_and_split():
     assert rel_diff(full, want) < 1e-5
     stepped, _ = run_steps(cell, q, k, v, cell.init_state(2, torch.device("cpu"), torch.float32))
     assert rel_diff(stepped, want) < 1e-5
-    first, *state = cell(q[:, :, :5], k[:, :, :5], v[:, :, :5], mask[:, :5], *cell.init_state(2, torch.device("cpu"), torch.float32))
+    first, *state = cell(
+        q[:, :, :5], k[:, :, :5], v[:, :, :5], mask[:, :5], *cell.init_state(2, torch.device("cpu"), torch.float32)
+    )
     second, *_ = cell(q[:, :, 5:], k[:, :, 5:], v[:, :, 5:], mask[:, 5:], *state)
     assert rel_diff(torch.cat([first, second], 2), want) < 1e-5
     # the window heads really are windowed: at the last query they differ from full attention
@@ -71,8 +74,10 @@ def test_head_split_matches_a_per_head_reference_in_prefill_steps_and_split():
 
 def test_head_split_state_is_its_parts_and_options_rebuild_it():
     cell = build_cell("heads", SPEC, {"groups": GROUPS})
-    parts = [build_cell(g["target"], CellSpec(len(g["kv_heads"]) * 2, len(g["kv_heads"]), 8, 6, SPEC.scale), g["options"])
-             for g in GROUPS]
+    parts = [
+        build_cell(g["target"], CellSpec(len(g["kv_heads"]) * 2, len(g["kv_heads"]), 8, 6, SPEC.scale), g["options"])
+        for g in GROUPS
+    ]
     assert cell.state_nbytes(1000) == sum(p.state_nbytes(1000) for p in parts)
     assert cell.grows_with_context and not cell.exact
     again = build_cell("heads", SPEC, json.loads(json.dumps(cell.options())))
@@ -80,11 +85,14 @@ def test_head_split_state_is_its_parts_and_options_rebuild_it():
     assert "kv 3,0: window (window=4, sinks=1)" in cell.describe()
 
 
-@pytest.mark.parametrize("groups, message", [
-    ([{"kv_heads": [0, 1], "target": "exact"}], "exactly one group"),
-    ([{"kv_heads": [0, 1, 2, 3], "target": "exact"}, {"kv_heads": [1], "target": "exact"}], "exactly one group"),
-    ([{"kv_heads": [0, 1, 2, 3], "target": "nope"}], "unknown target"),
-])
+@pytest.mark.parametrize(
+    "groups, message",
+    [
+        ([{"kv_heads": [0, 1], "target": "exact"}], "exactly one group"),
+        ([{"kv_heads": [0, 1, 2, 3], "target": "exact"}, {"kv_heads": [1], "target": "exact"}], "exactly one group"),
+        ([{"kv_heads": [0, 1, 2, 3], "target": "nope"}], "unknown target"),
+    ],
+)
 def test_head_split_rejects_bad_groups(groups, message):
     with pytest.raises(RnnifyError, match=message):
         build_cell("heads", SPEC, {"groups": groups})
@@ -105,19 +113,33 @@ def test_layer_syntax_round_trips_and_resolves_the_heads_not_named():
         make_plan("window", "0:heads(5=exact)", window=4).cell_for(0, SPEC)
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("0:heads(0=exact", "heads(HEADS=TARGET"),
-    ("0:heads(x=exact)", "must be numbers"),
-    ("0:heads(0=exact;0=window)", "named twice"),
-    ("0:heads(0=foo)", "unknown target"),
-    ("0:heads(0=heads)", "unknown target"),
-    ("0:heads(0=window(foo=1))", "window takes no option foo"),
-    ("0:heads(0=window(window=8)", "expected window(KEY=VALUE"),
-    ("0:window(8)", "expected KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("0:heads(0=exact", "heads(HEADS=TARGET"),
+        ("0:heads(x=exact)", "must be numbers"),
+        ("0:heads(0=exact;0=window)", "named twice"),
+        ("0:heads(0=foo)", "unknown target"),
+        ("0:heads(0=heads)", "unknown target"),
+        ("0:heads(0=window(foo=1))", "window takes no option foo"),
+        ("0:heads(0=window(window=8)", "expected window(KEY=VALUE"),
+        ("0:window(8)", "expected KEY=VALUE"),
+    ],
+)
 def test_bad_head_specs_are_one_line_cli_errors(capsys, tmp_path, tiny_model_dir, spec, message):
-    code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "window", "--window", "4",
-                       "--layers", spec, "-o", tmp_path / "o")
+    code, _, err = run(
+        capsys,
+        "convert",
+        tiny_model_dir("llama"),
+        "--to",
+        "window",
+        "--window",
+        "4",
+        "--layers",
+        spec,
+        "-o",
+        tmp_path / "o",
+    )
     assert_user_error(code, err, message)
     assert not (tmp_path / "o").exists()
 
@@ -168,9 +190,19 @@ def retrieval_model(tmp_path_factory):
     from tests.conftest import make_tiny
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, max_position_embeddings=128, vocab_size=320,
-                         attention_bias=True, bos_token_id=0, eos_token_id=0)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        vocab_size=320,
+        attention_bias=True,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         embed = model.model.embed_tokens.weight
@@ -307,8 +339,14 @@ def test_auto_memory_streams_through_hybrids_that_start_as_the_window(retrieval_
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert json.loads(hybrid.files["head_map.json"])["memory"] == "linear"
     hybrid.save(tmp_path / "m")  # its scores choose again, as for windows
-    again = auto(directory, rows, max_kl=1e-3, retrieval_window=LENGTH, memory="linear",
-                 scores_from=tmp_path / "m" / "head_map.json")
+    again = auto(
+        directory,
+        rows,
+        max_kl=1e-3,
+        retrieval_window=LENGTH,
+        memory="linear",
+        scores_from=tmp_path / "m" / "head_map.json",
+    )
     assert (again.retrieval, again.memory, again.state_bytes) == ([(0, 1)], "linear", with_memory.state_bytes)
     # the smallest state counts the memories: a budget the windows meet is too small for the hybrids
     with pytest.raises(RnnifyError, match=r"4-token linear hybrid with 1 sinks\) is ([\d,]+) bytes") as error:
@@ -330,27 +368,41 @@ def test_auto_memory_options_reach_the_streaming_hybrids_and_their_bytes(retriev
     directory, rows = retrieval_model
     delta = auto(directory, rows, max_kl=1e-3, retrieval_window=LENGTH, memory="delta")
     options = {"share": "mass-input", "feature_options": {"feature_dim": 8}}
-    model, report = auto_convert(directory, rows, max_kl=1e-3, retrieval_window=LENGTH, memory="delta",
-                                 memory_options=options, **AUTO)
+    model, report = auto_convert(
+        directory, rows, max_kl=1e-3, retrieval_window=LENGTH, memory="delta", memory_options=options, **AUTO
+    )
     assert report.retrieval == delta.retrieval and report.memory_options == options
     streaming = model.cells[1].options()
-    assert (streaming["memory"], streaming["share"], streaming["feature_options"]) == ("delta", "mass-input", {"feature_dim": 8})
+    assert (streaming["memory"], streaming["share"], streaming["feature_options"]) == (
+        "delta",
+        "mass-input",
+        {"feature_dim": 8},
+    )
     assert model.cells[0].parts[1].options()["share"] == "mass-input"
     # the share by mass keeps the keys' feature sum besides the delta state: more bytes, all counted
     assert report.state_bytes == model.state_nbytes(1024) > delta.state_bytes
     assert report.head_bytes["streaming"] > delta.head_bytes["streaming"]
     assert json.loads(model.files["head_map.json"])["memory_options"] == options
-    opened = auto_convert(directory, rows, max_kl=1e-3, retrieval_window=LENGTH, memory="linear",
-                          memory_options={"memory_init": 0.2}, **AUTO)[0]
+    opened = auto_convert(
+        directory,
+        rows,
+        max_kl=1e-3,
+        retrieval_window=LENGTH,
+        memory="linear",
+        memory_options={"memory_init": 0.2},
+        **AUTO,
+    )[0]
     assert opened.cells[1].options()["memory_init"] == 0.2
     every = auto(directory, rows, budget=10**9, memory="delta", memory_options=options)  # nothing streams
     assert (every.memory, every.memory_options) == (None, {})
     unloaded = "not loaded: the options are checked first"
-    for given, message in [({"memory_options": {"anneal": 4}}, "anneal apply to the streaming heads' hybrids: give --memory"),
-                           ({"memory": "delta", "memory_options": {"share": "bogus"}}, "share must be one of"),
-                           ({"memory": "linear", "memory_options": {"anneal": 4}}, "anneal must be"),
-                           ({"memory": "delta", "memory_options": {"windw": 8}}, "windw apply to none"),
-                           ({"memory": "delta", "memory_options": {"window": 8}}, "give window as their own")]:
+    for given, message in [
+        ({"memory_options": {"anneal": 4}}, "anneal apply to the streaming heads' hybrids: give --memory"),
+        ({"memory": "delta", "memory_options": {"share": "bogus"}}, "share must be one of"),
+        ({"memory": "linear", "memory_options": {"anneal": 4}}, "anneal must be"),
+        ({"memory": "delta", "memory_options": {"windw": 8}}, "windw apply to none"),
+        ({"memory": "delta", "memory_options": {"window": 8}}, "give window as their own"),
+    ]:
         with pytest.raises(RnnifyError, match=message):
             choose_heads(unloaded, rows, budget="30%", **given)
 
@@ -364,9 +416,11 @@ def test_auto_chooses_again_from_saved_scores(retrieval_model, tmp_path):
     assert again.calibration_kl == pytest.approx(report.calibration_kl, rel=1e-5)
     assert again.calibration["scores_from"] == str(tmp_path / "m" / "head_map.json")
     saved = json.loads((tmp_path / "m" / "head_map.json").read_text())
-    for change, message in (({"window": 8}, "8-token window and 1 sinks; pass --window 8 --sinks 1"),
-                            ({"scores": {"mass": {"0.0": 1.0}}}, "name 1 kv heads, this model has 4"),
-                            ({"scores": {"x": 1}}, "not a head_map.json")):
+    for change, message in (
+        ({"window": 8}, "8-token window and 1 sinks; pass --window 8 --sinks 1"),
+        ({"scores": {"mass": {"0.0": 1.0}}}, "name 1 kv heads, this model has 4"),
+        ({"scores": {"x": 1}}, "not a head_map.json"),
+    ):
         (tmp_path / "bad.json").write_text(json.dumps({**saved, **change}))
         with pytest.raises(RnnifyError, match=message):
             auto(directory, rows, budget="30%", score="mass", scores_from=tmp_path / "bad.json")
@@ -387,7 +441,19 @@ def test_auto_cli_errors(capsys, tmp_path, retrieval_model, tiny_model_dir):
     directory, _ = retrieval_model
     text = tmp_path / "calib.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 200)
-    base = ["convert", directory, "--to", "auto", "--calib-len", "32", "--calib-passkey", "0", "-o", tmp_path / "o", "--no-compile"]
+    base = [
+        "convert",
+        directory,
+        "--to",
+        "auto",
+        "--calib-len",
+        "32",
+        "--calib-passkey",
+        "0",
+        "-o",
+        tmp_path / "o",
+        "--no-compile",
+    ]
     code, _, err = run(capsys, *base, "--data", text, "--state-budget", "10")
     assert_user_error(code, err, "cannot be met", "give at least that")
     code, _, err = run(capsys, *base, "--state-budget", "30%")
@@ -398,15 +464,33 @@ def test_auto_cli_errors(capsys, tmp_path, retrieval_model, tiny_model_dir):
     assert_user_error(code, err, "expected bytes")
     code, _, err = run(capsys, *base, "--data", text, "--state-budget", "30%", "--calib-len", "1000")
     assert_user_error(code, err, "past the model's 128 positions")
-    code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "exact", "--max-kl", "1", "-o", tmp_path / "o")
+    code, _, err = run(
+        capsys, "convert", tiny_model_dir("llama"), "--to", "exact", "--max-kl", "1", "-o", tmp_path / "o"
+    )
     assert_user_error(code, err, "--to auto only")
-    code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "window", "--retrieval-window", "64", "-o", tmp_path / "o")
+    code, _, err = run(
+        capsys, "convert", tiny_model_dir("llama"), "--to", "window", "--retrieval-window", "64", "-o", tmp_path / "o"
+    )
     assert_user_error(code, err, "--retrieval-window applies to --to auto only")
     assert not (tmp_path / "o").exists()
     code, _, err = run(capsys, *base, "--data", text, "--state-budget", "30%", "--retrieval-keep", "8")
     assert_user_error(code, err, "--retrieval-keep K needs --retrieval-window N")
-    code, out, err = run(capsys, *base, "--data", text, "--state-budget", "30%", "--window", "4", "--retrieval-window", "16",
-                         "--retrieval-keep", "8", "-o", tmp_path / "sel")
+    code, out, err = run(
+        capsys,
+        *base,
+        "--data",
+        text,
+        "--state-budget",
+        "30%",
+        "--window",
+        "4",
+        "--retrieval-window",
+        "16",
+        "--retrieval-keep",
+        "8",
+        "-o",
+        tmp_path / "sel",
+    )
     assert code == 0, err
     assert "window 16 + 8 selected" in out.replace("\n", " ")
     code, out, err = run(capsys, *base, "--data", text, "--state-budget", "30%")
@@ -423,15 +507,42 @@ def test_auto_cli_memory_makes_the_streaming_heads_hybrids(capsys, tmp_path, ret
     directory, _ = retrieval_model
     text = tmp_path / "calib.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 200)
-    base = ["convert", directory, "--to", "auto", "--data", text, "--state-budget", "30%", "--calib-len", "32",
-            "--calib-passkey", "0", "--window", "4", "--sinks", "1"]
+    base = [
+        "convert",
+        directory,
+        "--to",
+        "auto",
+        "--data",
+        text,
+        "--state-budget",
+        "30%",
+        "--calib-len",
+        "32",
+        "--calib-passkey",
+        "0",
+        "--window",
+        "4",
+        "--sinks",
+        "1",
+    ]
     code, _, err = run(capsys, *base, "--memory", "linear", "--layers", "0:exact", "-o", tmp_path / "bad")
     assert_user_error(code, err, "--window, --sinks, --memory and the memory's cell options", "not --layers")
     code, _, err = run(capsys, *base, "--option", "anneal=4", "-o", tmp_path / "bad")
     assert_user_error(code, err, "anneal apply to the streaming heads' hybrids: give --memory")
     assert not (tmp_path / "bad").exists()
-    code, out, err = run(capsys, *base, "--memory", "linear", "--feature-map", "elu", "--option", "memory_init=0.2",
-                         "-o", tmp_path / "o", "--no-compile")
+    code, out, err = run(
+        capsys,
+        *base,
+        "--memory",
+        "linear",
+        "--feature-map",
+        "elu",
+        "--option",
+        "memory_init=0.2",
+        "-o",
+        tmp_path / "o",
+        "--no-compile",
+    )
     assert code == 0, err
     assert "hybrid 4 + linear memory (feature_map=elu, memory_init=0.2)" in " ".join(out.split())
     model = rnnify.load(tmp_path / "o")

@@ -117,9 +117,22 @@ def test_stock_hflm_loglikelihood_equals_rnnify_s_own(converted_dir):
 def test_stock_lm_eval_command_runs_a_local_task(tasks, converted_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     command = [
-        sys.executable, "-m", "lm_eval", "run", "--model", "hf",
-        "--model_args", f"pretrained={converted_dir('llama', 'exact')},trust_remote_code=True", "--device", "cpu",
-        "--tasks", "tiny_rolling", "--include_path", str(tasks), "--output_path", str(tmp_path / "out"),
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "run",
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={converted_dir('llama', 'exact')},trust_remote_code=True",
+        "--device",
+        "cpu",
+        "--tasks",
+        "tiny_rolling",
+        "--include_path",
+        str(tasks),
+        "--output_path",
+        str(tmp_path / "out"),
     ]
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-2000:]

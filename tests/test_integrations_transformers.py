@@ -12,12 +12,12 @@ import sys
 
 import pytest
 import torch
+from support import reseal
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, pipeline
 
 import rnnify
 from rnnify.integrations.transformers import RnnifyForCausalLM
 from rnnify.runtime import hf_files
-from support import reseal
 
 PROMPT = "def read(path):"
 
@@ -97,8 +97,9 @@ def test_stop_strings_and_streamer(models):
             self.tokens.append(-1)
 
     streamer = Collect()
-    got = wrapper.generate(ids, max_new_tokens=30, stop_strings=[stop], tokenizer=tokenizer, streamer=streamer,
-                           pad_token_id=0)
+    got = wrapper.generate(
+        ids, max_new_tokens=30, stop_strings=[stop], tokenizer=tokenizer, streamer=streamer, pad_token_id=0
+    )
     new = tokenizer.decode(got[0, ids.shape[1] :])
     assert new.endswith(stop) and text.startswith(new) and len(new) < len(text)
     assert streamer.tokens == got[0].tolist() + [-1]
@@ -144,7 +145,8 @@ def test_the_default_cache_implementation_is_the_recurrent_state(models):
 
 
 @pytest.mark.parametrize(
-    "device_map", [None, "cpu", "auto", {"": "cpu"}, {"model": "cpu", "lm_head": "cpu"}, torch.device("cpu")],
+    "device_map",
+    [None, "cpu", "auto", {"": "cpu"}, {"model": "cpu", "lm_head": "cpu"}, torch.device("cpu")],
     ids=["none", "cpu", "auto", "all-cpu", "each-cpu", "torch-device"],
 )
 def test_device_maps_to_one_device_are_accepted(converted_dir, device_map):
@@ -269,8 +271,9 @@ def test_pipeline_with_trust_remote_code_in_a_fresh_process_generates_rnnify_s_t
         "print(json.dumps(out[0]['generated_token_ids']))\n"
     )
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "TRANSFORMERS_VERBOSITY": "warning"}
-    done = subprocess.run([sys.executable, "-c", script], stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script], stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     said = done.stdout + done.stderr
     assert "custom code" not in said and "`rnnify`" not in said, said

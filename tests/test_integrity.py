@@ -11,11 +11,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from support import reseal
 
 import rnnify
 from rnnify.cli import main
 from rnnify.errors import RnnifyError
-from support import reseal
 
 
 def _sha(path: Path) -> str:
@@ -29,7 +29,10 @@ def _manifest(directory: Path) -> dict:
 def _sealed(data: dict) -> dict:
     """``data`` with the digest a save gives it: sha256 of its canonical JSON without the digest."""
     rest = {key: value for key, value in data.items() if key != "digest"}
-    return {**rest, "digest": hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()}
+    return {
+        **rest,
+        "digest": hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest(),
+    }
 
 
 def _edit(directory: Path, **changes) -> None:
@@ -69,8 +72,9 @@ def test_the_record_covers_every_file_and_the_manifest_seals_it(converted_dir):
     assert rnnify.load(directory).manifest.digest == data["digest"]
 
 
-@pytest.mark.parametrize("name", ["graph.json", "tokenizer.json", "config.json", "modeling_rnnify.py",
-                                  "model.safetensors"])
+@pytest.mark.parametrize(
+    "name", ["graph.json", "tokenizer.json", "config.json", "modeling_rnnify.py", "model.safetensors"]
+)
 def test_a_file_changed_without_its_record_is_refused(directory, name, capsys):
     path = directory / name
     if name.endswith(".json"):  # the same data, other bytes: only the record can tell
@@ -140,7 +144,9 @@ def test_a_rewritten_record_loads_but_not_against_the_digest_given_elsewhere(dir
     rnnify.load(directory)
     with pytest.raises(RnnifyError, match=f"its digest is {rewritten}, not the {original} expected"):
         rnnify.load(directory, expected_digest=original)
-    code, _, err = _cli(capsys, "generate", directory, "--ids", "1", "--max-new-tokens", "1", "--expect-digest", original)
+    code, _, err = _cli(
+        capsys, "generate", directory, "--ids", "1", "--max-new-tokens", "1", "--expect-digest", original
+    )
     _one_line_error(code, err, "do not load it")
     code, out, _ = _cli(capsys, "verify", directory, "--tokens", "4", "--expect-digest", original)
     assert code == 1 and "FAILED: integrity" in out

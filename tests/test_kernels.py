@@ -18,8 +18,9 @@ import torch.nn.functional as F
 # every test here runs the Triton path: the whole file is skipped without triton (an extra, "rnnify[triton]")
 pytest.importorskip("triton", reason="triton is not installed: the kernels' Triton paths cannot be tested")
 
-import rnnify.kernels as K
 from kernel_support import nan_buffers  # noqa: F401 - autouse
+
+import rnnify.kernels as K
 from rnnify.cells.aaren import naive_recurrent_aaren
 from rnnify.cells.linear import naive_recurrent_feature_attn
 from rnnify.cells.window import naive_recurrent_window_attn
@@ -43,7 +44,7 @@ def close(actual, expected):
 def make_attn(B, T, H, Hkv, Kd, V, gates, seed=0, state=True):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    q, k, v = r(B, T, H, Kd), r(B, T, Hkv, Kd) / Kd ** 0.5, r(B, T, Hkv, V)
+    q, k, v = r(B, T, H, Kd), r(B, T, Hkv, Kd) / Kd**0.5, r(B, T, Hkv, V)
     gates = gates.split("+")
     g = -torch.rand(B, T, Hkv, generator=gen) if "g" in gates else None
     gk = F.logsigmoid(r(B, T, Hkv, Kd) + 2) if "gk" in gates else None
@@ -53,6 +54,7 @@ def make_attn(B, T, H, Hkv, Kd, V, gates, seed=0, state=True):
 
 # --------------------------------------------------------------------------- references agree with rnnify.cells
 
+
 @pytest.mark.parametrize("normalize", [False, True])
 def test_naive_matches_cells_linear(normalize):
     B, T, H, Hkv, Kd, V = 2, 7, 4, 2, 8, 5
@@ -60,8 +62,9 @@ def test_naive_matches_cells_linear(normalize):
     q, k = F.elu(q) + 1, F.elu(k) + 1
     S0, z0 = torch.rand(B, Hkv, Kd, V), torch.rand(B, Hkv, Kd)
     state = (S0, z0) if normalize else S0
-    o, st = K.naive_recurrent_linear_attn(q, k, v, scale=1.0, initial_state=state, output_final_state=True,
-                                          normalize=normalize)
+    o, st = K.naive_recurrent_linear_attn(
+        q, k, v, scale=1.0, initial_state=state, output_final_state=True, normalize=normalize
+    )
     phi_q = q.reshape(B, T, Hkv, H // Hkv, Kd).permute(0, 2, 3, 1, 4)
     ref, S, z = naive_recurrent_feature_attn(phi_q, k.transpose(1, 2), v.transpose(1, 2), S0, z0 if normalize else None)
     close(o, ref.permute(0, 3, 1, 2, 4).reshape(B, T, H, V))
@@ -87,8 +90,9 @@ def test_naive_aaren_matches_cells():
     s, v = torch.randn(B, T, H), torch.randn(B, T, H, D)
     o, (m, u, w) = K.naive_aaren_scan(s, v, output_final_state=True)
     m0 = torch.full((B, H, 1), float("-inf"))
-    ref, rm, ru, rw = naive_recurrent_aaren(s.permute(0, 2, 1)[:, :, None], v.transpose(1, 2),
-                                            m0, torch.zeros(B, H, 1), torch.zeros(B, H, 1, D))
+    ref, rm, ru, rw = naive_recurrent_aaren(
+        s.permute(0, 2, 1)[:, :, None], v.transpose(1, 2), m0, torch.zeros(B, H, 1), torch.zeros(B, H, 1, D)
+    )
     close(o, ref[:, :, 0].transpose(1, 2))
     close(m, rm[..., 0]), close(u, ru[..., 0]), close(w, rw[:, :, 0])
 
@@ -111,8 +115,9 @@ def check_attn(op, shape, gates, normalize=False, state=True, seed=0):
     if normalize:
         q, k = F.elu(q) + 1, F.elu(k) + 1
         h0 = None if h0 is None else (h0.abs(), torch.rand(h0.shape[:3]))
-    ref, ref_h = K.naive_recurrent_linear_attn(q, k, v, g, gk, initial_state=h0, output_final_state=True,
-                                               normalize=normalize)
+    ref, ref_h = K.naive_recurrent_linear_attn(
+        q, k, v, g, gk, initial_state=h0, output_final_state=True, normalize=normalize
+    )
     o, h = op(q, k, v, g, gk, initial_state=h0, output_final_state=True, normalize=normalize)
     close(o, ref)
     if normalize:
@@ -156,7 +161,9 @@ def test_ops_take_non_contiguous_inputs(triton_path):
     ref = torch.ops.rnnify.chunk_linear_attn(q, k, v, g, gk, h0, 0.25)
     t = lambda x: x.transpose(0, 1).contiguous().transpose(0, 1)  # noqa: E731 - same values, other strides
     for op in (torch.ops.rnnify.chunk_linear_attn, torch.ops.rnnify.fused_recurrent_linear_attn):
-        for a, b in zip(op(t(q), t(k), t(v), t(g), t(gk), h0.transpose(-1, -2).contiguous().transpose(-1, -2), 0.25), ref):
+        for a, b in zip(
+            op(t(q), t(k), t(v), t(g), t(gk), h0.transpose(-1, -2).contiguous().transpose(-1, -2), 0.25), ref
+        ):
             close(a, b)
 
 
@@ -192,6 +199,7 @@ def check_gradients(op, shape, gates, normalize):
 @pytest.fixture
 def no_reference(monkeypatch):
     """The Triton path, forward and backward, must not fall back on the PyTorch reference."""
+
     def fail(*args, **kwargs):
         raise AssertionError("the PyTorch reference ran on the Triton path")
 
@@ -223,6 +231,7 @@ def test_linear_attn_gradients_reference_path(op):
 
 # --------------------------------------------------------------------------- fused feature maps
 
+
 def check_feature_map(op, name, normalize, shape, options):
     """The fused map reproduces rnnify.cells.linear's phi (performer: its stabilised queries when
     normalised) in the forward, and the backward reaches q, k and the weight."""
@@ -246,10 +255,22 @@ def check_feature_map(op, name, normalize, shape, options):
     grouped = q.reshape(B, T, Hkv, H // Hkv, D).permute(0, 2, 3, 1, 4)
     phi_q = (phi.normalised_query(grouped) if normalize else phi(grouped)).permute(0, 3, 1, 2, 4).reshape(B, T, H, Fd)
     phi_k = phi(k.transpose(1, 2)).transpose(1, 2)
-    ref = K.naive_recurrent_linear_attn(phi_q, phi_k, v, g, gk, scale=1.0, initial_state=state,
-                                        output_final_state=True, normalize=normalize)
-    out = op(q, k, v, g, gk, scale=spec.scale, initial_state=state, output_final_state=True, normalize=normalize,
-             feature_map=name, feature_weight=weight)
+    ref = K.naive_recurrent_linear_attn(
+        phi_q, phi_k, v, g, gk, scale=1.0, initial_state=state, output_final_state=True, normalize=normalize
+    )
+    out = op(
+        q,
+        k,
+        v,
+        g,
+        gk,
+        scale=spec.scale,
+        initial_state=state,
+        output_final_state=True,
+        normalize=normalize,
+        feature_map=name,
+        feature_weight=weight,
+    )
     grads = []
     for o, h in (ref, out):
         hs = h if normalize else (h,)
@@ -273,8 +294,10 @@ def test_feature_map_reference_path():
     q, k, v, _, _, _ = make_attn(1, 7, 2, 1, 16, 8, "")
     w = torch.randn(1, 16, 6)
     for name in ("hedgehog", "performer"):
-        outs = [K.chunk_linear_attn(q, k, v, feature_map=name, feature_weight=w, normalize=True, backend=b)[0]
-                for b in ("reference", "triton")]
+        outs = [
+            K.chunk_linear_attn(q, k, v, feature_map=name, feature_weight=w, normalize=True, backend=b)[0]
+            for b in ("reference", "triton")
+        ]
         close(outs[1], outs[0])
 
 
@@ -289,12 +312,14 @@ def test_feature_map_arguments():
     with pytest.raises(ValueError, match="takes no feature_weight"):
         K.chunk_linear_attn(q, k, v, feature_map="elu", feature_weight=torch.randn(1, 16, 8))
     with pytest.raises(ValueError, match="gk must be"):  # gk gates the 2 * 6 hedgehog features
-        K.chunk_linear_attn(q, k, v, gk=torch.zeros(1, 3, 1, 16), feature_map="hedgehog",
-                            feature_weight=torch.randn(1, 16, 6))
+        K.chunk_linear_attn(
+            q, k, v, gk=torch.zeros(1, 3, 1, 16), feature_map="hedgehog", feature_weight=torch.randn(1, 16, 6)
+        )
     assert K.chunk_linear_attn(q, k, v, feature_map="identity")[0].equal(K.chunk_linear_attn(q, k, v)[0])
 
 
 # --------------------------------------------------------------------------- key mask (left padding)
+
 
 def left_padding(B, T):
     mask = torch.ones(B, T, dtype=torch.bool)
@@ -320,7 +345,9 @@ def check_mask(op, name, gates, normalize, shape, grads=True):
     weight, scale, Fd = None, 0.3, D
     if name in ("hedgehog", "performer"):
         spec = CellSpec(num_heads=H, num_kv_heads=Hkv, head_dim=D, value_dim=V, scale=scale)
-        phi = build_feature_map(name, spec, **{"hedgehog": {"feature_dim": 24}, "performer": {"num_features": 20}}[name])
+        phi = build_feature_map(
+            name, spec, **{"hedgehog": {"feature_dim": 24}, "performer": {"num_features": 20}}[name]
+        )
         weight = torch.randn(phi.weight.shape, generator=torch.Generator().manual_seed(1))
         Fd = phi.feature_dim
         if gk is not None:
@@ -335,12 +362,25 @@ def check_mask(op, name, gates, normalize, shape, grads=True):
         mg = None if g is None else torch.where(mask[:, :, None], g, 0.0)
         mgk = None if gk is None else torch.where(pad, 0.0, gk)
         c = scale if name == "identity" else 1.0
-        return K.naive_recurrent_linear_attn(phi_q, phi_k, v, mg, mgk, scale=c, initial_state=state,
-                                             output_final_state=True, normalize=normalize)
+        return K.naive_recurrent_linear_attn(
+            phi_q, phi_k, v, mg, mgk, scale=c, initial_state=state, output_final_state=True, normalize=normalize
+        )
 
     def fused():
-        return op(q, k, v, g, gk, scale=scale, initial_state=state, output_final_state=True, normalize=normalize,
-                  feature_map=name, feature_weight=weight, mask=mask)
+        return op(
+            q,
+            k,
+            v,
+            g,
+            gk,
+            scale=scale,
+            initial_state=state,
+            output_final_state=True,
+            normalize=normalize,
+            feature_map=name,
+            feature_weight=weight,
+            mask=mask,
+        )
 
     results = []
     for fn in (naive, fused):
@@ -358,15 +398,22 @@ def check_mask(op, name, gates, normalize, shape, grads=True):
     if grads:  # padding keys, values and gates get no gradient
         dk, dv = out_g[1], out_g[2]
         assert (dk[~mask] == 0).all() and (dv[~mask] == 0).all()
-        for d in out_g[3:3 + (g is not None) + (gk is not None)]:
+        for d in out_g[3 : 3 + (g is not None) + (gk is not None)]:
             assert (d[~mask] == 0).all()
 
 
 @pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__)
-@pytest.mark.parametrize("name, gates, normalize", [
-    ("identity", "g+gk", False), ("elu", "g", True), ("elu", "gk", False), ("hedgehog", "", True),
-    ("performer", "gk", True), ("relu", "", False),
-])
+@pytest.mark.parametrize(
+    "name, gates, normalize",
+    [
+        ("identity", "g+gk", False),
+        ("elu", "g", True),
+        ("elu", "gk", False),
+        ("hedgehog", "", True),
+        ("performer", "gk", True),
+        ("relu", "", False),
+    ],
+)
 def test_mask(triton_path, no_reference, op, name, gates, normalize):
     check_mask(op, name, gates, normalize, (2, 11, 4, 2, 16, 8))
 
@@ -392,6 +439,7 @@ def test_mask_all_real_is_no_mask(triton_path):
 
 
 # --------------------------------------------------------------------------- scans
+
 
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("T", [1, 37, 130])
@@ -484,6 +532,7 @@ def test_aaren_scan_gradients_reference_path():
 
 # --------------------------------------------------------------------------- window attention decode step
 
+
 @pytest.mark.parametrize("sinks", [0, 2])
 @pytest.mark.parametrize("heads", [(2, 2), (4, 1)], ids=str)
 @pytest.mark.parametrize("path", ["triton", "reference"])
@@ -498,12 +547,30 @@ def test_window_attn_step(monkeypatch, sinks, heads, path):
     sk, sv = torch.zeros(B, Hkv, sinks, D), torch.zeros(B, Hkv, sinks, D)
     length = torch.zeros(B, dtype=torch.long)
     ref, *ref_state = naive_recurrent_window_attn(
-        q.reshape(B, T, Hkv, H // Hkv, D).permute(0, 2, 3, 1, 4), k.transpose(1, 2), v.transpose(1, 2),
-        mask, keys, values, sk, sv, length, D ** -0.5)
+        q.reshape(B, T, Hkv, H // Hkv, D).permute(0, 2, 3, 1, 4),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        mask,
+        keys,
+        values,
+        sk,
+        sv,
+        length,
+        D**-0.5,
+    )
     state, outs = (keys, values, sk, sv, length), []
     for t in range(T):
-        o, state = K.window_attn_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], state[0], state[1], state[4],
-                                      state[2], state[3], mask=mask[:, t:t + 1])
+        o, state = K.window_attn_step(
+            q[:, t : t + 1],
+            k[:, t : t + 1],
+            v[:, t : t + 1],
+            state[0],
+            state[1],
+            state[4],
+            state[2],
+            state[3],
+            mask=mask[:, t : t + 1],
+        )
         outs.append(o)
     close(torch.cat(outs, 1), ref.permute(0, 3, 1, 2, 4).reshape(B, T, H, D))
     for a, b in zip(state, ref_state):
@@ -587,6 +654,7 @@ def test_window_attn_step_stats(path):
 
 # --------------------------------------------------------------------------- backend=
 
+
 def _call_each_op(backend):
     """Every public op once, small, with ``backend``; returns their outputs."""
     q, k, v, g, _, h0 = make_attn(1, 5, 2, 1, 16, 16, "g")
@@ -596,8 +664,9 @@ def _call_each_op(backend):
         K.chunk_linear_attn(q, k, v, g, initial_state=h0, backend=backend)[0],
         K.linear_recurrence(k[:, :, 0, :3].sigmoid(), v[:, :, 0, :3], backend=backend)[0],
         K.aaren_scan(q[..., 0], q, backend=backend)[0],
-        K.window_attn_step(q[:, :1], k[:, :1], v[:, :1], ring, ring, torch.zeros(1, dtype=torch.long),
-                           backend=backend)[0],
+        K.window_attn_step(q[:, :1], k[:, :1], v[:, :1], ring, ring, torch.zeros(1, dtype=torch.long), backend=backend)[
+            0
+        ],
     ]
 
 
@@ -621,7 +690,7 @@ def test_resolve_backend(monkeypatch):
 
 
 def test_backend_pins_the_path(monkeypatch):
-    """"triton" runs the kernels with FORCE_TRITON off; "reference" runs none with it on; both agree."""
+    """ "triton" runs the kernels with FORCE_TRITON off; "reference" runs none with it on; both agree."""
     calls = []
     nan_empty = utils.empty
     monkeypatch.setattr(utils, "empty", lambda *a, **kw: calls.append(1) or nan_empty(*a, **kw))
@@ -655,21 +724,24 @@ def test_backend_in_autograd(no_reference):
 
 # --------------------------------------------------------------------------- export (fake impls)
 
+
 class _Ops(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.register_buffer("hedgehog", torch.randn(1, 16, 6))
 
     def forward(self, q, k, v, g, h0, a):
-        o1, h1 = K.fused_recurrent_linear_attn(q, k, v, g=g, initial_state=h0, output_final_state=True,
-                                               backend="reference")
+        o1, h1 = K.fused_recurrent_linear_attn(
+            q, k, v, g=g, initial_state=h0, output_final_state=True, backend="reference"
+        )
         o2, h2 = K.chunk_linear_attn(q, k, v, g=g, initial_state=h0, output_final_state=True, normalize=False)
         x, hx = K.linear_recurrence(a, v[:, :, 0], reverse=True, output_final_state=True)
         o3, (m, u, w) = K.aaren_scan(q[..., 0], q, output_final_state=True)
         ring = k.new_zeros(k.shape[0], k.shape[2], 4, k.shape[3])
         o4, _ = K.window_attn_step(q[:, :1], k[:, :1], v[:, :1], ring, ring, torch.zeros(k.shape[0], dtype=torch.long))
-        o5, h5 = K.chunk_linear_attn(q, k, v, output_final_state=True, normalize=True, feature_map="hedgehog",
-                                     feature_weight=self.hedgehog)  # the state has 12 features
+        o5, h5 = K.chunk_linear_attn(
+            q, k, v, output_final_state=True, normalize=True, feature_map="hedgehog", feature_weight=self.hedgehog
+        )  # the state has 12 features
         return o1 + o2, h1 + h2, x, hx, o3, m, u, w, o4, o5, *h5
 
 
@@ -679,8 +751,13 @@ def test_export():
     model = _Ops()
     ep = torch.export.export(model, args)
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
-    for name in ("fused_recurrent_linear_attn", "chunk_linear_attn", "linear_recurrence", "aaren_scan",
-                 "window_attn_step"):
+    for name in (
+        "fused_recurrent_linear_attn",
+        "chunk_linear_attn",
+        "linear_recurrence",
+        "aaren_scan",
+        "window_attn_step",
+    ):
         assert any(name in t for t in targets), (name, targets)
     for a, b in zip(ep.module()(*args), model(*args)):
         close(a, b)
@@ -717,6 +794,7 @@ def test_opcheck(backend):
 
 # --------------------------------------------------------------------------- larger
 
+
 @pytest.mark.slow
 def test_kernels_compile_for_sm90():
     """What the interpreter cannot check: every kernel compiles to sm_90 and fits its shared memory."""
@@ -724,8 +802,9 @@ def test_kernels_compile_for_sm90():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "rnnify.kernels.compile_check"], env=env,
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [sys.executable, "-m", "rnnify.kernels.compile_check"], env=env, capture_output=True, text=True, timeout=900
+    )
     assert run.returncode == 0, run.stdout + run.stderr
 
 

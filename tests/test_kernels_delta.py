@@ -19,8 +19,9 @@ import torch.nn.functional as F
 # every test here runs the Triton path: the whole file is skipped without triton (an extra, "rnnify[triton]")
 pytest.importorskip("triton", reason="triton is not installed: the kernels' Triton paths cannot be tested")
 
-import rnnify.kernels as K
 from kernel_support import nan_buffers  # noqa: F401 - autouse
+
+import rnnify.kernels as K
 from rnnify.kernels import utils
 from rnnify.kernels.delta_rule import chunk as chunk_module
 from rnnify.kernels.delta_rule import chunk_delta_rule_reference
@@ -101,8 +102,15 @@ def check_op(op, shape, gated, mask=None, state=True, grads=True):
     for fn in (K.naive_recurrent_delta_rule, op):
         if fn is K.naive_recurrent_delta_rule and mask is not None:  # padding by hand: beta = 0, g = 0
             real = mask[:, :, None]
-            o, h = fn(q, k, v, torch.where(real, beta, 0.0), None if g is None else torch.where(real, g, 0.0),
-                      initial_state=h0, output_final_state=True)
+            o, h = fn(
+                q,
+                k,
+                v,
+                torch.where(real, beta, 0.0),
+                None if g is None else torch.where(real, g, 0.0),
+                initial_state=h0,
+                output_final_state=True,
+            )
         else:
             kw = {} if mask is None else {"mask": mask}
             o, h = fn(q, k, v, beta, g, initial_state=h0, output_final_state=True, **kw)
@@ -115,7 +123,7 @@ def check_op(op, shape, gated, mask=None, state=True, grads=True):
     for a, b in zip(dgrads, ref_g):
         close_grad(a, b)
     if grads and mask is not None:  # padding: no gradient to its beta and g
-        for d in dgrads[3:3 + gated]:
+        for d in dgrads[3 : 3 + gated]:
             assert (d[~mask] == 0).all()
     return dgrads
 
@@ -143,10 +151,12 @@ def test_reference_path(op):
 
 def test_half_inputs_fp32_state(triton_path):
     q, k, v, beta, g, h0 = make_inputs(1, 6, 2, 1, 16, 16, True)
-    ref, ref_h = K.naive_recurrent_delta_rule(q.half(), k.half(), v.half(), beta, g, initial_state=h0,
-                                              output_final_state=True)
-    o, h = K.fused_recurrent_delta_rule(q.half(), k.half(), v.half(), beta, g, initial_state=h0,
-                                        output_final_state=True)
+    ref, ref_h = K.naive_recurrent_delta_rule(
+        q.half(), k.half(), v.half(), beta, g, initial_state=h0, output_final_state=True
+    )
+    o, h = K.fused_recurrent_delta_rule(
+        q.half(), k.half(), v.half(), beta, g, initial_state=h0, output_final_state=True
+    )
     assert o.dtype == torch.float16 and h.dtype == torch.float32
     torch.testing.assert_close(o, ref, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(h, ref_h, rtol=1e-5, atol=1e-5)
@@ -184,15 +194,17 @@ def test_opcheck(monkeypatch, backend):
     monkeypatch.setattr(utils, "FORCE_TRITON", backend == "triton")
     q, k, v, beta, g, h0 = make_inputs(1, 5, 2, 1, 16, 8, True)
     for op in (torch.ops.rnnify.chunk_delta_rule, torch.ops.rnnify.fused_recurrent_delta_rule):
-        torch.library.opcheck(op, [x.clone().requires_grad_() for x in (q, k, v, beta, g, h0)] + [0.25],
-                              {"backend": backend})
+        torch.library.opcheck(
+            op, [x.clone().requires_grad_() for x in (q, k, v, beta, g, h0)] + [0.25], {"backend": backend}
+        )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("shape", [(1, 1, 2, 2, 16, 16), (2, 70, 4, 2, 16, 80), (1, 40, 2, 1, 64, 64),
-                                   (1, 33, 2, 2, 128, 32)], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 2, 2, 16, 16), (2, 70, 4, 2, 16, 80), (1, 40, 2, 1, 64, 64), (1, 33, 2, 2, 128, 32)], ids=str
+)
 def test_ops_shapes(triton_path, op, gated, shape):
     mask = torch.ones(shape[:2], dtype=torch.bool)
     mask[-1, : shape[1] // 3] = False
@@ -223,9 +235,16 @@ def test_100k_decode_steps_are_stable(gated):
     h, outs = None, []
     for t in range(q.shape[1]):
         step = slice(t, t + 1)
-        o, h = K.fused_recurrent_delta_rule(q[:, step], k[:, step], v[:, step], beta[:, step],
-                                            None if g is None else g[:, step], initial_state=h,
-                                            output_final_state=True, backend="reference")
+        o, h = K.fused_recurrent_delta_rule(
+            q[:, step],
+            k[:, step],
+            v[:, step],
+            beta[:, step],
+            None if g is None else g[:, step],
+            initial_state=h,
+            output_final_state=True,
+            backend="reference",
+        )
         outs.append(o)
     assert torch.isfinite(torch.cat(outs, 1)).all() and torch.isfinite(h).all()
     torch.testing.assert_close(h, ref_h, rtol=1e-3, atol=1e-3)

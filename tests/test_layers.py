@@ -62,9 +62,12 @@ def imports(path: Path, source: str | None = None, typing: bool = True) -> list[
     anywhere in the file; ``typing=False`` leaves out those under ``if TYPE_CHECKING:``, which never run."""
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
     tree = ast.parse(path.read_text() if source is None else source, str(path))
-    typing_only = {id(inner) for node in ast.walk(tree)
-                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for inner in ast.walk(node)}
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for inner in ast.walk(node)
+    }
     found = []
     for node in ast.walk(tree):
         if not typing and id(node) in typing_only:
@@ -129,8 +132,8 @@ def import_cycles(graph: dict[str, Iterable[str]]) -> list[list[str]]:
             elif other in stack:
                 low[module] = min(low[module], index[other])
         if low[module] == index[module]:
-            component = stack[stack.index(module):]
-            del stack[stack.index(module):]
+            component = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
             if len(component) > 1:
                 found.append(sorted(component))
 
@@ -171,8 +174,10 @@ def test_imports_are_all_found(source, expected):
 def test_no_module_imports_itself_back():
     """No cycle among rnnify's modules, through function-level imports too."""
     graph = import_graph()
-    found = [[f"{graph[module][other]} imports {other}" for module in cycle for other in cycle if other in graph[module]]
-             for cycle in import_cycles(graph)]
+    found = [
+        [f"{graph[module][other]} imports {other}" for module in cycle for other in cycle if other in graph[module]]
+        for cycle in import_cycles(graph)
+    ]
     assert found == []
 
 

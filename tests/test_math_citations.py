@@ -21,14 +21,14 @@ def citations() -> list[tuple[str, str]]:
     for path in sorted(p for p in paths if p.suffix in (".py", ".md") and p not in (MATH, Path(__file__))):
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if "math.md" in line:
-                for m in re.finditer(r"§([^§]*)", line[line.index("math.md"):]):
+                for m in re.finditer(r"§([^§]*)", line[line.index("math.md") :]):
                     found.append((f"{path.relative_to(ROOT)}:{number}", m.group(1)))
     return found
 
 
 def resolves(text: str, titles: list[str]) -> bool:
     """The citation starts with a title and the title ends there (not a longer word or name)."""
-    return any(text.startswith(t) and not text[len(t):len(t) + 1].isalnum() for t in titles)
+    return any(text.startswith(t) and not text[len(t) : len(t) + 1].isalnum() for t in titles)
 
 
 def test_citations_name_sections_of_math_md():

@@ -12,11 +12,11 @@ import threading
 from pathlib import Path
 
 import pytest
+from test_cli import STAGE_LINE, assert_user_error, run
 
 import rnnify
 from rnnify.errors import RnnifyError, RnnifyWarning
 from rnnify.runtime import output_dir
-from test_cli import STAGE_LINE, assert_user_error, run
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -33,10 +33,13 @@ def holder(tmp_path):
     started = []
 
     def hold(path: Path) -> int:
-        code = "import sys; from rnnify.runtime.output_dir import claim\n" \
-               "with claim(sys.argv[1]):\n    print('held', flush=True); sys.stdin.read()"
-        child = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True, env=ENV)
+        code = (
+            "import sys; from rnnify.runtime.output_dir import claim\n"
+            "with claim(sys.argv[1]):\n    print('held', flush=True); sys.stdin.read()"
+        )
+        child = subprocess.Popen(
+            [sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV
+        )
         started.append(child)
         assert child.stdout.readline() == "held\n"
         return child.pid
@@ -47,13 +50,15 @@ def holder(tmp_path):
 
 
 def test_a_second_convert_on_the_same_output_is_refused_before_it_loads_anything(
-        capsys, monkeypatch, tmp_path, tiny_model_dir, holder):
+    capsys, monkeypatch, tmp_path, tiny_model_dir, holder
+):
     out = tmp_path / "out"
     pid = holder(out)
     monkeypatch.setattr(rnnify, "convert", lambda *a, **k: pytest.fail("converted while another run writes -o"))
     code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "exact", "-o", out, "--no-compile")
-    assert_user_error(code, err, f"{out}: another rnnify run (pid {pid}) is writing this directory",
-                      "choose another output directory")
+    assert_user_error(
+        code, err, f"{out}: another rnnify run (pid {pid}) is writing this directory", "choose another output directory"
+    )
 
 
 def test_a_second_distill_on_the_same_output_is_refused(capsys, monkeypatch, tmp_path, converted_dir, holder):
@@ -103,11 +108,13 @@ def test_what_killed_runs_left_is_removed_by_the_next_run(capsys, tmp_path, tiny
     (tmp_path / ".out.k1ll3d_1.tmp" / "model.safetensors").write_bytes(b"half")
     (tmp_path / ".out.k1ll3d_2.old" / "out").mkdir(parents=True)
     (tmp_path / ".out.v2.k1ll3d_3.tmp").mkdir()  # another target's (out.v2): not this run's to remove
-    code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "exact", "-o", out, "--no-compile",
-                       "--overwrite")
+    code, _, err = run(
+        capsys, "convert", tiny_model_dir("llama"), "--to", "exact", "-o", out, "--no-compile", "--overwrite"
+    )
     assert code == 0, err
     assert [line for line in err.splitlines() if not STAGE_LINE.fullmatch(line)] == [
-        f"warning: removed what interrupted rnnify runs left beside {out}: .out.k1ll3d_1.tmp, .out.k1ll3d_2.old"]
+        f"warning: removed what interrupted rnnify runs left beside {out}: .out.k1ll3d_1.tmp, .out.k1ll3d_2.old"
+    ]
     assert beside(out) == [".out.v2.k1ll3d_3.tmp", "out"]
     assert rnnify.load(out).target == "exact"
 
@@ -150,8 +157,10 @@ def test_a_save_killed_halfway_leaves_a_loadable_model(converted_dir, tmp_path, 
         with pytest.raises(RnnifyError, match="is missing: an interrupted rnnify run left its contents in"):
             rnnify.load(out)
         assert sorted(n[-4:] for n in beside(out) if n.endswith((".tmp", ".old"))) == [".old", ".tmp"]  # untouched
-        with pytest.warns(RnnifyWarning, match="was missing, its contents left in .* put back"), \
-                pytest.warns(RnnifyWarning, match="removed what interrupted rnnify runs left"):
+        with (
+            pytest.warns(RnnifyWarning, match="was missing, its contents left in .* put back"),
+            pytest.warns(RnnifyWarning, match="removed what interrupted rnnify runs left"),
+        ):
             with output_dir.claim(out):
                 pass
         assert rnnify.load(out).target == "linear"
@@ -183,6 +192,7 @@ def test_install_moves_aside_where_the_system_cannot_swap(monkeypatch, tmp_path)
 
 def test_a_file_system_without_flock_saves_with_a_warning(converted_dir, tmp_path, monkeypatch):
     """Lustre mounted without ``-o flock`` answers ENOSYS: saving there still works, unguarded."""
+
     def no_flock(fd, operation):
         raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.fx
 import torch.nn.functional as F
+from support import rel_diff
 from torch import nn
 from torch.export import Dim
 
@@ -27,14 +28,13 @@ from rnnify.cells import CELLS, Cell
 from rnnify.cells.exact import ExactCell
 from rnnify.cells.linear import LinearCell
 from rnnify.errors import UnsupportedModelError
-from rnnify.plan import ConversionPlan
 from rnnify.passes import PIPELINE, AttentionSite, PassContext, cleanup, run_pipeline
 from rnnify.passes.find_attention import find_attention
 from rnnify.passes.find_positions import find_positions
 from rnnify.passes.rewrite_attention import rewrite_attention
 from rnnify.passes.strip_export_checks import strip_export_checks
 from rnnify.passes.thread_state import thread_state
-from support import rel_diff
+from rnnify.plan import ConversionPlan
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -51,6 +51,7 @@ EXPECTED = {
 
 
 # --------------------------------------------------------------------------- helpers
+
 
 @pytest.fixture(scope="module")
 def source(tiny_model_dir):
@@ -102,6 +103,7 @@ def initial_state(gm: torch.fx.GraphModule, batch: int) -> list[torch.Tensor]:
 
 
 # --------------------------------------------------------------------------- toy models for rejections
+
 
 class ToyAttention(nn.Module):
     """q/k/v from one linear layer; ``mode`` says how SDPA is called."""
@@ -180,6 +182,7 @@ def annotated_sites(gm: torch.fx.GraphModule) -> list[AttentionSite]:
 
 # --------------------------------------------------------------------------- strip_export_checks
 
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_strip_export_checks_removes_every_check_and_keeps_the_logits(source, arch):
     model, gm = source(arch)
@@ -228,6 +231,7 @@ def test_strip_export_checks_removes_assert_scalar_and_the_range_it_enforced():
 
 # --------------------------------------------------------------------------- find_positions
 
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral"])
 def test_find_positions(source, arch):
     model, gm = source(arch)
@@ -255,6 +259,7 @@ def test_find_positions_without_position_embedding_or_config():
 
 # --------------------------------------------------------------------------- find_attention
 
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral"])
 def test_find_attention_describes_every_layer(source, arch):
     model, gm = source(arch)
@@ -277,7 +282,10 @@ def test_find_attention_describes_every_layer(source, arch):
         assert str(site.layer) in site.module_path.split(".")
         assert f"layer {site.layer}" in site.where
         assert (site.num_heads, site.num_kv_heads, site.head_dim, site.value_dim) == (
-            expected["num_heads"], expected["num_kv_heads"], expected["head_dim"], expected["head_dim"]
+            expected["num_heads"],
+            expected["num_kv_heads"],
+            expected["head_dim"],
+            expected["head_dim"],
         )
         assert site.gqa == expected["gqa"]
         assert site.window == expected["window"]
@@ -297,7 +305,8 @@ def test_find_attention_enable_gqa():
     gm = find_attention_on(ToyLM(["enable_gqa", "enable_gqa"], heads=4, kv_heads=2))
     found = annotated_sites(gm)
     assert [(s.layer, s.num_heads, s.num_kv_heads, s.head_dim, s.gqa) for s in found] == [
-        (0, 4, 2, 4, "enable_gqa"), (1, 4, 2, 4, "enable_gqa")
+        (0, 4, 2, 4, "enable_gqa"),
+        (1, 4, 2, 4, "enable_gqa"),
     ]
     assert all(s.mask_source == "is_causal" and s.scale == pytest.approx(0.5) for s in found)
 
@@ -331,6 +340,7 @@ def test_find_attention_rejects_a_model_without_attention():
 
 # --------------------------------------------------------------------------- rewrite_attention
 
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_rewrite_attention_replaces_each_sdpa_with_a_cell(source, arch):
     model, gm = source(arch)
@@ -352,7 +362,11 @@ def test_rewrite_attention_replaces_each_sdpa_with_a_cell(source, arch):
         cell = gm.get_submodule(call.target)
         assert isinstance(cell, ExactCell)
         assert (cell.spec.num_heads, cell.spec.num_kv_heads, cell.spec.head_dim, cell.spec.scale, cell.spec.window) == (
-            site.num_heads, site.num_kv_heads, site.head_dim, site.scale, site.window
+            site.num_heads,
+            site.num_kv_heads,
+            site.head_dim,
+            site.scale,
+            site.window,
         )
         assert call.args == (site.query, site.key, site.value)
         # the SDPA result's users now read output 0 of the cell
@@ -406,6 +420,7 @@ def test_rewrite_attention_registers_cell_parameters(source, monkeypatch):
 
 # --------------------------------------------------------------------------- thread_state
 
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral"])
 def test_thread_state_signature_and_outputs(source, arch):
     model, gm = source(arch)
@@ -419,7 +434,10 @@ def test_thread_state_signature_and_outputs(source, arch):
 
     state_names = [f"state_{i}_{name}" for i in range(layers) for name in ExactCell.state_names]
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == [
-        "input_ids", "position_ids", "attention_mask", *state_names
+        "input_ids",
+        "position_ids",
+        "attention_mask",
+        *state_names,
     ]
     (outputs,) = gm.graph.output_node().args
     assert len(outputs) == 1 + layers * len(ExactCell.state_names)
@@ -472,7 +490,10 @@ def test_thread_state_linear_state_has_constant_size(source):
     ctx = PassContext(config=model.config, plan=ConversionPlan("linear"))
     gm = cleanup(thread_state(run_until(gm, ctx, thread_state), ctx))
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"][3:] == [
-        "state_0_kv", "state_0_k_sum", "state_1_kv", "state_1_k_sum"
+        "state_0_kv",
+        "state_0_k_sum",
+        "state_1_kv",
+        "state_1_k_sum",
     ]
     shapes = set()
     for length in (2, 9):

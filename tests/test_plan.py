@@ -4,22 +4,30 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import decode
 
 import rnnify
 from rnnify.errors import RnnifyError
 from rnnify.plan import LayerRule, make_plan, parse_layers
-from support import decode
 
 
 def test_parse_layers():
     assert parse_layers("0-1:exact, 2-:linear ,5:exact") == [
-        LayerRule(0, 1, "exact"), LayerRule(2, None, "linear"), LayerRule(5, 5, "exact"),
+        LayerRule(0, 1, "exact"),
+        LayerRule(2, None, "linear"),
+        LayerRule(5, 5, "exact"),
     ]
 
 
 @pytest.mark.parametrize(
     "spec, message",
-    [("0-1", "RANGE:TARGET"), ("a-b:exact", "RANGE:TARGET"), ("3-1:exact", "empty"), ("0:quantum", "unknown target"), (",", "names no layers")],
+    [
+        ("0-1", "RANGE:TARGET"),
+        ("a-b:exact", "RANGE:TARGET"),
+        ("3-1:exact", "empty"),
+        ("0:quantum", "unknown target"),
+        (",", "names no layers"),
+    ],
 )
 def test_bad_layer_specs(spec, message):
     with pytest.raises(RnnifyError, match=message):
@@ -47,7 +55,9 @@ def test_window_options_reach_both_window_cells():
 
 
 def test_a_rule_s_own_options_win_and_survive_save(tiny_model_dir, tmp_path):
-    model = rnnify.convert(tiny_model_dir("llama"), to="window", layers="0:window(window=12,sinks=0)", window=4, sinks=1)
+    model = rnnify.convert(
+        tiny_model_dir("llama"), to="window", layers="0:window(window=12,sinks=0)", window=4, sinks=1
+    )
     assert [(c.options()["window"], c.options()["sinks"]) for c in model.cells] == [(12, 0), (4, 1)]
     assert model.manifest.layers == ["0:window(sinks=0,window=12)"]
     model.save(tmp_path / "m")

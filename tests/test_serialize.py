@@ -27,6 +27,7 @@ def _round_trip(graph: torch.fx.Graph, **kw) -> torch.fx.Graph:
 
 # --------------------------------------------------------------------------- real models
 
+
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -39,8 +40,13 @@ def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg)
@@ -126,6 +132,7 @@ def test_device_remap_replaces_every_device(converted):
 
 # --------------------------------------------------------------------------- values
 
+
 def _graph_with_args(args: tuple, kwargs: dict | None = None) -> torch.fx.Graph:
     g = torch.fx.Graph()
     x = g.placeholder("x")
@@ -153,14 +160,36 @@ def _same(a, b) -> bool:
 def test_constant_values_round_trip():
     """Every value the format encodes decodes to itself (the vocabulary decides which ops may take which)."""
     values = (
-        math.inf, -math.inf, math.nan, -0.0, 1.5, 1.0, 1, True, False, None, "s",
+        math.inf,
+        -math.inf,
+        math.nan,
+        -0.0,
+        1.5,
+        1.0,
+        1,
+        True,
+        False,
+        None,
+        "s",
         2**63 - 1,
-        (1, 2), [1, 2], ((1,), [2, (3.0,)]), (),
+        (1, 2),
+        [1, 2],
+        ((1,), [2, (3.0,)]),
+        (),
         {"a": (1, [True]), "b": {"c": None}},
-        torch.float16, torch.bfloat16, torch.int64, torch.bool,
-        torch.device("cpu"), torch.device("cuda", 1),
-        torch.strided, torch.sparse_coo, torch.contiguous_format, torch.channels_last,
-        slice(None, 3, None), slice(1, None, -1), Ellipsis,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.bool,
+        torch.device("cpu"),
+        torch.device("cuda", 1),
+        torch.strided,
+        torch.sparse_coo,
+        torch.contiguous_format,
+        torch.channels_last,
+        slice(None, 3, None),
+        slice(1, None, -1),
+        Ellipsis,
     )
     encoded = json.loads(_dumps([serialize._encode(v, "test", "value") for v in values]))
     decoded = [serialize._Decoder({}, None).decode(v, "test") for v in encoded]
@@ -246,6 +275,7 @@ def test_custom_namespace_ops_are_refused():
 
 
 # --------------------------------------------------------------------------- errors
+
 
 def _simple_data() -> dict:
     g = torch.fx.Graph()

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import reseal
 
 import rnnify
 from rnnify.cli import main
 from rnnify.errors import RnnifyError, RnnifyWarning
 from rnnify.runtime.aot import STEP_PACKAGE, fingerprint
 from rnnify.runtime.step_cache import cache_root
-from support import reseal
 
 PLANTED = r"""
 #include <stdio.h>
@@ -62,8 +62,13 @@ def _repack(package: Path, out: Path, replace: dict[str, bytes] = {}, add: dict[
 def _torch_opens(package: Path, marker: Path) -> None:
     """Open ``package`` with torch's own loader in another process, as loads did before this cache."""
     code = f"import torch\ntry:\n    torch._C._aoti.AOTIModelPackageLoader({str(package)!r}, 'model', False, 1, -1)\nexcept RuntimeError:\n    pass"
-    subprocess.run([sys.executable, "-c", code], env={**os.environ, "RNNIFY_TEST_MARKER": str(marker)}, check=False,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "RNNIFY_TEST_MARKER": str(marker)},
+        check=False,
+        capture_output=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture
@@ -75,12 +80,15 @@ def planted(compiled, tmp_path, monkeypatch):
     if compiler is None:
         pytest.skip("no C compiler to build the planted shared object")
     (tmp_path / "planted.c").write_text(PLANTED)
-    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(tmp_path / "planted.so"), str(tmp_path / "planted.c")],
-                   check=True)
+    subprocess.run(
+        [compiler, "-shared", "-fPIC", "-o", str(tmp_path / "planted.so"), str(tmp_path / "planted.c")], check=True
+    )
     directory = shutil.copytree(compiled("hybrid"), tmp_path / "model")
     model = rnnify.load(directory, aot_step=False)
     _repack(_session_entry(model), directory / STEP_PACKAGE, replace={".so": (tmp_path / "planted.so").read_bytes()})
-    (directory / "step-cpu.json").write_text(json.dumps({"fingerprint": fingerprint(model), "torch": torch.__version__}))
+    (directory / "step-cpu.json").write_text(
+        json.dumps({"fingerprint": fingerprint(model), "torch": torch.__version__})
+    )
     marker = tmp_path / "marker"
     monkeypatch.setenv("RNNIFY_TEST_MARKER", str(marker))
     return directory, marker
@@ -179,8 +187,9 @@ def test_a_package_that_climbs_out_of_its_folder_is_refused_even_when_recorded(c
     directory = shutil.copytree(compiled("hybrid"), tmp_path / "model")
     escaped = tmp_path / "escaped.json"
     climb = "step-cpu/data/aotinductor/model/" + "../" * 32 + str(escaped).lstrip("/")
-    package = _repack(_session_entry(rnnify.load(directory, aot_step=False)), tmp_path / STEP_PACKAGE,
-                      add={climb: b"{}"})
+    package = _repack(
+        _session_entry(rnnify.load(directory, aot_step=False)), tmp_path / STEP_PACKAGE, add={climb: b"{}"}
+    )
     _torch_opens(package, tmp_path / "unused")
     assert escaped.is_file()  # torch's loader writes outside its folder
     escaped.unlink()

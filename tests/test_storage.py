@@ -27,8 +27,14 @@ def test_load_works_after_source_is_deleted(target, tiny_model_dir, tmp_path):
     got, _ = loaded.prefill(ids)
     assert torch.equal(got, expected)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "config.json", "generation_config.json", "graph.json", "model.safetensors", "modeling_rnnify.py",
-        "rnnify.json", "tokenizer.json", "tokenizer_config.json",
+        "config.json",
+        "generation_config.json",
+        "graph.json",
+        "model.safetensors",
+        "modeling_rnnify.py",
+        "rnnify.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
 
 

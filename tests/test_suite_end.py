@@ -26,8 +26,19 @@ def test_a_worker_leaves_its_objects_out_of_pytests_last_collections(tmp_path):
     (tmp_path / "frozen_probe.py").write_text(PROBE)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not this run's worker
     env.update(PYTHONPATH=str(tmp_path), FROZEN_OUT=str(tmp_path / "frozen"))
-    argv = [sys.executable, "-m", "pytest", "-n", "1", "-q", "-p", "frozen_probe", "-p", "no:cacheprovider",
-            "tests/test_errors.py::test_missing_path"]
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-n",
+        "1",
+        "-q",
+        "-p",
+        "frozen_probe",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_errors.py::test_missing_path",
+    ]
     result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
     assert int((tmp_path / "frozen").read_text()) > 100_000  # torch's and the test's objects, at least

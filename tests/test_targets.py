@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import assert_steps_and_split_prefill_match
 
 import rnnify
 from rnnify.cells import CELLS
-from support import assert_steps_and_split_prefill_match
 
 # Options per target variant; every registered target must appear here (see the last test).
 VARIANTS = {

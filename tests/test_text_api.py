@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import reseal
 
 import rnnify
 from rnnify.runtime.text import eos_ids
-from support import reseal
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def read(path):"
@@ -154,14 +154,23 @@ def test_auto_tokenizer_loads_a_converted_directory_after_rnnify_s_integration_i
     import sys
 
     directory = converted_dir("llama", "exact")
-    script = ("import json, sys\n"
-              "import rnnify.integrations.transformers\n"
-              "from transformers import AutoTokenizer\n"
-              f"tokenizer = AutoTokenizer.from_pretrained({str(directory)!r})\n"
-              f"print(json.dumps(tokenizer({PROMPT!r}).input_ids))\n")
+    script = (
+        "import json, sys\n"
+        "import rnnify.integrations.transformers\n"
+        "from transformers import AutoTokenizer\n"
+        f"tokenizer = AutoTokenizer.from_pretrained({str(directory)!r})\n"
+        f"print(json.dumps(tokenizer({PROMPT!r}).input_ids))\n"
+    )
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "TRANSFORMERS_VERBOSITY": "warning"}
-    done = subprocess.run([sys.executable, "-c", script], check=False, stdin=subprocess.DEVNULL, capture_output=True,
-                          text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     said = done.stdout + done.stderr
     assert "custom code" not in said and "trust_remote_code" not in said and "`rnnify`" not in said, said

@@ -13,8 +13,12 @@ from rnnify.errors import RnnifyError
 from rnnify.runtime import threads
 
 
-def fake_sys(root: Path, cores: dict[int, tuple[int, int]], cgroups: dict[str, str] | None = None,
-             v1: tuple[int, int] | None = None) -> Path:
+def fake_sys(
+    root: Path,
+    cores: dict[int, tuple[int, int]],
+    cgroups: dict[str, str] | None = None,
+    v1: tuple[int, int] | None = None,
+) -> Path:
     """A /sys tree: logical CPU -> (package, core), cgroup v2 ``cpu.max`` per group, v1 quota and period."""
     for cpu, (package, core) in cores.items():
         topology = root / "devices" / "system" / "cpu" / f"cpu{cpu}" / "topology"

@@ -32,7 +32,7 @@ PROMPTS = [
     "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n",
 ]
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, sys, time
 
     if __name__ == "__main__":
@@ -54,7 +54,7 @@ SCRIPT = textwrap.dedent('''
                 want = model.generate(ids, max_new_tokens=sampling["max_tokens"])[0, ids.shape[1]:].tolist()
                 results.append(dict(prompt=out.prompt, got=list(out.outputs[0].token_ids), want=want))
         print("RESULTS " + json.dumps(dict(results=results, eos=eos, startup=startup)))
-''')
+""")
 
 
 def run_vllm(tmp_path: Path, path: Path, prompts: list[str], engine: dict, sampling: dict, rounds: int = 1) -> dict:
@@ -64,11 +64,15 @@ def run_vllm(tmp_path: Path, path: Path, prompts: list[str], engine: dict, sampl
     env.pop("TRITON_INTERPRET", None)  # conftest's, for rnnify's kernel tests; vLLM would take it as a Triton backend
     proc = subprocess.run(
         [sys.executable, str(script), json.dumps([str(path), prompts, engine, sampling, rounds])],
-        capture_output=True, text=True, env=env, timeout=900, check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        check=False,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, f"vLLM run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return json.loads(lines[-1][len("RESULTS ") :])
 
 
 def assert_same_tokens(result: dict, max_tokens: int, ignore_eos: bool) -> None:
@@ -100,7 +104,11 @@ def test_chunked_prefill_and_reused_slots(window_dir, tmp_path):
     """A 16-token budget splits the longer prompts into chunks that continue from the stored state;
     two sequences at a time make later prompts take slots that finished ones left; a second call
     (in reverse order) finds no state left from the first."""
-    prompts = PROMPTS + ["for i in range(10):\n    print(i)\n", "x", "class A:\n    pass\n\n\nclass B(A):\n    def f(self):"]
+    prompts = PROMPTS + [
+        "for i in range(10):\n    print(i)\n",
+        "x",
+        "class A:\n    pass\n\n\nclass B(A):\n    def f(self):",
+    ]
     engine = {"max_num_seqs": 2, "max_num_batched_tokens": 16, "max_model_len": 256}
     result = run_vllm(tmp_path, window_dir, prompts, engine, {"max_tokens": 24, "ignore_eos": True}, rounds=2)
     assert len(result["results"]) == 2 * len(prompts)

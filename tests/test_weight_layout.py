@@ -24,8 +24,10 @@ def test_loaded_float32_heads_are_column_major_and_the_rest_row_major(converted_
         weights = _linear_weights(rnnify.load(converted_dir(arch, "linear")))
         heads = {name for name, w in weights.items() if w.shape[0] >= TALL * w.shape[1]}
         assert heads == {"lm_head.weight"}, arch
-        assert all(_column_major(w) == (name in heads) and w.is_contiguous() == (name not in heads)
-                   for name, w in weights.items()), arch
+        assert all(
+            _column_major(w) == (name in heads) and w.is_contiguous() == (name not in heads)
+            for name, w in weights.items()
+        ), arch
 
 
 class _Tied(torch.nn.Module):

@@ -51,6 +51,7 @@ def _rewrite(markdown: str, page_uri: str, found: set[str]) -> str:
     out = []
     for line, fenced in _lines_outside_fences(markdown):
         if not fenced:
+
             def repl(m: re.Match) -> str:
                 repo_path = _outside_target(page_uri, m["target"])
                 if repo_path is None:
@@ -58,6 +59,7 @@ def _rewrite(markdown: str, page_uri: str, found: set[str]) -> str:
                 found.add(repo_path)
                 link = posixpath.relpath(f"{PREFIX}/{repo_path}", posixpath.dirname(page_uri) or ".")
                 return m.group(1) + link + m["rest"]
+
             line = LINK.sub(repl, line)
         out.append(line)
     return "".join(out)

@@ -48,6 +48,24 @@ from rnnify.auto.scorer import (
 )
 from rnnify.choices import SCORES
 
-__all__ = ["REPORT_FILE", "SCORES", "Calibration", "HeadReport", "HeadScorer", "auto_convert", "calibration_rows",
-           "check_memory", "choose", "choose_heads", "convert_chosen", "head_costs", "kv_cache_bytes", "layer_specs",
-           "layers_spec", "measure_kl", "parse_bytes", "read_scores", "score_heads"]
+__all__ = [
+    "REPORT_FILE",
+    "SCORES",
+    "Calibration",
+    "HeadReport",
+    "HeadScorer",
+    "auto_convert",
+    "calibration_rows",
+    "check_memory",
+    "choose",
+    "choose_heads",
+    "convert_chosen",
+    "head_costs",
+    "kv_cache_bytes",
+    "layer_specs",
+    "layers_spec",
+    "measure_kl",
+    "parse_bytes",
+    "read_scores",
+    "score_heads",
+]

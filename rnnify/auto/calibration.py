@@ -27,13 +27,17 @@ def calibration_rows(tokenizer: Any, data: Any, seq_len: int, rows: int, passkey
 
     out = Calibration([], [], [])
     if rows:
-        for batch in token_batches(data, tokenizer, seq_len=seq_len, batch_size=1, max_tokens=rows * seq_len, seed=seed):
+        for batch in token_batches(
+            data, tokenizer, seq_len=seq_len, batch_size=1, max_tokens=rows * seq_len, seed=seed
+        ):
             if bool(batch["attention_mask"].all()):  # the last, padded row is left out
                 out.rows.append(batch["input_ids"])
                 out.weights.append(torch.ones(seq_len))
                 out.kinds.append("text")
         if not out.rows:
-            raise RnnifyError(f"the calibration data holds fewer than {seq_len} tokens: give more text or a lower --calib-len")
+            raise RnnifyError(
+                f"the calibration data holds fewer than {seq_len} tokens: give more text or a lower --calib-len"
+            )
     if passkey:
         for _, prompt in prompts(tokenizer, [seq_len - 8], passkey, seed, [CALIBRATION]):
             answer = tokenizer(f" {prompt.key}.", add_special_tokens=False)["input_ids"]
@@ -44,4 +48,3 @@ def calibration_rows(tokenizer: Any, data: Any, seq_len: int, rows: int, passkey
             out.weights.append(weights)
             out.kinds.append("passkey")
     return out
-

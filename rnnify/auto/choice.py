@@ -26,8 +26,10 @@ def layer_specs(source: torch.nn.Module) -> list[CellSpec]:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     window = getattr(config, "sliding_window", None)
-    return [CellSpec(heads, kv_heads, dim, dim, dim**-0.5, window, config.hidden_size)  # the width: delta memories read x
-            for _ in range(config.num_hidden_layers)]
+    return [
+        CellSpec(heads, kv_heads, dim, dim, dim**-0.5, window, config.hidden_size)  # the width: delta memories read x
+        for _ in range(config.num_hidden_layers)
+    ]
 
 
 def retrieval_target(retrieval_window: int | None, retrieval_keep: int | None = None) -> str:
@@ -39,8 +41,9 @@ def retrieval_target(retrieval_window: int | None, retrieval_keep: int | None = 
     return "exact" if retrieval_window is None else f"window(window={retrieval_window})"
 
 
-def layers_spec(specs: list[CellSpec], retrieval: set[Head], retrieval_window: int | None = None,
-                retrieval_keep: int | None = None) -> str | None:
+def layers_spec(
+    specs: list[CellSpec], retrieval: set[Head], retrieval_window: int | None = None, retrieval_keep: int | None = None
+) -> str | None:
     """``--layers`` rules that give the heads in ``retrieval`` their ``retrieval_target`` (the rest
     take the ``window`` target)."""
     rules, target = [], retrieval_target(retrieval_window, retrieval_keep)
@@ -53,8 +56,14 @@ def layers_spec(specs: list[CellSpec], retrieval: set[Head], retrieval_window: i
     return ",".join(rules) or None
 
 
-def plan_options(every_head: bool, window: int, sinks: int, retrieval_window: int | None,
-                  memory: str | None = None, memory_options: Options = None) -> tuple[str, dict[str, Any]]:
+def plan_options(
+    every_head: bool,
+    window: int,
+    sinks: int,
+    retrieval_window: int | None,
+    memory: str | None = None,
+    memory_options: Options = None,
+) -> tuple[str, dict[str, Any]]:
     """The ``--to`` target and options of a choice: the streaming heads' target (``window``, or
     ``hybrid`` with ``memory``) unless every head is exact."""
     if retrieval_window is None and every_head:
@@ -62,8 +71,9 @@ def plan_options(every_head: bool, window: int, sinks: int, retrieval_window: in
     return streaming_target(window, sinks, memory, memory_options)
 
 
-def streaming_target(window: int, sinks: int, memory: str | None = None,
-                     memory_options: Options = None) -> tuple[str, dict[str, Any]]:
+def streaming_target(
+    window: int, sinks: int, memory: str | None = None, memory_options: Options = None
+) -> tuple[str, dict[str, Any]]:
     """The target of the heads that stream: a window with sinks, or with ``memory`` a hybrid whose
     memory (gated off at first, unless ``memory_options`` open it: training-free it is that window)
     keeps what leaves the window, with ``memory_options`` its other cell options."""
@@ -72,9 +82,18 @@ def streaming_target(window: int, sinks: int, memory: str | None = None,
     return "hybrid", {**(memory_options or {}), "window": window, "sinks": sinks, "memory": memory}
 
 
-def head_costs(specs: list[CellSpec], retrieval: set[Head], context: int, window: int, sinks: int,
-               dtype: torch.dtype, retrieval_window: int | None = None, memory: str | None = None,
-               memory_options: Options = None, retrieval_keep: int | None = None) -> int:
+def head_costs(
+    specs: list[CellSpec],
+    retrieval: set[Head],
+    context: int,
+    window: int,
+    sinks: int,
+    dtype: torch.dtype,
+    retrieval_window: int | None = None,
+    memory: str | None = None,
+    memory_options: Options = None,
+    retrieval_keep: int | None = None,
+) -> int:
     """State bytes per sequence at ``context`` tokens with the heads in ``retrieval`` their
     ``retrieval_target``, the rest streaming (``streaming_target``): the cells' own
     ``state_nbytes`` (plus the positions), as ``RecurrentModel.state_nbytes`` counts."""
@@ -104,7 +123,9 @@ class HeadReport:
     budget: int | None
     max_kl: float | None
     retrieval: list[Head]  # the heads chosen: exact, or windowed to retrieval_window
-    layers: str | None  # the --layers spec that rebuilds the choice (with --to window, or hybrid --memory, --window --sinks)
+    layers: (
+        str | None
+    )  # the --layers spec that rebuilds the choice (with --to window, or hybrid --memory, --window --sinks)
     scores: dict[str, dict[str, float]]  # score -> "layer.head" -> value
     head_bytes: dict[str, int]  # "retrieval"/"streaming": one kv head's state at `context`
     state_bytes: int  # the chosen model's state per sequence at `context`
@@ -123,8 +144,16 @@ class HeadReport:
             f.write(json.dumps(self.to_json(), indent=2) + "\n")
 
 
-def one_head_bytes(spec: CellSpec, window: int | None, sinks: int, context: int, dtype: torch.dtype,
-                   memory: str | None = None, memory_options: Options = None, keep: int | None = None) -> int:
+def one_head_bytes(
+    spec: CellSpec,
+    window: int | None,
+    sinks: int,
+    context: int,
+    dtype: torch.dtype,
+    memory: str | None = None,
+    memory_options: Options = None,
+    keep: int | None = None,
+) -> int:
     """One kv head's state (with its query group) at ``context`` tokens: exact (``window`` None), a
     selection cache of ``window`` tokens and ``keep`` selected, or ``streaming_target``."""
     from rnnify.cells import build_cell
@@ -139,11 +168,23 @@ def one_head_bytes(spec: CellSpec, window: int | None, sinks: int, context: int,
     return build_cell(target, part_spec(spec, 1), options).state_nbytes(context, 1, dtype)
 
 
-def choose(scores: dict[Head, float], specs: list[CellSpec], *, context: int, window: int, sinks: int,
-           dtype: torch.dtype, budget: int | None = None, kl_of: Callable[[set[Head]], float] | None = None,
-           max_kl: float | None = None, units: list[list[Head]] | None = None,
-           retrieval_window: int | None = None, memory: str | None = None,
-           memory_options: Options = None, retrieval_keep: int | None = None) -> set[Head]:
+def choose(
+    scores: dict[Head, float],
+    specs: list[CellSpec],
+    *,
+    context: int,
+    window: int,
+    sinks: int,
+    dtype: torch.dtype,
+    budget: int | None = None,
+    kl_of: Callable[[set[Head]], float] | None = None,
+    max_kl: float | None = None,
+    units: list[list[Head]] | None = None,
+    retrieval_window: int | None = None,
+    memory: str | None = None,
+    memory_options: Options = None,
+    retrieval_keep: int | None = None,
+) -> set[Head]:
     """The retrieval heads (their ``retrieval_target``: exact, a window of ``retrieval_window``
     tokens, or that window and ``retrieval_keep`` selected tokens); the rest stream. ``units``
     (default: each head alone) are chosen whole, e.g. all heads of a layer for a per-layer choice;
@@ -155,13 +196,19 @@ def choose(scores: dict[Head, float], specs: list[CellSpec], *, context: int, wi
     units = units or [[h] for h in sorted(scores)]
     unit_score = [sum(scores[h] for h in unit) for unit in units]
     if budget is not None:
-        cost = lambda heads: head_costs(specs, heads, context, window, sinks, dtype, retrieval_window,
-                                        memory, memory_options, retrieval_keep)
+
+        def cost(heads: set[Head]) -> int:
+            return head_costs(
+                specs, heads, context, window, sinks, dtype, retrieval_window, memory, memory_options, retrieval_keep
+            )
+
         smallest = cost(set())
         if budget < smallest:
-            raise RnnifyError(f"--state-budget {budget:,} bytes cannot be met at {context:,} tokens: the smallest state "
-                              f"(every head a {window}-token {'window' if memory is None else memory + ' hybrid'} "
-                              f"with {sinks} sinks) is {smallest:,} bytes; give at least that")
+            raise RnnifyError(
+                f"--state-budget {budget:,} bytes cannot be met at {context:,} tokens: the smallest state "
+                f"(every head a {window}-token {'window' if memory is None else memory + ' hybrid'} "
+                f"with {sinks} sinks) is {smallest:,} bytes; give at least that"
+            )
         extra = [cost(set(u)) - smallest for u in units]
         order = sorted(range(len(units)), key=lambda i: -unit_score[i] / max(extra[i], 1))
         chosen: set[Head] = set()
@@ -172,14 +219,21 @@ def choose(scores: dict[Head, float], specs: list[CellSpec], *, context: int, wi
     if max_kl is None or kl_of is None:
         raise RnnifyError("--to auto needs --state-budget BYTES (with --at-context N) or --max-kl X")
     order = sorted(range(len(units)), key=lambda i: -unit_score[i])
-    first = lambda k: {h for i in order[:k] for h in units[i]}
+
+    def first(k: int) -> set[Head]:
+        return {h for i in order[:k] for h in units[i]}
+
     low, high = 0, len(units)  # KL(first(high)) <= max_kl: every head exact is the original
     if kl_of(first(0)) <= max_kl:
         return set()
     if retrieval_window is not None and (best := kl_of(first(high))) > max_kl:
-        cells = f"--retrieval-window {retrieval_window}" + (f" --retrieval-keep {retrieval_keep}" if retrieval_keep else "")
-        raise RnnifyError(f"--max-kl {max_kl:g} cannot be met with {cells}: with every head a retrieval head the "
-                          f"calibration KL is {best:.4g}; give a longer window or a higher --max-kl")
+        cells = f"--retrieval-window {retrieval_window}" + (
+            f" --retrieval-keep {retrieval_keep}" if retrieval_keep else ""
+        )
+        raise RnnifyError(
+            f"--max-kl {max_kl:g} cannot be met with {cells}: with every head a retrieval head the "
+            f"calibration KL is {best:.4g}; give a longer window or a higher --max-kl"
+        )
     while high - low > 1:
         middle = (low + high) // 2
         if kl_of(first(middle)) <= max_kl:
@@ -197,11 +251,12 @@ def parse_bytes(text: str, kv_cache: Callable[[], int]) -> int:
         if clean.endswith("%"):
             return int(float(clean[:-1]) / 100 * kv_cache())
         number = clean.rstrip("KMGIB")
-        value = float(number) * units[clean[len(number):]]
+        value = float(number) * units[clean[len(number) :]]
     except (ValueError, KeyError):
-        raise RnnifyError(f"--state-budget {text!r}: expected bytes, e.g. 2000000, 2MB, 1.5MiB or 30% (of the "
-                          "original's KV cache at --at-context)") from None
+        raise RnnifyError(
+            f"--state-budget {text!r}: expected bytes, e.g. 2000000, 2MB, 1.5MiB or 30% (of the "
+            "original's KV cache at --at-context)"
+        ) from None
     if not math.isfinite(value) or value <= 0:
         raise RnnifyError(f"--state-budget {text!r} must be a positive size")
     return int(value)
-

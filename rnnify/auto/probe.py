@@ -46,7 +46,9 @@ class _Probe:
         j = torch.arange(length, device=query.device)[None, :]
         causal = j <= i
         stream = causal & ((i - j < self.window) | (j < self.sinks))
-        windows = torch.tensor([self.windowed.get((layer, h // group), length) for h in range(heads)], device=query.device)
+        windows = torch.tensor(
+            [self.windowed.get((layer, h // group), length) for h in range(heads)], device=query.device
+        )
         allowed = causal & ((i - j < windows[:, None, None]) | (j < self.sinks))
         scores = (query.float() @ key.float().repeat_interleave(group, 1).transpose(-1, -2)) * (scaling or dim**-0.5)
         p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
@@ -59,13 +61,15 @@ class _Probe:
         for (at, h), options in self.selecting.items():
             if at == layer:
                 heads_of = slice(h * group, (h + 1) * group)
-                out[:, heads_of] = _select_head(query[:, heads_of], key[:, h : h + 1], value[:, h : h + 1],
-                                                scaling or dim**-0.5, options)
+                out[:, heads_of] = _select_head(
+                    query[:, heads_of], key[:, h : h + 1], value[:, h : h + 1], scaling or dim**-0.5, options
+                )
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
-def _select_head(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                 options: dict) -> torch.Tensor:
+def _select_head(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, options: dict
+) -> torch.Tensor:
     """One kv head (its query group ``[B, G, T, d]``, ``key``/``value [B, 1, T, d]``) through a fresh
     ``select`` cell with ``options``: what that head computes once converted."""
     from rnnify.cells import CellSpec, build_cell
@@ -86,7 +90,9 @@ def _probed(source: torch.nn.Module, probe: _Probe) -> Iterator[_Probe]:
     try:
         source.set_attn_implementation(_PROBE)
     except (ValueError, AttributeError) as exc:
-        raise RnnifyError(f"--to auto needs a model whose attention uses transformers' attention interface ({exc})") from exc
+        raise RnnifyError(
+            f"--to auto needs a model whose attention uses transformers' attention interface ({exc})"
+        ) from exc
     try:
         yield probe
     finally:
@@ -142,8 +148,14 @@ def _replayed(layers: torch.nn.ModuleList | None, outputs: list, count: int) -> 
 
 
 @torch.no_grad()
-def score_heads(source: torch.nn.Module, calibration: Calibration, window: int, sinks: int, scores=SCORES,
-                progress: Callable[[int], None] | None = None) -> tuple[dict[str, dict[Head, float]], list[torch.Tensor]]:
+def score_heads(
+    source: torch.nn.Module,
+    calibration: Calibration,
+    window: int,
+    sinks: int,
+    scores=SCORES,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[dict[str, dict[Head, float]], list[torch.Tensor]]:
     """Per kv head, each score in ``scores``; and the original's logits per row (for ``measure_kl``).
     ``progress(n)`` is told of each forward pass."""
     step = progress or (lambda n: None)
@@ -179,8 +191,14 @@ def score_heads(source: torch.nn.Module, calibration: Calibration, window: int, 
 
 
 @torch.no_grad()
-def measure_kl(source: torch.nn.Module, calibration: Calibration, originals: list[torch.Tensor],
-               windowed: dict[Head, int], sinks: int, selecting: dict[Head, dict] | None = None) -> float:
+def measure_kl(
+    source: torch.nn.Module,
+    calibration: Calibration,
+    originals: list[torch.Tensor],
+    windowed: dict[Head, int],
+    sinks: int,
+    selecting: dict[Head, dict] | None = None,
+) -> float:
     """The calibration KL (text mean plus pass-key mean) with each head in ``windowed`` windowed
     to its number of tokens (and the sinks), and each in ``selecting`` the ``select`` cell with
     those options."""
@@ -188,6 +206,7 @@ def measure_kl(source: torch.nn.Module, calibration: Calibration, originals: lis
     probe.windowed = dict(windowed)
     probe.selecting = dict(selecting or {})
     with _probed(source, probe):
-        kls = [_kl(want, _logits(source, ids), w) for ids, w, want in zip(calibration.rows, calibration.weights, originals)]
+        kls = [
+            _kl(want, _logits(source, ids), w) for ids, w, want in zip(calibration.rows, calibration.weights, originals)
+        ]
     return _mean_by_kind(kls, calibration.kinds)
-

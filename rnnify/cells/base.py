@@ -33,8 +33,12 @@ def every_token_real(mask: torch.Tensor) -> bool:
     CPU (a compiled, exported or traced graph keeps its masking ops for every mask, and on CUDA a
     host read would wait for the device). A decode step's mask is read with no op at all, a prompt's
     with one reduction. Then a cell can skip zeroing padding."""
-    if (mask.device.type != "cpu" or torch.compiler.is_compiling() or torch.jit.is_tracing()
-            or isinstance(mask, FakeTensor)):
+    if (
+        mask.device.type != "cpu"
+        or torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or isinstance(mask, FakeTensor)
+    ):
         return False
     if mask.shape[-1] == 1:
         return all(row[0] for row in mask.tolist())

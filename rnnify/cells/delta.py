@@ -70,8 +70,13 @@ def _to_ops(q, k, v, beta, log_a):
     """The cell layout as the ops' ``[B, T, H, .]``."""
     batch, num_kv_heads, group, length, dim = q.shape
     q = q.permute(0, 3, 1, 2, 4).reshape(batch, length, num_kv_heads * group, dim)
-    return (q, k.transpose(1, 2), v.transpose(1, 2), beta.transpose(1, 2),
-            None if log_a is None else log_a.transpose(1, 2))
+    return (
+        q,
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        beta.transpose(1, 2),
+        None if log_a is None else log_a.transpose(1, 2),
+    )
 
 
 def _from_ops(out, q_shape):
@@ -80,8 +85,9 @@ def _from_ops(out, q_shape):
 
 
 def chunk_delta_attn(q, k, v, beta, log_a, kv, chunk_size: int = 64) -> Forms:
-    out, kv = chunk_delta_rule_reference(*_to_ops(q, k, v, beta, log_a), scale=1.0, initial_state=kv,
-                                         chunk_size=chunk_size)
+    out, kv = chunk_delta_rule_reference(
+        *_to_ops(q, k, v, beta, log_a), scale=1.0, initial_state=kv, chunk_size=chunk_size
+    )
     return _from_ops(out, q.shape), kv
 
 
@@ -97,8 +103,7 @@ def step_delta_attn(q, k, v, beta, log_a, kv) -> Forms:
 def fused_delta_attn(q, k, v, beta, log_a, kv, backend: str = "auto") -> Forms:
     """The forms above through ``rnnify.kernels``' delta-rule ops (layout change only)."""
     op = kernels.fused_recurrent_delta_rule if q.shape[3] == 1 else kernels.chunk_delta_rule
-    out, kv = op(*_to_ops(q, k, v, beta, log_a), scale=1.0, initial_state=kv, output_final_state=True,
-                 backend=backend)
+    out, kv = op(*_to_ops(q, k, v, beta, log_a), scale=1.0, initial_state=kv, output_final_state=True, backend=backend)
     return _from_ops(out, q.shape), kv
 
 
@@ -180,8 +185,11 @@ class DeltaCell(Cell):
 
     def init_state(self, batch_size, device, dtype):
         spec = self.spec
-        return (torch.zeros(batch_size, spec.num_kv_heads, spec.head_dim, spec.value_dim, device=device,
-                            dtype=torch.float32),)
+        return (
+            torch.zeros(
+                batch_size, spec.num_kv_heads, spec.head_dim, spec.value_dim, device=device, dtype=torch.float32
+            ),
+        )
 
     def fused_ops(self) -> dict[str, str]:
         return {"prefill": "chunk_delta_rule", "decode": "fused_recurrent_delta_rule"}

@@ -63,8 +63,26 @@ MAX_SHARE_LOGIT = 30.0
 
 
 def delta_memory_hybrid_attn(
-    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, beta, log_a, share, key_map, key_bias,
-    scale: float, chunk_size: int = 64, kernels: str | None = None, mass=None, log_tau=None,
+    q,
+    k,
+    v,
+    mask,
+    keys,
+    values,
+    sink_keys,
+    sink_values,
+    length,
+    kv,
+    beta,
+    log_a,
+    share,
+    key_map,
+    key_bias,
+    scale: float,
+    chunk_size: int = 64,
+    kernels: str | None = None,
+    mass=None,
+    log_tau=None,
 ):
     """The hybrid with a delta-rule memory (module docstring), every phase: the window part by
     ``window_and_leaving``, the memory on the tokens leaving the window, at most one per new token
@@ -76,7 +94,8 @@ def delta_memory_hybrid_attn(
     ``k_sum`` to the returned state. ``log_tau`` ``[Hkv]``: beta annealed by the count (``annealed``)."""
     unit = torch.ones(q.shape[1], q.shape[2], device=q.device)  # f = 1: w / u does not depend on it
     window_num, window_den, old_keys, old_values, leaves, window_state = window_and_leaving(
-        q, k, v, mask, (keys, values, sink_keys, sink_values, length), unit, scale, chunk_size, kernels)
+        q, k, v, mask, (keys, values, sink_keys, sink_values, length), unit, scale, chunk_size, kernels
+    )
     leaves = leaves[:, None]  # [B, 1, T]
     beta = torch.where(leaves, beta, 0.0)
     counted = mass is None or log_tau is not None  # the share by count, or annealed writes
@@ -100,14 +119,31 @@ def delta_memory_hybrid_attn(
 
 
 def step_delta_memory_hybrid_attn(
-    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, beta, log_a, share, key_map, key_bias,
-    scale: float, mass=None, log_tau=None,
+    q,
+    k,
+    v,
+    mask,
+    keys,
+    values,
+    sink_keys,
+    sink_values,
+    length,
+    kv,
+    beta,
+    log_a,
+    share,
+    key_map,
+    key_bias,
+    scale: float,
+    mass=None,
+    log_tau=None,
 ):
     """The decode path of the delta memories off kernels: ``window_step``, then the token leaving
     the window is written by the delta rule (beta = 0 and no decay where none leaves: the stale key
     it would write is then ignored) and the query reads the memory, as in ``delta_memory_hybrid_attn``."""
     w, u, old_key, old_value, leaves, window_state = window_step(
-        q, k, v, mask, keys, values, sink_keys, sink_values, length, scale)
+        q, k, v, mask, keys, values, sink_keys, sink_values, length, scale
+    )
     leaves = leaves.view(-1, 1, 1)  # [B, 1, T]
     beta = torch.where(leaves, beta, 0.0)
     counted = mass is None or log_tau is not None  # the share by count, or annealed writes
@@ -115,8 +151,9 @@ def step_delta_memory_hybrid_attn(
     if log_tau is not None:
         beta = annealed(beta, log_tau, written[:, None] - leaves.long())
     log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
-    memory, kv = step_delta_attn(memory_keys(q, key_map, key_bias), memory_keys(old_key, key_map, key_bias),
-                                 old_value, beta, log_a, kv)
+    memory, kv = step_delta_attn(
+        memory_keys(q, key_map, key_bias), memory_keys(old_key, key_map, key_bias), old_value, beta, log_a, kv
+    )
     if mass is None:
         share, z = memory_share(*share, written, keys.shape[2]), ()
     else:

@@ -158,8 +158,9 @@ def sdpa_softmax_attn(
     if length == total > 1 and window is None and bool(valid.all()):
         # a whole unpadded prompt: plain causal attention, which the kernel computes without any
         # mask and skips the blocks above the diagonal (one check a prompt, not a step)
-        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), is_causal=True, scale=scale,
-                                             enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            q, keys.to(q.dtype), values.to(q.dtype), is_causal=True, scale=scale, enable_gqa=gqa
+        )
         return out.to(values.dtype)
     outs = []
     for start in range(0, length, block_size):
@@ -171,8 +172,12 @@ def sdpa_softmax_attn(
             q_pos = torch.arange(total - length + start, stop, device=q.device)
             allowed = _block_allowed(q_pos, torch.arange(first, stop, device=q.device), window) & allowed
         out = F.scaled_dot_product_attention(
-            _span(q, start, end), _span(keys, first, stop).to(q.dtype), _span(values, first, stop).to(q.dtype),
-            attn_mask=allowed, scale=scale, enable_gqa=gqa,
+            _span(q, start, end),
+            _span(keys, first, stop).to(q.dtype),
+            _span(values, first, stop).to(q.dtype),
+            attn_mask=allowed,
+            scale=scale,
+            enable_gqa=gqa,
         )
         outs.append(torch.where(allowed.any(-1, keepdim=True), out, 0.0))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

@@ -97,8 +97,9 @@ def gla_projections(hidden_size: int, rank: int, outputs: int, bias: float) -> t
     return down, up
 
 
-def gla_log_gates(x: torch.Tensor, down: nn.Linear, up: nn.Linear, tau: float, num_kv_heads: int,
-                  mask: torch.Tensor) -> torch.Tensor:
+def gla_log_gates(
+    x: torch.Tensor, down: nn.Linear, up: nn.Linear, tau: float, num_kv_heads: int, mask: torch.Tensor
+) -> torch.Tensor:
     """GLA's log a_t = logsigmoid(x_t W_down W_up + b) / tau, ``[B, H_kv, T, F]``, 0 at padding."""
     batch, length = mask.shape
     logits = F.linear(F.linear(x.float(), down.weight.float()), up.weight.float(), up.bias.float())
@@ -152,8 +153,9 @@ class GatedCell(FeatureMapCell):
         if gate == "gla":
             self.gate_rank = 16 if gate_rank is None else gate_rank
             check_int("gate_rank", self.gate_rank)
-            self.gate_down, self.gate_up = gla_projections(spec.hidden_size, self.gate_rank, num_kv_heads * features,
-                                                           bias)
+            self.gate_down, self.gate_up = gla_projections(
+                spec.hidden_size, self.gate_rank, num_kv_heads * features, bias
+            )
         else:
             self.gate_proj = nn.Linear(spec.hidden_size, num_kv_heads)
             nn.init.zeros_(self.gate_proj.weight)
@@ -196,12 +198,14 @@ class GatedCell(FeatureMapCell):
         v = masked(v.float(), mask)  # padding: phi(k) = 0, a = 1, v = 0
         backend = self.backend(q, q.shape[2])
         if backend is not None:  # the ops featurise (and mask) q, k themselves
-            out, kv, k_sum = fused_feature_attn(self.grouped(q), k, v, kv, k_sum, self.phi, mask, self.eps, log_a,
-                                               backend)
+            out, kv, k_sum = fused_feature_attn(
+                self.grouped(q), k, v, kv, k_sum, self.phi, mask, self.eps, log_a, backend
+            )
         elif q.shape[2] == 1:
             out, kv, k_sum = step_gated_attn(*self.features(q, k, mask), v, log_a, kv, k_sum, self.eps)
         else:
-            out, kv, k_sum = chunk_gated_attn(*self.features(q, k, mask), v, log_a, kv, k_sum, self.eps,
-                                              self.chunk_size)
+            out, kv, k_sum = chunk_gated_attn(
+                *self.features(q, k, mask), v, log_a, kv, k_sum, self.eps, self.chunk_size
+            )
         out = out.reshape(q.shape[0], self.spec.num_heads, q.shape[2], -1).to(q.dtype)
         return (out, kv, k_sum) if self.normalize else (out, kv)

@@ -27,8 +27,9 @@ TARGET = "heads"
 
 def part_spec(spec: CellSpec, kv_heads: int) -> CellSpec:
     """The spec of a part that holds ``kv_heads`` kv heads and their query groups."""
-    return CellSpec(kv_heads * spec.group_size, kv_heads, spec.head_dim, spec.value_dim, spec.scale, spec.window,
-                    spec.hidden_size)
+    return CellSpec(
+        kv_heads * spec.group_size, kv_heads, spec.head_dim, spec.value_dim, spec.scale, spec.window, spec.hidden_size
+    )
 
 
 def _check_groups(groups: list[dict[str, Any]], num_kv_heads: int) -> list[list[int]]:
@@ -37,7 +38,9 @@ def _check_groups(groups: list[dict[str, Any]], num_kv_heads: int) -> list[list[
     heads = [list(g.get("kv_heads", [])) for g in groups]
     named = sorted(h for hs in heads for h in hs)
     if any(not hs for hs in heads) or named != list(range(num_kv_heads)):
-        raise ValueError(f"groups must split kv heads 0-{num_kv_heads - 1} so each is in exactly one group, got {heads}")
+        raise ValueError(
+            f"groups must split kv heads 0-{num_kv_heads - 1} so each is in exactly one group, got {heads}"
+        )
     return heads
 
 
@@ -74,8 +77,12 @@ class HeadSplitCell(Cell):
         return all(part.exact for part in self.parts)
 
     def options(self) -> dict[str, Any]:
-        return {"groups": [{"kv_heads": kv, "target": part.target, "options": part.options()}
-                           for kv, part in zip(self.kv_heads, self.parts)]}
+        return {
+            "groups": [
+                {"kv_heads": kv, "target": part.target, "options": part.options()}
+                for kv, part in zip(self.kv_heads, self.parts)
+            ]
+        }
 
     def _indices(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"q_index_{i}"), getattr(self, f"kv_index_{i}")
@@ -92,8 +99,14 @@ class HeadSplitCell(Cell):
             q_index, kv_index = self._indices(i)
             count = len(part.state_names)
             kwargs = {"x": x} if part.needs_input else {}
-            out, *part_state = part(q.index_select(1, q_index), k.index_select(1, kv_index),
-                                    v.index_select(1, kv_index), mask, *state[start:start + count], **kwargs)
+            out, *part_state = part(
+                q.index_select(1, q_index),
+                k.index_select(1, kv_index),
+                v.index_select(1, kv_index),
+                mask,
+                *state[start : start + count],
+                **kwargs,
+            )
             outs.append(out)
             new_state += part_state
             start += count
@@ -114,7 +127,9 @@ class HeadSplitCell(Cell):
         return self
 
     def describe(self) -> str:
-        return "; ".join(f"kv {','.join(map(str, kv))}: {_summary(part)}" for kv, part in zip(self.kv_heads, self.parts))
+        return "; ".join(
+            f"kv {','.join(map(str, kv))}: {_summary(part)}" for kv, part in zip(self.kv_heads, self.parts)
+        )
 
     def extra_repr(self) -> str:
         return ", ".join(f"kv {kv}: {part.target}" for kv, part in zip(self.kv_heads, self.parts))

@@ -110,21 +110,33 @@ class HybridCell(Cell):
         if memory not in MEMORIES:
             raise ValueError(f"unknown memory {memory!r}; choose from {list(MEMORIES)}")
         if share not in SHARES or (share != "count" and memory not in DELTA_MEMORIES):
-            raise ValueError(f"share must be one of {list(SHARES)}, and the shares by mass apply to the delta "
-                             f"memories only; got {share!r} with memory {memory!r}")
+            raise ValueError(
+                f"share must be one of {list(SHARES)}, and the shares by mass apply to the delta "
+                f"memories only; got {share!r} with memory {memory!r}"
+            )
         # a delta memory read by count has no feature map: "elu" is what its manifests recorded while that was the default
         if memory in DELTA_MEMORIES and share == "count" and (feature_map not in (None, "elu") or feature_options):
-            raise ValueError(f"memory {memory!r} has no feature map unless its share is by mass (share='mass' or "
-                             "'mass-input'): feature_map and feature_options apply to the linear and gla memories "
-                             "and to the shares by mass")
-        if isinstance(anneal, bool) or not isinstance(anneal, (int, float)) or not 0 <= anneal < math.inf or (
-                anneal and memory not in DELTA_MEMORIES):
-            raise ValueError(f"anneal must be a finite number >= 0 (0: off), for the delta memories only; got "
-                             f"{anneal!r} with memory {memory!r}")
+            raise ValueError(
+                f"memory {memory!r} has no feature map unless its share is by mass (share='mass' or "
+                "'mass-input'): feature_map and feature_options apply to the linear and gla memories "
+                "and to the shares by mass"
+            )
+        if (
+            isinstance(anneal, bool)
+            or not isinstance(anneal, (int, float))
+            or not 0 <= anneal < math.inf
+            or (anneal and memory not in DELTA_MEMORIES)
+        ):
+            raise ValueError(
+                f"anneal must be a finite number >= 0 (0: off), for the delta memories only; got "
+                f"{anneal!r} with memory {memory!r}"
+            )
         if feature_options is not None and not isinstance(feature_options, dict):
             raise ValueError(f"feature_options must be a dict of feature-map options, got {feature_options!r}")
         if isinstance(memory_init, bool) or not isinstance(memory_init, (int, float)) or not 0 <= memory_init <= 1:
-            raise ValueError(f"memory_init must be a number in [0, 1] (0: start as the window alone), got {memory_init!r}")
+            raise ValueError(
+                f"memory_init must be a number in [0, 1] (0: start as the window alone), got {memory_init!r}"
+            )
         self.window = check_int("window", window, 1)
         self.sinks = check_int("sinks", sinks, 0)
         self.chunk_size = check_int("chunk_size", chunk_size, 1)
@@ -138,15 +150,17 @@ class HybridCell(Cell):
         if weighed:
             self.phi = build_feature_map(feature_map, spec, **self.feature_options)
             if share in BY_MASS and not getattr(self.phi, "non_negative_products", False):
-                raise ValueError(f"share={share!r} weighs the memory by phi(q) . phi(k), which feature map {feature_map!r} "
-                                 "can make negative: choose a non-negative map (hedgehog, elu, relu, ...)")
+                raise ValueError(
+                    f"share={share!r} weighs the memory by phi(q) . phi(k), which feature map {feature_map!r} "
+                    "can make negative: choose a non-negative map (hedgehog, elu, relu, ...)"
+                )
             self.window_logit = nn.Parameter(torch.zeros(spec.num_heads))
         if memory == "gla":  # per-feature decays from the layer input
             if spec.hidden_size is None:
                 raise ValueError("the gla memory reads the layer input, but its width (spec.hidden_size) is unknown")
-            self.gate_down, self.gate_up = gla_projections(spec.hidden_size, GLA_RANK,
-                                                           spec.num_kv_heads * self.phi.feature_dim,
-                                                           gate_bias(GLA_DECAY, GLA_TAU))
+            self.gate_down, self.gate_up = gla_projections(
+                spec.hidden_size, GLA_RANK, spec.num_kv_heads * self.phi.feature_dim, gate_bias(GLA_DECAY, GLA_TAU)
+            )
             self.needs_input = True
         elif memory in DELTA_MEMORIES:  # beta (and alpha) from the layer input
             self.writer = DeltaWriter(spec, memory == "gated-delta", 0.5, None)
@@ -187,15 +201,19 @@ class HybridCell(Cell):
 
         sinks = (buffer(self.sinks, spec.head_dim), buffer(self.sinks, spec.value_dim)) if self.sinks else ()
         if self.memory in DELTA_MEMORIES:
-            mass = (torch.zeros(batch_size, spec.num_kv_heads, self.phi.feature_dim, device=device, dtype=torch.float32),
-                    ) if self.share in BY_MASS else ()
+            mass = (
+                (torch.zeros(batch_size, spec.num_kv_heads, self.phi.feature_dim, device=device, dtype=torch.float32),)
+                if self.share in BY_MASS
+                else ()
+            )
             return (
                 buffer(self.window, spec.head_dim),
                 buffer(self.window, spec.value_dim),
                 *sinks,
                 torch.zeros(batch_size, device=device, dtype=torch.long),
-                torch.zeros(batch_size, spec.num_kv_heads, spec.head_dim, spec.value_dim, device=device,
-                            dtype=torch.float32),
+                torch.zeros(
+                    batch_size, spec.num_kv_heads, spec.head_dim, spec.value_dim, device=device, dtype=torch.float32
+                ),
                 *mass,
             )
         features = self.phi.feature_dim
@@ -215,7 +233,8 @@ class HybridCell(Cell):
         if by_count and prefix + "reader.share_proj.weight" not in state_dict:
             raise RnnifyError(
                 "this hybrid's delta memory was saved by an earlier rnnify, which added its readout to the window's "
-                "output; the memory is now read through a learned key map and blended in: convert the model again")
+                "output; the memory is now read through a learned key map and blended in: convert the model again"
+            )
         if by_count:  # saved before the share counted the memory's tokens: c = 0 is that share
             state_dict.setdefault(prefix + "reader.count_weight", torch.zeros_like(self.reader.count_weight))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -255,8 +274,9 @@ class HybridCell(Cell):
         log_tau = self.log_tau if self.anneal else None
         if q.shape[3] == 1 and backend is None:
             return step_delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, *reading, mass, log_tau)
-        return delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, *reading, self.chunk_size, backend, mass,
-                                        log_tau)
+        return delta_memory_hybrid_attn(
+            q, k, v, mask, *state, beta, log_a, *reading, self.chunk_size, backend, mass, log_tau
+        )
 
     def _linear_memory(self, q, k, v, mask, state, gate, x, backend: str | None):
         """A linear or gla memory: the lean step for a decode token off kernels; a prompt through

@@ -84,8 +84,18 @@ def fused_window_step(
     sink_values, length))``."""
     batch, num_kv_heads, group, _, head_dim = q.shape
     o, state, (_, u) = kernels.window_attn_step(
-        q.reshape(batch, 1, num_kv_heads * group, head_dim), k.transpose(1, 2), v.transpose(1, 2), keys, values,
-        length, sink_keys, sink_values, mask=mask, scale=scale, return_stats=True, backend=backend,
+        q.reshape(batch, 1, num_kv_heads * group, head_dim),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        keys,
+        values,
+        length,
+        sink_keys,
+        sink_values,
+        mask=mask,
+        scale=scale,
+        return_stats=True,
+        backend=backend,
     )
     window_den = factor[..., None] * u.reshape(batch, num_kv_heads, group, 1)
     window_num = o.reshape(batch, num_kv_heads, group, 1, -1) * window_den[..., None]
@@ -123,8 +133,7 @@ def prompt_window_and_leaving(q, k, v, window_state, factor, scale: float, block
     return window_num, window_den, shifted(k), shifted(v), leaves, window_state
 
 
-def chunked_window_and_leaving(q, k, v, mask, window_state, factor, scale: float, chunk_size: int,
-                               backend: str | None):
+def chunked_window_and_leaving(q, k, v, mask, window_state, factor, scale: float, chunk_size: int, backend: str | None):
     """The window part chunk by chunk (``fused_window_step`` for a decode token once ``backend`` is
     set, else ``window_part``) and the tokens leaving the window for the memory (``leaving``):
     ``(window_num, window_den, old_keys, old_values, leaves [B, T], window_state)``."""

@@ -47,8 +47,9 @@ from torch import nn
 from rnnify import kernels
 from rnnify.cells.base import Cell, CellSpec, every_token_real
 from rnnify.errors import check_int
+
 # the ungated forms live beside the gated ones, where the ops' reference runs them too
-from rnnify.kernels.linear_attn.naive import (
+from rnnify.kernels.linear_attn.naive import (  # noqa: F401 (the cell's reference forms, under its name)
     Forms,
     chunk_feature_attn,
     naive_recurrent_feature_attn,
@@ -56,8 +57,8 @@ from rnnify.kernels.linear_attn.naive import (
     parallel_feature_attn,
 )
 
-
 # --------------------------------------------------------------------------- feature maps
+
 
 class FeatureMap(nn.Module):
     """phi: ``[B, H_kv, ..., d] -> [B, H_kv, ..., feature_dim]``.
@@ -309,6 +310,7 @@ def build_feature_map(name: str, spec: CellSpec, **options: Any) -> FeatureMap:
 
 # --------------------------------------------------------------------------- forms
 
+
 def step_feature_attn(phi_q, phi_k, v, kv, k_sum, eps: float = 1e-6) -> Forms:
     # T == 1: add the outer product phi(k)^T v in one pass over the state, with no temporary of its size;
     # a kv head's G queries read its state as one [G, F] x [F, d_v] product, not from a copy per query head
@@ -332,8 +334,9 @@ def read_step(phi_q, kv, k_sum):
     return num, torch.bmm(queries, k_sum.reshape(batch * num_kv_heads, features, 1)).view(batch, num_kv_heads, group, 1)
 
 
-def fused_feature_attn(q, k, v, kv, k_sum, phi: FeatureMap, mask, eps: float = 1e-6, log_a=None,
-                      backend: str = "auto") -> Forms:
+def fused_feature_attn(
+    q, k, v, kv, k_sum, phi: FeatureMap, mask, eps: float = 1e-6, log_a=None, backend: str = "auto"
+) -> Forms:
     """The forms above (and ``cells.gated``'s with ``log_a``) through ``rnnify.kernels``, from the
     raw (not featurised) q ``[B, Hkv, G, T, d]`` and k ``[B, Hkv, T, d]``.
 
@@ -358,8 +361,19 @@ def fused_feature_attn(q, k, v, kv, k_sum, phi: FeatureMap, mask, eps: float = 1
     op = kernels.fused_recurrent_linear_attn if length == 1 else kernels.chunk_linear_attn
     state = kv if k_sum is None else (kv, k_sum)
     out, state = op(
-        q, k.transpose(1, 2), v.transpose(1, 2), g, gk, scale=scale, initial_state=state, output_final_state=True,
-        normalize=k_sum is not None, eps=eps, feature_map=feature_map, feature_weight=weight, mask=mask,
+        q,
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        g,
+        gk,
+        scale=scale,
+        initial_state=state,
+        output_final_state=True,
+        normalize=k_sum is not None,
+        eps=eps,
+        feature_map=feature_map,
+        feature_weight=weight,
+        mask=mask,
         backend=backend,
     )
     kv, k_sum = (state, None) if k_sum is None else state
@@ -392,8 +406,15 @@ class FeatureMapCell(Cell):
     normaliser z (state ``k_sum``) divides the output.
     """
 
-    def __init__(self, spec: CellSpec, feature_map: str, feature_options: dict[str, Any] | None, normalize: bool,
-                 chunk_size: int, eps: float):
+    def __init__(
+        self,
+        spec: CellSpec,
+        feature_map: str,
+        feature_options: dict[str, Any] | None,
+        normalize: bool,
+        chunk_size: int,
+        eps: float,
+    ):
         super().__init__(spec)
         check_int("chunk_size", chunk_size)
         if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
@@ -469,8 +490,9 @@ class LinearCell(FeatureMapCell):
         v = masked(v.float(), mask)
         backend = self.backend(q, q.shape[2])
         if backend is not None:  # the ops featurise (and mask) q, k themselves
-            out, kv, k_sum = fused_feature_attn(self.grouped(q), k, v, kv, k_sum, self.phi, mask, self.eps,
-                                               backend=backend)
+            out, kv, k_sum = fused_feature_attn(
+                self.grouped(q), k, v, kv, k_sum, self.phi, mask, self.eps, backend=backend
+            )
         elif q.shape[2] == 1:
             out, kv, k_sum = step_feature_attn(*self.features(q, k, mask), v, kv, k_sum, self.eps)
         else:

@@ -69,7 +69,20 @@ def _combine(window_num, window_den, linear_num, linear_den, gate=None):
 
 
 def naive_recurrent_hybrid_attn(
-    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, k_sum, phi: FeatureMap, factor, scale: float,
+    q,
+    k,
+    v,
+    mask,
+    keys,
+    values,
+    sink_keys,
+    sink_values,
+    length,
+    kv,
+    k_sum,
+    phi: FeatureMap,
+    factor,
+    scale: float,
     gate=None,
 ):
     batch, _, _, steps, _ = q.shape
@@ -109,7 +122,20 @@ def naive_recurrent_hybrid_attn(
 
 
 def parallel_hybrid_attn(
-    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, k_sum, phi: FeatureMap, factor, scale: float,
+    q,
+    k,
+    v,
+    mask,
+    keys,
+    values,
+    sink_keys,
+    sink_values,
+    length,
+    kv,
+    k_sum,
+    phi: FeatureMap,
+    factor,
+    scale: float,
     gate=None,
 ):
     window, sinks = keys.shape[2], sink_keys.shape[2]
@@ -133,7 +159,21 @@ def parallel_hybrid_attn(
 
 
 def chunk_hybrid_attn(
-    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, k_sum, phi, factor, scale: float, gate=None,
+    q,
+    k,
+    v,
+    mask,
+    keys,
+    values,
+    sink_keys,
+    sink_values,
+    length,
+    kv,
+    k_sum,
+    phi,
+    factor,
+    scale: float,
+    gate=None,
     chunk_size: int = 64,
 ):
     state, outs = (keys, values, sink_keys, sink_values, length, kv, k_sum), []
@@ -155,8 +195,22 @@ def _write_memory(kv, k_sum, phi_old, old_value, log_a=None):
 
 
 def step_hybrid_attn(
-    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, k_sum, phi: FeatureMap, factor, scale: float,
-    gate=None, log_a=None,
+    q,
+    k,
+    v,
+    mask,
+    keys,
+    values,
+    sink_keys,
+    sink_values,
+    length,
+    kv,
+    k_sum,
+    phi: FeatureMap,
+    factor,
+    scale: float,
+    gate=None,
+    log_a=None,
 ):
     """The decode path off kernels: ``window_step``, then the token leaving the window joins the
     linear memory (decayed by a = exp(``log_a [B, Hkv, 1, F]``), the gla memory, where it leaves),
@@ -164,14 +218,17 @@ def step_hybrid_attn(
     (``steady_length``: the common decode token) ``steady_step_hybrid_attn`` instead."""
     n = steady_length(mask, length, keys.shape[2], sink_keys.shape[2])
     if n is not None:
-        return steady_step_hybrid_attn(q, k, v, keys, values, sink_keys, sink_values, length, kv, k_sum, phi,
-                                       factor, scale, n, gate, log_a)
+        return steady_step_hybrid_attn(
+            q, k, v, keys, values, sink_keys, sink_values, length, kv, k_sum, phi, factor, scale, n, gate, log_a
+        )
     w, u, old_key, old_value, leaves, window_state = window_step(
-        q, k, v, mask, keys, values, sink_keys, sink_values, length, scale)
+        q, k, v, mask, keys, values, sink_keys, sink_values, length, scale
+    )
     phi_q, phi_old = query_and_leaving_features(phi, q, old_key)
     # nothing written where none leaves: phi_old = 0, no decay
-    kv, k_sum = _write_memory(kv, k_sum, phi_old * leaves, old_value,
-                              None if log_a is None else torch.where(leaves, log_a, 0.0))
+    kv, k_sum = _write_memory(
+        kv, k_sum, phi_old * leaves, old_value, None if log_a is None else torch.where(leaves, log_a, 0.0)
+    )
     linear_num, linear_den = read_step(phi_q, kv, k_sum)  # shaped as w and u
     factor = factor[..., None]  # [Hkv, G, 1]
     hybrid = readout(factor * u + linear_den, factor[..., None] * w + linear_num)
@@ -180,15 +237,30 @@ def step_hybrid_attn(
 
 
 def steady_step_hybrid_attn(
-    q, k, v, keys, values, sink_keys, sink_values, length, kv, k_sum, phi: FeatureMap, factor, scale: float, n: int,
-    gate=None, log_a=None,
+    q,
+    k,
+    v,
+    keys,
+    values,
+    sink_keys,
+    sink_values,
+    length,
+    kv,
+    k_sum,
+    phi: FeatureMap,
+    factor,
+    scale: float,
+    n: int,
+    gate=None,
+    log_a=None,
 ):
     """``step_hybrid_attn`` for a decode token in the steady state (``steady_length``: every row real,
     holding n >= W + S tokens), in about half its ops: ``steady_window_step`` gives the window's
     normalised output o = w / u and p_max = 1 / u, a token leaves every row, and the sum is read
     divided through by u: (f o + p_max phi(q) kv) / (f + p_max phi(q) . z)."""
     o, p_max, old_key, old_value, window_state = steady_window_step(
-        q, k, v, keys, values, sink_keys, sink_values, length, n, scale)
+        q, k, v, keys, values, sink_keys, sink_values, length, n, scale
+    )
     phi_q, phi_old = query_and_leaving_features(phi, q, old_key)
     kv, k_sum = _write_memory(kv, k_sum, phi_old, old_value, log_a)
     linear_num, linear_den = read_step(phi_q, kv, k_sum)
@@ -201,8 +273,24 @@ def steady_step_hybrid_attn(
 
 
 def fused_hybrid_attn(
-    q, k, v, mask, keys, values, sink_keys, sink_values, length, kv, k_sum, phi, factor, scale: float, gate=None,
-    chunk_size: int = 64, backend: str | None = "auto", log_a=None,
+    q,
+    k,
+    v,
+    mask,
+    keys,
+    values,
+    sink_keys,
+    sink_values,
+    length,
+    kv,
+    k_sum,
+    phi,
+    factor,
+    scale: float,
+    gate=None,
+    chunk_size: int = 64,
+    backend: str | None = "auto",
+    log_a=None,
 ):
     """Both phases through ``rnnify.kernels`` (``backend`` None: PyTorch, the GLA memory's path off
     kernels). The linear part is linear attention whose keys are the tokens leaving the window (not
@@ -216,14 +304,16 @@ def fused_hybrid_attn(
     if backend is None and whole_prompt(mask, length):
         return prompt_hybrid_attn(q, k, v, window_state, kv, k_sum, phi, factor, scale, gate, chunk_size, log_a)
     window_num, window_den, old_keys, old_values, leaves, window_state = window_and_leaving(
-        q, k, v, mask, window_state, factor, scale, chunk_size, backend)
+        q, k, v, mask, window_state, factor, scale, chunk_size, backend
+    )
     old_values = torch.cat([old_values, torch.ones_like(old_values[..., :1])], dim=-1)
     state = torch.cat([kv, k_sum[..., None]], dim=-1)
     if log_a is not None:
         log_a = torch.where(leaves[:, None, :, None], log_a, 0.0)
     if backend is not None:
-        linear, state, _ = fused_feature_attn(q, old_keys, old_values, state, None, phi, leaves, log_a=log_a,
-                                              backend=backend)
+        linear, state, _ = fused_feature_attn(
+            q, old_keys, old_values, state, None, phi, leaves, log_a=log_a, backend=backend
+        )
     else:  # the gated forms of cells.gated on featurised inputs, phi(k) = 0 where none leaves
         phi_k = torch.where(leaves[:, None, :, None], phi(old_keys), 0.0)
         args = (phi(q), phi_k, old_values, log_a, state)
@@ -251,8 +341,9 @@ def prompt_hybrid_attn(q, k, v, window_state, kv, k_sum, phi, factor, scale: flo
     values = torch.cat([v[:, :, sinks:end], torch.ones_like(v[:, :, sinks:end, :1])], dim=-1)
     gates = None if log_a is None else log_a[:, :, start:]  # those of the arriving tokens
     state = torch.cat([kv, k_sum[..., None]], dim=-1)
-    linear, state, _ = chunk_gated_attn(phi(q[:, :, :, start:]), phi(k[:, :, sinks:end]), values, gates, state,
-                                        chunk_size=chunk_size)
+    linear, state, _ = chunk_gated_attn(
+        phi(q[:, :, :, start:]), phi(k[:, :, sinks:end]), values, gates, state, chunk_size=chunk_size
+    )
     window_out, window_den = o[:, :, :, start:], factor[..., None] * u[:, :, :, start:]  # o and f u of the tail
     hybrid = readout(window_den + linear[..., -1], window_den[..., None] * window_out + linear[..., :-1])
     tail = hybrid if gate is None else torch.lerp(window_out, hybrid, gate[..., None, None])

@@ -142,7 +142,8 @@ def naive_recurrent_lola_attn(q, k, v, mask, *state, phi: FeatureMap, factor, ga
     batch, num_kv_heads, group, steps, _ = q.shape
     window, sinks, keep, chunk, ring_size = rule.window, rule.sinks, rule.keep, rule.chunk, rule.ring
     keys, values, sink_keys, sink_values, selected_keys, selected_values, selected_positions, length, kv, k_sum = (
-        t.clone() for t in state)
+        t.clone() for t in state
+    )
     out = q.new_zeros(batch, num_kv_heads, group, steps, values.shape[-1])
     phi_q = phi(q)  # per token: [B, Hkv, G, T, F]
     for t in range(steps):
@@ -159,8 +160,11 @@ def naive_recurrent_lola_attn(q, k, v, mask, *state, phi: FeatureMap, factor, ga
             ring = {n - (n - s) % ring_size: s for s in range(ring_size)}  # token -> its ring slot
             for h in range(num_kv_heads):
                 read = [(sink_keys[b, h, j], sink_values[b, h, j]) for j in range(sinks) if j <= start - window]
-                read += [(selected_keys[b, h, s], selected_values[b, h, s])
-                         for s in range(keep) if selected_positions[b, h, s] >= 0]
+                read += [
+                    (selected_keys[b, h, s], selected_values[b, h, s])
+                    for s in range(keep)
+                    if selected_positions[b, h, s] >= 0
+                ]
                 read += [(keys[b, h, s], values[b, h, s]) for j, s in ring.items() if j >= 0 and j > start - window]
                 read_values = torch.stack([value.to(q.dtype) for _, value in read])
                 for g in range(group):
@@ -172,32 +176,55 @@ def naive_recurrent_lola_attn(q, k, v, mask, *state, phi: FeatureMap, factor, ga
                     softmax = w / u
                     out[b, h, g, t] = softmax + gh * ((f * w + num) / (f * u + den) - softmax)
             if (n + 1) % chunk == 0:
-                _naive_decide(b, n + 1, keys, values, selected_keys, selected_values, selected_positions, kv, k_sum,
-                              phi, rule)
-    return out, keys, values, sink_keys, sink_values, selected_keys, selected_values, selected_positions, length, \
-        kv, k_sum
+                _naive_decide(
+                    b, n + 1, keys, values, selected_keys, selected_values, selected_positions, kv, k_sum, phi, rule
+                )
+    return (
+        out,
+        keys,
+        values,
+        sink_keys,
+        sink_values,
+        selected_keys,
+        selected_values,
+        selected_positions,
+        length,
+        kv,
+        k_sum,
+    )
 
 
-def _naive_decide(b, p, keys, values, selected_keys, selected_values, selected_positions, kv, k_sum, phi,
-                  rule: Retention) -> None:
+def _naive_decide(
+    b, p, keys, values, selected_keys, selected_values, selected_positions, kv, k_sum, phi, rule: Retention
+) -> None:
     """``lola_at_boundary`` for row b at boundary p, by ``sorted``; in place."""
     ring = {p - 1 - (p - 1 - s) % rule.ring: s for s in range(rule.ring)}  # the ring holds (p - W - C, p)
-    phi_ring = phi(keys[b:b + 1].to(kv.dtype))[0]  # [Hkv, W + C - 1, F]
-    phi_selected = phi(selected_keys[b:b + 1].to(kv.dtype))[0]
+    phi_ring = phi(keys[b : b + 1].to(kv.dtype))[0]  # [Hkv, W + C - 1, F]
+    phi_selected = phi(selected_keys[b : b + 1].to(kv.dtype))[0]
     for h in range(keys.shape[1]):
         # (position, key, value, phi(key)) of each candidate: the selected, then the tokens leaving
-        candidates = [(int(selected_positions[b, h, s]), selected_keys[b, h, s].clone(),
-                       selected_values[b, h, s].clone(), phi_selected[h, s])
-                      for s in range(rule.keep) if selected_positions[b, h, s] >= 0]
-        candidates += [(j, keys[b, h, s].clone(), values[b, h, s].clone(), phi_ring[h, s])
-                       for j, s in ring.items() if rule.sinks <= j <= p - rule.window]
+        candidates = [
+            (
+                int(selected_positions[b, h, s]),
+                selected_keys[b, h, s].clone(),
+                selected_values[b, h, s].clone(),
+                phi_selected[h, s],
+            )
+            for s in range(rule.keep)
+            if selected_positions[b, h, s] >= 0
+        ]
+        candidates += [
+            (j, keys[b, h, s].clone(), values[b, h, s].clone(), phi_ring[h, s])
+            for j, s in ring.items()
+            if rule.sinks <= j <= p - rule.window
+        ]
         error = {}
         for position, _, value, phi_k in candidates:  # against the memory before this boundary's writes
             recalled = (phi_k @ kv[b, h]) / (phi_k @ k_sum[b, h] + rule.eps)
             error[position] = float(((value.to(kv.dtype) - recalled) ** 2).sum())
         ranked = sorted(candidates, key=lambda c: (error[c[0]], c[0]), reverse=True)
-        kept = sorted(ranked[:rule.keep], key=lambda c: c[0])
-        for _, _, value, phi_k in sorted(ranked[rule.keep:], key=lambda c: c[0]):
+        kept = sorted(ranked[: rule.keep], key=lambda c: c[0])
+        for _, _, value, phi_k in sorted(ranked[rule.keep :], key=lambda c: c[0]):
             kv[b, h] += phi_k[:, None] * value.to(kv.dtype)[None, :]
             k_sum[b, h] += phi_k
         empty = rule.keep - len(kept)
@@ -219,8 +246,13 @@ def read_chunk(q, k, v, positions, state, phi: FeatureMap, factor, gate, scale: 
     real = positions >= 0
     held = held_positions(length, selected_positions, rule)  # [B, Hkv, N]
     causal = real[:, None, :] & (positions[:, None, :] <= positions[:, :, None])  # [B, T (query), T (key)]
-    allowed = torch.cat([(held >= 0)[:, :, None].expand(-1, -1, q.shape[3], -1),
-                         causal[:, None].expand(-1, held.shape[1], -1, -1)], dim=3) & real[:, None, :, None]
+    allowed = (
+        torch.cat(
+            [(held >= 0)[:, :, None].expand(-1, -1, q.shape[3], -1), causal[:, None].expand(-1, held.shape[1], -1, -1)],
+            dim=3,
+        )
+        & real[:, None, :, None]
+    )
     all_keys = torch.cat([sink_keys, selected_keys, keys, k.to(keys.dtype)], dim=2).to(q.dtype)
     all_values = torch.cat([sink_values, selected_values, values, v.to(values.dtype)], dim=2).to(q.dtype)
     scores = (scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys)).masked_fill(~allowed[:, :, None], float("-inf"))
@@ -233,9 +265,18 @@ def read_chunk(q, k, v, positions, state, phi: FeatureMap, factor, gate, scale: 
 
     slot = torch.where(real, positions % rule.ring, -1)  # token n goes to ring slot n mod (W + C - 1)
     sink_slot = torch.where(real & (positions < rule.sinks), positions, -1)
-    state = (write_slots(keys, k, slot), write_slots(values, v, slot), write_slots(sink_keys, k, sink_slot),
-             write_slots(sink_values, v, sink_slot), selected_keys, selected_values, selected_positions,
-             length + real.sum(1), kv, k_sum)
+    state = (
+        write_slots(keys, k, slot),
+        write_slots(values, v, slot),
+        write_slots(sink_keys, k, sink_slot),
+        write_slots(sink_values, v, sink_slot),
+        selected_keys,
+        selected_values,
+        selected_positions,
+        length + real.sum(1),
+        kv,
+        k_sum,
+    )
     return out, state
 
 
@@ -264,7 +305,7 @@ def lola_at_boundary(state, deciding: torch.Tensor, phi: FeatureMap, rule: Reten
     # the K of highest error, ties to the newer token: a stable sort by merit of the newest-first order
     newest_first = candidates.argsort(dim=2, descending=True, stable=True)
     by_merit = merit.gather(2, newest_first).argsort(dim=2, descending=True, stable=True)
-    best = newest_first.gather(2, by_merit[..., :rule.keep])
+    best = newest_first.gather(2, by_merit[..., : rule.keep])
     best = best.gather(2, candidates.gather(2, best).argsort(dim=2, stable=True))  # in position order
     kept_positions = candidates.gather(2, best)
     kept = kept_positions >= 0
@@ -281,8 +322,18 @@ def lola_at_boundary(state, deciding: torch.Tensor, phi: FeatureMap, rule: Reten
     def decided(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:  # rows not at a boundary keep theirs
         return torch.where(deciding.view(batch, *[1] * (new.dim() - 1)), new, old)
 
-    return (keys, values, sink_keys, sink_values, keep(candidate_keys, selected_keys),
-            keep(candidate_values, selected_values), decided(kept_positions, selected_positions), length, kv, k_sum)
+    return (
+        keys,
+        values,
+        sink_keys,
+        sink_values,
+        keep(candidate_keys, selected_keys),
+        keep(candidate_values, selected_values),
+        decided(kept_positions, selected_positions),
+        length,
+        kv,
+        k_sum,
+    )
 
 
 def lay_out(q, k, v, mask, length, chunk: int):
@@ -311,21 +362,33 @@ def chunk_lola_attn(q, k, v, mask, *state, phi: FeatureMap, factor, gate, scale:
     outs = []
     for start in range(0, positions.shape[1], chunk):
         span = slice(start, start + chunk)
-        out, state = read_chunk(laid_q[:, :, :, span], laid_k[:, :, span], laid_v[:, :, span], positions[:, span],
-                                state, phi, factor, gate, scale, rule)
+        out, state = read_chunk(
+            laid_q[:, :, :, span],
+            laid_k[:, :, span],
+            laid_v[:, :, span],
+            positions[:, span],
+            state,
+            phi,
+            factor,
+            gate,
+            scale,
+            rule,
+        )
         outs.append(out)
         deciding = (positions[:, span] >= 0).any(1) & (state[LENGTH] % chunk == 0)
         if may_decide(deciding):
             state = lola_at_boundary(state, deciding, phi, rule)
-    out = torch.cat(outs, dim=3).gather(3, place.clamp_min(0)[:, None, None, :, None].expand(
-        -1, num_kv_heads, group, -1, outs[0].shape[4]))
+    out = torch.cat(outs, dim=3).gather(
+        3, place.clamp_min(0)[:, None, None, :, None].expand(-1, num_kv_heads, group, -1, outs[0].shape[4])
+    )
     return torch.where(mask[:, None, None, :, None], out, 0.0), *state
 
 
 def step_lola_attn(q, k, v, mask, *state, phi: FeatureMap, factor, gate, scale: float, rule: Retention):
     """One decode token: ``read_chunk`` of one query, then the decision where it ends a chunk."""
-    out, state = read_chunk(q, k, v, torch.where(mask, state[LENGTH][:, None], -1), state, phi, factor, gate, scale,
-                            rule)
+    out, state = read_chunk(
+        q, k, v, torch.where(mask, state[LENGTH][:, None], -1), state, phi, factor, gate, scale, rule
+    )
     deciding = mask[:, 0] & (state[LENGTH] % rule.chunk == 0)
     if may_decide(deciding):
         state = lola_at_boundary(state, deciding, phi, rule)
@@ -350,16 +413,37 @@ class LolaCell(Cell):
 
     target = "lola"
     gates = ("memory_gate", "window_logit")
-    state_names = ("keys", "values", "sink_keys", "sink_values", "selected_keys", "selected_values",
-                   "selected_positions", "length", "kv", "k_sum")
+    state_names = (
+        "keys",
+        "values",
+        "sink_keys",
+        "sink_values",
+        "selected_keys",
+        "selected_values",
+        "selected_positions",
+        "length",
+        "kv",
+        "k_sum",
+    )
 
-    def __init__(self, spec: CellSpec, window: int | None = None, sinks: int = DEFAULT_SINKS, keep: int | None = None,
-                 chunk: int = 32, feature_map: str = DEFAULT_FEATURE_MAP, feature_options: dict[str, Any] | None = None,
-                 memory_init: float = 0.0, eps: float = 1e-6):
+    def __init__(
+        self,
+        spec: CellSpec,
+        window: int | None = None,
+        sinks: int = DEFAULT_SINKS,
+        keep: int | None = None,
+        chunk: int = 32,
+        feature_map: str = DEFAULT_FEATURE_MAP,
+        feature_options: dict[str, Any] | None = None,
+        memory_init: float = 0.0,
+        eps: float = 1e-6,
+    ):
         super().__init__(spec)
         if window is None and spec.window is None:
-            raise ValueError("this attention has no sliding window of its own: give window=N "
-                             "(the number of recent tokens each query attends to)")
+            raise ValueError(
+                "this attention has no sliding window of its own: give window=N "
+                "(the number of recent tokens each query attends to)"
+            )
         if feature_options is not None and not isinstance(feature_options, dict):
             raise ValueError(f"feature_options must be a dict of feature-map options, got {feature_options!r}")
         if isinstance(memory_init, bool) or not isinstance(memory_init, (int, float)) or not 0 <= memory_init <= 1:
@@ -377,15 +461,25 @@ class LolaCell(Cell):
 
     def options(self) -> dict[str, Any]:
         rule = self.rule
-        return {"window": rule.window, "sinks": rule.sinks, "keep": rule.keep, "chunk": rule.chunk,
-                "feature_map": self.feature_map, "feature_options": self.phi.options(),
-                "memory_init": self.memory_init, "eps": rule.eps}
+        return {
+            "window": rule.window,
+            "sinks": rule.sinks,
+            "keep": rule.keep,
+            "chunk": rule.chunk,
+            "feature_map": self.feature_map,
+            "feature_options": self.phi.options(),
+            "memory_init": self.memory_init,
+            "eps": rule.eps,
+        }
 
     def describe(self) -> str:
         rule = self.rule
-        return (f"{rule.window} tokens" + (f" + {rule.sinks} sinks" if rule.sinks else "")
-                + f" + {rule.keep} selected by memory error every {rule.chunk} tokens"
-                + f" + a {self.feature_map} linear memory ({self.phi.feature_dim} features)")
+        return (
+            f"{rule.window} tokens"
+            + (f" + {rule.sinks} sinks" if rule.sinks else "")
+            + f" + {rule.keep} selected by memory error every {rule.chunk} tokens"
+            + f" + a {self.feature_map} linear memory ({self.phi.feature_dim} features)"
+        )
 
     def init_state(self, batch_size, device, dtype):
         spec, rule = self.spec, self.rule
@@ -395,12 +489,16 @@ class LolaCell(Cell):
 
         features = self.phi.feature_dim
         return (
-            zeros(rule.ring, spec.head_dim), zeros(rule.ring, spec.value_dim),
-            zeros(rule.sinks, spec.head_dim), zeros(rule.sinks, spec.value_dim),
-            zeros(rule.keep, spec.head_dim), zeros(rule.keep, spec.value_dim),
+            zeros(rule.ring, spec.head_dim),
+            zeros(rule.ring, spec.value_dim),
+            zeros(rule.sinks, spec.head_dim),
+            zeros(rule.sinks, spec.value_dim),
+            zeros(rule.keep, spec.head_dim),
+            zeros(rule.keep, spec.value_dim),
             torch.full((batch_size, spec.num_kv_heads, rule.keep), -1, device=device, dtype=torch.long),
             torch.zeros(batch_size, device=device, dtype=torch.long),
-            zeros(features, spec.value_dim, dtype=torch.float32), zeros(features, dtype=torch.float32),
+            zeros(features, spec.value_dim, dtype=torch.float32),
+            zeros(features, dtype=torch.float32),
         )
 
     def mixing_factor(self) -> torch.Tensor:
@@ -413,6 +511,16 @@ class LolaCell(Cell):
         grouped = q.float().reshape(batch, spec.num_kv_heads, spec.group_size, steps, -1)
         gate = self.memory_gate.float().reshape(spec.num_kv_heads, spec.group_size)
         form = step_lola_attn if steps == 1 else chunk_lola_attn
-        out, *state = form(grouped, k, v, mask.to(torch.bool), *state, phi=self.phi, factor=self.mixing_factor(),
-                           gate=gate, scale=spec.scale, rule=self.rule)
+        out, *state = form(
+            grouped,
+            k,
+            v,
+            mask.to(torch.bool),
+            *state,
+            phi=self.phi,
+            factor=self.mixing_factor(),
+            gate=gate,
+            scale=spec.scale,
+            rule=self.rule,
+        )
         return out.reshape(batch, spec.num_heads, steps, -1).to(q.dtype), *state

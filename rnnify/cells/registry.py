@@ -22,8 +22,22 @@ from rnnify.cells.select import SelectCell
 from rnnify.cells.window import WindowCell
 from rnnify.errors import RnnifyError
 
-CELLS: dict[str, type[Cell]] = {cls.target: cls for cls in (ExactCell, LinearCell, AarenCell, GatedCell, WindowCell, HybridCell, GatedRNNCell,
-                                                           DeltaCell, GatedDeltaCell, SelectCell, LolaCell)}
+CELLS: dict[str, type[Cell]] = {
+    cls.target: cls
+    for cls in (
+        ExactCell,
+        LinearCell,
+        AarenCell,
+        GatedCell,
+        WindowCell,
+        HybridCell,
+        GatedRNNCell,
+        DeltaCell,
+        GatedDeltaCell,
+        SelectCell,
+        LolaCell,
+    )
+}
 
 
 def construct(cls: type[Cell], target: str, spec: CellSpec, options: dict[str, Any] | None) -> Cell:

@@ -99,8 +99,12 @@ def may_decide(deciding: torch.Tensor) -> bool:
     """False only where ``deciding [B]`` reads on the host for free (eager on a CPU) and holds no
     row at a boundary: then a step skips the decision's ops. A compiled, exported or traced graph
     keeps them for every step, and on CUDA a host read would wait for the device."""
-    if (deciding.device.type != "cpu" or torch.compiler.is_compiling() or torch.jit.is_tracing()
-            or isinstance(deciding, FakeTensor)):
+    if (
+        deciding.device.type != "cpu"
+        or torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or isinstance(deciding, FakeTensor)
+    ):
         return True
     return bool(deciding.any())
 
@@ -136,8 +140,18 @@ def held_positions(length: torch.Tensor, selected_positions: torch.Tensor, rule:
 def naive_recurrent_select_attn(q, k, v, mask, *state, scale: float, rule: Selection):
     batch, num_kv_heads, group, steps, _ = q.shape
     window, sinks, keep, chunk, ring_size = rule.window, rule.sinks, rule.keep, rule.chunk, rule.ring
-    keys, values, scores, sink_keys, sink_values, selected_keys, selected_values, selected_scores, \
-        selected_positions, length = (t.clone() for t in state)
+    (
+        keys,
+        values,
+        scores,
+        sink_keys,
+        sink_values,
+        selected_keys,
+        selected_values,
+        selected_scores,
+        selected_positions,
+        length,
+    ) = (t.clone() for t in state)
     out = q.new_zeros(batch, num_kv_heads, group, steps, values.shape[-1])
     for t in range(steps):
         for b in range(batch):
@@ -154,10 +168,16 @@ def naive_recurrent_select_attn(q, k, v, mask, *state, scale: float, rule: Selec
             for h in range(num_kv_heads):
                 # (key, value, (scores, slot) that keeps its score or None) of each token query n reads
                 read = [(sink_keys[b, h, j], sink_values[b, h, j], None) for j in range(sinks) if j <= start - window]
-                read += [(selected_keys[b, h, s], selected_values[b, h, s], (selected_scores, s))
-                         for s in range(keep) if selected_positions[b, h, s] >= 0]
-                read += [(keys[b, h, s], values[b, h, s], (scores, s))
-                         for j, s in ring.items() if j >= 0 and j > start - window]
+                read += [
+                    (selected_keys[b, h, s], selected_values[b, h, s], (selected_scores, s))
+                    for s in range(keep)
+                    if selected_positions[b, h, s] >= 0
+                ]
+                read += [
+                    (keys[b, h, s], values[b, h, s], (scores, s))
+                    for j, s in ring.items()
+                    if j >= 0 and j > start - window
+                ]
                 logits = scale * torch.stack([q[b, h, :, t] @ key.to(q.dtype) for key, _, _ in read], dim=-1)
                 p = torch.softmax(logits, dim=-1)  # [G, N]
                 out[b, h, :, t] = p @ torch.stack([value.to(q.dtype) for _, value, _ in read])
@@ -167,28 +187,62 @@ def naive_recurrent_select_attn(q, k, v, mask, *state, scale: float, rule: Selec
                             kept[0][b, h, kept[1]] += mass
             if (n + 1) % chunk == 0 and keep:
                 for h in range(num_kv_heads):
-                    _naive_decide(b, h, n + 1, keys, values, scores, selected_keys, selected_values, selected_scores,
-                                  selected_positions, rule)
-    return out, keys, values, scores, sink_keys, sink_values, selected_keys, selected_values, selected_scores, \
-        selected_positions, length
+                    _naive_decide(
+                        b,
+                        h,
+                        n + 1,
+                        keys,
+                        values,
+                        scores,
+                        selected_keys,
+                        selected_values,
+                        selected_scores,
+                        selected_positions,
+                        rule,
+                    )
+    return (
+        out,
+        keys,
+        values,
+        scores,
+        sink_keys,
+        sink_values,
+        selected_keys,
+        selected_values,
+        selected_scores,
+        selected_positions,
+        length,
+    )
 
 
-def _naive_decide(b, h, p, keys, values, scores, selected_keys, selected_values, selected_scores, selected_positions,
-                  rule: Selection) -> None:
+def _naive_decide(
+    b, h, p, keys, values, scores, selected_keys, selected_values, selected_scores, selected_positions, rule: Selection
+) -> None:
     """``select_at_boundary`` for row b, head h at boundary p, by ``sorted``; in place."""
     ring = {p - 1 - (p - 1 - s) % rule.ring: s for s in range(rule.ring)}  # the ring holds (p - W - C, p)
     # (position, score, key, value) of the held tokens but the sinks
-    selected = [(int(selected_positions[b, h, s]), float(selected_scores[b, h, s]), selected_keys[b, h, s].clone(),
-                 selected_values[b, h, s].clone()) for s in range(rule.keep) if selected_positions[b, h, s] >= 0]
-    recent = [(j, float(scores[b, h, s]), keys[b, h, s].clone(), values[b, h, s].clone())
-              for j, s in ring.items() if j >= rule.sinks]
+    selected = [
+        (
+            int(selected_positions[b, h, s]),
+            float(selected_scores[b, h, s]),
+            selected_keys[b, h, s].clone(),
+            selected_values[b, h, s].clone(),
+        )
+        for s in range(rule.keep)
+        if selected_positions[b, h, s] >= 0
+    ]
+    recent = [
+        (j, float(scores[b, h, s]), keys[b, h, s].clone(), values[b, h, s].clone())
+        for j, s in ring.items()
+        if j >= rule.sinks
+    ]
     candidates = selected + [entry for entry in recent if entry[0] <= p - rule.window]
 
     def merit(candidate) -> float:
         near = [score for j, score, _, _ in selected + recent if abs(j - candidate[0]) <= rule.pool // 2]
         return sum(near) / rule.pool if rule.pooling == "avg" else max(near)
 
-    kept = sorted(sorted(candidates, key=lambda c: (merit(c), c[0]), reverse=True)[:rule.keep], key=lambda c: c[0])
+    kept = sorted(sorted(candidates, key=lambda c: (merit(c), c[0]), reverse=True)[: rule.keep], key=lambda c: c[0])
     empty = rule.keep - len(kept)
     for slot in range(rule.keep):
         position, score, key, value = kept[slot - empty] if slot >= empty else (-1, 0.0, 0, 0)
@@ -203,13 +257,28 @@ def attend_chunk(q, k, v, positions, state, scale: float, rule: Selection):
     -1: none) read sinks ∪ selected ∪ recent and each other causally, in one masked softmax; their
     attention is added to the scores of what they read (``observes``) and their keys, values and
     scores are written: ``(out, state)``. No decision: the caller makes the boundary's."""
-    keys, values, scores, sink_keys, sink_values, selected_keys, selected_values, selected_scores, \
-        selected_positions, length = state
+    (
+        keys,
+        values,
+        scores,
+        sink_keys,
+        sink_values,
+        selected_keys,
+        selected_values,
+        selected_scores,
+        selected_positions,
+        length,
+    ) = state
     real = positions >= 0
     held = held_positions(length, selected_positions, rule)  # [B, Hkv, N]
     causal = real[:, None, :] & (positions[:, None, :] <= positions[:, :, None])  # [B, T (query), T (key)]
-    allowed = torch.cat([(held >= 0)[:, :, None].expand(-1, -1, q.shape[3], -1),
-                         causal[:, None].expand(-1, held.shape[1], -1, -1)], dim=3) & real[:, None, :, None]
+    allowed = (
+        torch.cat(
+            [(held >= 0)[:, :, None].expand(-1, -1, q.shape[3], -1), causal[:, None].expand(-1, held.shape[1], -1, -1)],
+            dim=3,
+        )
+        & real[:, None, :, None]
+    )
     all_keys = torch.cat([sink_keys, selected_keys, keys, k.to(keys.dtype)], dim=2).to(q.dtype)
     all_values = torch.cat([sink_values, selected_values, values, v.to(values.dtype)], dim=2).to(q.dtype)
     p = masked_softmax(scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys), allowed[:, :, None])
@@ -221,9 +290,15 @@ def attend_chunk(q, k, v, positions, state, scale: float, rule: Selection):
     sink_slot = torch.where(real & (positions < rule.sinks), positions, -1)
     scores = write_slots((scores + from_ring)[..., None], from_new[..., None], slot)[..., 0]
     state = (
-        write_slots(keys, k, slot), write_slots(values, v, slot), scores,
-        write_slots(sink_keys, k, sink_slot), write_slots(sink_values, v, sink_slot),
-        selected_keys, selected_values, selected_scores + from_selected, selected_positions,
+        write_slots(keys, k, slot),
+        write_slots(values, v, slot),
+        scores,
+        write_slots(sink_keys, k, sink_slot),
+        write_slots(sink_values, v, sink_slot),
+        selected_keys,
+        selected_values,
+        selected_scores + from_selected,
+        selected_positions,
         length + real.sum(1),
     )
     return out, state
@@ -242,8 +317,18 @@ def select_at_boundary(state, deciding: torch.Tensor, rule: Selection):
     """The decision at boundary p = ``length`` for the rows ``deciding [B]``: the K selected and the C
     tokens leaving the recent set, (p - C - W, p - W] less the sinks, compete; the K of highest
     merit stay, in position order (empty slots first, zeros); with ``snapkv`` every score restarts."""
-    keys, values, scores, sink_keys, sink_values, selected_keys, selected_values, selected_scores, \
-        selected_positions, length = state
+    (
+        keys,
+        values,
+        scores,
+        sink_keys,
+        sink_values,
+        selected_keys,
+        selected_values,
+        selected_scores,
+        selected_positions,
+        length,
+    ) = state
     batch, num_kv_heads = keys.shape[:2]
     leaving = length[:, None] - rule.window - rule.chunk + 1 + torch.arange(rule.chunk, device=length.device)
     leaving = torch.where(leaving >= rule.sinks, leaving, -1)  # [B, C]
@@ -260,7 +345,7 @@ def select_at_boundary(state, deciding: torch.Tensor, rule: Selection):
     # the K of highest merit, ties to the newer token: a stable sort by merit of the newest-first order
     newest_first = candidates.argsort(dim=2, descending=True, stable=True)
     by_merit = merit.gather(2, newest_first).argsort(dim=2, descending=True, stable=True)
-    best = newest_first.gather(2, by_merit[..., :rule.keep])
+    best = newest_first.gather(2, by_merit[..., : rule.keep])
     best = best.gather(2, candidates.gather(2, best).argsort(dim=2, stable=True))  # in position order
     kept_positions = candidates.gather(2, best)
     kept = kept_positions >= 0
@@ -277,9 +362,18 @@ def select_at_boundary(state, deciding: torch.Tensor, rule: Selection):
     def decided(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:  # rows not at a boundary keep theirs
         return torch.where(deciding.view(batch, *[1] * (new.dim() - 1)), new, old)
 
-    return (keys, values, decided(scores, state[2]), sink_keys, sink_values,
-            decided(keep(selected_keys, keys), selected_keys), decided(keep(selected_values, values), selected_values),
-            decided(kept_scores, selected_scores), decided(kept_positions, selected_positions), length)
+    return (
+        keys,
+        values,
+        decided(scores, state[2]),
+        sink_keys,
+        sink_values,
+        decided(keep(selected_keys, keys), selected_keys),
+        decided(keep(selected_values, values), selected_values),
+        decided(kept_scores, selected_scores),
+        decided(kept_positions, selected_positions),
+        length,
+    )
 
 
 def chunk_select_attn(q, k, v, mask, *state, scale: float, rule: Selection):
@@ -302,14 +396,16 @@ def chunk_select_attn(q, k, v, mask, *state, scale: float, rule: Selection):
     outs = []
     for start in range(0, width, chunk):
         span = slice(start, start + chunk)
-        out, state = attend_chunk(laid_q[:, :, :, span], laid_k[:, :, span], laid_v[:, :, span],
-                                  positions[:, span], state, scale, rule)
+        out, state = attend_chunk(
+            laid_q[:, :, :, span], laid_k[:, :, span], laid_v[:, :, span], positions[:, span], state, scale, rule
+        )
         outs.append(out)
         deciding = (positions[:, span] >= 0).any(1) & (state[-1] % chunk == 0)
         if rule.keep and may_decide(deciding):
             state = select_at_boundary(state, deciding, rule)
-    out = torch.cat(outs, dim=3).gather(3, place.clamp_min(0)[:, None, None, :, None].expand(
-        -1, num_kv_heads, group, -1, outs[0].shape[4]))
+    out = torch.cat(outs, dim=3).gather(
+        3, place.clamp_min(0)[:, None, None, :, None].expand(-1, num_kv_heads, group, -1, outs[0].shape[4])
+    )
     return torch.where(mask[:, None, None, :, None], out, 0.0), *state
 
 
@@ -338,16 +434,37 @@ class SelectCell(Cell):
     """
 
     target = "select"
-    state_names = ("keys", "values", "scores", "sink_keys", "sink_values", "selected_keys", "selected_values",
-                   "selected_scores", "selected_positions", "length")
+    state_names = (
+        "keys",
+        "values",
+        "scores",
+        "sink_keys",
+        "sink_values",
+        "selected_keys",
+        "selected_values",
+        "selected_scores",
+        "selected_positions",
+        "length",
+    )
 
-    def __init__(self, spec: CellSpec, window: int | None = None, sinks: int = 4, keep: int | None = None,
-                 policy: str = "mass", observation: int | None = None, chunk: int = 32, pool: int = 1,
-                 pooling: str = "avg"):
+    def __init__(
+        self,
+        spec: CellSpec,
+        window: int | None = None,
+        sinks: int = 4,
+        keep: int | None = None,
+        policy: str = "mass",
+        observation: int | None = None,
+        chunk: int = 32,
+        pool: int = 1,
+        pooling: str = "avg",
+    ):
         super().__init__(spec)
         if window is None and spec.window is None:
-            raise ValueError("this attention has no sliding window of its own: give window=N "
-                             "(the number of recent tokens each query attends to)")
+            raise ValueError(
+                "this attention has no sliding window of its own: give window=N "
+                "(the number of recent tokens each query attends to)"
+            )
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {list(POLICIES)}, got {policy!r}")
         if pooling not in POOLINGS:
@@ -356,8 +473,10 @@ class SelectCell(Cell):
         chunk = check_int("chunk", chunk, 1)
         observation = check_int("observation", chunk if observation is None else observation, 1)
         if observation > chunk:
-            raise ValueError(f"observation ({observation}) must be at most chunk ({chunk}): the queries that "
-                             "score a decision are the last of the chunk before it")
+            raise ValueError(
+                f"observation ({observation}) must be at most chunk ({chunk}): the queries that "
+                "score a decision are the last of the chunk before it"
+            )
         if check_int("pool", pool, 1) % 2 == 0:
             raise ValueError(f"pool must be odd (a window centred on each token), got {pool}")
         keep = check_int("keep", window if keep is None else keep, 0)
@@ -369,8 +488,11 @@ class SelectCell(Cell):
     def describe(self) -> str:
         rule = self.rule
         by = "attention mass" if rule.policy == "mass" else "SnapKV's observation window"
-        return (f"{rule.window} tokens" + (f" + {rule.sinks} sinks" if rule.sinks else "")
-                + f" + {rule.keep} selected by {by} every {rule.chunk} tokens")
+        return (
+            f"{rule.window} tokens"
+            + (f" + {rule.sinks} sinks" if rule.sinks else "")
+            + f" + {rule.keep} selected by {by} every {rule.chunk} tokens"
+        )
 
     def init_state(self, batch_size, device, dtype):
         spec, rule = self.spec, self.rule
@@ -379,9 +501,14 @@ class SelectCell(Cell):
             return torch.zeros(batch_size, spec.num_kv_heads, slots, *dim, device=device, dtype=dtype)
 
         return (
-            zeros(rule.ring, spec.head_dim), zeros(rule.ring, spec.value_dim), zeros(rule.ring, dtype=torch.float32),
-            zeros(rule.sinks, spec.head_dim), zeros(rule.sinks, spec.value_dim),
-            zeros(rule.keep, spec.head_dim), zeros(rule.keep, spec.value_dim), zeros(rule.keep, dtype=torch.float32),
+            zeros(rule.ring, spec.head_dim),
+            zeros(rule.ring, spec.value_dim),
+            zeros(rule.ring, dtype=torch.float32),
+            zeros(rule.sinks, spec.head_dim),
+            zeros(rule.sinks, spec.value_dim),
+            zeros(rule.keep, spec.head_dim),
+            zeros(rule.keep, spec.value_dim),
+            zeros(rule.keep, dtype=torch.float32),
             torch.full((batch_size, spec.num_kv_heads, rule.keep), -1, device=device, dtype=torch.long),
             torch.zeros(batch_size, device=device, dtype=torch.long),
         )

@@ -72,6 +72,7 @@ def masked_softmax_attention(scores: torch.Tensor, allowed: torch.Tensor, values
 
 # --------------------------------------------------------------------------- the forms
 
+
 def naive_recurrent_window_attn(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float):
     batch, _, _, steps, _ = q.shape
     window, sinks = keys.shape[2], sink_keys.shape[2]
@@ -227,13 +228,16 @@ def read_held(q, held_keys, held_values, empty, scale: float):
     max m."""
     batch, num_kv_heads, group, _, head_dim = q.shape
     held = held_keys.shape[2]
-    scores = torch.bmm(q.reshape(batch * num_kv_heads, group, head_dim),
-                       held_keys.float().reshape(batch * num_kv_heads, held, head_dim).transpose(1, 2))
+    scores = torch.bmm(
+        q.reshape(batch * num_kv_heads, group, head_dim),
+        held_keys.float().reshape(batch * num_kv_heads, held, head_dim).transpose(1, 2),
+    )
     scores = scores.view(batch, num_kv_heads, group, held).masked_fill(empty, float("-inf"))
     m = scores.amax(-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)  # finite_or_zero in one op
     p = torch.exp((scores - m) * scale)  # the max of the scaled scores is scale m: scale > 0
-    w = torch.bmm(p.view(batch * num_kv_heads, group, held),
-                  held_values.float().reshape(batch * num_kv_heads, held, -1))
+    w = torch.bmm(
+        p.view(batch * num_kv_heads, group, held), held_values.float().reshape(batch * num_kv_heads, held, -1)
+    )
     return w.view(batch, num_kv_heads, group, 1, -1), p.sum(-1, keepdim=True)
 
 
@@ -243,7 +247,8 @@ def window_step(q, k, v, mask, keys, values, sink_keys, sink_values, length, sca
     of the ring for the memory. Returns ``(w, u, old_key, old_value (fp32), leaves [B, 1, 1, 1] (a
     real token arrived and the one pushed out is not a sink), window_state)``."""
     old_key, old_value, held_keys, held_values, empty, state = write_step(
-        k, v, mask, keys, values, sink_keys, sink_values, length)
+        k, v, mask, keys, values, sink_keys, sink_values, length
+    )
     w, u = read_held(q, held_keys, held_values, empty, scale)
     batch = mask.shape[0]
     leaves = mask.reshape(batch, 1, 1, 1) & (length.reshape(batch, 1, 1, 1) >= keys.shape[2] + sink_keys.shape[2])
@@ -281,7 +286,13 @@ def steady_window_step(q, k, v, keys, values, sink_keys, sink_values, length, n:
     o = torch.bmm(p, held_values.float().reshape(rows, held_keys.shape[2], -1))
     p_max = p.amax(-1, keepdim=True)
     state = (keys, values, sink_keys, sink_values, length + 1)
-    return o.view(batch, num_kv_heads, group, 1, -1), p_max.view(batch, num_kv_heads, group, 1, 1), old_key, old_value, state
+    return (
+        o.view(batch, num_kv_heads, group, 1, -1),
+        p_max.view(batch, num_kv_heads, group, 1, 1),
+        old_key,
+        old_value,
+        state,
+    )
 
 
 def window_output(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -301,8 +312,17 @@ def fused_window_attn_step(
 ):
     batch, num_kv_heads, group, _, head_dim = q.shape  # T == 1; the op takes [B, 1, heads, d]
     out, state = kernels.window_attn_step(
-        q.reshape(batch, 1, num_kv_heads * group, head_dim), k.transpose(1, 2), v.transpose(1, 2),
-        keys, values, length, sink_keys, sink_values, mask, scale, backend=backend,
+        q.reshape(batch, 1, num_kv_heads * group, head_dim),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        keys,
+        values,
+        length,
+        sink_keys,
+        sink_values,
+        mask,
+        scale,
+        backend=backend,
     )
     return out.reshape(batch, num_kv_heads, group, 1, -1), *state
 

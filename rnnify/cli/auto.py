@@ -28,40 +28,71 @@ def add_auto_flags(p: argparse.ArgumentParser) -> None:
         SCORES,
     )
 
-    g = p.add_argument_group(f"--to auto: which kv heads are retrieval heads, exact, with a long window or a "
-                             "selection cache (the rest: "
-                             f"--window, default {AUTO_WINDOW}, with --sinks, default {AUTO_SINKS}; with --memory NAME "
-                             "hybrids of that window and memory)")
+    g = p.add_argument_group(
+        f"--to auto: which kv heads are retrieval heads, exact, with a long window or a "
+        "selection cache (the rest: "
+        f"--window, default {AUTO_WINDOW}, with --sinks, default {AUTO_SINKS}; with --memory NAME "
+        "hybrids of that window and memory)"
+    )
     flags = [
-        g.add_argument("--state-budget", metavar="BYTES",
-                       help="state per sequence at --at-context tokens: bytes (2000000, 2MB, 1.5MiB) or a share of "
-                       "the original's KV cache (30%%); the heads that score highest per byte stay exact while it "
-                       "fits"),
+        g.add_argument(
+            "--state-budget",
+            metavar="BYTES",
+            help="state per sequence at --at-context tokens: bytes (2000000, 2MB, 1.5MiB) or a share of "
+            "the original's KV cache (30%%); the heads that score highest per byte stay exact while it "
+            "fits",
+        ),
         g.add_argument("--at-context", type=int, default=AUTO_CONTEXT, metavar="N", help="context of --state-budget"),
-        g.add_argument("--max-kl", type=float, metavar="X",
-                       help="instead of a budget: the fewest exact heads whose KL to the original on the calibration "
-                       "rows is at most X nats per token"),
-        g.add_argument("--data", metavar="PATH",
-                       help="calibration text: a file, folder or .jsonl (required with auto)"),
-        g.add_argument("--score", choices=SCORES, default=DEFAULT_SCORE,
-                       help="kl: KL increase when the head alone is windowed (one pass per kv head and row); mass: "
-                       "attention beyond the window and sinks (one pass per row); docs/fidelity.md compares them"),
+        g.add_argument(
+            "--max-kl",
+            type=float,
+            metavar="X",
+            help="instead of a budget: the fewest exact heads whose KL to the original on the calibration "
+            "rows is at most X nats per token",
+        ),
+        g.add_argument(
+            "--data", metavar="PATH", help="calibration text: a file, folder or .jsonl (required with auto)"
+        ),
+        g.add_argument(
+            "--score",
+            choices=SCORES,
+            default=DEFAULT_SCORE,
+            help="kl: KL increase when the head alone is windowed (one pass per kv head and row); mass: "
+            "attention beyond the window and sinks (one pass per row); docs/fidelity.md compares them",
+        ),
         g.add_argument("--calib-rows", type=int, default=CALIB_ROWS, metavar="N", help="text rows to score on"),
-        g.add_argument("--calib-len", type=int, default=CALIB_LEN, metavar="T",
-                       help="tokens per text row and per pass-key prompt"),
-        g.add_argument("--calib-passkey", type=int, default=CALIB_PASSKEY, metavar="N",
-                       help="pass-key prompts (made here, key at evenly spaced depths) to score on"),
+        g.add_argument(
+            "--calib-len", type=int, default=CALIB_LEN, metavar="T", help="tokens per text row and per pass-key prompt"
+        ),
+        g.add_argument(
+            "--calib-passkey",
+            type=int,
+            default=CALIB_PASSKEY,
+            metavar="N",
+            help="pass-key prompts (made here, key at evenly spaced depths) to score on",
+        ),
         g.add_argument("--per-layer", action="store_true", help="choose whole layers instead of single heads"),
-        g.add_argument("--scores-from", metavar="FILE",
-                       help="choose again from the scores in an earlier run's head_map.json (same model, --score, "
-                       "--window and --sinks) instead of scoring: one pass per calibration row, for the "
-                       "calibration KL"),
-        g.add_argument("--retrieval-window", type=int, metavar="N",
-                       help="the retrieval heads keep the last N tokens (and the sinks) instead of every token: the "
-                       "state stops growing at N, so the model decodes in constant memory (default: they stay exact)"),
-        g.add_argument("--retrieval-keep", type=int, metavar="K",
-                       help="with --retrieval-window: the retrieval heads also keep K older tokens chosen by the "
-                       "attention they draw, a select cell (default: none)"),
+        g.add_argument(
+            "--scores-from",
+            metavar="FILE",
+            help="choose again from the scores in an earlier run's head_map.json (same model, --score, "
+            "--window and --sinks) instead of scoring: one pass per calibration row, for the "
+            "calibration KL",
+        ),
+        g.add_argument(
+            "--retrieval-window",
+            type=int,
+            metavar="N",
+            help="the retrieval heads keep the last N tokens (and the sinks) instead of every token: the "
+            "state stops growing at N, so the model decodes in constant memory (default: they stay exact)",
+        ),
+        g.add_argument(
+            "--retrieval-keep",
+            type=int,
+            metavar="K",
+            help="with --retrieval-window: the retrieval heads also keep K older tokens chosen by the "
+            "attention they draw, a select cell (default: none)",
+        ),
     ]
     p.set_defaults(auto_defaults={flag.dest: flag.default for flag in flags})
 
@@ -76,12 +107,16 @@ def no_auto_flags(args: argparse.Namespace) -> None:
 def check_auto(args: argparse.Namespace, keep) -> None:
     """What --to auto refuses or needs, before anything loads."""
     if args.layers or keep or args.distill:
-        raise RnnifyError("--to auto chooses every layer's heads itself: it takes --window, --sinks, --memory and the "
-                          "memory's cell options, not --layers, --keep-softmax or --distill")
+        raise RnnifyError(
+            "--to auto chooses every layer's heads itself: it takes --window, --sinks, --memory and the "
+            "memory's cell options, not --layers, --keep-softmax or --distill"
+        )
     if args.data is None:
         raise RnnifyError("--to auto needs calibration text: --data PATH (a file, folder or .jsonl)")
     if args.retrieval_keep is not None and (args.retrieval_window is None or args.retrieval_keep < 1):
-        raise RnnifyError("--retrieval-keep K needs --retrieval-window N (the selection cache's recent window) and K >= 1")
+        raise RnnifyError(
+            "--retrieval-keep K needs --retrieval-window N (the selection cache's recent window) and K >= 1"
+        )
 
 
 def convert_auto(args: argparse.Namespace, options: dict):
@@ -92,13 +127,25 @@ def convert_auto(args: argparse.Namespace, options: dict):
 
     streaming = {name: options[name] for name in ("window", "sinks") if name in options}
     return auto_convert(
-        args.model, args.data, budget=args.state_budget, context=args.at_context, max_kl=args.max_kl,
-        score=args.score, calib_len=args.calib_len, calib_rows=args.calib_rows, passkey=args.calib_passkey,
-        per_layer=args.per_layer, retrieval_window=args.retrieval_window, retrieval_keep=args.retrieval_keep,
+        args.model,
+        args.data,
+        budget=args.state_budget,
+        context=args.at_context,
+        max_kl=args.max_kl,
+        score=args.score,
+        calib_len=args.calib_len,
+        calib_rows=args.calib_rows,
+        passkey=args.calib_passkey,
+        per_layer=args.per_layer,
+        retrieval_window=args.retrieval_window,
+        retrieval_keep=args.retrieval_keep,
         memory=options.get("memory"),
         scores_from=args.scores_from,
         memory_options={k: v for k, v in options.items() if k not in ("window", "sinks", "memory")},
-        dtype=args.dtype, kernels=args.kernels, progress=True, **streaming,
+        dtype=args.dtype,
+        kernels=args.kernels,
+        progress=True,
+        **streaming,
     )
 
 
@@ -123,9 +170,13 @@ def print_head_report(report, console: Console) -> None:
         long += f" + {report.retrieval_keep} selected"
     streaming = f"window {report.window}" if report.memory is None else f"hybrid {report.window}"
     memory = "" if report.memory is None else f" + {report.memory} memory{_options_text(report.memory_options)}"
-    table = Table(box=box.SIMPLE_HEAD, title=Text(
-        f"kv heads: {report.score} score and choice ({long} {nbytes(report.head_bytes['retrieval'])}, {streaming}"
-        f"{memory} {nbytes(report.head_bytes['streaming'])} per head at {report.context:,} tokens)"))
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        title=Text(
+            f"kv heads: {report.score} score and choice ({long} {nbytes(report.head_bytes['retrieval'])}, {streaming}"
+            f"{memory} {nbytes(report.head_bytes['streaming'])} per head at {report.context:,} tokens)"
+        ),
+    )
     table.add_column("layer", justify="right")
     for h in heads:
         table.add_column(f"kv {h}", justify="right")
@@ -137,7 +188,11 @@ def print_head_report(report, console: Console) -> None:
         table.add_row(str(layer), *cells)
     console.print(table)
     share = report.state_bytes / report.kv_cache_bytes
-    console.print(Text(
-        f"{len(chosen)} of {len(layers) * len(heads)} kv heads {long}; state {nbytes(report.state_bytes)} per sequence "
-        f"at {report.context:,} tokens ({share:.1%} of the original's KV cache, {nbytes(report.kv_cache_bytes)}); "
-        f"calibration KL {report.calibration_kl:.4f} nats/token; report saved as head_map.json"), soft_wrap=True)
+    console.print(
+        Text(
+            f"{len(chosen)} of {len(layers) * len(heads)} kv heads {long}; state {nbytes(report.state_bytes)} per sequence "
+            f"at {report.context:,} tokens ({share:.1%} of the original's KV cache, {nbytes(report.kv_cache_bytes)}); "
+            f"calibration KL {report.calibration_kl:.4f} nats/token; report saved as head_map.json"
+        ),
+        soft_wrap=True,
+    )

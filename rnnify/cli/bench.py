@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 
 def add(commands: argparse._SubParsersAction) -> None:
     add_command(
-        commands, "bench", run, _arguments,
+        commands,
+        "bench",
+        run,
+        _arguments,
         help="measure decode latency, memory and prefill time (and against the original with its KV cache)",
         description="Time decode steps after each context length at each batch size, the state's bytes, "
         "peak memory and prefill time of DIR, and with --against the same for the original model "
@@ -53,8 +56,13 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     add_dtype_flag(p, None, "dtype; must be the one DIR was converted to (default: DIR's)")
     p.add_argument("--steps", type=int, default=BENCH_STEPS, metavar="N", help="timed decode steps, median reported")
     p.add_argument("--compile", action="store_true", help="decode with torch.compile of the step graph")
-    p.add_argument("--prefill-max", type=int, default=BENCH_PREFILL_MAX, metavar="N",
-                   help="longest context whose prefill is timed, as prefill is slow on a CPU")
+    p.add_argument(
+        "--prefill-max",
+        type=int,
+        default=BENCH_PREFILL_MAX,
+        metavar="N",
+        help="longest context whose prefill is timed, as prefill is slow on a CPU",
+    )
     p.add_argument("--json", metavar="OUT", help="write the results and the machine to OUT as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="write latency and memory vs context plots to OUT.png")
     add_kernels_flag(p)
@@ -73,8 +81,16 @@ def run(args: argparse.Namespace, console: Console) -> int:
     check_writable("--json", args.json)
     check_writable("--plot", args.plot)
     result = benchmark(
-        load(args, device=chosen), contexts, batches, against=args.against, dtype=args.dtype, steps=args.steps,
-        prefill_max=args.prefill_max, compile=args.compile, command="rnnify " + shlex.join(args.argv), progress=True,
+        load(args, device=chosen),
+        contexts,
+        batches,
+        against=args.against,
+        dtype=args.dtype,
+        steps=args.steps,
+        prefill_max=args.prefill_max,
+        compile=args.compile,
+        command="rnnify " + shlex.join(args.argv),
+        progress=True,
     )
     console.print(_bench_table(result))
     console.print(_prefill_table(result, args.prefill_max))
@@ -115,12 +131,24 @@ def _bench_table(result) -> Table:
     for (batch, context, model), r in rows.items():
         if model != "converted":
             continue
-        row = [str(batch), f"{context:,}", f"{r.step_ms:.2f}", f"{r.tokens_per_s:.1f}",
-               nbytes(r.memory_bytes), nbytes(r.peak_delta_bytes)]
+        row = [
+            str(batch),
+            f"{context:,}",
+            f"{r.step_ms:.2f}",
+            f"{r.tokens_per_s:.1f}",
+            nbytes(r.memory_bytes),
+            nbytes(r.peak_delta_bytes),
+        ]
         o = rows.get((batch, context, "original"))
         if against and o is not None:
-            row += [f"{o.step_ms:.2f}", f"{o.tokens_per_s:.1f}", nbytes(o.memory_bytes), nbytes(o.peak_delta_bytes),
-                    f"{o.step_ms / r.step_ms:.2f}x", f"{o.memory_bytes / r.memory_bytes:.1f}x"]
+            row += [
+                f"{o.step_ms:.2f}",
+                f"{o.tokens_per_s:.1f}",
+                nbytes(o.memory_bytes),
+                nbytes(o.peak_delta_bytes),
+                f"{o.step_ms / r.step_ms:.2f}x",
+                f"{o.memory_bytes / r.memory_bytes:.1f}x",
+            ]
         table.add_row(*row)
     return table
 

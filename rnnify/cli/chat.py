@@ -24,7 +24,10 @@ _RULES = {
 
 def add(commands: argparse._SubParsersAction) -> None:
     add_command(
-        commands, "chat", run, _arguments,
+        commands,
+        "chat",
+        run,
+        _arguments,
         help="chat with a converted model, its recurrent state carrying the conversation",
         description="Read one user message per line from stdin, apply the chat template saved in DIR and "
         "stream the reply. Each turn reads only its new tokens, continuing from the state after the "
@@ -38,13 +41,16 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     from rnnify.choices import CHAT_MAX_NEW_TOKENS
 
     add_dir(p, "converted model directory with a tokenizer and chat template")
-    p.add_argument("--system", type=arguments.utf8("--system"), metavar="TEXT",
-                   help="system prompt that opens every conversation")
+    p.add_argument(
+        "--system", type=arguments.utf8("--system"), metavar="TEXT", help="system prompt that opens every conversation"
+    )
     add_sampling_flags(p, max_new_tokens=CHAT_MAX_NEW_TOKENS)
-    p.add_argument("--verbose", action="store_true",
-                   help="before each reply, show how many new tokens the turn read and how they were told from the "
-                   "history the state holds, in the order tried: " + "; or ".join(_RULES.values())
-                   + " (rnnify/chat.py)")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="before each reply, show how many new tokens the turn read and how they were told from the "
+        "history the state holds, in the order tried: " + "; or ".join(_RULES.values()) + " (rnnify/chat.py)",
+    )
     add_kernels_flag(p)
 
 
@@ -60,9 +66,16 @@ def run(args: argparse.Namespace, console: Console) -> int:
     model = load(args)
     tokenizer = load_tokenizer(args.dir, "chat needs the tokenizer and chat template of the source model in DIR")
     chat = Chat(
-        model, tokenizer, system=args.system, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        eos_token_id=eos_ids(model, tokenizer) or None, seed=args.seed,
+        model,
+        tokenizer,
+        system=args.system,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eos_token_id=eos_ids(model, tokenizer) or None,
+        seed=args.seed,
     )
     interactive = sys.stdin.isatty()
     if interactive:
@@ -75,8 +88,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 break
             except UnicodeDecodeError as exc:  # the tokenizer takes text: say which bytes are not
                 bad = exc.object[exc.start : exc.end].hex(" ")
-                raise RnnifyError(f"stdin is not {exc.encoding} text ({exc.reason}: {bad}); send the messages "
-                                  f"in {exc.encoding}") from None
+                raise RnnifyError(
+                    f"stdin is not {exc.encoding} text ({exc.reason}: {bad}); send the messages in {exc.encoding}"
+                ) from None
             if text == "/reset":
                 chat.reset()
                 console.print(Text("(new conversation)", "dim"))

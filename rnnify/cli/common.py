@@ -39,8 +39,14 @@ def nbytes(n: float) -> str:
 # -- registering a command -------------------------------------------------------------------
 
 
-def add_command(commands: argparse._SubParsersAction, name: str, run: Run,
-                arguments: Callable[[argparse.ArgumentParser], None], computes: bool = True, **kwargs: Any) -> None:
+def add_command(
+    commands: argparse._SubParsersAction,
+    name: str,
+    run: Run,
+    arguments: Callable[[argparse.ArgumentParser], None],
+    computes: bool = True,
+    **kwargs: Any,
+) -> None:
     """Register command ``name``: ``run`` handles it, ``arguments`` adds its arguments when it is used;
     a command that ``computes`` also gets ``--threads``, which ``main`` applies before ``run``."""
 
@@ -56,7 +62,10 @@ def _add_threads_flag(p: argparse.ArgumentParser) -> None:
     from rnnify.runtime.threads import default_threads
 
     p.add_argument(
-        "--threads", type=arguments.threads("--threads"), default=None, metavar="N",
+        "--threads",
+        type=arguments.threads("--threads"),
+        default=None,
+        metavar="N",
         help="torch threads to compute with (default: $OMP_NUM_THREADS if set, else the physical cores this "
         f"process may use, at most its cgroup CPU quota, here {default_threads()}); on a machine that other "
         "work shares, fewer threads can run faster and steadier",
@@ -88,9 +97,12 @@ def torch_threads(args: argparse.Namespace) -> Iterator[None]:
 def add_output_flags(p: argparse.ArgumentParser, help: str) -> None:
     """``-o DIR`` and ``--overwrite``, checked by ``claims_output``."""
     p.add_argument("-o", "--output", required=True, metavar="DIR", help=help)
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace -o DIR if it holds a converted model already, as distilling a model into its own "
-                   "directory does (default: refuse, before any work, rather than replace it unasked)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace -o DIR if it holds a converted model already, as distilling a model into its own "
+        "directory does (default: refuse, before any work, rather than replace it unasked)",
+    )
 
 
 def claims_output(run: Run) -> Run:
@@ -132,8 +144,10 @@ def save(model, output: str) -> Path:
 def check_writable(flag: str, path: str | None) -> None:
     """Refuse an output file whose directory does not exist now, not after the work that fills it."""
     if path is not None and not Path(path).expanduser().parent.is_dir():
-        raise RnnifyError(f"{flag} {path}: directory {Path(path).expanduser().parent} does not exist; "
-                          "create it or choose another path")
+        raise RnnifyError(
+            f"{flag} {path}: directory {Path(path).expanduser().parent} does not exist; "
+            "create it or choose another path"
+        )
 
 
 # -- the model directory and how it loads ----------------------------------------------------
@@ -143,7 +157,10 @@ def add_dir(p: argparse.ArgumentParser, help: str = "converted model directory")
     """``DIR``, and the flags of how it is loaded (``load``)."""
     p.add_argument("dir", metavar="DIR", help=help)
     p.add_argument(
-        "--no-verify", "--no-verify-weights", dest="verify", action="store_false",
+        "--no-verify",
+        "--no-verify-weights",
+        dest="verify",
+        action="store_false",
         help="load DIR without comparing its files with the sha256 its manifest recorded (which reads every "
         "weight); altered files then run unnoticed. Needed for directories of rnnify before manifest format "
         "3, which recorded none",
@@ -154,12 +171,14 @@ def add_dir(p: argparse.ArgumentParser, help: str = "converted model directory")
 def add_trust_flags(p: argparse.ArgumentParser) -> None:
     """What of DIR is trusted: its shipped compiled step, and its digest as someone else gave it."""
     p.add_argument(
-        "--trust-compiled-step", action="store_true",
+        "--trust-compiled-step",
+        action="store_true",
         help="run the compiled decode step DIR ships (native code: rnnify compile --ship) if its sha256 matches "
         "DIR's manifest; without this a shipped step is never opened",
     )
     p.add_argument(
-        "--expect-digest", metavar="HEX",
+        "--expect-digest",
+        metavar="HEX",
         help="refuse DIR unless its digest (rnnify info) is HEX, as someone you trust gave it to you",
     )
 
@@ -169,8 +188,14 @@ def load(args: argparse.Namespace, **kwargs: Any):
     import rnnify
 
     kernels = getattr(args, "kernels", None)
-    return rnnify.load(args.dir, kernels=kernels, verify=args.verify, trust_compiled_step=args.trust_compiled_step,
-                       expected_digest=args.expect_digest, **kwargs)
+    return rnnify.load(
+        args.dir,
+        kernels=kernels,
+        verify=args.verify,
+        trust_compiled_step=args.trust_compiled_step,
+        expected_digest=args.expect_digest,
+        **kwargs,
+    )
 
 
 def add_kernels_flag(p: argparse.ArgumentParser) -> None:
@@ -178,7 +203,9 @@ def add_kernels_flag(p: argparse.ArgumentParser) -> None:
     from rnnify.choices import KERNELS
 
     p.add_argument(
-        "--kernels", choices=KERNELS, default=None,
+        "--kernels",
+        choices=KERNELS,
+        default=None,
         help="backend of the fused ops, overriding the one DIR was converted with: auto, triton or reference; "
         "none runs the cells' own PyTorch forms (default: DIR's)",
     )
@@ -187,7 +214,8 @@ def add_kernels_flag(p: argparse.ArgumentParser) -> None:
 def add_device_flag(p: argparse.ArgumentParser, what: str = "device to run on", note: str = "") -> None:
     """``--device``, the same default everywhere (``device``)."""
     p.add_argument(
-        "--device", metavar="DEVICE",
+        "--device",
+        metavar="DEVICE",
         help=f"{what}, e.g. cpu or cuda:0 (default: cuda:$LOCAL_RANK when CUDA is available, else cpu){note}",
     )
 

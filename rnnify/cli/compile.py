@@ -18,7 +18,10 @@ if TYPE_CHECKING:
 
 def add(commands: argparse._SubParsersAction) -> None:
     add_command(
-        commands, "compile", run, _arguments,
+        commands,
+        "compile",
+        run,
+        _arguments,
         help="compile DIR's decode step ahead of time, so every later load here decodes compiled (CPU)",
         description="Compile the one-token step of DIR with AOTInductor, once, into this machine's step cache "
         "($RNNIFY_CACHE, else $XDG_CACHE_HOME/rnnify, else ~/.cache/rnnify): rnnify.load (and every command) "
@@ -34,7 +37,8 @@ def add(commands: argparse._SubParsersAction) -> None:
 def _arguments(p: argparse.ArgumentParser) -> None:
     add_dir(p)
     p.add_argument(
-        "--ship", action="store_true",
+        "--ship",
+        action="store_true",
         help="also write the compiled step into DIR as step-cpu.pt2, its sha256 recorded in DIR's manifest: "
         "machines like this one run it when loading DIR with --trust-compiled-step (it is native code)",
     )
@@ -54,8 +58,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
     with console.status("compiling the decode step (AOTInductor)"):
         path = ship(model, model.path) if args.ship else compile_into_cache(model)
     users = "with --trust-compiled-step on a CPU like this one" if args.ship else "on this machine's CPU"
-    console.print(Text(f"wrote {path} in {time.perf_counter() - start:.0f} s: loading {args.dir} {users} now "
-                       "decodes with the compiled step"), soft_wrap=True)
+    console.print(
+        Text(
+            f"wrote {path} in {time.perf_counter() - start:.0f} s: loading {args.dir} {users} now "
+            "decodes with the compiled step"
+        ),
+        soft_wrap=True,
+    )
     return 0
 
 
@@ -65,7 +74,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
 def add_compile_flag(p: argparse.ArgumentParser) -> None:
     """``--compile``/``--no-compile`` of a command that saves a model (``compile_step``)."""
     p.add_argument(
-        "--compile", dest="compile_step", action=argparse.BooleanOptionalAction, default=None,
+        "--compile",
+        dest="compile_step",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="compile the decode step ahead of time into this machine's cache, on a CPU: every later load of DIR "
         "here decodes with it. By default only where that pays: a model whose step reads under "
         f"{WORTH_COMPILING_BELOW / 2**30:g} GiB of weights; a larger one's step is mostly those reads. Takes "
@@ -100,8 +112,11 @@ def compile_step(model, path: Path, forced: bool = False) -> str:
     try:
         found = compile_into_cache(model)
     except Exception as exc:  # noqa: BLE001 - the model is whole without it; say why and go on
-        warnings.warn(f"the decode step was not compiled ahead of time ({first_line(exc)}); {path} decodes "
-                      f"eagerly. `rnnify compile {path}` tries again and shows the whole error", RnnifyWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"the decode step was not compiled ahead of time ({first_line(exc)}); {path} decodes "
+            f"eagerly. `rnnify compile {path}` tries again and shows the whole error",
+            RnnifyWarning,
+            stacklevel=2,
+        )
         return "decode step: eager"
     return f"decode step: compiled ahead of time (into this machine's cache: {found})"

@@ -38,7 +38,10 @@ _CELL_FLAGS = ("window", "sinks", "feature_map", "gate", "memory")  # first-clas
 
 def add(commands: argparse._SubParsersAction) -> None:
     add_command(
-        commands, "convert", run, _arguments,
+        commands,
+        "convert",
+        run,
+        _arguments,
         help="compile a Hugging Face causal LM (or GGUF file) into a recurrent model directory",
         description="Load MODEL, capture its forward pass, replace every attention with a recurrent "
         "cell and save the result to -o DIR (no pickle; loads without the source model).",
@@ -56,19 +59,25 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     )
 
     p.add_argument(
-        "model", metavar="MODEL",
+        "model",
+        metavar="MODEL",
         help="local Hugging Face model directory, a .gguf file (dequantised to --dtype; needs "
         "pip install 'rnnify[gguf]'), or a hub id already in the local cache",
     )
     targets = "; ".join(f"{name}: {text}" for name, text in TARGETS.items())
-    p.add_argument("--to", choices=[*TARGETS, "auto"], required=True,
-                   help=f"target cell ({targets}); auto: per kv head, exact for the heads that read far back and "
-                   "window with sinks (or, with --memory, a hybrid, which takes the other cell options) for the "
-                   "rest, chosen on calibration data (flags below)")
+    p.add_argument(
+        "--to",
+        choices=[*TARGETS, "auto"],
+        required=True,
+        help=f"target cell ({targets}); auto: per kv head, exact for the heads that read far back and "
+        "window with sinks (or, with --memory, a hybrid, which takes the other cell options) for the "
+        "rest, chosen on calibration data (flags below)",
+    )
     add_output_flags(p, "directory to write the converted model to")
     add_dtype_flag(p, DEFAULT_DTYPE, "dtype to load and save the weights in")
     p.add_argument(
-        "--layers", metavar="SPEC",
+        "--layers",
+        metavar="SPEC",
         help="targets per layer range, overriding --to: e.g. '0-1:exact,2-:hybrid' (ranges inclusive, "
         "'N-' runs to the last layer; later rules win)",
     )
@@ -76,33 +85,45 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         "--keep-softmax", metavar="LAYERS", help="comma-separated layers kept exact softmax attention, e.g. 0,3"
     )
     p.add_argument(
-        "--kernels", choices=KERNELS, default=DEFAULT_KERNELS,
+        "--kernels",
+        choices=KERNELS,
+        default=DEFAULT_KERNELS,
         help="backend of the fused Triton ops the cells run where they have them: auto (Triton on CUDA, "
         "the PyTorch reference elsewhere), triton or reference; none: the cells' own PyTorch forms; "
         "saved with the model",
     )
-    cell = p.add_argument_group("cell options (passed to every cell that accepts them; default: the cell's own, "
-                                "which rnnify info shows)")
+    cell = p.add_argument_group(
+        "cell options (passed to every cell that accepts them; default: the cell's own, which rnnify info shows)"
+    )
     cell.add_argument("--window", type=int, metavar="W", help="softmax window in tokens (window, hybrid)")
     cell.add_argument("--sinks", type=int, metavar="S", help="first tokens always attended to (window, hybrid)")
-    cell.add_argument("--feature-map", choices=sorted(FEATURE_MAPS), default=None,
-                      help="feature map phi (linear, hybrid, gated); the hybrid's own is trainable, so that "
-                      "distillation can fit its memory through it")
+    cell.add_argument(
+        "--feature-map",
+        choices=sorted(FEATURE_MAPS),
+        default=None,
+        help="feature map phi (linear, hybrid, gated); the hybrid's own is trainable, so that "
+        "distillation can fit its memory through it",
+    )
     cell.add_argument("--gate", metavar="NAME", help="gate of the gated target: retnet, gla or gateloop")
     cell.add_argument(
-        "--memory", metavar="NAME", default=None,
+        "--memory",
+        metavar="NAME",
+        default=None,
         help=f"hybrid: what holds the tokens that left the window, one of {', '.join(MEMORIES)}: linear attention, "
         "gated linear attention (gla) or a delta-rule memory (delta, gated-delta), blended into the window's output "
         "by a learned gate that starts at 0; with --to auto, the streaming heads become such hybrids",
     )
     cell.add_argument(
-        "--option", action="append", metavar="KEY=VALUE",
+        "--option",
+        action="append",
+        metavar="KEY=VALUE",
         help="any other cell option, repeatable; VALUE is read as JSON when it parses (chunk_size=128, "
         'feature_options={"num_features":256})',
     )
     add_auto_flags(p)
     p.add_argument(
-        "--distill", metavar="PATH",
+        "--distill",
+        metavar="PATH",
         help="then distil the converted model on this text file, folder or .jsonl before saving (flags below)",
     )
     add_compile_flag(p)
@@ -121,8 +142,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     check_memory(args.memory)  # before the model is loaded
     options = {name: getattr(args, name) for name in _CELL_FLAGS if getattr(args, name) is not None}
-    options.update(parse_options(args.option or [],
-                                 lambda pair: f"--option {pair!r}: expected KEY=VALUE, e.g. chunk_size=128"))
+    options.update(
+        parse_options(args.option or [], lambda pair: f"--option {pair!r}: expected KEY=VALUE, e.g. chunk_size=128")
+    )
     keep = _parse_layer_list(args.keep_softmax) if args.keep_softmax else None
     training = training_options(args) if args.distill else None  # the flags' mistakes before converting
     stages = ["load", "capture", *(p.__name__ for p in PIPELINE), *(["distill"] if args.distill else []), "save"]
@@ -139,8 +161,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
             model, report = convert_auto(args, options)
         else:
             model = rnnify.convert(
-                args.model, to=args.to, layers=args.layers, keep_softmax=keep, dtype=args.dtype, kernels=args.kernels,
-                progress=start, **options,
+                args.model,
+                to=args.to,
+                layers=args.layers,
+                keep_softmax=keep,
+                dtype=args.dtype,
+                kernels=args.kernels,
+                progress=start,
+                **options,
             )
         if args.distill:
             start("distill")

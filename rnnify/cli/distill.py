@@ -29,7 +29,10 @@ def add(commands: argparse._SubParsersAction) -> None:
 
     up_to = f"{AUTO_ALL_MAX_PARAMETERS / 1e9:g}B parameters"  # --train auto: every weight up to it, LoRA above
     add_command(
-        commands, "distill", run, _arguments,
+        commands,
+        "distill",
+        run,
+        _arguments,
         help=f"train a converted model towards its original: attention transfer, then fine-tuning of every weight "
         f"(LoRA above {up_to})",
         description="After LoLCATs' recipe (docs/distill.md): 'transfer' trains the cells' own parameters to "
@@ -43,8 +46,12 @@ def add(commands: argparse._SubParsersAction) -> None:
 
 def _arguments(p: argparse.ArgumentParser) -> None:
     add_dir(p)
-    p.add_argument("--data", required=True, metavar="PATH",
-                   help="text file, folder of text files or .jsonl file with a \"text\" field per line")
+    p.add_argument(
+        "--data",
+        required=True,
+        metavar="PATH",
+        help='text file, folder of text files or .jsonl file with a "text" field per line',
+    )
     add_output_flags(p, "directory to write the distilled model to (DIR itself with --overwrite)")
     add_kernels_flag(p)
     add_compile_flag(p)
@@ -74,8 +81,9 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     from rnnify.distill.options import add_training_flags
 
     group = add_training_flags(p)
-    add_device_flag(group, "device to train on",
-                    "; with --fsdp the model stays on the CPU and only its shards go there")
+    add_device_flag(
+        group, "device to train on", "; with --fsdp the model stays on the CPU and only its shards go there"
+    )
 
 
 def training_options(args: argparse.Namespace) -> dict:

@@ -28,7 +28,10 @@ if TYPE_CHECKING:
 
 def add(commands: argparse._SubParsersAction) -> None:
     add_command(
-        commands, "eval", run, _arguments,
+        commands,
+        "eval",
+        run,
+        _arguments,
         help="measure how close a converted model is to its original on text: perplexity, KL, per-layer error",
         description="Read --data in rows of --seq-len tokens and report both models' perplexity, "
         "KL(original || converted) per token, top-1 agreement, the state per sequence, and each layer's "
@@ -41,36 +44,68 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     from rnnify.probes import PROBES
 
     add_dir(p)
-    p.add_argument("--data", required=True, metavar="PATH",
-                   help="text file, folder of text files or .jsonl file with a \"text\" field per line")
-    p.add_argument("--against", metavar="MODEL",
-                   help="model to compare with: Hugging Face or rnnify directory (default: the source in DIR's "
-                   "manifest)")
-    p.add_argument("--tokenizer", metavar="DIR",
-                   help="directory of the tokenizer to read --data with (default: DIR's, else its source's)")
-    p.add_argument("--seq-len", type=int, default=None, metavar="N",
-                   help=f"tokens per row (default: {DEFAULT_SEQ_LEN}, or the model's position limit if lower)")
+    p.add_argument(
+        "--data",
+        required=True,
+        metavar="PATH",
+        help='text file, folder of text files or .jsonl file with a "text" field per line',
+    )
+    p.add_argument(
+        "--against",
+        metavar="MODEL",
+        help="model to compare with: Hugging Face or rnnify directory (default: the source in DIR's manifest)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="directory of the tokenizer to read --data with (default: DIR's, else its source's)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"tokens per row (default: {DEFAULT_SEQ_LEN}, or the model's position limit if lower)",
+    )
     p.add_argument("--batch-size", type=int, default=EVAL_BATCH_SIZE, metavar="B", help="rows per batch")
-    p.add_argument("--max-tokens", type=int, default=None, metavar="N",
-                   help="stop after N tokens (default: all the data)")
+    p.add_argument(
+        "--max-tokens", type=int, default=None, metavar="N", help="stop after N tokens (default: all the data)"
+    )
     p.add_argument("--json", metavar="OUT", help="write the results to OUT as JSON")
     add_device_flag(p, "device to run both models on")
-    p.add_argument("--passkey", metavar="LIST",
-                   help="also test recall at these prompt lengths, e.g. 512,1024,2048: a random 5-digit key stated "
-                   "once in filler text, then asked for; both models answer greedily (default: off)")
-    p.add_argument("--passkey-trials", type=int, default=PASSKEY_TRIALS, metavar="N",
-                   help="prompts per length, the key at N depths evenly spaced from start to end")
+    p.add_argument(
+        "--passkey",
+        metavar="LIST",
+        help="also test recall at these prompt lengths, e.g. 512,1024,2048: a random 5-digit key stated "
+        "once in filler text, then asked for; both models answer greedily (default: off)",
+    )
+    p.add_argument(
+        "--passkey-trials",
+        type=int,
+        default=PASSKEY_TRIALS,
+        metavar="N",
+        help="prompts per length, the key at N depths evenly spaced from start to end",
+    )
     p.add_argument("--passkey-seed", type=int, default=SEED, metavar="S", help="seed of the random keys")
-    p.add_argument("--passkey-probes", metavar="LIST",
-                   help=f"prompt families to test, of {','.join(PROBES)}: other wordings and fillers, real text from "
-                   "--data as filler, the question through the chat template, several keys with one asked for "
-                   "(default: every family but calibration, the one --to auto chooses heads with, that can be "
-                   "built: chat needs a chat template)")
-    p.add_argument("--no-layer-errors", action="store_true",
-                   help="skip each layer's attention error (a second pass of the converted model over the data)")
-    p.add_argument("--no-cache", action="store_true",
-                   help="recompute the original's logits and answers instead of reading them from (and storing "
-                   "them in) the rnnify cache, where they are kept by the SHA-256 of its files and the tokens")
+    p.add_argument(
+        "--passkey-probes",
+        metavar="LIST",
+        help=f"prompt families to test, of {','.join(PROBES)}: other wordings and fillers, real text from "
+        "--data as filler, the question through the chat template, several keys with one asked for "
+        "(default: every family but calibration, the one --to auto chooses heads with, that can be "
+        "built: chat needs a chat template)",
+    )
+    p.add_argument(
+        "--no-layer-errors",
+        action="store_true",
+        help="skip each layer's attention error (a second pass of the converted model over the data)",
+    )
+    p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="recompute the original's logits and answers instead of reading them from (and storing "
+        "them in) the rnnify cache, where they are kept by the SHA-256 of its files and the tokens",
+    )
     add_kernels_flag(p)
 
 
@@ -97,9 +132,16 @@ def run(args: argparse.Namespace, console: Console) -> int:
         raise RnnifyError("--passkey-probes needs --passkey LENGTHS")
     model = load(args, device=device(args.device))
     result = evaluate(
-        model, args.data, against=args.against, seq_len=args.seq_len, batch_size=args.batch_size,
-        max_tokens=args.max_tokens, tokenizer=args.tokenizer, layer_errors=not args.no_layer_errors,
-        cache=not args.no_cache, progress=True,
+        model,
+        args.data,
+        against=args.against,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        max_tokens=args.max_tokens,
+        tokenizer=args.tokenizer,
+        layer_errors=not args.no_layer_errors,
+        cache=not args.no_cache,
+        progress=True,
     )
     passkey = None
     if lengths is not None:
@@ -107,13 +149,21 @@ def run(args: argparse.Namespace, console: Console) -> int:
         from rnnify.passkey import evaluate_passkey
 
         passkey = evaluate_passkey(
-            model, lengths, trials=args.passkey_trials, seed=args.passkey_seed, against=args.against,
-            tokenizer=args.tokenizer, probes=probes, text=read_text(args.data, PROSE_CHARS),
-            cache=not args.no_cache, progress=True,
+            model,
+            lengths,
+            trials=args.passkey_trials,
+            seed=args.passkey_seed,
+            against=args.against,
+            tokenizer=args.tokenizer,
+            probes=probes,
+            text=read_text(args.data, PROSE_CHARS),
+            cache=not args.no_cache,
+            progress=True,
         )
-    summary = Table(box=box.SIMPLE_HEAD, title=Text(
-        f"{result.target} vs {result.against}: {result.tokens:,} tokens, rows of {result.seq_len}"
-    ))
+    summary = Table(
+        box=box.SIMPLE_HEAD,
+        title=Text(f"{result.target} vs {result.against}: {result.tokens:,} tokens, rows of {result.seq_len}"),
+    )
     for column in ("", "converted", "original"):
         summary.add_column(column, justify="left" if not column else "right")
     summary.add_row("perplexity", f"{result.perplexity:.4g}", f"{result.teacher_perplexity:.4g}")
@@ -156,8 +206,9 @@ def _passkey_table(result) -> Table:
     lengths = list(dict.fromkeys(trial.length for trial in result.trials))
     probes = result.probes()
     trials = len(result.trials) // (len(lengths) * len(probes))
-    table = Table(box=box.SIMPLE_HEAD, title=Text(f"pass-key retrieval: {trials} depths per length and probe, "
-                                                  "greedy answers"))
+    table = Table(
+        box=box.SIMPLE_HEAD, title=Text(f"pass-key retrieval: {trials} depths per length and probe, greedy answers")
+    )
     table.add_column("probe")
     table.add_column("prompt tokens", justify="right")
     for name in names:

@@ -15,7 +15,10 @@ if TYPE_CHECKING:
 
 def add(commands: argparse._SubParsersAction) -> None:
     add_command(
-        commands, "generate", run, _arguments,
+        commands,
+        "generate",
+        run,
+        _arguments,
         help="generate text or token ids, streamed as they are produced",
         description="Continue a prompt with the converted model, one recurrent step per token, printing "
         "each token as it comes (the prompt first). Greedy unless --do-sample.",
@@ -27,8 +30,12 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
     add_dir(p)
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", type=arguments.utf8("--prompt"), metavar="TEXT",
-                        help="text prompt, tokenized with the tokenizer saved in DIR")
+    prompt.add_argument(
+        "--prompt",
+        type=arguments.utf8("--prompt"),
+        metavar="TEXT",
+        help="text prompt, tokenized with the tokenizer saved in DIR",
+    )
     prompt.add_argument("--ids", metavar="IDS", help="prompt as comma-separated token ids, e.g. 1,2,3; prints ids back")
     add_sampling_flags(p, max_new_tokens=MAX_NEW_TOKENS)
     add_kernels_flag(p)
@@ -40,15 +47,28 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
 
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N", help="most tokens to generate")
     p.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
-    p.add_argument("--temperature", type=arguments.temperature("--temperature"), default=TEMPERATURE, metavar="T",
-                   help="sampling temperature, > 0")
+    p.add_argument(
+        "--temperature",
+        type=arguments.temperature("--temperature"),
+        default=TEMPERATURE,
+        metavar="T",
+        help="sampling temperature, > 0",
+    )
     p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample only from the K most likely tokens")
     p.add_argument(
-        "--top-p", type=float, default=None, metavar="P",
+        "--top-p",
+        type=float,
+        default=None,
+        metavar="P",
         help="sample only from the smallest set of tokens whose probability adds up to P",
     )
-    p.add_argument("--seed", type=arguments.seed("--seed"), default=None, metavar="S",
-                   help="seed for sampling, for repeatable output")
+    p.add_argument(
+        "--seed",
+        type=arguments.seed("--seed"),
+        default=None,
+        metavar="S",
+        help="seed for sampling, for repeatable output",
+    )
 
 
 class _IdStreamer:

@@ -15,7 +15,11 @@ _LENGTHS = (1, 1024, 16384)  # context lengths at which the state size is shown
 
 def add(commands: argparse._SubParsersAction) -> None:
     add_command(
-        commands, "info", run, add_dir, computes=False,
+        commands,
+        "info",
+        run,
+        add_dir,
+        computes=False,
         help="describe a converted model: source, target, positions, state size per layer",
         description="Print what DIR holds: its source model, target cell and options, dtype, the versions "
         "it was converted with, how it encodes positions, and the recurrent state per layer at "
@@ -69,8 +73,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     columns = ["layer", "module path", "cell", "heads (kv) × dim"] + (["window"] if windowed else [])
     columns += (["notes"] if notes else []) + (["fused ops"] if fused else [])
     lengths = " / ".join(f"{length:,}" for length in _LENGTHS)
-    table = Table(box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False,
-                  title=f"recurrent state per sequence after {lengths} tokens")
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        pad_edge=False,
+        title=f"recurrent state per sequence after {lengths} tokens",
+    )
     for column in columns:  # names wrap at spaces and fold where they must, never cut short
         text = column in ("module path", "cell", "notes", "fused ops")
         table.add_column(column, justify="left" if text else "right", overflow="fold")

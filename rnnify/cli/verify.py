@@ -14,7 +14,10 @@ if TYPE_CHECKING:
 
 def add(commands: argparse._SubParsersAction) -> None:
     add_command(
-        commands, "verify", run, _arguments,
+        commands,
+        "verify",
+        run,
+        _arguments,
         help="check that a converted model is consistent (and matches the original)",
         description="Run the converted model on random tokens and compare: weights against the manifest "
         "digest, token-by-token steps against one-shot prefill, a prefill split in two against one "
@@ -28,14 +31,16 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", metavar="DIR", help="converted model directory")
     add_trust_flags(p)
     p.add_argument(
-        "--against", metavar="MODEL",
+        "--against",
+        metavar="MODEL",
         help="original model (directory or cached hub id) to compare logits with; "
         "judged for 'exact', reported only for approximate targets",
     )
     p.add_argument("--tokens", type=int, default=VERIFY_TOKENS, metavar="N", help="tokens per sequence")
     p.add_argument("--batch", type=int, default=VERIFY_BATCH, metavar="B", help="sequences per batch")
-    p.add_argument("--seed", type=arguments.seed("--seed"), default=SEED, metavar="S",
-                   help="seed of the random token ids")
+    p.add_argument(
+        "--seed", type=arguments.seed("--seed"), default=SEED, metavar="S", help="seed of the random token ids"
+    )
     add_kernels_flag(p)
 
 
@@ -55,15 +60,29 @@ def run(args: argparse.Namespace, console: Console) -> int:
     # unchecked, as the "integrity" check reports it; but a shipped step (native code) runs only once
     # everything, the expected digest included, is checked
     trusted = args.trust_compiled_step
-    model = rnnify.load(args.dir, kernels=args.kernels, verify=trusted, trust_compiled_step=trusted,
-                        expected_digest=args.expect_digest if trusted else None)
+    model = rnnify.load(
+        args.dir,
+        kernels=args.kernels,
+        verify=trusted,
+        trust_compiled_step=trusted,
+        expected_digest=args.expect_digest if trusted else None,
+    )
     total = len(CHECKS) if args.against is not None else len(CHECKS) - 1
     with progress.stages(total, "check", leave=False, lines=False) as start:  # the table says the rest
-        results = run_checks(model, args.against, tokens=args.tokens, batch=args.batch, seed=args.seed, progress=start,
-                             expected_digest=args.expect_digest)
+        results = run_checks(
+            model,
+            args.against,
+            tokens=args.tokens,
+            batch=args.batch,
+            seed=args.seed,
+            progress=start,
+            expected_digest=args.expect_digest,
+        )
     step = ", step compiled ahead of time" if model.step_package is not None else ""  # the step the checks ran
-    title = (f"{model.target} model, {model.manifest.dtype}{step}, batch {args.batch}, "
-             f"tolerance {tolerance(model.dtype):g} relative")
+    title = (
+        f"{model.target} model, {model.manifest.dtype}{step}, batch {args.batch}, "
+        f"tolerance {tolerance(model.dtype):g} relative"
+    )
     table = Table(box=box.SIMPLE_HEAD, title=Text(title))
     table.add_column("check", no_wrap=True)
     for column in ("max abs diff", "relative diff", "argmax agreement", "tokens"):

@@ -64,7 +64,9 @@ def load_checkpoint(directory: str | os.PathLike, settings: dict[str, Any]) -> C
         checkpoint = Checkpoint(**torch.load(path, map_location="cpu", weights_only=True))
     except Exception as exc:  # unpickling raises many types; all mean the same to the user
         raise RnnifyError(f"{path}: unreadable checkpoint ({exc}); delete it to start over") from exc
-    changed = sorted(k for k in settings.keys() | checkpoint.settings.keys() if settings.get(k) != checkpoint.settings.get(k))
+    changed = sorted(
+        k for k in settings.keys() | checkpoint.settings.keys() if settings.get(k) != checkpoint.settings.get(k)
+    )
     if changed:
         detail = ", ".join(_difference(k, checkpoint.settings.get(k), settings.get(k)) for k in changed)
         raise RnnifyError(
@@ -93,8 +95,10 @@ def set_aside(directory: str | os.PathLike) -> Path | None:
     try:
         os.replace(path, directory / PREVIOUS_FILE)
     except OSError as exc:
-        raise RnnifyError(f"cannot move the earlier checkpoint {path} aside: {exc.strerror or exc}; "
-                          "delete it, or pass --resume to continue that run") from exc
+        raise RnnifyError(
+            f"cannot move the earlier checkpoint {path} aside: {exc.strerror or exc}; "
+            "delete it, or pass --resume to continue that run"
+        ) from exc
     return directory / PREVIOUS_FILE
 
 
@@ -109,6 +113,8 @@ def remove_checkpoint(directory: str | os.PathLike) -> bool:
         if directory.is_dir() and not any(directory.iterdir()):
             directory.rmdir()
     except OSError as exc:
-        raise RnnifyError(f"cannot delete the checkpoint in {directory}: {exc.strerror or exc}; "
-                          "delete it yourself (the model is saved)") from exc
+        raise RnnifyError(
+            f"cannot delete the checkpoint in {directory}: {exc.strerror or exc}; "
+            "delete it yourself (the model is saved)"
+        ) from exc
     return not directory.exists()

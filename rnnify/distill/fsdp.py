@@ -42,11 +42,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rnnify.errors import RnnifyError
 from rnnify.distill.split_layers import layer_prefix, split_layers
+from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel, retarget_devices
 
-__all__ = ["ShardedModel", "device_mesh", "full_tensor", "full_optimizer_state", "shard_optimizer_state", "shard_teacher"]
+__all__ = [
+    "ShardedModel",
+    "device_mesh",
+    "full_tensor",
+    "full_optimizer_state",
+    "shard_optimizer_state",
+    "shard_teacher",
+]
 
 
 def device_mesh(device: torch.device):
@@ -121,10 +128,14 @@ class ShardedModel:
         for name, piece in pieces.items():
             for param in piece.parameters():
                 holders.setdefault(id(param), set()).add(name)
-        self.units = [name for name, piece in pieces.items()
-                      if any(True for _ in piece.parameters()) and all(len(holders[id(p)]) == 1 for p in piece.parameters())]
-        self.rooted = [name for name, piece in pieces.items()
-                       if name not in self.units and any(True for _ in piece.parameters())]
+        self.units = [
+            name
+            for name, piece in pieces.items()
+            if any(True for _ in piece.parameters()) and all(len(holders[id(p)]) == 1 for p in piece.parameters())
+        ]
+        self.rooted = [
+            name for name, piece in pieces.items() if name not in self.units and any(True for _ in piece.parameters())
+        ]
         for cell in self.view.cells:
             if any(True for _ in cell.parameters()):
                 fully_shard(cell, mesh=mesh, reshard_after_forward=True)
@@ -190,8 +201,12 @@ def shard_optimizer_state(state: dict[str, Any], params: Sequence[torch.Tensor])
         param = params[index]
         sharded[index] = {}
         for key, value in entry.items():
-            if (isinstance(param, DTensor) and isinstance(value, torch.Tensor) and key != "step"
-                    and tuple(value.shape) == tuple(param.shape)):
+            if (
+                isinstance(param, DTensor)
+                and isinstance(value, torch.Tensor)
+                and key != "step"
+                and tuple(value.shape) == tuple(param.shape)
+            ):
                 value = distribute_tensor(value.to(param.to_local().device), param.device_mesh, param.placements)
             sharded[index][key] = value
     return {"state": sharded, "param_groups": state["param_groups"]}

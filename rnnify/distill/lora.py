@@ -36,8 +36,14 @@ class LoRA(nn.Module):
     the unchanged model; both are fp32 whatever the weight's dtype, for the optimizer's sake.
     """
 
-    def __init__(self, weight: torch.Tensor, rank: int, alpha: float, transposed: bool = False,
-                 generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        rank: int,
+        alpha: float,
+        transposed: bool = False,
+        generator: torch.Generator | None = None,
+    ):
         super().__init__()
         out_features, in_features = weight.shape[::-1] if transposed else weight.shape
         self.transposed, self.scaling = transposed, alpha / rank
@@ -62,14 +68,19 @@ def lora_targets(model: RecurrentModel) -> dict[str, bool]:
     unused = _ignored_query_only(model)
     targets: dict[str, bool] = {}
     for node in model.graph.graph.nodes:
-        if (node.op != "get_attr" or not node.target.startswith(prefixes) or not node.target.endswith(".weight")
-                or node in unused):
+        if (
+            node.op != "get_attr"
+            or not node.target.startswith(prefixes)
+            or not node.target.endswith(".weight")
+            or node in unused
+        ):
             continue
         owner, _, leaf = node.target.rpartition(".")
         if getattr(model.graph.get_submodule(owner), leaf).dim() != 2:
             continue
         targets[node.target] = any(
-            _RIGHT_OPERAND.get(user.target) is not None and len(user.args) > _RIGHT_OPERAND[user.target]
+            _RIGHT_OPERAND.get(user.target) is not None
+            and len(user.args) > _RIGHT_OPERAND[user.target]
             and user.args[_RIGHT_OPERAND[user.target]] is node
             for user in node.users
         )
@@ -85,8 +96,12 @@ def _ignored_query_only(model: RecurrentModel) -> set[torch.fx.Node]:
 
     def only_as_ignored_query(user: torch.fx.Node, node: torch.fx.Node) -> bool:
         rest = [*user.args[1:], *user.kwargs.values()]
-        return (user.op == "call_module" and user.target in ignoring and user.args[0] is node
-                and not any(arg is node for arg in rest))
+        return (
+            user.op == "call_module"
+            and user.target in ignoring
+            and user.args[0] is node
+            and not any(arg is node for arg in rest)
+        )
 
     for node in reversed(model.graph.graph.nodes):  # users before the nodes they read
         if node.users and all(user in unused or only_as_ignored_query(user, node) for user in node.users):
@@ -100,8 +115,9 @@ def unreached_weights(model: RecurrentModel) -> set[str]:
     return {node.target for node in _ignored_query_only(model) if node.op == "get_attr"}
 
 
-def add_lora(model: RecurrentModel, rank: int, alpha: float,
-             generator: torch.Generator | None = None) -> dict[str, LoRA]:
+def add_lora(
+    model: RecurrentModel, rank: int, alpha: float, generator: torch.Generator | None = None
+) -> dict[str, LoRA]:
     """Parametrize every attention projection of ``model`` (``lora_targets``) with a fresh ``LoRA``,
     its A drawn from ``generator``; returns them by weight name."""
     check_int("lora_rank", rank, error=RnnifyError)

@@ -57,7 +57,9 @@ def layer_prefix(module_path: str, layer: int) -> str | None:
     return None
 
 
-def split_layers(gm: torch.fx.GraphModule, cells: Sequence[Any], memo: dict[int, Any] | None = None) -> torch.fx.GraphModule:
+def split_layers(
+    gm: torch.fx.GraphModule, cells: Sequence[Any], memo: dict[int, Any] | None = None
+) -> torch.fx.GraphModule:
     """``gm`` as a root graph calling one ``GraphModule`` piece per decoder layer (see the module docstring).
 
     ``cells``: the manifest's cell entries (``module``, ``layer``, ``module_path``). The result
@@ -67,7 +69,8 @@ def split_layers(gm: torch.fx.GraphModule, cells: Sequence[Any], memo: dict[int,
     cell_layer = {entry.module: entry.layer for entry in cells}
     patterns = {  # "model.layers.3." -> "model\.layers\.(\d+)\."
         re.compile(re.escape(p[: -len(f"{entry.layer}.")]) + r"(\d+)\.")
-        for entry in cells if (p := layer_prefix(entry.module_path, entry.layer))
+        for entry in cells
+        if (p := layer_prefix(entry.module_path, entry.layer))
     }
     nodes = list(gm.graph.nodes)
     compute = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")]
@@ -151,8 +154,14 @@ def split_layers(gm: torch.fx.GraphModule, cells: Sequence[Any], memo: dict[int,
     return module
 
 
-def _piece(gm: torch.fx.GraphModule, graph: torch.fx.Graph, attrs: list[str], modules: list[str],
-           memo: dict[int, Any] | None, name: str) -> torch.fx.GraphModule:
+def _piece(
+    gm: torch.fx.GraphModule,
+    graph: torch.fx.Graph,
+    attrs: list[str],
+    modules: list[str],
+    memo: dict[int, Any] | None,
+    name: str,
+) -> torch.fx.GraphModule:
     """A GraphModule running ``graph`` whose attributes are ``gm``'s objects (or, with ``memo``, aliasing copies).
 
     Built empty and filled by hand rather than by ``GraphModule(gm, graph)``, which would copy

@@ -136,8 +136,11 @@ def distill(
     lrs = _per_stage("lr", stages, [DEFAULT_LR[s] for s in stages] if lr is None else lr)
     gate_scales = _per_stage("gate_lr_scale", stages, gate_lr_scale)
     seq_len = row_length(model, seq_len)  # before the teacher loads, and before the data is read
-    for name, value, low in (("batch_size", batch_size, 1), ("checkpoint_every", checkpoint_every, 1),
-                             ("lora_rank", lora_rank, 1)):
+    for name, value, low in (
+        ("batch_size", batch_size, 1),
+        ("checkpoint_every", checkpoint_every, 1),
+        ("lora_rank", lora_rank, 1),
+    ):
         check_int(name, value, low, RnnifyError)
     if max_tokens is not None:
         check_int("max_tokens", max_tokens, 1, RnnifyError, " or None")
@@ -152,14 +155,26 @@ def distill(
     if resume and checkpoint_dir is None:
         raise RnnifyError("resume needs checkpoint_dir (--checkpoint-dir): the directory of the interrupted run")
     if isinstance(data, Iterator) and len(stages) > 1:
-        raise RnnifyError("data is a one-shot iterator but every stage reads the data from the start; "
-                          "pass a path, a tensor or a list of batches")
+        raise RnnifyError(
+            "data is a one-shot iterator but every stage reads the data from the start; "
+            "pass a path, a tensor or a list of batches"
+        )
     if train == "auto":
         train = "all" if sum(p.numel() for p in model.parameters()) <= AUTO_ALL_MAX_PARAMETERS else "lora"
     config = _Config(
-        stages, lrs, max_tokens, seq_len, batch_size, lora_rank,
-        float(lora_alpha if lora_alpha is not None else 2 * lora_rank), train, float(kl_weight), schedule, seed,
-        checkpoint_every, gate_scales,
+        stages,
+        lrs,
+        max_tokens,
+        seq_len,
+        batch_size,
+        lora_rank,
+        float(lora_alpha if lora_alpha is not None else 2 * lora_rank),
+        train,
+        float(kl_weight),
+        schedule,
+        seed,
+        checkpoint_every,
+        gate_scales,
     )
     runtime = setup(torch.device(device) if device is not None else model.device)
     try:
@@ -217,7 +232,8 @@ def _per_stage(name: str, stages: list[str], value: float | Sequence[float]) -> 
     """``value`` by stage: one positive number for every stage, or one per stage."""
     values = [value] * len(stages) if isinstance(value, (int, float)) else list(value)
     if len(values) != len(stages) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in values):
+        isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in values
+    ):
         raise RnnifyError(f"{name} must be a positive number or one per stage ({', '.join(stages)}), got {value!r}")
     return dict(zip(stages, map(float, values)))
 
@@ -225,8 +241,18 @@ def _per_stage(name: str, stages: list[str], value: float | Sequence[float]) -> 
 class _Trainer:
     """One distillation run: the stages in order, each an optimizer over its trainable tensors."""
 
-    def __init__(self, model: RecurrentModel, runtime: Runtime, config: _Config, data, tokenizer, teacher,
-                 checkpoint_dir: str | os.PathLike | None, progress: bool, fsdp: bool = False):
+    def __init__(
+        self,
+        model: RecurrentModel,
+        runtime: Runtime,
+        config: _Config,
+        data,
+        tokenizer,
+        teacher,
+        checkpoint_dir: str | os.PathLike | None,
+        progress: bool,
+        fsdp: bool = False,
+    ):
         self.runtime, self.config = runtime, config
         self.progress = progress and runtime.main
         self.fsdp = fsdp and runtime.world_size > 1
@@ -247,9 +273,14 @@ class _Trainer:
         stages = self.stages
         self.budget = None if config.max_tokens is None or not stages else max(1, config.max_tokens // len(stages))
         self.batches_args = dict(
-            data=data, tokenizer=tokenizer_for(model, data, tokenizer) if stages else None, seq_len=config.seq_len,
-            batch_size=config.batch_size, seed=config.seed, rank=runtime.rank,
-            world_size=runtime.world_size, max_tokens=self.budget,
+            data=data,
+            tokenizer=tokenizer_for(model, data, tokenizer) if stages else None,
+            seq_len=config.seq_len,
+            batch_size=config.batch_size,
+            seed=config.seed,
+            rank=runtime.rank,
+            world_size=runtime.world_size,
+            max_tokens=self.budget,
         )
         if stages:
             token_batches(**self.batches_args)  # checks the data and sizes now, before the teacher loads
@@ -258,8 +289,10 @@ class _Trainer:
         self.teacher: nn.Module | None = None  # loaded by ``run``
         self.settings = {
             **{k: v for k, v in asdict(config).items() if k != "checkpoint_every"},
-            "stages": stages, "lr": [config.lr[s] for s in stages],
-            "gate_lr_scale": [config.gate_lr_scale[s] for s in stages], "target": model.target,
+            "stages": stages,
+            "lr": [config.lr[s] for s in stages],
+            "gate_lr_scale": [config.gate_lr_scale[s] for s in stages],
+            "target": model.target,
             "data": os.fspath(data) if isinstance(data, (str, os.PathLike)) else type(data).__name__,
             "teacher": _teacher_name(model, teacher) if self.uses_teacher else None,
         }
@@ -282,8 +315,10 @@ class _Trainer:
             if checkpoint is None:
                 self.log(f"no checkpoint in {checkpoint_dir} yet: starting from the beginning")
         elif checkpoint_dir is not None and self.runtime.main and (moved := set_aside(checkpoint_dir)) is not None:
-            self.log(f"moved the checkpoint of an earlier run to {moved}: this run starts afresh "
-                     "(to continue a run, pass --resume / resume=True)")
+            self.log(
+                f"moved the checkpoint of an earlier run to {moved}: this run starts afresh "
+                "(to continue a run, pass --resume / resume=True)"
+            )
 
         requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
         try:
@@ -295,8 +330,10 @@ class _Trainer:
                     from rnnify.distill.fsdp import shard_teacher
 
                     layers = shard_teacher(self.teacher, model, self.mesh)
-                    self.log(f"fsdp: teacher sharded over {self.runtime.world_size} ranks, "
-                             f"{len(layers)} decoder layers as units of their own")
+                    self.log(
+                        f"fsdp: teacher sharded over {self.runtime.world_size} ranks, "
+                        f"{len(layers)} decoder layers as units of their own"
+                    )
             records: list[dict[str, Any]] = []
             if checkpoint is not None:
                 params = dict(model.named_parameters())
@@ -320,13 +357,17 @@ class _Trainer:
                 param.requires_grad_(requires_grad.get(name, True))
         earlier = model.manifest.distill  # a model distilled before keeps that record: its stages came first
         model.manifest.distill = {
-            **self.settings, "world_size": self.runtime.world_size, "fsdp": self.fsdp, "trained": records,
+            **self.settings,
+            "world_size": self.runtime.world_size,
+            "fsdp": self.fsdp,
+            "trained": records,
             **({"earlier": earlier} if earlier else {}),
         }
         return model
 
-    def param_groups(self, originals: list[nn.Parameter], trainable: list[nn.Parameter],
-                     gate_scale: float) -> list[dict]:
+    def param_groups(
+        self, originals: list[nn.Parameter], trainable: list[nn.Parameter], gate_scale: float
+    ) -> list[dict]:
         """AdamW's groups over ``trainable`` (``originals`` or their shards, in the same order), each
         with its ``scale``, the multiple of the stage's scheduled rate it trains at (set every step):
         ``gate_scale`` for the cells' gates, 1 for the rest."""
@@ -337,8 +378,9 @@ class _Trainer:
         ]
         return [g for g in groups if g["params"]]
 
-    def train_stage(self, stage: str, names: list[str], resumed: Checkpoint | None,
-                    records: list[dict[str, Any]]) -> dict[str, Any]:
+    def train_stage(
+        self, stage: str, names: list[str], resumed: Checkpoint | None, records: list[dict[str, Any]]
+    ) -> dict[str, Any]:
         """Train ``names`` for one stage (from ``resumed`` if given); the stage's record."""
         model, runtime, lr = self.model, self.runtime, self.config.lr[stage]
         params = dict(model.named_parameters())
@@ -352,8 +394,10 @@ class _Trainer:
 
                 sharded = ShardedModel(model, self.mesh)
                 run, wrapped, trainable = sharded.view, sharded.view, [sharded.param(p) for p in originals]
-                self.log(f"{stage}: FSDP over {runtime.world_size} ranks, units: {', '.join(sharded.units)}"
-                         + (f" ({', '.join(sharded.rooted)}: with the root, sharing a weight)" if sharded.rooted else ""))
+                self.log(
+                    f"{stage}: FSDP over {runtime.world_size} ranks, units: {', '.join(sharded.units)}"
+                    + (f" ({', '.join(sharded.rooted)}: with the root, sharing a weight)" if sharded.rooted else "")
+                )
             else:  # DDP after requires_grad is set: it reduces what needs a gradient
                 if stage == "transfer":  # the losses are at the cells: nothing after the last one runs
                     restore.enter_context(cells_only(model))
@@ -370,22 +414,29 @@ class _Trainer:
                     state = shard_optimizer_state(state, [p for g in optimizer.param_groups for p in g["params"]])
                 optimizer.load_state_dict(state)
                 step, tokens = resumed.step, resumed.tokens
-            self.log(f"{stage}: training {sum(p.numel() for p in trainable):,} parameters in {len(trainable)} tensors, "
-                     f"lr {lr:g} ({self.config.schedule})" + (f", up to {self.budget:,} tokens" if self.budget else ", one pass over the data")
-                     + (f", resuming at step {step}" if step else ""))
+            self.log(
+                f"{stage}: training {sum(p.numel() for p in trainable):,} parameters in {len(trainable)} tensors, "
+                f"lr {lr:g} ({self.config.schedule})"
+                + (f", up to {self.budget:,} tokens" if self.budget else ", one pass over the data")
+                + (f", resuming at step {step}" if step else "")
+            )
             from tqdm import tqdm
 
             per_step = self.config.seq_len * self.config.batch_size
             total = None if self.budget is None else -(-self.budget // per_step)
             loss, start, first = float("nan"), time.perf_counter(), tokens
-            with tqdm(total=total, initial=step, desc=stage, unit="step", disable=not self.progress, file=sys.stderr) as bar:
+            with tqdm(
+                total=total, initial=step, desc=stage, unit="step", disable=not self.progress, file=sys.stderr
+            ) as bar:
                 for batch in token_batches(**self.batches_args, skip_batches=step):
                     for group in optimizer.param_groups:
                         group["lr"] = lr * group["scale"] * lr_factor(step, total, self.config.schedule)
                     loss, batch_tokens = self.step(stage, run, wrapped, optimizer, trainable, batch)
                     step, tokens = step + 1, tokens + batch_tokens
                     bar.update()
-                    bar.set_postfix(loss=f"{loss:.4g}", tok_s=f"{(tokens - first) / (time.perf_counter() - start):,.0f}")
+                    bar.set_postfix(
+                        loss=f"{loss:.4g}", tok_s=f"{(tokens - first) / (time.perf_counter() - start):,.0f}"
+                    )
                     if self.checkpoint_dir is not None and step % self.config.checkpoint_every == 0:
                         self.save(stage, step, tokens, False, optimizer, names, records, sharded)
             record = {"stage": stage, "steps": step, "tokens": tokens, "lr": lr, "final_loss": loss}
@@ -402,7 +453,9 @@ class _Trainer:
         self.log(f"{stage}: {step} steps, {tokens:,} tokens, final loss {loss:.4g}")
         return record
 
-    def step(self, stage: str, model: RecurrentModel, wrapped: nn.Module, optimizer, trainable, batch) -> tuple[float, int]:
+    def step(
+        self, stage: str, model: RecurrentModel, wrapped: nn.Module, optimizer, trainable, batch
+    ) -> tuple[float, int]:
         """One optimizer step on one global batch; (the batch's loss, its real tokens), all ranks together.
 
         ``model`` makes the state and carries the attention hooks; ``wrapped`` is what runs: ``model``
@@ -458,10 +511,19 @@ class _Trainer:
             optimizer_state = optimizer.state_dict()
         if not self.runtime.main:
             return
-        save_checkpoint(self.checkpoint_dir, Checkpoint(
-            stage=stage, step=step, done=done, tokens=tokens, trainable=trainable,
-            optimizer=optimizer_state, settings=self.compared, records=records,
-        ))
+        save_checkpoint(
+            self.checkpoint_dir,
+            Checkpoint(
+                stage=stage,
+                step=step,
+                done=done,
+                tokens=tokens,
+                trainable=trainable,
+                optimizer=optimizer_state,
+                settings=self.compared,
+                records=records,
+            ),
+        )
 
 
 def _finetune_names(model: RecurrentModel, config: _Config) -> list[str]:
@@ -489,16 +551,19 @@ def _names(model: nn.Module, params: list[nn.Parameter]) -> list[str]:
     return [name for name, p in model.named_parameters() if id(p) in wanted]
 
 
-def _check_parameters(checkpoint: Checkpoint, params: dict[str, torch.Tensor], cell_names: list[str],
-                      directory: Any) -> None:
+def _check_parameters(
+    checkpoint: Checkpoint, params: dict[str, torch.Tensor], cell_names: list[str], directory: Any
+) -> None:
     """A checkpoint holds every parameter of the model's cells and none the model lacks (one
     written by an earlier rnnify whose cells had other parameters does not)."""
     missing = [n for n in cell_names if n not in checkpoint.trainable]
     unknown = [n for n in checkpoint.trainable if n not in params]
     if missing or unknown:
         what = f"lacks {missing[0]}" if missing else f"has {unknown[0]}, which the model lacks"
-        raise RnnifyError(f"the checkpoint in {directory} {what} (written for cells with other parameters, by an "
-                          "earlier rnnify?); use another checkpoint directory to start over")
+        raise RnnifyError(
+            f"the checkpoint in {directory} {what} (written for cells with other parameters, by an "
+            "earlier rnnify?); use another checkpoint directory to start over"
+        )
 
 
 def _teacher(model: RecurrentModel, teacher) -> nn.Module:
@@ -523,7 +588,14 @@ def _model_settings(model: RecurrentModel) -> dict[str, Any]:
     """The source and the cells (target and options per layer, per-layer rules) of ``model``, as JSON
     gives them (so a converted model and the same model loaded from disk compare equal)."""
     manifest = model.manifest
-    return json.loads(json.dumps({
-        "source": manifest.source, "layers": manifest.layers,
-        "cells": [{"layer": entry.layer, "target": entry.target, "options": entry.options} for entry in manifest.cells],
-    }))
+    return json.loads(
+        json.dumps(
+            {
+                "source": manifest.source,
+                "layers": manifest.layers,
+                "cells": [
+                    {"layer": entry.layer, "target": entry.target, "options": entry.options} for entry in manifest.cells
+                ],
+            }
+        )
+    )

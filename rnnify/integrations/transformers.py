@@ -47,15 +47,11 @@ SUPPORTED_MODES = (
 )
 # Why each other decoding mode cannot run on a recurrent state.
 REFUSED = {
-    GenerationMode.CONTRASTIVE_SEARCH:
-        "it compares candidates with the past keys, which a recurrent state does not keep",
-    GenerationMode.ASSISTED_GENERATION:
-        "it rolls the cache back past rejected draft tokens; a recurrent state cannot go back",
+    GenerationMode.CONTRASTIVE_SEARCH: "it compares candidates with the past keys, which a recurrent state does not keep",
+    GenerationMode.ASSISTED_GENERATION: "it rolls the cache back past rejected draft tokens; a recurrent state cannot go back",
     GenerationMode.DOLA_GENERATION: "it reads every layer's hidden states, which the compiled step does not return",
-    GenerationMode.GROUP_BEAM_SEARCH:
-        "transformers runs it from a hub repository (custom_generate), which rnnify does not fetch",
-    GenerationMode.CONSTRAINED_BEAM_SEARCH:
-        "transformers runs it from a hub repository (custom_generate), which rnnify does not fetch",
+    GenerationMode.GROUP_BEAM_SEARCH: "transformers runs it from a hub repository (custom_generate), which rnnify does not fetch",
+    GenerationMode.CONSTRAINED_BEAM_SEARCH: "transformers runs it from a hub repository (custom_generate), which rnnify does not fetch",
 }
 
 
@@ -212,8 +208,14 @@ class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
         directories only."""
         import rnnify
 
-        model = rnnify.load(pretrained_model_name_or_path, device=_device(device_map), kernels=kernels, verify=verify,
-                            trust_compiled_step=trust_compiled_step, expected_digest=expected_digest)
+        model = rnnify.load(
+            pretrained_model_name_or_path,
+            device=_device(device_map),
+            kernels=kernels,
+            verify=verify,
+            trust_compiled_step=trust_compiled_step,
+            expected_digest=expected_digest,
+        )
         wanted = dtype if dtype is not None else torch_dtype
         if wanted not in (None, "auto") and str(wanted).removeprefix("torch.") != model.manifest.dtype:
             raise RnnifyError(
@@ -296,8 +298,9 @@ class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
 
     # -- what generate may and may not do ----------------------------------------------------
 
-    def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None,
-                 **kwargs: Any) -> Any:
+    def generate(
+        self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs: Any
+    ) -> Any:
         """transformers' ``generate``, over a ``RecurrentCache``, after refusing what a recurrent state cannot do
         (``REFUSED``, ``cache_implementation``, ``prefill_chunk_size``, a cache of another kind).
 

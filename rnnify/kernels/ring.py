@@ -92,7 +92,7 @@ def prompt_write(k, v, keys, values, sink_keys, sink_values, length):
     def ring(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         new = new.to(old.dtype)
         if steps >= window:
-            return new[:, :, steps - window:].roll(steps % window, dims=2)
+            return new[:, :, steps - window :].roll(steps % window, dims=2)
         return torch.cat([new, old[:, :, steps:]], dim=2)
 
     def sink(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,8 @@ import torch
 from rnnify.kernels import utils
 from rnnify.kernels.utils import tl, triton
 
-
 # --------------------------------------------------------------------------- references
+
 
 def naive_linear_recurrence(a, b, initial_state=None, reverse=False, output_final_state=False):
     x = torch.zeros_like(b[:, 0], dtype=torch.float32) if initial_state is None else initial_state.float()
@@ -75,8 +75,17 @@ if triton is not None:
 
     @triton.jit
     def linear_recurrence_fwd_kernel(
-        a, b, h0, x, ht, T, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-        REVERSE: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+        a,
+        b,
+        h0,
+        x,
+        ht,
+        T,
+        D: tl.constexpr,
+        BT: tl.constexpr,
+        BD: tl.constexpr,
+        REVERSE: tl.constexpr,
+        USE_INITIAL_STATE: tl.constexpr,
     ):
         i_d, i_b = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # int64 offsets
         o_i = tl.arange(0, BT)
@@ -112,8 +121,21 @@ if triton is not None:
 
     @triton.jit
     def aaren_scan_fwd_kernel(
-        s, v, m0, u0, w0, o, mt, ut, wt, T, H: tl.constexpr, D: tl.constexpr,
-        BT: tl.constexpr, BD: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+        s,
+        v,
+        m0,
+        u0,
+        w0,
+        o,
+        mt,
+        ut,
+        wt,
+        T,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        BT: tl.constexpr,
+        BD: tl.constexpr,
+        USE_INITIAL_STATE: tl.constexpr,
     ):
         # m and u are per head; they are carried broadcast over the BD value channels
         i_d, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -149,7 +171,6 @@ if triton is not None:
         tl.store(ut + i_bh + o_d * 0, b_u, mask=o_d == 0)
         tl.store(wt + i_bh * D + o_d, b_w, mask=m_d)
 
-
     @triton.jit
     def _softmax_combine(m1, u1, m2, u2):
         m = tl.maximum(m1, m2)
@@ -162,8 +183,29 @@ if triton is not None:
 
     @triton.jit
     def aaren_scan_bwd_kernel(
-        s, v, m0, u0, w0, do, o, dmt, dwt, dut, ms, us, ds, dv, dm0, du0, dw0, T,
-        B: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+        s,
+        v,
+        m0,
+        u0,
+        w0,
+        do,
+        o,
+        dmt,
+        dwt,
+        dut,
+        ms,
+        us,
+        ds,
+        dv,
+        dm0,
+        du0,
+        dw0,
+        T,
+        B: tl.constexpr,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        BT: tl.constexpr,
+        BD: tl.constexpr,
         USE_INITIAL_STATE: tl.constexpr,
     ):
         # ms, us: this program's scratch for m_t, u_t; ds, dm0, du0: partial sums over feature blocks
@@ -220,8 +262,9 @@ if triton is not None:
             b_r = tl.where(b_ut > 0, 1.0 / tl.maximum(b_ut, 1e-38), 0.0)  # o_t = 0 while u_t = 0
             b_xa = b_do * b_r[:, None]
             b_xb = tl.sum(b_do * b_o, axis=1) * b_r
-            b_Pa, b_Xa = tl.associative_scan((b_a[:, None] + tl.zeros([BT, BD], dtype=tl.float32), b_xa), 0,
-                                             _linear_combine)
+            b_Pa, b_Xa = tl.associative_scan(
+                (b_a[:, None] + tl.zeros([BT, BD], dtype=tl.float32), b_xa), 0, _linear_combine
+            )
             b_Pb, b_Xb = tl.associative_scan((b_a, b_xb), 0, _linear_combine)
             b_At = b_Pa * b_A[None, :] + b_Xa
             b_Bt = b_Pb * b_B + b_Xb
@@ -257,9 +300,11 @@ if triton is not None:
 
 # --------------------------------------------------------------------------- ops
 
+
 @torch.library.custom_op("rnnify::linear_recurrence", mutates_args=())
-def _linear_recurrence_op(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None,
-                          reverse: bool, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def _linear_recurrence_op(
+    a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None, reverse: bool, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
     if not utils.resolve_backend(backend, b):
         x, ht = naive_linear_recurrence(a, b, h0, reverse, True)
         return x.contiguous(), ht.contiguous()
@@ -269,7 +314,8 @@ def _linear_recurrence_op(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | N
     ht = utils.empty((B, D), b.device, torch.float32)
     BD = min(utils.next_pow2(D), 64)
     linear_recurrence_fwd_kernel[(triton.cdiv(D, BD), B)](
-        a, b, h0, x, ht, T, D=D, BT=64, BD=BD, REVERSE=reverse, USE_INITIAL_STATE=h0 is not None)
+        a, b, h0, x, ht, T, D=D, BT=64, BD=BD, REVERSE=reverse, USE_INITIAL_STATE=h0 is not None
+    )
     return x, ht
 
 
@@ -295,8 +341,9 @@ def _linear_recurrence_backward(ctx, dx, dht):
         a_adj, x_prev = torch.cat([ones, a[:, :-1]], 1), torch.cat([x[:, 1:], x0], 1)
     else:
         a_adj, x_prev = torch.cat([a[:, 1:], ones], 1), torch.cat([x0, x[:, :-1]], 1)
-    g, _ = torch.ops.rnnify.linear_recurrence(a_adj.contiguous(), dx.contiguous(), dht.float().contiguous(),
-                                              not ctx.reverse, ctx.backend)
+    g, _ = torch.ops.rnnify.linear_recurrence(
+        a_adj.contiguous(), dx.contiguous(), dht.float().contiguous(), not ctx.reverse, ctx.backend
+    )
     first = -1 if ctx.reverse else 0  # the step that reads the initial state
     dh0 = None if h0 is None else (a[:, first].float() * g[:, first].float())
     return (g * x_prev).to(a.dtype), g, dh0, None, None
@@ -305,9 +352,15 @@ def _linear_recurrence_backward(ctx, dx, dht):
 _linear_recurrence_op.register_autograd(_linear_recurrence_backward, setup_context=_linear_recurrence_setup)
 
 
-def linear_recurrence(a: torch.Tensor, b: torch.Tensor, initial_state: torch.Tensor | None = None,
-                      reverse: bool = False, output_final_state: bool = False, *,
-                      backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+def linear_recurrence(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    reverse: bool = False,
+    output_final_state: bool = False,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x_t = a_t x_{t-1} + b_t over dim 1 of ``[B, T, D]`` (``reverse``: x_t = a_t x_{t+1} + b_t);
     returns ``(x, final_state)``, the final state ``[B, D]`` fp32 (x_T, or x_1 when reversed).
     ``backend``: see ``rnnify.kernels.utils.resolve_backend``."""
@@ -320,9 +373,14 @@ def linear_recurrence(a: torch.Tensor, b: torch.Tensor, initial_state: torch.Ten
 
 
 @torch.library.custom_op("rnnify::aaren_scan", mutates_args=())
-def _aaren_scan_op(s: torch.Tensor, v: torch.Tensor, m0: torch.Tensor | None, u0: torch.Tensor | None,
-                   w0: torch.Tensor | None,
-                   backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _aaren_scan_op(
+    s: torch.Tensor,
+    v: torch.Tensor,
+    m0: torch.Tensor | None,
+    u0: torch.Tensor | None,
+    w0: torch.Tensor | None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     h0 = None if m0 is None else (m0, u0, w0)
     if not utils.resolve_backend(backend, v):
         o, (m, u, w) = naive_aaren_scan(s, v, h0, True)
@@ -334,7 +392,8 @@ def _aaren_scan_op(s: torch.Tensor, v: torch.Tensor, m0: torch.Tensor | None, u0
     wt = utils.empty((B, H, D), v.device)
     BD = min(utils.next_pow2(D), 64)
     aaren_scan_fwd_kernel[(triton.cdiv(D, BD), B * H)](
-        s, v, m0, u0, w0, o, mt, ut, wt, T, H=H, D=D, BT=32, BD=BD, USE_INITIAL_STATE=m0 is not None)
+        s, v, m0, u0, w0, o, mt, ut, wt, T, H=H, D=D, BT=32, BD=BD, USE_INITIAL_STATE=m0 is not None
+    )
     return o, mt, ut, wt
 
 
@@ -346,10 +405,18 @@ def _(s, v, m0, u0, w0, backend="auto"):
 
 
 @torch.library.custom_op("rnnify::aaren_scan_bwd", mutates_args=())
-def _aaren_scan_bwd_op(s: torch.Tensor, v: torch.Tensor, m0: torch.Tensor | None, u0: torch.Tensor | None,
-                       w0: torch.Tensor | None, o: torch.Tensor, do: torch.Tensor, dmt: torch.Tensor,
-                       du: torch.Tensor, dw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                    torch.Tensor, torch.Tensor]:
+def _aaren_scan_bwd_op(
+    s: torch.Tensor,
+    v: torch.Tensor,
+    m0: torch.Tensor | None,
+    u0: torch.Tensor | None,
+    w0: torch.Tensor | None,
+    o: torch.Tensor,
+    do: torch.Tensor,
+    dmt: torch.Tensor,
+    du: torch.Tensor,
+    dw: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton: (ds, dv, dm0, du0, dw0), the last three empty without an initial state; ``dmt``: the
     final max's own gradient (``_aaren_backward``)."""
     s, v, m0, u0, w0, o, do = (None if x is None else x.contiguous() for x in (s, v, m0, u0, w0, o, do))
@@ -364,8 +431,31 @@ def _aaren_scan_bwd_op(s: torch.Tensor, v: torch.Tensor, m0: torch.Tensor | None
         dm0, du0 = utils.empty((ND, B, H), v.device), utils.empty((ND, B, H), v.device)
         dw0 = utils.empty((B, H, D), v.device)
     aaren_scan_bwd_kernel[(ND, B * H)](
-        s, v, m0, u0, w0, do, o, dmt.contiguous(), dw.float().contiguous(), du.float().contiguous(), ms, us, ds,
-        dv, dm0, du0, dw0, T, B=B, H=H, D=D, BT=32, BD=BD, USE_INITIAL_STATE=m0 is not None)
+        s,
+        v,
+        m0,
+        u0,
+        w0,
+        do,
+        o,
+        dmt.contiguous(),
+        dw.float().contiguous(),
+        du.float().contiguous(),
+        ms,
+        us,
+        ds,
+        dv,
+        dm0,
+        du0,
+        dw0,
+        T,
+        B=B,
+        H=H,
+        D=D,
+        BT=32,
+        BD=BD,
+        USE_INITIAL_STATE=m0 is not None,
+    )
     return ds.sum(0), dv, (dm0 if m0 is None else dm0.sum(0)), (du0 if m0 is None else du0.sum(0)), dw0
 
 
@@ -405,9 +495,14 @@ _aaren_scan_op.register_autograd(_aaren_backward, setup_context=_aaren_setup)
 AarenState = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # m [B, H], u [B, H], w [B, H, D]
 
 
-def aaren_scan(s: torch.Tensor, v: torch.Tensor, initial_state: AarenState | None = None,
-               output_final_state: bool = False, *,
-               backend: str = "auto") -> tuple[torch.Tensor, AarenState | None]:
+def aaren_scan(
+    s: torch.Tensor,
+    v: torch.Tensor,
+    initial_state: AarenState | None = None,
+    output_final_state: bool = False,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, AarenState | None]:
     """Aaren's prefix softmax: s ``[B, T, H]``, v ``[B, T, H, D]`` -> ``(o [B, T, H, D], (m, u, w))``.
     ``backend``: see ``rnnify.kernels.utils.resolve_backend``."""
     if s.shape != v.shape[:3]:

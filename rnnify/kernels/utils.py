@@ -71,8 +71,10 @@ def resolve_backend(backend: str, x: torch.Tensor) -> bool:
     if not HAS_TRITON:
         raise RnnifyError("backend='triton' needs triton, which cannot be imported here")
     if not x.is_cuda and not INTERPRET:
-        raise RnnifyError(f"backend='triton' got tensors on {x.device}: Triton runs on CUDA, or on CPU only "
-                           "through its interpreter (TRITON_INTERPRET=1 set before triton is imported)")
+        raise RnnifyError(
+            f"backend='triton' got tensors on {x.device}: Triton runs on CUDA, or on CPU only "
+            "through its interpreter (TRITON_INTERPRET=1 set before triton is imported)"
+        )
     return True
 
 
@@ -80,8 +82,10 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """The ops' layout: q ``[B, T, H, K]``, k ``[B, T, H_kv, K]``, v ``[B, T, H_kv, V]``, H a multiple of H_kv."""
     B, T, H, K = q.shape
     if k.dim() != 4 or v.dim() != 4 or k.shape[:2] != (B, T) or v.shape[:3] != k.shape[:3] or k.shape[3] != K:
-        raise ValueError(f"expected q [B, T, H, K], k [B, T, H_kv, K], v [B, T, H_kv, V]; got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"expected q [B, T, H, K], k [B, T, H_kv, K], v [B, T, H_kv, V]; got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if H % k.shape[2]:
         raise ValueError(f"query heads ({H}) must be a multiple of kv heads ({k.shape[2]})")
 

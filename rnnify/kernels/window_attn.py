@@ -50,9 +50,23 @@ if triton is not None:
 
     @triton.jit
     def window_attn_step_kernel(
-        q, keys, values, valid, o, mo, uo, scale, N,
-        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        q,
+        keys,
+        values,
+        valid,
+        o,
+        mo,
+        uo,
+        scale,
+        N,
+        H: tl.constexpr,
+        HKV: tl.constexpr,
+        G: tl.constexpr,
+        K: tl.constexpr,
+        V: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
     ):
         i_bh = tl.program_id(0).to(tl.int64)  # int64 offsets
         i_b, i_hq = i_bh // H, i_bh % H
@@ -85,12 +99,28 @@ if triton is not None:
         tl.store(mo + i_bh + tl.arange(0, 1), b_m)
         tl.store(uo + i_bh + tl.arange(0, 1), b_u)
 
-
     @triton.jit
     def window_attn_step_bwd_kernel(
-        q, keys, values, valid, o, do, dq, dkeys, dvalues, scale, N,
-        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, K: tl.constexpr,
-        V: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        q,
+        keys,
+        values,
+        valid,
+        o,
+        do,
+        dq,
+        dkeys,
+        dvalues,
+        scale,
+        N,
+        H: tl.constexpr,
+        HKV: tl.constexpr,
+        G: tl.constexpr,
+        BG: tl.constexpr,
+        K: tl.constexpr,
+        V: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
     ):
         # one program per (batch, kv head) holds its G query heads as rows, so it owns its keys'
         # gradients: p_gn = softmax weights, dv_n = sum_g p_gn do_g, ds_gn = p_gn (do_g . v_n - do_g . o_g),
@@ -147,8 +177,9 @@ if triton is not None:
 
 
 @torch.library.custom_op("rnnify::window_attn_step", mutates_args=())
-def _window_attn_step_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                         scale: float, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _window_attn_step_op(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scale: float, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o ``[B, H, V]``, m ``[B, H]``, u ``[B, H]``), fp32."""
     if not utils.resolve_backend(backend, q):
         o, m, u = naive_window_attn_read(q, keys, values, valid, scale, stats=True)
@@ -159,22 +190,47 @@ def _window_attn_step_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     o = utils.empty((B, H, V), q.device)
     m, u = utils.empty((B, H), q.device), utils.empty((B, H), q.device)
     window_attn_step_kernel[(B * H,)](
-        q, keys, values, valid.to(torch.int8).contiguous(), o, m, u, scale, N,
-        H=H, HKV=Hkv, G=H // Hkv, K=K, V=V, BN=32, BK=utils.next_pow2(K), BV=utils.next_pow2(V))
+        q,
+        keys,
+        values,
+        valid.to(torch.int8).contiguous(),
+        o,
+        m,
+        u,
+        scale,
+        N,
+        H=H,
+        HKV=Hkv,
+        G=H // Hkv,
+        K=K,
+        V=V,
+        BN=32,
+        BK=utils.next_pow2(K),
+        BV=utils.next_pow2(V),
+    )
     return o, m, u
 
 
 @_window_attn_step_op.register_fake
 def _(q, keys, values, valid, scale, backend="auto"):
     B, H = q.shape[:2]
-    return (q.new_empty(B, H, values.shape[-1], dtype=torch.float32), q.new_empty(B, H, dtype=torch.float32),
-            q.new_empty(B, H, dtype=torch.float32))
+    return (
+        q.new_empty(B, H, values.shape[-1], dtype=torch.float32),
+        q.new_empty(B, H, dtype=torch.float32),
+        q.new_empty(B, H, dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("rnnify::window_attn_step_bwd", mutates_args=())
-def _window_attn_step_bwd_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                             o: torch.Tensor, do: torch.Tensor,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _window_attn_step_bwd_op(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    o: torch.Tensor,
+    do: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton: (dq, dkeys, dvalues) of the read."""
     q, keys, values, do = q.contiguous(), keys.contiguous(), values.contiguous(), do.contiguous()
     B, H, K = q.shape
@@ -183,9 +239,27 @@ def _window_attn_step_bwd_op(q: torch.Tensor, keys: torch.Tensor, values: torch.
     dkeys = utils.empty((B, Hkv, N, K), q.device, keys.dtype)
     dvalues = utils.empty((B, Hkv, N, V), q.device, values.dtype)
     window_attn_step_bwd_kernel[(B * Hkv,)](
-        q, keys, values, valid.to(torch.int8).contiguous(), o, do, dq, dkeys, dvalues, scale, N,
-        H=H, HKV=Hkv, G=H // Hkv, BG=utils.next_pow2(H // Hkv, 1), K=K, V=V, BN=16,
-        BK=utils.next_pow2(K), BV=utils.next_pow2(V))
+        q,
+        keys,
+        values,
+        valid.to(torch.int8).contiguous(),
+        o,
+        do,
+        dq,
+        dkeys,
+        dvalues,
+        scale,
+        N,
+        H=H,
+        HKV=Hkv,
+        G=H // Hkv,
+        BG=utils.next_pow2(H // Hkv, 1),
+        K=K,
+        V=V,
+        BN=16,
+        BK=utils.next_pow2(K),
+        BV=utils.next_pow2(V),
+    )
     return dq, dkeys, dvalues
 
 
@@ -205,8 +279,9 @@ def _stats_grads(q, keys, valid, scale, dm, du):
     inputs = [x.detach().requires_grad_() for x in (q, keys)]
     with torch.enable_grad():
         B, H, _ = q.shape
-        s = scale * torch.einsum("bhgk,bhnk->bhgn", inputs[0].float().reshape(B, keys.shape[1], H // keys.shape[1], -1),
-                                 inputs[1].float())
+        s = scale * torch.einsum(
+            "bhgk,bhnk->bhgn", inputs[0].float().reshape(B, keys.shape[1], H // keys.shape[1], -1), inputs[1].float()
+        )
         s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
         m = s.amax(-1)
         u = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0)[..., None]).sum(-1)
@@ -230,20 +305,33 @@ def _window_backward(ctx, do, dm, du):
         with torch.enable_grad():
             outs = naive_window_attn_read(*inputs, valid, ctx.scale, stats=True)
             used = [(x, d) for x, d in zip(outs, (do, dm, du)) if d is not None]
-            dq, dkeys, dvalues = torch.autograd.grad([x for x, _ in used], inputs, [d for _, d in used],
-                                                     allow_unused=True)
-        dq, dkeys, dvalues = (torch.zeros_like(x) if d is None else d for x, d in zip((q, keys, values),
-                                                                                    (dq, dkeys, dvalues)))
+            dq, dkeys, dvalues = torch.autograd.grad(
+                [x for x, _ in used], inputs, [d for _, d in used], allow_unused=True
+            )
+        dq, dkeys, dvalues = (
+            torch.zeros_like(x) if d is None else d for x, d in zip((q, keys, values), (dq, dkeys, dvalues))
+        )
     return dq, dkeys, dvalues, None, None, None
 
 
 _window_attn_step_op.register_autograd(_window_backward, setup_context=_window_setup)
 
 
-def window_attn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     length: torch.Tensor, sink_keys: torch.Tensor | None = None,
-                     sink_values: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                     scale: float | None = None, *, return_stats: bool = False, backend: str = "auto"):
+def window_attn_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    length: torch.Tensor,
+    sink_keys: torch.Tensor | None = None,
+    sink_values: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    *,
+    return_stats: bool = False,
+    backend: str = "auto",
+):
     """One decode token: q ``[B, 1, H, K]``, k/v ``[B, 1, H_kv, K|V]``; state as rnnify.cells.window
     holds it: ring ``keys/values [B, H_kv, W, K|V]``, sinks ``[B, H_kv, S, K|V]`` (or None), ``length [B]``
     real tokens read; ``mask [B, 1]`` (False: padding, the state stays). Returns ``(o [B, 1, H, V] fp32,
@@ -255,16 +343,23 @@ def window_attn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
     if T != 1:
         raise ValueError(f"window_attn_step reads one token, got T = {T}")
     utils.check_kernels(backend, utils.BACKENDS)
-    scale = K ** -0.5 if scale is None else float(scale)
+    scale = K**-0.5 if scale is None else float(scale)
     mask = torch.ones(B, 1, dtype=torch.bool, device=q.device) if mask is None else mask
     if sink_keys is None:
         sink_keys, sink_values = keys[:, :, :0], values[:, :, :0]
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, H_kv, 1, D]
     window, sinks = keys.shape[2], sink_keys.shape[2]
-    keys, values, sink_keys, sink_values, length = window_write(k, v, mask, keys, values, sink_keys, sink_values, length)
+    keys, values, sink_keys, sink_values, length = window_write(
+        k, v, mask, keys, values, sink_keys, sink_values, length
+    )
     valid = held_index(length, window, sinks) >= 0
     o, m, u = torch.ops.rnnify.window_attn_step(
-        q[:, 0].contiguous(), torch.cat([sink_keys, keys], 2).contiguous(),
-        torch.cat([sink_values, values], 2).contiguous(), valid, scale, backend)
+        q[:, 0].contiguous(),
+        torch.cat([sink_keys, keys], 2).contiguous(),
+        torch.cat([sink_values, values], 2).contiguous(),
+        valid,
+        scale,
+        backend,
+    )
     state = (keys, values, sink_keys, sink_values, length)
     return (o[:, None], state, (m[:, None], u[:, None])) if return_stats else (o[:, None], state)

@@ -7,5 +7,11 @@ each cell with the softmax attention it replaced, on the cell's own inputs.
 from rnnify.original.attention import AttentionRecorder, LayerError, attention_transfer, softmax_attention
 from rnnify.original.teacher import load_teacher, source_directory
 
-__all__ = ["AttentionRecorder", "LayerError", "attention_transfer", "load_teacher", "softmax_attention",
-           "source_directory"]
+__all__ = [
+    "AttentionRecorder",
+    "LayerError",
+    "attention_transfer",
+    "load_teacher",
+    "softmax_attention",
+    "source_directory",
+]

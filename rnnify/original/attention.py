@@ -148,7 +148,9 @@ def attention_transfer(model: RecurrentModel, teacher_forcing: bool = True) -> I
     def check_fresh(module, args, kwargs):
         state = args[1] if len(args) > 1 else kwargs.get("state")
         if state is not None and bool((state.positions != 0).any()):
-            raise RnnifyError("attention transfer compares one call's tokens: start each call from model.init_state(batch)")
+            raise RnnifyError(
+                "attention transfer compares one call's tokens: start each call from model.init_state(batch)"
+            )
 
     def hook_for(index: int):
         def hook(cell, args, kwargs, output):

@@ -53,8 +53,12 @@ class OriginalOutputs:
     dtype) names its content, or None to cache nothing.
     """
 
-    def __init__(self, digest: str | None, compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                 compute_answer: Callable[[list[int], int], list[int]] | None = None):
+    def __init__(
+        self,
+        digest: str | None,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        compute_answer: Callable[[list[int], int], list[int]] | None = None,
+    ):
         self.digest = digest
         self.compute_logits = compute_logits
         self.compute_answer = compute_answer

@@ -25,7 +25,12 @@ __all__ = ["PIPELINE", "PassContext", "AttentionSite", "run_pipeline", "cleanup"
 Pass = Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]
 
 PIPELINE: list[Pass] = [
-    strip_export_checks, find_positions, find_attention, rewrite_attention, thread_state, fuse_kernels
+    strip_export_checks,
+    find_positions,
+    find_attention,
+    rewrite_attention,
+    thread_state,
+    fuse_kernels,
 ]
 
 

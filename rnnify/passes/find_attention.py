@@ -174,7 +174,9 @@ def _describe(node: torch.fx.Node, index: int, config) -> AttentionSite:
         value_dim=value_dim,
         scale=float(scale) if scale is not None else 1.0 / math.sqrt(head_dim),
         gqa=gqa,
-        mask_source=mask.name if isinstance(mask, torch.fx.Node) else ("is_causal" if args.get("is_causal") else "none"),
+        mask_source=mask.name
+        if isinstance(mask, torch.fx.Node)
+        else ("is_causal" if args.get("is_causal") else "none"),
         window=_config_window(config, layer),
         hidden=_layer_input(value),
     )
@@ -257,6 +259,5 @@ def _check_causal(site: AttentionSite, allowed: torch.Tensor) -> int | None:
             "self-attention has a recurrent form"
         )
     raise UnsupportedModelError(
-        f"{site.where}: unsupported attention mask pattern (neither causal nor a sliding window "
-        "given by the config)"
+        f"{site.where}: unsupported attention mask pattern (neither causal nor a sliding window given by the config)"
     )

@@ -35,4 +35,3 @@ def fuse_kernels(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMo
         else:
             call.meta.pop(KERNELS_KEY, None)
     return gm
-

@@ -50,9 +50,11 @@ def check_against_original(model: RecurrentModel, source: torch.nn.Module, seed:
     if relative_difference(full, want) > limit:
         layer = _first_diverging_layer(model, source, ids, limit)
         where = f"from layer {layer}" if layer else "after the last decoder layer"
-        raise RnnifyError(f"the exact conversion differs from the original {where} (relative difference "
-                          f"{relative_difference(full, want):.2g} on random tokens, tolerance {limit:g}): this "
-                          "architecture computes something the conversion does not carry; nothing was saved")
+        raise RnnifyError(
+            f"the exact conversion differs from the original {where} (relative difference "
+            f"{relative_difference(full, want):.2g} on random tokens, tolerance {limit:g}): this "
+            "architecture computes something the conversion does not carry; nothing was saved"
+        )
     logits, state = model.prefill(ids[:, :half])
     steps = [logits]
     for t in range(half, CHECK_TOKENS):
@@ -60,10 +62,12 @@ def check_against_original(model: RecurrentModel, source: torch.nn.Module, seed:
         steps.append(logits)
     stepped = torch.cat(steps, dim=1)
     if relative_difference(stepped, want) > limit:
-        raise RnnifyError(f"the exact conversion reads a prompt as the original does but decodes differently "
-                          f"(relative difference {relative_difference(stepped, want):.2g} over {CHECK_TOKENS - half} "
-                          f"steps, tolerance {limit:g}): a layer keeps state between tokens that the conversion does "
-                          "not carry; nothing was saved")
+        raise RnnifyError(
+            f"the exact conversion reads a prompt as the original does but decodes differently "
+            f"(relative difference {relative_difference(stepped, want):.2g} over {CHECK_TOKENS - half} "
+            f"steps, tolerance {limit:g}): a layer keeps state between tokens that the conversion does "
+            "not carry; nothing was saved"
+        )
 
 
 def _layer_paths(model: RecurrentModel) -> list[str]:
@@ -72,8 +76,9 @@ def _layer_paths(model: RecurrentModel) -> list[str]:
     return [p for p in dict.fromkeys(paths) if p]
 
 
-def _first_diverging_layer(model: RecurrentModel, source: torch.nn.Module, ids: torch.Tensor,
-                           limit: float) -> str | None:
+def _first_diverging_layer(
+    model: RecurrentModel, source: torch.nn.Module, ids: torch.Tensor, limit: float
+) -> str | None:
     """The first decoder layer (``model.layers.3``) whose prefill output differs from the source's."""
     wanted: dict[str, Any] = {}
     hooks = []
@@ -82,8 +87,11 @@ def _first_diverging_layer(model: RecurrentModel, source: torch.nn.Module, ids: 
             module = source.get_submodule(path)
         except AttributeError:
             return None
-        hooks.append(module.register_forward_hook(
-            lambda _m, _a, out, path=path: wanted.__setitem__(path, out[0] if isinstance(out, tuple) else out)))
+        hooks.append(
+            module.register_forward_hook(
+                lambda _m, _a, out, path=path: wanted.__setitem__(path, out[0] if isinstance(out, tuple) else out)
+            )
+        )
     try:
         source(input_ids=ids.to(next(source.parameters()).device), use_cache=False)
     finally:

@@ -39,7 +39,13 @@ if TYPE_CHECKING:
     from rnnify.runtime.model import RecurrentModel
 
 __all__ = [
-    "STEP_PACKAGE", "StepPackage", "check_archive", "compile_package", "fingerprint", "gains_little", "load_package",
+    "STEP_PACKAGE",
+    "StepPackage",
+    "check_archive",
+    "compile_package",
+    "fingerprint",
+    "gains_little",
+    "load_package",
     "refusal",
 ]
 
@@ -85,8 +91,10 @@ def refusal(model: RecurrentModel) -> str | None:
     if model.device.type != "cpu":
         return f"an ahead-of-time step is compiled for CPUs; this model is on {model.device}"
     if any(cell.grows_with_context and cell.spec.window is not None for cell in model.cells):
-        return ("an ahead-of-time step is not built for caches that grow up to a sliding window "
-                "(exact layers of a sliding-window model): decode this model eagerly")
+        return (
+            "an ahead-of-time step is not built for caches that grow up to a sliding window "
+            "(exact layers of a sliding-window model): decode this model eagerly"
+        )
     return None
 
 
@@ -95,8 +103,10 @@ def gains_little(model: RecurrentModel) -> str | None:
     nbytes = model.weight_nbytes_per_token()
     if nbytes < WORTH_COMPILING_BELOW:
         return None
-    return (f"a step reads {nbytes / 2**30:.1f} GiB of weights, where compiling gained 7-13% for minutes of "
-            "compiling; --compile compiles it anyway")
+    return (
+        f"a step reads {nbytes / 2**30:.1f} GiB of weights, where compiling gained 7-13% for minutes of "
+        "compiling; --compile compiles it anyway"
+    )
 
 
 def _example(model: RecurrentModel) -> tuple[tuple[torch.Tensor, ...], list[dict[int, Any]]]:
@@ -143,15 +153,18 @@ def compile_package(model: RecurrentModel, package: Path) -> Path:
                 try:
                     with reaping_children():  # the C++ compiler it starts ends with this process
                         torch._inductor.aoti_compile_and_package(
-                            program, package_path=str(built),
+                            program,
+                            package_path=str(built),
                             inductor_configs={"aot_inductor.package_constants_in_so": False},
                         )
                 except Exception as exc:  # noqa: BLE001 - only a compiler that is missing or fails is the user's
                     if not _compiler_failed(exc):
                         raise
-                    raise RnnifyError(f"compiling the step failed ({first_line(exc)}); an ahead-of-time step "
-                                      "needs a working C++ compiler (gcc or clang) on PATH; without one, decode "
-                                      "eagerly") from exc
+                    raise RnnifyError(
+                        f"compiling the step failed ({first_line(exc)}); an ahead-of-time step "
+                        "needs a working C++ compiler (gcc or clang) on PATH; without one, decode "
+                        "eagerly"
+                    ) from exc
                 built.chmod(0o600)
                 os.replace(built, package)
         except OSError as exc:
@@ -172,10 +185,18 @@ def check_archive(package: Path) -> None:
     for entry in entries:
         name, kind = entry.filename, stat.S_IFMT(entry.external_attr >> 16)
         parts = PurePosixPath(name).parts
-        if ("\\" in name or name.startswith("/") or ".." in parts or not parts or parts[0] != folder
-                or kind not in (0, stat.S_IFREG, stat.S_IFDIR)):
-            raise RnnifyError(f"{package}: its entry {name!r} is not a file under {folder}/ (a link, an absolute "
-                              "path or one that climbs out with ..): refused, not loaded")
+        if (
+            "\\" in name
+            or name.startswith("/")
+            or ".." in parts
+            or not parts
+            or parts[0] != folder
+            or kind not in (0, stat.S_IFREG, stat.S_IFDIR)
+        ):
+            raise RnnifyError(
+                f"{package}: its entry {name!r} is not a file under {folder}/ (a link, an absolute "
+                "path or one that climbs out with ..): refused, not loaded"
+            )
 
 
 def _compiler_failed(exc: BaseException | None) -> bool:
@@ -193,20 +214,27 @@ def _compiler_failed(exc: BaseException | None) -> bool:
 class StepPackage:
     """A loaded package with the model's weights: called as the step graph is."""
 
-    def __init__(self, runner: Any, weights: dict[str, torch.Tensor], model: RecurrentModel, path: Path,
-                 shipped: bool):
+    def __init__(self, runner: Any, weights: dict[str, torch.Tensor], model: RecurrentModel, path: Path, shipped: bool):
         self.runner = runner
         self.path, self.shipped = path, shipped  # where it was loaded from: this machine's cache, or the directory
         self.weights = weights  # the runner holds their pointers: they must outlive it
         self.graph, self.code = model.graph, model.graph.code
         # where each weight sits, and its memory: a flat list, checked every step without walking modules
-        self.slots = [(owner, name, t, t.data_ptr()) for module in model.graph.modules()
-                      for owner in (module._parameters, module._buffers) for name, t in owner.items() if t is not None]
+        self.slots = [
+            (owner, name, t, t.data_ptr())
+            for module in model.graph.modules()
+            for owner in (module._parameters, module._buffers)
+            for name, t in owner.items()
+            if t is not None
+        ]
 
     def serves(self, model: RecurrentModel) -> bool:
         """Is this still the model's step: the same graph and code, the same weights in place?"""
-        return (model.graph is self.graph and model.graph.code == self.code
-                and all(owner.get(name) is t and t.data_ptr() == at for owner, name, t, at in self.slots))
+        return (
+            model.graph is self.graph
+            and model.graph.code == self.code
+            and all(owner.get(name) is t and t.data_ptr() == at for owner, name, t, at in self.slots)
+        )
 
     def __call__(self, input_ids: torch.Tensor, *inputs: torch.Tensor) -> list[torch.Tensor]:
         # compiled for int64 ids and contiguous inputs (a prefill's state may hold views; a step's
@@ -229,7 +257,10 @@ def load_package(model: RecurrentModel, package: Path, shipped: bool = False) ->
         # into the active constants, checked complete, user-managed: the model's tensors are used in place
         runner.load_constants(weights, False, True, True, False)
     except (RuntimeError, OSError) as exc:
-        warnings.warn(f"{package} could not be loaded on this machine ({first_line(exc)}): decoding eagerly",
-                      RnnifyWarning, stacklevel=4)
+        warnings.warn(
+            f"{package} could not be loaded on this machine ({first_line(exc)}): decoding eagerly",
+            RnnifyWarning,
+            stacklevel=4,
+        )
         return None
     return StepPackage(runner, weights, model, package, shipped)

@@ -46,8 +46,9 @@ def reaping_children() -> Iterator[None]:
     token = f"{os.getpid()}-{secrets.token_hex(8)}"
     # started before the mark is set (not marked itself), in the folder rnnify is installed from: ``-m``
     # puts the working folder first on the path, and a working folder may be a directory from elsewhere
-    watchdog = subprocess.Popen([sys.executable, "-m", __name__, token], stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, cwd=INSTALLED)
+    watchdog = subprocess.Popen(
+        [sys.executable, "-m", __name__, token], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=INSTALLED
+    )
     before = os.environ.get(MARK)
     os.environ[MARK] = token
     finished = False

@@ -26,7 +26,14 @@ AUTO_MAP = {
 }
 # Copied from the source config so tools that read only the top level (generation defaults,
 # tokenizer lookup, lm-eval's max length) find them.
-_TOP_LEVEL = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "tokenizer_class")
+_TOP_LEVEL = (
+    "vocab_size",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "max_position_embeddings",
+    "tokenizer_class",
+)
 
 
 def is_wrapped(config: dict[str, Any]) -> bool:

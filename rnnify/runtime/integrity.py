@@ -38,8 +38,13 @@ def record(directory: Path, names: Iterable[str]) -> dict[str, str]:
     return {name: sha256_file(directory / name) for name in names}
 
 
-def check(directory: Path, data: dict[str, Any], required: Iterable[str], optional: Iterable[str] = (),
-          expected: str | None = None) -> None:
+def check(
+    directory: Path,
+    data: dict[str, Any],
+    required: Iterable[str],
+    optional: Iterable[str] = (),
+    expected: str | None = None,
+) -> None:
     """Refuse ``directory`` (one ``RnnifyError`` line naming what differs) unless its manifest ``data``
     (as read, ``manifest.read_data``) is sealed and every one of ``required`` files, and of ``optional``
     files present or recorded, is there with the sha256 it records; ``expected`` is the directory's
@@ -47,28 +52,41 @@ def check(directory: Path, data: dict[str, Any], required: Iterable[str], option
     manifest = directory / MANIFEST_FILE
     version = data.get("format_version")
     if version < MANIFEST_FORMAT_VERSION:
-        raise RnnifyError(f"{directory}: written by an older rnnify (manifest format {version}), which records no "
-                          f"sha256 of its files: convert the model again, or {_UNCHECKED}")
+        raise RnnifyError(
+            f"{directory}: written by an older rnnify (manifest format {version}), which records no "
+            f"sha256 of its files: convert the model again, or {_UNCHECKED}"
+        )
     files = data.get("files")
     if not isinstance(files, dict) or not files or not data.get("digest"):
-        raise RnnifyError(f"{manifest} has no sha256 record of the directory's files (it was edited): convert the "
-                          f"model again, or {_UNCHECKED}")
+        raise RnnifyError(
+            f"{manifest} has no sha256 record of the directory's files (it was edited): convert the "
+            f"model again, or {_UNCHECKED}"
+        )
     digest = content_digest(data)
     if digest != data["digest"]:
-        raise RnnifyError(f"{manifest} does not match its own digest: it was edited after it was saved; convert the "
-                          f"model again, or {_UNCHECKED}")
+        raise RnnifyError(
+            f"{manifest} does not match its own digest: it was edited after it was saved; convert the "
+            f"model again, or {_UNCHECKED}"
+        )
     if expected is not None and digest != expected.strip().lower():
-        raise RnnifyError(f"{directory}: its digest is {digest}, not the {expected.strip()} expected: it is not the "
-                          "directory that digest was given for; do not load it")
+        raise RnnifyError(
+            f"{directory}: its digest is {digest}, not the {expected.strip()} expected: it is not the "
+            "directory that digest was given for; do not load it"
+        )
     optional = [name for name in optional if name in files or (directory / name).is_file()]
     for name in dict.fromkeys([*required, *optional]):
         path = directory / name
         if name not in files:
-            raise RnnifyError(f"{path} is not in the sha256 record of {manifest}: it was added after the model was "
-                              f"saved; remove it, or {_UNCHECKED}")
+            raise RnnifyError(
+                f"{path} is not in the sha256 record of {manifest}: it was added after the model was "
+                f"saved; remove it, or {_UNCHECKED}"
+            )
         if not path.is_file():
-            raise RnnifyError(f"{path} is missing, though {manifest} records it: copy the whole directory, or "
-                              f"{_UNCHECKED}")
+            raise RnnifyError(
+                f"{path} is missing, though {manifest} records it: copy the whole directory, or {_UNCHECKED}"
+            )
         if sha256_file(path) != files[name]:
-            raise RnnifyError(f"{path} does not match the sha256 recorded in {MANIFEST_FILE} when it was saved: it was "
-                              f"changed or damaged since; convert the model again, or {_UNCHECKED}")
+            raise RnnifyError(
+                f"{path} does not match the sha256 recorded in {MANIFEST_FILE} when it was saved: it was "
+                f"changed or damaged since; convert the model again, or {_UNCHECKED}"
+            )

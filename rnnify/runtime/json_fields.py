@@ -43,8 +43,9 @@ def _fits(value: Any, hint: Any, where: str) -> bool:
         return isinstance(value, list) and all(_fits(v, item, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is dict:
         key, item = typing.get_args(hint)
-        return isinstance(value, dict) and all(_fits(k, key, where) and _fits(v, item, f"{where}[{k!r}]")
-                                               for k, v in value.items())
+        return isinstance(value, dict) and all(
+            _fits(k, key, where) and _fits(v, item, f"{where}[{k!r}]") for k, v in value.items()
+        )
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:

@@ -125,7 +125,9 @@ def read_data(directory: Path) -> dict[str, Any]:
     if not directory.is_dir():
         raise RnnifyError(f"{directory}: no such directory")
     if not path.is_file():
-        raise RnnifyError(f"{directory}: not an rnnify model directory (no {MANIFEST_FILE}); make one with `rnnify convert`")
+        raise RnnifyError(
+            f"{directory}: not an rnnify model directory (no {MANIFEST_FILE}); make one with `rnnify convert`"
+        )
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:

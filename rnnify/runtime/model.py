@@ -183,7 +183,9 @@ class RecurrentModel(nn.Module):
         if attention_mask is None:
             return None
         if attention_mask.shape != input_ids.shape:
-            raise RnnifyError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+            raise RnnifyError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
         return attention_mask.to(device=input_ids.device, dtype=torch.bool)
 
     def _position_ids(self, input_ids: torch.Tensor, state: RecurrentState, mask: torch.Tensor | None) -> torch.Tensor:
@@ -269,7 +271,9 @@ class RecurrentModel(nn.Module):
         Rows of different lengths are left-padded with ``attention_mask`` 0 on the padding.
         """
         if state is None:
-            state = self.init_state(input_ids.shape[0] if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else 1)
+            state = self.init_state(
+                input_ids.shape[0] if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else 1
+            )
         return self(input_ids, state, attention_mask)
 
     @torch.inference_mode()
@@ -325,14 +329,33 @@ class RecurrentModel(nn.Module):
         if isinstance(input_ids, str):
             from rnnify.runtime.text import generate_text
 
-            return generate_text(self, input_ids, dict(
-                max_new_tokens=max_new_tokens, attention_mask=attention_mask, do_sample=do_sample,
-                temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
-                pad_token_id=pad_token_id, seed=seed, streamer=streamer,
-            ))
+            return generate_text(
+                self,
+                input_ids,
+                dict(
+                    max_new_tokens=max_new_tokens,
+                    attention_mask=attention_mask,
+                    do_sample=do_sample,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    eos_token_id=eos_token_id,
+                    pad_token_id=pad_token_id,
+                    seed=seed,
+                    streamer=streamer,
+                ),
+            )
         steps = self._new_tokens(
-            input_ids, max_new_tokens, attention_mask=attention_mask, do_sample=do_sample, temperature=temperature,
-            top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed,
+            input_ids,
+            max_new_tokens,
+            attention_mask=attention_mask,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            seed=seed,
         )
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -371,12 +394,20 @@ class RecurrentModel(nn.Module):
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        return self._steps(input_ids, attention_mask, max_new_tokens, (do_sample, temperature, top_k, top_p, generator),
-                           eos, pad)
+        return self._steps(
+            input_ids, attention_mask, max_new_tokens, (do_sample, temperature, top_k, top_p, generator), eos, pad
+        )
 
     @torch.inference_mode()
-    def _steps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
-               sampling: tuple, eos: list[int], pad: int) -> Iterator[torch.Tensor]:
+    def _steps(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        max_new_tokens: int,
+        sampling: tuple,
+        eos: list[int],
+        pad: int,
+    ) -> Iterator[torch.Tensor]:
         logits, state = self.prefill(input_ids, attention_mask=attention_mask)
         finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         eos_ids = torch.tensor(eos, dtype=input_ids.dtype, device=input_ids.device)
@@ -428,13 +459,12 @@ class RecurrentModel(nn.Module):
         One prefill over ``input_ids``; each such cell calibrates on the q it receives just before
         it runs, so later layers see the outputs of already calibrated earlier layers.
         """
+
         def hook(cell, args, kwargs):
             q, _, _, mask = args[:4]
             cell.calibrate(q, mask)
 
-        handles = [
-            cell.register_forward_pre_hook(hook, with_kwargs=True) for cell in self.cells if cell.calibrates
-        ]
+        handles = [cell.register_forward_pre_hook(hook, with_kwargs=True) for cell in self.cells if cell.calibrates]
         if not handles:
             raise RnnifyError(f"no cell of this model learns from calibration data (targets: {self.target})")
         try:

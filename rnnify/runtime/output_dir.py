@@ -122,8 +122,10 @@ def check_not_left_aside(path: Path) -> None:
         return
     aside = [p / _name(path) for p in _leftovers(path) if p.name.endswith(OLD)]
     if aside:
-        raise RnnifyError(f"{path} is missing: an interrupted rnnify run left its contents in {aside[-1]}; move "
-                          f"them back, or let the next rnnify run writing {path} do it")
+        raise RnnifyError(
+            f"{path} is missing: an interrupted rnnify run left its contents in {aside[-1]}; move "
+            f"them back, or let the next rnnify run writing {path} do it"
+        )
 
 
 # -- the lock ------------------------------------------------------------------------------
@@ -150,8 +152,12 @@ def _lock(lock: Path, path: Path) -> int:
             if exc.errno not in _NO_FLOCK:
                 os.close(fd)
                 raise
-            warnings.warn(f"{lock.parent} cannot be locked ({exc.strerror}): nothing stops a second rnnify run "
-                          f"from writing {path} at the same time", RnnifyWarning, stacklevel=2)
+            warnings.warn(
+                f"{lock.parent} cannot be locked ({exc.strerror}): nothing stops a second rnnify run "
+                f"from writing {path} at the same time",
+                RnnifyWarning,
+                stacklevel=2,
+            )
             return fd
         if _same_file(fd, lock):
             break
@@ -174,8 +180,9 @@ def _busy(path: Path, pid: int | None) -> RnnifyError:
     who = f"another rnnify run (pid {pid})" if pid is not None else "another rnnify run"
     if pid == os.getpid():
         who = "another thread of this process"
-    return RnnifyError(f"{path}: {who} is writing this directory; wait for it to finish or choose another "
-                       "output directory")
+    return RnnifyError(
+        f"{path}: {who} is writing this directory; wait for it to finish or choose another output directory"
+    )
 
 
 # -- what killed runs leave ----------------------------------------------------------------
@@ -195,19 +202,24 @@ def _tidy(path: Path) -> None:
     """Under the claim: put back a target a killed ``install`` left missing, then remove every leftover."""
     leftovers = _leftovers(path)
     if not os.path.lexists(path):
-        kept = [p / _name(path) for p in leftovers if p.name.endswith(OLD) and (p / _name(path)).is_dir()
-                and not (p / _name(path)).is_symlink()]
+        kept = [
+            p / _name(path)
+            for p in leftovers
+            if p.name.endswith(OLD) and (p / _name(path)).is_dir() and not (p / _name(path)).is_symlink()
+        ]
         if kept:
             newest = max(kept, key=lambda p: p.lstat().st_mtime)
             os.replace(newest, path)
-            warnings.warn(f"{path} was missing, its contents left in {newest.parent.name} by an interrupted rnnify "
-                          "run: put back", RnnifyWarning, stacklevel=2)
+            warnings.warn(
+                f"{path} was missing, its contents left in {newest.parent.name} by an interrupted rnnify run: put back",
+                RnnifyWarning,
+                stacklevel=2,
+            )
     for leftover in leftovers:
         _remove(leftover)
     if leftovers:
         names = ", ".join(p.name for p in leftovers)
-        warnings.warn(f"removed what interrupted rnnify runs left beside {path}: {names}", RnnifyWarning,
-                      stacklevel=2)
+        warnings.warn(f"removed what interrupted rnnify runs left beside {path}: {names}", RnnifyWarning, stacklevel=2)
 
 
 def _remove(path: Path) -> None:

@@ -64,7 +64,12 @@ def _unique_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[st
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+        )
         if key in seen:
             aliases[name] = seen[key]
             continue

@@ -50,8 +50,16 @@ MAX_NESTING = 8
 _OPS = ("placeholder", "get_attr", "call_function", "call_module", "output")
 # Tag keys of the tagged value encoding; every JSON object in an argument is one of these.
 _TAGS = (
-    "node", "tuple", "dict", "float", "dtype", "device", "layout",
-    "memory_format", "slice", "ellipsis",
+    "node",
+    "tuple",
+    "dict",
+    "float",
+    "dtype",
+    "device",
+    "layout",
+    "memory_format",
+    "slice",
+    "ellipsis",
 )
 
 
@@ -125,6 +133,7 @@ def _str_to_target(name: str) -> Callable[..., Any] | None:
 
 # --------------------------------------------------------------------------- values
 
+
 def _enum_name(value: Any) -> str:
     return str(value).removeprefix("torch.")
 
@@ -189,7 +198,7 @@ class _Decoder:
             return [self.decode(v, where, depth) for v in value]
         if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in _TAGS:
             raise GraphFormatError(f"{where}: malformed argument value {value!r:.200}")
-        (tag, payload), = value.items()
+        ((tag, payload),) = value.items()
         if tag == "node":
             if not isinstance(payload, str) or payload not in self.nodes:
                 raise GraphFormatError(
@@ -233,6 +242,7 @@ class _Decoder:
 
 # --------------------------------------------------------------------------- graph
 
+
 def _check_target(op: str, target: Any, where: str) -> None:
     """Reject strings that fx would paste into generated source unsafely."""
     if not isinstance(target, str):
@@ -275,13 +285,15 @@ def graph_to_json(graph: torch.fx.Graph) -> dict:
         for k in node.kwargs:
             if not isinstance(k, str) or not k.isidentifier() or keyword.iskeyword(k):
                 raise GraphFormatError(f"{where}: kwarg name {k!r} is not an identifier")
-        nodes.append({
-            "name": node.name,
-            "op": node.op,
-            "target": target,
-            "args": [_encode(a, where, f"args[{i}]") for i, a in enumerate(node.args)],
-            "kwargs": {k: _encode(v, where, f"kwargs[{k!r}]") for k, v in node.kwargs.items()},
-        })
+        nodes.append(
+            {
+                "name": node.name,
+                "op": node.op,
+                "target": target,
+                "args": [_encode(a, where, f"args[{i}]") for i, a in enumerate(node.args)],
+                "kwargs": {k: _encode(v, where, f"kwargs[{k!r}]") for k, v in node.kwargs.items()},
+            }
+        )
     return {"format": GRAPH_FORMAT_VERSION, "nodes": nodes}
 
 

@@ -59,8 +59,10 @@ def _private(package: Path) -> bool:
         return True
     paths = [package, package.parent, package.parent.parent, cache_root()]
     try:  # lstat: a link in the cache is refused, whoever owns what it points to
-        return all(not stat.S_ISLNK(p.lstat().st_mode) and p.lstat().st_uid == os.getuid()
-                   and not p.lstat().st_mode & 0o022 for p in paths)
+        return all(
+            not stat.S_ISLNK(p.lstat().st_mode) and p.lstat().st_uid == os.getuid() and not p.lstat().st_mode & 0o022
+            for p in paths
+        )
     except OSError:
         return False
 
@@ -78,8 +80,9 @@ def compile_into_cache(model: RecurrentModel) -> Path:
         for folder in (package.parents[2], package.parents[1], package.parent):
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
-        raise RnnifyError(f"cannot create the step cache {folder}: {exc.strerror or exc}; set {CACHE_ENV} to a "
-                          "folder of your own") from exc
+        raise RnnifyError(
+            f"cannot create the step cache {folder}: {exc.strerror or exc}; set {CACHE_ENV} to a folder of your own"
+        ) from exc
     return compile_package(model, package)
 
 
@@ -89,8 +92,10 @@ def ship(model: RecurrentModel, directory: Path) -> Path:
     one may then run it with ``trust_compiled_step``. The directory is held against writers meanwhile
     (``output_dir.claim``)."""
     if Manifest.read(directory).format_version < MANIFEST_FORMAT_VERSION:
-        raise RnnifyError(f"{directory} was saved by an older rnnify, whose manifest cannot record a shipped step: "
-                          "save it again with this one first")
+        raise RnnifyError(
+            f"{directory} was saved by an older rnnify, whose manifest cannot record a shipped step: "
+            "save it again with this one first"
+        )
     built = cached(model) or compile_into_cache(model)
     shipped = directory / STEP_PACKAGE
     try:
@@ -123,15 +128,19 @@ def find_step(model: RecurrentModel, directory: Path, trust: bool) -> StepPackag
     if not package.is_file():
         return None
     if not _private(package):
-        warnings.warn(f"{package} is not used: it, or a folder of the cache above it, belongs to another user or "
-                      f"is writable by others; decoding eagerly (set {CACHE_ENV} to a folder of your own)",
-                      RnnifyWarning, stacklevel=3)
+        warnings.warn(
+            f"{package} is not used: it, or a folder of the cache above it, belongs to another user or "
+            f"is writable by others; decoding eagerly (set {CACHE_ENV} to a folder of your own)",
+            RnnifyWarning,
+            stacklevel=3,
+        )
         return None
     try:
         return load_package(model, package)
     except RnnifyError as exc:  # a damaged entry: the model runs without it
-        warnings.warn(f"{exc}; decoding eagerly (`rnnify compile {directory}` compiles it again)", RnnifyWarning,
-                      stacklevel=3)
+        warnings.warn(
+            f"{exc}; decoding eagerly (`rnnify compile {directory}` compiles it again)", RnnifyWarning, stacklevel=3
+        )
         return None
 
 
@@ -141,16 +150,24 @@ def _shipped(model: RecurrentModel, directory: Path, key: str) -> StepPackage | 
     package = directory / STEP_PACKAGE
     recorded = model.manifest.files.get(STEP_PACKAGE)
     if recorded is None:
-        raise RnnifyError(f"{package} has no sha256 in {MANIFEST_FILE} (an older rnnify wrote it, or it was put there "
-                          f"since): not loaded; run `rnnify compile {directory}` here and load without "
-                          "--trust-compiled-step")
+        raise RnnifyError(
+            f"{package} has no sha256 in {MANIFEST_FILE} (an older rnnify wrote it, or it was put there "
+            f"since): not loaded; run `rnnify compile {directory}` here and load without "
+            "--trust-compiled-step"
+        )
     if sha256_file(package) != recorded:
-        raise RnnifyError(f"{package} does not match the sha256 recorded in {MANIFEST_FILE}: it was changed since it "
-                          f"was shipped; not loaded. Run `rnnify compile {directory}` here and load without "
-                          "--trust-compiled-step")
+        raise RnnifyError(
+            f"{package} does not match the sha256 recorded in {MANIFEST_FILE}: it was changed since it "
+            f"was shipped; not loaded. Run `rnnify compile {directory}` here and load without "
+            "--trust-compiled-step"
+        )
     if model.manifest.shipped_step != key:
-        warnings.warn(f"{package} was compiled for another model, rnnify or torch version or CPU: not used (`rnnify "
-                      f"compile {directory}` compiles the step for this machine)", RnnifyWarning, stacklevel=4)
+        warnings.warn(
+            f"{package} was compiled for another model, rnnify or torch version or CPU: not used (`rnnify "
+            f"compile {directory}` compiles the step for this machine)",
+            RnnifyWarning,
+            stacklevel=4,
+        )
         return None
     return load_package(model, package, shipped=True)
 

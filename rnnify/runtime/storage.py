@@ -30,15 +30,15 @@ from torch import nn
 
 from rnnify.cells import CellSpec, build_cell
 from rnnify.errors import RnnifyError, first_line
-from rnnify.runtime import hf_files, integrity, output_dir
 from rnnify.kernels.utils import check_kernels
+from rnnify.runtime import hf_files, integrity, output_dir
 from rnnify.runtime.manifest import Manifest, read_data
 from rnnify.runtime.model import RecurrentModel
-from rnnify.runtime.step_cache import find_step
 from rnnify.runtime.op_vocabulary import check_references, check_returns
-from rnnify.runtime.serialize import GraphFormatError, graph_from_json
-from rnnify.runtime.weight_layout import lay_out_linear_weights
 from rnnify.runtime.saving import GRAPH_FILE, SOURCE_FILES, WEIGHTS_FILE, saved_options
+from rnnify.runtime.serialize import GraphFormatError, graph_from_json
+from rnnify.runtime.step_cache import find_step
+from rnnify.runtime.weight_layout import lay_out_linear_weights
 
 
 def install(root: nn.Module, path: str, value: Any) -> None:
@@ -73,9 +73,15 @@ READ_IF_PRESENT = (hf_files.MODELING_FILE, *SOURCE_FILES)
 
 
 def load(
-    path: str | Path, device: torch.device | str | None = None, kernels: str | None = None, verify: bool = True,
-    aot_step: bool = True, trust_compiled_step: bool = False, expected_digest: str | None = None,
-    *, verify_weights: bool | None = None,
+    path: str | Path,
+    device: torch.device | str | None = None,
+    kernels: str | None = None,
+    verify: bool = True,
+    aot_step: bool = True,
+    trust_compiled_step: bool = False,
+    expected_digest: str | None = None,
+    *,
+    verify_weights: bool | None = None,
 ) -> RecurrentModel:
     """Load a directory written by ``RecurrentModel.save``; needs neither the source model nor a hub.
 
@@ -106,12 +112,15 @@ def load(
     try:
         tensors = load_file(path / WEIGHTS_FILE, device=str(device))
     except (SafetensorError, OSError, ValueError) as exc:
-        raise RnnifyError(f"{path / WEIGHTS_FILE}: missing or corrupted weights ({exc}); convert the model again") from exc
+        raise RnnifyError(
+            f"{path / WEIGHTS_FILE}: missing or corrupted weights ({exc}); convert the model again"
+        ) from exc
     try:
         graph = graph_from_json(json.loads((path / GRAPH_FILE).read_text()), device=device)
     except (OSError, ValueError, KeyError, TypeError, RecursionError, GraphFormatError) as exc:
-        raise RnnifyError(f"{path / GRAPH_FILE}: missing or corrupted graph ({first_line(exc)}); convert the model "
-                          "again") from exc
+        raise RnnifyError(
+            f"{path / GRAPH_FILE}: missing or corrupted graph ({first_line(exc)}); convert the model again"
+        ) from exc
     files = {name: (path / name).read_bytes() for name in SOURCE_FILES if (path / name).is_file()}
     if hf_files.CONFIG_FILE in files:  # in memory, always the source's config (directories of either format)
         files[hf_files.CONFIG_FILE] = hf_files.source_config(files[hf_files.CONFIG_FILE])
@@ -124,8 +133,9 @@ def load(
     return model
 
 
-def _step_module(path: Path, graph: torch.fx.Graph, manifest: Manifest, tensors: dict[str, torch.Tensor],
-                 device: torch.device) -> torch.fx.GraphModule:
+def _step_module(
+    path: Path, graph: torch.fx.Graph, manifest: Manifest, tensors: dict[str, torch.Tensor], device: torch.device
+) -> torch.fx.GraphModule:
     """The step graph bound to its cells and weights; a graph that reaches anything else, or weights
     that do not fit the cells, are refused (``op_vocabulary.check_references``)."""
     try:
@@ -134,7 +144,9 @@ def _step_module(path: Path, graph: torch.fx.Graph, manifest: Manifest, tensors:
         check_references(graph, tensors, (entry.module for entry in manifest.cells))
         root = nn.Module()
         for entry in manifest.cells:
-            cell = build_cell(entry.target, CellSpec(**entry.spec), saved_options(entry.target, entry.options)).to(device)
+            cell = build_cell(entry.target, CellSpec(**entry.spec), saved_options(entry.target, entry.options)).to(
+                device
+            )
             prefix = entry.module + "."
             cell.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, strict=True)
             install(root, entry.module, cell)
@@ -146,8 +158,9 @@ def _step_module(path: Path, graph: torch.fx.Graph, manifest: Manifest, tensors:
         module = torch.fx.GraphModule(root, graph, class_name="RecurrentStep")
         lay_out_linear_weights(module)
     except (RuntimeError, AttributeError, KeyError, TypeError, ValueError, OverflowError, GraphFormatError) as exc:
-        raise RnnifyError(f"{path}: weights, cells and graph do not fit together ({first_line(exc)}); convert the "
-                          "model again") from exc
+        raise RnnifyError(
+            f"{path}: weights, cells and graph do not fit together ({first_line(exc)}); convert the model again"
+        ) from exc
     return module
 
 
@@ -161,17 +174,24 @@ def _check_runs(model: RecurrentModel, path: Path) -> None:
     except Exception as exc:  # noqa: BLE001 - whatever running a directory's graph raises is the directory's fault
         if isinstance(exc, RnnifyError) and not isinstance(exc, GraphFormatError):
             raise
-        raise RnnifyError(f"{path}: the saved step does not run ({first_line(exc, with_type=True)}); convert the "
-                          "model again") from exc
+        raise RnnifyError(
+            f"{path}: the saved step does not run ({first_line(exc, with_type=True)}); convert the model again"
+        ) from exc
 
 
-def load_or_take(model_or_dir: RecurrentModel | str | os.PathLike, device=None, kernels: str | None = None,
-                 caller: str = "this function") -> RecurrentModel:
+def load_or_take(
+    model_or_dir: RecurrentModel | str | os.PathLike,
+    device=None,
+    kernels: str | None = None,
+    caller: str = "this function",
+) -> RecurrentModel:
     """``model_or_dir`` loaded with ``load(device=, kernels=)``, or as it is when already loaded (then
     ``device`` and ``kernels`` must be None: a loaded model is not silently moved or changed)."""
     if not isinstance(model_or_dir, RecurrentModel):
         return load(model_or_dir, device=device, kernels=kernels)
     if device is not None or kernels is not None:
-        raise RnnifyError(f"device= and kernels= say how {caller} loads a model directory; a loaded model runs "
-                          "as it is: pass its directory, or use rnnify.load(dir, device=..., kernels=...)")
+        raise RnnifyError(
+            f"device= and kernels= say how {caller} loads a model directory; a loaded model runs "
+            "as it is: pass its directory, or use rnnify.load(dir, device=..., kernels=...)"
+        )
     return model_or_dir

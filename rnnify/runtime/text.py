@@ -64,8 +64,10 @@ def generate_text(model: RecurrentModel, prompt: str, options: dict[str, Any]) -
 def chat(model: RecurrentModel, messages: list[dict[str, Any]], options: dict[str, Any]) -> str:
     """The reply to chat ``messages`` (``model.chat``)."""
     if not _is_messages(messages):
-        raise RnnifyError('chat takes a list of messages like [{"role": "user", "content": "..."}]; '
-                          "for a plain text prompt use generate")
+        raise RnnifyError(
+            'chat takes a list of messages like [{"role": "user", "content": "..."}]; '
+            "for a plain text prompt use generate"
+        )
     return "".join(stream(model, messages, options))
 
 
@@ -74,16 +76,20 @@ def stream(model: RecurrentModel, prompt: str | list[dict[str, Any]], options: d
     options are checked now, the tokens decoded as the pieces are read."""
     tokenizer = model.tokenizer
     if tokenizer is None:
-        raise RnnifyError(f"this model has no tokenizer (no tokenizer files in {tokenizer_places(model)}); "
-                          "assign one to model.tokenizer, or pass token ids")
+        raise RnnifyError(
+            f"this model has no tokenizer (no tokenizer files in {tokenizer_places(model)}); "
+            "assign one to model.tokenizer, or pass token ids"
+        )
     ids = torch.tensor([_prompt_ids(tokenizer, prompt)], device=model.device)
     steps = model._new_tokens(ids, **_options(model, tokenizer, options))
     return _pieces(steps, tokenizer)
 
 
 def _is_messages(prompt: Any) -> bool:
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
-        isinstance(message, Mapping) and "role" in message for message in prompt
+    return (
+        isinstance(prompt, (list, tuple))
+        and bool(prompt)
+        and all(isinstance(message, Mapping) and "role" in message for message in prompt)
     )
 
 
@@ -98,8 +104,10 @@ def _prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
     if _is_messages(prompt):
         check_template(tokenizer)
         return encode(tokenizer, render(tokenizer, list(prompt), True))
-    raise RnnifyError(f'a text prompt is a string or a list of messages like [{{"role": "user", "content": "..."}}], '
-                      f"got {type(prompt).__name__}")
+    raise RnnifyError(
+        f'a text prompt is a string or a list of messages like [{{"role": "user", "content": "..."}}], '
+        f"got {type(prompt).__name__}"
+    )
 
 
 def _options(model: RecurrentModel, tokenizer: Any, options: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,13 @@ from pathlib import Path
 from rnnify.errors import RnnifyError
 
 __all__ = [
-    "usable_cpus", "cpu_quota", "physical_cores", "default_threads", "max_threads", "choose_threads", "set_threads",
+    "usable_cpus",
+    "cpu_quota",
+    "physical_cores",
+    "default_threads",
+    "max_threads",
+    "choose_threads",
+    "set_threads",
 ]
 
 SYS = Path("/sys")

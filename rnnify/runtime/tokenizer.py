@@ -15,8 +15,15 @@ from typing import Any
 from rnnify.errors import RnnifyError
 
 __all__ = [
-    "TOKENIZER_FILES", "TOKENIZER_FIX", "check_template", "encode", "has_tokenizer", "load_tokenizer", "render",
-    "tokenizer_dir", "tokenizer_places",
+    "TOKENIZER_FILES",
+    "TOKENIZER_FIX",
+    "check_template",
+    "encode",
+    "has_tokenizer",
+    "load_tokenizer",
+    "render",
+    "tokenizer_dir",
+    "tokenizer_places",
 ]
 
 # Files of which a directory must hold one to have a tokenizer: without any, transformers may still
@@ -46,9 +53,13 @@ def load_tokenizer(directory: str | os.PathLike, fix: str = TOKENIZER_FIX):
 
     config = source_pretrained_config(directory)  # a converted directory: the tokenizer is its source's
     try:
-        tokenizer = AutoTokenizer.from_pretrained(  # a tokenizer is data: never a tokenizer class's code from the directory
-            str(directory), local_files_only=True, trust_remote_code=False,
-            **({"config": config} if config is not None else {}),
+        tokenizer = (
+            AutoTokenizer.from_pretrained(  # a tokenizer is data: never a tokenizer class's code from the directory
+                str(directory),
+                local_files_only=True,
+                trust_remote_code=False,
+                **({"config": config} if config is not None else {}),
+            )
         )
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise RnnifyError(f"cannot load a tokenizer from {directory} ({exc}); {fix}") from exc
@@ -72,12 +83,12 @@ def tokenizer_places(model: Any) -> str:
     return " or ".join(_tokenizer_places(model)) or "the model (in memory, no source recorded)"
 
 
-
 def check_template(tokenizer: Any) -> None:
     """Refuse a tokenizer without a chat template: there is no way to render messages for its model."""
     if not getattr(tokenizer, "chat_template", None):
-        raise RnnifyError("the tokenizer has no chat template; give a plain text prompt (rnnify generate, "
-                          "model.generate(text))")
+        raise RnnifyError(
+            "the tokenizer has no chat template; give a plain text prompt (rnnify generate, model.generate(text))"
+        )
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> str:

@@ -52,16 +52,21 @@ def laid_out(weight: torch.Tensor) -> torch.Tensor:
 
 def linear_weight_names(graph: torch.fx.GraphModule) -> list[str]:
     """The names of the weights the graph's ``aten.linear`` calls read, each once, in graph order."""
-    return list(dict.fromkeys(
-        node.args[1].target
-        for node in graph.graph.nodes
-        if node.op == "call_function" and node.target is torch.ops.aten.linear.default
-        and isinstance(node.args[1], torch.fx.Node) and node.args[1].op == "get_attr"
-    ))
+    return list(
+        dict.fromkeys(
+            node.args[1].target
+            for node in graph.graph.nodes
+            if node.op == "call_function"
+            and node.target is torch.ops.aten.linear.default
+            and isinstance(node.args[1], torch.fx.Node)
+            and node.args[1].op == "get_attr"
+        )
+    )
 
 
-def lay_out_linear_weights(graph: torch.fx.GraphModule,
-                           layout: Callable[[torch.Tensor], torch.Tensor] = laid_out) -> int:
+def lay_out_linear_weights(
+    graph: torch.fx.GraphModule, layout: Callable[[torch.Tensor], torch.Tensor] = laid_out
+) -> int:
     """Re-store every 2-D weight the graph's ``aten.linear`` calls read as ``layout`` gives it
     (default ``laid_out``, the module docstring's; ``torch.Tensor.contiguous``: row-major, as
     checkpoints hold them); returns how many tensors moved. Every name a tensor is known by (a tied

@@ -24,9 +24,18 @@ import torch
 __all__ = ["write_safetensors"]
 
 _DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 
 
@@ -37,7 +46,11 @@ def _header(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None
         if tensor.dtype not in _DTYPES:
             raise ValueError(f"{name}: cannot save dtype {tensor.dtype} in safetensors")
         size = tensor.numel() * tensor.element_size()
-        entries[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        entries[name] = {
+            "dtype": _DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     text = json.dumps(entries, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)

@@ -51,7 +51,9 @@ def register() -> None:
 
             check_hostable(vllm_config.model_config.model)
             if vllm_config.cache_config.enable_prefix_caching:
-                raise RnnifyError("rnnify's vLLM plugin does not support prefix caching yet: drop --enable-prefix-caching")
+                raise RnnifyError(
+                    "rnnify's vLLM plugin does not support prefix caching yet: drop --enable-prefix-caching"
+                )
             super().verify_and_update_config(vllm_config)
 
     MODELS_CONFIG_MAP[hf_files.ARCHITECTURE] = RnnifyModelConfig

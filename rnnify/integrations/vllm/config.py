@@ -17,8 +17,15 @@ __all__ = ["LIFTED", "RnnifyVllmConfig"]
 
 # Fields of the source config that vLLM reads from the top level when they are not there already.
 LIFTED = (
-    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
 )
 
 

@@ -120,7 +120,8 @@ class RnnifyState(nn.Module, MambaBase):
         """The states in ``slots`` as one batched ``RecurrentState`` (copies)."""
         n, layout = slots.shape[0], self.layout
         items = [
-            view.index_select(0, slots) if view is not None
+            view.index_select(0, slots)
+            if view is not None
             else torch.empty((n, *layout.shapes[i]), dtype=layout.dtypes[i])
             for i, view in enumerate(self.views)
         ]
@@ -147,10 +148,15 @@ class RnnifyForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         super().__init__()
         model_config = vllm_config.model_config
         path = model_config.model
-        if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
+        if (
+            vllm_config.parallel_config.tensor_parallel_size != 1
+            or vllm_config.parallel_config.pipeline_parallel_size != 1
+        ):
             raise RnnifyError("rnnify's vLLM plugin runs on one device: drop tensor and pipeline parallelism")
         if vllm_config.cache_config.enable_prefix_caching:
-            raise RnnifyError("rnnify's vLLM plugin does not support prefix caching yet: pass enable_prefix_caching=False")
+            raise RnnifyError(
+                "rnnify's vLLM plugin does not support prefix caching yet: pass enable_prefix_caching=False"
+            )
         if vllm_config.num_speculative_tokens:
             raise RnnifyError("rnnify's vLLM plugin does not support speculative decoding")
         if not current_platform.is_cpu():

@@ -40,16 +40,30 @@ if triton is not None:
         return b_N + tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
 
     @triton.jit
-    def load_chunk(k, beta, g, i_b, i_h, i_t, T, HKV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                   BK: tl.constexpr, USE_G: tl.constexpr, PRECISION: tl.constexpr):
+    def load_chunk(
+        k,
+        beta,
+        g,
+        i_b,
+        i_h,
+        i_t,
+        T,
+        HKV: tl.constexpr,
+        K: tl.constexpr,
+        BT: tl.constexpr,
+        BK: tl.constexpr,
+        USE_G: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """A chunk's keys, betas (0 past the end), cumulative log decays c, their total, D and M."""
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         o_t = i_t * BT + o_i
         m_t = o_t < T
         i_bt = i_b * T + o_t
-        b_k = tl.load(k + (i_bt[:, None] * HKV + i_h) * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :],
-                      other=0.0).to(tl.float32)
+        b_k = tl.load(
+            k + (i_bt[:, None] * HKV + i_h) * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0
+        ).to(tl.float32)
         b_beta = tl.load(beta + i_bt * HKV + i_h, mask=m_t, other=0.0).to(tl.float32)
         b_c = tl.zeros([BT], dtype=tl.float32)
         if USE_G:  # past the end: g = 0, so c stays at the chunk's total
@@ -64,10 +78,29 @@ if triton is not None:
 
     @triton.jit
     def chunk_delta_rule_fwd_kernel(
-        q, k, v, beta, g, h0, o, ht, hs, scale, T,
-        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
-        USE_INITIAL_STATE: tl.constexpr, STORE_OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr,
+        q,
+        k,
+        v,
+        beta,
+        g,
+        h0,
+        o,
+        ht,
+        hs,
+        scale,
+        T,
+        H: tl.constexpr,
+        HKV: tl.constexpr,
+        G: tl.constexpr,
+        K: tl.constexpr,
+        V: tl.constexpr,
+        BT: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        USE_G: tl.constexpr,
+        USE_INITIAL_STATE: tl.constexpr,
+        STORE_OUTPUT: tl.constexpr,
+        STORE_STATES: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         i_v, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # int64 offsets
@@ -85,13 +118,15 @@ if triton is not None:
         for i_t in range(0, NT):
             if STORE_STATES:
                 tl.store(hs + ((i_bh * NT + i_t) * K + o_k[:, None]) * V + o_v[None, :], b_h, mask=m_h)
-            b_k, b_beta, b_c, b_cn, b_D, b_kk, b_M = load_chunk(k, beta, g, i_b, i_h, i_t, T, HKV, K, BT, BK,
-                                                                USE_G, PRECISION)
+            b_k, b_beta, b_c, b_cn, b_D, b_kk, b_M = load_chunk(
+                k, beta, g, i_b, i_h, i_t, T, HKV, K, BT, BK, USE_G, PRECISION
+            )
             o_t = i_t * BT + o_i
             m_t = o_t < T
             i_bt = i_b * T + o_t
-            b_v = tl.load(v + (i_bt[:, None] * HKV + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                          other=0.0).to(tl.float32)
+            b_v = tl.load(
+                v + (i_bt[:, None] * HKV + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
+            ).to(tl.float32)
             b_w = tl.dot(b_M, b_k * (b_beta * tl.exp(b_c))[:, None], input_precision=PRECISION)
             b_u = tl.dot(b_M, b_v * b_beta[:, None], input_precision=PRECISION)
             b_n = b_u - tl.dot(b_w, b_h, input_precision=PRECISION)  # the tokens' writes u_t  [BT, BV]
@@ -111,10 +146,33 @@ if triton is not None:
 
     @triton.jit
     def chunk_delta_rule_bwd_kernel(
-        q, k, v, beta, g, hs, do, dht, dq, dk, dv, dbeta, dg, dh0, scale, T,
-        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
-        USE_INITIAL_STATE: tl.constexpr, PRECISION: tl.constexpr,
+        q,
+        k,
+        v,
+        beta,
+        g,
+        hs,
+        do,
+        dht,
+        dq,
+        dk,
+        dv,
+        dbeta,
+        dg,
+        dh0,
+        scale,
+        T,
+        H: tl.constexpr,
+        HKV: tl.constexpr,
+        G: tl.constexpr,
+        K: tl.constexpr,
+        V: tl.constexpr,
+        BT: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        USE_G: tl.constexpr,
+        USE_INITIAL_STATE: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         i_bh = tl.program_id(0).to(tl.int64)
         i_b, i_h = i_bh // HKV, i_bh % HKV
@@ -129,8 +187,9 @@ if triton is not None:
         b_dh = tl.load(dht + i_bh * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0).to(tl.float32)
         for r in range(0, NT):
             i_t = NT - 1 - r
-            b_k, b_beta, b_c, b_cn, b_D, b_kk, b_M = load_chunk(k, beta, g, i_b, i_h, i_t, T, HKV, K, BT, BK,
-                                                                USE_G, PRECISION)
+            b_k, b_beta, b_c, b_cn, b_D, b_kk, b_M = load_chunk(
+                k, beta, g, i_b, i_h, i_t, T, HKV, K, BT, BK, USE_G, PRECISION
+            )
             o_t = i_t * BT + o_i
             m_t = o_t < T
             i_bt = i_b * T + o_t
@@ -178,17 +237,18 @@ if triton is not None:
             b_Mt = tl.trans(b_M)
             b_dx = tl.dot(b_Mt, b_dn, input_precision=PRECISION)
             b_dy = tl.dot(b_Mt, b_dw, input_precision=PRECISION)
-            b_dM = (tl.dot(b_dn, tl.trans(b_x), input_precision=PRECISION)
-                    + tl.dot(b_dw, tl.trans(b_y), input_precision=PRECISION))
+            b_dM = tl.dot(b_dn, tl.trans(b_x), input_precision=PRECISION) + tl.dot(
+                b_dw, tl.trans(b_y), input_precision=PRECISION
+            )
             b_dA = -tl.dot(tl.dot(b_Mt, b_dM, input_precision=PRECISION), b_Mt, input_precision=PRECISION)
             b_dAD = tl.where(m_s, b_dA, 0.0) * b_D  # A = strictly_lower(diag(beta) K K^T * D)
             b_dv = b_dx * b_beta[:, None]
-            b_dbeta = (tl.sum(b_dx * b_v, axis=1) + tl.sum(b_dy * b_k, axis=1) * b_ec
-                       + tl.sum(b_dAD * b_kk, axis=1))
+            b_dbeta = tl.sum(b_dx * b_v, axis=1) + tl.sum(b_dy * b_k, axis=1) * b_ec + tl.sum(b_dAD * b_kk, axis=1)
             b_dkk = b_dAD * b_beta[:, None]
             b_dk += b_dy * (b_beta * b_ec)[:, None]
-            b_dk += (tl.dot(b_dkk, b_k, input_precision=PRECISION)
-                     + tl.dot(tl.trans(b_dkk), b_k, input_precision=PRECISION))
+            b_dk += tl.dot(b_dkk, b_k, input_precision=PRECISION) + tl.dot(
+                tl.trans(b_dkk), b_k, input_precision=PRECISION
+            )
             tl.store(dk + (i_bt[:, None] * HKV + i_h) * K + o_k[None, :], b_dk, mask=m_tk)
             tl.store(dv + (i_bt[:, None] * HKV + i_h) * V + o_v[None, :], b_dv, mask=m_tv)
             tl.store(dbeta + i_bt * HKV + i_h, b_dbeta, mask=m_t)
@@ -218,9 +278,32 @@ def _states_fwd(q, k, v, beta, g, h0, scale, store_output: bool, store_states: b
     ht = utils.empty((B, Hkv, K, V), q.device)
     hs = utils.empty((B, Hkv, triton.cdiv(T, BT), K, V), q.device) if store_states else None
     chunk_delta_rule_fwd_kernel[(triton.cdiv(V, BV), B * Hkv)](
-        q, k, v, beta, g, h0, o, ht, hs, scale, T, H=H, HKV=Hkv, G=H // Hkv, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        USE_G=g is not None, USE_INITIAL_STATE=h0 is not None, STORE_OUTPUT=store_output,
-        STORE_STATES=store_states, PRECISION=utils.DOT_PRECISION, num_warps=4, num_stages=1,
+        q,
+        k,
+        v,
+        beta,
+        g,
+        h0,
+        o,
+        ht,
+        hs,
+        scale,
+        T,
+        H=H,
+        HKV=Hkv,
+        G=H // Hkv,
+        K=K,
+        V=V,
+        BT=BT,
+        BK=BK,
+        BV=BV,
+        USE_G=g is not None,
+        USE_INITIAL_STATE=h0 is not None,
+        STORE_OUTPUT=store_output,
+        STORE_STATES=store_states,
+        PRECISION=utils.DOT_PRECISION,
+        num_warps=4,
+        num_stages=1,
     )
     return o, ht, hs
 
@@ -231,9 +314,17 @@ def chunk_delta_rule_fwd_triton(q, k, v, beta, g, h0, scale):
 
 
 @torch.library.custom_op("rnnify::delta_rule_bwd", mutates_args=())
-def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
-            h0: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None,
+    h0: torch.Tensor | None,
+    do: torch.Tensor,
+    dht: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton: (dq, dk, dv, dbeta, dg, dh0), fp32, of (o, ht) = the delta rule; dg / dh0 are empty
     without g / h0."""
     _, _, hs = _states_fwd(q, k, v, beta, g, h0, scale, store_output=False, store_states=True)
@@ -246,10 +337,35 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     dg = utils.empty((B, T, Hkv), q.device) if g is not None else q.new_empty(0, dtype=torch.float32)
     dh0 = utils.empty((B, Hkv, K, V), q.device) if h0 is not None else q.new_empty(0, dtype=torch.float32)
     chunk_delta_rule_bwd_kernel[(B * Hkv,)](
-        q, k, v, beta, g, hs, do.contiguous(), dht.contiguous(), dq, dk, dv, dbeta, dg, dh0, scale, T,
-        H=H, HKV=Hkv, G=H // Hkv, K=K, V=V, BT=BT, BK=utils.next_pow2(K), BV=utils.next_pow2(V),
-        USE_G=g is not None, USE_INITIAL_STATE=h0 is not None, PRECISION=utils.DOT_PRECISION,
-        num_warps=4, num_stages=1,
+        q,
+        k,
+        v,
+        beta,
+        g,
+        hs,
+        do.contiguous(),
+        dht.contiguous(),
+        dq,
+        dk,
+        dv,
+        dbeta,
+        dg,
+        dh0,
+        scale,
+        T,
+        H=H,
+        HKV=Hkv,
+        G=H // Hkv,
+        K=K,
+        V=V,
+        BT=BT,
+        BK=utils.next_pow2(K),
+        BV=utils.next_pow2(V),
+        USE_G=g is not None,
+        USE_INITIAL_STATE=h0 is not None,
+        PRECISION=utils.DOT_PRECISION,
+        num_warps=4,
+        num_stages=1,
     )
     return dq, dk, dv, dbeta, dg, dh0
 
@@ -263,8 +379,16 @@ def _reference(q, k, v, beta, g, scale, h0):
 
 
 @torch.library.custom_op("rnnify::chunk_delta_rule", mutates_args=())
-def _chunk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
-              h0: torch.Tensor | None, scale: float, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None,
+    h0: torch.Tensor | None,
+    scale: float,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
     return common.forward(chunk_delta_rule_fwd_triton, _reference, q, k, v, beta, g, h0, scale, backend)
 
 
@@ -272,14 +396,24 @@ _chunk_op.register_fake(common.fake)
 common.register_autograd(_chunk_op, _bwd_op, _reference)
 
 
-def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
-                     g: torch.Tensor | None = None, scale: float | None = None,
-                     initial_state: torch.Tensor | None = None, output_final_state: bool = False, *,
-                     mask: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunk_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    *,
+    mask: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The (gated) delta rule over a prompt, chunkwise-parallel, differentiable. Math and shapes in
     ``naive.py``: beta ``[B, T, H_kv]`` in (0, 1), g ``[B, T, H_kv]`` log decays (None: no decay),
     state ``[B, H_kv, K, V]``. The caller L2-normalises q and k. ``mask`` ``[B, T]`` (True: a real
     token): padding leaves the state as it was (see ``common``). ``backend``: see
     ``rnnify.kernels.utils.resolve_backend``."""
-    return common.run(torch.ops.rnnify.chunk_delta_rule, q, k, v, beta, g, scale, initial_state,
-                      output_final_state, mask, backend)
+    return common.run(
+        torch.ops.rnnify.chunk_delta_rule, q, k, v, beta, g, scale, initial_state, output_final_state, mask, backend
+    )

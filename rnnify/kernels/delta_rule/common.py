@@ -30,10 +30,18 @@ def run(op, q, k, v, beta, g, scale, initial_state, output_final_state, mask, ba
         real = mask.to(torch.bool)[:, :, None]
         beta = torch.where(real, beta, 0.0)
         g = None if g is None else torch.where(real, g, 0.0)
-    scale = K ** -0.5 if scale is None else float(scale)
+    scale = K**-0.5 if scale is None else float(scale)
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    o, ht = op(q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(),
-               None if g is None else g.contiguous(), h0, scale, backend)
+    o, ht = op(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        beta.contiguous(),
+        None if g is None else g.contiguous(),
+        h0,
+        scale,
+        backend,
+    )
     return o, (ht if output_final_state else None)
 
 
@@ -46,14 +54,22 @@ def forward(triton_fwd, reference, q, k, v, beta, g, h0, scale, backend):
 
 def fake(q, k, v, beta, g, h0, scale, backend="auto"):
     B, T, H, K = q.shape
-    return (q.new_empty(B, T, H, v.shape[-1], dtype=v.dtype),
-            q.new_empty(B, k.shape[2], K, v.shape[-1], dtype=torch.float32))
+    return (
+        q.new_empty(B, T, H, v.shape[-1], dtype=v.dtype),
+        q.new_empty(B, k.shape[2], K, v.shape[-1], dtype=torch.float32),
+    )
 
 
 def fake_bwd(q, k, v, beta, g, h0, do, dht, scale):
     f32 = lambda x: torch.empty_like(x, dtype=torch.float32)  # noqa: E731
-    return (f32(q), f32(k), f32(v), f32(beta), f32(g) if g is not None else q.new_empty(0, dtype=torch.float32),
-            f32(h0) if h0 is not None else q.new_empty(0, dtype=torch.float32))
+    return (
+        f32(q),
+        f32(k),
+        f32(v),
+        f32(beta),
+        f32(g) if g is not None else q.new_empty(0, dtype=torch.float32),
+        f32(h0) if h0 is not None else q.new_empty(0, dtype=torch.float32),
+    )
 
 
 def register_autograd(op, bwd_op, reference) -> None:
@@ -71,8 +87,9 @@ def register_autograd(op, bwd_op, reference) -> None:
         scale, backend = ctx.args
         if utils.resolve_backend(backend, q):
             grads = bwd_op(q, k, v, beta, g, h0, do, dht, scale)
-            dq, dk, dv, dbeta, dg, dh0 = (x.to(y.dtype) if y is not None else None
-                                          for x, y in zip(grads, (q, k, v, beta, g, h0)))
+            dq, dk, dv, dbeta, dg, dh0 = (
+                x.to(y.dtype) if y is not None else None for x, y in zip(grads, (q, k, v, beta, g, h0))
+            )
         else:
             inputs = [None if x is None else x.detach().requires_grad_() for x in (q, k, v, beta, g, h0)]
             with torch.enable_grad():

@@ -23,9 +23,25 @@ if triton is not None:
 
     @triton.jit
     def fused_recurrent_delta_rule_fwd_kernel(
-        q, k, v, beta, g, h0, o, ht, scale, T,
-        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+        q,
+        k,
+        v,
+        beta,
+        g,
+        h0,
+        o,
+        ht,
+        scale,
+        T,
+        H: tl.constexpr,
+        HKV: tl.constexpr,
+        G: tl.constexpr,
+        K: tl.constexpr,
+        V: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        USE_G: tl.constexpr,
+        USE_INITIAL_STATE: tl.constexpr,
     ):
         i_v, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # int64 offsets
         i_b, i_h = i_bh // HKV, i_bh % HKV
@@ -61,8 +77,25 @@ def fused_recurrent_delta_rule_fwd_triton(q, k, v, beta, g, h0, scale):
     o = utils.empty((B, T, H, V), q.device, v.dtype)
     ht = utils.empty((B, Hkv, K, V), q.device)
     fused_recurrent_delta_rule_fwd_kernel[(triton.cdiv(V, BV), B * Hkv)](
-        q, k, v, beta, g, h0, o, ht, scale, T, H=H, HKV=Hkv, G=H // Hkv, K=K, V=V,
-        BK=utils.next_pow2(K), BV=BV, USE_G=g is not None, USE_INITIAL_STATE=h0 is not None,
+        q,
+        k,
+        v,
+        beta,
+        g,
+        h0,
+        o,
+        ht,
+        scale,
+        T,
+        H=H,
+        HKV=Hkv,
+        G=H // Hkv,
+        K=K,
+        V=V,
+        BK=utils.next_pow2(K),
+        BV=BV,
+        USE_G=g is not None,
+        USE_INITIAL_STATE=h0 is not None,
     )
     return o, ht
 
@@ -73,9 +106,16 @@ def _reference(q, k, v, beta, g, scale, h0):
 
 
 @torch.library.custom_op("rnnify::fused_recurrent_delta_rule", mutates_args=())
-def _fused_recurrent_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
-                        g: torch.Tensor | None, h0: torch.Tensor | None, scale: float,
-                        backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def _fused_recurrent_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None,
+    h0: torch.Tensor | None,
+    scale: float,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
     return common.forward(fused_recurrent_delta_rule_fwd_triton, _reference, q, k, v, beta, g, h0, scale, backend)
 
 
@@ -83,12 +123,31 @@ _fused_recurrent_op.register_fake(common.fake)
 common.register_autograd(_fused_recurrent_op, _bwd_op, _reference)
 
 
-def fused_recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
-                               g: torch.Tensor | None = None, scale: float | None = None,
-                               initial_state: torch.Tensor | None = None, output_final_state: bool = False, *,
-                               mask: torch.Tensor | None = None,
-                               backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+def fused_recurrent_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    *,
+    mask: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The (gated) delta rule token by token in one kernel (decode, short prompts), differentiable.
     Arguments as ``chunk_delta_rule``."""
-    return common.run(torch.ops.rnnify.fused_recurrent_delta_rule, q, k, v, beta, g, scale, initial_state,
-                      output_final_state, mask, backend)
+    return common.run(
+        torch.ops.rnnify.fused_recurrent_delta_rule,
+        q,
+        k,
+        v,
+        beta,
+        g,
+        scale,
+        initial_state,
+        output_final_state,
+        mask,
+        backend,
+    )

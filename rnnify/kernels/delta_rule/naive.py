@@ -48,7 +48,7 @@ def naive_recurrent_delta_rule(q, k, v, beta, g=None, scale=None, initial_state=
     check_inputs(q, k, v, beta, g)
     B, T, H, K = q.shape
     Hkv, V, dtype, ct = k.shape[2], v.shape[-1], v.dtype, _compute_dtype(q)
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     q = q.to(ct).reshape(B, T, Hkv, H // Hkv, K) * scale
     k, v, beta = k.to(ct), v.to(ct), beta.to(ct)
     S = q.new_zeros(B, Hkv, K, V) if initial_state is None else initial_state.to(ct)
@@ -75,7 +75,7 @@ def chunk_delta_rule_reference(q, k, v, beta, g=None, scale=None, initial_state=
     Hkv, V, dtype, ct = k.shape[2], v.shape[-1], v.dtype, _compute_dtype(q)
     G, C = H // Hkv, chunk_size
     N = -(-T // C)
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
 
     def chunks(x):  # [B, T, Hkv, ...] -> [B, Hkv, N, C, ...], zero-padded
         x = F.pad(x.to(ct), (0, 0) * (x.dim() - 2) + (0, N * C - T))
@@ -100,7 +100,9 @@ def chunk_delta_rule_reference(q, k, v, beta, g=None, scale=None, initial_state=
     rhs = beta[..., None] * torch.cat([v, k_start], dim=-1)
     UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
     U, W = UW[..., :V], UW[..., V:]
-    scores = (q @ k[:, :, :, None].transpose(-1, -2)) * (decay if g is None else decay[:, :, :, None])  # [B, Hkv, N, G, C, C]
+    scores = (q @ k[:, :, :, None].transpose(-1, -2)) * (
+        decay if g is None else decay[:, :, :, None]
+    )  # [B, Hkv, N, G, C, C]
     S = q.new_zeros(B, Hkv, K, V) if initial_state is None else initial_state.to(ct)
     outs = []
     for n in range(N):

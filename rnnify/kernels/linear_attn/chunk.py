@@ -35,11 +35,36 @@ if triton is not None:
 
     @triton.jit
     def chunk_linear_attn_fwd_kernel(
-        q, k, v, g, gk, w, h0, km, o, ht, scale, fsqrt, fshift, T,
-        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, K: tl.constexpr, F: tl.constexpr,
-        V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-        FEATURE: tl.constexpr, QUERY_SHIFT: tl.constexpr,
-        USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, USE_MASK: tl.constexpr,
+        q,
+        k,
+        v,
+        g,
+        gk,
+        w,
+        h0,
+        km,
+        o,
+        ht,
+        scale,
+        fsqrt,
+        fshift,
+        T,
+        H: tl.constexpr,
+        HKV: tl.constexpr,
+        G: tl.constexpr,
+        K: tl.constexpr,
+        F: tl.constexpr,
+        V: tl.constexpr,
+        BT: tl.constexpr,
+        BK: tl.constexpr,
+        BF: tl.constexpr,
+        BV: tl.constexpr,
+        FEATURE: tl.constexpr,
+        QUERY_SHIFT: tl.constexpr,
+        USE_G: tl.constexpr,
+        USE_GK: tl.constexpr,
+        USE_INITIAL_STATE: tl.constexpr,
+        USE_MASK: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         i_v, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # int64 offsets
@@ -112,13 +137,34 @@ if triton is not None:
         p_ht = ht + i_bh * F * V + o_f[:, None] * V + o_v[None, :]
         tl.store(p_ht, b_h, mask=m_h)
 
-
     @triton.jit
     def chunk_linear_attn_bwd_kernel(
-        q, k, v, g, gk, h0, do, dht, dq, dk, dv, dh0, scale, T,
-        B: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
-        V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+        q,
+        k,
+        v,
+        g,
+        gk,
+        h0,
+        do,
+        dht,
+        dq,
+        dk,
+        dv,
+        dh0,
+        scale,
+        T,
+        B: tl.constexpr,
+        H: tl.constexpr,
+        HKV: tl.constexpr,
+        G: tl.constexpr,
+        K: tl.constexpr,
+        V: tl.constexpr,
+        BT: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        USE_G: tl.constexpr,
+        USE_GK: tl.constexpr,
+        USE_INITIAL_STATE: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         # dq and dk are partial sums over this value block: [NV, B, T, H|HKV, K], summed by the caller
@@ -213,7 +259,10 @@ if triton is not None:
                 b_dh = b_dh * tl.exp(b_gkn)[:, None]
             for i_g in tl.static_range(G):
                 i_hq = i_h * G + i_g
-                b_q = tl.load(q + (i_bt[:, None] * H + i_hq) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
+                b_q = (
+                    tl.load(q + (i_bt[:, None] * H + i_hq) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+                    * scale
+                )
                 b_do = tl.load(do + (i_bt[:, None] * H + i_hq) * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
                 if USE_GK:
                     b_A = tl.sum(b_q[:, None, :] * b_k[None, :, :] * b_dgk, axis=2)
@@ -263,19 +312,51 @@ def chunk_linear_attn_fwd_triton(q, k, v, g, gk, h0, w, scale, feature_map="iden
     o = utils.empty((B, T, H, V), q.device, v.dtype)
     ht = utils.empty((B, Hkv, F, V), q.device, torch.float32)
     chunk_linear_attn_fwd_kernel[(triton.cdiv(V, BV), B * Hkv)](
-        q, k, v, g, gk, w, h0, km, o, ht, T=T, H=H, HKV=Hkv, G=H // Hkv, K=K, F=F, V=V,
-        BT=BT, BK=utils.next_pow2(K), BF=BF, BV=BV, USE_G=g is not None, USE_GK=gk is not None,
-        USE_INITIAL_STATE=h0 is not None, USE_MASK=km is not None, PRECISION=utils.DOT_PRECISION,
-        num_warps=4, num_stages=1,
+        q,
+        k,
+        v,
+        g,
+        gk,
+        w,
+        h0,
+        km,
+        o,
+        ht,
+        T=T,
+        H=H,
+        HKV=Hkv,
+        G=H // Hkv,
+        K=K,
+        F=F,
+        V=V,
+        BT=BT,
+        BK=utils.next_pow2(K),
+        BF=BF,
+        BV=BV,
+        USE_G=g is not None,
+        USE_GK=gk is not None,
+        USE_INITIAL_STATE=h0 is not None,
+        USE_MASK=km is not None,
+        PRECISION=utils.DOT_PRECISION,
+        num_warps=4,
+        num_stages=1,
         **feature_maps.kernel_args(feature_map, scale, w, query_shift),
     )
     return o, ht
 
 
 @torch.library.custom_op("rnnify::chunk_linear_attn_bwd", mutates_args=())
-def _chunk_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, gk: torch.Tensor | None,
-                  h0: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _chunk_bwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    gk: torch.Tensor | None,
+    h0: torch.Tensor | None,
+    do: torch.Tensor,
+    dht: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton: (dq fp32, dk fp32, dv, dh0) of (o = scale q S, ht) for featurised q, k; dh0 is empty without h0."""
     q, k, v, g, gk, h0 = (None if x is None else x.contiguous() for x in (q, k, v, g, gk, h0))
     B, T, H, K = q.shape
@@ -287,10 +368,35 @@ def _chunk_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     dv = utils.empty((B, T, Hkv, V), q.device, v.dtype)
     dh0 = utils.empty((B, Hkv, K, V), q.device) if h0 is not None else q.new_empty(0, dtype=torch.float32)
     chunk_linear_attn_bwd_kernel[(NV, B * Hkv)](
-        q, k, v, g, gk, h0, do.contiguous(), dht.contiguous(), dq, dk, dv, dh0, scale, T,
-        B=B, H=H, HKV=Hkv, G=H // Hkv, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        USE_G=g is not None, USE_GK=gk is not None, USE_INITIAL_STATE=h0 is not None,
-        PRECISION=utils.DOT_PRECISION, num_warps=4, num_stages=1,
+        q,
+        k,
+        v,
+        g,
+        gk,
+        h0,
+        do.contiguous(),
+        dht.contiguous(),
+        dq,
+        dk,
+        dv,
+        dh0,
+        scale,
+        T,
+        B=B,
+        H=H,
+        HKV=Hkv,
+        G=H // Hkv,
+        K=K,
+        V=V,
+        BT=BT,
+        BK=BK,
+        BV=BV,
+        USE_G=g is not None,
+        USE_GK=gk is not None,
+        USE_INITIAL_STATE=h0 is not None,
+        PRECISION=utils.DOT_PRECISION,
+        num_warps=4,
+        num_stages=1,
     )
     return dq.sum(0), dk.sum(0), dv, dh0
 
@@ -298,5 +404,9 @@ def _chunk_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 _chunk_bwd_op.register_fake(common.fake_bwd)
 
 
-chunk_linear_attn = common.define_op("chunk_linear_attn", chunk_linear_attn_fwd_triton, _chunk_bwd_op,
-                                     "(Gated) linear attention over a prompt, chunkwise-parallel, differentiable.")
+chunk_linear_attn = common.define_op(
+    "chunk_linear_attn",
+    chunk_linear_attn_fwd_triton,
+    _chunk_bwd_op,
+    "(Gated) linear attention over a prompt, chunkwise-parallel, differentiable.",
+)

@@ -36,8 +36,23 @@ from rnnify.kernels.linear_attn.naive import check_inputs, chunk_gated_attn
 State = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # S, or (S, z) with normalize
 
 
-def run(op, q, k, v, g, gk, scale, initial_state, output_final_state, normalize, eps, feature_map,
-        feature_weight, mask, backend):
+def run(
+    op,
+    q,
+    k,
+    v,
+    g,
+    gk,
+    scale,
+    initial_state,
+    output_final_state,
+    normalize,
+    eps,
+    feature_map,
+    feature_weight,
+    mask,
+    backend,
+):
     feature_map = check_feature_map(feature_map, feature_weight, k)
     check_inputs(q, k, v, g, gk, feature_dim(feature_map, k.shape[-1], feature_weight))
     utils.check_kernels(backend, utils.BACKENDS)
@@ -47,7 +62,7 @@ def run(op, q, k, v, g, gk, scale, initial_state, output_final_state, normalize,
             raise ValueError(f"mask must be [B, T] = {(B, T)}, got {tuple(mask.shape)}")
         mask = mask.to(torch.bool).contiguous()
     Hkv, V = k.shape[2], v.shape[-1]
-    scale = K ** -0.5 if scale is None else float(scale)
+    scale = K**-0.5 if scale is None else float(scale)
     h0 = initial_state
     if normalize:
         v = torch.cat([v, v.new_ones(B, T, Hkv, 1)], dim=-1)
@@ -80,12 +95,15 @@ def masked_gates(g, gk, mask):
     """The log gates with 0 at padding tokens (a padding token decays nothing)."""
     if mask is None:
         return g, gk
-    return (None if g is None else torch.where(mask[:, :, None], g, 0.0),
-            None if gk is None else torch.where(mask[:, :, None, None], gk, 0.0))
+    return (
+        None if g is None else torch.where(mask[:, :, None], g, 0.0),
+        None if gk is None else torch.where(mask[:, :, None, None], gk, 0.0),
+    )
 
 
-def reference(q, k, v, g, gk, h0, scale, feature_map="identity", weight=None, query_shift=False, mask=None,
-              chunk_size=64):
+def reference(
+    q, k, v, g, gk, h0, scale, feature_map="identity", weight=None, query_shift=False, mask=None, chunk_size=64
+):
     """The unnormalised op in PyTorch: the feature map, then ``naive.chunk_gated_attn`` (its
     layout: phi_q [B, H_kv, G, T, F], phi_k [B, H_kv, T, F], log_a [B, H_kv, T, F|1], None without
     a gate)."""
@@ -99,8 +117,9 @@ def reference(q, k, v, g, gk, h0, scale, feature_map="identity", weight=None, qu
     if gk is not None:
         gk = gk.float().transpose(1, 2)
         log_a = gk if log_a is None else log_a + gk
-    o, ht, _ = chunk_gated_attn(phi_q, phi_k.transpose(1, 2), v.float().transpose(1, 2), log_a, kv, None,
-                                chunk_size=chunk_size)
+    o, ht, _ = chunk_gated_attn(
+        phi_q, phi_k.transpose(1, 2), v.float().transpose(1, 2), log_a, kv, None, chunk_size=chunk_size
+    )
     return o.permute(0, 3, 1, 2, 4).reshape(B, T, H, V).to(v.dtype), ht
 
 
@@ -112,12 +131,15 @@ def forward(triton_fwd, q, k, v, g, gk, h0, scale, feature_map, feature_weight, 
     return o.contiguous(), ht.contiguous()
 
 
-def fake(q, k, v, g, gk, h0, scale, feature_map="identity", feature_weight=None, query_shift=False, backend="auto",
-         mask=None):
+def fake(
+    q, k, v, g, gk, h0, scale, feature_map="identity", feature_weight=None, query_shift=False, backend="auto", mask=None
+):
     B, T, H, K = q.shape
     F = feature_dim(feature_map, K, feature_weight)
-    return (q.new_empty(B, T, H, v.shape[-1], dtype=v.dtype),
-            q.new_empty(B, k.shape[2], F, v.shape[-1], dtype=torch.float32))
+    return (
+        q.new_empty(B, T, H, v.shape[-1], dtype=v.dtype),
+        q.new_empty(B, k.shape[2], F, v.shape[-1], dtype=torch.float32),
+    )
 
 
 def gate_grads(q, k, dq, dk, ht, dht, g, gk):
@@ -139,8 +161,12 @@ def gate_grads(q, k, dq, dk, ht, dht, g, gk):
 
 
 def fake_bwd(q, k, v, g, gk, h0, do, dht, scale):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            torch.empty_like(h0) if h0 is not None else q.new_empty(0, dtype=torch.float32))
+    return (
+        torch.empty_like(q),
+        torch.empty_like(k),
+        torch.empty_like(v),
+        torch.empty_like(h0) if h0 is not None else q.new_empty(0, dtype=torch.float32),
+    )
 
 
 def register_autograd(op, bwd_op) -> None:
@@ -164,8 +190,9 @@ def register_autograd(op, bwd_op) -> None:
         q, k, v, g, gk, h0, w, mask, ht = ctx.saved_tensors
         scale, feature_map, query_shift, backend = ctx.args
         if not utils.resolve_backend(backend, q):
-            inputs = [None if x is None else x.detach().requires_grad_(x.is_floating_point())
-                      for x in (q, k, v, g, gk, h0, w)]
+            inputs = [
+                None if x is None else x.detach().requires_grad_(x.is_floating_point()) for x in (q, k, v, g, gk, h0, w)
+            ]
             with torch.enable_grad():
                 o, ht = reference(*inputs[:6], scale, feature_map, inputs[6], query_shift, mask)
                 wrt = [x for x in inputs if x is not None]
@@ -180,8 +207,9 @@ def register_autograd(op, bwd_op) -> None:
             leaves = [None if x is None else x.detach().requires_grad_() for x in (q, k, w)]
             with torch.enable_grad():
                 phi_q, phi_k = features(*leaves[:2], feature_map, leaves[2], scale, query_shift, mask)
-            dphi_q, dphi_k, dv, dg, dgk, dh0 = triton_bwd(phi_q.detach(), phi_k.detach(), v, g, gk, h0, ht,
-                                                          do, dht, output_scale(feature_map, scale), mask)
+            dphi_q, dphi_k, dv, dg, dgk, dh0 = triton_bwd(
+                phi_q.detach(), phi_k.detach(), v, g, gk, h0, ht, do, dht, output_scale(feature_map, scale), mask
+            )
             wrt = [x for x in leaves if x is not None]
             grads = iter(torch.autograd.grad((phi_q, phi_k), wrt, (dphi_q, dphi_k)))
             dq, dk, dw = (None if x is None else next(grads) for x in leaves)
@@ -203,22 +231,59 @@ def define_op(name: str, triton_fwd, bwd_op, summary: str):
     autograd over ``bwd_op``) and return its public function, documented by ``summary``."""
 
     @torch.library.custom_op(f"rnnify::{name}", mutates_args=())
-    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, gk: torch.Tensor | None,
-           h0: torch.Tensor | None, scale: float, feature_map: str = "identity",
-           feature_weight: torch.Tensor | None = None, query_shift: bool = False, backend: str = "auto",
-           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def op(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor | None,
+        gk: torch.Tensor | None,
+        h0: torch.Tensor | None,
+        scale: float,
+        feature_map: str = "identity",
+        feature_weight: torch.Tensor | None = None,
+        query_shift: bool = False,
+        backend: str = "auto",
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return forward(triton_fwd, q, k, v, g, gk, h0, scale, feature_map, feature_weight, query_shift, backend, mask)
 
     op.register_fake(fake)
     register_autograd(op, bwd_op)
 
-    def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None,
-                    gk: torch.Tensor | None = None, scale: float | None = None, initial_state: State | None = None,
-                    output_final_state: bool = False, normalize: bool = False, eps: float = 1e-6, *,
-                    feature_map: str | None = None, feature_weight: torch.Tensor | None = None,
-                    mask: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, State | None]:
-        return run(getattr(torch.ops.rnnify, name), q, k, v, g, gk, scale, initial_state, output_final_state,
-                   normalize, eps, feature_map, feature_weight, mask, backend)
+    def linear_attn(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor | None = None,
+        gk: torch.Tensor | None = None,
+        scale: float | None = None,
+        initial_state: State | None = None,
+        output_final_state: bool = False,
+        normalize: bool = False,
+        eps: float = 1e-6,
+        *,
+        feature_map: str | None = None,
+        feature_weight: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        backend: str = "auto",
+    ) -> tuple[torch.Tensor, State | None]:
+        return run(
+            getattr(torch.ops.rnnify, name),
+            q,
+            k,
+            v,
+            g,
+            gk,
+            scale,
+            initial_state,
+            output_final_state,
+            normalize,
+            eps,
+            feature_map,
+            feature_weight,
+            mask,
+            backend,
+        )
 
     linear_attn.__name__ = linear_attn.__qualname__ = name
     linear_attn.__doc__ = summary + _OP_DOC

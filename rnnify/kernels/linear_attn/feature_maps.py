@@ -58,8 +58,9 @@ def output_scale(feature_map: str, scale: float) -> float:
     return scale if feature_map == "identity" else 1.0
 
 
-def naive_feature_map(x: torch.Tensor, feature_map: str, weight: torch.Tensor | None, scale: float,
-                      query_shift: bool = False) -> torch.Tensor:
+def naive_feature_map(
+    x: torch.Tensor, feature_map: str, weight: torch.Tensor | None, scale: float, query_shift: bool = False
+) -> torch.Tensor:
     """phi(x) for x ``[B, T, H, K]`` in fp32 (H query or kv heads; the weight is per kv head).
     ``query_shift``: performer's per-query shift, for normalised queries."""
     x = x.float()
@@ -122,8 +123,17 @@ if triton is not None:
         return tl.where(m_f, phi, 0.0)
 
     @triton.jit
-    def feature_map_2d(x, b_w, o_f, fsqrt, fshift, F: tl.constexpr, FEATURE: tl.constexpr,
-                       QUERY_SHIFT: tl.constexpr, PRECISION: tl.constexpr):
+    def feature_map_2d(
+        x,
+        b_w,
+        o_f,
+        fsqrt,
+        fshift,
+        F: tl.constexpr,
+        FEATURE: tl.constexpr,
+        QUERY_SHIFT: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """phi of a tile x [BT, BK] -> [BT, BF] (b_w from load_feature_weight for projected maps;
         fsqrt = sqrt(scale), fshift = log(m) / 2 for performer)."""
         xw = x
@@ -135,8 +145,7 @@ if triton is not None:
         return _featurize(x, xw, o_f, fshift, F, FEATURE, QUERY_SHIFT)
 
     @triton.jit
-    def feature_map_1d(x, b_w, o_f, fsqrt, fshift, F: tl.constexpr, FEATURE: tl.constexpr,
-                       QUERY_SHIFT: tl.constexpr):
+    def feature_map_1d(x, b_w, o_f, fsqrt, fshift, F: tl.constexpr, FEATURE: tl.constexpr, QUERY_SHIFT: tl.constexpr):
         """phi of one token's x [BK] -> [BF], as ``feature_map_2d``."""
         xw = x
         if FEATURE == "performer":
@@ -150,5 +159,10 @@ if triton is not None:
 def kernel_args(feature_map: str, scale: float, weight: torch.Tensor | None, query_shift: bool) -> dict:
     """The feature-map arguments of the forward kernels (``scale`` is the score scale)."""
     fshift = 0.5 * math.log(weight.shape[-1]) if feature_map == "performer" else 0.0
-    return dict(scale=output_scale(feature_map, scale), fsqrt=scale**0.5, fshift=fshift, FEATURE=feature_map,
-                QUERY_SHIFT=bool(query_shift) and feature_map == "performer")
+    return dict(
+        scale=output_scale(feature_map, scale),
+        fsqrt=scale**0.5,
+        fshift=fshift,
+        FEATURE=feature_map,
+        QUERY_SHIFT=bool(query_shift) and feature_map == "performer",
+    )

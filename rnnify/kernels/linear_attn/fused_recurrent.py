@@ -24,11 +24,35 @@ if triton is not None:
 
     @triton.jit
     def fused_recurrent_linear_attn_fwd_kernel(
-        q, k, v, g, gk, w, h0, km, o, ht, scale, fsqrt, fshift, T,
-        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, K: tl.constexpr, F: tl.constexpr,
-        V: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-        FEATURE: tl.constexpr, QUERY_SHIFT: tl.constexpr,
-        USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, USE_MASK: tl.constexpr,
+        q,
+        k,
+        v,
+        g,
+        gk,
+        w,
+        h0,
+        km,
+        o,
+        ht,
+        scale,
+        fsqrt,
+        fshift,
+        T,
+        H: tl.constexpr,
+        HKV: tl.constexpr,
+        G: tl.constexpr,
+        K: tl.constexpr,
+        F: tl.constexpr,
+        V: tl.constexpr,
+        BK: tl.constexpr,
+        BF: tl.constexpr,
+        BV: tl.constexpr,
+        FEATURE: tl.constexpr,
+        QUERY_SHIFT: tl.constexpr,
+        USE_G: tl.constexpr,
+        USE_GK: tl.constexpr,
+        USE_INITIAL_STATE: tl.constexpr,
+        USE_MASK: tl.constexpr,
     ):
         i_v, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # int64 offsets
         i_b, i_h = i_bh // HKV, i_bh % HKV
@@ -74,10 +98,31 @@ if triton is not None:
 
     @triton.jit
     def fused_recurrent_linear_attn_bwd_kernel(
-        q, k, v, g, gk, h0, do, dht, dq, dk, dv, dh0, scale, T,
-        B: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
-        V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+        q,
+        k,
+        v,
+        g,
+        gk,
+        h0,
+        do,
+        dht,
+        dq,
+        dk,
+        dv,
+        dh0,
+        scale,
+        T,
+        B: tl.constexpr,
+        H: tl.constexpr,
+        HKV: tl.constexpr,
+        G: tl.constexpr,
+        K: tl.constexpr,
+        V: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        USE_G: tl.constexpr,
+        USE_GK: tl.constexpr,
+        USE_INITIAL_STATE: tl.constexpr,
     ):
         # featurised q, k (K is the feature dim); dq and dk are partial sums over this value block:
         # [NV, B, T, H|HKV, K], summed by the caller
@@ -131,8 +176,9 @@ if triton is not None:
             tl.store(dh0 + i_bh * K * V + o_k[:, None] * V + o_v[None, :], b_dh, mask=m_h)
 
 
-def fused_recurrent_linear_attn_fwd_triton(q, k, v, g, gk, h0, w, scale, feature_map="identity", query_shift=False,
-                                           mask=None):
+def fused_recurrent_linear_attn_fwd_triton(
+    q, k, v, g, gk, h0, w, scale, feature_map="identity", query_shift=False, mask=None
+):
     q, k, v, g, gk, h0, w = (None if x is None else x.contiguous() for x in (q, k, v, g, gk, h0, w))
     km = None if mask is None else mask.to(torch.int8).contiguous()
     B, T, H, K = q.shape
@@ -143,18 +189,47 @@ def fused_recurrent_linear_attn_fwd_triton(q, k, v, g, gk, h0, w, scale, feature
     o = utils.empty((B, T, H, V), q.device, v.dtype)
     ht = utils.empty((B, Hkv, F, V), q.device, torch.float32)
     fused_recurrent_linear_attn_fwd_kernel[(triton.cdiv(V, BV), B * Hkv)](
-        q, k, v, g, gk, w, h0, km, o, ht, T=T, H=H, HKV=Hkv, G=H // Hkv, K=K, F=F, V=V,
-        BK=utils.next_pow2(K), BF=BF, BV=BV, USE_G=g is not None, USE_GK=gk is not None,
-        USE_INITIAL_STATE=h0 is not None, USE_MASK=km is not None,
+        q,
+        k,
+        v,
+        g,
+        gk,
+        w,
+        h0,
+        km,
+        o,
+        ht,
+        T=T,
+        H=H,
+        HKV=Hkv,
+        G=H // Hkv,
+        K=K,
+        F=F,
+        V=V,
+        BK=utils.next_pow2(K),
+        BF=BF,
+        BV=BV,
+        USE_G=g is not None,
+        USE_GK=gk is not None,
+        USE_INITIAL_STATE=h0 is not None,
+        USE_MASK=km is not None,
         **feature_maps.kernel_args(feature_map, scale, w, query_shift),
     )
     return o, ht
 
 
 @torch.library.custom_op("rnnify::fused_recurrent_linear_attn_bwd", mutates_args=())
-def _fused_recurrent_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
-                            gk: torch.Tensor | None, h0: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor,
-                            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fused_recurrent_bwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    gk: torch.Tensor | None,
+    h0: torch.Tensor | None,
+    do: torch.Tensor,
+    dht: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton: (dq fp32, dk fp32, dv, dh0) of (o = scale q S, ht) for featurised q, k; dh0 is empty without h0."""
     q, k, v, g, gk, h0 = (None if x is None else x.contiguous() for x in (q, k, v, g, gk, h0))
     B, T, H, K = q.shape
@@ -167,9 +242,31 @@ def _fused_recurrent_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     dv = utils.empty((B, T, Hkv, V), q.device, v.dtype)
     dh0 = utils.empty((B, Hkv, K, V), q.device) if h0 is not None else q.new_empty(0, dtype=torch.float32)
     fused_recurrent_linear_attn_bwd_kernel[(NV, B * Hkv)](
-        q, k, v, g, gk, h0, do.contiguous(), dht.contiguous(), dq, dk, dv, dh0, scale, T,
-        B=B, H=H, HKV=Hkv, G=H // Hkv, K=K, V=V, BK=BK, BV=BV,
-        USE_G=g is not None, USE_GK=gk is not None, USE_INITIAL_STATE=h0 is not None,
+        q,
+        k,
+        v,
+        g,
+        gk,
+        h0,
+        do.contiguous(),
+        dht.contiguous(),
+        dq,
+        dk,
+        dv,
+        dh0,
+        scale,
+        T,
+        B=B,
+        H=H,
+        HKV=Hkv,
+        G=H // Hkv,
+        K=K,
+        V=V,
+        BK=BK,
+        BV=BV,
+        USE_G=g is not None,
+        USE_GK=gk is not None,
+        USE_INITIAL_STATE=h0 is not None,
     )
     return dq.sum(0), dk.sum(0), dv, dh0
 
@@ -178,5 +275,8 @@ _fused_recurrent_bwd_op.register_fake(common.fake_bwd)
 
 
 fused_recurrent_linear_attn = common.define_op(
-    "fused_recurrent_linear_attn", fused_recurrent_linear_attn_fwd_triton, _fused_recurrent_bwd_op,
-    "(Gated) linear attention, token by token in one kernel, differentiable.")
+    "fused_recurrent_linear_attn",
+    fused_recurrent_linear_attn_fwd_triton,
+    _fused_recurrent_bwd_op,
+    "(Gated) linear attention, token by token in one kernel, differentiable.",
+)

@@ -44,12 +44,13 @@ def check_inputs(q, k, v, g, gk, F=None):
         raise ValueError(f"gk must be [B, T, H_kv, F] = {gk_shape}, got {tuple(gk.shape)}")
 
 
-def naive_recurrent_linear_attn(q, k, v, g=None, gk=None, scale=None, initial_state=None,
-                                output_final_state=False, normalize=False, eps=1e-6):
+def naive_recurrent_linear_attn(
+    q, k, v, g=None, gk=None, scale=None, initial_state=None, output_final_state=False, normalize=False, eps=1e-6
+):
     check_inputs(q, k, v, g, gk)
     B, T, H, K = q.shape
     Hkv, V, dtype = k.shape[2], v.shape[-1], v.dtype
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     q = q.float().reshape(B, T, Hkv, H // Hkv, K) * scale
     k, v = k.float(), v.float()
     if initial_state is None:
