@@ -38,6 +38,7 @@ from rnnify.runtime.storage import load, load_or_take
 __all__ = [
     "PasskeyResult",
     "PasskeyTrial",
+    "answer_tokens",
     "converted_generator",
     "evaluate_passkey",
     "original_generator",
@@ -47,6 +48,7 @@ __all__ = [
 ]
 
 ANSWER_MARGIN = 4  # new tokens beyond the key's own, for a space, a colon or a newline before it
+CHAT_LEAD = 16  # more new tokens where a chat model answers in a sentence ("The code to the safe is ...")
 
 # prompt ids, number of new tokens -> the greedily decoded new token ids
 Generator = Callable[[list[int], int], list[int]]
@@ -97,33 +99,56 @@ def score(answer: str, key: str) -> bool:
     return found is not None and found.group() == key
 
 
+def answer_tokens(tokenizer: Any, prompt: Prompt) -> int:
+    """New tokens a model gets to state the key: the key's own, a margin, and a lead-in sentence where
+    the question goes through a chat template (a chat answer restates the question first)."""
+    lead = CHAT_LEAD if PROBES[prompt.probe].chat else 0
+    return len(tokenizer(f" {prompt.key}.", add_special_tokens=False)["input_ids"]) + ANSWER_MARGIN + lead
+
+
 def usable_probes(tokenizer: Any, text: Sequence[str] = ()) -> list[Probe]:
     """The evaluation probes this tokenizer and text can build: prose needs text, chat a chat template."""
-    return [probe for probe in EVALUATION
-            if (probe.filler or text) and (not probe.chat or getattr(tokenizer, "chat_template", None))]
+    return [
+        probe
+        for probe in EVALUATION
+        if (probe.filler or text) and (not probe.chat or getattr(tokenizer, "chat_template", None))
+    ]
 
 
-def passkey_trials(generators: dict[str, Generator], tokenizer: Any, prompts: list[tuple[int, Prompt]],
-                   progress: bool = False) -> list[PasskeyTrial]:
+def passkey_trials(
+    generators: dict[str, Generator], tokenizer: Any, prompts: list[tuple[int, Prompt]], progress: bool = False
+) -> list[PasskeyTrial]:
     """Run every generator on the same ``prompts`` (``rnnify.probes.prompts``) and score the answers."""
     from tqdm import tqdm
 
     out = []
     for length, prompt in tqdm(prompts, unit="prompt", disable=None if progress else True, leave=False):
         key = prompt.key
-        new = len(tokenizer(f" {key}.", add_special_tokens=False)["input_ids"]) + ANSWER_MARGIN
-        answers = {name: tokenizer.decode(generate(prompt.ids, new), skip_special_tokens=True)
-                   for name, generate in generators.items()}
-        out.append(PasskeyTrial(length, len(prompt.ids), prompt.depth, key, answers,
-                                {name: score(a, key) for name, a in answers.items()}, prompt.probe))
+        new = answer_tokens(tokenizer, prompt)
+        answers = {
+            name: tokenizer.decode(generate(prompt.ids, new), skip_special_tokens=True)
+            for name, generate in generators.items()
+        }
+        out.append(
+            PasskeyTrial(
+                length,
+                len(prompt.ids),
+                prompt.depth,
+                key,
+                answers,
+                {name: score(a, key) for name, a in answers.items()},
+                prompt.probe,
+            )
+        )
     return out
 
 
 def converted_generator(model: RecurrentModel) -> Generator:
     """Greedy decoding with the converted model: one prefill, then one step per token."""
+
     def generate(ids: list[int], new: int) -> list[int]:
         prompt = torch.tensor([ids], device=model.device)
-        return model.generate(prompt, max_new_tokens=new)[0, len(ids):].tolist()
+        return model.generate(prompt, max_new_tokens=new)[0, len(ids) :].tolist()
 
     return generate
 
@@ -197,12 +222,16 @@ def _probe(name: str) -> Probe:
 def _check_lengths(model: RecurrentModel, lengths) -> list[int]:
     lengths = list(lengths)
     if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
-        raise RnnifyError(f"passkey lengths (--passkey) must be positive token counts, e.g. 512,1024,2048; got {lengths}")
+        raise RnnifyError(
+            f"passkey lengths (--passkey) must be positive token counts, e.g. 512,1024,2048; got {lengths}"
+        )
     positions = model.manifest.positions
     limit = positions.get("limit") if positions.get("kind") == "learned" else None
     if limit is not None and max(lengths) + 16 > limit:
-        raise RnnifyError(f"passkey length {max(lengths)} plus the answer is past the model's {limit} learned "
-                          f"positions; use at most {limit - 16}")
+        raise RnnifyError(
+            f"passkey length {max(lengths)} plus the answer is past the model's {limit} learned "
+            f"positions; use at most {limit - 16}"
+        )
     return lengths
 
 

@@ -11,19 +11,24 @@ import torch
 import rnnify
 from rnnify.cli import main
 from rnnify.data import load_tokenizer
-from rnnify.passkey import ANSWER_MARGIN, passkey_trials, score, usable_probes
+from rnnify.passkey import answer_tokens, passkey_trials, score, usable_probes
 from rnnify.probes import CALIBRATION, EVALUATION, PROBES, build_prompt, prompts, prose_sentences
 
 HEADER, QUESTION, FILLER = CALIBRATION.header, CALIBRATION.question, CALIBRATION.filler
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-PROSE = ("The committee met on a grey morning to discuss the harbour. Nobody agreed about the lighthouse. "
-         "In 1987 the old pier burned down. A long quarrel followed over who should pay for the repairs, "
-         "and the minutes of those meetings fill several volumes. Children still fish from the new pier. ") * 40
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+PROSE = (
+    "The committee met on a grey morning to discuss the harbour. Nobody agreed about the lighthouse. "
+    "In 1987 the old pier burned down. A long quarrel followed over who should pay for the repairs, "
+    "and the minutes of those meetings fill several volumes. Children still fish from the new pier. "
+) * 40
 
 
 def passkey_prompts(tokenizer, lengths, trials, seed):
     return prompts(tokenizer, lengths, trials, seed, [CALIBRATION])
+
 
 # the tiny Llama's prompts run past its 128 configured positions (RoPE still runs there)
 pytestmark = pytest.mark.filterwarnings("ignore:decoding past max_position_embeddings")
@@ -48,8 +53,8 @@ def test_key_sits_at_the_requested_depth(tokenizer, depth):
     text = tokenizer.decode(build_prompt(tokenizer, 400, depth, "54321").ids, skip_special_tokens=True)
     assert text.count("54321") == 1 and text.startswith(HEADER) and text.endswith(QUESTION)
     needle = re.search(r"The pass key is 54321\. Remember it\.", text)
-    before = text[len(HEADER):needle.start()].count(".")  # filler sentences each end with one period
-    after = text[needle.end():-len(QUESTION)].count(".")
+    before = text[len(HEADER) : needle.start()].count(".")  # filler sentences each end with one period
+    after = text[needle.end() : -len(QUESTION)].count(".")
     assert before + after > 10
     assert abs(before / (before + after) - depth) <= 0.5 / (before + after) + 1e-9
 
@@ -62,10 +67,12 @@ def test_score_takes_the_first_number():
 
 def _answering(tokenizer, wrong: bool):
     """A fake model that reads the key from the prompt's text and states it, or a different number."""
+
     def generate(ids, new):
         key = re.search(r"pass key is (\d{5})\.", tokenizer.decode(ids)).group(1)
         answer = str(int(key) % 90_000 + 10_001) if wrong else key
         return tokenizer(f" {answer}. Remember", add_special_tokens=False)["input_ids"][:new]
+
     return generate
 
 
@@ -75,8 +82,9 @@ def test_trials_score_each_generator(tokenizer):
     keys = [p.key for _, p in prompts]
     assert all(re.fullmatch(r"\d{5}", k) for k in keys) and len(set(keys)) == 6
     assert keys == [p.key for _, p in passkey_prompts(tokenizer, [200, 300], trials=3, seed=1)]  # seeded
-    trials = passkey_trials({"right": _answering(tokenizer, False), "wrong": _answering(tokenizer, True)},
-                            tokenizer, prompts)
+    trials = passkey_trials(
+        {"right": _answering(tokenizer, False), "wrong": _answering(tokenizer, True)}, tokenizer, prompts
+    )
     assert all(t.correct == {"right": True, "wrong": False} for t in trials)
     assert all(t.answers["right"].strip().startswith(t.key) for t in trials)
     result = rnnify.PasskeyResult("m", None, 1, trials)
@@ -86,16 +94,17 @@ def test_trials_score_each_generator(tokenizer):
 def test_exact_conversion_answers_as_the_original(converted_dir, tiny_model_dir, tokenizer):
     from transformers import AutoModelForCausalLM
 
-    result = rnnify.evaluate_passkey(converted_dir("llama", "exact"), [200, 256], trials=2, seed=3,
-                                     probes=["calibration", "reworded"])
+    result = rnnify.evaluate_passkey(
+        converted_dir("llama", "exact"), [200, 256], trials=2, seed=3, probes=["calibration", "reworded"]
+    )
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
     assert len(result.trials) == 8
     for trial in result.trials:
         prompt = build_prompt(tokenizer, trial.length, trial.depth, trial.key, PROBES[trial.probe])
-        new = len(tokenizer(f" {trial.key}.", add_special_tokens=False)["input_ids"]) + ANSWER_MARGIN
+        new = answer_tokens(tokenizer, prompt)
         with torch.no_grad():  # transformers' own greedy decoding as the reference
             out = hf.generate(torch.tensor([prompt.ids]), max_new_tokens=new, do_sample=False, pad_token_id=0)
-        want = tokenizer.decode(out[0, len(prompt.ids):], skip_special_tokens=True)
+        want = tokenizer.decode(out[0, len(prompt.ids) :], skip_special_tokens=True)
         assert trial.tokens == len(prompt.ids)
         assert trial.answers["converted"] == trial.answers["original"]
         assert trial.answers["original"].startswith(want) and want
@@ -106,24 +115,39 @@ def test_cli_reports_passkey(converted_dir, tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def f(x):\n    return x + 1\n" * 20)
     out = tmp_path / "eval.json"
-    base = ["eval", str(converted_dir("llama", "exact")), "--data", str(corpus), "--seq-len", "16", "--max-tokens", "32"]
+    base = [
+        "eval",
+        str(converted_dir("llama", "exact")),
+        "--data",
+        str(corpus),
+        "--seq-len",
+        "16",
+        "--max-tokens",
+        "32",
+    ]
     assert main([*base, "--passkey", "320,400", "--passkey-trials", "2", "--json", str(out), "--no-layer-errors"]) == 0
     printed = capsys.readouterr().out
     assert "pass-key" in printed and "multikey" in printed and "attention error per layer" not in printed
     data = json.loads(out.read_text())
     assert data["layers"] == []
     passkey = data["passkey"]
-    assert set(passkey["accuracy"]) == {"converted", "original"} and set(passkey["accuracy"]["converted"]) == {"320", "400"}
+    assert set(passkey["accuracy"]) == {"converted", "original"} and set(passkey["accuracy"]["converted"]) == {
+        "320",
+        "400",
+    }
     # the corpus has digits in every sentence, so no prose; the tiny tokenizer has no chat template
     assert set(passkey["accuracy_by_probe"]) == {"reworded", "multikey"}
     assert len(passkey["trials"]) == 8 and passkey["seed"] == 0
     assert main([*base, "--passkey", "300", "--passkey-trials", "1", "--passkey-probes", "calibration"]) == 0
     assert "calibration" in capsys.readouterr().out
-    for bad, message in ((["--passkey", "big"], "--passkey"), (["--passkey", "20"], "at least"),
-                         (["--passkey", "200", "--passkey-trials", "0"], "--passkey-trials"),
-                         (["--passkey", "300", "--passkey-probes", "nope"], "choose from"),
-                         (["--passkey-probes", "reworded"], "needs --passkey"),
-                         (["--passkey", "300", "--passkey-probes", "chat"], "chat template")):
+    for bad, message in (
+        (["--passkey", "big"], "--passkey"),
+        (["--passkey", "20"], "at least"),
+        (["--passkey", "200", "--passkey-trials", "0"], "--passkey-trials"),
+        (["--passkey", "300", "--passkey-probes", "nope"], "choose from"),
+        (["--passkey-probes", "reworded"], "needs --passkey"),
+        (["--passkey", "300", "--passkey-probes", "chat"], "chat template"),
+    ):
         assert main([*base, *bad]) == 2
         assert message in capsys.readouterr().err
 
