@@ -1,72 +1,152 @@
-"""rnnify's vLLM plugin (rnnify.integrations.vllm): vLLM's greedy tokens equal rnnify's own, token by token.
+"""rnnify's vLLM plugin (rnnify.integrations.vllm): vLLM gives rnnify's own greedy tokens, log-probs and text.
 
-Skipped unless vLLM imports (it is not a dependency: docs/serving.md says how to install it). vLLM
-starts its engine in a spawned process, so each vLLM run is a script of its own, under the
-``if __name__ == "__main__":`` guard, run in a subprocess that prints its results as JSON.
+Skipped unless vLLM imports (it is not a dependency: docs/serving.md says how to install it).
+
+``vllm.LLM`` runs in a script of its own (under the ``if __name__ == "__main__":`` guard vLLM's
+spawned processes need), in a subprocess that prints its results as JSON: one script runs every
+target in turn, with vLLM's engine and model in the script's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+executor ``uni``), where an engine starts in about 3 s instead of 20 (2 cores) and the plugin runs
+the same code. The OpenAI-compatible server keeps vLLM's default layout, an engine process and a
+worker process that each load the plugin; it runs once for the module, driven by the official
+``openai`` client (a dependency of vLLM's).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
 import rnnify
 from rnnify.errors import RnnifyError
 from rnnify.integrations.vllm.hosting import check_hostable
+from rnnify.runtime.agreement import tolerance
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ROOT / "examples" / "models" / "stdlib-llama"
 # a one-token prompt (decoded with the batched step from a fresh slot), a short one, and one longer
-# than the window (16), so the window's ring buffer wraps during prefill
+# than the windows (8 and 16), so a window's ring buffer wraps during prefill
 PROMPTS = [
     "The",
     "def main(",
     "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n",
 ]
+NEW_TOKENS = 16
+# every target family with a fixed-size state that the bundled model (4 layers, 2 kv heads) converts
+# to, and a per-head split: layer 0's kv head 0 a window of 8, its head 1 linear; layer 1 linear;
+# layers 2-3 the --to window of 16
+TARGETS = {
+    "window": dict(to="window", window=16),
+    "linear": dict(to="linear"),
+    "gated": dict(to="gated"),
+    "delta": dict(to="delta"),
+    "hybrid": dict(to="hybrid", window=8),
+    "gated-delta": dict(to="gated-delta"),
+    "aaren": dict(to="aaren"),
+    "heads": dict(to="window", window=16, layers="0:heads(0=window(window=8);1=linear),1:linear"),
+}
+# vLLM's chunked prefill: at most 16 tokens a step, two sequences at a time
+CHUNKED = {"max_num_seqs": 2, "max_num_batched_tokens": 16, "max_model_len": 256}
+CHUNKED_PROMPTS = PROMPTS + [
+    "for i in range(10):\n    print(i)\n",
+    "x",
+    "class A:\n    pass\n\n\nclass B(A):\n    def f(self):",
+]
+# a chat template of our own: the bundled tokenizer has none
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
-SCRIPT = textwrap.dedent("""
-    import json, sys, time
+SCRIPT = textwrap.dedent('''
+    import gc, json, sys, time
 
     if __name__ == "__main__":
-        path, prompts, engine, sampling, rounds = json.loads(sys.argv[1])
+        runs = json.loads(sys.argv[1])
         import torch
         from vllm import LLM, SamplingParams
         import rnnify
 
-        started = time.perf_counter()
-        llm = LLM(path, enforce_eager=True, **engine)
-        startup = time.perf_counter() - started
-        model = rnnify.load(path)
-        eos = model.tokenizer.eos_token_id
-        results = []
-        for round_ in range(rounds):
-            batch = prompts if round_ % 2 == 0 else prompts[::-1]
-            for out in llm.generate(batch, SamplingParams(temperature=0, **sampling)):
-                ids = torch.tensor([out.prompt_token_ids])
-                want = model.generate(ids, max_new_tokens=sampling["max_tokens"])[0, ids.shape[1]:].tolist()
-                results.append(dict(prompt=out.prompt, got=list(out.outputs[0].token_ids), want=want))
-        print("RESULTS " + json.dumps(dict(results=results, eos=eos, startup=startup)))
-""")
+        models, greedy = {}, {}
+
+        def rnnify_greedy(path, prompt_ids, new):
+            """rnnify's greedy tokens (generate) and their log-probs, read from the same prefill
+            and steps generate runs; once per model and prompt (a shorter run takes a prefix)."""
+            key = (path, tuple(prompt_ids))
+            if key in greedy and len(greedy[key][0]) >= new:
+                return greedy[key][0][:new], greedy[key][1][:new]
+            if path not in models:
+                models[path] = rnnify.load(path)
+            model = models[path]
+            ids = torch.tensor([prompt_ids])
+            tokens = model.generate(ids, max_new_tokens=new)[0, ids.shape[1]:].tolist()
+            logprobs = []
+            with torch.inference_mode():
+                logits, state = model.prefill(ids)
+                for token in tokens:
+                    logprobs.append(float(torch.log_softmax(logits[0, -1].float(), dim=-1)[token]))
+                    logits, state = model.step(torch.tensor([[token]]), state)
+            greedy[key] = tokens, logprobs
+            return tokens, logprobs
+
+        report = {}
+        for run in runs:
+            started = time.perf_counter()
+            llm = LLM(run["path"], enforce_eager=True, **run["engine"])
+            startup = time.perf_counter() - started
+            sampling = SamplingParams(temperature=0, **run["sampling"])
+            results = []
+            for batch in run["batches"]:
+                for out in llm.generate(batch, sampling):
+                    got = list(out.outputs[0].token_ids)
+                    got_logprobs = None
+                    if out.outputs[0].logprobs is not None:
+                        got_logprobs = [step[t].logprob for step, t in zip(out.outputs[0].logprobs, got)]
+                    want, want_logprobs = rnnify_greedy(run["path"], out.prompt_token_ids, run["sampling"]["max_tokens"])
+                    results.append(dict(prompt=out.prompt, batch=len(batch), got=got, want=want,
+                                        got_logprobs=got_logprobs, want_logprobs=want_logprobs))
+            llm.llm_engine.engine_core.shutdown()  # the engine (and its processes) go before the next starts
+            del llm
+            gc.collect()
+            model = models[run["path"]]
+            report[run["name"]] = dict(results=results, eos=model.tokenizer.eos_token_id, dtype=str(model.dtype),
+                                       startup=startup, seconds=time.perf_counter() - started)
+        print("RESULTS " + json.dumps(report))
+''')
 
 
-def run_vllm(tmp_path: Path, path: Path, prompts: list[str], engine: dict, sampling: dict, rounds: int = 1) -> dict:
+def vllm_env(**extra: str) -> dict:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **extra)
+    env.pop("TRITON_INTERPRET", None)  # conftest's, for rnnify's kernel tests; vLLM would take it as a Triton backend
+    return env
+
+
+def run_vllm(tmp_path: Path, runs: list[dict]) -> dict:
+    """Each run (name, path, engine, sampling, batches: lists of prompts) through ``vllm.LLM``, with
+    rnnify's greedy tokens and log-probs for the same prompt ids; the results by run name.
+    vLLM's engine and model run in the script's own process."""
     script = tmp_path / "run_vllm.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    env.pop("TRITON_INTERPRET", None)  # conftest's, for rnnify's kernel tests; vLLM would take it as a Triton backend
+    runs = [dict(run, engine=dict(run["engine"], distributed_executor_backend="uni")) for run in runs]
     proc = subprocess.run(
-        [sys.executable, str(script), json.dumps([str(path), prompts, engine, sampling, rounds])],
+        [sys.executable, str(script), json.dumps(runs)],
         capture_output=True,
         text=True,
-        env=env,
+        env=vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"),
         timeout=900,
         check=False,
     )
@@ -87,32 +167,66 @@ def assert_same_tokens(result: dict, max_tokens: int, ignore_eos: bool) -> None:
 
 
 @pytest.fixture(scope="module")
-def window_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("vllm") / "window"
-    rnnify.convert(str(BUNDLED), to="window", window=16).save(out)
-    return out
+def converted(tmp_path_factory) -> dict[str, Path]:
+    """The bundled model converted to each of TARGETS."""
+    root = tmp_path_factory.mktemp("vllm")
+    dirs = {}
+    for name, options in TARGETS.items():
+        dirs[name] = root / name
+        rnnify.convert(str(BUNDLED), **options).save(dirs[name])
+    return dirs
 
 
-def test_greedy_equals_rnnify_generate(window_dir, tmp_path):
-    """Three prompts of different lengths submitted together: one prefill each, then batched steps."""
-    result = run_vllm(tmp_path, window_dir, PROMPTS, {}, {"max_tokens": 16})
-    assert len(result["results"]) == len(PROMPTS)
-    assert_same_tokens(result, 16, ignore_eos=False)
-
-
-def test_chunked_prefill_and_reused_slots(window_dir, tmp_path):
-    """A 16-token budget splits the longer prompts into chunks that continue from the stored state;
-    two sequences at a time make later prompts take slots that finished ones left; a second call
-    (in reverse order) finds no state left from the first."""
-    prompts = PROMPTS + [
-        "for i in range(10):\n    print(i)\n",
-        "x",
-        "class A:\n    pass\n\n\nclass B(A):\n    def f(self):",
+@pytest.fixture(scope="module")
+def equivalence(converted, tmp_path_factory) -> dict:
+    """One vLLM subprocess over every target: each prompt alone, then all three together (one
+    prefill each, then batched steps), greedy with the log-prob of each chosen token; then, as
+    ``NAME-chunked``, with a 16-token budget and two sequences at a time: a long prompt is read in
+    chunks that continue from the stored state, and later prompts take slots that finished ones
+    left. ``window`` runs more prompts there, twice (the second time in reverse order), so a second
+    call finds no state left from the first."""
+    sampling = {"max_tokens": NEW_TOKENS, "logprobs": 1}
+    runs = [
+        dict(name=name, path=str(path), engine={}, sampling=sampling, batches=[[p] for p in PROMPTS] + [PROMPTS])
+        for name, path in converted.items()
     ]
-    engine = {"max_num_seqs": 2, "max_num_batched_tokens": 16, "max_model_len": 256}
-    result = run_vllm(tmp_path, window_dir, prompts, engine, {"max_tokens": 24, "ignore_eos": True}, rounds=2)
-    assert len(result["results"]) == 2 * len(prompts)
-    assert_same_tokens(result, 24, ignore_eos=True)
+    for name, path in converted.items():
+        batches = [CHUNKED_PROMPTS, CHUNKED_PROMPTS[::-1]] if name == "window" else [PROMPTS]
+        sampling = {"max_tokens": 12, "ignore_eos": True}
+        runs.append(dict(name=f"{name}-chunked", path=str(path), engine=CHUNKED, sampling=sampling, batches=batches))
+    return run_vllm(tmp_path_factory.mktemp("vllm-run"), runs)
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_greedy_equals_rnnify_generate(equivalence, target):
+    result = equivalence[target]
+    assert len(result["results"]) == 2 * len(PROMPTS)
+    assert {row["batch"] for row in result["results"]} == {1, len(PROMPTS)}
+    assert_same_tokens(result, NEW_TOKENS, ignore_eos=False)
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_chunked_prefill_and_reused_slots(equivalence, target):
+    result = equivalence[f"{target}-chunked"]
+    prompts = CHUNKED_PROMPTS if target == "window" else PROMPTS
+    assert len(result["results"]) == (2 if target == "window" else 1) * len(prompts)
+    assert_same_tokens(result, 12, ignore_eos=True)
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_logprobs_equal_rnnify_log_softmax(equivalence, target):
+    """vLLM's log-prob of each greedy token (its sampler's log-softmax of the logits the plugin hands
+    it) is rnnify's, within ``tolerance(dtype)`` of rnnify's magnitude with a floor of one nat:
+    ``|vllm - rnnify| <= tolerance * max(1, |rnnify|)`` (float32: 1e-4 nats, or 1e-4 of a log-prob below -1)."""
+    result = equivalence[target]
+    limit = tolerance(getattr(torch, result["dtype"].removeprefix("torch.")))
+    for row in result["results"]:
+        got, want = row["got_logprobs"], row["want_logprobs"]
+        assert got is not None and len(got) == len(row["got"])
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert abs(a - b) <= limit * max(1.0, abs(b)), (
+                f"prompt {row['prompt']!r}: log-prob of token {i} ({row['got'][i]}) is {a} in vLLM, {b} in rnnify"
+            )
 
 
 def test_growing_state_is_refused(tmp_path):
@@ -122,3 +236,130 @@ def test_growing_state_is_refused(tmp_path):
     with pytest.raises(RnnifyError, match=r"cannot host target 'exact'") as caught:
         check_hostable(out)
     assert "\n" not in str(caught.value)
+
+
+# -- the OpenAI-compatible server, through the official openai client ------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory) -> Path:
+    """The bundled model with a chat template (written into the source before converting, so the
+    converted directory's integrity record covers it), converted to ``window`` 16."""
+    root = tmp_path_factory.mktemp("vllm-chat")
+    source = root / "source"
+    shutil.copytree(BUNDLED, source)
+    (source / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    out = root / "window"
+    rnnify.convert(str(source), to="window", window=16).save(out)
+    assert (out / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(chat_dir, tmp_path_factory):
+    """vLLM's OpenAI server on ``chat_dir`` at a free port, ready (``/health``); stopped, with its
+    engine process, at the end of the module. Yields (openai client, served model name)."""
+    openai = pytest.importorskip("openai")
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(chat_dir)]
+    command += ["--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
+    with log.open("wb") as sink:
+        # a session of its own: the server and the engine process it spawns stop together
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, f"vLLM's server exited (rc {proc.returncode}):\n{log.read_text()[-6000:]}"
+            assert time.monotonic() < deadline, f"vLLM's server not ready in 300 s:\n{log.read_text()[-6000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        yield client, str(chat_dir)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def chat_model(chat_dir):
+    return rnnify.load(chat_dir)
+
+
+def complete(server, prompt: str, **options):
+    client, name = server
+    return client.completions.create(model=name, prompt=prompt, temperature=0, **options).choices[0]
+
+
+def test_server_completions_equal_rnnify_generate(server, chat_model):
+    for prompt in PROMPTS:
+        choice = complete(server, prompt, max_tokens=NEW_TOKENS)
+        assert choice.text == chat_model.generate(prompt, max_new_tokens=NEW_TOKENS), prompt
+
+
+def test_server_chat_equals_rnnify_chat(server, chat_model):
+    client, name = server
+    conversations = [
+        [{"role": "user", "content": "def main("}],
+        [
+            {"role": "system", "content": "You write Python."},
+            {"role": "user", "content": "import os"},
+            {"role": "assistant", "content": "import sys"},
+            {"role": "user", "content": "class Config:"},
+        ],
+    ]
+    for messages in conversations:
+        response = client.chat.completions.create(model=name, messages=messages, max_tokens=NEW_TOKENS, temperature=0)
+        assert response.choices[0].message.content == chat_model.chat(messages, max_new_tokens=NEW_TOKENS), messages
+
+
+def test_server_streaming_equals_whole_text(server):
+    client, name = server
+    prompt = PROMPTS[2]
+    whole = complete(server, prompt, max_tokens=NEW_TOKENS).text
+    pieces = client.completions.create(model=name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in pieces if chunk.choices) == whole
+    messages = [{"role": "user", "content": "def main("}]
+    reply = client.chat.completions.create(model=name, messages=messages, max_tokens=NEW_TOKENS, temperature=0)
+    deltas = client.chat.completions.create(
+        model=name, messages=messages, max_tokens=NEW_TOKENS, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in deltas if c.choices) == reply.choices[0].message.content
+
+
+def test_server_stop_string_and_max_tokens(server, chat_model):
+    prompt = PROMPTS[1]
+    whole = complete(server, prompt, max_tokens=32).text
+    assert len(whole) > 8, whole
+    stop = whole[len(whole) // 2 : len(whole) // 2 + 2]
+    stopped = complete(server, prompt, max_tokens=32, stop=[stop])
+    assert stopped.text == whole[: whole.index(stop)] and stopped.finish_reason == "stop", (whole, stop, stopped.text)
+    client, name = server
+    short = client.completions.create(model=name, prompt=prompt, max_tokens=5, temperature=0)
+    assert short.usage.completion_tokens == 5 and short.choices[0].finish_reason == "length", short
+    assert short.choices[0].text == chat_model.generate(prompt, max_new_tokens=5)
+    assert whole.startswith(short.choices[0].text)
+
+
+def test_server_concurrent_requests_equal_sequential(server):
+    prompts = PROMPTS + ["for i in range(10):\n    print(i)\n"]
+    sequential = [complete(server, p, max_tokens=NEW_TOKENS).text for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        concurrent = list(pool.map(lambda p: complete(server, p, max_tokens=NEW_TOKENS).text, prompts))
+    assert concurrent == sequential
