@@ -22,21 +22,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from long_context import FIRST_EDGE, FLOOR, kv_cache_bytes  # noqa: E402
+from long_context import FLOOR, columns, kv_cache_bytes  # noqa: E402
 from retrieval_windows import write_doc  # noqa: E402
 
 MARKERS = ("<!-- eval-table: python benchmarks/eval_table.py -->", "<!-- /eval-table -->")
-
-
-def columns(by_position: list[dict]) -> list[tuple[int, int, float]]:
-    """(start, end, KL): the ranges before ``FIRST_EDGE`` merged, then each range."""
-    groups: dict[tuple[int, int], list[float]] = {}
-    for entry in by_position:
-        key = (0, FIRST_EDGE) if entry["end"] <= FIRST_EDGE else (entry["start"], entry["end"])
-        group = groups.setdefault(key, [0.0, 0.0])
-        group[0] += entry["kl"] * entry["tokens"]
-        group[1] += entry["tokens"]
-    return [(start, end, kl / max(tokens, 1)) for (start, end), (kl, tokens) in groups.items()]
 
 
 def load(specs: list[str]) -> dict[int, list[tuple[str, dict]]]:

@@ -13,11 +13,10 @@ as the flag holds it (``DefaultsFormatter``), so that no help text repeats a val
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable
 from typing import Any
 
-from rnnify.errors import RnnifyError
+from rnnify.errors import RnnifyError, check_positive_finite
 
 __all__ = ["SEEDS", "Command", "DefaultsFormatter", "Parser", "seed", "temperature", "threads", "utf8"]
 
@@ -83,14 +82,11 @@ def seed(flag: str) -> Callable[[str], int]:
 
 
 def temperature(flag: str) -> Callable[[str], float]:
-    """A sampling temperature as ``runtime.sampling.check_temperature`` allows it: a finite number > 0
-    (checked here without torch, which that module imports, so that a bad value answers at once)."""
+    """A sampling temperature as ``runtime.sampling.check_temperature`` allows it (the same torch-free
+    check, here before that module, which imports torch, is loaded)."""
 
     def parse(text: str) -> float:
-        value = _number(float, flag, text, "a number")
-        if not (value > 0 and math.isfinite(value)):
-            raise RnnifyError(f"{flag} must be a finite number > 0, got {value}")
-        return value
+        return check_positive_finite(flag, _number(float, flag, text, "a number"))
 
     return parse
 

@@ -44,5 +44,12 @@ def check_int(name: str, value: object, minimum: int = 1, error: type[Exception]
     return value
 
 
+def check_positive_finite(name: str, value: float) -> float:
+    """``value`` if it is a finite number > 0; else ``RnnifyError`` naming ``name``."""
+    if not (value > 0 and value != float("inf")):  # nan fails the first test
+        raise RnnifyError(f"{name} must be a finite number > 0, got {value}")
+    return value
+
+
 class RnnifyWarning(UserWarning):
     """Something the user should know that does not stop the work (e.g. decoding past trained positions)."""

@@ -88,7 +88,7 @@ from torch import nn
 from rnnify.cells.base import Cell, CellSpec
 from rnnify.cells.linear import build_feature_map
 from rnnify.cells.online_softmax import finite_or_zero, readout
-from rnnify.cells.select import held_positions, may_decide
+from rnnify.cells.select import held_positions, lay_out, may_decide, put_back
 from rnnify.errors import check_int
 from rnnify.kernels.ring import write_slots
 
@@ -120,7 +120,9 @@ class Retention:
 
 def combine(w, u, num, den, factor, gate):
     """``w / u + g (y - w / u)``, y = (f w + num) / (f u + den): the softmax part ``(w [..., d_v], u)``
-    and the memory's readout ``(num, den)`` of queries ``[B, Hkv, G, (T,)]``, f and g ``[Hkv, G]``."""
+    and the memory's readout ``(num, den)`` of queries ``[B, Hkv, G, (T,)]``, f and g ``[Hkv, G]``. The
+    hybrid's blend (``linear_memory``) reads the softmax part from f w / f u; here it is w / u itself,
+    so that with g = 0 the output is exactly the softmax over the kept tokens."""
     shape = (*factor.shape, *(1,) * (u.dim() - 3))
     factor, gate = factor.to(u.dtype).reshape(shape), gate.to(u.dtype).reshape(shape)
     softmax = readout(u, w)
@@ -336,28 +338,10 @@ def lola_at_boundary(state, deciding: torch.Tensor, phi: FeatureMap, rule: Reten
     )
 
 
-def lay_out(q, k, v, mask, length, chunk: int):
-    """The tokens of a prefill placed by each row's absolute position, in whole chunks (the first
-    continues the chunk the state ended in): ``(q, k, v, positions [B, N C], place [B, T])``, where
-    ``positions`` is -1 at places no token fills and ``place`` is each token's place (-1: padding)."""
-    batch, num_kv_heads, group, steps, _ = q.shape
-    offset = length % chunk
-    place = torch.where(mask, offset[:, None] + mask.long().cumsum(1) - 1, -1)  # [B, T]: where each token goes
-    width = (steps + 2 * chunk - 2) // chunk * chunk  # enough for any offset < C
-    source = torch.full((batch, width + 1), -1, dtype=torch.long, device=q.device)
-    source = source.scatter(1, torch.where(mask, place, width), torch.arange(steps, device=q.device).expand(batch, -1))
-    source = source[:, :width]  # the token at each place, -1 for none
-    positions = torch.where(source >= 0, (length - offset)[:, None] + torch.arange(width, device=q.device), -1)
-    taken = source.clamp_min(0)
-    laid_q = q.gather(3, taken[:, None, None, :, None].expand(-1, num_kv_heads, group, -1, q.shape[4]))
-    laid_k, laid_v = (x.gather(2, taken[:, None, :, None].expand(-1, num_kv_heads, -1, x.shape[3])) for x in (k, v))
-    return laid_q, laid_k, laid_v, positions, place
-
-
 def chunk_lola_attn(q, k, v, mask, *state, phi: FeatureMap, factor, gate, scale: float, rule: Retention):
-    """A prefill: the tokens laid out by absolute position (``lay_out``), then per chunk ``read_chunk``
+    """A prefill: the tokens laid out by absolute position (``select.lay_out``), then per chunk ``read_chunk``
     and the boundary's decision for the rows that complete it. Padding queries give 0."""
-    num_kv_heads, group, chunk = q.shape[1], q.shape[2], rule.chunk
+    chunk = rule.chunk
     laid_q, laid_k, laid_v, positions, place = lay_out(q, k, v, mask, state[LENGTH], chunk)
     outs = []
     for start in range(0, positions.shape[1], chunk):
@@ -378,10 +362,7 @@ def chunk_lola_attn(q, k, v, mask, *state, phi: FeatureMap, factor, gate, scale:
         deciding = (positions[:, span] >= 0).any(1) & (state[LENGTH] % chunk == 0)
         if may_decide(deciding):
             state = lola_at_boundary(state, deciding, phi, rule)
-    out = torch.cat(outs, dim=3).gather(
-        3, place.clamp_min(0)[:, None, None, :, None].expand(-1, num_kv_heads, group, -1, outs[0].shape[4])
-    )
-    return torch.where(mask[:, None, None, :, None], out, 0.0), *state
+    return put_back(outs, place, mask), *state
 
 
 def step_lola_attn(q, k, v, mask, *state, phi: FeatureMap, factor, gate, scale: float, rule: Retention):

@@ -376,16 +376,14 @@ def select_at_boundary(state, deciding: torch.Tensor, rule: Selection):
     )
 
 
-def chunk_select_attn(q, k, v, mask, *state, scale: float, rule: Selection):
-    """A prefill: the tokens laid out by each row's absolute position (a run of whole chunks, the
-    first continuing the chunk the state ended in), then per chunk ``attend_chunk`` and the
-    boundary's decision for the rows that complete it. Padding queries give 0."""
+def lay_out(q, k, v, mask, length, chunk: int):
+    """The tokens of a prefill placed by each row's absolute position, in whole chunks (the first
+    continues the chunk the state ended in): ``(q, k, v, positions [B, N C], place [B, T])``, where
+    ``positions`` is -1 at places no token fills and ``place`` is each token's place (-1: padding)."""
     batch, num_kv_heads, group, steps, _ = q.shape
-    chunk, length = rule.chunk, state[-1]
     offset = length % chunk
     place = torch.where(mask, offset[:, None] + mask.long().cumsum(1) - 1, -1)  # [B, T]: where each token goes
-    chunks = (steps + 2 * chunk - 2) // chunk  # enough for any offset < C
-    width = chunks * chunk
+    width = (steps + 2 * chunk - 2) // chunk * chunk  # enough for any offset < C
     source = torch.full((batch, width + 1), -1, dtype=torch.long, device=q.device)
     source = source.scatter(1, torch.where(mask, place, width), torch.arange(steps, device=q.device).expand(batch, -1))
     source = source[:, :width]  # the token at each place, -1 for none
@@ -393,8 +391,24 @@ def chunk_select_attn(q, k, v, mask, *state, scale: float, rule: Selection):
     taken = source.clamp_min(0)
     laid_q = q.gather(3, taken[:, None, None, :, None].expand(-1, num_kv_heads, group, -1, q.shape[4]))
     laid_k, laid_v = (x.gather(2, taken[:, None, :, None].expand(-1, num_kv_heads, -1, x.shape[3])) for x in (k, v))
+    return laid_q, laid_k, laid_v, positions, place
+
+
+def put_back(outs: list[torch.Tensor], place: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The chunks' outputs ``[B, Hkv, G, C, d_v]`` each, in places, back in the prompt's order; padding 0."""
+    out = torch.cat(outs, dim=3)
+    index = place.clamp_min(0)[:, None, None, :, None].expand(-1, *out.shape[1:3], -1, out.shape[4])
+    return torch.where(mask[:, None, None, :, None], out.gather(3, index), 0.0)
+
+
+def chunk_select_attn(q, k, v, mask, *state, scale: float, rule: Selection):
+    """A prefill: the tokens laid out by each row's absolute position (a run of whole chunks, the
+    first continuing the chunk the state ended in), then per chunk ``attend_chunk`` and the
+    boundary's decision for the rows that complete it. Padding queries give 0."""
+    chunk = rule.chunk
+    laid_q, laid_k, laid_v, positions, place = lay_out(q, k, v, mask, state[-1], chunk)
     outs = []
-    for start in range(0, width, chunk):
+    for start in range(0, positions.shape[1], chunk):
         span = slice(start, start + chunk)
         out, state = attend_chunk(
             laid_q[:, :, :, span], laid_k[:, :, span], laid_v[:, :, span], positions[:, span], state, scale, rule
@@ -403,10 +417,7 @@ def chunk_select_attn(q, k, v, mask, *state, scale: float, rule: Selection):
         deciding = (positions[:, span] >= 0).any(1) & (state[-1] % chunk == 0)
         if rule.keep and may_decide(deciding):
             state = select_at_boundary(state, deciding, rule)
-    out = torch.cat(outs, dim=3).gather(
-        3, place.clamp_min(0)[:, None, None, :, None].expand(-1, num_kv_heads, group, -1, outs[0].shape[4])
-    )
-    return torch.where(mask[:, None, None, :, None], out, 0.0), *state
+    return put_back(outs, place, mask), *state
 
 
 def step_select_attn(q, k, v, mask, *state, scale: float, rule: Selection):

@@ -7,9 +7,8 @@
    separate teacher model runs.
 2. ``finetune``: every weight of a model up to 1B parameters, else LoRA on the attention
    projections (``train``: ``auto``; or LoRA, the projections in full, or every weight) plus the
-   cells' parameters, on
-   next-token cross-entropy + ``kl_weight`` * KL(teacher || student) against the original model's
-   logits. LoRA is merged into the weights at the end.
+   cells' parameters, on next-token cross-entropy + ``kl_weight`` * KL(teacher || student) against
+   the original model's logits. LoRA is merged into the weights at the end.
 
 Each step reads one global batch from ``rnnify.data.token_batches`` (right-padded rows; the models
 run without a mask and padded positions are left out of every loss). Steps are counted in global

@@ -5,19 +5,15 @@ Order as in transformers' ``generate``: temperature, then top-k, then top-p (nuc
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from rnnify.errors import RnnifyError
+from rnnify.errors import RnnifyError, check_positive_finite
 
 
 def check_temperature(temperature: float, name: str = "temperature") -> float:
     """``temperature`` if it is a finite number > 0. However small, it cannot overflow (``next_token``);
     infinity would turn a logit of -inf into nan."""
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise RnnifyError(f"{name} must be a finite number > 0, got {temperature}")
-    return temperature
+    return check_positive_finite(name, temperature)
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
