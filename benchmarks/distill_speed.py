@@ -9,7 +9,7 @@ model's vocabulary, ``--warmup`` + ``--steps`` optimizer steps per stage, and ti
 tokens/s is the timed steps' tokens over their wall-clock time, tokens/CPU s over the process's
 CPU time (all threads), the steadier figure on a machine that others share. ``--profile`` runs the timed steps under
 ``torch.profiler`` and adds the share of each named part of a step (teacher forward, student
-forward, losses, backward, optimizer; ``rnnify/distill/train.py`` names them). Speed does not
+forward, losses, backward, optimizer; ``rnnify/distillation/train.py`` names them). Speed does not
 depend on what the tokens say, so random ones do; the KL term's teacher is the model's source
 (``--teacher`` to override). Prints a table and writes ``benchmarks/results/distill-speed-LABEL.json``.
 """
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import rnnify  # noqa: E402
-from rnnify.distill import train  # noqa: E402
+from rnnify.distillation import train  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 REGIONS = ("teacher forward", "student forward", "losses", "backward", "optimizer")

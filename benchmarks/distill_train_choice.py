@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import stdlib_corpus  # noqa: E402
 
 import rnnify  # noqa: E402
-from rnnify.distill.train import TRAIN  # noqa: E402
+from rnnify.distillation.train import TRAIN  # noqa: E402
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import stdlib_corpus  # noqa: E402
 
 import rnnify  # noqa: E402
-from rnnify.distill.train import SCHEDULES, STAGES, TRAIN  # noqa: E402
+from rnnify.distillation.train import SCHEDULES, STAGES, TRAIN  # noqa: E402
 from rnnify.eval import write_json  # noqa: E402
 from rnnify.passkey import evaluate_passkey, original_generator, passkey_trials, usable_probes  # noqa: E402
 from rnnify.probes import prompts  # noqa: E402
@@ -297,7 +297,7 @@ def original_passkey(args, cached: dict | None) -> dict | None:
     }  # rnnify.passkey.usable_probes, as evaluate_passkey's default
     if cached is not None and cached.get("settings") == wanted:
         return cached
-    from rnnify.capture import load_source
+    from rnnify.compiler.capture import load_source
     from rnnify.data import load_tokenizer
 
     print("== original: pass key", flush=True)

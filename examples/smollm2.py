@@ -20,8 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rnnify.compiler.gguf import load_gguf, tokenizer_files
 from rnnify.errors import RnnifyError
-from rnnify.gguf import load_gguf, tokenizer_files
 from rnnify.runtime.saving import follow_umask
 
 

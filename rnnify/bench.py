@@ -169,7 +169,7 @@ def benchmark(
     aot = " (step compiled ahead of time)" if model.step_package is not None else ""
     original = None
     if against is not None:
-        from rnnify.capture import load_source
+        from rnnify.compiler.capture import load_source
 
         original = load_source(against, dtype=model.dtype).to(device)
     run = Run(

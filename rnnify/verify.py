@@ -129,7 +129,7 @@ def run_checks(
 
     if against is not None:
         report("vs original")
-        from rnnify.capture import load_source, source_name
+        from rnnify.compiler.capture import load_source, source_name
 
         source = load_source(against, dtype=dtype)
         want = source(input_ids=ids.to(next(source.parameters()).device), use_cache=False).logits.to(ids.device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 import rnnify
-from rnnify.distill import train
+from rnnify.distillation import train
 
 
 def free_port() -> int:

@@ -447,10 +447,10 @@ def test_help_and_usage_errors_answer_at_once(argv):
 def test_import_rnnify_is_light_and_its_names_still_resolve():
     assert _heavy_imports("import rnnify") == []
     assert "torch" in _heavy_imports("import rnnify\nrnnify.load")  # imported on first use
-    # importing the submodule of the same name first must leave rnnify.convert the function
-    check = "import rnnify\nimport rnnify.convert\nassert rnnify.convert.__name__ == 'convert', rnnify.convert"
+    # importing the modules that define them first must leave rnnify.convert and distill functions
+    check = "import rnnify\nimport rnnify.compiler.convert, rnnify.distillation.train\nassert rnnify.convert.__name__ == 'convert'"
     assert "torch" in _heavy_imports(check)
-    assert callable(rnnify.distill) and rnnify.distill.__name__ == "rnnify.distill"
+    assert rnnify.distill.__module__ == "rnnify.distillation.train"
     assert rnnify.benchmark.__module__ == "rnnify.bench"
 
 
@@ -533,7 +533,7 @@ def test_distill_onto_a_converted_model_needs_overwrite(capsys, monkeypatch, tmp
 
 def test_piped_convert_prints_a_line_as_each_stage_starts_and_ends(capsys, monkeypatch, tmp_path, tiny_model_dir):
     """Not a bar (tqdm prints nothing off a terminal), which left a log silent for minutes."""
-    from rnnify.passes import PIPELINE
+    from rnnify.compiler.passes import PIPELINE
 
     monkeypatch.setattr("rnnify.cli.convert.compile_step", lambda *a, **k: "decode step: eager (not compiled here)")
     code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "linear", "-o", tmp_path / "out")

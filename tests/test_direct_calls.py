@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rnnify
-from rnnify.distill.lora import add_lora
+from rnnify.distillation.lora import add_lora
 from rnnify.runtime.direct_calls import DIRECT, direct_forward
 
 

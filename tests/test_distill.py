@@ -15,9 +15,9 @@ from distill_support import distill_recording_losses, free_port
 
 import rnnify
 from rnnify.cli import main
-from rnnify.distill import attention_transfer, load_teacher, train
-from rnnify.distill.checkpoint import CHECKPOINT_FILE, PREVIOUS_FILE, remove_checkpoint
-from rnnify.distill.lora import add_lora, lora_targets, merge_lora
+from rnnify.distillation import attention_transfer, load_teacher, train
+from rnnify.distillation.checkpoint import CHECKPOINT_FILE, PREVIOUS_FILE, remove_checkpoint
+from rnnify.distillation.lora import add_lora, lora_targets, merge_lora
 
 FAST = dict(seq_len=16, batch_size=4, progress=False)
 

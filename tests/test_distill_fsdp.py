@@ -10,9 +10,9 @@ import torch
 from distill_support import distill_recording_losses, free_port
 
 import rnnify
-from rnnify.distill import train
-from rnnify.distill.lora import add_lora
-from rnnify.distill.split_layers import split_layers
+from rnnify.distillation import train
+from rnnify.distillation.lora import add_lora
+from rnnify.distillation.split_layers import split_layers
 
 OPTIONS = dict(lr=[1e-2, 1e-3], seq_len=16, batch_size=4, progress=False, checkpoint_every=2)
 
@@ -141,7 +141,7 @@ def _memory_probe(model_dir: str) -> dict:
     """Shard a model's training copy; what each rank holds, and what is gathered while each layer runs."""
     from torch.distributed.tensor import DTensor
 
-    from rnnify.distill.fsdp import ShardedModel, device_mesh
+    from rnnify.distillation.fsdp import ShardedModel, device_mesh
 
     model = rnnify.load(model_dir)
     sharded = ShardedModel(model, device_mesh(torch.device("cpu")))

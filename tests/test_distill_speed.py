@@ -9,8 +9,8 @@ from test_distill import FAST, aaren_dir, hybrid_dir, tokens  # noqa: F401  (fix
 import rnnify
 from rnnify.cells import parameters as cell_parameters
 from rnnify.cli import main
-from rnnify.distill import attention_transfer, train
-from rnnify.distill.losses import token_losses
+from rnnify.distillation import attention_transfer, train
+from rnnify.distillation.losses import token_losses
 from rnnify.original.attention import cells_only
 
 # -- attention transfer without what follows the last cell ----------------------------------
@@ -79,7 +79,7 @@ def naive_losses(logits, ids, mask, teacher):
 
 @pytest.mark.parametrize("with_teacher", [True, False])
 def test_token_losses_match_the_definition_in_float64(with_teacher, monkeypatch):
-    monkeypatch.setattr("rnnify.distill.losses._CHUNK_ELEMENTS", 3 * 50)  # several chunks, a ragged last one
+    monkeypatch.setattr("rnnify.distillation.losses._CHUNK_ELEMENTS", 3 * 50)  # several chunks, a ragged last one
     g = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(2, 9, 50, generator=g)).requires_grad_(True)
     teacher = 3 * torch.randn(2, 9, 50, generator=g) if with_teacher else None

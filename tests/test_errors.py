@@ -120,7 +120,7 @@ def test_a_composite_config_without_its_own_vocab_size_is_refused():
     an AttributeError), not converted from the whole model, which came out wrong for Gemma 3."""
     from transformers import Gemma3Config
 
-    from rnnify.capture import vocab_size
+    from rnnify.compiler.capture import vocab_size
     from rnnify.errors import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match="Gemma3Config names no vocab_size of its own .*composite"):

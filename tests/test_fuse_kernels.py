@@ -13,15 +13,15 @@ from kernel_support import needs_triton
 from support import decode, rel_diff
 
 import rnnify
-from rnnify.capture import capture, load_source
 from rnnify.cells import CellSpec, build_cell
 from rnnify.cells.linear import KERNEL_MAX_FEATURES
 from rnnify.cli import main
+from rnnify.compiler.capture import capture, load_source
+from rnnify.compiler.passes import PIPELINE, PassContext, cleanup
+from rnnify.compiler.passes.fuse_kernels import KERNELS_KEY, fuse_kernels
+from rnnify.compiler.passes.rewrite_attention import cell_calls
+from rnnify.compiler.plan import make_plan
 from rnnify.kernels import utils
-from rnnify.passes import PIPELINE, PassContext, cleanup
-from rnnify.passes.fuse_kernels import KERNELS_KEY, fuse_kernels
-from rnnify.passes.rewrite_attention import cell_calls
-from rnnify.plan import make_plan
 from rnnify.runtime.manifest import MANIFEST_FILE
 
 LINEAR_OPS = {"prefill": "chunk_linear_attn", "decode": "fused_recurrent_linear_attn"}

@@ -11,8 +11,8 @@ from gguf_support import CHAT_TEMPLATE, tokens, write_tiny_llama
 from test_cli import assert_user_error
 
 import rnnify
-from rnnify.capture import load_source
 from rnnify.cli import main
+from rnnify.compiler.capture import load_source
 from rnnify.data import load_tokenizer
 
 
@@ -60,9 +60,9 @@ def test_gguf_loaded_with_its_quantizer_attached_becomes_a_plain_model(monkeypat
     """transformers' default load keeps a GGUF quantizer (and refuses save_pretrained): rebuilt."""
     from transformers import AutoModelForCausalLM
 
-    import rnnify.gguf
+    import rnnify.compiler.gguf
 
-    monkeypatch.setattr(rnnify.gguf, "_dequantize_options", dict)
+    monkeypatch.setattr(rnnify.compiler.gguf, "_dequantize_options", dict)
     reference = AutoModelForCausalLM.from_pretrained(
         str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32
     )
@@ -77,7 +77,7 @@ def test_gguf_loaded_with_its_quantizer_attached_becomes_a_plain_model(monkeypat
 
 
 def test_gguf_without_tokenizer_loads_without_tokenizer_files(tmp_path):
-    from rnnify.convert import _source_files
+    from rnnify.compiler.convert import _source_files
 
     path = write_tiny_llama(tmp_path / "bare.gguf", tokenizer=False)
     source = load_source(path)

@@ -12,8 +12,8 @@ import torch
 import rnnify
 from rnnify.auto import HeadScorer, auto_convert, choose_heads
 from rnnify.cells import CellSpec, HeadSplitCell, build_cell
+from rnnify.compiler.plan import make_plan, parse_layers
 from rnnify.errors import RnnifyError
-from rnnify.plan import make_plan, parse_layers
 from rnnify.verify import run_checks
 from tests.support import rel_diff
 from tests.test_cli import assert_user_error, run

@@ -26,13 +26,12 @@ LAYERS = [
     {"errors", "choices", "progress"},
     {"kernels"},
     {"cells"},
-    {"plan", "gguf"},
-    {"passes", "capture"},
     {"runtime"},
+    {"compiler"},  # load the source (GGUF too), capture it, plan, run the passes, convert
     {"arguments"},  # the command line's value checks (distill's flags too), before a command runs
     {"data", "probes"},  # probes: pass-key prompt families, torch-free
     {"original"},
-    {"convert", "eval", "distill", "verify", "bench", "chat", "passkey"},
+    {"eval", "distillation", "verify", "bench", "chat", "passkey"},
     {"auto"},  # per-head choice: scores with the original, converts with the choice
     {"__init__"},  # the package's public API, over everything it exports
     {"cli", "integrations"},  # transformers and lm-evaluation-harness over the public API
@@ -156,7 +155,7 @@ def test_no_module_imports_a_higher_or_sibling_layer():
     "source, expected",
     [
         ("from rnnify.cells.window import ring_index", ["rnnify.cells.window"]),
-        ("def f():\n    from rnnify import distill", ["rnnify.distill"]),
+        ("def f():\n    from rnnify import distillation", ["rnnify.distillation"]),
         ("import rnnify", ["rnnify"]),
         ("from rnnify import RnnifyError", ["rnnify"]),
         ("from ...cells import gated", ["rnnify.cells.gated"]),

@@ -23,18 +23,18 @@ from support import rel_diff
 from torch import nn
 from torch.export import Dim
 
-from rnnify.capture import _plain_graph_module, capture, load_source
 from rnnify.cells import CELLS, Cell
 from rnnify.cells.exact import ExactCell
 from rnnify.cells.linear import LinearCell
+from rnnify.compiler.capture import _plain_graph_module, capture, load_source
+from rnnify.compiler.passes import PIPELINE, AttentionSite, PassContext, cleanup, run_pipeline
+from rnnify.compiler.passes.find_attention import find_attention
+from rnnify.compiler.passes.find_positions import find_positions
+from rnnify.compiler.passes.rewrite_attention import rewrite_attention
+from rnnify.compiler.passes.strip_export_checks import strip_export_checks
+from rnnify.compiler.passes.thread_state import thread_state
+from rnnify.compiler.plan import ConversionPlan
 from rnnify.errors import UnsupportedModelError
-from rnnify.passes import PIPELINE, AttentionSite, PassContext, cleanup, run_pipeline
-from rnnify.passes.find_attention import find_attention
-from rnnify.passes.find_positions import find_positions
-from rnnify.passes.rewrite_attention import rewrite_attention
-from rnnify.passes.strip_export_checks import strip_export_checks
-from rnnify.passes.thread_state import thread_state
-from rnnify.plan import ConversionPlan
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default

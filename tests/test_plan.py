@@ -7,8 +7,8 @@ import torch
 from support import decode
 
 import rnnify
+from rnnify.compiler.plan import LayerRule, make_plan, parse_layers
 from rnnify.errors import RnnifyError
-from rnnify.plan import LayerRule, make_plan, parse_layers
 
 
 def test_parse_layers():

@@ -97,7 +97,7 @@ def head_costs(
     """State bytes per sequence at ``context`` tokens with the heads in ``retrieval`` their
     ``retrieval_target``, the rest streaming (``streaming_target``): the cells' own
     ``state_nbytes`` (plus the positions), as ``RecurrentModel.state_nbytes`` counts."""
-    from rnnify.plan import make_plan
+    from rnnify.compiler.plan import make_plan
 
     every_head = len(retrieval) == sum(s.num_kv_heads for s in specs)
     target, options = plan_options(every_head, window, sinks, retrieval_window, memory, memory_options)

@@ -63,8 +63,8 @@ class HeadScorer:
     ):
         from tqdm import tqdm
 
-        from rnnify.capture import load_source
-        from rnnify.convert import resolve_dtype
+        from rnnify.compiler.capture import load_source
+        from rnnify.compiler.convert import resolve_dtype
         from rnnify.data import load_tokenizer
 
         if score not in SCORES:
@@ -268,7 +268,7 @@ def check_memory(memory: str | None, memory_options: Options = None) -> None:
     are options of the hybrid: checked before any model loads."""
     from rnnify.cells import build_cell
     from rnnify.cells.hybrid import MEMORIES
-    from rnnify.plan import make_plan
+    from rnnify.compiler.plan import make_plan
 
     if memory is not None and memory not in MEMORIES:
         raise RnnifyError(f"--memory {memory!r} is not a memory; choose one of {', '.join(MEMORIES)}")
@@ -323,7 +323,7 @@ REPORT_FILE = "head_map.json"  # saved beside a model converted with --to auto
 def convert_chosen(model: Any, report: HeadReport, dtype: str = DEFAULT_DTYPE, kernels: str = DEFAULT_KERNELS):
     """``model`` converted with the retrieval heads ``report`` chose, the rest streaming (windows, or
     hybrids with ``report.memory`` and its options); the report is saved beside it as ``head_map.json``."""
-    from rnnify.convert import convert
+    from rnnify.compiler.convert import convert
 
     every_head = len(report.retrieval) == len(report.scores[report.score])
     target, options = plan_options(

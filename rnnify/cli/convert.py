@@ -137,8 +137,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     import rnnify
     from rnnify import progress
     from rnnify.auto import check_memory
-    from rnnify.passes import PIPELINE
-    from rnnify.plan import parse_options
+    from rnnify.compiler.passes import PIPELINE
+    from rnnify.compiler.plan import parse_options
 
     check_memory(args.memory)  # before the model is loaded
     options = {name: getattr(args, name) for name in _CELL_FLAGS if getattr(args, name) is not None}

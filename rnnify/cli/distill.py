@@ -77,8 +77,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 
 def add_training_flags(p: argparse.ArgumentParser) -> None:
-    """The training flags of ``rnnify.distill.options``, and ``--device`` among them."""
-    from rnnify.distill.options import add_training_flags
+    """The training flags of ``rnnify.distillation.options``, and ``--device`` among them."""
+    from rnnify.distillation.options import add_training_flags
 
     group = add_training_flags(p)
     add_device_flag(
@@ -88,14 +88,14 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
 
 def training_options(args: argparse.Namespace) -> dict:
     """``rnnify.distill``'s keyword arguments from the training flags, checked."""
-    from rnnify.distill.options import training_options
+    from rnnify.distillation.options import training_options
 
     return {**training_options(args), "device": device(args.device)}
 
 
 def train(model, data: str, teacher, options: dict) -> bool:
     """Distil ``model`` in place (docs/distill.md); True on the process that writes the result (rank 0)."""
-    from rnnify.distill import distill
+    from rnnify.distillation import distill
 
     distill(model, data, teacher=teacher, **options)  # reports each stage on stderr
     return writes_results()
@@ -105,7 +105,7 @@ def drop_checkpoint(directory: Path, keep: bool, console: Console) -> None:
     """Delete the checkpoint of a run whose model is saved, unless ``--keep-checkpoints``."""
     from rich.text import Text
 
-    from rnnify.distill.checkpoint import remove_checkpoint
+    from rnnify.distillation.checkpoint import remove_checkpoint
 
     if keep:
         console.print(Text(f"checkpoint kept in {directory}"), soft_wrap=True)

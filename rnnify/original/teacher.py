@@ -37,7 +37,7 @@ def load_teacher(model: RecurrentModel, teacher: str | os.PathLike | nn.Module |
     is in eval mode, has ``requires_grad=False`` everywhere and ``model``'s dtype and device; its
     vocabulary must match ``model``'s. Raises ``RnnifyError`` when no teacher can be found.
     """
-    from rnnify.capture import load_source
+    from rnnify.compiler.capture import load_source
 
     if teacher is None:
         teacher = source_directory(model, "teacher= (Python) or --teacher (command line)")

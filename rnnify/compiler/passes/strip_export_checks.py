@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from rnnify.passes.context import PassContext
+from rnnify.compiler.passes.context import PassContext
 
 _CHECKS = {
     torch.ops.aten._assert_tensor_metadata.default,

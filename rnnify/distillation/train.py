@@ -48,10 +48,10 @@ from rnnify.choices import (
     TRAIN,
 )
 from rnnify.data import row_length, token_batches, tokenizer_for
-from rnnify.distill.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, set_aside
-from rnnify.distill.distributed import Runtime, setup
-from rnnify.distill.lora import add_lora, lora_targets, merge_lora, unreached_weights
-from rnnify.distill.losses import token_losses
+from rnnify.distillation.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, set_aside
+from rnnify.distillation.distributed import Runtime, setup
+from rnnify.distillation.lora import add_lora, lora_targets, merge_lora, unreached_weights
+from rnnify.distillation.losses import token_losses
 from rnnify.errors import RnnifyError, check_int
 from rnnify.original import attention_transfer, load_teacher
 from rnnify.original.attention import cells_only
@@ -122,7 +122,7 @@ def distill(
     so that a later resume continues this run. Under ``torchrun`` each of the ``WORLD_SIZE`` ranks
     reads its slice of every global batch and DDP averages gradients (``batch_size`` must divide
     by the world size); only rank 0 shows progress and writes checkpoints. ``fsdp=True`` shards
-    the weights over the ranks instead of DDP's full copies (``rnnify.distill.fsdp``: one FSDP
+    the weights over the ranks instead of DDP's full copies (``rnnify.distillation.fsdp``: one FSDP
     unit per decoder layer, the model itself left in place and updated at the end of each stage);
     on one process it changes nothing. ``device``: where training runs (default: where the model
     is; under ``torchrun`` on CUDA, each rank's ``LOCAL_RANK`` GPU); the model moves there, except
@@ -261,7 +261,7 @@ class _Trainer:
         self.model = model if self.fsdp else model.to(runtime.device)
         self.mesh = None
         if self.fsdp:
-            from rnnify.distill.fsdp import device_mesh
+            from rnnify.distillation.fsdp import device_mesh
 
             self.mesh = device_mesh(runtime.device)
         self.cell_names = _names(self.model, [p for p in cell_parameters(self.model) if p.requires_grad])
@@ -326,7 +326,7 @@ class _Trainer:
             if self.uses_teacher:
                 self.teacher = _teacher(model, self.teacher_source)
                 if self.fsdp:  # as large as the model: sharded per decoder layer too
-                    from rnnify.distill.fsdp import shard_teacher
+                    from rnnify.distillation.fsdp import shard_teacher
 
                     layers = shard_teacher(self.teacher, model, self.mesh)
                     self.log(
@@ -389,7 +389,7 @@ class _Trainer:
         sharded, restore = None, ExitStack()
         try:
             if self.fsdp:  # a sharded training copy, built after requires_grad is set (FSDP reads it once)
-                from rnnify.distill.fsdp import ShardedModel
+                from rnnify.distillation.fsdp import ShardedModel
 
                 sharded = ShardedModel(model, self.mesh)
                 run, wrapped, trainable = sharded.view, sharded.view, [sharded.param(p) for p in originals]
@@ -407,7 +407,7 @@ class _Trainer:
             if resumed is not None:
                 state = resumed.optimizer
                 if sharded is not None:
-                    from rnnify.distill.fsdp import shard_optimizer_state
+                    from rnnify.distillation.fsdp import shard_optimizer_state
 
                     # the state is numbered in the groups' order (gates last), not in ``trainable``'s
                     state = shard_optimizer_state(state, [p for g in optimizer.param_groups for p in g["params"]])
@@ -501,7 +501,7 @@ class _Trainer:
             return
         params = dict(self.model.named_parameters())
         if sharded is not None:  # same format as without FSDP: full tensors, optimizer state by position
-            from rnnify.distill.fsdp import full_optimizer_state
+            from rnnify.distillation.fsdp import full_optimizer_state
 
             trainable = {n: sharded.full(params[n]) for n in names}
             optimizer_state = full_optimizer_state(optimizer.state_dict())

@@ -13,9 +13,9 @@ import operator
 import torch.fx
 
 from rnnify.cells import CellSpec
+from rnnify.compiler.passes.context import PassContext
+from rnnify.compiler.passes.find_attention import SITE_KEY, sites
 from rnnify.errors import UnsupportedModelError
-from rnnify.passes.context import PassContext
-from rnnify.passes.find_attention import SITE_KEY, sites
 
 CELL_KEY = "rnnify_cell"
 

@@ -9,16 +9,16 @@ from typing import Any
 
 import torch
 
-from rnnify.capture import capture, load_source, source_name, vocab_size
 from rnnify.choices import DEFAULT_DTYPE, DEFAULT_KERNELS, DTYPES
+from rnnify.compiler.capture import capture, load_source, source_name, vocab_size
+from rnnify.compiler.gguf import is_gguf, tokenizer_files
+from rnnify.compiler.passes import PassContext, run_pipeline
+from rnnify.compiler.passes.find_attention import SITE_KEY
+from rnnify.compiler.passes.fuse_kernels import KERNELS_KEY
+from rnnify.compiler.passes.rewrite_attention import cell_calls
+from rnnify.compiler.plan import make_plan
 from rnnify.errors import RnnifyError
-from rnnify.gguf import is_gguf, tokenizer_files
 from rnnify.kernels.utils import check_kernels
-from rnnify.passes import PassContext, run_pipeline
-from rnnify.passes.find_attention import SITE_KEY
-from rnnify.passes.fuse_kernels import KERNELS_KEY
-from rnnify.passes.rewrite_attention import cell_calls
-from rnnify.plan import make_plan
 from rnnify.runtime.agreement import check_against_original
 from rnnify.runtime.manifest import CellEntry, Manifest
 from rnnify.runtime.model import RecurrentModel

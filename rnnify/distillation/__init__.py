@@ -2,8 +2,7 @@
 
 The math: docs/math.md §Attention transfer.
 
-``rnnify.distill(model, data, ...)`` runs ``train.distill`` (the package is callable, so the
-submodules below stay importable as ``rnnify.distill.<name>``). ``rnnify.original`` (re-exported
+``rnnify.distill(model, data, ...)`` is ``train.distill``. ``rnnify.original`` (re-exported
 here) compares each cell with the softmax attention it replaced (stage 1, and ``rnnify eval``) and
 loads the original model; ``lora`` adds and merges LoRA; ``losses``, ``checkpoint``, ``distributed`` and
 ``fsdp`` (sharding per decoder layer) serve the training loop; ``options`` holds its
@@ -14,13 +13,11 @@ line imports ``options`` to build its flags, which must not import torch (``rnni
 """
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 # public name -> module that defines it
 _LAZY = {
-    "distill": "rnnify.distill.train",
+    "distill": "rnnify.distillation.train",
     "DEFAULT_LR": "rnnify.choices",
     "STAGES": "rnnify.choices",
     "AttentionRecorder": "rnnify.original",
@@ -34,13 +31,13 @@ __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:
     from rnnify.choices import DEFAULT_LR, STAGES
-    from rnnify.distill.train import distill
+    from rnnify.distillation.train import distill
     from rnnify.original import AttentionRecorder, LayerError, attention_transfer, load_teacher, softmax_attention
 
 
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
-        raise AttributeError(f"module 'rnnify.distill' has no attribute {name!r}")
+        raise AttributeError(f"module 'rnnify.distillation' has no attribute {name!r}")
     value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value  # found directly from now on
     return value
@@ -48,14 +45,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
-
-
-class _CallablePackage(types.ModuleType):
-    def __call__(self, *args, **kwargs):
-        """``rnnify.distill.train.distill``: train ``model`` towards the model it was converted from."""
-        from rnnify.distill.train import distill
-
-        return distill(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallablePackage

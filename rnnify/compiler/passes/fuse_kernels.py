@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from rnnify.compiler.passes.context import PassContext
+from rnnify.compiler.passes.rewrite_attention import cell_calls
 from rnnify.kernels.utils import check_kernels
-from rnnify.passes.context import PassContext
-from rnnify.passes.rewrite_attention import cell_calls
 
 KERNELS_KEY = "rnnify_kernels"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rnnify.plan import ConversionPlan
+from rnnify.compiler.plan import ConversionPlan
 
 
 @dataclass

@@ -3,7 +3,7 @@
 A converted model is one flat fx graph, and FSDP on it whole would gather every weight for
 every step (peak memory no better than DDP's). So for each stage the trainer builds a training
 copy: the step graph split into ``prologue``, ``layer_<i>`` and ``epilogue`` pieces
-(``rnnify.distill.split_layers``), each piece holding new parameter objects that alias the
+(``rnnify.distillation.split_layers``), each piece holding new parameter objects that alias the
 model's storage (copies of the cells and of the LoRA-parametrized projections likewise). Each
 piece that shares no weight with another is sharded with FSDP2's ``fully_shard`` (one unit per
 decoder layer), then the root, which keeps what is left: the pieces that share a weight (tied
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rnnify.distill.split_layers import layer_prefix, split_layers
+from rnnify.distillation.split_layers import layer_prefix, split_layers
 from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel, retarget_devices
 

@@ -14,7 +14,7 @@ import functools
 import torch
 import torch.fx
 
-from rnnify.passes.context import PassContext
+from rnnify.compiler.passes.context import PassContext
 
 _PASS_THROUGH = {
     torch.ops.aten.view.default,

@@ -7,7 +7,7 @@ saving over DDP. ``split_layers`` rewrites the graph as a root graph that calls,
 ``prologue`` (embeddings, rotary tables), ``layer_<i>`` for each decoder layer (its projections,
 its attention cell call, its MLP) and ``epilogue`` (final norm, LM head): each piece is its own
 ``GraphModule`` holding exactly the weights it reads, so each can be sharded on its own
-(``rnnify.distill.fsdp``). It is not part of the conversion pipeline: only training uses it.
+(``rnnify.distillation.fsdp``). It is not part of the conversion pipeline: only training uses it.
 
 Nodes are assigned in graph order, never backwards, so every value flows from an earlier piece
 to a later one and the split computes exactly the flat graph's function: a node that reads a

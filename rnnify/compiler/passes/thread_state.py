@@ -14,8 +14,8 @@ import operator
 
 import torch.fx
 
-from rnnify.passes.context import PassContext
-from rnnify.passes.rewrite_attention import cell_calls
+from rnnify.compiler.passes.context import PassContext
+from rnnify.compiler.passes.rewrite_attention import cell_calls
 
 MASK_INPUT = "attention_mask"
 

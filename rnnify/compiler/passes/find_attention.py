@@ -18,8 +18,8 @@ import torch
 import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
+from rnnify.compiler.passes.context import PassContext
 from rnnify.errors import UnsupportedModelError
-from rnnify.passes.context import PassContext
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 SITE_KEY = "rnnify_site"

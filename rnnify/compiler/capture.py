@@ -29,7 +29,7 @@ _MAX_LENGTH = 1 << 20
 def _load_pretrained(path_or_id: str, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rnnify.gguf import is_gguf, load_gguf
+    from rnnify.compiler.gguf import is_gguf, load_gguf
 
     local = Path(path_or_id).expanduser()
     if is_gguf(local):
@@ -77,7 +77,7 @@ def _load_pretrained(path_or_id: str, dtype: torch.dtype):
 def load_source(model, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Return the source model in eval mode with SDPA attention.
 
-    ``model`` is a local directory, a GGUF file (dequantised to ``dtype``, see ``rnnify.gguf``), a
+    ``model`` is a local directory, a GGUF file (dequantised to ``dtype``, see ``rnnify.compiler.gguf``), a
     hub id already in the local cache, or a loaded ``PreTrainedModel`` (used as is, switched to SDPA).
     """
     from transformers import PreTrainedModel

@@ -12,13 +12,13 @@ from typing import Callable
 
 import torch.fx
 
-from rnnify.passes.context import PassContext
-from rnnify.passes.find_attention import AttentionSite, find_attention
-from rnnify.passes.find_positions import find_positions
-from rnnify.passes.fuse_kernels import fuse_kernels
-from rnnify.passes.rewrite_attention import rewrite_attention
-from rnnify.passes.strip_export_checks import strip_export_checks
-from rnnify.passes.thread_state import thread_state
+from rnnify.compiler.passes.context import PassContext
+from rnnify.compiler.passes.find_attention import AttentionSite, find_attention
+from rnnify.compiler.passes.find_positions import find_positions
+from rnnify.compiler.passes.fuse_kernels import fuse_kernels
+from rnnify.compiler.passes.rewrite_attention import rewrite_attention
+from rnnify.compiler.passes.strip_export_checks import strip_export_checks
+from rnnify.compiler.passes.thread_state import thread_state
 
 __all__ = ["PIPELINE", "PassContext", "AttentionSite", "run_pipeline", "cleanup"]
 
