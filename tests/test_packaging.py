@@ -160,3 +160,16 @@ def test_console_scripts_point_at_modules_that_exist():
     for name, target in PROJECT["scripts"].items():
         module = target.split(":")[0]
         assert importlib.util.find_spec(module) is not None, f"{name} = {target}: no module {module}"
+
+
+def test_every_folder_of_python_modules_is_a_package_the_wheel_includes():
+    """``packages.find`` (and the API docs' reader) skip a folder without ``__init__.py``: its modules
+    would import from a checkout and be missing from an installed wheel."""
+    from setuptools import find_packages
+
+    folders = {p.parent for p in (ROOT / "rnnify").rglob("*.py") if "__pycache__" not in p.parts}
+    packages = {
+        ROOT / Path(*name.split("."))
+        for name in find_packages(ROOT, include=PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"])
+    }
+    assert folders <= packages, sorted(str(f.relative_to(ROOT)) for f in folders - packages)
