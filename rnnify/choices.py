@@ -16,6 +16,7 @@ from __future__ import annotations
 __all__ = [
     "AUTO_ALL_MAX_PARAMETERS",
     "AUTO_CONTEXT",
+    "AUTO_KINDS",
     "AUTO_SINKS",
     "AUTO_WINDOW",
     "BACKENDS",
@@ -97,6 +98,7 @@ SCORES = ("kl", "mass")  # kl: one pass per kv head and row, the KL each head co
 DEFAULT_SCORE = "kl"  # the score that measures what windowing a head costs the output (docs/fidelity.md)
 AUTO_WINDOW, AUTO_SINKS = 64, 4
 AUTO_CONTEXT = 4096  # the context at which a state budget is counted
+AUTO_KINDS = ("exact", "window", "select")  # what --levels may list: the cells a probe of the original can run
 CALIB_LEN, CALIB_ROWS, CALIB_PASSKEY = 1024, 2, 2  # tokens per row; text rows; pass-key prompts
 
 VERIFY_TOKENS, VERIFY_BATCH = 32, 2  # ``rnnify.verify.run_checks``: tokens per sequence, sequences

@@ -1,23 +1,27 @@
-"""``convert --to auto``: which kv heads keep softmax, under a memory budget or a quality bound.
+"""``convert --to auto``: which kind each kv head gets, under a memory budget or a quality bound.
 
 The idea: docs/math.md §Retrieval and streaming heads. Most heads lose almost nothing as a window
-with sinks ("streaming"); a few read far back ("retrieval") and must stay ``exact``. Each kv head
-is scored on calibration rows (real text, plus pass-key prompts made here with their answers
-appended) with the original model, its attention replaced by a probe that can window any heads:
+with sinks ("streaming"); a few read far back ("retrieval") and must stay ``exact``, or keep a long
+window, or a selection cache. Each kv head is scored on calibration rows (real text, plus pass-key
+prompts made here with their answers appended) with the original model, its attention replaced by
+a probe that can run any head as a window or a ``select`` cell:
 
-- ``mass``: the attention its query heads put beyond the window and sinks (one forward pass);
-- ``kl``: KL(original || this head alone windowed) per scored token (one pass per kv head).
+- ``mass``: the attention its query heads put outside what the head keeps (one forward pass);
+- ``kl``: KL(original || this head alone changed) per scored token (one pass per kv head and kind).
 
 Text scores every token; a pass-key prompt scores only the positions that predict its key. A
-head's score is the mean over text plus the mean over pass-key answers. ``choose`` then starts
-from every head windowed and makes heads exact by score per byte while the state at ``context``
-tokens fits the budget, or, for ``max_kl``, makes the best-scored heads exact until the measured
-KL of the whole assignment is at most the bound (a bisection on their number).
+head's score is the mean over text plus the mean over pass-key answers: what it loses streaming,
+and with ``levels`` (``--levels``, ``rnnify.auto.levels``) what it loses as each kind listed. A
+kind's gain is the first minus the second. ``choose`` then starts from every head streaming and
+moves heads up their ladder of kinds (``rnnify.auto.levels``: the multiple-choice knapsack's
+greedy, by gain per byte) while the state at ``context`` tokens fits the budget, or, for
+``max_kl``, takes the shortest prefix of the same moves whose measured KL is at most the bound.
 
-With ``retrieval_window`` the heads chosen keep a long window (``retrieval_window`` tokens and the
-sinks) instead of the whole context: the state stops growing at that window, so the model decodes in
-constant memory, and a head's cost is counted at ``min(context, retrieval_window)`` tokens. The
-scores stay those of the short window (what a head loses when it streams).
+Without ``levels`` there is one kind: ``exact``, or with ``retrieval_window`` a long window
+(``retrieval_window`` tokens and the sinks; the state stops growing there, so the model decodes in
+constant memory), and with ``retrieval_keep`` a ``select`` cell that also keeps that many tokens
+chosen by attention. Its gain is what the head loses streaming, as the one-kind choice has always
+counted it.
 
 With ``memory`` the streaming heads are hybrids: the window and a memory of what left it
 (``cells.hybrid``), gated off at first, so the scores and the choice are those of the window and
@@ -36,6 +40,7 @@ from rnnify.auto.choice import (
     layers_spec,
     parse_bytes,
 )
+from rnnify.auto.levels import Level, parse_levels
 from rnnify.auto.probe import measure_kl, score_heads
 from rnnify.auto.scorer import (
     REPORT_FILE,
@@ -54,6 +59,7 @@ __all__ = [
     "Calibration",
     "HeadReport",
     "HeadScorer",
+    "Level",
     "auto_convert",
     "calibration_rows",
     "check_memory",
@@ -66,6 +72,7 @@ __all__ = [
     "layers_spec",
     "measure_kl",
     "parse_bytes",
+    "parse_levels",
     "read_scores",
     "score_heads",
 ]

@@ -1,17 +1,18 @@
-"""The choice of ``--to auto``: which heads retrieve and which stream, what their state costs, and
-the report of what was chosen."""
+"""The choice of ``--to auto``: which kind each kv head gets and which heads stream, what their
+state costs, the ``--layers`` rules that build it, and the report of what was chosen."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from rnnify.auto.levels import Level, fill, moves, prefix, shortest_prefix
 from rnnify.cells import CellSpec
 from rnnify.errors import RnnifyError
 
@@ -32,43 +33,41 @@ def layer_specs(source: torch.nn.Module) -> list[CellSpec]:
     ]
 
 
-def retrieval_target(retrieval_window: int | None, retrieval_keep: int | None = None) -> str:
-    """The target text of a retrieval head: ``exact``; a window of ``retrieval_window`` tokens; or
-    with ``retrieval_keep`` a selection cache, that window and ``retrieval_keep`` tokens chosen by
-    attention (``cells.select``)."""
-    if retrieval_keep is not None:
-        return f"select(window={retrieval_window},keep={retrieval_keep})"
-    return "exact" if retrieval_window is None else f"window(window={retrieval_window})"
-
-
-def layers_spec(
-    specs: list[CellSpec], retrieval: set[Head], retrieval_window: int | None = None, retrieval_keep: int | None = None
-) -> str | None:
-    """``--layers`` rules that give the heads in ``retrieval`` their ``retrieval_target`` (the rest
-    take the ``window`` target)."""
-    rules, target = [], retrieval_target(retrieval_window, retrieval_keep)
+def layers_spec(specs: list[CellSpec], kinds: Mapping[Head, Level]) -> str | None:
+    """``--layers`` rules that give each head in ``kinds`` its kind (the heads not named take the
+    ``--to`` target, the streaming one): a layer whose heads all get one kind is that kind whole,
+    any other a ``heads(...)`` rule with one group per kind."""
+    rules = []
     for layer, spec in enumerate(specs):
-        heads = sorted(h for lay, h in retrieval if lay == layer)
-        if len(heads) == spec.num_kv_heads:
-            rules.append(f"{layer}:{target}")
-        elif heads:
-            rules.append(f"{layer}:heads({','.join(map(str, heads))}={target})")
+        groups: dict[str, list[int]] = {}
+        for lay, h in sorted(kinds):
+            if lay == layer:
+                groups.setdefault(kinds[(lay, h)].text, []).append(h)
+        if len(groups) == 1 and len(next(iter(groups.values()))) == spec.num_kv_heads:
+            rules.append(f"{layer}:{next(iter(groups))}")
+        elif groups:
+            parts = [",".join(map(str, heads)) + "=" + text for text, heads in groups.items()]
+            rules.append(f"{layer}:heads({';'.join(parts)})")
     return ",".join(rules) or None
 
 
 def plan_options(
-    every_head: bool,
+    kinds: Mapping[Head, Level],
+    heads: int,
     window: int,
     sinks: int,
-    retrieval_window: int | None,
     memory: str | None = None,
     memory_options: Options = None,
 ) -> tuple[str, dict[str, Any]]:
-    """The ``--to`` target and options of a choice: the streaming heads' target (``window``, or
-    ``hybrid`` with ``memory``) unless every head is exact."""
-    if retrieval_window is None and every_head:
+    """The ``--to`` target and options of a choice that gives ``kinds`` to some of the model's
+    ``heads`` kv heads: the streaming heads' target (``window``, or ``hybrid`` with ``memory``); when
+    none streams, ``exact`` if every kind is, else a window with the sinks (no memory: nothing
+    would hold one)."""
+    if len(kinds) < heads:
+        return streaming_target(window, sinks, memory, memory_options)
+    if all(level.target == "exact" for level in kinds.values()):
         return "exact", {}
-    return streaming_target(window, sinks, memory, memory_options)
+    return streaming_target(window, sinks)
 
 
 def streaming_target(
@@ -84,24 +83,22 @@ def streaming_target(
 
 def head_costs(
     specs: list[CellSpec],
-    retrieval: set[Head],
+    kinds: Mapping[Head, Level],
     context: int,
     window: int,
     sinks: int,
     dtype: torch.dtype,
-    retrieval_window: int | None = None,
     memory: str | None = None,
     memory_options: Options = None,
-    retrieval_keep: int | None = None,
 ) -> int:
-    """State bytes per sequence at ``context`` tokens with the heads in ``retrieval`` their
-    ``retrieval_target``, the rest streaming (``streaming_target``): the cells' own
-    ``state_nbytes`` (plus the positions), as ``RecurrentModel.state_nbytes`` counts."""
+    """State bytes per sequence at ``context`` tokens with the heads in ``kinds`` their kind, the
+    rest streaming (``streaming_target``): the cells' own ``state_nbytes`` (plus the positions), as
+    ``RecurrentModel.state_nbytes`` counts."""
     from rnnify.compiler.plan import make_plan
 
-    every_head = len(retrieval) == sum(s.num_kv_heads for s in specs)
-    target, options = plan_options(every_head, window, sinks, retrieval_window, memory, memory_options)
-    plan = make_plan(target, layers_spec(specs, retrieval, retrieval_window, retrieval_keep), **options)
+    heads = sum(s.num_kv_heads for s in specs)
+    target, options = plan_options(kinds, heads, window, sinks, memory, memory_options)
+    plan = make_plan(target, layers_spec(specs, kinds), **options)
     total = sum(plan.cell_for(layer, spec).state_nbytes(context, 1, dtype) for layer, spec in enumerate(specs))
     return total + torch.empty((), dtype=torch.long).element_size()
 
@@ -118,23 +115,27 @@ class HeadReport:
     score: str
     window: int
     sinks: int
-    retrieval_window: int | None  # the retrieval heads' window, or None: they are exact
+    retrieval_window: int | None  # --retrieval-window: the one kind's window, or None (exact, or --levels)
     context: int
     budget: int | None
     max_kl: float | None
-    retrieval: list[Head]  # the heads chosen: exact, or windowed to retrieval_window
+    retrieval: list[Head]  # the heads that do not stream
     layers: (
         str | None
     )  # the --layers spec that rebuilds the choice (with --to window, or hybrid --memory, --window --sinks)
-    scores: dict[str, dict[str, float]]  # score -> "layer.head" -> value
-    head_bytes: dict[str, int]  # "retrieval"/"streaming": one kv head's state at `context`
+    scores: dict[str, dict[str, float]]  # score -> "layer.head" -> what the head loses streaming
+    head_bytes: dict[str, int]  # one kv head's state at `context`: "streaming", each kind, "retrieval" (the costliest)
     state_bytes: int  # the chosen model's state per sequence at `context`
     kv_cache_bytes: int  # the original's KV cache at `context`
     calibration_kl: float  # measured with the choice, on the calibration rows
     calibration: dict[str, Any] = field(default_factory=dict)
     memory: str | None = None  # the streaming heads' hybrid memory, or None: they are windows
     memory_options: dict[str, Any] = field(default_factory=dict)  # those hybrids' other cell options
-    retrieval_keep: int | None = None  # tokens the retrieval heads select beyond their window, or None: no selection
+    retrieval_keep: int | None = None  # --retrieval-keep: the one kind's selected tokens, or None
+    levels: list[str] = field(default_factory=list)  # the kinds a head could get, cheapest first (--layers text)
+    # score -> kind -> "layer.head" -> what the head loses as that kind (measured with --levels)
+    level_scores: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)  # "layer.head" -> its kind, or "streaming"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,33 +144,37 @@ class HeadReport:
         with open(path, "w") as f:
             f.write(json.dumps(self.to_json(), indent=2) + "\n")
 
+    def names(self) -> dict[str, str]:
+        """Each kind's text (and ``"streaming"``) -> how the report prints it."""
+        streaming = f"{'window' if self.memory is None else 'hybrid'} {self.window}"
+        return {"streaming": streaming, **{text: Level.from_text(text).name for text in self.levels}}
+
 
 def one_head_bytes(
     spec: CellSpec,
-    window: int | None,
+    level: Level | None,
+    window: int,
     sinks: int,
     context: int,
     dtype: torch.dtype,
     memory: str | None = None,
     memory_options: Options = None,
-    keep: int | None = None,
 ) -> int:
-    """One kv head's state (with its query group) at ``context`` tokens: exact (``window`` None), a
-    selection cache of ``window`` tokens and ``keep`` selected, or ``streaming_target``."""
+    """One kv head's state (with its query group) at ``context`` tokens as ``level``, or None:
+    streaming (``streaming_target``)."""
     from rnnify.cells import build_cell
     from rnnify.cells.heads import part_spec
 
-    if keep is not None:
-        target, options = "select", {"window": window, "sinks": sinks, "keep": keep}
-    elif window is None:
-        target, options = "exact", {}
-    else:
+    if level is None:
         target, options = streaming_target(window, sinks, memory, memory_options)
+    else:
+        target, options = level.target, level.cell_options(sinks)
     return build_cell(target, part_spec(spec, 1), options).state_nbytes(context, 1, dtype)
 
 
 def choose(
-    scores: dict[Head, float],
+    benefits: Mapping[Head, Sequence[float]],
+    levels: Sequence[Level],
     specs: list[CellSpec],
     *,
     context: int,
@@ -177,70 +182,60 @@ def choose(
     sinks: int,
     dtype: torch.dtype,
     budget: int | None = None,
-    kl_of: Callable[[set[Head]], float] | None = None,
+    kl_of: Callable[[dict[Head, Level]], float] | None = None,
     max_kl: float | None = None,
     units: list[list[Head]] | None = None,
-    retrieval_window: int | None = None,
     memory: str | None = None,
     memory_options: Options = None,
-    retrieval_keep: int | None = None,
-) -> set[Head]:
-    """The retrieval heads (their ``retrieval_target``: exact, a window of ``retrieval_window``
-    tokens, or that window and ``retrieval_keep`` selected tokens); the rest stream. ``units``
+    given: str = "",
+) -> dict[Head, Level]:
+    """The kind of each head that does not stream (rnnify.auto.levels: the greedy up each unit's
+    ladder). ``benefits[head][i]`` is what ``levels[i]`` gains the head over streaming. ``units``
     (default: each head alone) are chosen whole, e.g. all heads of a layer for a per-layer choice;
-    a unit's score is the sum of its heads'.
+    a unit's benefit is the sum of its heads'.
 
-    With ``budget``: greedily by score per byte, every unit that still fits; a budget below the
-    all-windowed state is an error naming that state. With ``max_kl`` (and ``kl_of``, the measured
-    KL of an assignment): the fewest best-scored units whose KL is at most ``max_kl``."""
-    units = units or [[h] for h in sorted(scores)]
-    unit_score = [sum(scores[h] for h in unit) for unit in units]
+    With ``budget``: the moves by benefit per byte while the state at ``context`` tokens fits; a
+    budget below the all-streaming state is an error naming that state. With ``max_kl`` (and
+    ``kl_of``, the measured KL of a choice): the shortest prefix of those moves whose KL is at most
+    ``max_kl``; if every unit at the top of its ladder misses it too (it cannot when that top is
+    exact: the original), an error that names ``given``, the flags that set the kinds."""
+    units = units or [[h] for h in sorted(benefits)]
+
+    def kinds_of(rungs: list[int]) -> dict[Head, Level]:
+        return {h: levels[rung - 1] for unit, rung in zip(units, rungs) if rung for h in unit}
+
+    def cost(kinds: dict[Head, Level]) -> int:
+        return head_costs(specs, kinds, context, window, sinks, dtype, memory, memory_options)
+
+    smallest = cost({})
+    ladders = [
+        [(0, 0.0)]
+        + [
+            (cost({h: level for h in unit}) - smallest, sum(benefits[h][i] for h in unit))
+            for i, level in enumerate(levels)
+        ]
+        for unit in units
+    ]
+    order = moves(ladders)
     if budget is not None:
-
-        def cost(heads: set[Head]) -> int:
-            return head_costs(
-                specs, heads, context, window, sinks, dtype, retrieval_window, memory, memory_options, retrieval_keep
-            )
-
-        smallest = cost(set())
         if budget < smallest:
             raise RnnifyError(
                 f"--state-budget {budget:,} bytes cannot be met at {context:,} tokens: the smallest state "
                 f"(every head a {window}-token {'window' if memory is None else memory + ' hybrid'} "
                 f"with {sinks} sinks) is {smallest:,} bytes; give at least that"
             )
-        extra = [cost(set(u)) - smallest for u in units]
-        order = sorted(range(len(units)), key=lambda i: -unit_score[i] / max(extra[i], 1))
-        chosen: set[Head] = set()
-        for i in order:
-            if cost(chosen | set(units[i])) <= budget:
-                chosen |= set(units[i])
-        return chosen
+        return kinds_of(fill(order, len(units), lambda rungs: cost(kinds_of(rungs)) <= budget))
     if max_kl is None or kl_of is None:
         raise RnnifyError("--to auto needs --state-budget BYTES (with --at-context N) or --max-kl X")
-    order = sorted(range(len(units)), key=lambda i: -unit_score[i])
-
-    def first(k: int) -> set[Head]:
-        return {h for i in order[:k] for h in units[i]}
-
-    low, high = 0, len(units)  # KL(first(high)) <= max_kl: every head exact is the original
-    if kl_of(first(0)) <= max_kl:
-        return set()
-    if retrieval_window is not None and (best := kl_of(first(high))) > max_kl:
-        cells = f"--retrieval-window {retrieval_window}" + (
-            f" --retrieval-keep {retrieval_keep}" if retrieval_keep else ""
-        )
+    if kl_of({}) <= max_kl:
+        return {}
+    top = kinds_of(prefix(order, len(units), len(order)))
+    if any(level.target != "exact" for level in top.values()) and (best := kl_of(top)) > max_kl:
         raise RnnifyError(
-            f"--max-kl {max_kl:g} cannot be met with {cells}: with every head a retrieval head the "
-            f"calibration KL is {best:.4g}; give a longer window or a higher --max-kl"
+            f"--max-kl {max_kl:g} cannot be met with {given}: with every head at its best kind the "
+            f"calibration KL is {best:.4g}; give longer windows or a higher --max-kl"
         )
-    while high - low > 1:
-        middle = (low + high) // 2
-        if kl_of(first(middle)) <= max_kl:
-            high = middle
-        else:
-            low = middle
-    return first(high)
+    return kinds_of(shortest_prefix(order, len(units), lambda rungs: kl_of(kinds_of(rungs)) <= max_kl))
 
 
 def parse_bytes(text: str, kv_cache: Callable[[], int]) -> int:

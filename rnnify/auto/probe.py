@@ -3,18 +3,19 @@
 A probe replaces the model's attention through transformers' ``AttentionInterface``: each kv head
 runs plain softmax, a window with sinks, or a ``select`` cell (sinks, window and selected tokens,
 ``rnnify.cells.select``), so one forward pass of the original says what a mix of cells would cost
-it, before anything is converted.
+it, before anything is converted. The kinds of ``rnnify.auto.levels`` are those three.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
 from rnnify.auto.calibration import Calibration
+from rnnify.auto.levels import Level
 from rnnify.choices import SCORES
 from rnnify.errors import RnnifyError
 
@@ -26,16 +27,22 @@ class _Probe:
     """An attention function for transformers' ``AttentionInterface``: softmax attention in which
     each kv head in ``windowed`` sees only the last ``windowed[head]`` tokens and the first
     ``sinks``, and each in ``selecting`` is the ``select`` cell with those options (its window, the
-    sinks and the tokens it selects, computed by the cell itself); with ``mass`` set it adds, per (layer, kv head), the weighted attention mass beyond
-    the last ``window`` tokens and the sinks."""
+    sinks and the tokens it selects, computed by the cell itself). With ``mass`` set it adds, per
+    kind of ``kept`` (its text) and (layer, kv head), the weighted attention mass that kind does not
+    read (``reads``)."""
 
-    def __init__(self, window: int, sinks: int):
-        self.window, self.sinks = window, sinks
+    def __init__(self, sinks: int, kept: Sequence[Level] = ()):
+        self.sinks, self.kept = sinks, list(kept)
         self.windowed: dict[Head, int] = {}
         self.selecting: dict[Head, dict] = {}
         self.weights: torch.Tensor | None = None  # [T] of the row running, for ``mass``
-        self.mass: dict[Head, float] | None = None
+        self.mass: dict[str, dict[Head, float]] | None = None
         self.calls = 0
+
+    def set_kinds(self, kinds: Mapping[Head, Level]) -> None:
+        """Each head in ``kinds`` runs as its kind, the rest exact."""
+        self.windowed = {h: level.window for h, level in kinds.items() if level.target == "window"}
+        self.selecting = {h: level.cell_options(self.sinks) for h, level in kinds.items() if level.target == "select"}
 
     def __call__(self, module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
         self.calls += 1
@@ -45,7 +52,6 @@ class _Probe:
         i = torch.arange(length, device=query.device)[:, None]
         j = torch.arange(length, device=query.device)[None, :]
         causal = j <= i
-        stream = causal & ((i - j < self.window) | (j < self.sinks))
         windows = torch.tensor(
             [self.windowed.get((layer, h // group), length) for h in range(heads)], device=query.device
         )
@@ -53,10 +59,14 @@ class _Probe:
         scores = (query.float() @ key.float().repeat_interleave(group, 1).transpose(-1, -2)) * (scaling or dim**-0.5)
         p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
         if self.mass is not None:
-            beyond = (p * (causal & ~stream)).sum(-1)  # [B, H, T]
-            per_head = (beyond * self.weights).sum(-1).sum(0).reshape(kv_heads, group).mean(-1) / self.weights.sum()
-            for h in range(kv_heads):
-                self.mass[(layer, h)] = self.mass.get((layer, h), 0.0) + float(per_head[h])
+            grouped = p.reshape(p.shape[0], kv_heads, group, length, length)
+            for level in self.kept:
+                unread = ~reads(p, self.sinks, level, group)[:, :, None]
+                lost = (grouped * unread).sum(-1).reshape(p.shape[:3])  # [B, H, T]
+                per_head = (lost * self.weights).sum(-1).sum(0).reshape(kv_heads, group).mean(-1) / self.weights.sum()
+                into = self.mass.setdefault(level.text, {})
+                for h in range(kv_heads):
+                    into[(layer, h)] = into.get((layer, h), 0.0) + float(per_head[h])
         out = p @ value.float().repeat_interleave(group, 1)
         for (at, h), options in self.selecting.items():
             if at == layer:
@@ -65,6 +75,63 @@ class _Probe:
                     query[:, heads_of], key[:, h : h + 1], value[:, h : h + 1], scaling or dim**-0.5, options
                 )
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def reads(p: torch.Tensor, sinks: int, level: Level, group: int) -> torch.Tensor:
+    """``[B, Hkv, T, T]`` (or ``[1, 1, T, T]`` for a window): which keys each query of a kv head
+    reads as ``level`` (a window or a ``select`` cell), given its query heads' attention ``p [B, H,
+    T, T]`` (``group`` per kv head, causal softmax). For ``select`` this replays the cell's own rule
+    (``rnnify.cells.select``): per chunk its queries read the sinks, the recent tokens and the set
+    chosen at the chunk's boundary; each adds its softmax over what it reads to the scores, and at
+    each boundary the tokens leaving the window compete with that set for the ``keep`` slots by
+    their pooled score, newer first on ties. Those scores come from the original's queries and keys
+    of the layer, which the converted cell also reads while the earlier layers are unchanged."""
+    from rnnify.cells import CellSpec, build_cell
+
+    length = p.shape[-1]
+    i = torch.arange(length, device=p.device)[:, None]
+    j = torch.arange(length, device=p.device)
+    if level.target == "window":
+        return ((j <= i) & ((i - j < level.window) | (j < sinks)))[None, None]
+    rule = build_cell("select", CellSpec(group, 1, 1, 1, 1.0), level.cell_options(sinks)).rule
+    batch, kv_heads = p.shape[0], p.shape[1] // group
+    grouped = p.reshape(batch, kv_heads, group, length, length)
+    read = torch.zeros(batch, kv_heads, length, length, dtype=torch.bool, device=p.device)
+    selected = torch.zeros(batch, kv_heads, length, dtype=torch.bool, device=p.device)
+    score = p.new_zeros(batch, kv_heads, length)
+    for start in range(0, length, rule.chunk):
+        if start and rule.keep:
+            recent = (j >= sinks) & (j > start - rule.ring - 1) & (j < start)  # the ring's tokens but the sinks
+            candidates = selected | (recent & (j <= start - rule.window))
+            merit = _pooled(score, selected | recent, rule).masked_fill(~candidates, float("-inf"))
+            newest_first = merit.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., : rule.keep]
+            best = torch.zeros_like(selected).scatter_(-1, length - 1 - newest_first, True)
+            selected = best & candidates
+            if rule.policy == "snapkv":
+                score.zero_()
+        stop = min(start + rule.chunk, length)
+        queries = i[start:stop]
+        read[:, :, start:stop] = (j <= queries) & ((j < sinks) | (j > start - rule.window) | selected[:, :, None])
+        kept = grouped[:, :, :, start:stop] * read[:, :, None, start:stop]
+        softmax = kept / kept.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)  # the cell's own attention
+        observes = (queries[:, 0] % rule.chunk >= rule.chunk - rule.observation).to(p.dtype)
+        score += (softmax * observes[:, None]).sum((2, 3))
+    return read
+
+
+def _pooled(score: torch.Tensor, held: torch.Tensor, rule) -> torch.Tensor:
+    """Each token's score pooled over the held tokens within ``rule.pool // 2`` positions: their mean
+    over ``pool`` positions (those not held count 0) or their max; ``pool=1``: the score itself."""
+    if rule.pool == 1:
+        return score
+    flat = score.reshape(-1, 1, score.shape[-1])
+    if rule.pooling == "avg":
+        kept = (flat * held.reshape(flat.shape)).float()
+        pooled = F.avg_pool1d(kept, rule.pool, 1, rule.pool // 2, count_include_pad=True)
+    else:
+        kept = flat.float().masked_fill(~held.reshape(flat.shape), float("-inf"))
+        pooled = F.max_pool1d(kept, rule.pool, 1, rule.pool // 2)
+    return pooled.reshape(score.shape).to(score.dtype)
 
 
 def _select_head(
@@ -154,13 +221,19 @@ def score_heads(
     window: int,
     sinks: int,
     scores=SCORES,
+    levels: Sequence[Level] = (),
     progress: Callable[[int], None] | None = None,
-) -> tuple[dict[str, dict[Head, float]], list[torch.Tensor]]:
-    """Per kv head, each score in ``scores``; and the original's logits per row (for ``measure_kl``).
-    ``progress(n)`` is told of each forward pass."""
+) -> tuple[dict[str, dict[Head, float]], dict[str, dict[str, dict[Head, float]]], list[torch.Tensor]]:
+    """Per kv head, each score in ``scores``: what it loses streaming (a ``window``-token window
+    and the sinks); per kind of ``levels``, what it loses as that kind (``exact``: nothing); and the
+    original's logits per row (for ``measure_kl``). ``progress(n)`` is told of each forward pass:
+    one per row, and for ``kl`` one per row, kv head and kind that is not exact, streaming included."""
     step = progress or (lambda n: None)
-    probe = _Probe(window, sinks)
+    measured = [level for level in levels if level.target != "exact"]
+    streaming = Level("window", (("window", window),))
+    probe = _Probe(sinks, [streaming, *measured])
     out: dict[str, dict[Head, float]] = {}
+    lost: dict[str, dict[str, dict[Head, float]]] = {}
     layers = _decoder_layers(source)
     with _probed(source, probe):
         originals, masses, recorded = [], [], []
@@ -173,21 +246,28 @@ def score_heads(
             step(1)
         if probe.calls == 0:
             raise RnnifyError("--to auto: this model's attention does not use transformers' attention interface")
-        heads = sorted(masses[0])
+        heads = sorted(masses[0][streaming.text])
         probe.mass = None
+        for name in scores:
+            lost[name] = {level.text: dict.fromkeys(heads, 0.0) for level in levels}
         if "mass" in scores:
-            out["mass"] = {h: _mean_by_kind([m[h] for m in masses], calibration.kinds) for h in heads}
+            out["mass"] = {}
+            for level in [streaming, *measured]:
+                into = out["mass"] if level is streaming else lost["mass"][level.text]
+                into.update({h: _mean_by_kind([m[level.text][h] for m in masses], calibration.kinds) for h in heads})
         if "kl" in scores:
             out["kl"] = {}
             for head in heads:
-                probe.windowed = {head: window}
-                kls = []
-                for ids, w, want, before in zip(calibration.rows, calibration.weights, originals, recorded):
-                    with _replayed(layers, before, head[0]):
-                        kls.append(_kl(want, _logits(source, ids), w))
-                out["kl"][head] = _mean_by_kind(kls, calibration.kinds)
-                step(len(calibration.rows))
-    return out, originals
+                for level in [streaming, *measured]:
+                    probe.set_kinds({head: level})
+                    kls = []
+                    for ids, w, want, before in zip(calibration.rows, calibration.weights, originals, recorded):
+                        with _replayed(layers, before, head[0]):
+                            kls.append(_kl(want, _logits(source, ids), w))
+                    into = out["kl"] if level is streaming else lost["kl"][level.text]
+                    into[head] = _mean_by_kind(kls, calibration.kinds)
+                    step(len(calibration.rows))
+    return out, lost, originals
 
 
 @torch.no_grad()
@@ -195,16 +275,13 @@ def measure_kl(
     source: torch.nn.Module,
     calibration: Calibration,
     originals: list[torch.Tensor],
-    windowed: dict[Head, int],
+    kinds: Mapping[Head, Level],
     sinks: int,
-    selecting: dict[Head, dict] | None = None,
 ) -> float:
-    """The calibration KL (text mean plus pass-key mean) with each head in ``windowed`` windowed
-    to its number of tokens (and the sinks), and each in ``selecting`` the ``select`` cell with
-    those options."""
-    probe = _Probe(0, sinks)
-    probe.windowed = dict(windowed)
-    probe.selecting = dict(selecting or {})
+    """The calibration KL (text mean plus pass-key mean) with each head in ``kinds`` its kind (a
+    window with the sinks, or a ``select`` cell), the rest exact."""
+    probe = _Probe(sinks)
+    probe.set_kinds(kinds)
     with _probed(source, probe):
         kls = [
             _kl(want, _logits(source, ids), w) for ids, w, want in zip(calibration.rows, calibration.weights, originals)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from rnnify.auto.choice import (
     plan_options,
     streaming_target,
 )
+from rnnify.auto.levels import Level, parse_levels, retrieval_level
 from rnnify.auto.probe import measure_kl, score_heads
 from rnnify.cells import CellSpec
 from rnnify.choices import (
@@ -41,8 +43,9 @@ from rnnify.errors import RnnifyError
 
 class HeadScorer:
     """The kv heads of ``model`` (a Hugging Face directory or loaded model) scored once on ``data``
-    (what ``rnnify.data.token_batches`` reads) and ``passkey`` pass-key prompts; ``choose`` then
-    picks for any budget or bound. ``score="kl"`` computes the mass score too (it is free)."""
+    (what ``rnnify.data.token_batches`` reads) and ``passkey`` pass-key prompts, streaming and as
+    each kind of ``levels`` (``--levels`` text); ``choose`` then picks for any budget or bound.
+    ``score="kl"`` computes the mass score too (it is free)."""
 
     def __init__(
         self,
@@ -55,6 +58,7 @@ class HeadScorer:
         calib_len: int = CALIB_LEN,
         calib_rows: int = CALIB_ROWS,
         passkey: int = CALIB_PASSKEY,
+        levels: str | None = None,
         dtype: str = DEFAULT_DTYPE,
         tokenizer: Any = None,
         seed: int = 0,
@@ -80,6 +84,7 @@ class HeadScorer:
                 raise RnnifyError(f"{name} must be an integer >= {low}, got {value!r}")
         if calib_rows + passkey == 0:
             raise RnnifyError("--to auto needs calibration rows: --calib-rows or --calib-passkey above 0")
+        self.levels = [] if levels is None else parse_levels(levels, window)
         self.score, self.window, self.sinks, self.dtype = score, window, sinks, resolve_dtype(dtype)
         self.source = load_source(model, self.dtype)
         self.specs = layer_specs(self.source)
@@ -91,23 +96,29 @@ class HeadScorer:
             tokenizer = load_tokenizer(model)
         self.calibration = calibration_rows(tokenizer, data, calib_len, calib_rows, passkey, seed)
         rows = len(self.calibration.rows)
-        saved = None if scores_from is None else read_scores(scores_from, score, window, sinks)
+        saved = None if scores_from is None else read_scores(scores_from, score, window, sinks, self.levels)
         wanted = () if saved else (score, "mass") if score == "kl" else (score,)
-        passes = rows * (1 + (sum(s.num_kv_heads for s in self.specs) if "kl" in wanted else 0))
+        heads = sum(s.num_kv_heads for s in self.specs)
+        kinds = 1 + sum(level.target != "exact" for level in self.levels)  # streaming and each kind that is not exact
+        passes = rows * (1 + (heads * kinds if "kl" in wanted else 0))
         with tqdm(
-            total=passes, unit="pass", desc="scoring heads", disable=None if progress else True, leave=False
+            total=passes,
+            unit="pass",
+            desc=f"scoring {heads} kv heads x {kinds} kind{'s' * (kinds > 1)}" if "kl" in wanted else "scoring heads",
+            disable=None if progress else True,
+            leave=False,
         ) as bar:
-            self.scores, self.originals = score_heads(
-                self.source, self.calibration, window, sinks, wanted, progress=bar.update
+            self.scores, self.level_scores, self.originals = score_heads(
+                self.source, self.calibration, window, sinks, wanted, self.levels, progress=bar.update
             )
         if saved:
             model_heads = {(layer, h) for layer, spec in enumerate(self.specs) for h in range(spec.num_kv_heads)}
-            if set(saved[score]) != model_heads:
+            if set(saved[0][score]) != model_heads:
                 raise RnnifyError(
-                    f"{scores_from}: its scores name {len(saved[score])} kv heads, this model has "
+                    f"{scores_from}: its scores name {len(saved[0][score])} kv heads, this model has "
                     f"{len(model_heads)}: they were measured on another model"
                 )
-            self.scores = saved
+            self.scores, self.level_scores = saved
         self.heads = sorted(self.scores[score])
         self.about = {
             "scores_from": None if scores_from is None else str(scores_from),
@@ -118,19 +129,18 @@ class HeadScorer:
             "seed": seed,
         }
 
+    def kl_of(self, kinds: Mapping[Head, Level]) -> float:
+        """The calibration KL with the heads in ``kinds`` their kind, the rest streaming (as the
+        window: a new hybrid's memory is gated off)."""
+        streaming = Level("window", (("window", self.window),))
+        every = {h: kinds.get(h, streaming) for h in self.heads}
+        return measure_kl(self.source, self.calibration, self.originals, every, self.sinks)
+
     def kl(self, retrieval: set[Head], retrieval_window: int | None = None, retrieval_keep: int | None = None) -> float:
-        """The calibration KL with the heads in ``retrieval`` their ``retrieval_target`` (exact, a
-        window of ``retrieval_window`` tokens, or with ``retrieval_keep`` a selection cache), the
-        rest windowed."""
-        windowed = {h: self.window for h in self.heads if h not in retrieval}
-        selecting = {}
-        if retrieval_keep is not None:
-            selecting = {
-                h: {"window": retrieval_window, "sinks": self.sinks, "keep": retrieval_keep} for h in retrieval
-            }
-        elif retrieval_window is not None:
-            windowed |= {h: retrieval_window for h in retrieval}
-        return measure_kl(self.source, self.calibration, self.originals, windowed, self.sinks, selecting)
+        """The calibration KL with the heads in ``retrieval`` the kind of ``--retrieval-window`` and
+        ``--retrieval-keep`` (``retrieval_level``: exact, a window, or a selection cache), the rest
+        windowed."""
+        return self.kl_of(dict.fromkeys(retrieval, retrieval_level(retrieval_window, retrieval_keep)))
 
     def choose(
         self,
@@ -144,14 +154,16 @@ class HeadScorer:
         memory_options: Options = None,
         retrieval_keep: int | None = None,
     ) -> HeadReport:
-        """The retrieval heads (``choose``) by ``score`` (default: the one scored for): under ``budget``
+        """Each head's kind (``choose``) by ``score`` (default: the one scored for): under ``budget``
         (bytes or a ``parse_bytes`` text) at ``context`` tokens, or at most ``max_kl``; whole layers
-        with ``per_layer``. They stay exact, or with ``retrieval_window`` keep a window of that many
-        tokens, so the state stops growing there, and with ``retrieval_keep`` as many tokens again
-        that the attention chose (a ``select`` cell). With ``memory`` the other heads are hybrids with
-        that memory and ``memory_options`` (``streaming_target``), whose bytes the budget counts;
-        the scores and the calibration KL are the windows' (the memories gated off, as they start
-        unless ``memory_init`` opens them)."""
+        with ``per_layer``. The kinds are the scorer's ``levels``, each by what it gains over
+        streaming; without them one kind, ``exact``, or with ``retrieval_window`` a window of that
+        many tokens (the state stops growing there), and with ``retrieval_keep`` as many tokens again
+        that the attention chose (a ``select`` cell), which gains what streaming loses (its score,
+        as the one-kind choice always counted it). With ``memory`` the streaming heads are hybrids
+        with that memory and ``memory_options`` (``streaming_target``), whose bytes the budget
+        counts; the scores and the calibration KL are the windows' (the memories gated off, as they
+        start unless ``memory_init`` opens them)."""
         score = score or self.score
         if score not in self.scores:
             raise RnnifyError(f"score {score!r} was not measured (scored for {self.score!r})")
@@ -161,87 +173,126 @@ class HeadScorer:
             raise RnnifyError(f"--max-kl must be >= 0, got {max_kl}")
         if isinstance(context, bool) or not isinstance(context, int) or context < 1:
             raise RnnifyError(f"--at-context must be a positive token count, got {context!r}")
-        if retrieval_window is not None and (
-            isinstance(retrieval_window, bool)
-            or not isinstance(retrieval_window, int)
-            or retrieval_window <= self.window
-        ):
-            raise RnnifyError(
-                f"--retrieval-window must be a token count above --window ({self.window}), got {retrieval_window!r}"
-            )
-        if retrieval_keep is not None and (
-            isinstance(retrieval_keep, bool)
-            or not isinstance(retrieval_keep, int)
-            or retrieval_keep < 1
-            or retrieval_window is None
-        ):
-            raise RnnifyError(
-                f"--retrieval-keep must be a positive token count, with --retrieval-window (the "
-                f"selection cache's recent window), got {retrieval_keep!r}"
-            )
+        check_retrieval(self.levels, self.window, retrieval_window, retrieval_keep)
         check_memory(memory, memory_options)
-        specs, window, sinks, dtype, long, keep = (
-            self.specs,
-            self.window,
-            self.sinks,
-            self.dtype,
-            retrieval_window,
-            retrieval_keep,
-        )
+        specs, dtype = self.specs, self.dtype
         if isinstance(budget, str):
             budget = parse_bytes(budget, lambda: kv_cache_bytes(specs, context, dtype))
+        # both scores are >= 0 (a KL, an attention mass): below that is rounding, which counts as 0
+        streams = {h: max(value, 0.0) for h, value in self.scores[score].items()}
+        if self.levels:
+            lost = self.level_scores[score]
+            levels = self.levels
+            benefits = {h: [streams[h] - max(lost[level.text][h], 0.0) for level in levels] for h in self.heads}
+            given = "--levels " + ",".join(level.text for level in levels)
+        else:
+            levels = [retrieval_level(retrieval_window, retrieval_keep)]
+            benefits = {h: [streams[h]] for h in self.heads}
+            given = f"--retrieval-window {retrieval_window}" + (
+                f" --retrieval-keep {retrieval_keep}" if retrieval_keep else ""
+            )
+        costs = {"window": self.window, "sinks": self.sinks, "dtype": dtype}
         units = [[h for h in self.heads if h[0] == layer] for layer in range(len(specs))] if per_layer else None
-        chosen = choose(
-            self.scores[score],
+        kinds = choose(
+            benefits,
+            levels,
             specs,
             context=context,
-            window=window,
-            sinks=sinks,
-            dtype=dtype,
             budget=budget,
-            kl_of=lambda heads: self.kl(heads, long, keep),
+            kl_of=self.kl_of,
             max_kl=max_kl,
             units=units,
-            retrieval_window=long,
             memory=memory,
             memory_options=memory_options,
-            retrieval_keep=keep,
+            given=given,
+            **costs,
         )
-        if len(chosen) == len(self.heads):  # no head streams: no memory anywhere
+        if len(kinds) == len(self.heads):  # no head streams: no memory anywhere
             memory, memory_options = None, None
+        by_bytes = sorted(levels, key=lambda level: one_head_bytes(specs[0], level, context=context, **costs))
+        head_bytes = {
+            "streaming": one_head_bytes(
+                specs[0], None, context=context, memory=memory, memory_options=memory_options, **costs
+            ),
+            **{level.text: one_head_bytes(specs[0], level, context=context, **costs) for level in by_bytes},
+        }
         return HeadReport(
             score=score,
-            window=window,
-            sinks=sinks,
-            retrieval_window=long,
+            window=self.window,
+            sinks=self.sinks,
+            retrieval_window=retrieval_window,
             context=context,
             budget=budget,
             max_kl=max_kl,
-            retrieval=sorted(chosen),
-            layers=layers_spec(specs, chosen, long, keep),
-            scores={name: {f"{lay}.{h}": v for (lay, h), v in values.items()} for name, values in self.scores.items()},
-            head_bytes={
-                "retrieval": one_head_bytes(specs[0], long, sinks, context, dtype, keep=keep),
-                "streaming": one_head_bytes(specs[0], window, sinks, context, dtype, memory, memory_options),
-            },
-            state_bytes=head_costs(specs, chosen, context, window, sinks, dtype, long, memory, memory_options, keep),
+            retrieval=sorted(kinds),
+            layers=layers_spec(specs, kinds),
+            scores={name: _by_name(values) for name, values in self.scores.items()},
+            head_bytes={**head_bytes, "retrieval": head_bytes[by_bytes[-1].text]},
+            state_bytes=head_costs(specs, kinds, context, self.window, self.sinks, dtype, memory, memory_options),
             kv_cache_bytes=kv_cache_bytes(specs, context, dtype),
-            calibration_kl=self.kl(chosen, long, keep),
+            calibration_kl=self.kl_of(kinds),
             calibration={**self.about, "per_layer": per_layer},
             memory=memory,
             memory_options=dict(memory_options or {}),
-            retrieval_keep=keep,
+            retrieval_keep=retrieval_keep,
+            levels=[level.text for level in by_bytes],
+            level_scores={
+                name: {text: _by_name(values) for text, values in kinds_lost.items()}
+                for name, kinds_lost in self.level_scores.items()
+                if kinds_lost
+            },
+            kinds={f"{lay}.{h}": kinds[(lay, h)].text if (lay, h) in kinds else "streaming" for lay, h in self.heads},
         )
 
 
-def read_scores(path: str | os.PathLike, score: str, window: int, sinks: int) -> dict[str, dict[Head, float]]:
+def _by_name(values: Mapping[Head, float]) -> dict[str, float]:
+    """Per head values keyed ``"layer.head"``, as head_map.json keeps them."""
+    return {f"{lay}.{h}": v for (lay, h), v in values.items()}
+
+
+def check_retrieval(levels: list[Level], window: int, retrieval_window: int | None, retrieval_keep: int | None) -> None:
+    """``--retrieval-window`` and ``--retrieval-keep`` are the one kind of a choice without
+    ``--levels``: a window longer than the streaming one, and a positive count selected beside it."""
+    if levels and (retrieval_window is not None or retrieval_keep is not None):
+        raise RnnifyError(
+            "--levels lists every kind a head may get: give the retrieval window and selection there "
+            "(e.g. 'window(window=1024)', 'select(window=512,keep=512)'), not as --retrieval-window or "
+            "--retrieval-keep"
+        )
+    if retrieval_window is not None and (
+        isinstance(retrieval_window, bool) or not isinstance(retrieval_window, int) or retrieval_window <= window
+    ):
+        raise RnnifyError(
+            f"--retrieval-window must be a token count above --window ({window}), got {retrieval_window!r}"
+        )
+    if retrieval_keep is not None and (
+        isinstance(retrieval_keep, bool)
+        or not isinstance(retrieval_keep, int)
+        or retrieval_keep < 1
+        or retrieval_window is None
+    ):
+        raise RnnifyError(
+            f"--retrieval-keep must be a positive token count, with --retrieval-window (the "
+            f"selection cache's recent window), got {retrieval_keep!r}"
+        )
+
+
+def read_scores(
+    path: str | os.PathLike, score: str, window: int, sinks: int, levels: list[Level]
+) -> tuple[dict[str, dict[Head, float]], dict[str, dict[str, dict[Head, float]]]]:
     """The head scores of an earlier choice (``head_map.json``, or a ``benchmarks/per_head.py``
-    result), checked against the ``score``, ``window`` and ``sinks`` they are to choose with."""
+    result), streaming and per kind, checked against the ``score``, ``window``, ``sinks`` and
+    ``levels`` they are to choose with (a file from before ``--levels`` holds none per kind)."""
+
+    def heads(values: Mapping[str, Any]) -> dict[Head, float]:
+        return {(int(k.split(".")[0]), int(k.split(".")[1])): float(v) for k, v in values.items()}
+
     try:
         saved = json.loads(Path(path).read_text())
-        scores = {
-            name: {(int(k.split(".")[0]), int(k.split(".")[1])): float(v) for k, v in values.items()}
-            for name, values in saved["scores"].items()
+        scores = {name: heads(values) for name, values in saved["scores"].items()}
+        lost = {
+            name: {text: heads(values) for text, values in kinds.items()}
+            for name, kinds in saved.get("level_scores", {}).items()
         }
         measured = (saved["window"], saved["sinks"])
     except OSError as exc:
@@ -260,7 +311,13 @@ def read_scores(path: str | os.PathLike, score: str, window: int, sinks: int) ->
             f"--scores-from {path}: its scores were measured with a {measured[0]}-token window and "
             f"{measured[1]} sinks; pass --window {measured[0]} --sinks {measured[1]}"
         )
-    return scores
+    missing = [level.text for level in levels if level.text not in lost.get(score, {})]
+    if missing:
+        raise RnnifyError(
+            f"--scores-from {path} holds no {score} scores for {', '.join(missing)}: score again without "
+            "--scores-from, or list only the kinds it was scored with"
+        )
+    return scores, {name: values for name, values in lost.items() if name in scores}
 
 
 def check_memory(memory: str | None, memory_options: Options = None) -> None:
@@ -300,7 +357,7 @@ def choose_heads(
     retrieval_keep: int | None = None,
     **scoring: Any,
 ) -> HeadReport:
-    """``HeadScorer(model, data, **scoring).choose(...)``: the retrieval heads ``--to auto`` keeps,
+    """``HeadScorer(model, data, **scoring).choose(...)``: the kind ``--to auto`` gives each head,
     with the report."""
     if (budget is None) == (max_kl is None):  # before any model loads
         raise RnnifyError("--to auto needs one of --state-budget BYTES (with --at-context N) or --max-kl X")
@@ -321,13 +378,13 @@ REPORT_FILE = "head_map.json"  # saved beside a model converted with --to auto
 
 
 def convert_chosen(model: Any, report: HeadReport, dtype: str = DEFAULT_DTYPE, kernels: str = DEFAULT_KERNELS):
-    """``model`` converted with the retrieval heads ``report`` chose, the rest streaming (windows, or
-    hybrids with ``report.memory`` and its options); the report is saved beside it as ``head_map.json``."""
+    """``model`` converted with the kinds ``report`` chose, the rest streaming (windows, or hybrids
+    with ``report.memory`` and its options); the report is saved beside it as ``head_map.json``."""
     from rnnify.compiler.convert import convert
 
-    every_head = len(report.retrieval) == len(report.scores[report.score])
+    kinds = {head: Level.from_text(text) for head, text in report.kinds.items() if text != "streaming"}
     target, options = plan_options(
-        every_head, report.window, report.sinks, report.retrieval_window, report.memory, report.memory_options
+        kinds, len(report.kinds), report.window, report.sinks, report.memory, report.memory_options
     )
     converted = convert(model, to=target, layers=report.layers, dtype=dtype, kernels=kernels, **options)
     converted.files[REPORT_FILE] = (json.dumps(report.to_json(), indent=2) + "\n").encode()

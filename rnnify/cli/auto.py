@@ -29,8 +29,8 @@ def add_auto_flags(p: argparse.ArgumentParser) -> None:
     )
 
     g = p.add_argument_group(
-        f"--to auto: which kv heads are retrieval heads, exact, with a long window or a "
-        "selection cache (the rest: "
+        f"--to auto: which kind each kv head gets, exact, a long window or a "
+        "selection cache (the rest stream: "
         f"--window, default {AUTO_WINDOW}, with --sinks, default {AUTO_SINKS}; with --memory NAME "
         "hybrids of that window and memory)"
     )
@@ -39,16 +39,16 @@ def add_auto_flags(p: argparse.ArgumentParser) -> None:
             "--state-budget",
             metavar="BYTES",
             help="state per sequence at --at-context tokens: bytes (2000000, 2MB, 1.5MiB) or a share of "
-            "the original's KV cache (30%%); the heads that score highest per byte stay exact while it "
-            "fits",
+            "the original's KV cache (30%%); the heads that score highest per byte stay exact (or get "
+            "their --levels kind) while it fits",
         ),
         g.add_argument("--at-context", type=int, default=AUTO_CONTEXT, metavar="N", help="context of --state-budget"),
         g.add_argument(
             "--max-kl",
             type=float,
             metavar="X",
-            help="instead of a budget: the fewest exact heads whose KL to the original on the calibration "
-            "rows is at most X nats per token",
+            help="instead of a budget: the fewest exact heads (or moves up the --levels kinds) whose KL to "
+            "the original on the calibration rows is at most X nats per token",
         ),
         g.add_argument(
             "--data", metavar="PATH", help="calibration text: a file, folder or .jsonl (required with auto)"
@@ -93,6 +93,14 @@ def add_auto_flags(p: argparse.ArgumentParser) -> None:
             help="with --retrieval-window: the retrieval heads also keep K older tokens chosen by the "
             "attention they draw, a select cell (default: none)",
         ),
+        g.add_argument(
+            "--levels",
+            metavar="KINDS",
+            help="the kinds a head may get, e.g. 'window(window=1024),select(window=512,keep=512),exact': "
+            "each head is scored as each (kl: one pass per kv head, kind and row), and the kinds "
+            "with most gain per byte are chosen within --state-budget or --max-kl (default: one kind, "
+            "exact, or that of --retrieval-window and --retrieval-keep)",
+        ),
     ]
     p.set_defaults(auto_defaults={flag.dest: flag.default for flag in flags})
 
@@ -117,6 +125,13 @@ def check_auto(args: argparse.Namespace, keep) -> None:
         raise RnnifyError(
             "--retrieval-keep K needs --retrieval-window N (the selection cache's recent window) and K >= 1"
         )
+    if args.levels is not None:
+        from rnnify.auto.levels import parse_levels
+        from rnnify.auto.scorer import check_retrieval
+        from rnnify.choices import AUTO_WINDOW
+
+        window = AUTO_WINDOW if args.window is None else args.window
+        check_retrieval(parse_levels(args.levels, window), window, args.retrieval_window, args.retrieval_keep)
 
 
 def convert_auto(args: argparse.Namespace, options: dict):
@@ -139,6 +154,7 @@ def convert_auto(args: argparse.Namespace, options: dict):
         per_layer=args.per_layer,
         retrieval_window=args.retrieval_window,
         retrieval_keep=args.retrieval_keep,
+        levels=args.levels,
         memory=options.get("memory"),
         scores_from=args.scores_from,
         memory_options={k: v for k, v in options.items() if k not in ("window", "sinks", "memory")},
@@ -156,7 +172,8 @@ def _options_text(options: dict) -> str:
 
 
 def print_head_report(report, console: Console) -> None:
-    """Each kv head's score and what it became, then the state and calibration KL of the choice."""
+    """Each kv head's score and kind, then how many heads got each kind, the state and the
+    calibration KL of the choice."""
     from rich import box
     from rich.table import Table
     from rich.text import Text
@@ -164,18 +181,15 @@ def print_head_report(report, console: Console) -> None:
     scores = report.scores[report.score]
     layers = sorted({int(k.split(".")[0]) for k in scores})
     heads = sorted({int(k.split(".")[1]) for k in scores})
-    chosen = {tuple(h) for h in report.retrieval}
-    long = "exact" if report.retrieval_window is None else f"window {report.retrieval_window}"
-    if report.retrieval_keep is not None:
-        long += f" + {report.retrieval_keep} selected"
-    streaming = f"window {report.window}" if report.memory is None else f"hybrid {report.window}"
+    names = report.names()
+    kinds = [*reversed(report.levels), "streaming"]  # the costliest first
     memory = "" if report.memory is None else f" + {report.memory} memory{_options_text(report.memory_options)}"
+    costs = ", ".join(
+        f"{names[kind]}{memory if kind == 'streaming' else ''} {nbytes(report.head_bytes[kind])}" for kind in kinds
+    )
     table = Table(
         box=box.SIMPLE_HEAD,
-        title=Text(
-            f"kv heads: {report.score} score and choice ({long} {nbytes(report.head_bytes['retrieval'])}, {streaming}"
-            f"{memory} {nbytes(report.head_bytes['streaming'])} per head at {report.context:,} tokens)"
-        ),
+        title=Text(f"kv heads: {report.score} score and kind ({costs} per head at {report.context:,} tokens)"),
     )
     table.add_column("layer", justify="right")
     for h in heads:
@@ -183,16 +197,18 @@ def print_head_report(report, console: Console) -> None:
     for layer in layers:
         cells = []
         for h in heads:
-            kept = (layer, h) in chosen
-            cells.append(Text(f"{long if kept else streaming} {scores[f'{layer}.{h}']:.3g}", "bold" if kept else ""))
+            kind = report.kinds[f"{layer}.{h}"]
+            cells.append(Text(f"{names[kind]} {scores[f'{layer}.{h}']:.3g}", "" if kind == "streaming" else "bold"))
         table.add_row(str(layer), *cells)
     console.print(table)
     share = report.state_bytes / report.kv_cache_bytes
+    counts = list(report.kinds.values())
     console.print(
         Text(
-            f"{len(chosen)} of {len(layers) * len(heads)} kv heads {long}; state {nbytes(report.state_bytes)} per sequence "
-            f"at {report.context:,} tokens ({share:.1%} of the original's KV cache, {nbytes(report.kv_cache_bytes)}); "
-            f"calibration KL {report.calibration_kl:.4f} nats/token; report saved as head_map.json"
+            f"kv heads: {', '.join(f'{counts.count(kind)} {names[kind]}' for kind in kinds)}; state "
+            f"{nbytes(report.state_bytes)} per sequence at {report.context:,} tokens ({share:.1%} of the "
+            f"original's KV cache, {nbytes(report.kv_cache_bytes)}); calibration KL "
+            f"{report.calibration_kl:.4f} nats/token; report saved as head_map.json"
         ),
         soft_wrap=True,
     )
