@@ -10,7 +10,7 @@ from rnnify.cli import main
 
 
 def _falcon_alibi():
-    """Falcon with ALiBi: the bias reaches attention as a float mask, which the cells do not carry."""
+    """Falcon with ALiBi: the bias reaches attention as a float mask (which the cells carry)."""
     from transformers import FalconConfig, FalconForCausalLM
 
     torch.manual_seed(0)
@@ -28,25 +28,37 @@ def _falcon_alibi():
     return FalconForCausalLM(config).eval()
 
 
-def _lfm2():
-    """LFM2: short-convolution layers keep state between tokens that a step does not carry."""
-    from transformers import Lfm2Config, Lfm2ForCausalLM
+class _RunningSum(torch.nn.Module):
+    """An MLP replaced by a sum over the tokens so far: state a step does not carry."""
 
-    torch.manual_seed(0)
-    config = Lfm2Config(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        layer_types=["conv", "full_attention"],
-        max_position_embeddings=128,
-    )
-    return Lfm2ForCausalLM(config).eval()
+    def forward(self, x):
+        return 0.1 * x.cumsum(1)
 
 
-def test_a_dropped_bias_is_refused_naming_the_first_layer():
+def _running_sum_llama(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    source = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
+    source.model.layers[0].mlp = _RunningSum()
+    return source
+
+
+@pytest.fixture
+def capped_alibi(monkeypatch):
+    """Falcon's ALiBi capped at distance 9: ALiBi on the 8 tokens find_attention probes, so the cells
+    carry a linear bias, but not on the 12 the check reads."""
+    from transformers.models.falcon import modeling_falcon
+
+    build = modeling_falcon.build_alibi_tensor
+
+    def capped(mask, num_heads, dtype):
+        alibi = build(mask, num_heads, dtype)  # [B H, 1, S]: slope times the key's position
+        return torch.minimum(alibi, 9 * alibi[..., 1:2])
+
+    monkeypatch.setattr(modeling_falcon, "build_alibi_tensor", capped)
+
+
+def test_a_dropped_bias_is_refused_naming_the_first_layer(capped_alibi):
     with pytest.raises(
         rnnify.RnnifyError,
         match=r"differs from the original from layer transformer\.h\.0 .*nothing "
@@ -55,10 +67,9 @@ def test_a_dropped_bias_is_refused_naming_the_first_layer():
         rnnify.convert(_falcon_alibi(), to="exact")
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_state_a_step_does_not_carry_is_refused():
+def test_state_a_step_does_not_carry_is_refused(tiny_model_dir):
     with pytest.raises(rnnify.RnnifyError, match="reads a prompt as the original does but decodes differently"):
-        rnnify.convert(_lfm2(), to="exact")
+        rnnify.convert(_running_sum_llama(tiny_model_dir), to="exact")
 
 
 def test_approximate_targets_are_not_held_to_the_original():
@@ -66,7 +77,7 @@ def test_approximate_targets_are_not_held_to_the_original():
     assert model.cells[0].target == "window"
 
 
-def test_the_cli_refuses_in_one_line_and_writes_nothing(tmp_path, capsys):
+def test_the_cli_refuses_in_one_line_and_writes_nothing(tmp_path, capsys, capped_alibi):
     source = tmp_path / "falcon"
     _falcon_alibi().save_pretrained(source)
     code = main(["convert", str(source), "--to", "exact", "-o", str(tmp_path / "out"), "--no-compile"])

@@ -17,6 +17,7 @@ switches back.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -26,6 +27,14 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from rnnify.errors import check_int
 from rnnify.kernels.utils import check_kernels, resolve_backend
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive(value: Any) -> bool:
+    return _number(value) and 0 < value < float("inf")
 
 
 def every_token_real(mask: torch.Tensor) -> bool:
@@ -45,9 +54,22 @@ def every_token_real(mask: torch.Tensor) -> bool:
     return bool(mask.all())
 
 
+# What a model adds to the scores s = scale q . k of its softmax attention, by CellSpec field, as
+# messages name it (docs/math.md §Score terms)
+SCORE_TERMS = {
+    "softcap": "logit softcapping",
+    "alibi_slopes": "ALiBi position bias",
+    "sink_logits": "learned attention sinks",
+}
+
+
 @dataclass(frozen=True)
 class CellSpec:
-    """Shape and scale of the attention site a cell replaces."""
+    """Shape and scale of the attention site a cell replaces, and the terms its scores carry
+    (``SCORE_TERMS``, in the order the model applies them): ``softcap`` c makes a score
+    c tanh(s / c) (Gemma 2), ``alibi_slopes`` add slope_h (j - i) for key j and query i, counted in
+    real tokens (ALiBi), and ``sink_logits`` add exp(sink_h) to each softmax denominator (gpt-oss),
+    all per query head. A cell computes them only where its class lists them in ``Cell.score_terms``."""
 
     num_heads: int
     num_kv_heads: int
@@ -56,6 +78,9 @@ class CellSpec:
     scale: float
     window: int | None = None  # the model's own sliding window, if it has one
     hidden_size: int | None = None  # width of the layer input x (for cells with needs_input)
+    softcap: float | None = None
+    alibi_slopes: tuple[float, ...] | None = None
+    sink_logits: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         # a spec read from a manifest is data: sizes that no attention has fail here, by name
@@ -66,15 +91,34 @@ class CellSpec:
                 check_int(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if not (isinstance(self.scale, (int, float)) and 0 < self.scale < float("inf")):
+        if not _positive(self.scale):
             raise ValueError(f"scale must be a positive number, got {self.scale!r}")
+        if self.softcap is not None and not _positive(self.softcap):
+            raise ValueError(f"softcap must be a positive number, got {self.softcap!r}")
+        for name in ("alibi_slopes", "sink_logits"):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if not (
+                isinstance(values, (list, tuple))
+                and len(values) == self.num_heads
+                and all(_number(v) and math.isfinite(v) for v in values)
+            ):
+                raise ValueError(f"{name} must be {self.num_heads} finite numbers (one per query head)")
+            object.__setattr__(self, name, tuple(float(v) for v in values))  # a manifest's JSON list
 
     @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def score_terms(self) -> frozenset[str]:
+        """The ``SCORE_TERMS`` this attention's scores carry."""
+        return frozenset(name for name in SCORE_TERMS if getattr(self, name) is not None)
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields, without score terms the site does not have (a manifest without them reads as before)."""
+        return {k: v for k, v in asdict(self).items() if k not in SCORE_TERMS or v is not None}
 
 
 class Cell(nn.Module):
@@ -100,9 +144,18 @@ class Cell(nn.Module):
     # steps at a projection's rate leave them near their start; distillation trains them at a
     # multiple of it (``gate_lr_scale``).
     gates: ClassVar[tuple[str, ...]] = ()
+    # The SCORE_TERMS the cell computes; a site whose scores carry another is refused, never dropped.
+    score_terms: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, spec: CellSpec):
         super().__init__()
+        missing = sorted(spec.score_terms - self.score_terms)
+        if missing:
+            carriers = sorted({cls.target for cls in _subclasses(Cell) if spec.score_terms <= cls.score_terms})
+            raise ValueError(
+                f"cannot compute this attention's {' and '.join(SCORE_TERMS[name] for name in missing)}"
+                + (f"; {' and '.join(carriers)} can" if carriers else "")
+            )
         self.spec = spec
         self.kernels: str | None = None  # backend of the fused ops in use; None: the cell's own PyTorch forms
 
@@ -164,3 +217,11 @@ class Cell(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in {**self.spec.to_json(), **self.options()}.items())
+
+
+def _subclasses(cls: type) -> list[type]:
+    """Every subclass of ``cls`` defined so far, with a ``target``."""
+    found = []
+    for sub in cls.__subclasses__():
+        found += ([sub] if hasattr(sub, "target") else []) + _subclasses(sub)
+    return found

@@ -17,13 +17,18 @@ kernel the original ran, which computes this recurrence blockwise), queries in b
 for the whole context are never materialised at once. A model's own sliding window keeps only the
 last ``window`` keys, and then the state is bounded.
 
+A model's score terms (``CellSpec.softcap``, ``alibi_slopes``, ``sink_logits``;
+docs/math.md §Score terms) change the scores SDPA would compute, so a cell whose site
+carries any runs ``scored_softmax_attn``: the same blocks of queries, the scores computed here.
+
 Forms, all computing the same thing: ``naive_recurrent_softmax_attn`` (the recurrence one key at
 a time: the ground truth), ``parallel_softmax_attn`` (masked quadratic softmax over the cache) and
 ``softmax_attention_rnn`` (the recurrence a block of keys at a time, in PyTorch) and
 ``sdpa_softmax_attn`` (the cell's path, prefill and decode). All take queries ``[B, H, T, d]`` of
 cache positions ``N-T .. N-1``, keys/values ``[B, Hkv, N, *]`` and ``valid [B, N]``, return
 ``[B, H, T, Dv]`` in the values' dtype, and give 0 where no key is allowed; all but the SDPA form
-accumulate in fp32 (SDPA accumulates as the original did).
+accumulate in fp32 (SDPA accumulates as the original did). The naive, parallel and scored forms
+also take ``terms`` (``ScoreTerms``, None: none).
 """
 
 from __future__ import annotations
@@ -33,12 +38,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rnnify.cells.base import Cell, CellSpec
+from rnnify.cells.base import SCORE_TERMS, Cell, CellSpec
 from rnnify.cells.online_softmax import (
+    ScoreTerms,
     finite_or_zero,
     online_softmax_init,
     online_softmax_update,
     readout,
+    real_positions,
+    score_terms,
 )
 from rnnify.errors import check_int
 
@@ -53,6 +61,12 @@ def _allowed(length: int, total: int, valid: torch.Tensor, window: int | None) -
     return allowed & valid[:, None, None, None, :]
 
 
+def _distance(valid: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, 1, 1, T, N]``: j - i in real tokens from the query at cache position N-T+t to key j (ALiBi's)."""
+    position = real_positions(valid)
+    return (position[:, None, :] - position[:, -length:, None])[:, None, None]
+
+
 def naive_recurrent_softmax_attn(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -60,17 +74,23 @@ def naive_recurrent_softmax_attn(
     valid: torch.Tensor,
     scale: float,
     window: int | None = None,
+    terms: ScoreTerms | None = None,
 ) -> torch.Tensor:
     """The (m, u, w) recurrence one cached key at a time, for every query at once."""
     batch, num_heads, length, _ = q.shape
     num_kv_heads, total = keys.shape[1], keys.shape[2]
     q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, -1).float() * scale
     allowed = _allowed(length, total, valid, window)
+    distance = _distance(valid, length)
     m, u, w = online_softmax_init(q, q.shape[:-1], values.shape[-1])
     for j in range(total):
-        s = (q * keys[:, :, None, None, j].float()).sum(-1)  # [B, Hkv, G, T]
-        s = s.masked_fill(~allowed[..., j], float("-inf"))
-        m, u, w = online_softmax_update(m, u, w, s[..., None], values[:, :, None, j : j + 1].float())
+        s = (q * keys[:, :, None, None, j].float()).sum(-1)[..., None]  # [B, Hkv, G, T, 1]
+        if terms is not None:
+            s = terms.scores(s, distance[..., j : j + 1])
+        s = s.masked_fill(~allowed[..., j : j + 1], float("-inf"))
+        m, u, w = online_softmax_update(m, u, w, s, values[:, :, None, j : j + 1].float())
+    if terms is not None:
+        m, u, w = terms.finish(m, u, w)
     out = readout(u, w)
     return out.reshape(batch, num_heads, length, -1).to(values.dtype)
 
@@ -82,13 +102,18 @@ def parallel_softmax_attn(
     valid: torch.Tensor,
     scale: float,
     window: int | None = None,
+    terms: ScoreTerms | None = None,
 ) -> torch.Tensor:
     """Masked quadratic softmax: all ``[T, N]`` scores at once."""
     batch, num_heads, length, _ = q.shape
     num_kv_heads, total = keys.shape[1], keys.shape[2]
     q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, -1).float() * scale
     allowed = _allowed(length, total, valid, window)
-    s = torch.einsum("bhgtd,bhnd->bhgtn", q, keys.float()).masked_fill(~allowed, float("-inf"))
+    s = torch.einsum("bhgtd,bhnd->bhgtn", q, keys.float())
+    if terms is not None:
+        s = terms.scores(s, _distance(valid, length)).masked_fill(~allowed, float("-inf"))
+        return terms.readout(s, values[:, :, None].float()).reshape(batch, num_heads, length, -1).to(values.dtype)
+    s = s.masked_fill(~allowed, float("-inf"))
     m = s.amax(-1, keepdim=True)
     p = torch.exp(s - finite_or_zero(m))
     u = p.sum(-1, keepdim=True)
@@ -184,6 +209,41 @@ def sdpa_softmax_attn(
     return out.to(values.dtype)
 
 
+def scored_softmax_attn(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    terms: ScoreTerms,
+    window: int | None = None,
+    block_size: int = 512,
+) -> torch.Tensor:
+    """``sdpa_softmax_attn``'s blocks of queries with the scores computed here, so that ``terms``
+    change them: the cell's path, prefill and decode, where its site carries score terms. Each block
+    of ``block_size`` queries reads the keys it may see, its ``[t, n]`` scores at once (fp32, or the
+    queries' dtype if wider)."""
+    batch, num_heads, length, _ = q.shape
+    num_kv_heads, total = keys.shape[1], keys.shape[2]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, -1).to(dtype) * scale
+    position = real_positions(valid)
+    outs = []
+    for start in range(0, length, block_size):
+        end = min(start + block_size, length)
+        first = 0 if window is None else max(0, total - length + start - window + 1)
+        stop = total - length + end
+        q_pos = torch.arange(total - length + start, stop, device=q.device)
+        allowed = _block_allowed(q_pos, torch.arange(first, stop, device=q.device), window)
+        allowed = allowed & valid[:, None, None, None, first:stop]  # [B, 1, 1, t, n]
+        s = torch.einsum("bhgtd,bhnd->bhgtn", q[:, :, :, start:end], keys[:, :, first:stop].to(dtype))
+        distance = position[:, None, first:stop] - position[:, total - length + start : stop, None]
+        s = terms.scores(s, distance[:, None, None]).masked_fill(~allowed, float("-inf"))
+        outs.append(terms.readout(s, values[:, :, None, first:stop].to(dtype)))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
+    return out.reshape(batch, num_heads, length, -1).to(values.dtype)
+
+
 def _span(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """``x[:, :, start:stop]``, or x itself when that is all of it (a whole slice is still an op a step)."""
     return x if (start, stop) == (0, x.shape[2]) else x[:, :, start:stop]
@@ -196,9 +256,12 @@ class ExactCell(Cell):
     state_names = ("keys", "values", "valid")
     grows_with_context = True
 
+    score_terms = frozenset(SCORE_TERMS)
+
     def __init__(self, spec: CellSpec, block_size: int = 512):
         super().__init__(spec)
         self.block_size = check_int("block_size", block_size)
+        self.terms = score_terms(spec)
 
     def options(self) -> dict[str, Any]:
         return {"block_size": self.block_size}
@@ -219,7 +282,12 @@ class ExactCell(Cell):
         keys = torch.cat([keys, k.to(keys.dtype)], dim=2)
         values = torch.cat([values, v.to(values.dtype)], dim=2)
         valid = torch.cat([valid, mask.to(torch.bool)], dim=1)
-        out = sdpa_softmax_attn(q, keys, values, valid, self.spec.scale, self.spec.window, self.block_size)
+        if self.terms is None:
+            out = sdpa_softmax_attn(q, keys, values, valid, self.spec.scale, self.spec.window, self.block_size)
+        else:
+            out = scored_softmax_attn(
+                q, keys, values, valid, self.spec.scale, self.terms, self.spec.window, self.block_size
+            )
         window = self.spec.window
         if window is not None and keys.shape[2] > window:
             keys, values, valid = keys[:, :, -window:], values[:, :, -window:], valid[:, -window:]

@@ -10,6 +10,10 @@ rescales what was read by exp(m_old - m_new) <= 1. The exact cell's references, 
 the hybrid's window part all read keys this way, so the update lives here once: the references
 that hold the other forms to account stay one recurrence, not copies that could drift apart.
 
+A model may add terms to its scores (``ScoreTerms``; docs/math.md §Score terms): a softcap and
+an ALiBi bias change each score before it is read, and a learned sink is one more score in the
+denominator with no value, merged in after the keys.
+
 Nothing read is (m, u, w) = (-inf, 0, 0), and a key not attended has score -inf: its weight is
 exp(-inf) = 0, with the max's reference point 0 while nothing has been read (``finite_or_zero``),
 so -inf - -inf never occurs. Everything keeps the dtype it is given (float64 references stay
@@ -18,7 +22,13 @@ float64).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from rnnify.cells.base import CellSpec
 
 
 def finite_or_zero(m: torch.Tensor) -> torch.Tensor:
@@ -58,3 +68,63 @@ def online_softmax_update(
     p = torch.exp(scores - m_safe[..., None])
     dtype = torch.promote_types(p.dtype, values.dtype)  # as p * v would: a float64 query keeps the sum float64
     return m_new, u * decay + p.sum(-1), w * decay[..., None] + p.to(dtype) @ values.to(dtype)
+
+
+class ScoreTerms(nn.Module):
+    """The terms a site's scores carry (``CellSpec.softcap``, ``alibi_slopes``, ``sink_logits``), laid
+    out for queries grouped by kv head, ``[B, Hkv, G, T, ·]``. The per-head values are buffers rebuilt
+    from the spec (not saved), so they move with the cell; they are read in the scores' dtype."""
+
+    def __init__(self, spec: CellSpec):
+        super().__init__()
+        self.softcap = spec.softcap
+        heads = (spec.num_kv_heads, spec.group_size)
+
+        def per_head(values, trailing: int) -> torch.Tensor | None:
+            return None if values is None else torch.tensor(values, dtype=torch.float32).view(*heads, *[1] * trailing)
+
+        self.register_buffer("slopes", per_head(spec.alibi_slopes, 2), persistent=False)  # [Hkv, G, 1, 1]
+        self.register_buffer("sinks", per_head(spec.sink_logits, 1), persistent=False)  # [Hkv, G, 1]
+
+    def scores(self, scores: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+        """``scores [B, Hkv, G, T, N]`` (scale q . k) with the softcap c tanh(s / c), then the ALiBi bias
+        slope_h (j - i); ``distance`` (j - i, in real tokens) broadcasts to ``[B, 1, 1, T, N]``."""
+        if self.softcap is not None:
+            scores = self.softcap * torch.tanh(scores / self.softcap)
+        if self.slopes is not None:
+            scores = scores + self.slopes.to(scores.dtype) * distance.to(scores.dtype)
+        return scores
+
+    def readout(self, scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """softmax(scores) @ values, the sinks in the denominator: ``scores [..., T, N]`` (-inf: not
+        attended, already ``self.scores``), ``values [..., N, d_v]``; rows with nothing read give 0."""
+        m = scores.amax(-1)
+        if self.sinks is not None:
+            m = torch.maximum(m, self.sinks.to(m.dtype))
+        m = finite_or_zero(m)
+        p = torch.exp(scores - m[..., None])
+        u = p.sum(-1)
+        if self.sinks is not None:
+            u = u + torch.exp(self.sinks.to(m.dtype) - m)
+        return readout(u, p.to(values.dtype) @ values)
+
+    def finish(
+        self, m: torch.Tensor, u: torch.Tensor, w: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The online state ``(m, u, w)`` of ``[B, Hkv, G, T]`` queries with the sinks merged in: each a
+        key of score sink_h and value 0."""
+        if self.sinks is None:
+            return m, u, w
+        sink = self.sinks.to(m.dtype).expand(m.shape)[..., None]
+        return online_softmax_update(m, u, w, sink, w.new_zeros((1, w.shape[-1])))
+
+
+def score_terms(spec: CellSpec) -> ScoreTerms | None:
+    """The spec's ``ScoreTerms``, or None when its scores carry none."""
+    return ScoreTerms(spec) if spec.score_terms else None
+
+
+def real_positions(valid: torch.Tensor) -> torch.Tensor:
+    """``[B, N]``: each entry's index among its row's real tokens (``valid``), the i and j of ALiBi's
+    slope (j - i): left padding shifts no distance."""
+    return valid.long().cumsum(1) - 1

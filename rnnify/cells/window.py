@@ -34,6 +34,11 @@ Forms, all computing the same thing (tests hold them to ``naive_recurrent_window
   helpers of ``rnnify/kernels/ring.py`` and reads in one kernel; with kernels "triton", "auto" on
   CUDA, or "reference".
 
+A model's score terms (``CellSpec.softcap``, ``alibi_slopes``, ``sink_logits``;
+docs/math.md §Score terms) change the scores: the naive, parallel, chunk and step forms take them
+(``terms``, None: none), distances counted in token indices; the whole-prompt and fused forms do
+not, so a cell whose site carries any prefills by chunks and steps by ``step_window_attn``.
+
 Shapes: q ``[B, Hkv, G, T, d]`` (G query heads per kv head, fp32), k/v ``[B, Hkv, T, d]``, mask
 ``[B, T]``; state ``keys/values [B, Hkv, W, d]`` and ``sink_keys/sink_values [B, Hkv, S, d]`` in
 the model dtype, ``length [B]`` int64. Every form
@@ -47,24 +52,31 @@ from typing import Any
 import torch
 
 from rnnify import kernels
-from rnnify.cells.base import Cell, CellSpec, every_token_real
+from rnnify.cells.base import SCORE_TERMS, Cell, CellSpec, every_token_real
 from rnnify.cells.online_softmax import (
+    ScoreTerms,
     finite_or_zero,
     online_softmax_init,
     online_softmax_update,
     readout,
+    score_terms,
 )
 from rnnify.errors import check_int
-from rnnify.kernels.ring import held_index, prompt_write, token_index, window_write
+from rnnify.kernels.ring import held_index, prompt_write, ring_index, token_index, window_write
 
 # queries per block of a whole prompt's window part: each block also reads the W keys before it, so
 # small blocks waste fewer masked scores (16: a 4,096-token prompt's window part in half the time of 64)
 PROMPT_BLOCK = 16
 
 
-def masked_softmax_attention(scores: torch.Tensor, allowed: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """softmax(scores) @ values over the allowed keys; rows with no allowed key give 0."""
+def masked_softmax_attention(
+    scores: torch.Tensor, allowed: torch.Tensor, values: torch.Tensor, terms: ScoreTerms | None = None
+) -> torch.Tensor:
+    """softmax(scores) @ values over the allowed keys (with ``terms``' sinks in the denominator); rows
+    with nothing read give 0."""
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if terms is not None:
+        return terms.readout(scores, values)
     m = scores.amax(-1, keepdim=True)
     p = torch.exp(scores - finite_or_zero(m))
     return readout(p.sum(-1), p @ values)
@@ -73,7 +85,9 @@ def masked_softmax_attention(scores: torch.Tensor, allowed: torch.Tensor, values
 # --------------------------------------------------------------------------- the forms
 
 
-def naive_recurrent_window_attn(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float):
+def naive_recurrent_window_attn(
+    q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float, terms: ScoreTerms | None = None
+):
     batch, _, _, steps, _ = q.shape
     window, sinks = keys.shape[2], sink_keys.shape[2]
     keys, values, sink_keys, sink_values, length = (t.clone() for t in (keys, values, sink_keys, sink_values, length))
@@ -87,19 +101,28 @@ def naive_recurrent_window_attn(q, k, v, mask, keys, values, sink_keys, sink_val
             if n < sinks:
                 sink_keys[b, :, n], sink_values[b, :, n] = k[b, :, t], v[b, :, t]
             length[b] += 1
-        # the held keys with, per row, whether query t attends to them
-        held = [(sink_keys[:, :, j], sink_values[:, :, j], j < length - window) for j in range(sinks)]
-        held += [(keys[:, :, s], values[:, :, s], s < length) for s in range(window)]
+        # the held keys with, per row, whether query t attends to them and their token index
+        slots = ring_index(length, window)
+        held = [(sink_keys[:, :, j], sink_values[:, :, j], j < length - window, j) for j in range(sinks)]
+        held += [(keys[:, :, s], values[:, :, s], s < length, slots[:, s]) for s in range(window)]
         m, u, w = online_softmax_init(q, q.shape[:3], values.shape[-1])  # [B, Hkv, G]
-        for key, value, attended in held:
+        for key, value, attended, index in held:
             s = scale * (q[:, :, :, t] * key[:, :, None].float()).sum(-1)
+            if terms is not None:  # the query is the row's last token read
+                distance = torch.as_tensor(index, device=q.device) - (length - 1)
+                s = terms.scores(s[..., None, None], distance.reshape(-1, 1, 1, 1, 1))[..., 0, 0]
             s = torch.where(attended[:, None, None], s, float("-inf"))
             m, u, w = online_softmax_update(m, u, w, s[..., None], value[:, :, None].float())
+        if terms is not None:
+            m, u, w = (x[:, :, :, None] for x in (m, u, w))  # [B, Hkv, G, 1]: the layout of the terms
+            m, u, w = (x[:, :, :, 0] for x in terms.finish(m, u, w))
         outs.append(readout(u, w))
     return torch.stack(outs, dim=3), keys, values, sink_keys, sink_values, length
 
 
-def parallel_window_attn(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float):
+def parallel_window_attn(
+    q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float, terms: ScoreTerms | None = None
+):
     window, sinks = keys.shape[2], sink_keys.shape[2]
     q_index = token_index(length, mask)
     # every key a new query might see: the sinks, the ring, the new tokens; each with its token index
@@ -109,16 +132,31 @@ def parallel_window_attn(q, k, v, mask, keys, values, sink_keys, sink_values, le
     i, j = q_index[:, :, None], key_index[:, None, :]
     allowed = (j >= 0) & (j <= i) & ((i - j < window) | (j < sinks))  # [B, T, N]
     scores = scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys)
-    out = masked_softmax_attention(scores, allowed[:, None, None], all_values[:, :, None])
+    if terms is not None:
+        scores = terms.scores(scores, (j - i)[:, None, None])
+    out = masked_softmax_attention(scores, allowed[:, None, None], all_values[:, :, None], terms)
     return out, *window_write(k, v, mask, keys, values, sink_keys, sink_values, length)
 
 
-def chunk_window_attn(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float, block_size: int = 64):
+def chunk_window_attn(
+    q,
+    k,
+    v,
+    mask,
+    keys,
+    values,
+    sink_keys,
+    sink_values,
+    length,
+    scale: float,
+    block_size: int = 64,
+    terms: ScoreTerms | None = None,
+):
     state, outs = (keys, values, sink_keys, sink_values, length), []
     for start in range(0, q.shape[3], block_size):
         end = start + block_size
         chunk = (q[:, :, :, start:end], k[:, :, start:end], v[:, :, start:end], mask[:, start:end])
-        out, *state = parallel_window_attn(*chunk, *state, scale)
+        out, *state = parallel_window_attn(*chunk, *state, scale, terms)
         outs.append(out)
     return torch.cat(outs, dim=3), *state
 
@@ -301,10 +339,26 @@ def window_output(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return w / u.clamp_min(1.0)[..., None]
 
 
-def step_window_attn(q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float):
-    """One decode token: ``write_step``, ``read_held``, normalised; the window target's decode path off kernels."""
+def step_window_attn(
+    q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float, terms: ScoreTerms | None = None
+):
+    """One decode token: ``write_step``, ``read_held``, normalised; the window target's decode path off
+    kernels. With ``terms``, ``scored_read`` reads the held keys instead."""
     *_, held_keys, held_values, empty, state = write_step(k, v, mask, keys, values, sink_keys, sink_values, length)
+    if terms is not None:
+        return scored_read(q, held_keys, held_values, empty, state, scale, terms), *state
     return window_output(*read_held(q, held_keys, held_values, empty, scale)), *state
+
+
+def scored_read(q, held_keys, held_values, empty, state, scale: float, terms: ScoreTerms) -> torch.Tensor:
+    """One decode token's softmax over ``write_step``'s held keys (sinks, then ring) with ``terms``, the
+    ALiBi distance from each slot's token to the token just read: ``[B, Hkv, G, 1, d_v]``."""
+    keys, _, sink_keys, _, length = state
+    index = held_index(length, keys.shape[2], sink_keys.shape[2])  # [B, S + W]
+    distance = (index - (length[:, None] - 1))[:, None, None, None]
+    scores = scale * torch.einsum("bhgtd,bhnd->bhgtn", q, held_keys.float())
+    scores = terms.scores(scores, distance).masked_fill(empty[:, :, :, None], float("-inf"))
+    return terms.readout(scores, held_values[:, :, None].float())
 
 
 def fused_window_attn_step(
@@ -341,6 +395,8 @@ class WindowCell(Cell):
     state_names = ("keys", "values", "sink_keys", "sink_values", "length")
     own_forms_without_triton = frozenset({"decode"})
 
+    score_terms = frozenset(SCORE_TERMS)
+
     def __init__(self, spec: CellSpec, window: int | None = None, sinks: int = 0, block_size: int = 64):
         super().__init__(spec)
         if window is None and spec.window is None:
@@ -351,6 +407,7 @@ class WindowCell(Cell):
         self.window = check_int("window", spec.window if window is None else window, 1)
         self.sinks = check_int("sinks", sinks, 0)
         self.block_size = check_int("block_size", block_size, 1)
+        self.terms = score_terms(spec)
 
     def options(self) -> dict[str, Any]:
         return {"window": self.window, "sinks": self.sinks, "block_size": self.block_size}
@@ -359,7 +416,7 @@ class WindowCell(Cell):
         return f"{self.window} tokens" + (f" + {self.sinks} sinks" if self.sinks else "")
 
     def fused_ops(self) -> dict[str, str]:
-        return {"decode": "window_attn_step"}
+        return {"decode": "window_attn_step"} if self.terms is None else {}  # the op computes no score terms
 
     def init_state(self, batch_size, device, dtype):
         spec = self.spec
@@ -381,7 +438,11 @@ class WindowCell(Cell):
         state = (keys, values, sink_keys, sink_values, length)
         mask = mask.to(torch.bool)
         backend = self.backend(q, steps)
-        if steps == 1 and backend is not None:
+        if self.terms is not None and steps == 1:
+            out, *state = step_window_attn(grouped, k, v, mask, *state, self.spec.scale, self.terms)
+        elif self.terms is not None:
+            out, *state = chunk_window_attn(grouped, k, v, mask, *state, self.spec.scale, self.block_size, self.terms)
+        elif steps == 1 and backend is not None:
             out, *state = fused_window_attn_step(grouped, k, v, mask, *state, self.spec.scale, backend)
         elif steps == 1:
             out, *state = step_window_attn(grouped, k, v, mask, *state, self.spec.scale)

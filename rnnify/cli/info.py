@@ -32,12 +32,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
     from rich.text import Text
 
+    from rnnify.cells import ShortConvCell
     from rnnify.runtime.step_cache import describe
 
     model = load(args)
     manifest = model.manifest
-    # the first cell's options show the defaults it filled in; a per-head cell's are its groups
-    options = manifest.cells[0].options if manifest.cells and manifest.cells[0].target != "heads" else manifest.options
+    # the first attention cell's options show the defaults it filled in (a model's own short
+    # convolutions keep theirs); a per-head cell's are its groups
+    first = next((entry for entry in manifest.cells if entry.target != ShortConvCell.target), None)
+    options = first.options if first is not None and first.target != "heads" else manifest.options
     positions = manifest.positions
     if positions.get("kind") == "learned":
         where = f"learned, {positions.get('limit')} positions (cannot decode past them)"

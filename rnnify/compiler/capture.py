@@ -3,6 +3,7 @@
 Capture goes through ``torch.export.export(strict=False)`` (transformers v5 removed its fx
 tracer). The graph takes ``(input_ids [B, T], position_ids [B, T])`` and returns the logits, with
 batch and sequence length dynamic and no KV cache inside: the passes put the recurrence there.
+Positions come in counted from 0; the graph starts them where the source does (``numbering``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 import torch.fx
 from torch.export import Dim
 
+from rnnify.compiler.chunked_attention import refuse_chunked_attention
+from rnnify.compiler.numbering import first_position
 from rnnify.errors import RnnifyError, UnsupportedModelError, first_line
 
 __all__ = ["load_source", "capture", "source_name"]
@@ -64,18 +67,19 @@ def _load_pretrained(path_or_id: str, dtype: torch.dtype):
             "LMs can become recurrent (their cross-attention is not causal)"
         )
     try:
-        return AutoModelForCausalLM.from_pretrained(**where, dtype=dtype, attn_implementation="sdpa")
+        try:
+            return AutoModelForCausalLM.from_pretrained(**where, dtype=dtype, attn_implementation="sdpa")
+        except ValueError as exc:
+            if "scaled_dot_product_attention" not in str(exc):
+                raise
+            # no SDPA (softcapping, sinks, ALiBi models): its eager attention, which find_attention matches
+            return AutoModelForCausalLM.from_pretrained(**where, dtype=dtype, attn_implementation="eager")
     except ValueError as exc:
-        if "scaled_dot_product_attention" in str(exc):
-            raise UnsupportedModelError(
-                f"{path_or_id}: {config.model_type} has no attention that runs through "
-                "scaled_dot_product_attention; rnnify converts attention-based causal LMs"
-            ) from exc
         raise UnsupportedModelError(f"{path_or_id}: cannot load as a causal LM ({first_line(exc)})") from exc
 
 
 def load_source(model, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Return the source model in eval mode with SDPA attention.
+    """Return the source model in eval mode with SDPA attention, or its eager attention where it has no SDPA.
 
     ``model`` is a local directory, a GGUF file (dequantised to ``dtype``, see ``rnnify.compiler.gguf``), a
     hub id already in the local cache, or a loaded ``PreTrainedModel`` (used as is, switched to SDPA).
@@ -88,7 +92,7 @@ def load_source(model, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
         try:
             model.set_attn_implementation("sdpa")
         except (ValueError, AttributeError):
-            pass  # custom attention: the captured graph shows whether it runs through SDPA
+            pass  # eager or custom attention: find_attention matches what the captured graph computes
         return model.eval()
     if isinstance(model, (str, os.PathLike)):
         return _load_pretrained(os.fspath(model), dtype).eval()
@@ -104,13 +108,17 @@ def source_name(model) -> str | None:
 
 
 class _LogitsOnly(torch.nn.Module):
-    """Calls the HF model with explicit positions and no cache, returning only the logits."""
+    """Calls the HF model with explicit positions, from ``first`` on as it numbers them
+    (``rnnify.compiler.numbering``), and no cache, returning only the logits."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, first: int):
         super().__init__()
         self.model = model
+        self.first = first
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            position_ids = position_ids + self.first
         return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
 
@@ -136,21 +144,48 @@ def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
     """
     device = next(model.parameters()).device
     vocab = vocab_size(model.config)
+    refuse_chunked_attention(type(model).__name__, model.config)
+    first = first_position(model, vocab)
     input_ids = torch.randint(0, vocab, (_EXAMPLE_BATCH, _EXAMPLE_LENGTH), device=device)
     position_ids = torch.arange(_EXAMPLE_LENGTH, device=device).expand(_EXAMPLE_BATCH, -1)
-    batch, length = Dim("batch", min=1, max=1 << 16), Dim("length", min=2, max=_MAX_LENGTH)
-    dims = {0: batch, 1: length}
+    wrapper = _LogitsOnly(model, first)
     try:
-        with torch.no_grad():
-            program = torch.export.export(
-                _LogitsOnly(model), (input_ids, position_ids), dynamic_shapes=(dims, dims), strict=False
-            )
+        program = _export(wrapper, input_ids, position_ids, _MAX_LENGTH)
     except Exception as exc:  # export failures come in many types; report them as one
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: torch.export could not capture the forward pass: "
-            f"{first_line(exc, with_type=True)}"
-        ) from exc
+        table = _declared_length(model.config)
+        try:
+            if table is None or "Constraints violated" not in str(exc):
+                raise
+            # A model that slices a table of the length its config declares to the tokens read (MPT's
+            # ALiBi, a causal-mask buffer, learned positions) exports only below that length, where
+            # export can prove the slice's size. A bias or a mask dies with the attention the cells
+            # replace, so the converted model reads any length; learned positions keep their limit
+            # (find_positions records it).
+            program = _export(wrapper, input_ids, position_ids, table - 1)
+        except Exception:  # noqa: BLE001  (the first failure is the one to report)
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: torch.export could not capture the forward pass: "
+                f"{first_line(exc, with_type=True)}"
+            ) from exc
     return _plain_graph_module(program.module())
+
+
+def _export(wrapper: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, max_length: int):
+    """``torch.export`` of ``wrapper`` with batch and length dynamic, length up to ``max_length``."""
+    batch, length = Dim("batch", min=1, max=1 << 16), Dim("length", min=2, max=max_length)
+    dims = {0: batch, 1: length}
+    with torch.no_grad():
+        return torch.export.export(wrapper, (input_ids, position_ids), dynamic_shapes=(dims, dims), strict=False)
+
+
+def _declared_length(config: Any) -> int | None:
+    """The longest input the config declares (``max_seq_len``, ``max_position_embeddings``, ...), if
+    it is longer than the example input export starts from."""
+    for name in ("max_seq_len", "max_position_embeddings", "n_positions", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > _EXAMPLE_LENGTH:
+            return value
+    return None
 
 
 def _plain_graph_module(exported: torch.fx.GraphModule) -> torch.fx.GraphModule:

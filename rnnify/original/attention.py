@@ -23,7 +23,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from rnnify.cells import Cell
+from rnnify.cells import Cell, ShortConvCell
 from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel
 
@@ -67,7 +67,9 @@ class AttentionRecorder:
 
     ``loss_mask`` (``[B, T]`` bool, or None) marks the positions that count, on top of the mask
     the model itself passes to the cells: set it per batch when the model is called without a
-    mask on right-padded rows, so padding never enters a loss or a metric.
+    mask on right-padded rows, so padding never enters a loss or a metric. A model's own short
+    convolutions (``ShortConvCell``) are the source's layers unchanged: nothing is compared there,
+    and their errors stay 0 over 0 tokens.
     """
 
     def __init__(self, model: RecurrentModel, teacher_forcing: bool):
@@ -75,6 +77,7 @@ class AttentionRecorder:
         self.loss_mask: torch.Tensor | None = None
         self._cells: list[Cell] = model.cells
         self._entries = list(model.manifest.cells)
+        self.compared = [i for i, cell in enumerate(self._cells) if not isinstance(cell, ShortConvCell)]
         self._latest: dict[int, torch.Tensor] = {}
         self.reset()
 
@@ -85,9 +88,9 @@ class AttentionRecorder:
 
     def losses(self) -> list[torch.Tensor]:
         """``losses() -> list[Tensor]``: the latest forward's MSE per cell (scalar, differentiable), in cell order."""
-        if len(self._latest) != len(self._cells):
+        if len(self._latest) != len(self.compared):
             raise RnnifyError("no forward pass was recorded yet: call the model inside attention_transfer")
-        return [self._latest[i] for i in range(len(self._cells))]
+        return [self._latest[i] for i in self.compared]
 
     def loss(self) -> torch.Tensor:
         """``loss() -> Tensor``: the sum over layers of the latest forward's MSE (the stage-1 objective)."""
@@ -159,7 +162,8 @@ def attention_transfer(model: RecurrentModel, teacher_forcing: bool = True) -> I
         return hook
 
     handles = [model.register_forward_pre_hook(check_fresh, with_kwargs=True)]
-    handles += [cell.register_forward_hook(hook_for(i), with_kwargs=True) for i, cell in enumerate(model.cells)]
+    cells = model.cells
+    handles += [cells[i].register_forward_hook(hook_for(i), with_kwargs=True) for i in recorder.compared]
     try:
         yield recorder
     finally:

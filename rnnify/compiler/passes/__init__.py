@@ -1,7 +1,8 @@
 """The pass pipeline: small functions ``(gm, ctx) -> gm`` run in the order of ``PIPELINE``.
 
 Each pass reads what earlier passes recorded in ``node.meta`` (``find_attention`` decides,
-``rewrite_attention``, ``thread_state`` and ``fuse_kernels`` act on the decision), and
+``rewrite_attention``, ``thread_state`` and ``fuse_kernels`` act on the decision;
+``rewrite_convolutions`` adds the cells of a model's short convolutions), and
 ``run_pipeline`` cleans up after every pass so none of them has to remember dead-code
 elimination, lint and recompile.
 """
@@ -17,6 +18,7 @@ from rnnify.compiler.passes.find_attention import AttentionSite, find_attention
 from rnnify.compiler.passes.find_positions import find_positions
 from rnnify.compiler.passes.fuse_kernels import fuse_kernels
 from rnnify.compiler.passes.rewrite_attention import rewrite_attention
+from rnnify.compiler.passes.rewrite_convolutions import rewrite_convolutions
 from rnnify.compiler.passes.strip_export_checks import strip_export_checks
 from rnnify.compiler.passes.thread_state import thread_state
 
@@ -29,6 +31,7 @@ PIPELINE: list[Pass] = [
     find_positions,
     find_attention,
     rewrite_attention,
+    rewrite_convolutions,
     thread_state,
     fuse_kernels,
 ]

@@ -1,11 +1,15 @@
 """Find every attention site and decide what it is, before anything is rewritten.
 
-Each ``aten.scaled_dot_product_attention`` node gets an ``AttentionSite`` in
-``node.meta["rnnify_site"]``: its layer, the q/k/v nodes (k/v taken from before a materialised
-``repeat_kv`` so recurrent state stays per kv head), heads, scale, and where causality comes from.
-Causality is not guessed from flags alone: the graph is run once on a short probe and the mask
-each site actually receives is inspected. Sites that cannot become recurrent are rejected with
-an error naming the layer and the reason.
+A site is an ``aten.scaled_dot_product_attention`` call, or attention computed op by op (q @ k^T,
+scale, softcap, bias, mask, softmax with sinks, @ v: ``eager_attention``). Its output node gets an
+``AttentionSite`` in ``node.meta["rnnify_site"]``: its layer, the q/k/v nodes (k/v taken from
+before a materialised ``repeat_kv`` so recurrent state stays per kv head), heads, scale, where
+causality comes from, and the terms its scores carry (softcap, ALiBi slopes, sink logits). Masks
+and biases are not guessed from flags alone: the graph is run once on a short probe and what each
+site actually adds to its scores is read per head, which keys it allows (causal, or the config's
+sliding window) and, where it adds a float bias, that bias, which must be ALiBi's slope_h (j - i)
+(docs/math.md §Score terms). Sites that cannot become recurrent are
+rejected with an error naming the layer and the reason; a bias is never dropped.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
 from rnnify.compiler.passes.context import PassContext
+from rnnify.compiler.passes.eager_attention import EagerAttention, MaskTerm, eager_attention
 from rnnify.errors import UnsupportedModelError
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -26,6 +31,11 @@ SITE_KEY = "rnnify_site"
 _RESHAPES = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
 _PROBE_LENGTH = 8  # tokens in the probe run; longer when needed to see a small sliding window
 _MAX_PROBE_LENGTH = 64
+# A bias is ALiBi's when slope_h (j - i) plus a constant per query row gives it within this share of
+# its largest change along a row (what softmax sees of it): float32 products of a slope and an
+# integer, or bfloat16 ones (Falcon rounds them so) pass; a bias of any other shape (relative
+# buckets, a learned table) is far off.
+_ALIBI_TOLERANCE = 1e-2
 
 
 @dataclass
@@ -47,25 +57,49 @@ class AttentionSite:
     mask_source: str  # "is_causal" or the name of the mask node
     window: int | None  # sliding window (keys per query, self included): config, checked by the probe
     hidden: torch.fx.Node | None  # the layer input [B, T, C] that v is projected from, if found
+    softcap: float | None = None  # scores become c tanh(s / c)
+    alibi_slopes: tuple[float, ...] | None = None  # per query head: + slope_h (j - i), read by the probe
+    sink_logits: tuple[float, ...] | None = None  # per query head: + exp(sink_h) in each denominator
+    flat_output: bool = False  # the node replaced is [B H, T, d_v] (Bloom's bmm), not [B, H, T, d_v]
 
     @property
     def where(self) -> str:
         return f"layer {self.layer} ({self.module_path})"
 
 
+@dataclass
+class _Found:
+    """An attention call before it is described: the node its cell replaces, what it adds to its scores
+    (to read on the probe), its sink logits' node and, for eager attention, the matched chain."""
+
+    node: torch.fx.Node
+    terms: list[MaskTerm]
+    sinks: MaskTerm | None = None
+    eager: EagerAttention | None = None
+
+
 def find_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == SDPA]
-    if not nodes:
+    found = [_Found(n, _sdpa_terms(n)) for n in gm.graph.nodes if n.op == "call_function" and n.target == SDPA]
+    found += [_Found(e.output, e.terms, e.sinks, e) for e in eager_attention(gm, lambda n: _where(n, len(found)))]
+    if not found:
         raise UnsupportedModelError(
-            "no attention found: the graph has no scaled_dot_product_attention call; rnnify converts "
-            "models whose attention runs through SDPA (load them with attn_implementation='sdpa')"
+            "no attention found: the graph has no scaled_dot_product_attention call and no softmax of "
+            "q @ k^T multiplied into values; rnnify converts attention-based causal LMs"
         )
-    described = [_describe(node, index, ctx.config) for index, node in enumerate(nodes)]
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    found.sort(key=lambda f: order[f.node])
+    described = [_describe(f.node, index, ctx.config, f.eager) for index, f in enumerate(found)]
     windows = [s.window for s in described if s.window is not None and s.window <= _MAX_PROBE_LENGTH]
-    masks = _probe_masks(gm, nodes, max([_PROBE_LENGTH] + [w + 1 for w in windows]))
-    for node, site in zip(nodes, described):
-        site.window = _check_causal(site, masks[node.name])
-        node.meta[SITE_KEY] = site
+    length = max([_PROBE_LENGTH] + [w + 1 for w in windows])
+    values = _probe(gm, {t.value for f in found for t in [*f.terms, *([f.sinks] if f.sinks else [])]}, length)
+    for f, site in zip(found, described):
+        allowed, bias = _read_terms(site, f.terms, values, length)
+        if f.eager is None and _sdpa_arguments(f.node).get("is_causal"):
+            allowed &= torch.ones(allowed.shape, dtype=torch.bool).tril()
+        site.window = _check_causal(site, allowed)
+        site.alibi_slopes = _alibi_slopes(site, bias, allowed)
+        site.sink_logits = None if f.sinks is None else _sink_logits(site, f.sinks, values[f.sinks.value], length)
+        f.node.meta[SITE_KEY] = site
     return gm
 
 
@@ -139,9 +173,29 @@ def _before_repeat_kv(node: torch.fx.Node) -> torch.fx.Node:
     return source
 
 
-def _describe(node: torch.fx.Node, index: int, config) -> AttentionSite:
-    args = _sdpa_arguments(node)
-    query, key, value = args["query"], args["key"], args["value"]
+def _where(node: torch.fx.Node, index: int) -> str:
+    path = _module_path(node)
+    return f"layer {_layer_index(path, index)} ({path})"
+
+
+def _sdpa_terms(node: torch.fx.Node) -> list[MaskTerm]:
+    """What an SDPA call adds to its scores: its ``attn_mask`` (boolean: the keys allowed; float: added)."""
+    mask = _sdpa_arguments(node).get("attn_mask")
+    return [MaskTerm("sdpa", mask, node)] if isinstance(mask, torch.fx.Node) else []
+
+
+def _describe(node: torch.fx.Node, index: int, config, eager: EagerAttention | None) -> AttentionSite:
+    if eager is None:
+        args = _sdpa_arguments(node)
+        query, key, value = args["query"], args["key"], args["value"]
+        scale, softcap, gqa = args.get("scale"), None, "enable_gqa" if args.get("enable_gqa") else "none"
+        mask = args.get("attn_mask")
+        mask_source = (
+            mask.name if isinstance(mask, torch.fx.Node) else ("is_causal" if args.get("is_causal") else "none")
+        )
+    else:
+        query, key, value, scale, softcap, gqa = eager.query, eager.key, eager.value, eager.scale, eager.softcap, "none"
+        mask_source = eager.terms[-1].value.name if eager.terms else "none"
     path = _module_path(node)
     layer = _layer_index(path, index)
     where = f"layer {layer} ({path})"
@@ -151,7 +205,6 @@ def _describe(node: torch.fx.Node, index: int, config) -> AttentionSite:
             f"{where}: cross-attention (queries and keys come from sequences of different length); "
             "only causal self-attention has a recurrent form"
         )
-    gqa = "enable_gqa" if args.get("enable_gqa") else "none"
     key_source, value_source = _before_repeat_kv(key), _before_repeat_kv(value)
     if key_source is not key and value_source is not value:
         key, value, gqa = key_source, value_source, "repeat_kv"
@@ -159,8 +212,6 @@ def _describe(node: torch.fx.Node, index: int, config) -> AttentionSite:
     num_kv_heads, value_dim = int(_shape(key)[1]), int(_shape(value)[3])
     if num_heads % num_kv_heads:
         raise UnsupportedModelError(f"{where}: {num_heads} query heads do not group over {num_kv_heads} kv heads")
-    scale = args.get("scale")
-    mask = args.get("attn_mask")
     return AttentionSite(
         index=index,
         layer=layer,
@@ -174,11 +225,11 @@ def _describe(node: torch.fx.Node, index: int, config) -> AttentionSite:
         value_dim=value_dim,
         scale=float(scale) if scale is not None else 1.0 / math.sqrt(head_dim),
         gqa=gqa,
-        mask_source=mask.name
-        if isinstance(mask, torch.fx.Node)
-        else ("is_causal" if args.get("is_causal") else "none"),
+        mask_source=mask_source,
         window=_config_window(config, layer),
         hidden=_layer_input(value),
+        softcap=softcap,
+        flat_output=eager is not None and eager.flat,
     )
 
 
@@ -202,42 +253,106 @@ def _layer_input(value: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
-class _MaskRecorder(torch.fx.Interpreter):
-    """Runs the graph and keeps, per SDPA node, which (query, key) pairs may attend."""
+class _Recorder(torch.fx.Interpreter):
+    """Runs the graph and keeps the value of every watched node (on the CPU)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]):
+    def __init__(self, gm: torch.fx.GraphModule, watched: set[torch.fx.Node]):
         super().__init__(gm)
-        self.watch = {n.name for n in nodes}
-        self.allowed: dict[str, torch.Tensor] = {}
+        self.watched = watched
+        self.values: dict[torch.fx.Node, torch.Tensor] = {}
 
     def run_node(self, n: torch.fx.Node):
         result = super().run_node(n)
-        if n.name in self.watch:
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            normalized = normalize_function(n.target, args, kwargs, normalize_to_only_use_kwargs=True).kwargs
-            q, k, mask = normalized["query"], normalized["key"], normalized.get("attn_mask")
-            t, s = q.shape[-2], k.shape[-2]
-            allowed = torch.ones(t, s, dtype=torch.bool)
-            if mask is not None:
-                mask = mask.detach().cpu()
-                mask = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-                allowed = mask.expand(*mask.shape[:-2], t, s).reshape(-1, t, s)[0].clone()
-            if normalized.get("is_causal"):
-                allowed &= torch.ones(t, s, dtype=torch.bool).tril()
-            self.allowed[n.name] = allowed
+        if n in self.watched:
+            self.values[n] = result.detach().cpu().clone()
         return result
 
 
-def _probe_masks(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], length: int) -> dict[str, torch.Tensor]:
+def _probe(gm: torch.fx.GraphModule, watched: set[torch.fx.Node], length: int) -> dict[torch.fx.Node, torch.Tensor]:
+    """The values of ``watched`` nodes on one row of ``length`` tokens at positions 0..length-1."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     example = placeholders[0].meta.get("val")
     device = example.device if example is not None else torch.device("cpu")
     input_ids = torch.zeros(1, length, dtype=torch.long, device=device)
     position_ids = torch.arange(length, device=device)[None]
-    recorder = _MaskRecorder(gm, nodes)
+    recorder = _Recorder(gm, watched)
     with torch.no_grad():
         recorder.run(input_ids, position_ids)
-    return recorder.allowed
+    return recorder.values
+
+
+def _per_head(value: torch.Tensor, term: MaskTerm, heads: int, length: int) -> torch.Tensor:
+    """``value`` as the scores of the probe's one row see it, ``[heads, T, T]``: added to ``[B H, T, T]``
+    scores (Bloom's baddbmm) or to ``[B, H, T, T]`` ones (B = 1)."""
+    if len(_shape(term.at)) == 3:
+        return torch.broadcast_to(value, (heads, length, length))
+    return torch.broadcast_to(value, (1, heads, length, length))[0]
+
+
+def _read_terms(
+    site: AttentionSite, terms: list[MaskTerm], values: dict[torch.fx.Node, torch.Tensor], length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``terms`` add to the scores of the probe's ``length`` tokens: ``(allowed [T, T], bias [heads,
+    T, T] float64, 0 where not allowed)``. Which keys are allowed must not differ between heads."""
+    allowed = torch.ones(site.num_heads, length, length, dtype=torch.bool)
+    bias = torch.zeros(site.num_heads, length, length, dtype=torch.float64)
+    for term in terms:
+        value = values[term.value]
+        full = _per_head(value, term, site.num_heads, length)
+        if term.kind == "fill":
+            allowed &= ~full.bool()
+        elif value.dtype == torch.bool:  # SDPA's boolean mask: True where a key may be attended
+            allowed &= full
+        else:
+            added = full.double() * term.factor
+            masked = added <= torch.finfo(value.dtype).min / 2  # -inf, or the dtype's lowest
+            allowed &= ~masked
+            bias += torch.where(masked, 0.0, added)
+    if not (allowed == allowed[:1]).all():
+        raise UnsupportedModelError(f"{site.where}: the attention mask differs between heads")
+    return allowed[0].clone(), torch.where(allowed, bias, 0.0)
+
+
+def _alibi_slopes(site: AttentionSite, bias: torch.Tensor, allowed: torch.Tensor) -> tuple[float, ...] | None:
+    """Per head, the slope of ``bias`` = slope_h (j - i) + c_i over the allowed (i, j); None where the
+    bias is constant along every row (softmax does not see it). Any other bias is refused.
+
+    The slope is read from two neighbouring keys where the bias is smallest (its products of slope and
+    position there are exact, so the slope is the model's own), then checked on every allowed entry."""
+    rows = allowed.sum(-1)
+    if rows.max() < 2:
+        return None  # every query reads one key: no bias changes a weight
+    i = int(rows.argmax())
+    keys = allowed[i].nonzero().flatten().tolist()
+    distance = (torch.arange(bias.shape[-1])[None, :] - torch.arange(bias.shape[-2])[:, None]).double()
+
+    def without_row_constants(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(allowed, x - x.sum(-1, keepdim=True) / rows.clamp_min(1)[:, None], 0.0)
+
+    slopes = []
+    for b in bias:
+        j0 = min(keys, key=lambda j: abs(float(b[i, j])))
+        j1 = min((j for j in keys if j != j0), key=lambda j: abs(j - j0))
+        slope = float(b[i, j1] - b[i, j0]) / (j1 - j0)
+        rest = without_row_constants(torch.where(allowed, b - slope * distance, 0.0))
+        spread = without_row_constants(b)  # what softmax sees of the bias
+        if float(rest.abs().max()) > _ALIBI_TOLERANCE * float(spread.abs().max()) + 1e-6:
+            raise UnsupportedModelError(
+                f"{site.where}: the attention adds a position bias that is not ALiBi's (a slope per head "
+                "times the distance j - i); rnnify carries ALiBi biases only, and never drops one"
+            )
+        slopes.append(slope)
+    return None if not any(slopes) else tuple(slopes)
+
+
+def _sink_logits(site: AttentionSite, sinks: MaskTerm, value: torch.Tensor, length: int) -> tuple[float, ...]:
+    """The sink logit per head from the probe's value, as the scores' ``[B, H, T, 1]`` column or per
+    ``[B, H, T]`` row (``sinks.at``'s rank); it must not change with the token."""
+    shape = (1, site.num_heads, length, 1)[: len(_shape(sinks.at))]
+    column = torch.broadcast_to(value, shape).reshape(site.num_heads, length)
+    if not (column == column[:, :1]).all():
+        raise UnsupportedModelError(f"{site.where}: the attention's sink logits change from token to token")
+    return tuple(column[:, 0].double().tolist())
 
 
 def _check_causal(site: AttentionSite, allowed: torch.Tensor) -> int | None:

@@ -3,19 +3,22 @@
 The cell becomes a submodule ``cells.<i>`` of the graph module, so its parameters are in the state
 dict. The call takes the site's q and its k/v from before any ``repeat_kv``; ``thread_state``
 adds the mask and state arguments. The cell returns ``(out, *state)``; ``out`` replaces the SDPA
-result for every user.
+result (or eager attention's p @ v, flattened to ``[B H, T, d_v]`` where that was) for every user.
+The site's score terms (softcap, ALiBi slopes, sink logits) go into the cell's ``CellSpec``; a
+target that cannot compute them is refused, naming the layer.
 """
 
 from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx
 
 from rnnify.cells import CellSpec
 from rnnify.compiler.passes.context import PassContext
 from rnnify.compiler.passes.find_attention import SITE_KEY, sites
-from rnnify.errors import UnsupportedModelError
+from rnnify.errors import RnnifyError, UnsupportedModelError
 
 CELL_KEY = "rnnify_cell"
 
@@ -25,10 +28,22 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
     for node, site in sites(gm):
         hidden_size = int(site.hidden.meta["val"].shape[-1]) if site.hidden is not None else None
         spec = CellSpec(
-            site.num_heads, site.num_kv_heads, site.head_dim, site.value_dim, site.scale, site.window, hidden_size
+            site.num_heads,
+            site.num_kv_heads,
+            site.head_dim,
+            site.value_dim,
+            site.scale,
+            site.window,
+            hidden_size,
+            softcap=site.softcap,
+            alibi_slopes=site.alibi_slopes,
+            sink_logits=site.sink_logits,
         )
         name = f"cells.{site.index}"
-        cell = ctx.plan.cell_for(site.layer, spec)
+        try:
+            cell = ctx.plan.cell_for(site.layer, spec)
+        except RnnifyError as exc:
+            raise type(exc)(f"{site.where}: {exc}") from exc
         gm.add_submodule(name, cell)
         kwargs = {}
         if cell.needs_input:
@@ -38,12 +53,25 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
         with gm.graph.inserting_before(node):
             call = gm.graph.call_module(name, (site.query, site.key, site.value), kwargs)
             out = gm.graph.call_function(operator.getitem, (call, 0))
+            if site.flat_output:
+                out = gm.graph.call_function(torch.ops.aten.flatten.using_ints, (out, 0, 1))
         call.meta[SITE_KEY] = site
         call.meta[CELL_KEY] = True
         out.meta["val"] = node.meta.get("val")
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
+    _erase_unused_dropout(gm)
     return gm
+
+
+def _erase_unused_dropout(gm: torch.fx.GraphModule) -> None:
+    """Erase the dropouts (identities: the model is in eval mode) that nothing reads any more, such as
+    eager attention's on its probabilities: dead-code elimination keeps random ops, and through them
+    the scores and the mask construction, which the cells replaced."""
+    for node in reversed(list(gm.graph.nodes)):  # users first, so a dead chain goes in one pass
+        if node.op == "call_function" and not node.users:
+            if node.target == torch.ops.aten.dropout.default or not node.is_impure():
+                gm.graph.erase_node(node)
 
 
 def cell_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

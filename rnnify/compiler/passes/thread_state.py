@@ -2,8 +2,10 @@
 
     (input_ids [B, T], position_ids [B, T], attention_mask [B, T], *state) -> (logits, *new_state)
 
-Every cell call gains the ``attention_mask`` placeholder and one placeholder per state tensor
-(named ``state_<site>_<name>``), and its new state is appended to the outputs. The same graph
+Every cell call (an attention site's, or a short convolution's from ``rewrite_convolutions``)
+gains the ``attention_mask`` placeholder and one placeholder per state tensor (named
+``state_<i>_<name>`` for the cell ``cells.<i>``), and its new state is appended to the outputs, in
+graph order, which is the manifest's order of cells. The same graph
 serves a T-token prefill and a 1-token decode step. (The model's own mask construction lost its
 last user when ``rewrite_attention`` removed the SDPA calls; dead-code elimination removed it.)
 """

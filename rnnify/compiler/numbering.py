@@ -1,0 +1,59 @@
+"""Where the source's positions start, found by running it once before capture.
+
+The captured graph takes explicit ``position_ids``, which the runtime counts from 0 over a row's
+real tokens. Most models number positions that way themselves, but RoBERTa's family (roberta,
+xlm-roberta, camembert, data2vec-text, xmod, ... run as decoders) follows fairseq: positions start
+at ``padding_idx + 1`` (and a token that is the padding id gets ``padding_idx``). Handed 0-based
+positions, such a model reads rows of its position table it was never trained on.
+
+So the source runs on a short probe of tokens other than its padding id three ways: numbering its
+positions itself, given positions from 0, and given positions from ``padding_idx + 1``. The first
+start that gives the source's own logits is added to the runtime's positions in the captured
+graph; a model that matches neither numbers its positions in a way rnnify does not know, and is
+refused before capture rather than converted wrong.
+
+A padding id read as a real token (tokenizers do not produce it from text; a model may generate
+it) is numbered like any other token. The original gives it ``padding_idx``, and from there the two
+differ. The graph could set it apart too, but a position that does not follow the one before it
+is how transformers' mask construction recognises packed sequences, and the attention probe
+(``find_attention``) would then see a mask that is not causal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rnnify.errors import UnsupportedModelError
+from rnnify.runtime.agreement import relative_difference, tolerance
+
+__all__ = ["first_position"]
+
+_PROBE_BATCH, _PROBE_LENGTH = 2, 8
+
+
+@torch.no_grad()
+def first_position(model: torch.nn.Module, vocab_size: int) -> int:
+    """The position ``model`` gives a row's first token (see the module docstring); refused when
+    rnnify does not know its numbering."""
+    device = next(model.parameters()).device
+    padding_id = getattr(model.config, "pad_token_id", None)
+    padding_id = padding_id if isinstance(padding_id, int) and 0 <= padding_id < vocab_size else None
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size - (padding_id is not None), (_PROBE_BATCH, _PROBE_LENGTH), generator=generator)
+    if padding_id is not None:
+        ids = ids + (ids >= padding_id).long()  # every token but the padding id
+    ids = ids.to(device)
+    own = model(input_ids=ids, use_cache=False).logits
+    counted = torch.arange(_PROBE_LENGTH, device=device).expand(_PROBE_BATCH, -1)
+    limit = tolerance(own.dtype)
+    differences = []
+    for first in [0] + ([padding_id + 1] if padding_id is not None else []):
+        logits = model(input_ids=ids, position_ids=counted + first, use_cache=False).logits
+        differences.append(relative_difference(logits, own))
+        if differences[-1] <= limit:
+            return first
+    raise UnsupportedModelError(
+        f"{type(model).__name__} numbers its positions in a way rnnify does not know: its logits differ "
+        f"from those it gives with positions 0, 1, 2, ... (relative difference {differences[0]:.2g})"
+        + (f" and from padding_idx + 1 = {padding_id + 1} on ({differences[1]:.2g})" if len(differences) > 1 else "")
+    )

@@ -1,0 +1,245 @@
+"""Short convolution layers (LFM2's conv layers) carry their state between tokens (rnnify/cells/short_conv.py,
+rnnify/compiler/passes/rewrite_convolutions.py): the cell against a plain causal convolution, and converted
+LFM2, LFM2-MoE and LFM3 against the original models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import assert_left_padded_rows_equal_rows_alone, assert_steps_and_split_prefill_match, decode, rel_diff
+
+import rnnify
+from rnnify.cells import ShortConvCell, build_cell
+from rnnify.cells.short_conv import naive_recurrent_short_conv, short_conv
+from rnnify.cli import main
+from rnnify.errors import UnsupportedModelError
+from rnnify.original import attention_transfer
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # transformers' conv kernel falls back to PyTorch
+
+# LFM2-350M's first layers: two short convolutions, then attention
+LFM2_LAYERS = ["conv", "conv", "full_attention", "conv"]
+
+
+def _causal_conv_of_real_tokens(history, x, weight, bias, mask):
+    """Each row's real inputs (history, then the tokens its mask keeps) through ``F.conv1d`` padded by
+    K-1 on the left, the outputs of the new real tokens put back at their places (0 at padding)."""
+    out = torch.zeros_like(x)
+    for row in range(x.shape[0]):
+        keep = mask[row].nonzero()[:, 0]
+        real = torch.cat([history[row], x[row][:, keep]], dim=1)  # [C, K-1 + n]
+        y = F.conv1d(real[None], weight, bias, padding=weight.shape[-1] - 1, groups=x.shape[1])[0]
+        out[row][:, keep] = y[:, history.shape[2] : history.shape[2] + len(keep)]
+    return out
+
+
+def _random_conv(gen, batch=3, channels=5, length=9, kernel_size=4, bias=True):
+    x = torch.randn(batch, channels, length, generator=gen, dtype=torch.float64)
+    weight = torch.randn(channels, 1, kernel_size, generator=gen, dtype=torch.float64)
+    b = torch.randn(channels, generator=gen, dtype=torch.float64) if bias else None
+    history = torch.randn(batch, channels, kernel_size - 1, generator=gen, dtype=torch.float64)
+    return x, weight, b, history
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("padded", [False, True])
+def test_cell_forms_equal_a_causal_convolution_of_the_real_tokens(bias, padded):
+    """From a state of earlier inputs, with padding anywhere in the new tokens (a continued prefill may be
+    padded too): outputs at real tokens and the state of the last K-1 real inputs, in float64."""
+    gen = torch.Generator().manual_seed(0)
+    x, weight, b, history = _random_conv(gen, bias=bias)
+    mask = torch.ones(x.shape[0], x.shape[2], dtype=torch.bool)
+    if padded:
+        mask[0, :4] = False  # left padding
+        mask[1, 2:5] = False  # padding between real tokens
+        mask[2, :] = False  # nothing real: the state stays
+    want = _causal_conv_of_real_tokens(history, x, weight, b, mask)
+    for form in (naive_recurrent_short_conv, short_conv):
+        out, state = form(x, weight, b, mask, history)
+        torch.testing.assert_close(torch.where(mask[:, None], out, 0.0), want, rtol=1e-12, atol=1e-12)
+        for row in range(x.shape[0]):
+            real = torch.cat([history[row], x[row][:, mask[row]]], dim=1)
+            torch.testing.assert_close(state[row], real[:, -3:], rtol=0, atol=0)
+
+
+def test_cell_steps_and_split_prefill_equal_one_prefill():
+    gen = torch.Generator().manual_seed(1)
+    x, weight, bias, _ = _random_conv(gen, batch=2, length=12)
+    cell = build_cell("short_conv", ShortConvCell.spec_for(5), {"kernel_size": 4})
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    (state,) = cell.init_state(2, torch.device("cpu"), torch.float64)
+    full, full_state = cell(x, weight, bias, mask, state)
+    want = F.conv1d(x, weight, bias, padding=3, groups=5)[..., :12]  # the original's form
+    torch.testing.assert_close(full, want, rtol=1e-12, atol=1e-12)
+    first, mid = cell(x[..., :5], weight, bias, mask[:, :5], state)
+    steps = [first]
+    for t in range(5, 12):
+        out, mid = cell(x[..., t : t + 1], weight, bias, mask[:, t : t + 1], mid)
+        steps.append(out)
+    torch.testing.assert_close(torch.cat(steps, dim=2), full, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(mid, full_state, rtol=0, atol=0)
+
+
+def test_cell_options_are_checked():
+    with pytest.raises(
+        rnnify.RnnifyError, match=r"kernel_size must be an integer >= 2 \(a 1-token kernel keeps no state\), got 1"
+    ):
+        build_cell("short_conv", ShortConvCell.spec_for(5), {"kernel_size": 1})
+    with pytest.raises(rnnify.RnnifyError, match="unknown target 'short_conv'"):
+        rnnify.convert("unused", to="short_conv")  # a layer's own convolution, never a --to target
+
+
+def _lfm2():
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Lfm2Config(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(LFM2_LAYERS),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=LFM2_LAYERS,
+        max_position_embeddings=128,
+    )
+    return Lfm2ForCausalLM(config).eval()
+
+
+def _lfm2_moe():
+    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Lfm2MoeConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_dense_layers=1,
+        layer_types=["conv", "full_attention", "conv"],
+        max_position_embeddings=128,
+    )
+    return Lfm2MoeForCausalLM(config).eval()
+
+
+def _lfm3():
+    """LFM3's own layout (conv, conv, full, conv, sliding), a 7-token convolution and a window of 8."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Lfm3ForCausalLM"):
+        pytest.skip("this transformers has no LFM3")
+    torch.manual_seed(0)
+    config = transformers.Lfm3Config(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=8,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return transformers.Lfm3ForCausalLM(config).eval()
+
+
+_SOURCES = {"lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "lfm3": _lfm3}
+
+
+@pytest.fixture(scope="module")
+def converted():
+    """``converted(name)`` -> (original, exact conversion), built once per module."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            source = _SOURCES[name]()
+            built[name] = (source, rnnify.convert(source, to="exact"))
+        return built[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(_SOURCES))
+def test_exact_equals_the_original_prefill_and_steps(name, converted):
+    source, model = converted(name)
+    layer_types = source.config.layer_types
+    convs = [cell for cell in model.cells if cell.target == "short_conv"]
+    assert len(convs) == layer_types.count("conv") and len(model.cells) == len(layer_types)
+    assert {cell.kernel_size for cell in convs} == {source.config.conv_L_cache}
+    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = source(input_ids=ids, use_cache=False).logits
+    assert rel_diff(model.prefill(ids)[0], want) < 1e-4
+    assert rel_diff(decode(model, ids, 8)[0], want) < 1e-4  # a prefill of 8, then 16 steps
+    assert_steps_and_split_prefill_match(model, ids, split=7)
+
+
+@pytest.mark.parametrize("name", ["lfm2", "lfm3"])
+def test_left_padded_rows_equal_the_original_and_rows_alone(name, converted):
+    source, model = converted(name)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 320, (2, 12), generator=gen)
+    mask = torch.ones_like(ids)
+    ids[0, :5], mask[0, :5] = source.config.pad_token_id, 0
+    with torch.no_grad():
+        want = source(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    got, _ = model.prefill(ids, attention_mask=mask)
+    assert rel_diff(got[0, 5:], want[0, 5:]) < 1e-4 and rel_diff(got[1], want[1]) < 1e-4
+    assert_left_padded_rows_equal_rows_alone(model, [3, 11, 7], gen, steps=6)
+
+
+def test_save_and_load_give_the_same_logits(converted, tmp_path, capsys):
+    _, model = converted("lfm2")
+    back = rnnify.load(model.save(tmp_path / "lfm2"))
+    assert [entry.target for entry in back.manifest.cells] == ["short_conv", "short_conv", "exact", "short_conv"]
+    ids = torch.randint(3, 320, (2, 10), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(decode(back, ids, 4)[0], decode(model, ids, 4)[0])
+    assert main(["info", str(tmp_path / "lfm2")]) == 0
+    out = capsys.readouterr().out
+    assert "exact (block_size=512)" in out and out.count("short_conv") == 3  # the attention's options
+
+
+def test_attention_transfer_compares_only_the_attention_layers():
+    model = rnnify.convert(_lfm2(), to="linear")
+    ids = torch.randint(3, 320, (2, 12), generator=torch.Generator().manual_seed(6))
+    with attention_transfer(model) as recorder:
+        model(ids, model.init_state(2))
+        errors = recorder.errors()
+        assert [error.tokens for error in errors] == [0, 0, 24, 0] and errors[2].rel_error > 0
+        assert len(recorder.losses()) == 1 and recorder.loss().requires_grad
+
+
+@pytest.mark.parametrize("target, options", [("linear", {}), ("window", {"window": 4})])
+def test_approximate_targets_convert_only_the_attention_layers(target, options):
+    model = rnnify.convert(_lfm2(), to=target, **options)
+    assert [cell.target for cell in model.cells] == ["short_conv", "short_conv", target, "short_conv"]
+    ids = torch.randint(3, 320, (2, 16), generator=torch.Generator().manual_seed(5))
+    assert_steps_and_split_prefill_match(model, ids, split=9)
+
+
+class _CenteredConv(torch.nn.Module):
+    """A depthwise convolution over the tokens that reads the next token too."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(channels, channels, 3, padding=1, groups=channels)
+
+    def forward(self, x):
+        return self.conv(x.transpose(1, 2)).transpose(1, 2)
+
+
+def test_a_convolution_that_is_not_causal_is_refused_naming_its_layer(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    source = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
+    source.model.layers[1].mlp = _CenteredConv(source.config.hidden_size)
+    with pytest.raises(UnsupportedModelError, match=r"layer 1 \(model\.layers\.1\.mlp.*not causal"):
+        rnnify.convert(source, to="linear")
