@@ -190,7 +190,7 @@ CAPS = {  # attribute -> upper bound, applied only where the default is larger
 INDEX_LISTS = {"index_layers", "mlp_only_layers", "moe_layers", "cross_attention_layers", "full_attn_idxs"}
 INDEX_VALUED = {"kv_source_layers"}
 # targets given a window (shorter than the 24 tokens compared) where they need one or have a longer default
-TARGET_OPTIONS = {target: {"window": 8} for target in ("window", "hybrid", "select")}
+TARGET_OPTIONS = {target: {"window": 8} for target in ("window", "hybrid", "select", "lola")}
 SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 # per model type, set after the generic rules (the names listed in a layer-types list are kept too)
 SPECIAL: dict[str, dict] = {
@@ -287,6 +287,8 @@ def overrides(config, model_type: str) -> dict:
         per_layer = config.to_dict().get("per_layer_config")  # {"05": {"head_dim": 512}, ...}: layers unlike the rest
         if isinstance(per_layer, dict):
             out["per_layer_config"] = {new[int(k)]: _tiny(v, mla) for k, v in per_layer.items() if int(k) in new}
+    if hasattr(config, "is_decoder"):
+        out["is_decoder"] = True  # an encoder family's *ForCausalLM: what its own docs ask for, causal attention
     return {**out, **SPECIAL.get(config.model_type, {}), **SPECIAL.get(model_type, {})}
 
 
@@ -551,14 +553,56 @@ def summary(results: dict, ops: dict) -> None:
     )
 
 
+def markdown(sweep: dict) -> str:
+    """The architectures page: one row per ``*ForCausalLM`` of transformers, its status and why."""
+    results = {k: r for k, r in sweep["results"].items() if ":" not in k}
+    counts = {s: sum(r.get("status") == s for r in results.values()) for s in STATUSES}
+    classes = {r["class"] for r in results.values() if r.get("status") == "exact" and r.get("class")}
+    run = sweep["runs"][-1]
+    lines = [
+        "# Architectures",
+        "",
+        "Every causal language model class of transformers "
+        f"{run['transformers']}, as a tiny random model (2 layers, 64 wide), converted with "
+        '`rnnify.convert(model, to="exact")` and compared with the original, prefill and prefill + '
+        f"{sweep['steps']} steps (exact: within {sweep['tolerance']}). A refusal is one line saying why; "
+        "nothing converts silently wrong. Written by `python benchmarks/arch_sweep.py` (the sweep, "
+        "about 15 minutes) and `python benchmarks/arch_sweep.py --markdown docs/architectures.md` "
+        "(this page, from `benchmarks/results/arch_sweep.json`).",
+        "",
+        ", ".join(f"{s}: {n}" for s, n in counts.items() if n) + f" ({len(classes)} distinct classes exact).",
+        "",
+        "| model type | class | status | why |",
+        "|---|---|---|---|",
+    ]
+    for name, r in sorted(results.items()):
+        why = (r.get("message") or r.get("serialize_error") or "").replace("|", "\\|")
+        if r.get("status") == "mismatch":
+            why = f"relative error {r.get('errors')}"
+        lines.append(f"| `{name}` | {r.get('class') or ''} | {r.get('status')} | {why[:220]} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated jobs (model types, or ARCH:TARGET) to (re)run, merged into -o")
     parser.add_argument("--timeout", type=float, default=120, help="seconds per job (default: 120)")
     parser.add_argument("--workers", type=int, default=2, choices=(1, 2), help="jobs at once (default: 2)")
     parser.add_argument("-o", "--output", default=str(ROOT / "benchmarks/results/arch_sweep.json"))
+    parser.add_argument(
+        "--markdown",
+        metavar="FILE",
+        help="only write the architectures table of -o's results to FILE (docs/architectures.md), run nothing",
+    )
     args = parser.parse_args()
-    mp.set_forkserver_preload(["torch", "transformers", "rnnify.convert", "rnnify.auto", "rnnify.runtime.serialize"])
+    if args.markdown:
+        sweep = json.loads(Path(args.output).read_text())
+        Path(args.markdown).write_text(markdown(sweep))
+        print(f"wrote {args.markdown}")
+        return
+    mp.set_forkserver_preload(
+        ["torch", "transformers", "rnnify.compiler.convert", "rnnify.auto", "rnnify.runtime.serialize"]
+    )
     jobs = all_jobs()
     if args.only:
         wanted = args.only.split(",")
