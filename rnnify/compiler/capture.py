@@ -163,11 +163,24 @@ def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
             # (find_positions records it).
             program = _export(wrapper, input_ids, position_ids, table - 1)
         except Exception:  # noqa: BLE001  (the first failure is the one to report)
+            if not _has_attention(model):
+                raise UnsupportedModelError(
+                    f"no attention found: {type(model).__name__} has no attention layers (it is recurrent "
+                    "already, as Mamba is); rnnify converts a model's attention"
+                ) from exc
             raise UnsupportedModelError(
                 f"{type(model).__name__}: torch.export could not capture the forward pass: "
                 f"{first_line(exc, with_type=True)}"
             ) from exc
     return _plain_graph_module(program.module())
+
+
+def _has_attention(model: torch.nn.Module) -> bool:
+    """Whether any submodule is named or typed as attention (``self_attn``, ``LlamaAttention``): a
+    model without one fails export for its own recurrence, and is told that instead of export's error."""
+    return any(
+        "attn" in name.lower() or "attention" in type(module).__name__.lower() for name, module in model.named_modules()
+    )
 
 
 def _export(wrapper: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, max_length: int):
