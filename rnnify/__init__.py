@@ -12,10 +12,10 @@ command line's ``--help`` do not pay for importing torch and transformers.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rnnify.errors import RnnifyError
+from rnnify.lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -46,13 +46,4 @@ if TYPE_CHECKING:
     from rnnify.runtime.storage import load
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'rnnify' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value  # found directly from now on
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)

@@ -20,10 +20,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rnnify"
 
 # Lowest first. errors: the error types every layer raises; choices: the names and defaults the
 # command line offers, torch-free, which the layers that implement them import; progress: a command's
-# stages as they run; original: the original model and its attention, which evaluation and
-# distillation both compare against.
+# stages as they run; lazy: the packages' names that import on first use; original: the original
+# model and its attention, which evaluation and distillation both compare against.
 LAYERS = [
-    {"errors", "choices", "progress"},
+    {"errors", "choices", "progress", "lazy"},
     {"kernels"},
     {"cells"},
     {"runtime"},

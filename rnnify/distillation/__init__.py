@@ -12,8 +12,9 @@ The names below import on first use (module ``__getattr__``), as ``rnnify``'s do
 line imports ``options`` to build its flags, which must not import torch (``rnnify.choices``).
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rnnify.lazy import lazy_attributes
 
 # public name -> module that defines it
 _LAZY = {
@@ -35,13 +36,4 @@ if TYPE_CHECKING:
     from rnnify.original import AttentionRecorder, LayerError, attention_transfer, load_teacher, softmax_attention
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'rnnify.distillation' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value  # found directly from now on
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)

@@ -30,23 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from rnnify import choices
 from rnnify.cells import gate_parameters
 from rnnify.cells import parameters as cell_parameters
-from rnnify.choices import (
-    AUTO_ALL_MAX_PARAMETERS,
-    CHECKPOINT_EVERY,
-    DEFAULT_LR,
-    DEFAULT_SCHEDULE,
-    DEFAULT_TRAIN,
-    DISTILL_BATCH_SIZE,
-    GATE_LR_SCALE,
-    KL_WEIGHT,
-    LORA_RANK,
-    SCHEDULES,
-    SEED,
-    STAGES,
-    TRAIN,
-)
+from rnnify.choices import AUTO_ALL_MAX_PARAMETERS, DEFAULT_LR, DEFAULT_SCHEDULE, SCHEDULES, STAGES, TRAIN
 from rnnify.data import row_length, token_batches, tokenizer_for
 from rnnify.distillation.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, set_aside
 from rnnify.distillation.distributed import Runtime, setup
@@ -72,17 +59,17 @@ def distill(
     stages: Sequence[str] = STAGES,
     max_tokens: int | None = None,
     seq_len: int | None = None,
-    batch_size: int = DISTILL_BATCH_SIZE,
+    batch_size: int = choices.DISTILL_BATCH_SIZE,
     lr: float | Sequence[float] | None = None,
-    lora_rank: int = LORA_RANK,
+    lora_rank: int = choices.LORA_RANK,
     lora_alpha: float | None = None,
-    train: str = DEFAULT_TRAIN,
-    kl_weight: float = KL_WEIGHT,
+    train: str = choices.DEFAULT_TRAIN,
+    kl_weight: float = choices.KL_WEIGHT,
     schedule: str = DEFAULT_SCHEDULE,
-    gate_lr_scale: float | Sequence[float] = GATE_LR_SCALE,
-    seed: int = SEED,
+    gate_lr_scale: float | Sequence[float] = choices.GATE_LR_SCALE,
+    seed: int = choices.SEED,
     checkpoint_dir: str | os.PathLike | None = None,
-    checkpoint_every: int = CHECKPOINT_EVERY,
+    checkpoint_every: int = choices.CHECKPOINT_EVERY,
     resume: bool = False,
     fsdp: bool = False,
     device: torch.device | str | None = None,

@@ -13,6 +13,8 @@
     window_attn.py window_attn_step (one decode token of sliding-window attention with sinks;
                    ``return_stats=True`` adds the softmax's max and denominator)
     ring.py        the ring-buffer bookkeeping window_attn_step and the window cells share
+    tiles.py       the Triton building blocks the kernels share (row loads and stores, a state's
+                   start, a gated decay), inlined where called
 
 The bottom layer: references live here beside their ops (``linear_attn/naive.py`` holds the token
 loop and the chunked feature-space forms the gated cells also run), and nothing here imports

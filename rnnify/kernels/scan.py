@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from rnnify.kernels import utils
+from rnnify.kernels import tiles, utils
 from rnnify.kernels.utils import tl, triton
 
 # --------------------------------------------------------------------------- references
@@ -75,18 +75,10 @@ if triton is not None:
 
     @triton.jit
     def linear_recurrence_fwd_kernel(
-        a,
-        b,
-        h0,
-        x,
-        ht,
-        T,
-        D: tl.constexpr,
-        BT: tl.constexpr,
-        BD: tl.constexpr,
-        REVERSE: tl.constexpr,
-        USE_INITIAL_STATE: tl.constexpr,
-    ):
+        a, b, h0, x, ht, T,
+        D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+        REVERSE: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+    ):  # fmt: skip
         i_d, i_b = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # int64 offsets
         o_i = tl.arange(0, BT)
         o_d = i_d * BD + tl.arange(0, BD)
@@ -121,27 +113,13 @@ if triton is not None:
 
     @triton.jit
     def aaren_scan_fwd_kernel(
-        s,
-        v,
-        m0,
-        u0,
-        w0,
-        o,
-        mt,
-        ut,
-        wt,
-        T,
-        H: tl.constexpr,
-        D: tl.constexpr,
-        BT: tl.constexpr,
-        BD: tl.constexpr,
+        s, v, m0, u0, w0, o, mt, ut, wt, T,
+        H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
         USE_INITIAL_STATE: tl.constexpr,
-    ):
+    ):  # fmt: skip
         # m and u are per head; they are carried broadcast over the BD value channels
-        i_d, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-        i_b, i_h = i_bh // H, i_bh % H
+        i_d, i_bh, i_b, i_h, o_d = tiles.value_block_program(H, BD)
         o_i = tl.arange(0, BT)
-        o_d = i_d * BD + tl.arange(0, BD)
         m_d = o_d < D
         b_m = tl.full([BD], float("-inf"), dtype=tl.float32)
         b_u = tl.zeros([BD], dtype=tl.float32)
@@ -183,37 +161,14 @@ if triton is not None:
 
     @triton.jit
     def aaren_scan_bwd_kernel(
-        s,
-        v,
-        m0,
-        u0,
-        w0,
-        do,
-        o,
-        dmt,
-        dwt,
-        dut,
-        ms,
-        us,
-        ds,
-        dv,
-        dm0,
-        du0,
-        dw0,
-        T,
-        B: tl.constexpr,
-        H: tl.constexpr,
-        D: tl.constexpr,
-        BT: tl.constexpr,
-        BD: tl.constexpr,
+        s, v, m0, u0, w0, do, o, dmt, dwt, dut, ms, us, ds, dv, dm0, du0, dw0, T,
+        B: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
         USE_INITIAL_STATE: tl.constexpr,
-    ):
+    ):  # fmt: skip
         # ms, us: this program's scratch for m_t, u_t; ds, dm0, du0: partial sums over feature blocks
         # [ND, ...], summed by the caller; the per-head terms (-du, the max's path) go to block 0
-        i_d, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-        i_b, i_h = i_bh // H, i_bh % H
+        i_d, i_bh, i_b, i_h, o_d = tiles.value_block_program(H, BD)
         o_i = tl.arange(0, BT)
-        o_d = i_d * BD + tl.arange(0, BD)
         m_d = o_d < D
         o_1 = tl.zeros([1], dtype=tl.int64)
         head0 = (i_d == 0).to(tl.float32)
@@ -308,7 +263,7 @@ def _linear_recurrence_op(
     if not utils.resolve_backend(backend, b):
         x, ht = naive_linear_recurrence(a, b, h0, reverse, True)
         return x.contiguous(), ht.contiguous()
-    a, b, h0 = (None if x is None else x.contiguous() for x in (a, b, h0))
+    a, b, h0 = utils.contiguous(a, b, h0)
     B, T, D = b.shape
     x = utils.empty((B, T, D), b.device, b.dtype)
     ht = utils.empty((B, D), b.device, torch.float32)
@@ -385,7 +340,7 @@ def _aaren_scan_op(
     if not utils.resolve_backend(backend, v):
         o, (m, u, w) = naive_aaren_scan(s, v, h0, True)
         return o.contiguous(), m.contiguous(), u.contiguous(), w.contiguous()
-    s, v, m0, u0, w0 = (None if x is None else x.contiguous() for x in (s, v, m0, u0, w0))
+    s, v, m0, u0, w0 = utils.contiguous(s, v, m0, u0, w0)
     B, T, H, D = v.shape
     o = utils.empty((B, T, H, D), v.device, v.dtype)
     mt, ut = utils.empty((B, H), v.device), utils.empty((B, H), v.device)
@@ -404,22 +359,17 @@ def _(s, v, m0, u0, w0, backend="auto"):
     return torch.empty_like(v), v.new_empty(B, H, dtype=f), v.new_empty(B, H, dtype=f), v.new_empty(B, H, D, dtype=f)
 
 
-@torch.library.custom_op("rnnify::aaren_scan_bwd", mutates_args=())
-def _aaren_scan_bwd_op(
-    s: torch.Tensor,
-    v: torch.Tensor,
-    m0: torch.Tensor | None,
-    u0: torch.Tensor | None,
-    w0: torch.Tensor | None,
-    o: torch.Tensor,
-    do: torch.Tensor,
-    dmt: torch.Tensor,
-    du: torch.Tensor,
-    dw: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+_AAREN_BWD_SCHEMA = (
+    "(Tensor s, Tensor v, Tensor? m0, Tensor? u0, Tensor? w0, Tensor o, Tensor do, Tensor dmt, Tensor du, Tensor dw)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+
+
+@torch.library.custom_op("rnnify::aaren_scan_bwd", mutates_args=(), schema=_AAREN_BWD_SCHEMA)
+def _aaren_scan_bwd_op(s, v, m0, u0, w0, o, do, dmt, du, dw):
     """Triton: (ds, dv, dm0, du0, dw0), the last three empty without an initial state; ``dmt``: the
     final max's own gradient (``_aaren_backward``)."""
-    s, v, m0, u0, w0, o, do = (None if x is None else x.contiguous() for x in (s, v, m0, u0, w0, o, do))
+    s, v, m0, u0, w0, o, do, dmt, dw, du = utils.contiguous(s, v, m0, u0, w0, o, do, dmt, dw.float(), du.float())
     B, T, H, D = v.shape
     BD = min(utils.next_pow2(D), 64)
     ND = triton.cdiv(D, BD)
@@ -430,31 +380,9 @@ def _aaren_scan_bwd_op(
     else:
         dm0, du0 = utils.empty((ND, B, H), v.device), utils.empty((ND, B, H), v.device)
         dw0 = utils.empty((B, H, D), v.device)
+    constants = dict(B=B, H=H, D=D, BT=32, BD=BD, USE_INITIAL_STATE=m0 is not None)
     aaren_scan_bwd_kernel[(ND, B * H)](
-        s,
-        v,
-        m0,
-        u0,
-        w0,
-        do,
-        o,
-        dmt.contiguous(),
-        dw.float().contiguous(),
-        du.float().contiguous(),
-        ms,
-        us,
-        ds,
-        dv,
-        dm0,
-        du0,
-        dw0,
-        T,
-        B=B,
-        H=H,
-        D=D,
-        BT=32,
-        BD=BD,
-        USE_INITIAL_STATE=m0 is not None,
+        s, v, m0, u0, w0, do, o, dmt, dw, du, ms, us, ds, dv, dm0, du0, dw0, T, **constants
     )
     return ds.sum(0), dv, (dm0 if m0 is None else dm0.sum(0)), (du0 if m0 is None else du0.sum(0)), dw0
 

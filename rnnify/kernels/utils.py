@@ -1,4 +1,5 @@
-"""Shared helpers for the Triton kernels: which path to run, buffer allocation, block sizes.
+"""Shared host-side helpers for the Triton kernels: which path to run, buffers, block sizes, launch
+arguments (the in-kernel ones are ``tiles.py``).
 
 Path selection: every op takes ``backend`` (``BACKENDS``), resolved by ``resolve_backend``.
 ``"auto"`` runs the PyTorch reference unless the tensors live on CUDA, or ``FORCE_TRITON`` is set
@@ -95,5 +96,22 @@ def empty(shape, device, dtype=torch.float32) -> torch.Tensor:
     return torch.empty(shape, device=device, dtype=dtype)
 
 
+def contiguous(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Each tensor contiguous (None stays None): the kernels index with row-major offsets."""
+    return tuple(None if x is None else x.contiguous() for x in tensors)
+
+
 def next_pow2(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+def head_dims(H: int, Hkv: int, K: int, V: int) -> dict:
+    """The head layout the kernels take: H query heads, in groups of G = H / H_kv per kv head."""
+    return dict(H=H, HKV=Hkv, G=H // Hkv, K=K, V=V)
+
+
+def dot_options() -> dict:
+    """The launch arguments of the chunked kernels, which multiply tiles with tl.dot: its precision
+    (``DOT_PRECISION``, read per launch), 4 warps, one pipeline stage (shared memory: see
+    ``linear_attn/chunk.py``)."""
+    return dict(PRECISION=DOT_PRECISION, num_warps=4, num_stages=1)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from rnnify.kernels import utils
+from rnnify.kernels import tiles, utils
 from rnnify.kernels.ring import held_index, window_write
 from rnnify.kernels.utils import tl, triton
 
@@ -49,43 +49,32 @@ def naive_window_attn_read(q, keys, values, valid, scale, stats=False):
 if triton is not None:
 
     @triton.jit
+    def held_block(valid, i_b, i_h, i_n, N, HKV: tl.constexpr, BN: tl.constexpr):
+        """Block ``i_n`` of the BN keys kv head ``i_h`` of batch row ``i_b`` holds: their rows of
+        keys / values ``[*, K|V]``, which of them are held (below N), which are valid."""
+        o_j = i_n * BN + tl.arange(0, BN)
+        m_j = o_j < N
+        b_ok = tl.load(valid + i_b * N + o_j, mask=m_j, other=0) != 0
+        return (i_b * HKV + i_h) * N + o_j, m_j, b_ok
+
+    @triton.jit
     def window_attn_step_kernel(
-        q,
-        keys,
-        values,
-        valid,
-        o,
-        mo,
-        uo,
-        scale,
-        N,
-        H: tl.constexpr,
-        HKV: tl.constexpr,
-        G: tl.constexpr,
-        K: tl.constexpr,
-        V: tl.constexpr,
-        BN: tl.constexpr,
-        BK: tl.constexpr,
-        BV: tl.constexpr,
-    ):
+        q, keys, values, valid, o, mo, uo, scale, N,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ):  # fmt: skip
         i_bh = tl.program_id(0).to(tl.int64)  # int64 offsets
         i_b, i_hq = i_bh // H, i_bh % H
         i_h = i_hq // G
-        o_n = tl.arange(0, BN)
         o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
-        m_k, m_v = o_k < K, o_v < V
-        b_q = tl.load(q + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
+        b_q = tiles.load_row(q, i_bh, o_k, K) * scale
         b_m = tl.full([1], float("-inf"), dtype=tl.float32)
         b_u = tl.zeros([1], dtype=tl.float32)
         b_w = tl.zeros([BV], dtype=tl.float32)
         for i_n in range(0, tl.cdiv(N, BN)):
-            o_j = i_n * BN + o_n
-            m_j = o_j < N
-            b_ok = tl.load(valid + i_b * N + o_j, mask=m_j, other=0) != 0
-            p_k = keys + ((i_b * HKV + i_h) * N + o_j[:, None]) * K + o_k[None, :]
-            p_v = values + ((i_b * HKV + i_h) * N + o_j[:, None]) * V + o_v[None, :]
-            b_k = tl.load(p_k, mask=m_j[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            b_v = tl.load(p_v, mask=m_j[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+            i_j, m_j, b_ok = held_block(valid, i_b, i_h, i_n, N, HKV, BN)
+            b_k = tiles.load_rows(keys, i_j, o_k, m_j, K)
+            b_v = tiles.load_rows(values, i_j, o_v, m_j, V)
             b_s = tl.where(b_ok, tl.sum(b_q[None, :] * b_k, axis=1), float("-inf"))  # [BN]
             b_mn = tl.maximum(b_m, tl.max(b_s, axis=0))
             b_ref = tl.where(b_mn == float("-inf"), 0.0, b_mn)
@@ -94,56 +83,34 @@ if triton is not None:
             b_u = b_u * b_decay + tl.sum(b_p, axis=0)
             b_w = b_w * b_decay + tl.sum(b_p[:, None] * b_v, axis=0)
             b_m = b_mn
-        b_o = tl.where(b_u > 0, b_w / tl.maximum(b_u, 1e-38), 0.0)
-        tl.store(o + i_bh * V + o_v, b_o, mask=m_v)
+        tiles.store_row(o, tl.where(b_u > 0, b_w / tl.maximum(b_u, 1e-38), 0.0), i_bh, o_v, V)
         tl.store(mo + i_bh + tl.arange(0, 1), b_m)
         tl.store(uo + i_bh + tl.arange(0, 1), b_u)
 
     @triton.jit
     def window_attn_step_bwd_kernel(
-        q,
-        keys,
-        values,
-        valid,
-        o,
-        do,
-        dq,
-        dkeys,
-        dvalues,
-        scale,
-        N,
-        H: tl.constexpr,
-        HKV: tl.constexpr,
-        G: tl.constexpr,
-        BG: tl.constexpr,
-        K: tl.constexpr,
-        V: tl.constexpr,
-        BN: tl.constexpr,
-        BK: tl.constexpr,
-        BV: tl.constexpr,
-    ):
+        q, keys, values, valid, o, do, dq, dkeys, dvalues, scale, N,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ):  # fmt: skip
         # one program per (batch, kv head) holds its G query heads as rows, so it owns its keys'
         # gradients: p_gn = softmax weights, dv_n = sum_g p_gn do_g, ds_gn = p_gn (do_g . v_n - do_g . o_g),
         # dk_n = scale sum_g ds_gn q_g, dq_g = scale sum_n ds_gn k_n
         i_bh = tl.program_id(0).to(tl.int64)  # int64 offsets
         i_b, i_h = i_bh // HKV, i_bh % HKV
-        o_g, o_n = tl.arange(0, BG), tl.arange(0, BN)
+        o_g = tl.arange(0, BG)
         o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
-        m_g, m_k, m_v = o_g < G, o_k < K, o_v < V
+        m_g = o_g < G
         i_q = i_b * H + i_h * G + o_g  # [BG] query heads
-        b_q = tl.load(q + i_q[:, None] * K + o_k[None, :], mask=m_g[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_do = tl.load(do + i_q[:, None] * V + o_v[None, :], mask=m_g[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_o = tl.load(o + i_q[:, None] * V + o_v[None, :], mask=m_g[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_delta = tl.sum(b_do * b_o, axis=1)  # [BG]
+        b_q = tiles.load_rows(q, i_q, o_k, m_g, K)
+        b_do = tiles.load_rows(do, i_q, o_v, m_g, V)
+        b_delta = tl.sum(b_do * tiles.load_rows(o, i_q, o_v, m_g, V), axis=1)  # [BG]
         b_m = tl.full([BG], float("-inf"), dtype=tl.float32)
         b_u = tl.zeros([BG], dtype=tl.float32)
         # ---- sweep 1: each head's running max and normaliser
         for i_n in range(0, tl.cdiv(N, BN)):
-            o_j = i_n * BN + o_n
-            m_j = o_j < N
-            b_ok = tl.load(valid + i_b * N + o_j, mask=m_j, other=0) != 0
-            p_k = keys + ((i_b * HKV + i_h) * N + o_j[:, None]) * K + o_k[None, :]
-            b_k = tl.load(p_k, mask=m_j[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            i_j, m_j, b_ok = held_block(valid, i_b, i_h, i_n, N, HKV, BN)
+            b_k = tiles.load_rows(keys, i_j, o_k, m_j, K)
             b_s = tl.sum(b_q[:, None, :] * b_k[None, :, :], axis=2) * scale  # [BG, BN]
             b_s = tl.where(b_ok[None, :], b_s, float("-inf"))
             b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))
@@ -155,25 +122,17 @@ if triton is not None:
         # ---- sweep 2: the gradients, block by block of keys
         b_dq = tl.zeros([BG, BK], dtype=tl.float32)
         for i_n in range(0, tl.cdiv(N, BN)):
-            o_j = i_n * BN + o_n
-            m_j = o_j < N
-            b_ok = tl.load(valid + i_b * N + o_j, mask=m_j, other=0) != 0
-            p_k = keys + ((i_b * HKV + i_h) * N + o_j[:, None]) * K + o_k[None, :]
-            p_v = values + ((i_b * HKV + i_h) * N + o_j[:, None]) * V + o_v[None, :]
-            b_k = tl.load(p_k, mask=m_j[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            b_v = tl.load(p_v, mask=m_j[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+            i_j, m_j, b_ok = held_block(valid, i_b, i_h, i_n, N, HKV, BN)
+            b_k = tiles.load_rows(keys, i_j, o_k, m_j, K)
+            b_v = tiles.load_rows(values, i_j, o_v, m_j, V)
             b_s = tl.sum(b_q[:, None, :] * b_k[None, :, :], axis=2) * scale
             b_p = tl.where(b_ok[None, :], tl.exp(b_s - b_ref[:, None]), 0.0) * b_r[:, None]  # [BG, BN]
             b_dp = tl.sum(b_do[:, None, :] * b_v[None, :, :], axis=2)
             b_ds = b_p * (b_dp - b_delta[:, None]) * scale
             b_dq += tl.sum(b_ds[:, :, None] * b_k[None, :, :], axis=1)
-            b_dk = tl.sum(b_ds[:, :, None] * b_q[:, None, :], axis=0)  # [BN, BK]
-            b_dv = tl.sum(b_p[:, :, None] * b_do[:, None, :], axis=0)  # [BN, BV]
-            p_dk = dkeys + ((i_b * HKV + i_h) * N + o_j[:, None]) * K + o_k[None, :]
-            p_dv = dvalues + ((i_b * HKV + i_h) * N + o_j[:, None]) * V + o_v[None, :]
-            tl.store(p_dk, b_dk.to(dkeys.dtype.element_ty), mask=m_j[:, None] & m_k[None, :])
-            tl.store(p_dv, b_dv.to(dvalues.dtype.element_ty), mask=m_j[:, None] & m_v[None, :])
-        tl.store(dq + i_q[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_g[:, None] & m_k[None, :])
+            tiles.store_rows(dkeys, tl.sum(b_ds[:, :, None] * b_q[:, None, :], axis=0), i_j, o_k, m_j, K)  # [BN, BK]
+            tiles.store_rows(dvalues, tl.sum(b_p[:, :, None] * b_do[:, None, :], axis=0), i_j, o_v, m_j, V)  # [BN, BV]
+        tiles.store_rows(dq, b_dq, i_q, o_k, m_g, K)
 
 
 @torch.library.custom_op("rnnify::window_attn_step", mutates_args=())
@@ -184,30 +143,13 @@ def _window_attn_step_op(
     if not utils.resolve_backend(backend, q):
         o, m, u = naive_window_attn_read(q, keys, values, valid, scale, stats=True)
         return o.contiguous(), m.contiguous(), u.contiguous()
-    q, keys, values = q.contiguous(), keys.contiguous(), values.contiguous()
+    q, keys, values, valid = utils.contiguous(q, keys, values, valid.to(torch.int8))
     B, H, K = q.shape
     Hkv, N, V = keys.shape[1], keys.shape[2], values.shape[-1]
     o = utils.empty((B, H, V), q.device)
     m, u = utils.empty((B, H), q.device), utils.empty((B, H), q.device)
-    window_attn_step_kernel[(B * H,)](
-        q,
-        keys,
-        values,
-        valid.to(torch.int8).contiguous(),
-        o,
-        m,
-        u,
-        scale,
-        N,
-        H=H,
-        HKV=Hkv,
-        G=H // Hkv,
-        K=K,
-        V=V,
-        BN=32,
-        BK=utils.next_pow2(K),
-        BV=utils.next_pow2(V),
-    )
+    shapes = dict(**utils.head_dims(H, Hkv, K, V), BN=32, BK=utils.next_pow2(K), BV=utils.next_pow2(V))
+    window_attn_step_kernel[(B * H,)](q, keys, values, valid, o, m, u, scale, N, **shapes)
     return o, m, u
 
 
@@ -232,17 +174,18 @@ def _window_attn_step_bwd_op(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton: (dq, dkeys, dvalues) of the read."""
-    q, keys, values, do = q.contiguous(), keys.contiguous(), values.contiguous(), do.contiguous()
+    q, keys, values, valid, do = utils.contiguous(q, keys, values, valid.to(torch.int8), do)
     B, H, K = q.shape
     Hkv, N, V = keys.shape[1], keys.shape[2], values.shape[-1]
     dq = utils.empty((B, H, K), q.device, q.dtype)
     dkeys = utils.empty((B, Hkv, N, K), q.device, keys.dtype)
     dvalues = utils.empty((B, Hkv, N, V), q.device, values.dtype)
+    shapes = dict(**utils.head_dims(H, Hkv, K, V), BG=utils.next_pow2(H // Hkv, 1), BN=16)
     window_attn_step_bwd_kernel[(B * Hkv,)](
         q,
         keys,
         values,
-        valid.to(torch.int8).contiguous(),
+        valid,
         o,
         do,
         dq,
@@ -250,13 +193,7 @@ def _window_attn_step_bwd_op(
         dvalues,
         scale,
         N,
-        H=H,
-        HKV=Hkv,
-        G=H // Hkv,
-        BG=utils.next_pow2(H // Hkv, 1),
-        K=K,
-        V=V,
-        BN=16,
+        **shapes,
         BK=utils.next_pow2(K),
         BV=utils.next_pow2(V),
     )

@@ -326,28 +326,7 @@ class RecurrentModel(nn.Module):
         A string prompt returns the text generated after it instead (``runtime.text``): read with
         ``tokenizer``, ending at the model's end-of-sequence ids unless ``eos_token_id`` is given.
         """
-        if isinstance(input_ids, str):
-            from rnnify.runtime.text import generate_text
-
-            return generate_text(
-                self,
-                input_ids,
-                dict(
-                    max_new_tokens=max_new_tokens,
-                    attention_mask=attention_mask,
-                    do_sample=do_sample,
-                    temperature=temperature,
-                    top_k=top_k,
-                    top_p=top_p,
-                    eos_token_id=eos_token_id,
-                    pad_token_id=pad_token_id,
-                    seed=seed,
-                    streamer=streamer,
-                ),
-            )
-        steps = self._new_tokens(
-            input_ids,
-            max_new_tokens,
+        decoding = dict(
             attention_mask=attention_mask,
             do_sample=do_sample,
             temperature=temperature,
@@ -357,6 +336,11 @@ class RecurrentModel(nn.Module):
             pad_token_id=pad_token_id,
             seed=seed,
         )
+        if isinstance(input_ids, str):
+            from rnnify.runtime.text import generate_text
+
+            return generate_text(self, input_ids, dict(decoding, max_new_tokens=max_new_tokens, streamer=streamer))
+        steps = self._new_tokens(input_ids, max_new_tokens, **decoding)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         tokens = [input_ids]

@@ -18,38 +18,12 @@ from rnnify.kernels import utils
 from rnnify.kernels.delta_rule.naive import check_inputs
 
 
-def run(op, q, k, v, beta, g, scale, initial_state, output_final_state, mask, backend):
-    check_inputs(q, k, v, beta, g)
-    utils.check_kernels(backend, utils.BACKENDS)
-    B, T, H, K = q.shape
-    beta = beta.float()
-    g = None if g is None else g.float()
-    if mask is not None:
-        if tuple(mask.shape) != (B, T):
-            raise ValueError(f"mask must be [B, T] = {(B, T)}, got {tuple(mask.shape)}")
-        real = mask.to(torch.bool)[:, :, None]
-        beta = torch.where(real, beta, 0.0)
-        g = None if g is None else torch.where(real, g, 0.0)
-    scale = K**-0.5 if scale is None else float(scale)
-    h0 = None if initial_state is None else initial_state.float().contiguous()
-    o, ht = op(
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-        beta.contiguous(),
-        None if g is None else g.contiguous(),
-        h0,
-        scale,
-        backend,
-    )
-    return o, (ht if output_final_state else None)
-
-
 def forward(triton_fwd, reference, q, k, v, beta, g, h0, scale, backend):
     """The ops' body: ``triton_fwd(q, k, v, beta, g, h0, scale)`` or ``reference(q, k, v, beta, g, scale, h0)``."""
     if utils.resolve_backend(backend, q):
         return triton_fwd(q, k, v, beta, g, h0, scale)
-    return reference(q, k, v, beta, g, scale, h0)
+    o, ht = reference(q, k, v, beta, g, scale, h0)
+    return o.contiguous(), ht.contiguous()
 
 
 def fake(q, k, v, beta, g, h0, scale, backend="auto"):
@@ -72,10 +46,10 @@ def fake_bwd(q, k, v, beta, g, h0, do, dht, scale):
     )
 
 
-def register_autograd(op, bwd_op, reference) -> None:
-    """Triton path: ``bwd_op`` (a custom op, so the backward traces); reference path: ``reference``
-    (the op's own PyTorch forward, ``(q, k, v, beta, g, scale, h0) -> (o, ht)``) recomputed under
-    autograd."""
+def register_autograd(op, reference) -> None:
+    """Triton path: ``rnnify::delta_rule_bwd`` (``chunk.py``; a custom op, so the backward traces);
+    reference path: ``reference`` (the op's own PyTorch forward, ``(q, k, v, beta, g, scale, h0) ->
+    (o, ht)``) recomputed under autograd."""
 
     def setup_context(ctx, inputs, output):
         q, k, v, beta, g, h0, scale, backend = inputs
@@ -86,7 +60,7 @@ def register_autograd(op, bwd_op, reference) -> None:
         q, k, v, beta, g, h0 = ctx.saved_tensors
         scale, backend = ctx.args
         if utils.resolve_backend(backend, q):
-            grads = bwd_op(q, k, v, beta, g, h0, do, dht, scale)
+            grads = torch.ops.rnnify.delta_rule_bwd(q, k, v, beta, g, h0, do, dht, scale)
             dq, dk, dv, dbeta, dg, dh0 = (
                 x.to(y.dtype) if y is not None else None for x, y in zip(grads, (q, k, v, beta, g, h0))
             )
@@ -100,3 +74,68 @@ def register_autograd(op, bwd_op, reference) -> None:
         return dq, dk, dv, dbeta, dg, dh0, None, None
 
     op.register_autograd(backward, setup_context=setup_context)
+
+
+BWD_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? g, Tensor? h0, Tensor do, Tensor dht, float scale)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+
+_OP_DOC = """ Math and shapes in ``naive.py``: beta ``[B, T, H_kv]`` in (0, 1),
+g ``[B, T, H_kv]`` log decays (None: no decay), state ``[B, H_kv, K, V]``. The caller
+L2-normalises q and k. ``mask`` ``[B, T]`` (True: a real token): padding leaves the state as it was
+(see ``common``). ``backend``: see ``rnnify.kernels.utils.resolve_backend``."""
+
+
+def define_op(name: str, summary: str, triton_fwd, reference):
+    """Register the custom op ``rnnify::<name>`` (``forward`` over ``triton_fwd`` and ``reference``,
+    the fake, the autograd) and return its public function, documented by ``summary``."""
+
+    @torch.library.custom_op(f"rnnify::{name}", mutates_args=())
+    def op(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        beta: torch.Tensor,
+        g: torch.Tensor | None,
+        h0: torch.Tensor | None,
+        scale: float,
+        backend: str = "auto",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return forward(triton_fwd, reference, q, k, v, beta, g, h0, scale, backend)
+
+    op.register_fake(fake)
+    register_autograd(op, reference)
+
+    def delta_rule(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        beta: torch.Tensor,
+        g: torch.Tensor | None = None,
+        scale: float | None = None,
+        initial_state: torch.Tensor | None = None,
+        output_final_state: bool = False,
+        *,
+        mask: torch.Tensor | None = None,
+        backend: str = "auto",
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        check_inputs(q, k, v, beta, g)
+        utils.check_kernels(backend, utils.BACKENDS)
+        B, T, H, K = q.shape
+        beta = beta.float()
+        g = None if g is None else g.float()
+        if mask is not None:
+            if tuple(mask.shape) != (B, T):
+                raise ValueError(f"mask must be [B, T] = {(B, T)}, got {tuple(mask.shape)}")
+            real = mask.to(torch.bool)[:, :, None]
+            beta = torch.where(real, beta, 0.0)
+            g = None if g is None else torch.where(real, g, 0.0)
+        scale = K**-0.5 if scale is None else float(scale)
+        h0 = None if initial_state is None else initial_state.float()
+        o, ht = getattr(torch.ops.rnnify, name)(*utils.contiguous(q, k, v, beta, g, h0), scale, backend)
+        return o, (ht if output_final_state else None)
+
+    delta_rule.__name__ = delta_rule.__qualname__ = name
+    delta_rule.__doc__ = summary + _OP_DOC
+    return delta_rule

@@ -28,59 +28,14 @@ from rnnify.kernels import utils
 from rnnify.kernels.linear_attn.feature_maps import (
     check_feature_map,
     feature_dim,
+    kernel_args,
     naive_feature_map,
     output_scale,
 )
 from rnnify.kernels.linear_attn.naive import check_inputs, chunk_gated_attn
+from rnnify.kernels.utils import triton
 
 State = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # S, or (S, z) with normalize
-
-
-def run(
-    op,
-    q,
-    k,
-    v,
-    g,
-    gk,
-    scale,
-    initial_state,
-    output_final_state,
-    normalize,
-    eps,
-    feature_map,
-    feature_weight,
-    mask,
-    backend,
-):
-    feature_map = check_feature_map(feature_map, feature_weight, k)
-    check_inputs(q, k, v, g, gk, feature_dim(feature_map, k.shape[-1], feature_weight))
-    utils.check_kernels(backend, utils.BACKENDS)
-    B, T, H, K = q.shape
-    if mask is not None:
-        if tuple(mask.shape) != (B, T):
-            raise ValueError(f"mask must be [B, T] = {(B, T)}, got {tuple(mask.shape)}")
-        mask = mask.to(torch.bool).contiguous()
-    Hkv, V = k.shape[2], v.shape[-1]
-    scale = K**-0.5 if scale is None else float(scale)
-    h0 = initial_state
-    if normalize:
-        v = torch.cat([v, v.new_ones(B, T, Hkv, 1)], dim=-1)
-        if initial_state is not None:
-            S, z = initial_state
-            h0 = torch.cat([S.float(), z.float()[..., None]], dim=-1)
-    elif h0 is not None:
-        h0 = h0.float()
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    g = None if g is None else g.float().contiguous()
-    gk = None if gk is None else gk.float().contiguous()
-    h0 = None if h0 is None else h0.contiguous()
-    w = None if feature_weight is None else feature_weight.contiguous()
-    o, ht = op(q, k, v, g, gk, h0, scale, feature_map, w, normalize, backend, mask)
-    if normalize:
-        o = o[..., :V] / (o[..., V:] + eps)
-        ht = (ht[..., :V], ht[..., V])
-    return o, (ht if output_final_state else None)
 
 
 def features(q, k, feature_map, weight, scale, query_shift, mask=None):
@@ -218,6 +173,48 @@ def register_autograd(op, bwd_op) -> None:
     op.register_autograd(backward, setup_context=setup_context)
 
 
+def launch_forward(kernel, options, q, k, v, g, gk, h0, w, scale, feature_map, query_shift, mask):
+    """(o, ht) from a forward kernel, one program per (value block, batch x kv head); ``options(F,
+    V, gated)``: the kernel's own launch arguments for F features (``define_op``)."""
+    q, k, v, g, gk, h0, w = utils.contiguous(q, k, v, g, gk, h0, w)
+    km = None if mask is None else mask.to(torch.int8).contiguous()
+    B, T, H, K = q.shape
+    Hkv, V = k.shape[2], v.shape[-1]
+    F = feature_dim(feature_map, K, w)
+    BF = utils.next_pow2(F)
+    BV = value_block(BF, V)
+    o = utils.empty((B, T, H, V), q.device, v.dtype)
+    ht = utils.empty((B, Hkv, F, V), q.device, torch.float32)
+    shapes = dict(T=T, **utils.head_dims(H, Hkv, K, V), F=F, BK=utils.next_pow2(K), BF=BF, BV=BV)
+    flags = dict(USE_G=g is not None, USE_GK=gk is not None, USE_INITIAL_STATE=h0 is not None, USE_MASK=km is not None)
+    feature_args = kernel_args(feature_map, scale, w, query_shift)
+    kernel[(triton.cdiv(V, BV), B * Hkv)](
+        q, k, v, g, gk, w, h0, km, o, ht, **shapes, **flags, **options(F, V, gk is not None), **feature_args
+    )
+    return o, ht
+
+
+def launch_backward(kernel, options, q, k, v, g, gk, h0, do, dht, scale):
+    """(dq fp32, dk fp32, dv, dh0) of (o = scale q S, ht) for featurised q, k from a backward kernel;
+    dh0 is empty without h0. The kernel writes dq and dk per value block; they are summed here."""
+    q, k, v, g, gk, h0, do, dht = utils.contiguous(q, k, v, g, gk, h0, do, dht)
+    B, T, H, K = q.shape
+    Hkv, V = k.shape[2], v.shape[-1]
+    BK = utils.next_pow2(K)
+    BV = value_block(BK, V)
+    NV = triton.cdiv(V, BV)
+    dq = utils.empty((NV, B, T, H, K), q.device)
+    dk = utils.empty((NV, B, T, Hkv, K), q.device)
+    dv = utils.empty((B, T, Hkv, V), q.device, v.dtype)
+    dh0 = utils.empty((B, Hkv, K, V), q.device) if h0 is not None else q.new_empty(0, dtype=torch.float32)
+    shapes = dict(B=B, **utils.head_dims(H, Hkv, K, V), BK=BK, BV=BV)
+    flags = dict(USE_G=g is not None, USE_GK=gk is not None, USE_INITIAL_STATE=h0 is not None)
+    kernel[(NV, B * Hkv)](
+        q, k, v, g, gk, h0, do, dht, dq, dk, dv, dh0, scale, T, **shapes, **flags, **options(K, V, gk is not None)
+    )
+    return dq.sum(0), dk.sum(0), dv, dh0
+
+
 _OP_DOC = """ See ``naive.py`` for the math and shapes; ``initial_state`` /
 final state: S ``[B, H_kv, F, V]``, or ``(S, z)`` with normalize. ``feature_map`` /
 ``feature_weight``: phi applied in the kernel (``feature_maps.py``; its backward goes through
@@ -226,9 +223,21 @@ or z and padding gates are taken as 0 (see ``common``). ``backend``: see
 ``rnnify.kernels.utils.resolve_backend``."""
 
 
-def define_op(name: str, triton_fwd, bwd_op, summary: str):
-    """Register the custom op ``rnnify::<name>`` (forward ``triton_fwd`` or the reference, the fake, the
-    autograd over ``bwd_op``) and return its public function, documented by ``summary``."""
+BWD_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? gk, Tensor? h0, Tensor do, Tensor dht, float scale)"
+    " -> (Tensor, Tensor, Tensor, Tensor)"
+)
+
+
+def define_op(name: str, summary: str, kernels, options):
+    """Register the custom ops ``rnnify::<name>`` (the forward: a Triton kernel or the reference,
+    with its fake and autograd) and ``rnnify::<name>_bwd`` (the Triton backward); return the public
+    function, documented by ``summary``. ``kernels()``: the (forward, backward) Triton kernels, asked
+    for on the Triton path only (without triton they are not defined); ``options(F, V, gated)``:
+    their own launch arguments (``launch_forward``)."""
+
+    def triton_fwd(q, k, v, g, gk, h0, w, scale, feature_map, query_shift, mask):
+        return launch_forward(kernels()[0], options, q, k, v, g, gk, h0, w, scale, feature_map, query_shift, mask)
 
     @torch.library.custom_op(f"rnnify::{name}", mutates_args=())
     def op(
@@ -247,7 +256,12 @@ def define_op(name: str, triton_fwd, bwd_op, summary: str):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return forward(triton_fwd, q, k, v, g, gk, h0, scale, feature_map, feature_weight, query_shift, backend, mask)
 
+    @torch.library.custom_op(f"rnnify::{name}_bwd", mutates_args=(), schema=BWD_SCHEMA)
+    def bwd_op(q, k, v, g, gk, h0, do, dht, scale):
+        return launch_backward(kernels()[1], options, q, k, v, g, gk, h0, do, dht, scale)
+
     op.register_fake(fake)
+    bwd_op.register_fake(fake_bwd)
     register_autograd(op, bwd_op)
 
     def linear_attn(
@@ -267,23 +281,33 @@ def define_op(name: str, triton_fwd, bwd_op, summary: str):
         mask: torch.Tensor | None = None,
         backend: str = "auto",
     ) -> tuple[torch.Tensor, State | None]:
-        return run(
-            getattr(torch.ops.rnnify, name),
-            q,
-            k,
-            v,
-            g,
-            gk,
-            scale,
-            initial_state,
-            output_final_state,
-            normalize,
-            eps,
-            feature_map,
-            feature_weight,
-            mask,
-            backend,
-        )
+        feature_map = check_feature_map(feature_map, feature_weight, k)
+        check_inputs(q, k, v, g, gk, feature_dim(feature_map, k.shape[-1], feature_weight))
+        utils.check_kernels(backend, utils.BACKENDS)
+        B, T, H, K = q.shape
+        if mask is not None:
+            if tuple(mask.shape) != (B, T):
+                raise ValueError(f"mask must be [B, T] = {(B, T)}, got {tuple(mask.shape)}")
+            mask = mask.to(torch.bool).contiguous()
+        Hkv, V = k.shape[2], v.shape[-1]
+        scale = K**-0.5 if scale is None else float(scale)
+        h0 = initial_state
+        if normalize:
+            v = torch.cat([v, v.new_ones(B, T, Hkv, 1)], dim=-1)
+            if initial_state is not None:
+                S, z = initial_state
+                h0 = torch.cat([S.float(), z.float()[..., None]], dim=-1)
+        elif h0 is not None:
+            h0 = h0.float()
+        q, k, v, w = utils.contiguous(q, k, v, feature_weight)
+        g = None if g is None else g.float().contiguous()
+        gk = None if gk is None else gk.float().contiguous()
+        h0 = None if h0 is None else h0.contiguous()
+        o, ht = getattr(torch.ops.rnnify, name)(q, k, v, g, gk, h0, scale, feature_map, w, normalize, backend, mask)
+        if normalize:
+            o = o[..., :V] / (o[..., V:] + eps)
+            ht = (ht[..., :V], ht[..., V])
+        return o, (ht if output_final_state else None)
 
     linear_attn.__name__ = linear_attn.__qualname__ = name
     linear_attn.__doc__ = summary + _OP_DOC

@@ -85,14 +85,16 @@ if triton is not None:
 
     @triton.jit
     def load_feature_weight(w, i_h, o_k, o_f, K: tl.constexpr, F: tl.constexpr, FEATURE: tl.constexpr):
-        """kv head i_h's weight as a [BK, BF] tile; hedgehog's is [W, -W], so x W gives [u, -u]."""
+        """kv head i_h's weight as a [BK, BF] tile, None for the maps without one; hedgehog's is
+        [W, -W], so x W gives [u, -u]."""
         mask = (o_k < K)[:, None] & (o_f < F)[None, :]
+        b_w = None
         if FEATURE == "hedgehog":
             HALF: tl.constexpr = F // 2
             col = tl.where(o_f < HALF, o_f, o_f - HALF)
             b_w = tl.load(w + (i_h * K + o_k[:, None]) * HALF + col[None, :], mask=mask, other=0.0).to(tl.float32)
             b_w = tl.where((o_f < HALF)[None, :], b_w, -b_w)
-        else:
+        elif FEATURE == "performer":
             b_w = tl.load(w + (i_h * K + o_k[:, None]) * F + o_f[None, :], mask=mask, other=0.0).to(tl.float32)
         return b_w
 
