@@ -26,6 +26,21 @@ def reseal(directory: Path, **changes) -> dict:
     return data
 
 
+def exact_conversions(build):
+    """``get(name) -> (source, rnnify.convert(source, to="exact"))`` with ``source = build(name)``,
+    each built and converted once (a module fixture returns it)."""
+    import functools
+
+    import rnnify
+
+    @functools.cache
+    def get(name):
+        source = build(name)
+        return source, rnnify.convert(source, to="exact")
+
+    return get
+
+
 def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest error relative to the largest reference entry, in float64."""
     return float((got.double() - want.double()).abs().max() / want.double().abs().max())

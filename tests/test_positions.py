@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from support import assert_steps_and_split_prefill_match, decode, decode_from, rel_diff
+from support import assert_steps_and_split_prefill_match, decode, decode_from, exact_conversions, rel_diff
 
 import rnnify
 from rnnify.compiler.numbering import first_position
@@ -45,15 +45,7 @@ def _tokens(batch: int, length: int, seed: int, padding_id: int) -> torch.Tensor
 
 @pytest.fixture(scope="module")
 def converted():
-    built = {}
-
-    def get(family):
-        if family not in built:
-            source = _decoder(family)
-            built[family] = (source, rnnify.convert(source, to="exact"))
-        return built[family]
-
-    return get
+    return exact_conversions(_decoder)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -201,15 +193,7 @@ def _words(batch: int, length: int, seed: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def bart_converted():
-    built = {}
-
-    def get(family):
-        if family not in built:
-            source = _bart_decoder(family)
-            built[family] = (source, rnnify.convert(source, to="exact"))
-        return built[family]
-
-    return get
+    return exact_conversions(_bart_decoder)
 
 
 @pytest.mark.parametrize("family", list(BART_FAMILY))

@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from support import assert_left_padded_rows_equal_rows_alone, assert_steps_and_split_prefill_match, decode, rel_diff
+from support import (
+    assert_left_padded_rows_equal_rows_alone,
+    assert_steps_and_split_prefill_match,
+    decode,
+    exact_conversions,
+    rel_diff,
+)
 
 import rnnify
 from rnnify.cells import ShortConvCell, build_cell
@@ -156,15 +162,7 @@ _SOURCES = {"lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "lfm3": _lfm3}
 @pytest.fixture(scope="module")
 def converted():
     """``converted(name)`` -> (original, exact conversion), built once per module."""
-    built = {}
-
-    def get(name):
-        if name not in built:
-            source = _SOURCES[name]()
-            built[name] = (source, rnnify.convert(source, to="exact"))
-        return built[name]
-
-    return get
+    return exact_conversions(lambda name: _SOURCES[name]())
 
 
 @pytest.mark.parametrize("name", list(_SOURCES))
