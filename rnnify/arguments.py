@@ -18,7 +18,7 @@ from typing import Any
 
 from rnnify.errors import RnnifyError, check_positive_finite
 
-__all__ = ["SEEDS", "Command", "DefaultsFormatter", "Parser", "seed", "temperature", "threads", "utf8"]
+__all__ = ["SEEDS", "Command", "DefaultsFormatter", "Parser", "layer_list", "seed", "temperature", "threads", "utf8"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -67,6 +67,18 @@ class Command(Parser):
 
 
 SEEDS = range(-(2**63), 2**64)  # what torch.Generator.manual_seed takes (a negative one as its two's complement)
+
+
+def layer_list(flag: str) -> Callable[[str], list[int]]:
+    """Comma-separated layer indices (``rnnify.convert``'s ``keep_softmax``)."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            return [int(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise RnnifyError(f"{flag} {text!r}: expected comma-separated layer indices, e.g. 0,3") from None
+
+    return parse
 
 
 def seed(flag: str) -> Callable[[str], int]:

@@ -52,8 +52,8 @@ class Turn:
 class Chat:
     """Turns of a conversation with ``model``, its template from ``tokenizer`` and its history in the state.
 
-    Sampling options mean what they mean for ``RecurrentModel.generate``; ``eos_token_id`` ends a
-    reply (default: the tokenizer's eos token).
+    A reply ends after ``max_new_tokens`` or at ``eos_token_id`` (default: the tokenizer's eos token);
+    the sampling options mean what they mean for ``RecurrentModel.generate``.
     """
 
     def __init__(
@@ -63,11 +63,11 @@ class Chat:
         *,
         system: str | None = None,
         max_new_tokens: int = CHAT_MAX_NEW_TOKENS,
+        eos_token_id: int | list[int] | None = None,
         do_sample: bool = False,
         temperature: float = TEMPERATURE,
         top_k: int | None = None,
         top_p: float | None = None,
-        eos_token_id: int | list[int] | None = None,
         seed: int | None = None,
     ):
         check_sampling(temperature, top_k, top_p)

@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_SEQ_LEN",
     "TOKENIZER_FILES",
     "adds_bos",
+    "check_sizes",
     "load_tokenizer",
     "read_text",
     "row_length",
@@ -103,16 +104,19 @@ def token_batches(
     return _batches(rows, name, seq_len, batch_size, rank, world_size, skip_batches)
 
 
-def _check_sizes(seq_len, batch_size, rank, world_size, max_tokens, skip_batches) -> None:
-    for flag, value, low in (
-        ("seq_len", seq_len, 1),
-        ("batch_size", batch_size, 1),
-        ("world_size", world_size, 1),
-        ("skip_batches", skip_batches, 0),
-    ):
-        check_int(flag, value, low, RnnifyError)
+def check_sizes(seq_len: int, batch_size: int, max_tokens: int | None) -> None:
+    """``token_batches``' tokens per row, rows per global batch and token limit (None: all the data),
+    checked; ``distill`` checks them before anything loads."""
+    check_int("seq_len", seq_len, 1, RnnifyError)
+    check_int("batch_size", batch_size, 1, RnnifyError)
     if max_tokens is not None:
         check_int("max_tokens", max_tokens, 1, RnnifyError, " or None")
+
+
+def _check_sizes(seq_len, batch_size, rank, world_size, max_tokens, skip_batches) -> None:
+    check_sizes(seq_len, batch_size, max_tokens)
+    check_int("world_size", world_size, 1, RnnifyError)
+    check_int("skip_batches", skip_batches, 0, RnnifyError)
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise RnnifyError(f"rank must be in [0, {world_size}) for world_size {world_size}, got {rank!r}")
     if batch_size % world_size:

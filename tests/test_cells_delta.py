@@ -589,9 +589,9 @@ def test_hybrid_steady_decode_is_the_lolcats_sum(monkeypatch, memory, sinks, gat
     q, k, v, x, mask = make_inputs(T, pad=0)
     steady, steady_step = [], linear_memory.steady_step_hybrid_attn
 
-    def spy(*args):
-        steady.append(args[13])  # n
-        return steady_step(*args)
+    def spy(*args, **kwargs):
+        steady.append(kwargs["n"])
+        return steady_step(*args, **kwargs)
 
     monkeypatch.setattr(linear_memory, "steady_step_hybrid_attn", spy)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -617,7 +617,7 @@ def test_hybrid_decode_of_rows_at_different_lengths_keeps_the_general_step(monke
     window, sinks = 3, 1
     hybrid = build_cell("hybrid", SPEC, {"window": window, "sinks": sinks, "feature_map": "elu", "memory_init": 0.5})
     q, k, v, x, mask = make_inputs(14, pad=2)
-    monkeypatch.setattr(linear_memory, "steady_step_hybrid_attn", lambda *a: pytest.fail("took the steady step"))
+    monkeypatch.setattr(linear_memory, "steady_step_hybrid_attn", lambda *a, **kw: pytest.fail("took the steady step"))
     state, outs = hybrid.init_state(2, q.device, q.dtype), []
     with torch.no_grad():
         for t in range(14):
@@ -659,17 +659,22 @@ def general_step(cell, q, k, v, x, mask, state):
         state = (keys, values, keys[:, :, :0], values[:, :, :0], *rest)
     gate = cell.memory_gate.reshape(spec.num_kv_heads, spec.group_size)
     if cell.memory in ("delta", "gated-delta"):
-        reading = (cell.reader.share(x, gate), cell.reader.key_map, cell.reader.key_bias, spec.scale)
+        reader, options = cell.reader, {"scale": spec.scale, "chunk_size": cell.chunk_size, "kernels": None}
+        beta, log_a = cell.writer(x, mask)
+        reading = {"share": reader.share(x, gate), "key_map": reader.key_map, "key_bias": reader.key_bias}
+        log_tau = cell.log_tau if cell.anneal else None
         out, *state = delta_memory_hybrid_attn(
-            grouped, k, v, mask, *state, *cell.writer(x, mask), *reading, log_tau=cell.log_tau if cell.anneal else None
+            grouped, k, v, mask, *state, beta=beta, log_a=log_a, **reading, **options, log_tau=log_tau
         )
     else:
-        fixed = (cell.phi, cell.mixing_factor(), spec.scale, gate)
+        fixed = {"phi": cell.phi, "factor": cell.mixing_factor(), "scale": spec.scale, "gate": gate}
         if cell.memory == "gla":
             log_a = gla_log_gates(x, cell.gate_down, cell.gate_up, GLA_TAU, spec.num_kv_heads, mask)
-            out, *state = fused_hybrid_attn(grouped, k, v, mask, *state, *fixed, backend=None, log_a=log_a)
+            out, *state = fused_hybrid_attn(
+                grouped, k, v, mask, *state, **fixed, chunk_size=cell.chunk_size, backend=None, log_a=log_a
+            )
         else:
-            out, *state = chunk_hybrid_attn(grouped, k, v, mask, *state, *fixed)
+            out, *state = chunk_hybrid_attn(grouped, k, v, mask, *state, **fixed, chunk_size=cell.chunk_size)
     if not sinks:
         del state[2:4]
     return out.reshape(2, spec.num_heads, 1, -1), *state

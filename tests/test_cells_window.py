@@ -186,12 +186,12 @@ def _grouped(q, spec):
     return q.float().reshape(batch, spec.num_kv_heads, spec.group_size, length, -1)
 
 
-def _step_loop(step, q, k, v, mask, *state, fixed=(), **kwargs):
-    """``step`` token by token; ``fixed`` are positional arguments after the state."""
+def _step_loop(step, q, k, v, mask, *state, **kwargs):
+    """``step`` token by token; ``kwargs`` are passed to every step."""
     outs = []
     for t in range(q.shape[3]):
         one = (q[:, :, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask[:, t : t + 1])
-        out, *state = step(*one, *state, *fixed, **kwargs)
+        out, *state = step(*one, *state, **kwargs)
         outs.append(out)
     return torch.cat(outs, dim=3), *state
 
@@ -607,14 +607,14 @@ def test_hybrid_forms_equal_the_naive_loop_and_the_reference(p):
     gate = torch.rand(spec.num_heads, generator=_gen(p["seed"] + 2))
     P, scale, phi = p["prefix"], spec.scale, cell.phi
     grouped = (spec.num_kv_heads, spec.group_size)
-    fixed = (phi, factor.reshape(grouped), scale, gate.reshape(grouped))
+    fixed = {"phi": phi, "factor": factor.reshape(grouped), "scale": scale, "gate": gate.reshape(grouped)}
     gq = _grouped(q, spec)
     if P:
-        _, *state = naive_recurrent_hybrid_attn(gq[:, :, :, :P], k[:, :, :P], v[:, :, :P], mask[:, :P], *state, *fixed)
+        _, *state = naive_recurrent_hybrid_attn(gq[:, :, :, :P], k[:, :, :P], v[:, :, :P], mask[:, :P], *state, **fixed)
     args = (gq[:, :, :, P:], k[:, :, P:], v[:, :, P:], mask[:, P:])
     before = [t.clone() for t in (*args, *state)]
 
-    want, *want_state = naive_recurrent_hybrid_attn(*args, *state, *fixed)
+    want, *want_state = naive_recurrent_hybrid_attn(*args, *state, **fixed)
     ref = reference_gated_hybrid_attention(q, k, v, mask, p["window"], factor, gate, scale, sinks=p["sinks"])
     ref = ref[:, :, P:]
     real = mask[:, None, P:, None].expand_as(ref)
@@ -625,9 +625,9 @@ def test_hybrid_forms_equal_the_naive_loop_and_the_reference(p):
     torch.testing.assert_close(want_state[6].double(), ref_z, rtol=RTOL, atol=ATOL)
 
     forms = {
-        "parallel": lambda: parallel_hybrid_attn(*args, *state, *fixed),
-        "chunk": lambda: chunk_hybrid_attn(*args, *state, *fixed, chunk_size=p["chunk"]),
-        "step_loop": lambda: _step_loop(step_hybrid_attn, *args, *state, fixed=fixed),
+        "parallel": lambda: parallel_hybrid_attn(*args, *state, **fixed),
+        "chunk": lambda: chunk_hybrid_attn(*args, *state, **fixed, chunk_size=p["chunk"]),
+        "step_loop": lambda: _step_loop(step_hybrid_attn, *args, *state, **fixed),
     }
     _assert_forms_agree(forms, want, want_state, real, FORM_STATE)
     assert all(torch.equal(a, b) for a, b in zip(before, (*args, *state)))
@@ -649,9 +649,11 @@ def test_whole_prompt_off_kernels_equals_the_naive_loop(window, sinks, length):
     state = _form_state(cell, _garbage_buffers(cell, cell.init_state(2, CPU, torch.float32), gen))
     grouped = (spec.num_kv_heads, spec.group_size)
     gate = torch.rand(spec.num_heads, generator=gen).reshape(grouped)
-    fixed = (cell.phi, _factor(spec, gen).reshape(grouped), spec.scale, gate)
-    want, *want_state = naive_recurrent_hybrid_attn(_grouped(q, spec), k, v, mask, *state, *fixed)
-    got, *got_state = fused_hybrid_attn(_grouped(q, spec), k, v, mask, *state, *fixed, backend=None)
+    fixed = {"phi": cell.phi, "factor": _factor(spec, gen).reshape(grouped), "scale": spec.scale, "gate": gate}
+    want, *want_state = naive_recurrent_hybrid_attn(_grouped(q, spec), k, v, mask, *state, **fixed)
+    got, *got_state = fused_hybrid_attn(
+        _grouped(q, spec), k, v, mask, *state, **fixed, chunk_size=cell.chunk_size, backend=None
+    )
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     for name, a, b in zip(FORM_STATE, got_state, want_state):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=name)
@@ -699,14 +701,14 @@ def test_hybrid_forms_agree_for_every_feature_map(feature_map):
         cell = HybridCell(spec, window=window, sinks=sinks, feature_map="elu")
         init = _form_state(cell, cell.init_state(2, CPU, torch.float32))
         init = (*init[:5], torch.zeros(2, 2, phi.feature_dim, 4), torch.zeros(2, 2, phi.feature_dim))
-        fixed = (phi, _factor(spec, gen).reshape(2, 2), spec.scale)
+        fixed = {"phi": phi, "factor": _factor(spec, gen).reshape(2, 2), "scale": spec.scale}
         with torch.no_grad():
             args = (_grouped(q, spec), k, v, mask, *init)
-            want, *want_state = naive_recurrent_hybrid_attn(*args, *fixed)
+            want, *want_state = naive_recurrent_hybrid_attn(*args, **fixed)
             for name, (out, *state) in {
-                "parallel": parallel_hybrid_attn(*args, *fixed),
-                "chunk": chunk_hybrid_attn(*args, *fixed, chunk_size=chunk),
-                "step_loop": _step_loop(step_hybrid_attn, *args, fixed=fixed),
+                "parallel": parallel_hybrid_attn(*args, **fixed),
+                "chunk": chunk_hybrid_attn(*args, **fixed, chunk_size=chunk),
+                "step_loop": _step_loop(step_hybrid_attn, *args, **fixed),
             }.items():
                 assert torch.isfinite(out).all(), name
                 torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")

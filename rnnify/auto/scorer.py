@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from collections.abc import Mapping
@@ -53,17 +54,17 @@ class HeadScorer:
         data: Any,
         *,
         score: str = DEFAULT_SCORE,
+        levels: str | None = None,
         window: int = AUTO_WINDOW,
         sinks: int = AUTO_SINKS,
+        scores_from: str | os.PathLike | None = None,
         calib_len: int = CALIB_LEN,
         calib_rows: int = CALIB_ROWS,
         passkey: int = CALIB_PASSKEY,
-        levels: str | None = None,
-        dtype: str = DEFAULT_DTYPE,
         tokenizer: Any = None,
         seed: int = 0,
+        dtype: str = DEFAULT_DTYPE,
         progress: bool = False,
-        scores_from: str | os.PathLike | None = None,
     ):
         from tqdm import tqdm
 
@@ -167,8 +168,7 @@ class HeadScorer:
         score = score or self.score
         if score not in self.scores:
             raise RnnifyError(f"score {score!r} was not measured (scored for {self.score!r})")
-        if (budget is None) == (max_kl is None):
-            raise RnnifyError("--to auto needs one of --state-budget BYTES (with --at-context N) or --max-kl X")
+        _check_bound(budget, max_kl)
         if max_kl is not None and not max_kl >= 0:
             raise RnnifyError(f"--max-kl must be >= 0, got {max_kl}")
         if isinstance(context, bool) or not isinstance(context, int) or context < 1:
@@ -343,35 +343,23 @@ def check_memory(memory: str | None, memory_options: Options = None) -> None:
         build_cell(target, CellSpec(2, 1, 64, 64, 0.125, hidden_size=64), options)  # their values, on a stand-in head
 
 
-def choose_heads(
-    model: Any,
-    data: Any,
-    *,
-    budget: str | int | None = None,
-    context: int = AUTO_CONTEXT,
-    max_kl: float | None = None,
-    per_layer: bool = False,
-    retrieval_window: int | None = None,
-    memory: str | None = None,
-    memory_options: Options = None,
-    retrieval_keep: int | None = None,
-    **scoring: Any,
-) -> HeadReport:
-    """``HeadScorer(model, data, **scoring).choose(...)``: the kind ``--to auto`` gives each head,
-    with the report."""
-    if (budget is None) == (max_kl is None):  # before any model loads
+# the keywords of ``HeadScorer.choose`` that ``choose_heads`` passes it (``score`` goes to the scorer)
+_CHOICE = set(inspect.signature(HeadScorer.choose).parameters) - {"self", "score"}
+
+
+def choose_heads(model: Any, data: Any, **options: Any) -> HeadReport:
+    """``HeadScorer(model, data, **scoring).choose(**choice)``: the kind ``--to auto`` gives each head,
+    with the report. ``options`` are both: ``choose``'s keywords (``_CHOICE``) and the scorer's; the
+    bound and the memory are checked before any model loads."""
+    choice = {name: options.pop(name) for name in _CHOICE & options.keys()}
+    _check_bound(choice.get("budget"), choice.get("max_kl"))
+    check_memory(choice.get("memory"), choice.get("memory_options"))
+    return HeadScorer(model, data, **options).choose(**choice)
+
+
+def _check_bound(budget: str | int | None, max_kl: float | None) -> None:
+    if (budget is None) == (max_kl is None):
         raise RnnifyError("--to auto needs one of --state-budget BYTES (with --at-context N) or --max-kl X")
-    check_memory(memory, memory_options)
-    return HeadScorer(model, data, **scoring).choose(
-        budget,
-        context,
-        max_kl,
-        per_layer,
-        retrieval_window=retrieval_window,
-        memory=memory,
-        memory_options=memory_options,
-        retrieval_keep=retrieval_keep,
-    )
 
 
 REPORT_FILE = "head_map.json"  # saved beside a model converted with --to auto

@@ -37,21 +37,29 @@ def _positive(value: Any) -> bool:
     return _number(value) and 0 < value < float("inf")
 
 
+def host_readable(x: torch.Tensor) -> bool:
+    """May a cell read ``x``'s values on the host to skip ops? Only eager on a CPU: a compiled,
+    exported or traced graph keeps the ops for every value, and on CUDA a host read would wait for
+    the device."""
+    compiled = torch.compiler.is_compiling() or torch.jit.is_tracing() or isinstance(x, FakeTensor)
+    return x.device.type == "cpu" and not compiled
+
+
 def every_token_real(mask: torch.Tensor) -> bool:
-    """True when ``mask [B, T]`` holds no padding, read on the host where that is cheap: eager on a
-    CPU (a compiled, exported or traced graph keeps its masking ops for every mask, and on CUDA a
-    host read would wait for the device). A decode step's mask is read with no op at all, a prompt's
+    """True when ``mask [B, T]`` holds no padding, read on the host where that is cheap
+    (``host_readable``; elsewhere False). A decode step's mask is read with no op at all, a prompt's
     with one reduction. Then a cell can skip zeroing padding."""
-    if (
-        mask.device.type != "cpu"
-        or torch.compiler.is_compiling()
-        or torch.jit.is_tracing()
-        or isinstance(mask, FakeTensor)
-    ):
+    if not host_readable(mask):
         return False
     if mask.shape[-1] == 1:
         return all(row[0] for row in mask.tolist())
     return bool(mask.all())
+
+
+def zero_fp32_state(batch_size: int, *shape: int, device) -> tuple[torch.Tensor]:
+    """The one state tensor of a model's own recurrent layer before any token: zeros in fp32 whatever
+    the weights' dtype, as the sources run their recurrences in fp32."""
+    return (torch.zeros(batch_size, *shape, device=device, dtype=torch.float32),)
 
 
 # What a model adds to the scores s = scale q . k of its softmax attention, by CellSpec field, as
@@ -144,6 +152,9 @@ class Cell(nn.Module):
     # steps at a projection's rate leave them near their start; distillation trains them at a
     # multiple of it (``gate_lr_scale``).
     gates: ClassVar[tuple[str, ...]] = ()
+    # True for a cell that carries one of the model's own recurrent layers (a short convolution, a
+    # Mamba scan) unchanged, not an attention site: nothing replaces it, so nothing is compared there.
+    own_layer: ClassVar[bool] = False
     # The SCORE_TERMS the cell computes; a site whose scores carry another is refused, never dropped.
     score_terms: ClassVar[frozenset[str]] = frozenset()
 
@@ -205,8 +216,9 @@ class Cell(nn.Module):
 
     @property
     def exact(self) -> bool:
-        """True when the cell computes softmax attention unchanged (``verify`` then judges it against the original)."""
-        return self.target == "exact"
+        """True when the cell computes what the source did unchanged, softmax attention or one of the
+        model's own layers (``verify`` then judges it against the original)."""
+        return self.target == "exact" or self.own_layer
 
     def describe(self) -> str:
         """A short note for ``rnnify info`` (e.g. recurrent neurons per head); empty by default."""

@@ -34,7 +34,9 @@ memory through ``cells.delta``'s chunk or fused forms on the leaving tokens) and
 ``step_delta_memory_hybrid_attn`` (a decode token off kernels, on ``cells.window.window_step``);
 the tests hold them to the ``window`` target plus a delta-rule loop over the leaving tokens.
 Shapes: those of ``cells/hybrid_window.py``, plus ``kv`` H ``[B, Hkv, d, d_v]`` (fp32) and, for
-the shares by mass, ``k_sum`` z ``[B, Hkv, F]``. Both forms return ``(out fp32, *new_state)``.
+the shares by mass, ``k_sum`` z ``[B, Hkv, F]``. Both forms take ``(q, k, v, mask, *state)``, the state
+``(keys, values, sink_keys, sink_values, length, kv)`` flat (z is passed in ``mass``), then the
+memory's arguments by keyword, and return ``(out fp32, *new_state)``.
 """
 
 from __future__ import annotations
@@ -63,26 +65,7 @@ MAX_SHARE_LOGIT = 30.0
 
 
 def delta_memory_hybrid_attn(
-    q,
-    k,
-    v,
-    mask,
-    keys,
-    values,
-    sink_keys,
-    sink_values,
-    length,
-    kv,
-    beta,
-    log_a,
-    share,
-    key_map,
-    key_bias,
-    scale: float,
-    chunk_size: int = 64,
-    kernels: str | None = None,
-    mass=None,
-    log_tau=None,
+    q, k, v, mask, *state, beta, log_a, share, key_map, key_bias, scale, chunk_size, kernels, mass=None, log_tau=None
 ):
     """The hybrid with a delta-rule memory (module docstring), every phase: the window part by
     ``window_and_leaving``, the memory on the tokens leaving the window, at most one per new token
@@ -92,76 +75,67 @@ def delta_memory_hybrid_attn(
     key_map / key_bias ``[Hkv, d, d]`` / ``[Hkv, d]`` the reader's key map. ``mass``: ``(phi, factor,
     k_sum, logit)`` for the shares by mass (``mass_share``; ``share`` is then the gate alone), which add
     ``k_sum`` to the returned state. ``log_tau`` ``[Hkv]``: beta annealed by the count (``annealed``)."""
+    keys, _, sink_keys, _, length, kv = state
     unit = torch.ones(q.shape[1], q.shape[2], device=q.device)  # f = 1: w / u does not depend on it
     window_num, window_den, old_keys, old_values, leaves, window_state = window_and_leaving(
-        q, k, v, mask, (keys, values, sink_keys, sink_values, length), unit, scale, chunk_size, kernels
+        q, k, v, mask, state[:-1], unit, scale, chunk_size, kernels
     )
     leaves = leaves[:, None]  # [B, 1, T]
-    beta = torch.where(leaves, beta, 0.0)
-    counted = mass is None or log_tau is not None  # the share by count, or annealed writes
-    written = tokens_written(length, leaves, keys.shape[2] + sink_keys.shape[2]) if counted else None
-    if log_tau is not None:
-        beta = annealed(beta, log_tau, written[:, None] - leaves.long())
-    log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
+    held = keys.shape[2] + sink_keys.shape[2]
+    beta, log_a, written = _leaving_writes(beta, log_a, leaves, length, held, mass is None, log_tau)
     args = (memory_keys(q, key_map, key_bias), memory_keys(old_keys, key_map, key_bias), old_values, beta, log_a, kv)
     if kernels is not None:
         memory, kv = fused_delta_attn(*args, backend=kernels)
     else:
         memory, kv = chunk_delta_attn(*args, chunk_size=chunk_size)
-    if mass is None:
-        share, z = memory_share(*share, written, keys.shape[2]), ()
-    else:
-        phi, factor, k_sum, logit = mass
-        phi_written = torch.where(leaves[..., None], phi(old_keys), 0.0)
-        share, k_sum = mass_share(share, factor, phi(q), phi_written, k_sum, window_den, logit)
-        z = (k_sum,)
+    share, z = _share(share, mass, written, keys.shape[2], leaves, window_den, lambda phi: (phi(q), phi(old_keys)))
     return torch.lerp(readout(window_den, window_num), memory, share[..., None]), *window_state, kv, *z
 
 
 def step_delta_memory_hybrid_attn(
-    q,
-    k,
-    v,
-    mask,
-    keys,
-    values,
-    sink_keys,
-    sink_values,
-    length,
-    kv,
-    beta,
-    log_a,
-    share,
-    key_map,
-    key_bias,
-    scale: float,
-    mass=None,
-    log_tau=None,
+    q, k, v, mask, *state, beta, log_a, share, key_map, key_bias, scale: float, mass=None, log_tau=None
 ):
     """The decode path of the delta memories off kernels: ``window_step``, then the token leaving
     the window is written by the delta rule (beta = 0 and no decay where none leaves: the stale key
     it would write is then ignored) and the query reads the memory, as in ``delta_memory_hybrid_attn``."""
-    w, u, old_key, old_value, leaves, window_state = window_step(
-        q, k, v, mask, keys, values, sink_keys, sink_values, length, scale
-    )
+    keys, _, sink_keys, _, length, kv = state
+    w, u, old_key, old_value, leaves, window_state = window_step(q, k, v, mask, *state[:-1], scale)
     leaves = leaves.view(-1, 1, 1)  # [B, 1, T]
-    beta = torch.where(leaves, beta, 0.0)
-    counted = mass is None or log_tau is not None  # the share by count, or annealed writes
-    written = tokens_written(length, leaves, keys.shape[2] + sink_keys.shape[2]) if counted else None
-    if log_tau is not None:
-        beta = annealed(beta, log_tau, written[:, None] - leaves.long())
-    log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
+    held = keys.shape[2] + sink_keys.shape[2]
+    beta, log_a, written = _leaving_writes(beta, log_a, leaves, length, held, mass is None, log_tau)
     memory, kv = step_delta_attn(
         memory_keys(q, key_map, key_bias), memory_keys(old_key, key_map, key_bias), old_value, beta, log_a, kv
     )
-    if mass is None:
-        share, z = memory_share(*share, written, keys.shape[2]), ()
-    else:
-        phi, factor, k_sum, logit = mass
-        phi_q, phi_old = query_and_leaving_features(phi, q, old_key)
-        share, k_sum = mass_share(share, factor, phi_q, torch.where(leaves[..., None], phi_old, 0.0), k_sum, u, logit)
-        z = (k_sum,)
+    share, z = _share(
+        share, mass, written, keys.shape[2], leaves, u, lambda phi: query_and_leaving_features(phi, q, old_key)
+    )
     return torch.lerp(window_output(w, u), memory, share[..., None]), *window_state, kv, *z
+
+
+def _leaving_writes(beta, log_a, leaves, length, held: int, by_count: bool, log_tau):
+    """How the tokens leaving the window are written, in both forms: beta and log_a ``[B, Hkv, T]``
+    where a token leaves (``leaves [B, 1, T]``; beta = 0 and no decay elsewhere), beta ``annealed``
+    by the count with ``log_tau``, and n ``tokens_written`` (``held`` = W + S) where the share by
+    count or the annealing reads it, else None. Returns ``(beta, log_a, written)``."""
+    beta = torch.where(leaves, beta, 0.0)
+    written = tokens_written(length, leaves, held) if by_count or log_tau is not None else None
+    if log_tau is not None:
+        beta = annealed(beta, log_tau, written[:, None] - leaves.long())
+    log_a = None if log_a is None else torch.where(leaves, log_a, 0.0)
+    return beta, log_a, written
+
+
+def _share(share, mass, written, window: int, leaves, window_den, features):
+    """The memory's share s ``[B, Hkv, G, T]`` of the output and the state it adds, in both forms: by
+    count (``memory_share`` of ``share``; none), or by ``mass`` (``mass_share``; z), reading
+    ``features(phi) -> (phi of the queries, phi of the leaving keys)`` only then."""
+    if mass is None:
+        return memory_share(*share, written, window), ()
+    phi, factor, k_sum, logit = mass
+    phi_q, phi_leaving = features(phi)
+    phi_written = torch.where(leaves[..., None], phi_leaving, 0.0)
+    share, k_sum = mass_share(share, factor, phi_q, phi_written, k_sum, window_den, logit)
+    return share, (k_sum,)
 
 
 def annealed(beta, log_tau, before) -> torch.Tensor:

@@ -51,74 +51,33 @@ from rnnify.cells.online_softmax import (
 from rnnify.errors import check_int
 
 
-def _allowed(length: int, total: int, valid: torch.Tensor, window: int | None) -> torch.Tensor:
-    """``[B, 1, 1, T, N]``: may the query at cache position N-T+t see key j (causal, window, padding)."""
-    q_pos = torch.arange(total - length, total, device=valid.device)[:, None]
-    k_pos = torch.arange(total, device=valid.device)[None, :]
-    allowed = k_pos <= q_pos
-    if window is not None:
-        allowed = allowed & (q_pos - k_pos < window)
-    return allowed & valid[:, None, None, None, :]
-
-
 def _distance(valid: torch.Tensor, length: int) -> torch.Tensor:
     """``[B, 1, 1, T, N]``: j - i in real tokens from the query at cache position N-T+t to key j (ALiBi's)."""
     position = real_positions(valid)
     return (position[:, None, :] - position[:, -length:, None])[:, None, None]
 
 
-def naive_recurrent_softmax_attn(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    scale: float,
-    window: int | None = None,
-    terms: ScoreTerms | None = None,
-) -> torch.Tensor:
-    """The (m, u, w) recurrence one cached key at a time, for every query at once."""
+def _grouped(q, num_kv_heads: int, scale: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Queries ``[B, H, T, d]`` as ``[B, Hkv, G, T, d]`` (the G query heads of a kv head together, as
+    they read its keys), times ``scale``, in ``dtype``."""
     batch, num_heads, length, _ = q.shape
-    num_kv_heads, total = keys.shape[1], keys.shape[2]
-    q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, -1).float() * scale
-    allowed = _allowed(length, total, valid, window)
-    distance = _distance(valid, length)
-    m, u, w = online_softmax_init(q, q.shape[:-1], values.shape[-1])
-    for j in range(total):
-        s = (q * keys[:, :, None, None, j].float()).sum(-1)[..., None]  # [B, Hkv, G, T, 1]
-        if terms is not None:
-            s = terms.scores(s, distance[..., j : j + 1])
-        s = s.masked_fill(~allowed[..., j : j + 1], float("-inf"))
-        m, u, w = online_softmax_update(m, u, w, s, values[:, :, None, j : j + 1].float())
-    if terms is not None:
-        m, u, w = terms.finish(m, u, w)
-    out = readout(u, w)
-    return out.reshape(batch, num_heads, length, -1).to(values.dtype)
+    return q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, -1).to(dtype) * scale
 
 
-def parallel_softmax_attn(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    scale: float,
-    window: int | None = None,
-    terms: ScoreTerms | None = None,
-) -> torch.Tensor:
-    """Masked quadratic softmax: all ``[T, N]`` scores at once."""
-    batch, num_heads, length, _ = q.shape
-    num_kv_heads, total = keys.shape[1], keys.shape[2]
-    q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, -1).float() * scale
-    allowed = _allowed(length, total, valid, window)
-    s = torch.einsum("bhgtd,bhnd->bhgtn", q, keys.float())
-    if terms is not None:
-        s = terms.scores(s, _distance(valid, length)).masked_fill(~allowed, float("-inf"))
-        return terms.readout(s, values[:, :, None].float()).reshape(batch, num_heads, length, -1).to(values.dtype)
-    s = s.masked_fill(~allowed, float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    p = torch.exp(s - finite_or_zero(m))
-    u = p.sum(-1, keepdim=True)
-    out = torch.where(u > 0, (p / u.clamp_min(torch.finfo(u.dtype).tiny)) @ values[:, :, None].float(), 0.0)
-    return out.reshape(batch, num_heads, length, -1).to(values.dtype)
+def _by_query_head(out: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``out [B, Hkv, G, T, d_v]`` back in the forms' layout ``[B, H, T, d_v]``, in the values' dtype."""
+    batch, num_kv_heads, group, length, _ = out.shape
+    return out.reshape(batch, num_kv_heads * group, length, -1).to(values.dtype)
+
+
+def _query_blocks(length: int, total: int, window: int | None, block_size: int):
+    """The blocks of ``block_size`` queries of cache positions ``N-T .. N-1`` and the keys each may
+    see: ``(start, end, first, stop)``, queries ``start:end`` of the T and keys ``first:stop`` of
+    the N (none after the block's last query, none before its first query's window)."""
+    for start in range(0, length, block_size):
+        end = min(start + block_size, length)
+        first = 0 if window is None else max(0, total - length + start - window + 1)
+        yield start, end, first, total - length + end
 
 
 def _block_allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -129,25 +88,61 @@ def _block_allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None)
     return allowed
 
 
+def _queries_and_mask(q, keys, valid, scale: float, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the references over the whole cache start from: the queries grouped and scaled
+    (``_grouped``) and ``[B, 1, 1, T, N]``, may the query at cache position N-T+t see key j (causal,
+    window, padding)."""
+    length, total = q.shape[2], keys.shape[2]
+    q_pos, k_pos = torch.arange(total - length, total, device=q.device), torch.arange(total, device=q.device)
+    return _grouped(q, keys.shape[1], scale), _block_allowed(q_pos, k_pos, window) & valid[:, None, None, None, :]
+
+
+def naive_recurrent_softmax_attn(
+    q, keys, values, valid, scale: float, window: int | None = None, terms: ScoreTerms | None = None
+) -> torch.Tensor:
+    """The (m, u, w) recurrence one cached key at a time, for every query at once."""
+    q, allowed = _queries_and_mask(q, keys, valid, scale, window)
+    distance = _distance(valid, q.shape[3])
+    m, u, w = online_softmax_init(q, q.shape[:-1], values.shape[-1])
+    for j in range(keys.shape[2]):
+        s = (q * keys[:, :, None, None, j].float()).sum(-1)[..., None]  # [B, Hkv, G, T, 1]
+        if terms is not None:
+            s = terms.scores(s, distance[..., j : j + 1])
+        s = s.masked_fill(~allowed[..., j : j + 1], float("-inf"))
+        m, u, w = online_softmax_update(m, u, w, s, values[:, :, None, j : j + 1].float())
+    if terms is not None:
+        m, u, w = terms.finish(m, u, w)
+    return _by_query_head(readout(u, w), values)
+
+
+def parallel_softmax_attn(
+    q, keys, values, valid, scale: float, window: int | None = None, terms: ScoreTerms | None = None
+) -> torch.Tensor:
+    """Masked quadratic softmax: all ``[T, N]`` scores at once."""
+    q, allowed = _queries_and_mask(q, keys, valid, scale, window)
+    s = torch.einsum("bhgtd,bhnd->bhgtn", q, keys.float())
+    if terms is not None:
+        s = terms.scores(s, _distance(valid, q.shape[3])).masked_fill(~allowed, float("-inf"))
+        return _by_query_head(terms.readout(s, values[:, :, None].float()), values)
+    s = s.masked_fill(~allowed, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - finite_or_zero(m))
+    u = p.sum(-1, keepdim=True)
+    out = torch.where(u > 0, (p / u.clamp_min(torch.finfo(u.dtype).tiny)) @ values[:, :, None].float(), 0.0)
+    return _by_query_head(out, values)
+
+
 def softmax_attention_rnn(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    scale: float,
-    window: int | None = None,
-    block_size: int = 512,
+    q, keys, values, valid, scale: float, window: int | None = None, block_size: int = 512
 ) -> torch.Tensor:
     """Causal softmax attention of the last T cached positions, by the (m, u, w) recurrence.
 
     q ``[B, H, T, d]`` are the queries of cache positions ``N-T .. N-1``; keys/values
     ``[B, Hkv, N, d]``; valid ``[B, N]`` marks real (not padding) keys. Accumulates in fp32.
     """
-    batch, num_heads, length, _ = q.shape
-    num_kv_heads, total = keys.shape[1], keys.shape[2]
-    group = num_heads // num_kv_heads
-    q = q.reshape(batch, num_kv_heads, group, length, -1).float() * scale
-    m, u, w = online_softmax_init(q, (batch, num_kv_heads, group, length), values.shape[-1])
+    length, total = q.shape[2], keys.shape[2]
+    q = _grouped(q, keys.shape[1], scale)
+    m, u, w = online_softmax_init(q, q.shape[:-1], values.shape[-1])
     q_pos = torch.arange(total - length, total, device=q.device)
     first = 0 if window is None else max(0, total - length - window + 1)
     for start in range(first - first % block_size, total, block_size):
@@ -157,18 +152,11 @@ def softmax_attention_rnn(
         s = torch.einsum("bhgtd,bhnd->bhgtn", q, keys[:, :, start:end].float())
         s = s.masked_fill(~allowed, float("-inf"))
         m, u, w = online_softmax_update(m, u, w, s, values[:, :, None, start:end].float())
-    out = readout(u, w)
-    return out.reshape(batch, num_heads, length, -1).to(values.dtype)
+    return _by_query_head(readout(u, w), values)
 
 
 def sdpa_softmax_attn(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    scale: float,
-    window: int | None = None,
-    block_size: int = 512,
+    q, keys, values, valid, scale: float, window: int | None = None, block_size: int = 512
 ) -> torch.Tensor:
     """``softmax_attention_rnn``'s result through ``F.scaled_dot_product_attention``, the fused kernel
     the original model ran: the cell's path (a few ops a layer where the recurrence dispatches
@@ -188,10 +176,7 @@ def sdpa_softmax_attn(
         )
         return out.to(values.dtype)
     outs = []
-    for start in range(0, length, block_size):
-        end = min(start + block_size, length)
-        first = 0 if window is None else max(0, total - length + start - window + 1)
-        stop = total - length + end
+    for start, end, first, stop in _query_blocks(length, total, window, block_size):
         allowed = valid[:, None, None, first:stop]  # [B, 1, t, n]
         if length > 1:  # one decode token sees every key of its block (which starts at its window): only padding
             q_pos = torch.arange(total - length + start, stop, device=q.device)
@@ -210,38 +195,26 @@ def sdpa_softmax_attn(
 
 
 def scored_softmax_attn(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    scale: float,
-    terms: ScoreTerms,
-    window: int | None = None,
-    block_size: int = 512,
+    q, keys, values, valid, scale: float, terms: ScoreTerms, window: int | None = None, block_size: int = 512
 ) -> torch.Tensor:
     """``sdpa_softmax_attn``'s blocks of queries with the scores computed here, so that ``terms``
     change them: the cell's path, prefill and decode, where its site carries score terms. Each block
     of ``block_size`` queries reads the keys it may see, its ``[t, n]`` scores at once (fp32, or the
     queries' dtype if wider)."""
-    batch, num_heads, length, _ = q.shape
-    num_kv_heads, total = keys.shape[1], keys.shape[2]
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, -1).to(dtype) * scale
+    length, total = q.shape[2], keys.shape[2]
+    q = _grouped(q, keys.shape[1], scale, torch.promote_types(q.dtype, torch.float32))
     position = real_positions(valid)
     outs = []
-    for start in range(0, length, block_size):
-        end = min(start + block_size, length)
-        first = 0 if window is None else max(0, total - length + start - window + 1)
-        stop = total - length + end
+    for start, end, first, stop in _query_blocks(length, total, window, block_size):
         q_pos = torch.arange(total - length + start, stop, device=q.device)
         allowed = _block_allowed(q_pos, torch.arange(first, stop, device=q.device), window)
         allowed = allowed & valid[:, None, None, None, first:stop]  # [B, 1, 1, t, n]
-        s = torch.einsum("bhgtd,bhnd->bhgtn", q[:, :, :, start:end], keys[:, :, first:stop].to(dtype))
+        s = torch.einsum("bhgtd,bhnd->bhgtn", q[:, :, :, start:end], keys[:, :, first:stop].to(q.dtype))
         distance = position[:, None, first:stop] - position[:, total - length + start : stop, None]
         s = terms.scores(s, distance[:, None, None]).masked_fill(~allowed, float("-inf"))
-        outs.append(terms.readout(s, values[:, :, None, first:stop].to(dtype)))
+        outs.append(terms.readout(s, values[:, :, None, first:stop].to(q.dtype)))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
-    return out.reshape(batch, num_heads, length, -1).to(values.dtype)
+    return _by_query_head(out, values)
 
 
 def _span(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:

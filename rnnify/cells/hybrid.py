@@ -270,26 +270,27 @@ class HybridCell(Cell):
             mass, share = (self.phi, self.mixing_factor(), k_sum, logit), gate
         else:
             share = self.reader.share(x, gate)
-        reading = (share, self.reader.key_map, self.reader.key_bias, self.spec.scale)
         log_tau = self.log_tau if self.anneal else None
+        reading = {"share": share, "key_map": self.reader.key_map, "key_bias": self.reader.key_bias, "mass": mass}
+        options = {"beta": beta, "log_a": log_a, "log_tau": log_tau, **reading, "scale": self.spec.scale}
         if q.shape[3] == 1 and backend is None:
-            return step_delta_memory_hybrid_attn(q, k, v, mask, *state, beta, log_a, *reading, mass, log_tau)
-        return delta_memory_hybrid_attn(
-            q, k, v, mask, *state, beta, log_a, *reading, self.chunk_size, backend, mass, log_tau
-        )
+            return step_delta_memory_hybrid_attn(q, k, v, mask, *state, **options)
+        return delta_memory_hybrid_attn(q, k, v, mask, *state, **options, chunk_size=self.chunk_size, kernels=backend)
 
     def _linear_memory(self, q, k, v, mask, state, gate, x, backend: str | None):
         """A linear or gla memory: the lean step for a decode token off kernels; a prompt through
         ``fused_hybrid_attn`` (in PyTorch off Triton: the whole-prompt window part, the linear part
         chunked on featurised inputs), or the general ``chunk_hybrid_attn`` with kernels "none" (and
         for a cell with no fused form: a feature map wider than the ops take)."""
-        args, log_a = (self.phi, self.mixing_factor(), self.spec.scale, gate), None
+        options, log_a = {"phi": self.phi, "factor": self.mixing_factor(), "scale": self.spec.scale, "gate": gate}, None
         if self.memory == "gla":
             if x is None:
                 raise ValueError("the gla memory needs the layer input: call the cell with x=[B, T, hidden]")
             log_a = gla_log_gates(x, self.gate_down, self.gate_up, GLA_TAU, self.spec.num_kv_heads, mask)
         if q.shape[3] == 1 and backend is None:
-            return step_hybrid_attn(q, k, v, mask, *state, *args, log_a)
+            return step_hybrid_attn(q, k, v, mask, *state, **options, log_a=log_a)
         if self.kernels is None and log_a is None:  # kernels "none" (or no fused form): the general chunked form
-            return chunk_hybrid_attn(q, k, v, mask, *state, *args, self.chunk_size)
-        return fused_hybrid_attn(q, k, v, mask, *state, *args, self.chunk_size, backend, log_a)
+            return chunk_hybrid_attn(q, k, v, mask, *state, **options, chunk_size=self.chunk_size)
+        return fused_hybrid_attn(
+            q, k, v, mask, *state, **options, chunk_size=self.chunk_size, backend=backend, log_a=log_a
+        )

@@ -26,9 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-from rnnify import kernels
 from rnnify.cells.online_softmax import finite_or_zero
-from rnnify.cells.window import PROMPT_BLOCK, prompt_window, whole_prompt
+from rnnify.cells.window import PROMPT_BLOCK, grouped_window_attn_step, prompt_window, whole_prompt
 from rnnify.kernels.ring import held_index, token_index, window_write
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
@@ -74,32 +73,15 @@ def query_and_leaving_features(phi: FeatureMap, q, old_key):
     return features[:, :, : q.shape[2]], features[:, :, q.shape[2]]
 
 
-def fused_window_step(
-    q, k, v, mask, keys, values, sink_keys, sink_values, length, factor, scale: float, backend: str = "auto"
-):
-    """The window part of one decode token through ``rnnify.kernels.window_attn_step`` (which also
-    writes the sinks and the ring): its normalised output o and softmax denominator u (over the
+def fused_window_step(q, k, v, mask, window_state, factor, scale: float, backend: str = "auto"):
+    """The window part of one decode token through ``rnnify.kernels.window_attn_step``
+    (``grouped_window_attn_step``): its normalised output o and softmax denominator u (over the
     sinks and the ring, self included, relative to the scores' max m) give f sum exp(s - m) v = f o u
     and f sum exp(s - m) = f u. Returns ``(window_num, window_den, (keys, values, sink_keys,
     sink_values, length))``."""
-    batch, num_kv_heads, group, _, head_dim = q.shape
-    o, state, (_, u) = kernels.window_attn_step(
-        q.reshape(batch, 1, num_kv_heads * group, head_dim),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        keys,
-        values,
-        length,
-        sink_keys,
-        sink_values,
-        mask=mask,
-        scale=scale,
-        return_stats=True,
-        backend=backend,
-    )
-    window_den = factor[..., None] * u.reshape(batch, num_kv_heads, group, 1)
-    window_num = o.reshape(batch, num_kv_heads, group, 1, -1) * window_den[..., None]
-    return window_num, window_den, state
+    o, state, (_, u) = grouped_window_attn_step(q, k, v, mask, window_state, scale, backend, return_stats=True)
+    window_den = factor[..., None] * u.reshape(*q.shape[:4])
+    return o.reshape(*q.shape[:4], -1) * window_den[..., None], window_den, state
 
 
 def window_and_leaving(q, k, v, mask, window_state, factor, scale: float, chunk_size: int, backend: str | None):
@@ -145,7 +127,7 @@ def chunked_window_and_leaving(q, k, v, mask, window_state, factor, scale: float
         held = visible_keys(*chunk, *window_state)
         left.append(leaving(*held, window, sinks))
         if q.shape[3] == 1 and backend is not None:
-            *part, window_state = fused_window_step(q, *chunk, *window_state, factor, scale, backend)
+            *part, window_state = fused_window_step(q, *chunk, window_state, factor, scale, backend)
         else:
             part = window_part(q[:, :, :, start:end], *held, window, sinks, factor, scale)
             window_state = window_write(*chunk, *window_state)

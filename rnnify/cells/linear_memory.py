@@ -13,21 +13,26 @@ by the arriving token's per-feature gate a_i), and query i reads
 with (w_i, u_i) the window part. Both outputs come from the same sums, so the memory gate g adds
 no state and no pass; at g = 0 the output is the window's own.
 
-Forms (tests hold them to ``naive_recurrent_hybrid_attn``): ``naive_recurrent_*`` (a plain loop
-over tokens, the window part key by key with ``online_softmax_update``), ``parallel_*`` (masked
-quadratic over sinks + ring + new tokens, plus the linear state), ``chunk_*`` (the parallel form
-over chunks: the prefill path with kernels "none"), ``step_*`` (one token off kernels, on
-``cells.window.window_step``; ``steady_step_*`` once every row holds W + S tokens, in fewer ops:
-a CPU step's time is its op count, docs/performance.md), ``fused_hybrid_attn`` (the window part by
-``window_and_leaving``, the linear part through ``rnnify.kernels``' linear-attention ops, which
-apply the map when they have it, or off kernels through ``chunk_gated_attn`` on featurised inputs)
-and ``prompt_hybrid_attn`` (a whole unpadded prompt off kernels: the memory read without shifting
-the keys). Shapes: those of ``cells/hybrid_window.py``, plus ``kv [B, Hkv, F, d_v]`` and ``k_sum
-[B, Hkv, F]`` (fp32); ``phi`` maps ``[B, Hkv, ..., d] -> [B, Hkv, ..., F]``; ``gate`` g ``[Hkv, G]``
-(None: 1, LoLCATs' plain sum). Every form returns ``(out fp32, *new_state)``.
+Forms (tests hold them to ``naive_recurrent_hybrid_attn``): ``naive_recurrent_*`` (a plain loop over
+tokens, the window part key by key as the window target's loop reads it, ``naive_window_read``),
+``parallel_*`` (masked quadratic over sinks + ring + new tokens, plus the linear state), ``chunk_*``
+(the parallel form over chunks, ``by_chunks``: the prefill path with kernels "none"), ``step_*``
+(one token off kernels, on ``cells.window.window_step``; ``steady_step_*`` once every row holds
+W + S tokens, in fewer ops: a CPU step's time is its op count, docs/performance.md),
+``fused_hybrid_attn`` (the window part by ``window_and_leaving``, the linear part through
+``rnnify.kernels``' linear-attention ops, which apply the map when they have it, or off kernels
+through ``chunk_gated_attn`` on featurised inputs) and ``prompt_hybrid_attn`` (a whole unpadded
+prompt off kernels: the memory read without shifting the keys). Shapes: those of
+``cells/hybrid_window.py``, plus ``kv [B, Hkv, F, d_v]`` and ``k_sum [B, Hkv, F]`` (fp32); ``phi``
+maps ``[B, Hkv, ..., d] -> [B, Hkv, ..., F]``; ``gate`` g ``[Hkv, G]`` (None: 1, LoLCATs' plain
+sum). Every form takes ``(q, k, v, mask, *state)`` (the steady step: no mask), the state ``(keys,
+values, sink_keys, sink_values, length, kv, k_sum)`` flat, then its options by keyword, and returns
+``(out fp32, *new_state)``.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -39,12 +44,11 @@ from rnnify.cells.hybrid_window import (
     window_part,
 )
 from rnnify.cells.linear import fused_feature_attn, read_step
-from rnnify.cells.online_softmax import (
-    online_softmax_init,
-    online_softmax_update,
-    readout,
-)
+from rnnify.cells.online_softmax import readout
 from rnnify.cells.window import (
+    by_chunks,
+    naive_ring_write,
+    naive_window_read,
     prompt_window,
     steady_length,
     steady_window_step,
@@ -68,30 +72,12 @@ def _combine(window_num, window_den, linear_num, linear_den, gate=None):
     return window + gate * (hybrid - window)
 
 
-def naive_recurrent_hybrid_attn(
-    q,
-    k,
-    v,
-    mask,
-    keys,
-    values,
-    sink_keys,
-    sink_values,
-    length,
-    kv,
-    k_sum,
-    phi: FeatureMap,
-    factor,
-    scale: float,
-    gate=None,
-):
-    batch, _, _, steps, _ = q.shape
-    window, sinks = keys.shape[2], sink_keys.shape[2]
-    state = (keys, values, sink_keys, sink_values, length, kv, k_sum)
+def naive_recurrent_hybrid_attn(q, k, v, mask, *state, phi: FeatureMap, factor, scale: float, gate=None):
     keys, values, sink_keys, sink_values, length, kv, k_sum = (t.clone() for t in state)
+    window, sinks = keys.shape[2], sink_keys.shape[2]
     outs = []
-    for t in range(steps):
-        for b in range(batch):
+    for t in range(q.shape[3]):
+        for b in range(q.shape[0]):
             if not mask[b, t]:
                 continue  # padding: the state stays as it was
             n = int(length[b])
@@ -100,19 +86,9 @@ def naive_recurrent_hybrid_attn(
                 phi_k = phi(keys[b : b + 1, :, slot : slot + 1].float())[0, :, 0]  # [Hkv, F]
                 kv[b] = kv[b] + phi_k[:, :, None] * values[b, :, slot, None, :].float()
                 k_sum[b] = k_sum[b] + phi_k
-            keys[b, :, slot], values[b, :, slot] = k[b, :, t], v[b, :, t]
-            if n < sinks:
-                sink_keys[b, :, n], sink_values[b, :, n] = k[b, :, t], v[b, :, t]
-            length[b] += 1
-        # window part: the (m, u, w) recurrence, one key at a time, over the sinks no longer in the
-        # ring and the ring, with per row whether query t attends to each
-        held = [(sink_keys[:, :, j], sink_values[:, :, j], j < length - window) for j in range(sinks)]
-        held += [(keys[:, :, s], values[:, :, s], s < length) for s in range(window)]
-        m, u, w = online_softmax_init(q, q.shape[:3], values.shape[-1])  # [B, Hkv, G]
-        for key, value, attended in held:
-            s = scale * (q[:, :, :, t] * key[:, :, None].float()).sum(-1)
-            s = torch.where(attended[:, None, None], s, float("-inf"))
-            m, u, w = online_softmax_update(m, u, w, s[..., None], value[:, :, None].float())
+            naive_ring_write(b, k[b, :, t], v[b, :, t], keys, values, sink_keys, sink_values, length)
+        # window part: the sinks no longer in the ring and the ring, key by key
+        _, u, w = naive_window_read(q[:, :, :, t], keys, values, sink_keys, sink_values, length, scale)
         # linear part: every other older token, from the state
         phi_q = phi(q[:, :, :, t : t + 1])[:, :, :, 0]  # [B, Hkv, G, F]
         linear_num = phi_q @ kv
@@ -121,25 +97,10 @@ def naive_recurrent_hybrid_attn(
     return torch.stack(outs, dim=3), keys, values, sink_keys, sink_values, length, kv, k_sum
 
 
-def parallel_hybrid_attn(
-    q,
-    k,
-    v,
-    mask,
-    keys,
-    values,
-    sink_keys,
-    sink_values,
-    length,
-    kv,
-    k_sum,
-    phi: FeatureMap,
-    factor,
-    scale: float,
-    gate=None,
-):
-    window, sinks = keys.shape[2], sink_keys.shape[2]
-    q_index, key_index, all_keys, all_values = visible_keys(k, v, mask, keys, values, sink_keys, sink_values, length)
+def parallel_hybrid_attn(q, k, v, mask, *state, phi: FeatureMap, factor, scale: float, gate=None):
+    *window_state, kv, k_sum = state
+    window, sinks = window_state[0].shape[2], window_state[2].shape[2]
+    q_index, key_index, all_keys, all_values = visible_keys(k, v, mask, *window_state)
     window_num, window_den = window_part(q, q_index, key_index, all_keys, all_values, window, sinks, factor, scale)
     # linear part: older tokens of this call, and those already folded into kv/k_sum
     i, j = q_index[:, :, None], key_index[:, None, :]
@@ -150,7 +111,7 @@ def parallel_hybrid_attn(
     linear_den = a.sum(-1) + (phi_q * k_sum[:, :, None, None]).sum(-1)
     out = _combine(window_num, window_den, linear_num, linear_den, gate)
     # state: tokens other than sinks that leave the window in this call join kv/k_sum
-    *window_state, new_length = window_write(k, v, mask, keys, values, sink_keys, sink_values, length)
+    *window_state, new_length = window_write(k, v, mask, *window_state)
     leaving = ((key_index >= sinks) & (key_index < new_length[:, None] - window))[:, None, :, None]
     phi_leaving = torch.where(leaving, phi_k, 0.0)
     kv = kv + phi_leaving.transpose(-1, -2) @ all_values
@@ -158,31 +119,9 @@ def parallel_hybrid_attn(
     return out, *window_state, new_length, kv, k_sum
 
 
-def chunk_hybrid_attn(
-    q,
-    k,
-    v,
-    mask,
-    keys,
-    values,
-    sink_keys,
-    sink_values,
-    length,
-    kv,
-    k_sum,
-    phi,
-    factor,
-    scale: float,
-    gate=None,
-    chunk_size: int = 64,
-):
-    state, outs = (keys, values, sink_keys, sink_values, length, kv, k_sum), []
-    for start in range(0, q.shape[3], chunk_size):
-        end = start + chunk_size
-        chunk = (q[:, :, :, start:end], k[:, :, start:end], v[:, :, start:end], mask[:, start:end])
-        out, *state = parallel_hybrid_attn(*chunk, *state, phi, factor, scale, gate)
-        outs.append(out)
-    return torch.cat(outs, dim=3), *state
+def chunk_hybrid_attn(q, k, v, mask, *state, phi: FeatureMap, factor, scale: float, chunk_size: int, gate=None):
+    parallel_form = partial(parallel_hybrid_attn, phi=phi, factor=factor, scale=scale, gate=gate)
+    return by_chunks(parallel_form, q, k, v, mask, state, chunk_size)
 
 
 def _write_memory(kv, k_sum, phi_old, old_value, log_a=None):
@@ -194,36 +133,19 @@ def _write_memory(kv, k_sum, phi_old, old_value, log_a=None):
     return torch.addcmul(kv, phi_old.transpose(-1, -2), old_value), k_sum + phi_old.squeeze(2)
 
 
-def step_hybrid_attn(
-    q,
-    k,
-    v,
-    mask,
-    keys,
-    values,
-    sink_keys,
-    sink_values,
-    length,
-    kv,
-    k_sum,
-    phi: FeatureMap,
-    factor,
-    scale: float,
-    gate=None,
-    log_a=None,
-):
+def step_hybrid_attn(q, k, v, mask, *state, phi: FeatureMap, factor, scale: float, gate=None, log_a=None):
     """The decode path off kernels: ``window_step``, then the token leaving the window joins the
     linear memory (decayed by a = exp(``log_a [B, Hkv, 1, F]``), the gla memory, where it leaves),
     which the query reads; one normalised sum as in ``_combine``. In the steady state
     (``steady_length``: the common decode token) ``steady_step_hybrid_attn`` instead."""
+    *window_state, kv, k_sum = state
+    keys, _, sink_keys, _, length = window_state
     n = steady_length(mask, length, keys.shape[2], sink_keys.shape[2])
     if n is not None:
         return steady_step_hybrid_attn(
-            q, k, v, keys, values, sink_keys, sink_values, length, kv, k_sum, phi, factor, scale, n, gate, log_a
+            q, k, v, *state, phi=phi, factor=factor, scale=scale, n=n, gate=gate, log_a=log_a
         )
-    w, u, old_key, old_value, leaves, window_state = window_step(
-        q, k, v, mask, keys, values, sink_keys, sink_values, length, scale
-    )
+    w, u, old_key, old_value, leaves, window_state = window_step(q, k, v, mask, *window_state, scale)
     phi_q, phi_old = query_and_leaving_features(phi, q, old_key)
     # nothing written where none leaves: phi_old = 0, no decay
     kv, k_sum = _write_memory(
@@ -236,31 +158,13 @@ def step_hybrid_attn(
     return out, *window_state, kv, k_sum
 
 
-def steady_step_hybrid_attn(
-    q,
-    k,
-    v,
-    keys,
-    values,
-    sink_keys,
-    sink_values,
-    length,
-    kv,
-    k_sum,
-    phi: FeatureMap,
-    factor,
-    scale: float,
-    n: int,
-    gate=None,
-    log_a=None,
-):
+def steady_step_hybrid_attn(q, k, v, *state, phi: FeatureMap, factor, scale: float, n: int, gate=None, log_a=None):
     """``step_hybrid_attn`` for a decode token in the steady state (``steady_length``: every row real,
     holding n >= W + S tokens), in about half its ops: ``steady_window_step`` gives the window's
     normalised output o = w / u and p_max = 1 / u, a token leaves every row, and the sum is read
     divided through by u: (f o + p_max phi(q) kv) / (f + p_max phi(q) . z)."""
-    o, p_max, old_key, old_value, window_state = steady_window_step(
-        q, k, v, keys, values, sink_keys, sink_values, length, n, scale
-    )
+    *window_state, kv, k_sum = state
+    o, p_max, old_key, old_value, window_state = steady_window_step(q, k, v, *window_state, n, scale)
     phi_q, phi_old = query_and_leaving_features(phi, q, old_key)
     kv, k_sum = _write_memory(kv, k_sum, phi_old, old_value, log_a)
     linear_num, linear_den = read_step(phi_q, kv, k_sum)
@@ -272,26 +176,7 @@ def steady_step_hybrid_attn(
     return out, *window_state, kv, k_sum
 
 
-def fused_hybrid_attn(
-    q,
-    k,
-    v,
-    mask,
-    keys,
-    values,
-    sink_keys,
-    sink_values,
-    length,
-    kv,
-    k_sum,
-    phi,
-    factor,
-    scale: float,
-    gate=None,
-    chunk_size: int = 64,
-    backend: str | None = "auto",
-    log_a=None,
-):
+def fused_hybrid_attn(q, k, v, mask, *state, phi, factor, scale: float, chunk_size, backend, gate=None, log_a=None):
     """Both phases through ``rnnify.kernels`` (``backend`` None: PyTorch, the GLA memory's path off
     kernels). The linear part is linear attention whose keys are the tokens leaving the window (not
     sinks), at most one per new token (query i reads every S <= j <= i - W), so
@@ -300,26 +185,26 @@ def fused_hybrid_attn(
     state column; ``log_a`` ``[B, Hkv, T, F]`` (the GLA memory; None: linear) decays both, where a
     token leaves. The window part: ``window_and_leaving``. A whole prompt off kernels:
     ``prompt_hybrid_attn``."""
-    window_state = (keys, values, sink_keys, sink_values, length)
-    if backend is None and whole_prompt(mask, length):
+    *window_state, kv, k_sum = state
+    if backend is None and whole_prompt(mask, window_state[4]):
         return prompt_hybrid_attn(q, k, v, window_state, kv, k_sum, phi, factor, scale, gate, chunk_size, log_a)
     window_num, window_den, old_keys, old_values, leaves, window_state = window_and_leaving(
         q, k, v, mask, window_state, factor, scale, chunk_size, backend
     )
     old_values = torch.cat([old_values, torch.ones_like(old_values[..., :1])], dim=-1)
-    state = torch.cat([kv, k_sum[..., None]], dim=-1)
+    memory = torch.cat([kv, k_sum[..., None]], dim=-1)
     if log_a is not None:
         log_a = torch.where(leaves[:, None, :, None], log_a, 0.0)
     if backend is not None:
-        linear, state, _ = fused_feature_attn(
-            q, old_keys, old_values, state, None, phi, leaves, log_a=log_a, backend=backend
+        linear, memory, _ = fused_feature_attn(
+            q, old_keys, old_values, memory, None, phi, leaves, log_a=log_a, backend=backend
         )
     else:  # the gated forms of cells.gated on featurised inputs, phi(k) = 0 where none leaves
         phi_k = torch.where(leaves[:, None, :, None], phi(old_keys), 0.0)
-        args = (phi(q), phi_k, old_values, log_a, state)
-        linear, state, _ = chunk_gated_attn(*args, chunk_size=chunk_size)
+        args = (phi(q), phi_k, old_values, log_a, memory)
+        linear, memory, _ = chunk_gated_attn(*args, chunk_size=chunk_size)
     out = _combine(window_num, window_den, linear[..., :-1], linear[..., -1], gate)
-    return out, *window_state, state[..., :-1], state[..., -1]
+    return out, *window_state, memory[..., :-1], memory[..., -1]
 
 
 def prompt_hybrid_attn(q, k, v, window_state, kv, k_sum, phi, factor, scale: float, gate, chunk_size: int, log_a):

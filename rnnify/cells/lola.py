@@ -80,7 +80,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -88,34 +89,50 @@ from torch import nn
 from rnnify.cells.base import Cell, CellSpec
 from rnnify.cells.linear import build_feature_map
 from rnnify.cells.online_softmax import finite_or_zero, readout
-from rnnify.cells.select import held_positions, lay_out, may_decide, put_back
+from rnnify.cells.select import (
+    CacheLayout,
+    best_candidates,
+    boundary_candidates,
+    candidate_entries,
+    chosen_entries,
+    chunk_by_position,
+    chunk_read_set,
+    decided,
+    naive_arrivals,
+    naive_read_set,
+    step_by_position,
+    token_slots,
+    with_tokens_written,
+)
 from rnnify.errors import check_int
-from rnnify.kernels.ring import write_slots
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 # exp's second-order Taylor series: a memory that approximates softmax with no training (LoLA's
 # training-free setting); a trainable map (hedgehog, t2r) may be chosen for distillation
 DEFAULT_FEATURE_MAP = "taylor"
 DEFAULT_SINKS = 4  # StreamingLLM's, as select's and the hybrid's
-LENGTH = 7  # index of ``length`` in the state
 
 
 @dataclass(frozen=True)
-class Retention:
-    """What the cache holds and when it decides (the module docstring's W, S, K, C), and the eps of
-    the recall error. ``select.held_positions`` reads its window, sinks, chunk and ring as it reads
-    a ``select.Selection``'s."""
+class Retention(CacheLayout):
+    """The ``select`` cell's layout (the module docstring's W, S, K, C) and the eps of the recall error."""
 
-    window: int
-    sinks: int
-    keep: int
-    chunk: int
     eps: float
 
-    @property
-    def ring(self) -> int:
-        """Recent slots: the window and the tokens that left it since the chunk began."""
-        return self.window + self.chunk - 1
+
+class LolaState(NamedTuple):
+    """The LoLA cell's state, in its ``state_names`` order (shapes: the module docstring)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    selected_keys: torch.Tensor
+    selected_values: torch.Tensor
+    selected_positions: torch.Tensor
+    length: torch.Tensor
+    kv: torch.Tensor
+    k_sum: torch.Tensor
 
 
 def combine(w, u, num, den, factor, gate):
@@ -141,82 +158,46 @@ def recall_error(phi_k, values, kv, k_sum, eps: float) -> torch.Tensor:
 
 
 def naive_recurrent_lola_attn(q, k, v, mask, *state, phi: FeatureMap, factor, gate, scale: float, rule: Retention):
-    batch, num_kv_heads, group, steps, _ = q.shape
-    window, sinks, keep, chunk, ring_size = rule.window, rule.sinks, rule.keep, rule.chunk, rule.ring
-    keys, values, sink_keys, sink_values, selected_keys, selected_values, selected_positions, length, kv, k_sum = (
-        t.clone() for t in state
-    )
-    out = q.new_zeros(batch, num_kv_heads, group, steps, values.shape[-1])
+    state = LolaState(*(t.clone() for t in state))
+    out = q.new_zeros(*q.shape[:4], state.values.shape[-1])
     phi_q = phi(q)  # per token: [B, Hkv, G, T, F]
-    for t in range(steps):
-        for b in range(batch):
-            if not mask[b, t]:
-                continue  # padding: the state stays as it was
-            n = int(length[b])
-            slot = n % ring_size
-            keys[b, :, slot], values[b, :, slot] = k[b, :, t], v[b, :, t]
-            if n < sinks:
-                sink_keys[b, :, n], sink_values[b, :, n] = k[b, :, t], v[b, :, t]
-            length[b] += 1
-            start = n - n % chunk
-            ring = {n - (n - s) % ring_size: s for s in range(ring_size)}  # token -> its ring slot
-            for h in range(num_kv_heads):
-                read = [(sink_keys[b, h, j], sink_values[b, h, j]) for j in range(sinks) if j <= start - window]
-                read += [
-                    (selected_keys[b, h, s], selected_values[b, h, s])
-                    for s in range(keep)
-                    if selected_positions[b, h, s] >= 0
-                ]
-                read += [(keys[b, h, s], values[b, h, s]) for j, s in ring.items() if j >= 0 and j > start - window]
-                read_values = torch.stack([value.to(q.dtype) for _, value in read])
-                for g in range(group):
-                    logits = scale * torch.stack([q[b, h, g, t] @ key.to(q.dtype) for key, _ in read])
-                    p = torch.exp(logits - logits.max())
-                    w, u = p @ read_values, p.sum()
-                    num, den = phi_q[b, h, g, t] @ kv[b, h], phi_q[b, h, g, t] @ k_sum[b, h]
-                    f, gh = float(factor[h, g]), float(gate[h, g])
-                    softmax = w / u
-                    out[b, h, g, t] = softmax + gh * ((f * w + num) / (f * u + den) - softmax)
-            if (n + 1) % chunk == 0:
-                _naive_decide(
-                    b, n + 1, keys, values, selected_keys, selected_values, selected_positions, kv, k_sum, phi, rule
-                )
-    return (
-        out,
-        keys,
-        values,
-        sink_keys,
-        sink_values,
-        selected_keys,
-        selected_values,
-        selected_positions,
-        length,
-        kv,
-        k_sum,
-    )
+    for t, b, n in naive_arrivals(k, v, mask, state):
+        for h in range(q.shape[1]):
+            read = naive_read_set(state, b, h, n, rule)
+            read_values = torch.stack([value.to(q.dtype) for _, value, _ in read])
+            for g in range(q.shape[2]):
+                logits = scale * torch.stack([q[b, h, g, t] @ key.to(q.dtype) for key, _, _ in read])
+                p = torch.exp(logits - logits.max())
+                w, u = p @ read_values, p.sum()
+                num, den = phi_q[b, h, g, t] @ state.kv[b, h], phi_q[b, h, g, t] @ state.k_sum[b, h]
+                f, gh = float(factor[h, g]), float(gate[h, g])
+                softmax = w / u
+                out[b, h, g, t] = softmax + gh * ((f * w + num) / (f * u + den) - softmax)
+        if (n + 1) % rule.chunk == 0:
+            _naive_decide(b, n + 1, state, phi, rule)
+    return out, *state
 
 
-def _naive_decide(
-    b, p, keys, values, selected_keys, selected_values, selected_positions, kv, k_sum, phi, rule: Retention
-) -> None:
+def _naive_decide(b, p, state: LolaState, phi, rule: Retention) -> None:
     """``lola_at_boundary`` for row b at boundary p, by ``sorted``; in place."""
     ring = {p - 1 - (p - 1 - s) % rule.ring: s for s in range(rule.ring)}  # the ring holds (p - W - C, p)
-    phi_ring = phi(keys[b : b + 1].to(kv.dtype))[0]  # [Hkv, W + C - 1, F]
-    phi_selected = phi(selected_keys[b : b + 1].to(kv.dtype))[0]
-    for h in range(keys.shape[1]):
+    kv, k_sum = state.kv, state.k_sum
+    phi_ring = phi(state.keys[b : b + 1].to(kv.dtype))[0]  # [Hkv, W + C - 1, F]
+    phi_selected = phi(state.selected_keys[b : b + 1].to(kv.dtype))[0]
+    for h in range(state.keys.shape[1]):
         # (position, key, value, phi(key)) of each candidate: the selected, then the tokens leaving
         candidates = [
             (
-                int(selected_positions[b, h, s]),
-                selected_keys[b, h, s].clone(),
-                selected_values[b, h, s].clone(),
+                int(state.selected_positions[b, h, s]),
+                state.selected_keys[b, h, s].clone(),
+                state.selected_values[b, h, s].clone(),
                 phi_selected[h, s],
             )
             for s in range(rule.keep)
-            if selected_positions[b, h, s] >= 0
+            if state.selected_positions[b, h, s] >= 0
         ]
         candidates += [
-            (j, keys[b, h, s].clone(), values[b, h, s].clone(), phi_ring[h, s])
+            (j, state.keys[b, h, s].clone(), state.values[b, h, s].clone(), phi_ring[h, s])
             for j, s in ring.items()
             if rule.sinks <= j <= p - rule.window
         ]
@@ -232,148 +213,68 @@ def _naive_decide(
         empty = rule.keep - len(kept)
         for slot in range(rule.keep):
             position, key, value, _ = kept[slot - empty] if slot >= empty else (-1, 0, 0, None)
-            selected_positions[b, h, slot] = position
-            selected_keys[b, h, slot], selected_values[b, h, slot] = key, value
+            state.selected_positions[b, h, slot] = position
+            state.selected_keys[b, h, slot], state.selected_values[b, h, slot] = key, value
 
 
 # --------------------------------------------------------------------------- the vectorised forms
 
 
-def read_chunk(q, k, v, positions, state, phi: FeatureMap, factor, gate, scale: float, rule: Retention):
+def read_chunk(q, k, v, positions, state: LolaState, phi: FeatureMap, factor, gate, scale: float, rule: Retention):
     """The new tokens at ``positions [B, T]`` (consecutive from each row's ``length`` inside one chunk;
-    -1: none) read sinks ∪ selected ∪ recent and each other causally by softmax, and the memory, in
-    one normalised sum (``combine``); their keys and values are written: ``(out, state)`` (0 for the
-    queries at -1). No decision: the caller makes the boundary's."""
-    keys, values, sink_keys, sink_values, selected_keys, selected_values, selected_positions, length, kv, k_sum = state
-    real = positions >= 0
-    held = held_positions(length, selected_positions, rule)  # [B, Hkv, N]
-    causal = real[:, None, :] & (positions[:, None, :] <= positions[:, :, None])  # [B, T (query), T (key)]
-    allowed = (
-        torch.cat(
-            [(held >= 0)[:, :, None].expand(-1, -1, q.shape[3], -1), causal[:, None].expand(-1, held.shape[1], -1, -1)],
-            dim=3,
-        )
-        & real[:, None, :, None]
-    )
-    all_keys = torch.cat([sink_keys, selected_keys, keys, k.to(keys.dtype)], dim=2).to(q.dtype)
-    all_values = torch.cat([sink_values, selected_values, values, v.to(values.dtype)], dim=2).to(q.dtype)
+    -1: none) read ``select.chunk_read_set`` by softmax, and the memory, in one normalised sum
+    (``combine``); their keys and values are written: ``(out, state)`` (0 for the queries at -1). No
+    decision: the caller makes the boundary's."""
+    real, allowed, all_keys, all_values = chunk_read_set(q, k, v, positions, state, rule)
     scores = (scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys)).masked_fill(~allowed[:, :, None], float("-inf"))
     p = torch.exp(scores - finite_or_zero(scores.amax(-1, keepdim=True)))  # exp(s - m), 0 where not read
     phi_q = phi(q)  # [B, Hkv, G, T, F]
-    num = phi_q @ kv[:, :, None].to(q.dtype)
-    den = (phi_q @ k_sum[:, :, None, :, None].to(q.dtype))[..., 0]
+    num = phi_q @ state.kv[:, :, None].to(q.dtype)
+    den = (phi_q @ state.k_sum[:, :, None, :, None].to(q.dtype))[..., 0]
     out = combine(p @ all_values[:, :, None], p.sum(-1), num, den, factor, gate)
     out = torch.where(real[:, None, None, :, None], out, 0.0)
-
-    slot = torch.where(real, positions % rule.ring, -1)  # token n goes to ring slot n mod (W + C - 1)
-    sink_slot = torch.where(real & (positions < rule.sinks), positions, -1)
-    state = (
-        write_slots(keys, k, slot),
-        write_slots(values, v, slot),
-        write_slots(sink_keys, k, sink_slot),
-        write_slots(sink_values, v, sink_slot),
-        selected_keys,
-        selected_values,
-        selected_positions,
-        length + real.sum(1),
-        kv,
-        k_sum,
-    )
-    return out, state
+    return out, with_tokens_written(state, k, v, real, *token_slots(positions, real, rule))
 
 
-def lola_at_boundary(state, deciding: torch.Tensor, phi: FeatureMap, rule: Retention):
+def lola_at_boundary(state: LolaState, deciding: torch.Tensor, phi: FeatureMap, rule: Retention) -> LolaState:
     """The decision at boundary p = ``length`` for the rows ``deciding [B]``: the K selected and the C
-    tokens leaving the recent set, (p - C - W, p - W] less the sinks, compete by the memory's recall
+    tokens leaving the recent set (``select.boundary_candidates``) compete by the memory's recall
     error on them (``recall_error``, the memory as it is before this boundary); the K of highest
     error stay, in position order (empty slots first, zeros), and the others are written into kv, z."""
-    keys, values, sink_keys, sink_values, selected_keys, selected_values, selected_positions, length, kv, k_sum = state
-    batch, num_kv_heads = keys.shape[:2]
-    leaving = length[:, None] - rule.window - rule.chunk + 1 + torch.arange(rule.chunk, device=length.device)
-    leaving = torch.where(leaving >= rule.sinks, leaving, -1)  # [B, C]
-    slot = (leaving.clamp_min(0) % rule.ring)[:, None].expand(-1, num_kv_heads, -1)
-    # [B, Hkv, K + C]: the selected, then the tokens leaving
-    candidates = torch.cat([selected_positions, leaving[:, None].expand(-1, num_kv_heads, -1)], dim=2)
-
-    def gathered(selected: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
-        return torch.cat([selected, ring.gather(2, slot[..., None].expand(-1, -1, -1, ring.shape[3]))], dim=2)
-
-    candidate_keys, candidate_values = gathered(selected_keys, keys), gathered(selected_values, values)
+    candidates, slot = boundary_candidates(state.length, state.selected_positions, rule)
+    candidate_keys = candidate_entries(state.selected_keys, state.keys, slot)
+    candidate_values = candidate_entries(state.selected_values, state.values, slot)
+    kv, k_sum = state.kv, state.k_sum
     valid = candidates >= 0
     phi_k = phi(candidate_keys.to(kv.dtype))  # [B, Hkv, K + C, F]
     candidate_v = candidate_values.to(kv.dtype)
     error = recall_error(phi_k.detach(), candidate_v.detach(), kv.detach(), k_sum.detach(), rule.eps)
-    merit = error.masked_fill(~valid, float("-inf"))
-    # the K of highest error, ties to the newer token: a stable sort by merit of the newest-first order
-    newest_first = candidates.argsort(dim=2, descending=True, stable=True)
-    by_merit = merit.gather(2, newest_first).argsort(dim=2, descending=True, stable=True)
-    best = newest_first.gather(2, by_merit[..., : rule.keep])
-    best = best.gather(2, candidates.gather(2, best).argsort(dim=2, stable=True))  # in position order
-    kept_positions = candidates.gather(2, best)
+    best, kept_positions = best_candidates(candidates, error, rule.keep)
     kept = kept_positions >= 0
     chosen = torch.zeros_like(valid).scatter(2, best, True)
     written = (valid & ~chosen & deciding[:, None, None])[..., None]  # [B, Hkv, K + C, 1]
     phi_written = torch.where(written, phi_k, 0.0)
-    kv = kv + phi_written.transpose(-1, -2) @ torch.where(written, candidate_v, 0.0)
-    k_sum = k_sum + phi_written.sum(2)
-
-    def keep(entries: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-        chosen_entries = entries.gather(2, best[..., None].expand(-1, -1, -1, entries.shape[3]))
-        return decided(torch.where(kept[..., None], chosen_entries, 0).to(old.dtype), old)
-
-    def decided(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:  # rows not at a boundary keep theirs
-        return torch.where(deciding.view(batch, *[1] * (new.dim() - 1)), new, old)
-
-    return (
-        keys,
-        values,
-        sink_keys,
-        sink_values,
-        keep(candidate_keys, selected_keys),
-        keep(candidate_values, selected_values),
-        decided(kept_positions, selected_positions),
-        length,
-        kv,
-        k_sum,
+    return state._replace(
+        selected_keys=chosen_entries(candidate_keys, best, kept, deciding, state.selected_keys),
+        selected_values=chosen_entries(candidate_values, best, kept, deciding, state.selected_values),
+        selected_positions=decided(deciding, kept_positions, state.selected_positions),
+        kv=kv + phi_written.transpose(-1, -2) @ torch.where(written, candidate_v, 0.0),
+        k_sum=k_sum + phi_written.sum(2),
     )
 
 
 def chunk_lola_attn(q, k, v, mask, *state, phi: FeatureMap, factor, gate, scale: float, rule: Retention):
-    """A prefill: the tokens laid out by absolute position (``select.lay_out``), then per chunk ``read_chunk``
-    and the boundary's decision for the rows that complete it. Padding queries give 0."""
-    chunk = rule.chunk
-    laid_q, laid_k, laid_v, positions, place = lay_out(q, k, v, mask, state[LENGTH], chunk)
-    outs = []
-    for start in range(0, positions.shape[1], chunk):
-        span = slice(start, start + chunk)
-        out, state = read_chunk(
-            laid_q[:, :, :, span],
-            laid_k[:, :, span],
-            laid_v[:, :, span],
-            positions[:, span],
-            state,
-            phi,
-            factor,
-            gate,
-            scale,
-            rule,
-        )
-        outs.append(out)
-        deciding = (positions[:, span] >= 0).any(1) & (state[LENGTH] % chunk == 0)
-        if may_decide(deciding):
-            state = lola_at_boundary(state, deciding, phi, rule)
-    return put_back(outs, place, mask), *state
+    """A prefill: ``select.chunk_by_position`` of ``read_chunk`` and ``lola_at_boundary``."""
+    attend = partial(read_chunk, phi=phi, factor=factor, gate=gate, scale=scale, rule=rule)
+    decide = partial(lola_at_boundary, phi=phi, rule=rule)
+    return chunk_by_position(attend, decide, q, k, v, mask, LolaState(*state), rule.chunk)
 
 
 def step_lola_attn(q, k, v, mask, *state, phi: FeatureMap, factor, gate, scale: float, rule: Retention):
-    """One decode token: ``read_chunk`` of one query, then the decision where it ends a chunk."""
-    out, state = read_chunk(
-        q, k, v, torch.where(mask, state[LENGTH][:, None], -1), state, phi, factor, gate, scale, rule
-    )
-    deciding = mask[:, 0] & (state[LENGTH] % rule.chunk == 0)
-    if may_decide(deciding):
-        state = lola_at_boundary(state, deciding, phi, rule)
-    return out, *state
+    """One decode token: ``select.step_by_position`` of ``read_chunk`` and ``lola_at_boundary``."""
+    attend = partial(read_chunk, phi=phi, factor=factor, gate=gate, scale=scale, rule=rule)
+    decide = partial(lola_at_boundary, phi=phi, rule=rule)
+    return step_by_position(attend, decide, q, k, v, mask, LolaState(*state), rule.chunk)
 
 
 # --------------------------------------------------------------------------- the cell
@@ -394,18 +295,7 @@ class LolaCell(Cell):
 
     target = "lola"
     gates = ("memory_gate", "window_logit")
-    state_names = (
-        "keys",
-        "values",
-        "sink_keys",
-        "sink_values",
-        "selected_keys",
-        "selected_values",
-        "selected_positions",
-        "length",
-        "kv",
-        "k_sum",
-    )
+    state_names = LolaState._fields
 
     def __init__(
         self,

@@ -47,10 +47,18 @@ Forms (tests hold them to ``naive_recurrent_select_attn``):
 
 - ``naive_recurrent_*``: a plain loop over tokens, rows and heads, decisions by Python's ``sorted``;
   the ground truth, in the dtype it is given (float64 in the tests).
-- ``chunk_*``: the prefill path: the tokens laid out by absolute position, then per chunk one masked
-  softmax of its queries over everything they may read (``attend_chunk``) and the boundary's
-  decision (``select_at_boundary``), vectorised over rows and heads (gathers, no loop over rows).
-- ``step_*``: one token: ``attend_chunk`` of one query, and the decision where it ends a chunk.
+- ``chunk_*``: the prefill path (``chunk_by_position``): the tokens laid out by absolute position,
+  then per chunk one masked softmax of its queries over everything they may read (``attend_chunk``)
+  and the boundary's decision (``select_at_boundary``), vectorised over rows and heads (gathers, no
+  loop over rows).
+- ``step_*``: one token (``step_by_position``): ``attend_chunk`` of one query, and the decision where
+  it ends a chunk.
+
+LoLA (``cells/lola.py``) keeps the same layout and differs in what it reads and how it decides, so
+it shares the layout's pieces here: ``CacheLayout``, the naive loops' ``naive_arrivals`` and
+``naive_read_set``, what a chunk reads and writes (``chunk_read_set``, ``with_tokens_written``), the
+boundary's candidates and choice (``boundary_candidates``, ``best_candidates``), and the prefill and
+step loops, which take the reading and the decision as functions.
 
 Shapes: q ``[B, Hkv, G, T, d]`` (fp32), k/v ``[B, Hkv, T, d]``, mask ``[B, T]``; state ``keys/values
 [B, Hkv, W + C - 1, d]``, ``scores [B, Hkv, W + C - 1]`` fp32, ``sink_keys/sink_values [B, Hkv, S,
@@ -62,13 +70,14 @@ Every form returns ``(out [B, Hkv, G, T, d_v] fp32, *new_state)``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
-from rnnify.cells.base import Cell, CellSpec
+from rnnify.cells.base import Cell, CellSpec, host_readable
 from rnnify.cells.online_softmax import finite_or_zero
+from rnnify.cells.window import naive_ring_write
 from rnnify.errors import check_int
 from rnnify.kernels.ring import ring_index, write_slots
 
@@ -77,17 +86,14 @@ POOLINGS = ("avg", "max")
 
 
 @dataclass(frozen=True)
-class Selection:
-    """What the cache holds and how it chooses (the module docstring's W, S, K, C and rules)."""
+class CacheLayout:
+    """What a cache of this layout holds (the module docstring's W, S, K and C): the select cell's
+    and LoLA's (``cells/lola.py``), which differ in how they choose."""
 
     window: int
     sinks: int
     keep: int
     chunk: int
-    observation: int
-    policy: str
-    pool: int
-    pooling: str
 
     @property
     def ring(self) -> int:
@@ -95,18 +101,36 @@ class Selection:
         return self.window + self.chunk - 1
 
 
+@dataclass(frozen=True)
+class Selection(CacheLayout):
+    """The select cell's layout and how it chooses (the module docstring's rules)."""
+
+    observation: int
+    policy: str
+    pool: int
+    pooling: str
+
+
+class SelectState(NamedTuple):
+    """The select cell's state, in its ``state_names`` order (shapes: the module docstring)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    scores: torch.Tensor
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    selected_keys: torch.Tensor
+    selected_values: torch.Tensor
+    selected_scores: torch.Tensor
+    selected_positions: torch.Tensor
+    length: torch.Tensor
+
+
 def may_decide(deciding: torch.Tensor) -> bool:
-    """False only where ``deciding [B]`` reads on the host for free (eager on a CPU) and holds no
+    """False only where ``deciding [B]`` reads on the host for free (``host_readable``) and holds no
     row at a boundary: then a step skips the decision's ops. A compiled, exported or traced graph
     keeps them for every step, and on CUDA a host read would wait for the device."""
-    if (
-        deciding.device.type != "cpu"
-        or torch.compiler.is_compiling()
-        or torch.jit.is_tracing()
-        or isinstance(deciding, FakeTensor)
-    ):
-        return True
-    return bool(deciding.any())
+    return not host_readable(deciding) or bool(deciding.any())
 
 
 def observes(positions: torch.Tensor, rule: Selection) -> torch.Tensor:
@@ -121,7 +145,7 @@ def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
 
 
-def held_positions(length: torch.Tensor, selected_positions: torch.Tensor, rule: Selection) -> torch.Tensor:
+def held_positions(length: torch.Tensor, selected_positions: torch.Tensor, rule: CacheLayout) -> torch.Tensor:
     """The token each held slot gives the next queries ``[B, Hkv, S + K + W + C - 1]`` (sinks,
     selected, ring), -1 where they read none: a sink still among the recent tokens is read there."""
     batch, num_kv_heads, _ = selected_positions.shape
@@ -134,105 +158,81 @@ def held_positions(length: torch.Tensor, selected_positions: torch.Tensor, rule:
     return torch.cat([sink, selected_positions, ring], dim=2)
 
 
-# --------------------------------------------------------------------------- the forms
+# --------------------------------------------------------------------------- the reference
+
+
+def naive_arrivals(k, v, mask, state):
+    """The naive loops' order: token by token, row by row, each real token written into ``state``
+    (a ``SelectState`` or ``lola.LolaState``) by ``naive_ring_write``, in place; yields ``(t, b,
+    n)``, n its position, for the caller to read it and decide before the next."""
+    for t in range(mask.shape[1]):
+        for b in range(mask.shape[0]):
+            if mask[b, t]:  # padding leaves the state as it was
+                ring_state = (state.keys, state.values, state.sink_keys, state.sink_values, state.length)
+                yield t, b, naive_ring_write(b, k[b, :, t], v[b, :, t], *ring_state)
+
+
+def naive_read_set(state, b: int, h: int, n: int, rule: CacheLayout) -> list[tuple[torch.Tensor, torch.Tensor, Any]]:
+    """What query n of row b reads by softmax in kv head h, the token just written included:
+    ``(key, value, where)`` of the sinks out of the recent set (where None), the selected
+    (``("selected", slot)``) and the recent tokens (``("ring", slot)``)."""
+    start = n - n % rule.chunk
+    ring = {n - (n - s) % rule.ring: s for s in range(rule.ring)}  # token -> its ring slot
+    read = [
+        (state.sink_keys[b, h, j], state.sink_values[b, h, j], None)
+        for j in range(rule.sinks)
+        if j <= start - rule.window
+    ]
+    read += [
+        (state.selected_keys[b, h, s], state.selected_values[b, h, s], ("selected", s))
+        for s in range(rule.keep)
+        if state.selected_positions[b, h, s] >= 0
+    ]
+    read += [
+        (state.keys[b, h, s], state.values[b, h, s], ("ring", s))
+        for j, s in ring.items()
+        if j >= 0 and j > start - rule.window
+    ]
+    return read
 
 
 def naive_recurrent_select_attn(q, k, v, mask, *state, scale: float, rule: Selection):
-    batch, num_kv_heads, group, steps, _ = q.shape
-    window, sinks, keep, chunk, ring_size = rule.window, rule.sinks, rule.keep, rule.chunk, rule.ring
-    (
-        keys,
-        values,
-        scores,
-        sink_keys,
-        sink_values,
-        selected_keys,
-        selected_values,
-        selected_scores,
-        selected_positions,
-        length,
-    ) = (t.clone() for t in state)
-    out = q.new_zeros(batch, num_kv_heads, group, steps, values.shape[-1])
-    for t in range(steps):
-        for b in range(batch):
-            if not mask[b, t]:
-                continue  # padding: the state stays as it was
-            n = int(length[b])
-            slot = n % ring_size
-            keys[b, :, slot], values[b, :, slot], scores[b, :, slot] = k[b, :, t], v[b, :, t], 0
-            if n < sinks:
-                sink_keys[b, :, n], sink_values[b, :, n] = k[b, :, t], v[b, :, t]
-            length[b] += 1
-            start = n - n % chunk
-            ring = {n - (n - s) % ring_size: s for s in range(ring_size)}  # token -> its ring slot
-            for h in range(num_kv_heads):
-                # (key, value, (scores, slot) that keeps its score or None) of each token query n reads
-                read = [(sink_keys[b, h, j], sink_values[b, h, j], None) for j in range(sinks) if j <= start - window]
-                read += [
-                    (selected_keys[b, h, s], selected_values[b, h, s], (selected_scores, s))
-                    for s in range(keep)
-                    if selected_positions[b, h, s] >= 0
-                ]
-                read += [
-                    (keys[b, h, s], values[b, h, s], (scores, s))
-                    for j, s in ring.items()
-                    if j >= 0 and j > start - window
-                ]
-                logits = scale * torch.stack([q[b, h, :, t] @ key.to(q.dtype) for key, _, _ in read], dim=-1)
-                p = torch.softmax(logits, dim=-1)  # [G, N]
-                out[b, h, :, t] = p @ torch.stack([value.to(q.dtype) for _, value, _ in read])
-                if n % chunk >= chunk - rule.observation:
-                    for (_, _, kept), mass in zip(read, p.sum(0)):
-                        if kept is not None:
-                            kept[0][b, h, kept[1]] += mass
-            if (n + 1) % chunk == 0 and keep:
-                for h in range(num_kv_heads):
-                    _naive_decide(
-                        b,
-                        h,
-                        n + 1,
-                        keys,
-                        values,
-                        scores,
-                        selected_keys,
-                        selected_values,
-                        selected_scores,
-                        selected_positions,
-                        rule,
-                    )
-    return (
-        out,
-        keys,
-        values,
-        scores,
-        sink_keys,
-        sink_values,
-        selected_keys,
-        selected_values,
-        selected_scores,
-        selected_positions,
-        length,
-    )
+    state = SelectState(*(t.clone() for t in state))
+    out = q.new_zeros(*q.shape[:4], state.values.shape[-1])
+    for t, b, n in naive_arrivals(k, v, mask, state):
+        state.scores[b, :, n % rule.ring] = 0
+        for h in range(q.shape[1]):
+            read = naive_read_set(state, b, h, n, rule)
+            logits = scale * torch.stack([q[b, h, :, t] @ key.to(q.dtype) for key, _, _ in read], dim=-1)
+            p = torch.softmax(logits, dim=-1)  # [G, N]
+            out[b, h, :, t] = p @ torch.stack([value.to(q.dtype) for _, value, _ in read])
+            if n % rule.chunk >= rule.chunk - rule.observation:
+                kept = {"selected": state.selected_scores, "ring": state.scores}  # the scores each slot keeps
+                for (_, _, where), mass in zip(read, p.sum(0)):
+                    if where is not None:
+                        kept[where[0]][b, h, where[1]] += mass
+        if (n + 1) % rule.chunk == 0 and rule.keep:
+            for h in range(q.shape[1]):
+                _naive_decide(b, h, n + 1, state, rule)
+    return out, *state
 
 
-def _naive_decide(
-    b, h, p, keys, values, scores, selected_keys, selected_values, selected_scores, selected_positions, rule: Selection
-) -> None:
+def _naive_decide(b, h, p, state: SelectState, rule: Selection) -> None:
     """``select_at_boundary`` for row b, head h at boundary p, by ``sorted``; in place."""
     ring = {p - 1 - (p - 1 - s) % rule.ring: s for s in range(rule.ring)}  # the ring holds (p - W - C, p)
     # (position, score, key, value) of the held tokens but the sinks
     selected = [
         (
-            int(selected_positions[b, h, s]),
-            float(selected_scores[b, h, s]),
-            selected_keys[b, h, s].clone(),
-            selected_values[b, h, s].clone(),
+            int(state.selected_positions[b, h, s]),
+            float(state.selected_scores[b, h, s]),
+            state.selected_keys[b, h, s].clone(),
+            state.selected_values[b, h, s].clone(),
         )
         for s in range(rule.keep)
-        if selected_positions[b, h, s] >= 0
+        if state.selected_positions[b, h, s] >= 0
     ]
     recent = [
-        (j, float(scores[b, h, s]), keys[b, h, s].clone(), values[b, h, s].clone())
+        (j, float(state.scores[b, h, s]), state.keys[b, h, s].clone(), state.values[b, h, s].clone())
         for j, s in ring.items()
         if j >= rule.sinks
     ]
@@ -246,31 +246,22 @@ def _naive_decide(
     empty = rule.keep - len(kept)
     for slot in range(rule.keep):
         position, score, key, value = kept[slot - empty] if slot >= empty else (-1, 0.0, 0, 0)
-        selected_positions[b, h, slot], selected_scores[b, h, slot] = position, score
-        selected_keys[b, h, slot], selected_values[b, h, slot] = key, value
+        state.selected_positions[b, h, slot], state.selected_scores[b, h, slot] = position, score
+        state.selected_keys[b, h, slot], state.selected_values[b, h, slot] = key, value
     if rule.policy == "snapkv":
-        scores[b, h], selected_scores[b, h] = 0, 0
+        state.scores[b, h], state.selected_scores[b, h] = 0, 0
 
 
-def attend_chunk(q, k, v, positions, state, scale: float, rule: Selection):
-    """The new tokens at ``positions [B, T]`` (consecutive from each row's ``length`` inside one chunk;
-    -1: none) read sinks ∪ selected ∪ recent and each other causally, in one masked softmax; their
-    attention is added to the scores of what they read (``observes``) and their keys, values and
-    scores are written: ``(out, state)``. No decision: the caller makes the boundary's."""
-    (
-        keys,
-        values,
-        scores,
-        sink_keys,
-        sink_values,
-        selected_keys,
-        selected_values,
-        selected_scores,
-        selected_positions,
-        length,
-    ) = state
+# --------------------------------------------------------------------------- the vectorised forms
+
+
+def chunk_read_set(q, k, v, positions, state, rule: CacheLayout):
+    """What the new tokens at ``positions [B, T]`` (consecutive from each row's ``length`` inside one
+    chunk; -1: none) read by softmax: sinks ∪ selected ∪ recent (``held_positions``) and each other
+    causally. Returns ``(real [B, T], allowed [B, Hkv, T, S + K + W + C - 1 + T], keys, values [B,
+    Hkv, S + K + W + C - 1 + T, d] in q's dtype)``; ``state`` a ``SelectState`` or ``lola.LolaState``."""
     real = positions >= 0
-    held = held_positions(length, selected_positions, rule)  # [B, Hkv, N]
+    held = held_positions(state.length, state.selected_positions, rule)  # [B, Hkv, N]
     causal = real[:, None, :] & (positions[:, None, :] <= positions[:, :, None])  # [B, T (query), T (key)]
     allowed = (
         torch.cat(
@@ -279,29 +270,43 @@ def attend_chunk(q, k, v, positions, state, scale: float, rule: Selection):
         )
         & real[:, None, :, None]
     )
-    all_keys = torch.cat([sink_keys, selected_keys, keys, k.to(keys.dtype)], dim=2).to(q.dtype)
-    all_values = torch.cat([sink_values, selected_values, values, v.to(values.dtype)], dim=2).to(q.dtype)
+    all_keys = torch.cat([state.sink_keys, state.selected_keys, state.keys, k.to(state.keys.dtype)], dim=2)
+    all_values = torch.cat([state.sink_values, state.selected_values, state.values, v.to(state.values.dtype)], dim=2)
+    return real, allowed, all_keys.to(q.dtype), all_values.to(q.dtype)
+
+
+def token_slots(positions: torch.Tensor, real: torch.Tensor, rule: CacheLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the tokens at ``positions [B, T]`` (``real``: not -1) are written: token n into ring slot
+    n mod (W + C - 1), and into sink slot n while n < S; -1 where not (``write_slots`` skips it)."""
+    return torch.where(real, positions % rule.ring, -1), torch.where(real & (positions < rule.sinks), positions, -1)
+
+
+def with_tokens_written(state, k, v, real, slot, sink_slot, **changes):
+    """``state`` (a ``SelectState`` or ``lola.LolaState``) with the new tokens written at ``token_slots``'
+    ``slot``, ``sink_slot`` and ``length`` advanced by the ``real`` ones, and the ``changes``."""
+    return state._replace(
+        keys=write_slots(state.keys, k, slot),
+        values=write_slots(state.values, v, slot),
+        sink_keys=write_slots(state.sink_keys, k, sink_slot),
+        sink_values=write_slots(state.sink_values, v, sink_slot),
+        length=state.length + real.sum(1),
+        **changes,
+    )
+
+
+def attend_chunk(q, k, v, positions, state: SelectState, scale: float, rule: Selection):
+    """The new tokens at ``positions [B, T]`` read ``chunk_read_set`` in one masked softmax; their
+    attention is added to the scores of what they read (``observes``) and their keys, values and
+    scores are written: ``(out, state)``. No decision: the caller makes the boundary's."""
+    real, allowed, all_keys, all_values = chunk_read_set(q, k, v, positions, state, rule)
     p = masked_softmax(scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys), allowed[:, :, None])
     out = p @ all_values[:, :, None]
     gained = torch.einsum("bhgtn,bt->bhn", p, observes(positions, rule).to(p.dtype))  # sigma_j += ...
     _, from_selected, from_ring, from_new = gained.split([rule.sinks, rule.keep, rule.ring, q.shape[3]], dim=2)
-
-    slot = torch.where(real, positions % rule.ring, -1)  # token n goes to ring slot n mod (W + C - 1)
-    sink_slot = torch.where(real & (positions < rule.sinks), positions, -1)
-    scores = write_slots((scores + from_ring)[..., None], from_new[..., None], slot)[..., 0]
-    state = (
-        write_slots(keys, k, slot),
-        write_slots(values, v, slot),
-        scores,
-        write_slots(sink_keys, k, sink_slot),
-        write_slots(sink_values, v, sink_slot),
-        selected_keys,
-        selected_values,
-        selected_scores + from_selected,
-        selected_positions,
-        length + real.sum(1),
-    )
-    return out, state
+    slot, sink_slot = token_slots(positions, real, rule)
+    scores = write_slots((state.scores + from_ring)[..., None], from_new[..., None], slot)[..., 0]
+    selected_scores = state.selected_scores + from_selected
+    return out, with_tokens_written(state, k, v, real, slot, sink_slot, scores=scores, selected_scores=selected_scores)
 
 
 def pooled_merit(candidates, held, held_scores, rule: Selection) -> torch.Tensor:
@@ -313,66 +318,74 @@ def pooled_merit(candidates, held, held_scores, rule: Selection) -> torch.Tensor
     return held_scores[:, :, None].masked_fill(~near, float("-inf")).amax(-1)
 
 
-def select_at_boundary(state, deciding: torch.Tensor, rule: Selection):
-    """The decision at boundary p = ``length`` for the rows ``deciding [B]``: the K selected and the C
-    tokens leaving the recent set, (p - C - W, p - W] less the sinks, compete; the K of highest
-    merit stay, in position order (empty slots first, zeros); with ``snapkv`` every score restarts."""
-    (
-        keys,
-        values,
-        scores,
-        sink_keys,
-        sink_values,
-        selected_keys,
-        selected_values,
-        selected_scores,
-        selected_positions,
-        length,
-    ) = state
-    batch, num_kv_heads = keys.shape[:2]
+def boundary_candidates(length, selected_positions, rule: CacheLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidates at boundary p = ``length``, the K selected then the C tokens leaving the recent
+    set, (p - C - W, p - W] less the sinks: ``(their positions [B, Hkv, K + C] (-1: none), the
+    leaving tokens' ring slots [B, Hkv, C])``."""
+    num_kv_heads = selected_positions.shape[1]
     leaving = length[:, None] - rule.window - rule.chunk + 1 + torch.arange(rule.chunk, device=length.device)
     leaving = torch.where(leaving >= rule.sinks, leaving, -1)  # [B, C]
     slot = (leaving.clamp_min(0) % rule.ring)[:, None].expand(-1, num_kv_heads, -1)
-    candidates = torch.cat([selected_positions, leaving[:, None].expand(-1, num_kv_heads, -1)], dim=2)
-    candidate_scores = torch.cat([selected_scores, scores.gather(2, slot)], dim=2)
-    if rule.pool > 1:  # neighbours: the selected and every ring token but the sinks (the ring holds (p - W - C, p))
-        ring = ring_index(length, rule.ring)[:, None].expand(-1, num_kv_heads, -1)
-        held = torch.cat([selected_positions, torch.where(ring >= rule.sinks, ring, -1)], dim=2)
-        merit = pooled_merit(candidates, held, torch.cat([selected_scores, scores], dim=2), rule)
-    else:
-        merit = candidate_scores
+    return torch.cat([selected_positions, leaving[:, None].expand(-1, num_kv_heads, -1)], dim=2), slot
+
+
+def candidate_entries(selected: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """The candidates' entries ``[B, Hkv, K + C, d]``: the ``selected`` ones, then the leaving tokens'
+    from the ``ring`` at ``slot``."""
+    return torch.cat([selected, ring.gather(2, slot[..., None].expand(-1, -1, -1, ring.shape[3]))], dim=2)
+
+
+def best_candidates(candidates: torch.Tensor, merit: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``keep`` candidates of highest ``merit`` (ties: the newer token; none where the position
+    is -1), in position order, empty first: ``(their index among the candidates, their positions)``,
+    each ``[B, Hkv, K]``."""
     merit = merit.masked_fill(candidates < 0, float("-inf"))
-    # the K of highest merit, ties to the newer token: a stable sort by merit of the newest-first order
+    # a stable sort by merit of the newest-first order
     newest_first = candidates.argsort(dim=2, descending=True, stable=True)
     by_merit = merit.gather(2, newest_first).argsort(dim=2, descending=True, stable=True)
-    best = newest_first.gather(2, by_merit[..., : rule.keep])
+    best = newest_first.gather(2, by_merit[..., :keep])
     best = best.gather(2, candidates.gather(2, best).argsort(dim=2, stable=True))  # in position order
-    kept_positions = candidates.gather(2, best)
+    return best, candidates.gather(2, best)
+
+
+def chosen_entries(entries, best, kept, deciding, old) -> torch.Tensor:
+    """The selected entries after the decision: the ``best`` of the candidates' ``entries [B, Hkv, K +
+    C, d]`` (zeros where none is ``kept``) in the rows ``deciding``, ``old`` in the others."""
+    chosen = entries.gather(2, best[..., None].expand(-1, -1, -1, entries.shape[3]))
+    return decided(deciding, torch.where(kept[..., None], chosen, 0).to(old.dtype), old)
+
+
+def decided(deciding: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` in the rows ``deciding [B]``, at a boundary; the others keep ``old``."""
+    return torch.where(deciding.view(-1, *[1] * (new.dim() - 1)), new, old)
+
+
+def select_at_boundary(state: SelectState, deciding: torch.Tensor, rule: Selection) -> SelectState:
+    """The decision at boundary p = ``length`` for the rows ``deciding [B]``: the K selected and the C
+    tokens leaving the recent set compete (``boundary_candidates``); the K of highest merit stay, in
+    position order (empty slots first, zeros); with ``snapkv`` every score restarts."""
+    candidates, slot = boundary_candidates(state.length, state.selected_positions, rule)
+    candidate_scores = torch.cat([state.selected_scores, state.scores.gather(2, slot)], dim=2)
+    if rule.pool > 1:  # neighbours: the selected and every ring token but the sinks (the ring holds (p - W - C, p))
+        ring = ring_index(state.length, rule.ring)[:, None].expand(-1, candidates.shape[1], -1)
+        held = torch.cat([state.selected_positions, torch.where(ring >= rule.sinks, ring, -1)], dim=2)
+        merit = pooled_merit(candidates, held, torch.cat([state.selected_scores, state.scores], dim=2), rule)
+    else:
+        merit = candidate_scores
+    best, kept_positions = best_candidates(candidates, merit, rule.keep)
     kept = kept_positions >= 0
-    kept_scores = torch.where(kept, candidate_scores.gather(2, best), 0.0)
+    scores, kept_scores = state.scores, torch.where(kept, candidate_scores.gather(2, best), 0.0)
     if rule.policy == "snapkv":  # the next decision weighs the next chunk's observation window alone
         scores, kept_scores = torch.zeros_like(scores), torch.zeros_like(kept_scores)
 
-    def keep(selected: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
-        leaving_entries = ring.gather(2, slot[..., None].expand(-1, -1, -1, ring.shape[3]))
-        chosen = torch.cat([selected, leaving_entries], dim=2)
-        chosen = chosen.gather(2, best[..., None].expand(-1, -1, -1, ring.shape[3]))
-        return torch.where(kept[..., None], chosen, 0).to(selected.dtype)
-
-    def decided(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:  # rows not at a boundary keep theirs
-        return torch.where(deciding.view(batch, *[1] * (new.dim() - 1)), new, old)
-
-    return (
-        keys,
-        values,
-        decided(scores, state[2]),
-        sink_keys,
-        sink_values,
-        decided(keep(selected_keys, keys), selected_keys),
-        decided(keep(selected_values, values), selected_values),
-        decided(kept_scores, selected_scores),
-        decided(kept_positions, selected_positions),
-        length,
+    candidate_keys = candidate_entries(state.selected_keys, state.keys, slot)
+    candidate_values = candidate_entries(state.selected_values, state.values, slot)
+    return state._replace(
+        scores=decided(deciding, scores, state.scores),
+        selected_keys=chosen_entries(candidate_keys, best, kept, deciding, state.selected_keys),
+        selected_values=chosen_entries(candidate_values, best, kept, deciding, state.selected_values),
+        selected_scores=decided(deciding, kept_scores, state.selected_scores),
+        selected_positions=decided(deciding, kept_positions, state.selected_positions),
     )
 
 
@@ -401,32 +414,43 @@ def put_back(outs: list[torch.Tensor], place: torch.Tensor, mask: torch.Tensor) 
     return torch.where(mask[:, None, None, :, None], out.gather(3, index), 0.0)
 
 
-def chunk_select_attn(q, k, v, mask, *state, scale: float, rule: Selection):
-    """A prefill: the tokens laid out by each row's absolute position (a run of whole chunks, the
-    first continuing the chunk the state ended in), then per chunk ``attend_chunk`` and the
-    boundary's decision for the rows that complete it. Padding queries give 0."""
-    chunk = rule.chunk
-    laid_q, laid_k, laid_v, positions, place = lay_out(q, k, v, mask, state[-1], chunk)
+def chunk_by_position(attend, decide, q, k, v, mask, state, chunk: int):
+    """A prefill of a cache of this layout: the tokens laid out by each row's absolute position (a
+    run of whole chunks, the first continuing the chunk the state ended in), then per chunk
+    ``attend(q, k, v, positions, state) -> (out, state)`` and, where ``decide`` is given,
+    ``decide(state, deciding)`` for the rows that complete it. Padding queries give 0."""
+    laid_q, laid_k, laid_v, positions, place = lay_out(q, k, v, mask, state.length, chunk)
     outs = []
     for start in range(0, positions.shape[1], chunk):
         span = slice(start, start + chunk)
-        out, state = attend_chunk(
-            laid_q[:, :, :, span], laid_k[:, :, span], laid_v[:, :, span], positions[:, span], state, scale, rule
-        )
+        out, state = attend(laid_q[:, :, :, span], laid_k[:, :, span], laid_v[:, :, span], positions[:, span], state)
         outs.append(out)
-        deciding = (positions[:, span] >= 0).any(1) & (state[-1] % chunk == 0)
-        if rule.keep and may_decide(deciding):
-            state = select_at_boundary(state, deciding, rule)
+        deciding = (positions[:, span] >= 0).any(1) & (state.length % chunk == 0)
+        if decide is not None and may_decide(deciding):
+            state = decide(state, deciding)
     return put_back(outs, place, mask), *state
 
 
-def step_select_attn(q, k, v, mask, *state, scale: float, rule: Selection):
-    """One decode token: ``attend_chunk`` of one query, then the decision where it ends a chunk."""
-    out, state = attend_chunk(q, k, v, torch.where(mask, state[-1][:, None], -1), state, scale, rule)
-    deciding = mask[:, 0] & (state[-1] % rule.chunk == 0)
-    if rule.keep and may_decide(deciding):
-        state = select_at_boundary(state, deciding, rule)
+def step_by_position(attend, decide, q, k, v, mask, state, chunk: int):
+    """One decode token of a cache of this layout: ``attend`` of one query, then ``decide`` where it
+    ends a chunk (as ``chunk_by_position``)."""
+    out, state = attend(q, k, v, torch.where(mask, state.length[:, None], -1), state)
+    deciding = mask[:, 0] & (state.length % chunk == 0)
+    if decide is not None and may_decide(deciding):
+        state = decide(state, deciding)
     return out, *state
+
+
+def chunk_select_attn(q, k, v, mask, *state, scale: float, rule: Selection):
+    """A prefill: ``chunk_by_position`` of ``attend_chunk`` and (with tokens to select) ``select_at_boundary``."""
+    attend, decide = partial(attend_chunk, scale=scale, rule=rule), partial(select_at_boundary, rule=rule)
+    return chunk_by_position(attend, decide if rule.keep else None, q, k, v, mask, SelectState(*state), rule.chunk)
+
+
+def step_select_attn(q, k, v, mask, *state, scale: float, rule: Selection):
+    """One decode token: ``step_by_position`` of ``attend_chunk`` and (with tokens to select) ``select_at_boundary``."""
+    attend, decide = partial(attend_chunk, scale=scale, rule=rule), partial(select_at_boundary, rule=rule)
+    return step_by_position(attend, decide if rule.keep else None, q, k, v, mask, SelectState(*state), rule.chunk)
 
 
 # --------------------------------------------------------------------------- the cell
@@ -445,18 +469,7 @@ class SelectCell(Cell):
     """
 
     target = "select"
-    state_names = (
-        "keys",
-        "values",
-        "scores",
-        "sink_keys",
-        "sink_values",
-        "selected_keys",
-        "selected_values",
-        "selected_scores",
-        "selected_positions",
-        "length",
-    )
+    state_names = SelectState._fields
 
     def __init__(
         self,

@@ -22,9 +22,10 @@ it was. A sink still inside the window is counted once, as a window key.
 Forms, all computing the same thing (tests hold them to ``naive_recurrent_window_attn``):
 
 - ``naive_recurrent_*``: a plain loop over tokens, the softmax key by key with the (m, u, w)
-  recurrence of docs/math.md §Softmax attention as an RNN; the ground truth.
+  recurrence of docs/math.md §Softmax attention as an RNN (``naive_window_read``, which the hybrid's
+  loop shares); the ground truth.
 - ``parallel_*``: one masked quadratic softmax over sinks + ring + new tokens.
-- ``chunk_*``: the parallel form over blocks of queries; the prefill path, except for
+- ``chunk_*``: the parallel form over blocks of queries (``by_chunks``); the prefill path, except for
 - ``prompt_window_attn``: a whole unpadded prompt from the empty state, every block of queries at
   once over its band of keys, the state written from the prompt's tail (the hybrid's prompt too).
 - ``step_*``: one token; ``write_step`` writes it into its ring slot and ``read_held`` reads sinks +
@@ -85,37 +86,53 @@ def masked_softmax_attention(
 # --------------------------------------------------------------------------- the forms
 
 
+def naive_ring_write(b: int, key, value, keys, values, sink_keys, sink_values, length) -> int:
+    """The naive loops' write of row b's next real token (``key``, ``value`` ``[Hkv, d]``), in place:
+    token n = ``length[b]`` into ring slot n mod R (R the ring's slots) and, while n < S, sink slot
+    n; ``length[b]`` advances. Returns n."""
+    n = int(length[b])
+    slot = n % keys.shape[2]
+    keys[b, :, slot], values[b, :, slot] = key, value
+    if n < sink_keys.shape[2]:
+        sink_keys[b, :, n], sink_values[b, :, n] = key, value
+    length[b] += 1
+    return n
+
+
+def naive_window_read(q, keys, values, sink_keys, sink_values, length, scale: float, terms: ScoreTerms | None = None):
+    """One query per row ``q [B, Hkv, G, d]``, the row's last token read, over what the window holds
+    for it: the (m, u, w) recurrence one key at a time over the sinks no longer in the ring, then the
+    ring, with per row whether it attends to each; ``terms``' sinks merged in last. Returns ``(m, u
+    [B, Hkv, G], w [B, Hkv, G, d_v])``."""
+    window, sinks = keys.shape[2], sink_keys.shape[2]
+    slots = ring_index(length, window)
+    # the held keys with, per row, whether the query attends to them and their token index
+    held = [(sink_keys[:, :, j], sink_values[:, :, j], j < length - window, j) for j in range(sinks)]
+    held += [(keys[:, :, s], values[:, :, s], s < length, slots[:, s]) for s in range(window)]
+    m, u, w = online_softmax_init(q, q.shape[:3], values.shape[-1])
+    for key, value, attended, index in held:
+        s = scale * (q * key[:, :, None].float()).sum(-1)
+        if terms is not None:
+            distance = torch.as_tensor(index, device=q.device) - (length - 1)
+            s = terms.scores(s[..., None, None], distance.reshape(-1, 1, 1, 1, 1))[..., 0, 0]
+        s = torch.where(attended[:, None, None], s, float("-inf"))
+        m, u, w = online_softmax_update(m, u, w, s[..., None], value[:, :, None].float())
+    if terms is not None:
+        m, u, w = (x[:, :, :, None] for x in (m, u, w))  # [B, Hkv, G, 1]: the layout of the terms
+        m, u, w = (x[:, :, :, 0] for x in terms.finish(m, u, w))
+    return m, u, w
+
+
 def naive_recurrent_window_attn(
     q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float, terms: ScoreTerms | None = None
 ):
-    batch, _, _, steps, _ = q.shape
-    window, sinks = keys.shape[2], sink_keys.shape[2]
     keys, values, sink_keys, sink_values, length = (t.clone() for t in (keys, values, sink_keys, sink_values, length))
     outs = []
-    for t in range(steps):
-        for b in range(batch):
-            if not mask[b, t]:
-                continue  # padding: the state stays as it was
-            n = int(length[b])
-            keys[b, :, n % window], values[b, :, n % window] = k[b, :, t], v[b, :, t]
-            if n < sinks:
-                sink_keys[b, :, n], sink_values[b, :, n] = k[b, :, t], v[b, :, t]
-            length[b] += 1
-        # the held keys with, per row, whether query t attends to them and their token index
-        slots = ring_index(length, window)
-        held = [(sink_keys[:, :, j], sink_values[:, :, j], j < length - window, j) for j in range(sinks)]
-        held += [(keys[:, :, s], values[:, :, s], s < length, slots[:, s]) for s in range(window)]
-        m, u, w = online_softmax_init(q, q.shape[:3], values.shape[-1])  # [B, Hkv, G]
-        for key, value, attended, index in held:
-            s = scale * (q[:, :, :, t] * key[:, :, None].float()).sum(-1)
-            if terms is not None:  # the query is the row's last token read
-                distance = torch.as_tensor(index, device=q.device) - (length - 1)
-                s = terms.scores(s[..., None, None], distance.reshape(-1, 1, 1, 1, 1))[..., 0, 0]
-            s = torch.where(attended[:, None, None], s, float("-inf"))
-            m, u, w = online_softmax_update(m, u, w, s[..., None], value[:, :, None].float())
-        if terms is not None:
-            m, u, w = (x[:, :, :, None] for x in (m, u, w))  # [B, Hkv, G, 1]: the layout of the terms
-            m, u, w = (x[:, :, :, 0] for x in terms.finish(m, u, w))
+    for t in range(q.shape[3]):
+        for b in range(q.shape[0]):
+            if mask[b, t]:  # padding leaves the state as it was
+                naive_ring_write(b, k[b, :, t], v[b, :, t], keys, values, sink_keys, sink_values, length)
+        _, u, w = naive_window_read(q[:, :, :, t], keys, values, sink_keys, sink_values, length, scale, terms)
         outs.append(readout(u, w))
     return torch.stack(outs, dim=3), keys, values, sink_keys, sink_values, length
 
@@ -138,27 +155,25 @@ def parallel_window_attn(
     return out, *window_write(k, v, mask, keys, values, sink_keys, sink_values, length)
 
 
-def chunk_window_attn(
-    q,
-    k,
-    v,
-    mask,
-    keys,
-    values,
-    sink_keys,
-    sink_values,
-    length,
-    scale: float,
-    block_size: int = 64,
-    terms: ScoreTerms | None = None,
-):
-    state, outs = (keys, values, sink_keys, sink_values, length), []
-    for start in range(0, q.shape[3], block_size):
-        end = start + block_size
-        chunk = (q[:, :, :, start:end], k[:, :, start:end], v[:, :, start:end], mask[:, start:end])
-        out, *state = parallel_window_attn(*chunk, *state, scale, terms)
+def by_chunks(parallel_form, q, k, v, mask, state, chunk_size: int, *options):
+    """``parallel_form(q, k, v, mask, *state, *options) -> (out, *new_state)`` run over blocks of
+    ``chunk_size`` queries, each block from the state the one before left: the chunked forms of the
+    window family. Returns ``(out, *new_state)``."""
+    outs = []
+    for start in range(0, q.shape[3], chunk_size):
+        end = start + chunk_size
+        out, *state = parallel_form(
+            q[:, :, :, start:end], k[:, :, start:end], v[:, :, start:end], mask[:, start:end], *state, *options
+        )
         outs.append(out)
     return torch.cat(outs, dim=3), *state
+
+
+def chunk_window_attn(
+    q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float, block_size: int = 64, terms=None
+):
+    window_state = (keys, values, sink_keys, sink_values, length)
+    return by_chunks(parallel_window_attn, q, k, v, mask, window_state, block_size, scale, terms)
 
 
 def whole_prompt(mask: torch.Tensor, length: torch.Tensor) -> bool:
@@ -361,11 +376,13 @@ def scored_read(q, held_keys, held_values, empty, state, scale: float, terms: Sc
     return terms.readout(scores, held_values[:, :, None].float())
 
 
-def fused_window_attn_step(
-    q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float, backend: str = "auto"
-):
+def grouped_window_attn_step(q, k, v, mask, window_state, scale: float, backend: str, return_stats: bool = False):
+    """``rnnify.kernels.window_attn_step`` (which writes the sinks and the ring and reads them in one
+    kernel) on the cells' layout, one decode token with q ``[B, Hkv, G, 1, d]``: the op's ``(o [B, 1,
+    H, d_v], window_state)``, with ``return_stats`` then ``(m, u)`` ``[B, 1, H]``."""
     batch, num_kv_heads, group, _, head_dim = q.shape  # T == 1; the op takes [B, 1, heads, d]
-    out, state = kernels.window_attn_step(
+    keys, values, sink_keys, sink_values, length = window_state
+    return kernels.window_attn_step(
         q.reshape(batch, 1, num_kv_heads * group, head_dim),
         k.transpose(1, 2),
         v.transpose(1, 2),
@@ -376,9 +393,16 @@ def fused_window_attn_step(
         sink_values,
         mask,
         scale,
+        return_stats=return_stats,
         backend=backend,
     )
-    return out.reshape(batch, num_kv_heads, group, 1, -1), *state
+
+
+def fused_window_attn_step(
+    q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float, backend: str = "auto"
+):
+    out, state = grouped_window_attn_step(q, k, v, mask, (keys, values, sink_keys, sink_values, length), scale, backend)
+    return out.reshape(*q.shape[:4], -1), *state
 
 
 # --------------------------------------------------------------------------- the cell

@@ -1,8 +1,9 @@
 """The ``rnnify`` command: convert, verify, generate, chat, inspect, compile, bench, evaluate and distil
 recurrent models.
 
-Each command is a module here whose ``add(commands)`` registers it with its handler ``run`` and the
-function that adds its arguments; ``common`` holds what several share. A command's arguments are
+Each command is a module here, named as the command, with its ``HELP`` and ``DESCRIPTION``, the
+function ``add_arguments`` that adds its arguments and its handler ``run`` (``common.add_command``
+registers it); ``common`` holds what several share. A command's arguments are
 added only when that command runs (``arguments.Command``), from names and defaults that
 ``rnnify.choices`` states without torch, and torch, transformers, rich and the rnnify modules that
 need them are imported inside the handlers, so ``rnnify COMMAND --help`` and a mistyped flag answer
@@ -33,6 +34,7 @@ from rnnify.cli import (
     verify,
 )
 from rnnify.cli.common import (
+    add_command,
     one_line_warnings,
     quiet_transformers,
     torch_threads,
@@ -69,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=arguments.Command)
     for command in COMMANDS:
-        command.add(commands)
+        add_command(commands, command)
     return parser
 
 

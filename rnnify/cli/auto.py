@@ -14,24 +14,21 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 
+_KEYWORDS = {"state_budget": "budget", "at_context": "context", "calib_passkey": "passkey"}  # flag's dest -> keyword
+
+
 def add_auto_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of ``--to auto``, in their own help group; their defaults are ``rnnify.auto``'s and are
-    recorded as ``args.auto_defaults``, so that ``no_auto_flags`` can tell which were given."""
-    from rnnify.choices import (
-        AUTO_CONTEXT,
-        AUTO_SINKS,
-        AUTO_WINDOW,
-        CALIB_LEN,
-        CALIB_PASSKEY,
-        CALIB_ROWS,
-        DEFAULT_SCORE,
-        SCORES,
-    )
+    """The flags of ``--to auto``, in their own help group: each gives the keyword of
+    ``rnnify.auto.auto_convert`` it is named as (``_KEYWORDS`` where it is named otherwise), its default
+    that function's; recorded as ``args.auto_defaults``, so that ``no_auto_flags`` can tell which were
+    given and ``convert_auto`` pass them on."""
+    from rnnify import choices  # the streaming heads' defaults, for the group's title
+    from rnnify.choices import AUTO_CONTEXT, CALIB_LEN, CALIB_PASSKEY, CALIB_ROWS, DEFAULT_SCORE, SCORES
 
     g = p.add_argument_group(
         f"--to auto: which kind each kv head gets, exact, a long window or a "
         "selection cache (the rest stream: "
-        f"--window, default {AUTO_WINDOW}, with --sinks, default {AUTO_SINKS}; with --memory NAME "
+        f"--window, default {choices.AUTO_WINDOW}, with --sinks, default {choices.AUTO_SINKS}; with --memory NAME "
         "hybrids of that window and memory)"
     )
     flags = [
@@ -112,9 +109,9 @@ def no_auto_flags(args: argparse.Namespace) -> None:
         raise RnnifyError(f"--{given[0].replace('_', '-')} applies to --to auto only")
 
 
-def check_auto(args: argparse.Namespace, keep) -> None:
+def check_auto(args: argparse.Namespace) -> None:
     """What --to auto refuses or needs, before anything loads."""
-    if args.layers or keep or args.distill:
+    if args.layers or args.keep_softmax or args.distill:
         raise RnnifyError(
             "--to auto chooses every layer's heads itself: it takes --window, --sinks, --memory and the "
             "memory's cell options, not --layers, --keep-softmax or --distill"
@@ -143,25 +140,13 @@ def convert_auto(args: argparse.Namespace, options: dict):
     streaming = {name: options[name] for name in ("window", "sinks") if name in options}
     return auto_convert(
         args.model,
-        args.data,
-        budget=args.state_budget,
-        context=args.at_context,
-        max_kl=args.max_kl,
-        score=args.score,
-        calib_len=args.calib_len,
-        calib_rows=args.calib_rows,
-        passkey=args.calib_passkey,
-        per_layer=args.per_layer,
-        retrieval_window=args.retrieval_window,
-        retrieval_keep=args.retrieval_keep,
-        levels=args.levels,
         memory=options.get("memory"),
-        scores_from=args.scores_from,
         memory_options={k: v for k, v in options.items() if k not in ("window", "sinks", "memory")},
         dtype=args.dtype,
         kernels=args.kernels,
         progress=True,
         **streaming,
+        **{_KEYWORDS.get(dest, dest): getattr(args, dest) for dest in args.auto_defaults},
     )
 
 

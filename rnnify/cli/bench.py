@@ -7,13 +7,11 @@ import argparse
 from typing import TYPE_CHECKING
 
 from rnnify.cli.common import (
-    add_command,
     add_device_flag,
     add_dir,
     add_dtype_flag,
     add_kernels_flag,
     check_writable,
-    device,
     int_list,
     load,
     nbytes,
@@ -25,22 +23,17 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 
-def add(commands: argparse._SubParsersAction) -> None:
-    add_command(
-        commands,
-        "bench",
-        run,
-        _arguments,
-        help="measure decode latency, memory and prefill time (and against the original with its KV cache)",
-        description="Time decode steps after each context length at each batch size, the state's bytes, "
-        "peak memory and prefill time of DIR, and with --against the same for the original model "
-        "decoding with transformers' KV cache; and the batch-1 limit set by reading the weights at the "
-        "memory bandwidth measured here (rnnify.bench.benchmark). See docs/performance.md for how "
-        "contexts are reached.",
-    )
+HELP = "measure decode latency, memory and prefill time (and against the original with its KV cache)"
+DESCRIPTION = (
+    "Time decode steps after each context length at each batch size, the state's bytes, "
+    "peak memory and prefill time of DIR, and with --against the same for the original model "
+    "decoding with transformers' KV cache; and the batch-1 limit set by reading the weights at the "
+    "memory bandwidth measured here (rnnify.bench.benchmark). See docs/performance.md for how "
+    "contexts are reached."
+)
 
 
-def _arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     from rnnify.choices import (
         BENCH_BATCHES,
         BENCH_CONTEXTS,
@@ -77,11 +70,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from rnnify.eval import write_json
 
     contexts, batches = int_list("--contexts", args.contexts), int_list("--batch", args.batch)
-    chosen = device(args.device)
     check_writable("--json", args.json)
     check_writable("--plot", args.plot)
     result = benchmark(
-        load(args, device=chosen),
+        load(args),
         contexts,
         batches,
         against=args.against,

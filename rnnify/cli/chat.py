@@ -7,8 +7,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from rnnify import arguments
-from rnnify.cli.common import add_command, add_dir, add_kernels_flag, load, nbytes
-from rnnify.cli.generate import add_sampling_flags
+from rnnify.cli.common import add_dir, add_kernels_flag, load, nbytes
+from rnnify.cli.generate import add_sampling_flags, sampling_options
 from rnnify.errors import RnnifyError
 
 if TYPE_CHECKING:
@@ -22,22 +22,17 @@ _RULES = {
 }
 
 
-def add(commands: argparse._SubParsersAction) -> None:
-    add_command(
-        commands,
-        "chat",
-        run,
-        _arguments,
-        help="chat with a converted model, its recurrent state carrying the conversation",
-        description="Read one user message per line from stdin, apply the chat template saved in DIR and "
-        "stream the reply. Each turn reads only its new tokens, continuing from the state after the "
-        "previous reply (history is never re-read); after each reply a dim line shows the tokens so far "
-        "and the state's size, constant for recurrent targets. /reset starts a new conversation; "
-        "Ctrl-D or Ctrl-C ends. Greedy unless --do-sample.",
-    )
+HELP = "chat with a converted model, its recurrent state carrying the conversation"
+DESCRIPTION = (
+    "Read one user message per line from stdin, apply the chat template saved in DIR and "
+    "stream the reply. Each turn reads only its new tokens, continuing from the state after the "
+    "previous reply (history is never re-read); after each reply a dim line shows the tokens so far "
+    "and the state's size, constant for recurrent targets. /reset starts a new conversation; "
+    "Ctrl-D or Ctrl-C ends. Greedy unless --do-sample."
+)
 
 
-def _arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     from rnnify.choices import CHAT_MAX_NEW_TOKENS
 
     add_dir(p, "converted model directory with a tokenizer and chat template")
@@ -61,22 +56,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     from rnnify.chat import Chat
     from rnnify.data import load_tokenizer
-    from rnnify.runtime.text import eos_ids
 
     model = load(args)
     tokenizer = load_tokenizer(args.dir, "chat needs the tokenizer and chat template of the source model in DIR")
-    chat = Chat(
-        model,
-        tokenizer,
-        system=args.system,
-        max_new_tokens=args.max_new_tokens,
-        do_sample=args.do_sample,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        eos_token_id=eos_ids(model, tokenizer) or None,
-        seed=args.seed,
-    )
+    chat = Chat(model, tokenizer, system=args.system, **sampling_options(args, model, tokenizer))
     interactive = sys.stdin.isatty()
     if interactive:
         console.print(Text("one message per line; /reset starts a new conversation; Ctrl-D ends", "dim"))

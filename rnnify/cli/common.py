@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from rnnify import arguments
@@ -39,23 +40,20 @@ def nbytes(n: float) -> str:
 # -- registering a command -------------------------------------------------------------------
 
 
-def add_command(
-    commands: argparse._SubParsersAction,
-    name: str,
-    run: Run,
-    arguments: Callable[[argparse.ArgumentParser], None],
-    computes: bool = True,
-    **kwargs: Any,
-) -> None:
-    """Register command ``name``: ``run`` handles it, ``arguments`` adds its arguments when it is used;
-    a command that ``computes`` also gets ``--threads``, which ``main`` applies before ``run``."""
+def add_command(commands: argparse._SubParsersAction, command: ModuleType) -> None:
+    """Register the command that module ``command`` defines, named as the module: ``HELP`` (its line in
+    ``rnnify --help``), ``DESCRIPTION``, ``add_arguments(p)``, which adds its arguments when it is used, and
+    ``run(args, console)``, which handles it. A command that computes (all but those whose ``COMPUTES``
+    is False) also gets ``--threads``, which ``main`` applies before ``run``."""
 
     def add(p: argparse.ArgumentParser) -> None:
-        arguments(p)
-        if computes:
+        command.add_arguments(p)
+        if getattr(command, "COMPUTES", True):
             _add_threads_flag(p)
 
-    commands.add_parser(name, arguments=add, **kwargs).set_defaults(run=run)
+    name = command.__name__.rpartition(".")[2]
+    parser = commands.add_parser(name, arguments=add, help=command.HELP, description=command.DESCRIPTION)
+    parser.set_defaults(run=command.run)
 
 
 def _add_threads_flag(p: argparse.ArgumentParser) -> None:
@@ -184,17 +182,29 @@ def add_trust_flags(p: argparse.ArgumentParser) -> None:
 
 
 def load(args: argparse.Namespace, **kwargs: Any):
-    """``rnnify.load`` of ``DIR`` as its flags say (``--kernels`` where the command has it)."""
+    """``rnnify.load`` of ``DIR`` as its flags say (``--kernels`` and ``--device`` where the command has
+    them), ``kwargs`` over them."""
     import rnnify
 
-    kernels = getattr(args, "kernels", None)
+    if "device" not in kwargs and hasattr(args, "device"):
+        kwargs["device"] = device(args.device)
     return rnnify.load(
         args.dir,
-        kernels=kernels,
+        kernels=getattr(args, "kernels", None),
         verify=args.verify,
         trust_compiled_step=args.trust_compiled_step,
         expected_digest=args.expect_digest,
         **kwargs,
+    )
+
+
+def add_data_flag(p: argparse.ArgumentParser) -> None:
+    """``--data``, the text a command reads (``rnnify.data.token_batches``)."""
+    p.add_argument(
+        "--data",
+        required=True,
+        metavar="PATH",
+        help='text file, folder of text files or .jsonl file with a "text" field per line',
     )
 
 

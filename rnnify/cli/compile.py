@@ -9,32 +9,27 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rnnify.choices import WORTH_COMPILING_BELOW
-from rnnify.cli.common import add_command, add_dir, load
+from rnnify.cli.common import add_dir, load
 from rnnify.errors import RnnifyError, RnnifyWarning, first_line
 
 if TYPE_CHECKING:
     from rich.console import Console
 
 
-def add(commands: argparse._SubParsersAction) -> None:
-    add_command(
-        commands,
-        "compile",
-        run,
-        _arguments,
-        help="compile DIR's decode step ahead of time, so every later load here decodes compiled (CPU)",
-        description="Compile the one-token step of DIR with AOTInductor, once, into this machine's step cache "
-        "($RNNIFY_CACHE, else $XDG_CACHE_HOME/rnnify, else ~/.cache/rnnify): rnnify.load (and every command) "
-        "then decodes with it on this CPU, with no compile in the process that decodes, for DIR and every "
-        "model of the same graph and weight shapes. rnnify convert and rnnify distill do this by default; this "
-        "command does it for a directory written with --no-compile, copied from another machine, or again "
-        "after a torch or rnnify upgrade. The package holds code only (the weights stay in DIR's weights file) "
-        "and fits any batch size. Takes tens of seconds and needs a C++ compiler. Not for exact layers of a "
-        "sliding-window model. See docs/performance.md.",
-    )
+HELP = "compile DIR's decode step ahead of time, so every later load here decodes compiled (CPU)"
+DESCRIPTION = (
+    "Compile the one-token step of DIR with AOTInductor, once, into this machine's step cache "
+    "($RNNIFY_CACHE, else $XDG_CACHE_HOME/rnnify, else ~/.cache/rnnify): rnnify.load (and every command) "
+    "then decodes with it on this CPU, with no compile in the process that decodes, for DIR and every "
+    "model of the same graph and weight shapes. rnnify convert and rnnify distill do this by default; this "
+    "command does it for a directory written with --no-compile, copied from another machine, or again "
+    "after a torch or rnnify upgrade. The package holds code only (the weights stay in DIR's weights file) "
+    "and fits any batch size. Takes tens of seconds and needs a C++ compiler. Not for exact layers of a "
+    "sliding-window model. See docs/performance.md."
+)
 
 
-def _arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dir(p)
     p.add_argument(
         "--ship",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from rnnify import arguments
 from rnnify.cli.auto import (
     add_auto_flags,
     check_auto,
@@ -14,7 +15,6 @@ from rnnify.cli.auto import (
     print_head_report,
 )
 from rnnify.cli.common import (
-    add_command,
     add_dtype_flag,
     add_output_flags,
     claims_output,
@@ -28,7 +28,6 @@ from rnnify.cli.distill import (
     train,
     training_options,
 )
-from rnnify.errors import RnnifyError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -36,19 +35,14 @@ if TYPE_CHECKING:
 _CELL_FLAGS = ("window", "sinks", "feature_map", "gate", "memory")  # first-class cell options; others via --option
 
 
-def add(commands: argparse._SubParsersAction) -> None:
-    add_command(
-        commands,
-        "convert",
-        run,
-        _arguments,
-        help="compile a Hugging Face causal LM (or GGUF file) into a recurrent model directory",
-        description="Load MODEL, capture its forward pass, replace every attention with a recurrent "
-        "cell and save the result to -o DIR (no pickle; loads without the source model).",
-    )
+HELP = "compile a Hugging Face causal LM (or GGUF file) into a recurrent model directory"
+DESCRIPTION = (
+    "Load MODEL, capture its forward pass, replace every attention with a recurrent "
+    "cell and save the result to -o DIR (no pickle; loads without the source model)."
+)
 
 
-def _arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     from rnnify.choices import (
         DEFAULT_DTYPE,
         DEFAULT_KERNELS,
@@ -82,7 +76,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         "'N-' runs to the last layer; later rules win)",
     )
     p.add_argument(
-        "--keep-softmax", metavar="LAYERS", help="comma-separated layers kept exact softmax attention, e.g. 0,3"
+        "--keep-softmax",
+        type=arguments.layer_list("--keep-softmax"),
+        metavar="LAYERS",
+        help="comma-separated layers kept exact softmax attention, e.g. 0,3",
     )
     p.add_argument(
         "--kernels",
@@ -145,13 +142,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     options.update(
         parse_options(args.option or [], lambda pair: f"--option {pair!r}: expected KEY=VALUE, e.g. chunk_size=128")
     )
-    keep = _parse_layer_list(args.keep_softmax) if args.keep_softmax else None
     training = training_options(args) if args.distill else None  # the flags' mistakes before converting
     stages = ["load", "capture", *(p.__name__ for p in PIPELINE), *(["distill"] if args.distill else []), "save"]
     stages = ["choose heads", "save"] if args.to == "auto" else stages  # auto converts while it chooses
     stages += ["decode step"] if args.compile_step is not False else []  # compiled, or why not
     if args.to == "auto":
-        check_auto(args, keep)
+        check_auto(args)
     else:
         no_auto_flags(args)
     report = None
@@ -164,7 +160,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 args.model,
                 to=args.to,
                 layers=args.layers,
-                keep_softmax=keep,
+                keep_softmax=args.keep_softmax or None,
                 dtype=args.dtype,
                 kernels=args.kernels,
                 progress=start,
@@ -195,10 +191,3 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.distill:
         drop_checkpoint(training["checkpoint_dir"], args.keep_checkpoints, console)
     return 0
-
-
-def _parse_layer_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise RnnifyError(f"--keep-softmax {text!r}: expected comma-separated layer indices, e.g. 0,3") from None

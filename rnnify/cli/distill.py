@@ -6,8 +6,9 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rnnify.choices import AUTO_ALL_MAX_PARAMETERS
 from rnnify.cli.common import (
-    add_command,
+    add_data_flag,
     add_device_flag,
     add_dir,
     add_kernels_flag,
@@ -24,34 +25,24 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 
-def add(commands: argparse._SubParsersAction) -> None:
-    from rnnify.choices import AUTO_ALL_MAX_PARAMETERS
-
-    up_to = f"{AUTO_ALL_MAX_PARAMETERS / 1e9:g}B parameters"  # --train auto: every weight up to it, LoRA above
-    add_command(
-        commands,
-        "distill",
-        run,
-        _arguments,
-        help=f"train a converted model towards its original: attention transfer, then fine-tuning of every weight "
-        f"(LoRA above {up_to})",
-        description="After LoLCATs' recipe (docs/distill.md): 'transfer' trains the cells' own parameters to "
-        "match the original softmax attention layer by layer; 'finetune' trains the cells and what --train says "
-        f"(by default every weight of a model up to {up_to}, and LoRA on the attention projections of a larger one, "
-        "merged into its weights at the end) on next-token loss and KL to the original model. Writes -o DIR; "
-        "checkpoints allow --resume. Runs under torchrun for data parallelism (--batch-size is the global batch), "
-        "with --fsdp sharding the weights per decoder layer.",
-    )
+_UP_TO = f"{AUTO_ALL_MAX_PARAMETERS / 1e9:g}B parameters"  # --train auto: every weight up to it, LoRA above
+HELP = (
+    "train a converted model towards its original: attention transfer, then fine-tuning of every weight "
+    f"(LoRA above {_UP_TO})"
+)
+DESCRIPTION = (
+    "After LoLCATs' recipe (docs/distill.md): 'transfer' trains the cells' own parameters to "
+    "match the original softmax attention layer by layer; 'finetune' trains the cells and what --train says "
+    f"(by default every weight of a model up to {_UP_TO}, and LoRA on the attention projections of a larger one, "
+    "merged into its weights at the end) on next-token loss and KL to the original model. Writes -o DIR; "
+    "checkpoints allow --resume. Runs under torchrun for data parallelism (--batch-size is the global batch), "
+    "with --fsdp sharding the weights per decoder layer."
+)
 
 
-def _arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dir(p)
-    p.add_argument(
-        "--data",
-        required=True,
-        metavar="PATH",
-        help='text file, folder of text files or .jsonl file with a "text" field per line',
-    )
+    add_data_flag(p)
     add_output_flags(p, "directory to write the distilled model to (DIR itself with --overwrite)")
     add_kernels_flag(p)
     add_compile_flag(p)
@@ -63,7 +54,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from rich.text import Text
 
     training = training_options(args)
-    model = load(args)  # on the CPU: distill moves it (or, under FSDP, its shards)
+    model = load(args, device="cpu")  # distill moves it to --device (or, under FSDP, its shards)
     if not train(model, args.data, args.teacher, training):
         return 0
     path = save(model, args.output)

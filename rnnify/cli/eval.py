@@ -7,12 +7,11 @@ import argparse
 from typing import TYPE_CHECKING
 
 from rnnify.cli.common import (
-    add_command,
+    add_data_flag,
     add_device_flag,
     add_dir,
     add_kernels_flag,
     check_writable,
-    device,
     int_list,
     load,
     nbytes,
@@ -26,30 +25,20 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 
-def add(commands: argparse._SubParsersAction) -> None:
-    add_command(
-        commands,
-        "eval",
-        run,
-        _arguments,
-        help="measure how close a converted model is to its original on text: perplexity, KL, per-layer error",
-        description="Read --data in rows of --seq-len tokens and report both models' perplexity, "
-        "KL(original || converted) per token, top-1 agreement, the state per sequence, and each layer's "
-        "attention error against softmax attention with the layer fed the original's activations.",
-    )
+HELP = "measure how close a converted model is to its original on text: perplexity, KL, per-layer error"
+DESCRIPTION = (
+    "Read --data in rows of --seq-len tokens and report both models' perplexity, "
+    "KL(original || converted) per token, top-1 agreement, the state per sequence, and each layer's "
+    "attention error against softmax attention with the layer fed the original's activations."
+)
 
 
-def _arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     from rnnify.choices import DEFAULT_SEQ_LEN, EVAL_BATCH_SIZE, PASSKEY_TRIALS, SEED
     from rnnify.probes import PROBES
 
     add_dir(p)
-    p.add_argument(
-        "--data",
-        required=True,
-        metavar="PATH",
-        help='text file, folder of text files or .jsonl file with a "text" field per line',
-    )
+    add_data_flag(p)
     p.add_argument(
         "--against",
         metavar="MODEL",
@@ -130,18 +119,17 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 raise RnnifyError(f"--passkey-probes {args.passkey_probes!r}: choose from {', '.join(PROBES)}")
     elif args.passkey_probes is not None:
         raise RnnifyError("--passkey-probes needs --passkey LENGTHS")
-    model = load(args, device=device(args.device))
+    model = load(args)
+    # both evaluations compare with the same original, read the same way
+    alike = {"against": args.against, "tokenizer": args.tokenizer, "cache": not args.no_cache, "progress": True}
     result = evaluate(
         model,
         args.data,
-        against=args.against,
+        layer_errors=not args.no_layer_errors,
         seq_len=args.seq_len,
         batch_size=args.batch_size,
         max_tokens=args.max_tokens,
-        tokenizer=args.tokenizer,
-        layer_errors=not args.no_layer_errors,
-        cache=not args.no_cache,
-        progress=True,
+        **alike,
     )
     passkey = None
     if lengths is not None:
@@ -153,12 +141,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
             lengths,
             trials=args.passkey_trials,
             seed=args.passkey_seed,
-            against=args.against,
-            tokenizer=args.tokenizer,
             probes=probes,
             text=read_text(args.data, PROSE_CHARS),
-            cache=not args.no_cache,
-            progress=True,
+            **alike,
         )
     summary = Table(
         box=box.SIMPLE_HEAD,

@@ -3,29 +3,24 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rnnify import arguments
-from rnnify.cli.common import add_command, add_dir, add_kernels_flag, load
+from rnnify.cli.common import add_dir, add_kernels_flag, load
 from rnnify.errors import RnnifyError
 
 if TYPE_CHECKING:
     from rich.console import Console
 
 
-def add(commands: argparse._SubParsersAction) -> None:
-    add_command(
-        commands,
-        "generate",
-        run,
-        _arguments,
-        help="generate text or token ids, streamed as they are produced",
-        description="Continue a prompt with the converted model, one recurrent step per token, printing "
-        "each token as it comes (the prompt first). Greedy unless --do-sample.",
-    )
+HELP = "generate text or token ids, streamed as they are produced"
+DESCRIPTION = (
+    "Continue a prompt with the converted model, one recurrent step per token, printing "
+    "each token as it comes (the prompt first). Greedy unless --do-sample."
+)
 
 
-def _arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     from rnnify.choices import MAX_NEW_TOKENS
 
     add_dir(p)
@@ -54,21 +49,25 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
         metavar="T",
         help="sampling temperature, > 0",
     )
-    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample only from the K most likely tokens")
+    p.add_argument("--top-k", type=int, metavar="K", help="sample only from the K most likely tokens")
     p.add_argument(
         "--top-p",
         type=float,
-        default=None,
         metavar="P",
         help="sample only from the smallest set of tokens whose probability adds up to P",
     )
     p.add_argument(
-        "--seed",
-        type=arguments.seed("--seed"),
-        default=None,
-        metavar="S",
-        help="seed for sampling, for repeatable output",
+        "--seed", type=arguments.seed("--seed"), metavar="S", help="seed for sampling, for repeatable output"
     )
+
+
+def sampling_options(args: argparse.Namespace, model, tokenizer) -> dict[str, Any]:
+    """The sampling flags as ``RecurrentModel.generate`` and ``Chat`` take them, with the ids that end a
+    reply: ``model``'s and ``tokenizer``'s end-of-sequence ids (``runtime.text.eos_ids``)."""
+    from rnnify.runtime.text import eos_ids
+
+    flags = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed")
+    return {**{name: getattr(args, name) for name in flags}, "eos_token_id": eos_ids(model, tokenizer) or None}
 
 
 class _IdStreamer:
@@ -103,8 +102,6 @@ def _parse_ids(text: str, vocab_size: int) -> list[int]:
 def run(args: argparse.Namespace, console: Console) -> int:
     import torch
 
-    from rnnify.runtime.text import eos_ids
-
     model = load(args)
     if args.ids is not None:
         tokenizer, streamer = None, _IdStreamer()
@@ -120,14 +117,6 @@ def run(args: argparse.Namespace, console: Console) -> int:
             raise RnnifyError("--prompt is empty: give some text")
         streamer = TextStreamer(tokenizer, skip_special_tokens=True)
     model.generate(
-        torch.tensor([ids], device=model.device),
-        args.max_new_tokens,
-        do_sample=args.do_sample,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        eos_token_id=eos_ids(model, tokenizer) or None,
-        seed=args.seed,
-        streamer=streamer,
+        torch.tensor([ids], device=model.device), streamer=streamer, **sampling_options(args, model, tokenizer)
     )
     return 0

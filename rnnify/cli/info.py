@@ -5,26 +5,21 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from rnnify.cli.common import add_command, add_dir, load, nbytes
+from rnnify.cli.common import add_dir, load, nbytes
 
 if TYPE_CHECKING:
     from rich.console import Console
 
 _LENGTHS = (1, 1024, 16384)  # context lengths at which the state size is shown
 
-
-def add(commands: argparse._SubParsersAction) -> None:
-    add_command(
-        commands,
-        "info",
-        run,
-        add_dir,
-        computes=False,
-        help="describe a converted model: source, target, positions, state size per layer",
-        description="Print what DIR holds: its source model, target cell and options, dtype, the versions "
-        "it was converted with, how it encodes positions, and the recurrent state per layer at "
-        f"{', '.join(map(str, _LENGTHS))} tokens.",
-    )
+HELP = "describe a converted model: source, target, positions, state size per layer"
+DESCRIPTION = (
+    "Print what DIR holds: its source model, target cell and options, dtype, the versions "
+    "it was converted with, how it encodes positions, and the recurrent state per layer at "
+    f"{', '.join(map(str, _LENGTHS))} tokens."
+)
+COMPUTES = False  # no --threads: it reads DIR and computes nothing
+add_arguments = add_dir
 
 
 def run(args: argparse.Namespace, console: Console) -> int:

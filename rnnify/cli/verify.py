@@ -6,26 +6,21 @@ import argparse
 from typing import TYPE_CHECKING
 
 from rnnify import arguments
-from rnnify.cli.common import add_command, add_kernels_flag, add_trust_flags
+from rnnify.cli.common import add_kernels_flag, add_trust_flags
 
 if TYPE_CHECKING:
     from rich.console import Console
 
 
-def add(commands: argparse._SubParsersAction) -> None:
-    add_command(
-        commands,
-        "verify",
-        run,
-        _arguments,
-        help="check that a converted model is consistent (and matches the original)",
-        description="Run the converted model on random tokens and compare: weights against the manifest "
-        "digest, token-by-token steps against one-shot prefill, a prefill split in two against one "
-        "shot, and with --against the original model's logits. Exits 1 if any check fails.",
-    )
+HELP = "check that a converted model is consistent (and matches the original)"
+DESCRIPTION = (
+    "Run the converted model on random tokens and compare: weights against the manifest "
+    "digest, token-by-token steps against one-shot prefill, a prefill split in two against one "
+    "shot, and with --against the original model's logits. Exits 1 if any check fails."
+)
 
 
-def _arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     from rnnify.choices import SEED, VERIFY_BATCH, VERIFY_TOKENS
 
     p.add_argument("dir", metavar="DIR", help="converted model directory")

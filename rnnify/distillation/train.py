@@ -34,7 +34,7 @@ from rnnify import choices
 from rnnify.cells import gate_parameters
 from rnnify.cells import parameters as cell_parameters
 from rnnify.choices import AUTO_ALL_MAX_PARAMETERS, DEFAULT_LR, DEFAULT_SCHEDULE, SCHEDULES, STAGES, TRAIN
-from rnnify.data import row_length, token_batches, tokenizer_for
+from rnnify.data import check_sizes, row_length, token_batches, tokenizer_for
 from rnnify.distillation.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, set_aside
 from rnnify.distillation.distributed import Runtime, setup
 from rnnify.distillation.lora import add_lora, lora_targets, merge_lora, unreached_weights
@@ -122,14 +122,9 @@ def distill(
     lrs = _per_stage("lr", stages, [DEFAULT_LR[s] for s in stages] if lr is None else lr)
     gate_scales = _per_stage("gate_lr_scale", stages, gate_lr_scale)
     seq_len = row_length(model, seq_len)  # before the teacher loads, and before the data is read
-    for name, value, low in (
-        ("batch_size", batch_size, 1),
-        ("checkpoint_every", checkpoint_every, 1),
-        ("lora_rank", lora_rank, 1),
-    ):
-        check_int(name, value, low, RnnifyError)
-    if max_tokens is not None:
-        check_int("max_tokens", max_tokens, 1, RnnifyError, " or None")
+    check_sizes(seq_len, batch_size, max_tokens)
+    check_int("checkpoint_every", checkpoint_every, 1, RnnifyError)
+    check_int("lora_rank", lora_rank, 1, RnnifyError)
     if train not in TRAIN:
         raise RnnifyError(f"train must be one of {', '.join(TRAIN)}, got {train!r}")
     if schedule not in SCHEDULES:

@@ -45,23 +45,9 @@ def variants(features=None):
             if feature not in ("identity", "performer") and K != 128 and (use_g, use_gk) != (True, False):
                 continue
             BF = 1 << (F - 1).bit_length()
-            c = dict(
-                H=8,
-                HKV=2,
-                G=4,
-                K=K,
-                F=F,
-                V=64,
-                BK=K,
-                BF=BF,
-                BV=common.value_block(BF, 64),
-                FEATURE=feature,
-                QUERY_SHIFT=feature == "performer",
-                USE_G=use_g,
-                USE_GK=use_gk,
-                USE_INITIAL_STATE=True,
-                USE_MASK=True,
-            )
+            sizes = dict(H=8, HKV=2, G=4, K=K, F=F, V=64, BK=K, BF=BF, BV=common.value_block(BF, 64))
+            flags = dict(USE_G=use_g, USE_GK=use_gk, USE_INITIAL_STATE=True, USE_MASK=True)
+            c = dict(**sizes, FEATURE=feature, QUERY_SHIFT=feature == "performer", **flags)
             yield fused_recurrent.fused_recurrent_linear_attn_fwd_kernel, la, c, {}
             BT = chunk.block_sizes(F, 64, use_gk)[0]
             c2 = {**c, "BT": BT, "PRECISION": "tf32"}
@@ -115,26 +101,7 @@ def variants(features=None):
     )
     yield (
         scan.aaren_scan_bwd_kernel,
-        dict(
-            s=P,
-            v=P,
-            m0=P,
-            u0=P,
-            w0=P,
-            do=P,
-            o=P,
-            dmt=P,
-            dwt=P,
-            dut=P,
-            ms=P,
-            us=P,
-            ds=P,
-            dv=P,
-            dm0=P,
-            du0=P,
-            dw0=P,
-            T="i32",
-        ),
+        {**dict.fromkeys("s v m0 u0 w0 do o dmt dwt dut ms us ds dv dm0 du0 dw0".split(), P), "T": "i32"},
         dict(B=2, H=4, D=64, BT=32, BD=64, USE_INITIAL_STATE=True),
         {},
     )
