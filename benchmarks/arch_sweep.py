@@ -4,11 +4,12 @@
         [-o benchmarks/results/arch_sweep.json]
 
 A job per ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` entry: a model of 2 layers, 64 wide, from the config
-class with every size-like attribute shrunk, ``rnnify.convert(model, to="exact")``, then prefill
+class with every size-like attribute shrunk (``arch_configs.build``), ``rnnify.convert(model, to="exact")``, then prefill
 (SEQ tokens) and prefill + STEPS steps against the original's forward (max abs diff / max abs of the
-reference). Status: exact (both within ``rnnify.verify.tolerance``), mismatch, refused (an
-``RnnifyError``), crash (any other exception), config (no tiny model builds or runs), timeout. Jobs
-``ARCH:TARGET[@DTYPE]`` convert the tiny llama and gpt2 of examples/make_tiny_model.py to each target
+reference). Jobs ``MODEL_TYPE@VARIANT`` build that model type in the layout of a released
+checkpoint its defaults do not build (``VARIANTS``: ``falcon@alibi``, Falcon-RW). Status: exact (both
+within ``rnnify.verify.tolerance``), mismatch, refused (an ``RnnifyError``), crash (any other
+exception), config (no tiny model builds or runs), timeout. Jobs ``ARCH:TARGET[@DTYPE]`` convert the tiny llama and gpt2 of examples/make_tiny_model.py to each target
 of ``rnnify.cells.CELLS``, through ``--to auto``, and in half precision (``approx``: not exact cells).
 Per converted model: its call_function targets as graph.json names them, with the types of their
 constant arguments and their str constants (the JSON holds the union), and ``serialize_error`` where
@@ -35,8 +36,6 @@ import torch
 import transformers
 from rich.console import Console
 from rich.table import Table
-from transformers import AutoModelForCausalLM, PretrainedConfig
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging
 
@@ -49,273 +48,11 @@ from rnnify.verify import tolerance
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-from make_tiny_model import make_tiny_model, tiny_config  # noqa: E402
+from make_tiny_model import make_tiny_model  # noqa: E402
 
-SEQ, STEPS, BATCH, VOCAB = 16, 8, 2, 256
+SEQ, STEPS, BATCH = 16, 8, 2
 
-# --------------------------------------------------------------------------- tiny configs
-# attribute -> value, set wherever a config (or sub-config) has it as an int
-SIZES = {
-    **dict.fromkeys(("vocab_size",), VOCAB),
-    **dict.fromkeys(
-        (
-            "hidden_size",
-            "d_model",
-            "n_embd",
-            "embed_dim",
-            "dim",
-            "model_dim",
-            "word_embed_proj_dim",
-            "hidden_size_global",
-            "lru_width",
-            "emb_dim",
-        ),
-        64,
-    ),
-    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"), 2),
-    **dict.fromkeys(
-        (
-            "num_attention_heads",
-            "n_head",
-            "n_heads",
-            "num_heads",
-            "decoder_attention_heads",
-            "attention_heads",
-            "swa_num_attention_heads",
-        ),
-        4,
-    ),
-    **dict.fromkeys(
-        (
-            "num_key_value_heads",
-            "num_kv_heads",
-            "n_kv_heads",
-            "kv_n_heads",
-            "multi_query_group_num",
-            "num_query_groups",
-            "swa_num_key_value_heads",
-        ),
-        2,
-    ),
-    **dict.fromkeys(
-        (
-            "head_dim",
-            "d_head",
-            "attention_head_dim",
-            "dim_head",
-            "kv_channels",
-            "attention_head_size",
-            "swa_head_dim",
-            "d_kv",
-            "v_head_dim",
-            "qk_head_dim",
-            "index_head_dim",
-        ),
-        16,
-    ),
-    **dict.fromkeys(
-        (
-            "intermediate_size",
-            "ffn_dim",
-            "n_inner",
-            "decoder_ffn_dim",
-            "ffn_hidden_size",
-            "d_ff",
-            "dff",
-            "intermediate_size_mlp",
-            "dense_intermediate_size",
-            "first_dense_intermediate_size",
-            "mlp_dim",
-            "feed_forward_size",
-            "dim_ff",
-            "d_inner",
-        ),
-        128,
-    ),
-    **dict.fromkeys(
-        (
-            "moe_intermediate_size",
-            "shared_expert_intermediate_size",
-            "shared_intermediate_size",
-            "moe_shared_expert_intermediate_size",
-            "expert_ffn_hidden_size",
-            "shared_experts_intermediate_size",
-            "mlp_only_intermediate_size",
-        ),
-        32,
-    ),
-    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
-    **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_top_k", "moe_topk"), 2),
-    **dict.fromkeys(("n_shared_experts", "num_shared_experts", "moe_num_shared_experts"), 1),
-    **dict.fromkeys(("n_group", "num_expert_group"), 2),
-    "topk_group": 1,
-    "first_k_dense_replace": 1,
-    "kv_lora_rank": 16,
-    "q_lora_rank": 32,
-    "o_lora_rank": 16,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
-    "rotary_dim": 8,
-    "index_n_heads": 2,
-    "index_num_heads": 2,
-    **dict.fromkeys(("linear_num_key_heads", "linear_num_heads"), 2),
-    "linear_num_value_heads": 4,
-    **dict.fromkeys(("linear_key_head_dim", "linear_value_head_dim", "linear_head_dim"), 16),
-    **dict.fromkeys(("state_size", "ssm_state_size", "mamba_d_state"), 8),
-    **dict.fromkeys(("mamba_n_heads", "mamba_num_heads", "n_mamba_heads"), 4),
-    **dict.fromkeys(("mamba_d_head", "mamba_head_dim", "mamba_headdim"), 32),
-    **dict.fromkeys(("n_groups", "mamba_n_groups", "mamba_ngroups"), 1),
-    "mamba_d_ssm": 128,
-    **dict.fromkeys(
-        (
-            "unpadded_vocab_size",
-            "vocab_size_per_layer_input",
-            "encoder_hash_byte_group_vocab",
-            "decoder_vocab_size",
-            "pronunciation_vocab_size",
-            "shape_vocab_size",
-        ),
-        VOCAB,
-    ),
-    **dict.fromkeys(("pronunciation_embed_dim", "shape_embed_dim"), 16),
-}
-# set even where the default is None (a None that the model code divides by or indexes with)
-SET_NONE = {"head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts", "n_shared_experts"}
-CAPS = {  # attribute -> upper bound, applied only where the default is larger
-    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_target_positions", "max_seq_len"), 128),
-    **dict.fromkeys(("sliding_window", "sliding_window_size", "attention_window_size", "attention_chunk_size"), 8),
-    "hidden_size_per_layer_input": 16,
-}
-# lists of layer indices (remapped to the layers kept; the others dropped), and per-layer lists whose values are indices
-INDEX_LISTS = {"index_layers", "mlp_only_layers", "moe_layers", "cross_attention_layers", "full_attn_idxs"}
-INDEX_VALUED = {"kv_source_layers"}
-# targets given a window (shorter than the 24 tokens compared) where they need one or have a longer default
-TARGET_OPTIONS = {target: {"window": 8} for target in ("window", "hybrid", "select", "lola")}
-SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-# per model type, set after the generic rules (the names listed in a layer-types list are kept too)
-SPECIAL: dict[str, dict] = {
-    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
-    "zamba": {
-        "num_hidden_layers": 4,
-        "attn_layer_period": 2,
-        "attn_layer_offset": 1,
-        "layers_block_type": ["linear_attention", "hybrid"] * 2,
-    },
-    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
-    "dots3_note_text": {"num_key_value_heads": 4, "head_dim": 16},
-    "dots3_note": {"num_key_value_heads": 4, "head_dim": 16, "adapter_in_dim": 64, "adapter_input_size": 64},
-    **dict.fromkeys(("musicgen", "musicgen_melody"), {"num_codebooks": 1}),
-    "mamba2": {"head_dim": 32},
-    "zaya": {"num_experts_per_tok": 1},
-    "reformer": {"is_decoder": True, "axial_pos_embds": False},
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
-    "gemma3n_text": {"num_kv_shared_layers": 0},
-    **dict.fromkeys(
-        ("gemma4_assistant", "gemma4_unified_assistant"),
-        {  # its defaults fail its own checks
-            "hidden_size_per_layer_input": 0,
-            "vocab_size_per_layer_input": 0,
-            "num_kv_shared_layers": 2,
-        },
-    ),
-    "qwen4_exp_text": {
-        "indexer_n_heads": 2,
-        "indexer_kv_heads": 1,
-        "indexer_head_dim": 16,
-        "indexer_budget": 8,
-        "indexer_compress_ratio": 4,
-    },
-    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
-}
-
-
-def _keep_layers(types: list) -> list[int]:
-    """Indices of the layers kept: the first of each distinct type (at most 4), then the first ones, 2 at least."""
-    keep = sorted({str(t): i for i, t in reversed(list(enumerate(types)))}.values())[:4]
-    keep += [i for i in range(len(types)) if i not in keep][: max(0, 2 - len(keep))]
-    return sorted(keep)
-
-
-def _tiny(values: dict, mla: bool) -> dict:
-    """One layer's ``per_layer_config`` entry with its sizes shrunk."""
-    out = {k: SIZES[k] if k in SIZES and isinstance(v, int) else v for k, v in values.items()}
-    if mla and "num_key_value_heads" in out:
-        out["num_key_value_heads"] = out.get("num_attention_heads", SIZES["num_attention_heads"])
-    return out
-
-
-def overrides(config, model_type: str) -> dict:
-    """Constructor arguments that make ``config`` (and its sub-configs) tiny: every size-like attribute set
-    (``SIZES``, ``CAPS``), per-layer lists cut to the layers kept, then ``SPECIAL[model_type]``."""
-    layers_before = next(
-        (
-            getattr(config, k)
-            for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
-            if isinstance(getattr(config, k, None), int)
-        ),
-        0,
-    )
-    lists = [k for k, v in vars(config).items() if isinstance(v, list) and len(v) == layers_before > 2]
-    typed = next(
-        (k for k in ("layer_types", "layers_block_type", "block_types", "attention_types") if k in lists),
-        lists[0] if lists else None,
-    )
-    keep = _keep_layers(getattr(config, typed)) if typed else None
-    out: dict = {}
-    for key, value in vars(config).items():
-        if isinstance(value, PretrainedConfig):
-            out[key] = {**value.to_diff_dict(), **overrides(value, model_type), "model_type": value.model_type}
-        elif isinstance(value, bool) or key.startswith("_"):
-            continue
-        elif key in SIZES and (isinstance(value, int) or (value is None and key in SET_NONE)):
-            out[key] = SIZES[key]
-        elif key in CAPS and isinstance(value, int) and value > CAPS[key]:
-            out[key] = CAPS[key]
-        elif key in SPECIAL_TOKENS and isinstance(value, (int, list)):
-            out[key] = SPECIAL_TOKENS[key]
-    mla = isinstance(out.get("kv_lora_rank"), int)
-    if mla:  # multi-head latent attention: head_dim is the rotary part, a kv head per head
-        out.update(head_dim=out.get("qk_rope_head_dim", 8), num_key_value_heads=out.get("num_attention_heads", 4))
-    if keep is not None:
-        new = {old: i for i, old in enumerate(keep)}
-        out.update({key: [getattr(config, key)[i] for i in keep] for key in lists})
-        out.update({k: [new[i] for i in out[k] if i in new] for k in INDEX_VALUED if k in out})
-        out.update({k: len(keep) for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if k in out})
-        for key, value in vars(config).items():
-            if key in INDEX_LISTS and isinstance(value, list):
-                out[key] = [new[i] for i in value if i in new]
-        per_layer = config.to_dict().get("per_layer_config")  # {"05": {"head_dim": 512}, ...}: layers unlike the rest
-        if isinstance(per_layer, dict):
-            out["per_layer_config"] = {new[int(k)]: _tiny(v, mla) for k, v in per_layer.items() if int(k) in new}
-    if hasattr(config, "is_decoder"):
-        out["is_decoder"] = True  # an encoder family's *ForCausalLM: what its own docs ask for, causal attention
-    return {**out, **SPECIAL.get(config.model_type, {}), **SPECIAL.get(model_type, {})}
-
-
-def build(model_type: str):
-    """(tiny random model in eval mode, its class name) for ``model_type``."""
-    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
-    config_class = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
-    model_class = getattr(transformers, class_name)
-    try:
-        default = config_class()
-    except Exception:  # noqa: BLE001  (a default that fails its own checks: the special values may mend it)
-        text = {"model_type": "gemma4_text", **SPECIAL[model_type]} if "assistant" in model_type else None
-        default = config_class(**({"text_config": text} if text else {}))
-    config = config_class(**overrides(default, model_type))
-    if not isinstance(config, model_class.config_class):  # e.g. Llama4ForCausalLM takes the text config
-        config = next((v for v in vars(config).values() if isinstance(v, model_class.config_class)), config)
-    torch.manual_seed(0)
-    model = model_class(config).eval()
-    if hasattr(model, "set_default_language"):  # X-MOD
-        model.set_default_language("en_XX")
-    return model, class_name
-
-
-def tiny_example(arch: str):
-    """Tiny ``arch`` (llama or gpt2) of ``examples/make_tiny_model.py``."""
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
+from arch_configs import TARGET_OPTIONS, VARIANTS, build, tiny_example  # noqa: E402
 
 
 # --------------------------------------------------------------------------- ops of a saved graph
@@ -410,7 +147,8 @@ def _logits(model, ids):
 
 
 def _convert(name: str):
-    """(source model, its conversion (a callable), class name) for job ``name``: MODEL_TYPE or ARCH:TARGET[@DTYPE]."""
+    """(source model, its conversion (a callable), class name) for job ``name``: MODEL_TYPE[@VARIANT] or
+    ARCH:TARGET[@DTYPE]."""
     if ":" not in name:
         model, class_name = build(name)
         return model, lambda: rnnify.convert(model, to="exact"), class_name
@@ -516,7 +254,7 @@ def run_isolated(name: str, timeout: float) -> dict:
 def all_jobs() -> list[str]:
     targets = [*CELLS, "auto", "auto-memory", "exact@bfloat16", "exact@float16"]
     extra = [f"{arch}:{target}" for arch in ("llama", "gpt2") for target in targets]
-    return [*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *extra]
+    return [*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *VARIANTS, *extra]
 
 
 def union(results: dict) -> dict:
@@ -553,6 +291,11 @@ def summary(results: dict, ops: dict) -> None:
     )
 
 
+def _cell_class(name: str):
+    """The rnnify cell class a result names (``SSDCell``), or None."""
+    return getattr(rnnify.cells, name, None)
+
+
 def markdown(sweep: dict) -> str:
     """The architectures page: one row per ``*ForCausalLM`` of transformers, its status and why."""
     results = {k: r for k, r in sweep["results"].items() if ":" not in k}
@@ -565,10 +308,14 @@ def markdown(sweep: dict) -> str:
         "Every causal language model class of transformers "
         f"{run['transformers']}, as a tiny random model (2 layers, 64 wide), converted with "
         '`rnnify.convert(model, to="exact")` and compared with the original, prefill and prefill + '
-        f"{sweep['steps']} steps (exact: within {sweep['tolerance']}). A refusal is one line saying why; "
+        f"{sweep['steps']} steps (exact: within {sweep['tolerance']}); a row `TYPE@VARIANT` is that type in "
+        "the layout of a released checkpoint its defaults do not build (`falcon@alibi`: Falcon-RW). "
+        "A refusal is one line saying why; "
         "nothing converts silently wrong. Written by `python benchmarks/arch_sweep.py` (the sweep, "
         "about 15 minutes) and `python benchmarks/arch_sweep.py --markdown docs/architectures.md` "
-        "(this page, from `benchmarks/results/arch_sweep.json`).",
+        "(this page, from `benchmarks/results/arch_sweep.json`). A hybrid's own recurrent layers "
+        "(short convolutions, Mamba scans, gated delta rules) stay as they are, their state carried with "
+        "the cells' ([math.md](math.md#state-space-layers)); the last column names them.",
         "",
         ", ".join(f"{s}: {n}" for s, n in counts.items() if n) + f" ({len(classes)} distinct classes exact).",
         "",
@@ -579,13 +326,19 @@ def markdown(sweep: dict) -> str:
         why = (r.get("message") or r.get("serialize_error") or "").replace("|", "\\|")
         if r.get("status") == "mismatch":
             why = f"relative error {r.get('errors')}"
+        own = sorted({cell.target for cell in map(_cell_class, r.get("cells", [])) if cell and cell.own_layer})
+        if r.get("status") == "exact" and own:
+            why = f"keeps its own {', '.join(own)} layers" + (f"; {why}" if why else "")
         lines.append(f"| `{name}` | {r.get('class') or ''} | {r.get('status')} | {why[:220]} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", help="comma-separated jobs (model types, or ARCH:TARGET) to (re)run, merged into -o")
+    parser.add_argument(
+        "--only",
+        help="comma-separated jobs (model types, MODEL_TYPE@VARIANT or ARCH:TARGET) to (re)run, merged into -o",
+    )
     parser.add_argument("--timeout", type=float, default=120, help="seconds per job (default: 120)")
     parser.add_argument("--workers", type=int, default=2, choices=(1, 2), help="jobs at once (default: 2)")
     parser.add_argument("-o", "--output", default=str(ROOT / "benchmarks/results/arch_sweep.json"))

@@ -181,9 +181,9 @@ def test_targets_that_cannot_compute_a_term_refuse_it(target, terms):
         build_cell(target, spec_with(terms), {"window": 4} if target in ("hybrid", "select") else {})
 
 
-def test_a_split_by_heads_refuses_terms():
-    groups = [{"kv_heads": [0], "target": "exact"}, {"kv_heads": [1], "target": "exact"}]
-    with pytest.raises(RnnifyError, match="target 'heads': cannot compute this attention's ALiBi position bias"):
+def test_a_split_by_heads_refuses_a_group_that_cannot_compute_the_terms():
+    groups = [{"kv_heads": [0], "target": "exact"}, {"kv_heads": [1], "target": "linear"}]
+    with pytest.raises(RnnifyError, match="target 'linear': cannot compute this attention's ALiBi position bias"):
         build_cell("heads", spec_with("alibi"), {"groups": groups})
 
 

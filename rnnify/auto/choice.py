@@ -153,10 +153,10 @@ class HeadReport:
 def one_head_bytes(
     spec: CellSpec,
     level: Level | None,
-    window: int,
-    sinks: int,
     context: int,
     dtype: torch.dtype,
+    window: int,
+    sinks: int,
     memory: str | None = None,
     memory_options: Options = None,
 ) -> int:
@@ -169,7 +169,7 @@ def one_head_bytes(
         target, options = streaming_target(window, sinks, memory, memory_options)
     else:
         target, options = level.target, level.cell_options(sinks)
-    return build_cell(target, part_spec(spec, 1), options).state_nbytes(context, 1, dtype)
+    return build_cell(target, part_spec(spec, [0]), options).state_nbytes(context, 1, dtype)
 
 
 def choose(

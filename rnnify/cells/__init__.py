@@ -1,10 +1,13 @@
 """Recurrent cells: one file per family, each with the equations it implements.
 
-``CELLS`` (``cells/registry.py``) maps a ``--to`` target name to its cell class. Two cells are not
-``--to`` targets, and ``build_cell`` builds them from their saved options too: ``HeadSplitCell``
-(``"heads"``) holds cells of those targets, one per group of kv heads (``--layers``'s
-``heads(...)``), and ``ShortConvCell`` (``"short_conv"``) carries a model's own short convolution
-layers, which stay as they are whatever the attention becomes.
+``CELLS`` (``cells/registry.py``) maps a ``--to`` target name to its cell class. Other cells are
+not ``--to`` targets, and ``build_cell`` builds them from their saved options too:
+``HeadSplitCell`` (``"heads"``) holds cells of those targets, one per group of kv heads
+(``--layers``'s ``heads(...)``), and the ``Cell.own_layer`` cells (``OWN_LAYERS``) carry a model's
+own recurrent layers, which stay as they are whatever the attention becomes: ``ShortConvCell``
+(``"short_conv"``), ``SSDCell`` (``"ssd"``, Mamba-2), ``SelectiveScanCell`` (``"selective_scan"``,
+Mamba-1), ``GatedDeltaRuleCell`` (``"gated_delta_rule"``, Gated DeltaNet) and
+``KimiDeltaAttentionCell`` (``"kda"``, Kimi Delta Attention).
 """
 
 from __future__ import annotations
@@ -15,27 +18,41 @@ from typing import Any
 from torch import nn
 
 from rnnify.cells.base import Cell, CellSpec
+from rnnify.cells.gated_delta import GatedDeltaRuleCell
 from rnnify.cells.heads import HeadSplitCell
+from rnnify.cells.kda import KimiDeltaAttentionCell
 from rnnify.cells.registry import CELLS, build_target_cell, construct
+from rnnify.cells.selective_scan import SelectiveScanCell
 from rnnify.cells.short_conv import ShortConvCell
+from rnnify.cells.ssd import SSDCell
 
 __all__ = [
     "CELLS",
     "Cell",
     "CellSpec",
+    "GatedDeltaRuleCell",
     "HeadSplitCell",
+    "KimiDeltaAttentionCell",
+    "OWN_LAYERS",
+    "SSDCell",
+    "SelectiveScanCell",
     "ShortConvCell",
     "build_cell",
     "gate_parameters",
     "parameters",
 ]
 
-_NOT_TARGETS: dict[str, type[Cell]] = {cls.target: cls for cls in (HeadSplitCell, ShortConvCell)}
+_NOT_TARGETS: dict[str, type[Cell]] = {
+    cls.target: cls
+    for cls in (HeadSplitCell, ShortConvCell, SSDCell, GatedDeltaRuleCell, KimiDeltaAttentionCell, SelectiveScanCell)
+}
+# targets of the cells that carry a model's own recurrent layers (``Cell.own_layer``), as manifests name them
+OWN_LAYERS = frozenset(target for target, cls in _NOT_TARGETS.items() if cls.own_layer)
 
 
 def build_cell(target: str, spec: CellSpec, options: dict[str, Any] | None = None) -> Cell:
-    """The cell for ``target`` (or one of the cells that are not ``--to`` targets: ``"heads"``,
-    ``"short_conv"``); unknown targets or options are a user error."""
+    """The cell for ``target`` (or one of the cells that are not ``--to`` targets: ``"heads"`` and
+    ``OWN_LAYERS``); unknown targets or options are a user error."""
     if target in _NOT_TARGETS:
         return construct(_NOT_TARGETS[target], target, spec, options)
     return build_target_cell(target, spec, options)

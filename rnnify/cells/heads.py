@@ -8,14 +8,17 @@ group of kv heads, with the query heads that share them (GQA: query head h reads
 ``h // (num_heads / num_kv_heads)``), its own cell of any target and its own state, and puts the
 outputs back in head order. Heads are independent in attention, so the split computes exactly
 what the parts would compute inside one cell each: with every group ``exact`` it is the original
-attention.
+attention. The score terms a model adds (``CellSpec.score_terms``) travel with the heads: each
+part's spec holds the ALiBi slopes and sink logits of its own query heads, and the layer's softcap;
+a part whose target cannot compute them refuses, naming that target.
 
 The state is the parts' states one after the other (``p<i>_<name>``); its size is their sum.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Sequence
 
 import torch
 
@@ -25,10 +28,26 @@ from rnnify.cells.registry import build_target_cell
 TARGET = "heads"
 
 
-def part_spec(spec: CellSpec, kv_heads: int) -> CellSpec:
-    """The spec of a part that holds ``kv_heads`` kv heads and their query groups."""
-    return CellSpec(
-        kv_heads * spec.group_size, kv_heads, spec.head_dim, spec.value_dim, spec.scale, spec.window, spec.hidden_size
+def query_heads(spec: CellSpec, kv_heads: Sequence[int]) -> list[int]:
+    """The query heads that read ``kv_heads`` (GQA: head h reads kv head ``h // group_size``), in the order
+    a part holds them."""
+    return [h * spec.group_size + g for h in kv_heads for g in range(spec.group_size)]
+
+
+def part_spec(spec: CellSpec, kv_heads: Sequence[int]) -> CellSpec:
+    """The spec of a part that holds ``kv_heads`` and their query groups, with those query heads' score
+    terms (per-head ALiBi slopes and sink logits; the softcap is the layer's)."""
+    heads = query_heads(spec, kv_heads)
+
+    def of_heads(values: tuple[float, ...] | None) -> tuple[float, ...] | None:
+        return None if values is None else tuple(values[h] for h in heads)
+
+    return dataclasses.replace(
+        spec,
+        num_heads=len(heads),
+        num_kv_heads=len(kv_heads),
+        alibi_slopes=of_heads(spec.alibi_slopes),
+        sink_logits=of_heads(spec.sink_logits),
     )
 
 
@@ -50,22 +69,24 @@ class HeadSplitCell(Cell):
     target = TARGET
 
     def __init__(self, spec: CellSpec, groups: list[dict[str, Any]]):
-        super().__init__(spec)
         heads = _check_groups(groups, spec.num_kv_heads)
-        self.parts = torch.nn.ModuleList()
+        parts = []
         for kv, group in zip(heads, groups):
             if group.get("target") == TARGET:
                 raise ValueError("a head group cannot itself be split by heads")
-            self.parts.append(build_target_cell(group["target"], part_spec(spec, len(kv)), group.get("options") or {}))
+            parts.append(build_target_cell(group["target"], part_spec(spec, kv), group.get("options") or {}))
+        # the split computes the terms its parts compute (each part has refused, by its target's name,
+        # a term its target cannot compute): set before Cell's own check of the spec reads it
+        self.score_terms = frozenset.intersection(*(part.score_terms for part in parts))
+        super().__init__(spec)
+        self.parts = torch.nn.ModuleList(parts)
         self.kv_heads = heads
-        size = spec.group_size
-        q_heads = [[h * size + g for h in kv for g in range(size)] for kv in heads]
+        q_heads = [query_heads(spec, kv) for kv in heads]
         order = torch.tensor([h for hs in q_heads for h in hs]).argsort()
         for i, (kv, q) in enumerate(zip(heads, q_heads)):  # not saved: rebuilt from the options
             self.register_buffer(f"kv_index_{i}", torch.tensor(kv), persistent=False)
             self.register_buffer(f"q_index_{i}", torch.tensor(q), persistent=False)
         self.register_buffer("order", order, persistent=False)
-        parts = list(self.parts)
         self.state_names = tuple(f"p{i}_{name}" for i, part in enumerate(parts) for name in part.state_names)
         self.grows_with_context = any(part.grows_with_context for part in parts)
         self.uses_query = any(part.uses_query for part in parts)

@@ -74,6 +74,7 @@ class ShortConvCell(Cell):
     """
 
     target = "short_conv"
+    own_layer = True
     state_names = ("inputs",)
 
     def __init__(self, spec: CellSpec, kernel_size: int):
@@ -84,10 +85,6 @@ class ShortConvCell(Cell):
     def spec_for(channels: int) -> CellSpec:
         """The spec of a convolution over ``channels`` channels (see the class docstring)."""
         return CellSpec(num_heads=channels, num_kv_heads=channels, head_dim=1, value_dim=1, scale=1.0)
-
-    @property
-    def exact(self) -> bool:
-        return True
 
     def options(self) -> dict[str, Any]:
         return {"kernel_size": self.kernel_size}

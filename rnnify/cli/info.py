@@ -27,14 +27,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from rnnify.cells import ShortConvCell
+    from rnnify.cells import OWN_LAYERS
     from rnnify.runtime.step_cache import describe
 
     model = load(args)
     manifest = model.manifest
     # the first attention cell's options show the defaults it filled in (a model's own short
     # convolutions keep theirs); a per-head cell's are its groups
-    first = next((entry for entry in manifest.cells if entry.target != ShortConvCell.target), None)
+    first = next((entry for entry in manifest.cells if entry.target not in OWN_LAYERS), None)
     options = first.options if first is not None and first.target != "heads" else manifest.options
     positions = manifest.positions
     if positions.get("kind") == "learned":

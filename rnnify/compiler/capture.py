@@ -8,6 +8,7 @@ Positions come in counted from 0; the graph starts them where the source does (`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
@@ -18,7 +19,12 @@ import torch.fx
 from torch.export import Dim
 
 from rnnify.compiler.chunked_attention import refuse_chunked_attention
+from rnnify.compiler.data_dependence import data_dependence
+from rnnify.compiler.export_lengths import agreement, check_lengths, probed_lengths, refused_lengths
 from rnnify.compiler.numbering import first_position
+from rnnify.compiler.recurrences import own_recurrences
+from rnnify.compiler.routing import routing_forms
+from rnnify.compiler.sparse_attention import refuse_sparse_attention
 from rnnify.errors import RnnifyError, UnsupportedModelError, first_line
 
 __all__ = ["load_source", "capture", "source_name"]
@@ -145,34 +151,67 @@ def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
     device = next(model.parameters()).device
     vocab = vocab_size(model.config)
     refuse_chunked_attention(type(model).__name__, model.config)
+    refuse_sparse_attention(model)
     first = first_position(model, vocab)
     input_ids = torch.randint(0, vocab, (_EXAMPLE_BATCH, _EXAMPLE_LENGTH), device=device)
     position_ids = torch.arange(_EXAMPLE_LENGTH, device=device).expand(_EXAMPLE_BATCH, -1)
     wrapper = _LogitsOnly(model, first)
-    try:
-        program = _export(wrapper, input_ids, position_ids, _MAX_LENGTH)
-    except Exception as exc:  # export failures come in many types; report them as one
-        table = _declared_length(model.config)
+    with routing_forms(model):
         try:
-            if table is None or "Constraints violated" not in str(exc):
-                raise
+            return _plain_graph_module(_export(wrapper, input_ids, position_ids, _MAX_LENGTH).module())
+        except Exception as exc:  # export failures come in many types; report them as one
+            return _capture_after_failure(wrapper, input_ids, position_ids, exc)
+
+
+def _capture_after_failure(
+    wrapper: _LogitsOnly, input_ids: torch.Tensor, position_ids: torch.Tensor, exc: Exception
+) -> torch.fx.GraphModule:
+    """Capture ``wrapper`` once its export over any length failed with ``exc``, or raise the one line that says why not."""
+    model, name = wrapper.model, type(wrapper.model).__name__
+    if "Constraints violated" in str(exc):
+        table = _declared_length(model.config)
+        if table is not None:
             # A model that slices a table of the length its config declares to the tokens read (MPT's
             # ALiBi, a causal-mask buffer, learned positions) exports only below that length, where
             # export can prove the slice's size. A bias or a mask dies with the attention the cells
             # replace, so the converted model reads any length; learned positions keep their limit
             # (find_positions records it).
-            program = _export(wrapper, input_ids, position_ids, table - 1)
-        except Exception:  # noqa: BLE001  (the first failure is the one to report)
-            if not _has_attention(model):
-                raise UnsupportedModelError(
-                    f"no attention found: {type(model).__name__} has no attention layers (it is recurrent "
-                    "already, as Mamba is); rnnify converts a model's attention"
-                ) from exc
-            raise UnsupportedModelError(
-                f"{type(model).__name__}: torch.export could not capture the forward pass: "
-                f"{first_line(exc, with_type=True)}"
-            ) from exc
-    return _plain_graph_module(program.module())
+            with contextlib.suppress(Exception):  # the first failure is the one to report
+                return _plain_graph_module(_export(wrapper, input_ids, position_ids, table - 1).module())
+        inferred = _capture_inferring_length(wrapper, input_ids, position_ids)
+        if inferred is not None:
+            return inferred
+    if not _has_attention(model):
+        raise UnsupportedModelError(
+            f"no attention found: {name} has no attention layers (it is recurrent "
+            "already, as Mamba is); rnnify converts a model's attention"
+        ) from exc
+    refusal = data_dependence(name, exc)
+    if refusal is not None:
+        raise refusal from exc
+    raise UnsupportedModelError(
+        f"{name}: torch.export could not capture the forward pass: {first_line(exc, with_type=True)}"
+    ) from exc
+
+
+def _capture_inferring_length(
+    wrapper: _LogitsOnly, input_ids: torch.Tensor, position_ids: torch.Tensor
+) -> torch.fx.GraphModule | None:
+    """The graph export gives with the length's range left to it, if it holds for the lengths its guards
+    refuse (``rnnify.compiler.export_lengths``); None when export fails that way too."""
+    try:
+        module = _export(wrapper, input_ids, position_ids, _MAX_LENGTH, infer=True).module()
+    except Exception:  # noqa: BLE001  (the first failure is the one to report)
+        return None
+    guards = getattr(module, "_guards_fn", None)
+    if guards is None:
+        return None
+    probed = probed_lengths(_MAX_LENGTH)
+    refused = refused_lengths(guards, probed)
+    graph = _plain_graph_module(module)
+    agrees_at = agreement(graph, wrapper, vocab_size(wrapper.model.config), input_ids.device)
+    check_lengths(type(wrapper.model).__name__, refused, probed, _EXAMPLE_LENGTH, agrees_at)
+    return graph
 
 
 def _has_attention(model: torch.nn.Module) -> bool:
@@ -183,11 +222,19 @@ def _has_attention(model: torch.nn.Module) -> bool:
     )
 
 
-def _export(wrapper: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, max_length: int):
-    """``torch.export`` of ``wrapper`` with batch and length dynamic, length up to ``max_length``."""
-    batch, length = Dim("batch", min=1, max=1 << 16), Dim("length", min=2, max=max_length)
+def _export(
+    wrapper: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    max_length: int,
+    infer: bool = False,
+):
+    """``torch.export`` of ``wrapper`` with batch and length dynamic, length up to ``max_length``
+    (``infer``: within that range, the lengths export's guards allow)."""
+    batch = Dim("batch", min=1, max=1 << 16)
+    length = Dim.AUTO(min=2, max=max_length) if infer else Dim("length", min=2, max=max_length)
     dims = {0: batch, 1: length}
-    with torch.no_grad():
+    with torch.no_grad(), own_recurrences(wrapper.model):
         return torch.export.export(wrapper, (input_ids, position_ids), dynamic_shapes=(dims, dims), strict=False)
 
 

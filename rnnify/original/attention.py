@@ -9,7 +9,11 @@ layers train at once from one forward pass, each against its own target.
 
 The softmax is ``torch.nn.functional.scaled_dot_product_attention`` in fp32 (causal, grouped
 kv heads, the model's own sliding window ``cell.spec.window``, padded keys masked), independent
-of the ``exact`` cell's code, so ``exact`` cells give an independent ~0 error.
+of the ``exact`` cell's code, so ``exact`` cells give an independent ~0 error. A site whose scores
+carry terms (``CellSpec.score_terms``: Gemma 2's softcap, ALiBi, gpt-oss's learned sinks; docs/math.md
+§Score terms) gets them here too, written out as the models' eager attention computes them (every
+score of the call, then the softmax over the scores and the sink logit), not with the cells'
+online softmax: it is the reference the cells are held to.
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ from __future__ import annotations
 import copy
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 
-from rnnify.cells import Cell, ShortConvCell
+from rnnify.cells import Cell
+from rnnify.cells.base import SCORE_TERMS
 from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel
 
@@ -31,13 +36,26 @@ __all__ = ["AttentionRecorder", "LayerError", "attention_transfer", "cells_only"
 
 
 def softmax_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, window: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    *,
+    softcap: float | None = None,
+    alibi_slopes: Sequence[float] | None = None,
+    sink_logits: Sequence[float] | None = None,
 ) -> torch.Tensor:
     """``softmax_attention(q [B,H,T,d], k [B,Hkv,T,d], v [B,Hkv,T,dv], mask [B,T], scale, window) -> [B,H,T,dv]`` fp32.
 
     Causal softmax attention of one call's tokens, as the original model computed it: query i
     sees keys j <= i with ``i - j < window`` (if set) that ``mask`` marks real. Queries with no key
     to see (left padding) give 0, not NaN, so teacher forcing never spreads NaN downstream.
+
+    The score terms, as ``CellSpec`` holds them: each score s = scale q_i . k_j becomes
+    ``softcap`` c tanh(s / c), then gains ``alibi_slopes[h]`` (j - i) with i and j counted in the
+    row's real tokens, and ``sink_logits[h]`` is one more logit in each query's softmax, with no value.
     """
     length = q.shape[2]
     pos = torch.arange(length, device=q.device)
@@ -45,10 +63,47 @@ def softmax_attention(
     if window is not None:
         allowed = allowed & (pos[:, None] - pos[None, :] < window)
     allowed = allowed[None, None] & mask.to(torch.bool)[:, None, None, :]  # [B, 1, T, T]
-    out = F.scaled_dot_product_attention(
-        q.float(), k.float(), v.float(), attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    if softcap is None and alibi_slopes is None and sink_logits is None:
+        out = F.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+    else:
+        out = _scored_attention(q, k, v, mask, allowed, scale, softcap, alibi_slopes, sink_logits)
     return torch.where(allowed.any(-1, keepdim=True), out, 0.0)
+
+
+def _scored_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    alibi_slopes: Sequence[float] | None,
+    sink_logits: Sequence[float] | None,
+) -> torch.Tensor:
+    """``softmax_attention`` of a site with score terms, fp32: every score ``[B, H, T, T]`` at once (as
+    the models' own eager attention holds them), the terms added in the model's order, the softmax
+    taken over the allowed scores and the sink logit, whose column is dropped before the values."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.float().repeat_interleave(group, dim=1) for t in (k, v))  # query head h reads kv head h // group
+    scores = scale * q.float() @ k.transpose(-1, -2)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        real = mask.to(torch.bool).long().cumsum(1) - 1  # [B, T]: each token's place among its row's real tokens
+        distance = (real[:, None, :] - real[:, :, None]).float()  # [B, T(i), T(j)]: j - i
+        slopes = torch.tensor(alibi_slopes, dtype=torch.float32, device=q.device)
+        scores = scores + slopes[None, :, None, None] * distance[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sink_logits is not None:
+        sinks = torch.tensor(sink_logits, dtype=torch.float32, device=q.device)
+        scores = torch.cat([scores, sinks[None, :, None, None].expand(*scores.shape[:3], 1)], dim=-1)
+    weights = torch.softmax(scores, dim=-1)
+    if sink_logits is not None:
+        weights = weights[..., :-1]
+    return weights @ v
 
 
 @dataclass(frozen=True)
@@ -67,9 +122,9 @@ class AttentionRecorder:
 
     ``loss_mask`` (``[B, T]`` bool, or None) marks the positions that count, on top of the mask
     the model itself passes to the cells: set it per batch when the model is called without a
-    mask on right-padded rows, so padding never enters a loss or a metric. A model's own short
-    convolutions (``ShortConvCell``) are the source's layers unchanged: nothing is compared there,
-    and their errors stay 0 over 0 tokens.
+    mask on right-padded rows, so padding never enters a loss or a metric. A model's own
+    recurrent layers (``Cell.own_layer``: short convolutions, Mamba scans) are the source's layers
+    unchanged: nothing is compared there, and their errors stay 0 over 0 tokens.
     """
 
     def __init__(self, model: RecurrentModel, teacher_forcing: bool):
@@ -77,7 +132,7 @@ class AttentionRecorder:
         self.loss_mask: torch.Tensor | None = None
         self._cells: list[Cell] = model.cells
         self._entries = list(model.manifest.cells)
-        self.compared = [i for i, cell in enumerate(self._cells) if not isinstance(cell, ShortConvCell)]
+        self.compared = [i for i, cell in enumerate(self._cells) if not cell.own_layer]
         self._latest: dict[int, torch.Tensor] = {}
         self.reset()
 
@@ -114,7 +169,8 @@ class AttentionRecorder:
                 raise RnnifyError(f"loss_mask shape {tuple(self.loss_mask.shape)} != input shape {tuple(valid.shape)}")
             valid = valid & self.loss_mask.to(device=valid.device, dtype=torch.bool)
         with torch.no_grad():
-            target = softmax_attention(q, k, v, mask, cell.spec.scale, cell.spec.window)
+            terms = {name: getattr(cell.spec, name) for name in SCORE_TERMS}
+            target = softmax_attention(q, k, v, mask, cell.spec.scale, cell.spec.window, **terms)
         diff = out.float() - target  # [B, H, T, dv]
         per_token = torch.where(valid, diff.square().mean(dim=(1, 3)), 0.0)  # [B, T]; where: padding may be NaN
         tokens = valid.sum()

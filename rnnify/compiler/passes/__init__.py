@@ -2,7 +2,8 @@
 
 Each pass reads what earlier passes recorded in ``node.meta`` (``find_attention`` decides,
 ``rewrite_attention``, ``thread_state`` and ``fuse_kernels`` act on the decision;
-``rewrite_convolutions`` adds the cells of a model's short convolutions), and
+``rewrite_convolutions`` and ``rewrite_scans`` add the cells of a model's own short convolutions
+and Mamba-2 scans), and
 ``run_pipeline`` cleans up after every pass so none of them has to remember dead-code
 elimination, lint and recompile.
 """
@@ -19,6 +20,7 @@ from rnnify.compiler.passes.find_positions import find_positions
 from rnnify.compiler.passes.fuse_kernels import fuse_kernels
 from rnnify.compiler.passes.rewrite_attention import rewrite_attention
 from rnnify.compiler.passes.rewrite_convolutions import rewrite_convolutions
+from rnnify.compiler.passes.rewrite_scans import rewrite_scans
 from rnnify.compiler.passes.strip_export_checks import strip_export_checks
 from rnnify.compiler.passes.thread_state import thread_state
 
@@ -32,6 +34,7 @@ PIPELINE: list[Pass] = [
     find_attention,
     rewrite_attention,
     rewrite_convolutions,
+    rewrite_scans,
     thread_state,
     fuse_kernels,
 ]

@@ -6,17 +6,29 @@ transformers' eager attention functions all compute, per head,
            ->  softmax (optionally over [scores, sink logit], the sink's column dropped after)  ->  @ v
 
 (Gemma 2's softcapping, Bloom's and MPT's ALiBi, gpt-oss's learned sinks; Bloom's q @ k^T is one
-``baddbmm`` with its bias over ``[B H, T, d]`` views). ``eager_attention`` matches that chain
+``baddbmm`` with its bias over ``[B H, T, d]`` views). Older models mask in other ways, each a mask
+term here: GPT-Neo's ``where(mask, s, lowest)``, XLM's in-place ``masked_fill_``, OpenAI GPT's
+multiplicative ``s * b + -1e4 * (1 - b)`` (b 0 or 1, and 0 only where the terms added after it
+mask), and XGLM's ``max(s, lowest)`` after its mask, which changes only a masked score, so the chain
+passes through it. ``eager_attention`` matches that chain
 around every ``softmax`` whose output is multiplied into values, and returns what ``find_attention``
 needs to describe the site as it does an SDPA call: q, k, v (4-D, ``[B, H, T, d]``), the scale, the
 softcap, the sink logits' node, and the additive terms (biases and masks) with where they were
 added, so that the probe run can read their values (``MaskTerm``). The model's own order of ops
 is checked, not assumed: a softcap after a bias, a scale after a mask, or an op on the scores
 that is none of the above is refused, naming the layer and the op.
+
+A mask read from the top-left corner of a constant buffer (GPT-Neo's and OpenAI GPT's
+``bias[:, :, :T, :T]``) is the same at every length up to the buffer's: ``buffered_masks`` reads the
+whole buffer, so that a window it applies past the probe's length (GPT-Neo's local layers) is seen.
+Two value-preserving rewrites let the chain die with its cell: an in-place ``masked_fill_`` of the
+scores becomes ``masked_fill``, and a mask's ``expand_as(scores)`` is dropped (``masked_fill``
+broadcasts it).
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Callable
@@ -42,14 +54,20 @@ _SAME = {
     *_VIEWS,
 }
 _TRANSPOSES = {aten.transpose.int, aten.permute.default, aten.t.default}
+_MASKED_FILL = {aten.masked_fill.Scalar, aten.masked_fill_.Scalar}
+_WHERE = {aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf}
+# ops that read a mask from its buffer, value for value (the buffer's corner: slices, casts)
+_BUFFER_READS = {aten.slice.Tensor, aten.alias.default, aten.to.dtype, aten._to_copy.default, aten.clone.default}
 # a masked_fill or where value at most this is a mask (-inf, or a dtype's lowest: float16's is -65504)
-_MASK_FILL = -1e4
+MASK_FILL = -1e4
 
 
 @dataclass
 class MaskTerm:
     """One term added to the scores: ``"add"`` (a bias or a float mask, times ``factor``), ``"fill"``
-    (a boolean mask, True where a key is masked) or ``"sdpa"`` (SDPA's ``attn_mask``: boolean, True
+    (a boolean mask, True where a key is masked), ``"keep"`` (a boolean mask, True where a key may be
+    attended: the others get a mask's value), ``"multiply"`` (a factor on the scores that must be 0
+    or 1, and 0 only where the terms after it mask) or ``"sdpa"`` (SDPA's ``attn_mask``: boolean, True
     where a key may be attended, or float, added), added at node ``at`` (whose rank says how the
     value broadcasts: ``[B H, T, S]`` or ``[B, H, T, S]``)."""
 
@@ -85,11 +103,82 @@ def eager_attention(gm: torch.fx.GraphModule, where: Callable[[torch.fx.Node], s
             output, flat, dropped_column = _values_side(node)
             if output is None:
                 raise _refuse(where(node), "whose probabilities are not multiplied into values as p @ v")
-            site = _scores_side(node, output, flat, dropped_column, where(node))
+            site = _scores_side(gm, node, output, flat, dropped_column, where(node))
             _sink_scaling(site, node.args[0], where(node))
             _check_readers(site, where(node))
+            for op in site.nodes:  # nothing else reads the scores: filling them in place or not is the same
+                if op.target == aten.masked_fill_.Scalar:
+                    op.target = aten.masked_fill.Scalar
             found.append(site)
     return found
+
+
+def buffered_masks(gm: torch.fx.GraphModule, terms: list[MaskTerm]) -> list[torch.Tensor]:
+    """For each of ``terms`` whose value is the top-left corner of a constant buffer, the same for
+    every head, the keys it allows at every length up to the buffer's, ``[N, N]`` (True where a key
+    may be attended)."""
+    masks = []
+    for term in terms:
+        node = term.value
+        while node.op == "call_function" and node.target in _BUFFER_READS and _keeps_the_corner(node):
+            node = node.args[0]
+        if node.op != "get_attr":
+            continue
+        buffer = _attribute(gm, node.target)
+        if buffer.dim() < 2 or any(size != 1 for size in buffer.shape[:-2]):
+            continue
+        size = min(buffer.shape[-2:])
+        corner = buffer.reshape(buffer.shape[-2:])[:size, :size].to(term.value.meta["val"].dtype)
+        if term.kind == "fill":
+            masks.append(~corner.bool())
+        elif term.kind in ("keep", "multiply") or corner.dtype == torch.bool:
+            masks.append(corner.bool())
+        else:
+            masks.append(corner.double() * term.factor > torch.finfo(corner.dtype).min / 2)
+    return masks
+
+
+def _keeps_the_corner(node: torch.fx.Node) -> bool:
+    """``node`` keeps its input's top-left corner: a slice from 0 on one of the last two dimensions or a
+    whole one of the others, or a cast."""
+    if node.target != aten.slice.Tensor:
+        return True
+    size = node.args[0].meta["val"].shape
+    dim, start = (list(node.args[1:3]) + [0, None])[:2]
+    end = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    if start not in (0, None) or step != 1:
+        return False
+    return dim % len(size) >= len(size) - 2 or end is None or (type(end) is type(size[dim]) is int and end >= size[dim])
+
+
+def _attribute(gm: torch.fx.GraphModule, target: str) -> torch.Tensor:
+    return functools.reduce(getattr, target.split("."), gm)
+
+
+def _constant(gm: torch.fx.GraphModule, value, depth: int = 8):
+    """The value of ``value`` when it is a number or a node that reads no input (a lifted tensor
+    constant, a ``full``), computed on copies; None otherwise."""
+    if not isinstance(value, torch.fx.Node):
+        return value if _number(value) else None
+    if value.op == "get_attr":
+        return _attribute(gm, value.target).detach().clone()
+    if value.op != "call_function" or depth == 0 or not isinstance(value.target, torch._ops.OpOverload):
+        return None
+    inputs = {n: _constant(gm, n, depth - 1) for n in value.all_input_nodes}
+    if any(v is None for v in inputs.values()):
+        return None
+    args, kwargs = torch.fx.node.map_arg((value.args, value.kwargs), inputs.__getitem__)
+    with torch.no_grad():
+        return value.target(*args, **kwargs)
+
+
+def _at_most(gm: torch.fx.GraphModule, value, limit: float) -> bool:
+    """``value`` is a constant whose every element is at most ``limit``."""
+    constant = _constant(gm, value)
+    if constant is None:
+        return False
+    return bool((torch.as_tensor(constant).double() <= limit).all())
 
 
 def _shape(node: torch.fx.Node) -> tuple:
@@ -145,7 +234,12 @@ def _op_name(node: torch.fx.Node) -> str:
 
 
 def _scores_side(
-    softmax: torch.fx.Node, output: torch.fx.Node, flat: bool, dropped_column: bool, where: str
+    gm: torch.fx.GraphModule,
+    softmax: torch.fx.Node,
+    output: torch.fx.Node,
+    flat: bool,
+    dropped_column: bool,
+    where: str,
 ) -> EagerAttention:
     """From the softmax back to q @ k^T, collecting the scale, softcap, additive terms and sinks."""
     chain: list[tuple[torch.fx.Node, torch.fx.Node]] = []  # (op on the scores, its scores input), last first
@@ -172,7 +266,7 @@ def _scores_side(
         raise _refuse(where, "with a column dropped after the softmax but no sink logits before it")
     site = EagerAttention(output, flat, *_qkv(node, output, where), scale=1.0, softcap=None, sinks=sinks)
     site.nodes = passed | {node} | _forward(softmax, output)
-    _read_chain(site, node, list(reversed(chain)), where)
+    _read_chain(gm, site, node, list(reversed(chain)), where)
     return site
 
 
@@ -259,10 +353,12 @@ def _is_row_max_of(candidate, scores: torch.fx.Node) -> bool:
 def _scores_operand(node: torch.fx.Node, where: str) -> torch.fx.Node:
     """The input of ``node`` that carries the scores (the one that depends on q @ k^T)."""
     inputs = [a for a in node.args if isinstance(a, torch.fx.Node)]
+    if node.target in _MASKED_FILL and _reaches_scores(node.args[0]):  # its mask may be expand_as(scores)
+        return node.args[0]
     if node.target in _SAME or node.target in (aten.tanh.default, aten.mul.Tensor, aten.div.Tensor):
         if len(inputs) == 1:
             return inputs[0]
-    if node.target in (aten.add.Tensor, aten.sub.Tensor, aten.masked_fill.Scalar):
+    if node.target in {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.max.other, *_MASKED_FILL, *_WHERE}:
         candidates = [a for a in inputs if _reaches_scores(a)]
         if len(candidates) == 1:
             return candidates[0]
@@ -290,7 +386,11 @@ def _number(value) -> bool:
 
 
 def _read_chain(
-    site: EagerAttention, root: torch.fx.Node, chain: list[tuple[torch.fx.Node, torch.fx.Node]], where: str
+    gm: torch.fx.GraphModule,
+    site: EagerAttention,
+    root: torch.fx.Node,
+    chain: list[tuple[torch.fx.Node, torch.fx.Node]],
+    where: str,
 ) -> None:
     """Fold the ops from q @ k^T to the softmax (first to last) into scale, softcap and terms."""
     before_tanh, after_tanh, tanh = 1.0, 1.0, False
@@ -315,8 +415,21 @@ def _read_chain(
             if not isinstance(other, torch.fx.Node) or (node.target == aten.sub.Tensor and other is node.args[0]):
                 raise _refuse(where, f"with {_op_name(node)} ({node.name}) of a constant or of the negated scores")
             site.terms.append(MaskTerm("add", other, node, -1.0 if node.target == aten.sub.Tensor else 1.0))
-        elif node.target == aten.masked_fill.Scalar and node.args[0] is operand and node.args[2] <= _MASK_FILL:
-            site.terms.append(MaskTerm("fill", node.args[1], node))
+        elif node.target in _MASKED_FILL and node.args[0] is operand and node.args[2] <= MASK_FILL:
+            site.terms.append(MaskTerm("fill", _without_expand_as(node, operand), node))
+        elif node.target in _WHERE and operand in node.args[1:3] and node.args[0] is not operand:
+            kind, fill = ("keep", node.args[2]) if node.args[1] is operand else ("fill", node.args[1])
+            if not _at_most(gm, fill, MASK_FILL):
+                raise _refuse(where, f"with {_op_name(node)} ({node.name}) putting a value that is no mask's")
+            site.terms.append(MaskTerm(kind, node.args[0], node))
+        elif node.target == aten.mul.Tensor and constant is None:  # s * b (+ the mask where b is 0)
+            site.terms.append(MaskTerm("multiply", node.args[1] if node.args[0] is operand else node.args[0], node))
+        elif node.target == aten.max.other:  # max(s, lowest) changes only a masked score
+            other = node.args[1] if node.args[0] is operand else node.args[0]
+            if not _at_most(gm, other, torch.finfo(node.meta["val"].dtype).min / 2):
+                raise _refuse(
+                    where, f"with {_op_name(node)} ({node.name}) of the scores and more than the lowest value"
+                )
         else:
             raise _refuse(where, f"with {_op_name(node)} ({node.name}) where scale, softcap or mask were expected")
     if tanh:
@@ -325,6 +438,16 @@ def _read_chain(
         site.scale = before_tanh * after_tanh
     if not (site.scale > 0 and (site.softcap is None or site.softcap > 0)):
         raise _refuse(where, f"with scale {site.scale:g} and softcap {site.softcap}")
+
+
+def _without_expand_as(fill: torch.fx.Node, scores: torch.fx.Node) -> torch.fx.Node:
+    """The mask ``masked_fill`` ``fill`` reads, put in its place if it was ``expand_as(scores)`` (the
+    fill broadcasts it: that way nothing but the chain reads the scores)."""
+    mask = fill.args[1]
+    if mask.op == "call_function" and mask.target == aten.expand_as.default and mask.args[1] is scores:
+        fill.update_arg(1, mask.args[0])
+        return mask.args[0]
+    return mask
 
 
 def _undo_transpose(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -341,8 +464,27 @@ def _undo_transpose(node: torch.fx.Node) -> torch.fx.Node | None:
     return node.args[0] if order == [*range(rank - 2), rank - 1, rank - 2] else None
 
 
+def _split_permute(node: torch.fx.Node) -> torch.fx.Node | None:
+    """k of a k^T that one permute makes of a ``[B, T, H, d]`` tensor (OpenAI GPT's ``permute(0, 2, 3,
+    1)``): the permute is split in two, to k ``[B, H, T, d]`` and its transpose, so that the cell has a
+    k to read. None for any other node."""
+    if node.op != "call_function" or node.target != aten.permute.default or _rank(node) != 4:
+        return None
+    order = [d % 4 for d in node.args[1]]
+    to_key = [*order[:2], order[3], order[2]]
+    if to_key[0] != 0 or len(node.users) != 1:
+        return None
+    graph, source = node.graph, node.args[0]
+    with graph.inserting_before(node):
+        key = graph.call_function(aten.permute.default, (source, to_key))
+    key.meta = {**node.meta, "val": source.meta["val"].permute(to_key)}
+    node.target, node.args = aten.transpose.int, (key, 2, 3)
+    return key
+
+
 def _heads_of(node: torch.fx.Node) -> torch.fx.Node | None:
     """The 4-D ``[B, H, T, d]`` tensor behind ``node``: itself, or what a ``[B H, T, d]`` view reads."""
+    node = _without_empty_parts(node)
     if _rank(node) == 4:
         return node
     source = node
@@ -353,10 +495,20 @@ def _heads_of(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
+def _without_empty_parts(node: torch.fx.Node) -> torch.fx.Node:
+    """``x`` of ``cat([empty, x])`` (XLM's keys and values joined to an empty cache), else ``node``."""
+    if node.op != "call_function" or node.target != aten.cat.default:
+        return node
+    parts = [
+        part for part in node.args[0] if not any(size == 0 for size in part.meta["val"].shape if type(size) is int)
+    ]
+    return parts[0] if len(parts) == 1 else node
+
+
 def _qkv(root: torch.fx.Node, output: torch.fx.Node, where: str) -> tuple[torch.fx.Node, ...]:
     q_arg, k_arg = (root.args[1], root.args[2]) if root.target == aten.baddbmm.default else root.args[:2]
     v_arg = output.args[1]
-    key_t = _undo_transpose(k_arg)
+    key_t = _undo_transpose(k_arg) or _split_permute(k_arg)
     query, key = _heads_of(q_arg), None if key_t is None else _heads_of(key_t)
     value = _heads_of(v_arg)
     if query is None or key is None or value is None:

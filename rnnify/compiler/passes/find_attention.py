@@ -8,7 +8,8 @@ causality comes from, and the terms its scores carry (softcap, ALiBi slopes, sin
 and biases are not guessed from flags alone: the graph is run once on a short probe and what each
 site actually adds to its scores is read per head, which keys it allows (causal, or the config's
 sliding window) and, where it adds a float bias, that bias, which must be ALiBi's slope_h (j - i)
-(docs/math.md §Score terms). Sites that cannot become recurrent are
+(docs/math.md §Score terms). A mask read from a constant buffer is read whole as well, since a
+window it applies may be wider than the probe (GPT-Neo's local layers). Sites that cannot become recurrent are
 rejected with an error naming the layer and the reason; a bias is never dropped.
 """
 
@@ -16,14 +17,15 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
 from rnnify.compiler.passes.context import PassContext
-from rnnify.compiler.passes.eager_attention import EagerAttention, MaskTerm, eager_attention
+from rnnify.compiler.passes.eager_attention import MASK_FILL, EagerAttention, MaskTerm, buffered_masks, eager_attention
+from rnnify.compiler.recurrences import OWN_LAYER_OPS
 from rnnify.errors import UnsupportedModelError
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -82,6 +84,11 @@ def find_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Graph
     found = [_Found(n, _sdpa_terms(n)) for n in gm.graph.nodes if n.op == "call_function" and n.target == SDPA]
     found += [_Found(e.output, e.terms, e.sinks, e) for e in eager_attention(gm, lambda n: _where(n, len(found)))]
     if not found:
+        if any(n.op == "call_function" and n.target in OWN_LAYER_OPS for n in gm.graph.nodes):
+            raise UnsupportedModelError(
+                "no attention found: the model mixes tokens only in recurrent layers of its own (as Mamba "
+                "does), which need no conversion; rnnify converts a model's attention"
+            )
         raise UnsupportedModelError(
             "no attention found: the graph has no scaled_dot_product_attention call and no softmax of "
             "q @ k^T multiplied into values; rnnify converts attention-based causal LMs"
@@ -89,6 +96,9 @@ def find_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Graph
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     found.sort(key=lambda f: order[f.node])
     described = [_describe(f.node, index, ctx.config, f.eager) for index, f in enumerate(found)]
+    for f, site in zip(found, described):
+        for allowed in buffered_masks(gm, f.terms):
+            site.window = _window_of_buffer(site, allowed)
     windows = [s.window for s in described if s.window is not None and s.window <= _MAX_PROBE_LENGTH]
     length = max([_PROBE_LENGTH] + [w + 1 for w in windows])
     values = _probe(gm, {t.value for f in found for t in [*f.terms, *([f.sinks] if f.sinks else [])]}, length)
@@ -296,18 +306,29 @@ def _read_terms(
     T, T] float64, 0 where not allowed)``. Which keys are allowed must not differ between heads."""
     allowed = torch.ones(site.num_heads, length, length, dtype=torch.bool)
     bias = torch.zeros(site.num_heads, length, length, dtype=torch.float64)
-    for term in terms:
+    later = torch.zeros_like(bias)  # what the terms after the one read add to the scores, -inf where masked
+    for term in reversed(terms):
         value = values[term.value]
         full = _per_head(value, term, site.num_heads, length)
-        if term.kind == "fill":
-            allowed &= ~full.bool()
-        elif value.dtype == torch.bool:  # SDPA's boolean mask: True where a key may be attended
-            allowed &= full
+        if term.kind == "multiply":
+            if not ((full == 0) | (full == 1)).all():
+                raise UnsupportedModelError(f"{site.where}: the attention multiplies its scores by a factor not 0 or 1")
+            if not (later[full == 0] <= MASK_FILL).all():
+                raise UnsupportedModelError(
+                    f"{site.where}: the attention multiplies scores by 0 without masking them (a 0 is attended)"
+                )
+            masked = full == 0
+        elif term.kind == "fill":
+            masked = full.bool()
+        elif term.kind == "keep" or value.dtype == torch.bool:  # True where a key may be attended
+            masked = ~full.bool()
         else:
             added = full.double() * term.factor
             masked = added <= torch.finfo(value.dtype).min / 2  # -inf, or the dtype's lowest
-            allowed &= ~masked
             bias += torch.where(masked, 0.0, added)
+            later += torch.where(masked, 0.0, added)
+        allowed &= ~masked
+        later.masked_fill_(masked, -math.inf)
     if not (allowed == allowed[:1]).all():
         raise UnsupportedModelError(f"{site.where}: the attention mask differs between heads")
     return allowed[0].clone(), torch.where(allowed, bias, 0.0)
@@ -353,6 +374,20 @@ def _sink_logits(site: AttentionSite, sinks: MaskTerm, value: torch.Tensor, leng
     if not (column == column[:, :1]).all():
         raise UnsupportedModelError(f"{site.where}: the attention's sink logits change from token to token")
     return tuple(column[:, 0].double().tolist())
+
+
+def _window_of_buffer(site: AttentionSite, allowed: torch.Tensor) -> int | None:
+    """The site's window once a mask from a buffer, ``allowed`` at every length up to the buffer's, is
+    applied. Keys after the query are the other terms' to mask (GPT-Neo adds its causal mask too;
+    the probe checks what they all allow); of the causal past, the buffer must allow the latest keys,
+    a window (GPT-Neo's local layers, wider than the probe), which is the site's, or the config's
+    where that is narrower."""
+    allowed = allowed & torch.ones(allowed.shape, dtype=torch.bool).tril()
+    keys = int(allowed.sum(-1).max())
+    _check_causal(replace(site, window=keys or None), allowed)
+    if keys >= allowed.shape[-1]:
+        return site.window
+    return keys if site.window is None else min(keys, site.window)
 
 
 def _check_causal(site: AttentionSite, allowed: torch.Tensor) -> int | None:

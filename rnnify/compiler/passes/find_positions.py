@@ -33,9 +33,9 @@ import torch.fx
 
 from rnnify.compiler.passes.context import PassContext
 
-_PASS_THROUGH = {
-    torch.ops.aten.view.default,
-    torch.ops.aten.reshape.default,
+_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default}
+_LAYOUTS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default}
+_PASS_THROUGH = _LAYOUTS | {
     torch.ops.aten.expand.default,
     torch.ops.aten.slice.Tensor,
     torch.ops.aten.unsqueeze.default,
@@ -43,8 +43,6 @@ _PASS_THROUGH = {
     torch.ops.aten.to.dtype_layout,
     torch.ops.aten.clone.default,
 }
-_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default}
-_LAYOUTS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default}
 
 
 def _origin(node: torch.fx.Node) -> tuple[torch.fx.Node, int]:
@@ -98,13 +96,16 @@ def _read_position_ids(
 ):
     """Read the rows ``position_ids + offset`` of ``table`` in place of ``read``: [B, T, width] where
     the model read [T, width] (or [1, T, width]) for every batch row, which what it is added to
-    broadcasts either way."""
+    broadcasts either way. Where the model lays the [T, width] out as [1, T, width] first (RoFormer's
+    ``[None, None]`` before its heads), the rows replace that [1, T, width]."""
     with gm.graph.inserting_before(read):
         indices = _call(gm, torch.ops.aten.add.Tensor, (position_ids, offset)) if offset else position_ids
         rows = gm.graph.call_function(torch.ops.aten.embedding.default, (table, indices))
     width = read.meta["val"].shape[-1]
     rows.meta["val"] = read.meta["val"].new_empty((*position_ids.meta["val"].shape, width))
-    read.replace_all_uses_with(rows)
+    laid_out = [u for u in read.users if u.target == torch.ops.aten.unsqueeze.default and u.args[1] == 0]
+    for replaced in laid_out if laid_out and len(laid_out) == len(read.users) else [read]:
+        replaced.replace_all_uses_with(rows)
 
 
 def _pointwise_of_count(layout: torch.fx.Node, length: str) -> list[torch.fx.Node] | None:

@@ -30,8 +30,9 @@ _CONVOLUTIONS = {torch.ops.aten.conv1d.default, torch.ops.aten.convolution.defau
 
 
 @dataclass
-class ConvolutionSite:
-    """Where a short convolution was, as ``convert`` records it in the manifest (as for an ``AttentionSite``)."""
+class LayerSite:
+    """Where a model's own recurrent layer (a short convolution, a scan) was, as ``convert`` records it
+    in the manifest (as for an ``AttentionSite``)."""
 
     layer: int
     module_path: str
@@ -54,7 +55,7 @@ def rewrite_convolutions(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx
         if x.meta["val"].dim() != 3 or str(x.meta["val"].shape[2]) != length:
             continue  # not over the tokens
         path = _module_path(node)
-        site = ConvolutionSite(_layer_index(path, -1), path)
+        site = LayerSite(_layer_index(path, -1), path)
         kernel_size = _causal_kernel_size(node, args, length, site)
         if kernel_size == 1:
             continue  # each token alone: nothing to carry
@@ -73,7 +74,7 @@ def rewrite_convolutions(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx
     return gm
 
 
-def _causal_kernel_size(node: torch.fx.Node, args: dict, length: str, site: ConvolutionSite) -> int:
+def _causal_kernel_size(node: torch.fx.Node, args: dict, length: str, site: LayerSite) -> int:
     """K of a causal depthwise convolution over the tokens (padded by K-1, its first T outputs kept);
     anything else over the tokens is refused."""
     x, weight = args["input"], args["weight"]

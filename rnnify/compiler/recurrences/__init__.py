@@ -1,0 +1,42 @@
+"""Capture a model's own recurrent layers (Mamba-2's scan, ...) as one op each, for ``rewrite_scans``.
+
+transformers writes a hybrid's recurrent layers as module-level functions its mixers call, e.g.
+``mamba2_scan_forward(mixer, x, B, C, dt, cache)``: functions that ``kernels`` may replace by a
+runtime that keeps the recurrent state itself, which is what rnnify does. Exported as they are,
+their chunked forms pad the tokens to a multiple of a chunk size, which torch.export cannot keep
+dynamic. During capture, ``own_recurrences`` swaps each such function, in the model's own
+modeling module, for a stand-in that calls one ``rnnify::`` op with the mixer's weights: one node
+that says what the layer computes, which ``rewrite_scans`` turns into the cell that carries its
+state. One module per family (``mamba2``, ...) declares its ``OwnRecurrence``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from unittest import mock
+
+import torch
+
+from rnnify.compiler.recurrences.family import OwnRecurrence
+from rnnify.compiler.recurrences.gated_delta import GATED_DELTA
+from rnnify.compiler.recurrences.kda import KDA
+from rnnify.compiler.recurrences.mamba import MAMBA_SCAN_FORWARD, MAMBA_SELECTIVE_SCAN
+from rnnify.compiler.recurrences.mamba2 import MAMBA2
+
+__all__ = ["FAMILIES", "OWN_LAYER_OPS", "OwnRecurrence", "own_recurrences"]
+
+FAMILIES: tuple[OwnRecurrence, ...] = (MAMBA2, GATED_DELTA, KDA, MAMBA_SCAN_FORWARD, MAMBA_SELECTIVE_SCAN)
+OWN_LAYER_OPS = frozenset(family.op for family in FAMILIES)
+
+
+@contextlib.contextmanager
+def own_recurrences(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, ``model``'s modeling module calls the stand-ins for its recurrent layers."""
+    module = sys.modules.get(type(model).__module__)
+    with contextlib.ExitStack() as stack:
+        for family in FAMILIES:
+            if module is not None and callable(getattr(module, family.function, None)):
+                stack.enter_context(mock.patch.object(module, family.function, family.stand_in))
+        yield

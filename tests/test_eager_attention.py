@@ -1,0 +1,214 @@
+"""Older eager attention: the masks GPT-Neo (``where(mask, s, lowest)``, a window in its local layers),
+OpenAI GPT (``s * b + -1e4 * (1 - b)``, its k^T one permute of [B, T, H, d]), XGLM (``max(s, lowest)``
+after its mask), XLM (an in-place ``masked_fill_`` of the scores) and RoFormer (its sinusoidal table
+read by the count of its tokens, laid out ``[None, None]``) apply. Each tiny model (random weights,
+as ``benchmarks/arch_sweep.py`` builds them) converts exactly, against the original run in float64;
+a non-causal variant of each, and a mask form that does not mask, is refused in one line naming the
+layer (rnnify/compiler/passes/eager_attention.py, find_attention.py, find_positions.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from support import decode, rel_diff
+from torch import nn
+from torch.export import Dim
+
+import rnnify
+from rnnify.compiler.capture import _plain_graph_module
+from rnnify.compiler.passes import PIPELINE, PassContext, run_pipeline
+from rnnify.compiler.passes.find_attention import find_attention, sites
+from rnnify.errors import UnsupportedModelError
+
+VOCAB, TOKENS, PROMPT = 256, 24, 16
+SIZES = {"vocab_size": VOCAB, "max_position_embeddings": 128}
+
+CONFIGS = {
+    # a global layer, then a local one over 4 tokens (``bias`` xor its band below the window)
+    "gpt_neo": lambda: transformers.GPTNeoConfig(
+        **SIZES,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        attention_types=[[["global", "local"], 1]],
+        window_size=4,
+    ),
+    "openai-gpt": lambda: transformers.OpenAIGPTConfig(
+        vocab_size=VOCAB, n_positions=128, n_embd=64, n_layer=2, n_head=4
+    ),
+    "xglm": lambda: transformers.XGLMConfig(**SIZES, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128),
+    "xlm": lambda: transformers.XLMConfig(
+        vocab_size=VOCAB, max_position_embeddings=128, emb_dim=64, n_layers=2, n_heads=4, causal=True
+    ),
+    "roformer": lambda: transformers.RoFormerConfig(
+        **SIZES, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, is_decoder=True
+    ),
+}
+WINDOWS = {"gpt_neo": [None, 4]}  # the cells' windows, read from GPT-Neo's mask buffer
+
+
+def _build(name: str, **changes) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = CONFIGS[name]()
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _ids(length: int = TOKENS) -> torch.Tensor:
+    """Two rows of tokens past the special ones (XLM takes its padding token for the end of a row)."""
+    return torch.randint(3, VOCAB, (2, length), generator=torch.Generator().manual_seed(1))
+
+
+def _assert_exact(model: transformers.PreTrainedModel, ids: torch.Tensor, prompt: int):
+    """The conversion's prefill and prefill + steps against the original in float64 (XGLM's in
+    float32: its ``full((), lowest)`` is float32, and float64's lowest overflows it)."""
+    converted = rnnify.convert(model, to="exact")
+    reference = model if model.config.model_type == "xglm" else copy.deepcopy(model).double()
+    with torch.no_grad():
+        want = reference(input_ids=ids, use_cache=False).logits
+        prefill, _ = converted.prefill(ids)
+        stepped, _ = decode(converted, ids, prompt)
+    assert rel_diff(prefill, want) < 1e-4
+    assert rel_diff(stepped, want) < 1e-4
+    return converted
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_older_eager_attention_converts_exactly(name):
+    converted = _assert_exact(_build(name), _ids(), PROMPT)
+    assert [cell.spec.window for cell in converted.cells] == WINDOWS.get(name, [None, None])
+
+
+def test_a_window_past_the_probe_is_read_from_the_mask_buffer():
+    """GPT-Neo's local layer over 80 tokens: wider than the probe run (64 tokens at most), and the
+    config has no ``sliding_window``: only the buffer says so, and 100 tokens show it."""
+    model = _build("gpt_neo", window_size=80)
+    converted = _assert_exact(model, _ids(100), 90)
+    assert [cell.spec.window for cell in converted.cells] == [None, 80]
+
+
+def _refusal(model: transformers.PreTrainedModel) -> str:
+    with pytest.raises(UnsupportedModelError) as raised:
+        rnnify.convert(model, to="exact")
+    message = str(raised.value)
+    assert "\n" not in message
+    return message
+
+
+def _attends_to_all(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """GPT-Neo's and OpenAI GPT's mask buffers set to allow every key."""
+    for module in model.modules():
+        if isinstance(getattr(module, "bias", None), torch.Tensor) and module.bias.dim() == 4:
+            module.bias.fill_(1)
+    return model
+
+
+def test_a_buffer_that_allows_every_key_converts_where_another_mask_is_causal():
+    """GPT-Neo adds its causal mask after the buffer's: the two together are what the cells apply."""
+    converted = _assert_exact(_attends_to_all(_build("gpt_neo")), _ids(), PROMPT)
+    assert [cell.spec.window for cell in converted.cells] == [None, None]
+
+
+def test_a_non_causal_variant_of_each_mask_form_is_refused(monkeypatch):
+    bidirectional = transformers.masking_utils.create_bidirectional_mask
+    for modeling in (transformers.models.gpt_neo.modeling_gpt_neo, transformers.models.xglm.modeling_xglm):
+        monkeypatch.setattr(modeling, "create_causal_mask", bidirectional)
+    assert "layer 0 (transformer.h.0.attn.attention): attention is not causal" in _refusal(
+        _attends_to_all(_build("gpt_neo"))
+    )
+    assert "layer 0 (transformer.h.0.attn): attention is not causal" in _refusal(_attends_to_all(_build("openai-gpt")))
+    assert "layer 0 (model.layers.0.self_attn): attention is not causal" in _refusal(_build("xglm"))
+    assert "layer 0 (transformer.attentions.0): attention is not causal" in _refusal(_build("xlm", causal=False))
+    assert "layer 0 (roformer.encoder.layer.0.attention.self): attention is not causal" in _refusal(
+        _build("roformer", is_decoder=False)
+    )
+
+
+class _Masked(nn.Module):
+    """Attention op by op, masked as ``mode`` says; a layer of a toy LM."""
+
+    def __init__(self, mode: str, width: int = 16, heads: int = 2):
+        super().__init__()
+        self.mode, self.heads, self.head_dim = mode, heads, width // heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        s = q @ k.transpose(-1, -2) * self.head_dim**-0.5
+        i = torch.arange(t, device=x.device)
+        causal = i[None, :] <= i[:, None]
+        lowest = torch.finfo(s.dtype).min
+        if self.mode == "where":
+            s = torch.where(causal, s, torch.tensor(lowest))
+        elif self.mode == "where_masked":  # the scores as the value where the mask is False
+            s = torch.where(~causal, torch.tensor(lowest), s)
+        elif self.mode == "multiply":
+            s = s * causal + -1e4 * (~causal).float()
+        elif self.mode == "masked_fill_":
+            s.masked_fill_(~causal, lowest)
+        elif self.mode == "max":
+            s = torch.max(s + torch.where(causal, 0.0, float("-inf")), torch.full((), lowest))
+        elif self.mode == "where_zero":  # masked scores become 0: attended
+            s = torch.where(causal, s, torch.tensor(0.0))
+        elif self.mode == "multiply_only":  # masked scores become 0: attended
+            s = s * causal
+        elif self.mode == "multiply_by_two":  # a factor, not a mask
+            s = s * (2.0 * causal) + -1e4 * (~causal).float()
+        elif self.mode == "max_zero":  # max with 0 changes every negative score
+            s = torch.max(s + torch.where(causal, 0.0, float("-inf")), torch.zeros(()))
+        else:
+            raise ValueError(self.mode)
+        return self.out((F.softmax(s, dim=-1) @ v).transpose(1, 2).reshape(b, t, -1))
+
+
+class _MaskedLM(nn.Module):
+    def __init__(self, modes: list[str], vocab: int = 50, width: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(_Masked(mode, width) for mode in modes)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, input_ids, position_ids):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def _find_attention(module: nn.Module) -> torch.fx.GraphModule:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (2, 8))
+    dims = {0: Dim("batch", min=1, max=1024), 1: Dim("length", min=2, max=4096)}
+    program = torch.export.export(module.eval(), (ids, torch.arange(8).expand(2, 8)), dynamic_shapes=(dims, dims))
+    ctx = PassContext()
+    gm = run_pipeline(_plain_graph_module(program.module()), ctx, PIPELINE[: PIPELINE.index(find_attention)])
+    return find_attention(gm, ctx)
+
+
+def test_each_mask_form_is_found_causal():
+    modes = ["where", "where_masked", "multiply", "masked_fill_", "max"]
+    found = [site for _, site in sites(_find_attention(_MaskedLM(modes)))]
+    assert [(s.layer, s.window, s.alibi_slopes, s.scale) for s in found] == [
+        (layer, None, None, pytest.approx(8**-0.5)) for layer in range(len(modes))
+    ]
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("where_zero", "putting a value that is no mask's"),
+        ("multiply_only", "multiplies scores by 0 without masking them"),
+        ("multiply_by_two", "multiplies its scores by a factor not 0 or 1"),
+        ("max_zero", "of the scores and more than the lowest value"),
+    ],
+)
+def test_a_mask_form_that_does_not_mask_is_refused_naming_the_layer(mode, message):
+    with pytest.raises(UnsupportedModelError, match=rf"layer 1 \(layers\.1\): .*{message}"):
+        _find_attention(_MaskedLM(["where", mode]))

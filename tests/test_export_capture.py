@@ -1,0 +1,224 @@
+"""Models torch.export will not capture over any length as they are (rnnify/compiler/capture.py).
+
+Export then gets the length's range left to it, and the guards it keeps are judged
+(rnnify/compiler/export_lengths.py): guards its reasoning could not simplify (Zaya's ``T - 1 != 1``
+on a slice, Aria's ``T * min(64, 64 T) == 64 T``) leave a graph that computes the original at every
+length, the capture's example length (8) and the lengths the guards refused included; a real branch
+on the length, or a length made a constant, is refused in one line. DBRX's expert loop runs over the
+experts its tokens picked, which export cannot trace: it is captured with every expert weighted by
+its routing weight (rnnify/compiler/routing.py). Sparse attention by an indexer, and control flow
+on the token values, are refused in one line (sparse_attention.py, data_dependence.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+import transformers
+from support import decode, rel_diff
+
+import rnnify
+from rnnify.compiler.capture import capture
+from rnnify.errors import UnsupportedModelError
+
+VOCAB = 256
+SPECIAL = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+CONFIGS = {
+    "zaya": lambda: transformers.ZayaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=1,
+        **SPECIAL,
+    ),
+    "aria_text": lambda: transformers.AriaTextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        moe_num_experts=4,
+        moe_topk=2,
+        moe_num_shared_experts=1,
+        **SPECIAL,
+    ),
+    "dbrx": lambda: transformers.DbrxConfig(
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=128,
+        vocab_size=VOCAB,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+    ),
+    "cpmant": lambda: transformers.CpmAntConfig(
+        vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, dim_head=16, dim_ff=128, num_hidden_layers=2
+    ),
+    "deepseek_v32": lambda: transformers.DeepseekV32Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        index_n_heads=2,
+        index_head_dim=16,
+        max_position_embeddings=128,
+    ),
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    ),
+}
+LENGTHS = (2, 3, 5, 13, 40)  # around and past the capture's example length, 8
+
+
+def _build(name: str) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+
+
+def _ids(length: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def _graph_logits(gm, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        (logits,) = gm(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1))
+    return logits
+
+
+def _recording_exports(monkeypatch) -> list:
+    """The length dimension of each ``torch.export.export`` call from now on."""
+    export, lengths = torch.export.export, []
+
+    def recorded(*args, dynamic_shapes, **kwargs):
+        lengths.append(dynamic_shapes[0][1])
+        return export(*args, dynamic_shapes=dynamic_shapes, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", recorded)
+    return lengths
+
+
+def _inferred(dim) -> bool:
+    """Whether ``dim`` left the length's range to export (``Dim.AUTO``)."""
+    return isinstance(dim, torch.export.dynamic_shapes._DimHint)
+
+
+@pytest.mark.parametrize("name", ["zaya", "aria_text"])
+def test_a_guard_export_cannot_prove_leaves_a_graph_for_every_length(name, monkeypatch):
+    source = _build(name)
+    exports = _recording_exports(monkeypatch)
+    gm = capture(source)
+    assert not _inferred(exports[0]) and _inferred(exports[-1])  # failed as declared, captured as inferred
+    for length in LENGTHS:
+        assert rel_diff(_graph_logits(gm, _ids(length)), _logits(source, _ids(length))) < 1e-5, length
+
+
+class _LengthBranch(torch.nn.Module):
+    """A tiny Llama whose logits the forward changes for inputs shorter than ``SHORT`` tokens (or, with
+    ``same``, recomputes the same way): a guard on the length that is a branch of the model's own."""
+
+    SHORT = 5
+
+    def __init__(self, same: bool):
+        super().__init__()
+        self.inner, self.same = _build("llama"), same
+        self.config = self.inner.config
+
+    def forward(self, input_ids, position_ids=None, use_cache=False):
+        logits = self.inner(input_ids=input_ids, position_ids=position_ids, use_cache=use_cache).logits
+        if input_ids.shape[1] < self.SHORT:
+            logits = logits.clone() if self.same else logits * 2
+        return types.SimpleNamespace(logits=logits)
+
+
+def test_a_branch_on_the_length_is_refused_where_the_graph_differs():
+    with pytest.raises(UnsupportedModelError, match=r"only from 5 tokens on.* at 2 tokens") as caught:
+        capture(_LengthBranch(same=False))
+    assert "\n" not in str(caught.value)
+
+
+def test_a_branch_on_the_length_that_computes_the_same_is_captured():
+    source = _LengthBranch(same=True)
+    gm = capture(source)
+    for length in LENGTHS:
+        assert rel_diff(_graph_logits(gm, _ids(length)), _logits(source, _ids(length))) < 1e-5, length
+
+
+def test_a_length_made_a_constant_is_refused_in_one_line():
+    with pytest.raises(UnsupportedModelError, match="makes the sequence length a constant") as caught:
+        capture(_build("cpmant"))
+    assert "\n" not in str(caught.value) and "== 8" in str(caught.value)
+
+
+class _ValueBranch(_LengthBranch):
+    """Changes its logits when a row holds token 5: control flow on the values of the input."""
+
+    def forward(self, input_ids, position_ids=None, use_cache=False):
+        logits = self.inner(input_ids=input_ids, position_ids=position_ids, use_cache=use_cache).logits
+        if (input_ids == 5).any():
+            logits = logits * 2
+        return types.SimpleNamespace(logits=logits)
+
+
+def test_control_flow_on_the_token_values_is_refused_naming_its_line():
+    with pytest.raises(UnsupportedModelError, match=r"branches on the values.*test_export_capture.py:\d+") as caught:
+        capture(_ValueBranch(same=False))
+    assert "if (input_ids == 5).any()" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_sparse_attention_is_refused_before_export(monkeypatch):
+    def no_export(*args, **kwargs):
+        raise AssertionError("exported")
+
+    monkeypatch.setattr(torch.export, "export", no_export)
+    with pytest.raises(UnsupportedModelError, match=r"sparse attention \(model.layers.0.self_attn.indexer, "):
+        capture(_build("deepseek_v32"))
+
+
+def test_dbrx_experts_are_captured_over_every_expert():
+    source = _build("dbrx")
+    experts = [m for m in source.modules() if type(m).__name__ == "DbrxExperts"]
+    gm = capture(source)
+    assert experts and not any("forward" in vars(m) for m in experts)  # its own loop again after capture
+    for length in LENGTHS:
+        assert rel_diff(_graph_logits(gm, _ids(length)), _logits(source, _ids(length))) < 1e-5, length
+    converted = rnnify.convert(source, to="exact")
+    ids = _ids(21)
+    want = _logits(copy.deepcopy(source).double(), ids)
+    stepped, _ = decode(converted, ids, 11)
+    assert rel_diff(converted.prefill(ids)[0], want) < 1e-4
+    assert rel_diff(stepped, want) < 1e-4
