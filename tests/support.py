@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -29,8 +30,6 @@ def reseal(directory: Path, **changes) -> dict:
 def exact_conversions(build):
     """``get(name) -> (source, rnnify.convert(source, to="exact"))`` with ``source = build(name)``,
     each built and converted once (a module fixture returns it)."""
-    import functools
-
     import rnnify
 
     @functools.cache
@@ -118,3 +117,59 @@ def draw_heads(draw) -> dict:
         head_dim=draw(st.sampled_from([4, 8, 16])),
         value_dim=draw(st.sampled_from([4, 8])),
     )
+
+
+# the vocabulary, depth and attention of the tiny hybrids (a model's own recurrent layer, then attention)
+# that the own-layer tests build; each adds its layer's sizes
+TINY_HYBRID = dict(
+    vocab_size=320, pad_token_id=0, max_position_embeddings=256,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+)  # fmt: skip
+
+
+def tiny_causal_lm(model_type: str, **config):
+    """A random causal LM of ``model_type`` and ``config``, the same weights every call (seed 0), in
+    eval mode: the tests' tiny models, built with no hub."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(model_type, **config)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def original_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face model's logits of ``ids`` without its cache: what a conversion is held to."""
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def assert_round_trips_a_save(model, directory: Path, ids: torch.Tensor):
+    """``model`` saved to ``directory`` and loaded prefills ``ids`` as ``model`` does. Returns the loaded model."""
+    import rnnify
+
+    loaded = rnnify.load(model.save(directory))
+    assert rel_diff(loaded.prefill(ids)[0], model.prefill(ids)[0]) < 1e-6
+    return loaded
+
+
+def standard_normal(gen: torch.Generator):
+    """``draw(*shape)``: a standard normal float64 tensor from ``gen``, for a recurrence's reference inputs."""
+    return functools.partial(torch.randn, generator=gen, dtype=torch.float64)
+
+
+def padding_mask(length: int, padding: list[int]) -> torch.Tensor:
+    """Real tokens ``[len(padding), length]`` of rows each left-padded by ``padding[i]`` tokens
+    (``length`` of them: a row with nothing real)."""
+    return torch.arange(length)[None, :] >= torch.tensor(padding)[:, None]
+
+
+def assert_outputs_and_state_close(got: tuple, want: tuple, mask: torch.Tensor, tol: float):
+    """``got`` and ``want``, each a recurrence's ``(outputs [B, T, ...], last state)``, agree within
+    ``tol`` in float64 at the real tokens of ``mask [B, T]`` (what a padded token's output holds is no
+    one's concern) and in the state."""
+    (out, state), (want_out, want_state) = got, want
+    real = mask.reshape(*mask.shape, *[1] * (out.dim() - 2))
+    torch.testing.assert_close(
+        torch.where(real, out.double(), 0.0), torch.where(real, want_out.double(), 0.0), rtol=tol, atol=tol
+    )
+    torch.testing.assert_close(state.double(), want_state.double(), rtol=tol, atol=tol)

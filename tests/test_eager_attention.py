@@ -14,49 +14,34 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from support import decode, rel_diff
+from support import decode, original_logits, rel_diff, tiny_causal_lm
+from test_biases import _Eager, _EagerLM, _find_attention
 from torch import nn
-from torch.export import Dim
 
 import rnnify
-from rnnify.compiler.capture import _plain_graph_module
-from rnnify.compiler.passes import PIPELINE, PassContext, run_pipeline
-from rnnify.compiler.passes.find_attention import find_attention, sites
+from rnnify.compiler.passes.find_attention import sites
 from rnnify.errors import UnsupportedModelError
 
 VOCAB, TOKENS, PROMPT = 256, 24, 16
 SIZES = {"vocab_size": VOCAB, "max_position_embeddings": 128}
 
-CONFIGS = {
+CONFIGS = {  # model type -> its config's arguments
     # a global layer, then a local one over 4 tokens (``bias`` xor its band below the window)
-    "gpt_neo": lambda: transformers.GPTNeoConfig(
-        **SIZES,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        attention_types=[[["global", "local"], 1]],
-        window_size=4,
+    "gpt_neo": dict(
+        SIZES, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=4
     ),
-    "openai-gpt": lambda: transformers.OpenAIGPTConfig(
-        vocab_size=VOCAB, n_positions=128, n_embd=64, n_layer=2, n_head=4
-    ),
-    "xglm": lambda: transformers.XGLMConfig(**SIZES, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128),
-    "xlm": lambda: transformers.XLMConfig(
-        vocab_size=VOCAB, max_position_embeddings=128, emb_dim=64, n_layers=2, n_heads=4, causal=True
-    ),
-    "roformer": lambda: transformers.RoFormerConfig(
-        **SIZES, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, is_decoder=True
+    "openai-gpt": dict(vocab_size=VOCAB, n_positions=128, n_embd=64, n_layer=2, n_head=4),
+    "xglm": dict(SIZES, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128),
+    "xlm": dict(SIZES, emb_dim=64, n_layers=2, n_heads=4, causal=True),
+    "roformer": dict(
+        SIZES, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, is_decoder=True
     ),
 }
 WINDOWS = {"gpt_neo": [None, 4]}  # the cells' windows, read from GPT-Neo's mask buffer
 
 
 def _build(name: str, **changes) -> transformers.PreTrainedModel:
-    torch.manual_seed(0)
-    config = CONFIGS[name]()
-    for key, value in changes.items():
-        setattr(config, key, value)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return tiny_causal_lm(name, **{**CONFIGS[name], **changes})
 
 
 def _ids(length: int = TOKENS) -> torch.Tensor:
@@ -69,8 +54,8 @@ def _assert_exact(model: transformers.PreTrainedModel, ids: torch.Tensor, prompt
     float32: its ``full((), lowest)`` is float32, and float64's lowest overflows it)."""
     converted = rnnify.convert(model, to="exact")
     reference = model if model.config.model_type == "xglm" else copy.deepcopy(model).double()
+    want = original_logits(reference, ids)
     with torch.no_grad():
-        want = reference(input_ids=ids, use_cache=False).logits
         prefill, _ = converted.prefill(ids)
         stepped, _ = decode(converted, ids, prompt)
     assert rel_diff(prefill, want) < 1e-4
@@ -129,14 +114,8 @@ def test_a_non_causal_variant_of_each_mask_form_is_refused(monkeypatch):
     )
 
 
-class _Masked(nn.Module):
-    """Attention op by op, masked as ``mode`` says; a layer of a toy LM."""
-
-    def __init__(self, mode: str, width: int = 16, heads: int = 2):
-        super().__init__()
-        self.mode, self.heads, self.head_dim = mode, heads, width // heads
-        self.qkv = nn.Linear(width, 3 * width)
-        self.out = nn.Linear(width, width)
+class _Masked(_Eager):
+    """test_biases's attention op by op, masked as ``mode`` says."""
 
     def forward(self, x):
         b, t, _ = x.shape
@@ -168,47 +147,31 @@ class _Masked(nn.Module):
         return self.out((F.softmax(s, dim=-1) @ v).transpose(1, 2).reshape(b, t, -1))
 
 
-class _MaskedLM(nn.Module):
-    def __init__(self, modes: list[str], vocab: int = 50, width: int = 16):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.layers = nn.ModuleList(_Masked(mode, width) for mode in modes)
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, input_ids, position_ids):
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = x + layer(x)
-        return self.head(x)
-
-
-def _find_attention(module: nn.Module) -> torch.fx.GraphModule:
-    torch.manual_seed(0)
-    ids = torch.randint(0, 50, (2, 8))
-    dims = {0: Dim("batch", min=1, max=1024), 1: Dim("length", min=2, max=4096)}
-    program = torch.export.export(module.eval(), (ids, torch.arange(8).expand(2, 8)), dynamic_shapes=(dims, dims))
-    ctx = PassContext()
-    gm = run_pipeline(_plain_graph_module(program.module()), ctx, PIPELINE[: PIPELINE.index(find_attention)])
-    return find_attention(gm, ctx)
+def _masked_lm(modes: list[str]) -> nn.Module:
+    """test_biases's toy LM, its layers masked as ``modes`` say."""
+    model = _EagerLM(modes)
+    model.layers = nn.ModuleList(_Masked(mode) for mode in modes)
+    return model
 
 
 def test_each_mask_form_is_found_causal():
     modes = ["where", "where_masked", "multiply", "masked_fill_", "max"]
-    found = [site for _, site in sites(_find_attention(_MaskedLM(modes)))]
+    found = [site for _, site in sites(_find_attention(_masked_lm(modes)))]
     assert [(s.layer, s.window, s.alibi_slopes, s.scale) for s in found] == [
         (layer, None, None, pytest.approx(8**-0.5)) for layer in range(len(modes))
     ]
 
 
-@pytest.mark.parametrize(
-    ("mode", "message"),
-    [
-        ("where_zero", "putting a value that is no mask's"),
-        ("multiply_only", "multiplies scores by 0 without masking them"),
-        ("multiply_by_two", "multiplies its scores by a factor not 0 or 1"),
-        ("max_zero", "of the scores and more than the lowest value"),
-    ],
-)
-def test_a_mask_form_that_does_not_mask_is_refused_naming_the_layer(mode, message):
-    with pytest.raises(UnsupportedModelError, match=rf"layer 1 \(layers\.1\): .*{message}"):
-        _find_attention(_MaskedLM(["where", mode]))
+# the mask forms that do not mask (modes of ``_Masked``), and what their refusal says
+NOT_MASKS = {
+    "where_zero": "putting a value that is no mask's",
+    "multiply_only": "multiplies scores by 0 without masking them",
+    "multiply_by_two": "multiplies its scores by a factor not 0 or 1",
+    "max_zero": "of the scores and more than the lowest value",
+}
+
+
+@pytest.mark.parametrize("mode", list(NOT_MASKS))
+def test_a_mask_form_that_does_not_mask_is_refused_naming_the_layer(mode):
+    with pytest.raises(UnsupportedModelError, match=rf"layer 1 \(layers\.1\): .*{NOT_MASKS[mode]}"):
+        _find_attention(_masked_lm(["where", mode]))

@@ -18,7 +18,7 @@ import types
 import pytest
 import torch
 import transformers
-from support import decode, rel_diff
+from support import decode, original_logits, rel_diff, tiny_causal_lm
 
 import rnnify
 from rnnify.compiler.capture import capture
@@ -26,98 +26,50 @@ from rnnify.errors import UnsupportedModelError
 
 VOCAB = 256
 SPECIAL = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-CONFIGS = {
-    "zaya": lambda: transformers.ZayaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        moe_intermediate_size=32,
-        num_experts=4,
-        num_experts_per_tok=1,
-        **SPECIAL,
+SIZES = dict(
+    vocab_size=VOCAB, max_position_embeddings=128, hidden_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2,
+)  # fmt: skip
+DEEPSEEK_V32 = dict(
+    SIZES, num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32,
+    n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=32,
+    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, index_n_heads=2, index_head_dim=16,
+)  # fmt: skip
+DBRX = dict(
+    vocab_size=VOCAB, max_seq_len=128, d_model=64, n_layers=2, n_heads=4,
+    attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+    ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+)  # fmt: skip
+CONFIGS = {  # model type -> its config's arguments
+    "zaya": dict(SIZES, **SPECIAL, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=1),
+    "aria_text": dict(
+        SIZES, **SPECIAL, intermediate_size=128, head_dim=16, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1
     ),
-    "aria_text": lambda: transformers.AriaTextConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        moe_num_experts=4,
-        moe_topk=2,
-        moe_num_shared_experts=1,
-        **SPECIAL,
-    ),
-    "dbrx": lambda: transformers.DbrxConfig(
-        d_model=64,
-        n_heads=4,
-        n_layers=2,
-        max_seq_len=128,
-        vocab_size=VOCAB,
-        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-        ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
-    ),
-    "cpmant": lambda: transformers.CpmAntConfig(
+    "dbrx": DBRX,
+    "cpmant": dict(
         vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, dim_head=16, dim_ff=128, num_hidden_layers=2
     ),
-    "deepseek_v32": lambda: transformers.DeepseekV32Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        kv_lora_rank=16,
-        q_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
-        index_n_heads=2,
-        index_head_dim=16,
-        max_position_embeddings=128,
-    ),
-    "llama": lambda: transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    ),
+    "deepseek_v32": DEEPSEEK_V32,
+    "llama": dict(SIZES, intermediate_size=128),
 }
 LENGTHS = (2, 3, 5, 13, 40)  # around and past the capture's example length, 8
 
 
 def _build(name: str) -> transformers.PreTrainedModel:
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    return tiny_causal_lm(name, **CONFIGS[name])
 
 
 def _ids(length: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
 
 
-def _logits(model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits
-
-
-def _graph_logits(gm, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        (logits,) = gm(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1))
-    return logits
+def _assert_graph_equals_source_at_every_length(gm, source):
+    """The captured graph's logits are the source's at each of ``LENGTHS``."""
+    for length in LENGTHS:
+        ids = _ids(length)
+        with torch.no_grad():
+            (logits,) = gm(ids, torch.arange(length).expand(ids.shape[0], -1))
+        assert rel_diff(logits, original_logits(source, ids)) < 1e-5, length
 
 
 def _recording_exports(monkeypatch) -> list:
@@ -143,8 +95,7 @@ def test_a_guard_export_cannot_prove_leaves_a_graph_for_every_length(name, monke
     exports = _recording_exports(monkeypatch)
     gm = capture(source)
     assert not _inferred(exports[0]) and _inferred(exports[-1])  # failed as declared, captured as inferred
-    for length in LENGTHS:
-        assert rel_diff(_graph_logits(gm, _ids(length)), _logits(source, _ids(length))) < 1e-5, length
+    _assert_graph_equals_source_at_every_length(gm, source)
 
 
 class _LengthBranch(torch.nn.Module):
@@ -174,8 +125,7 @@ def test_a_branch_on_the_length_is_refused_where_the_graph_differs():
 def test_a_branch_on_the_length_that_computes_the_same_is_captured():
     source = _LengthBranch(same=True)
     gm = capture(source)
-    for length in LENGTHS:
-        assert rel_diff(_graph_logits(gm, _ids(length)), _logits(source, _ids(length))) < 1e-5, length
+    _assert_graph_equals_source_at_every_length(gm, source)
 
 
 def test_a_length_made_a_constant_is_refused_in_one_line():
@@ -214,11 +164,10 @@ def test_dbrx_experts_are_captured_over_every_expert():
     experts = [m for m in source.modules() if type(m).__name__ == "DbrxExperts"]
     gm = capture(source)
     assert experts and not any("forward" in vars(m) for m in experts)  # its own loop again after capture
-    for length in LENGTHS:
-        assert rel_diff(_graph_logits(gm, _ids(length)), _logits(source, _ids(length))) < 1e-5, length
+    _assert_graph_equals_source_at_every_length(gm, source)
     converted = rnnify.convert(source, to="exact")
     ids = _ids(21)
-    want = _logits(copy.deepcopy(source).double(), ids)
+    want = original_logits(copy.deepcopy(source).double(), ids)
     stepped, _ = decode(converted, ids, 11)
     assert rel_diff(converted.prefill(ids)[0], want) < 1e-4
     assert rel_diff(stepped, want) < 1e-4

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support import decode, rel_diff
-from test_biases import PROMPT, VOCAB, _build, _ids, _load, _logits
+from test_biases import PROMPT, VOCAB, _ids, _load, _logits, source_dir  # noqa: F401 - source_dir: a fixture
 from test_score_terms import TERMS, problem, reference, spec_with
 
 import rnnify
@@ -23,20 +23,6 @@ from rnnify.original import attention_transfer, softmax_attention
 MODELS = ["gemma2", "gpt_oss", "bloom"]
 WINDOW = 2  # the window heads' tokens: far fewer than the prompt, so they differ from softmax attention
 MIXED = f"0-:heads(0=exact;*=window(window={WINDOW},sinks=0))"  # kv head 0 exact, the others windowed
-
-
-@pytest.fixture(scope="module")
-def source_dir(tmp_path_factory):
-    """``source_dir(name)`` -> directory of the tiny random model, saved once."""
-    saved = {}
-
-    def get(name: str):
-        if name not in saved:
-            saved[name] = tmp_path_factory.mktemp(name)
-            _build(name).save_pretrained(saved[name])
-        return saved[name]
-
-    return get
 
 
 @pytest.fixture(scope="module")
