@@ -6,7 +6,8 @@
         --model models/smollm2 --png docs/plots/long-context.png --doc docs/fidelity-smollm2.md
 
 Results are grouped by the row length they were measured at (``seq_len``); results of one length
-must have read the same held-out tokens. Each row: the state per sequence at that length beside
+must have read the same held-out tokens; a NAME given twice is one model whose pass keys were measured
+in two runs (one row). Each row: the state per sequence at that length beside
 the original's KV cache there (from ``--model``'s config.json), the perplexity ratio, KL and top-1
 agreement over whole rows, the KL of each range of positions (those before 1,024 merged), and,
 where the result has one, pass-key accuracy per prompt length (every probe pooled, with the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -36,13 +38,29 @@ def load(specs: list[str]) -> dict[int, list[tuple[str, dict]]]:
         result = json.loads(Path(path).read_text())
         result["name"] = name or Path(path).stem
         group = by_length.setdefault(result["seq_len"], [])
-        if group and (result["tokens"], result["teacher_perplexity"]) != (
-            group[0][1]["tokens"],
-            group[0][1]["teacher_perplexity"],
+        # the original's perplexity on them tells the tokens apart; float noise between machines does not
+        if group and (
+            result["tokens"] != group[0][1]["tokens"]
+            or not math.isclose(result["teacher_perplexity"], group[0][1]["teacher_perplexity"], rel_tol=1e-6)
         ):
             raise ValueError(f"{path}: other held-out tokens than {group[0][0]} at {result['seq_len']} tokens")
-        group.append((result["name"], result))
+        same = next((r for n, r in group if n == result["name"]), None)
+        if same is None:
+            group.append((result["name"], result))
+        elif same["state_bytes"] != result["state_bytes"]:
+            raise ValueError(f"{path}: another model than the earlier {result['name']!r} (its state differs)")
+        else:  # one model's pass keys at another prompt length, from another run: one row
+            _merge_passkey(same, result)
     return dict(sorted(by_length.items()))
+
+
+def _merge_passkey(into: dict, other: dict) -> None:
+    """Add ``other``'s pass-key accuracies (per prompt length, both models) to ``into``'s."""
+    if not other.get("passkey"):
+        return
+    accuracy = into.setdefault("passkey", {}).setdefault("accuracy", {})
+    for side, by_length in other["passkey"]["accuracy"].items():
+        accuracy.setdefault(side, {}).update(by_length)
 
 
 def passkey_lengths(results: list[dict]) -> list[int]:
@@ -64,7 +82,7 @@ def table(seq_len: int, rows: list[tuple[str, dict]], model: str | None) -> str:
         f"| model | state bytes (share of KV cache) | perplexity ratio | KL | top-1 | {head} |{keys}",
         "|---|---:|---:|---:|---:|" + "---:|" * (len(ranges) + len(lengths)),
     ]
-    original = next((r["passkey"]["accuracy"].get("original") for _, r in rows if r.get("passkey")), None)
+    original = {n: a for _, r in rows if r.get("passkey") for n, a in r["passkey"]["accuracy"]["original"].items()}
     if original and cache:
         accuracy = "".join(f" {original.get(str(n), float('nan')):.0%} |" for n in lengths)
         lines.append(f"| original (KV cache) | {cache:,} (100%) | 1.000 | 0 | 100% |" + " 0 |" * len(ranges) + accuracy)

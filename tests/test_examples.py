@@ -592,19 +592,23 @@ def test_cell_speed_replays_the_calls_the_model_makes(tmp_path, converted_dir):
 
 
 def test_eval_table_groups_by_length_and_reads_passkey(tmp_path, converted_dir, tiny_model_dir):
-    """Real ``rnnify eval`` results at two row lengths, one with pass-key trials, into tables and a plot."""
+    """Real ``rnnify eval`` results at two row lengths, one model's pass keys from two runs (one row),
+    into tables and a plot."""
     from rnnify.cli import main
 
     eval_table = _load(ROOT / "benchmarks" / "eval_table.py")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("The river runs past the mill and the children play in the park. " * 200)
     files = []
-    for name, length, extra in (
-        ("exact", 32, ["--passkey", "320", "--passkey-trials", "1", "--passkey-probes", "reworded"]),
-        ("linear", 32, []),
-        ("linear", 64, []),
+    for run, (name, length, extra) in enumerate(
+        (
+            ("exact", 32, ["--passkey", "320", "--passkey-trials", "1", "--passkey-probes", "reworded"]),
+            ("exact", 32, ["--passkey", "160", "--passkey-trials", "1", "--passkey-probes", "reworded"]),
+            ("linear", 32, []),
+            ("linear", 64, []),
+        )
     ):
-        out = tmp_path / f"{name}-{length}.json"
+        out = tmp_path / f"{run}-{name}-{length}.json"
         assert (
             main(
                 [
@@ -635,7 +639,12 @@ def test_eval_table_groups_by_length_and_reads_passkey(tmp_path, converted_dir, 
     )
     page = doc.read_text()
     assert "old" not in page and "Rows of 32 tokens" in page and "Rows of 64 tokens" in page
-    assert "| original (KV cache) |" in page and " pass key 320 |" in page and "| `exact` |" in page
+    assert "| original (KV cache) |" in page and " pass key 160 | pass key 320 |" in page
+    exact = next(line for line in page.splitlines() if line.startswith("| `exact` |"))
+    original = next(line for line in page.splitlines() if line.startswith("| original (KV cache) |"))
+    for line in (exact, original):  # both pass-key lengths filled in, on one row each
+        assert all(cell.strip().endswith("%") for cell in line.strip("|").split("|")[-2:]), line
+    assert page.count("| `exact` |") == 1
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
