@@ -68,6 +68,24 @@ def test_state_is_interchangeable_with_the_reloaded_model(converted_dir):
     assert torch.equal(a.step(ids[:, 3:], state)[0], b.step(ids[:, 3:], state)[0])
 
 
+@pytest.mark.parametrize("target", ["gated-delta", "hybrid"])
+def test_load_keeps_saved_dtypes_under_another_default_dtype(converted_dir, target):
+    """vLLM builds models under ``torch.set_default_dtype(bfloat16)``: a cell's own layers (the
+    gated delta rule's gate and beta projections, the hybrid's memory) built there must still hold
+    the saved float32 weights, not a bfloat16 rounding of them."""
+    directory = converted_dir("llama", target)
+    want = rnnify.load(directory)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        got = rnnify.load(directory)
+    finally:
+        torch.set_default_dtype(before)
+    assert {t.dtype for t in got.graph.state_dict().values() if t.is_floating_point()} == {torch.float32}
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    assert torch.equal(got.prefill(ids)[0], want.prefill(ids)[0])
+
+
 def test_failed_save_leaves_nothing(converted_dir, tmp_path, monkeypatch):
     model = rnnify.load(converted_dir("llama", "linear"))
 

@@ -103,6 +103,13 @@ SCRIPT = textwrap.dedent('''
             greedy[key] = tokens, logprobs
             return tokens, logprobs
 
+        def rnnify_prompt_logprobs(path, prompt_ids):
+            """rnnify's log-prob of each prompt token after the first, from one prefill."""
+            with torch.inference_mode():
+                logits, _ = models[path].prefill(torch.tensor([prompt_ids]))
+            scores = torch.log_softmax(logits[0, :-1].float(), dim=-1)
+            return scores.gather(1, torch.tensor(prompt_ids[1:])[:, None])[:, 0].tolist()
+
         report = {}
         for run in runs:
             started = time.perf_counter()
@@ -117,8 +124,13 @@ SCRIPT = textwrap.dedent('''
                     if out.outputs[0].logprobs is not None:
                         got_logprobs = [step[t].logprob for step, t in zip(out.outputs[0].logprobs, got)]
                     want, want_logprobs = rnnify_greedy(run["path"], out.prompt_token_ids, run["sampling"]["max_tokens"])
+                    prompt = dict(got_prompt_logprobs=None, want_prompt_logprobs=None)
+                    if out.prompt_logprobs is not None:
+                        ids = out.prompt_token_ids
+                        prompt = dict(got_prompt_logprobs=[step[t].logprob for step, t in zip(out.prompt_logprobs[1:], ids[1:])],
+                                      want_prompt_logprobs=rnnify_prompt_logprobs(run["path"], ids))
                     results.append(dict(prompt=out.prompt, batch=len(batch), got=got, want=want,
-                                        got_logprobs=got_logprobs, want_logprobs=want_logprobs))
+                                        got_logprobs=got_logprobs, want_logprobs=want_logprobs, **prompt))
             llm.llm_engine.engine_core.shutdown()  # the engine (and its processes) go before the next starts
             del llm
             gc.collect()
@@ -180,12 +192,13 @@ def converted(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def equivalence(converted, tmp_path_factory) -> dict:
     """One vLLM subprocess over every target: each prompt alone, then all three together (one
-    prefill each, then batched steps), greedy with the log-prob of each chosen token; then, as
+    prefill each, then batched steps), greedy with the log-prob of each chosen token and of each
+    prompt token; then, as
     ``NAME-chunked``, with a 16-token budget and two sequences at a time: a long prompt is read in
     chunks that continue from the stored state, and later prompts take slots that finished ones
     left. ``window`` runs more prompts there, twice (the second time in reverse order), so a second
     call finds no state left from the first."""
-    sampling = {"max_tokens": NEW_TOKENS, "logprobs": 1}
+    sampling = {"max_tokens": NEW_TOKENS, "logprobs": 1, "prompt_logprobs": 0}
     runs = [
         dict(name=name, path=str(path), engine={}, sampling=sampling, batches=[[p] for p in PROMPTS] + [PROMPTS])
         for name, path in converted.items()
@@ -226,6 +239,23 @@ def test_logprobs_equal_rnnify_log_softmax(equivalence, target):
         for i, (a, b) in enumerate(zip(got, want)):
             assert abs(a - b) <= limit * max(1.0, abs(b)), (
                 f"prompt {row['prompt']!r}: log-prob of token {i} ({row['got'][i]}) is {a} in vLLM, {b} in rnnify"
+            )
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_prompt_logprobs_equal_rnnify_log_softmax(equivalence, target):
+    """Prompt log-probs read the logits of every prompt position, where decoding reads only the last:
+    the plugin's rows of a prompt are hidden states and its head runs on whichever rows vLLM asks for
+    (rnnify/integrations/vllm/model.py). Each equals rnnify's prefill, within the same limit as above."""
+    result = equivalence[target]
+    limit = tolerance(getattr(torch, result["dtype"].removeprefix("torch.")))
+    assert max(len(row["want_prompt_logprobs"]) for row in result["results"]) > 10
+    for row in result["results"]:
+        got, want = row["got_prompt_logprobs"], row["want_prompt_logprobs"]
+        assert got is not None and len(got) == len(want)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert abs(a - b) <= limit * max(1.0, abs(b)), (
+                f"prompt {row['prompt']!r}: log-prob of prompt token {i + 1} is {a} in vLLM, {b} in rnnify"
             )
 
 

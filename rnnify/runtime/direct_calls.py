@@ -53,10 +53,12 @@ def _direct_target(node: torch.fx.Node) -> Callable[..., Any] | None:
     return DIRECT.get(node.target)
 
 
-def direct_forward(gm: torch.fx.GraphModule) -> Callable[..., Any]:
-    """``forward(gm, *args)``: gm's graph with direct calls; equal to ``gm(*args)``, bar module hooks."""
+def direct_forward(gm: torch.fx.GraphModule, source: torch.fx.Graph | None = None) -> Callable[..., Any]:
+    """``forward(gm, *args)``: gm's graph with direct calls; equal to ``gm(*args)``, bar module hooks.
+
+    ``source``, a graph over gm's attributes (``runtime.head``'s parts of gm's graph), runs instead."""
     graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.output(graph.graph_copy(gm.graph if source is None else source, {}))
     for node in graph.nodes:
         target = _direct_target(node)
         if target is not None:

@@ -22,6 +22,7 @@ from rnnify.choices import MAX_NEW_TOKENS, TEMPERATURE
 from rnnify.errors import PositionError, RnnifyError, RnnifyWarning, StateError
 from rnnify.kernels.utils import check_kernels, check_runnable
 from rnnify.runtime.direct_calls import direct_forward
+from rnnify.runtime.head import head_input_size, split_head
 from rnnify.runtime.manifest import Manifest
 from rnnify.runtime.sampling import check_sampling, next_token
 from rnnify.runtime.state import RecurrentState
@@ -68,7 +69,7 @@ class RecurrentModel(nn.Module):
         self._step_graph: Any = None  # set by compile_step
         self._step_package: Any = None  # a ``runtime.aot.StepPackage``, set by ``rnnify.load``
         self._cuda_graphs = False  # compile_step on CUDA: the step replays as a CUDA graph
-        self._direct: tuple[Any, str, Any] | None = None  # (graph, its code, direct_forward of it)
+        self._direct: tuple[Any, str, dict] | None = None  # (graph, its code, direct forwards of it and its halves)
         self._tokenizer: Any = _NOT_LOADED  # see ``tokenizer``
 
     # -- description ------------------------------------------------------------------------
@@ -226,6 +227,12 @@ class RecurrentModel(nn.Module):
         self, input_ids: torch.Tensor, state: RecurrentState, attention_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, RecurrentState]:
         """One call of the step graph: read ``input_ids`` into ``state``; returns (logits, new state)."""
+        return self._read(input_ids, state, attention_mask, hidden=False)
+
+    def _read(
+        self, input_ids: torch.Tensor, state: RecurrentState, attention_mask: torch.Tensor | None, hidden: bool
+    ) -> tuple[torch.Tensor, RecurrentState]:
+        """``forward``, or with ``hidden`` the body's hidden states in place of the logits (``prefill_hidden``)."""
         mask = self._check_inputs(input_ids, attention_mask)
         self._check_state(state, input_ids.shape[0])
         check_runnable(self.kernels, input_ids.device)
@@ -236,7 +243,10 @@ class RecurrentModel(nn.Module):
         else:
             graph_mask, positions = mask, state.positions + mask.long().sum(1)
         inputs = (input_ids, position_ids, graph_mask, *state.tensors)
-        if self._step_graph is not None and input_ids.shape[1] == 1:
+        body = self._direct_forward("body") if hidden and not torch.is_grad_enabled() else None
+        if body is not None:
+            logits, *tensors = body(self.graph, *inputs)  # the hidden states: the head is left out
+        elif self._step_graph is not None and input_ids.shape[1] == 1:
             if self._cuda_graphs:
                 # a replay overwrites the last one's outputs: copy them out, so every state stays valid
                 torch.compiler.cudagraph_mark_step_begin()
@@ -251,13 +261,40 @@ class RecurrentModel(nn.Module):
             logits, *tensors = self._direct_forward()(self.graph, *inputs)
         return logits, RecurrentState(tuple(tensors), positions, state.model_uid)
 
-    def _direct_forward(self) -> Any:
+    def _direct_forward(self, part: str = "graph") -> Any:
         """The graph's forward with direct torch calls (``runtime.direct_calls``), regenerated
-        whenever the graph is replaced or recompiled."""
+        whenever the graph is replaced or recompiled; with ``part`` "body" or "head", that of the
+        graph's half (``runtime.head``), or None when the graph's head is not split."""
         graph, code = self.graph, self.graph.code
         if self._direct is None or self._direct[0] is not graph or self._direct[1] is not code:
-            self._direct = (graph, code, direct_forward(graph))
-        return self._direct[2]
+            self._direct = (graph, code, {"graph": direct_forward(graph)})
+        forwards = self._direct[2]
+        if part not in forwards:
+            halves = split_head(graph.graph)
+            forwards["body"], forwards["head"] = (direct_forward(graph, h) for h in halves) if halves else (None, None)
+        return forwards[part]
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of what ``prefill_hidden`` returns per position: the head's input, or the vocabulary
+        when the graph's head is not split."""
+        head = self._direct_forward("head")
+        return self.manifest.vocab_size if head is None else head_input_size(self.graph)
+
+    @torch.inference_mode()
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of hidden states from ``prefill_hidden`` (any leading shape)."""
+        head = self._direct_forward("head")
+        return hidden if head is None else head(self.graph, hidden)
+
+    @torch.inference_mode()
+    def prefill_hidden(
+        self, input_ids: torch.Tensor, state: RecurrentState, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, RecurrentState]:
+        """``prefill`` without the language-model head: the hidden state at every position, which
+        ``head`` turns into logits where they are wanted (``runtime.head``; for a graph whose head
+        is not split, the logits themselves and ``head`` returns them as they are)."""
+        return self._read(input_ids, state, attention_mask, hidden=True)
 
     @torch.inference_mode()
     def prefill(
@@ -265,8 +302,11 @@ class RecurrentModel(nn.Module):
         input_ids: torch.Tensor,
         state: RecurrentState | None = None,
         attention_mask: torch.Tensor | None = None,
+        *,
+        last_only: bool = False,
     ) -> tuple[torch.Tensor, RecurrentState]:
-        """Read a prompt (continuing from ``state`` if given); logits for every position.
+        """Read a prompt (continuing from ``state`` if given); logits for every position, or with
+        ``last_only`` for the last one (``[B, 1, V]``: the head runs on that position alone).
 
         Rows of different lengths are left-padded with ``attention_mask`` 0 on the padding.
         """
@@ -274,7 +314,10 @@ class RecurrentModel(nn.Module):
             state = self.init_state(
                 input_ids.shape[0] if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else 1
             )
-        return self(input_ids, state, attention_mask)
+        if not last_only:
+            return self(input_ids, state, attention_mask)
+        hidden, state = self.prefill_hidden(input_ids, state, attention_mask)
+        return self.head(hidden[:, -1:]), state
 
     @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, state: RecurrentState) -> tuple[torch.Tensor, RecurrentState]:
@@ -392,7 +435,7 @@ class RecurrentModel(nn.Module):
         eos: list[int],
         pad: int,
     ) -> Iterator[torch.Tensor]:
-        logits, state = self.prefill(input_ids, attention_mask=attention_mask)
+        logits, state = self.prefill(input_ids, attention_mask=attention_mask, last_only=True)
         finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         eos_ids = torch.tensor(eos, dtype=input_ids.dtype, device=input_ids.device)
         for i in range(max_new_tokens):

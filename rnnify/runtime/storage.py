@@ -148,7 +148,10 @@ def _step_module(
                 device
             )
             prefix = entry.module + "."
-            cell.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, strict=True)
+            # assign: the saved tensors themselves, in their saved dtype, whatever dtype the cell was
+            # built in (a caller's torch.set_default_dtype, as vLLM sets while it builds a model)
+            weights = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+            cell.load_state_dict(weights, strict=True, assign=True)
             install(root, entry.module, cell)
         cell_prefixes = tuple(entry.module + "." for entry in manifest.cells)
         buffers = set(manifest.buffers)

@@ -15,8 +15,15 @@ tensor of ``init_state(1)`` without its batch dimension, and the position counte
    ``step`` over the states gathered from their slots;
 3. runs every other sequence (a prompt, or one chunk of a prompt split by chunked prefill) as its
    own ``prefill`` from the state in its slot, so a later chunk continues from the earlier ones;
-4. writes each new state back into its slot, and returns the logits of every scheduled token as
-   the "hidden states", which ``compute_logits`` passes through to vLLM's sampler.
+4. writes each new state back into its slot, and returns one row per scheduled token as the
+   "hidden states", from which ``compute_logits`` makes the logits of the rows vLLM asks for.
+
+A prompt's rows hold its hidden states without the language-model head
+(``RecurrentModel.prefill_hidden``): vLLM asks for logits at the last position of each prompt (and
+at every position only for prompt log-probabilities), so the head runs there alone. A decode row
+holds the step's logits, computed by the (ahead-of-time compiled) step with its head; its row
+refers to them instead: the last column of each row is 0 for a hidden state, else 1 + the index of
+the decode's logits, kept until ``compute_logits`` reads them in the same model step.
 
 Only targets whose state has a fixed shape per sequence can live in such slots; ``exact`` (a KV
 cache that grows) is refused at load with a one-line error.
@@ -167,6 +174,8 @@ class RnnifyForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         self.__dict__["rnn"] = model
         self.vocab_size = model.manifest.vocab_size
         self.logits_dtype = model.dtype
+        self.hidden_size = model.hidden_size
+        self._step_logits: torch.Tensor | None = None  # this model step's decode logits (module docstring)
         self.state_layer = RnnifyState(StateLayout(model), vllm_config)
 
     @property
@@ -186,7 +195,9 @@ class RnnifyForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
     ) -> torch.Tensor:
         if input_ids is None:
             raise RnnifyError("rnnify models read token ids: prompt embeddings are not supported")
-        out = torch.zeros(input_ids.shape[0], self.vocab_size, dtype=self.logits_dtype, device=input_ids.device)
+        # float32 whatever the model's dtype: the last column's indices stay exact
+        out = torch.zeros(input_ids.shape[0], self.hidden_size + 1, dtype=torch.float32, device=input_ids.device)
+        self._step_logits = None
         metadata = get_forward_context().attn_metadata
         if isinstance(metadata, list):  # micro-batches: not used on one CPU device
             raise RnnifyError("rnnify's vLLM plugin does not support micro-batching")
@@ -215,19 +226,30 @@ class RnnifyForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
             chosen = slots[singles]
             logits, state = model.step(ids[rows][:, None], layer.gather(chosen))
             layer.scatter(chosen, state)
-            out[rows] = logits[:, -1].to(out.dtype)
+            self._step_logits = logits[:, -1]
+            out[rows, -1] = torch.arange(1, len(singles) + 1, dtype=out.dtype, device=out.device)
 
         for r in range(num_reqs):
             start, end = starts[r], starts[r + 1]
             if end - start <= 1:
                 continue
             chosen = slots[r : r + 1]
-            logits, state = model.prefill(ids[start:end][None], layer.gather(chosen))
+            hidden, state = model.prefill_hidden(ids[start:end][None], layer.gather(chosen))
             layer.scatter(chosen, state)
-            out[start:end] = logits[0].to(out.dtype)
+            out[start:end, :-1] = hidden[0]
 
+    @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return hidden_states  # forward already returns logits
+        """The logits of the rows of ``forward``'s output that vLLM picked (module docstring)."""
+        model = self.rnn
+        refs = hidden_states[:, -1].long()
+        logits = torch.empty(hidden_states.shape[0], self.vocab_size, dtype=self.logits_dtype, device=refs.device)
+        own = refs == 0
+        if bool(own.any()):
+            logits[own] = model.head(hidden_states[own, :-1].to(model.dtype)).to(logits.dtype)
+        if not bool(own.all()):
+            logits[~own] = self._step_logits[refs[~own] - 1].to(logits.dtype)
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # rnnify.load read (and checked) the directory's weights in __init__; leave vLLM's iterator unread
