@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from rnnify.choices import EVAL_BATCH_SIZE
 from rnnify.data import row_length, token_batches, tokenizer_for
 from rnnify.errors import RnnifyError
-from rnnify.original import LayerError, attention_transfer, load_teacher, source_directory
+from rnnify.original import LayerError, attention_transfer, load_teacher, source_directory, teacher_logits
 from rnnify.original.outputs import OriginalOutputs, content_digest
 from rnnify.runtime.manifest import MANIFEST_FILE
 from rnnify.runtime.model import RecurrentModel
@@ -32,6 +32,9 @@ __all__ = ["CopyKL", "EvalResult", "PositionKL", "copy_kinds", "evaluate", "posi
 COPY_SPAN = 4  # tokens of a repeat: the next token and the 3 before it
 COPY_WINDOW = 64  # as far back as a copy is "near": the first of ``position_ranges``, a common window
 COPY_KINDS = ("new", f"copy within {COPY_WINDOW}", f"copy beyond {COPY_WINDOW}")  # ``copy_kinds`` codes 0, 1, 2
+# positions whose log-probabilities a row's metrics hold at once: long rows cost the two models'
+# logits, not several vocabulary-wide copies of them
+METRIC_POSITIONS = 1024
 
 
 @dataclass
@@ -114,6 +117,7 @@ def evaluate(
     kernels: str | None = None,
     layer_errors: bool = True,
     cache: bool = True,
+    prefill_chunk: int | None = None,
     progress: bool = False,
 ) -> EvalResult:
     """Evaluate a converted model on ``data`` (anything ``rnnify.data.token_batches`` reads).
@@ -126,22 +130,29 @@ def evaluate(
     (``rnnify.load``'s meanings: default the CPU and the recorded kernels); a loaded model runs as
     it is. ``layer_errors=False`` skips the per-layer attention error, a second pass of the
     converted model. ``cache=False`` recomputes the original's logits instead of reading (and
-    storing) them in the user's cache (``rnnify.original.outputs``). ``progress`` shows a tqdm bar
-    of tokens on a terminal.
+    storing) them in the user's cache (``rnnify.original.outputs``). ``prefill_chunk`` reads each
+    row ``prefill_chunk`` tokens at a time in both models (the converted one from its state, the
+    original through its KV cache): less memory for long rows, the same logits within float error;
+    the per-layer errors need whole rows, so it goes with ``layer_errors=False``. ``progress``
+    shows a tqdm bar of tokens on a terminal.
     """
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise RnnifyError(f"the prefill chunk must be at least 1 token, got {prefill_chunk}")
+    if prefill_chunk is not None and layer_errors:
+        raise RnnifyError("each layer's attention error needs whole rows: read rows in chunks without them")
     model = load_or_take(model_or_dir, device, kernels, "evaluate")
     seq_len = row_length(model, seq_len)
     # the data's mistakes surface here, before the (possibly large) teacher loads
     batches = token_batches(
         data, tokenizer_for(model, data, tokenizer), seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens
     )
-    teacher, teacher_name = _teacher(model, against, cache)
+    teacher, teacher_name = _teacher(model, against, cache, prefill_chunk)
     sums = _Sums(len(model.cells), seq_len)
     from tqdm import tqdm
 
     with tqdm(total=max_tokens, unit="tok", disable=None if progress else True, leave=False) as bar:
         for batch in batches:
-            real = _evaluate_batch(model, teacher, batch, sums, layer_errors)
+            real = _evaluate_batch(model, teacher, batch, sums, layer_errors, prefill_chunk)
             bar.update(real)
     if sums.predicted == 0:
         raise RnnifyError("no token follows another in the data's rows: give rows of at least 2 tokens")
@@ -187,8 +198,22 @@ def write_json(path: str | os.PathLike, data: dict[str, Any]) -> None:
         raise RnnifyError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
-def _teacher(model: RecurrentModel, against, cache: bool) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:
-    """A function from token ids to the compared model's logits, and that model's name.
+def _prefill_logits(model: RecurrentModel, ids: torch.Tensor, chunk: int | None) -> torch.Tensor:
+    """The converted model's logits for ``ids``: one prefill, or one per ``chunk`` tokens from the state."""
+    if chunk is None:
+        return model.prefill(ids)[0]
+    state, pieces = None, []
+    for start in range(0, ids.shape[1], chunk):
+        logits, state = model.prefill(ids[:, start : start + chunk], state)
+        pieces.append(logits)
+    return torch.cat(pieces, dim=1)
+
+
+def _teacher(
+    model: RecurrentModel, against, cache: bool, chunk: int | None = None
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:
+    """A function from token ids to the compared model's logits (read ``chunk`` tokens at a time
+    when given), and that model's name.
 
     An original given as a local directory loads on the first row the cache (``cache``,
     ``rnnify.original.outputs``) does not hold: a sweep that has seen the rows never loads it.
@@ -204,16 +229,16 @@ def _teacher(model: RecurrentModel, against, cache: bool) -> tuple[Callable[[tor
                 f"the compared model has a vocabulary of {other.manifest.vocab_size} tokens but the evaluated "
                 f"model has {model.manifest.vocab_size}; compare models with the same tokenizer"
             )
-        return (lambda ids: other.prefill(ids)[0]), str(other.path or "(in memory)")
+        return (lambda ids: _prefill_logits(other, ids, chunk)), str(other.path or "(in memory)")
     if not isinstance(against, (str, os.PathLike)):
         teacher = load_teacher(model, against)
-        return (lambda ids: teacher(input_ids=ids, use_cache=False).logits), type(against).__name__
+        return (lambda ids: teacher_logits(teacher, ids, chunk)), type(against).__name__
     loaded: list[torch.nn.Module] = []
 
     def logits(ids: torch.Tensor) -> torch.Tensor:
         if not loaded:
             loaded.append(load_teacher(model, against))
-        return loaded[0](input_ids=ids, use_cache=False).logits
+        return teacher_logits(loaded[0], ids, chunk)
 
     digest = content_digest(against) if cache else None
     outputs = OriginalOutputs(None if digest is None else f"{digest}:{model.dtype}", logits)
@@ -235,7 +260,7 @@ class _Sums:
 
 @torch.no_grad()
 def _evaluate_batch(
-    model: RecurrentModel, teacher, batch: dict[str, torch.Tensor], sums: _Sums, layer_errors: bool
+    model: RecurrentModel, teacher, batch: dict[str, torch.Tensor], sums: _Sums, layer_errors: bool, chunk: int | None
 ) -> int:
     """Add one batch to ``sums``; returns its real tokens.
 
@@ -251,27 +276,38 @@ def _evaluate_batch(
             model.prefill(ids)
             for i, layer in enumerate(recorder.errors()):
                 sums.layers[i] += torch.tensor([layer.mse * layer.tokens, layer.rel_error * layer.tokens, layer.tokens])
-    logits, teacher_logits = model.prefill(ids)[0], teacher(ids)
+    logits, original = _prefill_logits(model, ids, chunk), teacher(ids)
     for row in range(ids.shape[0]):
-        _add_row(sums, logits[row], teacher_logits[row], ids[row], mask[row])
+        _add_row(sums, logits[row], original[row], ids[row], mask[row])
     return int(mask.sum())
 
 
 def _add_row(
     sums: _Sums, logits: torch.Tensor, teacher_logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
 ) -> None:
-    logp, teacher_logp = logits.float().log_softmax(-1), teacher_logits.float().log_softmax(-1)  # [T, V]
-    targets, follows = ids[1:, None], mask[1:]  # right padding: a real target follows a real token
+    """Add one row's metrics, ``METRIC_POSITIONS`` positions of log-probabilities at a time."""
+    length = ids.shape[0]
+    follows = torch.zeros_like(mask)  # right padding: a real target follows a real token
+    follows[:-1] = mask[1:]
+    kl = torch.zeros(length, dtype=torch.float64, device=logits.device)  # KL(teacher || converted) per position
+    for start in range(0, length, METRIC_POSITIONS):
+        end = min(start + METRIC_POSITIONS, length)
+        logp, teacher_logp = (
+            logits[start:end].float().log_softmax(-1),
+            teacher_logits[start:end].float().log_softmax(-1),
+        )
+        targets = ids[start + 1 : end + 1, None]  # one fewer than the positions at the row's end
+        real = follows[start : start + targets.shape[0]]
+        sums.nll -= float(logp[: targets.shape[0]].gather(-1, targets).squeeze(-1)[real].double().sum())
+        sums.teacher_nll -= float(teacher_logp[: targets.shape[0]].gather(-1, targets).squeeze(-1)[real].double().sum())
+        kl[start:end] = F.kl_div(logp, teacher_logp, log_target=True, reduction="none").sum(-1).double()
+        sums.agree += int((logp.argmax(-1) == teacher_logp.argmax(-1))[mask[start:end]].sum())
     predicted = int(follows.sum())  # so the first `predicted` positions have a real next token
-    sums.nll -= float(logp[:-1].gather(-1, targets).squeeze(-1)[follows].double().sum())
-    sums.teacher_nll -= float(teacher_logp[:-1].gather(-1, targets).squeeze(-1)[follows].double().sum())
     sums.predicted += predicted
-    kl = F.kl_div(logp, teacher_logp, log_target=True, reduction="none").sum(-1)  # KL(teacher || converted)
-    kl = torch.where(mask, kl.clamp_min(0), 0.0).double()  # >= 0 per position; below is float rounding
+    kl = torch.where(mask, kl.clamp_min(0), 0.0)  # >= 0 per position; below is float rounding
     per_range = torch.zeros_like(sums.position_kl, device=kl.device)
-    per_range.index_add_(0, sums.range_index[: kl.shape[0]].to(kl.device), torch.stack([kl, mask.double()], -1))
+    per_range.index_add_(0, sums.range_index[:length].to(kl.device), torch.stack([kl, mask.double()], -1))
     sums.position_kl += per_range.cpu()
     counted = torch.stack([kl[:predicted].cpu(), torch.ones(predicted, dtype=torch.float64)], -1)
     sums.copy_kl.index_add_(0, copy_kinds(ids[: predicted + 1].cpu()), counted)
-    sums.agree += int((logp.argmax(-1) == teacher_logp.argmax(-1))[mask].sum())
     sums.tokens += int(mask.sum())

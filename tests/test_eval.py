@@ -66,6 +66,46 @@ def test_approximate_target_has_a_cost(converted_dir):
     assert other.kl == pytest.approx(result.kl, rel=1e-2, abs=1e-7)
 
 
+@pytest.mark.parametrize("target", ["exact", "window"])
+def test_rows_read_in_chunks_give_the_whole_rows_results(converted_dir, tiny_model_dir, corpus, target):
+    """Both models read each row 5 tokens at a time (the converted one from its state, the original
+    through its KV cache): the same metrics as whole rows, within float error; the exact model still
+    matches transformers' own perplexity of whole rows."""
+    options = dict(OPTIONS, layer_errors=False, cache=False)
+    directory = converted_dir("llama", target) if target == "exact" else None
+    model = rnnify.load(directory) if directory else rnnify.convert(tiny_model_dir("llama"), to="window", window=4)
+    whole = rnnify.evaluate(model, corpus, **options)
+    chunked = rnnify.evaluate(model, corpus, prefill_chunk=5, **options)
+    assert chunked.tokens == whole.tokens == 100
+    assert chunked.perplexity == pytest.approx(whole.perplexity, rel=1e-5)
+    assert chunked.teacher_perplexity == pytest.approx(whole.teacher_perplexity, rel=1e-5)
+    assert chunked.kl == pytest.approx(whole.kl, rel=1e-3, abs=1e-6)
+    assert chunked.teacher_perplexity == pytest.approx(_hf_perplexity(tiny_model_dir("llama"), corpus), rel=1e-5)
+    if target == "window":  # a window of 4 forgets: a KL the chunks match only by carrying the state
+        assert chunked.kl > 1e-4
+
+
+def test_row_metrics_held_a_few_positions_at_a_time_equal_whole_rows(converted_dir, corpus, monkeypatch):
+    import importlib
+
+    model = rnnify.load(converted_dir("llama", "linear"))
+    whole = rnnify.evaluate(model, corpus, layer_errors=False, **OPTIONS).to_json()
+    monkeypatch.setattr(importlib.import_module("rnnify.eval"), "METRIC_POSITIONS", 5)  # rows of 16: 4 pieces
+    pieces = rnnify.evaluate(model, corpus, layer_errors=False, **OPTIONS).to_json()
+    assert _close(pieces, whole)
+
+
+def _close(a, b) -> bool:
+    """Equal JSON results, numbers within float64 summation order."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, float):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    return a == b
+
+
 def test_position_ranges_double_from_64():
     assert position_ranges(2048) == [(0, 64), (64, 128), (128, 256), (256, 512), (512, 1024), (1024, 2048)]
     assert position_ranges(300) == [(0, 64), (64, 128), (128, 256), (256, 300)]
@@ -153,6 +193,8 @@ def _source_elsewhere(converted, tmp_path):
         (lambda d, c, t: [str(_source_elsewhere(d, t)), "--data", str(c)], "--against"),
         (lambda d, c, t: [d, "--data", str(c), "--batch-size", "0"], "batch_size must be"),
         (lambda d, c, t: [str(t), "--data", str(c)], "rnnify.json"),
+        (lambda d, c, t: [d, "--data", str(c), "--prefill-chunk", "8"], "--prefill-chunk needs --no-layer-errors"),
+        (lambda d, c, t: [d, "--data", str(c), "--prefill-chunk", "0", "--no-layer-errors"], "at least 1"),
     ],
 )
 def test_cli_errors(converted_dir, corpus, tmp_path, capsys, args, match):

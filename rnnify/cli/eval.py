@@ -90,6 +90,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="skip each layer's attention error (a second pass of the converted model over the data)",
     )
     p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="read each row N tokens at a time in both models (the converted one from its state, the "
+        "original through its KV cache): less memory for long rows, the same results within float "
+        "error; needs --no-layer-errors (default: whole rows)",
+    )
+    p.add_argument(
         "--no-cache",
         action="store_true",
         help="recompute the original's logits and answers instead of reading them from (and storing "
@@ -106,6 +115,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from rnnify.eval import evaluate, write_json
 
     check_writable("--json", args.json)
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise RnnifyError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
+    if args.prefill_chunk is not None and not args.no_layer_errors:
+        raise RnnifyError("--prefill-chunk needs --no-layer-errors: each layer's attention error needs whole rows")
     lengths, probes = None, None
     if args.passkey is not None:
         from rnnify.probes import PROBES, depths
@@ -126,6 +139,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         model,
         args.data,
         layer_errors=not args.no_layer_errors,
+        prefill_chunk=args.prefill_chunk,
         seq_len=args.seq_len,
         batch_size=args.batch_size,
         max_tokens=args.max_tokens,

@@ -5,7 +5,7 @@ each cell with the softmax attention it replaced, on the cell's own inputs.
 """
 
 from rnnify.original.attention import AttentionRecorder, LayerError, attention_transfer, softmax_attention
-from rnnify.original.teacher import load_teacher, source_directory
+from rnnify.original.teacher import load_teacher, source_directory, teacher_logits
 
 __all__ = [
     "AttentionRecorder",
@@ -14,4 +14,5 @@ __all__ = [
     "load_teacher",
     "softmax_attention",
     "source_directory",
+    "teacher_logits",
 ]

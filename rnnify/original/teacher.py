@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel
 
-__all__ = ["load_teacher", "source_directory"]
+__all__ = ["load_teacher", "source_directory", "teacher_logits"]
 
 
 def source_directory(model: RecurrentModel, how_to_pass: str) -> str:
@@ -58,3 +59,16 @@ def load_teacher(model: RecurrentModel, teacher: str | os.PathLike | nn.Module |
     module = module.to(device=model.device, dtype=model.dtype).eval()
     module.requires_grad_(False)
     return module
+
+
+def teacher_logits(teacher: nn.Module, ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """The original's logits for ``ids [B, T]``: in one call, or ``chunk`` tokens a call, each
+    attending to the earlier ones through the model's own KV cache (less memory for long rows)."""
+    if chunk is None or ids.shape[1] <= chunk:
+        return teacher(input_ids=ids, use_cache=False).logits
+    past, pieces = None, []
+    for start in range(0, ids.shape[1], chunk):
+        out = teacher(input_ids=ids[:, start : start + chunk], past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        pieces.append(out.logits)
+    return torch.cat(pieces, dim=1)
