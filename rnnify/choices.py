@@ -98,7 +98,7 @@ SCORES = ("kl", "mass")  # kl: one pass per kv head and row, the KL each head co
 DEFAULT_SCORE = "kl"  # the score that measures what windowing a head costs the output (docs/fidelity.md)
 AUTO_WINDOW, AUTO_SINKS = 64, 4
 AUTO_CONTEXT = 4096  # the context at which a state budget is counted
-AUTO_KINDS = ("exact", "window", "select")  # what --levels may list: the cells a probe of the original can run
+AUTO_KINDS = ("exact", "window", "select", "lola")  # what --levels may list: the cells a probe of the original can run
 CALIB_LEN, CALIB_ROWS, CALIB_PASSKEY = 1024, 2, 2  # tokens per row; text rows; pass-key prompts
 
 VERIFY_TOKENS, VERIFY_BATCH = 32, 2  # ``rnnify.verify.run_checks``: tokens per sequence, sequences

@@ -298,12 +298,23 @@ def test_four_kinds_in_one_layer_convert_step_like_the_prefill_and_load(four_kv_
     assert torch.equal(loaded.prefill(ids)[0], model.prefill(ids)[0])
 
 
-def test_the_report_is_the_converted_model_and_its_calibration_kl(four_kv_heads, tmp_path):
+@pytest.mark.parametrize(
+    "listed",
+    [
+        ["window(window=16)", "select(window=8,keep=8)", "exact"],
+        ['lola(window=8,keep=8,feature_map="elu")', "exact"],
+    ],
+    ids=["select", "lola"],
+)
+def test_the_report_is_the_converted_model_and_its_calibration_kl(four_kv_heads, tmp_path, listed):
+    """The kinds chosen are the converted model's cells, and the KL the probe measured for that
+    choice is the converted model's: for a lola kind (the selection cache with an elu memory of the
+    rest) the probe runs the lola cell itself on the head's queries, keys and values."""
     directory, rows = four_kv_heads
     scoring = {**SCORING, "calib_len": 48, "calib_rows": 2}
-    levels = "window(window=16),select(window=8,keep=8),exact"
+    levels = ",".join(listed)
     model, report = auto_convert(directory, rows, levels=levels, budget="50%", context=64, **scoring)
-    assert report.levels == ["window(window=16)", "select(window=8,keep=8)", "exact"]  # cheapest first at 64
+    assert report.levels == listed  # cheapest first at 64
     assert len(set(report.kinds.values())) >= 3  # this budget mixes kinds
     for (layer, head), text in ((tuple(map(int, k.split("."))), v) for k, v in report.kinds.items()):
         cell = model.cells[layer]
@@ -372,12 +383,21 @@ def test_retrieval_head_gets_the_cheapest_kind_that_keeps_the_marker(retrieval_m
         ("exact,window(window=16),exact", "exact is listed twice"),
         ("window(window=16),select(window=8,keep=4)x", "expected select(KEY=VALUE,...)"),
         ("window(16)", "option '16' of window: expected KEY=VALUE"),
+        ("lola(window=8)", "lola(window=N,keep=K)"),
+        ("lola(window=8,keep=4,feature_map=bogus)", "feature"),
     ],
 )
 def test_bad_levels_are_one_clear_line(text, message):
     with pytest.raises(RnnifyError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
         parse_levels(text, window=4)
     assert "\n" not in str(error.value) and str(error.value).startswith(f"--levels {text!r}: ")
+
+
+def test_a_lola_kind_is_scored_by_kl_only(retrieval_model):  # noqa: F811
+    """The mass score counts the attention a kind does not read; a memory reads every token."""
+    directory, rows = retrieval_model
+    with pytest.raises(RnnifyError, match="score lola kinds with --score kl"):
+        HeadScorer(directory, rows, score="mass", levels="lola(window=8,keep=4,feature_map=elu)", **SCORING)
 
 
 def test_levels_on_the_command_line(capsys, tmp_path, retrieval_model):  # noqa: F811

@@ -29,13 +29,15 @@ from rnnify.choices import AUTO_KINDS
 from rnnify.errors import RnnifyError
 
 LEVEL_EXAMPLE = "e.g. 'window(window=1024),select(window=512,keep=512),exact'"
+KEPT_KINDS = ("select", "lola")  # kinds that keep chosen older tokens beside their window
 Move = tuple[int, int, int]  # (unit, from rung, to rung)
 
 
 @dataclass(frozen=True)
 class Level:
-    """One kind a head may get: ``exact``, ``window`` (``window=N``) or ``select`` (``window=N,
-    keep=K`` and the select cell's other options); the sinks are always ``--sinks``."""
+    """One kind a head may get: ``exact``, ``window`` (``window=N``), ``select`` (``window=N,
+    keep=K`` and the select cell's other options) or ``lola`` (the same, and a memory of the tokens
+    it does not keep: ``feature_map=...``); the sinks are always ``--sinks``."""
 
     target: str
     options: tuple[tuple[str, Any], ...] = ()  # in the order given, for the text
@@ -59,15 +61,17 @@ class Level:
 
     @property
     def name(self) -> str:
-        """How the report prints it: ``exact``, ``window 1024`` or ``window 512 + 512 selected``."""
+        """How the report prints it: ``exact``, ``window 1024``, ``window 512 + 512 selected`` or
+        ``window 512 + 512 kept + memory``."""
         if self.target == "exact":
             return "exact"
-        return f"window {self.window}" + (f" + {self.keep} selected" if self.target == "select" else "")
+        kept = {"select": f" + {self.keep} selected", "lola": f" + {self.keep} kept + memory"}
+        return f"window {self.window}" + kept.get(self.target, "")
 
     @classmethod
     def from_text(cls, text: str, where: str = "kind") -> Level:
         """``"select(window=512,keep=512)"`` -> that kind (values read as JSON where they parse);
-        a kind that is not exact, window or select, or text that is not ``NAME(KEY=VALUE,...)``, is
+        a kind that is not exact, window, select or lola, or text that is not ``NAME(KEY=VALUE,...)``, is
         an error that starts with ``where``."""
         from rnnify.compiler.plan import parse_options
 
@@ -75,8 +79,8 @@ class Level:
         name = name.strip()
         if name not in AUTO_KINDS:
             raise RnnifyError(
-                f"{where}: {text.strip()!r} is not a kind; a kind is exact, window(window=N) or "
-                f"select(window=N,keep=K), {LEVEL_EXAMPLE}"
+                f"{where}: {text.strip()!r} is not a kind; a kind is exact, window(window=N), "
+                f"select(window=N,keep=K) or lola(window=N,keep=K), {LEVEL_EXAMPLE}"
             )
         if paren and not rest.endswith(")"):
             raise RnnifyError(f"{where}: expected {name}(KEY=VALUE,...), {LEVEL_EXAMPLE}")
@@ -126,8 +130,10 @@ def parse_levels(text: str, window: int) -> list[Level]:
             raise bad(f"exact takes no options, got {', '.join(options)}")
         if level.target == "window" and set(options) != {"window"}:
             raise bad("a window kind takes one option, its length: window(window=N)")
-        if level.target == "select" and not {"window", "keep"} <= set(options):
-            raise bad("a select kind needs its window and the tokens it keeps: select(window=N,keep=K)")
+        if level.target in KEPT_KINDS and not {"window", "keep"} <= set(options):
+            raise bad(
+                f"a {level.target} kind needs its window and the tokens it keeps: {level.target}(window=N,keep=K)"
+            )
         if level.target != "exact":
             try:  # the values, on a stand-in head
                 build_cell(level.target, CellSpec(2, 1, 8, 8, 8**-0.5), level.cell_options(0))

@@ -15,26 +15,27 @@ import torch
 import torch.nn.functional as F
 
 from rnnify.auto.calibration import Calibration
-from rnnify.auto.levels import Level
+from rnnify.auto.levels import KEPT_KINDS, Level
 from rnnify.choices import SCORES
 from rnnify.errors import RnnifyError
 
 Head = tuple[int, int]  # (layer, kv head)
 _PROBE = "rnnify_head_probe"
+MASS_KINDS = ("window", "select")  # kinds whose reads ``reads`` replays: a memory reads every token, approximately
 
 
 class _Probe:
     """An attention function for transformers' ``AttentionInterface``: softmax attention in which
     each kv head in ``windowed`` sees only the last ``windowed[head]`` tokens and the first
-    ``sinks``, and each in ``selecting`` is the ``select`` cell with those options (its window, the
-    sinks and the tokens it selects, computed by the cell itself). With ``mass`` set it adds, per
-    kind of ``kept`` (its text) and (layer, kv head), the weighted attention mass that kind does not
-    read (``reads``)."""
+    ``sinks``, and each in ``celled`` is the cell of its kind (``select`` or ``lola``) with those
+    options, computed by the cell itself. With ``mass`` set it adds, per kind of ``kept`` that
+    ``reads`` can replay (its text) and (layer, kv head), the weighted attention mass that kind does
+    not read."""
 
     def __init__(self, sinks: int, kept: Sequence[Level] = ()):
-        self.sinks, self.kept = sinks, list(kept)
+        self.sinks, self.kept = sinks, [level for level in kept if level.target in MASS_KINDS]
         self.windowed: dict[Head, int] = {}
-        self.selecting: dict[Head, dict] = {}
+        self.celled: dict[Head, tuple[str, dict]] = {}
         self.weights: torch.Tensor | None = None  # [T] of the row running, for ``mass``
         self.mass: dict[str, dict[Head, float]] | None = None
         self.calls = 0
@@ -42,7 +43,11 @@ class _Probe:
     def set_kinds(self, kinds: Mapping[Head, Level]) -> None:
         """Each head in ``kinds`` runs as its kind, the rest exact."""
         self.windowed = {h: level.window for h, level in kinds.items() if level.target == "window"}
-        self.selecting = {h: level.cell_options(self.sinks) for h, level in kinds.items() if level.target == "select"}
+        self.celled = {
+            h: (level.target, level.cell_options(self.sinks))
+            for h, level in kinds.items()
+            if level.target in KEPT_KINDS
+        }
 
     def __call__(self, module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
         self.calls += 1
@@ -68,11 +73,11 @@ class _Probe:
                 for h in range(kv_heads):
                     into[(layer, h)] = into.get((layer, h), 0.0) + float(per_head[h])
         out = p @ value.float().repeat_interleave(group, 1)
-        for (at, h), options in self.selecting.items():
+        for (at, h), (target, options) in self.celled.items():
             if at == layer:
                 heads_of = slice(h * group, (h + 1) * group)
-                out[:, heads_of] = _select_head(
-                    query[:, heads_of], key[:, h : h + 1], value[:, h : h + 1], scaling or dim**-0.5, options
+                out[:, heads_of] = _cell_head(
+                    target, query[:, heads_of], key[:, h : h + 1], value[:, h : h + 1], scaling or dim**-0.5, options
                 )
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
@@ -134,15 +139,15 @@ def _pooled(score: torch.Tensor, held: torch.Tensor, rule) -> torch.Tensor:
     return pooled.reshape(score.shape).to(score.dtype)
 
 
-def _select_head(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, options: dict
+def _cell_head(
+    target: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, options: dict
 ) -> torch.Tensor:
     """One kv head (its query group ``[B, G, T, d]``, ``key``/``value [B, 1, T, d]``) through a fresh
-    ``select`` cell with ``options``: what that head computes once converted."""
+    ``target`` cell with ``options``: what that head computes once converted."""
     from rnnify.cells import CellSpec, build_cell
 
     batch, group, length, dim = query.shape
-    cell = build_cell("select", CellSpec(group, 1, dim, value.shape[-1], scale), options)
+    cell = build_cell(target, CellSpec(group, 1, dim, value.shape[-1], scale), options)
     mask = torch.ones(batch, length, dtype=torch.bool, device=query.device)
     out, *_ = cell(query, key, value, mask, *cell.init_state(batch, query.device, key.dtype))
     return out.float()
@@ -231,7 +236,7 @@ def score_heads(
     step = progress or (lambda n: None)
     measured = [level for level in levels if level.target != "exact"]
     streaming = Level("window", (("window", window),))
-    probe = _Probe(sinks, [streaming, *measured])
+    probe = _Probe(sinks, [streaming, *measured])  # mass: of the kinds ``reads`` replays
     out: dict[str, dict[Head, float]] = {}
     lost: dict[str, dict[str, dict[Head, float]]] = {}
     layers = _decoder_layers(source)
@@ -249,10 +254,11 @@ def score_heads(
         heads = sorted(masses[0][streaming.text])
         probe.mass = None
         for name in scores:
-            lost[name] = {level.text: dict.fromkeys(heads, 0.0) for level in levels}
+            scored = [level for level in levels if name != "mass" or level.target in ("exact", *MASS_KINDS)]
+            lost[name] = {level.text: dict.fromkeys(heads, 0.0) for level in scored}
         if "mass" in scores:
             out["mass"] = {}
-            for level in [streaming, *measured]:
+            for level in [streaming, *(level for level in measured if level.target in MASS_KINDS)]:
                 into = out["mass"] if level is streaming else lost["mass"][level.text]
                 into.update({h: _mean_by_kind([m[level.text][h] for m in masses], calibration.kinds) for h in heads})
         if "kl" in scores:

@@ -25,7 +25,7 @@ from rnnify.auto.choice import (
     streaming_target,
 )
 from rnnify.auto.levels import Level, parse_levels, retrieval_level
-from rnnify.auto.probe import measure_kl, score_heads
+from rnnify.auto.probe import MASS_KINDS, measure_kl, score_heads
 from rnnify.cells import CellSpec
 from rnnify.choices import (
     AUTO_CONTEXT,
@@ -86,6 +86,11 @@ class HeadScorer:
         if calib_rows + passkey == 0:
             raise RnnifyError("--to auto needs calibration rows: --calib-rows or --calib-passkey above 0")
         self.levels = [] if levels is None else parse_levels(levels, window)
+        if score == "mass" and any(level.target not in ("exact", *MASS_KINDS) for level in self.levels):
+            raise RnnifyError(
+                "--score mass counts the attention a kind does not read, and lola's memory reads every token "
+                "(approximately): score lola kinds with --score kl"
+            )
         self.score, self.window, self.sinks, self.dtype = score, window, sinks, resolve_dtype(dtype)
         self.source = load_source(model, self.dtype)
         self.specs = layer_specs(self.source)

@@ -93,7 +93,8 @@ def add_auto_flags(p: argparse.ArgumentParser) -> None:
         g.add_argument(
             "--levels",
             metavar="KINDS",
-            help="the kinds a head may get, e.g. 'window(window=1024),select(window=512,keep=512),exact': "
+            help="the kinds a head may get, of exact, window(window=N), select(window=N,keep=K) and "
+            "lola(window=N,keep=K), e.g. 'window(window=1024),select(window=512,keep=512),exact': "
             "each head is scored as each (kl: one pass per kv head, kind and row), and the kinds "
             "with most gain per byte are chosen within --state-budget or --max-kl (default: one kind, "
             "exact, or that of --retrieval-window and --retrieval-keep)",
