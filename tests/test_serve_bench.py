@@ -188,3 +188,14 @@ def test_no_models_and_no_markdown_is_an_error(capsys):
     with pytest.raises(SystemExit):
         serve.parse_args([])
     assert "NAME=DIR" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_state_copy_times_the_step_and_the_slot_copies(converted_dir, capsys):
+    """benchmarks/state_copy.py runs on any converted model: a row per batch size."""
+    spec = importlib.util.spec_from_file_location("bench_state_copy", ROOT / "benchmarks" / "state_copy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = [str(converted_dir("llama", "linear")), "--batches", "1,3", "--slots", "4", "--prompt", "6"]
+    assert module.main([*argv, "--rounds", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\W+\d+\W+[\d.]+\W+\d+", line)]
+    assert len(rows) == 2
