@@ -82,7 +82,9 @@ def table(seq_len: int, rows: list[tuple[str, dict]], model: str | None) -> str:
         f"| model | state bytes (share of KV cache) | perplexity ratio | KL | top-1 | {head} |{keys}",
         "|---|---:|---:|---:|---:|" + "---:|" * (len(ranges) + len(lengths)),
     ]
-    original = {n: a for _, r in rows if r.get("passkey") for n, a in r["passkey"]["accuracy"]["original"].items()}
+    original = {
+        n: a for _, r in rows if r.get("passkey") for n, a in r["passkey"]["accuracy"].get("original", {}).items()
+    }
     if original and cache:
         accuracy = "".join(f" {original.get(str(n), float('nan')):.0%} |" for n in lengths)
         lines.append(f"| original (KV cache) | {cache:,} (100%) | 1.000 | 0 | 100% |" + " 0 |" * len(ranges) + accuracy)

@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="rounds; the median is reported")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.rounds < 1 or not 1 <= min(batches) <= max(batches) <= args.slots:
+        parser.error("--rounds must be at least 1, and every batch between 1 and --slots")
     set_threads(args.threads)
     model = rnnify.load(args.model)
     template = model.init_state(1)
@@ -40,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title=f"{args.model}: decode step and state copies, ms ({args.threads} thread(s))")
     for column in ("sequences", "state per sequence, MiB", "step", "gather + scatter", "copies / step"):
         table.add_column(column, justify="right")
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in batches:
         slots = torch.randperm(args.slots, generator=generator)[:batch]
         ids = torch.randint(0, model.manifest.vocab_size, (batch, 1), generator=generator)
         with torch.inference_mode():

@@ -133,13 +133,14 @@ def evaluate(
     storing) them in the user's cache (``rnnify.original.outputs``). ``prefill_chunk`` reads each
     row ``prefill_chunk`` tokens at a time in both models (the converted one from its state, the
     original through its KV cache): less memory for long rows, the same logits within float error;
-    the per-layer errors need whole rows, so it goes with ``layer_errors=False``. ``progress``
+    the per-layer errors need whole rows, so it goes with ``layer_errors=False``; the cache holds the
+    original's logits however they were read (equal within float error). ``progress``
     shows a tqdm bar of tokens on a terminal.
     """
     if prefill_chunk is not None and prefill_chunk < 1:
         raise RnnifyError(f"the prefill chunk must be at least 1 token, got {prefill_chunk}")
     if prefill_chunk is not None and layer_errors:
-        raise RnnifyError("each layer's attention error needs whole rows: read rows in chunks without them")
+        raise RnnifyError("each layer's attention error needs whole rows: read rows in chunks with layer_errors=False")
     model = load_or_take(model_or_dir, device, kernels, "evaluate")
     seq_len = row_length(model, seq_len)
     # the data's mistakes surface here, before the (possibly large) teacher loads

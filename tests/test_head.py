@@ -50,6 +50,8 @@ def test_last_only_prefill_equals_the_last_position_of_the_whole_one(converted, 
     torch.testing.assert_close(last, logits[:, -1:])  # the head's matmul on one row per sequence
     assert all(torch.equal(a, b) for a, b in zip(last_state.tensors, state.tensors))
     assert torch.equal(last_state.positions, state.positions)
+    one = ids[:, -1:]  # a one-token prompt goes the step's own way, with the whole head
+    assert torch.equal(model.prefill(one, state, last_only=True)[0], model.prefill(one, state)[0])
 
 
 @pytest.mark.parametrize(("arch", "target"), CASES)

@@ -147,7 +147,7 @@ def _cell_head(
     from rnnify.cells import CellSpec, build_cell
 
     batch, group, length, dim = query.shape
-    cell = build_cell(target, CellSpec(group, 1, dim, value.shape[-1], scale), options)
+    cell = build_cell(target, CellSpec(group, 1, dim, value.shape[-1], scale), options).to(query.device)
     mask = torch.ones(batch, length, dtype=torch.bool, device=query.device)
     out, *_ = cell(query, key, value, mask, *cell.init_state(batch, query.device, key.dtype))
     return out.float()
@@ -285,7 +285,7 @@ def measure_kl(
     sinks: int,
 ) -> float:
     """The calibration KL (text mean plus pass-key mean) with each head in ``kinds`` its kind (a
-    window with the sinks, or a ``select`` cell), the rest exact."""
+    window with the sinks, or a ``select`` or ``lola`` cell), the rest exact."""
     probe = _Probe(sinks)
     probe.set_kinds(kinds)
     with _probed(source, probe):

@@ -228,7 +228,7 @@ class HybridCell(Cell):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # hybrids saved before the memory gate existed computed the plain LoLCATs sum: gate 1
-        state_dict.setdefault(prefix + "memory_gate", torch.ones_like(self.memory_gate))
+        state_dict.setdefault(prefix + "memory_gate", torch.ones_like(self.memory_gate, dtype=torch.float32))
         by_count = self.memory in DELTA_MEMORIES and self.share == "count"
         if by_count and prefix + "reader.share_proj.weight" not in state_dict:
             raise RnnifyError(

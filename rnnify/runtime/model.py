@@ -243,7 +243,7 @@ class RecurrentModel(nn.Module):
         else:
             graph_mask, positions = mask, state.positions + mask.long().sum(1)
         inputs = (input_ids, position_ids, graph_mask, *state.tensors)
-        body = self._direct_forward("body") if hidden and not torch.is_grad_enabled() else None
+        body = self._direct_forward("body") if hidden else None
         if body is not None:
             logits, *tensors = body(self.graph, *inputs)  # the hidden states: the head is left out
         elif self._step_graph is not None and input_ids.shape[1] == 1:
@@ -306,7 +306,8 @@ class RecurrentModel(nn.Module):
         last_only: bool = False,
     ) -> tuple[torch.Tensor, RecurrentState]:
         """Read a prompt (continuing from ``state`` if given); logits for every position, or with
-        ``last_only`` for the last one (``[B, 1, V]``: the head runs on that position alone).
+        ``last_only`` for the last one (``[B, 1, V]``; where the graph's head is split,
+        ``runtime.head``, it runs on that position alone).
 
         Rows of different lengths are left-padded with ``attention_mask`` 0 on the padding.
         """
@@ -314,8 +315,9 @@ class RecurrentModel(nn.Module):
             state = self.init_state(
                 input_ids.shape[0] if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else 1
             )
-        if not last_only:
-            return self(input_ids, state, attention_mask)
+        if not last_only or input_ids.shape[1] == 1:  # one token: the (compiled) step's own path
+            logits, state = self(input_ids, state, attention_mask)
+            return (logits[:, -1:] if last_only else logits), state
         hidden, state = self.prefill_hidden(input_ids, state, attention_mask)
         return self.head(hidden[:, -1:]), state
 

@@ -248,7 +248,13 @@ class RnnifyForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         if bool(own.any()):
             logits[own] = model.head(hidden_states[own, :-1].to(model.dtype)).to(logits.dtype)
         if not bool(own.all()):
-            logits[~own] = self._step_logits[refs[~own] - 1].to(logits.dtype)
+            kept = self._step_logits
+            if kept is None or int(refs.max()) > kept.shape[0]:
+                raise RnnifyError(
+                    "vLLM asked for the logits of a decode this model step did not run: rnnify's plugin "
+                    "expects compute_logits after the forward that made its rows"
+                )
+            logits[~own] = kept[refs[~own] - 1].to(logits.dtype)
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
