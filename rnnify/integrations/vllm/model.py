@@ -12,10 +12,12 @@ tensor of ``init_state(1)`` without its batch dimension, and the position counte
    (``seq_len == query_len``) is new, and its slot is reset to ``init_state`` first (a slot is
    reused from a finished sequence and is never cleared by vLLM);
 2. runs every sequence with one scheduled token (decodes, and one-token prompts) as one batched
-   ``step`` over the states gathered from their slots;
+   ``step`` over the states gathered from their slots; the new states stay in the layer
+   (``RnnifyState.live``) while the same sequences keep decoding, and go back to their slots when
+   that set changes, so a run of decode steps copies no state in or out;
 3. runs every other sequence (a prompt, or one chunk of a prompt split by chunked prefill) as its
    own ``prefill`` from the state in its slot, so a later chunk continues from the earlier ones;
-4. writes each new state back into its slot, and returns one row per scheduled token as the
+4. writes each prompt's new state back into its slot, and returns one row per scheduled token as the
    "hidden states", from which ``compute_logits`` makes the logits of the rows vLLM asks for.
 
 A prompt's rows hold its hidden states without the language-model head
@@ -98,6 +100,7 @@ class RnnifyState(nn.Module, MambaBase):
         self.layout = layout
         self.prefix = prefix
         self.views: list[torch.Tensor | None] = [None] * (layout.count + 1)
+        self.live: tuple[list[int], RecurrentState] | None = None  # the last decode's slots and states
         context = vllm_config.compilation_config.static_forward_context
         if prefix in context:
             raise ValueError(f"Duplicate layer name: {prefix}")
@@ -139,6 +142,22 @@ class RnnifyState(nn.Module, MambaBase):
         for view, tensor in zip(self.views, (*state.tensors, state.positions)):
             if view is not None:
                 view.index_copy_(0, slots, tensor.to(view.dtype))
+
+    def settle(self, decoding: list[int], touched: set[int]) -> None:
+        """Write the last decode's states (``live``, newer than their slots) back, unless the
+        sequences ``decoding`` now are the same, in the same order, and none of their slots is
+        ``touched`` (reset or prefilled) in this step: then ``decode_state`` hands them on as they are."""
+        if self.live is not None and (self.live[0] != decoding or touched & set(decoding)):
+            slots, state = self.live
+            self.live = None
+            self.scatter(torch.tensor(slots, dtype=torch.long), state)
+
+    def decode_state(self, slots: list[int]) -> RecurrentState:
+        """The states of the sequences in ``slots`` for a batched step (after ``settle``): the last
+        decode's, or gathered from the slots."""
+        if self.live is not None:
+            return self.live[1]
+        return self.gather(torch.tensor(slots, dtype=torch.long))
 
     def reset(self, slots: torch.Tensor) -> None:
         """Put the state of an empty sequence into ``slots``."""
@@ -217,15 +236,17 @@ class RnnifyForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         ids = input_ids.to(torch.long)
 
         new = [r for r in range(num_reqs) if seq_lens[r] == starts[r + 1] - starts[r]]
+        singles = [r for r in range(num_reqs) if starts[r + 1] - starts[r] == 1]
+        decoding = [int(slots[r]) for r in singles]
+        prompts = [int(slots[r]) for r in range(num_reqs) if r not in singles]
+        layer.settle(decoding, {int(slots[r]) for r in new} | set(prompts))  # before any slot is rewritten
         if new:
             layer.reset(slots[new])
 
-        singles = [r for r in range(num_reqs) if starts[r + 1] - starts[r] == 1]
         if singles:
             rows = torch.tensor([starts[r] for r in singles], dtype=torch.long, device=ids.device)
-            chosen = slots[singles]
-            logits, state = model.step(ids[rows][:, None], layer.gather(chosen))
-            layer.scatter(chosen, state)
+            logits, state = model.step(ids[rows][:, None], layer.decode_state(decoding))
+            layer.live = (decoding, state)
             self._step_logits = logits[:, -1]
             out[rows, -1] = torch.arange(1, len(singles) + 1, dtype=out.dtype, device=out.device)
 
