@@ -21,7 +21,7 @@ from rnnify.errors import RnnifyError
 
 Head = tuple[int, int]  # (layer, kv head)
 _PROBE = "rnnify_head_probe"
-MASS_KINDS = ("window", "select")  # kinds whose reads ``reads`` replays: a memory reads every token, approximately
+MASS_KINDS = ("exact", "window", "select")  # kinds the mass score covers (``reads``): a memory reads every token
 
 
 class _Probe:
@@ -254,7 +254,7 @@ def score_heads(
         heads = sorted(masses[0][streaming.text])
         probe.mass = None
         for name in scores:
-            scored = [level for level in levels if name != "mass" or level.target in ("exact", *MASS_KINDS)]
+            scored = [level for level in levels if name != "mass" or level.target in MASS_KINDS]
             lost[name] = {level.text: dict.fromkeys(heads, 0.0) for level in scored}
         if "mass" in scores:
             out["mass"] = {}

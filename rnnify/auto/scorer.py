@@ -86,7 +86,7 @@ class HeadScorer:
         if calib_rows + passkey == 0:
             raise RnnifyError("--to auto needs calibration rows: --calib-rows or --calib-passkey above 0")
         self.levels = [] if levels is None else parse_levels(levels, window)
-        if score == "mass" and any(level.target not in ("exact", *MASS_KINDS) for level in self.levels):
+        if score == "mass" and any(level.target not in MASS_KINDS for level in self.levels):
             raise RnnifyError(
                 "--score mass counts the attention a kind does not read, and lola's memory reads every token "
                 "(approximately): score lola kinds with --score kl"

@@ -237,9 +237,10 @@ class RnnifyForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
 
         new = [r for r in range(num_reqs) if seq_lens[r] == starts[r + 1] - starts[r]]
         singles = [r for r in range(num_reqs) if starts[r + 1] - starts[r] == 1]
-        decoding = [int(slots[r]) for r in singles]
-        prompts = [int(slots[r]) for r in range(num_reqs) if r not in singles]
-        layer.settle(decoding, {int(slots[r]) for r in new} | set(prompts))  # before any slot is rewritten
+        owned = slots.tolist()
+        decoding = [owned[r] for r in singles]
+        prompts = {owned[r] for r in range(num_reqs) if starts[r + 1] - starts[r] > 1}
+        layer.settle(decoding, {owned[r] for r in new} | prompts)  # before any slot is rewritten
         if new:
             layer.reset(slots[new])
 
