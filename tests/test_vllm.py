@@ -46,10 +46,13 @@ PROMPTS = [
     "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n",
 ]
 NEW_TOKENS = 16
-# every target family with a fixed-size state that the bundled model (4 layers, 2 kv heads) converts
-# to, and a per-head split: layer 0's kv head 0 a window of 8, its head 1 linear; layer 1 linear;
-# layers 2-3 the --to window of 16
+# every target family that the bundled model (4 layers, 2 kv heads) converts to, a per-head split
+# (layer 0's kv head 0 a window of 8, its head 1 linear; layer 1 linear; layers 2-3 the --to window
+# of 16), and exact attention in vLLM's pages: whole (``exact``), and beside state slots (layer 0
+# exact, layer 1's kv head 0 exact and head 1 linear, layers 2-3 windows)
 TARGETS = {
+    "exact": dict(to="exact"),
+    "exact-mixed": dict(to="window", window=16, layers="0:exact,1:heads(0=exact;1=linear)"),
     "window": dict(to="window", window=16),
     "linear": dict(to="linear"),
     "gated": dict(to="gated"),
@@ -59,6 +62,10 @@ TARGETS = {
     "aaren": dict(to="aaren"),
     "heads": dict(to="window", window=16, layers="0:heads(0=window(window=8);1=linear),1:linear"),
 }
+# and a model with its own sliding window (the tiny Mistral's 16), converted to ``exact``: its keys
+# and values in vLLM's pages too, the window applied as the model does
+SLIDING = "exact-sliding"
+NAMES = [*TARGETS, SLIDING]
 # vLLM's chunked prefill: at most 16 tokens a step, two sequences at a time
 CHUNKED = {"max_num_seqs": 2, "max_num_batched_tokens": 16, "max_model_len": 256}
 CHUNKED_PROMPTS = PROMPTS + [
@@ -114,6 +121,19 @@ SCRIPT = textwrap.dedent('''
         for run in runs:
             started = time.perf_counter()
             llm = LLM(run["path"], enforce_eager=True, **run["engine"])
+            if run.get("original"):  # vLLM serving the source model itself: its tokens and log-probs only
+                sampling = SamplingParams(temperature=0, **run["sampling"])
+                results = []
+                for batch in run["batches"]:
+                    for out in llm.generate(batch, sampling):
+                        got = list(out.outputs[0].token_ids)
+                        logprobs = [step[t].logprob for step, t in zip(out.outputs[0].logprobs, got)]
+                        results.append(dict(prompt=out.prompt, got=got, got_logprobs=logprobs))
+                llm.llm_engine.engine_core.shutdown()
+                del llm
+                gc.collect()
+                report[run["name"]] = dict(results=results)
+                continue
             startup = time.perf_counter() - started
             sampling = SamplingParams(temperature=0, **run["sampling"])
             results = []
@@ -179,13 +199,15 @@ def assert_same_tokens(result: dict, max_tokens: int, ignore_eos: bool) -> None:
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> dict[str, Path]:
-    """The bundled model converted to each of TARGETS."""
+def converted(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
+    """The bundled model converted to each of TARGETS, and the tiny Mistral to ``exact`` (SLIDING)."""
     root = tmp_path_factory.mktemp("vllm")
     dirs = {}
     for name, options in TARGETS.items():
         dirs[name] = root / name
         rnnify.convert(str(BUNDLED), **options).save(dirs[name])
+    dirs[SLIDING] = root / SLIDING
+    rnnify.convert(str(tiny_model_dir("mistral")), to="exact").save(dirs[SLIDING])
     return dirs
 
 
@@ -203,6 +225,17 @@ def equivalence(converted, tmp_path_factory) -> dict:
         dict(name=name, path=str(path), engine={}, sampling=sampling, batches=[[p] for p in PROMPTS] + [PROMPTS])
         for name, path in converted.items()
     ]
+    # the source model through vLLM's own attention, in the float32 it and its conversions hold
+    runs.append(
+        dict(
+            name="original",
+            path=str(BUNDLED),
+            original=True,
+            engine={"dtype": "float32"},
+            sampling={"max_tokens": NEW_TOKENS, "logprobs": 1},
+            batches=[PROMPTS],
+        )
+    )
     for name, path in converted.items():
         batches = [CHUNKED_PROMPTS, CHUNKED_PROMPTS[::-1]] if name == "window" else [PROMPTS]
         sampling = {"max_tokens": 12, "ignore_eos": True, "prompt_logprobs": 0}
@@ -210,7 +243,7 @@ def equivalence(converted, tmp_path_factory) -> dict:
     return run_vllm(tmp_path_factory.mktemp("vllm-run"), runs)
 
 
-@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("target", NAMES)
 def test_greedy_equals_rnnify_generate(equivalence, target):
     result = equivalence[target]
     assert len(result["results"]) == 2 * len(PROMPTS)
@@ -218,7 +251,7 @@ def test_greedy_equals_rnnify_generate(equivalence, target):
     assert_same_tokens(result, NEW_TOKENS, ignore_eos=False)
 
 
-@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("target", NAMES)
 def test_chunked_prefill_and_reused_slots(equivalence, target):
     result = equivalence[f"{target}-chunked"]
     prompts = CHUNKED_PROMPTS if target == "window" else PROMPTS
@@ -226,7 +259,7 @@ def test_chunked_prefill_and_reused_slots(equivalence, target):
     assert_same_tokens(result, 12, ignore_eos=True)
 
 
-@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("target", NAMES)
 def test_logprobs_equal_rnnify_log_softmax(equivalence, target):
     """vLLM's log-prob of each greedy token (its sampler's log-softmax of the logits the plugin hands
     it) is rnnify's, within ``tolerance(dtype)`` of rnnify's magnitude with a floor of one nat:
@@ -242,7 +275,7 @@ def test_logprobs_equal_rnnify_log_softmax(equivalence, target):
             )
 
 
-@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("target", NAMES)
 @pytest.mark.parametrize("run", ["whole", "chunked"])
 def test_prompt_logprobs_equal_rnnify_log_softmax(equivalence, target, run):
     """Prompt log-probs read the logits of every prompt position, where decoding reads only the last:
@@ -262,16 +295,31 @@ def test_prompt_logprobs_equal_rnnify_log_softmax(equivalence, target, run):
             )
 
 
-def test_growing_state_is_refused(tmp_path):
-    """``exact`` keeps a KV cache that grows: refused with one line naming the target."""
+def test_exact_equals_vllm_serving_the_original(equivalence):
+    """``exact`` through the plugin (vLLM's pages, rnnify's attention) gives the tokens of vLLM
+    serving the source model with its own attention, and their log-probs within the tolerance."""
+    original = {row["prompt"]: row for row in equivalence["original"]["results"]}
+    rows = [row for row in equivalence["exact"]["results"] if row["batch"] == len(PROMPTS)]
+    assert {row["prompt"] for row in rows} == set(original) == set(PROMPTS)
+    rel = tolerance(torch.float32)
+    for row in rows:
+        want = original[row["prompt"]]
+        assert row["got"] == want["got"], f"prompt {row['prompt']!r}: {row['got']} vs vLLM's {want['got']}"
+        for got, ref in zip(row["got_logprobs"], want["got_logprobs"]):
+            assert abs(got - ref) <= rel * max(1.0, abs(ref)), (row["prompt"], got, ref)
+
+
+def test_unhostable_exact_is_refused(tmp_path):
+    """An exact attention that vLLM's pages cannot hold (pages narrower than its heads) is refused
+    with one line naming the target, before any weight is read."""
     out = tmp_path / "exact"
     rnnify.convert(str(BUNDLED), to="exact").save(out)
-    with pytest.raises(RnnifyError, match=r"cannot host target 'exact'") as caught:
-        check_hostable(out)
+    check_hostable(out, head_size=32, num_kv_heads=2)  # the bundled model's own: hostable
+    with pytest.raises(RnnifyError, match=r"vLLM cannot host target 'exact'.*head size \(16\)") as caught:
+        check_hostable(out, head_size=16)
     assert "\n" not in str(caught.value)
-
-
-# -- the OpenAI-compatible server, through the official openai client ------------------------------
+    with pytest.raises(RnnifyError, match=r"2 kv heads does not fit vLLM's pages of the model's 1"):
+        check_hostable(out, num_kv_heads=1)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,9 @@ CONFIG_FILE = "config.json"
 MODELING_FILE = "modeling_rnnify.py"
 MODEL_TYPE = "rnnify"
 ARCHITECTURE = "RnnifyForCausalLM"
+# vLLM's model class for a directory with exact attention (rnnify.integrations.vllm), named by the
+# config class vLLM reads, never written to config.json
+PAGED_ARCHITECTURE = "RnnifyPagedForCausalLM"
 AUTO_MAP = {
     "AutoConfig": f"{Path(MODELING_FILE).stem}.RnnifyConfig",
     "AutoModelForCausalLM": f"{Path(MODELING_FILE).stem}.{ARCHITECTURE}",

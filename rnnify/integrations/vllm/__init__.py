@@ -6,8 +6,10 @@ names vLLM looks up:
 
 - the config class for ``model_type`` ``rnnify`` (``config.RnnifyVllmConfig``), so the directory
   loads without ``trust_remote_code``;
-- the model class for the architecture ``RnnifyForCausalLM`` that the directory's ``config.json``
-  names (``model.RnnifyForCausalLM``, imported by vLLM only when it builds the model);
+- the model classes for the architecture ``RnnifyForCausalLM`` that the directory's ``config.json``
+  names (``model.RnnifyForCausalLM``), and for ``RnnifyPagedForCausalLM``, which the config names
+  instead where the model has exact attention (``model.RnnifyPagedForCausalLM``: ``paged``);
+  vLLM imports them only when it builds the model;
 - vLLM's config hook for state-cache models (Mamba's), which gives each sequence one state slot.
 
 docs/serving.md says how to install and serve, and what is supported.
@@ -19,11 +21,15 @@ from rnnify.runtime import hf_files
 
 __all__ = ["register"]
 
-MODEL_CLASS = "rnnify.integrations.vllm.model:RnnifyForCausalLM"
+MODEL_CLASSES = {
+    hf_files.ARCHITECTURE: "rnnify.integrations.vllm.model:RnnifyForCausalLM",
+    hf_files.PAGED_ARCHITECTURE: "rnnify.integrations.vllm.model:RnnifyPagedForCausalLM",
+}
 
 
 def register() -> None:
     """Register rnnify's config and model classes with vLLM (idempotent)."""
+    import torch
     from transformers import AutoConfig
     from vllm import ModelRegistry
 
@@ -36,24 +42,43 @@ def register() -> None:
         _CONFIG_REGISTRY[hf_files.MODEL_TYPE] = RnnifyVllmConfig
     except ImportError:
         pass
-    if hf_files.ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(hf_files.ARCHITECTURE, MODEL_CLASS)
+    for architecture, model_class in MODEL_CLASSES.items():
+        if architecture not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(architecture, model_class)
+    from vllm.logger import init_logger
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP, MambaModelConfig
+
+    logger = init_logger(__name__)
 
     class RnnifyModelConfig(MambaModelConfig):
         """Refuses a directory whose state vLLM cannot hold (``hosting``), then Mamba's settings:
-        one state slot per sequence (``mamba_block_size`` = ``max_model_len``), no prefix caching."""
+        one state slot per sequence (``mamba_block_size`` = ``max_model_len``), no prefix caching:
+        refused where asked for, turned off where it is vLLM's default (for hybrid models, as the
+        paged one is). vLLM sizes a hybrid model's pages to its state slots later, once the
+        layers exist."""
 
         @classmethod
         def verify_and_update_config(cls, vllm_config) -> None:
             from rnnify.errors import RnnifyError
             from rnnify.integrations.vllm.hosting import check_hostable
 
-            check_hostable(vllm_config.model_config.model)
-            if vllm_config.cache_config.enable_prefix_caching:
+            model_config = vllm_config.model_config
+            manifest = check_hostable(
+                model_config.model,
+                head_size=model_config.get_head_size(),
+                num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
+            )
+            # vLLM's buffers and pages in the dtype the model runs in (vLLM's CPU default is bfloat16)
+            model_config.dtype = getattr(torch, manifest.dtype)
+            cache_config = vllm_config.cache_config
+            if cache_config.enable_prefix_caching and model_config.is_hybrid:
+                logger.warning("rnnify's vLLM plugin does not support prefix caching yet: turning it off")
+                cache_config.enable_prefix_caching = False
+            if cache_config.enable_prefix_caching:
                 raise RnnifyError(
                     "rnnify's vLLM plugin does not support prefix caching yet: drop --enable-prefix-caching"
                 )
             super().verify_and_update_config(vllm_config)
 
-    MODELS_CONFIG_MAP[hf_files.ARCHITECTURE] = RnnifyModelConfig
+    for architecture in MODEL_CLASSES:
+        MODELS_CONFIG_MAP[architecture] = RnnifyModelConfig

@@ -4,14 +4,18 @@ The directory's ``config.json`` names ``model_type`` ``rnnify`` and keeps the so
 under ``source_config`` (``runtime.hf_files``). vLLM sizes some of its buffers and logs from the
 top-level fields of a transformers config (``hidden_size``, ``num_hidden_layers``...), so this class
 lifts those from the source config. Registering it (``register``) lets vLLM read the directory
-without ``trust_remote_code``.
+without ``trust_remote_code``. A directory with exact attention names the hybrid model class
+(``hf_files.PAGED_ARCHITECTURE``): vLLM reads a model class's kind before it builds the model.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from transformers import PreTrainedConfig
 
 from rnnify.runtime import hf_files
+from rnnify.runtime.manifest import MANIFEST_FILE
 
 __all__ = ["LIFTED", "RnnifyVllmConfig"]
 
@@ -40,3 +44,9 @@ class RnnifyVllmConfig(PreTrainedConfig):
         for key in LIFTED:
             if getattr(self, key, None) is None and source.get(key) is not None:
                 setattr(self, key, source[key])
+        where = Path(getattr(self, "_name_or_path", "") or ".")
+        if (where / MANIFEST_FILE).is_file():
+            from rnnify.integrations.vllm.hosting import exact_sites, read_manifest
+
+            if exact_sites(read_manifest(where)):
+                self.architectures = [hf_files.PAGED_ARCHITECTURE]

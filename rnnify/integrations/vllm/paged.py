@@ -1,0 +1,221 @@
+"""Exact attention through vLLM's paged KV cache: what lets vLLM host a state that grows.
+
+An ``exact`` cell's state is every past key and value, which no fixed-size state-cache slot can
+hold. vLLM keeps such caches in pages: blocks of ``block_size`` tokens, handed to each sequence
+by its scheduler as the sequence grows, counted against the KV cache budget, and freed when it
+ends or is preempted. Here every exact site of a converted model (a whole layer, or the exact
+group of a head split) becomes one such paged layer (``ExactKVLayer``, with a ``FullAttentionSpec``
+vLLM allocates from), and the cell in the graph is swapped for ``PagedExactCell``: its own state is
+empty, and each call
+
+1. writes the new keys and values of its rows into their pages (vLLM's ``slot_mapping``), then
+2. reads each row's whole context back through its block table and attends over it with the exact
+   cell's own form (``sdpa_softmax_attn``, or ``scored_softmax_attn`` for score terms), so vLLM's
+   tokens are those ``rnnify generate`` gives.
+
+The model runs decodes as one batched step and each prompt as its own prefill (``model``): before
+each such call ``PagedBatch.select`` says which of vLLM's scheduled sequences the rows are.
+
+Every paged layer declares the model's kv-head count and head size (those vLLM sizes the pages
+of hybrid models from); a head split's exact group of fewer kv heads fills the first of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from rnnify.cells.exact import ExactCell, scored_softmax_attn, sdpa_softmax_attn
+from rnnify.errors import RnnifyError
+
+__all__ = ["ExactKVLayer", "PagedBatch", "PagedExactBackend", "PagedExactCell", "PagedExactMetadata", "page_exact"]
+
+LAYER_NAME = "rnnify.layers.{index}.attn"  # vLLM finds a layer's index in its name: exactly one integer
+
+
+@dataclass
+class PagedExactMetadata:
+    """What the paged layers read of one model step: per scheduled sequence, in vLLM's order, where
+    its tokens start in the flat batch (``query_start_loc``, one more than sequences), its length
+    with them (``seq_lens``), its pages (``block_table``); per token, its cache slot."""
+
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+class PagedExactMetadataBuilder(AttentionMetadataBuilder[PagedExactMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    reorder_batch_threshold: int = 1
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> PagedExactMetadata:
+        common = common_attn_metadata
+        num_reqs = common.num_reqs
+        return PagedExactMetadata(
+            query_start_loc=common.query_start_loc_cpu[: num_reqs + 1].tolist(),
+            seq_lens=common.seq_lens[:num_reqs].tolist(),
+            block_table=common.block_table_tensor[:num_reqs],
+            slot_mapping=common.slot_mapping[: common.num_actual_tokens].to(torch.long),
+        )
+
+
+class PagedExactBackend(AttentionBackend):
+    """vLLM's view of the paged layers: pages of any block size, metadata from ``PagedExactMetadataBuilder``;
+    the attention itself runs in ``PagedExactCell`` (no vLLM kernel)."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.float16, torch.bfloat16]
+
+    @staticmethod
+    def get_name() -> str:
+        return "RNNIFY_PAGED_EXACT"
+
+    @staticmethod
+    def get_impl_cls():
+        raise NotImplementedError("rnnify's exact cells compute their attention themselves")
+
+    @staticmethod
+    def get_builder_cls() -> type[PagedExactMetadataBuilder]:
+        return PagedExactMetadataBuilder
+
+
+class ExactKVLayer(nn.Module, AttentionLayerBase):
+    """One exact site's pages: ``kv_cache`` (after ``bind_kv_cache``) is ``[blocks, kv heads,
+    block_size, head_size + head_size]``, keys then values in the last dimension."""
+
+    def __init__(self, vllm_config: VllmConfig, index: int):
+        super().__init__()
+        model_config = vllm_config.model_config
+        self.prefix = LAYER_NAME.format(index=index)
+        self.num_kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
+        self.head_size = model_config.get_head_size()
+        self.dtype = model_config.dtype
+        self.kv_cache = torch.tensor([])
+        context = vllm_config.compilation_config.static_forward_context
+        if self.prefix in context:
+            raise ValueError(f"Duplicate layer name: {self.prefix}")
+        context[self.prefix] = self
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return PagedExactBackend
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> FullAttentionSpec:
+        return FullAttentionSpec(
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            head_size_v=self.head_size,
+            dtype=self.dtype,
+        )
+
+
+class PagedBatch:
+    """Which of the step's scheduled sequences the rows of the next model call are (``select``),
+    shared by every ``PagedExactCell`` of the model; ``metadata`` is the step's, by layer name (vLLM
+    may put the paged layers in different KV cache groups, each with its own pages)."""
+
+    def __init__(self) -> None:
+        self.metadata: dict[str, PagedExactMetadata] | None = None
+        self.rows: list[int] = []
+
+    def select(self, metadata: dict[str, PagedExactMetadata], rows: list[int]) -> None:
+        self.metadata, self.rows = metadata, rows
+
+
+class PagedExactCell(nn.Module):
+    """An ``ExactCell`` whose keys and values live in ``layer``'s pages (module docstring).
+
+    Same call as the cell's, ``(q, k, v, mask, keys, values, valid) -> (out, keys, values, valid)``,
+    with an empty state in and out: rows are sequences without padding, as vLLM schedules them.
+    """
+
+    def __init__(self, cell: ExactCell, layer: ExactKVLayer, batch: PagedBatch):
+        super().__init__()
+        self.cell = cell
+        self.__dict__["layer"] = layer  # vLLM's module, not a part of this one
+        self.batch = batch
+        self.spec = cell.spec
+        # what a head split reads of its parts
+        self.state_names, self.needs_input = cell.state_names, cell.needs_input
+
+    def init_state(self, batch_size, device, dtype):
+        return self.cell.init_state(batch_size, device, dtype)  # empty: the pages hold the context
+
+    def _context(self, metadata: PagedExactMetadata, row: int, total: int) -> torch.Tensor:
+        """Row's first ``total`` cached positions, ``[kv heads, total, head_size * 2]``."""
+        cache = self.__dict__["layer"].kv_cache
+        block_size = cache.shape[2]
+        blocks = metadata.block_table[row, : -(-total // block_size)].to(torch.long)
+        pages = cache.index_select(0, blocks)[:, : self.spec.num_kv_heads]  # [blocks, Hkv, block_size, C]
+        return pages.permute(1, 0, 2, 3).reshape(self.spec.num_kv_heads, -1, cache.shape[-1])[:, :total]
+
+    def forward(self, q, k, v, mask, keys, values, valid):
+        layer, rows = self.__dict__["layer"], self.batch.rows
+        if self.batch.metadata is None:
+            raise RnnifyError("rnnify's paged exact attention ran outside a vLLM model step")
+        metadata, cache = self.batch.metadata[layer.prefix], layer.kv_cache
+        length, width = q.shape[2], self.spec.head_dim
+        num_kv_heads = self.spec.num_kv_heads
+        slots = torch.cat([metadata.slot_mapping[metadata.query_start_loc[r] :][:length] for r in rows])
+        block_size = cache.shape[2]
+        # the new keys and values, token by token in the order of ``slots``: [B * T, Hkv, 2d]
+        new = torch.cat([k, v], dim=-1).to(cache.dtype).transpose(1, 2).reshape(-1, num_kv_heads, 2 * width)
+        cache[slots // block_size, :num_kv_heads, slots % block_size] = new
+        totals = [metadata.seq_lens[r] for r in rows]
+        longest = max(totals)
+        context = q.new_zeros(len(rows), num_kv_heads, longest, 2 * width, dtype=cache.dtype)
+        allowed = torch.zeros(len(rows), longest, dtype=torch.bool, device=q.device)
+        for i, (row, total) in enumerate(zip(rows, totals)):  # left-padded, as the exact forms take rows
+            context[i, :, longest - total :] = self._context(metadata, row, total)
+            allowed[i, longest - total :] = True
+        keys_all, values_all = context[..., :width], context[..., width:]
+        cell = self.cell
+        if cell.terms is None:
+            out = sdpa_softmax_attn(
+                q, keys_all, values_all, allowed, self.spec.scale, self.spec.window, cell.block_size
+            )
+        else:
+            out = scored_softmax_attn(
+                q, keys_all, values_all, allowed, self.spec.scale, cell.terms, self.spec.window, cell.block_size
+            )
+        return out, keys, values, valid
+
+
+def page_exact(graph: nn.Module, vllm_config: VllmConfig, first_index: int) -> tuple[list[ExactKVLayer], PagedBatch]:
+    """Swap every ``ExactCell`` in ``graph`` (whole cells and head-split groups) for a
+    ``PagedExactCell`` over a new paged layer; the layers (indices from ``first_index``) and the
+    batch they share."""
+    batch, layers = PagedBatch(), []
+    sites = [(name, module) for name, module in graph.named_modules() if isinstance(module, ExactCell)]
+    for name, cell in sites:
+        layer = ExactKVLayer(vllm_config, first_index + len(layers))
+        layers.append(layer)
+        parent_name, _, child = name.rpartition(".")
+        parent = graph.get_submodule(parent_name) if parent_name else graph
+        setattr(parent, child, PagedExactCell(cell, layer, batch))
+    return layers, batch
+
+
+def page_metadata() -> dict[str, PagedExactMetadata] | None:
+    """The step's metadata by layer name, or None in a profiling run."""
+    from vllm.forward_context import get_forward_context
+
+    metadata = get_forward_context().attn_metadata
+    return metadata if isinstance(metadata, dict) else None
