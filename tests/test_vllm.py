@@ -66,6 +66,8 @@ TARGETS = {
 # and values in vLLM's pages too, the window applied as the model does
 SLIDING = "exact-sliding"
 NAMES = [*TARGETS, SLIDING]
+# new tokens of each sequence in the run whose pages run out: past the first 128-token block
+PREEMPTED_TOKENS = 140
 # vLLM's chunked prefill: at most 16 tokens a step, two sequences at a time
 CHUNKED = {"max_num_seqs": 2, "max_num_batched_tokens": 16, "max_model_len": 256}
 CHUNKED_PROMPTS = PROMPTS + [
@@ -117,8 +119,19 @@ SCRIPT = textwrap.dedent('''
             scores = torch.log_softmax(logits[0, :-1].float(), dim=-1)
             return scores.gather(1, torch.tensor(prompt_ids[1:])[:, None])[:, 0].tolist()
 
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        preempted = [0]  # vLLM's preemptions so far (its scheduler runs in this process)
+        preempt = Scheduler._preempt_request
+
+        def counted(self, *args, **kwargs):
+            preempted[0] += 1
+            return preempt(self, *args, **kwargs)
+
+        Scheduler._preempt_request = counted
         report = {}
         for run in runs:
+            preempted[0] = 0
             started = time.perf_counter()
             llm = LLM(run["path"], enforce_eager=True, **run["engine"])
             if run.get("original"):  # vLLM serving the source model itself: its tokens and log-probs only
@@ -156,7 +169,7 @@ SCRIPT = textwrap.dedent('''
             gc.collect()
             model = models[run["path"]]
             report[run["name"]] = dict(results=results, eos=model.tokenizer.eos_token_id, dtype=str(model.dtype),
-                                       startup=startup, seconds=time.perf_counter() - started)
+                                       startup=startup, seconds=time.perf_counter() - started, preempted=preempted[0])
         print("RESULTS " + json.dumps(report))
 ''')
 
@@ -215,7 +228,9 @@ def converted(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
 def equivalence(converted, tmp_path_factory) -> dict:
     """One vLLM subprocess over every target: each prompt alone, then all three together (one
     prefill each, then batched steps), greedy with the log-prob of each chosen token and of each
-    prompt token; then, as
+    prompt token; vLLM serving the source model itself (``original``); ``exact`` with 16 blocks of
+    pages for three sequences of 140 new tokens, so vLLM preempts some and reads them again
+    (``exact-preempted``); then, as
     ``NAME-chunked``, with a 16-token budget and two sequences at a time: a long prompt is read in
     chunks that continue from the stored state, and later prompts take slots that finished ones
     left. ``window`` runs more prompts there, twice (the second time in reverse order), so a second
@@ -236,6 +251,11 @@ def equivalence(converted, tmp_path_factory) -> dict:
             batches=[PROMPTS],
         )
     )
+    runs.append(
+        dict(name="exact-preempted", path=str(converted["exact"]), batches=[PROMPTS],
+             engine={"num_gpu_blocks_override": 16, "max_model_len": 256},
+             sampling={"max_tokens": PREEMPTED_TOKENS, "ignore_eos": True})
+    )  # fmt: skip
     for name, path in converted.items():
         batches = [CHUNKED_PROMPTS, CHUNKED_PROMPTS[::-1]] if name == "window" else [PROMPTS]
         sampling = {"max_tokens": 12, "ignore_eos": True, "prompt_logprobs": 0}
@@ -309,6 +329,28 @@ def test_exact_equals_vllm_serving_the_original(equivalence):
             assert abs(got - ref) <= rel * max(1.0, abs(ref)), (row["prompt"], got, ref)
 
 
+def test_preempted_sequences_are_read_again(equivalence):
+    """Sequences that vLLM preempts when its pages run out (their blocks and state slots freed) are
+    read again from their tokens when resumed, and give ``rnnify generate``'s tokens."""
+    result = equivalence["exact-preempted"]
+    assert result["preempted"] > 0
+    assert_same_tokens(result, PREEMPTED_TOKENS, ignore_eos=True)
+
+
+def test_decode_rows_are_grouped_by_length():
+    """Decoding sequences are read in groups that left-pad to at most twice their own length, each
+    sequence in exactly one: one long context beside short ones is not copied at its length for all."""
+    from rnnify.integrations.vllm.paged import _similar_lengths
+
+    lengths = [5, 9000, 7, 6, 40, 8200, 33]
+    groups = _similar_lengths(lengths)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    for group in groups:
+        assert max(lengths[i] for i in group) * len(group) <= 2 * sum(lengths[i] for i in group)
+    assert len(groups) == 3  # the short ones, the two long ones, and 40 and 33 apart from both
+    assert _similar_lengths([12, 12, 12]) == [[0, 1, 2]]
+
+
 def test_unhostable_exact_is_refused(tmp_path):
     """An exact attention that vLLM's pages cannot hold (pages narrower than its heads) is refused
     with one line naming the target, before any weight is read."""
@@ -318,8 +360,11 @@ def test_unhostable_exact_is_refused(tmp_path):
     with pytest.raises(RnnifyError, match=r"vLLM cannot host target 'exact'.*head size \(16\)") as caught:
         check_hostable(out, head_size=16)
     assert "\n" not in str(caught.value)
-    with pytest.raises(RnnifyError, match=r"2 kv heads does not fit vLLM's pages of the model's 1"):
+    with pytest.raises(RnnifyError, match=r"2 kv heads; vLLM's pages hold the model's 1"):
         check_hostable(out, num_kv_heads=1)
+
+
+# -- the OpenAI-compatible server, through the official openai client ------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -53,9 +53,10 @@ def register() -> None:
     class RnnifyModelConfig(MambaModelConfig):
         """Refuses a directory whose state vLLM cannot hold (``hosting``), then Mamba's settings:
         one state slot per sequence (``mamba_block_size`` = ``max_model_len``), no prefix caching:
-        refused where asked for, turned off where it is vLLM's default (for hybrid models, as the
-        paged one is). vLLM sizes a hybrid model's pages to its state slots later, once the
-        layers exist."""
+        refused for a model of state slots alone (where vLLM's default is off, so it was asked
+        for), turned off for the paged one (vLLM's default for hybrid models is on, and asked for
+        or not cannot be told apart). vLLM sizes a hybrid model's pages to its state slots later,
+        once the layers exist."""
 
         @classmethod
         def verify_and_update_config(cls, vllm_config) -> None:
@@ -68,9 +69,17 @@ def register() -> None:
                 head_size=model_config.get_head_size(),
                 num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
             )
-            # vLLM's buffers and pages in the dtype the model runs in (vLLM's CPU default is bfloat16)
-            model_config.dtype = getattr(torch, manifest.dtype)
             cache_config = vllm_config.cache_config
+            if cache_config.cache_dtype != "auto":
+                raise RnnifyError(
+                    f"rnnify's vLLM plugin keeps the model's own dtype ({manifest.dtype}) in its caches: "
+                    f"drop --kv-cache-dtype {cache_config.cache_dtype}"
+                )
+            # vLLM's buffers and pages in the dtype the model runs in (vLLM's CPU default is bfloat16)
+            dtype = getattr(torch, manifest.dtype)
+            if model_config.dtype != dtype:
+                logger.info("rnnify: vLLM's dtype %s -> %s, the directory's", model_config.dtype, dtype)
+                model_config.dtype = dtype
             if cache_config.enable_prefix_caching and model_config.is_hybrid:
                 logger.warning("rnnify's vLLM plugin does not support prefix caching yet: turning it off")
                 cache_config.enable_prefix_caching = False

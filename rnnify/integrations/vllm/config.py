@@ -44,8 +44,8 @@ class RnnifyVllmConfig(PreTrainedConfig):
         for key in LIFTED:
             if getattr(self, key, None) is None and source.get(key) is not None:
                 setattr(self, key, source[key])
-        where = Path(getattr(self, "_name_or_path", "") or ".")
-        if (where / MANIFEST_FILE).is_file():
+        where = getattr(self, "_name_or_path", "")
+        if where and (Path(where) / MANIFEST_FILE).is_file():
             from rnnify.integrations.vllm.hosting import exact_sites, read_manifest
 
             if exact_sites(read_manifest(where)):

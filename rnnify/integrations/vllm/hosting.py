@@ -17,6 +17,7 @@ import torch
 
 from rnnify.cells import Cell, CellSpec, build_cell
 from rnnify.cells.exact import ExactCell
+from rnnify.cells.heads import HeadSplitCell
 from rnnify.errors import RnnifyError
 from rnnify.runtime.manifest import Manifest, read_data
 from rnnify.runtime.state import RecurrentState
@@ -53,20 +54,27 @@ def state_template(manifest: Manifest) -> RecurrentState:
 
 
 def check_hostable(path: str | Path, head_size: int | None = None, num_kv_heads: int | None = None) -> Manifest:
-    """``path``'s manifest, or a one-line ``RnnifyError`` when vLLM's pages (``head_size`` wide,
-    ``num_kv_heads`` per token: the model's, as vLLM reads them) cannot hold an exact site."""
+    """``path``'s manifest, or a one-line ``RnnifyError`` when vLLM cannot hold its state: a cell
+    whose state grows that is not exact attention, or an exact site that vLLM's pages (``head_size``
+    wide, ``num_kv_heads`` per token: the model's, as vLLM reads them) cannot hold."""
     manifest = read_manifest(path)
-    for cell in exact_sites(manifest):
-        spec = cell.spec
-        widths = {spec.head_dim, spec.value_dim}
-        if len(widths) > 1 or (head_size is not None and widths != {head_size}):
-            raise RnnifyError(
-                f"vLLM cannot host target {manifest.target!r}: an exact attention with keys {spec.head_dim} and "
-                f"values {spec.value_dim} wide does not fit vLLM's pages of the model's head size ({head_size})"
-            )
-        if num_kv_heads is not None and spec.num_kv_heads > num_kv_heads:
-            raise RnnifyError(
-                f"vLLM cannot host target {manifest.target!r}: an exact attention with {spec.num_kv_heads} kv "
-                f"heads does not fit vLLM's pages of the model's {num_kv_heads}"
-            )
+    for entry, cell in zip(manifest.cells, _cells(manifest)):
+        where = f"vLLM cannot host target {manifest.target!r}: {entry.module}'s"
+        computing = [m for m in cell.modules() if isinstance(m, Cell) and not isinstance(m, HeadSplitCell)]
+        for part in computing:  # a head split's parts, not the split
+            if part.grows_with_context and not isinstance(part, ExactCell):
+                raise RnnifyError(f"{where} {part.target} state grows with the context and is not exact attention")
+            if not isinstance(part, ExactCell):
+                continue
+            spec = part.spec
+            if spec.head_dim != spec.value_dim or (head_size is not None and spec.head_dim != head_size):
+                raise RnnifyError(
+                    f"{where} exact attention has keys {spec.head_dim} and values {spec.value_dim} wide; "
+                    f"vLLM's pages hold both at the model's head size ({head_size or spec.head_dim})"
+                )
+            if num_kv_heads is not None and spec.num_kv_heads > num_kv_heads:
+                raise RnnifyError(
+                    f"{where} exact attention has {spec.num_kv_heads} kv heads; vLLM's pages hold the "
+                    f"model's {num_kv_heads}"
+                )
     return manifest

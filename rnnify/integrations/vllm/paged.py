@@ -139,7 +139,7 @@ class PagedBatch:
         self.metadata, self.rows = metadata, rows
 
 
-class PagedExactCell(nn.Module):
+class PagedExactCell(ExactCell):
     """An ``ExactCell`` whose keys and values live in ``layer``'s pages (module docstring).
 
     Same call as the cell's, ``(q, k, v, mask, keys, values, valid) -> (out, keys, values, valid)``,
@@ -147,55 +147,76 @@ class PagedExactCell(nn.Module):
     """
 
     def __init__(self, cell: ExactCell, layer: ExactKVLayer, batch: PagedBatch):
-        super().__init__()
-        self.cell = cell
+        super().__init__(cell.spec, cell.block_size)
         self.__dict__["layer"] = layer  # vLLM's module, not a part of this one
         self.batch = batch
-        self.spec = cell.spec
-        # what a head split reads of its parts
-        self.state_names, self.needs_input = cell.state_names, cell.needs_input
 
-    def init_state(self, batch_size, device, dtype):
-        return self.cell.init_state(batch_size, device, dtype)  # empty: the pages hold the context
-
-    def _context(self, metadata: PagedExactMetadata, row: int, total: int) -> torch.Tensor:
-        """Row's first ``total`` cached positions, ``[kv heads, total, head_size * 2]``."""
+    def _contexts(self, metadata: PagedExactMetadata, rows: list[int], length: int):
+        """What ``rows``' queries (their last ``length`` positions) may read of the pages, in one
+        gather, left-padded to the longest: ``[rows, kv heads, longest, head_size * 2]``, and which
+        positions are real ``[rows, longest]``. A window reads only its last ``window + length - 1``
+        positions (the forms' masks and distances are relative, so the rest changes nothing)."""
         cache = self.__dict__["layer"].kv_cache
-        block_size = cache.shape[2]
-        blocks = metadata.block_table[row, : -(-total // block_size)].to(torch.long)
-        pages = cache.index_select(0, blocks)[:, : self.spec.num_kv_heads]  # [blocks, Hkv, block_size, C]
-        return pages.permute(1, 0, 2, 3).reshape(self.spec.num_kv_heads, -1, cache.shape[-1])[:, :total]
+        block_size, window = cache.shape[2], self.spec.window
+        ends = [metadata.seq_lens[r] for r in rows]
+        firsts = [0 if window is None else max(0, end - (window + length - 1)) for end in ends]
+        longest = max(end - first for first, end in zip(firsts, ends))
+        device = metadata.block_table.device
+        starts = torch.tensor([end - longest for end in ends], device=device)
+        positions = starts[:, None] + torch.arange(longest, device=device)[None, :]  # [rows, longest]
+        real = positions >= torch.tensor(firsts, device=device)[:, None]
+        positions = positions.clamp_min(0)
+        table = metadata.block_table[torch.tensor(rows, device=device)].to(torch.long)
+        blocks = table.gather(1, positions // block_size)
+        pages = cache[blocks, : self.spec.num_kv_heads, positions % block_size]  # [rows, longest, Hkv, C]
+        return pages.transpose(1, 2), real
+
+    def _attend(self, q, metadata: PagedExactMetadata, rows: list[int]) -> torch.Tensor:
+        context, allowed = self._contexts(metadata, rows, q.shape[2])
+        width = self.spec.head_dim
+        keys, values = context[..., :width], context[..., width:]
+        if self.terms is None:
+            return sdpa_softmax_attn(q, keys, values, allowed, self.spec.scale, self.spec.window, self.block_size)
+        return scored_softmax_attn(
+            q, keys, values, allowed, self.spec.scale, self.terms, self.spec.window, self.block_size
+        )
 
     def forward(self, q, k, v, mask, keys, values, valid):
         layer, rows = self.__dict__["layer"], self.batch.rows
         if self.batch.metadata is None:
             raise RnnifyError("rnnify's paged exact attention ran outside a vLLM model step")
         metadata, cache = self.batch.metadata[layer.prefix], layer.kv_cache
-        length, width = q.shape[2], self.spec.head_dim
-        num_kv_heads = self.spec.num_kv_heads
-        slots = torch.cat([metadata.slot_mapping[metadata.query_start_loc[r] :][:length] for r in rows])
+        length, width, num_kv_heads = q.shape[2], self.spec.head_dim, self.spec.num_kv_heads
+        starts = torch.tensor([metadata.query_start_loc[r] for r in rows], device=metadata.slot_mapping.device)
+        slots = metadata.slot_mapping[(starts[:, None] + torch.arange(length, device=starts.device)).flatten()]
         block_size = cache.shape[2]
         # the new keys and values, token by token in the order of ``slots``: [B * T, Hkv, 2d]
         new = torch.cat([k, v], dim=-1).to(cache.dtype).transpose(1, 2).reshape(-1, num_kv_heads, 2 * width)
         cache[slots // block_size, :num_kv_heads, slots % block_size] = new
-        totals = [metadata.seq_lens[r] for r in rows]
-        longest = max(totals)
-        context = q.new_zeros(len(rows), num_kv_heads, longest, 2 * width, dtype=cache.dtype)
-        allowed = torch.zeros(len(rows), longest, dtype=torch.bool, device=q.device)
-        for i, (row, total) in enumerate(zip(rows, totals)):  # left-padded, as the exact forms take rows
-            context[i, :, longest - total :] = self._context(metadata, row, total)
-            allowed[i, longest - total :] = True
-        keys_all, values_all = context[..., :width], context[..., width:]
-        cell = self.cell
-        if cell.terms is None:
-            out = sdpa_softmax_attn(
-                q, keys_all, values_all, allowed, self.spec.scale, self.spec.window, cell.block_size
-            )
-        else:
-            out = scored_softmax_attn(
-                q, keys_all, values_all, allowed, self.spec.scale, cell.terms, self.spec.window, cell.block_size
-            )
+        groups = _similar_lengths([metadata.seq_lens[r] for r in rows])
+        if len(groups) == 1:
+            return self._attend(q, metadata, rows), keys, values, valid
+        out = q.new_empty(*q.shape[:-1], self.spec.value_dim)
+        for group in groups:
+            index = torch.tensor(group, device=q.device)
+            out[index] = self._attend(q.index_select(0, index), metadata, [rows[i] for i in group])
         return out, keys, values, valid
+
+
+def _similar_lengths(lengths: list[int]) -> list[list[int]]:
+    """Indices of ``lengths`` in groups that left-pad to at most twice their own total (shortest
+    first), so a long sequence decoding beside short ones does not pad every one of them to its length."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    groups: list[list[int]] = []
+    total = 0
+    for i in order:
+        if groups and lengths[i] * (len(groups[-1]) + 1) <= 2 * (total + lengths[i]):
+            groups[-1].append(i)
+            total += lengths[i]
+        else:
+            groups.append([i])
+            total = lengths[i]
+    return groups
 
 
 def page_exact(graph: nn.Module, vllm_config: VllmConfig, first_index: int) -> tuple[list[ExactKVLayer], PagedBatch]:
