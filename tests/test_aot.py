@@ -60,6 +60,19 @@ def test_compiled_step_follows_weights_changed_in_place_and_stops_when_they_are_
     torch.testing.assert_close(_decode(model, 1, 3)[0], _decode(eager, 1, 3)[0], rtol=1e-5, atol=1e-5)
 
 
+def test_a_step_compiled_from_other_source_is_not_found(compiled, monkeypatch):
+    """A step compiled before rnnify's source changed (a fixed cell, the same version number)
+    has another key: the cache does not hand back code that is not the running code's."""
+    from rnnify.runtime import aot
+
+    hybrid = rnnify.load(compiled("hybrid"))
+    assert hybrid.step_package is not None
+    key = fingerprint(hybrid)
+    monkeypatch.setattr(aot, "_source_digest", lambda: "another source")
+    assert fingerprint(hybrid) != key
+    assert rnnify.load(compiled("hybrid")).step_package is None
+
+
 @pytest.mark.parametrize("other", ["linear", "hybrid-w8"])
 def test_a_step_compiled_for_another_model_is_not_found(
     compiled, converted_dir, tiny_model_dir, tmp_path, other, empty_cache

@@ -248,8 +248,9 @@ def prompt_window_attn(q, k, v, keys, values, sink_keys, sink_values, length, sc
 def write_step(k, v, mask, keys, values, sink_keys, sink_values, length):
     """``window_write`` of one decode token in few ops, with what a read of the window needs:
     ``(old_key, old_value (the ring slot's entry the token replaces, ring dtype), held keys and values
-    (sinks, then ring), empty [B, 1, 1, S + W] (held slots not attended), (keys, values, sink_keys,
-    sink_values, length))``."""
+    (tuples of their parts: sinks, then ring; not joined, which would copy the whole window every
+    token), empty [B, 1, 1, S + W] (held slots not attended), (keys, values, sink_keys, sink_values,
+    length))``."""
     batch, num_kv_heads, window, head_dim = keys.shape
     sinks = sink_keys.shape[2]
     real, n = mask.reshape(batch, 1, 1, 1), length.reshape(batch, 1, 1, 1)
@@ -263,34 +264,48 @@ def write_step(k, v, mask, keys, values, sink_keys, sink_values, length):
     values = values.scatter(2, value_index, torch.where(real, v.to(values.dtype), old_value))
     ring = torch.arange(window, device=keys.device)
     new_length = n + real
-    held_keys, held_values, empty = keys, values, ring >= new_length
+    held_keys, held_values, empty = (keys,), (values,), ring >= new_length
     if sinks:
         sink_slots = torch.arange(sinks, device=keys.device)
         into = real & (sink_slots[:, None] == n)
         sink_keys = torch.where(into, k.to(sink_keys.dtype), sink_keys)
         sink_values = torch.where(into, v.to(sink_values.dtype), sink_values)
-        held_keys, held_values = torch.cat([sink_keys, keys], dim=2), torch.cat([sink_values, values], dim=2)
+        held_keys, held_values = (sink_keys, keys), (sink_values, values)
         empty = torch.cat([sink_slots >= new_length - window, empty], dim=3)  # sinks still in the ring
     state = (keys, values, sink_keys, sink_values, new_length.view(batch))
     return old_key, old_value, held_keys, held_values, empty, state
 
 
-def read_held(q, held_keys, held_values, empty, scale: float):
-    """One decode token's unnormalised softmax over the held keys (``write_step``'s), through ``bmm``
-    on ``[B Hkv, G, d]`` views: ``(w [B, Hkv, G, 1, d_v], u [B, Hkv, G, 1])``, relative to the scores'
-    max m."""
+def _held_scores(q, held_keys) -> torch.Tensor:
+    """``[B Hkv, G, S + W]``: q (``[B, Hkv, G, 1, d]``) against each part of the held keys through
+    ``bmm``, the parts' scores joined (a few numbers a head, where the keys are a window of them)."""
     batch, num_kv_heads, group, _, head_dim = q.shape
-    held = held_keys.shape[2]
-    scores = torch.bmm(
-        q.reshape(batch * num_kv_heads, group, head_dim),
-        held_keys.float().reshape(batch * num_kv_heads, held, head_dim).transpose(1, 2),
-    )
-    scores = scores.view(batch, num_kv_heads, group, held).masked_fill(empty, float("-inf"))
+    rows = q.reshape(batch * num_kv_heads, group, head_dim)
+    scores = [
+        torch.bmm(rows, part.float().reshape(batch * num_kv_heads, -1, head_dim).transpose(1, 2)) for part in held_keys
+    ]
+    return scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1)
+
+
+def _held_mix(p, held_values) -> torch.Tensor:
+    """``p [B Hkv, G, S + W] @`` the held values, part by part: ``[B Hkv, G, d_v]``."""
+    rows, start, out = p.shape[0], 0, None
+    for part in held_values:
+        held = part.shape[2]
+        mixed = torch.bmm(p.narrow(2, start, held), part.float().reshape(rows, held, -1))
+        out, start = mixed if out is None else out + mixed, start + held
+    return out
+
+
+def read_held(q, held_keys, held_values, empty, scale: float):
+    """One decode token's unnormalised softmax over the held keys (``write_step``'s parts), through
+    ``bmm`` on ``[B Hkv, G, d]`` views: ``(w [B, Hkv, G, 1, d_v], u [B, Hkv, G, 1])``, relative to the
+    scores' max m."""
+    batch, num_kv_heads, group = q.shape[:3]
+    scores = _held_scores(q, held_keys).view(batch, num_kv_heads, group, -1).masked_fill(empty, float("-inf"))
     m = scores.amax(-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)  # finite_or_zero in one op
     p = torch.exp((scores - m) * scale)  # the max of the scaled scores is scale m: scale > 0
-    w = torch.bmm(
-        p.view(batch * num_kv_heads, group, held), held_values.float().reshape(batch * num_kv_heads, held, -1)
-    )
+    w = _held_mix(p.view(batch * num_kv_heads, group, -1), held_values)
     return w.view(batch, num_kv_heads, group, 1, -1), p.sum(-1, keepdim=True)
 
 
@@ -326,17 +341,14 @@ def steady_window_step(q, k, v, keys, values, sink_keys, sink_values, length, n:
     normalised in one op, its largest probability giving the statistic the hybrid needs, 1 / u =
     1 / sum exp(s - m) (the max's own term is exp(0)). Returns ``(o [B, Hkv, G, 1, d_v], p_max [B, Hkv,
     G, 1, 1] (= 1 / u, shaped to scale o), old_key, old_value (fp32, [B, Hkv, 1, d]), window_state)``."""
-    batch, num_kv_heads, group, _, head_dim = q.shape
-    slot, rows = n % keys.shape[2], batch * num_kv_heads
+    batch, num_kv_heads, group = q.shape[:3]
+    slot = n % keys.shape[2]
     old_key, old_value = keys.narrow(2, slot, 1).float(), values.narrow(2, slot, 1).float()
     keys = keys.slice_scatter(k.to(keys.dtype), 2, slot, slot + 1)
     values = values.slice_scatter(v.to(values.dtype), 2, slot, slot + 1)
-    held_keys, held_values = keys, values
-    if sink_keys.shape[2]:
-        held_keys, held_values = torch.cat([sink_keys, keys], dim=2), torch.cat([sink_values, values], dim=2)
-    scores = torch.bmm(q.reshape(rows, group, head_dim), held_keys.float().reshape(rows, -1, head_dim).transpose(1, 2))
-    p = torch.softmax(scores * scale, dim=-1)
-    o = torch.bmm(p, held_values.float().reshape(rows, held_keys.shape[2], -1))
+    held_keys, held_values = ((sink_keys, keys), (sink_values, values)) if sink_keys.shape[2] else ((keys,), (values,))
+    p = torch.softmax(_held_scores(q, held_keys) * scale, dim=-1)
+    o = _held_mix(p, held_values)
     p_max = p.amax(-1, keepdim=True)
     state = (keys, values, sink_keys, sink_values, length + 1)
     return (
@@ -371,6 +383,7 @@ def scored_read(q, held_keys, held_values, empty, state, scale: float, terms: Sc
     keys, _, sink_keys, _, length = state
     index = held_index(length, keys.shape[2], sink_keys.shape[2])  # [B, S + W]
     distance = (index - (length[:, None] - 1))[:, None, None, None]
+    held_keys, held_values = torch.cat(held_keys, dim=2), torch.cat(held_values, dim=2)
     scores = scale * torch.einsum("bhgtd,bhnd->bhgtn", q, held_keys.float())
     scores = terms.scores(scores, distance).masked_fill(empty[:, :, :, None], float("-inf"))
     return terms.readout(scores, held_values[:, :, None].float())

@@ -18,6 +18,7 @@ contiguous.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -62,6 +63,17 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
+@functools.cache
+def _source_digest() -> str:
+    """A hash of rnnify's own source: a package compiles the cells' code as it was, and rnnify's
+    version does not change with every fix of it."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def _named_weights(graph: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every parameter and buffer under every name it has (a tied weight has several; the package
     may know it by any of them)."""
@@ -72,8 +84,8 @@ def fingerprint(model: RecurrentModel) -> str:
     """What a package must match: the step graph's code, every cell's target, spec and options and
     the state's shapes and dtypes (the compiled code has them built in), the name, shape, strides
     and dtype of every weight (the package takes the model's own at load and reads them as laid
-    out when it was compiled: ``runtime.weight_layout``), rnnify's and torch's versions
-    (the package's runtime) and the CPU it was compiled for."""
+    out when it was compiled: ``runtime.weight_layout``), rnnify's version and source and torch's
+    version (the package's runtime and the code it compiled) and the CPU it was compiled for."""
     from rnnify import __version__
 
     graph = model.graph
@@ -81,7 +93,7 @@ def fingerprint(model: RecurrentModel) -> str:
     weights = sorted((name, tuple(t.shape), t.stride(), str(t.dtype)) for name, t in _named_weights(graph))
     cells = [(entry.module, entry.target, entry.spec, entry.options) for entry in model.manifest.cells]
     state = [(tuple(t.shape), str(t.dtype)) for t in model.init_state(1).tensors]
-    versions = [__version__, torch.__version__, platform.machine(), _cpu_flags()]
+    versions = [__version__, _source_digest(), torch.__version__, platform.machine(), _cpu_flags()]
     text = json.dumps([versions, graph.code, cells, state, weights], default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
