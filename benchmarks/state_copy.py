@@ -11,11 +11,11 @@ where the step reads it once and writes only what changed.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
+from decode_parser import decode_parser
 from rich.console import Console
 from rich.table import Table
 
@@ -24,13 +24,8 @@ from rnnify.runtime.threads import set_threads
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="a converted model directory")
-    parser.add_argument("--batches", default="1,8,32", help="sequences decoded per step, comma-separated")
+    parser = decode_parser(__doc__, prompt=64, rounds=5)
     parser.add_argument("--slots", type=int, default=134, help="slots of the state cache the sequences sit in")
-    parser.add_argument("--prompt", type=int, default=64, help="tokens each sequence read before the timed steps")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds; the median is reported")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     if args.rounds < 1 or not 1 <= min(batches) <= max(batches) <= args.slots:

@@ -27,6 +27,7 @@ from support import (
     assert_steps_and_split_prefill_match,
     decode,
     draw_heads,
+    padding_mask,
     random_qkv,
     rel_diff,
     reseal,
@@ -286,7 +287,7 @@ def test_window_decode_off_triton_takes_the_lean_step(sinks, monkeypatch):
     """A decode token with kernels auto off Triton runs ``step_window_attn`` (the ring write and read of
     the hybrid's ``window_step``) instead of the fused op's PyTorch reference: the same output and
     state token by token (19 tokens through a window of 3, a left-padded row) in fewer than half the
-    aten ops (46 against 116 here with 2 sinks)."""
+    aten ops (53 against 116 here with 2 sinks)."""
     from rnnify.kernels import utils
 
     monkeypatch.setattr(utils, "FORCE_TRITON", False)  # kernels auto off Triton, whatever the environment
@@ -1053,3 +1054,26 @@ def test_converted_left_padded_rows_equal_rows_alone(arch, variant, converted):
 
 def test_registered():
     assert CELLS["window"] is WindowCell and CELLS["hybrid"] is HybridCell
+
+
+@pytest.mark.parametrize("layers", [None, "0:heads(0=window(window=4,sinks=1);1=linear)"])
+def test_a_donated_step_writes_the_ring_in_place_and_equals_the_step(tiny_model_dir, layers):
+    """``step(donate=True)`` writes each window's ring into the state it was given (a whole window
+    cell, and a head split's window part) and returns what the step that copies returns, bit for bit:
+    logits and every state tensor, over rows that read prompts of different lengths."""
+    from rnnify.runtime.state import RecurrentState
+
+    options = {"layers": layers} if layers else {}
+    model = rnnify.convert(str(tiny_model_dir("llama")), to="window", window=6, sinks=2, **options)
+    ids = torch.randint(1, 200, (3, 11), generator=torch.Generator().manual_seed(0))
+    mask = padding_mask(11, [0, 4, 9])
+    _, state = model.prefill(ids, attention_mask=mask)
+    for token in range(5):  # through the ring's wrap
+        tok = torch.full((3, 1), 7 + token)
+        copy = RecurrentState(tuple(t.clone() for t in state.tensors), state.positions.clone(), state.model_uid)
+        want_logits, want = model.step(tok, copy)
+        ring = state.tensors[0]
+        logits, state = model.step(tok, state, donate=True)
+        assert state.tensors[0] is ring  # written in place, not copied
+        assert torch.equal(logits, want_logits)
+        assert all(torch.equal(a, b) for a, b in zip(state.tensors, want.tensors))

@@ -5,6 +5,7 @@ minutes per model), not a test."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -190,8 +191,9 @@ def test_no_models_and_no_markdown_is_an_error(capsys):
     assert "NAME=DIR" in capsys.readouterr().err.splitlines()[-1]
 
 
-def test_state_copy_times_the_step_and_the_slot_copies(converted_dir, capsys):
+def test_state_copy_times_the_step_and_the_slot_copies(converted_dir, capsys, monkeypatch):
     """benchmarks/state_copy.py runs on any converted model: a row per batch size."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its sibling decode_parser, as when run as a script
     spec = importlib.util.spec_from_file_location("bench_state_copy", ROOT / "benchmarks" / "state_copy.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -199,3 +201,18 @@ def test_state_copy_times_the_step_and_the_slot_copies(converted_dir, capsys):
     assert module.main([*argv, "--rounds", "1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\W+\d+\W+[\d.]+\W+\d+", line)]
     assert len(rows) == 2
+
+
+def test_donated_step_times_each_step_and_writes_its_medians(converted_dir, tmp_path, capsys, monkeypatch):
+    """benchmarks/donated_step.py times the copying and the in-place step of any converted model, a
+    row per batch size (no compiled step here: its column is empty), medians in --json."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_donated_step", ROOT / "benchmarks" / "donated_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "donated.json"
+    argv = [str(converted_dir("llama", "linear")), "--batches", "1,3", "--prompt", "6", "--rounds", "1"]
+    assert module.main([*argv, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["batch"] for row in rows] == [1, 3]
+    assert all(row["eager"] > 0 and row["in place"] > 0 and "compiled" not in row for row in rows)

@@ -62,7 +62,7 @@ def test_stream_decodes_as_it_is_read(converted_dir, monkeypatch):
     model = rnnify.load(converted_dir("llama", "exact"))
     steps = []
     step = model.step
-    monkeypatch.setattr(model, "step", lambda *args: steps.append(1) or step(*args))
+    monkeypatch.setattr(model, "step", lambda *args, **kwargs: steps.append(1) or step(*args, **kwargs))
     pieces = model.stream(PROMPT, max_new_tokens=NEW_TOKENS)
     assert not steps  # nothing decoded before the first piece is asked for
     next(pieces)

@@ -157,6 +157,9 @@ class Cell(nn.Module):
     own_layer: ClassVar[bool] = False
     # The SCORE_TERMS the cell computes; a site whose scores carry another is refused, never dropped.
     score_terms: ClassVar[frozenset[str]] = frozenset()
+    # True while a decode step may write the new state into the tensors of the state it was given
+    # (``RecurrentModel.step(donate=True)``); a cell that can (a window's ring) then skips a copy.
+    overwrite_state: bool = False
 
     def __init__(self, spec: CellSpec):
         super().__init__()

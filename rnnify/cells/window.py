@@ -245,8 +245,9 @@ def prompt_window_attn(q, k, v, keys, values, sink_keys, sink_values, length, sc
     return out, *state
 
 
-def write_step(k, v, mask, keys, values, sink_keys, sink_values, length):
-    """``window_write`` of one decode token in few ops, with what a read of the window needs:
+def write_step(k, v, mask, keys, values, sink_keys, sink_values, length, overwrite: bool = False):
+    """``window_write`` of one decode token in few ops, with what a read of the window needs (with
+    ``overwrite``, written into ``keys`` and ``values`` themselves, ``Cell.overwrite_state``):
     ``(old_key, old_value (the ring slot's entry the token replaces, ring dtype), held keys and values
     (tuples of their parts: sinks, then ring; not joined, which would copy the whole window every
     token), empty [B, 1, 1, S + W] (held slots not attended), (keys, values, sink_keys, sink_values,
@@ -258,10 +259,13 @@ def write_step(k, v, mask, keys, values, sink_keys, sink_values, length):
     key_index = slot.expand(-1, num_kv_heads, 1, head_dim)
     value_index = key_index if values.shape[3] == head_dim else slot.expand(-1, num_kv_heads, 1, values.shape[3])
     old_key, old_value = keys.gather(2, key_index), values.gather(2, value_index)
-    # the slot's new entry (a padding token leaves it as it was), scattered into a copy of the ring:
-    # a copy and one slot are cheaper than a where over the ring, 2.5x at batch 8 on a CPU
-    keys = keys.scatter(2, key_index, torch.where(real, k.to(keys.dtype), old_key))
-    values = values.scatter(2, value_index, torch.where(real, v.to(values.dtype), old_value))
+    # the slot's new entry (a padding token leaves it as it was), scattered into a copy of the ring
+    # (a copy and one slot are cheaper than a where over the ring), or into the ring itself
+    new_key, new_value = torch.where(real, k.to(keys.dtype), old_key), torch.where(real, v.to(values.dtype), old_value)
+    if overwrite:
+        keys, values = keys.scatter_(2, key_index, new_key), values.scatter_(2, value_index, new_value)
+    else:
+        keys, values = keys.scatter(2, key_index, new_key), values.scatter(2, value_index, new_value)
     ring = torch.arange(window, device=keys.device)
     new_length = n + real
     held_keys, held_values, empty = (keys,), (values,), ring >= new_length
@@ -367,11 +371,24 @@ def window_output(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def step_window_attn(
-    q, k, v, mask, keys, values, sink_keys, sink_values, length, scale: float, terms: ScoreTerms | None = None
+    q,
+    k,
+    v,
+    mask,
+    keys,
+    values,
+    sink_keys,
+    sink_values,
+    length,
+    scale: float,
+    terms: ScoreTerms | None = None,
+    overwrite: bool = False,
 ):
     """One decode token: ``write_step``, ``read_held``, normalised; the window target's decode path off
-    kernels. With ``terms``, ``scored_read`` reads the held keys instead."""
-    *_, held_keys, held_values, empty, state = write_step(k, v, mask, keys, values, sink_keys, sink_values, length)
+    kernels. With ``terms``, ``scored_read`` reads the held keys instead; ``overwrite``: ``write_step``'s."""
+    *_, held_keys, held_values, empty, state = write_step(
+        k, v, mask, keys, values, sink_keys, sink_values, length, overwrite
+    )
     if terms is not None:
         return scored_read(q, held_keys, held_values, empty, state, scale, terms), *state
     return window_output(*read_held(q, held_keys, held_values, empty, scale)), *state
@@ -476,13 +493,15 @@ class WindowCell(Cell):
         mask = mask.to(torch.bool)
         backend = self.backend(q, steps)
         if self.terms is not None and steps == 1:
-            out, *state = step_window_attn(grouped, k, v, mask, *state, self.spec.scale, self.terms)
+            out, *state = step_window_attn(
+                grouped, k, v, mask, *state, self.spec.scale, self.terms, overwrite=self.overwrite_state
+            )
         elif self.terms is not None:
             out, *state = chunk_window_attn(grouped, k, v, mask, *state, self.spec.scale, self.block_size, self.terms)
         elif steps == 1 and backend is not None:
             out, *state = fused_window_attn_step(grouped, k, v, mask, *state, self.spec.scale, backend)
         elif steps == 1:
-            out, *state = step_window_attn(grouped, k, v, mask, *state, self.spec.scale)
+            out, *state = step_window_attn(grouped, k, v, mask, *state, self.spec.scale, overwrite=self.overwrite_state)
         elif whole_prompt(mask, length):
             out, *state = prompt_window_attn(grouped, k, v, *state, self.spec.scale)
         else:

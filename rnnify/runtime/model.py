@@ -31,6 +31,9 @@ from rnnify.runtime.weight_layout import lay_out_linear_weights
 __all__ = ["RecurrentModel", "retarget_devices"]
 
 _NOT_LOADED = object()  # ``RecurrentModel.tokenizer`` before its first use
+# rows from which a donated step writes states in place, eagerly, rather than run the compiled step
+# (``RecurrentModel.step``; benchmarks/donated_step.py, docs/performance.md)
+IN_PLACE_FROM_ROWS = 8
 
 
 def retarget_devices(gm: torch.fx.GraphModule, device: torch.device | str) -> None:
@@ -230,9 +233,15 @@ class RecurrentModel(nn.Module):
         return self._read(input_ids, state, attention_mask, hidden=False)
 
     def _read(
-        self, input_ids: torch.Tensor, state: RecurrentState, attention_mask: torch.Tensor | None, hidden: bool
+        self,
+        input_ids: torch.Tensor,
+        state: RecurrentState,
+        attention_mask: torch.Tensor | None,
+        hidden: bool,
+        eager: bool = False,
     ) -> tuple[torch.Tensor, RecurrentState]:
-        """``forward``, or with ``hidden`` the body's hidden states in place of the logits (``prefill_hidden``)."""
+        """``forward``, or with ``hidden`` the body's hidden states in place of the logits
+        (``prefill_hidden``); ``eager``: through the graph's own code, never a compiled step."""
         mask = self._check_inputs(input_ids, attention_mask)
         self._check_state(state, input_ids.shape[0])
         check_runnable(self.kernels, input_ids.device)
@@ -246,6 +255,8 @@ class RecurrentModel(nn.Module):
         body = self._direct_forward("body") if hidden else None
         if body is not None:
             logits, *tensors = body(self.graph, *inputs)  # the hidden states: the head is left out
+        elif eager:
+            logits, *tensors = self._direct_forward()(self.graph, *inputs)
         elif self._step_graph is not None and input_ids.shape[1] == 1:
             if self._cuda_graphs:
                 # a replay overwrites the last one's outputs: copy them out, so every state stays valid
@@ -322,13 +333,32 @@ class RecurrentModel(nn.Module):
         return self.head(hidden[:, -1:]), state
 
     @torch.inference_mode()
-    def step(self, input_ids: torch.Tensor, state: RecurrentState) -> tuple[torch.Tensor, RecurrentState]:
-        """Read one token per row (``input_ids [B, 1]``); logits ``[B, 1, V]`` and the new state."""
+    def step(
+        self, input_ids: torch.Tensor, state: RecurrentState, *, donate: bool = False
+    ) -> tuple[torch.Tensor, RecurrentState]:
+        """Read one token per row (``input_ids [B, 1]``); logits ``[B, 1, V]`` and the new state.
+
+        With ``donate`` the step may write the new state into ``state``'s tensors (the state it
+        returns then shares them), so ``state`` must not be used again: for a caller that keeps only
+        the newest state (``generate``, vLLM's plugin), it saves copying each window's ring every
+        token. A step that does runs eagerly (a compiled step cannot write into its inputs), so it
+        does where that is the faster one: without a compiled step, or from ``IN_PLACE_FROM_ROWS``
+        rows (below, the compiled step's fewer ops weigh more than the copy it makes)."""
         if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
             input_ids = input_ids[:, None]
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] != 1:
             raise RnnifyError("step takes one token per row: input_ids of shape [batch, 1]")
-        return self(input_ids, state)
+        compiled = self._step_graph is not None or self.step_package is not None
+        if not donate or (compiled and input_ids.shape[0] < IN_PLACE_FROM_ROWS):
+            return self(input_ids, state)
+        cells = [module for module in self.graph.modules() if isinstance(module, Cell)]
+        for cell in cells:
+            cell.overwrite_state = True
+        try:
+            return self._read(input_ids, state, None, hidden=False, eager=True)
+        finally:
+            for cell in cells:
+                cell.overwrite_state = False
 
     def compile_step(self) -> "RecurrentModel":
         """Run one-token calls through ``torch.compile`` of the graph (static shapes; prefill stays eager).
@@ -447,7 +477,7 @@ class RecurrentModel(nn.Module):
             finished |= torch.isin(token, eos_ids)
             if bool(finished.all()) or i == max_new_tokens - 1:
                 return
-            logits, state = self.step(token[:, None], state)
+            logits, state = self.step(token[:, None], state, donate=True)
 
     # -- text -------------------------------------------------------------------------------
 

@@ -268,7 +268,8 @@ class _RnnifyModel(nn.Module, HasInnerState):
             if pages is not None:
                 self.paged.select(pages, singles)
             rows = torch.tensor([starts[r] for r in singles], dtype=torch.long, device=ids.device)
-            logits, state = model.step(ids[rows][:, None], layer.decode_state(decoding))
+            # the states are the plugin's own (gathered from the slots, or the last step's)
+            logits, state = model.step(ids[rows][:, None], layer.decode_state(decoding), donate=True)
             layer.live = (decoding, state)
             self._step_logits = logits[:, -1]
             out[rows, -1] = torch.arange(1, len(singles) + 1, dtype=out.dtype, device=out.device)
