@@ -1077,3 +1077,36 @@ def test_a_donated_step_writes_the_ring_in_place_and_equals_the_step(tiny_model_
         assert state.tensors[0] is ring  # written in place, not copied
         assert torch.equal(logits, want_logits)
         assert all(torch.equal(a, b) for a, b in zip(state.tensors, want.tensors))
+
+
+def test_a_donated_step_keeps_the_compiled_step_where_that_is_faster(tiny_model_dir):
+    """A donated step writes a window's ring in place only from ``IN_PLACE_FROM_ROWS`` rows when the
+    model has a compiled step: below that, and at any rows where no cell writes in place (the fused
+    op's window here), it runs the compiled step and leaves the state it was given as it was."""
+    from rnnify.runtime.model import IN_PLACE_FROM_ROWS
+
+    model = rnnify.convert(str(tiny_model_dir("llama")), to="window", window=6, sinks=2)
+    calls = []
+
+    class Compiled:  # stands in for a step compiled ahead of time: the eager step, its calls counted
+        def serves(self, _model):
+            return True
+
+        def __call__(self, *inputs):
+            calls.append(1)
+            return model._direct_forward()(model.graph, *inputs)
+
+    model._step_package = Compiled()
+    for kernels, rows, in_place in (
+        ("none", IN_PLACE_FROM_ROWS - 1, False),
+        ("none", IN_PLACE_FROM_ROWS, True),
+        ("reference", IN_PLACE_FROM_ROWS, False),
+    ):
+        model.use_kernels(kernels)
+        _, state = model.prefill(torch.randint(1, 200, (rows, 9), generator=torch.Generator().manual_seed(rows)))
+        ring, calls[:] = state.tensors[0], []
+        before = ring.clone()
+        _, new = model.step(torch.full((rows, 1), 5), state, donate=True)
+        assert (new.tensors[0] is ring) == in_place and bool(calls) != in_place, (kernels, rows)
+        if not in_place:
+            assert torch.equal(ring, before)

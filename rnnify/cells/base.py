@@ -157,9 +157,6 @@ class Cell(nn.Module):
     own_layer: ClassVar[bool] = False
     # The SCORE_TERMS the cell computes; a site whose scores carry another is refused, never dropped.
     score_terms: ClassVar[frozenset[str]] = frozenset()
-    # True while a decode step may write the new state into the tensors of the state it was given
-    # (``RecurrentModel.step(donate=True)``); a cell that can (a window's ring) then skips a copy.
-    overwrite_state: bool = False
 
     def __init__(self, spec: CellSpec):
         super().__init__()
@@ -172,6 +169,9 @@ class Cell(nn.Module):
             )
         self.spec = spec
         self.kernels: str | None = None  # backend of the fused ops in use; None: the cell's own PyTorch forms
+        # True while a decode step may write the new state into the tensors of the state it was given
+        # (``RecurrentModel.step(donate=True)``, for cells whose ``overwrites_state``)
+        self.overwrite_state = False
 
     def options(self) -> dict[str, Any]:
         """JSON-able options that rebuild this cell with ``type(cell)(spec, **options)``."""
@@ -211,6 +211,11 @@ class Cell(nn.Module):
         if self.kernels == "auto" and ("decode" if steps == 1 else "prefill") in self.own_forms_without_triton:
             return "auto" if resolve_backend("auto", x) else None
         return self.kernels
+
+    def overwrites_state(self, x: torch.Tensor) -> bool:
+        """Does a decode step on tensors like ``x`` write its new state into the given one where
+        ``overwrite_state`` allows it (rather than copy it anyway)? False here."""
+        return False
 
     def calibrate(self, q: torch.Tensor, mask: torch.Tensor | None = None) -> "Cell":
         """Initialise from the ``q [B, H, T, d]`` this cell receives on calibration data (``mask [B, T]``:

@@ -97,6 +97,9 @@ class HeadSplitCell(Cell):
     def exact(self) -> bool:
         return all(part.exact for part in self.parts)
 
+    def overwrites_state(self, x: torch.Tensor) -> bool:
+        return any(part.overwrites_state(x) for part in self.parts)
+
     def options(self) -> dict[str, Any]:
         return {
             "groups": [

@@ -486,6 +486,9 @@ class WindowCell(Cell):
             torch.zeros(batch_size, device=device, dtype=torch.long),
         )
 
+    def overwrites_state(self, x: torch.Tensor) -> bool:
+        return self.backend(x, 1) is None  # the ring write of ``write_step``; the fused op copies
+
     def forward(self, q, k, v, mask, keys, values, sink_keys, sink_values, length):
         batch, _, steps, _ = q.shape
         grouped = q.float().reshape(batch, self.spec.num_kv_heads, self.spec.group_size, steps, -1)

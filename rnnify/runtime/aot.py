@@ -70,7 +70,13 @@ def _source_digest() -> str:
     root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+        name = path.relative_to(root).as_posix()
+        if any(part.startswith(".") for part in name.split("/")):
+            continue  # an editor's lock or backup file, not rnnify's code
+        try:
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+        except OSError:
+            continue
     return digest.hexdigest()
 
 

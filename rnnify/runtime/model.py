@@ -339,11 +339,14 @@ class RecurrentModel(nn.Module):
         """Read one token per row (``input_ids [B, 1]``); logits ``[B, 1, V]`` and the new state.
 
         With ``donate`` the step may write the new state into ``state``'s tensors (the state it
-        returns then shares them), so ``state`` must not be used again: for a caller that keeps only
-        the newest state (``generate``, vLLM's plugin), it saves copying each window's ring every
-        token. A step that does runs eagerly (a compiled step cannot write into its inputs), so it
-        does where that is the faster one: without a compiled step, or from ``IN_PLACE_FROM_ROWS``
-        rows (below, the compiled step's fewer ops weigh more than the copy it makes)."""
+        returns then shares them), so ``state`` must not be used again, nor anything sharing its
+        tensors (a ``state.to`` the same device); after a donated step that raised, it is undefined.
+        For a caller that keeps only the newest state (``generate``, vLLM's plugin), it saves copying
+        each window's ring every token. A step that writes in place runs eagerly (a compiled step
+        cannot write into its inputs), so it is taken only where a cell would write in place
+        (``Cell.overwrites_state``) and that is the faster step: without a compiled step, or from
+        ``IN_PLACE_FROM_ROWS`` rows (below, the compiled step's fewer ops weigh more than the copy
+        it makes). One donated step at a time per model: the cells hold the permission while it runs."""
         if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
             input_ids = input_ids[:, None]
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] != 1:
@@ -351,13 +354,16 @@ class RecurrentModel(nn.Module):
         compiled = self._step_graph is not None or self.step_package is not None
         if not donate or (compiled and input_ids.shape[0] < IN_PLACE_FROM_ROWS):
             return self(input_ids, state)
-        cells = [module for module in self.graph.modules() if isinstance(module, Cell)]
-        for cell in cells:
-            cell.overwrite_state = True
+        # every cell, a head split's parts too (a walk of the graph's modules: a small share of a step)
+        writers = [m for m in self.graph.modules() if isinstance(m, Cell) and m.overwrites_state(input_ids)]
+        if not writers:
+            return self(input_ids, state)
         try:
+            for cell in writers:
+                cell.overwrite_state = True
             return self._read(input_ids, state, None, hidden=False, eager=True)
         finally:
-            for cell in cells:
+            for cell in writers:
                 cell.overwrite_state = False
 
     def compile_step(self) -> "RecurrentModel":

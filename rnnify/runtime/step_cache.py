@@ -163,7 +163,7 @@ def _shipped(model: RecurrentModel, directory: Path, key: str) -> StepPackage | 
         )
     if model.manifest.shipped_step != key:
         warnings.warn(
-            f"{package} was compiled for another model, rnnify or torch version or CPU: not used (`rnnify "
+            f"{package} was compiled for another model, rnnify source, torch version or CPU: not used (`rnnify "
             f"compile {directory}` compiles the step for this machine)",
             RnnifyWarning,
             stacklevel=4,

@@ -268,8 +268,10 @@ class _RnnifyModel(nn.Module, HasInnerState):
             if pages is not None:
                 self.paged.select(pages, singles)
             rows = torch.tensor([starts[r] for r in singles], dtype=torch.long, device=ids.device)
-            # the states are the plugin's own (gathered from the slots, or the last step's)
-            logits, state = model.step(ids[rows][:, None], layer.decode_state(decoding), donate=True)
+            # the states are the plugin's own (gathered from the slots, or the last step's), and a
+            # donated step that fails leaves them undefined: none is kept to write back
+            states, layer.live = layer.decode_state(decoding), None
+            logits, state = model.step(ids[rows][:, None], states, donate=True)
             layer.live = (decoding, state)
             self._step_logits = logits[:, -1]
             out[rows, -1] = torch.arange(1, len(singles) + 1, dtype=out.dtype, device=out.device)
