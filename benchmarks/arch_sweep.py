@@ -40,8 +40,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.utils import logging
 
 import rnnify
-from rnnify.auto import auto_convert
+from rnnify.auto import Calibration, attention_specs, auto_convert, score_heads
 from rnnify.cells import CELLS
+from rnnify.cells.base import SCORE_TERMS
 from rnnify.errors import RnnifyError, first_line
 from rnnify.runtime.serialize import graph_to_json
 from rnnify.verify import tolerance
@@ -180,6 +181,36 @@ def _convert(name: str):
     )
 
 
+SITE_FIELDS = ("num_heads", "num_kv_heads", "head_dim", "value_dim", "window")
+
+
+def auto_probe(model, ids, converted, tol: float) -> dict:
+    """What ``--to auto`` makes of a model that converts exactly: ``scored`` when its probe records
+    the sites the compiler found (the attention layers, their shapes, windows and score terms) and
+    its pass with every head exact gives the original's logits; ``refused`` with the one line;
+    ``mismatch`` or ``crash`` with what differs."""
+    try:
+        specs = attention_specs(model, ids)
+        calibration = Calibration([ids], [torch.ones(ids.shape[1])], ["text"])
+        _, _, (probed,) = score_heads(model, calibration, window=4, sinks=1, scores=("mass",))
+    except RnnifyError as exc:
+        return {"status": "refused", "message": first_line(exc)}
+    except Exception as exc:  # noqa: BLE001  (a finding)
+        return {"status": "crash", "message": first_line(exc, with_type=True)}
+    sites = {entry.layer: entry.spec for entry in converted.manifest.cells if entry.target == "exact"}
+    differ = [] if sorted(specs) == sorted(sites) else [f"layers {sorted(specs)}, the compiler's {sorted(sites)}"]
+    for layer, spec in specs.items():
+        site = sites.get(layer, {})
+        differ += [f"layer {layer} {k}" for k in SITE_FIELDS if site and getattr(spec, k) != site.get(k)]
+        differ += [
+            f"layer {layer} {k}" for k in SCORE_TERMS if site and (getattr(spec, k) is None) != (site.get(k) is None)
+        ]
+    error = _rel(probed, _logits(model, ids)[0])
+    if error is None or error > tol:
+        differ.append(f"logits: relative error {error}")
+    return {"status": "mismatch", "message": "; ".join(differ)} if differ else {"status": "scored", "error": error}
+
+
 def run_job(name: str) -> dict:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -208,6 +239,8 @@ def run_job(name: str) -> dict:
         tol = tolerance(next(model.parameters()).dtype)  # rnnify verify's: 1e-4, 2e-2 in half precision
         ok = all(e is not None and e <= tol for e in result["errors"].values())
         result["status"] = ("exact" if ok else "mismatch") if judged else "approx"
+        if result["status"] == "exact" and ":" not in name:
+            result["auto"] = auto_probe(model, ids[:1, :SEQ], converted, tol)
         result["stage"] = "save"
         graph_to_json(converted.graph.graph)  # what saving would do with today's serialize
         result["stage"] = "done"
@@ -285,6 +318,9 @@ def summary(results: dict, ops: dict) -> None:
     for name, r in sorted(results.items()):
         if r.get("status") in ("mismatch", "crash", "timeout"):
             console.print(f"{name} {r['status']}: {r.get('errors') or ''} {r.get('message', '')}", markup=False)
+    for name, r in sorted(results.items()):
+        if r.get("auto", {}).get("status") in ("mismatch", "crash"):
+            console.print(f"{name} --to auto {r['auto']['status']}: {r['auto']['message']}", markup=False)
     refused = sorted(n for n, r in results.items() if "serialize_error" in r)
     console.print(
         f"converted, but graph_to_json refuses the graph: {len(refused)} ({', '.join(refused)})", markup=False
@@ -301,6 +337,8 @@ def markdown(sweep: dict) -> str:
     results = {k: r for k, r in sweep["results"].items() if ":" not in k}
     counts = {s: sum(r.get("status") == s for r in results.values()) for s in STATUSES}
     classes = {r["class"] for r in results.values() if r.get("status") == "exact" and r.get("class")}
+    probed = [r["auto"]["status"] for r in results.values() if "auto" in r]
+    auto = {status: probed.count(status) for status in sorted(set(probed), key=probed.count, reverse=True)}
     run = sweep["runs"][-1]
     lines = [
         "# Architectures",
@@ -319,8 +357,16 @@ def markdown(sweep: dict) -> str:
         "",
         ", ".join(f"{s}: {n}" for s, n in counts.items() if n) + f" ({len(classes)} distinct classes exact).",
         "",
-        "| model type | class | status | why |",
-        "|---|---|---|---|",
+        "The `--to auto` column: what its probe makes of each model that converts exactly "
+        "(`auto_probe`): `scored` where it records the sites the compiler found (layers, shapes, windows, "
+        "score terms) and its pass with every head exact gives the original's logits (within the same "
+        "tolerance); `refused` (the why column says why) where the model's attention does not go through "
+        "transformers' attention interface, or a layer computes attention at more than one site. "
+        + ", ".join(f"{s}: {n}" for s, n in auto.items())
+        + ".",
+        "",
+        "| model type | class | status | `--to auto` | why |",
+        "|---|---|---|---|---|",
     ]
     for name, r in sorted(results.items()):
         why = (r.get("message") or r.get("serialize_error") or "").replace("|", "\\|")
@@ -329,7 +375,13 @@ def markdown(sweep: dict) -> str:
         own = sorted({cell.target for cell in map(_cell_class, r.get("cells", [])) if cell and cell.own_layer})
         if r.get("status") == "exact" and own:
             why = f"keeps its own {', '.join(own)} layers" + (f"; {why}" if why else "")
-        lines.append(f"| `{name}` | {r.get('class') or ''} | {r.get('status')} | {why[:220]} |")
+        probe = r.get("auto", {})
+        if probe.get("status") in ("mismatch", "crash", "refused"):
+            said = probe["message"] if probe["message"].startswith("--to auto") else f"--to auto: {probe['message']}"
+            why = said + (f"; {why}" if why else "")
+        lines.append(
+            f"| `{name}` | {r.get('class') or ''} | {r.get('status')} | {probe.get('status', '')} | {why[:220]} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -19,12 +19,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from transformers import PretrainedConfig
-
-from rnnify import auto
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from retrieval_windows import write_doc  # noqa: E402
@@ -36,12 +33,16 @@ SAME = ("model", "seq_len", "eval_tokens")  # what results read together must sh
 
 
 def kv_cache_bytes(model: str, seq_len: int) -> int | None:
-    """The original's KV cache after ``seq_len`` tokens, fp32, from its config.json (None without one)."""
+    """The original's KV cache after ``seq_len`` tokens, fp32, from its config.json (None without one),
+    for a model like the ones this page measures (SmolLM2's): every layer attention, no window."""
     path = Path(model) / "config.json"
     if not path.is_file():
         return None
     config = PretrainedConfig.from_json_file(path)
-    return auto.kv_cache_bytes(auto.layer_specs(SimpleNamespace(config=config)), seq_len, torch.float32)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers * kv_heads * 2 * dim * seq_len * torch.float32.itemsize
 
 
 def columns(by_position: list[dict]) -> list[tuple[int, int, float]]:

@@ -89,7 +89,7 @@ def test_shortest_prefix_is_the_fewest_moves_that_fit():
 
 # -- one kind: today's choice --------------------------------------------------------------
 
-SPECS = [CellSpec(9, 3, 64, 64, 0.125) for _ in range(4)]  # SmolLM2's attention shape, four layers
+SPECS = {layer: CellSpec(9, 3, 64, 64, 0.125) for layer in range(4)}  # SmolLM2's attention shape, four layers
 COSTS = {"context": 2048, "window": 64, "sinks": 4, "dtype": torch.float32}
 
 
@@ -274,7 +274,7 @@ def four_kv_heads(tmp_path_factory):
 
 def test_four_kinds_in_one_layer_convert_step_like_the_prefill_and_load(four_kv_heads, tmp_path):
     directory, _ = four_kv_heads
-    specs = [CellSpec(8, 4, 8, 8, 8**-0.5) for _ in range(2)]
+    specs = {layer: CellSpec(8, 4, 8, 8, 8**-0.5) for layer in range(2)}
     kinds = {(0, 3): Level("exact"), (0, 0): Level.from_text("window(window=16)")}
     kinds |= {(0, 2): Level.from_text("select(window=8,keep=8)"), (1, 1): Level("exact")}
     spec = layers_spec(specs, kinds)  # layer 0: kv 1 streams, the other three each their kind

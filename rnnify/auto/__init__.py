@@ -36,12 +36,11 @@ from rnnify.auto.choice import (
     choose,
     head_costs,
     kv_cache_bytes,
-    layer_specs,
     layers_spec,
     parse_bytes,
 )
 from rnnify.auto.levels import Level, parse_levels
-from rnnify.auto.probe import measure_kl, score_heads
+from rnnify.auto.probe import attention_specs, measure_kl, score_heads
 from rnnify.auto.scorer import (
     REPORT_FILE,
     HeadScorer,
@@ -60,6 +59,7 @@ __all__ = [
     "HeadReport",
     "HeadScorer",
     "Level",
+    "attention_specs",
     "auto_convert",
     "calibration_rows",
     "check_memory",
@@ -68,7 +68,6 @@ __all__ = [
     "convert_chosen",
     "head_costs",
     "kv_cache_bytes",
-    "layer_specs",
     "layers_spec",
     "measure_kl",
     "parse_bytes",

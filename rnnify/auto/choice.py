@@ -20,25 +20,15 @@ Head = tuple[int, int]  # (layer, kv head)
 Options = Mapping[str, Any] | None  # the streaming hybrids' cell options besides window, sinks and memory
 
 
-def layer_specs(source: torch.nn.Module) -> list[CellSpec]:
-    """The attention shape of each layer, from the model's config (enough for state sizes)."""
-    config = source.config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    window = getattr(config, "sliding_window", None)
-    return [
-        CellSpec(heads, kv_heads, dim, dim, dim**-0.5, window, config.hidden_size)  # the width: delta memories read x
-        for _ in range(config.num_hidden_layers)
-    ]
+Specs = Mapping[int, CellSpec]  # each attention layer's site (``rnnify.auto.probe.attention_specs``)
 
 
-def layers_spec(specs: list[CellSpec], kinds: Mapping[Head, Level]) -> str | None:
+def layers_spec(specs: Specs, kinds: Mapping[Head, Level]) -> str | None:
     """``--layers`` rules that give each head in ``kinds`` its kind (the heads not named take the
     ``--to`` target, the streaming one): a layer whose heads all get one kind is that kind whole,
     any other a ``heads(...)`` rule with one group per kind."""
     rules = []
-    for layer, spec in enumerate(specs):
+    for layer, spec in specs.items():
         groups: dict[str, list[int]] = {}
         for lay, h in sorted(kinds):
             if lay == layer:
@@ -82,7 +72,7 @@ def streaming_target(
 
 
 def head_costs(
-    specs: list[CellSpec],
+    specs: Specs,
     kinds: Mapping[Head, Level],
     context: int,
     window: int,
@@ -96,16 +86,20 @@ def head_costs(
     ``RecurrentModel.state_nbytes`` counts."""
     from rnnify.compiler.plan import make_plan
 
-    heads = sum(s.num_kv_heads for s in specs)
+    heads = sum(s.num_kv_heads for s in specs.values())
     target, options = plan_options(kinds, heads, window, sinks, memory, memory_options)
     plan = make_plan(target, layers_spec(specs, kinds), **options)
-    total = sum(plan.cell_for(layer, spec).state_nbytes(context, 1, dtype) for layer, spec in enumerate(specs))
+    total = sum(plan.cell_for(layer, spec).state_nbytes(context, 1, dtype) for layer, spec in specs.items())
     return total + torch.empty((), dtype=torch.long).element_size()
 
 
-def kv_cache_bytes(specs: list[CellSpec], context: int, dtype: torch.dtype) -> int:
-    """The original's KV cache per sequence at ``context`` tokens (keys and values of every kv head)."""
-    return sum(s.num_kv_heads * (s.head_dim + s.value_dim) for s in specs) * context * dtype.itemsize
+def kv_cache_bytes(specs: Specs, context: int, dtype: torch.dtype) -> int:
+    """The original's KV cache per sequence at ``context`` tokens: keys and values of every kv head
+    of every attention layer, of the last ``window`` tokens where the layer has a sliding window."""
+    return (
+        sum(s.num_kv_heads * (s.head_dim + s.value_dim) * min(context, s.window or context) for s in specs.values())
+        * dtype.itemsize
+    )
 
 
 @dataclass
@@ -124,7 +118,8 @@ class HeadReport:
         str | None
     )  # the --layers spec that rebuilds the choice (with --to window, or hybrid --memory, --window --sinks)
     scores: dict[str, dict[str, float]]  # score -> "layer.head" -> what the head loses streaming
-    head_bytes: dict[str, int]  # one kv head's state at `context`: "streaming", each kind, "retrieval" (the costliest)
+    head_bytes: dict[str, int]  # one kv head's state at `context` (of a layer without a window of its own):
+    # "streaming", each kind, "retrieval" (the costliest)
     state_bytes: int  # the chosen model's state per sequence at `context`
     kv_cache_bytes: int  # the original's KV cache at `context`
     calibration_kl: float  # measured with the choice, on the calibration rows
@@ -175,7 +170,7 @@ def one_head_bytes(
 def choose(
     benefits: Mapping[Head, Sequence[float]],
     levels: Sequence[Level],
-    specs: list[CellSpec],
+    specs: Specs,
     *,
     context: int,
     window: int,

@@ -10,35 +10,46 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from rnnify.auto.calibration import Calibration
 from rnnify.auto.levels import KEPT_KINDS, Level
+from rnnify.cells.base import CellSpec
 from rnnify.choices import SCORES
 from rnnify.errors import RnnifyError
 
 Head = tuple[int, int]  # (layer, kv head)
 _PROBE = "rnnify_head_probe"
+_NO_INTERFACE = (
+    "--to auto scores heads through transformers' attention interface, which this model's attention "
+    "does not use; choose each layer's target by hand with --layers"
+)
 MASS_KINDS = ("exact", "window", "select")  # kinds the mass score covers (``reads``): a memory reads every token
 
 
 class _Probe:
-    """An attention function for transformers' ``AttentionInterface``: softmax attention in which
-    each kv head in ``windowed`` sees only the last ``windowed[head]`` tokens and the first
-    ``sinks``, and each in ``celled`` is the cell of its kind (``select`` or ``lola``) with those
-    options, computed by the cell itself. With ``mass`` set it adds, per kind of ``kept`` that
-    ``reads`` can replay (its text) and (layer, kv head), the weighted attention mass that kind does
-    not read."""
+    """An attention function for transformers' ``AttentionInterface`` that computes the model's own
+    attention (its mask, sliding windows included; a float mask's bias, ALiBi's; the ``softcap``
+    and the ``s_aux`` sink logits transformers passes), except that each kv head in ``windowed``
+    reads only the last ``windowed[head]`` tokens and the first ``sinks``, as a window cell does,
+    and each in ``celled`` is the cell of its kind (``select`` or ``lola``) with those options,
+    computed by the cell itself. It records each layer's ``CellSpec`` (``specs``) on its first
+    call. With ``mass`` set it adds, per kind of ``kept`` that ``reads`` can replay (its text) and
+    (layer, kv head), the weighted attention mass that kind does not read."""
 
     def __init__(self, sinks: int, kept: Sequence[Level] = ()):
         self.sinks, self.kept = sinks, [level for level in kept if level.target in MASS_KINDS]
         self.windowed: dict[Head, int] = {}
         self.celled: dict[Head, tuple[str, dict]] = {}
+        self.specs: dict[int, CellSpec] = {}
         self.weights: torch.Tensor | None = None  # [T] of the row running, for ``mass``
         self.mass: dict[str, dict[Head, float]] | None = None
         self.calls = 0
+        self.running: list[int] = []  # indices of the list elements (decoder layers) running, outermost first
+        self.called: list[int] = []  # the layer of each call, in order
 
     def set_kinds(self, kinds: Mapping[Head, Level]) -> None:
         """Each head in ``kinds`` runs as its kind, the rest exact."""
@@ -49,20 +60,55 @@ class _Probe:
             if level.target in KEPT_KINDS
         }
 
-    def __call__(self, module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    def layer_of(self, module) -> int:
+        """The layer the compiler numbers this attention by: the first number of its module path as
+        called, the index of the outermost list element running (a decoder layer; the layer that
+        calls a block shared by several, as Zamba's), else the module's own ``layer_idx``."""
+        if self.running:
+            return self.running[0]
+        if isinstance(getattr(module, "layer_idx", None), int):
+            return module.layer_idx
+        raise RnnifyError(
+            "--to auto: cannot tell which layer an attention call belongs to; choose targets with --layers"
+        )
+
+    def __call__(
+        self,
+        module,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        scaling=None,
+        dropout=0.0,
+        softcap=None,
+        s_aux=None,
+        sliding_window=None,
+        **kwargs,
+    ):
         self.calls += 1
-        layer, (_, heads, length, dim) = module.layer_idx, query.shape
+        layer, (_, heads, length, dim) = self.layer_of(module), query.shape
+        self.called.append(layer)
         kv_heads = key.shape[1]
         group = heads // kv_heads
-        i = torch.arange(length, device=query.device)[:, None]
-        j = torch.arange(length, device=query.device)[None, :]
-        causal = j <= i
-        windows = torch.tensor(
-            [self.windowed.get((layer, h // group), length) for h in range(heads)], device=query.device
-        )
-        allowed = causal & ((i - j < windows[:, None, None]) | (j < self.sinks))
-        scores = (query.float() @ key.float().repeat_interleave(group, 1).transpose(-1, -2)) * (scaling or dim**-0.5)
-        p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        scale = scaling or dim**-0.5
+        allowed, bias = _model_mask(attention_mask, length, query.device)
+        if layer not in self.specs:
+            self.specs[layer] = _site_spec(query, key, value, scale, sliding_window, softcap, bias, s_aux)
+        windowed = [self.windowed.get((layer, h // group)) for h in range(heads)]
+        if any(w is not None for w in windowed):  # a window cell reads its ring and the sinks, nothing else
+            i = torch.arange(length, device=query.device)[:, None]
+            j = torch.arange(length, device=query.device)[None, :]
+            windows = torch.tensor([length if w is None else w for w in windowed], device=query.device)
+            read = (j <= i) & ((i - j < windows[:, None, None]) | (j < self.sinks))
+            is_windowed = torch.tensor([w is not None for w in windowed], device=query.device)[:, None, None]
+            allowed = torch.where(is_windowed, read, allowed)
+        scores = (query.float() @ key.float().repeat_interleave(group, 1).transpose(-1, -2)) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        if bias is not None:
+            scores = scores + bias
+        p = _softmax(scores.masked_fill(~allowed, float("-inf")), s_aux)
         if self.mass is not None:
             grouped = p.reshape(p.shape[0], kv_heads, group, length, length)
             for level in self.kept:
@@ -77,9 +123,53 @@ class _Probe:
             if at == layer:
                 heads_of = slice(h * group, (h + 1) * group)
                 out[:, heads_of] = _cell_head(
-                    target, query[:, heads_of], key[:, h : h + 1], value[:, h : h + 1], scaling or dim**-0.5, options
+                    target, query[:, heads_of], key[:, h : h + 1], value[:, h : h + 1], scale, options
                 )
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _model_mask(mask: torch.Tensor | None, length: int, device: torch.device):
+    """The keys each query may read (``[B or 1, H or 1, T, T]`` bool) and the float bias a float
+    mask adds to the scores (ALiBi's, or None): from the model's mask, causal where it gives none."""
+    if mask is None:
+        return torch.ones(length, length, dtype=torch.bool, device=device).tril(), None
+    if mask.dtype == torch.bool:
+        return mask, None
+    allowed = mask > torch.finfo(mask.dtype).min / 2
+    bias = mask.float().masked_fill(~allowed, 0.0)
+    return allowed, (bias if bool(bias.any()) else None)
+
+
+def _softmax(scores: torch.Tensor, sink_logits: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the keys, with ``exp(sink_h)`` in each denominator where the model has sink logits
+    (gpt-oss): the attention a query puts on no token."""
+    if sink_logits is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sink_logits.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
+def _site_spec(query, key, value, scale, window, softcap, bias, sink_logits) -> CellSpec:
+    """The ``CellSpec`` of the attention a probe call computes, as the compiler finds it at that site:
+    its shape, its own sliding window and the terms its scores carry (an ALiBi slope per head is the
+    step of the float mask's bias between the last two keys of the last query)."""
+    heads, dim = query.shape[1], query.shape[-1]
+    slopes = None
+    if bias is not None and query.shape[2] > 1:
+        steps = (bias[0, :, -1, -1] - bias[0, :, -1, -2]).expand(heads)
+        slopes = tuple(steps.tolist()) if bool(steps.any()) else None  # a bias the same on every key is none
+    return CellSpec(
+        heads,
+        key.shape[1],
+        dim,
+        value.shape[-1],
+        float(scale),
+        window,
+        None,
+        None if softcap is None else float(softcap),
+        slopes,
+        None if sink_logits is None else tuple(sink_logits.float().tolist()),
+    )
 
 
 def reads(p: torch.Tensor, sinks: int, level: Level, group: int) -> torch.Tensor:
@@ -153,11 +243,23 @@ def _cell_head(
     return out.float()
 
 
+def _materialized_mask(*args, **kwargs) -> torch.Tensor:
+    """The model's boolean mask, built even where SDPA would be told ``is_causal`` instead: the probe
+    needs every layer's own pattern (a sliding window), and ALiBi models add their bias onto it."""
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
+
+
 @contextmanager
 def _probed(source: torch.nn.Module, probe: _Probe) -> Iterator[_Probe]:
+    """``source`` computing its attention with ``probe``, which is told the index of each list
+    element (decoder layer) running, by hooks removed on the way out."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(_PROBE, probe)
+    AttentionMaskInterface.register(_PROBE, _materialized_mask)
     before = source.config._attn_implementation
     try:
         source.set_attn_implementation(_PROBE)
@@ -165,10 +267,25 @@ def _probed(source: torch.nn.Module, probe: _Probe) -> Iterator[_Probe]:
         raise RnnifyError(
             f"--to auto needs a model whose attention uses transformers' attention interface ({exc})"
         ) from exc
+
+    def enter(index: int) -> Callable:
+        return lambda module, args: probe.running.append(index)  # None: the arguments stay
+
+    def leave(module, args, out) -> None:  # None: the output stays
+        probe.running.pop()
+
+    handles = []
+    for listed in source.modules():
+        if isinstance(listed, torch.nn.ModuleList):
+            for index, child in enumerate(listed):
+                handles += [child.register_forward_pre_hook(enter(index)), child.register_forward_hook(leave)]
     try:
         yield probe
     finally:
         source.set_attn_implementation(before)
+        for handle in handles:
+            handle.remove()
+        probe.running.clear()
 
 
 def _logits(source: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -220,6 +337,26 @@ def _replayed(layers: torch.nn.ModuleList | None, outputs: list, count: int) -> 
 
 
 @torch.no_grad()
+def attention_specs(source: torch.nn.Module, ids: torch.Tensor) -> dict[int, CellSpec]:
+    """Each attention layer's ``CellSpec`` (by decoder layer), recorded by a probe on one forward pass
+    of ``ids``: the layers a hybrid model mixes with recurrent layers of its own are not among them,
+    and each carries its own sliding window and score terms, as the compiler finds the sites."""
+    probe = _Probe(0)
+    with _probed(source, probe):
+        _logits(source, ids)
+    if not probe.specs:
+        raise RnnifyError(_NO_INTERFACE)
+    twice = sorted({layer for layer in probe.called if probe.called.count(layer) > 1})
+    if twice:
+        raise RnnifyError(
+            f"--to auto chooses a kind per layer and kv head, and layer {twice[0]} computes attention at "
+            f"{probe.called.count(twice[0])} sites; choose its targets by hand with --layers"
+        )
+    hidden = getattr(source.config, "hidden_size", None)  # the width of x, which delta memories read
+    return {layer: replace(spec, hidden_size=hidden) for layer, spec in sorted(probe.specs.items())}
+
+
+@torch.no_grad()
 def score_heads(
     source: torch.nn.Module,
     calibration: Calibration,
@@ -250,7 +387,7 @@ def score_heads(
             masses.append(probe.mass)
             step(1)
         if probe.calls == 0:
-            raise RnnifyError("--to auto: this model's attention does not use transformers' attention interface")
+            raise RnnifyError(_NO_INTERFACE)
         heads = sorted(masses[0][streaming.text])
         probe.mass = None
         for name in scores:

@@ -14,10 +14,10 @@ from rnnify.auto.choice import (
     Head,
     HeadReport,
     Options,
+    Specs,
     choose,
     head_costs,
     kv_cache_bytes,
-    layer_specs,
     layers_spec,
     one_head_bytes,
     parse_bytes,
@@ -25,7 +25,7 @@ from rnnify.auto.choice import (
     streaming_target,
 )
 from rnnify.auto.levels import Level, parse_levels, retrieval_level
-from rnnify.auto.probe import MASS_KINDS, measure_kl, score_heads
+from rnnify.auto.probe import MASS_KINDS, attention_specs, measure_kl, score_heads
 from rnnify.cells import CellSpec
 from rnnify.choices import (
     AUTO_CONTEXT,
@@ -93,7 +93,6 @@ class HeadScorer:
             )
         self.score, self.window, self.sinks, self.dtype = score, window, sinks, resolve_dtype(dtype)
         self.source = load_source(model, self.dtype)
-        self.specs = layer_specs(self.source)
         config = self.source.config
         limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         if limit is not None and calib_len > limit:
@@ -101,10 +100,12 @@ class HeadScorer:
         if tokenizer is None and (passkey or isinstance(data, (str, os.PathLike))):
             tokenizer = load_tokenizer(model)
         self.calibration = calibration_rows(tokenizer, data, calib_len, calib_rows, passkey, seed)
+        self.specs = attention_specs(self.source, self.calibration.rows[0][:, :_SPEC_TOKENS])
+        check_kinds(self.specs, self.levels, window, sinks)
         rows = len(self.calibration.rows)
         saved = None if scores_from is None else read_scores(scores_from, score, window, sinks, self.levels)
         wanted = () if saved else (score, "mass") if score == "kl" else (score,)
-        heads = sum(s.num_kv_heads for s in self.specs)
+        heads = sum(s.num_kv_heads for s in self.specs.values())
         kinds = 1 + sum(level.target != "exact" for level in self.levels)  # streaming and each kind that is not exact
         passes = rows * (1 + (heads * kinds if "kl" in wanted else 0))
         with tqdm(
@@ -118,7 +119,7 @@ class HeadScorer:
                 self.source, self.calibration, window, sinks, wanted, self.levels, progress=bar.update
             )
         if saved:
-            model_heads = {(layer, h) for layer, spec in enumerate(self.specs) for h in range(spec.num_kv_heads)}
+            model_heads = {(layer, h) for layer, spec in self.specs.items() for h in range(spec.num_kv_heads)}
             if set(saved[0][score]) != model_heads:
                 raise RnnifyError(
                     f"{scores_from}: its scores name {len(saved[0][score])} kv heads, this model has "
@@ -180,6 +181,7 @@ class HeadScorer:
             raise RnnifyError(f"--at-context must be a positive token count, got {context!r}")
         check_retrieval(self.levels, self.window, retrieval_window, retrieval_keep)
         check_memory(memory, memory_options)
+        check_kinds(self.specs, [], self.window, self.sinks, memory, memory_options)
         specs, dtype = self.specs, self.dtype
         if isinstance(budget, str):
             budget = parse_bytes(budget, lambda: kv_cache_bytes(specs, context, dtype))
@@ -197,7 +199,7 @@ class HeadScorer:
                 f" --retrieval-keep {retrieval_keep}" if retrieval_keep else ""
             )
         costs = {"window": self.window, "sinks": self.sinks, "dtype": dtype}
-        units = [[h for h in self.heads if h[0] == layer] for layer in range(len(specs))] if per_layer else None
+        units = [[h for h in self.heads if h[0] == layer] for layer in specs] if per_layer else None
         kinds = choose(
             benefits,
             levels,
@@ -214,12 +216,13 @@ class HeadScorer:
         )
         if len(kinds) == len(self.heads):  # no head streams: no memory anywhere
             memory, memory_options = None, None
-        by_bytes = sorted(levels, key=lambda level: one_head_bytes(specs[0], level, context=context, **costs))
+        full = next((spec for spec in specs.values() if spec.window is None), next(iter(specs.values())))
+        by_bytes = sorted(levels, key=lambda level: one_head_bytes(full, level, context=context, **costs))
         head_bytes = {
             "streaming": one_head_bytes(
-                specs[0], None, context=context, memory=memory, memory_options=memory_options, **costs
+                full, None, context=context, memory=memory, memory_options=memory_options, **costs
             ),
-            **{level.text: one_head_bytes(specs[0], level, context=context, **costs) for level in by_bytes},
+            **{level.text: one_head_bytes(full, level, context=context, **costs) for level in by_bytes},
         }
         return HeadReport(
             score=score,
@@ -348,6 +351,34 @@ def check_memory(memory: str | None, memory_options: Options = None) -> None:
         build_cell(target, CellSpec(2, 1, 64, 64, 0.125, hidden_size=64), options)  # their values, on a stand-in head
 
 
+_SPEC_TOKENS = 32  # the pass that records each layer's site (ALiBi's slopes need two keys)
+
+
+def check_kinds(
+    specs: Specs,
+    levels: list[Level],
+    window: int,
+    sinks: int,
+    memory: str | None = None,
+    memory_options: Options = None,
+) -> None:
+    """Each kind of ``levels``, and the streaming heads' hybrid with ``memory``, computes what the
+    scores of every attention layer carry (a softcap, ALiBi, sink logits): one that cannot is
+    refused before any head is scored (or chosen), naming the cells that can."""
+    from rnnify.cells import build_cell
+    from rnnify.cells.heads import part_spec
+
+    cells = [(f"--levels {level.text}", level.target, level.cell_options(sinks)) for level in levels]
+    if memory is not None:
+        cells.append((f"--memory {memory}", *streaming_target(window, sinks, memory, memory_options)))
+    for layer, spec in specs.items():
+        for given, target, options in cells:
+            try:
+                build_cell(target, part_spec(spec, [0]), options)
+            except (ValueError, RnnifyError) as exc:
+                raise RnnifyError(f"{given}: layer {layer}'s attention: {exc}") from None
+
+
 # the keywords of ``HeadScorer.choose`` that ``choose_heads`` passes it (``score`` goes to the scorer)
 _CHOICE = set(inspect.signature(HeadScorer.choose).parameters) - {"self", "score"}
 
@@ -370,6 +401,24 @@ def _check_bound(budget: str | int | None, max_kl: float | None) -> None:
 REPORT_FILE = "head_map.json"  # saved beside a model converted with --to auto
 
 
+def _check_sites(report: HeadReport, entries) -> None:
+    """The conversion found the attention layers and kv heads the probe scored: a choice is made per
+    (layer, kv head), and a site whose keys the compiler sees repeated per query head, or a layer
+    numbered otherwise, would give the chosen kinds to other heads."""
+    from rnnify.cells import OWN_LAYERS
+
+    scored: dict[int, int] = {}
+    for head in report.kinds:
+        layer = int(head.split(".")[0])
+        scored[layer] = scored.get(layer, 0) + 1
+    found = {entry.layer: entry.spec["num_kv_heads"] for entry in entries if entry.target not in OWN_LAYERS}
+    if found != scored:
+        raise RnnifyError(
+            f"--to auto scored kv heads per attention layer {scored}, but the conversion found {found}: "
+            "their heads cannot be matched; choose each layer's target by hand with --layers"
+        )
+
+
 def convert_chosen(model: Any, report: HeadReport, dtype: str = DEFAULT_DTYPE, kernels: str = DEFAULT_KERNELS):
     """``model`` converted with the kinds ``report`` chose, the rest streaming (windows, or hybrids
     with ``report.memory`` and its options); the report is saved beside it as ``head_map.json``."""
@@ -380,6 +429,7 @@ def convert_chosen(model: Any, report: HeadReport, dtype: str = DEFAULT_DTYPE, k
         kinds, len(report.kinds), report.window, report.sinks, report.memory, report.memory_options
     )
     converted = convert(model, to=target, layers=report.layers, dtype=dtype, kernels=kernels, **options)
+    _check_sites(report, converted.manifest.cells)
     converted.files[REPORT_FILE] = (json.dumps(report.to_json(), indent=2) + "\n").encode()
     return converted
 

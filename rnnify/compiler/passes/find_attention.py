@@ -148,6 +148,14 @@ def _config_window(config, layer: int) -> int | None:
     return int(window)
 
 
+_SAME_DTYPE_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default}
+
+
+def _keeps_dtype(node: torch.fx.Node) -> bool:
+    source = node.args[0]
+    return isinstance(source, torch.fx.Node) and source.meta["val"].dtype == node.meta["val"].dtype
+
+
 def _shape(node: torch.fx.Node) -> tuple:
     return tuple(node.meta["val"].shape)
 
@@ -162,10 +170,14 @@ def _is_full_slice(node: torch.fx.Node) -> bool:
 
 
 def _before_repeat_kv(node: torch.fx.Node) -> torch.fx.Node:
-    """Undo ``x[:, :, None].expand(B, Hkv, g, T, d).reshape(B, Hkv*g, T, d)`` if present."""
-    if node.op != "call_function" or node.target not in _RESHAPES:
+    """Undo ``x[:, :, None].expand(B, Hkv, g, T, d).reshape(B, Hkv*g, T, d)`` if present, and a cast
+    after it that keeps the dtype (Flint's ``key_states.float()`` in a float32 model)."""
+    repeated = node
+    while repeated.op == "call_function" and repeated.target in _SAME_DTYPE_CASTS and _keeps_dtype(repeated):
+        repeated = repeated.args[0]
+    if repeated.op != "call_function" or repeated.target not in _RESHAPES:
         return node
-    expand = node.args[0]
+    expand = repeated.args[0]
     while isinstance(expand, torch.fx.Node) and _is_full_slice(expand):
         expand = expand.args[0]
     if not (isinstance(expand, torch.fx.Node) and expand.target == torch.ops.aten.expand.default):
