@@ -68,6 +68,9 @@ SLIDING = "exact-sliding"
 NAMES = [*TARGETS, SLIDING]
 # new tokens of each sequence in the run whose pages run out: past the first 128-token block
 PREEMPTED_TOKENS = 140
+# the tiny Mistral with 2,048 positions: sequences far past its 16-token window in 8 blocks
+SLIDING_PAGES = {"num_gpu_blocks_override": 8, "max_model_len": 704, "max_num_batched_tokens": 128}
+SLIDING_TOKENS = 600
 # vLLM's chunked prefill: at most 16 tokens a step, two sequences at a time
 CHUNKED = {"max_num_seqs": 2, "max_num_batched_tokens": 16, "max_model_len": 256}
 CHUNKED_PROMPTS = PROMPTS + [
@@ -225,7 +228,19 @@ def converted(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def equivalence(converted, tmp_path_factory) -> dict:
+def sliding_long(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny Mistral (a 16-token sliding window) with 2,048 positions, converted to ``exact``."""
+    source = tmp_path_factory.mktemp("mistral-long") / "source"
+    shutil.copytree(tiny_model_dir("mistral"), source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    out = source.parent / "converted"
+    rnnify.convert(str(source), to="exact").save(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def equivalence(converted, sliding_long, tmp_path_factory) -> dict:
     """One vLLM subprocess over every target: each prompt alone, then all three together (one
     prefill each, then batched steps), greedy with the log-prob of each chosen token and of each
     prompt token; vLLM serving the source model itself (``original``); ``exact`` with 16 blocks of
@@ -255,6 +270,10 @@ def equivalence(converted, tmp_path_factory) -> dict:
         dict(name="exact-preempted", path=str(converted["exact"]), batches=[PROMPTS],
              engine={"num_gpu_blocks_override": 16, "max_model_len": 256},
              sampling={"max_tokens": PREEMPTED_TOKENS, "ignore_eos": True})
+    )  # fmt: skip
+    runs.append(
+        dict(name="sliding-pages", path=str(sliding_long), batches=[PROMPTS], engine=SLIDING_PAGES,
+             sampling={"max_tokens": SLIDING_TOKENS, "ignore_eos": True})
     )  # fmt: skip
     for name, path in converted.items():
         batches = [CHUNKED_PROMPTS, CHUNKED_PROMPTS[::-1]] if name == "window" else [PROMPTS]
@@ -327,6 +346,14 @@ def test_exact_equals_vllm_serving_the_original(equivalence):
         assert row["got"] == want["got"], f"prompt {row['prompt']!r}: {row['got']} vs vLLM's {want['got']}"
         for got, ref in zip(row["got_logprobs"], want["got_logprobs"]):
             assert abs(got - ref) <= rel * max(1.0, abs(ref)), (row["prompt"], got, ref)
+
+
+def test_a_models_own_window_frees_its_pages(equivalence):
+    """An exact site with the model's own sliding window is paged as a sliding window: vLLM frees the
+    blocks that fall out of it, so three sequences of 600 new tokens run in 8 blocks
+    (with pages kept for every token, vLLM refuses to start: one 704-token sequence does not fit),
+    and give ``rnnify generate``'s tokens."""
+    assert_same_tokens(equivalence["sliding-pages"], SLIDING_TOKENS, ignore_eos=True)
 
 
 def test_preempted_sequences_are_read_again(equivalence):

@@ -5,7 +5,8 @@ hold. vLLM keeps such caches in pages: blocks of ``block_size`` tokens, handed t
 by its scheduler as the sequence grows, counted against the KV cache budget, and freed when it
 ends or is preempted. Here every exact site of a converted model (a whole layer, or the exact
 group of a head split) becomes one such paged layer (``ExactKVLayer``, with a ``FullAttentionSpec``
-vLLM allocates from), and the cell in the graph is swapped for ``PagedExactCell``: its own state is
+vLLM allocates from, or a ``SlidingWindowSpec`` where the model has its own sliding window there:
+vLLM then frees the blocks that fall out of it, and the state stops growing), and the cell in the graph is swapped for ``PagedExactCell``: its own state is
 empty, and each call
 
 1. writes the new keys and values of its rows into their pages (vLLM's ``slot_mapping``), then
@@ -35,7 +36,7 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from rnnify.cells.exact import ExactCell, scored_softmax_attn, sdpa_softmax_attn
 from rnnify.errors import RnnifyError
@@ -100,10 +101,11 @@ class ExactKVLayer(nn.Module, AttentionLayerBase):
     """One exact site's pages: ``kv_cache`` (after ``bind_kv_cache``) is ``[blocks, kv heads,
     block_size, head_size + head_size]``, keys then values in the last dimension."""
 
-    def __init__(self, vllm_config: VllmConfig, index: int):
+    def __init__(self, vllm_config: VllmConfig, index: int, window: int | None = None):
         super().__init__()
         model_config = vllm_config.model_config
         self.prefix = LAYER_NAME.format(index=index)
+        self.window = window  # the site's own sliding window: vLLM frees the blocks that fall out of it
         self.num_kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
         self.head_size = model_config.get_head_size()
         self.dtype = model_config.dtype
@@ -116,14 +118,17 @@ class ExactKVLayer(nn.Module, AttentionLayerBase):
     def get_attn_backend(self) -> type[AttentionBackend]:
         return PagedExactBackend
 
-    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> FullAttentionSpec:
-        return FullAttentionSpec(
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> FullAttentionSpec | SlidingWindowSpec:
+        shape = dict(
             block_size=vllm_config.cache_config.block_size,
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_size,
             head_size_v=self.head_size,
             dtype=self.dtype,
         )
+        if self.window is None:
+            return FullAttentionSpec(**shape)
+        return SlidingWindowSpec(**shape, sliding_window=self.window)
 
 
 class PagedBatch:
@@ -226,7 +231,7 @@ def page_exact(graph: nn.Module, vllm_config: VllmConfig, first_index: int) -> t
     batch, layers = PagedBatch(), []
     sites = [(name, module) for name, module in graph.named_modules() if isinstance(module, ExactCell)]
     for name, cell in sites:
-        layer = ExactKVLayer(vllm_config, first_index + len(layers))
+        layer = ExactKVLayer(vllm_config, first_index + len(layers), cell.spec.window)
         layers.append(layer)
         parent_name, _, child = name.rpartition(".")
         parent = graph.get_submodule(parent_name) if parent_name else graph
