@@ -186,7 +186,7 @@ SITE_FIELDS = ("num_heads", "num_kv_heads", "head_dim", "value_dim", "window")
 
 def auto_probe(model, ids, converted, tol: float) -> dict:
     """What ``--to auto`` makes of a model that converts exactly: ``scored`` when its probe records
-    the sites the compiler found (the attention layers, their shapes, windows and score terms) and
+    the sites the compiler found (the attention layers, their shapes, windows and which score terms) and
     its pass with every head exact gives the original's logits; ``refused`` with the one line;
     ``mismatch`` or ``crash`` with what differs."""
     try:

@@ -145,3 +145,13 @@ def test_a_layer_with_two_attention_sites_is_refused_before_scoring():
     longcat, _ = build("longcat_flash")  # two attention modules in each decoder layer
     with pytest.raises(RnnifyError, match="layer 0 computes attention at 2 sites; .*--layers"):
         HeadScorer(longcat, torch.randint(3, 256, (2, 64)), **SCORING)
+
+
+def test_a_score_bias_that_is_not_alibi_is_refused():
+    model = family("doge")
+    with torch.no_grad():  # Doge's bias on each key depends on the tokens once A is not zero (trained)
+        for name, parameter in model.named_parameters():
+            if name.endswith(".A"):
+                parameter.copy_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(0)))
+    with pytest.raises(RnnifyError, match="layer 0 adds a bias to its scores that is not ALiBi's"):
+        HeadScorer(model, rows(), **SCORING)

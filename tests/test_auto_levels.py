@@ -427,6 +427,6 @@ def test_levels_on_the_command_line(capsys, tmp_path, retrieval_model):  # noqa:
         )
     }
     summary = " ".join(out.split())
-    assert "kv heads: " + ", ".join(f"{n} {name}" for name, n in counts.items()) + "; state" in summary
+    assert "kv heads: " + ", ".join(f"{n} {name}" for name, n in counts.items()) + "; attention state" in summary
     assert sum(counts.values()) == 4
     assert rnnify.load(tmp_path / "o").manifest.layers == [str(rule) for rule in parse_layers(saved["layers"])]

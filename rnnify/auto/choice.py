@@ -81,9 +81,10 @@ def head_costs(
     memory: str | None = None,
     memory_options: Options = None,
 ) -> int:
-    """State bytes per sequence at ``context`` tokens with the heads in ``kinds`` their kind, the
-    rest streaming (``streaming_target``): the cells' own ``state_nbytes`` (plus the positions), as
-    ``RecurrentModel.state_nbytes`` counts."""
+    """State bytes per sequence at ``context`` tokens of the attention layers (``specs``) with the heads
+    in ``kinds`` their kind, the rest streaming (``streaming_target``): the cells' own ``state_nbytes``
+    (plus the positions), as ``RecurrentModel.state_nbytes`` counts them; a hybrid's own recurrent
+    layers keep their state beside it, the same whatever the choice."""
     from rnnify.compiler.plan import make_plan
 
     heads = sum(s.num_kv_heads for s in specs.values())
@@ -118,9 +119,9 @@ class HeadReport:
         str | None
     )  # the --layers spec that rebuilds the choice (with --to window, or hybrid --memory, --window --sinks)
     scores: dict[str, dict[str, float]]  # score -> "layer.head" -> what the head loses streaming
-    head_bytes: dict[str, int]  # one kv head's state at `context` (of a layer without a window of its own):
-    # "streaming", each kind, "retrieval" (the costliest)
-    state_bytes: int  # the chosen model's state per sequence at `context`
+    head_bytes: dict[str, int]  # one kv head's state at `context` (of a layer without a window of its own,
+    # if any): "streaming", each kind, "retrieval" (the costliest)
+    state_bytes: int  # the chosen attention layers' state per sequence at `context` (own recurrent layers apart)
     kv_cache_bytes: int  # the original's KV cache at `context`
     calibration_kl: float  # measured with the choice, on the calibration rows
     calibration: dict[str, Any] = field(default_factory=dict)

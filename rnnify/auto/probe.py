@@ -94,7 +94,15 @@ class _Probe:
         scale = scaling or dim**-0.5
         allowed, bias = _model_mask(attention_mask, length, query.device)
         if layer not in self.specs:
-            self.specs[layer] = _site_spec(query, key, value, scale, sliding_window, softcap, bias, s_aux)
+            try:
+                slopes = None if bias is None else _alibi_slopes(bias, allowed, heads)
+            except ValueError:
+                raise RnnifyError(
+                    f"--to auto: layer {layer} adds a bias to its scores that is not ALiBi's (a slope times "
+                    "the distance), which no rnnify cell carries; convert with --to exact, which checks "
+                    "itself against the original"
+                ) from None
+            self.specs[layer] = _site_spec(query, key, value, scale, sliding_window, softcap, slopes, s_aux)
         windowed = [self.windowed.get((layer, h // group)) for h in range(heads)]
         if any(w is not None for w in windowed):  # a window cell reads its ring and the sinks, nothing else
             i = torch.arange(length, device=query.device)[:, None]
@@ -149,15 +157,27 @@ def _softmax(scores: torch.Tensor, sink_logits: torch.Tensor | None) -> torch.Te
     return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
-def _site_spec(query, key, value, scale, window, softcap, bias, sink_logits) -> CellSpec:
+def _alibi_slopes(bias: torch.Tensor, allowed: torch.Tensor, heads: int) -> tuple[float, ...] | None:
+    """Per head, the slope of a float mask's bias that is ALiBi's, ``slope_h (j - i)`` plus a constant
+    per query (which the softmax ignores), or None where it is constant; ``ValueError`` for any other
+    bias (one that depends on the tokens, as Doge's), which no cell carries."""
+    length = bias.shape[-1]
+    if length < 2:
+        return None
+    slopes = bias[0, :, -1, -1] - bias[0, :, -1, -2]  # [H or 1]: the step between the last two keys
+    distance = torch.arange(length, device=bias.device)[None, :] - torch.arange(length, device=bias.device)[:, None]
+    own = bias.diagonal(dim1=-2, dim2=-1)[..., None]  # each query's bias on itself: distance 0
+    fitted = own + slopes[None, :, None, None] * distance
+    residual = (bias - fitted).abs().masked_fill(~allowed, 0.0)
+    if float(residual.max()) > 1e-4 * (1.0 + float(bias.abs().max())):
+        raise ValueError("not ALiBi")
+    return tuple(slopes.expand(heads).tolist()) if bool(slopes.any()) else None
+
+
+def _site_spec(query, key, value, scale, window, softcap, slopes, sink_logits) -> CellSpec:
     """The ``CellSpec`` of the attention a probe call computes, as the compiler finds it at that site:
-    its shape, its own sliding window and the terms its scores carry (an ALiBi slope per head is the
-    step of the float mask's bias between the last two keys of the last query)."""
+    its shape, its own sliding window and the terms its scores carry (``slopes``: ALiBi's)."""
     heads, dim = query.shape[1], query.shape[-1]
-    slopes = None
-    if bias is not None and query.shape[2] > 1:
-        steps = (bias[0, :, -1, -1] - bias[0, :, -1, -2]).expand(heads)
-        slopes = tuple(steps.tolist()) if bool(steps.any()) else None  # a bias the same on every key is none
     return CellSpec(
         heads,
         key.shape[1],
@@ -282,10 +302,10 @@ def _probed(source: torch.nn.Module, probe: _Probe) -> Iterator[_Probe]:
     try:
         yield probe
     finally:
-        source.set_attn_implementation(before)
         for handle in handles:
             handle.remove()
         probe.running.clear()
+        source.set_attn_implementation(before)
 
 
 def _logits(source: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

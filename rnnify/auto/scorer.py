@@ -181,7 +181,6 @@ class HeadScorer:
             raise RnnifyError(f"--at-context must be a positive token count, got {context!r}")
         check_retrieval(self.levels, self.window, retrieval_window, retrieval_keep)
         check_memory(memory, memory_options)
-        check_kinds(self.specs, [], self.window, self.sinks, memory, memory_options)
         specs, dtype = self.specs, self.dtype
         if isinstance(budget, str):
             budget = parse_bytes(budget, lambda: kv_cache_bytes(specs, context, dtype))
@@ -198,6 +197,7 @@ class HeadScorer:
             given = f"--retrieval-window {retrieval_window}" + (
                 f" --retrieval-keep {retrieval_keep}" if retrieval_keep else ""
             )
+        check_kinds(specs, levels, self.window, self.sinks, memory, memory_options, given)
         costs = {"window": self.window, "sinks": self.sinks, "dtype": dtype}
         units = [[h for h in self.heads if h[0] == layer] for layer in specs] if per_layer else None
         kinds = choose(
@@ -361,14 +361,16 @@ def check_kinds(
     sinks: int,
     memory: str | None = None,
     memory_options: Options = None,
+    given: str | None = None,
 ) -> None:
     """Each kind of ``levels``, and the streaming heads' hybrid with ``memory``, computes what the
     scores of every attention layer carry (a softcap, ALiBi, sink logits): one that cannot is
-    refused before any head is scored (or chosen), naming the cells that can."""
+    refused before any head is scored (or chosen), naming the flags that asked for it (``given``,
+    or the kind's ``--levels`` text) and the cells that can."""
     from rnnify.cells import build_cell
     from rnnify.cells.heads import part_spec
 
-    cells = [(f"--levels {level.text}", level.target, level.cell_options(sinks)) for level in levels]
+    cells = [(given or f"--levels {level.text}", level.target, level.cell_options(sinks)) for level in levels]
     if memory is not None:
         cells.append((f"--memory {memory}", *streaming_target(window, sinks, memory, memory_options)))
     for layer, spec in specs.items():

@@ -35,9 +35,10 @@ def add_auto_flags(p: argparse.ArgumentParser) -> None:
         g.add_argument(
             "--state-budget",
             metavar="BYTES",
-            help="state per sequence at --at-context tokens: bytes (2000000, 2MB, 1.5MiB) or a share of "
-            "the original's KV cache (30%%); the heads that score highest per byte stay exact (or get "
-            "their --levels kind) while it fits",
+            help="state of the attention layers per sequence at --at-context tokens (what replaces the "
+            "KV cache; a hybrid's own recurrent layers keep theirs beside it): bytes (2000000, 2MB, 1.5MiB) "
+            "or a share of the original's KV cache (30%%); the heads that score highest per byte stay exact "
+            "(or get their --levels kind) while it fits",
         ),
         g.add_argument("--at-context", type=int, default=AUTO_CONTEXT, metavar="N", help="context of --state-budget"),
         g.add_argument(
@@ -183,7 +184,10 @@ def print_head_report(report, console: Console) -> None:
     for layer in layers:
         cells = []
         for h in heads:
-            kind = report.kinds[f"{layer}.{h}"]
+            kind = report.kinds.get(f"{layer}.{h}")  # layers may have fewer kv heads than others
+            if kind is None:
+                cells.append(Text(""))
+                continue
             cells.append(Text(f"{names[kind]} {scores[f'{layer}.{h}']:.3g}", "" if kind == "streaming" else "bold"))
         table.add_row(str(layer), *cells)
     console.print(table)
@@ -191,7 +195,7 @@ def print_head_report(report, console: Console) -> None:
     counts = list(report.kinds.values())
     console.print(
         Text(
-            f"kv heads: {', '.join(f'{counts.count(kind)} {names[kind]}' for kind in kinds)}; state "
+            f"kv heads: {', '.join(f'{counts.count(kind)} {names[kind]}' for kind in kinds)}; attention state "
             f"{nbytes(report.state_bytes)} per sequence at {report.context:,} tokens ({share:.1%} of the "
             f"original's KV cache, {nbytes(report.kv_cache_bytes)}); calibration KL "
             f"{report.calibration_kl:.4f} nats/token; report saved as head_map.json"
