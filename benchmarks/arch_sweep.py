@@ -40,7 +40,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.utils import logging
 
 import rnnify
-from rnnify.auto import Calibration, attention_specs, auto_convert, score_heads
+from rnnify.auto import Calibration, auto_convert, score_heads
+from rnnify.auto.graph_probe import probe_runner
 from rnnify.cells import CELLS
 from rnnify.cells.base import SCORE_TERMS
 from rnnify.errors import RnnifyError, first_line
@@ -185,14 +186,15 @@ SITE_FIELDS = ("num_heads", "num_kv_heads", "head_dim", "value_dim", "window")
 
 
 def auto_probe(model, ids, converted, tol: float) -> dict:
-    """What ``--to auto`` makes of a model that converts exactly: ``scored`` when its probe records
-    the sites the compiler found (the attention layers, their shapes, windows and which score terms) and
-    its pass with every head exact gives the original's logits; ``refused`` with the one line;
-    ``mismatch`` or ``crash`` with what differs."""
+    """What ``--to auto`` makes of a model that converts exactly: ``scored`` when its probe (through
+    transformers' attention interface, or through the model's exact conversion where the interface
+    does not reach its attention: ``runner``) records the sites the compiler found (the attention
+    layers, their shapes, windows and which score terms) and its pass with every head exact gives
+    the original's logits; ``refused`` with the one line; ``mismatch`` or ``crash`` with what differs."""
     try:
-        specs = attention_specs(model, ids)
+        runner, specs = probe_runner(model, torch.float32, ids)
         calibration = Calibration([ids], [torch.ones(ids.shape[1])], ["text"])
-        _, _, (probed,) = score_heads(model, calibration, window=4, sinks=1, scores=("mass",))
+        _, _, (probed,) = score_heads(runner, calibration, window=4, sinks=1, scores=("mass",))
     except RnnifyError as exc:
         return {"status": "refused", "message": first_line(exc)}
     except Exception as exc:  # noqa: BLE001  (a finding)
@@ -208,7 +210,9 @@ def auto_probe(model, ids, converted, tol: float) -> dict:
     error = _rel(probed, _logits(model, ids)[0])
     if error is None or error > tol:
         differ.append(f"logits: relative error {error}")
-    return {"status": "mismatch", "message": "; ".join(differ)} if differ else {"status": "scored", "error": error}
+    if differ:
+        return {"status": "mismatch", "message": "; ".join(differ)}
+    return {"status": "scored", "error": error, "runner": type(runner).__name__}
 
 
 def run_job(name: str) -> dict:
@@ -360,8 +364,9 @@ def markdown(sweep: dict) -> str:
         "The `--to auto` column: what its probe makes of each model that converts exactly "
         "(`auto_probe`): `scored` where it records the sites the compiler found (layers, shapes, windows, "
         "score terms) and its pass with every head exact gives the original's logits (within the same "
-        "tolerance); `refused` (the why column says why) where the model's attention does not go through "
-        "transformers' attention interface, or a layer computes attention at more than one site. "
+        "tolerance), through transformers' attention interface or, where that does not reach the "
+        "model's attention (`scored*`), through the model's exact conversion; `refused` (the why column "
+        "says why) where a layer computes attention at more than one site. "
         + ", ".join(f"{s}: {n}" for s, n in auto.items())
         + ".",
         "",
@@ -379,9 +384,8 @@ def markdown(sweep: dict) -> str:
         if probe.get("status") in ("mismatch", "crash", "refused"):
             said = probe["message"] if probe["message"].startswith("--to auto") else f"--to auto: {probe['message']}"
             why = said + (f"; {why}" if why else "")
-        lines.append(
-            f"| `{name}` | {r.get('class') or ''} | {r.get('status')} | {probe.get('status', '')} | {why[:220]} |"
-        )
+        shown = probe.get("status", "") + ("*" if probe.get("runner") == "GraphRunner" else "")
+        lines.append(f"| `{name}` | {r.get('class') or ''} | {r.get('status')} | {shown} | {why[:220]} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,7 +1,8 @@
 """``--to auto`` on model families whose attention is more than plain causal softmax: a model's own
 sliding windows (per layer, or every layer), Gemma 2's softcap, gpt-oss's and Flint's sink logits
-(Flint's keys cast after their repeat per query head), Falcon-RW's ALiBi, Doge's mask bias, and
-hybrids whose own recurrent layers are not attention. What the probe scores must be
+(Flint's keys cast after their repeat per query head), Falcon-RW's ALiBi, Doge's mask bias, BLOOM
+(ALiBi, and attention that transformers' attention interface does not reach: probed through its
+exact conversion), and hybrids whose own recurrent layers are not attention. What the probe scores must be
 what the conversion builds: its all-exact pass is the original, the sites it records are the
 compiler's, and a choice's calibration KL and state are those of the model it converts to."""
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 import rnnify
-from rnnify.auto import HeadScorer, attention_specs, auto_convert
+from rnnify.auto import HeadScorer, auto_convert
+from rnnify.auto.graph_probe import probe_runner
 from rnnify.errors import RnnifyError
 from tests.support import original_logits, tiny_causal_lm
 
@@ -34,6 +36,7 @@ FAMILIES = {
     ),
     "flint": ("flint", dict(head_dim=16, sliding_window=16, layer_types=["sliding_attention", "full_attention"])),
     "doge": ("doge", {}),
+    "bloom": ("bloom", dict(n_head=4, n_layer=2)),  # ALiBi, attention outside transformers' interface
     "granitemoehybrid": (
         "granitemoehybrid",
         dict(layer_types=["mamba", "attention"], mamba_d_state=16, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1),
@@ -69,7 +72,7 @@ def calibration_kl(original, converted, scorer: HeadScorer) -> float:
 def test_the_probe_records_the_compilers_sites_and_computes_the_original(name):
     model = family(name)
     ids = rows()[:1]
-    specs = attention_specs(model, ids)
+    _, specs = probe_runner(model, torch.float32, ids)
     converted = rnnify.convert(model, to="exact")
     sites = {entry.layer: entry.spec for entry in converted.manifest.cells if entry.target == "exact"}
     assert sorted(specs) == sorted(sites)  # the attention layers, and only those
@@ -117,10 +120,10 @@ def test_a_kind_that_cannot_compute_the_scores_is_refused_before_scoring():
         HeadScorer(family("gemma2"), rows(), levels="select(window=8,keep=4),exact", **SCORING)
 
 
-def test_a_model_outside_the_attention_interface_is_one_clear_line():
-    bloom = tiny_causal_lm("bloom", vocab_size=320, hidden_size=64, n_head=4, n_layer=2)
-    with pytest.raises(RnnifyError, match="attention interface.*--layers"):
-        HeadScorer(bloom, rows(), **SCORING)
+def test_a_model_outside_the_attention_interface_is_probed_through_its_conversion():
+    from rnnify.auto.graph_probe import GraphRunner
+
+    assert isinstance(HeadScorer(family("bloom"), rows(), **SCORING).runner, GraphRunner)
 
 
 def test_a_choice_whose_heads_the_conversion_does_not_find_is_refused():

@@ -1,9 +1,10 @@
 """The original model with some heads' attention changed: what ``--to auto`` scores and measures.
 
-A probe replaces the model's attention through transformers' ``AttentionInterface``: each kv head
-runs plain softmax, a window with sinks, or a ``select`` cell (sinks, window and selected tokens,
-``rnnify.cells.select``), so one forward pass of the original says what a mix of cells would cost
-it, before anything is converted. The kinds of ``rnnify.auto.levels`` are those three.
+A probe replaces the model's attention through transformers' ``AttentionInterface``
+(``InterfaceRunner``; ``rnnify.auto.graph_probe`` where the interface does not reach it): each kv
+head runs the model's own attention (its mask and window, softcap, ALiBi, sink logits), a window
+with sinks, or a ``select`` or ``lola`` cell, so one forward pass of the original says what a mix
+of cells would cost it, before anything is converted. The kinds are those of ``rnnify.auto.levels``.
 """
 
 from __future__ import annotations
@@ -86,11 +87,8 @@ class _Probe:
         sliding_window=None,
         **kwargs,
     ):
-        self.calls += 1
         layer, (_, heads, length, dim) = self.layer_of(module), query.shape
         self.called.append(layer)
-        kv_heads = key.shape[1]
-        group = heads // kv_heads
         scale = scaling or dim**-0.5
         allowed, bias = _model_mask(attention_mask, length, query.device)
         if layer not in self.specs:
@@ -103,6 +101,17 @@ class _Probe:
                     "itself against the original"
                 ) from None
             self.specs[layer] = _site_spec(query, key, value, scale, sliding_window, softcap, slopes, s_aux)
+        out = self.attend(layer, query, key, value, allowed, bias, scale, softcap, s_aux)
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+    def attend(self, layer, query, key, value, allowed, bias, scale, softcap, sink_logits) -> torch.Tensor:
+        """``[B, H, T, d_v]`` (float32): the attention of ``layer`` over ``query [B, H, T, d]`` and
+        ``key``/``value [B, Hkv, T, ·]`` where each query may read the keys ``allowed`` (the model's
+        own pattern) with ``bias`` added to its scores after the ``softcap``, and the ``sink_logits``
+        in each denominator, each head as its kind."""
+        self.calls += 1
+        (_, heads, length, _), kv_heads = query.shape, key.shape[1]
+        group = heads // kv_heads
         windowed = [self.windowed.get((layer, h // group)) for h in range(heads)]
         if any(w is not None for w in windowed):  # a window cell reads its ring and the sinks, nothing else
             i = torch.arange(length, device=query.device)[:, None]
@@ -116,7 +125,7 @@ class _Probe:
             scores = softcap * torch.tanh(scores / softcap)
         if bias is not None:
             scores = scores + bias
-        p = _softmax(scores.masked_fill(~allowed, float("-inf")), s_aux)
+        p = _softmax(scores.masked_fill(~allowed, float("-inf")), sink_logits)
         if self.mass is not None:
             grouped = p.reshape(p.shape[0], kv_heads, group, length, length)
             for level in self.kept:
@@ -133,7 +142,7 @@ class _Probe:
                 out[:, heads_of] = _cell_head(
                     target, query[:, heads_of], key[:, h : h + 1], value[:, h : h + 1], scale, options
                 )
-        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+        return out
 
 
 def _model_mask(mask: torch.Tensor | None, length: int, device: torch.device):
@@ -271,45 +280,82 @@ def _materialized_mask(*args, **kwargs) -> torch.Tensor:
     return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
 
 
-@contextmanager
-def _probed(source: torch.nn.Module, probe: _Probe) -> Iterator[_Probe]:
-    """``source`` computing its attention with ``probe``, which is told the index of each list
-    element (decoder layer) running, by hooks removed on the way out."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+class InterfaceRunner:
+    """Runs a Hugging Face model with a probe as its attention, through transformers' attention
+    interface (the fast path: the decoder layers before a windowed head are replayed, ``layers``)."""
 
-    AttentionInterface.register(_PROBE, probe)
-    AttentionMaskInterface.register(_PROBE, _materialized_mask)
-    before = source.config._attn_implementation
-    try:
-        source.set_attn_implementation(_PROBE)
-    except (ValueError, AttributeError) as exc:
-        raise RnnifyError(
-            f"--to auto needs a model whose attention uses transformers' attention interface ({exc})"
-        ) from exc
+    def __init__(self, source: torch.nn.Module):
+        self.source, self.layers = source, _decoder_layers(source)
+        self.hidden_size = getattr(source.config, "hidden_size", None)
 
-    def enter(index: int) -> Callable:
-        return lambda module, args: probe.running.append(index)  # None: the arguments stay
+    @contextmanager
+    def probed(self, probe: _Probe) -> Iterator[_Probe]:
+        """The model computing its attention with ``probe``, which is told the index of each list
+        element (decoder layer) running, by hooks removed on the way out."""
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
 
-    def leave(module, args, out) -> None:  # None: the output stays
-        probe.running.pop()
+        source = self.source
+        AttentionInterface.register(_PROBE, probe)
+        AttentionMaskInterface.register(_PROBE, _materialized_mask)
+        before = source.config._attn_implementation
+        try:
+            source.set_attn_implementation(_PROBE)
+        except (ValueError, AttributeError):
+            raise NoInterfaceError(_NO_INTERFACE) from None
 
-    handles = []
-    for listed in source.modules():
-        if isinstance(listed, torch.nn.ModuleList):
-            for index, child in enumerate(listed):
-                handles += [child.register_forward_pre_hook(enter(index)), child.register_forward_hook(leave)]
-    try:
-        yield probe
-    finally:
-        for handle in handles:
-            handle.remove()
-        probe.running.clear()
-        source.set_attn_implementation(before)
+        def enter(index: int) -> Callable:
+            return lambda module, args: probe.running.append(index)  # None: the arguments stay
+
+        def leave(module, args, out) -> None:  # None: the output stays
+            probe.running.pop()
+
+        handles = []
+        for listed in source.modules():
+            if isinstance(listed, torch.nn.ModuleList):
+                for index, child in enumerate(listed):
+                    handles += [child.register_forward_pre_hook(enter(index)), child.register_forward_hook(leave)]
+        try:
+            yield probe
+        finally:
+            for handle in handles:
+                handle.remove()
+            probe.running.clear()
+            source.set_attn_implementation(before)
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        source = self.source
+        return source(input_ids=ids.to(next(source.parameters()).device), use_cache=False).logits[0].float()
+
+    @torch.no_grad()
+    def specs(self, ids: torch.Tensor) -> dict[int, CellSpec]:
+        """Each attention layer's site, recorded by a probe on one forward pass of ``ids``."""
+        probe = _Probe(0)
+        with self.probed(probe):
+            self.logits(ids)
+        if not probe.specs:
+            raise NoInterfaceError(_NO_INTERFACE)
+        twice = sorted({layer for layer in probe.called if probe.called.count(layer) > 1})
+        if twice:
+            raise RnnifyError(_two_sites(twice[0], probe.called.count(twice[0])))
+        return {layer: replace(spec, hidden_size=self.hidden_size) for layer, spec in sorted(probe.specs.items())}
 
 
-def _logits(source: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return source(input_ids=ids.to(next(source.parameters()).device), use_cache=False).logits[0].float()
+class NoInterfaceError(RnnifyError):
+    """The model's attention does not go through transformers' attention interface."""
+
+
+def _two_sites(layer: int, count: int) -> str:
+    return (
+        f"--to auto chooses a kind per layer and kv head, and layer {layer} computes attention at {count} "
+        "sites; choose its targets by hand with --layers"
+    )
+
+
+def runner_of(model) -> "InterfaceRunner":
+    """``model`` itself if it is a runner (``InterfaceRunner``, ``rnnify.auto.graph_probe.GraphRunner``),
+    else a Hugging Face model run through the attention interface."""
+    return model if hasattr(model, "probed") else InterfaceRunner(model)
 
 
 def _kl(want: torch.Tensor, got: torch.Tensor, weights: torch.Tensor) -> float:
@@ -357,28 +403,17 @@ def _replayed(layers: torch.nn.ModuleList | None, outputs: list, count: int) -> 
 
 
 @torch.no_grad()
-def attention_specs(source: torch.nn.Module, ids: torch.Tensor) -> dict[int, CellSpec]:
-    """Each attention layer's ``CellSpec`` (by decoder layer), recorded by a probe on one forward pass
-    of ``ids``: the layers a hybrid model mixes with recurrent layers of its own are not among them,
-    and each carries its own sliding window and score terms, as the compiler finds the sites."""
-    probe = _Probe(0)
-    with _probed(source, probe):
-        _logits(source, ids)
-    if not probe.specs:
-        raise RnnifyError(_NO_INTERFACE)
-    twice = sorted({layer for layer in probe.called if probe.called.count(layer) > 1})
-    if twice:
-        raise RnnifyError(
-            f"--to auto chooses a kind per layer and kv head, and layer {twice[0]} computes attention at "
-            f"{probe.called.count(twice[0])} sites; choose its targets by hand with --layers"
-        )
-    hidden = getattr(source.config, "hidden_size", None)  # the width of x, which delta memories read
-    return {layer: replace(spec, hidden_size=hidden) for layer, spec in sorted(probe.specs.items())}
+def attention_specs(model, ids: torch.Tensor) -> dict[int, CellSpec]:
+    """Each attention layer's ``CellSpec`` (by decoder layer), recorded on one forward pass of ``ids``
+    of ``model`` (a Hugging Face model or a runner, ``runner_of``): the layers a hybrid model mixes
+    with recurrent layers of its own are not among them, and each carries its own sliding window and
+    score terms, as the compiler finds the sites."""
+    return runner_of(model).specs(ids)
 
 
 @torch.no_grad()
 def score_heads(
-    source: torch.nn.Module,
+    model,
     calibration: Calibration,
     window: int,
     sinks: int,
@@ -389,25 +424,27 @@ def score_heads(
     """Per kv head, each score in ``scores``: what it loses streaming (a ``window``-token window
     and the sinks); per kind of ``levels``, what it loses as that kind (``exact``: nothing); and the
     original's logits per row (for ``measure_kl``). ``progress(n)`` is told of each forward pass:
-    one per row, and for ``kl`` one per row, kv head and kind that is not exact, streaming included."""
+    one per row, and for ``kl`` one per row, kv head and kind that is not exact, streaming included.
+    ``model``: a Hugging Face model or a runner (``runner_of``)."""
+    run = runner_of(model)
     step = progress or (lambda n: None)
     measured = [level for level in levels if level.target != "exact"]
     streaming = Level("window", (("window", window),))
     probe = _Probe(sinks, [streaming, *measured])  # mass: of the kinds ``reads`` replays
     out: dict[str, dict[Head, float]] = {}
     lost: dict[str, dict[str, dict[Head, float]]] = {}
-    layers = _decoder_layers(source)
-    with _probed(source, probe):
+    layers = run.layers
+    with run.probed(probe):
         originals, masses, recorded = [], [], []
         for ids, weights in zip(calibration.rows, calibration.weights):
             probe.weights, probe.mass = weights, {}
             recorded.append([])
             with _recorded(layers if "kl" in scores else None, recorded[-1]):
-                originals.append(_logits(source, ids))
+                originals.append(run.logits(ids))
             masses.append(probe.mass)
             step(1)
         if probe.calls == 0:
-            raise RnnifyError(_NO_INTERFACE)
+            raise NoInterfaceError(_NO_INTERFACE)
         heads = sorted(masses[0][streaming.text])
         probe.mass = None
         for name in scores:
@@ -426,7 +463,7 @@ def score_heads(
                     kls = []
                     for ids, w, want, before in zip(calibration.rows, calibration.weights, originals, recorded):
                         with _replayed(layers, before, head[0]):
-                            kls.append(_kl(want, _logits(source, ids), w))
+                            kls.append(_kl(want, run.logits(ids), w))
                     into = out["kl"] if level is streaming else lost["kl"][level.text]
                     into[head] = _mean_by_kind(kls, calibration.kinds)
                     step(len(calibration.rows))
@@ -435,7 +472,7 @@ def score_heads(
 
 @torch.no_grad()
 def measure_kl(
-    source: torch.nn.Module,
+    model,
     calibration: Calibration,
     originals: list[torch.Tensor],
     kinds: Mapping[Head, Level],
@@ -443,10 +480,9 @@ def measure_kl(
 ) -> float:
     """The calibration KL (text mean plus pass-key mean) with each head in ``kinds`` its kind (a
     window with the sinks, or a ``select`` or ``lola`` cell), the rest exact."""
+    run = runner_of(model)
     probe = _Probe(sinks)
     probe.set_kinds(kinds)
-    with _probed(source, probe):
-        kls = [
-            _kl(want, _logits(source, ids), w) for ids, w, want in zip(calibration.rows, calibration.weights, originals)
-        ]
+    with run.probed(probe):
+        kls = [_kl(want, run.logits(ids), w) for ids, w, want in zip(calibration.rows, calibration.weights, originals)]
     return _mean_by_kind(kls, calibration.kinds)

@@ -24,8 +24,9 @@ from rnnify.auto.choice import (
     plan_options,
     streaming_target,
 )
+from rnnify.auto.graph_probe import probe_runner
 from rnnify.auto.levels import Level, parse_levels, retrieval_level
-from rnnify.auto.probe import MASS_KINDS, attention_specs, measure_kl, score_heads
+from rnnify.auto.probe import MASS_KINDS, measure_kl, score_heads
 from rnnify.cells import CellSpec
 from rnnify.choices import (
     AUTO_CONTEXT,
@@ -100,7 +101,7 @@ class HeadScorer:
         if tokenizer is None and (passkey or isinstance(data, (str, os.PathLike))):
             tokenizer = load_tokenizer(model)
         self.calibration = calibration_rows(tokenizer, data, calib_len, calib_rows, passkey, seed)
-        self.specs = attention_specs(self.source, self.calibration.rows[0][:, :_SPEC_TOKENS])
+        self.runner, self.specs = probe_runner(self.source, self.dtype, self.calibration.rows[0][:, :_SPEC_TOKENS])
         check_kinds(self.specs, self.levels, window, sinks)
         rows = len(self.calibration.rows)
         saved = None if scores_from is None else read_scores(scores_from, score, window, sinks, self.levels)
@@ -116,7 +117,7 @@ class HeadScorer:
             leave=False,
         ) as bar:
             self.scores, self.level_scores, self.originals = score_heads(
-                self.source, self.calibration, window, sinks, wanted, self.levels, progress=bar.update
+                self.runner, self.calibration, window, sinks, wanted, self.levels, progress=bar.update
             )
         if saved:
             model_heads = {(layer, h) for layer, spec in self.specs.items() for h in range(spec.num_kv_heads)}
@@ -141,7 +142,7 @@ class HeadScorer:
         window: a new hybrid's memory is gated off)."""
         streaming = Level("window", (("window", self.window),))
         every = {h: kinds.get(h, streaming) for h in self.heads}
-        return measure_kl(self.source, self.calibration, self.originals, every, self.sinks)
+        return measure_kl(self.runner, self.calibration, self.originals, every, self.sinks)
 
     def kl(self, retrieval: set[Head], retrieval_window: int | None = None, retrieval_keep: int | None = None) -> float:
         """The calibration KL with the heads in ``retrieval`` the kind of ``--retrieval-window`` and

@@ -1,0 +1,102 @@
+"""The probe for models whose attention transformers' attention interface does not reach.
+
+BLOOM, MPT, GPT-Neo, XGLM and other older models compute attention in their own code, which
+``rnnify.auto.probe`` cannot replace. The compiler finds their attention all the same (it matches
+the eager pattern in the captured graph, score terms included), so here the model is converted to
+``exact`` (which checks itself against the original) and each exact cell of that graph is swapped
+for a ``ProbeCell``: it attends with the site's own window and score terms through the probe, each
+kv head as the probe's kind. A forward pass of that graph is then the probe's pass. It runs every
+layer each time (no replay of the layers before a windowed head), so scoring is slower than on
+the interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from rnnify.auto.probe import InterfaceRunner, NoInterfaceError, _Probe, _two_sites
+from rnnify.cells.base import CellSpec
+from rnnify.cells.exact import ExactCell
+from rnnify.errors import RnnifyError
+
+
+class ProbeCell(ExactCell):
+    """Stands in for an exact cell of layer ``layer`` (``spec``): each prefill attends through the
+    probe installed (``probe``), with the causal mask, the site's own sliding window, ALiBi's
+    ``slope_h (j - i)``, the softcap and the sink logits; the (empty) state passes through."""
+
+    def __init__(self, spec: CellSpec, layer: int):
+        super().__init__(spec)
+        self.layer, self.probe = layer, None
+        sinks = spec.sink_logits
+        self.register_buffer("sinks", None if sinks is None else torch.tensor(sinks), persistent=False)
+        slopes = spec.alibi_slopes
+        self.register_buffer(
+            "slopes", None if slopes is None else torch.tensor(slopes).view(1, -1, 1, 1), persistent=False
+        )
+
+    def forward(self, q, k, v, mask, *state):
+        length, device = q.shape[2], q.device
+        i = torch.arange(length, device=device)[:, None]
+        j = torch.arange(length, device=device)[None, :]
+        allowed = j <= i
+        if self.spec.window is not None:
+            allowed = allowed & (i - j < self.spec.window)
+        bias = None if self.slopes is None else self.slopes * (j - i).float()
+        out = self.probe.attend(self.layer, q, k, v, allowed, bias, self.spec.scale, self.spec.softcap, self.sinks)
+        return (out.to(q.dtype), *state)
+
+
+class GraphRunner:
+    """Runs ``source`` converted to ``exact``, each exact cell a ``ProbeCell``: ``probed`` installs a
+    probe, ``logits`` reads a row, ``specs`` are the compiler's sites by layer."""
+
+    layers = None  # nothing to replay: the graph runs whole
+
+    def __init__(self, source: torch.nn.Module, dtype: torch.dtype):
+        from rnnify.compiler.convert import convert
+
+        self.model = convert(source, to="exact", dtype=dtype, kernels="none")
+        entries = [entry for entry in self.model.manifest.cells if entry.target == "exact"]
+        layers = [entry.layer for entry in entries]
+        twice = sorted({layer for layer in layers if layers.count(layer) > 1})
+        if twice:
+            raise RnnifyError(_two_sites(twice[0], layers.count(twice[0])))
+        self.cells = []
+        for entry in entries:
+            cell = ProbeCell(CellSpec(**entry.spec), entry.layer)
+            parent_name, _, child = entry.module.rpartition(".")
+            setattr(self.model.graph.get_submodule(parent_name) if parent_name else self.model.graph, child, cell)
+            self.cells.append(cell)
+
+    @contextmanager
+    def probed(self, probe: _Probe) -> Iterator[_Probe]:
+        for cell in self.cells:
+            cell.probe = probe
+        try:
+            yield probe
+        finally:
+            for cell in self.cells:
+                cell.probe = None
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.prefill(ids.to(self.model.device))[0][0].float()
+
+    def specs(self, ids: torch.Tensor) -> dict[int, CellSpec]:
+        return {cell.layer: cell.spec for cell in sorted(self.cells, key=lambda cell: cell.layer)}
+
+
+def probe_runner(source: torch.nn.Module, dtype: torch.dtype, ids: torch.Tensor):
+    """The runner that scores ``source``'s heads and its attention layers' sites: through
+    transformers' attention interface where its attention goes through it (``InterfaceRunner``),
+    else through its exact conversion (``GraphRunner``)."""
+    runner = InterfaceRunner(source)
+    try:
+        return runner, runner.specs(ids)
+    except NoInterfaceError:
+        graph = GraphRunner(source, dtype)
+        return graph, graph.specs(ids)
