@@ -196,8 +196,8 @@ def test_a_head_map_steps_as_it_prefills_and_saves(name, converted, tmp_path):
     assert torch.equal(loaded.prefill(ids)[0], prefill)
 
 
-# not Bloom: auto's probe replaces attention through transformers' interface, which Bloom's does not use
-@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+# Bloom's attention is outside transformers' interface: auto probes it through its exact conversion
+@pytest.mark.parametrize("name", MODELS)
 def test_auto_converts_a_model_with_score_terms(name, source_dir):
     """``--to auto`` scores each head and maps them: the map carries the terms, so it converts. At a
     context of 8 tokens an exact head holds 8, a streaming one 5 (window 4, a sink): 80% of the KV

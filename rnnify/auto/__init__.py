@@ -39,6 +39,7 @@ from rnnify.auto.choice import (
     layers_spec,
     parse_bytes,
 )
+from rnnify.auto.graph_probe import probe_runner
 from rnnify.auto.levels import Level, parse_levels
 from rnnify.auto.probe import attention_specs, measure_kl, score_heads
 from rnnify.auto.scorer import (
@@ -72,6 +73,7 @@ __all__ = [
     "measure_kl",
     "parse_bytes",
     "parse_levels",
+    "probe_runner",
     "read_scores",
     "score_heads",
 ]

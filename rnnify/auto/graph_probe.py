@@ -67,7 +67,7 @@ class GraphRunner:
             raise RnnifyError(_two_sites(twice[0], layers.count(twice[0])))
         self.cells = []
         for entry in entries:
-            cell = ProbeCell(CellSpec(**entry.spec), entry.layer)
+            cell = ProbeCell(CellSpec(**entry.spec), entry.layer).to(self.model.device)
             parent_name, _, child = entry.module.rpartition(".")
             setattr(self.model.graph.get_submodule(parent_name) if parent_name else self.model.graph, child, cell)
             self.cells.append(cell)

@@ -25,8 +25,8 @@ from rnnify.errors import RnnifyError
 Head = tuple[int, int]  # (layer, kv head)
 _PROBE = "rnnify_head_probe"
 _NO_INTERFACE = (
-    "--to auto scores heads through transformers' attention interface, which this model's attention "
-    "does not use; choose each layer's target by hand with --layers"
+    "this model's attention does not go through transformers' attention interface: probe it through "
+    "its exact conversion (rnnify.auto.graph_probe.probe_runner, as --to auto does)"
 )
 MASS_KINDS = ("exact", "window", "select")  # kinds the mass score covers (``reads``): a memory reads every token
 
@@ -352,10 +352,11 @@ def _two_sites(layer: int, count: int) -> str:
     )
 
 
-def runner_of(model) -> "InterfaceRunner":
-    """``model`` itself if it is a runner (``InterfaceRunner``, ``rnnify.auto.graph_probe.GraphRunner``),
-    else a Hugging Face model run through the attention interface."""
-    return model if hasattr(model, "probed") else InterfaceRunner(model)
+def runner_of(source):
+    """``source`` itself if it is a runner (``InterfaceRunner``, ``rnnify.auto.graph_probe.GraphRunner``),
+    else a Hugging Face model run through the attention interface (``graph_probe.probe_runner``
+    chooses between the two)."""
+    return source if hasattr(source, "probed") else InterfaceRunner(source)
 
 
 def _kl(want: torch.Tensor, got: torch.Tensor, weights: torch.Tensor) -> float:
@@ -403,17 +404,21 @@ def _replayed(layers: torch.nn.ModuleList | None, outputs: list, count: int) -> 
 
 
 @torch.no_grad()
-def attention_specs(model, ids: torch.Tensor) -> dict[int, CellSpec]:
+def attention_specs(source, ids: torch.Tensor) -> dict[int, CellSpec]:
     """Each attention layer's ``CellSpec`` (by decoder layer), recorded on one forward pass of ``ids``
-    of ``model`` (a Hugging Face model or a runner, ``runner_of``): the layers a hybrid model mixes
-    with recurrent layers of its own are not among them, and each carries its own sliding window and
-    score terms, as the compiler finds the sites."""
-    return runner_of(model).specs(ids)
+    of ``source`` (a Hugging Face model, probed as ``graph_probe.probe_runner`` chooses, or a
+    runner): the layers a hybrid model mixes with recurrent layers of its own are not among them,
+    and each carries its own sliding window and score terms, as the compiler finds the sites."""
+    from rnnify.auto.graph_probe import probe_runner
+
+    if hasattr(source, "probed"):
+        return source.specs(ids)
+    return probe_runner(source, next(source.parameters()).dtype, ids)[1]
 
 
 @torch.no_grad()
 def score_heads(
-    model,
+    source,
     calibration: Calibration,
     window: int,
     sinks: int,
@@ -425,8 +430,8 @@ def score_heads(
     and the sinks); per kind of ``levels``, what it loses as that kind (``exact``: nothing); and the
     original's logits per row (for ``measure_kl``). ``progress(n)`` is told of each forward pass:
     one per row, and for ``kl`` one per row, kv head and kind that is not exact, streaming included.
-    ``model``: a Hugging Face model or a runner (``runner_of``)."""
-    run = runner_of(model)
+    ``source``: a Hugging Face model or a runner (``runner_of``)."""
+    run = runner_of(source)
     step = progress or (lambda n: None)
     measured = [level for level in levels if level.target != "exact"]
     streaming = Level("window", (("window", window),))
@@ -472,7 +477,7 @@ def score_heads(
 
 @torch.no_grad()
 def measure_kl(
-    model,
+    source,
     calibration: Calibration,
     originals: list[torch.Tensor],
     kinds: Mapping[Head, Level],
@@ -480,7 +485,7 @@ def measure_kl(
 ) -> float:
     """The calibration KL (text mean plus pass-key mean) with each head in ``kinds`` its kind (a
     window with the sinks, or a ``select`` or ``lola`` cell), the rest exact."""
-    run = runner_of(model)
+    run = runner_of(source)
     probe = _Probe(sinks)
     probe.set_kinds(kinds)
     with run.probed(probe):
