@@ -39,9 +39,9 @@ from rnnify.auto.choice import (
     layers_spec,
     parse_bytes,
 )
-from rnnify.auto.graph_probe import probe_runner
+from rnnify.auto.graph_probe import attention_specs, probe_runner
 from rnnify.auto.levels import Level, parse_levels
-from rnnify.auto.probe import attention_specs, measure_kl, score_heads
+from rnnify.auto.probe import measure_kl, score_heads
 from rnnify.auto.scorer import (
     REPORT_FILE,
     HeadScorer,

@@ -20,7 +20,7 @@ Head = tuple[int, int]  # (layer, kv head)
 Options = Mapping[str, Any] | None  # the streaming hybrids' cell options besides window, sinks and memory
 
 
-Specs = Mapping[int, CellSpec]  # each attention layer's site (``rnnify.auto.probe.attention_specs``)
+Specs = Mapping[int, CellSpec]  # each attention layer's site (``rnnify.auto.graph_probe.attention_specs``)
 
 
 def layers_spec(specs: Specs, kinds: Mapping[Head, Level]) -> str | None:

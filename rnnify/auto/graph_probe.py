@@ -100,3 +100,14 @@ def probe_runner(source: torch.nn.Module, dtype: torch.dtype, ids: torch.Tensor)
     except NoInterfaceError:
         graph = GraphRunner(source, dtype)
         return graph, graph.specs(ids)
+
+
+@torch.no_grad()
+def attention_specs(source, ids: torch.Tensor) -> dict[int, CellSpec]:
+    """Each attention layer's ``CellSpec`` (by decoder layer), recorded on one forward pass of ``ids``
+    of ``source`` (a Hugging Face model, probed as ``probe_runner`` chooses, or a runner): the
+    layers a hybrid model mixes with recurrent layers of its own are not among them, and each
+    carries its own sliding window and score terms, as the compiler finds the sites."""
+    if hasattr(source, "probed"):
+        return source.specs(ids)
+    return probe_runner(source, next(source.parameters()).dtype, ids)[1]

@@ -404,19 +404,6 @@ def _replayed(layers: torch.nn.ModuleList | None, outputs: list, count: int) -> 
 
 
 @torch.no_grad()
-def attention_specs(source, ids: torch.Tensor) -> dict[int, CellSpec]:
-    """Each attention layer's ``CellSpec`` (by decoder layer), recorded on one forward pass of ``ids``
-    of ``source`` (a Hugging Face model, probed as ``graph_probe.probe_runner`` chooses, or a
-    runner): the layers a hybrid model mixes with recurrent layers of its own are not among them,
-    and each carries its own sliding window and score terms, as the compiler finds the sites."""
-    from rnnify.auto.graph_probe import probe_runner
-
-    if hasattr(source, "probed"):
-        return source.specs(ids)
-    return probe_runner(source, next(source.parameters()).dtype, ids)[1]
-
-
-@torch.no_grad()
 def score_heads(
     source,
     calibration: Calibration,
