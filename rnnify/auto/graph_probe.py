@@ -17,10 +17,9 @@ from contextlib import contextmanager
 
 import torch
 
-from rnnify.auto.probe import InterfaceRunner, NoInterfaceError, _Probe, _two_sites
+from rnnify.auto.probe import InterfaceRunner, NoInterfaceError, _Probe, check_one_site_per_layer
 from rnnify.cells.base import CellSpec
 from rnnify.cells.exact import ExactCell
-from rnnify.errors import RnnifyError
 
 
 class ProbeCell(ExactCell):
@@ -31,22 +30,19 @@ class ProbeCell(ExactCell):
     def __init__(self, spec: CellSpec, layer: int):
         super().__init__(spec)
         self.layer, self.probe = layer, None
-        sinks = spec.sink_logits
-        self.register_buffer("sinks", None if sinks is None else torch.tensor(sinks), persistent=False)
-        slopes = spec.alibi_slopes
-        self.register_buffer(
-            "slopes", None if slopes is None else torch.tensor(slopes).view(1, -1, 1, 1), persistent=False
-        )
 
     def forward(self, q, k, v, mask, *state):
-        length, device = q.shape[2], q.device
+        length, device, terms = q.shape[2], q.device, self.terms  # ScoreTerms: the spec's slopes and sinks
         i = torch.arange(length, device=device)[:, None]
         j = torch.arange(length, device=device)[None, :]
         allowed = j <= i
         if self.spec.window is not None:
             allowed = allowed & (i - j < self.spec.window)
-        bias = None if self.slopes is None else self.slopes * (j - i).float()
-        out = self.probe.attend(self.layer, q, k, v, allowed, bias, self.spec.scale, self.spec.softcap, self.sinks)
+        slopes = None if terms is None else terms.slopes  # [Hkv, G, 1, 1]
+        sinks = None if terms is None else terms.sinks  # [Hkv, G, 1]
+        bias = None if slopes is None else slopes.reshape(1, -1, 1, 1) * (j - i).float()
+        sinks = None if sinks is None else sinks.reshape(-1)
+        out = self.probe.attend(self.layer, q, k, v, allowed, bias, self.spec.scale, self.spec.softcap, sinks)
         return (out.to(q.dtype), *state)
 
 
@@ -61,15 +57,12 @@ class GraphRunner:
 
         self.model = convert(source, to="exact", dtype=dtype, kernels="none")
         entries = [entry for entry in self.model.manifest.cells if entry.target == "exact"]
-        layers = [entry.layer for entry in entries]
-        twice = sorted({layer for layer in layers if layers.count(layer) > 1})
-        if twice:
-            raise RnnifyError(_two_sites(twice[0], layers.count(twice[0])))
+        check_one_site_per_layer([entry.layer for entry in entries])
         self.cells = []
         for entry in entries:
-            cell = ProbeCell(CellSpec(**entry.spec), entry.layer).to(self.model.device)
-            parent_name, _, child = entry.module.rpartition(".")
-            setattr(self.model.graph.get_submodule(parent_name) if parent_name else self.model.graph, child, cell)
+            exact = self.model.graph.get_submodule(entry.module)
+            cell = ProbeCell(exact.spec, entry.layer).to(self.model.device)
+            self.model.graph.set_submodule(entry.module, cell)
             self.cells.append(cell)
 
     @contextmanager

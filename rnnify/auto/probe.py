@@ -335,9 +335,7 @@ class InterfaceRunner:
             self.logits(ids)
         if not probe.specs:
             raise NoInterfaceError(_NO_INTERFACE)
-        twice = sorted({layer for layer in probe.called if probe.called.count(layer) > 1})
-        if twice:
-            raise RnnifyError(_two_sites(twice[0], probe.called.count(twice[0])))
+        check_one_site_per_layer(probe.called)
         return {layer: replace(spec, hidden_size=self.hidden_size) for layer, spec in sorted(probe.specs.items())}
 
 
@@ -345,11 +343,15 @@ class NoInterfaceError(RnnifyError):
     """The model's attention does not go through transformers' attention interface."""
 
 
-def _two_sites(layer: int, count: int) -> str:
-    return (
-        f"--to auto chooses a kind per layer and kv head, and layer {layer} computes attention at {count} "
-        "sites; choose its targets by hand with --layers"
-    )
+def check_one_site_per_layer(layers: list[int]) -> None:
+    """``layers`` (of each attention site, or each call in one pass) name every layer once: a choice is
+    per layer and kv head, and ``--layers`` rules cannot tell two sites of one layer apart."""
+    twice = sorted({layer for layer in layers if layers.count(layer) > 1})
+    if twice:
+        raise RnnifyError(
+            f"--to auto chooses a kind per layer and kv head, and layer {twice[0]} computes attention at "
+            f"{layers.count(twice[0])} sites; choose its targets by hand with --layers"
+        )
 
 
 def runner_of(source):

@@ -233,9 +233,7 @@ def page_exact(graph: nn.Module, vllm_config: VllmConfig, first_index: int) -> t
     for name, cell in sites:
         layer = ExactKVLayer(vllm_config, first_index + len(layers), cell.spec.window)
         layers.append(layer)
-        parent_name, _, child = name.rpartition(".")
-        parent = graph.get_submodule(parent_name) if parent_name else graph
-        setattr(parent, child, PagedExactCell(cell, layer, batch))
+        graph.set_submodule(name, PagedExactCell(cell, layer, batch))
     return layers, batch
 
 
