@@ -1,4 +1,4 @@
-"""Tiny random models of every causal-LM architecture of transformers, for ``arch_sweep.py``.
+"""Tiny random models of every causal-LM (and vision- or audio-language) architecture of transformers, for ``arch_sweep.py``.
 
 ``build(name)`` makes a model type's config tiny (2 layers of each distinct kind, 64 wide: every
 size-like attribute shrunk, per-layer lists cut to the layers kept), then applies ``SPECIAL`` (what a
@@ -15,7 +15,10 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from make_tiny_model import tiny_config  # noqa: E402
@@ -196,6 +199,11 @@ SPECIAL: dict[str, dict] = {
         "indexer_budget": 8,
         "indexer_compress_ratio": 4,
     },
+    # audio encoders of 20 heads, which a tiny width does not divide
+    **dict.fromkeys(
+        ("qwen2_audio", "qwen2_5_omni", "qwen2_5_omni_thinker", "qwen3_omni_moe", "qwen3_omni_moe_thinker"),
+        {"encoder_attention_heads": 4},
+    ),
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
 }
 
@@ -227,6 +235,15 @@ def _tiny(values: dict, mla: bool) -> dict:
     if mla and "num_key_value_heads" in out:
         out["num_key_value_heads"] = out.get("num_attention_heads", SIZES["num_attention_heads"])
     return out
+
+
+def _mrope_section(section: list[int] | None, out: dict, rope: dict) -> list[int]:
+    """Multimodal RoPE's rotary pairs per position axis, scaled to the tiny head's (summing to them)."""
+    section = section or [16, 24, 24]
+    head_dim = out.get("head_dim") or out.get("hidden_size", SIZES["hidden_size"]) // out.get("num_attention_heads", 4)
+    pairs = int(head_dim * rope.get("partial_rotary_factor", 1.0)) // 2
+    scaled = [part * pairs // sum(section) for part in section]
+    return [*scaled[:-1], scaled[-1] + pairs - sum(scaled)]
 
 
 def overrides(config, model_type: str) -> dict:
@@ -272,6 +289,10 @@ def overrides(config, model_type: str) -> dict:
         per_layer = config.to_dict().get("per_layer_config")  # {"05": {"head_dim": 512}, ...}: layers unlike the rest
         if isinstance(per_layer, dict):
             out["per_layer_config"] = {new[int(k)]: _tiny(v, mla) for k, v in per_layer.items() if int(k) in new}
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and "mrope_section" in getattr(config, "ignore_keys_at_rope_validation", ()):
+        # multimodal RoPE's rotary pairs per position axis (a default of the modeling code where unset)
+        out["rope_parameters"] = {**rope, "mrope_section": _mrope_section(rope.get("mrope_section"), out, rope)}
     if hasattr(config, "is_decoder"):
         out["is_decoder"] = True  # an encoder family's *ForCausalLM: what its own docs ask for, causal attention
     return {**out, **SPECIAL.get(config.model_type, {}), **SPECIAL.get(model_type, {})}
@@ -280,7 +301,7 @@ def overrides(config, model_type: str) -> dict:
 def build(name: str):
     """(tiny random model in eval mode, its class name) for job ``name``: a model type, or a variant of one."""
     model_type = name.partition("@")[0]
-    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES[model_type]
     config_class = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
     model_class = getattr(transformers, class_name)
     try:

@@ -3,7 +3,9 @@
     python benchmarks/arch_sweep.py [--only llama,gpt2,llama:linear] [--timeout 120] [--workers 2]
         [-o benchmarks/results/arch_sweep.json]
 
-A job per ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` entry: a model of 2 layers, 64 wide, from the config
+A job per ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` entry and per composite (``COMPOSITES``: a vision- or
+audio-language model type without a causal LM class, whose language model rnnify converts, compared
+with the whole on text): a model of 2 layers, 64 wide, from the config
 class with every size-like attribute shrunk (``arch_configs.build``), ``rnnify.convert(model, to="exact")``, then prefill
 (SEQ tokens) and prefill + STEPS steps against the original's forward (max abs diff / max abs of the
 reference). Jobs ``MODEL_TYPE@VARIANT`` build that model type in the layout of a released
@@ -36,7 +38,10 @@ import torch
 import transformers
 from rich.console import Console
 from rich.table import Table
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES,
+)
 from transformers.utils import logging
 
 import rnnify
@@ -44,6 +49,7 @@ from rnnify.auto import Calibration, auto_convert, score_heads
 from rnnify.auto.graph_probe import probe_runner
 from rnnify.cells import CELLS
 from rnnify.cells.base import SCORE_TERMS
+from rnnify.compiler.composite import is_composite
 from rnnify.errors import RnnifyError, first_line
 from rnnify.runtime.serialize import graph_to_json
 from rnnify.verify import tolerance
@@ -53,6 +59,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 from make_tiny_model import make_tiny_model  # noqa: E402
 
 SEQ, STEPS, BATCH = 16, 8, 2
+# vision- and audio-language model types that transformers has no causal LM class for
+COMPOSITES = [name for name in MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES if name not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
 
 from arch_configs import TARGET_OPTIONS, VARIANTS, build, tiny_example  # noqa: E402
 
@@ -231,6 +239,8 @@ def run_job(name: str) -> dict:
         result["stage"] = "convert"
         converted = convert()
         result["cells"] = sorted({type(cell).__name__ for cell in converted.cells})
+        if is_composite(model.config):
+            result["language_model"] = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model.config.get_text_config().model_type)
         result["ops"] = graph_ops(converted.graph.graph)
         result["stage"] = "compare"
         got, state = converted.prefill(ids[:, :SEQ])
@@ -291,7 +301,7 @@ def run_isolated(name: str, timeout: float) -> dict:
 def all_jobs() -> list[str]:
     targets = [*CELLS, "auto", "auto-memory", "exact@bfloat16", "exact@float16"]
     extra = [f"{arch}:{target}" for arch in ("llama", "gpt2") for target in targets]
-    return [*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *VARIANTS, *extra]
+    return [*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *COMPOSITES, *VARIANTS, *extra]
 
 
 def union(results: dict) -> dict:
@@ -336,11 +346,38 @@ def _cell_class(name: str):
     return getattr(rnnify.cells, name, None)
 
 
-def markdown(sweep: dict) -> str:
-    """The architectures page: one row per ``*ForCausalLM`` of transformers, its status and why."""
-    results = {k: r for k, r in sweep["results"].items() if ":" not in k}
+def _counts(results: dict) -> str:
     counts = {s: sum(r.get("status") == s for r in results.values()) for s in STATUSES}
     classes = {r["class"] for r in results.values() if r.get("status") == "exact" and r.get("class")}
+    return ", ".join(f"{s}: {n}" for s, n in counts.items() if n) + f" ({len(classes)} distinct classes exact)."
+
+
+def _rows(results: dict) -> list[str]:
+    lines = ["| model type | class | status | `--to auto` | why |", "|---|---|---|---|---|"]
+    for name, r in sorted(results.items()):
+        why = (r.get("message") or r.get("serialize_error") or "").replace("|", "\\|")
+        if r.get("status") == "mismatch":
+            why = f"relative error {r.get('errors')}"
+        own = sorted({cell.target for cell in map(_cell_class, r.get("cells", [])) if cell and cell.own_layer})
+        if r.get("status") == "exact" and own:
+            why = f"keeps its own {', '.join(own)} layers" + (f"; {why}" if why else "")
+        if r.get("status") == "exact" and r.get("language_model"):
+            why = f"its language model, {r['language_model']}" + (f"; {why}" if why else "")
+        probe = r.get("auto", {})
+        if probe.get("status") in ("mismatch", "crash", "refused"):
+            said = probe["message"] if probe["message"].startswith("--to auto") else f"--to auto: {probe['message']}"
+            why = said + (f"; {why}" if why else "")
+        shown = probe.get("status", "") + ("*" if probe.get("runner") == "GraphRunner" else "")
+        lines.append(f"| `{name}` | {r.get('class') or ''} | {r.get('status')} | {shown} | {why[:220]} |")
+    return lines
+
+
+def markdown(sweep: dict) -> str:
+    """The architectures page: one row per causal LM class of transformers and one per composite
+    (vision- or audio-language) model class, its status and why."""
+    results = {k: r for k, r in sweep["results"].items() if ":" not in k}
+    composites = {k: r for k, r in results.items() if k.partition("@")[0] in COMPOSITES}
+    causal = {k: r for k, r in results.items() if k not in composites}
     probed = [r["auto"]["status"] for r in results.values() if "auto" in r]
     auto = {status: probed.count(status) for status in sorted(set(probed), key=probed.count, reverse=True)}
     run = sweep["runs"][-1]
@@ -348,7 +385,8 @@ def markdown(sweep: dict) -> str:
         "# Architectures",
         "",
         "Every causal language model class of transformers "
-        f"{run['transformers']}, as a tiny random model (2 layers, 64 wide), converted with "
+        f"{run['transformers']}, and below every vision- or audio-language model class it has no causal "
+        "LM class for, as a tiny random model (2 layers, 64 wide), converted with "
         '`rnnify.convert(model, to="exact")` and compared with the original, prefill and prefill + '
         f"{sweep['steps']} steps (exact: within {sweep['tolerance']}); a row `TYPE@VARIANT` is that type in "
         "the layout of a released checkpoint its defaults do not build (`falcon@alibi`: Falcon-RW). "
@@ -359,7 +397,7 @@ def markdown(sweep: dict) -> str:
         "(short convolutions, Mamba scans, gated delta rules) stay as they are, their state carried with "
         "the cells' ([math.md](math.md#state-space-layers)); the last column names them.",
         "",
-        ", ".join(f"{s}: {n}" for s, n in counts.items() if n) + f" ({len(classes)} distinct classes exact).",
+        _counts(causal),
         "",
         "The `--to auto` column: what its probe makes of each model that converts exactly "
         "(`auto_probe`): `scored` where it records the sites the compiler found (layers, shapes, windows, "
@@ -370,22 +408,18 @@ def markdown(sweep: dict) -> str:
         + ", ".join(f"{s}: {n}" for s, n in auto.items())
         + ".",
         "",
-        "| model type | class | status | `--to auto` | why |",
-        "|---|---|---|---|---|",
+        *_rows(causal),
+        "",
+        "## Vision- and audio-language models",
+        "",
+        "A composite model (an image or audio encoder beside a text decoder, `...ForConditionalGeneration`) "
+        "converts to its language model: its own decoder and output head, in the causal LM class "
+        "transformers has for its text config or as the decoder followed by the head (`TextPath`), whichever "
+        "gives the whole model's logits on text, checked at load (`rnnify/compiler/composite.py`); the "
+        "converted model reads text only. Compared here with the whole model on text. " + _counts(composites),
+        "",
+        *_rows(composites),
     ]
-    for name, r in sorted(results.items()):
-        why = (r.get("message") or r.get("serialize_error") or "").replace("|", "\\|")
-        if r.get("status") == "mismatch":
-            why = f"relative error {r.get('errors')}"
-        own = sorted({cell.target for cell in map(_cell_class, r.get("cells", [])) if cell and cell.own_layer})
-        if r.get("status") == "exact" and own:
-            why = f"keeps its own {', '.join(own)} layers" + (f"; {why}" if why else "")
-        probe = r.get("auto", {})
-        if probe.get("status") in ("mismatch", "crash", "refused"):
-            said = probe["message"] if probe["message"].startswith("--to auto") else f"--to auto: {probe['message']}"
-            why = said + (f"; {why}" if why else "")
-        shown = probe.get("status", "") + ("*" if probe.get("runner") == "GraphRunner" else "")
-        lines.append(f"| `{name}` | {r.get('class') or ''} | {r.get('status')} | {shown} | {why[:220]} |")
     return "\n".join(lines) + "\n"
 
 

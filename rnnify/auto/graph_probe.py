@@ -20,6 +20,7 @@ import torch
 from rnnify.auto.probe import InterfaceRunner, NoInterfaceError, _Probe, check_one_site_per_layer
 from rnnify.cells.base import CellSpec
 from rnnify.cells.exact import ExactCell
+from rnnify.compiler.composite import language_model
 
 
 class ProbeCell(ExactCell):
@@ -86,7 +87,9 @@ class GraphRunner:
 def probe_runner(source: torch.nn.Module, dtype: torch.dtype, ids: torch.Tensor):
     """The runner that scores ``source``'s heads and its attention layers' sites: through
     transformers' attention interface where its attention goes through it (``InterfaceRunner``),
-    else through its exact conversion (``GraphRunner``)."""
+    else through its exact conversion (``GraphRunner``). A composite model is scored by its language
+    model, which is what converting it converts (``rnnify.compiler.composite``)."""
+    source = language_model(source)
     runner = InterfaceRunner(source)
     try:
         return runner, runner.specs(ids)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch.fx
 from torch.export import Dim
 
 from rnnify.compiler.chunked_attention import refuse_chunked_attention
+from rnnify.compiler.composite import language_model, loading_class
 from rnnify.compiler.data_dependence import data_dependence
 from rnnify.compiler.export_lengths import agreement, check_lengths, probed_lengths, refused_lengths
 from rnnify.compiler.numbering import first_position
@@ -36,7 +38,7 @@ _MAX_LENGTH = 1 << 20
 
 
 def _load_pretrained(path_or_id: str, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from rnnify.compiler.gguf import is_gguf, load_gguf
 
@@ -72,14 +74,15 @@ def _load_pretrained(path_or_id: str, dtype: torch.dtype):
             f"{path_or_id}: encoder-decoder model ({config.model_type}); only decoder-only causal "
             "LMs can become recurrent (their cross-attention is not causal)"
         )
+    auto_class = loading_class(config)
     try:
         try:
-            return AutoModelForCausalLM.from_pretrained(**where, dtype=dtype, attn_implementation="sdpa")
+            return auto_class.from_pretrained(**where, dtype=dtype, attn_implementation="sdpa")
         except ValueError as exc:
             if "scaled_dot_product_attention" not in str(exc):
                 raise
             # no SDPA (softcapping, sinks, ALiBi models): its eager attention, which find_attention matches
-            return AutoModelForCausalLM.from_pretrained(**where, dtype=dtype, attn_implementation="eager")
+            return auto_class.from_pretrained(**where, dtype=dtype, attn_implementation="eager")
     except ValueError as exc:
         raise UnsupportedModelError(f"{path_or_id}: cannot load as a causal LM ({first_line(exc)})") from exc
 
@@ -89,6 +92,7 @@ def load_source(model, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 
     ``model`` is a local directory, a GGUF file (dequantised to ``dtype``, see ``rnnify.compiler.gguf``), a
     hub id already in the local cache, or a loaded ``PreTrainedModel`` (used as is, switched to SDPA).
+    Of a composite (vision- or audio-language) model, its language model (``rnnify.compiler.composite``).
     """
     from transformers import PreTrainedModel
 
@@ -99,9 +103,9 @@ def load_source(model, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
             model.set_attn_implementation("sdpa")
         except (ValueError, AttributeError):
             pass  # eager or custom attention: find_attention matches what the captured graph computes
-        return model.eval()
+        return language_model(model.eval())
     if isinstance(model, (str, os.PathLike)):
-        return _load_pretrained(os.fspath(model), dtype).eval()
+        return language_model(_load_pretrained(os.fspath(model), dtype).eval())
     raise RnnifyError(f"expected a model directory, hub id or PreTrainedModel, got {type(model).__name__}")
 
 
@@ -111,6 +115,17 @@ def source_name(model) -> str | None:
         path = Path(model).expanduser()
         return str(path.resolve()) if path.exists() else str(model)
     return getattr(getattr(model, "config", None), "_name_or_path", None) or None
+
+
+def refuse_bidirectional_attention(name: str, config: Any) -> None:
+    """Raise for a model whose config makes its attention read later tokens too (PaliGemma's language
+    model, a prefix LM; Gemma 4's ``"all"``; its ``"vision"`` leaves text causal): a recurrence reads
+    the tokens in order, so none computes that."""
+    if getattr(config, "use_bidirectional_attention", None) in (True, "all"):
+        raise UnsupportedModelError(
+            f"{name}: bidirectional attention (use_bidirectional_attention): each token also reads the tokens "
+            "after it, which no recurrence computes; rnnify converts causal attention"
+        )
 
 
 class _LogitsOnly(torch.nn.Module):
@@ -130,9 +145,8 @@ class _LogitsOnly(torch.nn.Module):
 
 def vocab_size(config: Any) -> int:
     """The vocabulary the logits span, from the config's own ``vocab_size``. A composite config (a
-    vision-language model's, whose ``vocab_size`` sits in ``text_config``) is refused: converting its
-    text model from the whole gave exact results for some and wrong ones for others (Gemma 3's) in
-    ``benchmarks/arch_sweep.py``, and a wrong conversion must never pass silently."""
+    vision-language model's, whose ``vocab_size`` sits in ``text_config``) is refused: ``load_source``
+    takes out its language model, and capturing the whole gave wrong results for some (Gemma 3's)."""
     value = getattr(config, "vocab_size", None)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         where = " (it is in its text config: a composite model)" if hasattr(config, "text_config") else ""
@@ -150,6 +164,7 @@ def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
     """
     device = next(model.parameters()).device
     vocab = vocab_size(model.config)
+    refuse_bidirectional_attention(type(model).__name__, model.config)
     refuse_chunked_attention(type(model).__name__, model.config)
     refuse_sparse_attention(model)
     first = first_position(model, vocab)
@@ -158,9 +173,24 @@ def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
     wrapper = _LogitsOnly(model, first)
     with routing_forms(model):
         try:
-            return _plain_graph_module(_export(wrapper, input_ids, position_ids, _MAX_LENGTH).module())
+            graph = _plain_graph_module(_export(wrapper, input_ids, position_ids, _MAX_LENGTH).module())
         except Exception as exc:  # export failures come in many types; report them as one
-            return _capture_after_failure(wrapper, input_ids, position_ids, exc)
+            graph = _capture_after_failure(wrapper, input_ids, position_ids, exc)
+    _refuse_vmap(type(model).__name__, graph)
+    return graph
+
+
+def _refuse_vmap(name: str, graph: torch.fx.GraphModule) -> None:
+    """Raise where export kept ``torch.vmap``'s batching ops (a mask built with vmap, as Unlimited-OCR's
+    reference masks are): outside the vmap that made them they do not run, so neither would the graph."""
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and "_add_batch_dim" in str(node.target):
+            frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', node.meta.get("stack_trace") or "")
+            where = f"{os.path.basename(frames[-1][0])}:{frames[-1][1]} in {frames[-1][2]}" if frames else node.name
+            raise UnsupportedModelError(
+                f"{name}: its forward pass computes with torch.vmap ({where}), whose batching ops a captured "
+                "graph cannot run outside it"
+            )
 
 
 def _capture_after_failure(

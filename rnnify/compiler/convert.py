@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -53,8 +54,17 @@ def _source_files(model: Any, source: torch.nn.Module) -> dict[str, bytes]:
     files = {}
     if directory is not None:
         files = {name: (directory / name).read_bytes() for name in SOURCE_FILES if (directory / name).is_file()}
-    files.setdefault("config.json", source.config.to_json_string().encode())
+    if "config.json" not in files or _model_type(files["config.json"]) != source.config.model_type:
+        # none, or a composite's: the converted model is its language model, described by the text config
+        files["config.json"] = source.config.to_json_string().encode()
     return files
+
+
+def _model_type(config: bytes) -> str | None:
+    try:
+        return json.loads(config).get("model_type")
+    except (ValueError, AttributeError):
+        return None
 
 
 def convert(
