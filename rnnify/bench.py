@@ -407,7 +407,7 @@ def fill_state(model, context: int, batch: int, fill_tokens: int, seed: int = 0)
     """A state as if ``context`` tokens had been read (see the module docstring for how)."""
     device, vocab = model.device, model.manifest.vocab_size
     if model.constant_memory:
-        windows = [getattr(cell, "window", None) or cell.spec.window or 0 for cell in model.cells]
+        windows = [getattr(cell, "window", None) or cell.spec.keys_read or 0 for cell in model.cells]
         read = min(context, max(fill_tokens, *windows))  # every sliding window full
         _, state = model.prefill(_tokens(vocab, batch, read, device, seed))
         return replace(state, positions=torch.full_like(state.positions, context))
@@ -419,7 +419,8 @@ def fill_state(model, context: int, batch: int, fill_tokens: int, seed: int = 0)
     for cell in leaves:
         spec = cell.spec
         if cell.grows_with_context:
-            n = context if spec.window is None else min(context, spec.window)
+            # an exact cache keeps fewer valid keys than its chunk (the next token starts a chunk when full)
+            n = context if spec.keys_read is None else min(context, spec.window or spec.chunk - 1)
             keys = torch.randn(batch, spec.num_kv_heads, n, spec.head_dim, generator=gen, dtype=model.dtype)
             values = torch.randn(batch, spec.num_kv_heads, n, spec.value_dim, generator=gen, dtype=model.dtype)
             valid = torch.ones(batch, n, dtype=torch.bool)

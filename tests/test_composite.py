@@ -93,6 +93,17 @@ def test_a_whole_that_transformers_loads_as_its_text_model_saves_the_text_config
     assert saved["source_config"]["model_type"] == "qwen3_5_text" and "vision_config" not in saved["source_config"]
 
 
+def test_a_composite_loaded_from_its_directory_keeps_its_files(saved, tmp_path):
+    import transformers
+
+    _, directory = saved("llava")
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 7, "max_new_tokens": 9}))
+    model = transformers.AutoModelForImageTextToText.from_pretrained(directory)
+    with pytest.warns(RnnifyWarning):
+        out = rnnify.convert(model, to="exact").save(tmp_path / "out")
+    assert json.loads((out / "generation_config.json").read_text())["max_new_tokens"] == 9
+
+
 def test_a_loaded_composite_converts_to_its_language_model():
     model = whole("gemma4")
     with pytest.warns(RnnifyWarning, match=r"Gemma4ForConditionalGeneration .*\(Gemma4ForCausalLM\)"):

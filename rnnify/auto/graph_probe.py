@@ -21,6 +21,8 @@ from rnnify.auto.probe import InterfaceRunner, NoInterfaceError, _Probe, check_o
 from rnnify.cells.base import CellSpec
 from rnnify.cells.exact import ExactCell
 from rnnify.compiler.composite import language_model
+from rnnify.compiler.passes.find_attention import config_chunk
+from rnnify.errors import UnsupportedModelError
 
 
 class ProbeCell(ExactCell):
@@ -88,8 +90,19 @@ def probe_runner(source: torch.nn.Module, dtype: torch.dtype, ids: torch.Tensor)
     """The runner that scores ``source``'s heads and its attention layers' sites: through
     transformers' attention interface where its attention goes through it (``InterfaceRunner``),
     else through its exact conversion (``GraphRunner``). A composite model is scored by its language
-    model, which is what converting it converts (``rnnify.compiler.composite``)."""
+    model, which is what converting it converts (``rnnify.compiler.composite``). Chunked attention
+    (Llama 4's) is refused: the kinds it chooses among approximate full attention, and only
+    ``exact`` computes a chunk."""
     source = language_model(source)
+    config = source.config
+    chunked = [i for i in range(len(getattr(config, "layer_types", None) or [])) if config_chunk(config, i)]
+    if chunked:
+        raise UnsupportedModelError(
+            f"--to auto: layer{'s' * (len(chunked) > 1)} {', '.join(map(str, chunked))} attend"
+            f"{'s' * (len(chunked) == 1)} in chunks of {config.attention_chunk_size} "
+            "tokens (chunked attention), which only exact computes; a plain --to target keeps them exact "
+            "and converts the other layers"
+        )
     runner = InterfaceRunner(source)
     try:
         return runner, runner.specs(ids)

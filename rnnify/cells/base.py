@@ -89,14 +89,18 @@ class CellSpec:
     softcap: float | None = None
     alibi_slopes: tuple[float, ...] | None = None
     sink_logits: tuple[float, ...] | None = None
+    # the model's own chunked attention (Llama 4's): a query reads the earlier keys of its own chunk
+    chunk: int | None = None
 
     def __post_init__(self) -> None:
         # a spec read from a manifest is data: sizes that no attention has fail here, by name
         for name in ("num_heads", "num_kv_heads", "head_dim", "value_dim"):
             check_int(name, getattr(self, name))
-        for name in ("window", "hidden_size"):
+        for name in ("window", "hidden_size", "chunk"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
+        if self.window is not None and self.chunk is not None:
+            raise ValueError("an attention has a sliding window or chunks, not both")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if not _positive(self.scale):
@@ -124,9 +128,15 @@ class CellSpec:
         """The ``SCORE_TERMS`` this attention's scores carry."""
         return frozenset(name for name in SCORE_TERMS if getattr(self, name) is not None)
 
+    @property
+    def keys_read(self) -> int | None:
+        """The most keys a query reads (the model's own window or chunk); None: every earlier key."""
+        return self.window if self.chunk is None else self.chunk
+
     def to_json(self) -> dict[str, Any]:
-        """The fields, without score terms the site does not have (a manifest without them reads as before)."""
-        return {k: v for k, v in asdict(self).items() if k not in SCORE_TERMS or v is not None}
+        """The fields, without score terms or a chunk the site does not have (a manifest without them
+        reads as before)."""
+        return {k: v for k, v in asdict(self).items() if k not in (*SCORE_TERMS, "chunk") or v is not None}
 
 
 class Cell(nn.Module):
@@ -157,6 +167,8 @@ class Cell(nn.Module):
     own_layer: ClassVar[bool] = False
     # The SCORE_TERMS the cell computes; a site whose scores carry another is refused, never dropped.
     score_terms: ClassVar[frozenset[str]] = frozenset()
+    # Whether the cell computes a model's own chunked attention (``CellSpec.chunk``); else refused.
+    computes_chunks: ClassVar[bool] = False
 
     def __init__(self, spec: CellSpec):
         super().__init__()
@@ -166,6 +178,11 @@ class Cell(nn.Module):
             raise ValueError(
                 f"cannot compute this attention's {' and '.join(SCORE_TERMS[name] for name in missing)}"
                 + (f"; {' and '.join(carriers)} can" if carriers else "")
+            )
+        if spec.chunk is not None and not self.computes_chunks:
+            raise ValueError(
+                f"this attention attends in chunks of {spec.chunk} tokens (the model's own chunked attention), "
+                "which only --to exact computes (its state is bounded by the chunk already)"
             )
         self.spec = spec
         self.kernels: str | None = None  # backend of the fused ops in use; None: the cell's own PyTorch forms

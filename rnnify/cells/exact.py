@@ -15,7 +15,8 @@ past key and value (per kv head): memory grows with the context. Each call appen
 and reads the cache through ``F.scaled_dot_product_attention`` (``sdpa_softmax_attn``: the fused
 kernel the original ran, which computes this recurrence blockwise), queries in blocks, so scores
 for the whole context are never materialised at once. A model's own sliding window keeps only the
-last ``window`` keys, and then the state is bounded.
+last ``window`` keys, and then the state is bounded; so does its own chunked attention (``chunk``,
+Llama 4's), whose cache keeps valid only the keys of the current chunk (``_current_chunk``).
 
 A model's score terms (``CellSpec.softcap``, ``alibi_slopes``, ``sink_logits``;
 docs/math.md §Score terms) change the scores SDPA would compute, so a cell whose site
@@ -88,6 +89,24 @@ def _block_allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None)
     return allowed
 
 
+def _chunks(valid: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``[B, N]``: the chunk of each cache position, chunks of ``chunk`` real tokens counted from the
+    first cached (docs/math.md §Softmax attention as an RNN)."""
+    return real_positions(valid).clamp_min(0) // chunk
+
+
+def _chunk_allowed(of: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, t, n]``: is the key at cache position ``k_pos[j]`` in the chunk of the query at
+    ``q_pos[i]`` (``of``: ``_chunks``)."""
+    return (of[:, q_pos, None] == of[:, None, k_pos])[:, None]
+
+
+def _chunk_start(of: torch.Tensor, q_first: int) -> int:
+    """The first cache position that any row's query at ``q_first`` may read: its chunk's start (the
+    chunks grow along the cache, so that is the count of positions in earlier chunks)."""
+    return int((of < of[:, q_first : q_first + 1]).sum(1).min())
+
+
 def _queries_and_mask(q, keys, valid, scale: float, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """What the references over the whole cache start from: the queries grouped and scaled
     (``_grouped``) and ``[B, 1, 1, T, N]``, may the query at cache position N-T+t see key j (causal,
@@ -156,7 +175,7 @@ def softmax_attention_rnn(
 
 
 def sdpa_softmax_attn(
-    q, keys, values, valid, scale: float, window: int | None = None, block_size: int = 512
+    q, keys, values, valid, scale: float, window: int | None = None, block_size: int = 512, chunk: int | None = None
 ) -> torch.Tensor:
     """``softmax_attention_rnn``'s result through ``F.scaled_dot_product_attention``, the fused kernel
     the original model ran: the cell's path (a few ops a layer where the recurrence dispatches
@@ -164,23 +183,31 @@ def sdpa_softmax_attn(
 
     Queries go in blocks of ``block_size``, each over the keys it may see (none after its last
     query, none before its window), so the boolean mask is at most ``block_size`` x N, as the
-    original's. Rows with no key allowed are 0, as in the recurrence (SDPA would give NaN).
+    original's. Rows with no key allowed are 0, as in the recurrence (SDPA would give NaN). With
+    ``chunk``, a query reads only the keys of its own chunk (``_chunk_allowed``).
     """
     length, total = q.shape[2], keys.shape[2]
     gqa = q.shape[1] != keys.shape[1]
-    if length == total > 1 and window is None and bool(valid.all()):
+    if length == total > 1 and window is None and (chunk is None or total <= chunk) and bool(valid.all()):
         # a whole unpadded prompt: plain causal attention, which the kernel computes without any
         # mask and skips the blocks above the diagonal (one check a prompt, not a step)
         out = F.scaled_dot_product_attention(
             q, keys.to(q.dtype), values.to(q.dtype), is_causal=True, scale=scale, enable_gqa=gqa
         )
         return out.to(values.dtype)
+    # a decode token reads its chunk's keys, the only valid ones ExactCell keeps: no chunk mask then
+    of = _chunks(valid, chunk) if chunk is not None and length > 1 else None
     outs = []
     for start, end, first, stop in _query_blocks(length, total, window, block_size):
+        if of is not None:
+            first = _chunk_start(of, total - length + start)
         allowed = valid[:, None, None, first:stop]  # [B, 1, t, n]
         if length > 1:  # one decode token sees every key of its block (which starts at its window): only padding
             q_pos = torch.arange(total - length + start, stop, device=q.device)
-            allowed = _block_allowed(q_pos, torch.arange(first, stop, device=q.device), window) & allowed
+            k_pos = torch.arange(first, stop, device=q.device)
+            allowed = _block_allowed(q_pos, k_pos, window) & allowed
+            if of is not None:
+                allowed = allowed & _chunk_allowed(of, q_pos, k_pos)
         out = F.scaled_dot_product_attention(
             _span(q, start, end),
             _span(keys, first, stop).to(q.dtype),
@@ -195,20 +222,36 @@ def sdpa_softmax_attn(
 
 
 def scored_softmax_attn(
-    q, keys, values, valid, scale: float, terms: ScoreTerms, window: int | None = None, block_size: int = 512
+    q,
+    keys,
+    values,
+    valid,
+    scale: float,
+    terms: ScoreTerms,
+    window: int | None = None,
+    block_size: int = 512,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """``sdpa_softmax_attn``'s blocks of queries with the scores computed here, so that ``terms``
     change them: the cell's path, prefill and decode, where its site carries score terms. Each block
     of ``block_size`` queries reads the keys it may see, its ``[t, n]`` scores at once (fp32, or the
-    queries' dtype if wider)."""
+    queries' dtype if wider); with ``chunk``, those of its own chunk."""
     length, total = q.shape[2], keys.shape[2]
     q = _grouped(q, keys.shape[1], scale, torch.promote_types(q.dtype, torch.float32))
     position = real_positions(valid)
+    of = None if chunk is None else _chunks(valid, chunk)
     outs = []
     for start, end, first, stop in _query_blocks(length, total, window, block_size):
-        q_pos = torch.arange(total - length + start, stop, device=q.device)
-        allowed = _block_allowed(q_pos, torch.arange(first, stop, device=q.device), window)
+        if of is not None:
+            first = _chunk_start(of, total - length + start)
+        q_pos, k_pos = (
+            torch.arange(total - length + start, stop, device=q.device),
+            torch.arange(first, stop, device=q.device),
+        )
+        allowed = _block_allowed(q_pos, k_pos, window)
         allowed = allowed & valid[:, None, None, None, first:stop]  # [B, 1, 1, t, n]
+        if of is not None:
+            allowed = allowed & _chunk_allowed(of, q_pos, k_pos)[:, None]
         s = torch.einsum("bhgtd,bhnd->bhgtn", q[:, :, :, start:end], keys[:, :, first:stop].to(q.dtype))
         distance = position[:, None, first:stop] - position[:, total - length + start : stop, None]
         s = terms.scores(s, distance[:, None, None]).masked_fill(~allowed, float("-inf"))
@@ -230,6 +273,7 @@ class ExactCell(Cell):
     grows_with_context = True
 
     score_terms = frozenset(SCORE_TERMS)
+    computes_chunks = True
 
     def __init__(self, spec: CellSpec, block_size: int = 512):
         super().__init__(spec)
@@ -255,18 +299,46 @@ class ExactCell(Cell):
         keys = torch.cat([keys, k.to(keys.dtype)], dim=2)
         values = torch.cat([values, v.to(values.dtype)], dim=2)
         valid = torch.cat([valid, mask.to(torch.bool)], dim=1)
+        spec = self.spec
         if self.terms is None:
-            out = sdpa_softmax_attn(q, keys, values, valid, self.spec.scale, self.spec.window, self.block_size)
+            out = sdpa_softmax_attn(q, keys, values, valid, spec.scale, spec.window, self.block_size, spec.chunk)
         else:
             out = scored_softmax_attn(
-                q, keys, values, valid, self.spec.scale, self.terms, self.spec.window, self.block_size
+                q, keys, values, valid, spec.scale, self.terms, spec.window, self.block_size, spec.chunk
             )
-        window = self.spec.window
-        if window is not None and keys.shape[2] > window:
-            keys, values, valid = keys[:, :, -window:], values[:, :, -window:], valid[:, -window:]
+        if spec.chunk is not None:
+            valid = _current_chunk(valid, spec.chunk)
+            if keys.shape[2] > spec.chunk:  # fewer than chunk valid: packed last, keeping the last chunk keeps them
+                keys, values, valid = _valid_last(keys, values, valid)
+        kept = spec.keys_read
+        if kept is not None and keys.shape[2] > kept:
+            keys, values, valid = keys[:, :, -kept:], values[:, :, -kept:], valid[:, -kept:]
         return out, keys, values, valid
 
     def state_nbytes(self, length, batch_size=1, dtype=torch.float32):
-        if self.spec.window is not None:
-            length = min(length, self.spec.window)
+        if self.spec.keys_read is not None:
+            length = min(length, self.spec.keys_read)
         return super().state_nbytes(length, batch_size, dtype)
+
+
+def _valid_last(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor):
+    """Each row's cache with its valid entries moved after the others, in their order: padding between
+    them (a later prompt left-padded) would otherwise spread a chunk over more positions than it has
+    keys."""
+    order = torch.sort(valid.to(torch.int8), dim=1, stable=True).indices
+    index = order[:, None, :, None]
+    return (
+        keys.gather(2, index.expand_as(keys)),
+        values.gather(2, index.expand_as(values)),
+        valid.gather(1, order),
+    )
+
+
+def _current_chunk(valid: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``valid`` with only the keys of each row's unfinished chunk left valid (none once its last
+    chunk is full): the keys a later token may read, counted from a chunk's start, so that the
+    count of valid keys is the next token's place in its chunk."""
+    position = real_positions(valid)
+    last = position[:, -1:]  # each row's last real token (-1: none yet)
+    unfinished = (last + 1) % chunk != 0
+    return valid & (position.clamp_min(0) // chunk == last.clamp_min(0) // chunk) & unfinished

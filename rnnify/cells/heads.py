@@ -78,6 +78,7 @@ class HeadSplitCell(Cell):
         # the split computes the terms its parts compute (each part has refused, by its target's name,
         # a term its target cannot compute): set before Cell's own check of the spec reads it
         self.score_terms = frozenset.intersection(*(part.score_terms for part in parts))
+        self.computes_chunks = all(part.computes_chunks for part in parts)
         super().__init__(spec)
         self.parts = torch.nn.ModuleList(parts)
         self.kv_heads = heads

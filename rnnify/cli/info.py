@@ -65,10 +65,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
         header.add_row(key, Text(value))
     console.print(header)
 
-    windowed = any(cell.spec.window is not None for cell in model.cells)
+    windowed = any(cell.spec.keys_read is not None for cell in model.cells)
     notes = any(cell.describe() for cell in model.cells)
     fused = any(fused_ops) and not same_ops
-    columns = ["layer", "module path", "cell", "heads (kv) × dim"] + (["window"] if windowed else [])
+    chunked = any(cell.spec.chunk is not None for cell in model.cells)
+    columns = ["layer", "module path", "cell", "heads (kv) × dim"]
+    columns += ["window / chunk" if chunked else "window"] if windowed else []
     columns += (["notes"] if notes else []) + (["fused ops"] if fused else [])
     lengths = " / ".join(f"{length:,}" for length in _LENGTHS)
     table = Table(
@@ -87,7 +89,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         row = [str(entry.layer), Text(entry.module_path), entry.target]
         row.append(f"{spec.num_heads} ({spec.num_kv_heads}) × {spec.head_dim}")
         if windowed:
-            row.append("" if spec.window is None else str(spec.window))
+            row.append("" if spec.keys_read is None else str(spec.window or f"chunk {spec.chunk}"))
         if notes:
             row.append(Text(cell.describe()))
         if fused:
@@ -114,6 +116,6 @@ def _memory_line(model) -> str:
     if not model.constant_memory:
         per_token = model.state_nbytes(1025) - model.state_nbytes(1024)
         return f"state grows with context, like a KV cache: {nbytes(per_token)} per token per sequence"
-    if any(cell.spec.window is not None for cell in model.cells if cell.grows_with_context):
-        return "state is constant once the model's sliding window is full: memory does not grow with context"
+    if any(cell.spec.keys_read is not None for cell in model.cells if cell.grows_with_context):
+        return "state is constant once the model's sliding window or chunk is full: memory does not grow with context"
     return "state is constant: memory does not grow with context"

@@ -19,7 +19,6 @@ import torch
 import torch.fx
 from torch.export import Dim
 
-from rnnify.compiler.chunked_attention import refuse_chunked_attention
 from rnnify.compiler.composite import language_model, loading_class
 from rnnify.compiler.data_dependence import data_dependence
 from rnnify.compiler.export_lengths import agreement, check_lengths, probed_lengths, refused_lengths
@@ -165,7 +164,6 @@ def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
     device = next(model.parameters()).device
     vocab = vocab_size(model.config)
     refuse_bidirectional_attention(type(model).__name__, model.config)
-    refuse_chunked_attention(type(model).__name__, model.config)
     refuse_sparse_attention(model)
     first = first_position(model, vocab)
     input_ids = torch.randint(0, vocab, (_EXAMPLE_BATCH, _EXAMPLE_LENGTH), device=device)

@@ -49,7 +49,10 @@ def _source_files(model: Any, source: torch.nn.Module) -> dict[str, bytes]:
         return {**files, "config.json": source.config.to_json_string().encode()}
     directory = Path(model).expanduser() if isinstance(model, (str, Path)) else None
     if directory is None or not directory.is_dir():
-        candidate = Path(getattr(source.config, "_name_or_path", "") or "/nonexistent")
+        # a loaded model: the directory it came from (a composite's: its text config names none)
+        named = getattr(getattr(model, "config", None), "_name_or_path", "")
+        named = named or getattr(source.config, "_name_or_path", "")
+        candidate = Path(named or "/nonexistent")
         directory = candidate if candidate.is_dir() else None
     files = {}
     if directory is not None:

@@ -211,8 +211,12 @@ class ConversionPlan:
         return self.default if rule is None else rule.target
 
     def cell_for(self, layer: int, spec: CellSpec) -> Cell:
-        """The cell of ``layer``'s attention, whose shape is ``spec``."""
+        """The cell of ``layer``'s attention, whose shape is ``spec``. A chunked layer (Llama 4's) that
+        no rule names is ``exact`` whatever the default target: its state is bounded by the chunk,
+        and only ``exact`` computes a chunk (a rule naming another target is refused by the cell)."""
         rule = self.rule_for(layer)
+        if rule is None and spec.chunk is not None:
+            return build_cell("exact", spec, self.options_for("exact"))
         if rule is None or rule.heads is None:
             target = self.target_for(layer)
             return build_cell(target, spec, self.options_for(target, rule.options if rule else ()))
@@ -247,9 +251,10 @@ class ConversionPlan:
         accepted = _accepted(target)
         return {**{k: v for k, v in self.options.items() if k in accepted}, **dict(own)}
 
-    def check(self, layers: Iterable[int]) -> None:
-        """Every rule and option must be used by some layer of the model."""
-        layers = sorted(set(layers))
+    def check(self, layers: Iterable[int], chunked: Iterable[int] = ()) -> None:
+        """Every rule and option must be used by some layer of the model (``chunked`` layers that no rule
+        names are exact: ``cell_for``)."""
+        layers, chunked = sorted(set(layers)), set(chunked)
         for rule in self.rules:
             if not any(rule.matches(layer) for layer in layers):
                 raise RnnifyError(
@@ -258,7 +263,9 @@ class ConversionPlan:
         used: set[str] = set()
         for layer in layers:
             rule = self.rule_for(layer)
-            if rule is None or (rule.heads and all(kv is not None for kv, _, _ in rule.heads)):
+            if rule is None and layer in chunked:
+                used.add("exact")
+            elif rule is None or (rule.heads and all(kv is not None for kv, _, _ in rule.heads)):
                 used.add(self.default)  # a heads rule without '*' gives the default the heads it does not name
             used |= rule.targets if rule is not None else set()
         self.check_options(used)

@@ -46,11 +46,13 @@ def softmax_attention(
     softcap: float | None = None,
     alibi_slopes: Sequence[float] | None = None,
     sink_logits: Sequence[float] | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """``softmax_attention(q [B,H,T,d], k [B,Hkv,T,d], v [B,Hkv,T,dv], mask [B,T], scale, window) -> [B,H,T,dv]`` fp32.
 
     Causal softmax attention of one call's tokens, as the original model computed it: query i
-    sees keys j <= i with ``i - j < window`` (if set) that ``mask`` marks real. Queries with no key
+    sees keys j <= i with ``i - j < window`` (if set), in its own ``chunk`` of real tokens (if set),
+    that ``mask`` marks real. Queries with no key
     to see (left padding) give 0, not NaN, so teacher forcing never spreads NaN downstream.
 
     The score terms, as ``CellSpec`` holds them: each score s = scale q_i . k_j becomes
@@ -63,6 +65,9 @@ def softmax_attention(
     if window is not None:
         allowed = allowed & (pos[:, None] - pos[None, :] < window)
     allowed = allowed[None, None] & mask.to(torch.bool)[:, None, None, :]  # [B, 1, T, T]
+    if chunk is not None:
+        of = (mask.long().cumsum(1) - 1).clamp_min(0) // chunk
+        allowed = allowed & (of[:, :, None] == of[:, None, :])[:, None]
     if softcap is None and alibi_slopes is None and sink_logits is None:
         out = F.scaled_dot_product_attention(
             q.float(), k.float(), v.float(), attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
@@ -170,7 +175,7 @@ class AttentionRecorder:
             valid = valid & self.loss_mask.to(device=valid.device, dtype=torch.bool)
         with torch.no_grad():
             terms = {name: getattr(cell.spec, name) for name in SCORE_TERMS}
-            target = softmax_attention(q, k, v, mask, cell.spec.scale, cell.spec.window, **terms)
+            target = softmax_attention(q, k, v, mask, cell.spec.scale, cell.spec.window, chunk=cell.spec.chunk, **terms)
         diff = out.float() - target  # [B, H, T, dv]
         per_token = torch.where(valid, diff.square().mean(dim=(1, 3)), 0.0)  # [B, T]; where: padding may be NaN
         tokens = valid.sum()

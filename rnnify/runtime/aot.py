@@ -108,10 +108,10 @@ def refusal(model: RecurrentModel) -> str | None:
     """Why ``model``'s step is not compiled ahead of time, in words; None when it can be."""
     if model.device.type != "cpu":
         return f"an ahead-of-time step is compiled for CPUs; this model is on {model.device}"
-    if any(cell.grows_with_context and cell.spec.window is not None for cell in model.cells):
+    if any(cell.grows_with_context and cell.spec.keys_read is not None for cell in model.cells):
         return (
-            "an ahead-of-time step is not built for caches that grow up to a sliding window "
-            "(exact layers of a sliding-window model): decode this model eagerly"
+            "an ahead-of-time step is not built for caches that grow up to a sliding window or chunk "
+            "(exact layers of a sliding-window or chunked-attention model): decode this model eagerly"
         )
     return None
 

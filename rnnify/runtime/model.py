@@ -131,7 +131,7 @@ class RecurrentModel(nn.Module):
     @property
     def constant_memory(self) -> bool:
         """True when the state does not grow with the context."""
-        return all(not c.grows_with_context or c.spec.window is not None for c in self.cells)
+        return all(not c.grows_with_context or c.spec.keys_read is not None for c in self.cells)
 
     def state_nbytes(self, length: int, batch_size: int = 1) -> int:
         """Bytes of state per ``batch_size`` sequences after ``length`` tokens."""

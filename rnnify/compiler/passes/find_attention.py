@@ -7,7 +7,8 @@ before a materialised ``repeat_kv`` so recurrent state stays per kv head), heads
 causality comes from, and the terms its scores carry (softcap, ALiBi slopes, sink logits). Masks
 and biases are not guessed from flags alone: the graph is run once on a short probe and what each
 site actually adds to its scores is read per head, which keys it allows (causal, or the config's
-sliding window) and, where it adds a float bias, that bias, which must be ALiBi's slope_h (j - i)
+sliding window or chunks; a window or chunk longer than the probe is the config's, as the probe
+cannot show it) and, where it adds a float bias, that bias, which must be ALiBi's slope_h (j - i)
 (docs/math.md §Score terms). A mask read from a constant buffer is read whole as well, since a
 window it applies may be wider than the probe (GPT-Neo's local layers). Sites that cannot become recurrent are
 rejected with an error naming the layer and the reason; a bias is never dropped.
@@ -63,10 +64,15 @@ class AttentionSite:
     alibi_slopes: tuple[float, ...] | None = None  # per query head: + slope_h (j - i), read by the probe
     sink_logits: tuple[float, ...] | None = None  # per query head: + exp(sink_h) in each denominator
     flat_output: bool = False  # the node replaced is [B H, T, d_v] (Bloom's bmm), not [B, H, T, d_v]
+    chunk: int | None = None  # chunked attention (keys of the query's own chunk): config, checked by the probe
 
     @property
     def where(self) -> str:
         return f"layer {self.layer} ({self.module_path})"
+
+    @property
+    def keys_read(self) -> int | None:
+        return self.window if self.chunk is None else self.chunk
 
 
 @dataclass
@@ -99,14 +105,19 @@ def find_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Graph
     for f, site in zip(found, described):
         for allowed in buffered_masks(gm, f.terms):
             site.window = _window_of_buffer(site, allowed)
-    windows = [s.window for s in described if s.window is not None and s.window <= _MAX_PROBE_LENGTH]
-    length = max([_PROBE_LENGTH] + [w + 1 for w in windows])
+    bounds = [s.keys_read for s in described if s.keys_read is not None and s.keys_read <= _MAX_PROBE_LENGTH]
+    length = max([_PROBE_LENGTH] + [w + 1 for w in bounds])
     values = _probe(gm, {t.value for f in found for t in [*f.terms, *([f.sinks] if f.sinks else [])]}, length)
     for f, site in zip(found, described):
         allowed, bias = _read_terms(site, f.terms, values, length)
         if f.eager is None and _sdpa_arguments(f.node).get("is_causal"):
             allowed &= torch.ones(allowed.shape, dtype=torch.bool).tril()
-        site.window = _check_causal(site, allowed)
+        if site.chunk is not None and not torch.equal(allowed, _chunked(length, site.chunk)):
+            site.chunk = None  # the graph is the truth: it does not apply its config's chunks
+        if site.chunk is None:  # else: its config's chunks (a probe within one chunk shows plain causal)
+            site.window = _check_causal(site, allowed)
+        elif site.window is not None:
+            raise UnsupportedModelError(f"{site.where}: a sliding window and chunked attention at once")
         site.alibi_slopes = _alibi_slopes(site, bias, allowed)
         site.sink_logits = None if f.sinks is None else _sink_logits(site, f.sinks, values[f.sinks.value], length)
         f.node.meta[SITE_KEY] = site
@@ -146,6 +157,22 @@ def _config_window(config, layer: int) -> int | None:
     if getattr(config, "use_sliding_window", True) is False:
         return None
     return int(window)
+
+
+def config_chunk(config, layer: int) -> int | None:
+    """The chunk of a layer the config gives chunked attention (Llama 4's ``attention_chunk_size`` on
+    the layers its ``layer_types`` names ``chunked_attention``)."""
+    chunk, layer_types = getattr(config, "attention_chunk_size", None), getattr(config, "layer_types", None)
+    if not chunk or layer_types is None or layer >= len(layer_types):
+        return None
+    return int(chunk) if layer_types[layer] == "chunked_attention" else None
+
+
+def _chunked(length: int, chunk: int) -> torch.Tensor:
+    """``[T, T]``: causal attention within chunks of ``chunk`` tokens."""
+    position = torch.arange(length)
+    same = position[:, None] // chunk == position[None, :] // chunk
+    return same & torch.ones(length, length, dtype=torch.bool).tril()
 
 
 _SAME_DTYPE_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default}
@@ -249,6 +276,7 @@ def _describe(node: torch.fx.Node, index: int, config, eager: EagerAttention | N
         gqa=gqa,
         mask_source=mask_source,
         window=_config_window(config, layer),
+        chunk=config_chunk(config, layer),
         hidden=_layer_input(value),
         softcap=softcap,
         flat_output=eager is not None and eager.flat,

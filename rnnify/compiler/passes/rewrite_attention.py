@@ -11,6 +11,7 @@ target that cannot compute them is refused, naming the layer.
 from __future__ import annotations
 
 import operator
+import warnings
 
 import torch
 import torch.fx
@@ -18,13 +19,13 @@ import torch.fx
 from rnnify.cells import CellSpec
 from rnnify.compiler.passes.context import PassContext
 from rnnify.compiler.passes.find_attention import SITE_KEY, sites
-from rnnify.errors import RnnifyError, UnsupportedModelError
+from rnnify.errors import RnnifyError, RnnifyWarning, UnsupportedModelError
 
 CELL_KEY = "rnnify_cell"
 
 
 def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    ctx.plan.check(site.layer for _, site in sites(gm))
+    ctx.plan.check((site.layer for _, site in sites(gm)), (site.layer for _, site in sites(gm) if site.chunk))
     for node, site in sites(gm):
         hidden_size = int(site.hidden.meta["val"].shape[-1]) if site.hidden is not None else None
         spec = CellSpec(
@@ -38,6 +39,7 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
             softcap=site.softcap,
             alibi_slopes=site.alibi_slopes,
             sink_logits=site.sink_logits,
+            chunk=site.chunk,
         )
         name = f"cells.{site.index}"
         try:
@@ -61,6 +63,14 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     _erase_unused_dropout(gm)
+    kept = sorted({s.layer for _, s in sites(gm) if s.chunk is not None and ctx.plan.rule_for(s.layer) is None})
+    if kept and ctx.plan.default != "exact":
+        warnings.warn(
+            f"layer{'s' * (len(kept) > 1)} {', '.join(map(str, kept))} attend{'s' * (len(kept) == 1)} in chunks "
+            "(the model's own chunked attention): kept exact, their state bounded by the chunk",
+            RnnifyWarning,
+            stacklevel=2,
+        )
     return gm
 
 
