@@ -190,7 +190,7 @@ def _convert(name: str):
     )
 
 
-SITE_FIELDS = ("num_heads", "num_kv_heads", "head_dim", "value_dim", "window")
+SITE_FIELDS = ("num_heads", "num_kv_heads", "head_dim", "value_dim", "window", "chunk")
 
 
 def auto_probe(model, ids, converted, tol: float) -> dict:
@@ -404,7 +404,7 @@ def markdown(sweep: dict) -> str:
         "score terms) and its pass with every head exact gives the original's logits (within the same "
         "tolerance), through transformers' attention interface or, where that does not reach the "
         "model's attention (`scored*`), through the model's exact conversion; `refused` (the why column "
-        "says why) where a layer computes attention at more than one site or in chunks. "
+        "says why) where a layer computes attention at more than one site. "
         + ", ".join(f"{s}: {n}" for s, n in auto.items())
         + ".",
         "",

@@ -42,6 +42,12 @@ FAMILIES = {
         "gpt_neo",
         dict(window_size=8, attention_types=[[["global", "local"], 1]], initializer_range=0.3),
     ),
+    "llama4_text": (  # layer 0 attends in chunks of 8 tokens: kept exact, not scored
+        "llama4_text",
+        dict(
+            head_dim=16, intermediate_size_mlp=128, num_local_experts=2, no_rope_layers=[1, 0], attention_chunk_size=8
+        ),
+    ),
     "granitemoehybrid": (
         "granitemoehybrid",
         dict(layer_types=["mamba", "attention"], mamba_d_state=16, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1),
@@ -83,8 +89,9 @@ def test_the_probe_records_the_compilers_sites_and_computes_the_original(name):
     assert sorted(specs) == sorted(sites)  # the attention layers, and only those
     for layer, spec in specs.items():
         site = sites[layer]
-        shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.value_dim, spec.window)
-        assert shape == tuple(site.get(k) for k in ("num_heads", "num_kv_heads", "head_dim", "value_dim", "window"))
+        shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.value_dim, spec.window, spec.chunk)
+        keys = ("num_heads", "num_kv_heads", "head_dim", "value_dim", "window", "chunk")
+        assert shape == tuple(site.get(k) for k in keys)
         assert spec.scale == pytest.approx(site["scale"])
         for term in ("softcap", "alibi_slopes", "sink_logits"):
             mine, theirs = getattr(spec, term), site.get(term)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rnnify
-from rnnify.auto import HeadScorer
+from rnnify.auto import HeadScorer, convert_chosen
 from rnnify.cells.base import CellSpec
 from rnnify.cells.exact import ExactCell
 from rnnify.errors import RnnifyError
@@ -138,12 +138,14 @@ def test_a_rule_naming_another_target_for_a_chunked_layer_is_refused(llama4):
         rnnify.convert(llama4, to="exact", layers="0:window", window=4)
 
 
-def test_auto_refuses_chunked_attention(llama4):
-    with pytest.raises(
-        RnnifyError,
-        match=r"layer 0 attends in chunks of 8 tokens \(chunked attention\).*a plain --to target keeps them",
-    ):
-        HeadScorer(llama4, ids(64), score="kl", window=4, sinks=1, calib_len=64, calib_rows=2, passkey=0)
+def test_auto_keeps_chunked_layers_exact_and_chooses_among_the_others(llama4):
+    scorer = HeadScorer(llama4, ids(64), score="kl", window=4, sinks=1, calib_len=64, calib_rows=2, passkey=0)
+    assert scorer.exact_layers == {0} and {layer for layer, _ in scorer.heads} == {1}
+    report = scorer.choose("100%", 1000)
+    assert set(report.kinds) == {"1.0", "1.1"}  # the chunked layer's heads are not offered
+    model = convert_chosen(llama4, report)
+    assert [entry.target for entry in model.manifest.cells][0] == "exact"
+    assert report.state_bytes == model.state_nbytes(1000)
 
 
 def test_the_whole_llama4_converts_its_language_model_exactly(llama4):

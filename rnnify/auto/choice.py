@@ -96,9 +96,10 @@ def head_costs(
 
 def kv_cache_bytes(specs: Specs, context: int, dtype: torch.dtype) -> int:
     """The original's KV cache per sequence at ``context`` tokens: keys and values of every kv head
-    of every attention layer, of the last ``window`` tokens where the layer has a sliding window."""
+    of every attention layer, of the last ``window`` tokens where the layer has a sliding window (of
+    its ``chunk`` where it attends in chunks)."""
     return (
-        sum(s.num_kv_heads * (s.head_dim + s.value_dim) * min(context, s.window or context) for s in specs.values())
+        sum(s.num_kv_heads * (s.head_dim + s.value_dim) * min(context, s.keys_read or context) for s in specs.values())
         * dtype.itemsize
     )
 

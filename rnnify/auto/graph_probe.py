@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
@@ -22,7 +23,6 @@ from rnnify.cells.base import CellSpec
 from rnnify.cells.exact import ExactCell
 from rnnify.compiler.composite import language_model
 from rnnify.compiler.passes.find_attention import config_chunk
-from rnnify.errors import UnsupportedModelError
 
 
 class ProbeCell(ExactCell):
@@ -41,6 +41,8 @@ class ProbeCell(ExactCell):
         allowed = j <= i
         if self.spec.window is not None:
             allowed = allowed & (i - j < self.spec.window)
+        if self.spec.chunk is not None:  # a probe row has no padding: its chunks count from 0
+            allowed = allowed & (i // self.spec.chunk == j // self.spec.chunk)
         slopes = None if terms is None else terms.slopes  # [Hkv, G, 1, 1]
         sinks = None if terms is None else terms.sinks  # [Hkv, G, 1]
         bias = None if slopes is None else slopes.reshape(1, -1, 1, 1) * (j - i).float()
@@ -90,25 +92,18 @@ def probe_runner(source: torch.nn.Module, dtype: torch.dtype, ids: torch.Tensor)
     """The runner that scores ``source``'s heads and its attention layers' sites: through
     transformers' attention interface where its attention goes through it (``InterfaceRunner``),
     else through its exact conversion (``GraphRunner``). A composite model is scored by its language
-    model, which is what converting it converts (``rnnify.compiler.composite``). Chunked attention
-    (Llama 4's) is refused: the kinds it chooses among approximate full attention, and only
-    ``exact`` computes a chunk."""
+    model, which is what converting it converts (``rnnify.compiler.composite``). A layer the config
+    gives chunked attention (Llama 4's) has the chunk in its spec: only ``exact`` computes it, so
+    ``--to auto`` keeps it exact (``HeadScorer``)."""
     source = language_model(source)
-    config = source.config
-    chunked = [i for i in range(len(getattr(config, "layer_types", None) or [])) if config_chunk(config, i)]
-    if chunked:
-        raise UnsupportedModelError(
-            f"--to auto: layer{'s' * (len(chunked) > 1)} {', '.join(map(str, chunked))} attend"
-            f"{'s' * (len(chunked) == 1)} in chunks of {config.attention_chunk_size} "
-            "tokens (chunked attention), which only exact computes; a plain --to target keeps them exact "
-            "and converts the other layers"
-        )
     runner = InterfaceRunner(source)
     try:
-        return runner, runner.specs(ids)
+        specs = runner.specs(ids)
     except NoInterfaceError:
-        graph = GraphRunner(source, dtype)
-        return graph, graph.specs(ids)
+        runner = GraphRunner(source, dtype)
+        specs = runner.specs(ids)
+    chunks = {layer: config_chunk(source.config, layer) for layer in specs}
+    return runner, {layer: replace(spec, chunk=chunks[layer]) for layer, spec in specs.items()}
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ of cells would cost it, before anything is converted. The kinds are those of ``r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -414,12 +414,14 @@ def score_heads(
     scores=SCORES,
     levels: Sequence[Level] = (),
     progress: Callable[[int], None] | None = None,
+    exact_layers: Collection[int] = (),
 ) -> tuple[dict[str, dict[Head, float]], dict[str, dict[str, dict[Head, float]]], list[torch.Tensor]]:
     """Per kv head, each score in ``scores``: what it loses streaming (a ``window``-token window
     and the sinks); per kind of ``levels``, what it loses as that kind (``exact``: nothing); and the
     original's logits per row (for ``measure_kl``). ``progress(n)`` is told of each forward pass:
     one per row, and for ``kl`` one per row, kv head and kind that is not exact, streaming included.
-    ``source``: a Hugging Face model or a runner (``runner_of``)."""
+    The heads of ``exact_layers`` stay exact and get no scores. ``source``: a Hugging Face model or a
+    runner (``runner_of``)."""
     run = runner_of(source)
     step = progress or (lambda n: None)
     measured = [level for level in levels if level.target != "exact"]
@@ -439,7 +441,7 @@ def score_heads(
             step(1)
         if probe.calls == 0:
             raise NoInterfaceError(_NO_INTERFACE)
-        heads = sorted(masses[0][streaming.text])
+        heads = sorted(head for head in masses[0][streaming.text] if head[0] not in exact_layers)
         probe.mass = None
         for name in scores:
             scored = [level for level in levels if name != "mass" or level.target in MASS_KINDS]

@@ -102,11 +102,13 @@ class HeadScorer:
             tokenizer = load_tokenizer(model)
         self.calibration = calibration_rows(tokenizer, data, calib_len, calib_rows, passkey, seed)
         self.runner, self.specs = probe_runner(self.source, self.dtype, self.calibration.rows[0][:, :_SPEC_TOKENS])
+        # chunked attention (Llama 4's): only exact computes it, and its state is bounded already
+        self.exact_layers = {layer for layer, spec in self.specs.items() if spec.chunk is not None}
         check_kinds(self.specs, self.levels, window, sinks)
         rows = len(self.calibration.rows)
         saved = None if scores_from is None else read_scores(scores_from, score, window, sinks, self.levels)
         wanted = () if saved else (score, "mass") if score == "kl" else (score,)
-        heads = sum(s.num_kv_heads for s in self.specs.values())
+        heads = sum(s.num_kv_heads for layer, s in self.specs.items() if layer not in self.exact_layers)
         kinds = 1 + sum(level.target != "exact" for level in self.levels)  # streaming and each kind that is not exact
         passes = rows * (1 + (heads * kinds if "kl" in wanted else 0))
         with tqdm(
@@ -117,10 +119,22 @@ class HeadScorer:
             leave=False,
         ) as bar:
             self.scores, self.level_scores, self.originals = score_heads(
-                self.runner, self.calibration, window, sinks, wanted, self.levels, progress=bar.update
+                self.runner,
+                self.calibration,
+                window,
+                sinks,
+                wanted,
+                self.levels,
+                progress=bar.update,
+                exact_layers=self.exact_layers,
             )
         if saved:
-            model_heads = {(layer, h) for layer, spec in self.specs.items() for h in range(spec.num_kv_heads)}
+            model_heads = {
+                (layer, h)
+                for layer, spec in self.specs.items()
+                if layer not in self.exact_layers
+                for h in range(spec.num_kv_heads)
+            }
             if set(saved[0][score]) != model_heads:
                 raise RnnifyError(
                     f"{scores_from}: its scores name {len(saved[0][score])} kv heads, this model has "
@@ -200,7 +214,8 @@ class HeadScorer:
             )
         check_kinds(specs, levels, self.window, self.sinks, memory, memory_options, given)
         costs = {"window": self.window, "sinks": self.sinks, "dtype": dtype}
-        units = [[h for h in self.heads if h[0] == layer] for layer in specs] if per_layer else None
+        units = [[h for h in self.heads if h[0] == layer] for layer in specs if layer not in self.exact_layers]
+        units = units if per_layer else None
         kinds = choose(
             benefits,
             levels,
@@ -217,7 +232,7 @@ class HeadScorer:
         )
         if len(kinds) == len(self.heads):  # no head streams: no memory anywhere
             memory, memory_options = None, None
-        full = next((spec for spec in specs.values() if spec.window is None), next(iter(specs.values())))
+        full = next((spec for spec in specs.values() if spec.keys_read is None), next(iter(specs.values())))
         by_bytes = sorted(levels, key=lambda level: one_head_bytes(full, level, context=context, **costs))
         head_bytes = {
             "streaming": one_head_bytes(
@@ -407,14 +422,19 @@ REPORT_FILE = "head_map.json"  # saved beside a model converted with --to auto
 def _check_sites(report: HeadReport, entries) -> None:
     """The conversion found the attention layers and kv heads the probe scored: a choice is made per
     (layer, kv head), and a site whose keys the compiler sees repeated per query head, or a layer
-    numbered otherwise, would give the chosen kinds to other heads."""
+    numbered otherwise, would give the chosen kinds to other heads. Chunked layers, never scored,
+    are exact whatever the choice (``ConversionPlan.cell_for``)."""
     from rnnify.cells import OWN_LAYERS
 
     scored: dict[int, int] = {}
     for head in report.kinds:
         layer = int(head.split(".")[0])
         scored[layer] = scored.get(layer, 0) + 1
-    found = {entry.layer: entry.spec["num_kv_heads"] for entry in entries if entry.target not in OWN_LAYERS}
+    found = {
+        entry.layer: entry.spec["num_kv_heads"]
+        for entry in entries
+        if entry.target not in OWN_LAYERS and entry.spec.get("chunk") is None
+    }
     if found != scored:
         raise RnnifyError(
             f"--to auto scored kv heads per attention layer {scored}, but the conversion found {found}: "
