@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from rnnify.cells.base import SCORE_TERMS, Cell, CellSpec
 from rnnify.cells.online_softmax import (
     ScoreTerms,
+    chunk_of,
     finite_or_zero,
     online_softmax_init,
     online_softmax_update,
@@ -89,15 +90,9 @@ def _block_allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None)
     return allowed
 
 
-def _chunks(valid: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``[B, N]``: the chunk of each cache position, chunks of ``chunk`` real tokens counted from the
-    first cached (docs/math.md §Softmax attention as an RNN)."""
-    return real_positions(valid).clamp_min(0) // chunk
-
-
 def _chunk_allowed(of: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """``[B, 1, t, n]``: is the key at cache position ``k_pos[j]`` in the chunk of the query at
-    ``q_pos[i]`` (``of``: ``_chunks``)."""
+    ``q_pos[i]`` (``of``: ``chunk_of``)."""
     return (of[:, q_pos, None] == of[:, None, k_pos])[:, None]
 
 
@@ -196,7 +191,7 @@ def sdpa_softmax_attn(
         )
         return out.to(values.dtype)
     # a decode token reads its chunk's keys, the only valid ones ExactCell keeps: no chunk mask then
-    of = _chunks(valid, chunk) if chunk is not None and length > 1 else None
+    of = chunk_of(valid, chunk) if chunk is not None and length > 1 else None
     outs = []
     for start, end, first, stop in _query_blocks(length, total, window, block_size):
         if of is not None:
@@ -239,7 +234,8 @@ def scored_softmax_attn(
     length, total = q.shape[2], keys.shape[2]
     q = _grouped(q, keys.shape[1], scale, torch.promote_types(q.dtype, torch.float32))
     position = real_positions(valid)
-    of = None if chunk is None else _chunks(valid, chunk)
+    # a decode token reads its chunk's keys, the only valid ones ExactCell keeps: no chunk mask then
+    of = chunk_of(valid, chunk) if chunk is not None and length > 1 else None
     outs = []
     for start, end, first, stop in _query_blocks(length, total, window, block_size):
         if of is not None:
@@ -338,7 +334,6 @@ def _current_chunk(valid: torch.Tensor, chunk: int) -> torch.Tensor:
     """``valid`` with only the keys of each row's unfinished chunk left valid (none once its last
     chunk is full): the keys a later token may read, counted from a chunk's start, so that the
     count of valid keys is the next token's place in its chunk."""
-    position = real_positions(valid)
-    last = position[:, -1:]  # each row's last real token (-1: none yet)
+    last = real_positions(valid)[:, -1:]  # each row's last real token (-1: none yet)
     unfinished = (last + 1) % chunk != 0
-    return valid & (position.clamp_min(0) // chunk == last.clamp_min(0) // chunk) & unfinished
+    return valid & (chunk_of(valid, chunk) == last.clamp_min(0) // chunk) & unfinished

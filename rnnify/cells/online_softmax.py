@@ -128,3 +128,10 @@ def real_positions(valid: torch.Tensor) -> torch.Tensor:
     """``[B, N]``: each entry's index among its row's real tokens (``valid``), the i and j of ALiBi's
     slope (j - i): left padding shifts no distance."""
     return valid.long().cumsum(1) - 1
+
+
+def chunk_of(valid: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``[B, N]``: each entry's chunk of ``chunk`` real tokens (``valid``), counted from the first
+    (chunked attention: a query reads the keys of its own chunk;
+    docs/math.md §Softmax attention as an RNN)."""
+    return real_positions(valid).clamp_min(0) // chunk

@@ -12,8 +12,9 @@ causal LM like any other. The encoder is left out, so the converted model reads 
 What is taken out must compute what the whole computes on text, and it might not (a head the whole
 scales differently, tokens the whole treats apart): so both run on a few tokens, and a whole whose
 text path differs is refused (a check on a few tokens: a difference that shows only on longer or
-padded inputs is the exact check's and verify's to find). A Qwen-VL decoder takes 2-D positions as every position axis at once,
-which makes its multimodal RoPE the plain RoPE of text; the check holds it to the whole as well.
+padded inputs is the exact check's and verify's to find). A Qwen-VL decoder takes 2-D positions
+as every position axis at once, which makes its multimodal RoPE the plain RoPE of text; the check
+holds it to the whole as well.
 """
 
 from __future__ import annotations
@@ -58,14 +59,21 @@ def language_model(model: torch.nn.Module) -> torch.nn.Module:
         return model
     name, head, decoder = type(model).__name__, model.get_output_embeddings(), model.get_decoder()
     if decoder.get_output_embeddings() is not None:  # its language model is a causal LM already (Kosmos-2.5)
-        candidates = [decoder]
+        candidates = [lambda: decoder]
     elif head is None:
         raise UnsupportedModelError(f"{name}: a composite model without an output head over tokens")
-    else:
-        candidates = [_in_causal_lm_class(model, head), _text_path_class()(model, head)]
+    else:  # built only if the one before differs from the whole
+        text_config = model.config.get_text_config(decoder=True)
+        candidates = [
+            lambda: _in_causal_lm_class(text_config, decoder, head),
+            lambda: _text_path_class()(text_config, decoder, head),
+        ]
     ids, want = _whole_on_text(model)
     differences = []
-    for text in filter(None, candidates):
+    for build in candidates:
+        text = build()
+        if text is None:
+            continue
         difference = _difference(text.eval(), ids, want)
         if difference is None:
             warnings.warn(
@@ -82,13 +90,12 @@ def language_model(model: torch.nn.Module) -> torch.nn.Module:
     )
 
 
-def _in_causal_lm_class(model: torch.nn.Module, head: torch.nn.Module) -> torch.nn.Module | None:
+def _in_causal_lm_class(text_config: Any, decoder: torch.nn.Module, head: torch.nn.Module) -> torch.nn.Module | None:
     """The whole's decoder and head in transformers' causal LM class for its text config (which adds
     what that family computes after the decoder: Gemma's final softcap); None where it has none, or
     its decoder or weights are not the whole's."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    text_config, decoder = model.config.get_text_config(decoder=True), model.get_decoder()
     try:
         text_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(text_config)]
     except KeyError:
@@ -118,9 +125,9 @@ def _text_path_class() -> type:
         _supports_sdpa = _supports_flex_attn = _supports_attention_backend = True
         _can_set_attn_implementation_cached_value = _can_set_experts_implementation_cached_value = True
 
-        def __init__(self, whole: torch.nn.Module, head: torch.nn.Module):
-            super().__init__(whole.config.get_text_config(decoder=True))
-            self.model, self.lm_head = whole.get_decoder(), head
+        def __init__(self, config: Any, decoder: torch.nn.Module, head: torch.nn.Module):
+            super().__init__(config)
+            self.model, self.lm_head = decoder, head
 
         def forward(self, input_ids=None, position_ids=None, attention_mask=None, use_cache=False, **kwargs):
             hidden = self.model(

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from rnnify.cells import Cell
 from rnnify.cells.base import SCORE_TERMS
+from rnnify.cells.online_softmax import chunk_of
 from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel
 
@@ -66,7 +67,7 @@ def softmax_attention(
         allowed = allowed & (pos[:, None] - pos[None, :] < window)
     allowed = allowed[None, None] & mask.to(torch.bool)[:, None, None, :]  # [B, 1, T, T]
     if chunk is not None:
-        of = (mask.long().cumsum(1) - 1).clamp_min(0) // chunk
+        of = chunk_of(mask.to(torch.bool), chunk)
         allowed = allowed & (of[:, :, None] == of[:, None, :])[:, None]
     if softcap is None and alibi_slopes is None and sink_logits is None:
         out = F.scaled_dot_product_attention(

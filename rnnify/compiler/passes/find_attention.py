@@ -70,10 +70,6 @@ class AttentionSite:
     def where(self) -> str:
         return f"layer {self.layer} ({self.module_path})"
 
-    @property
-    def keys_read(self) -> int | None:
-        return self.window if self.chunk is None else self.chunk
-
 
 @dataclass
 class _Found:
@@ -105,8 +101,8 @@ def find_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Graph
     for f, site in zip(found, described):
         for allowed in buffered_masks(gm, f.terms):
             site.window = _window_of_buffer(site, allowed)
-    bounds = [s.keys_read for s in described if s.keys_read is not None and s.keys_read <= _MAX_PROBE_LENGTH]
-    length = max([_PROBE_LENGTH] + [w + 1 for w in bounds])
+    bounds = [s.chunk or s.window for s in described]  # a site has one or neither
+    length = max([_PROBE_LENGTH] + [b + 1 for b in bounds if b is not None and b <= _MAX_PROBE_LENGTH])
     values = _probe(gm, {t.value for f in found for t in [*f.terms, *([f.sinks] if f.sinks else [])]}, length)
     for f, site in zip(found, described):
         allowed, bias = _read_terms(site, f.terms, values, length)
