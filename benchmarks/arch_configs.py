@@ -169,6 +169,7 @@ SPECIAL: dict[str, dict] = {
     "bamba": {"attn_layer_indices": [1]},  # a default config has no attention layer
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"], "attention_window_size": 8},  # default: 2 recurrent
     "zamba": {
         "num_hidden_layers": 4,
         "attn_layer_period": 2,

@@ -4,7 +4,7 @@ prefill, and converted models equal the original ones, left padding included
 (rnnify/compiler/passes/rewrite_scans.py).
 
 Each family's test module (test_ssd_layers.py, test_selective_scan_layers.py,
-test_gated_delta_layers.py, test_kda_layers.py) holds what only it has, and what these tests take:
+test_gated_delta_layers.py, test_kda_layers.py, test_rg_lru_layers.py) holds what only it has, and what these tests take:
 ``CHUNK`` (its prefill's chunk), ``new_cell()`` (a cell of the module's sizes),
 ``reference_loop(*inputs, mask, state)`` (its fp64 loop), ``draw_inputs(gen, batch, length)``
 (fp64 inputs and a state), ``MODELS`` and ``tiny_model(model_type)``."""
@@ -17,6 +17,7 @@ import dataclasses
 import pytest
 import test_gated_delta_layers
 import test_kda_layers
+import test_rg_lru_layers
 import test_selective_scan_layers
 import test_ssd_layers
 import torch
@@ -40,6 +41,7 @@ FAMILIES = {
     "selective_scan": test_selective_scan_layers,
     "gated_delta_rule": test_gated_delta_layers,
     "kda": test_kda_layers,
+    "rg_lru": test_rg_lru_layers,
 }
 FAMILY_OF = {model: family for family, module in FAMILIES.items() for model in module.MODELS}
 TRANSFORMERS_LOOPS = {"gated_delta_rule": torch_recurrent_gated_delta_rule, "kda": recurrent_kimi_delta_attention}
@@ -47,9 +49,10 @@ TRANSFORMERS_LOOPS = {"gated_delta_rule": torch_recurrent_gated_delta_rule, "kda
 CELLS = {
     "falcon_h1": {"ssd": 2, "short_conv": 2, "exact": 2},  # attention and Mamba in each layer
     "zamba": {"selective_scan": 4, "short_conv": 2, "exact": 2},  # one cell per Mamba head
+    "recurrent_gemma": {"rg_lru": 2, "short_conv": 2, "exact": 1},  # two recurrent blocks, then attention
 }
 # the families whose tiny models are drawn so that their state moves the logits far past the tolerance
-STATE_MOVES_LOGITS = {"selective_scan"}
+STATE_MOVES_LOGITS = {"selective_scan", "rg_lru"}
 PROMPT = 70  # of 90 tokens: the prefill passes a chunk of every source's scan and cell's, then 20 steps
 
 
@@ -142,7 +145,7 @@ def test_exact_equals_the_original_prefill_and_steps(name, converted):
     assert_steps_and_split_prefill_match(model, ids[:, :40], split=17)
 
 
-@pytest.mark.parametrize("name", ["bamba", "jamba", "qwen3_next", "kimi_linear"])
+@pytest.mark.parametrize("name", ["bamba", "jamba", "qwen3_next", "kimi_linear", "recurrent_gemma"])
 def test_left_padded_rows_equal_rows_alone(name, converted):
     """Rows of 3, 70 (past a chunk of every cell's) and 9 tokens."""
     _, model = converted(name)

@@ -6,8 +6,9 @@ not ``--to`` targets, and ``build_cell`` builds them from their saved options to
 (``--layers``'s ``heads(...)``), and the ``Cell.own_layer`` cells (``OWN_LAYERS``) carry a model's
 own recurrent layers, which stay as they are whatever the attention becomes: ``ShortConvCell``
 (``"short_conv"``), ``SSDCell`` (``"ssd"``, Mamba-2), ``SelectiveScanCell`` (``"selective_scan"``,
-Mamba-1), ``GatedDeltaRuleCell`` (``"gated_delta_rule"``, Gated DeltaNet) and
-``KimiDeltaAttentionCell`` (``"kda"``, Kimi Delta Attention).
+Mamba-1), ``GatedDeltaRuleCell`` (``"gated_delta_rule"``, Gated DeltaNet),
+``KimiDeltaAttentionCell`` (``"kda"``, Kimi Delta Attention) and ``RGLRUCell`` (``"rg_lru"``,
+Griffin's RG-LRU).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from rnnify.cells.gated_delta import GatedDeltaRuleCell
 from rnnify.cells.heads import HeadSplitCell
 from rnnify.cells.kda import KimiDeltaAttentionCell
 from rnnify.cells.registry import CELLS, build_target_cell, construct
+from rnnify.cells.rg_lru import RGLRUCell
 from rnnify.cells.selective_scan import SelectiveScanCell
 from rnnify.cells.short_conv import ShortConvCell
 from rnnify.cells.ssd import SSDCell
@@ -34,6 +36,7 @@ __all__ = [
     "HeadSplitCell",
     "KimiDeltaAttentionCell",
     "OWN_LAYERS",
+    "RGLRUCell",
     "SSDCell",
     "SelectiveScanCell",
     "ShortConvCell",
@@ -44,7 +47,15 @@ __all__ = [
 
 _NOT_TARGETS: dict[str, type[Cell]] = {
     cls.target: cls
-    for cls in (HeadSplitCell, ShortConvCell, SSDCell, GatedDeltaRuleCell, KimiDeltaAttentionCell, SelectiveScanCell)
+    for cls in (
+        HeadSplitCell,
+        ShortConvCell,
+        SSDCell,
+        GatedDeltaRuleCell,
+        KimiDeltaAttentionCell,
+        SelectiveScanCell,
+        RGLRUCell,
+    )
 }
 # targets of the cells that carry a model's own recurrent layers (``Cell.own_layer``), as manifests name them
 OWN_LAYERS = frozenset(target for target, cls in _NOT_TARGETS.items() if cls.own_layer)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from rnnify.cells.base import Cell, CellSpec, zero_fp32_state
+from rnnify.kernels.scan import doubling_linear_recurrence
 
 # Tokens per chunk of the prefill: the doubling scan holds a chunk's [L, D, N] states and decays.
 CHUNK = 64
@@ -65,20 +66,15 @@ def naive_recurrent_selective_scan(x, dt, A, B, C, D, z, dt_bias, mask, state) -
 
 def chunk_selective_scan(x, dt, A, B, C, state, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """The scan without the skip term and gate, fp32, ``chunk`` tokens at a time. Within a chunk,
-    the pairs (decay a_t, input u_t) of h_t = a_t h_{t-1} + u_t are combined by doubling: after
-    the steps of 1, 2, 4, ... tokens, (a_t, u_t) is the whole chunk's up to t, so h_t = a_t h_in + u_t
-    with h_in the state entering the chunk. x, dt ``[b, t, D]``, A ``[D, N]``, B/C ``[b, t, N]``,
-    state ``[b, D, N]``."""
+    the pairs (decay a_t, input u_t) of h_t = a_t h_{t-1} + u_t are combined by doubling
+    (``doubling_linear_recurrence``), so h_t = a_t h_in + u_t with h_in the state entering the chunk.
+    x, dt ``[b, t, D]``, A ``[D, N]``, B/C ``[b, t, N]``, state ``[b, D, N]``."""
     outs = []
     for start in range(0, x.shape[1], chunk):
         part = slice(start, start + chunk)
         decay = torch.exp(dt[:, part, :, None] * A)  # [b, L, D, N]
         added = (dt[:, part] * x[:, part])[..., None] * B[:, part, None, :]
-        span = 1
-        while span < decay.shape[1]:  # each token's pair now covers the 2 * span tokens up to it
-            added = torch.cat([added[:, :span], decay[:, span:] * added[:, :-span] + added[:, span:]], dim=1)
-            decay = torch.cat([decay[:, :span], decay[:, span:] * decay[:, :-span]], dim=1)
-            span *= 2
+        decay, added = doubling_linear_recurrence(decay, added)
         states = decay * state[:, None] + added
         outs.append(torch.einsum("bldn,bln->bld", states, C[:, part]))
         state = states[:, -1]

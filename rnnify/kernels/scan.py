@@ -45,6 +45,19 @@ def naive_linear_recurrence(a, b, initial_state=None, reverse=False, output_fina
     return xs, (x if output_final_state else None)
 
 
+def doubling_linear_recurrence(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefix pairs of x_t = a_t x_{t-1} + b_t over dim 1, by doubling (Hillis and Steele 1986):
+    after the steps of 1, 2, 4, ... tokens each pair covers every token up to its own, so
+    x_t = A_t x_0 + B_t for the returned (A, B). log2(T) vectorised steps over the whole of a and b,
+    which callers keep to a chunk of tokens."""
+    span = 1
+    while span < a.shape[1]:
+        b = torch.cat([b[:, :span], a[:, span:] * b[:, :-span] + b[:, span:]], dim=1)
+        a = torch.cat([a[:, :span], a[:, span:] * a[:, :-span]], dim=1)
+        span *= 2
+    return a, b
+
+
 def naive_aaren_scan(s, v, initial_state=None, output_final_state=False):
     B, T, H, D = v.shape
     if initial_state is None:

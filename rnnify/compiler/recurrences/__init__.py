@@ -1,11 +1,12 @@
 """Capture a model's own recurrent layers (Mamba-2's scan, ...) as one op each, for ``rewrite_scans``.
 
 transformers writes a hybrid's recurrent layers as module-level functions its mixers call, e.g.
-``mamba2_scan_forward(mixer, x, B, C, dt, cache)``: functions that ``kernels`` may replace by a
+``mamba2_scan_forward(mixer, x, B, C, dt, cache)`` (or as a layer's method: RecurrentGemma's
+``RecurrentGemmaRglru._rnn_scan``): functions that ``kernels`` may replace by a
 runtime that keeps the recurrent state itself, which is what rnnify does. Exported as they are,
 their chunked forms pad the tokens to a multiple of a chunk size, which torch.export cannot keep
 dynamic. During capture, ``own_recurrences`` swaps each such function, in the model's own
-modeling module, for a stand-in that calls one ``rnnify::`` op with the mixer's weights: one node
+modeling module (or on its layer class), for a stand-in that calls one ``rnnify::`` op with the mixer's weights: one node
 that says what the layer computes, which ``rewrite_scans`` turns into the cell that carries its
 state. One module per family (``mamba2``, ...) declares its ``OwnRecurrence``.
 """
@@ -24,10 +25,11 @@ from rnnify.compiler.recurrences.gated_delta import GATED_DELTA
 from rnnify.compiler.recurrences.kda import KDA
 from rnnify.compiler.recurrences.mamba import MAMBA_SCAN_FORWARD, MAMBA_SELECTIVE_SCAN
 from rnnify.compiler.recurrences.mamba2 import MAMBA2
+from rnnify.compiler.recurrences.rg_lru import RG_LRU
 
 __all__ = ["FAMILIES", "OWN_LAYER_OPS", "OwnRecurrence", "own_recurrences"]
 
-FAMILIES: tuple[OwnRecurrence, ...] = (MAMBA2, GATED_DELTA, KDA, MAMBA_SCAN_FORWARD, MAMBA_SELECTIVE_SCAN)
+FAMILIES: tuple[OwnRecurrence, ...] = (MAMBA2, GATED_DELTA, KDA, MAMBA_SCAN_FORWARD, MAMBA_SELECTIVE_SCAN, RG_LRU)
 OWN_LAYER_OPS = frozenset(family.op for family in FAMILIES)
 
 
@@ -37,6 +39,10 @@ def own_recurrences(model: torch.nn.Module) -> Iterator[None]:
     module = sys.modules.get(type(model).__module__)
     with contextlib.ExitStack() as stack:
         for family in FAMILIES:
-            if module is not None and callable(getattr(module, family.function, None)):
-                stack.enter_context(mock.patch.object(module, family.function, family.stand_in))
+            *owner, name = family.function.split(".")
+            holder = module
+            for part in owner:  # a layer class, for a method
+                holder = getattr(holder, part, None)
+            if holder is not None and callable(getattr(holder, name, None)):
+                stack.enter_context(mock.patch.object(holder, name, family.stand_in))
         yield

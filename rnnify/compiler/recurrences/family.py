@@ -15,7 +15,8 @@ from rnnify.cells.base import Cell
 
 @dataclass(frozen=True)
 class OwnRecurrence:
-    """``function``: the name of the modeling module's function the layers call (``mamba2_scan_forward``);
+    """``function``: the name of the modeling module's function the layers call (``mamba2_scan_forward``),
+    or of a layer class's method (``RecurrentGemmaRglru._rnn_scan``, whose stand-in takes the layer first);
     ``stand_in``: what they call instead during capture, with that function's signature, computing
     the layer as one call of ``op``; ``cell(args)``: from that call's arguments (fx nodes, whose
     ``meta["val"]`` holds example tensors, and constants), the cell that carries the layer's state
