@@ -4,6 +4,8 @@ LFM2, LFM2-MoE and LFM3 against the original models."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,15 +30,18 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # transformers' 
 LFM2_LAYERS = ["conv", "conv", "full_attention", "conv"]
 
 
-def _causal_conv_of_real_tokens(history, x, weight, bias, mask):
-    """Each row's real inputs (history, then the tokens its mask keeps) through ``F.conv1d`` padded by
-    K-1 on the left, the outputs of the new real tokens put back at their places (0 at padding)."""
-    out = torch.zeros_like(x)
+def _causal_conv_of_real_tokens(history, x, convs, mask):
+    """Each row's real inputs (history, then the tokens its mask keeps) padded by K-1 zeros on the left
+    and through the chain of ``F.conv1d``, the outputs of the new real tokens put back at their places
+    (0 at padding)."""
+    held = history.shape[2]
+    out = torch.zeros(x.shape[0], convs[-1][0].shape[0], x.shape[2], dtype=x.dtype)
     for row in range(x.shape[0]):
         keep = mask[row].nonzero()[:, 0]
-        real = torch.cat([history[row], x[row][:, keep]], dim=1)  # [C, K-1 + n]
-        y = F.conv1d(real[None], weight, bias, padding=weight.shape[-1] - 1, groups=x.shape[1])[0]
-        out[row][:, keep] = y[:, history.shape[2] : history.shape[2] + len(keep)]
+        y = F.pad(torch.cat([history[row], x[row][:, keep]], dim=1)[None], (held, 0))  # [1, C, 2(K-1) + n]
+        for weight, bias, groups in convs:
+            y = F.conv1d(y, weight, bias, groups=groups)
+        out[row][:, keep] = y[0, :, held : held + len(keep)]
     return out
 
 
@@ -48,21 +53,29 @@ def _random_conv(gen, batch=3, channels=5, length=9, kernel_size=4, bias=True):
     return x, weight, b, history
 
 
-@pytest.mark.parametrize("bias", [True, False])
+def _chain(gen, channels=6):
+    """ZAYA's layout: a depthwise convolution of 3 tokens, then one of 2 tokens in 2 groups (K = 4)."""
+    draw = functools.partial(torch.randn, generator=gen, dtype=torch.float64)
+    return [(draw(channels, 1, 3), draw(channels), channels), (draw(channels, channels // 2, 2), draw(channels), 2)]
+
+
+@pytest.mark.parametrize("layout", ["depthwise", "depthwise without bias", "chain"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_cell_forms_equal_a_causal_convolution_of_the_real_tokens(bias, padded):
+def test_cell_forms_equal_a_causal_convolution_of_the_real_tokens(layout, padded):
     """From a state of earlier inputs, with padding anywhere in the new tokens (a continued prefill may be
     padded too): outputs at real tokens and the state of the last K-1 real inputs, in float64."""
     gen = torch.Generator().manual_seed(0)
-    x, weight, b, history = _random_conv(gen, bias=bias)
+    channels = 6 if layout == "chain" else 5
+    x, weight, b, history = _random_conv(gen, channels=channels, bias=layout == "depthwise")
+    convs = _chain(gen, channels) if layout == "chain" else [(weight, b, channels)]
     mask = torch.ones(x.shape[0], x.shape[2], dtype=torch.bool)
     if padded:
         mask[0, :4] = False  # left padding
         mask[1, 2:5] = False  # padding between real tokens
         mask[2, :] = False  # nothing real: the state stays
-    want = _causal_conv_of_real_tokens(history, x, weight, b, mask)
+    want = _causal_conv_of_real_tokens(history, x, convs, mask)
     for form in (naive_recurrent_short_conv, short_conv):
-        out, state = form(x, weight, b, mask, history)
+        out, state = form(x, convs, mask, history)
         torch.testing.assert_close(torch.where(mask[:, None], out, 0.0), want, rtol=1e-12, atol=1e-12)
         for row in range(x.shape[0]):
             real = torch.cat([history[row], x[row][:, mask[row]]], dim=1)
@@ -92,6 +105,8 @@ def test_cell_options_are_checked():
         rnnify.RnnifyError, match=r"kernel_size must be an integer >= 2 \(a 1-token kernel keeps no state\), got 1"
     ):
         build_cell("short_conv", ShortConvCell.spec_for(5), {"kernel_size": 1})
+    with pytest.raises(rnnify.RnnifyError, match="groups must be a list"):
+        build_cell("short_conv", ShortConvCell.spec_for(5), {"kernel_size": 4, "groups": []})
     with pytest.raises(rnnify.RnnifyError, match="unknown target 'short_conv'"):
         rnnify.convert("unused", to="short_conv")  # a layer's own convolution, never a --to target
 
@@ -224,20 +239,50 @@ def test_approximate_targets_convert_only_the_attention_layers(target, options):
 
 
 class _CenteredConv(torch.nn.Module):
-    """A depthwise convolution over the tokens that reads the next token too."""
+    """A depthwise convolution over the tokens that reads the next token too: padded by the
+    convolution (as LFM2's), or before it (as ZAYA's)."""
+
+    def __init__(self, channels: int, pad_before: bool):
+        super().__init__()
+        self.pad_before = pad_before
+        self.conv = torch.nn.Conv1d(channels, channels, 3, padding=0 if pad_before else 1, groups=channels)
+
+    def forward(self, x):
+        x = x.transpose(1, 2)
+        return self.conv(F.pad(x, (1, 1)) if self.pad_before else x).transpose(1, 2)
+
+
+class _GroupedCausalConv(torch.nn.Module):
+    """A causal convolution of 3 tokens whose channels mix within 2 groups, in LFM2's form (padded by
+    the convolution, its first T outputs kept)."""
 
     def __init__(self, channels: int):
         super().__init__()
-        self.conv = torch.nn.Conv1d(channels, channels, 3, padding=1, groups=channels)
+        self.conv = torch.nn.Conv1d(channels, channels, 3, padding=2, groups=2)
 
     def forward(self, x):
-        return self.conv(x.transpose(1, 2)).transpose(1, 2)
+        return self.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
 
 
-def test_a_convolution_that_is_not_causal_is_refused_naming_its_layer(tiny_model_dir):
+def test_a_grouped_causal_convolution_converts_exactly(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     source = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
-    source.model.layers[1].mlp = _CenteredConv(source.config.hidden_size)
+    source.model.layers[1].mlp = _GroupedCausalConv(source.config.hidden_size)
+    model = rnnify.convert(source, to="exact")
+    (conv,) = [cell for cell in model.cells if cell.target == "short_conv"]
+    assert conv.kernel_size == 3 and conv.groups == [2]
+    ids = torch.randint(3, source.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = source(input_ids=ids, use_cache=False).logits
+    assert rel_diff(decode(model, ids, 6)[0], want) < 1e-4
+
+
+@pytest.mark.parametrize("pad_before", [False, True])
+def test_a_convolution_that_is_not_causal_is_refused_naming_its_layer(tiny_model_dir, pad_before):
+    from transformers import AutoModelForCausalLM
+
+    source = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
+    source.model.layers[1].mlp = _CenteredConv(source.config.hidden_size, pad_before)
     with pytest.raises(UnsupportedModelError, match=r"layer 1 \(model\.layers\.1\.mlp.*not causal"):
         rnnify.convert(source, to="linear")

@@ -7,8 +7,8 @@ not ``--to`` targets, and ``build_cell`` builds them from their saved options to
 own recurrent layers, which stay as they are whatever the attention becomes: ``ShortConvCell``
 (``"short_conv"``), ``SSDCell`` (``"ssd"``, Mamba-2), ``SelectiveScanCell`` (``"selective_scan"``,
 Mamba-1), ``GatedDeltaRuleCell`` (``"gated_delta_rule"``, Gated DeltaNet),
-``KimiDeltaAttentionCell`` (``"kda"``, Kimi Delta Attention) and ``RGLRUCell`` (``"rg_lru"``,
-Griffin's RG-LRU).
+``KimiDeltaAttentionCell`` (``"kda"``, Kimi Delta Attention), ``RGLRUCell`` (``"rg_lru"``,
+Griffin's RG-LRU) and ``TokenShiftCell`` (``"token_shift"``, ZAYA's delayed values).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from rnnify.cells.rg_lru import RGLRUCell
 from rnnify.cells.selective_scan import SelectiveScanCell
 from rnnify.cells.short_conv import ShortConvCell
 from rnnify.cells.ssd import SSDCell
+from rnnify.cells.token_shift import TokenShiftCell
 
 __all__ = [
     "CELLS",
@@ -40,6 +41,7 @@ __all__ = [
     "SSDCell",
     "SelectiveScanCell",
     "ShortConvCell",
+    "TokenShiftCell",
     "build_cell",
     "gate_parameters",
     "parameters",
@@ -55,6 +57,7 @@ _NOT_TARGETS: dict[str, type[Cell]] = {
         KimiDeltaAttentionCell,
         SelectiveScanCell,
         RGLRUCell,
+        TokenShiftCell,
     )
 }
 # targets of the cells that carry a model's own recurrent layers (``Cell.own_layer``), as manifests name them

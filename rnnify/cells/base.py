@@ -56,6 +56,13 @@ def every_token_real(mask: torch.Tensor) -> bool:
     return bool(mask.all())
 
 
+def channel_spec(channels: int) -> CellSpec:
+    """The spec of a model's own layer over ``channels`` channels that never mix (a short convolution, an
+    RG-LRU, a token shift), in attention's terms: each channel a head of width 1, so ``num_heads`` =
+    ``num_kv_heads`` = C and ``head_dim`` = ``value_dim`` = 1; ``scale`` is unused."""
+    return CellSpec(num_heads=channels, num_kv_heads=channels, head_dim=1, value_dim=1, scale=1.0)
+
+
 def zero_fp32_state(batch_size: int, *shape: int, device) -> tuple[torch.Tensor]:
     """The one state tensor of a model's own recurrent layer before any token: zeros in fp32 whatever
     the weights' dtype, as the sources run their recurrences in fp32."""

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rnnify.cells.base import Cell, CellSpec, zero_fp32_state
+from rnnify.cells.base import Cell, channel_spec, zero_fp32_state
 from rnnify.kernels.scan import doubling_linear_recurrence
 
 # Tokens per chunk of the prefill: the doubling scan holds a chunk's [L, D] states and decays.
@@ -70,22 +70,14 @@ def fused_recurrent_rg_lru(u, a, h) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class RGLRUCell(Cell):
-    """The RG-LRU's recurrence over D channels.
-
-    Its spec describes it in attention's terms: each channel is its own recurrence, as a head of
-    width 1 (channels never mix), so ``num_heads`` = ``num_kv_heads`` = D and ``head_dim`` =
-    ``value_dim`` = 1; ``scale`` is unused. Nothing else is an option: the sizes are the spec's, and
-    the gates are the graph's.
-    """
+    """The RG-LRU's recurrence over D channels (``channel_spec``). Nothing else is an option: the sizes
+    are the spec's, and the gates are the graph's."""
 
     target = "rg_lru"
     own_layer = True
     state_names = ("h",)
 
-    @staticmethod
-    def spec_for(channels: int) -> CellSpec:
-        """The spec of the recurrence over ``channels`` channels (see the class docstring)."""
-        return CellSpec(num_heads=channels, num_kv_heads=channels, head_dim=1, value_dim=1, scale=1.0)
+    spec_for = staticmethod(channel_spec)
 
     def options(self) -> dict[str, Any]:
         return {}

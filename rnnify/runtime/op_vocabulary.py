@@ -37,6 +37,7 @@ OPS = frozenset(
     {
         "operator.getitem",
         "operator.mul",
+        "operator.neg",
         "torch.ops.aten.abs.default",
         "torch.ops.aten.add.Tensor",
         "torch.ops.aten.add_.Tensor",
@@ -53,6 +54,7 @@ OPS = frozenset(
         "torch.ops.aten.clamp.Tensor",
         "torch.ops.aten.clamp.default",
         "torch.ops.aten.clamp_max.default",
+        "torch.ops.aten.clamp_min.default",
         "torch.ops.aten.clone.default",
         "torch.ops.aten.concat.default",
         "torch.ops.aten.concatenate.default",
@@ -107,6 +109,7 @@ OPS = frozenset(
         "torch.ops.aten.neg.default",
         "torch.ops.aten.new_empty.default",
         "torch.ops.aten.new_ones.default",
+        "torch.ops.aten.new_zeros.default",
         "torch.ops.aten.numpy_T.default",
         "torch.ops.aten.ones.default",
         "torch.ops.aten.ones_like.default",

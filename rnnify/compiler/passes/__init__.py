@@ -2,8 +2,8 @@
 
 Each pass reads what earlier passes recorded in ``node.meta`` (``find_attention`` decides,
 ``rewrite_attention``, ``thread_state`` and ``fuse_kernels`` act on the decision;
-``rewrite_convolutions`` and ``rewrite_scans`` add the cells of a model's own short convolutions
-and Mamba-2 scans), and
+``rewrite_convolutions``, ``rewrite_scans`` and ``rewrite_token_shifts`` add the cells of a model's
+own short convolutions, scans and token shifts), and
 ``run_pipeline`` cleans up after every pass so none of them has to remember dead-code
 elimination, lint and recompile.
 """
@@ -21,6 +21,7 @@ from rnnify.compiler.passes.fuse_kernels import fuse_kernels
 from rnnify.compiler.passes.rewrite_attention import rewrite_attention
 from rnnify.compiler.passes.rewrite_convolutions import rewrite_convolutions
 from rnnify.compiler.passes.rewrite_scans import rewrite_scans
+from rnnify.compiler.passes.rewrite_token_shifts import rewrite_token_shifts
 from rnnify.compiler.passes.strip_export_checks import strip_export_checks
 from rnnify.compiler.passes.thread_state import thread_state
 
@@ -35,6 +36,7 @@ PIPELINE: list[Pass] = [
     rewrite_attention,
     rewrite_convolutions,
     rewrite_scans,
+    rewrite_token_shifts,
     thread_state,
     fuse_kernels,
 ]

@@ -143,13 +143,18 @@ def _layer_index(path: str, fallback: int) -> int:
     return numbers[0] if numbers else fallback
 
 
+# ``layer_types`` entries of layers over the config's ``sliding_window`` (``hybrid_sliding``: the
+# sliding layers of hybrids that compute more than attention in them, as ZAYA's)
+_SLIDING_LAYER_TYPES = ("sliding_attention", "hybrid_sliding")
+
+
 def _config_window(config, layer: int) -> int | None:
     window = getattr(config, "sliding_window", None)
     if not window:
         return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and layer < len(layer_types):
-        return int(window) if layer_types[layer] == "sliding_attention" else None
+        return int(window) if layer_types[layer] in _SLIDING_LAYER_TYPES else None
     if getattr(config, "use_sliding_window", True) is False:
         return None
     return int(window)

@@ -2,8 +2,8 @@
 
     (input_ids [B, T], position_ids [B, T], attention_mask [B, T], *state) -> (logits, *new_state)
 
-Every cell call (an attention site's, or a short convolution's from ``rewrite_convolutions``)
-gains the ``attention_mask`` placeholder and one placeholder per state tensor (named
+Every cell call (an attention site's, or a model's own layer's from ``rewrite_convolutions``,
+``rewrite_scans`` or ``rewrite_token_shifts``) gains the ``attention_mask`` placeholder and one placeholder per state tensor (named
 ``state_<i>_<name>`` for the cell ``cells.<i>``), and its new state is appended to the outputs, in
 graph order, which is the manifest's order of cells. The same graph
 serves a T-token prefill and a 1-token decode step. (The model's own mask construction lost its
