@@ -214,6 +214,21 @@ def assert_same_tokens(result: dict, max_tokens: int, ignore_eos: bool) -> None:
             assert len(got) == max_tokens, f"prompt {row['prompt']!r}: vLLM gave {len(got)} tokens: {got}"
 
 
+def assert_same_logprobs(result: dict, prompt: bool) -> None:
+    """vLLM's log-prob of each greedy token (``prompt``: of each prompt token after the first) is
+    rnnify's within ``tolerance(dtype)`` of rnnify's magnitude, with a floor of one nat."""
+    limit = tolerance(getattr(torch, result["dtype"].removeprefix("torch.")))
+    kind = "prompt_logprobs" if prompt else "logprobs"
+    for row in result["results"]:
+        got, want = row[f"got_{kind}"], row[f"want_{kind}"]
+        assert got is not None and len(got) == (len(want) if prompt else len(row["got"]))
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert abs(a - b) <= limit * max(1.0, abs(b)), (
+                f"prompt {row['prompt']!r}: log-prob of {'prompt ' if prompt else ''}token {i + prompt} is {a} "
+                f"in vLLM, {b} in rnnify"
+            )
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
     """The bundled model converted to each of TARGETS, and the tiny Mistral to ``exact`` (SLIDING)."""
@@ -303,15 +318,7 @@ def test_logprobs_equal_rnnify_log_softmax(equivalence, target):
     """vLLM's log-prob of each greedy token (its sampler's log-softmax of the logits the plugin hands
     it) is rnnify's, within ``tolerance(dtype)`` of rnnify's magnitude with a floor of one nat:
     ``|vllm - rnnify| <= tolerance * max(1, |rnnify|)`` (float32: 1e-4 nats, or 1e-4 of a log-prob below -1)."""
-    result = equivalence[target]
-    limit = tolerance(getattr(torch, result["dtype"].removeprefix("torch.")))
-    for row in result["results"]:
-        got, want = row["got_logprobs"], row["want_logprobs"]
-        assert got is not None and len(got) == len(row["got"])
-        for i, (a, b) in enumerate(zip(got, want)):
-            assert abs(a - b) <= limit * max(1.0, abs(b)), (
-                f"prompt {row['prompt']!r}: log-prob of token {i} ({row['got'][i]}) is {a} in vLLM, {b} in rnnify"
-            )
+    assert_same_logprobs(equivalence[target], prompt=False)
 
 
 @pytest.mark.parametrize("target", NAMES)
@@ -323,15 +330,8 @@ def test_prompt_logprobs_equal_rnnify_log_softmax(equivalence, target, run):
     logits its row refers to. Each equals rnnify's prefill of the whole prompt, within the same limit
     as above."""
     result = equivalence[target if run == "whole" else f"{target}-chunked"]
-    limit = tolerance(getattr(torch, result["dtype"].removeprefix("torch.")))
     assert max(len(row["want_prompt_logprobs"]) for row in result["results"]) > 10
-    for row in result["results"]:
-        got, want = row["got_prompt_logprobs"], row["want_prompt_logprobs"]
-        assert got is not None and len(got) == len(want)
-        for i, (a, b) in enumerate(zip(got, want)):
-            assert abs(a - b) <= limit * max(1.0, abs(b)), (
-                f"prompt {row['prompt']!r}: log-prob of prompt token {i + 1} is {a} in vLLM, {b} in rnnify"
-            )
+    assert_same_logprobs(result, prompt=True)
 
 
 def test_exact_equals_vllm_serving_the_original(equivalence):
@@ -362,6 +362,52 @@ def test_preempted_sequences_are_read_again(equivalence):
     result = equivalence["exact-preempted"]
     assert result["preempted"] > 0
     assert_same_tokens(result, PREEMPTED_TOKENS, ignore_eos=True)
+
+
+# tiny hybrids whose own recurrent layers vLLM holds in state slots beside exact attention's pages
+HYBRIDS = {
+    "recurrent_gemma": dict(  # RG-LRU and short convolutions, then local attention over 16 tokens
+        num_hidden_layers=3, hidden_size=32, intermediate_size=64, lru_width=32, head_dim=8, attention_window_size=16
+    ),
+    "zaya": dict(  # a chain of convolutions and a token shift inside attention, a sliding layer of 8
+        num_hidden_layers=2, hidden_size=64, head_dim=16, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=1, layer_types=["hybrid", "hybrid_sliding"], sliding_window=8, cca_time0=3, cca_time1=2,
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory) -> dict:
+    """Each of HYBRIDS, random, with the bundled model's tokenizer, converted to ``exact`` and served:
+    each prompt alone, then all together (``NAME``), and with a 16-token budget (``NAME-chunked``)."""
+    from support import tiny_causal_lm
+
+    config = json.loads((BUNDLED / "config.json").read_text())
+    tokens = {key: config[key] for key in ("vocab_size", "bos_token_id", "eos_token_id")}
+    runs = []
+    for name, sizes in HYBRIDS.items():
+        source = tmp_path_factory.mktemp(name) / "source"
+        common = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
+        tiny_causal_lm(name, **tokens, **common, **sizes).save_pretrained(source)
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(BUNDLED / file, source)
+        out = source.parent / "exact"
+        rnnify.convert(str(source), to="exact").save(out)
+        sampling = {"max_tokens": 12, "ignore_eos": True, "logprobs": 1, "prompt_logprobs": 0}
+        batches = [[p] for p in PROMPTS] + [PROMPTS]
+        runs.append(dict(name=name, path=str(out), engine={}, sampling=sampling, batches=batches))
+        runs.append(dict(name=f"{name}-chunked", path=str(out), engine=CHUNKED, sampling=sampling, batches=[PROMPTS]))
+    return run_vllm(tmp_path_factory.mktemp("vllm-hybrids"), runs)
+
+
+@pytest.mark.parametrize("run", [f"{name}{suffix}" for name in HYBRIDS for suffix in ("", "-chunked")])
+def test_hybrids_own_layers_are_served(hybrids, run):
+    """A model's own layers (RG-LRU, convolutions, a token shift) keep their state in vLLM's slots, read
+    in one prefill or in chunks, alone or batched: vLLM's tokens and the log-probs of every prompt and
+    greedy token are rnnify's."""
+    assert_same_tokens(hybrids[run], 12, ignore_eos=True)
+    assert_same_logprobs(hybrids[run], prompt=False)
+    assert_same_logprobs(hybrids[run], prompt=True)
 
 
 def test_decode_rows_are_grouped_by_length():
