@@ -349,7 +349,7 @@ def test_auto_memory_streams_through_hybrids_that_start_as_the_window(retrieval_
     )
     assert (again.retrieval, again.memory, again.state_bytes) == ([(0, 1)], "linear", with_memory.state_bytes)
     # the smallest state counts the memories: a budget the windows meet is too small for the hybrids
-    with pytest.raises(RnnifyError, match=r"4-token linear hybrid with 1 sinks\) is ([\d,]+) bytes") as error:
+    with pytest.raises(RnnifyError, match=r"4-token linear hybrid with 1 sinks, or .*\) is ([\d,]+) bytes") as error:
         auto(directory, rows, budget=1000, memory="linear")
     smallest = int(error.value.args[0].split(" is ")[1].split(" bytes")[0].replace(",", ""))
     windows_only = auto(directory, rows, budget=smallest - 1)

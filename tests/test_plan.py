@@ -8,7 +8,7 @@ from support import decode
 
 import rnnify
 from rnnify.compiler.plan import LayerRule, make_plan, parse_layers
-from rnnify.errors import RnnifyError
+from rnnify.errors import RnnifyError, RnnifyWarning
 
 
 def test_parse_layers():
@@ -93,3 +93,39 @@ def test_layers_spec_and_save_round_trip(tiny_model_dir, tmp_path):
 def test_a_rule_matching_no_layer_is_an_error(tiny_model_dir):
     with pytest.raises(RnnifyError, match="matches no layer"):
         rnnify.convert(tiny_model_dir("llama"), to="linear", layers="7-:exact")
+
+
+@pytest.fixture(scope="module")
+def mistral(tiny_model_dir):
+    """The tiny Mistral (its own sliding window of 16 tokens) and its logits of 60 tokens."""
+    from support import original_logits
+    from transformers import AutoModelForCausalLM
+
+    directory = tiny_model_dir("mistral")
+    source = AutoModelForCausalLM.from_pretrained(directory).eval()
+    ids = torch.randint(3, source.config.vocab_size, (1, 60), generator=torch.Generator().manual_seed(0))
+    return directory, ids, original_logits(source, ids)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(to="window", window=16), dict(to="window", window=32, sinks=4), dict(to="hybrid", window=32)],
+)
+def test_a_window_no_shorter_than_the_layers_own_is_exact(mistral, options):
+    """A window target wider than the model's own sliding window would read keys the original never
+    reads: the layer stays exact (bounded by its own window), with one warning line naming it."""
+    from support import rel_diff
+
+    directory, ids, want = mistral
+    with pytest.warns(RnnifyWarning, match=r"layers 0, 1 attend over their own sliding window \(16 tokens\)"):
+        model = rnnify.convert(directory, **options)
+    assert [cell.target for cell in model.cells] == ["exact", "exact"]
+    assert model.constant_memory and rel_diff(model.prefill(ids)[0], want) < 1e-4
+
+
+def test_a_shorter_window_and_a_wider_head_group(mistral):
+    """A window shorter than the layer's own is the target's; a head group's wider window is exact."""
+    directory, ids, _ = mistral
+    model = rnnify.convert(directory, to="window", window=8, layers="0:heads(0=window(window=32);1=linear)")
+    assert [cell.target for cell in model.cells] == ["heads", "window"] and model.cells[1].window == 8
+    assert [part.target for part in model.cells[0].parts] == ["exact", "linear"]

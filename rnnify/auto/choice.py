@@ -219,7 +219,8 @@ def choose(
             raise RnnifyError(
                 f"--state-budget {budget:,} bytes cannot be met at {context:,} tokens: the smallest state "
                 f"(every head a {window}-token {'window' if memory is None else memory + ' hybrid'} "
-                f"with {sinks} sinks) is {smallest:,} bytes; give at least that"
+                f"with {sinks} sinks, or its layer's own shorter window or chunk) is {smallest:,} "
+                "bytes; give at least that"
             )
         return kinds_of(fill(order, len(units), lambda rungs: cost(kinds_of(rungs)) <= budget))
     if max_kl is None or kl_of is None:

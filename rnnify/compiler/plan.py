@@ -196,6 +196,14 @@ def _accepted(target: str) -> set[str]:
     return {name for name in parameters if name not in ("self", "spec")}
 
 
+def within_own_window(spec: CellSpec, options: dict[str, Any]) -> bool:
+    """Whether a target's ``window`` option is no shorter than the layer's own sliding window: such a
+    target would read keys the original never reads, while ``exact`` computes the original with a
+    state bounded by its window already."""
+    window = options.get("window")
+    return spec.window is not None and window is not None and window >= spec.window
+
+
 @dataclass
 class ConversionPlan:
     default: str
@@ -213,26 +221,36 @@ class ConversionPlan:
     def cell_for(self, layer: int, spec: CellSpec) -> Cell:
         """The cell of ``layer``'s attention, whose shape is ``spec``. A chunked layer (Llama 4's) that
         no rule names is ``exact`` whatever the default target: its state is bounded by the chunk,
-        and only ``exact`` computes a chunk (a rule naming another target is refused by the cell)."""
+        and only ``exact`` computes a chunk (a rule naming another target is refused by the cell).
+        Heads given a window no shorter than their layer's own sliding window are ``exact`` too
+        (``within_own_window``)."""
         rule = self.rule_for(layer)
         if rule is None and spec.chunk is not None:
             return build_cell("exact", spec, self.options_for("exact"))
         if rule is None or rule.heads is None:
             target = self.target_for(layer)
-            return build_cell(target, spec, self.options_for(target, rule.options if rule else ()))
+            return self._build(spec, target, self.options_for(target, rule.options if rule else ()))
         groups = self.head_groups(rule, spec.num_kv_heads, layer)
         if len(groups) == 1:  # one target for every head: the plain cell
-            return build_cell(groups[0][1], spec, self.options_for(groups[0][1], groups[0][2]))
+            return self._build(spec, groups[0][1], self.options_for(groups[0][1], groups[0][2]))
+        parts = [
+            (kv, *self._kept_exact(spec, target, self.options_for(target, options))) for kv, target, options in groups
+        ]
         return build_cell(
             HEADS,
             spec,
-            {
-                "groups": [
-                    {"kv_heads": kv, "target": target, "options": self.options_for(target, options)}
-                    for kv, target, options in groups
-                ]
-            },
+            {"groups": [{"kv_heads": kv, "target": target, "options": options} for kv, target, options in parts]},
         )
+
+    def _build(self, spec: CellSpec, target: str, options: dict[str, Any]) -> Cell:
+        target, options = self._kept_exact(spec, target, options)
+        return build_cell(target, spec, options)
+
+    def _kept_exact(self, spec: CellSpec, target: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """``(target, options)``, or ``exact``'s where ``within_own_window``."""
+        if within_own_window(spec, options):
+            return "exact", self.options_for("exact")
+        return target, options
 
     def head_groups(self, rule: LayerRule, num_kv_heads: int, layer: int) -> list[tuple[list[int], str, Options]]:
         """``rule``'s groups for a layer of ``num_kv_heads`` kv heads: ``*`` (or, without it, the

@@ -63,15 +63,41 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     _erase_unused_dropout(gm)
-    kept = sorted({s.layer for _, s in sites(gm) if s.chunk is not None and ctx.plan.rule_for(s.layer) is None})
-    if kept and ctx.plan.default != "exact":
-        warnings.warn(
-            f"layer{'s' * (len(kept) > 1)} {', '.join(map(str, kept))} attend{'s' * (len(kept) == 1)} in chunks "
-            "(the model's own chunked attention): kept exact, their state bounded by the chunk",
-            RnnifyWarning,
-            stacklevel=2,
-        )
+    _warn_kept_exact(gm, ctx)
     return gm
+
+
+def _warn_kept_exact(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    """One warning line per reason a layer that the plan gives another target is exact: its own chunks,
+    or its own sliding window no longer than the target's (``plan.within_own_window``)."""
+    chunked, windowed = set(), {}
+    for node, site in sites(gm):
+        if ctx.plan.target_for(site.layer) == "exact" or gm.get_submodule(node.target).target != "exact":
+            continue
+        if site.chunk is not None:
+            chunked.add(site.layer)
+        elif site.window is not None:
+            windowed[site.layer] = site.window
+    if chunked:
+        warnings.warn(
+            f"{_layers(chunked)} attend{'s' * (len(chunked) == 1)} in chunks (the model's own chunked "
+            "attention): kept exact, their state bounded by the chunk",
+            RnnifyWarning,
+            stacklevel=3,
+        )
+    if windowed:
+        widths = ", ".join(f"{w}" for w in sorted(set(windowed.values())))
+        warnings.warn(
+            f"{_layers(windowed)} attend{'s' * (len(windowed) == 1)} over {'its' if len(windowed) == 1 else 'their'} "
+            f"own sliding window ({widths} tokens), no longer than the target's window: kept exact, "
+            "reading what the original reads",
+            RnnifyWarning,
+            stacklevel=3,
+        )
+
+
+def _layers(layers) -> str:
+    return f"layer{'s' * (len(layers) > 1)} {', '.join(map(str, sorted(layers)))}"
 
 
 def _erase_unused_dropout(gm: torch.fx.GraphModule) -> None:
