@@ -107,3 +107,17 @@ def test_converted_model_round_trips_a_save(tmp_path):
     assert rel_diff(model.prefill(ids)[0], original_logits(source, ids)) < 1e-4
     back = assert_round_trips_a_save(model, tmp_path / "recurrent_gemma", ids)
     assert [cell.target for cell in back.cells] == [cell.target for cell in model.cells]
+
+
+def test_fused_prefill_equals_the_doubling_form():
+    """``use_kernels``: the prefill runs the Triton linear recurrence (interpreted here), from a nonzero
+    state, with a left-padded row; "auto" off Triton keeps the doubling form."""
+    (u, a), state = draw_inputs(torch.Generator().manual_seed(7), 2, 2 * CHUNK + 9)
+    u, a, state = u.float(), a.float(), state.float()
+    mask = padding_mask(u.shape[1], [0, 11])
+    want = new_cell()(u, a, mask, state)
+    cell = new_cell()
+    assert cell.use_kernels("triton") == {"prefill": "linear_recurrence"}
+    got = cell(u, a, mask, state)
+    assert_outputs_and_state_close(got, want, mask, tol=1e-5)
+    assert cell.use_kernels("auto") and cell.backend(u, u.shape[1]) is None  # a CPU tensor: the own form

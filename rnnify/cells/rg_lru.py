@@ -18,7 +18,9 @@ original unchanged (``exact``).
 Padding never enters the state (§Padding): a padded token takes no step (a = 1, u = 0).
 ``naive_recurrent_rg_lru`` is the ground truth (a token at a time, fp64); ``chunk_rg_lru`` is the
 prefill, doubling within chunks of ``CHUNK`` tokens with h carried from chunk to chunk;
-``fused_recurrent_rg_lru`` is the decode step.
+``fused_recurrent_rg_lru`` is the decode step. With ``use_kernels`` the prefill runs
+``rnnify.kernels.linear_recurrence`` (Triton on CUDA; off Triton the doubling form, faster than the
+op's token loop).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch
 
+from rnnify import kernels
 from rnnify.cells.base import Cell, channel_spec, zero_fp32_state
 from rnnify.kernels.scan import doubling_linear_recurrence
 
@@ -76,6 +79,7 @@ class RGLRUCell(Cell):
     target = "rg_lru"
     own_layer = True
     state_names = ("h",)
+    own_forms_without_triton = frozenset({"prefill"})
 
     spec_for = staticmethod(channel_spec)
 
@@ -85,12 +89,20 @@ class RGLRUCell(Cell):
     def describe(self) -> str:
         return "the model's own RG-LRU recurrence"
 
+    def fused_ops(self) -> dict[str, str]:
+        return {"prefill": "linear_recurrence"}
+
     def init_state(self, batch_size, device, dtype):
         """h of every channel, ``[B, D]``."""
         return zero_fp32_state(batch_size, self.spec.num_heads, device=device)
 
     def forward(self, u, a, mask, h):
         steps, decays = _steps(u, a, mask, torch.float32)
-        scan = fused_recurrent_rg_lru if u.shape[1] == 1 else chunk_rg_lru
-        out, h = scan(steps, decays, h.to(torch.float32))
+        backend = self.backend(u, u.shape[1])
+        if u.shape[1] == 1:
+            out, h = fused_recurrent_rg_lru(steps, decays, h.to(torch.float32))
+        elif backend is not None:
+            out, h = kernels.linear_recurrence(decays, steps, h, output_final_state=True, backend=backend)
+        else:
+            out, h = chunk_rg_lru(steps, decays, h.to(torch.float32))
         return out.to(u.dtype), h
