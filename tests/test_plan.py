@@ -109,23 +109,38 @@ def mistral(tiny_model_dir):
 
 @pytest.mark.parametrize(
     "options",
-    [dict(to="window", window=16), dict(to="window", window=32, sinks=4), dict(to="hybrid", window=32)],
+    [
+        dict(to="window", window=32),
+        dict(to="window", window=16, sinks=4),
+        dict(to="window", sinks=4),  # the cell's default window: the layer's own
+        dict(to="hybrid"),  # the cell's default window, 64
+        dict(to="select", window=16),
+    ],
 )
-def test_a_window_no_shorter_than_the_layers_own_is_exact(mistral, options):
-    """A window target wider than the model's own sliding window would read keys the original never
-    reads: the layer stays exact (bounded by its own window), with one warning line naming it."""
+def test_a_target_reading_past_the_layers_own_window_keeps_that_window(mistral, options):
+    """A target that would read keys the model's own sliding window never reads (a wider window,
+    sinks, selected or remembered tokens) gets that window without sinks instead: the original, in a
+    ring of its window, with one warning line naming the layers."""
     from support import rel_diff
 
     directory, ids, want = mistral
-    with pytest.warns(RnnifyWarning, match=r"layers 0, 1 attend over their own sliding window \(16 tokens\)"):
+    with pytest.warns(RnnifyWarning, match=r"layers 0, 1 slide over their own window \(16 tokens\)"):
         model = rnnify.convert(directory, **options)
-    assert [cell.target for cell in model.cells] == ["exact", "exact"]
-    assert model.constant_memory and rel_diff(model.prefill(ids)[0], want) < 1e-4
+    assert [(cell.target, cell.window, cell.sinks) for cell in model.cells] == [("window", 16, 0)] * 2
+    assert rel_diff(model.prefill(ids)[0], want) < 1e-4
 
 
-def test_a_shorter_window_and_a_wider_head_group(mistral):
-    """A window shorter than the layer's own is the target's; a head group's wider window is exact."""
+def test_a_shorter_window_is_the_targets_and_a_wider_head_group_keeps_its_own(mistral, recwarn):
     directory, ids, _ = mistral
     model = rnnify.convert(directory, to="window", window=8, layers="0:heads(0=window(window=32);1=linear)")
     assert [cell.target for cell in model.cells] == ["heads", "window"] and model.cells[1].window == 8
-    assert [part.target for part in model.cells[0].parts] == ["exact", "linear"]
+    assert [(part.target, part.window) for part in model.cells[0].parts[:1]] == [("window", 16)]
+    assert [str(w.message) for w in recwarn if "slide" in str(w.message)] == [
+        "layer 0 slides over its own window (16 tokens), which the target would read past: kept as that window, "
+        "the original"
+    ]
+    plain = rnnify.convert(directory, to="window")  # the layer's own window, asked for: no warning
+    assert [(cell.window, cell.sinks) for cell in plain.cells] == [(16, 0)] * 2
+    assert not [w for w in recwarn if "slide" in str(w.message)][1:]
+    exact = rnnify.convert(directory, to="exact", layers="0:heads(*=exact)")
+    assert [cell.target for cell in exact.cells] == ["exact", "exact"]

@@ -102,8 +102,13 @@ class HeadScorer:
             tokenizer = load_tokenizer(model)
         self.calibration = calibration_rows(tokenizer, data, calib_len, calib_rows, passkey, seed)
         self.runner, self.specs = probe_runner(self.source, self.dtype, self.calibration.rows[0][:, :_SPEC_TOKENS])
-        # chunked attention (Llama 4's): only exact computes it, and its state is bounded already
-        self.exact_layers = {layer for layer, spec in self.specs.items() if spec.chunk is not None}
+        # chunked attention (Llama 4's): only exact computes it, and its state is bounded already; a
+        # layer sliding over no more than the streaming window keeps its own (plan.within_own_window)
+        self.exact_layers = {
+            layer
+            for layer, spec in self.specs.items()
+            if spec.chunk is not None or (spec.window is not None and spec.window <= window)
+        }
         check_kinds(self.specs, self.levels, window, sinks)
         rows = len(self.calibration.rows)
         saved = None if scores_from is None else read_scores(scores_from, score, window, sinks, self.levels)

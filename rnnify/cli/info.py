@@ -32,9 +32,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     model = load(args)
     manifest = model.manifest
-    # the first attention cell's options show the defaults it filled in (a model's own short
-    # convolutions keep theirs); a per-head cell's are its groups
-    first = next((entry for entry in manifest.cells if entry.target not in OWN_LAYERS), None)
+    # the options of the first attention cell of the model's target show the defaults it filled in
+    # (a model's own short convolutions and sliding windows keep theirs); a per-head cell's are its groups
+    attention = [entry for entry in manifest.cells if entry.target not in OWN_LAYERS]
+    first = next((entry for entry in attention if entry.target == manifest.target), attention[0] if attention else None)
     options = first.options if first is not None and first.target != "heads" else manifest.options
     positions = manifest.positions
     if positions.get("kind") == "learned":

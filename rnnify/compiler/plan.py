@@ -196,12 +196,18 @@ def _accepted(target: str) -> set[str]:
     return {name for name in parameters if name not in ("self", "spec")}
 
 
-def within_own_window(spec: CellSpec, options: dict[str, Any]) -> bool:
-    """Whether a target's ``window`` option is no shorter than the layer's own sliding window: such a
-    target would read keys the original never reads, while ``exact`` computes the original with a
-    state bounded by its window already."""
-    window = options.get("window")
-    return spec.window is not None and window is not None and window >= spec.window
+def within_own_window(spec: CellSpec, target: str, options: dict[str, Any]) -> bool:
+    """Whether ``target`` with ``options`` reads further back than the layer's own sliding window
+    (its window, or its constructor's default, no shorter; sinks or selected and remembered tokens
+    besides): keys the original never reads, where the original's own window is a constant state
+    already. A ``window`` of exactly the layer's own and no sinks is the original itself."""
+    if spec.window is None or target == "exact" or "window" not in _accepted(target):
+        return False
+    window = options.get("window", inspect.signature(CELLS[target].__init__).parameters["window"].default)
+    window = spec.window if window is None else window
+    if isinstance(window, bool) or not isinstance(window, int):
+        return False  # the cell refuses it, in its own words
+    return window > spec.window or (window == spec.window and (target != "window" or bool(options.get("sinks"))))
 
 
 @dataclass
@@ -222,34 +228,40 @@ class ConversionPlan:
         """The cell of ``layer``'s attention, whose shape is ``spec``. A chunked layer (Llama 4's) that
         no rule names is ``exact`` whatever the default target: its state is bounded by the chunk,
         and only ``exact`` computes a chunk (a rule naming another target is refused by the cell).
-        Heads given a window no shorter than their layer's own sliding window are ``exact`` too
-        (``within_own_window``)."""
-        rule = self.rule_for(layer)
-        if rule is None and spec.chunk is not None:
+        Heads whose target would read further back than the layer's own sliding window
+        (``within_own_window``) get that window instead, as ``window`` without sinks: the original."""
+        if self.rule_for(layer) is None and spec.chunk is not None:
             return build_cell("exact", spec, self.options_for("exact"))
-        if rule is None or rule.heads is None:
-            target = self.target_for(layer)
-            return self._build(spec, target, self.options_for(target, rule.options if rule else ()))
-        groups = self.head_groups(rule, spec.num_kv_heads, layer)
-        if len(groups) == 1:  # one target for every head: the plain cell
-            return self._build(spec, groups[0][1], self.options_for(groups[0][1], groups[0][2]))
-        parts = [
-            (kv, *self._kept_exact(spec, target, self.options_for(target, options))) for kv, target, options in groups
-        ]
+        groups = self._groups(layer, spec)
+        parts = [(kv, *self._faithful(spec, target, options)) for kv, target, options in groups]
+        if len(parts) == 1 or all(within_own_window(spec, target, options) for _, target, options in groups):
+            return build_cell(parts[0][1], spec, parts[0][2])  # one kind for every head: the plain cell
         return build_cell(
             HEADS,
             spec,
             {"groups": [{"kv_heads": kv, "target": target, "options": options} for kv, target, options in parts]},
         )
 
-    def _build(self, spec: CellSpec, target: str, options: dict[str, Any]) -> Cell:
-        target, options = self._kept_exact(spec, target, options)
-        return build_cell(target, spec, options)
+    def keeps_own_window(self, layer: int, spec: CellSpec) -> bool:
+        """Whether ``cell_for`` gives some of ``layer``'s heads their own sliding window in place of
+        the target the plan names for them."""
+        if self.rule_for(layer) is None and spec.chunk is not None:
+            return False
+        return any(within_own_window(spec, target, options) for _, target, options in self._groups(layer, spec))
 
-    def _kept_exact(self, spec: CellSpec, target: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        """``(target, options)``, or ``exact``'s where ``within_own_window``."""
-        if within_own_window(spec, options):
-            return "exact", self.options_for("exact")
+    def _groups(self, layer: int, spec: CellSpec) -> list[tuple[list[int] | None, str, dict[str, Any]]]:
+        """``(kv heads, target, options)`` of each group of ``layer``'s heads (None: all of them)."""
+        rule = self.rule_for(layer)
+        if rule is None or rule.heads is None:
+            target = self.target_for(layer)
+            return [(None, target, self.options_for(target, rule.options if rule else ()))]
+        groups = self.head_groups(rule, spec.num_kv_heads, layer)
+        return [(kv, target, self.options_for(target, options)) for kv, target, options in groups]
+
+    def _faithful(self, spec: CellSpec, target: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """``(target, options)``, or the layer's own window where ``within_own_window``."""
+        if within_own_window(spec, target, options):
+            return "window", {**self.options_for("window"), "window": spec.window, "sinks": 0}
         return target, options
 
     def head_groups(self, rule: LayerRule, num_kv_heads: int, layer: int) -> list[tuple[list[int], str, Options]]:

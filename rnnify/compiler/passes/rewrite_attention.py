@@ -27,20 +27,7 @@ CELL_KEY = "rnnify_cell"
 def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     ctx.plan.check((site.layer for _, site in sites(gm)), (site.layer for _, site in sites(gm) if site.chunk))
     for node, site in sites(gm):
-        hidden_size = int(site.hidden.meta["val"].shape[-1]) if site.hidden is not None else None
-        spec = CellSpec(
-            site.num_heads,
-            site.num_kv_heads,
-            site.head_dim,
-            site.value_dim,
-            site.scale,
-            site.window,
-            hidden_size,
-            softcap=site.softcap,
-            alibi_slopes=site.alibi_slopes,
-            sink_logits=site.sink_logits,
-            chunk=site.chunk,
-        )
+        spec = _cell_spec(site)
         name = f"cells.{site.index}"
         try:
             cell = ctx.plan.cell_for(site.layer, spec)
@@ -63,20 +50,36 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     _erase_unused_dropout(gm)
-    _warn_kept_exact(gm, ctx)
+    _warn_unplanned(gm, ctx)
     return gm
 
 
-def _warn_kept_exact(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
-    """One warning line per reason a layer that the plan gives another target is exact: its own chunks,
-    or its own sliding window no longer than the target's (``plan.within_own_window``)."""
+def _cell_spec(site) -> CellSpec:
+    """The shape and score terms of ``site``'s attention, as its cell takes them."""
+    hidden_size = int(site.hidden.meta["val"].shape[-1]) if site.hidden is not None else None
+    return CellSpec(
+        site.num_heads,
+        site.num_kv_heads,
+        site.head_dim,
+        site.value_dim,
+        site.scale,
+        site.window,
+        hidden_size,
+        softcap=site.softcap,
+        alibi_slopes=site.alibi_slopes,
+        sink_logits=site.sink_logits,
+        chunk=site.chunk,
+    )
+
+
+def _warn_unplanned(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    """One warning line per reason a layer does not get the target the plan names: its own chunks
+    (kept exact), or its own sliding window, which the target would read past (``plan.within_own_window``)."""
     chunked, windowed = set(), {}
-    for node, site in sites(gm):
-        if ctx.plan.target_for(site.layer) == "exact" or gm.get_submodule(node.target).target != "exact":
-            continue
-        if site.chunk is not None:
+    for _, site in sites(gm):
+        if site.chunk is not None and ctx.plan.rule_for(site.layer) is None and ctx.plan.default != "exact":
             chunked.add(site.layer)
-        elif site.window is not None:
+        elif ctx.plan.keeps_own_window(site.layer, _cell_spec(site)):
             windowed[site.layer] = site.window
     if chunked:
         warnings.warn(
@@ -88,9 +91,8 @@ def _warn_kept_exact(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     if windowed:
         widths = ", ".join(f"{w}" for w in sorted(set(windowed.values())))
         warnings.warn(
-            f"{_layers(windowed)} attend{'s' * (len(windowed) == 1)} over {'its' if len(windowed) == 1 else 'their'} "
-            f"own sliding window ({widths} tokens), no longer than the target's window: kept exact, "
-            "reading what the original reads",
+            f"{_layers(windowed)} slide{'s' * (len(windowed) == 1)} over {'its' if len(windowed) == 1 else 'their'} "
+            f"own window ({widths} tokens), which the target would read past: kept as that window, the original",
             RnnifyWarning,
             stacklevel=3,
         )
