@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from rnnify.cells import CELLS, Cell, CellSpec, build_cell
 from rnnify.cells.heads import TARGET as HEADS
@@ -191,9 +191,14 @@ def parse_layers(spec: str) -> list[LayerRule]:
     return rules
 
 
-def _accepted(target: str) -> set[str]:
+def _parameters(target: str) -> Mapping[str, inspect.Parameter]:
+    """The options ``target``'s cell takes, with their defaults."""
     parameters = inspect.signature(CELLS[target].__init__).parameters
-    return {name for name in parameters if name not in ("self", "spec")}
+    return {name: p for name, p in parameters.items() if name not in ("self", "spec")}
+
+
+def _accepted(target: str) -> set[str]:
+    return set(_parameters(target))
 
 
 def within_own_window(spec: CellSpec, target: str, options: dict[str, Any]) -> bool:
@@ -201,9 +206,10 @@ def within_own_window(spec: CellSpec, target: str, options: dict[str, Any]) -> b
     (its window, or its constructor's default, no shorter; sinks or selected and remembered tokens
     besides): keys the original never reads, where the original's own window is a constant state
     already. A ``window`` of exactly the layer's own and no sinks is the original itself."""
-    if spec.window is None or target == "exact" or "window" not in _accepted(target):
+    parameters = _parameters(target)
+    if spec.window is None or target == "exact" or "window" not in parameters:
         return False
-    window = options.get("window", inspect.signature(CELLS[target].__init__).parameters["window"].default)
+    window = options.get("window", parameters["window"].default)
     window = spec.window if window is None else window
     if isinstance(window, bool) or not isinstance(window, int):
         return False  # the cell refuses it, in its own words

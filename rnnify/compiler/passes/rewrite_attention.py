@@ -26,8 +26,9 @@ CELL_KEY = "rnnify_cell"
 
 def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     ctx.plan.check((site.layer for _, site in sites(gm)), (site.layer for _, site in sites(gm) if site.chunk))
+    specs: dict[int, CellSpec] = {}  # by site index
     for node, site in sites(gm):
-        spec = _cell_spec(site)
+        spec = specs[site.index] = _cell_spec(site)
         name = f"cells.{site.index}"
         try:
             cell = ctx.plan.cell_for(site.layer, spec)
@@ -50,7 +51,7 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     _erase_unused_dropout(gm)
-    _warn_unplanned(gm, ctx)
+    _warn_unplanned(gm, ctx, specs)
     return gm
 
 
@@ -72,14 +73,14 @@ def _cell_spec(site) -> CellSpec:
     )
 
 
-def _warn_unplanned(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+def _warn_unplanned(gm: torch.fx.GraphModule, ctx: PassContext, specs: dict[int, CellSpec]) -> None:
     """One warning line per reason a layer does not get the target the plan names: its own chunks
     (kept exact), or its own sliding window, which the target would read past (``plan.within_own_window``)."""
     chunked, windowed = set(), {}
     for _, site in sites(gm):
         if site.chunk is not None and ctx.plan.rule_for(site.layer) is None and ctx.plan.default != "exact":
             chunked.add(site.layer)
-        elif ctx.plan.keeps_own_window(site.layer, _cell_spec(site)):
+        elif ctx.plan.keeps_own_window(site.layer, specs[site.index]):
             windowed[site.layer] = site.window
     if chunked:
         warnings.warn(

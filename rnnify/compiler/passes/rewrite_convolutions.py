@@ -49,9 +49,10 @@ def rewrite_convolutions(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx
         if kernel_size == 1:
             continue  # each token alone: nothing to carry
         channels = int(source.meta["val"].shape[1])
-        groups = [int(_arguments(conv).get("groups", 1)) for conv in convs]
+        arguments = [_arguments(conv) for conv in convs]
+        groups = [int(args.get("groups", 1)) for args in arguments]
         cell = ShortConvCell(ShortConvCell.spec_for(channels), kernel_size, None if groups == [channels] else groups)
-        weights = [w for conv in convs for w in (_arguments(conv)["weight"], _arguments(conv).get("bias"))]
+        weights = [w for args in arguments for w in (args["weight"], args.get("bias"))]
         place(cell, (source, *weights), last, site)
         rewritten.update(convs)
         for dead in dict.fromkeys([last, *reversed(convs)]):  # the slice (LFM2), then the chain back to front
