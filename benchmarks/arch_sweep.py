@@ -394,7 +394,7 @@ def markdown(sweep: dict) -> str:
         "nothing converts silently wrong. Written by `python benchmarks/arch_sweep.py` (the sweep, "
         "about 15 minutes) and `python benchmarks/arch_sweep.py --markdown docs/architectures.md` "
         "(this page, from `benchmarks/results/arch_sweep.json`). A hybrid's own recurrent layers "
-        "(short convolutions, Mamba scans, gated delta rules, RG-LRUs, token shifts) stay as they are, their "
+        "(short convolutions, Mamba scans, gated delta rules, RG-LRUs, lightning attention, token shifts) stay as they are, their "
         "state carried with the cells' ([math.md](math.md#state-space-layers)); the last column names them.",
         "",
         _counts(causal),

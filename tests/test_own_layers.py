@@ -4,10 +4,12 @@ prefill, and converted models equal the original ones, left padding included
 (rnnify/compiler/passes/rewrite_scans.py).
 
 Each family's test module (test_ssd_layers.py, test_selective_scan_layers.py,
-test_gated_delta_layers.py, test_kda_layers.py, test_rg_lru_layers.py) holds what only it has, and what these tests take:
-``CHUNK`` (its prefill's chunk), ``new_cell()`` (a cell of the module's sizes),
-``reference_loop(*inputs, mask, state)`` (its fp64 loop), ``draw_inputs(gen, batch, length)``
-(fp64 inputs and a state), ``MODELS`` and ``tiny_model(model_type)``."""
+test_gated_delta_layers.py, test_kda_layers.py, test_rg_lru_layers.py, test_lightning_layers.py)
+holds what only it has, and what these tests take: ``CHUNK`` (its prefill's chunk), ``new_cell()``
+(a cell of the module's sizes), ``reference_loop(*inputs, mask, state)`` (its fp64 loop),
+``draw_inputs(gen, batch, length)`` (fp64 inputs and a state), ``MODELS`` and
+``tiny_model(model_type)``, and where it has one, ``textbook(*inputs, mask, state)`` (its
+equations written out per real token, fp64)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import dataclasses
 import pytest
 import test_gated_delta_layers
 import test_kda_layers
+import test_lightning_layers
 import test_rg_lru_layers
 import test_selective_scan_layers
 import test_ssd_layers
@@ -34,6 +37,9 @@ from support import (
 from transformers.models.kimi_linear.modeling_kimi_linear import recurrent_kimi_delta_attention
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
 
+import rnnify
+from rnnify.cells import OWN_LAYERS, build_cell
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # transformers' kernels fall back to PyTorch
 
 FAMILIES = {
@@ -42,6 +48,7 @@ FAMILIES = {
     "gated_delta_rule": test_gated_delta_layers,
     "kda": test_kda_layers,
     "rg_lru": test_rg_lru_layers,
+    "lightning_attention": test_lightning_layers,
 }
 FAMILY_OF = {model: family for family, module in FAMILIES.items() for model in module.MODELS}
 TRANSFORMERS_LOOPS = {"gated_delta_rule": torch_recurrent_gated_delta_rule, "kda": recurrent_kimi_delta_attention}
@@ -50,9 +57,10 @@ CELLS = {
     "falcon_h1": {"ssd": 2, "short_conv": 2, "exact": 2},  # attention and Mamba in each layer
     "zamba": {"selective_scan": 4, "short_conv": 2, "exact": 2},  # one cell per Mamba head
     "recurrent_gemma": {"rg_lru": 2, "short_conv": 2, "exact": 1},  # two recurrent blocks, then attention
+    "minimax": {"lightning_attention": 2, "exact": 1},  # no convolution
 }
 # the families whose tiny models are drawn so that their state moves the logits far past the tolerance
-STATE_MOVES_LOGITS = {"selective_scan", "rg_lru"}
+STATE_MOVES_LOGITS = {"selective_scan", "rg_lru", "lightning_attention"}
 PROMPT = 70  # of 90 tokens: the prefill passes a chunk of every source's scan and cell's, then 20 steps
 
 
@@ -76,6 +84,29 @@ def test_naive_loop_equals_transformers_loop(family, l2norm):
         )
         torch.testing.assert_close(out[row : row + 1, real].float(), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got_state[row : row + 1].float(), want_state, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", [family for family, module in FAMILIES.items() if hasattr(module, "textbook")])
+def test_naive_loop_equals_the_equations_with_padding(family):
+    """Against the family's equations written out per real token (its module's ``textbook``): rows
+    left-padded, all real, and with nothing real (the state stays)."""
+    module = FAMILIES[family]
+    args, state = module.draw_inputs(torch.Generator().manual_seed(0), 3, 7)
+    mask = padding_mask(7, [3, 0, 7])
+    want = module.textbook(*args, mask, state)
+    assert_outputs_and_state_close(module.reference_loop(*args, mask, state), want, mask, tol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["selective_scan", "rg_lru", "lightning_attention"])
+def test_cell_without_options_is_rebuilt_and_is_no_target(family):
+    """A cell whose sizes are its spec's takes no option, keeps an fp32 state, and is no ``--to`` target."""
+    cell = FAMILIES[family].new_cell()
+    assert cell.target == family and family in OWN_LAYERS and cell.options() == {} and cell.exact
+    assert cell.init_state(3, torch.device("cpu"), torch.bfloat16)[0].dtype == torch.float32
+    with pytest.raises(rnnify.RnnifyError, match="window"):
+        build_cell(family, cell.spec, {"window": 4})
+    with pytest.raises(rnnify.RnnifyError, match=f"unknown target '{family}'"):
+        rnnify.convert("unused", to=family)  # a layer's own recurrence, never a --to target
 
 
 @pytest.mark.parametrize(
@@ -145,7 +176,7 @@ def test_exact_equals_the_original_prefill_and_steps(name, converted):
     assert_steps_and_split_prefill_match(model, ids[:, :40], split=17)
 
 
-@pytest.mark.parametrize("name", ["bamba", "jamba", "qwen3_next", "kimi_linear", "recurrent_gemma"])
+@pytest.mark.parametrize("name", ["bamba", "jamba", "qwen3_next", "kimi_linear", "recurrent_gemma", "minimax"])
 def test_left_padded_rows_equal_rows_alone(name, converted):
     """Rows of 3, 70 (past a chunk of every cell's) and 9 tokens."""
     _, model = converted(name)

@@ -1,8 +1,9 @@
 """A model's own RG-LRU layers (RecurrentGemma's Griffin blocks) carry their state between tokens
 (rnnify/cells/rg_lru.py, rnnify/compiler/recurrences/rg_lru.py, rnnify/compiler/passes/rewrite_scans.py):
-the loop against the equation, the captured op against transformers' own scan, and what only this
-family has; tests/test_own_layers.py holds the cell's forms against the loop and converted
-RecurrentGemma against the original model, with the cell, loop, inputs and tiny model defined here."""
+the captured op against transformers' own scan, and what only this family has;
+tests/test_own_layers.py holds the loop against the equation, the cell's forms against the loop and
+converted RecurrentGemma against the original model, with the cell, loop, equation, inputs and tiny
+model defined here."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from support import (
 )
 
 import rnnify
-from rnnify.cells import OWN_LAYERS, RGLRUCell, build_cell
+from rnnify.cells import RGLRUCell, build_cell
 from rnnify.cells.rg_lru import CHUNK, naive_recurrent_rg_lru  # noqa: F401 - CHUNK: for tests/test_own_layers.py
 from rnnify.compiler.recurrences.rg_lru import RG_LRU
 
@@ -43,7 +44,7 @@ def new_cell():
 reference_loop = naive_recurrent_rg_lru
 
 
-def _textbook(u, a, mask, state):
+def textbook(u, a, mask, state):
     """The equation written once more, per real token and channel, in fp64."""
     out = torch.zeros(u.shape, dtype=torch.float64)
     h = state.clone().double()
@@ -52,23 +53,6 @@ def _textbook(u, a, mask, state):
             h[row, d] = a[row, t, d] * h[row, d] + u[row, t, d]
             out[row, t, d] = h[row, d]
     return out, h
-
-
-def test_naive_loop_equals_the_equation_with_padding():
-    """Rows left-padded, all real, and with nothing real (the state stays)."""
-    args, state = draw_inputs(torch.Generator().manual_seed(0), 3, 7)
-    mask = padding_mask(7, [3, 0, 7])
-    assert_outputs_and_state_close(reference_loop(*args, mask, state), _textbook(*args, mask, state), mask, tol=1e-12)
-
-
-def test_cell_is_rebuilt_from_its_options_and_is_no_target():
-    cell = new_cell()
-    assert cell.options() == {} and cell.exact and "rg_lru" in OWN_LAYERS
-    assert cell.init_state(3, torch.device("cpu"), torch.bfloat16)[0].dtype == torch.float32
-    with pytest.raises(rnnify.RnnifyError, match="window"):
-        build_cell("rg_lru", RGLRUCell.spec_for(CHANNELS), {"window": 4})
-    with pytest.raises(rnnify.RnnifyError, match="unknown target 'rg_lru'"):
-        rnnify.convert("unused", to="rg_lru")  # a layer's own recurrence, never a --to target
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,8 +1,8 @@
 """A model's own Mamba-1 layers carry their state between tokens (rnnify/cells/selective_scan.py,
-rnnify/compiler/recurrences/mamba.py, rnnify/compiler/passes/rewrite_scans.py): the loop against the
-equations, the captured op against transformers' own scan, and what only this family has;
-tests/test_own_layers.py holds the cell's forms against the loop and converted Jamba and Zamba
-against the original models, with the cell, loop, inputs and tiny models defined here."""
+rnnify/compiler/recurrences/mamba.py, rnnify/compiler/passes/rewrite_scans.py): the captured op
+against transformers' own scan, and what only this family has; tests/test_own_layers.py holds the
+loop against the equations, the cell's forms against the loop and converted Jamba and Zamba against
+the original models, with the cell, loop, equations, inputs and tiny models defined here."""
 
 from __future__ import annotations
 
@@ -13,10 +13,8 @@ import torch
 import torch.nn.functional as F
 from support import (
     TINY_HYBRID,
-    assert_outputs_and_state_close,
     assert_round_trips_a_save,
     original_logits,
-    padding_mask,
     rel_diff,
     standard_normal,
     tiny_causal_lm,
@@ -56,7 +54,7 @@ def new_cell():
 reference_loop = naive_recurrent_selective_scan
 
 
-def _textbook(x, dt, A, B, C, D, z, dt_bias, mask, state):
+def textbook(x, dt, A, B, C, D, z, dt_bias, mask, state):
     """The equations written once more, per real token, channel and state entry, in fp64."""
     out = torch.zeros(x.shape, dtype=torch.float64)
     h = state.clone().double()
@@ -70,13 +68,6 @@ def _textbook(x, dt, A, B, C, D, z, dt_bias, mask, state):
     return out, h
 
 
-def test_naive_loop_equals_the_equations_with_padding():
-    """Rows left-padded, all real, and with nothing real (the state stays)."""
-    args, state = draw_inputs(torch.Generator().manual_seed(0), 3, 7)
-    mask = padding_mask(7, [3, 0, 7])
-    assert_outputs_and_state_close(reference_loop(*args, mask, state), _textbook(*args, mask, state), mask, tol=1e-12)
-
-
 @pytest.mark.parametrize("chunk", [1, 3, 16])
 def test_chunk_sizes_agree(chunk):
     """The doubling scan within chunks of any size (powers of 2 or not, the last one short)."""
@@ -88,16 +79,6 @@ def test_chunk_sizes_agree(chunk):
     out, got_state = chunk_selective_scan(x, dt, A, B, C, state, chunk=chunk)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
-
-
-def test_cell_is_rebuilt_from_its_options_and_is_no_target():
-    cell = new_cell()
-    assert cell.options() == {} and cell.exact and "selective_scan" in OWN_LAYERS
-    assert cell.init_state(3, torch.device("cpu"), torch.bfloat16)[0].shape == (3, CHANNELS, STATE)
-    with pytest.raises(rnnify.RnnifyError, match="window"):
-        build_cell("selective_scan", SelectiveScanCell.spec_for(CHANNELS, STATE), {"window": 4})
-    with pytest.raises(rnnify.RnnifyError, match="unknown target 'selective_scan'"):
-        rnnify.convert("unused", to="selective_scan")  # a layer's own scan, never a --to target
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -373,6 +373,10 @@ HYBRIDS = {
         num_hidden_layers=2, hidden_size=64, head_dim=16, moe_intermediate_size=32, num_experts=4,
         num_experts_per_tok=1, layer_types=["hybrid", "hybrid_sliding"], sliding_window=8, cca_time0=3, cca_time1=2,
     ),
+    "minimax": dict(  # lightning attention around softmax attention, the source's blocks of 16 tokens
+        num_hidden_layers=3, hidden_size=32, intermediate_size=64, head_dim=8, block_size=16, num_local_experts=2,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+    ),
 }  # fmt: skip
 
 
@@ -402,9 +406,9 @@ def hybrids(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("run", [f"{name}{suffix}" for name in HYBRIDS for suffix in ("", "-chunked")])
 def test_hybrids_own_layers_are_served(hybrids, run):
-    """A model's own layers (RG-LRU, convolutions, a token shift) keep their state in vLLM's slots, read
-    in one prefill or in chunks, alone or batched: vLLM's tokens and the log-probs of every prompt and
-    greedy token are rnnify's."""
+    """A model's own layers (RG-LRU, convolutions, a token shift, lightning attention) keep their state
+    in vLLM's slots, read in one prefill or in chunks, alone or batched: vLLM's tokens and the
+    log-probs of every prompt and greedy token are rnnify's."""
     assert_same_tokens(hybrids[run], 12, ignore_eos=True)
     assert_same_logprobs(hybrids[run], prompt=False)
     assert_same_logprobs(hybrids[run], prompt=True)

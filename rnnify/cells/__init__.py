@@ -8,7 +8,7 @@ own recurrent layers, which stay as they are whatever the attention becomes: ``S
 (``"short_conv"``), ``SSDCell`` (``"ssd"``, Mamba-2), ``SelectiveScanCell`` (``"selective_scan"``,
 Mamba-1), ``GatedDeltaRuleCell`` (``"gated_delta_rule"``, Gated DeltaNet),
 ``KimiDeltaAttentionCell`` (``"kda"``, Kimi Delta Attention), ``RGLRUCell`` (``"rg_lru"``,
-Griffin's RG-LRU) and ``TokenShiftCell`` (``"token_shift"``, ZAYA's delayed values).
+Griffin's RG-LRU), ``LightningAttentionCell`` (``"lightning_attention"``, MiniMax) and ``TokenShiftCell`` (``"token_shift"``, ZAYA's delayed values).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from rnnify.cells.base import Cell, CellSpec
 from rnnify.cells.gated_delta import GatedDeltaRuleCell
 from rnnify.cells.heads import HeadSplitCell
 from rnnify.cells.kda import KimiDeltaAttentionCell
+from rnnify.cells.lightning import LightningAttentionCell
 from rnnify.cells.registry import CELLS, build_target_cell, construct
 from rnnify.cells.rg_lru import RGLRUCell
 from rnnify.cells.selective_scan import SelectiveScanCell
@@ -36,6 +37,7 @@ __all__ = [
     "GatedDeltaRuleCell",
     "HeadSplitCell",
     "KimiDeltaAttentionCell",
+    "LightningAttentionCell",
     "OWN_LAYERS",
     "RGLRUCell",
     "SSDCell",
@@ -57,6 +59,7 @@ _NOT_TARGETS: dict[str, type[Cell]] = {
         KimiDeltaAttentionCell,
         SelectiveScanCell,
         RGLRUCell,
+        LightningAttentionCell,
         TokenShiftCell,
     )
 }

@@ -2,7 +2,7 @@
 
 transformers writes a hybrid's recurrent layers as module-level functions its mixers call, e.g.
 ``mamba2_scan_forward(mixer, x, B, C, dt, cache)`` (or as a layer's method: RecurrentGemma's
-``RecurrentGemmaRglru._rnn_scan``): functions that ``kernels`` may replace by a
+``RecurrentGemmaRglru._rnn_scan``, MiniMax's whole ``MiniMaxLightningAttention.forward``): functions that ``kernels`` may replace by a
 runtime that keeps the recurrent state itself, which is what rnnify does. Exported as they are,
 their chunked forms pad the tokens to a multiple of a chunk size, which torch.export cannot keep
 dynamic. During capture, ``own_recurrences`` swaps each such function, in the model's own
@@ -23,13 +23,22 @@ import torch
 from rnnify.compiler.recurrences.family import OwnRecurrence
 from rnnify.compiler.recurrences.gated_delta import GATED_DELTA
 from rnnify.compiler.recurrences.kda import KDA
+from rnnify.compiler.recurrences.lightning import LIGHTNING
 from rnnify.compiler.recurrences.mamba import MAMBA_SCAN_FORWARD, MAMBA_SELECTIVE_SCAN
 from rnnify.compiler.recurrences.mamba2 import MAMBA2
 from rnnify.compiler.recurrences.rg_lru import RG_LRU
 
 __all__ = ["FAMILIES", "OWN_LAYER_OPS", "OwnRecurrence", "own_recurrences"]
 
-FAMILIES: tuple[OwnRecurrence, ...] = (MAMBA2, GATED_DELTA, KDA, MAMBA_SCAN_FORWARD, MAMBA_SELECTIVE_SCAN, RG_LRU)
+FAMILIES: tuple[OwnRecurrence, ...] = (
+    MAMBA2,
+    GATED_DELTA,
+    KDA,
+    MAMBA_SCAN_FORWARD,
+    MAMBA_SELECTIVE_SCAN,
+    RG_LRU,
+    LIGHTNING,
+)
 OWN_LAYER_OPS = frozenset(family.op for family in FAMILIES)
 
 
