@@ -116,7 +116,7 @@ def test_fused_forms_equal_the_own_forms(length):
     here) with the scalar gate, from a nonzero state, with a left-padded row."""
     (q, k, v, slope), state = draw_inputs(torch.Generator().manual_seed(7), 2, length)
     q, k, v, state = q.float(), k.float(), v.float(), state.float()
-    mask = padding_mask(length, [0, length // 3])
+    mask = padding_mask(length, [0, max(1, length // 3)])  # one token: a padded step
     want = new_cell()(q, k, v, slope, mask, state)
     cell = new_cell()
     assert cell.use_kernels("triton") == {"prefill": "chunk_linear_attn", "decode": "fused_recurrent_linear_attn"}

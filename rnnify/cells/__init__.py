@@ -8,7 +8,8 @@ own recurrent layers, which stay as they are whatever the attention becomes: ``S
 (``"short_conv"``), ``SSDCell`` (``"ssd"``, Mamba-2), ``SelectiveScanCell`` (``"selective_scan"``,
 Mamba-1), ``GatedDeltaRuleCell`` (``"gated_delta_rule"``, Gated DeltaNet),
 ``KimiDeltaAttentionCell`` (``"kda"``, Kimi Delta Attention), ``RGLRUCell`` (``"rg_lru"``,
-Griffin's RG-LRU), ``LightningAttentionCell`` (``"lightning_attention"``, MiniMax) and ``TokenShiftCell`` (``"token_shift"``, ZAYA's delayed values).
+Griffin's RG-LRU), ``LightningAttentionCell`` (``"lightning_attention"``, MiniMax) and
+``TokenShiftCell`` (``"token_shift"``, ZAYA's delayed values).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def _log_gates(slope, mask) -> torch.Tensor:
 
 def naive_recurrent_lightning_attention(q, k, v, slope, mask, S) -> tuple[torch.Tensor, torch.Tensor]:
     """One token at a time in fp64, from the equation above; returns (out fp64 ``[B, T, H, D]``, S)."""
-    q, k, v, S = (x.to(torch.float64) for x in (q, k, v, S))
+    q, k, v, S, mask = (*(x.to(torch.float64) for x in (q, k, v, S)), mask.to(torch.bool))
     decay = torch.exp(-slope.to(torch.float64).reshape(1, -1, 1, 1))
     outs = []
     for t in range(q.shape[1]):
@@ -65,6 +65,7 @@ class LightningAttentionCell(Cell):
     target = "lightning_attention"
     own_layer = True
     state_names = ("S",)
+    own_forms_without_triton = frozenset({"decode"})  # the step is one multiply-add, as GatedCell's
 
     @staticmethod
     def spec_for(heads: int, head_dim: int) -> CellSpec:

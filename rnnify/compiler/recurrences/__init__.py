@@ -2,8 +2,9 @@
 
 transformers writes a hybrid's recurrent layers as module-level functions its mixers call, e.g.
 ``mamba2_scan_forward(mixer, x, B, C, dt, cache)`` (or as a layer's method: RecurrentGemma's
-``RecurrentGemmaRglru._rnn_scan``, MiniMax's whole ``MiniMaxLightningAttention.forward``): functions that ``kernels`` may replace by a
-runtime that keeps the recurrent state itself, which is what rnnify does. Exported as they are,
+``RecurrentGemmaRglru._rnn_scan``, MiniMax's whole ``MiniMaxLightningAttention.forward``):
+functions that ``kernels`` may replace by a runtime that keeps the recurrent state itself, which
+is what rnnify does. Exported as they are,
 their chunked forms pad the tokens to a multiple of a chunk size, which torch.export cannot keep
 dynamic. During capture, ``own_recurrences`` swaps each such function, in the model's own
 modeling module (or on its layer class), for a stand-in that calls one ``rnnify::`` op with the mixer's weights: one node

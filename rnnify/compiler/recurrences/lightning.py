@@ -4,8 +4,10 @@ carried by ``LightningAttentionCell``.
 transformers writes the recurrence inside the layer's forward, a loop over blocks of
 ``block_size`` tokens that export unrolls for the example's length, so the stand-in is the whole
 forward without a cache: the projections, the output norm and gate as the source computes them,
-and one op for the recurrence. The source zeroes the padded tokens' q, k and v; the cell keeps
-padding out of its state itself (§Padding), so the stand-in leaves the mask to it.
+and one op for the recurrence. The source zeroes the padded tokens' q, k and v but still decays
+its state across them (invisible from the zero state of a left-padded prompt); the cell keeps
+padding out of its state altogether (§Padding: a padded token decays nothing either), so the
+stand-in leaves the mask to it.
 """
 
 from __future__ import annotations
