@@ -118,6 +118,23 @@ def test_a_choice_costs_and_loses_what_its_conversion_does(name):
     assert 0 < len(report.retrieval) < sum(spec.num_kv_heads for spec in scorer.specs.values())
 
 
+@pytest.mark.parametrize("name", ["mistral", "gemma3_text", "gpt_neo"])
+def test_a_kind_wider_than_a_layers_own_window_is_scored_as_the_original_it_builds(name):
+    """A retrieval head given a window past its layer's own sliding window (16 tokens; GPT-Neo's local
+    layer: 8) and sinks is built as that own window, the original (``plan.within_own_window``); the
+    probe scores the same model, so the choice's calibration KL is its conversion's."""
+    model = family(name)
+    levels = "window(window=32),exact"
+    scorer = HeadScorer(model, rows(), levels=levels, **SCORING)
+    lost = scorer.level_scores["kl"]["window(window=32)"]
+    sliding = {layer for layer, spec in scorer.specs.items() if spec.window is not None}
+    assert sliding and all(lost[head] < 1e-7 for head in lost if head[0] in sliding)  # the original: nothing lost
+    if len(sliding) < len(scorer.specs):  # a layer reading every token loses what the window drops
+        assert max(lost[head] for head in lost if head[0] not in sliding) > 1e-4
+    converted, report = auto_convert(model, rows(), levels=levels, budget="60%", context=CONTEXT, **SCORING)
+    assert report.calibration_kl == pytest.approx(calibration_kl(model, converted, scorer), rel=2e-3)
+
+
 def test_the_original_kv_cache_counts_each_layers_own_window():
     model = family("gemma3_text")  # layer 0 slides over 16 tokens, layer 1 reads them all
     report = HeadScorer(model, rows(), **SCORING).choose("100%", 1000)

@@ -47,7 +47,9 @@ class ProbeCell(ExactCell):
         sinks = None if terms is None else terms.sinks  # [Hkv, G, 1]
         bias = None if slopes is None else slopes.reshape(1, -1, 1, 1) * (j - i).float()
         sinks = None if sinks is None else sinks.reshape(-1)
-        out = self.probe.attend(self.layer, q, k, v, allowed, bias, self.spec.scale, self.spec.softcap, sinks)
+        out = self.probe.attend(
+            self.layer, q, k, v, allowed, bias, self.spec.scale, self.spec.softcap, sinks, self.spec.window
+        )
         return (out.to(q.dtype), *state)
 
 

@@ -20,6 +20,7 @@ from rnnify.auto.calibration import Calibration
 from rnnify.auto.levels import KEPT_KINDS, Level
 from rnnify.cells.base import CellSpec
 from rnnify.choices import SCORES
+from rnnify.compiler.plan import within_own_window
 from rnnify.errors import RnnifyError
 
 Head = tuple[int, int]  # (layer, kv head)
@@ -101,18 +102,26 @@ class _Probe:
                     "itself against the original"
                 ) from None
             self.specs[layer] = _site_spec(query, key, value, scale, sliding_window, softcap, slopes, s_aux)
-        out = self.attend(layer, query, key, value, allowed, bias, scale, softcap, s_aux)
+        out = self.attend(layer, query, key, value, allowed, bias, scale, softcap, s_aux, sliding_window)
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
-    def attend(self, layer, query, key, value, allowed, bias, scale, softcap, sink_logits) -> torch.Tensor:
+    def attend(
+        self, layer, query, key, value, allowed, bias, scale, softcap, sink_logits, own_window=None
+    ) -> torch.Tensor:
         """``[B, H, T, d_v]`` (float32): the attention of ``layer`` over ``query [B, H, T, d]`` and
         ``key``/``value [B, Hkv, T, ·]`` where each query may read the keys ``allowed`` (the model's
-        own pattern) with ``bias`` added to its scores after the ``softcap``, and the ``sink_logits``
-        in each denominator, each head as its kind."""
+        own pattern, sliding over ``own_window`` tokens where it has such a window) with ``bias``
+        added to its scores after the ``softcap``, and the ``sink_logits`` in each denominator, each
+        head as its kind. A kind that would read past the layer's own window computes the original
+        there, as the converted model does (``plan.within_own_window``)."""
         self.calls += 1
         (_, heads, length, _), kv_heads = query.shape, key.shape[1]
         group = heads // kv_heads
         windowed = [self.windowed.get((layer, h // group)) for h in range(heads)]
+        windowed = [
+            None if w is None or within_own_window(own_window, "window", {"window": w, "sinks": self.sinks}) else w
+            for w in windowed
+        ]
         if any(w is not None for w in windowed):  # a window cell reads its ring and the sinks, nothing else
             i = torch.arange(length, device=query.device)[:, None]
             j = torch.arange(length, device=query.device)[None, :]
@@ -137,7 +146,7 @@ class _Probe:
                     into[(layer, h)] = into.get((layer, h), 0.0) + float(per_head[h])
         out = p @ value.float().repeat_interleave(group, 1)
         for (at, h), (target, options) in self.celled.items():
-            if at == layer:
+            if at == layer and not within_own_window(own_window, target, options):
                 heads_of = slice(h * group, (h + 1) * group)
                 out[:, heads_of] = _cell_head(
                     target, query[:, heads_of], key[:, h : h + 1], value[:, h : h + 1], scale, options

@@ -201,19 +201,19 @@ def _accepted(target: str) -> set[str]:
     return set(_parameters(target))
 
 
-def within_own_window(spec: CellSpec, target: str, options: dict[str, Any]) -> bool:
+def within_own_window(own_window: int | None, target: str, options: dict[str, Any]) -> bool:
     """Whether ``target`` with ``options`` reads further back than the layer's own sliding window
-    (its window, or its constructor's default, no shorter; sinks or selected and remembered tokens
-    besides): keys the original never reads, where the original's own window is a constant state
-    already. A ``window`` of exactly the layer's own and no sinks is the original itself."""
+    ``own_window`` (its window, or its constructor's default, no shorter; sinks or selected and
+    remembered tokens besides): keys the original never reads, where the original's own window is a
+    constant state already. A ``window`` of exactly the layer's own and no sinks is the original itself."""
     parameters = _parameters(target)
-    if spec.window is None or target == "exact" or "window" not in parameters:
+    if own_window is None or target == "exact" or "window" not in parameters:
         return False
     window = options.get("window", parameters["window"].default)
-    window = spec.window if window is None else window
+    window = own_window if window is None else window
     if isinstance(window, bool) or not isinstance(window, int):
         return False  # the cell refuses it, in its own words
-    return window > spec.window or (window == spec.window and (target != "window" or bool(options.get("sinks"))))
+    return window > own_window or (window == own_window and (target != "window" or bool(options.get("sinks"))))
 
 
 @dataclass
@@ -240,7 +240,7 @@ class ConversionPlan:
             return build_cell("exact", spec, self.options_for("exact"))
         groups = self._groups(layer, spec)
         parts = [(kv, *self._faithful(spec, target, options)) for kv, target, options in groups]
-        if len(parts) == 1 or all(within_own_window(spec, target, options) for _, target, options in groups):
+        if len(parts) == 1 or all(within_own_window(spec.window, target, options) for _, target, options in groups):
             return build_cell(parts[0][1], spec, parts[0][2])  # one kind for every head: the plain cell
         return build_cell(
             HEADS,
@@ -253,7 +253,7 @@ class ConversionPlan:
         the target the plan names for them."""
         if self.rule_for(layer) is None and spec.chunk is not None:
             return False
-        return any(within_own_window(spec, target, options) for _, target, options in self._groups(layer, spec))
+        return any(within_own_window(spec.window, target, options) for _, target, options in self._groups(layer, spec))
 
     def _groups(self, layer: int, spec: CellSpec) -> list[tuple[list[int] | None, str, dict[str, Any]]]:
         """``(kv heads, target, options)`` of each group of ``layer``'s heads (None: all of them)."""
@@ -266,7 +266,7 @@ class ConversionPlan:
 
     def _faithful(self, spec: CellSpec, target: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """``(target, options)``, or the layer's own window where ``within_own_window``."""
-        if within_own_window(spec, target, options):
+        if within_own_window(spec.window, target, options):
             return "window", {**self.options_for("window"), "window": spec.window, "sinks": 0}
         return target, options
 
