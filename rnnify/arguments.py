@@ -74,9 +74,36 @@ def layer_list(flag: str) -> Callable[[str], list[int]]:
 
     def parse(text: str) -> list[int]:
         try:
-            return [int(part) for part in text.split(",") if part.strip()]
+            layers = [int(part) for part in text.split(",") if part.strip()]
         except ValueError:
-            raise RnnifyError(f"{flag} {text!r}: expected comma-separated layer indices, e.g. 0,3") from None
+            layers = [-1]
+        if not layers or min(layers) < 0:
+            raise RnnifyError(f"{flag} {text!r}: expected comma-separated layer indices, e.g. 0,3")
+        return layers
+
+    return parse
+
+
+def probability(flag: str) -> Callable[[str], float]:
+    """A number in (0, 1] (``--top-p``), as ``runtime.sampling.check_sampling`` allows it."""
+
+    def parse(text: str) -> float:
+        value = _number(float, flag, text, "a number")
+        if not 0 < value <= 1:
+            raise RnnifyError(f"{flag} {text}: must be in (0, 1]")
+        return value
+
+    return parse
+
+
+def at_least(minimum: int, flag: str) -> Callable[[str], int]:
+    """An integer no smaller than ``minimum`` (a window's tokens, a count of sinks)."""
+
+    def parse(text: str) -> int:
+        value = _number(int, flag, text, "an integer")
+        if value < minimum:
+            raise RnnifyError(f"{flag} {value}: must be at least {minimum}")
+        return value
 
     return parse
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rnnify.cells.base import Cell
 from rnnify.choices import SEED, VERIFY_BATCH, VERIFY_TOKENS
 from rnnify.errors import RnnifyError
 from rnnify.runtime import integrity
@@ -91,6 +92,21 @@ def _random_ids(model: RecurrentModel, tokens: int, batch: int, seed: int) -> tu
     return ids.to(model.device), note
 
 
+def _longest_span(model: RecurrentModel) -> int | None:
+    """The most tokens a cell of ``model`` holds before it drops one (a window with its sinks, a
+    layer's own window or chunk); None where no cell drops any."""
+    spans = []
+    for cell in model.modules():
+        if not isinstance(cell, Cell):
+            continue
+        window = getattr(cell, "window", None)
+        if isinstance(window, int) and not isinstance(window, bool):
+            spans.append(window + (getattr(cell, "sinks", 0) or 0))
+        elif cell.grows_with_context and cell.spec.keys_read is not None:
+            spans.append(cell.spec.keys_read)
+    return max(spans, default=None)
+
+
 @torch.no_grad()
 def run_checks(
     model: RecurrentModel,
@@ -112,6 +128,10 @@ def run_checks(
     report = progress or (lambda name: None)
     ids, note = _random_ids(model, tokens, batch, seed)
     n, dtype = ids.shape[1], model.dtype
+    span = _longest_span(model)
+    if span is not None and n <= span:  # the checks would pass without ever dropping a token
+        unfilled = f"no window filled: the longest holds {span} tokens; --tokens {span + n} checks what they drop"
+        note = "; ".join(filter(None, [note, unfilled]))
 
     report("integrity")
     results = [_check_integrity(model, expected_digest)]

@@ -11,6 +11,7 @@ import torch
 
 import rnnify
 from rnnify.cli import main
+from rnnify.errors import RnnifyWarning
 from rnnify.runtime.aot import STEP_PACKAGE, StepPackage, fingerprint
 from rnnify.runtime.step_cache import cached
 
@@ -60,9 +61,11 @@ def test_compiled_step_follows_weights_changed_in_place_and_stops_when_they_are_
     torch.testing.assert_close(_decode(model, 1, 3)[0], _decode(eager, 1, 3)[0], rtol=1e-5, atol=1e-5)
 
 
-def test_a_step_compiled_from_other_source_is_not_found(compiled, monkeypatch):
-    """A step compiled before rnnify's source changed (a fixed cell, the same version number)
-    has another key: the cache does not hand back code that is not the running code's."""
+def test_a_step_compiled_from_other_source_is_not_found(compiled, monkeypatch, capsys):
+    """A step compiled before rnnify's source changed (a fixed cell, the same version number; an
+    upgrade) has another key: the cache does not hand back code that is not the running code's. The
+    load says, in one warning line, why it decodes eagerly and what compiles the step again, and
+    ``rnnify info`` says the same."""
     from rnnify.runtime import aot
 
     hybrid = rnnify.load(compiled("hybrid"))
@@ -70,7 +73,12 @@ def test_a_step_compiled_from_other_source_is_not_found(compiled, monkeypatch):
     key = fingerprint(hybrid)
     monkeypatch.setattr(aot, "_source_digest", lambda: "another source")
     assert fingerprint(hybrid) != key
-    assert rnnify.load(compiled("hybrid")).step_package is None
+    with pytest.warns(RnnifyWarning, match=r"for another rnnify, torch or CPU.*`rnnify compile .*` compiles it again"):
+        assert rnnify.load(compiled("hybrid")).step_package is None
+    capsys.readouterr()
+    assert main(["info", str(compiled("hybrid"))]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # as the table wraps it
+    assert "eager: this machine compiled its decode step for another rnnify, torch or CPU" in out
 
 
 @pytest.mark.parametrize("other", ["linear", "hybrid-w8"])

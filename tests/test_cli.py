@@ -165,6 +165,20 @@ def test_verify_against_the_original_catches_an_altered_weight(capsys, tmp_path,
     assert "FAILED: vs original" in out
 
 
+def test_verify_says_when_no_window_was_filled(capsys, converted_dir):
+    """Checks shorter than a window pass without the window ever dropping a token: the note says so
+    and how many tokens would; that many leave no such note."""
+    directory = converted_dir("llama", "hybrid")  # a window with sinks, and a memory
+    cell = rnnify.load(directory).cells[0]
+    span = cell.window + cell.sinks
+    code, out, _ = run(capsys, "verify", directory, "--tokens", 8)
+    assert code == 0 and f"no window filled: the longest holds {span} tokens; --tokens {span + 8}" in " ".join(
+        out.split()
+    )
+    code, out, _ = run(capsys, "verify", directory, "--tokens", span + 8, "--batch", 1)
+    assert code == 0 and "no window filled" not in out
+
+
 def test_verify_clamps_to_learned_positions(capsys, converted_dir):
     code, out, err = run(capsys, "verify", converted_dir("gpt2", "exact"), "--tokens", 500, "--batch", 1)
     assert code == 0, out + err
@@ -180,6 +194,16 @@ def test_generate_ids_streams_what_generate_returns(capsys, converted_dir):
     assert code == 0, err
     expected = rnnify.load(directory).generate(torch.tensor([[1, 2, 3]]), 8, eos_token_id=eos_id(directory))
     assert out.strip() == ",".join(map(str, expected[0].tolist()))
+
+
+def test_sampling_flags_without_do_sample_are_named_in_a_warning(capsys, converted_dir):
+    """Greedy decoding reads none of them (transformers warns too); the tokens are the greedy ones."""
+    directory = converted_dir("llama", "exact")
+    code, greedy, err = run(capsys, "generate", directory, "--ids", "1,2,3", "--max-new-tokens", 4)
+    assert code == 0 and "warning" not in err
+    code, out, err = run(capsys, "generate", directory, "--ids", "1,2,3", "--max-new-tokens", 4, "--top-k", 5)
+    assert code == 0 and out == greedy
+    assert err.strip() == "warning: --top-k applies only with --do-sample: decoding greedily"
 
 
 def test_generate_prompt_streams_decoded_text(capsys, converted_dir):
@@ -290,6 +314,12 @@ def _empty(tmp_path) -> Path:
     return tmp_path / "empty"
 
 
+def _file(directory: Path) -> Path:
+    """A file that exists, where a model directory is expected."""
+    (directory / "notes.txt").write_text("not a model")
+    return directory / "notes.txt"
+
+
 BAD_INPUT = {
     "convert missing path": (
         lambda t, c: ["convert", t / "missing", "--to", "exact", "-o", t / "out"],
@@ -297,6 +327,7 @@ BAD_INPUT = {
     ),
     "verify missing path": (lambda t, c: ["verify", t / "missing"], "no such directory"),
     "info missing path": (lambda t, c: ["info", t / "missing"], "no such directory"),
+    "info on a file": (lambda t, c: ["info", _file(t)], "a file, not a model directory"),
     "generate missing path": (lambda t, c: ["generate", t / "missing", "--ids", "1"], "no such directory"),
     "hub id offline": (
         lambda t, c: ["convert", "someone/some-model", "--to", "exact", "-o", t / "out"],
@@ -322,6 +353,27 @@ BAD_INPUT = {
         "compare against the model this one was converted from",
     ),
     "too few verify tokens": (lambda t, c: ["verify", c("llama", "exact"), "--tokens", "1"], "tokens must be >= 2"),
+    "top-p past 1": (lambda t, c: ["generate", t / "missing", "--prompt", "a", "--top-p", "1.5"], "--top-p 1.5"),
+    "top-k 0": (
+        lambda t, c: ["generate", t / "missing", "--prompt", "a", "--top-k", "0"],
+        "--top-k 0: must be at least 1",
+    ),
+    "negative new tokens": (
+        lambda t, c: ["generate", t / "missing", "--prompt", "a", "--max-new-tokens", "-1"],
+        "--max-new-tokens -1: must be at least 0",
+    ),
+    "window below 1": (
+        lambda t, c: ["convert", t / "missing", "--to", "window", "--window", "-5", "-o", t / "out"],
+        "--window -5: must be at least 1",  # before the path is looked at
+    ),
+    "negative sinks": (
+        lambda t, c: ["convert", t / "missing", "--to", "window", "--sinks", "-1", "-o", t / "out"],
+        "--sinks -1: must be at least 0",
+    ),
+    "negative layer": (
+        lambda t, c: ["convert", t / "missing", "--to", "linear", "--keep-softmax", "-1", "-o", t / "out"],
+        "--keep-softmax '-1': expected comma-separated layer indices",
+    ),
 }
 
 
@@ -330,6 +382,13 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, converted_dir, case)
     make_argv, message = BAD_INPUT[case]
     code, _, err = run(capsys, *make_argv(tmp_path, converted_dir))
     assert_user_error(code, err, message)
+
+
+def test_a_kept_layer_past_the_model_is_named_by_its_flag(capsys, tmp_path, tiny_model_dir):
+    code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "linear", "--keep-softmax", "9", "-o",
+                       tmp_path / "out")  # fmt: skip
+    assert_user_error(code, err, "--keep-softmax 9: the model has no layer 9")
+    assert not (tmp_path / "out").exists()
 
 
 def test_encoder_decoder_is_rejected(capsys, tmp_path, t5_dir):
@@ -388,6 +447,11 @@ def test_console_script_help():
         assert command in result.stdout
 
 
+def test_version_is_printed_without_a_command(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"rnnify {rnnify.__version__}\n"
+
+
 def test_python_dash_m_runs_the_cli():
     command = [sys.executable, "-m", "rnnify", "info", "--help"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
@@ -409,6 +473,7 @@ def _heavy_imports(code: str) -> list[str]:
     "argv",
     [
         ["--help"],
+        ["--version"],
         ["no-such-command"],
         [],
         *([name, "--help"] for name in COMMANDS),

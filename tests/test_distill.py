@@ -123,6 +123,9 @@ def test_transfer_is_skipped_when_the_cells_have_nothing_to_train(converted_dir,
     rnnify.distill(model, tokens(8), stages=["transfer"], seq_len=16, batch_size=4)
     assert "skipping transfer" in capsys.readouterr().err
     assert all(torch.equal(v, weights[k]) for k, v in state_dict(model).items())
+    with pytest.raises(rnnify.RnnifyError, match="does not exist"):  # bad data: its error alone
+        rnnify.distill(model, "missing.txt", stages=["transfer", "finetune"], seq_len=16, batch_size=4)
+    assert "skipping transfer" not in capsys.readouterr().err
 
 
 # -- fine-tuning and LoRA ------------------------------------------------------------------

@@ -124,6 +124,8 @@ def test_pipeline_gives_the_originals_text(models):
         ({"dola_layers": "low"}, "dola_generation cannot run"),
         ({"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0}, "group_beam_search cannot run"),
         ({"cache": DynamicCache()}, "cache must be a RecurrentCache .*, got DynamicCache"),
+        ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions=True: .* logits only"),
+        ({"output_hidden_states": True, "return_dict_in_generate": True}, "output_hidden_states=True"),
     ],
 )
 def test_modes_that_need_past_keys_are_refused(models, options, match):

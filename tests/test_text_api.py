@@ -115,8 +115,22 @@ def test_a_model_without_a_tokenizer_fails_with_one_line(converted_dir, tmp_path
         (lambda m: m.stream(42), "a string or a list of messages"),
         (lambda m: m.chat(PROMPT), "chat takes a list of messages"),
         (lambda m: m.chat([{"role": "user", "content": "hi"}]), "no chat template"),
+        (lambda m: m.generate(PROMPT, repetition_penalty=1.3), "unknown option 'repetition_penalty'.*AutoModelFor"),
+        (lambda m: m.generate(torch.tensor([[5, 6]]), num_beams=2), "unknown option 'num_beams'"),
+        (lambda m: m.generate(123), "a string or token ids .*got int"),
     ],
-    ids=["unknown-option", "ids-only-option", "bad-sampling", "empty", "not-text", "chat-text", "no-template"],
+    ids=[
+        "unknown-option",
+        "ids-only-option",
+        "bad-sampling",
+        "empty",
+        "not-text",
+        "chat-text",
+        "no-template",
+        "transformers-option",
+        "transformers-option-ids",
+        "not-a-prompt",
+    ],  # fmt: skip
 )
 def test_mistakes_are_one_line_errors_before_decoding(model, call, match):
     with pytest.raises(rnnify.RnnifyError, match=match) as error:
@@ -132,7 +146,7 @@ def test_readme_python_api_runs(chat_dir, tmp_path, monkeypatch, capsys):
     blocks = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
     assert len(blocks) >= 3 and "model.chat(" in section and "model.stream(" in section
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    (tmp_path / "smol-hybrid-ft").symlink_to(chat_dir)
+    (tmp_path / "smol-auto").symlink_to(chat_dir)
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     for block in blocks:

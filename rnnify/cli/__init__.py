@@ -21,7 +21,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from rnnify import arguments
+from rnnify import __version__, arguments
 from rnnify.cli import (
     bench,
     chat,
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"rnnify {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=arguments.Command)
     for command in COMMANDS:
         add_command(commands, command)

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from rnnify.bench import benchmark, plot
     from rnnify.eval import write_json
 
-    contexts, batches = int_list("--contexts", args.contexts), int_list("--batch", args.batch)
+    contexts, batches = int_list("--contexts", args.contexts), int_list("--batch", args.batch, "1,8")
     check_writable("--json", args.json)
     check_writable("--plot", args.plot)
     result = benchmark(

@@ -253,14 +253,14 @@ def device(name: str | None):
     return chosen
 
 
-def int_list(flag: str, text: str) -> list[int]:
-    """``flag``'s comma-separated positive integers."""
+def int_list(flag: str, text: str, example: str = "256,1024") -> list[int]:
+    """``flag``'s comma-separated positive integers (``example``: what its error suggests)."""
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         values = []
     if not values or any(v < 1 for v in values):
-        raise RnnifyError(f"{flag} {text!r}: expected comma-separated positive integers, e.g. 256,1024")
+        raise RnnifyError(f"{flag} {text!r}: expected comma-separated positive integers, e.g. {example}")
     return values
 
 

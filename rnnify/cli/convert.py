@@ -85,15 +85,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kernels",
         choices=KERNELS,
         default=DEFAULT_KERNELS,
-        help="backend of the fused Triton ops the cells run where they have them: auto (Triton on CUDA, "
-        "the PyTorch reference elsewhere), triton or reference; none: the cells' own PyTorch forms; "
-        "saved with the model",
+        help="backend of the fused Triton ops the cells run where they have them: auto (Triton on CUDA; "
+        "elsewhere, per phase, the faster of the ops' PyTorch reference and the cell's own form), triton or "
+        "reference; none: the cells' own PyTorch forms; saved with the model",
     )
     cell = p.add_argument_group(
         "cell options (passed to every cell that accepts them; default: the cell's own, which rnnify info shows)"
     )
-    cell.add_argument("--window", type=int, metavar="W", help="softmax window in tokens (window, hybrid)")
-    cell.add_argument("--sinks", type=int, metavar="S", help="first tokens always attended to (window, hybrid)")
+    cell.add_argument(
+        "--window",
+        type=arguments.at_least(1, "--window"),
+        metavar="W",
+        help="softmax window in tokens (window, hybrid)",
+    )
+    cell.add_argument(
+        "--sinks",
+        type=arguments.at_least(0, "--sinks"),
+        metavar="S",
+        help="first tokens always attended to (window, hybrid)",
+    )
     cell.add_argument(
         "--feature-map",
         choices=sorted(FEATURE_MAPS),

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from rnnify import arguments
 from rnnify.cli.common import add_dir, add_kernels_flag, load
-from rnnify.errors import RnnifyError
+from rnnify.errors import RnnifyError, RnnifyWarning
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -40,7 +41,13 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     """How tokens are chosen, shared by ``generate`` and ``chat``: greedy unless --do-sample."""
     from rnnify.choices import TEMPERATURE
 
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N", help="most tokens to generate")
+    p.add_argument(
+        "--max-new-tokens",
+        type=arguments.at_least(0, "--max-new-tokens"),
+        default=max_new_tokens,
+        metavar="N",
+        help="most tokens to generate",
+    )
     p.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
     p.add_argument(
         "--temperature",
@@ -49,10 +56,12 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
         metavar="T",
         help="sampling temperature, > 0",
     )
-    p.add_argument("--top-k", type=int, metavar="K", help="sample only from the K most likely tokens")
+    p.add_argument(
+        "--top-k", type=arguments.at_least(1, "--top-k"), metavar="K", help="sample only from the K most likely tokens"
+    )
     p.add_argument(
         "--top-p",
-        type=float,
+        type=arguments.probability("--top-p"),
         metavar="P",
         help="sample only from the smallest set of tokens whose probability adds up to P",
     )
@@ -64,8 +73,22 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
 def sampling_options(args: argparse.Namespace, model, tokenizer) -> dict[str, Any]:
     """The sampling flags as ``RecurrentModel.generate`` and ``Chat`` take them, with the ids that end a
     reply: ``model``'s and ``tokenizer``'s end-of-sequence ids (``runtime.text.eos_ids``)."""
+    from rnnify.choices import TEMPERATURE
     from rnnify.runtime.text import eos_ids
 
+    if not args.do_sample:  # as transformers warns: greedy decoding reads none of them
+        given = [
+            f"--{name.replace('_', '-')}"
+            for name, unset in (("temperature", TEMPERATURE), ("top_k", None), ("top_p", None), ("seed", None))
+            if getattr(args, name) != unset
+        ]
+        if given:
+            warnings.warn(
+                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --do-sample: "
+                "decoding greedily",
+                RnnifyWarning,
+                stacklevel=2,
+            )
     flags = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed")
     return {**{name: getattr(args, name) for name in flags}, "eos_token_id": eos_ids(model, tokenizer) or None}
 

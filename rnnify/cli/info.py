@@ -107,7 +107,10 @@ def _kernels_line(model) -> str:
     """The backend of the fused ops and how many layers run them, in words."""
     if model.kernels == "none":
         return "none: every cell runs its own PyTorch forms"
-    meaning = {"auto": " (Triton on CUDA, PyTorch reference elsewhere)", "reference": " (the ops' PyTorch references)"}
+    meaning = {
+        "auto": " (Triton on CUDA; elsewhere, per phase, the faster of the ops' PyTorch reference and the cell's form)",
+        "reference": " (the ops' PyTorch references)",
+    }
     count = sum(bool(entry.kernels) for entry in model.manifest.cells)
     return f"{model.kernels}{meaning.get(model.kernels, '')}; fused ops in {count} of {len(model.cells)} layers"
 

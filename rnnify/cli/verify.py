@@ -70,7 +70,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             tokens=args.tokens,
             batch=args.batch,
             seed=args.seed,
-            progress=start,
+            progress=lambda check: start(check, spin=True),  # a long check shows its time moving
             expected_digest=args.expect_digest,
         )
     step = ", step compiled ahead of time" if model.step_package is not None else ""  # the step the checks ran

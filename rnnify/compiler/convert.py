@@ -88,9 +88,9 @@ def convert(
     except those that ``layers`` (e.g. ``"0-1:exact,4-:hybrid"``) or ``keep_softmax`` (layers kept
     ``exact``) assign otherwise; ``options`` go to every cell that accepts them (e.g.
     ``feature_map="elu"``). ``kernels`` is the backend of the fused Triton ops the cells run where
-    they have them (``auto``: Triton on CUDA, the PyTorch reference elsewhere; ``triton``;
-    ``reference``), or ``none`` for the cells' own PyTorch forms; it is saved with the model and
-    can be overridden by ``rnnify.load``.
+    they have them (``auto``: Triton on CUDA; elsewhere, per phase, the faster of the ops' PyTorch
+    reference and the cell's own form; ``triton``; ``reference``), or ``none`` for the cells' own
+    PyTorch forms; it is saved with the model and can be overridden by ``rnnify.load``.
     ``progress(stage)`` is called as each stage and pass starts.
     """
     check_kernels(kernels)

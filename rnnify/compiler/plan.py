@@ -221,6 +221,7 @@ class ConversionPlan:
     default: str
     rules: list[LayerRule] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
+    keep_softmax: tuple[int, ...] = ()  # the layers its last rules keep exact, as the user named them
 
     def rule_for(self, layer: int) -> LayerRule | None:
         """The rule that decides ``layer`` (the last that matches), or None: the default target."""
@@ -291,6 +292,11 @@ class ConversionPlan:
         """Every rule and option must be used by some layer of the model (``chunked`` layers that no rule
         names are exact: ``cell_for``)."""
         layers, chunked = sorted(set(layers)), set(chunked)
+        for layer in self.keep_softmax:
+            if layer not in layers:
+                raise RnnifyError(
+                    f"--keep-softmax {layer}: the model has no layer {layer} (its layers are {layers[0]}-{layers[-1]})"
+                )
         for rule in self.rules:
             if not any(rule.matches(layer) for layer in layers):
                 raise RnnifyError(
@@ -321,7 +327,8 @@ def make_plan(
     to: str, layers: str | None = None, keep_softmax: Iterable[int] | None = None, **options: Any
 ) -> ConversionPlan:
     rules = parse_layers(layers) if layers else []
-    rules += [LayerRule(int(layer), int(layer), "exact") for layer in keep_softmax or ()]
-    plan = ConversionPlan(_check_target(to), rules, options)
+    kept = tuple(int(layer) for layer in keep_softmax or ())
+    rules += [LayerRule(layer, layer, "exact") for layer in kept]
+    plan = ConversionPlan(_check_target(to), rules, options, kept)
     plan.check_options({to}.union(*(rule.targets for rule in rules)))  # before any model is loaded
     return plan

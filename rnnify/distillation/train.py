@@ -248,8 +248,8 @@ class _Trainer:
             self.mesh = device_mesh(runtime.device)
         self.cell_names = _names(self.model, [p for p in cell_parameters(self.model) if p.requires_grad])
         self.stages = config.stages
-        if "transfer" in self.stages and not self.cell_names:
-            self.log("skipping transfer: the cells of this model have no trainable parameters")
+        skips_transfer = "transfer" in self.stages and not self.cell_names
+        if skips_transfer:
             self.stages = [s for s in self.stages if s != "transfer"]
         stages = self.stages
         self.budget = None if config.max_tokens is None or not stages else max(1, config.max_tokens // len(stages))
@@ -265,6 +265,8 @@ class _Trainer:
         )
         if stages:
             token_batches(**self.batches_args)  # checks the data and sizes now, before the teacher loads
+        if skips_transfer:  # said once the data is known to be good: a bad --data is the one line
+            self.log("skipping transfer: the cells of this model have no trainable parameters")
         self.uses_teacher = "finetune" in stages and config.kl_weight > 0
         self.teacher_source = teacher
         self.teacher: nn.Module | None = None  # loaded by ``run``

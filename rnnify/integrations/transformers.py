@@ -245,9 +245,7 @@ class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
 
         ``attention_mask`` may cover earlier tokens too (as in ``generate``): its last columns are used.
         """
-        for flag in ("output_attentions", "output_hidden_states"):
-            if kwargs.get(flag):
-                raise ValueError(f"{flag}=True: an rnnify model returns logits only")
+        _refuse_other_outputs(kwargs.get)
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError("inputs_embeds: an rnnify model reads token ids; pass input_ids")
         if cache is not None and not isinstance(cache, RecurrentCache):
@@ -309,6 +307,7 @@ class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
         goes in as ``cache=``, as a user's would (transformers' default ``DynamicCache`` needs the attention
         layers' shapes, which ``RnnifyConfig`` does not have)."""
         options = self._generation_options(generation_config, kwargs)
+        _refuse_other_outputs(lambda flag: getattr(options, flag, None))  # generate would drop them quietly
         if kwargs.get("custom_generate") is None:
             mode = options.get_generation_mode(kwargs.get("assistant_model"))
             if mode not in SUPPORTED_MODES:
@@ -349,6 +348,14 @@ class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
             if hasattr(options, key):
                 setattr(options, key, value)
         return options
+
+
+def _refuse_other_outputs(get: Any) -> None:
+    """Raise where ``get(flag)`` asks for attention weights or hidden states, which a converted
+    model does not compute (its cells keep state, not attention maps)."""
+    for flag in ("output_attentions", "output_hidden_states"):
+        if get(flag):
+            raise ValueError(f"{flag}=True: an rnnify model returns logits only")
 
 
 def register() -> None:

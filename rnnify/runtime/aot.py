@@ -87,20 +87,25 @@ def _named_weights(graph: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def fingerprint(model: RecurrentModel) -> str:
-    """What a package must match: the step graph's code, every cell's target, spec and options and
-    the state's shapes and dtypes (the compiled code has them built in), the name, shape, strides
-    and dtype of every weight (the package takes the model's own at load and reads them as laid
-    out when it was compiled: ``runtime.weight_layout``), rnnify's version and source and torch's
+    """What a package must match: the model (``model_key``), rnnify's version and source and torch's
     version (the package's runtime and the code it compiled) and the CPU it was compiled for."""
     from rnnify import __version__
 
+    versions = [__version__, _source_digest(), torch.__version__, platform.machine(), _cpu_flags()]
+    return hashlib.sha256(json.dumps([versions, model_key(model)]).encode()).hexdigest()
+
+
+def model_key(model: RecurrentModel) -> str:
+    """The model a package is compiled for, whatever compiled it: the step graph's code, every
+    cell's target, spec and options and the state's shapes and dtypes (the compiled code has them
+    built in), and the name, shape, strides and dtype of every weight (the package takes the model's
+    own at load and reads them as laid out when it was compiled: ``runtime.weight_layout``)."""
     graph = model.graph
     # by name: a converted model and the same model loaded from its directory list them in other orders
     weights = sorted((name, tuple(t.shape), t.stride(), str(t.dtype)) for name, t in _named_weights(graph))
     cells = [(entry.module, entry.target, entry.spec, entry.options) for entry in model.manifest.cells]
     state = [(tuple(t.shape), str(t.dtype)) for t in model.init_state(1).tensors]
-    versions = [__version__, _source_digest(), torch.__version__, platform.machine(), _cpu_flags()]
-    text = json.dumps([versions, graph.code, cells, state, weights], default=str)
+    text = json.dumps([graph.code, cells, state, weights], default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

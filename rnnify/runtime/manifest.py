@@ -123,7 +123,9 @@ def read_data(directory: Path) -> dict[str, Any]:
     """``directory``'s manifest as JSON, of a format this rnnify reads (``Manifest.parse`` builds it)."""
     path = directory / MANIFEST_FILE
     if not directory.is_dir():
-        raise RnnifyError(f"{directory}: no such directory")
+        raise RnnifyError(
+            f"{directory}: {'a file, not a model directory' if directory.exists() else 'no such directory'}"
+        )
     if not path.is_file():
         raise RnnifyError(
             f"{directory}: not an rnnify model directory (no {MANIFEST_FILE}); make one with `rnnify convert`"

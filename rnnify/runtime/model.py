@@ -101,7 +101,8 @@ class RecurrentModel(nn.Module):
 
     def use_kernels(self, kernels: str) -> "RecurrentModel":
         """Run the cells' fused ``rnnify.kernels`` ops with backend ``kernels``: ``"auto"`` (Triton on
-        CUDA, the PyTorch reference elsewhere), ``"triton"`` or ``"reference"``; ``"none"`` runs the
+        CUDA; elsewhere, per phase, the faster of the ops' PyTorch reference and the cell's own form),
+        ``"triton"`` or ``"reference"``; ``"none"`` runs the
         cells' own PyTorch forms. Cells without a fused form are unaffected. Recorded in the manifest."""
         check_kernels(kernels)
         for entry, cell in zip(self.manifest.cells, self.cells):
@@ -397,6 +398,7 @@ class RecurrentModel(nn.Module):
         pad_token_id: int | None = None,
         seed: int | None = None,
         streamer: Any = None,
+        **unknown: Any,
     ) -> torch.Tensor | str:
         """Prompt plus up to ``max_new_tokens`` new tokens per row, as transformers' ``generate``.
 
@@ -407,6 +409,18 @@ class RecurrentModel(nn.Module):
         A string prompt returns the text generated after it instead (``runtime.text``): read with
         ``tokenizer``, ending at the model's end-of-sequence ids unless ``eos_token_id`` is given.
         """
+        if unknown:
+            raise RnnifyError(
+                f"unknown option {sorted(unknown)[0]!r}: generate takes max_new_tokens, do_sample, temperature, "
+                "top_k, top_p, eos_token_id, pad_token_id, seed, streamer and attention_mask; transformers' own "
+                "generate (penalties, beam search, ...) runs on the directory loaded with AutoModelForCausalLM "
+                "(docs/interop.md)"
+            )
+        if not isinstance(input_ids, (str, torch.Tensor)):
+            raise RnnifyError(
+                f"generate takes a string or token ids ([B, T] LongTensor), got {type(input_ids).__name__}; "
+                "chat messages go to chat"
+            )
         decoding = dict(
             attention_mask=attention_mask,
             do_sample=do_sample,

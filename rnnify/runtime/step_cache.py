@@ -27,7 +27,15 @@ from typing import TYPE_CHECKING
 
 from rnnify.errors import RnnifyError, RnnifyWarning
 from rnnify.runtime import output_dir
-from rnnify.runtime.aot import STEP_PACKAGE, StepPackage, compile_package, fingerprint, load_package, refusal
+from rnnify.runtime.aot import (
+    STEP_PACKAGE,
+    StepPackage,
+    compile_package,
+    fingerprint,
+    load_package,
+    model_key,
+    refusal,
+)
 from rnnify.runtime.integrity import sha256_file
 from rnnify.runtime.manifest import MANIFEST_FILE, MANIFEST_FORMAT_VERSION, Manifest
 
@@ -48,6 +56,18 @@ def cache_root() -> Path:
 
 def _entry(key: str) -> Path:
     return cache_root() / "steps" / key / STEP_PACKAGE
+
+
+def _compiled_mark(model: RecurrentModel) -> Path:
+    """A file that says this machine compiled ``model``'s step once, whatever rnnify, torch or CPU
+    compiled it: a load that finds no entry for its own then says why it decodes eagerly."""
+    return cache_root() / "models" / model_key(model)
+
+
+_STALE = (
+    "this machine compiled its decode step for another rnnify, torch or CPU, not this one: decoding eagerly "
+    "until `rnnify compile {directory}` compiles it again"
+)
 
 
 def _private(package: Path) -> bool:
@@ -75,15 +95,17 @@ def cached(model: RecurrentModel) -> Path | None:
 
 def compile_into_cache(model: RecurrentModel) -> Path:
     """Compile ``model``'s step into this machine's cache (folders 0700, the file replaced whole)."""
-    package = _entry(fingerprint(model))
+    package, mark = _entry(fingerprint(model)), _compiled_mark(model)
     try:
-        for folder in (package.parents[2], package.parents[1], package.parent):
+        for folder in (package.parents[2], package.parents[1], package.parent, mark.parent):
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
         raise RnnifyError(
             f"cannot create the step cache {folder}: {exc.strerror or exc}; set {CACHE_ENV} to a folder of your own"
         ) from exc
-    return compile_package(model, package)
+    built = compile_package(model, package)
+    mark.touch()
+    return built
 
 
 def ship(model: RecurrentModel, directory: Path) -> Path:
@@ -126,6 +148,8 @@ def find_step(model: RecurrentModel, directory: Path, trust: bool) -> StepPackag
             return package
     package = _entry(key)
     if not package.is_file():
+        if _compiled_mark(model).is_file():
+            warnings.warn(_STALE.format(directory=directory), RnnifyWarning, stacklevel=3)
         return None
     if not _private(package):
         warnings.warn(
@@ -175,7 +199,9 @@ def _shipped(model: RecurrentModel, directory: Path, key: str) -> StepPackage | 
 def describe(model: RecurrentModel, trusted: bool) -> str:
     """How ``model``'s one-token calls run, in words (``rnnify info``)."""
     package = model.step_package
-    if package is None:
+    if package is None and refusal(model) is None and _compiled_mark(model).is_file():
+        line = "eager: " + _STALE.format(directory="DIR")
+    elif package is None:
         line = "eager (rnnify compile DIR compiles it ahead of time into this machine's cache, for CPUs)"
     elif package.shipped:
         line = f"compiled ahead of time ({STEP_PACKAGE} shipped in DIR, trusted with --trust-compiled-step)"

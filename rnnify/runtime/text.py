@@ -115,14 +115,18 @@ def _options(model: RecurrentModel, tokenizer: Any, options: dict[str, Any]) -> 
     (read from its signature, so they are stated once), the model's end ids unless ``eos_token_id`` is
     given. Options that only token-id batches have are refused."""
     signature = inspect.signature(type(model).generate)
-    names = [name for name in signature.parameters if name not in ("self", "input_ids")]
+    names = [
+        name
+        for name, parameter in signature.parameters.items()
+        if name not in ("self", "input_ids") and parameter.kind is not parameter.VAR_KEYWORD
+    ]
     unknown = sorted(set(options) - set(names))
     if unknown:
         text_options = ", ".join(name for name in names if name not in _IDS_ONLY)
         raise RnnifyError(f"unknown option {unknown[0]!r}; a text prompt takes generate's {text_options}")
     bound = signature.bind_partial(**options)
     bound.apply_defaults()
-    values = dict(bound.arguments)
+    values = {name: value for name, value in bound.arguments.items() if name in names}
     for name in _IDS_ONLY:
         if values[name] is not None:
             raise RnnifyError(f"{name} applies to token-id prompts, not text; leave it out")
