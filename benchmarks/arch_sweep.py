@@ -403,10 +403,9 @@ def markdown(sweep: dict) -> str:
         "(`auto_probe`): `scored` where it records the sites the compiler found (layers, shapes, windows, "
         "score terms) and its pass with every head exact gives the original's logits (within the same "
         "tolerance), through transformers' attention interface or, where that does not reach the "
-        "model's attention (`scored*`), through the model's exact conversion; `refused` (the why column "
-        "says why) where a layer computes attention at more than one site. "
-        + ", ".join(f"{s}: {n}" for s, n in auto.items())
-        + ".",
+        "model's attention (`scored*`), through the model's exact conversion (a layer's several attention "
+        "sites, as DiffLlama's two maps, share its heads' kinds); `refused` (the why column says why) where "
+        "a layer's sites differ in shape. " + ", ".join(f"{s}: {n}" for s, n in auto.items()) + ".",
         "",
         *_rows(causal),
         "",

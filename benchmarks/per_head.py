@@ -136,7 +136,7 @@ def run(args) -> dict:
             write_json(args.json, record)
             return record
         record["original_passkey"] = fidelity.original_passkey(args, None)
-        record["kv_cache_bytes"] = kv_cache_bytes(scorer.specs, args.at_context, scorer.dtype)
+        record["kv_cache_bytes"] = kv_cache_bytes(scorer.specs, args.at_context, scorer.dtype, scorer.sites)
         measured: dict[str, dict] = {}  # layers spec -> result: the same choice is measured once
 
         def add(name: str, kind: str, budget: float | None, model, retrieval: list | None, state: int) -> None:

@@ -2,7 +2,8 @@
 sliding windows (per layer, or every layer), Gemma 2's softcap, gpt-oss's and Flint's sink logits
 (Flint's keys cast after their repeat per query head), Falcon-RW's ALiBi, Doge's mask bias, BLOOM
 (ALiBi, and attention that transformers' attention interface does not reach: probed through its
-exact conversion), and hybrids whose own recurrent layers are not attention. What the probe scores must be
+exact conversion), DiffLlama (two attention sites per layer, sharing the layer's choice) and hybrids
+whose own recurrent layers are not attention. What the probe scores must be
 what the conversion builds: its all-exact pass is the original, the sites it records are the
 compiler's, and a choice's calibration KL and state are those of the model it converts to."""
 
@@ -48,6 +49,7 @@ FAMILIES = {
             head_dim=16, intermediate_size_mlp=128, num_local_experts=2, no_rope_layers=[1, 0], attention_chunk_size=8
         ),
     ),
+    "diffllama": ("diffllama", {}),  # two attention maps per layer: two sites, one choice
     "granitemoehybrid": (
         "granitemoehybrid",
         dict(layer_types=["mamba", "attention"], mamba_d_state=16, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1),
@@ -135,6 +137,16 @@ def test_a_kind_wider_than_a_layers_own_window_is_scored_as_the_original_it_buil
     assert report.calibration_kl == pytest.approx(calibration_kl(model, converted, scorer), rel=2e-3)
 
 
+def test_a_layers_sites_must_share_one_shape():
+    """Two sites of one layer share its heads' kinds, so they must have the same kv heads and widths;
+    otherwise one line says to choose that layer by hand."""
+    from rnnify.auto.probe import sites_per_layer
+
+    assert sites_per_layer([(0, (4, 2, 16, 16)), (0, (4, 2, 16, 16)), (1, (4, 2, 16, 16))]) == {0: 2, 1: 1}
+    with pytest.raises(RnnifyError, match="layer 0 computes attention at sites of different shapes"):
+        sites_per_layer([(0, (4, 2, 16, 16)), (1, (4, 2, 16, 16)), (0, (4, 1, 16, 16))])
+
+
 def test_the_original_kv_cache_counts_each_layers_own_window():
     model = family("gemma3_text")  # layer 0 slides over 16 tokens, layer 1 reads them all
     report = HeadScorer(model, rows(), **SCORING).choose("100%", 1000)
@@ -168,16 +180,19 @@ def test_a_choice_whose_heads_the_conversion_does_not_find_is_refused():
         convert_chosen(model, moved)
 
 
-def test_a_layer_with_two_attention_sites_is_refused_before_scoring():
+def test_a_layer_with_two_attention_modules_counts_both_sites():
+    """LongCat-Flash runs two attention modules in each decoder layer: the probe counts both, as
+    many as the conversion makes cells."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from arch_configs import build
 
-    longcat, _ = build("longcat_flash")  # two attention modules in each decoder layer
-    with pytest.raises(RnnifyError, match="layer 0 computes attention at 2 sites; .*--layers"):
-        HeadScorer(longcat, torch.randint(3, 256, (2, 64)), **SCORING)
+    longcat, _ = build("longcat_flash")
+    scorer = HeadScorer(longcat, torch.randint(3, 256, (2, 64)), **SCORING)
+    cells = rnnify.convert(longcat, to="exact").manifest.cells
+    assert set(scorer.sites.values()) == {2} and sum(scorer.sites.values()) == len(cells)
 
 
 def test_a_score_bias_that_is_not_alibi_is_refused():

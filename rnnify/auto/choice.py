@@ -80,28 +80,34 @@ def head_costs(
     dtype: torch.dtype,
     memory: str | None = None,
     memory_options: Options = None,
+    sites: Mapping[int, int] | None = None,
 ) -> int:
-    """State bytes per sequence at ``context`` tokens of the attention layers (``specs``) with the heads
-    in ``kinds`` their kind, the rest streaming (``streaming_target``): the cells' own ``state_nbytes``
-    (plus the positions), as ``RecurrentModel.state_nbytes`` counts them; a hybrid's own recurrent
-    layers keep their state beside it, the same whatever the choice."""
+    """State bytes per sequence at ``context`` tokens of the attention layers (``specs``; ``sites``: how
+    many attention sites each has, one where it does not say) with the heads in ``kinds`` their kind,
+    the rest streaming (``streaming_target``): the cells' own ``state_nbytes`` (plus the positions),
+    as ``RecurrentModel.state_nbytes`` counts them; a hybrid's own recurrent layers keep their state
+    beside it, the same whatever the choice."""
     from rnnify.compiler.plan import make_plan
 
     heads = sum(s.num_kv_heads for s in specs.values())
     target, options = plan_options(kinds, heads, window, sinks, memory, memory_options)
     plan = make_plan(target, layers_spec(specs, kinds), **options)
-    total = sum(plan.cell_for(layer, spec).state_nbytes(context, 1, dtype) for layer, spec in specs.items())
+    total = sum(
+        (sites or {}).get(layer, 1) * plan.cell_for(layer, spec).state_nbytes(context, 1, dtype)
+        for layer, spec in specs.items()
+    )
     return total + torch.empty((), dtype=torch.long).element_size()
 
 
-def kv_cache_bytes(specs: Specs, context: int, dtype: torch.dtype) -> int:
+def kv_cache_bytes(specs: Specs, context: int, dtype: torch.dtype, sites: Mapping[int, int] | None = None) -> int:
     """The original's KV cache per sequence at ``context`` tokens: keys and values of every kv head
-    of every attention layer, of the last ``window`` tokens where the layer has a sliding window (of
-    its ``chunk`` where it attends in chunks)."""
-    return (
-        sum(s.num_kv_heads * (s.head_dim + s.value_dim) * min(context, s.keys_read or context) for s in specs.values())
-        * dtype.itemsize
-    )
+    of every attention site (``sites`` per layer, as ``head_costs``), of the last ``window`` tokens
+    where the layer has a sliding window (of its ``chunk`` where it attends in chunks)."""
+    per_layer = {
+        layer: s.num_kv_heads * (s.head_dim + s.value_dim) * min(context, s.keys_read or context)
+        for layer, s in specs.items()
+    }
+    return sum((sites or {}).get(layer, 1) * n for layer, n in per_layer.items()) * dtype.itemsize
 
 
 @dataclass
@@ -185,6 +191,7 @@ def choose(
     memory: str | None = None,
     memory_options: Options = None,
     given: str = "",
+    sites: Mapping[int, int] | None = None,
 ) -> dict[Head, Level]:
     """The kind of each head that does not stream (rnnify.auto.levels: the greedy up each unit's
     ladder). ``benefits[head][i]`` is what ``levels[i]`` gains the head over streaming. ``units``
@@ -195,14 +202,15 @@ def choose(
     budget below the all-streaming state is an error naming that state. With ``max_kl`` (and
     ``kl_of``, the measured KL of a choice): the shortest prefix of those moves whose KL is at most
     ``max_kl``; if every unit at the top of its ladder misses it too (it cannot when that top is
-    exact: the original), an error that names ``given``, the flags that set the kinds."""
+    exact: the original), an error that names ``given``, the flags that set the kinds. ``sites``: as
+    ``head_costs`` counts them."""
     units = units or [[h] for h in sorted(benefits)]
 
     def kinds_of(rungs: list[int]) -> dict[Head, Level]:
         return {h: levels[rung - 1] for unit, rung in zip(units, rungs) if rung for h in unit}
 
     def cost(kinds: dict[Head, Level]) -> int:
-        return head_costs(specs, kinds, context, window, sinks, dtype, memory, memory_options)
+        return head_costs(specs, kinds, context, window, sinks, dtype, memory, memory_options, sites)
 
     smallest = cost({})
     ladders = [

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from rnnify.auto.probe import InterfaceRunner, NoInterfaceError, _Probe, check_one_site_per_layer
+from rnnify.auto.probe import InterfaceRunner, NoInterfaceError, _Probe, sites_per_layer
 from rnnify.cells.base import CellSpec
 from rnnify.cells.exact import ExactCell
 from rnnify.compiler.composite import language_model
@@ -64,7 +64,8 @@ class GraphRunner:
 
         self.model = convert(source, to="exact", dtype=dtype, kernels="none")
         entries = [entry for entry in self.model.manifest.cells if entry.target == "exact"]
-        check_one_site_per_layer([entry.layer for entry in entries])
+        shape = ("num_heads", "num_kv_heads", "head_dim", "value_dim")
+        self.sites = sites_per_layer([(entry.layer, tuple(entry.spec[key] for key in shape)) for entry in entries])
         self.cells = []
         for entry in entries:
             exact = self.model.graph.get_submodule(entry.module)

@@ -51,7 +51,7 @@ class _Probe:
         self.mass: dict[str, dict[Head, float]] | None = None
         self.calls = 0
         self.running: list[int] = []  # indices of the list elements (decoder layers) running, outermost first
-        self.called: list[int] = []  # the layer of each call, in order
+        self.called: list[tuple[int, tuple[int, ...]]] = []  # each call's layer and shape, in order
 
     def set_kinds(self, kinds: Mapping[Head, Level]) -> None:
         """Each head in ``kinds`` runs as its kind, the rest exact."""
@@ -89,7 +89,7 @@ class _Probe:
         **kwargs,
     ):
         layer, (_, heads, length, dim) = self.layer_of(module), query.shape
-        self.called.append(layer)
+        self.called.append((layer, (heads, key.shape[1], dim, value.shape[-1])))
         scale = scaling or dim**-0.5
         allowed, bias = _model_mask(attention_mask, length, query.device)
         if layer not in self.specs:
@@ -296,6 +296,7 @@ class InterfaceRunner:
     def __init__(self, source: torch.nn.Module):
         self.source, self.layers = source, _decoder_layers(source)
         self.hidden_size = getattr(source.config, "hidden_size", None)
+        self.sites: dict[int, int] = {}  # attention sites per layer, once ``specs`` has run
 
     @contextmanager
     def probed(self, probe: _Probe) -> Iterator[_Probe]:
@@ -344,7 +345,7 @@ class InterfaceRunner:
             self.logits(ids)
         if not probe.specs:
             raise NoInterfaceError(_NO_INTERFACE)
-        check_one_site_per_layer(probe.called)
+        self.sites = sites_per_layer(probe.called)
         return {layer: replace(spec, hidden_size=self.hidden_size) for layer, spec in sorted(probe.specs.items())}
 
 
@@ -352,15 +353,24 @@ class NoInterfaceError(RnnifyError):
     """The model's attention does not go through transformers' attention interface."""
 
 
-def check_one_site_per_layer(layers: list[int]) -> None:
-    """``layers`` (of each attention site, or each call in one pass) name every layer once: a choice is
-    per layer and kv head, and ``--layers`` rules cannot tell two sites of one layer apart."""
-    twice = sorted({layer for layer in layers if layers.count(layer) > 1})
-    if twice:
-        raise RnnifyError(
-            f"--to auto chooses a kind per layer and kv head, and layer {twice[0]} computes attention at "
-            f"{layers.count(twice[0])} sites; choose its targets by hand with --layers"
-        )
+def sites_per_layer(sites: list[tuple[int, tuple[int, ...]]]) -> dict[int, int]:
+    """How many attention sites each layer has, from each site's (or each call's in one pass) layer
+    and shape (heads, kv heads, key and value widths). A choice is per layer and kv head and
+    ``--layers`` rules cannot tell two sites of one layer apart, so a layer's sites (DiffLlama's two
+    maps, a layer a model runs several times) all get its heads' kinds: they must have one shape.
+    Each site keeps its own state, so the choice's costs count every one."""
+    shapes: dict[int, set[tuple[int, ...]]] = {}
+    counts: dict[int, int] = {}
+    for layer, shape in sites:
+        shapes.setdefault(layer, set()).add(shape)
+        counts[layer] = counts.get(layer, 0) + 1
+    for layer, found in sorted(shapes.items()):
+        if len(found) > 1:
+            raise RnnifyError(
+                f"--to auto chooses a kind per layer and kv head, and layer {layer} computes attention at sites "
+                "of different shapes; choose its targets by hand with --layers"
+            )
+    return counts
 
 
 def runner_of(source):

@@ -102,6 +102,7 @@ class HeadScorer:
             tokenizer = load_tokenizer(model)
         self.calibration = calibration_rows(tokenizer, data, calib_len, calib_rows, passkey, seed)
         self.runner, self.specs = probe_runner(self.source, self.dtype, self.calibration.rows[0][:, :_SPEC_TOKENS])
+        self.sites = self.runner.sites  # attention sites per layer: each keeps its own state
         # chunked attention (Llama 4's): only exact computes it, and its state is bounded already; a
         # layer sliding over no more than the streaming window keeps its own (plan.within_own_window)
         self.exact_layers = {
@@ -203,7 +204,7 @@ class HeadScorer:
         check_memory(memory, memory_options)
         specs, dtype = self.specs, self.dtype
         if isinstance(budget, str):
-            budget = parse_bytes(budget, lambda: kv_cache_bytes(specs, context, dtype))
+            budget = parse_bytes(budget, lambda: kv_cache_bytes(specs, context, dtype, self.sites))
         # both scores are >= 0 (a KL, an attention mass): below that is rounding, which counts as 0
         streams = {h: max(value, 0.0) for h, value in self.scores[score].items()}
         if self.levels:
@@ -233,6 +234,7 @@ class HeadScorer:
             memory=memory,
             memory_options=memory_options,
             given=given,
+            sites=self.sites,
             **costs,
         )
         if len(kinds) == len(self.heads):  # no head streams: no memory anywhere
@@ -257,8 +259,10 @@ class HeadScorer:
             layers=layers_spec(specs, kinds),
             scores={name: _by_name(values) for name, values in self.scores.items()},
             head_bytes={**head_bytes, "retrieval": head_bytes[by_bytes[-1].text]},
-            state_bytes=head_costs(specs, kinds, context, self.window, self.sinks, dtype, memory, memory_options),
-            kv_cache_bytes=kv_cache_bytes(specs, context, dtype),
+            state_bytes=head_costs(
+                specs, kinds, context, self.window, self.sinks, dtype, memory, memory_options, self.sites
+            ),
+            kv_cache_bytes=kv_cache_bytes(specs, context, dtype, self.sites),
             calibration_kl=self.kl_of(kinds),
             calibration={**self.about, "per_layer": per_layer},
             memory=memory,
