@@ -18,7 +18,19 @@ from typing import Any
 
 from rnnify.errors import RnnifyError, check_positive_finite
 
-__all__ = ["SEEDS", "Command", "DefaultsFormatter", "Parser", "layer_list", "seed", "temperature", "threads", "utf8"]
+__all__ = [
+    "SEEDS",
+    "Command",
+    "DefaultsFormatter",
+    "Parser",
+    "at_least",
+    "layer_list",
+    "probability",
+    "seed",
+    "temperature",
+    "threads",
+    "utf8",
+]
 
 
 class Parser(argparse.ArgumentParser):
@@ -76,8 +88,8 @@ def layer_list(flag: str) -> Callable[[str], list[int]]:
         try:
             layers = [int(part) for part in text.split(",") if part.strip()]
         except ValueError:
-            layers = [-1]
-        if not layers or min(layers) < 0:
+            layers = None
+        if not layers or min(layers) < 0:  # not integers, none, or a negative index
             raise RnnifyError(f"{flag} {text!r}: expected comma-separated layer indices, e.g. 0,3")
         return layers
 

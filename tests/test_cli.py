@@ -106,6 +106,17 @@ def test_convert_hybrid_memory_is_recorded_and_verifies(capsys, tmp_path, tiny_m
     assert "step == prefill" in report and "all checks passed" in report
 
 
+def test_a_model_with_layer_rules_is_named_with_them(capsys, tmp_path, tiny_model_dir):
+    """convert's and verify's headers count the --layers rules (as --to auto's choice is made), so a
+    per-head map is not called a plain window model."""
+    out = tmp_path / "out"
+    argv = ["convert", tiny_model_dir("llama"), "--to", "linear", "--layers", "0:heads(0=exact)", "-o", out]
+    code, report, err = run(capsys, *argv, "--no-compile")
+    assert code == 0 and "linear + 1 layer rule: 2 layers" in report, err
+    code, report, err = run(capsys, "verify", out, "--tokens", "8")
+    assert code == 0 and "linear + 1 layer rule model" in report, err
+
+
 def test_convert_bad_memory_is_one_line(capsys, tmp_path, tiny_model_dir):
     code, _, err = run(
         capsys, "convert", tiny_model_dir("llama"), "--to", "hybrid", "--memory", "lstm", "-o", tmp_path / "o"
@@ -177,6 +188,16 @@ def test_verify_says_when_no_window_was_filled(capsys, converted_dir):
     )
     code, out, _ = run(capsys, "verify", directory, "--tokens", span + 8, "--batch", 1)
     assert code == 0 and "no window filled" not in out
+
+
+@pytest.mark.parametrize("target", ["select", "lola"])
+def test_verify_counts_the_windows_of_selection_caches(tiny_model_dir, target):
+    from rnnify.verify import run_checks
+
+    model = rnnify.convert(tiny_model_dir("llama"), to=target, window=8, keep=4, sinks=2)
+    notes = [result.note for result in run_checks(model, tokens=10, batch=1)]
+    assert "no window filled: the longest holds 10 tokens" in notes[1]  # the window and its sinks
+    assert not any("no window" in note for note in (r.note for r in run_checks(model, tokens=16, batch=1)))
 
 
 def test_verify_clamps_to_learned_positions(capsys, converted_dir):
@@ -358,6 +379,10 @@ BAD_INPUT = {
         lambda t, c: ["generate", t / "missing", "--prompt", "a", "--top-k", "0"],
         "--top-k 0: must be at least 1",
     ),
+    "no chat reply": (
+        lambda t, c: ["chat", t / "missing", "--max-new-tokens", "0"],
+        "--max-new-tokens 0: must be at least 1",
+    ),
     "negative new tokens": (
         lambda t, c: ["generate", t / "missing", "--prompt", "a", "--max-new-tokens", "-1"],
         "--max-new-tokens -1: must be at least 0",
@@ -387,7 +412,9 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, converted_dir, case)
 def test_a_kept_layer_past_the_model_is_named_by_its_flag(capsys, tmp_path, tiny_model_dir):
     code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "linear", "--keep-softmax", "9", "-o",
                        tmp_path / "out")  # fmt: skip
-    assert_user_error(code, err, "--keep-softmax 9: the model has no layer 9")
+    assert_user_error(
+        code, err, "keep_softmax (--keep-softmax) 9: layer 9 computes no attention (the model's attention layers: 0, 1)"
+    )
     assert not (tmp_path / "out").exists()
 
 

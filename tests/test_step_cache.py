@@ -20,8 +20,8 @@ from support import reseal
 import rnnify
 from rnnify.cli import main
 from rnnify.errors import RnnifyError, RnnifyWarning
-from rnnify.runtime.aot import STEP_PACKAGE, fingerprint
-from rnnify.runtime.step_cache import cache_root
+from rnnify.runtime.aot import STEP_PACKAGE, fingerprint, model_key
+from rnnify.runtime.step_cache import cache_root, describe
 
 PLANTED = r"""
 #include <stdio.h>
@@ -236,8 +236,11 @@ def test_a_cache_others_can_write_to_is_not_used(compiled, tmp_path, monkeypatch
     (cache / "steps").chmod(0o700)
     assert rnnify.load(compiled("hybrid")).step_package is not None
     (cache / "steps").chmod(0o777)
+    (cache / "models").mkdir(mode=0o700)
+    (cache / "models" / model_key(model)).touch()  # compiled here: the entry itself is what is wrong
     with pytest.warns(RnnifyWarning, match="writable by others"):
-        assert rnnify.load(compiled("hybrid")).step_package is None
+        loaded = rnnify.load(compiled("hybrid"))
+    assert loaded.step_package is None and "another rnnify" not in describe(loaded, trusted=False)
 
 
 def test_ship_refuses_unchecked_or_old_directories(converted_dir, tmp_path, capsys):

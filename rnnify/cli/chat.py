@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--system", type=arguments.utf8("--system"), metavar="TEXT", help="system prompt that opens every conversation"
     )
-    add_sampling_flags(p, max_new_tokens=CHAT_MAX_NEW_TOKENS)
+    add_sampling_flags(p, max_new_tokens=CHAT_MAX_NEW_TOKENS, fewest_new_tokens=1)  # a reply has a token
     p.add_argument(
         "--verbose",
         action="store_true",

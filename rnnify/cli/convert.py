@@ -191,7 +191,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     console.print(Text(f"saved to {path}"), soft_wrap=True)
     console.print(
         Text(
-            f"{model.target}: {len(model.cells)} layers, {model.manifest.dtype}, "
+            f"{model.target_in_words}: {len(model.cells)} layers, {model.manifest.dtype}, "
             f"state {nbytes(model.state_nbytes(1024))} per sequence at 1k tokens ({growth})"
         ),
         soft_wrap=True,

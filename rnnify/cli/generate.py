@@ -37,13 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_kernels_flag(p)
 
 
-def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int, fewest_new_tokens: int = 0) -> None:
     """How tokens are chosen, shared by ``generate`` and ``chat``: greedy unless --do-sample."""
     from rnnify.choices import TEMPERATURE
 
     p.add_argument(
         "--max-new-tokens",
-        type=arguments.at_least(0, "--max-new-tokens"),
+        type=arguments.at_least(fewest_new_tokens, "--max-new-tokens"),
         default=max_new_tokens,
         metavar="N",
         help="most tokens to generate",

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         )
     step = ", step compiled ahead of time" if model.step_package is not None else ""  # the step the checks ran
     title = (
-        f"{model.target} model, {model.manifest.dtype}{step}, batch {args.batch}, "
+        f"{model.target_in_words} model, {model.manifest.dtype}{step}, batch {args.batch}, "
         f"tolerance {tolerance(model.dtype):g} relative"
     )
     table = Table(box=box.SIMPLE_HEAD, title=Text(title))

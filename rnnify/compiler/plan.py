@@ -294,8 +294,10 @@ class ConversionPlan:
         layers, chunked = sorted(set(layers)), set(chunked)
         for layer in self.keep_softmax:
             if layer not in layers:
+                shown = ", ".join(map(str, layers)) if len(layers) <= 8 else f"{layers[0]}-{layers[-1]}"
                 raise RnnifyError(
-                    f"--keep-softmax {layer}: the model has no layer {layer} (its layers are {layers[0]}-{layers[-1]})"
+                    f"keep_softmax (--keep-softmax) {layer}: layer {layer} computes no attention (the model's "
+                    f"attention layers: {shown})"
                 )
         for rule in self.rules:
             if not any(rule.matches(layer) for layer in layers):

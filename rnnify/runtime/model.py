@@ -82,6 +82,14 @@ class RecurrentModel(nn.Module):
         return self.manifest.target
 
     @property
+    def target_in_words(self) -> str:
+        """The target as the commands' headers name it: with the number of ``--layers`` rules that give
+        layers or heads another (``--to auto``'s choice is such rules), so a per-head map is not
+        called a plain window model."""
+        rules = len(self.manifest.layers or ())
+        return self.target if not rules else f"{self.target} + {rules} layer rule{'s' if rules > 1 else ''}"
+
+    @property
     def cells(self) -> list[Cell]:
         """The cells in state order."""
         return [self.graph.get_submodule(entry.module) for entry in self.manifest.cells]
@@ -410,12 +418,9 @@ class RecurrentModel(nn.Module):
         ``tokenizer``, ending at the model's end-of-sequence ids unless ``eos_token_id`` is given.
         """
         if unknown:
-            raise RnnifyError(
-                f"unknown option {sorted(unknown)[0]!r}: generate takes max_new_tokens, do_sample, temperature, "
-                "top_k, top_p, eos_token_id, pad_token_id, seed, streamer and attention_mask; transformers' own "
-                "generate (penalties, beam search, ...) runs on the directory loaded with AutoModelForCausalLM "
-                "(docs/interop.md)"
-            )
+            from rnnify.runtime.text import unknown_option
+
+            raise unknown_option(sorted(unknown)[0], text=isinstance(input_ids, str))
         if not isinstance(input_ids, (str, torch.Tensor)):
             raise RnnifyError(
                 f"generate takes a string or token ids ([B, T] LongTensor), got {type(input_ids).__name__}; "

@@ -199,7 +199,8 @@ def _shipped(model: RecurrentModel, directory: Path, key: str) -> StepPackage | 
 def describe(model: RecurrentModel, trusted: bool) -> str:
     """How ``model``'s one-token calls run, in words (``rnnify info``)."""
     package = model.step_package
-    if package is None and refusal(model) is None and _compiled_mark(model).is_file():
+    stale = refusal(model) is None and not _entry(fingerprint(model)).is_file() and _compiled_mark(model).is_file()
+    if package is None and stale:
         line = "eager: " + _STALE.format(directory="DIR")
     elif package is None:
         line = "eager (rnnify compile DIR compiles it ahead of time into this machine's cache, for CPUs)"

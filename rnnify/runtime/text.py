@@ -110,20 +110,40 @@ def _prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
     )
 
 
-def _options(model: RecurrentModel, tokenizer: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` for ``RecurrentModel._new_tokens``: those given, ``generate``'s defaults for the rest
-    (read from its signature, so they are stated once), the model's end ids unless ``eos_token_id`` is
-    given. Options that only token-id batches have are refused."""
-    signature = inspect.signature(type(model).generate)
-    names = [
+def generate_options(text: bool) -> list[str]:
+    """The options ``RecurrentModel.generate`` takes (read from its signature, so they are stated
+    once), those of a text prompt where ``text``."""
+    from rnnify.runtime.model import RecurrentModel  # which imports this module when it runs
+
+    signature = inspect.signature(RecurrentModel.generate)
+    return [
         name
         for name, parameter in signature.parameters.items()
-        if name not in ("self", "input_ids") and parameter.kind is not parameter.VAR_KEYWORD
+        if name not in ("self", "input_ids")
+        and parameter.kind is not parameter.VAR_KEYWORD
+        and not (text and name in _IDS_ONLY)
     ]
+
+
+def unknown_option(name: str, text: bool) -> RnnifyError:
+    """The error for an option ``generate`` does not take, naming those it does (a text prompt's where
+    ``text``) and where transformers' own options run."""
+    return RnnifyError(
+        f"unknown option {name!r}; {'a text prompt' if text else 'generate'} takes "
+        f"{', '.join(generate_options(text))}; transformers' own generate (penalties, beam search, ...) runs on "
+        "the directory loaded with AutoModelForCausalLM (docs/interop.md)"
+    )
+
+
+def _options(model: RecurrentModel, tokenizer: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` for ``RecurrentModel._new_tokens``: those given, ``generate``'s defaults for the rest,
+    the model's end ids unless ``eos_token_id`` is given. Options that only token-id batches have are
+    refused."""
+    names = generate_options(text=False)
     unknown = sorted(set(options) - set(names))
     if unknown:
-        text_options = ", ".join(name for name in names if name not in _IDS_ONLY)
-        raise RnnifyError(f"unknown option {unknown[0]!r}; a text prompt takes generate's {text_options}")
+        raise unknown_option(unknown[0], text=True)
+    signature = inspect.signature(type(model).generate)
     bound = signature.bind_partial(**options)
     bound.apply_defaults()
     values = {name: value for name, value in bound.arguments.items() if name in names}
