@@ -420,7 +420,7 @@ class RecurrentModel(nn.Module):
         if unknown:
             from rnnify.runtime.text import unknown_option
 
-            raise unknown_option(sorted(unknown)[0], text=isinstance(input_ids, str))
+            raise unknown_option(sorted(unknown)[0], type(self).generate, text=isinstance(input_ids, str))
         if not isinstance(input_ids, (str, torch.Tensor)):
             raise RnnifyError(
                 f"generate takes a string or token ids ([B, T] LongTensor), got {type(input_ids).__name__}; "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -110,12 +110,10 @@ def _prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
     )
 
 
-def generate_options(text: bool) -> list[str]:
-    """The options ``RecurrentModel.generate`` takes (read from its signature, so they are stated
-    once), those of a text prompt where ``text``."""
-    from rnnify.runtime.model import RecurrentModel  # which imports this module when it runs
-
-    signature = inspect.signature(RecurrentModel.generate)
+def generate_options(generate: Callable[..., Any], text: bool) -> list[str]:
+    """The options ``generate`` (``RecurrentModel.generate``) takes, read from its signature so that
+    they are stated once; those of a text prompt where ``text``."""
+    signature = inspect.signature(generate)
     return [
         name
         for name, parameter in signature.parameters.items()
@@ -125,12 +123,12 @@ def generate_options(text: bool) -> list[str]:
     ]
 
 
-def unknown_option(name: str, text: bool) -> RnnifyError:
+def unknown_option(name: str, generate: Callable[..., Any], text: bool) -> RnnifyError:
     """The error for an option ``generate`` does not take, naming those it does (a text prompt's where
     ``text``) and where transformers' own options run."""
     return RnnifyError(
         f"unknown option {name!r}; {'a text prompt' if text else 'generate'} takes "
-        f"{', '.join(generate_options(text))}; transformers' own generate (penalties, beam search, ...) runs on "
+        f"{', '.join(generate_options(generate, text))}; transformers' own generate (penalties, beam search, ...) runs on "
         "the directory loaded with AutoModelForCausalLM (docs/interop.md)"
     )
 
@@ -139,10 +137,10 @@ def _options(model: RecurrentModel, tokenizer: Any, options: dict[str, Any]) -> 
     """``options`` for ``RecurrentModel._new_tokens``: those given, ``generate``'s defaults for the rest,
     the model's end ids unless ``eos_token_id`` is given. Options that only token-id batches have are
     refused."""
-    names = generate_options(text=False)
+    names = generate_options(type(model).generate, text=False)
     unknown = sorted(set(options) - set(names))
     if unknown:
-        raise unknown_option(unknown[0], text=True)
+        raise unknown_option(unknown[0], type(model).generate, text=True)
     signature = inspect.signature(type(model).generate)
     bound = signature.bind_partial(**options)
     bound.apply_defaults()
