@@ -98,23 +98,21 @@ def layer_list(flag: str) -> Callable[[str], list[int]]:
 
 def probability(flag: str) -> Callable[[str], float]:
     """A number in (0, 1] (``--top-p``), as ``runtime.sampling.check_sampling`` allows it."""
-
-    def parse(text: str) -> float:
-        value = _number(float, flag, text, "a number")
-        if not 0 < value <= 1:
-            raise RnnifyError(f"{flag} {text}: must be in (0, 1]")
-        return value
-
-    return parse
+    return _bounded(float, flag, "a number", lambda value: 0 < value <= 1, "must be in (0, 1]")
 
 
 def at_least(minimum: int, flag: str) -> Callable[[str], int]:
     """An integer no smaller than ``minimum`` (a window's tokens, a count of sinks)."""
+    return _bounded(int, flag, "an integer", lambda value: value >= minimum, f"must be at least {minimum}")
 
-    def parse(text: str) -> int:
-        value = _number(int, flag, text, "an integer")
-        if value < minimum:
-            raise RnnifyError(f"{flag} {value}: must be at least {minimum}")
+
+def _bounded(kind: type, flag: str, what: str, allowed: Callable[[Any], bool], why: str) -> Callable[[str], Any]:
+    """A ``kind`` number (``what``, in words) that ``allowed`` accepts; else ``why``, naming ``flag``."""
+
+    def parse(text: str):
+        value = _number(kind, flag, text, what)
+        if not allowed(value):
+            raise RnnifyError(f"{flag} {text}: {why}")
         return value
 
     return parse

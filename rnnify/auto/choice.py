@@ -103,11 +103,10 @@ def kv_cache_bytes(specs: Specs, context: int, dtype: torch.dtype, sites: Mappin
     """The original's KV cache per sequence at ``context`` tokens: keys and values of every kv head
     of every attention site (``sites`` per layer, as ``head_costs``), of the last ``window`` tokens
     where the layer has a sliding window (of its ``chunk`` where it attends in chunks)."""
-    per_layer = {
-        layer: s.num_kv_heads * (s.head_dim + s.value_dim) * min(context, s.keys_read or context)
+    return dtype.itemsize * sum(
+        (sites or {}).get(layer, 1) * s.num_kv_heads * (s.head_dim + s.value_dim) * min(context, s.keys_read or context)
         for layer, s in specs.items()
-    }
-    return sum((sites or {}).get(layer, 1) * n for layer, n in per_layer.items()) * dtype.itemsize
+    )
 
 
 @dataclass

@@ -17,9 +17,11 @@ whose constructor accepts them; an option no chosen cell accepts is an error, no
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
 from rnnify.cells import CELLS, Cell, CellSpec, build_cell
@@ -193,8 +195,14 @@ def parse_layers(spec: str) -> list[LayerRule]:
 
 def _parameters(target: str) -> Mapping[str, inspect.Parameter]:
     """The options ``target``'s cell takes, with their defaults."""
-    parameters = inspect.signature(CELLS[target].__init__).parameters
-    return {name: p for name, p in parameters.items() if name not in ("self", "spec")}
+    return _init_parameters(CELLS[target])
+
+
+@functools.cache
+def _init_parameters(cls: type[Cell]) -> Mapping[str, inspect.Parameter]:
+    """Read once per cell class: ``--to auto``'s probe asks for every head of every pass."""
+    parameters = inspect.signature(cls.__init__).parameters
+    return MappingProxyType({name: p for name, p in parameters.items() if name not in ("self", "spec")})
 
 
 def _accepted(target: str) -> set[str]:

@@ -199,11 +199,13 @@ def _shipped(model: RecurrentModel, directory: Path, key: str) -> StepPackage | 
 def describe(model: RecurrentModel, trusted: bool) -> str:
     """How ``model``'s one-token calls run, in words (``rnnify info``)."""
     package = model.step_package
-    stale = refusal(model) is None and not _entry(fingerprint(model)).is_file() and _compiled_mark(model).is_file()
-    if package is None and stale:
-        line = "eager: " + _STALE.format(directory="DIR")
-    elif package is None:
-        line = "eager (rnnify compile DIR compiles it ahead of time into this machine's cache, for CPUs)"
+    if package is None:  # stale: compiled here, but not for the running versions
+        stale = refusal(model) is None and not _entry(fingerprint(model)).is_file() and _compiled_mark(model).is_file()
+        line = (
+            "eager: " + _STALE.format(directory="DIR")
+            if stale
+            else "eager (rnnify compile DIR compiles it ahead of time into this machine's cache, for CPUs)"
+        )
     elif package.shipped:
         line = f"compiled ahead of time ({STEP_PACKAGE} shipped in DIR, trusted with --trust-compiled-step)"
     else:
