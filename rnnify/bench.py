@@ -424,7 +424,8 @@ def fill_state(model, context: int, batch: int, fill_tokens: int, seed: int = 0)
             keys = torch.randn(batch, spec.num_kv_heads, n, spec.head_dim, generator=gen, dtype=model.dtype)
             values = torch.randn(batch, spec.num_kv_heads, n, spec.value_dim, generator=gen, dtype=model.dtype)
             valid = torch.ones(batch, n, dtype=torch.bool)
-            tensors += [t.to(device) for t in (keys, values, valid)]
+            index = [torch.randn(batch, n, spec.index_dim, generator=gen, dtype=model.dtype)] if spec.selects else []
+            tensors += [t.to(device) for t in (keys, values, valid, *index)]
         else:
             tensors += list(cell.init_state(batch, device, model.dtype))
     positions = torch.full((batch,), context, dtype=torch.long, device=device)

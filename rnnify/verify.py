@@ -94,7 +94,7 @@ def _random_ids(model: RecurrentModel, tokens: int, batch: int, seed: int) -> tu
 
 def _longest_span(model: RecurrentModel) -> int | None:
     """The most tokens a cell of ``model`` holds before it drops one (a window with its sinks, a
-    layer's own window or chunk); None where no cell drops any."""
+    layer's own window or chunk, the keys an indexer keeps a query); None where no cell drops any."""
     spans = []
     for cell in model.modules():
         if not isinstance(cell, Cell):
@@ -105,6 +105,8 @@ def _longest_span(model: RecurrentModel) -> int | None:
             spans.append(window + (getattr(holder, "sinks", 0) or 0))
         elif cell.grows_with_context and cell.spec.keys_read is not None:
             spans.append(cell.spec.keys_read)
+        elif cell.spec.selects:
+            spans.append(cell.spec.index_topk)
     return max(spans, default=None)
 
 

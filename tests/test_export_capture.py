@@ -6,8 +6,8 @@ on a slice, Aria's ``T * min(64, 64 T) == 64 T``) leave a graph that computes th
 length, the capture's example length (8) and the lengths the guards refused included; a real branch
 on the length, or a length made a constant, is refused in one line. DBRX's expert loop runs over the
 experts its tokens picked, which export cannot trace: it is captured with every expert weighted by
-its routing weight (rnnify/compiler/routing.py). Sparse attention by an indexer, and control flow
-on the token values, are refused in one line (sparse_attention.py, data_dependence.py).
+its routing weight (rnnify/compiler/routing.py). Control flow on the token values is refused in one
+line (data_dependence.py), without the graph-so-far that export prints.
 """
 
 from __future__ import annotations
@@ -144,19 +144,11 @@ class _ValueBranch(_LengthBranch):
         return types.SimpleNamespace(logits=logits)
 
 
-def test_control_flow_on_the_token_values_is_refused_naming_its_line():
+def test_control_flow_on_the_token_values_is_refused_naming_its_line(capsys):
     with pytest.raises(UnsupportedModelError, match=r"branches on the values.*test_export_capture.py:\d+") as caught:
         capture(_ValueBranch(same=False))
     assert "if (input_ids == 5).any()" in str(caught.value) and "\n" not in str(caught.value)
-
-
-def test_sparse_attention_is_refused_before_export(monkeypatch):
-    def no_export(*args, **kwargs):
-        raise AssertionError("exported")
-
-    monkeypatch.setattr(torch.export, "export", no_export)
-    with pytest.raises(UnsupportedModelError, match=r"sparse attention \(model.layers.0.self_attn.indexer, "):
-        capture(_build("deepseek_v32"))
+    assert "def forward(self" not in capsys.readouterr().err  # export's partial graph, thousands of lines
 
 
 def test_dbrx_experts_are_captured_over_every_expert():

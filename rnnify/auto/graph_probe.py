@@ -23,6 +23,8 @@ from rnnify.cells.base import CellSpec
 from rnnify.cells.exact import ExactCell
 from rnnify.compiler.composite import language_model
 from rnnify.compiler.passes.find_attention import config_chunk
+from rnnify.compiler.passes.find_selection import indexer_modules
+from rnnify.errors import RnnifyError
 
 
 class ProbeCell(ExactCell):
@@ -97,8 +99,15 @@ def probe_runner(source: torch.nn.Module, dtype: torch.dtype, ids: torch.Tensor)
     else through its exact conversion (``GraphRunner``). A composite model is scored by its language
     model, which is what converting it converts (``rnnify.compiler.composite``). A layer the config
     gives chunked attention (Llama 4's) has the chunk in its spec: only ``exact`` computes it, so
-    ``--to auto`` keeps it exact (``HeadScorer``)."""
+    ``--to auto`` keeps it exact (``HeadScorer``). A model with sparse attention (an indexer) is
+    refused: no runner scores its heads with their selection."""
     source = language_model(source)
+    indexers = indexer_modules(source)
+    if indexers:
+        raise RnnifyError(
+            f"--to auto does not score sparse attention yet ({indexers[0]}: an indexer chooses the keys each "
+            "query reads); convert with --to exact"
+        )
     runner = InterfaceRunner(source)
     try:
         specs = runner.specs(ids)

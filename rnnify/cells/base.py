@@ -78,6 +78,10 @@ SCORE_TERMS = {
 }
 
 
+# CellSpec fields that a manifest holds only where the site has them
+_OPTIONAL = (*SCORE_TERMS, "chunk", "index_topk", "index_dim", "index_scale")
+
+
 @dataclass(frozen=True)
 class CellSpec:
     """Shape and scale of the attention site a cell replaces, and the terms its scores carry
@@ -98,16 +102,28 @@ class CellSpec:
     sink_logits: tuple[float, ...] | None = None
     # the model's own chunked attention (Llama 4's): a query reads the earlier keys of its own chunk
     chunk: int | None = None
+    # the model's sparse attention (DeepSeek-V3.2's indexer, docs/math.md §Indexer selection): a query
+    # reads only the index_topk earlier keys whose index scores sum_h w_h relu(index_scale q_h . k) are
+    # highest, over index keys index_dim wide
+    index_topk: int | None = None
+    index_dim: int | None = None
+    index_scale: float | None = None
 
     def __post_init__(self) -> None:
         # a spec read from a manifest is data: sizes that no attention has fail here, by name
         for name in ("num_heads", "num_kv_heads", "head_dim", "value_dim"):
             check_int(name, getattr(self, name))
-        for name in ("window", "hidden_size", "chunk"):
+        for name in ("window", "hidden_size", "chunk", "index_topk", "index_dim"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
         if self.window is not None and self.chunk is not None:
             raise ValueError("an attention has a sliding window or chunks, not both")
+        index = (self.index_topk, self.index_dim, self.index_scale)
+        if any(field is not None for field in index):
+            if None in index or not _positive(self.index_scale):
+                raise ValueError("an indexer needs index_topk, index_dim and a positive index_scale")
+            if self.keys_read is not None or self.score_terms - {"sink_logits"}:
+                raise ValueError("an indexer's selection is computed over causal attention, with sinks at most")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if not _positive(self.scale):
@@ -140,10 +156,15 @@ class CellSpec:
         """The most keys a query reads (the model's own window or chunk); None: every earlier key."""
         return self.window if self.chunk is None else self.chunk
 
+    @property
+    def selects(self) -> bool:
+        """Whether an indexer chooses the keys each query reads (``index_topk``)."""
+        return self.index_topk is not None
+
     def to_json(self) -> dict[str, Any]:
-        """The fields, without score terms or a chunk the site does not have (a manifest without them
-        reads as before)."""
-        return {k: v for k, v in asdict(self).items() if k not in (*SCORE_TERMS, "chunk") or v is not None}
+        """The fields, without score terms, a chunk or an indexer the site does not have (a manifest
+        without them reads as before)."""
+        return {k: v for k, v in asdict(self).items() if k not in _OPTIONAL or v is not None}
 
 
 class Cell(nn.Module):
@@ -176,6 +197,8 @@ class Cell(nn.Module):
     score_terms: ClassVar[frozenset[str]] = frozenset()
     # Whether the cell computes a model's own chunked attention (``CellSpec.chunk``); else refused.
     computes_chunks: ClassVar[bool] = False
+    # Whether the cell computes an indexer's selection (``CellSpec.index_topk``); else refused.
+    computes_selection: ClassVar[bool] = False
 
     def __init__(self, spec: CellSpec):
         super().__init__()
@@ -190,6 +213,11 @@ class Cell(nn.Module):
             raise ValueError(
                 f"this attention attends in chunks of {spec.chunk} tokens (the model's own chunked attention), "
                 "which only --to exact computes (its state is bounded by the chunk already)"
+            )
+        if spec.selects and not self.computes_selection:
+            raise ValueError(
+                f"this attention reads only the {spec.index_topk} earlier keys its indexer selects (sparse "
+                "attention), which only --to exact computes, for all of a layer's heads"
             )
         self.spec = spec
         self.kernels: str | None = None  # backend of the fused ops in use; None: the cell's own PyTorch forms

@@ -18,6 +18,10 @@ for the whole context are never materialised at once. A model's own sliding wind
 last ``window`` keys, and then the state is bounded; so does its own chunked attention (``chunk``,
 Llama 4's), whose cache keeps valid only the keys of the current chunk (``_current_chunk``).
 
+Where an indexer chooses the keys (DeepSeek-V3.2's sparse attention, ``CellSpec.index_topk``), the
+state keeps its index keys too and each query reads only its selection
+(``rnnify.cells.index_select``; docs/math.md §Indexer selection).
+
 A model's score terms (``CellSpec.softcap``, ``alibi_slopes``, ``sink_logits``;
 docs/math.md §Score terms) change the scores SDPA would compute, so a cell whose site
 carries any runs ``scored_softmax_attn``: the same blocks of queries, the scores computed here.
@@ -40,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from rnnify.cells.base import SCORE_TERMS, Cell, CellSpec
+from rnnify.cells.index_select import selected_softmax_attn
 from rnnify.cells.online_softmax import (
     ScoreTerms,
     chunk_of,
@@ -270,32 +275,47 @@ class ExactCell(Cell):
 
     score_terms = frozenset(SCORE_TERMS)
     computes_chunks = True
+    computes_selection = True
 
     def __init__(self, spec: CellSpec, block_size: int = 512):
         super().__init__(spec)
         self.block_size = check_int("block_size", block_size)
         self.terms = score_terms(spec)
+        if spec.selects:  # the indexer's keys too (rnnify.cells.index_select)
+            self.state_names = (*type(self).state_names, "index_keys")
 
     def options(self) -> dict[str, Any]:
         return {"block_size": self.block_size}
 
     def init_state(self, batch_size, device, dtype):
         spec = self.spec
+        index = (torch.zeros(batch_size, 0, spec.index_dim, device=device, dtype=dtype),) if spec.selects else ()
         return (
             torch.zeros(batch_size, spec.num_kv_heads, 0, spec.head_dim, device=device, dtype=dtype),
             torch.zeros(batch_size, spec.num_kv_heads, 0, spec.value_dim, device=device, dtype=dtype),
             torch.zeros(batch_size, 0, device=device, dtype=torch.bool),
+            *index,
         )
 
     def _bytes_per_token(self, dtype):
         spec = self.spec
-        return spec.num_kv_heads * (spec.head_dim + spec.value_dim) * dtype.itemsize + 1
+        index = spec.index_dim * dtype.itemsize if spec.selects else 0
+        return spec.num_kv_heads * (spec.head_dim + spec.value_dim) * dtype.itemsize + 1 + index
 
-    def forward(self, q, k, v, mask, keys, values, valid):
+    def forward(
+        self, q, k, v, mask, keys, values, valid, index_keys=None, *, index_q=None, index_k=None, index_weights=None
+    ):
         keys = torch.cat([keys, k.to(keys.dtype)], dim=2)
         values = torch.cat([values, v.to(values.dtype)], dim=2)
         valid = torch.cat([valid, mask.to(torch.bool)], dim=1)
         spec = self.spec
+        if spec.selects:  # an indexer chooses the keys (the spec allows no window or chunk with it, sinks at most)
+            index_keys = torch.cat([index_keys, index_k.to(index_keys.dtype)], dim=1)
+            out = selected_softmax_attn(
+                q, keys, values, valid, spec.scale, index_q, index_keys, index_weights,
+                spec.index_topk, spec.index_scale, self.block_size, self.terms,
+            )  # fmt: skip
+            return out, keys, values, valid, index_keys
         if self.terms is None:
             out = sdpa_softmax_attn(q, keys, values, valid, spec.scale, spec.window, self.block_size, spec.chunk)
         else:
@@ -310,6 +330,9 @@ class ExactCell(Cell):
         if kept is not None and keys.shape[2] > kept:
             keys, values, valid = keys[:, :, -kept:], values[:, :, -kept:], valid[:, -kept:]
         return out, keys, values, valid
+
+    def describe(self) -> str:
+        return f"reads the {self.spec.index_topk} keys its indexer selects" if self.spec.selects else ""
 
     def state_nbytes(self, length, batch_size=1, dtype=torch.float32):
         if self.spec.keys_read is not None:

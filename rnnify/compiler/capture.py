@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,6 @@ from rnnify.compiler.export_lengths import agreement, check_lengths, probed_leng
 from rnnify.compiler.numbering import first_position
 from rnnify.compiler.recurrences import own_recurrences
 from rnnify.compiler.routing import routing_forms
-from rnnify.compiler.sparse_attention import refuse_sparse_attention
 from rnnify.errors import RnnifyError, UnsupportedModelError, first_line
 
 __all__ = ["load_source", "capture", "source_name"]
@@ -164,7 +165,6 @@ def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
     device = next(model.parameters()).device
     vocab = vocab_size(model.config)
     refuse_bidirectional_attention(type(model).__name__, model.config)
-    refuse_sparse_attention(model)
     first = first_position(model, vocab)
     input_ids = torch.randint(0, vocab, (_EXAMPLE_BATCH, _EXAMPLE_LENGTH), device=device)
     position_ids = torch.arange(_EXAMPLE_LENGTH, device=device).expand(_EXAMPLE_BATCH, -1)
@@ -262,8 +262,33 @@ def _export(
     batch = Dim("batch", min=1, max=1 << 16)
     length = Dim.AUTO(min=2, max=max_length) if infer else Dim("length", min=2, max=max_length)
     dims = {0: batch, 1: length}
-    with torch.no_grad(), own_recurrences(wrapper.model):
+    with torch.no_grad(), own_recurrences(wrapper.model), _without_partial_graph():
         return torch.export.export(wrapper, (input_ids, position_ids), dynamic_shapes=(dims, dims), strict=False)
+
+
+@contextlib.contextmanager
+def _without_partial_graph():
+    """Within the block, stderr drops the graph-so-far that a failed export prints there before it
+    raises (``partial_fx_graph``: thousands of lines before rnnify's one-line reason); everything
+    else passes on as it is written."""
+    with contextlib.redirect_stderr(_NoPartialGraph(sys.stderr)):
+        yield
+
+
+class _NoPartialGraph(io.TextIOBase):
+    """A stream that writes to ``target`` all but a printed GraphModule (its code, then print's newline)."""
+
+    def __init__(self, target):
+        self.target, self._dropped = target, False
+
+    def write(self, text: str) -> int:
+        dropped, self._dropped = self._dropped, text.lstrip("\n").startswith("def forward(self")
+        if not self._dropped and not (dropped and text == "\n"):
+            self.target.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.target.flush()
 
 
 def _declared_length(config: Any) -> int | None:

@@ -130,7 +130,8 @@ class AttentionRecorder:
     the model itself passes to the cells: set it per batch when the model is called without a
     mask on right-padded rows, so padding never enters a loss or a metric. A model's own
     recurrent layers (``Cell.own_layer``: short convolutions, Mamba scans) are the source's layers
-    unchanged: nothing is compared there, and their errors stay 0 over 0 tokens.
+    unchanged, and so is exact attention over an indexer's selection (``CellSpec.index_topk``, which
+    only ``exact`` computes): nothing is compared there, and their errors stay 0 over 0 tokens.
     """
 
     def __init__(self, model: RecurrentModel, teacher_forcing: bool):
@@ -138,7 +139,7 @@ class AttentionRecorder:
         self.loss_mask: torch.Tensor | None = None
         self._cells: list[Cell] = model.cells
         self._entries = list(model.manifest.cells)
-        self.compared = [i for i, cell in enumerate(self._cells) if not cell.own_layer]
+        self.compared = [i for i, cell in enumerate(self._cells) if not (cell.own_layer or cell.spec.selects)]
         self._latest: dict[int, torch.Tensor] = {}
         self.reset()
 

@@ -118,6 +118,11 @@ def refusal(model: RecurrentModel) -> str | None:
             "an ahead-of-time step is not built for caches that grow up to a sliding window or chunk "
             "(exact layers of a sliding-window or chunked-attention model): decode this model eagerly"
         )
+    if any(cell.spec.selects for cell in model.cells):
+        return (
+            "an ahead-of-time step is not built for sparse attention (an indexer's top-k over a cache that "
+            "grows): decode this model eagerly"
+        )
     return None
 
 

@@ -26,6 +26,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from rnnify.compiler.passes.context import PassContext
 from rnnify.compiler.passes.eager_attention import MASK_FILL, EagerAttention, MaskTerm, buffered_masks, eager_attention
+from rnnify.compiler.passes.find_selection import IndexSelection, check_indexers_read, find_selection
 from rnnify.compiler.recurrences import OWN_LAYER_OPS
 from rnnify.errors import UnsupportedModelError
 
@@ -65,6 +66,7 @@ class AttentionSite:
     sink_logits: tuple[float, ...] | None = None  # per query head: + exp(sink_h) in each denominator
     flat_output: bool = False  # the node replaced is [B H, T, d_v] (Bloom's bmm), not [B, H, T, d_v]
     chunk: int | None = None  # chunked attention (keys of the query's own chunk): config, checked by the probe
+    selection: IndexSelection | None = None  # the indexer that chooses the keys (sparse attention)
 
     @property
     def where(self) -> str:
@@ -101,8 +103,16 @@ def find_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Graph
     for f, site in zip(found, described):
         for allowed in buffered_masks(gm, f.terms):
             site.window = _window_of_buffer(site, allowed)
+        site.selection = find_selection([t.value for t in f.terms], {site.query, site.key, site.value}, site.where)
+    check_indexers_read(gm, [site.selection for site in described if site.selection is not None])
     bounds = [s.chunk or s.window for s in described]  # a site has one or neither
     length = max([_PROBE_LENGTH] + [b + 1 for b in bounds if b is not None and b <= _MAX_PROBE_LENGTH])
+    for site in described:  # the probe must see every key kept, the causal mask the selection narrows
+        if site.selection is not None and site.selection.topk < length:
+            raise UnsupportedModelError(
+                f"{site.where}: its indexer keeps {site.selection.topk} keys a query, fewer than the "
+                f"{length} tokens rnnify reads the model's masks on"
+            )
     values = _probe(gm, {t.value for f in found for t in [*f.terms, *([f.sinks] if f.sinks else [])]}, length)
     for f, site in zip(found, described):
         allowed, bias = _read_terms(site, f.terms, values, length)

@@ -4,8 +4,9 @@ The cell becomes a submodule ``cells.<i>`` of the graph module, so its parameter
 dict. The call takes the site's q and its k/v from before any ``repeat_kv``; ``thread_state``
 adds the mask and state arguments. The cell returns ``(out, *state)``; ``out`` replaces the SDPA
 result (or eager attention's p @ v, flattened to ``[B H, T, d_v]`` where that was) for every user.
-The site's score terms (softcap, ALiBi slopes, sink logits) go into the cell's ``CellSpec``; a
-target that cannot compute them is refused, naming the layer.
+The site's score terms (softcap, ALiBi slopes, sink logits) and its indexer go into the cell's
+``CellSpec``; a target that cannot compute them is refused, naming the layer. An indexer's q, k and
+head weights are the call's ``index_q``, ``index_k`` and ``index_weights``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
             if site.hidden is None:
                 raise UnsupportedModelError(f"{site.where}: target {cell.target!r} needs the layer input, not found")
             kwargs["x"] = site.hidden
+        if site.selection is not None:
+            selection = site.selection
+            kwargs.update(index_q=selection.query, index_k=selection.key, index_weights=selection.weights)
         with gm.graph.inserting_before(node):
             call = gm.graph.call_module(name, (site.query, site.key, site.value), kwargs)
             out = gm.graph.call_function(operator.getitem, (call, 0))
@@ -70,7 +74,17 @@ def _cell_spec(site) -> CellSpec:
         alibi_slopes=site.alibi_slopes,
         sink_logits=site.sink_logits,
         chunk=site.chunk,
+        **_index_fields(site),
     )
+
+
+def _index_fields(site) -> dict:
+    """The spec's fields for ``site``'s indexer (none without one)."""
+    selection = site.selection
+    if selection is None:
+        return {}
+    index_dim = int(selection.key.meta["val"].shape[-1])
+    return {"index_topk": selection.topk, "index_dim": index_dim, "index_scale": selection.scale}
 
 
 def _warn_unplanned(gm: torch.fx.GraphModule, ctx: PassContext, specs: dict[int, CellSpec]) -> None:

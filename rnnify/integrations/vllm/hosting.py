@@ -72,6 +72,11 @@ def check_hostable(path: str | Path, head_size: int | None = None, num_kv_heads:
                     f"{where} exact attention attends in chunks of {spec.chunk} tokens (Llama 4's), which "
                     "rnnify's vLLM pages do not serve; decode it with rnnify generate or rnnify.load"
                 )
+            if spec.selects:
+                raise RnnifyError(
+                    f"{where} exact attention reads only the keys its indexer selects (sparse attention), which "
+                    "rnnify's vLLM pages do not serve; decode it with rnnify generate or rnnify.load"
+                )
             if spec.head_dim != spec.value_dim or (head_size is not None and spec.head_dim != head_size):
                 raise RnnifyError(
                     f"{where} exact attention has keys {spec.head_dim} and values {spec.value_dim} wide; "
