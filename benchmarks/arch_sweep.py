@@ -417,7 +417,8 @@ def markdown(sweep: dict) -> str:
         "",
         "A composite model (an image or audio encoder beside a text decoder, `...ForConditionalGeneration`) "
         "converts to its language model: its own decoder and output head, in the causal LM class "
-        "transformers has for its text config or as the decoder followed by the head (`TextPath`), whichever "
+        "transformers has for its text config or as the decoder followed by the head (`TextPath`, with the "
+        "whole's final logit cap where it has one), whichever "
         "gives the whole model's logits on text, checked at load (`rnnify/compiler/composite.py`); the "
         "converted model reads text only. Compared here with the whole model on text. " + _counts(composites),
         "",

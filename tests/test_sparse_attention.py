@@ -113,16 +113,18 @@ def _built(name: str, **changes):
     """``arch_configs``' tiny ``name`` keeping 16 keys a query, with an indexer of 16 heads."""
     model, _ = build(name)
     for key, value in {"index_topk": 16, "index_n_heads": 16, **changes}.items():
-        setattr(model.config, key, value)
+        setattr(model.config.get_text_config(decoder=True), key, value)
     torch.manual_seed(0)
     return type(model)(model.config).eval()
 
 
-@pytest.mark.parametrize("name", ["glm_moe_dsa", "hy_v4", "axk2", "dots3_note_text"])
+@pytest.mark.parametrize("name", ["glm_moe_dsa", "hy_v4", "axk2", "dots3_note_text", "mistral_large4"])
 def test_kin_of_deepseek_v32_convert_exactly(name):
     """GLM-MoE-DSA (interleaved rope; its second layer reuses the first's selection), HY-V4 (the
-    scale folded into the weights, learned sinks), AXK2 and dots3 (a sliding-window layer beside)
-    at 40 tokens, prompt and steps, against the original in float32 (their experts run no float64)."""
+    scale folded into the weights, learned sinks), AXK2, dots3 (a sliding-window layer beside) and
+    Mistral Large 4 (a vision-language whole that caps its logits, taken out as ``TextPath`` with
+    the cap) at 40 tokens, prompt and steps, against the original in float32 (their experts run no
+    float64)."""
     changes = {"indexer_types": ["full", "shared"]} if name == "glm_moe_dsa" else {}
     source = _built(name, **changes)
     converted = rnnify.convert(source, to="exact")

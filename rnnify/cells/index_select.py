@@ -34,7 +34,7 @@ _SCORES_BYTES = 1 << 28
 
 def index_scores(index_q, index_keys, index_weights, index_scale: float) -> torch.Tensor:
     """``[B, T, N]``: I(t, n) for the T index queries over the N index keys, in fp32, computed as the
-    source computes them (its ranking is then the source's, ties included)."""
+    source computes them, so that it ranks the keys as the source does."""
     scores = torch.matmul(index_q.float(), index_keys.transpose(-1, -2).float().unsqueeze(1)) * index_scale
     return torch.matmul(index_weights.float().unsqueeze(-2), F.relu(scores)).squeeze(-2)
 

@@ -64,9 +64,11 @@ def language_model(model: torch.nn.Module) -> torch.nn.Module:
         raise UnsupportedModelError(f"{name}: a composite model without an output head over tokens")
     else:  # built only if the one before differs from the whole
         text_config = model.config.get_text_config(decoder=True)
+        softcap = getattr(text_config, "final_logit_softcapping", None)
         candidates = [
             lambda: _in_causal_lm_class(text_config, decoder, head),
             lambda: _text_path_class()(text_config, decoder, head),
+            *([lambda: _text_path_class()(text_config, decoder, head, softcap)] if softcap else []),
         ]
     ids, want = _whole_on_text(model)
     differences = []
@@ -115,7 +117,9 @@ def _in_causal_lm_class(text_config: Any, decoder: torch.nn.Module, head: torch.
 @functools.cache
 def _text_path_class() -> type:
     """``TextPath``: a whole's decoder, then its output head, as a transformers model (the fallback
-    where transformers has no causal LM class for the text config: Qwen-VL's, GLM-4V's)."""
+    where transformers has no causal LM class for the text config: Qwen-VL's, GLM-4V's), and with
+    ``softcap`` c the logits' c tanh(logits / c), where the whole caps them by its text config's
+    ``final_logit_softcapping`` (Mistral Large 4)."""
     from transformers import PreTrainedModel
     from transformers.modeling_outputs import CausalLMOutput
 
@@ -125,9 +129,9 @@ def _text_path_class() -> type:
         _supports_sdpa = _supports_flex_attn = _supports_attention_backend = True
         _can_set_attn_implementation_cached_value = _can_set_experts_implementation_cached_value = True
 
-        def __init__(self, config: Any, decoder: torch.nn.Module, head: torch.nn.Module):
+        def __init__(self, config: Any, decoder: torch.nn.Module, head: torch.nn.Module, softcap: float | None = None):
             super().__init__(config)
-            self.model, self.lm_head = decoder, head
+            self.model, self.lm_head, self.softcap = decoder, head, softcap
 
         def forward(self, input_ids=None, position_ids=None, attention_mask=None, use_cache=False, **kwargs):
             hidden = self.model(
@@ -137,7 +141,10 @@ def _text_path_class() -> type:
                 use_cache=use_cache,
                 **kwargs,
             ).last_hidden_state
-            return CausalLMOutput(logits=self.lm_head(hidden))
+            logits = self.lm_head(hidden)
+            if self.softcap is not None:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            return CausalLMOutput(logits=logits)
 
     return TextPath
 
