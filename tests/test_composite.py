@@ -14,7 +14,9 @@ from test_cli import assert_user_error, run
 
 import rnnify
 from rnnify.auto.graph_probe import probe_runner
+from rnnify.compiler import composite
 from rnnify.errors import RnnifyError, RnnifyWarning
+from rnnify.runtime.agreement import tolerance
 from tests.support import decode, original_logits, rel_diff
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -160,3 +162,20 @@ def test_a_composite_whose_text_path_differs_from_every_language_model_is_refuse
     model.forward = doubled
     with pytest.raises(RnnifyError, match=r"LlamaForCausalLM: relative difference .*; TextPath: relative difference"):
         rnnify.convert(model, to="exact")
+
+
+def test_the_text_path_closest_to_the_whole_is_taken_not_the_first_within_tolerance():
+    """Mistral Large 4's whole caps its logits (30 tanh(logits / 30)) with no causal LM class for its
+    text config: with its head scaled down the cap barely bends the logits, so the uncapped
+    ``TextPath`` passes the tolerance too, and the capped one, closer, is still the one taken."""
+    whole, _ = build("mistral_large4")
+    with torch.no_grad():
+        whole.lm_head.weight.mul_(0.05)
+    ids, want = composite._whole_on_text(whole)
+    decoder, head = whole.get_decoder(), whole.get_output_embeddings()
+    config = whole.config.get_text_config(decoder=True)
+    uncapped, _ = composite._difference(composite._text_path_class()(config, decoder, head).eval(), ids, want)
+    assert uncapped <= tolerance(want.dtype)
+    with pytest.warns(RnnifyWarning):
+        text = composite.language_model(whole)
+    assert text.softcap == config.final_logit_softcapping

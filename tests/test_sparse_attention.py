@@ -203,40 +203,52 @@ def test_an_indexer_of_another_form_is_refused_by_name(swap, refusal):
 class _Selecting(torch.nn.Module):
     """Attention over an indexer's top 4 keys, the selection reaching the mask as ``unselected`` says:
     ``"false"`` the source's way (False scattered into ones: True where not selected), ``"true"``
-    flipped (keeping the keys it did not select), ``"values"`` through the top-k's values."""
+    flipped (keeping the keys it did not select), ``"values"`` through the top-k's values,
+    ``"float"`` through a float tensor (found all the same, and refused: not the source's form);
+    ``"biased"`` the source's way, a learned bias added to the scores it ranks."""
 
     def __init__(self, unselected: str):
         super().__init__()
         self.unselected = unselected
+        self.bias = torch.nn.Parameter(torch.randn(6)) if unselected == "biased" else None
 
     def forward(self, q, k, v, index_q, index_k, weights):
         length = q.shape[2]
         scores = torch.matmul(index_q, index_k.transpose(-1, -2).unsqueeze(1)) * 0.5
         scores = torch.matmul(weights.unsqueeze(-2), torch.nn.functional.relu(scores)).squeeze(-2)
         causal = torch.ones(length, length, dtype=torch.bool).tril()
-        top = scores.masked_fill(~causal, float("-inf")).topk(4, dim=-1)
+        if self.bias is None:
+            top = scores.masked_fill(~causal, float("-inf")).topk(4, dim=-1)
+        else:  # added where the source adds its float mask: a learned term in the ranking
+            top = (scores + self.bias).topk(4, dim=-1)
         ones = top.indices.new_ones((q.shape[0], length, length), dtype=torch.bool)
         if self.unselected == "values":
             unselected = ones & (top.values.amax(-1, keepdim=True) > 0)
+        elif self.unselected == "float":  # the selection as floats first, from a float made like the scores
+            unselected = torch.zeros_like(scores).scatter(-1, top.indices, 1.0) < 0.5
         else:
             unselected = ones.scatter(-1, top.indices, self.unselected == "true")
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal & ~unselected[:, None])
 
 
-@pytest.mark.parametrize("unselected", ["false", "true", "values"])
+@pytest.mark.parametrize("unselected", ["false", "true", "values", "float", "biased"])
 def test_only_a_mask_keeping_the_selected_keys_alone_is_read(unselected):
     """``find_selection`` reads the source's form and refuses a top-k that reaches the mask otherwise."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 6, 8, generator=gen) for _ in range(3))
     inputs = (q, k, v, torch.randn(1, 6, 3, 8, generator=gen), torch.randn(1, 6, 8, generator=gen))
-    graph = torch.export.export(_Selecting(unselected), (*inputs, torch.randn(1, 6, 3, generator=gen))).graph
+    module = torch.export.export(_Selecting(unselected), (*inputs, torch.randn(1, 6, 3, generator=gen))).module()
+    graph = module.graph  # its weights get_attr nodes, as in a captured graph
     sdpa = next(n for n in graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    find = functools.partial(find_selection, [sdpa.args[3]], set(sdpa.args[:3]), "site")
+    find = functools.partial(find_selection, sdpa, [sdpa.args[3]], set(sdpa.args[:3]), "site")
     if unselected == "false":
         selection = find()
         assert (selection.query, selection.key, selection.weights) == tuple(placeholders[3:6])
         assert (selection.topk, selection.scale) == (4, 0.5)
+    elif unselected == "biased":
+        with pytest.raises(UnsupportedModelError, match=r"^site: sparse attention .*not an indexer's sum_h"):
+            find()
     else:
         with pytest.raises(UnsupportedModelError, match=r"^site: sparse attention .*uses a top-k otherwise"):
             find()

@@ -103,7 +103,8 @@ def find_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Graph
     for f, site in zip(found, described):
         for allowed in buffered_masks(gm, f.terms):
             site.window = _window_of_buffer(site, allowed)
-        site.selection = find_selection([t.value for t in f.terms], {site.query, site.key, site.value}, site.where)
+        terms = [t.value for t in f.terms]
+        site.selection = find_selection(f.node, terms, {site.query, site.key, site.value}, site.where)
     check_indexers_read(gm, [site.selection for site in described if site.selection is not None])
     bounds = [s.chunk or s.window for s in described]  # a site has one or neither
     length = max([_PROBE_LENGTH] + [b + 1 for b in bounds if b is not None and b <= _MAX_PROBE_LENGTH])

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import re
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,10 @@ _METADATA = {
     aten._assert_tensor_metadata.default, aten.new_ones.default, aten.new_zeros.default,
     aten.new_empty.default, aten.sym_size.int,
 }  # fmt: skip
+_SHAPE_ONLY = {
+    *_METADATA, aten.new_full.default, aten.zeros_like.default, aten.ones_like.default,
+    aten.full_like.default, aten.empty_like.default,
+}  # fmt: skip
 
 
 @dataclass
@@ -57,10 +62,13 @@ class IndexSelection:
     indexer: str  # the indexer module's path
 
 
-def find_selection(terms: list[torch.fx.Node], stop: set[torch.fx.Node], where: str) -> IndexSelection | None:
-    """The indexer behind the mask nodes ``terms`` of a site, or None if no top-k shapes them.
-    ``stop``: the site's q, k and v, whose history is the layer's input, not its mask's."""
-    found = _topks_behind(terms, stop)
+def find_selection(
+    site: torch.fx.Node, terms: list[torch.fx.Node], stop: set[torch.fx.Node], where: str
+) -> IndexSelection | None:
+    """The indexer behind the mask nodes ``terms`` of the attention node ``site``, or None if no
+    top-k shapes them. ``stop``: the site's q, k and v, whose history is the layer's input, not its
+    mask's."""
+    found = _topks_behind(terms, stop, _layer_path(site))
     if not found:
         return None
     if len(found) > 1:
@@ -100,9 +108,14 @@ def indexer_modules(model: torch.nn.Module) -> list[str]:
     ]
 
 
-def _topks_behind(terms: list[torch.fx.Node], stop: set[torch.fx.Node]) -> list[torch.fx.Node]:
-    """The ``aten.topk`` nodes the mask nodes depend on, the walk ending at each top-k, at ``stop``
-    and at values that are not tensors (sizes: they lead into the layer's input)."""
+def _topks_behind(terms: list[torch.fx.Node], stop: set[torch.fx.Node], layer: str | None) -> list[torch.fx.Node]:
+    """The ``aten.topk`` nodes the mask nodes depend on, the walk ending at each top-k, at ``stop``,
+    at values that are not tensors (sizes), at ops that read only a shape and at floating-point
+    values computed in another decoder layer than the site's (``layer``, its module path): a
+    selection reaches a mask as integers and booleans from any layer (a shared layer's from the one
+    it shares), through float masks of its own layer or the model's; an activation from an earlier
+    layer leads to that layer's top-k, an expert router's among them (a position bias made from
+    the queries, say)."""
     seen, found, todo = set(stop), [], list(terms)
     while todo:
         node = todo.pop()
@@ -115,10 +128,33 @@ def _topks_behind(terms: list[torch.fx.Node], stop: set[torch.fx.Node]) -> list[
         if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
             todo.append(node.args[0])  # a tuple's element (the top-k's indices)
             continue
-        if not isinstance(node.meta.get("val"), torch.Tensor):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or (node.op == "call_function" and node.target in _SHAPE_ONLY):
+            continue
+        if value.is_floating_point() and _in_other_layer(node, layer):
             continue
         todo.extend(n for n in node.all_input_nodes if n not in seen)
     return found
+
+
+def _layer_path(node: torch.fx.Node) -> str | None:
+    """The module path of the decoder layer ``node`` ran in: the innermost path of its module stack
+    that ends in an index (``model.layers.3``); None outside any."""
+    for path, _ in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
+        if re.search(r"\.\d+$", path):
+            return path
+    return None
+
+
+def _in_other_layer(node: torch.fx.Node, layer: str | None) -> bool:
+    """Whether ``node`` ran in a decoder layer beside ``layer`` (the same container, another index)."""
+    if layer is None:
+        return False
+    container = layer.rsplit(".", 1)[0]
+    return any(
+        path != layer and re.fullmatch(re.escape(container) + r"\.\d+", path)
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values()
+    )
 
 
 def _only_selected_kept(topk: torch.fx.Node) -> bool:
@@ -224,7 +260,9 @@ def _unmasked(node: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def _weightless(node) -> bool:
-    """Whether ``node`` is computed without reading any floating-point weight of the model."""
+    """Whether ``node`` is computed without the model's parameters (a mask is made of positions and
+    constants; a learned bias, or a mask gated by activations, is not). Ops that read only a shape
+    are not followed."""
     module, seen, todo = None, set(), [node]
     while todo:
         current = todo.pop()
@@ -233,10 +271,10 @@ def _weightless(node) -> bool:
         seen.add(current)
         if current.op == "get_attr":
             module = module or current.graph.owning_module
-            value = functools.reduce(getattr, current.target.split("."), module)
-            if isinstance(value, torch.Tensor) and value.is_floating_point():
+            if isinstance(functools.reduce(getattr, current.target.split("."), module), torch.nn.Parameter):
                 return False
-        todo.extend(current.all_input_nodes)
+        elif not (current.op == "call_function" and current.target in _SHAPE_ONLY):
+            todo.extend(current.all_input_nodes)
     return True
 
 
