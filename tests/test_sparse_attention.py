@@ -30,7 +30,8 @@ from test_export_capture import DEEPSEEK_V32
 
 import rnnify
 from rnnify.cells import CellSpec, build_cell
-from rnnify.cells.index_select import naive_selected_softmax_attn, selected_softmax_attn
+from rnnify.cells.exact import selected_softmax_attn
+from rnnify.cells.index_select import naive_selected_softmax_attn
 from rnnify.compiler.passes.find_selection import find_selection
 from rnnify.errors import RnnifyError, UnsupportedModelError
 

@@ -20,7 +20,7 @@ Llama 4's), whose cache keeps valid only the keys of the current chunk (``_curre
 
 Where an indexer chooses the keys (DeepSeek-V3.2's sparse attention, ``CellSpec.index_topk``), the
 state keeps its index keys too and each query reads only its selection
-(``rnnify.cells.index_select``; docs/math.md §Indexer selection).
+(``selected_softmax_attn``, ranking by ``rnnify.cells.index_select``; docs/math.md §Indexer selection).
 
 A model's score terms (``CellSpec.softcap``, ``alibi_slopes``, ``sink_logits``;
 docs/math.md §Score terms) change the scores SDPA would compute, so a cell whose site
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from rnnify.cells.base import SCORE_TERMS, Cell, CellSpec
-from rnnify.cells.index_select import selected_softmax_attn
+from rnnify.cells.index_select import index_scores, selection
 from rnnify.cells.online_softmax import (
     ScoreTerms,
     chunk_of,
@@ -259,6 +259,57 @@ def scored_softmax_attn(
         outs.append(terms.readout(s, values[:, :, None, first:stop].to(q.dtype)))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
     return _by_query_head(out, values)
+
+
+# the most bytes of fp32 index scores a block of queries holds at once in ``selected_softmax_attn``
+# (the source ranks a whole prompt at once: [B, T, Hi, T])
+_SCORES_BYTES = 1 << 28
+
+
+def selected_softmax_attn(
+    q,
+    keys,
+    values,
+    valid,
+    scale: float,
+    index_q,
+    index_keys,
+    index_weights,
+    topk: int,
+    index_scale: float,
+    block_size: int = 512,
+    terms: ScoreTerms | None = None,
+) -> torch.Tensor:
+    """Softmax attention of each query over the keys its indexer selects (``rnnify.cells.index_select``):
+    the cell's path where its spec has an indexer. ``block_size`` queries at a time, fewer where a
+    block's fp32 index scores ``[B, t, Hi, N]`` would pass ``_SCORES_BYTES``; each ranks the whole
+    cache. With ``terms`` (sink logits, HY-V4's) the scores are computed here and the sinks join each
+    denominator."""
+    length, total = q.shape[2], keys.shape[2]
+    gqa = q.shape[1] != keys.shape[1]
+    block_size = max(1, min(block_size, _SCORES_BYTES // (q.shape[0] * index_q.shape[2] * total * 4)))
+    k_pos = torch.arange(total, device=q.device)
+    outs = []
+    for start in range(0, length, block_size):
+        end = min(start + block_size, length)
+        q_pos = torch.arange(total - length + start, total - length + end, device=q.device)
+        allowed = _block_allowed(q_pos, k_pos, None) & valid[:, None, :]  # [B, t, N]
+        scores = index_scores(index_q[:, start:end], index_keys, index_weights[:, start:end], index_scale)
+        read = selection(scores, allowed, topk)[:, None]  # [B, 1, t, N]
+        if terms is not None:
+            dtype = torch.promote_types(q.dtype, torch.float32)
+            s = torch.einsum(
+                "bhgtd,bhnd->bhgtn", _grouped(q[:, :, start:end], keys.shape[1], scale, dtype), keys.to(dtype)
+            )
+            s = terms.scores(s, torch.zeros((), dtype=dtype)).masked_fill(~read[:, :, None], float("-inf"))
+            outs.append(_by_query_head(terms.readout(s, values[:, :, None].to(dtype)), values))
+            continue
+        out = F.scaled_dot_product_attention(
+            q[:, :, start:end], keys.to(q.dtype), values.to(q.dtype), attn_mask=read, scale=scale, enable_gqa=gqa
+        )
+        outs.append(torch.where(read.any(-1, keepdim=True), out, 0.0))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.to(values.dtype)
 
 
 def _span(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:

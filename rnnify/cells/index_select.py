@@ -12,24 +12,18 @@ ranked highest. The selection is a function of the index keys, so the state that
 every past index key beside every past key and value: the cell's state grows with the context as
 the original's cache does, by ``index_dim`` numbers a token.
 
-Forms: ``naive_selected_softmax_attn`` (one query at a time: its keys ranked and softmax over the
-chosen ones, the ground truth) and ``selected_softmax_attn`` (the cell's path: blocks of queries,
-each ranking the whole cache as the source does and reading it through
-``F.scaled_dot_product_attention`` under the selection's mask). Both take queries ``[B, H, T, d]`` of
-cache positions ``N-T .. N-1``, keys/values ``[B, Hkv, N, *]``, ``valid [B, N]`` and the index
-inputs above over the same cache, and give 0 where no key is allowed.
+Here: the ranking (``index_scores``, ``selection``) and ``naive_selected_softmax_attn`` (one query
+at a time: its keys ranked and softmax over the chosen ones, the ground truth). The cell's path is
+``rnnify.cells.exact.selected_softmax_attn``: blocks of queries, each ranking the whole cache as the
+source does and reading it through the exact cell's attention under the selection's mask. Both take
+queries ``[B, H, T, d]`` of cache positions ``N-T .. N-1``, keys/values ``[B, Hkv, N, *]``,
+``valid [B, N]`` and the index inputs above over the same cache, and give 0 where no key is allowed.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from rnnify.cells.online_softmax import ScoreTerms
-
-# the most bytes of fp32 index scores a block of queries holds at once (the source ranks a whole
-# prompt at once: [B, T, Hi, T])
-_SCORES_BYTES = 1 << 28
 
 
 def index_scores(index_q, index_keys, index_weights, index_scale: float) -> torch.Tensor:
@@ -44,65 +38,6 @@ def selection(scores: torch.Tensor, allowed: torch.Tensor, topk: int) -> torch.T
     ``scores`` (all of them where fewer are allowed)."""
     ranked = scores.masked_fill(~allowed, float("-inf")).topk(min(topk, scores.shape[-1]), dim=-1).indices
     return torch.zeros_like(allowed).scatter(-1, ranked, True) & allowed
-
-
-def _allowed(valid: torch.Tensor, first: int, stop: int) -> torch.Tensor:
-    """``[B, t, N]``: may the query at cache position ``first + i`` (``first .. stop-1``) read key j
-    (causal and not padding)."""
-    total = valid.shape[1]
-    q_pos = torch.arange(first, stop, device=valid.device)[:, None]
-    return (torch.arange(total, device=valid.device)[None, :] <= q_pos) & valid[:, None, :]
-
-
-def selected_softmax_attn(
-    q,
-    keys,
-    values,
-    valid,
-    scale: float,
-    index_q,
-    index_keys,
-    index_weights,
-    topk: int,
-    index_scale: float,
-    block_size: int = 512,
-    terms: ScoreTerms | None = None,
-) -> torch.Tensor:
-    """Softmax attention of each query over the keys its indexer selects, ``block_size`` queries at
-    a time, fewer where a block's fp32 index scores ``[B, t, Hi, N]`` would pass ``_SCORES_BYTES``.
-    With ``terms`` (sink logits, HY-V4's) the scores are computed here and the sinks join each
-    denominator."""
-    length, total = q.shape[2], keys.shape[2]
-    gqa = q.shape[1] != keys.shape[1]
-    per_query = q.shape[0] * index_q.shape[2] * total * 4
-    block_size = max(1, min(block_size, _SCORES_BYTES // per_query))
-    outs = []
-    for start in range(0, length, block_size):
-        end = min(start + block_size, length)
-        allowed = _allowed(valid, total - length + start, total - length + end)
-        scores = index_scores(index_q[:, start:end], index_keys, index_weights[:, start:end], index_scale)
-        read = selection(scores, allowed, topk)[:, None]  # [B, 1, t, N]
-        if terms is not None:
-            outs.append(_with_terms(q[:, :, start:end], keys, values, read, scale, terms))
-            continue
-        out = F.scaled_dot_product_attention(
-            q[:, :, start:end], keys.to(q.dtype), values.to(q.dtype), attn_mask=read, scale=scale, enable_gqa=gqa
-        )
-        outs.append(torch.where(read.any(-1, keepdim=True), out, 0.0))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out.to(values.dtype)
-
-
-def _with_terms(q, keys, values, read, scale: float, terms: ScoreTerms) -> torch.Tensor:
-    """``[B, H, t, d_v]``: the queries' softmax over the keys ``read [B, 1, t, N]`` allows, the scores
-    and their denominators through ``terms`` (fp32, or the queries' dtype if wider)."""
-    batch, num_heads, length, _ = q.shape
-    num_kv_heads = keys.shape[1]
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, -1).to(dtype) * scale
-    s = torch.einsum("bhgtd,bhnd->bhgtn", grouped, keys.to(dtype))
-    s = terms.scores(s, torch.zeros((), dtype=dtype)).masked_fill(~read[:, :, None], float("-inf"))
-    return terms.readout(s, values[:, :, None].to(dtype)).reshape(batch, num_heads, length, -1)
 
 
 def naive_selected_softmax_attn(
