@@ -41,6 +41,12 @@ SIZES = {
             "hidden_size_global",
             "lru_width",
             "emb_dim",
+            # widths a composite's parts must share with the text model (its validators check them)
+            "out_hidden_size",
+            "text_hidden_size",
+            "audio_hidden_size",
+            "adapter_out_dim",
+            "codebook_dim",
         ),
         64,
     ),
@@ -191,6 +197,7 @@ SPECIAL: dict[str, dict] = {
             "hidden_size_per_layer_input": 0,
             "vocab_size_per_layer_input": 0,
             "num_kv_shared_layers": 2,
+            "num_hidden_layers": 2,  # every layer shared
         },
     ),
     "qwen4_exp_text": {
@@ -206,6 +213,30 @@ SPECIAL: dict[str, dict] = {
         {"encoder_attention_heads": 4},
     ),
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "mistral4": {"head_dim": 16},  # query/key head: nope + rope parts (the rotary factor is a share of it)
+    "glm5_next_text": {"qk_rope_head_dim": 0},  # its sparse layers have no rotary part
+    "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse"]},
+    "step3p7": {"sliding_window": 8},  # its text layers slide, with no default window
+    "diffusion_gemma_text": {"num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
+    "chameleon": {"vocabulary_map": {"<image>": VOCAB - 1}},
+    "granite4_vision": {
+        "deepstack_layer_map": [[0, 0], [1, 1]],
+        "spatial_target_layers": [0, 0, 1, 1],
+        "downsample_rate": "2/4",
+    },
+    "fun_asr_nano": {"adaptor_config": {"intermediate_size": 16}},  # a quarter of the text width
+    # multimodal RoPE sections (rotary pairs per position axis) of a 16-wide head, where the modeling code
+    # has its own default: height and width the same size in Ernie's interleaving
+    "ernie4_5_vl_moe_text": {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [3, 3, 2]}
+    },
+    "paddleocr_vl_text": {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}},
+    "molmo2_adapter": {"vision_feature_layer": [-1]},
+    "muse_spark_audio": {"num_hidden_layers": 4, "hidden_sizes": [16, 16, 32, 64]},
+    "nemotron3_5_transcribe_word_timestamp": {"blank_token_id": VOCAB - 1},
+    # token ranges inside the vocabulary: images, then audio
+    "apertus1p5": {"image_token_offset": 128, "audio_token_offset": 192},
+    **dict.fromkeys(("apertus1p5_vision_tokenizer", "wavtokenizer_encoder"), {"codebook_size": 64}),
 }
 
 # job "MODEL_TYPE@VARIANT" -> constructor arguments set over the tiny config of MODEL_TYPE
@@ -296,7 +327,10 @@ def overrides(config, model_type: str) -> dict:
         out["rope_parameters"] = {**rope, "mrope_section": _mrope_section(rope.get("mrope_section"), out, rope)}
     if hasattr(config, "is_decoder"):
         out["is_decoder"] = True  # an encoder family's *ForCausalLM: what its own docs ask for, causal attention
-    return {**out, **SPECIAL.get(config.model_type, {}), **SPECIAL.get(model_type, {})}
+    for key, value in {**SPECIAL.get(config.model_type, {}), **SPECIAL.get(model_type, {})}.items():
+        sub = isinstance(vars(config).get(key), PretrainedConfig)  # a sub-config's go over its tiny values
+        out[key] = {**out[key], **value} if sub else value
+    return out
 
 
 def build(name: str):

@@ -11,8 +11,10 @@ class with every size-like attribute shrunk (``arch_configs.build``), ``rnnify.c
 reference). Jobs ``MODEL_TYPE@VARIANT`` build that model type in the layout of a released
 checkpoint its defaults do not build (``VARIANTS``: ``falcon@alibi``, Falcon-RW). Status: exact (both
 within ``rnnify.verify.tolerance``), mismatch, refused (an ``RnnifyError``), crash (any other
-exception), config (no tiny model builds or runs), timeout. Jobs ``ARCH:TARGET[@DTYPE]`` convert the tiny llama and gpt2 of examples/make_tiny_model.py to each target
-of ``rnnify.cells.CELLS``, through ``--to auto``, and in half precision (``approx``: not exact cells).
+exception), config (no tiny model builds), timeout; a model that builds but fails on token ids alone
+(it needs images, audio or another model's cache) is handed to rnnify all the same, for its answer.
+Jobs ``ARCH:TARGET[@DTYPE]`` convert the tiny llama and gpt2 of examples/make_tiny_model.py to each
+target of ``rnnify.cells.CELLS``, through ``--to auto``, and in half precision (``approx``: not exact cells).
 Per converted model: its call_function targets as graph.json names them, with the types of their
 constant arguments and their str constants (the JSON holds the union), and ``serialize_error`` where
 the working tree's ``graph_to_json`` refuses the graph. Each job runs in its own process.
@@ -234,6 +236,7 @@ def run_job(name: str) -> dict:
         result["params"] = sum(p.numel() for p in model.parameters())
         vocab = model.config.get_text_config().vocab_size
         ids = torch.randint(3, vocab, (BATCH, SEQ + STEPS), generator=torch.Generator().manual_seed(0))
+        result["stage"] = "source"
         with torch.no_grad():
             want_prefill, want_full = _logits(model, ids[:, :SEQ]), _logits(model, ids)
         result["stage"] = "convert"
@@ -259,6 +262,8 @@ def run_job(name: str) -> dict:
         graph_to_json(converted.graph.graph)  # what saving would do with today's serialize
         result["stage"] = "done"
     except Exception as exc:  # noqa: BLE001  (every failure is a finding)
+        if result["stage"] == "source":  # it does not run on text alone: what does rnnify say of it?
+            return {**result, **_unrunnable(convert, exc)}
         if result["stage"] == "config":
             result["status"] = "config"
         elif result["stage"] == "save":  # converted, but graph.json cannot hold it: save would fail
@@ -268,6 +273,19 @@ def run_job(name: str) -> dict:
             result["status"] = "refused" if isinstance(exc, RnnifyError) else "crash"
         result["message"] = first_line(exc, with_type=not isinstance(exc, RnnifyError))
     return result
+
+
+def _unrunnable(convert, source_error: Exception) -> dict:
+    """The outcome for a model that builds but fails on token ids alone (it needs images, audio or a
+    second model's cache): ``refused`` with rnnify's line, ``crash`` where rnnify fails otherwise, else
+    ``config`` with the model's own error (nothing to compare with)."""
+    try:
+        convert()
+    except RnnifyError as exc:
+        return {"status": "refused", "message": first_line(exc)}
+    except Exception as exc:  # noqa: BLE001  (a finding)
+        return {"status": "crash", "message": first_line(exc, with_type=True)}
+    return {"status": "config", "message": first_line(source_error, with_type=True)}
 
 
 def _child(name: str, conn) -> None:
@@ -418,9 +436,11 @@ def markdown(sweep: dict) -> str:
         "A composite model (an image or audio encoder beside a text decoder, `...ForConditionalGeneration`) "
         "converts to its language model: its own decoder and output head, in the causal LM class "
         "transformers has for its text config or as the decoder followed by the head (`TextPath`, with the "
-        "whole's final logit cap where it has one), whichever "
+        "whole's scale and cap of the logits where its text config names them), whichever "
         "gives the whole model's logits on text, checked at load (`rnnify/compiler/composite.py`); the "
-        "converted model reads text only. Compared here with the whole model on text. " + _counts(composites),
+        "converted model reads text only. Compared here with the whole model on text; a whole that does "
+        "not run on text alone (it needs its images, audio or another model's cache) is refused, and "
+        "`config` marks a type no tiny model of which builds here. " + _counts(composites),
         "",
         *_rows(composites),
     ]

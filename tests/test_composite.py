@@ -63,6 +63,8 @@ def saved(tmp_path_factory):
         ("mistral3", "mistral"),
         ("qwen2_vl", "qwen2_vl_text"),  # no causal LM class: TextPath, multimodal RoPE on 2-D positions
         ("cohere2_vision", "cohere2"),  # Cohere2ForCausalLM scales logits, the whole does not: TextPath
+        ("granite_docling", "granite_docling_text"),  # the whole divides its logits by logits_scaling
+        ("muse_spark", "muse_spark_text"),  # the whole multiplies them by output_multiplier, then caps
     ],
 )
 def test_a_composite_directory_converts_to_its_language_model_exactly(saved, tmp_path, model_type, text_type):

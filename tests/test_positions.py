@@ -4,6 +4,9 @@ refused before capture."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -12,6 +15,9 @@ from support import assert_steps_and_split_prefill_match, decode, decode_from, e
 import rnnify
 from rnnify.compiler.numbering import first_position
 from rnnify.errors import PositionError, UnsupportedModelError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from arch_configs import build  # noqa: E402
 
 TABLE = 66  # rows of the position table: 64 positions after padding_idx + 1 = 2
 FAMILIES = {
@@ -145,6 +151,15 @@ def test_an_unknown_numbering_is_refused_before_capture(tiny_model_dir, monkeypa
     with pytest.raises(UnsupportedModelError, match="numbers its positions in a way rnnify does not know"):
         rnnify.convert(source, to="linear")
     assert not exported
+
+
+def test_a_model_that_needs_more_than_token_ids_is_refused_before_capture():
+    """IDEFICS (1) is a causal LM in transformers' eyes but needs its images: refused in one line."""
+    model, _ = build("idefics")
+    with pytest.raises(
+        UnsupportedModelError, match=r"IdeficsForVisionText2Text does not run on token ids alone \(Exactly"
+    ):
+        rnnify.convert(model, to="exact")
 
 
 # BART's family numbers the tokens it is given itself (find_positions gives it the runtime's positions)

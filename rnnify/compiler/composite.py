@@ -54,9 +54,10 @@ def loading_class(config: Any):
 def language_model(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` itself when it is a causal LM of its own; for a composite, its language model, sharing
     the whole's modules: its decoder where that is a causal LM already, else whichever of the causal
-    LM class and ``TextPath`` (with the text config's logit cap, and without) computes closest to what
-    the whole computes on text, within the tolerance (module docstring). Closest, not first: a cap
-    barely bends small logits, so an uncapped path may pass the tolerance where the whole caps."""
+    LM class and ``TextPath`` (with each finish of the logits the text config names, and without:
+    ``_finishes``) computes closest to what the whole computes on text, within the tolerance (module
+    docstring). Closest, not first: a cap barely bends small logits, so an uncapped path may pass the
+    tolerance where the whole caps."""
     if not is_composite(model.config):
         return model
     name, head, decoder = type(model).__name__, model.get_output_embeddings(), model.get_decoder()
@@ -66,11 +67,12 @@ def language_model(model: torch.nn.Module) -> torch.nn.Module:
         raise UnsupportedModelError(f"{name}: a composite model without an output head over tokens")
     else:
         text_config = model.config.get_text_config(decoder=True)
-        softcap = getattr(text_config, "final_logit_softcapping", None)
         candidates = [
             lambda: _in_causal_lm_class(text_config, decoder, head),
-            lambda: _text_path_class()(text_config, decoder, head),
-            *([lambda: _text_path_class()(text_config, decoder, head, softcap)] if softcap else []),
+            *(
+                functools.partial(_text_path_class(), text_config, decoder, head, scale, softcap)
+                for scale, softcap in _finishes(text_config)
+            ),
         ]
     from rnnify.runtime.agreement import tolerance
 
@@ -85,7 +87,7 @@ def language_model(model: torch.nn.Module) -> torch.nn.Module:
         if problem is None:
             ran.append((difference, text))
             problem = f"relative difference {difference:.2g}, tolerance {limit:g}"
-        differences.append(f"{type(text).__name__}: {problem}")
+        differences.append(f"{type(text).__name__}{getattr(text, 'finish', '')}: {problem}")
     difference, text = min(ran, key=lambda pair: pair[0], default=(None, None))
     if difference is None or difference > limit:
         raise UnsupportedModelError(
@@ -99,6 +101,27 @@ def language_model(model: torch.nn.Module) -> torch.nn.Module:
         stacklevel=3,
     )
     return text
+
+
+# text-config fields a whole may scale its logits by after its head, one way or the other (Granite's
+# wholes divide by ``logits_scaling``, HyperCLOVA X's multiply; MuseSpark multiplies by
+# ``output_multiplier``; Aya Vision by ``logit_scale``)
+_LOGIT_SCALES = ("logits_scaling", "output_multiplier", "logit_scale")
+
+
+def _finishes(text_config: Any) -> list[tuple[float, float | None]]:
+    """``(scale, softcap)`` pairs a whole may apply to its head's logits, from its text config: none
+    first, then each scale field's value and its inverse, each without and with the config's final
+    logit cap (``final_logit_softcapping``: Mistral Large 4, MuseSpark)."""
+    values = [getattr(text_config, name, None) for name in _LOGIT_SCALES]
+    scales = [1.0] + [s for v in values if _number(v) and v not in (0, 1) for s in (float(v), 1 / float(v))]
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    caps = [None] + ([float(softcap)] if _number(softcap) and softcap > 0 else [])
+    return [(scale, cap) for scale in dict.fromkeys(scales) for cap in caps]
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _in_causal_lm_class(text_config: Any, decoder: torch.nn.Module, head: torch.nn.Module) -> torch.nn.Module | None:
@@ -126,9 +149,9 @@ def _in_causal_lm_class(text_config: Any, decoder: torch.nn.Module, head: torch.
 @functools.cache
 def _text_path_class() -> type:
     """``TextPath``: a whole's decoder, then its output head, as a transformers model (the fallback
-    where transformers has no causal LM class for the text config: Qwen-VL's, GLM-4V's), and with
-    ``softcap`` c the logits' c tanh(logits / c), where the whole caps them by its text config's
-    ``final_logit_softcapping`` (Mistral Large 4)."""
+    where transformers has no causal LM class for the text config: Qwen-VL's, GLM-4V's), its logits
+    times ``scale``, then with ``softcap`` c capped to c tanh(logits / c): what the whole does after
+    its head (``_finishes``)."""
     from transformers import PreTrainedModel
     from transformers.modeling_outputs import CausalLMOutput
 
@@ -138,9 +161,24 @@ def _text_path_class() -> type:
         _supports_sdpa = _supports_flex_attn = _supports_attention_backend = True
         _can_set_attn_implementation_cached_value = _can_set_experts_implementation_cached_value = True
 
-        def __init__(self, config: Any, decoder: torch.nn.Module, head: torch.nn.Module, softcap: float | None = None):
+        def __init__(
+            self,
+            config: Any,
+            decoder: torch.nn.Module,
+            head: torch.nn.Module,
+            scale: float = 1.0,
+            softcap: float | None = None,
+        ):
             super().__init__(config)
-            self.model, self.lm_head, self.softcap = decoder, head, softcap
+            self.model, self.lm_head, self.scale, self.softcap = decoder, head, scale, softcap
+
+        @property
+        def finish(self) -> str:
+            """What follows the head, for messages: `` (logits x 0.25, capped at 30)``."""
+            steps = ([f"logits x {self.scale:g}"] if self.scale != 1.0 else []) + (
+                [f"capped at {self.softcap:g}"] if self.softcap is not None else []
+            )
+            return f" ({', '.join(steps)})" if steps else ""
 
         def forward(self, input_ids=None, position_ids=None, attention_mask=None, use_cache=False, **kwargs):
             hidden = self.model(
@@ -151,6 +189,8 @@ def _text_path_class() -> type:
                 **kwargs,
             ).last_hidden_state
             logits = self.lm_head(hidden)
+            if self.scale != 1.0:
+                logits = logits * self.scale
             if self.softcap is not None:
                 logits = torch.tanh(logits / self.softcap) * self.softcap
             return CausalLMOutput(logits=logits)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from rnnify.errors import UnsupportedModelError
+from rnnify.errors import UnsupportedModelError, first_line
 from rnnify.runtime.agreement import relative_difference, tolerance
 
 __all__ = ["first_position"]
@@ -43,7 +43,13 @@ def first_position(model: torch.nn.Module, vocab_size: int) -> int:
     if padding_id is not None:
         ids = ids + (ids >= padding_id).long()  # every token but the padding id
     ids = ids.to(device)
-    own = model(input_ids=ids, use_cache=False).logits
+    try:
+        own = model(input_ids=ids, use_cache=False).logits
+    except Exception as exc:  # a model that needs its images, audio or a second stream of ids
+        raise UnsupportedModelError(
+            f"{type(model).__name__} does not run on token ids alone ({first_line(exc)}); rnnify converts "
+            "language models that read text"
+        ) from exc
     counted = torch.arange(_PROBE_LENGTH, device=device).expand(_PROBE_BATCH, -1)
     limit = tolerance(own.dtype)
     differences = []
