@@ -89,3 +89,35 @@ def test_the_cli_refuses_in_one_line_and_writes_nothing(tmp_path, capsys, capped
 def test_a_matching_model_converts(tiny_model_dir):
     model = rnnify.convert(tiny_model_dir("llama"), to="exact")
     assert all(cell.exact for cell in model.cells)
+
+
+def test_logits_that_are_not_numbers_on_one_side_never_agree():
+    """A NaN or an infinity that only one side has differs without bound (before, NaN compared as
+    within every tolerance); entries equal on both sides, -inf masks included, agree."""
+    from rnnify.runtime.agreement import relative_difference
+
+    want = torch.tensor([[1.0, -2.0, float("-inf")]])
+    assert relative_difference(want.clone(), want) == 0.0
+    assert relative_difference(torch.tensor([[1.5, -2.0, float("-inf")]]), want) == pytest.approx(0.25)
+    for wrong in (float("nan"), float("inf"), 3.0):
+        got = want.clone()
+        got[0, 2] = wrong
+        assert relative_difference(got, want) == float("inf")
+    assert relative_difference(torch.tensor([[float("nan"), 0.0, 1.0]]), torch.tensor([[1.0, 0.0, 1.0]])) == float(
+        "inf"
+    )
+
+
+def test_a_conversion_whose_logits_turn_to_nan_is_refused(tiny_model_dir, monkeypatch):
+    """The exact check fails a converted model that gives NaN where the original gives numbers."""
+    from rnnify.runtime.model import RecurrentModel
+
+    prefill = RecurrentModel.prefill
+
+    def poisoned(self, *args, **kwargs):
+        logits, state = prefill(self, *args, **kwargs)
+        return logits * float("nan"), state
+
+    monkeypatch.setattr(RecurrentModel, "prefill", poisoned)
+    with pytest.raises(rnnify.RnnifyError, match="differs from the original"):
+        rnnify.convert(tiny_model_dir("llama"), to="exact")

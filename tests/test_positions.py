@@ -157,7 +157,8 @@ def test_a_model_that_needs_more_than_token_ids_is_refused_before_capture():
     """IDEFICS (1) is a causal LM in transformers' eyes but needs its images: refused in one line."""
     model, _ = build("idefics")
     with pytest.raises(
-        UnsupportedModelError, match=r"IdeficsForVisionText2Text does not run on token ids alone \(Exactly"
+        UnsupportedModelError,
+        match=r"IdeficsForVisionText2Text fails when run on token ids alone \(ValueError: Exactly",
     ):
         rnnify.convert(model, to="exact")
 

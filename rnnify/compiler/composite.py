@@ -20,6 +20,7 @@ holds it to the whole as well.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from typing import Any
 
@@ -95,7 +96,8 @@ def language_model(model: torch.nn.Module) -> torch.nn.Module:
             f"({'; '.join(differences)}), so converting it would not be the original"
         )
     warnings.warn(
-        f"{name} is a composite model: rnnify converts its language model ({type(text).__name__}); "
+        f"{name} is a composite model: rnnify converts its language model "
+        f"({type(text).__name__}{getattr(text, 'finish', '')}); "
         "its image or audio encoder is left out, so the converted model reads text only",
         RnnifyWarning,
         stacklevel=3,
@@ -103,25 +105,28 @@ def language_model(model: torch.nn.Module) -> torch.nn.Module:
     return text
 
 
-# text-config fields a whole may scale its logits by after its head, one way or the other (Granite's
-# wholes divide by ``logits_scaling``, HyperCLOVA X's multiply; MuseSpark multiplies by
-# ``output_multiplier``; Aya Vision by ``logit_scale``)
-_LOGIT_SCALES = ("logits_scaling", "output_multiplier", "logit_scale")
+# text-config fields a whole scales its head's logits by: multiplies (+1), divides (-1), or either
+# (0: Granite's wholes divide by ``logits_scaling``, HyperCLOVA X's multiply)
+_LOGIT_SCALES = {"logits_scaling": 0, "output_multiplier": 1, "logit_scale": 1}
 
 
 def _finishes(text_config: Any) -> list[tuple[float, float | None]]:
-    """``(scale, softcap)`` pairs a whole may apply to its head's logits, from its text config: none
-    first, then each scale field's value and its inverse, each without and with the config's final
-    logit cap (``final_logit_softcapping``: Mistral Large 4, MuseSpark)."""
-    values = [getattr(text_config, name, None) for name in _LOGIT_SCALES]
-    scales = [1.0] + [s for v in values if _number(v) and v not in (0, 1) for s in (float(v), 1 / float(v))]
+    """``(scale, softcap)`` pairs a whole may apply to its head's logits, from its text config: each
+    scale its fields give (``_LOGIT_SCALES``; 1 first), without and with the config's final logit cap
+    (``final_logit_softcapping``: Mistral Large 4, MuseSpark)."""
+    scales = [1.0]
+    for name, way in _LOGIT_SCALES.items():
+        value = getattr(text_config, name, None)
+        if _positive(value) and value != 1:
+            scales += [float(value)] * (way >= 0) + [1 / float(value)] * (way <= 0)
     softcap = getattr(text_config, "final_logit_softcapping", None)
-    caps = [None] + ([float(softcap)] if _number(softcap) and softcap > 0 else [])
+    caps = [None] + ([float(softcap)] if _positive(softcap) else [])
     return [(scale, cap) for scale in dict.fromkeys(scales) for cap in caps]
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _positive(value: Any) -> bool:
+    """A finite positive number (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _in_causal_lm_class(text_config: Any, decoder: torch.nn.Module, head: torch.nn.Module) -> torch.nn.Module | None:

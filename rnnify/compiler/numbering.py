@@ -34,7 +34,8 @@ _PROBE_BATCH, _PROBE_LENGTH = 2, 8
 @torch.no_grad()
 def first_position(model: torch.nn.Module, vocab_size: int) -> int:
     """The position ``model`` gives a row's first token (see the module docstring); refused when
-    rnnify does not know its numbering."""
+    rnnify does not know its numbering, or when the model rejects token ids alone (it needs images,
+    audio or another model's cache)."""
     device = next(model.parameters()).device
     padding_id = getattr(model.config, "pad_token_id", None)
     padding_id = padding_id if isinstance(padding_id, int) and 0 <= padding_id < vocab_size else None
@@ -45,10 +46,10 @@ def first_position(model: torch.nn.Module, vocab_size: int) -> int:
     ids = ids.to(device)
     try:
         own = model(input_ids=ids, use_cache=False).logits
-    except Exception as exc:  # a model that needs its images, audio or a second stream of ids
+    except (ValueError, TypeError) as exc:  # how a model says it needs its images, audio or other inputs
         raise UnsupportedModelError(
-            f"{type(model).__name__} does not run on token ids alone ({first_line(exc)}); rnnify converts "
-            "language models that read text"
+            f"{type(model).__name__} fails when run on token ids alone ({first_line(exc, with_type=True)}); "
+            "rnnify converts language models that read text"
         ) from exc
     counted = torch.arange(_PROBE_LENGTH, device=device).expand(_PROBE_BATCH, -1)
     limit = tolerance(own.dtype)

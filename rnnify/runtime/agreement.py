@@ -12,6 +12,7 @@ not carry).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,9 +34,16 @@ def tolerance(dtype: torch.dtype) -> float:
 
 
 def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| over max |want|."""
+    """max |got - want| over max |want| of the finite entries. Entries equal on both sides count as
+    agreeing, infinities (a model that masks some logits to -inf) and NaNs included; a NaN or an
+    infinity on one side only makes it infinite, so no comparison with a tolerance passes it."""
     got, want = got.float(), want.float()
-    return float((got - want).abs().max()) / max(float(want.abs().max()), torch.finfo(torch.float32).tiny)
+    agree = (got == want) | (got.isnan() & want.isnan())
+    if not (agree | (got.isfinite() & want.isfinite())).all():
+        return math.inf
+    finite = want.masked_fill(~want.isfinite(), 0)
+    gap = (got - want).masked_fill(agree, 0)
+    return float(gap.abs().max()) / max(float(finite.abs().max()), torch.finfo(torch.float32).tiny)
 
 
 @torch.no_grad()
