@@ -11,8 +11,9 @@ class with every size-like attribute shrunk (``arch_configs.build``), ``rnnify.c
 reference). Jobs ``MODEL_TYPE@VARIANT`` build that model type in the layout of a released
 checkpoint its defaults do not build (``VARIANTS``: ``falcon@alibi``, Falcon-RW). Status: exact (both
 within ``rnnify.verify.tolerance``), mismatch, refused (an ``RnnifyError``), crash (any other
-exception), config (no tiny model builds), timeout; a model that builds but fails on token ids alone
-(it needs images, audio or another model's cache) is handed to rnnify all the same, for its answer.
+exception), config (no tiny model builds), timeout; a model that builds but names no vocabulary or
+fails on token ids alone (it needs images, audio or another model's cache) is handed to rnnify all
+the same, for its answer.
 Jobs ``ARCH:TARGET[@DTYPE]`` convert the tiny llama and gpt2 of examples/make_tiny_model.py to each
 target of ``rnnify.cells.CELLS``, through ``--to auto``, and in half precision (``approx``: not exact cells).
 Per converted model: its call_function targets as graph.json names them, with the types of their
@@ -234,9 +235,9 @@ def run_job(name: str) -> dict:
     try:
         model, convert, result["class"] = _convert(name)
         result["params"] = sum(p.numel() for p in model.parameters())
+        result["stage"] = "source"
         vocab = model.config.get_text_config().vocab_size
         ids = torch.randint(3, vocab, (BATCH, SEQ + STEPS), generator=torch.Generator().manual_seed(0))
-        result["stage"] = "source"
         with torch.no_grad():
             want_prefill, want_full = _logits(model, ids[:, :SEQ]), _logits(model, ids)
         result["stage"] = "convert"
@@ -276,9 +277,9 @@ def run_job(name: str) -> dict:
 
 
 def _unrunnable(convert, source_error: Exception) -> dict:
-    """The outcome for a model that builds but fails on token ids alone (it needs images, audio or a
-    second model's cache): ``refused`` with rnnify's line, ``crash`` where rnnify fails otherwise, else
-    ``config`` with the model's own error (nothing to compare with)."""
+    """The outcome for a model that builds but names no vocabulary or fails on token ids alone (it
+    needs images, audio or a second model's cache): ``refused`` with rnnify's line, ``crash`` where
+    rnnify fails otherwise, else ``config`` with the model's own error (nothing to compare with)."""
     try:
         convert()
     except RnnifyError as exc:

@@ -121,3 +121,16 @@ def test_a_conversion_whose_logits_turn_to_nan_is_refused(tiny_model_dir, monkey
     monkeypatch.setattr(RecurrentModel, "prefill", poisoned)
     with pytest.raises(rnnify.RnnifyError, match="differs from the original"):
         rnnify.convert(tiny_model_dir("llama"), to="exact")
+
+
+def test_verify_judges_logits_as_the_conversion_check_does():
+    """``rnnify verify``'s rows: equal -inf masks agree (before, -inf - -inf made the row NaN and it
+    failed); a NaN fails, on one side or on both (the converted model against itself)."""
+    from rnnify.verify import _compare
+
+    want = torch.tensor([[[1.0, -2.0, float("-inf")]]])
+    assert _compare("vs original", want.clone(), want, torch.float32).passed
+    poisoned = want.clone()
+    poisoned[0, 0, 0] = float("nan")
+    assert not _compare("vs original", poisoned, want, torch.float32).passed
+    assert not _compare("step == prefill", poisoned, poisoned.clone(), torch.float32).passed  # itself, NaN

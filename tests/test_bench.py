@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from collections import Counter
 
@@ -69,7 +70,9 @@ def test_weight_bytes_counts_a_lookup_table_once_per_row(converted_dir):
     assert model.weight_nbytes_per_token() == total - embed.nbytes + embed[0].nbytes
 
 
-def test_bench_smoke(tmp_path, tiny_model_dir, converted_dir, capsys):
+def test_bench_smoke(tmp_path, tiny_model_dir, converted_dir, capsys, monkeypatch):
+    """On an 80-column terminal every measurement of both decode tables is printed whole."""
+    monkeypatch.setenv("COLUMNS", "80")
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = main(
         [
@@ -97,6 +100,9 @@ def test_bench_smoke(tmp_path, tiny_model_dir, converted_dir, capsys):
         (m, b, c) for m in ("converted", "original") for b in (1, 2) for c in (8, 32)
     }
     assert all(r["step_ms"] > 0 and r["memory_bytes"] > 0 for r in run["results"])
+    assert all(f" {r['tokens_per_s']:.1f} " in text for r in run["results"])
+    tables = text[: text.index("batch-1 limit")]  # the one-line summaries after them wrap where they fall
+    assert max(len(line) for line in tables.splitlines()) <= 80
     assert run["machine"]["bandwidth_gb_s"] > 0 and run["limit_ms"] > 0
     assert run["command"].startswith("rnnify bench ")
     assert png.stat().st_size > 0
@@ -325,3 +331,41 @@ def test_bench_prints_and_records_the_warning_of_disagreeing_timings(tmp_path, c
     run = json.loads(out.read_text())
     assert any(w.startswith("timings disagree") for w in run["warnings"])
     assert [(r["step_ms_min"], r["step_ms_max"]) for r in run["results"]] == [(1.0, 5.0), (1.0, 5.0)]
+
+
+def test_the_decode_tables_keep_every_number_whole_on_80_columns():
+    """Wide but plausible values (a 128k context, GiB of KV cache, a speedup in the thousands) are
+    printed whole in tables no wider than a terminal of 80 columns."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from rnnify.cli.bench import _bench_tables
+
+    def row(model, step_ms, tokens_per_s, memory, peak):
+        return SimpleNamespace(
+            batch=64,
+            context=131072,
+            model=model,
+            step_ms=step_ms,
+            tokens_per_s=tokens_per_s,
+            memory_bytes=memory,
+            peak_delta_bytes=peak,
+        )
+
+    result = SimpleNamespace(
+        results=[
+            row("converted", 0.07, 914285.7, 19 * 2**20, 999 * 2**30),
+            row("original", 1234.56, 51.8, 1000 * 2**30, 999 * 2**30),
+        ],
+        target="hybrid",
+        dtype="bfloat16",
+        machine=SimpleNamespace(device="AMD EPYC 9R14 96-Core Processor"),
+    )
+    console = Console(width=80, record=True, file=io.StringIO())
+    for table in _bench_tables(result):
+        console.print(table)
+    text = console.export_text()
+    for value in ("131,072", "914285.7", "1234.56", "51.8", "1000.0 GiB", "999.0 GiB", "17636.57x", "53894.7x"):
+        assert f" {value}" in text, value
+    assert max(len(line) for line in text.splitlines()) <= 80

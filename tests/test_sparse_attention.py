@@ -47,6 +47,12 @@ def _model(model_type: str = "deepseek_v32", **changes):
     return tiny_causal_lm(model_type, **{**SPARSE, **changes})
 
 
+@pytest.fixture(scope="module")
+def dsa_exact():
+    """The tiny DeepSeek-V3.2's exact conversion, shared by the tests that only read it."""
+    return rnnify.convert(_model(), to="exact")
+
+
 def _ids(length: int = LENGTH, batch: int = 2) -> torch.Tensor:
     return torch.randint(
         3, DEEPSEEK_V32["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(length)
@@ -101,8 +107,8 @@ def test_deepseek_v32_converts_exactly_past_its_selection(attention):
     assert rel_diff(every_key, want) > 1e-2
 
 
-def test_selection_state_round_trips_and_left_padding_is_invisible(tmp_path):
-    converted = rnnify.convert(_model(), to="exact")
+def test_selection_state_round_trips_and_left_padding_is_invisible(tmp_path, dsa_exact):
+    converted = dsa_exact
     state = converted.prefill(_ids(12))[1]
     assert converted.cells[0].state_names[-1] == "index_keys"
     assert state.tensors[3].shape == (2, 12, DEEPSEEK_V32["index_head_dim"])  # the first cell's index keys
@@ -142,7 +148,7 @@ def test_kin_of_deepseek_v32_convert_exactly(name):
     assert rel_diff(original_logits(_built(name, **changes, index_topk=LENGTH), ids), want) > 1e-3
 
 
-def test_other_targets_auto_and_vllm_refuse_the_selection_in_one_line(tmp_path):
+def test_other_targets_auto_and_vllm_refuse_the_selection_in_one_line(tmp_path, dsa_exact):
     source = _model()
     with pytest.raises(RnnifyError, match=r"^layer 0 .*indexer selects \(sparse attention\), which only --to exact"):
         rnnify.convert(source, to="window")
@@ -154,7 +160,7 @@ def test_other_targets_auto_and_vllm_refuse_the_selection_in_one_line(tmp_path):
         probe_runner(source, torch.float32, _ids(8))
     from rnnify.integrations.vllm.hosting import check_hostable
 
-    path = rnnify.convert(source, to="exact").save(tmp_path / "dsa")
+    path = dsa_exact.save(tmp_path / "dsa")
     with pytest.raises(RnnifyError, match=r"indexer selects \(sparse attention\), which rnnify's vLLM pages do not"):
         check_hostable(path)
 
@@ -259,7 +265,7 @@ def test_only_a_mask_keeping_the_selected_keys_alone_is_read(unselected):
             find()
 
 
-def test_tools_that_build_or_judge_the_state_know_the_selection():
+def test_tools_that_build_or_judge_the_state_know_the_selection(dsa_exact):
     """``rnnify bench`` fills the index keys with the rest of a grown state; the ahead-of-time step
     is refused in words; attention transfer leaves the selected layers out (only exact computes
     them); ``verify`` on fewer tokens than the selection keeps says what a longer run would check."""
@@ -268,7 +274,7 @@ def test_tools_that_build_or_judge_the_state_know_the_selection():
     from rnnify.runtime.aot import refusal
     from rnnify.verify import run_checks
 
-    converted = rnnify.convert(_model(), to="exact")
+    converted = dsa_exact
     state = fill_state(converted, context=30, batch=1, fill_tokens=4)
     logits, _ = converted.step(_ids(1, batch=1), state)
     assert torch.isfinite(logits).all()

@@ -84,7 +84,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         command="rnnify " + shlex.join(args.argv),
         progress=True,
     )
-    console.print(_bench_table(result))
+    for table in _bench_tables(result):
+        console.print(table)
     console.print(_prefill_table(result, args.prefill_max))
     step = next((r.step_ms for r in result.results if r.model == "converted" and r.batch == 1), None)
     line = (
@@ -106,55 +107,71 @@ def run(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _bench_table(result) -> Table:
-    from rich import box
-    from rich.table import Table
-    from rich.text import Text
-
+def _bench_tables(result) -> list[Table]:
+    """The converted model's decode table and, with ``--against``, the original's beside its ratios:
+    two tables of a width a terminal holds, rather than one rich would cut numbers of."""
     rows = {(r.batch, r.context, r.model): r for r in result.results}
-    against = any(r.model == "original" for r in result.results)
-    title = f"{result.target} vs original with KV cache" if against else f"{result.target}"
-    table = Table(box=box.SIMPLE_HEAD, title=Text(f"decode, {title}, {result.dtype}, {result.machine.device}"))
-    columns = ["batch", "context", "step ms", "tokens/s", "state", "peak +"]
-    if against:
-        columns += ["original ms", "original tok/s", "KV cache", "original peak +", "speedup", "KV / state"]
-    for column in columns:
-        table.add_column(column, justify="right")
-    for (batch, context, model), r in rows.items():
-        if model != "converted":
-            continue
-        row = [
-            str(batch),
-            f"{context:,}",
+    ours = [
+        [
+            str(b),
+            f"{c:,}",
             f"{r.step_ms:.2f}",
             f"{r.tokens_per_s:.1f}",
             nbytes(r.memory_bytes),
             nbytes(r.peak_delta_bytes),
         ]
-        o = rows.get((batch, context, "original"))
-        if against and o is not None:
-            row += [
-                f"{o.step_ms:.2f}",
-                f"{o.tokens_per_s:.1f}",
-                nbytes(o.memory_bytes),
-                nbytes(o.peak_delta_bytes),
-                f"{o.step_ms / r.step_ms:.2f}x",
-                f"{o.memory_bytes / r.memory_bytes:.1f}x",
-            ]
+        for (b, c, model), r in rows.items()
+        if model == "converted"
+    ]
+    tables = [
+        _table(
+            f"decode, {result.target}, {result.dtype}, {result.machine.device}",
+            ["batch", "context", "step ms", "tokens/s", "state", "peak +"],
+            ours,
+        )
+    ]
+    theirs = [
+        [
+            str(b),
+            f"{c:,}",
+            f"{o.step_ms:.2f}",
+            f"{o.tokens_per_s:.1f}",
+            nbytes(o.memory_bytes),
+            nbytes(o.peak_delta_bytes),
+            f"{o.step_ms / r.step_ms:.2f}x",
+            f"{o.memory_bytes / r.memory_bytes:.1f}x",
+        ]
+        for (b, c, model), r in rows.items()
+        if model == "converted" and (o := rows.get((b, c, "original"))) is not None
+    ]
+    if theirs:
+        columns = ["batch", "context", "step ms", "tokens/s", "KV cache", "peak +", "speedup", "KV / state"]
+        title = (
+            f"decode, original with KV cache, {result.dtype}; speedup = original ms / {result.target} ms, "
+            f"KV / state = KV cache / {result.target} state"
+        )
+        tables.append(_table(title, columns, theirs))
+    return tables
+
+
+def _table(title: str, columns: list[str], rows: list[list[str]]) -> Table:
+    """A right-justified table whose columns are never narrower than their values or a word of their
+    header (a header wraps between words)."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=box.SIMPLE_HEAD, title=Text(title), pad_edge=False, collapse_padding=True)
+    for i, column in enumerate(columns):
+        widest = max([len(row[i]) for row in rows] + [len(word) for word in column.split()])
+        table.add_column(column, justify="right", min_width=widest)
+    for row in rows:
         table.add_row(*row)
     return table
 
 
 def _prefill_table(result, cap: int) -> Table:
-    from rich import box
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(box=box.SIMPLE_HEAD, title=Text(f"prefill, batch 1, one call (contexts up to {cap:,})"))
-    table.add_column("context", justify="right")
-    for name in result.prefill_ms:
-        table.add_column(f"{name} ms", justify="right")
     contexts = sorted({c for times in result.prefill_ms.values() for c in times})
-    for c in contexts:
-        table.add_row(f"{c:,}", *(f"{times[c]:.0f}" for times in result.prefill_ms.values()))
-    return table
+    rows = [[f"{c:,}", *(f"{times[c]:.0f}" for times in result.prefill_ms.values())] for c in contexts]
+    columns = ["context", *(f"{name} ms" for name in result.prefill_ms)]
+    return _table(f"prefill, batch 1, one call (contexts up to {cap:,})", columns, rows)
