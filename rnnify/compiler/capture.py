@@ -191,12 +191,18 @@ def _refuse_vmap(name: str, graph: torch.fx.GraphModule) -> None:
             )
 
 
+# what a failed export says when the length's declared range does not hold: its own message, or the
+# AssertionError torch 2.13 raises while it words the fix for a length derived from another
+# (DeepSeek-V4's compressed attention)
+_RANGE_VIOLATED = ("Constraints violated", "Cannot create Dim with inconsistent")
+
+
 def _capture_after_failure(
     wrapper: _LogitsOnly, input_ids: torch.Tensor, position_ids: torch.Tensor, exc: Exception
 ) -> torch.fx.GraphModule:
     """Capture ``wrapper`` once its export over any length failed with ``exc``, or raise the one line that says why not."""
     model, name = wrapper.model, type(wrapper.model).__name__
-    if "Constraints violated" in str(exc):
+    if any(marker in str(exc) for marker in _RANGE_VIOLATED):
         table = _declared_length(model.config)
         if table is not None:
             # A model that slices a table of the length its config declares to the tokens read (MPT's
