@@ -44,6 +44,16 @@ def check_int(name: str, value: object, minimum: int = 1, error: type[Exception]
     return value
 
 
+def is_number(value: object) -> bool:
+    """Whether ``value`` is an int or a float, not a bool (a config field's number)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_positive_finite(value: object) -> bool:
+    """Whether ``value`` is a number (``is_number``) > 0 and finite; NaN is not."""
+    return is_number(value) and 0 < value < float("inf")
+
+
 def check_positive_finite(name: str, value: float) -> float:
     """``value`` if it is a finite number > 0; else ``RnnifyError`` naming ``name``."""
     if not (value > 0 and value != float("inf")):  # nan fails the first test

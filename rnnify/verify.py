@@ -19,7 +19,7 @@ from rnnify.cells.base import Cell
 from rnnify.choices import SEED, VERIFY_BATCH, VERIFY_TOKENS
 from rnnify.errors import RnnifyError
 from rnnify.runtime import integrity
-from rnnify.runtime.agreement import relative_difference, tolerance
+from rnnify.runtime.agreement import differences, tolerance
 from rnnify.runtime.manifest import read_data
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.state import RecurrentState
@@ -46,14 +46,12 @@ class CheckResult:
 
 
 def _compare(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, note: str = "") -> CheckResult:
-    """One check's row. The difference is ``convert``'s own (``relative_difference``: equal entries
+    """One check's row. The difference is ``convert``'s own (``differences``: equal entries
     agree, -inf masks included; a NaN or an infinity on one side only fails), and a NaN fails even
     where both sides have it, as two of the checks compare the converted model with itself; in
     full precision the argmax must agree everywhere too."""
     got, want = got.float(), want.float()
-    agree = (got == want) | (got.isnan() & want.isnan())
-    max_abs = float((got - want).masked_fill(agree, 0).abs().max())
-    rel = relative_difference(got, want)
+    max_abs, rel = differences(got, want)
     agreement = float((got.argmax(-1) == want.argmax(-1)).float().mean())
     numbers = not bool(got.isnan().any())
     passed = numbers and rel <= tolerance(dtype) and (dtype in _HALF or agreement == 1.0)

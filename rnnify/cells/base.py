@@ -25,16 +25,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from rnnify.errors import check_int
+from rnnify.errors import check_int, is_number, is_positive_finite
 from rnnify.kernels.utils import check_kernels, resolve_backend
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _positive(value: Any) -> bool:
-    return _number(value) and 0 < value < float("inf")
 
 
 def host_readable(x: torch.Tensor) -> bool:
@@ -120,15 +112,15 @@ class CellSpec:
             raise ValueError("an attention has a sliding window or chunks, not both")
         index = (self.index_topk, self.index_dim, self.index_scale)
         if any(field is not None for field in index):
-            if None in index or not _positive(self.index_scale):
+            if None in index or not is_positive_finite(self.index_scale):
                 raise ValueError("an indexer needs index_topk, index_dim and a positive index_scale")
             if self.keys_read is not None or self.score_terms - {"sink_logits"}:
                 raise ValueError("an indexer's selection is computed over causal attention, with sinks at most")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if not _positive(self.scale):
+        if not is_positive_finite(self.scale):
             raise ValueError(f"scale must be a positive number, got {self.scale!r}")
-        if self.softcap is not None and not _positive(self.softcap):
+        if self.softcap is not None and not is_positive_finite(self.softcap):
             raise ValueError(f"softcap must be a positive number, got {self.softcap!r}")
         for name in ("alibi_slopes", "sink_logits"):
             values = getattr(self, name)
@@ -137,7 +129,7 @@ class CellSpec:
             if not (
                 isinstance(values, (list, tuple))
                 and len(values) == self.num_heads
-                and all(_number(v) and math.isfinite(v) for v in values)
+                and all(is_number(v) and math.isfinite(v) for v in values)
             ):
                 raise ValueError(f"{name} must be {self.num_heads} finite numbers (one per query head)")
             object.__setattr__(self, name, tuple(float(v) for v in values))  # a manifest's JSON list

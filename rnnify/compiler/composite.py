@@ -20,13 +20,12 @@ holds it to the whole as well.
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from typing import Any
 
 import torch
 
-from rnnify.errors import RnnifyWarning, UnsupportedModelError, first_line
+from rnnify.errors import RnnifyWarning, UnsupportedModelError, first_line, is_positive_finite
 
 __all__ = ["is_composite", "language_model", "loading_class"]
 
@@ -117,16 +116,11 @@ def _finishes(text_config: Any) -> list[tuple[float, float | None]]:
     scales = [1.0]
     for name, way in _LOGIT_SCALES.items():
         value = getattr(text_config, name, None)
-        if _positive(value) and value != 1:
+        if is_positive_finite(value) and value != 1:
             scales += [float(value)] * (way >= 0) + [1 / float(value)] * (way <= 0)
     softcap = getattr(text_config, "final_logit_softcapping", None)
-    caps = [None] + ([float(softcap)] if _positive(softcap) else [])
+    caps = [None] + ([float(softcap)] if is_positive_finite(softcap) else [])
     return [(scale, cap) for scale in dict.fromkeys(scales) for cap in caps]
-
-
-def _positive(value: Any) -> bool:
-    """A finite positive number (not a bool)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _in_causal_lm_class(text_config: Any, decoder: torch.nn.Module, head: torch.nn.Module) -> torch.nn.Module | None:

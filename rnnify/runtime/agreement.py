@@ -22,7 +22,7 @@ from rnnify.errors import RnnifyError
 if TYPE_CHECKING:
     from rnnify.runtime.model import RecurrentModel
 
-__all__ = ["check_against_original", "relative_difference", "tolerance"]
+__all__ = ["check_against_original", "differences", "relative_difference", "tolerance"]
 
 _HALF = (torch.bfloat16, torch.float16)
 CHECK_TOKENS = 12  # random tokens: half read as a prompt, half as decoding steps
@@ -33,17 +33,23 @@ def tolerance(dtype: torch.dtype) -> float:
     return 2e-2 if dtype in _HALF else 1e-4
 
 
-def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| over max |want| of the finite entries. Entries equal on both sides count as
-    agreeing, infinities (a model that masks some logits to -inf) and NaNs included; a NaN or an
-    infinity on one side only makes it infinite, so no comparison with a tolerance passes it."""
+def differences(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """``(max |got - want|, relative difference)``: the relative one is max |got - want| over max
+    |want| of the finite entries. Entries equal on both sides count as agreeing, infinities (a model
+    that masks some logits to -inf) and NaNs included; a NaN or an infinity on one side only makes
+    the relative difference infinite, so no comparison with a tolerance passes it."""
     got, want = got.float(), want.float()
     agree = (got == want) | (got.isnan() & want.isnan())
+    gap = float((got - want).masked_fill(agree, 0).abs().max())
     if not (agree | (got.isfinite() & want.isfinite())).all():
-        return math.inf
+        return gap, math.inf
     finite = want.masked_fill(~want.isfinite(), 0)
-    gap = (got - want).masked_fill(agree, 0)
-    return float(gap.abs().max()) / max(float(finite.abs().max()), torch.finfo(torch.float32).tiny)
+    return gap, gap / max(float(finite.abs().max()), torch.finfo(torch.float32).tiny)
+
+
+def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The relative difference of ``differences``."""
+    return differences(got, want)[1]
 
 
 @torch.no_grad()

@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 import torch.fx
 
-from rnnify.errors import UnsupportedModelError
+from rnnify.errors import UnsupportedModelError, is_number
 
 aten = torch.ops.aten
 SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
@@ -160,7 +160,7 @@ def _constant(gm: torch.fx.GraphModule, value, depth: int = 8):
     """The value of ``value`` when it is a number or a node that reads no input (a lifted tensor
     constant, a ``full``), computed on copies; None otherwise."""
     if not isinstance(value, torch.fx.Node):
-        return value if _number(value) else None
+        return value if is_number(value) else None
     if value.op == "get_attr":
         return _attribute(gm, value.target).detach().clone()
     if value.op != "call_function" or depth == 0 or not isinstance(value.target, torch._ops.OpOverload):
@@ -381,10 +381,6 @@ def _reaches_scores(node: torch.fx.Node, depth: int = 16) -> bool:
     return False
 
 
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _read_chain(
     gm: torch.fx.GraphModule,
     site: EagerAttention,
@@ -401,7 +397,7 @@ def _read_chain(
     for node, operand in chain:
         if node.target in _SAME:
             continue
-        constant = next((a for a in node.args if _number(a)), None)
+        constant = next((a for a in node.args if is_number(a)), None)
         if node.target in (aten.mul.Tensor, aten.div.Tensor) and constant is not None and not site.terms:
             factor = constant if node.target == aten.mul.Tensor else 1.0 / constant
             if tanh:
