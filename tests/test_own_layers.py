@@ -181,3 +181,18 @@ def test_left_padded_rows_equal_rows_alone(name, converted):
     """Rows of 3, 70 (past a chunk of every cell's) and 9 tokens."""
     _, model = converted(name)
     assert_left_padded_rows_equal_rows_alone(model, [3, 70, 9], torch.Generator().manual_seed(3), steps=5)
+
+
+def test_layers_inside_a_model_of_another_module_call_the_stand_ins():
+    """A composite's text path (``TextPath``) is rnnify's class around the whole's decoder: the
+    stand-ins go into the modeling module of every layer, not only of the outermost class."""
+    from transformers.models.kimi_linear import modeling_kimi_linear
+
+    from rnnify.compiler.recurrences import own_recurrences
+    from rnnify.compiler.recurrences.kda import KDA
+
+    original = modeling_kimi_linear.chunk_kimi_delta_attention
+    outer = torch.nn.ModuleDict({"decoder": test_kda_layers.tiny_model("kimi_linear").model})
+    with own_recurrences(outer):
+        assert modeling_kimi_linear.chunk_kimi_delta_attention is KDA.stand_in
+    assert modeling_kimi_linear.chunk_kimi_delta_attention is original

@@ -61,29 +61,30 @@ def language_model(model: torch.nn.Module) -> torch.nn.Module:
     if not is_composite(model.config):
         return model
     name, head, decoder = type(model).__name__, model.get_output_embeddings(), model.get_decoder()
+    text_path = _text_path_class()
     if decoder.get_output_embeddings() is not None:  # its language model is a causal LM already (Kosmos-2.5)
-        candidates = [lambda: decoder]
+        candidates = [decoder]
     elif head is None:
         raise UnsupportedModelError(f"{name}: a composite model without an output head over tokens")
     else:
         text_config = model.config.get_text_config(decoder=True)
         candidates = [
-            lambda: _in_causal_lm_class(text_config, decoder, head),
-            *(
-                functools.partial(_text_path_class(), text_config, decoder, head, scale, softcap)
-                for scale, softcap in _finishes(text_config)
-            ),
+            _in_causal_lm_class(text_config, decoder, head),
+            *(text_path(text_config, decoder, head, scale, softcap) for scale, softcap in _finishes(text_config)),
         ]
     from rnnify.runtime.agreement import tolerance
 
     ids, want = _whole_on_text(model)
     limit = tolerance(want.dtype)
-    differences, ran = [], []
-    for build in candidates:
-        text = build()
-        if text is None:
-            continue
-        difference, problem = _difference(text.eval(), ids, want)
+    differences, ran, unfinished = [], [], None
+    for text in (candidate.eval() for candidate in candidates if candidate is not None):
+        if isinstance(text, text_path):  # every finish of one run of the decoder and head
+            unfinished = unfinished or _logits(text.unfinished_logits, ids)
+            got, problem = unfinished
+            got = None if got is None else text.finished(got)
+        else:
+            got, problem = _logits(text, ids)
+        difference, problem = (None, problem) if problem else _difference(got, want)
         if problem is None:
             ran.append((difference, text))
             problem = f"relative difference {difference:.2g}, tolerance {limit:g}"
@@ -179,7 +180,8 @@ def _text_path_class() -> type:
             )
             return f" ({', '.join(steps)})" if steps else ""
 
-        def forward(self, input_ids=None, position_ids=None, attention_mask=None, use_cache=False, **kwargs):
+        def unfinished_logits(self, input_ids=None, position_ids=None, attention_mask=None, use_cache=False, **kwargs):
+            """The head's logits, before the finish (which the check of each finish applies itself)."""
             hidden = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
@@ -187,12 +189,19 @@ def _text_path_class() -> type:
                 use_cache=use_cache,
                 **kwargs,
             ).last_hidden_state
-            logits = self.lm_head(hidden)
+            return self.lm_head(hidden)
+
+        def finished(self, logits: torch.Tensor) -> torch.Tensor:
+            """``logits`` times ``scale``, then capped at ``softcap``."""
             if self.scale != 1.0:
                 logits = logits * self.scale
             if self.softcap is not None:
                 logits = torch.tanh(logits / self.softcap) * self.softcap
-            return CausalLMOutput(logits=logits)
+            return logits
+
+        def forward(self, input_ids=None, position_ids=None, attention_mask=None, use_cache=False, **kwargs):
+            logits = self.unfinished_logits(input_ids, position_ids, attention_mask, use_cache, **kwargs)
+            return CausalLMOutput(logits=self.finished(logits))
 
     return TextPath
 
@@ -233,15 +242,21 @@ def _whole_on_text(whole: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def _difference(text: torch.nn.Module, ids: torch.Tensor, want: torch.Tensor) -> tuple[float | None, str | None]:
-    """``(relative difference, None)`` of ``text``'s logits of ``ids`` from the whole's ``want``, or
-    ``(None, why)`` where it gives none."""
-    from rnnify.runtime.agreement import relative_difference
-
+def _logits(run, ids: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
+    """``(logits, None)`` of ``run`` (a model, or a callable that returns logits) on ``ids``, or
+    ``(None, why)`` where it does not run."""
     try:
-        got = text(input_ids=ids, use_cache=False).logits
+        out = run(input_ids=ids, use_cache=False)
     except Exception as exc:  # noqa: BLE001 - a decoder that does not run alone: any error means the same
         return None, f"does not run apart from the whole ({first_line(exc)})"
+    return getattr(out, "logits", out), None
+
+
+def _difference(got: torch.Tensor, want: torch.Tensor) -> tuple[float | None, str | None]:
+    """``(relative difference, None)`` of the logits ``got`` from the whole's ``want``, or
+    ``(None, why)`` where they cannot be compared."""
+    from rnnify.runtime.agreement import relative_difference
+
     if got.shape != want.shape:
         return None, f"logits of shape {tuple(got.shape)}, the whole's {tuple(want.shape)}"
     return relative_difference(got, want), None

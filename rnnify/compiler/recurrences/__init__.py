@@ -45,14 +45,17 @@ OWN_LAYER_OPS = frozenset(family.op for family in FAMILIES)
 
 @contextlib.contextmanager
 def own_recurrences(model: torch.nn.Module) -> Iterator[None]:
-    """Within the block, ``model``'s modeling module calls the stand-ins for its recurrent layers."""
-    module = sys.modules.get(type(model).__module__)
+    """Within the block, the modeling modules of ``model``'s layers call the stand-ins for their
+    recurrent layers: every module a layer's class comes from, not only the model's own (a composite's
+    text path, ``TextPath``, is rnnify's class around the whole's decoder)."""
+    modules = {sys.modules.get(type(layer).__module__) for layer in model.modules()} - {None}
     with contextlib.ExitStack() as stack:
-        for family in FAMILIES:
-            *owner, name = family.function.split(".")
-            holder = module
-            for part in owner:  # a layer class, for a method
-                holder = getattr(holder, part, None)
-            if holder is not None and callable(getattr(holder, name, None)):
-                stack.enter_context(mock.patch.object(holder, name, family.stand_in))
+        for module in modules:
+            for family in FAMILIES:
+                *owner, name = family.function.split(".")
+                holder = module
+                for part in owner:  # a layer class, for a method
+                    holder = getattr(holder, part, None)
+                if holder is not None and callable(getattr(holder, name, None)):
+                    stack.enter_context(mock.patch.object(holder, name, family.stand_in))
         yield
