@@ -92,6 +92,12 @@ class _Probe:
         self.called.append((layer, (heads, key.shape[1], dim, value.shape[-1])))
         scale = scaling or dim**-0.5
         allowed, bias = _model_mask(attention_mask, length, query.device)
+        brought = [name for name in ("position_bias", "sinks") if kwargs.get(name) is not None]
+        if brought:  # transformers' names for what a layer's tokens add to its scores (Inkling's, Inkling 2's)
+            raise RnnifyError(
+                f"--to auto: layer {layer} adds to its scores what its tokens compute ({brought[0]}), which no "
+                "kind --to auto chooses carries; convert with --to exact, which checks itself against the original"
+            )
         if layer not in self.specs:
             try:
                 slopes = None if bias is None else _alibi_slopes(bias, allowed, heads)

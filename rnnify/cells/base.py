@@ -67,6 +67,7 @@ SCORE_TERMS = {
     "softcap": "logit softcapping",
     "alibi_slopes": "ALiBi position bias",
     "sink_logits": "learned attention sinks",
+    "relative_extent": "relative position bias per query",
 }
 
 
@@ -80,7 +81,9 @@ class CellSpec:
     (``SCORE_TERMS``, in the order the model applies them): ``softcap`` c makes a score
     c tanh(s / c) (Gemma 2), ``alibi_slopes`` add slope_h (j - i) for key j and query i, counted in
     real tokens (ALiBi), and ``sink_logits`` add exp(sink_h) to each softmax denominator (gpt-oss),
-    all per query head. A cell computes them only where its class lists them in ``Cell.score_terms``."""
+    all per query head; with ``relative_extent`` E, each query i brings its own bias r_i[d] for the
+    keys at distances d = i - j < E (Inkling's, a cell input ``relative``). A cell computes them only
+    where its class lists them in ``Cell.score_terms``."""
 
     num_heads: int
     num_kv_heads: int
@@ -92,6 +95,7 @@ class CellSpec:
     softcap: float | None = None
     alibi_slopes: tuple[float, ...] | None = None
     sink_logits: tuple[float, ...] | None = None
+    relative_extent: int | None = None
     # the model's own chunked attention (Llama 4's): a query reads the earlier keys of its own chunk
     chunk: int | None = None
     # the model's sparse attention (DeepSeek-V3.2's indexer, docs/math.md §Indexer selection): a query
@@ -105,7 +109,7 @@ class CellSpec:
         # a spec read from a manifest is data: sizes that no attention has fail here, by name
         for name in ("num_heads", "num_kv_heads", "head_dim", "value_dim"):
             check_int(name, getattr(self, name))
-        for name in ("window", "hidden_size", "chunk", "index_topk", "index_dim"):
+        for name in ("window", "hidden_size", "chunk", "index_topk", "index_dim", "relative_extent"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
         if self.window is not None and self.chunk is not None:

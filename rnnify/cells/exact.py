@@ -71,6 +71,14 @@ def _grouped(q, num_kv_heads: int, scale: float, dtype: torch.dtype = torch.floa
     return q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, -1).to(dtype) * scale
 
 
+def _relative_grouped(relative: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor | None:
+    """A relative bias per query ``[B, H, T, E]`` as ``[B, Hkv, G, T, E]`` (``ScoreTerms.scores``)."""
+    if relative is None:
+        return None
+    batch, num_heads, length, extent = relative.shape
+    return relative.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, extent)
+
+
 def _by_query_head(out: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``out [B, Hkv, G, T, d_v]`` back in the forms' layout ``[B, H, T, d_v]``, in the values' dtype."""
     batch, num_kv_heads, group, length, _ = out.shape
@@ -117,16 +125,17 @@ def _queries_and_mask(q, keys, valid, scale: float, window: int | None) -> tuple
 
 
 def naive_recurrent_softmax_attn(
-    q, keys, values, valid, scale: float, window: int | None = None, terms: ScoreTerms | None = None
+    q, keys, values, valid, scale: float, window: int | None = None, terms: ScoreTerms | None = None, relative=None
 ) -> torch.Tensor:
     """The (m, u, w) recurrence one cached key at a time, for every query at once."""
     q, allowed = _queries_and_mask(q, keys, valid, scale, window)
     distance = _distance(valid, q.shape[3])
+    relative = _relative_grouped(relative, keys.shape[1])
     m, u, w = online_softmax_init(q, q.shape[:-1], values.shape[-1])
     for j in range(keys.shape[2]):
         s = (q * keys[:, :, None, None, j].float()).sum(-1)[..., None]  # [B, Hkv, G, T, 1]
         if terms is not None:
-            s = terms.scores(s, distance[..., j : j + 1])
+            s = terms.scores(s, distance[..., j : j + 1], relative)
         s = s.masked_fill(~allowed[..., j : j + 1], float("-inf"))
         m, u, w = online_softmax_update(m, u, w, s, values[:, :, None, j : j + 1].float())
     if terms is not None:
@@ -135,13 +144,14 @@ def naive_recurrent_softmax_attn(
 
 
 def parallel_softmax_attn(
-    q, keys, values, valid, scale: float, window: int | None = None, terms: ScoreTerms | None = None
+    q, keys, values, valid, scale: float, window: int | None = None, terms: ScoreTerms | None = None, relative=None
 ) -> torch.Tensor:
     """Masked quadratic softmax: all ``[T, N]`` scores at once."""
     q, allowed = _queries_and_mask(q, keys, valid, scale, window)
     s = torch.einsum("bhgtd,bhnd->bhgtn", q, keys.float())
     if terms is not None:
-        s = terms.scores(s, _distance(valid, q.shape[3])).masked_fill(~allowed, float("-inf"))
+        relative = _relative_grouped(relative, keys.shape[1])
+        s = terms.scores(s, _distance(valid, q.shape[3]), relative).masked_fill(~allowed, float("-inf"))
         return _by_query_head(terms.readout(s, values[:, :, None].float()), values)
     s = s.masked_fill(~allowed, float("-inf"))
     m = s.amax(-1, keepdim=True)
@@ -231,13 +241,16 @@ def scored_softmax_attn(
     window: int | None = None,
     block_size: int = 512,
     chunk: int | None = None,
+    relative: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sdpa_softmax_attn``'s blocks of queries with the scores computed here, so that ``terms``
     change them: the cell's path, prefill and decode, where its site carries score terms. Each block
     of ``block_size`` queries reads the keys it may see, its ``[t, n]`` scores at once (fp32, or the
-    queries' dtype if wider); with ``chunk``, those of its own chunk."""
+    queries' dtype if wider); with ``chunk``, those of its own chunk; ``relative`` ``[B, H, T, E]``:
+    each query's relative bias (``ScoreTerms.scores``)."""
     length, total = q.shape[2], keys.shape[2]
     q = _grouped(q, keys.shape[1], scale, torch.promote_types(q.dtype, torch.float32))
+    relative = _relative_grouped(relative, keys.shape[1])
     position = real_positions(valid)
     # a decode token reads its chunk's keys, the only valid ones ExactCell keeps: no chunk mask then
     of = chunk_of(valid, chunk) if chunk is not None and length > 1 else None
@@ -255,7 +268,8 @@ def scored_softmax_attn(
             allowed = allowed & _chunk_allowed(of, q_pos, k_pos)[:, None]
         s = torch.einsum("bhgtd,bhnd->bhgtn", q[:, :, :, start:end], keys[:, :, first:stop].to(q.dtype))
         distance = position[:, None, first:stop] - position[:, total - length + start : stop, None]
-        s = terms.scores(s, distance[:, None, None]).masked_fill(~allowed, float("-inf"))
+        near = None if relative is None else relative[:, :, :, start:end]
+        s = terms.scores(s, distance[:, None, None], near).masked_fill(~allowed, float("-inf"))
         outs.append(terms.readout(s, values[:, :, None, first:stop].to(q.dtype)))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
     return _by_query_head(out, values)
@@ -354,8 +368,10 @@ class ExactCell(Cell):
         return spec.num_kv_heads * (spec.head_dim + spec.value_dim) * dtype.itemsize + 1 + index
 
     def forward(
-        self, q, k, v, mask, keys, values, valid, index_keys=None, *, index_q=None, index_k=None, index_weights=None
-    ):
+        self,
+        q, k, v, mask, keys, values, valid, index_keys=None,
+        *, index_q=None, index_k=None, index_weights=None, relative=None,
+    ):  # fmt: skip
         keys = torch.cat([keys, k.to(keys.dtype)], dim=2)
         values = torch.cat([values, v.to(values.dtype)], dim=2)
         valid = torch.cat([valid, mask.to(torch.bool)], dim=1)
@@ -371,7 +387,7 @@ class ExactCell(Cell):
             out = sdpa_softmax_attn(q, keys, values, valid, spec.scale, spec.window, self.block_size, spec.chunk)
         else:
             out = scored_softmax_attn(
-                q, keys, values, valid, spec.scale, self.terms, spec.window, self.block_size, spec.chunk
+                q, keys, values, valid, spec.scale, self.terms, spec.window, self.block_size, spec.chunk, relative
             )
         if spec.chunk is not None:
             valid = _current_chunk(valid, spec.chunk)

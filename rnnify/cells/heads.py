@@ -76,8 +76,9 @@ class HeadSplitCell(Cell):
                 raise ValueError("a head group cannot itself be split by heads")
             parts.append(build_target_cell(group["target"], part_spec(spec, kv), group.get("options") or {}))
         # the split computes the terms its parts compute (each part has refused, by its target's name,
-        # a term its target cannot compute): set before Cell's own check of the spec reads it
-        self.score_terms = frozenset.intersection(*(part.score_terms for part in parts))
+        # a term its target cannot compute): set before Cell's own check of the spec reads it. Not a
+        # relative bias per query, which comes as an input no part is handed (only windows refuse it).
+        self.score_terms = frozenset.intersection(*(part.score_terms for part in parts)) - {"relative_extent"}
         self.computes_chunks = all(part.computes_chunks for part in parts)
         super().__init__(spec)
         self.parts = torch.nn.ModuleList(parts)

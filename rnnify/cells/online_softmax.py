@@ -71,13 +71,14 @@ def online_softmax_update(
 
 
 class ScoreTerms(nn.Module):
-    """The terms a site's scores carry (``CellSpec.softcap``, ``alibi_slopes``, ``sink_logits``), laid
-    out for queries grouped by kv head, ``[B, Hkv, G, T, ·]``. The per-head values are buffers rebuilt
-    from the spec (not saved), so they move with the cell; they are read in the scores' dtype."""
+    """The terms a site's scores carry (``CellSpec.softcap``, ``alibi_slopes``, ``sink_logits``,
+    ``relative_extent``), laid out for queries grouped by kv head, ``[B, Hkv, G, T, ·]``. The per-head
+    values are buffers rebuilt from the spec (not saved), so they move with the cell; they are read in
+    the scores' dtype. A relative bias comes with the queries (``scores``' ``relative``)."""
 
     def __init__(self, spec: CellSpec):
         super().__init__()
-        self.softcap = spec.softcap
+        self.softcap, self.extent = spec.softcap, spec.relative_extent
         heads = (spec.num_kv_heads, spec.group_size)
 
         def per_head(values, trailing: int) -> torch.Tensor | None:
@@ -86,13 +87,25 @@ class ScoreTerms(nn.Module):
         self.register_buffer("slopes", per_head(spec.alibi_slopes, 2), persistent=False)  # [Hkv, G, 1, 1]
         self.register_buffer("sinks", per_head(spec.sink_logits, 1), persistent=False)  # [Hkv, G, 1]
 
-    def scores(self, scores: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+    def scores(
+        self, scores: torch.Tensor, distance: torch.Tensor, relative: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``scores [B, Hkv, G, T, N]`` (scale q . k) with the softcap c tanh(s / c), then the ALiBi bias
-        slope_h (j - i); ``distance`` (j - i, in real tokens) broadcasts to ``[B, 1, 1, T, N]``."""
+        slope_h (j - i), then each query's relative bias ``relative [B, Hkv, G, T, E]`` at the distance
+        i - j where that is below E (0 elsewhere); ``distance`` (j - i, in real tokens) broadcasts to
+        ``[B, 1, 1, T, N]``."""
         if self.softcap is not None:
             scores = self.softcap * torch.tanh(scores / self.softcap)
         if self.slopes is not None:
             scores = scores + self.slopes.to(scores.dtype) * distance.to(scores.dtype)
+        if self.extent is not None:
+            if relative is None:
+                raise ValueError("this attention adds a relative bias per query: pass each query's (relative=)")
+            back = -distance.expand(*scores.shape[:1], 1, 1, *scores.shape[3:])
+            near = (back >= 0) & (back < self.extent)
+            index = back.clamp(0, self.extent - 1).expand(scores.shape)
+            bias = relative.to(scores.dtype).gather(-1, index)
+            scores = scores + bias.masked_fill(~near, 0.0)
         return scores
 
     def readout(self, scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

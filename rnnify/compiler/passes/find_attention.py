@@ -26,6 +26,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from rnnify.compiler.passes.context import PassContext
 from rnnify.compiler.passes.eager_attention import MASK_FILL, EagerAttention, MaskTerm, buffered_masks, eager_attention
+from rnnify.compiler.passes.find_relative import RelativeBias, find_relative_bias
 from rnnify.compiler.passes.find_selection import IndexSelection, check_indexers_read, find_selection
 from rnnify.compiler.recurrences import OWN_LAYER_OPS
 from rnnify.errors import UnsupportedModelError
@@ -67,6 +68,7 @@ class AttentionSite:
     flat_output: bool = False  # the node replaced is [B H, T, d_v] (Bloom's bmm), not [B, H, T, d_v]
     chunk: int | None = None  # chunked attention (keys of the query's own chunk): config, checked by the probe
     selection: IndexSelection | None = None  # the indexer that chooses the keys (sparse attention)
+    relative: RelativeBias | None = None  # a relative bias each query brings (Inkling's)
 
     @property
     def where(self) -> str:
@@ -105,6 +107,7 @@ def find_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Graph
             site.window = _window_of_buffer(site, allowed)
         terms = [t.value for t in f.terms]
         site.selection = find_selection(f.node, terms, {site.query, site.key, site.value}, site.where)
+        site.relative = find_relative_bias(gm, terms, site.where)
     check_indexers_read(gm, [site.selection for site in described if site.selection is not None])
     bounds = [s.chunk or s.window for s in described]  # a site has one or neither
     length = max([_PROBE_LENGTH] + [b + 1 for b in bounds if b is not None and b <= _MAX_PROBE_LENGTH])
@@ -114,9 +117,12 @@ def find_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Graph
                 f"{site.where}: its indexer keeps {site.selection.topk} keys a query, fewer than the "
                 f"{length} tokens rnnify reads the model's masks on"
             )
-    values = _probe(gm, {t.value for f in found for t in [*f.terms, *([f.sinks] if f.sinks else [])]}, length)
+    watched = {t.value for f in found for t in [*f.terms, *([f.sinks] if f.sinks else [])]}
+    values = _probe(gm, watched.union(*(s.relative.nodes for s in described if s.relative is not None)), length)
     for f, site in zip(found, described):
         allowed, bias = _read_terms(site, f.terms, values, length)
+        if site.relative is not None:  # what is left must be ALiBi's, or nothing
+            bias = bias - torch.where(allowed, site.relative.bias(values), 0.0)
         if f.eager is None and _sdpa_arguments(f.node).get("is_causal"):
             allowed &= torch.ones(allowed.shape, dtype=torch.bool).tril()
         if site.chunk is not None and not torch.equal(allowed, _chunked(length, site.chunk)):

@@ -13,12 +13,13 @@ Some decoders ignore ``position_ids`` and count the tokens they are given, ``ara
 cache_length``: BART's family (bart, mbart, plbart, mvp, trocr, blenderbot, blenderbot-small,
 marian, pegasus, musicgen run as decoders) to read its position table (from row 2 in BART's, a
 sinusoidal table in pegasus', marian's and musicgen's), Llama 4 to scale the queries of its layers
-without RoPE by the position (attention temperature tuning). The captured graph holds no cache, so
+without RoPE by the position (attention temperature tuning), Inkling to scale its global layers'
+queries and relative biases (log scaling). The captured graph holds no cache, so
 in a one-token step that count would say position 0. Such a count is replaced by the runtime's
 ``position_ids`` where it is read: as the rows of a table (the rows ``position_ids`` plus the
 constant the model adds are read instead), or as float values of a pointwise function of it, laid
-out ``[1, T, 1, ...]`` to broadcast over the batch (the function is computed on ``position_ids``
-and laid out ``[B, T, 1, ...]``). For a row without padding that is what the original computes at
+out ``[1, T, 1, ...]`` (or ``[1, 1, T, 1]``) to broadcast over the batch (the function is computed on
+``position_ids`` and laid out ``[B, T, 1, ...]``). For a row without padding that is what the original computes at
 every step; a left-padded row gets the positions it would have alone, where the original counts
 the padding too. A table the original grows past its rows when it reads further (XGLM's,
 musicgen's sinusoidal ones) still bounds the converted model at those rows.
@@ -111,7 +112,8 @@ def _read_position_ids(
 def _pointwise_of_count(layout: torch.fx.Node, length: str) -> list[torch.fx.Node] | None:
     """The ops from ``arange(T)`` to what ``layout`` lays out, first op first, when ``layout`` is a
     view of float values, each a pointwise function of its token's count (constants aside), as
-    ``[1, T, 1, ...]``; None otherwise (a mask compares counts: no float values)."""
+    ``[1, T, 1, ...]`` or with T on a later axis (``[1, 1, T, 1]``: Inkling's, a factor per query of
+    its heads' scores); None otherwise (a mask compares counts: no float values)."""
     value = layout.meta.get("val")
     if (
         layout.op != "call_function"
@@ -120,8 +122,8 @@ def _pointwise_of_count(layout: torch.fx.Node, length: str) -> list[torch.fx.Nod
         or not value.is_floating_point()
     ):
         return None
-    shape = layout.args[1]
-    if len(shape) < 2 or shape[0] != 1 or str(_recorded(shape[1])) != length or any(size != 1 for size in shape[2:]):
+    sizes = [str(size) for size in value.shape]
+    if len(sizes) < 2 or sizes[0] != "1" or sizes[1:].count(length) != 1 or set(sizes[1:]) != {length, "1"}:
         return None
     chain, node = [], layout.args[0]
     while node.op == "call_function" and (
@@ -137,7 +139,8 @@ def _pointwise_of_count(layout: torch.fx.Node, length: str) -> list[torch.fx.Nod
 def _lay_out_by_position_ids(
     gm: torch.fx.GraphModule, layout: torch.fx.Node, chain: list[torch.fx.Node], position_ids: torch.fx.Node
 ):
-    """Compute ``chain`` on ``position_ids`` [B, T] and lay it out ``[B, T, 1, ...]`` in place of ``layout``."""
+    """Compute ``chain`` on ``position_ids`` [B, T] and lay it out as ``layout`` does, with B in place
+    of its leading 1 (``[B, T, 1, ...]``, ``[B, 1, T, 1]``), in place of ``layout``."""
     with gm.graph.inserting_before(layout):
         value = position_ids
         for node in chain:
