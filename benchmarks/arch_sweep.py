@@ -425,7 +425,7 @@ def markdown(sweep: dict) -> str:
         "model's attention (`scored*`), through the model's exact conversion (a layer's several attention "
         "sites, as DiffLlama's two maps, share its heads' kinds); `refused` (the why column says why) where "
         "a layer's sites differ in shape, an indexer selects the keys (sparse attention) or the tokens add "
-        "to the scores (Inkling's relative bias): `--to exact` only. "
+        "to the scores (Inkling's relative bias, Inkling 2's sinks): `--to exact` only. "
         + ", ".join(f"{s}: {n}" for s, n in auto.items())
         + ". The sparse-attention models keep their configs' top-k (2,048 keys a query), more than the "
         "sweep's tokens, so their rows check the layer below its selection; tests/test_sparse_attention.py "

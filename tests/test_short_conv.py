@@ -100,6 +100,27 @@ def test_cell_steps_and_split_prefill_equal_one_prefill():
     torch.testing.assert_close(mid, full_state, rtol=0, atol=0)
 
 
+def test_token_windows_are_each_real_tokens_last_inputs_prompt_and_steps():
+    """``TokenWindowCell`` (Inkling 2's per-token convolution taps): each real token's window holds
+    the K inputs up to it, oldest first, zeros before a row's first real token, as
+    ``pad(x, [K-1, 0]).unfold(-1, K, 1)`` of the row alone; a prompt then steps, left padding."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 5, 12, generator=gen, dtype=torch.float64)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, :4] = False
+    cell = build_cell("token_window", ShortConvCell.spec_for(5), {"kernel_size": 4})
+    (state,) = cell.init_state(2, torch.device("cpu"), torch.float64)
+    outs = []
+    for part in [slice(0, 7), *(slice(t, t + 1) for t in range(7, 12))]:
+        out, state = cell(x[..., part], mask[:, part], state)
+        outs.append(out)
+    got = torch.cat(outs, dim=2)
+    for row in range(2):
+        real = x[row][:, mask[row]]  # [C, real tokens]
+        want = F.pad(real, (3, 0)).unfold(-1, 4, 1)  # the row alone, as the source reads it
+        torch.testing.assert_close(got[row][:, mask[row]], want, rtol=0, atol=0)
+
+
 def test_cell_options_are_checked():
     with pytest.raises(
         rnnify.RnnifyError, match=r"kernel_size must be an integer >= 2 \(a 1-token kernel keeps no state\), got 1"

@@ -71,6 +71,11 @@ class GraphRunner:
         self.cells = []
         for entry in entries:
             exact = self.model.graph.get_submodule(entry.module)
+            if exact.spec.per_query_terms:
+                raise RnnifyError(
+                    f"--to auto: layer {entry.layer} adds to its scores terms each query brings (a relative bias "
+                    "or sink logits), which no kind --to auto chooses carries; convert with --to exact"
+                )
             cell = ProbeCell(exact.spec, entry.layer).to(self.model.device)
             self.model.graph.set_submodule(entry.module, cell)
             self.cells.append(cell)

@@ -8,8 +8,9 @@ own recurrent layers, which stay as they are whatever the attention becomes: ``S
 (``"short_conv"``), ``SSDCell`` (``"ssd"``, Mamba-2), ``SelectiveScanCell`` (``"selective_scan"``,
 Mamba-1), ``GatedDeltaRuleCell`` (``"gated_delta_rule"``, Gated DeltaNet),
 ``KimiDeltaAttentionCell`` (``"kda"``, Kimi Delta Attention), ``RGLRUCell`` (``"rg_lru"``,
-Griffin's RG-LRU), ``LightningAttentionCell`` (``"lightning_attention"``, MiniMax) and
-``TokenShiftCell`` (``"token_shift"``, ZAYA's delayed values).
+Griffin's RG-LRU), ``LightningAttentionCell`` (``"lightning_attention"``, MiniMax),
+``TokenShiftCell`` (``"token_shift"``, ZAYA's delayed values) and ``TokenWindowCell``
+(``"token_window"``, the inputs of Inkling 2's convolutions whose taps each token computes).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from rnnify.cells.lightning import LightningAttentionCell
 from rnnify.cells.registry import CELLS, build_target_cell, construct
 from rnnify.cells.rg_lru import RGLRUCell
 from rnnify.cells.selective_scan import SelectiveScanCell
-from rnnify.cells.short_conv import ShortConvCell
+from rnnify.cells.short_conv import ShortConvCell, TokenWindowCell
 from rnnify.cells.ssd import SSDCell
 from rnnify.cells.token_shift import TokenShiftCell
 
@@ -44,6 +45,7 @@ __all__ = [
     "SSDCell",
     "SelectiveScanCell",
     "ShortConvCell",
+    "TokenWindowCell",
     "TokenShiftCell",
     "build_cell",
     "gate_parameters",
@@ -62,6 +64,7 @@ _NOT_TARGETS: dict[str, type[Cell]] = {
         RGLRUCell,
         LightningAttentionCell,
         TokenShiftCell,
+        TokenWindowCell,
     )
 }
 # targets of the cells that carry a model's own recurrent layers (``Cell.own_layer``), as manifests name them

@@ -68,6 +68,7 @@ SCORE_TERMS = {
     "alibi_slopes": "ALiBi position bias",
     "sink_logits": "learned attention sinks",
     "relative_extent": "relative position bias per query",
+    "query_sinks": "attention sinks per query",
 }
 
 
@@ -82,8 +83,9 @@ class CellSpec:
     c tanh(s / c) (Gemma 2), ``alibi_slopes`` add slope_h (j - i) for key j and query i, counted in
     real tokens (ALiBi), and ``sink_logits`` add exp(sink_h) to each softmax denominator (gpt-oss),
     all per query head; with ``relative_extent`` E, each query i brings its own bias r_i[d] for the
-    keys at distances d = i - j < E (Inkling's, a cell input ``relative``). A cell computes them only
-    where its class lists them in ``Cell.score_terms``."""
+    keys at distances d = i - j < E (Inkling's, a cell input ``relative``), and with ``query_sinks``
+    its own sink logit (Inkling 2's, a cell input ``sinks``). A cell computes them only where its
+    class lists them in ``Cell.score_terms``."""
 
     num_heads: int
     num_kv_heads: int
@@ -96,6 +98,7 @@ class CellSpec:
     alibi_slopes: tuple[float, ...] | None = None
     sink_logits: tuple[float, ...] | None = None
     relative_extent: int | None = None
+    query_sinks: bool | None = None  # True or None (a manifest holds it only where True)
     # the model's own chunked attention (Llama 4's): a query reads the earlier keys of its own chunk
     chunk: int | None = None
     # the model's sparse attention (DeepSeek-V3.2's indexer, docs/math.md §Indexer selection): a query
@@ -124,6 +127,10 @@ class CellSpec:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if not is_positive_finite(self.scale):
             raise ValueError(f"scale must be a positive number, got {self.scale!r}")
+        if self.query_sinks is not None and self.query_sinks is not True:
+            raise ValueError(f"query_sinks must be true or absent, got {self.query_sinks!r}")
+        if self.query_sinks and self.sink_logits is not None:
+            raise ValueError("an attention has sink logits per head or per query, not both")
         if self.softcap is not None and not is_positive_finite(self.softcap):
             raise ValueError(f"softcap must be a positive number, got {self.softcap!r}")
         for name in ("alibi_slopes", "sink_logits"):
@@ -151,6 +158,12 @@ class CellSpec:
     def keys_read(self) -> int | None:
         """The most keys a query reads (the model's own window or chunk); None: every earlier key."""
         return self.window if self.chunk is None else self.chunk
+
+    @property
+    def per_query_terms(self) -> bool:
+        """Whether the queries bring terms of their own (a relative bias, sink logits): inputs of the
+        cell's call that only ``exact`` takes."""
+        return self.relative_extent is not None or bool(self.query_sinks)
 
     @property
     def selects(self) -> bool:

@@ -22,9 +22,12 @@ Where an indexer chooses the keys (DeepSeek-V3.2's sparse attention, ``CellSpec.
 state keeps its index keys too and each query reads only its selection
 (``selected_softmax_attn``, ranking by ``rnnify.cells.index_select``; docs/math.md §Indexer selection).
 
-A model's score terms (``CellSpec.softcap``, ``alibi_slopes``, ``sink_logits``;
-docs/math.md §Score terms) change the scores SDPA would compute, so a cell whose site
-carries any runs ``scored_softmax_attn``: the same blocks of queries, the scores computed here.
+A model's score terms (``CellSpec.softcap``, ``alibi_slopes``, ``sink_logits``, and what each
+query brings: ``relative_extent``, ``query_sinks``; docs/math.md §Score terms) change the scores
+SDPA would compute, so a cell whose site carries any runs ``scored_softmax_attn``: the same blocks
+of queries, the scores computed here. The terms each query brings are inputs of the call with the
+queries: ``relative`` ``[B, H, T, E]`` (Inkling's relative bias) and ``sinks`` ``[B, H, T(, 1)]``
+(Inkling 2's sink logits).
 
 Forms, all computing the same thing: ``naive_recurrent_softmax_attn`` (the recurrence one key at
 a time: the ground truth), ``parallel_softmax_attn`` (masked quadratic softmax over the cache) and
@@ -33,7 +36,7 @@ a time: the ground truth), ``parallel_softmax_attn`` (masked quadratic softmax o
 cache positions ``N-T .. N-1``, keys/values ``[B, Hkv, N, *]`` and ``valid [B, N]``, return
 ``[B, H, T, Dv]`` in the values' dtype, and give 0 where no key is allowed; all but the SDPA form
 accumulate in fp32 (SDPA accumulates as the original did). The naive, parallel and scored forms
-also take ``terms`` (``ScoreTerms``, None: none).
+also take ``terms`` (``ScoreTerms``, None: none) and what the queries bring (``relative``, ``sinks``).
 """
 
 from __future__ import annotations
@@ -71,12 +74,16 @@ def _grouped(q, num_kv_heads: int, scale: float, dtype: torch.dtype = torch.floa
     return q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, -1).to(dtype) * scale
 
 
-def _relative_grouped(relative: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor | None:
-    """A relative bias per query ``[B, H, T, E]`` as ``[B, Hkv, G, T, E]`` (``ScoreTerms.scores``)."""
-    if relative is None:
-        return None
-    batch, num_heads, length, extent = relative.shape
-    return relative.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, extent)
+def _per_query(relative, sinks, num_kv_heads: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """What queries bring (``ScoreTerms``): a relative bias ``[B, H, T, E]`` as ``[B, Hkv, G, T, E]``,
+    sink logits ``[B, H, T]`` (or ``[B, H, T, 1]``) as ``[B, Hkv, G, T]``; None stays None."""
+    if relative is not None:
+        batch, num_heads, length, extent = relative.shape
+        relative = relative.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, extent)
+    if sinks is not None:
+        batch, num_heads, length = sinks.shape[:3]
+        sinks = sinks.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length)
+    return relative, sinks
 
 
 def _by_query_head(out: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -125,12 +132,13 @@ def _queries_and_mask(q, keys, valid, scale: float, window: int | None) -> tuple
 
 
 def naive_recurrent_softmax_attn(
-    q, keys, values, valid, scale: float, window: int | None = None, terms: ScoreTerms | None = None, relative=None
-) -> torch.Tensor:
+    q, keys, values, valid, scale: float, window: int | None = None, terms: ScoreTerms | None = None,
+    relative=None, sinks=None,
+) -> torch.Tensor:  # fmt: skip
     """The (m, u, w) recurrence one cached key at a time, for every query at once."""
     q, allowed = _queries_and_mask(q, keys, valid, scale, window)
     distance = _distance(valid, q.shape[3])
-    relative = _relative_grouped(relative, keys.shape[1])
+    relative, sinks = _per_query(relative, sinks, keys.shape[1])
     m, u, w = online_softmax_init(q, q.shape[:-1], values.shape[-1])
     for j in range(keys.shape[2]):
         s = (q * keys[:, :, None, None, j].float()).sum(-1)[..., None]  # [B, Hkv, G, T, 1]
@@ -139,20 +147,21 @@ def naive_recurrent_softmax_attn(
         s = s.masked_fill(~allowed[..., j : j + 1], float("-inf"))
         m, u, w = online_softmax_update(m, u, w, s, values[:, :, None, j : j + 1].float())
     if terms is not None:
-        m, u, w = terms.finish(m, u, w)
+        m, u, w = terms.finish(m, u, w, sinks)
     return _by_query_head(readout(u, w), values)
 
 
 def parallel_softmax_attn(
-    q, keys, values, valid, scale: float, window: int | None = None, terms: ScoreTerms | None = None, relative=None
-) -> torch.Tensor:
+    q, keys, values, valid, scale: float, window: int | None = None, terms: ScoreTerms | None = None,
+    relative=None, sinks=None,
+) -> torch.Tensor:  # fmt: skip
     """Masked quadratic softmax: all ``[T, N]`` scores at once."""
     q, allowed = _queries_and_mask(q, keys, valid, scale, window)
     s = torch.einsum("bhgtd,bhnd->bhgtn", q, keys.float())
     if terms is not None:
-        relative = _relative_grouped(relative, keys.shape[1])
+        relative, sinks = _per_query(relative, sinks, keys.shape[1])
         s = terms.scores(s, _distance(valid, q.shape[3]), relative).masked_fill(~allowed, float("-inf"))
-        return _by_query_head(terms.readout(s, values[:, :, None].float()), values)
+        return _by_query_head(terms.readout(s, values[:, :, None].float(), sinks), values)
     s = s.masked_fill(~allowed, float("-inf"))
     m = s.amax(-1, keepdim=True)
     p = torch.exp(s - finite_or_zero(m))
@@ -242,15 +251,16 @@ def scored_softmax_attn(
     block_size: int = 512,
     chunk: int | None = None,
     relative: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sdpa_softmax_attn``'s blocks of queries with the scores computed here, so that ``terms``
     change them: the cell's path, prefill and decode, where its site carries score terms. Each block
     of ``block_size`` queries reads the keys it may see, its ``[t, n]`` scores at once (fp32, or the
-    queries' dtype if wider); with ``chunk``, those of its own chunk; ``relative`` ``[B, H, T, E]``:
-    each query's relative bias (``ScoreTerms.scores``)."""
+    queries' dtype if wider); with ``chunk``, those of its own chunk; ``relative`` ``[B, H, T, E]``
+    and ``sinks`` ``[B, H, T]``: each query's relative bias and sink logit (``ScoreTerms``)."""
     length, total = q.shape[2], keys.shape[2]
     q = _grouped(q, keys.shape[1], scale, torch.promote_types(q.dtype, torch.float32))
-    relative = _relative_grouped(relative, keys.shape[1])
+    relative, sinks = _per_query(relative, sinks, keys.shape[1])
     position = real_positions(valid)
     # a decode token reads its chunk's keys, the only valid ones ExactCell keeps: no chunk mask then
     of = chunk_of(valid, chunk) if chunk is not None and length > 1 else None
@@ -270,7 +280,8 @@ def scored_softmax_attn(
         distance = position[:, None, first:stop] - position[:, total - length + start : stop, None]
         near = None if relative is None else relative[:, :, :, start:end]
         s = terms.scores(s, distance[:, None, None], near).masked_fill(~allowed, float("-inf"))
-        outs.append(terms.readout(s, values[:, :, None, first:stop].to(q.dtype)))
+        block_sinks = None if sinks is None else sinks[..., start:end]
+        outs.append(terms.readout(s, values[:, :, None, first:stop].to(q.dtype), block_sinks))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
     return _by_query_head(out, values)
 
@@ -370,7 +381,7 @@ class ExactCell(Cell):
     def forward(
         self,
         q, k, v, mask, keys, values, valid, index_keys=None,
-        *, index_q=None, index_k=None, index_weights=None, relative=None,
+        *, index_q=None, index_k=None, index_weights=None, relative=None, sinks=None,
     ):  # fmt: skip
         keys = torch.cat([keys, k.to(keys.dtype)], dim=2)
         values = torch.cat([values, v.to(values.dtype)], dim=2)
@@ -387,8 +398,9 @@ class ExactCell(Cell):
             out = sdpa_softmax_attn(q, keys, values, valid, spec.scale, spec.window, self.block_size, spec.chunk)
         else:
             out = scored_softmax_attn(
-                q, keys, values, valid, spec.scale, self.terms, spec.window, self.block_size, spec.chunk, relative
-            )
+                q, keys, values, valid, spec.scale, self.terms, spec.window, self.block_size, spec.chunk,
+                relative, sinks,
+            )  # fmt: skip
         if spec.chunk is not None:
             valid = _current_chunk(valid, spec.chunk)
             if keys.shape[2] > spec.chunk:  # fewer than chunk valid: packed last, keeping the last chunk keeps them

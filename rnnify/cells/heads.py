@@ -76,9 +76,10 @@ class HeadSplitCell(Cell):
                 raise ValueError("a head group cannot itself be split by heads")
             parts.append(build_target_cell(group["target"], part_spec(spec, kv), group.get("options") or {}))
         # the split computes the terms its parts compute (each part has refused, by its target's name,
-        # a term its target cannot compute): set before Cell's own check of the spec reads it. Not a
-        # relative bias per query, which comes as an input no part is handed (only windows refuse it).
-        self.score_terms = frozenset.intersection(*(part.score_terms for part in parts)) - {"relative_extent"}
+        # a term its target cannot compute): set before Cell's own check of the spec reads it. Not what
+        # queries bring (a relative bias, sink logits): inputs no part is handed.
+        per_query = {"relative_extent", "query_sinks"}
+        self.score_terms = frozenset.intersection(*(part.score_terms for part in parts)) - per_query
         self.computes_chunks = all(part.computes_chunks for part in parts)
         super().__init__(spec)
         self.parts = torch.nn.ModuleList(parts)

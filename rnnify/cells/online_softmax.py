@@ -74,11 +74,12 @@ class ScoreTerms(nn.Module):
     """The terms a site's scores carry (``CellSpec.softcap``, ``alibi_slopes``, ``sink_logits``,
     ``relative_extent``), laid out for queries grouped by kv head, ``[B, Hkv, G, T, ·]``. The per-head
     values are buffers rebuilt from the spec (not saved), so they move with the cell; they are read in
-    the scores' dtype. A relative bias comes with the queries (``scores``' ``relative``)."""
+    the scores' dtype. A relative bias and sink logits per query come with the queries (``scores``'
+    ``relative``, ``readout``'s and ``finish``'s ``sinks``)."""
 
     def __init__(self, spec: CellSpec):
         super().__init__()
-        self.softcap, self.extent = spec.softcap, spec.relative_extent
+        self.softcap, self.extent, self.query_sinks = spec.softcap, spec.relative_extent, spec.query_sinks
         heads = (spec.num_kv_heads, spec.group_size)
 
         def per_head(values, trailing: int) -> torch.Tensor | None:
@@ -108,27 +109,36 @@ class ScoreTerms(nn.Module):
             scores = scores + bias.masked_fill(~near, 0.0)
         return scores
 
-    def readout(self, scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def _sinks(self, sinks: torch.Tensor | None) -> torch.Tensor | None:
+        """The sink logits: the spec's per head ``[Hkv, G, 1]``, or the queries' own ``sinks [B, Hkv, G, T]``."""
+        if self.query_sinks and sinks is None:
+            raise ValueError("this attention's queries bring their own sink logits: pass them (sinks=)")
+        return sinks if self.query_sinks else self.sinks
+
+    def readout(self, scores: torch.Tensor, values: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(scores) @ values, the sinks in the denominator: ``scores [..., T, N]`` (-inf: not
-        attended, already ``self.scores``), ``values [..., N, d_v]``; rows with nothing read give 0."""
+        attended, already ``self.scores``), ``values [..., N, d_v]``; rows with nothing read give 0.
+        ``sinks [B, Hkv, G, T]``: the queries' own sink logits, where the spec says they bring them."""
+        sinks = self._sinks(sinks)
         m = scores.amax(-1)
-        if self.sinks is not None:
-            m = torch.maximum(m, self.sinks.to(m.dtype))
+        if sinks is not None:
+            m = torch.maximum(m, sinks.to(m.dtype))
         m = finite_or_zero(m)
         p = torch.exp(scores - m[..., None])
         u = p.sum(-1)
-        if self.sinks is not None:
-            u = u + torch.exp(self.sinks.to(m.dtype) - m)
+        if sinks is not None:
+            u = u + torch.exp(sinks.to(m.dtype) - m)
         return readout(u, p.to(values.dtype) @ values)
 
     def finish(
-        self, m: torch.Tensor, u: torch.Tensor, w: torch.Tensor
+        self, m: torch.Tensor, u: torch.Tensor, w: torch.Tensor, sinks: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The online state ``(m, u, w)`` of ``[B, Hkv, G, T]`` queries with the sinks merged in: each a
-        key of score sink_h and value 0."""
-        if self.sinks is None:
+        key of score sink_h (or the query's own, ``sinks``) and value 0."""
+        sinks = self._sinks(sinks)
+        if sinks is None:
             return m, u, w
-        sink = self.sinks.to(m.dtype).expand(m.shape)[..., None]
+        sink = sinks.to(m.dtype).expand(m.shape)[..., None]
         return online_softmax_update(m, u, w, sink, w.new_zeros((1, w.shape[-1])))
 
 

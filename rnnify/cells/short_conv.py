@@ -20,10 +20,15 @@ before it, as it would alone, and the new state is the last K-1 of them.
 
 ``naive_recurrent_short_conv`` is the ground truth (a token at a time); ``short_conv`` is the
 cell's form (one pass of the chain over state and tokens).
+
+``TokenWindowCell`` keeps the same state for a convolution whose taps each token computes
+(Inkling 2's keys and values): captured as ``pad(x, [K-1, 0]).unfold(-1, K, 1)``, the windows of
+the last K inputs that the graph then weighs itself; the cell hands those windows to the graph.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,18 +66,28 @@ def short_conv(
     x: torch.Tensor, convs: list[Conv], mask: torch.Tensor, inputs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chain over ``[state, tokens]``; outputs at padding are whatever they read."""
+    return carried(x, lambda window: convolve(window, convs), mask, inputs)
+
+
+def carried(
+    x: torch.Tensor, read: Callable[[torch.Tensor], torch.Tensor], mask: torch.Tensor, inputs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``read`` (one output per K inputs, along dimension 2: a convolution chain, the windows
+    themselves) over ``[state, tokens]`` ``[B, C, K-1+T]``, the real tokens packed after the state;
+    outputs at padding are whatever they read. Returns (outputs, the new state)."""
     channels, held = x.shape[1], inputs.shape[2]
     window = torch.cat([inputs.to(x.dtype), x], dim=2)  # [B, C, K-1+T]
     if every_token_real(mask):
-        return convolve(window, convs), window[:, :, window.shape[2] - held :]
+        return read(window), window[:, :, window.shape[2] - held :]
     # stable sort: padding first, then the state and the real tokens in order; the K-1 state entries
     # count as real, so no real token's window reaches back into the padding
     real = torch.cat([mask.new_ones(mask.shape[0], held, dtype=torch.bool), mask.to(torch.bool)], dim=1)
     order = torch.sort(real.to(torch.uint8), dim=1, stable=True).indices  # [B, K-1+T]
     packed = window.gather(2, order[:, None].expand(-1, channels, -1))
-    out = convolve(packed, convs)  # out[j]: packed position K-1+j
+    out = read(packed)  # out[j]: packed position K-1+j
     where = torch.argsort(order, dim=1)[:, held:] - held  # each token's output in ``out`` (padding: < 0)
-    out = out.gather(2, where.clamp_min(0)[:, None].expand(-1, out.shape[1], -1))
+    index = where.clamp_min(0).view(*where.shape[:1], 1, where.shape[1], *[1] * (out.dim() - 3))
+    out = out.gather(2, index.expand(-1, out.shape[1], -1, *out.shape[3:]))
     return out, packed[:, :, packed.shape[2] - held :]
 
 
@@ -117,4 +132,26 @@ class ShortConvCell(Cell):
             raise ValueError(f"{len(groups)} convolutions take a weight and a bias each, got {len(tensors)} tensors")
         convs = [(w, b, g) for w, b, g in zip(tensors[0::2], tensors[1::2], groups, strict=True)]
         out, held = short_conv(x, convs, mask, inputs)
+        return out, held.to(inputs.dtype)
+
+
+class TokenWindowCell(ShortConvCell):
+    """The last ``kernel_size`` inputs of each token, ``[B, C, T, K]`` (oldest first), as
+    ``pad(x, [K-1, 0]).unfold(-1, K, 1)`` reads them, with those inputs as state: a convolution
+    whose taps each token computes weighs them in the graph (module docstring)."""
+
+    target = "token_window"
+
+    def __init__(self, spec: CellSpec, kernel_size: int):
+        super().__init__(spec, kernel_size)
+
+    def options(self) -> dict[str, Any]:
+        return {"kernel_size": self.kernel_size}
+
+    def describe(self) -> str:
+        return f"the last {self.kernel_size} tokens' inputs, for a convolution whose taps each token computes"
+
+    def forward(self, x, mask, inputs):
+        """``x [B, C, T]``, ``mask``, ``inputs``: (windows ``[B, C, T, K]``, the new inputs)."""
+        out, held = carried(x, lambda window: window.unfold(2, self.kernel_size, 1), mask, inputs)
         return out, held.to(inputs.dtype)

@@ -449,7 +449,8 @@ class WindowCell(Cell):
     state_names = ("keys", "values", "sink_keys", "sink_values", "length")
     own_forms_without_triton = frozenset({"decode"})
 
-    score_terms = frozenset(SCORE_TERMS) - {"relative_extent"}  # a window's ring holds no per-query bias
+    # what queries bring (a relative bias, sink logits) reaches no window's ring
+    score_terms = frozenset(SCORE_TERMS) - {"relative_extent", "query_sinks"}
 
     def __init__(self, spec: CellSpec, window: int | None = None, sinks: int = 0, block_size: int = 64):
         super().__init__(spec)

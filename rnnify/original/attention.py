@@ -48,6 +48,7 @@ def softmax_attention(
     alibi_slopes: Sequence[float] | None = None,
     sink_logits: Sequence[float] | None = None,
     relative_extent: int | None = None,
+    query_sinks: bool | None = None,
     chunk: int | None = None,
 ) -> torch.Tensor:
     """``softmax_attention(q [B,H,T,d], k [B,Hkv,T,d], v [B,Hkv,T,dv], mask [B,T], scale, window) -> [B,H,T,dv]`` fp32.
@@ -60,11 +61,11 @@ def softmax_attention(
     The score terms, as ``CellSpec`` holds them: each score s = scale q_i . k_j becomes
     ``softcap`` c tanh(s / c), then gains ``alibi_slopes[h]`` (j - i) with i and j counted in the
     row's real tokens, and ``sink_logits[h]`` is one more logit in each query's softmax, with no value.
-    A relative bias each query brings (``relative_extent``) is not taken: the queries' rows would be
-    inputs of their own, which only the exact cell reads.
+    What each query brings (``relative_extent``, ``query_sinks``) is not taken: inputs of their own,
+    which only the exact cell reads.
     """
-    if relative_extent is not None:
-        raise ValueError("the reference attention takes no relative bias per query; only --to exact computes it")
+    if relative_extent is not None or query_sinks:
+        raise ValueError("the reference attention takes no terms per query; only --to exact computes them")
     length = q.shape[2]
     pos = torch.arange(length, device=q.device)
     allowed = pos[None, :] <= pos[:, None]
@@ -136,8 +137,8 @@ class AttentionRecorder:
     mask on right-padded rows, so padding never enters a loss or a metric. A model's own
     recurrent layers (``Cell.own_layer``: short convolutions, Mamba scans) are the source's layers
     unchanged, and so is exact attention over an indexer's selection (``CellSpec.index_topk``) or
-    with a relative bias each query brings (``CellSpec.relative_extent``), which only ``exact``
-    computes: nothing is compared there, and their errors stay 0 over 0 tokens.
+    with terms each query brings (``CellSpec.per_query_terms``), which only ``exact`` computes:
+    nothing is compared there, and their errors stay 0 over 0 tokens.
     """
 
     def __init__(self, model: RecurrentModel, teacher_forcing: bool):
@@ -148,7 +149,7 @@ class AttentionRecorder:
         self.compared = [
             i
             for i, cell in enumerate(self._cells)
-            if not (cell.own_layer or cell.spec.selects or cell.spec.relative_extent is not None)
+            if not (cell.own_layer or cell.spec.selects or cell.spec.per_query_terms)
         ]
         self._latest: dict[int, torch.Tensor] = {}
         self.reset()

@@ -77,6 +77,7 @@ OPS = frozenset(
         "torch.ops.aten.expand_as.default",
         "torch.ops.aten.expm1.default",
         "torch.ops.aten.flatten.using_ints",
+        "torch.ops.aten.flip.default",
         "torch.ops.aten.floor.default",
         "torch.ops.aten.floor_divide.default",
         "torch.ops.aten.full_like.default",

@@ -69,6 +69,7 @@ class AttentionSite:
     chunk: int | None = None  # chunked attention (keys of the query's own chunk): config, checked by the probe
     selection: IndexSelection | None = None  # the indexer that chooses the keys (sparse attention)
     relative: RelativeBias | None = None  # a relative bias each query brings (Inkling's)
+    query_sinks: torch.fx.Node | None = None  # sink logits each query brings [B, H, T(, 1)] (Inkling 2's)
 
     @property
     def where(self) -> str:
@@ -107,7 +108,7 @@ def find_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Graph
             site.window = _window_of_buffer(site, allowed)
         terms = [t.value for t in f.terms]
         site.selection = find_selection(f.node, terms, {site.query, site.key, site.value}, site.where)
-        site.relative = find_relative_bias(gm, terms, site.where)
+        site.relative = find_relative_bias(gm, terms, site.num_heads, site.where)
     check_indexers_read(gm, [site.selection for site in described if site.selection is not None])
     bounds = [s.chunk or s.window for s in described]  # a site has one or neither
     length = max([_PROBE_LENGTH] + [b + 1 for b in bounds if b is not None and b <= _MAX_PROBE_LENGTH])
@@ -132,7 +133,9 @@ def find_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Graph
         elif site.window is not None:
             raise UnsupportedModelError(f"{site.where}: a sliding window and chunked attention at once")
         site.alibi_slopes = _alibi_slopes(site, bias, allowed)
-        site.sink_logits = None if f.sinks is None else _sink_logits(site, f.sinks, values[f.sinks.value], length)
+        if f.sinks is not None:
+            site.sink_logits = _sink_logits(site, f.sinks, values[f.sinks.value], length)
+            site.query_sinks = f.sinks.value if site.sink_logits is None else None
         f.node.meta[SITE_KEY] = site
     return gm
 
@@ -424,14 +427,36 @@ def _alibi_slopes(site: AttentionSite, bias: torch.Tensor, allowed: torch.Tensor
     return None if not any(slopes) else tuple(slopes)
 
 
-def _sink_logits(site: AttentionSite, sinks: MaskTerm, value: torch.Tensor, length: int) -> tuple[float, ...]:
+def _sink_logits(site: AttentionSite, sinks: MaskTerm, value: torch.Tensor, length: int) -> tuple[float, ...] | None:
     """The sink logit per head from the probe's value, as the scores' ``[B, H, T, 1]`` column or per
-    ``[B, H, T]`` row (``sinks.at``'s rank); it must not change with the token."""
-    shape = (1, site.num_heads, length, 1)[: len(_shape(sinks.at))]
+    ``[B, H, T]`` row (``sinks.at``'s rank); None where each query brings its own (the sinks' node
+    is laid out one a query and head, and changes with the token): the cell then takes that node."""
+    rank = len(_shape(sinks.at))
+    shape = (1, site.num_heads, length, 1)[:rank]
     column = torch.broadcast_to(value, shape).reshape(site.num_heads, length)
-    if not (column == column[:, :1]).all():
-        raise UnsupportedModelError(f"{site.where}: the attention's sink logits change from token to token")
-    return tuple(column[:, 0].double().tolist())
+    if (column == column[:, :1]).all() and not _reads_tokens(sinks.value):
+        return tuple(column[:, 0].double().tolist())
+    batch, heads, tokens = (str(size) for size in _shape(site.query)[:3])
+    if [str(size) for size in _shape(sinks.value)] == [batch, heads, tokens, "1"][:rank]:
+        return None
+    raise UnsupportedModelError(
+        f"{site.where}: the attention's sink logits depend on the tokens, laid out otherwise than one a query and head"
+    )
+
+
+def _reads_tokens(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s values depend on the tokens (``input_ids``), not only on their count: the
+    probe's row repeats one token, on which a first layer's per-token values look constant."""
+    seen, stack = set(), [node]
+    while stack:
+        node = stack.pop()
+        if node in seen or node.target is torch.ops.aten.sym_size.int:
+            continue
+        seen.add(node)
+        if node.op == "placeholder" and node.name == "input_ids":
+            return True
+        stack += node.all_input_nodes
+    return False
 
 
 def _window_of_buffer(site: AttentionSite, allowed: torch.Tensor) -> int | None:

@@ -70,35 +70,70 @@ class RelativeBias:
         return logits[0].gather(-1, index).masked_fill((back < 0) | (back >= self.extent), 0.0)
 
 
-def find_relative_bias(gm: torch.fx.GraphModule, terms: list[torch.fx.Node], where: str) -> RelativeBias | None:
-    """The relative bias per query behind the mask nodes ``terms`` of the attention node ``site``, or
-    None if no gather leads to them."""
+def find_relative_bias(
+    gm: torch.fx.GraphModule, terms: list[torch.fx.Node], heads: int, where: str
+) -> RelativeBias | None:
+    """The relative bias per query behind the mask nodes ``terms`` of an attention site of ``heads``
+    query heads, or None if no gather leads to them. Between the gather and the mask only what keeps
+    the bias as it is may stand: casts, one fill with 0 past the table's width (checked with the
+    index), masking (a fill or a ``where`` whose other value is a mask's lowest), at most one factor
+    per query, and sums with terms that do not read the gather."""
     paths = [path for term in terms for path in _paths_to_gathers(term)]
     if not paths:
         return None
-    if len({path[-1] for path in paths}) > 1:
+    if len(paths) > 1:
         raise UnsupportedModelError(
-            f"{where}: its mask gathers from {len(paths)} tables; one relative bias is understood"
+            f"{where}: its mask reaches a gathered table along {len(paths)} paths; one relative bias is understood"
         )
-    path = paths[0]
+    (path,) = paths
     gather = path[-1]
     table, dim, index = gather.args[:3]
     shape = table.meta["val"].shape
-    if len(shape) != 4 or dim not in (-1, 3) or not isinstance(shape[-1], int):
+    if len(shape) != 4 or dim not in (-1, 3) or not isinstance(shape[-1], int) or str(shape[1]) != str(heads):
         raise UnsupportedModelError(
             f"{where}: its mask gathers scores from a table of shape {tuple(shape)} (dimension {dim}); a relative "
-            "bias per query is gathered along the last dimension of [batch, heads, queries, distances]"
+            f"bias per query is gathered along the last dimension of [batch, {heads} heads, queries, distances]"
         )
     extent = int(shape[-1])
-    fills = [n for n in path if n.target in _FILLS and n.args[0] in path and n.args[2] == 0]
-    factors = [_factor(n, path) for n in path if n.target is _MUL]
-    if len(fills) != 1 or len(factors) > 1 or None in factors:
+    fills, factors, sums = [], [], []  # path positions: the mask's end first
+    for position, (node, operand) in enumerate(zip(path, path[1:])):
+        if node.target in _FILLS and node.args[2] == 0:
+            fills.append(node)
+        elif node.target is _MUL:
+            factors.append((position, _factor(node, operand, gather)))
+        elif node.target in _SUMS and _adds(node, operand, gather):
+            sums.append(position)
+        elif not (node.target in _CASTS or _masks_the_rest(node, operand)):
+            fills.append(None)  # anything else changes the bias
+    factor_first = all(position > max(sums, default=-1) for position, _ in factors)  # it scales the bias alone
+    if fills != path[-2:-1] or len(factors) > 1 or any(f is None for _, f in factors) or not factor_first:
         raise UnsupportedModelError(
             f"{where}: its mask adds a table gathered by distance otherwise than as a relative bias per query "
             "(the table's entry at each distance below its width, 0 beyond, times at most a factor per query)"
         )
     _check_distances(gm, index, fills[0].args[1], extent, where)
-    return RelativeBias(table, factors[0] if factors else None, extent)
+    return RelativeBias(table, factors[0][1] if factors else None, extent)
+
+
+def _adds(node: torch.fx.Node, operand: torch.fx.Node, gather: torch.fx.Node) -> bool:
+    """Whether the sum ``node`` adds ``operand`` as it is (no ``alpha``, not subtracted) to a term
+    that does not read the gather."""
+    other = node.args[1] if node.args[0] is operand else node.args[0]
+    unscaled = node.kwargs.get("alpha", 1) == 1 and (node.target is aten.add.Tensor or node.args[0] is operand)
+    return unscaled and not (isinstance(other, torch.fx.Node) and _reads(other, gather))
+
+
+def _masks_the_rest(node: torch.fx.Node, operand: torch.fx.Node) -> bool:
+    """Whether ``node`` keeps ``operand`` where it keeps anything and masks the other entries: a fill
+    or a ``where`` whose other value is a mask's (-inf, or a dtype's lowest)."""
+    if node.target in _FILLS:
+        other = node.args[2]
+    elif node.target in _WHERES and operand in node.args[1:3]:
+        other = node.args[2] if node.args[1] is operand else node.args[1]
+    else:
+        return False
+    lowest = torch.finfo(node.meta["val"].dtype).min
+    return isinstance(other, (int, float)) and other <= lowest / 2
 
 
 def _paths_to_gathers(term: torch.fx.Node) -> list[list[torch.fx.Node]]:
@@ -125,14 +160,27 @@ def _paths_to_gathers(term: torch.fx.Node) -> list[list[torch.fx.Node]]:
     return found
 
 
-def _factor(mul: torch.fx.Node, path: list[torch.fx.Node]) -> torch.fx.Node | None:
-    """The factor ``mul`` multiplies the gathered bias by, where it is one per query row (its last
-    dimension 1, reaching it without the gather); else None."""
-    other = next((a for a in mul.args[:2] if a not in path), None)
-    if not isinstance(other, torch.fx.Node):
+def _factor(mul: torch.fx.Node, operand: torch.fx.Node, gather: torch.fx.Node) -> torch.fx.Node | None:
+    """The factor ``mul`` multiplies the gathered bias (``operand``) by, where it is one per query
+    row (its last dimension 1) and does not read the gather; else None."""
+    other = mul.args[1] if mul.args[0] is operand else mul.args[0]
+    if not isinstance(other, torch.fx.Node) or _reads(other, gather):
         return None
     shape = other.meta["val"].shape
-    return other if len(shape) <= 4 and len(shape) >= 2 and shape[-1] == 1 else None
+    return other if 2 <= len(shape) <= 4 and shape[-1] == 1 else None
+
+
+def _reads(node: torch.fx.Node, ancestor: torch.fx.Node) -> bool:
+    """Whether ``node`` is computed from ``ancestor``."""
+    seen, stack = set(), [node]
+    while stack:
+        node = stack.pop()
+        if node is ancestor:
+            return True
+        if node not in seen:
+            seen.add(node)
+            stack += node.all_input_nodes
+    return False
 
 
 def _check_distances(
@@ -143,10 +191,8 @@ def _check_distances(
     length = extent + 1
     index_value, outside_value = _run_alone(gm, [index, outside], length)
     back = torch.arange(length)[:, None] - torch.arange(length)[None, :]
-    want_index = back.clamp(0, extent - 1)
-    want_outside = (back < 0) | (back >= extent)
-    index_ok = index_value.dim() >= 2 and bool((index_value == want_index).all())
-    outside_ok = outside_value.dim() >= 2 and bool((outside_value == want_outside).all())
+    index_ok = bool((index_value == back.clamp(0, extent - 1)).all())  # every row and head
+    outside_ok = bool((outside_value == ((back < 0) | (back >= extent))).all())
     if not (index_ok and outside_ok):
         raise UnsupportedModelError(
             f"{where}: its mask gathers a table by something other than the distance i - j of query and key "
@@ -156,7 +202,7 @@ def _check_distances(
 
 def _run_alone(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], length: int) -> list[torch.Tensor]:
     """The values of ``nodes`` when only they (and what they read) run, on one row of ``length`` tokens
-    at positions 0..length-1."""
+    at positions 0..length-1, each as ``[-1, length, length]``."""
     needed: set[torch.fx.Node] = set()
     stack = list(nodes)
     while stack:
@@ -174,4 +220,4 @@ def _run_alone(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], length: int
     position_ids = torch.arange(length, device=device)[None]
     with torch.no_grad():
         values = torch.fx.GraphModule(gm, graph)(input_ids, position_ids)
-    return [torch.broadcast_to(v, (*v.shape[:-2], length, length)).reshape(-1, length, length)[0].cpu() for v in values]
+    return [torch.broadcast_to(v, (*v.shape[:-2], length, length)).reshape(-1, length, length).cpu() for v in values]

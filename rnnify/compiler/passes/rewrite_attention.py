@@ -6,8 +6,8 @@ adds the mask and state arguments. The cell returns ``(out, *state)``; ``out`` r
 result (or eager attention's p @ v, flattened to ``[B H, T, d_v]`` where that was) for every user.
 The site's score terms (softcap, ALiBi slopes, sink logits) and its indexer go into the cell's
 ``CellSpec``; a target that cannot compute them is refused, naming the layer. An indexer's q, k and
-head weights are the call's ``index_q``, ``index_k`` and ``index_weights``; a relative bias each
-query brings, its ``relative``.
+head weights are the call's ``index_q``, ``index_k`` and ``index_weights``; what each query brings,
+a relative bias and sink logits, its ``relative`` and ``sinks``.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
             kwargs.update(index_q=selection.query, index_k=selection.key, index_weights=selection.weights)
         if site.relative is not None:
             kwargs["relative"] = site.relative.logits(gm, node)
+        if site.query_sinks is not None:
+            kwargs["sinks"] = site.query_sinks
         with gm.graph.inserting_before(node):
             call = gm.graph.call_module(name, (site.query, site.key, site.value), kwargs)
             out = gm.graph.call_function(operator.getitem, (call, 0))
@@ -78,6 +80,7 @@ def _cell_spec(site) -> CellSpec:
         sink_logits=site.sink_logits,
         chunk=site.chunk,
         relative_extent=None if site.relative is None else site.relative.extent,
+        query_sinks=site.query_sinks is not None or None,
         **_index_fields(site),
     )
 

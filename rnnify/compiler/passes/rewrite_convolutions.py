@@ -20,7 +20,7 @@ import torch
 import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
-from rnnify.cells import ShortConvCell
+from rnnify.cells import ShortConvCell, TokenWindowCell
 from rnnify.compiler.passes.context import PassContext
 from rnnify.compiler.passes.own_layers import LayerSite, cell_placer, layer_site
 from rnnify.errors import UnsupportedModelError
@@ -35,6 +35,25 @@ def rewrite_convolutions(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx
     place = cell_placer(gm)
     rewritten: set[torch.fx.Node] = set()
     for node in list(gm.graph.nodes):
+        window = _token_window(node, length)
+        if window is not None:
+            x, kernel_size = window
+            place(
+                TokenWindowCell(TokenWindowCell.spec_for(int(x.meta["val"].shape[1])), kernel_size),
+                (x,),
+                node,
+                layer_site(node),
+            )
+            padded = node.args[0]
+            gm.graph.erase_node(node)
+            for dead in (padded, *padded.all_input_nodes[:1]):  # the slice, then the pad
+                if (
+                    dead.op == "call_function"
+                    and dead.target in {*_PADS, torch.ops.aten.slice.Tensor}
+                    and not dead.users
+                ):
+                    gm.graph.erase_node(dead)
+            continue
         if node in rewritten or node.op != "call_function" or node.target not in _CONVOLUTIONS:
             continue
         x = _arguments(node)["input"]
@@ -129,6 +148,25 @@ def _padded_before(
         reasons.append("not causal (outputs that read later tokens are kept)")
     _refuse(site, reasons)
     return source[0], chain, chain[-1]
+
+
+def _token_window(node: torch.fx.Node, length: str) -> tuple[torch.fx.Node, int] | None:
+    """(x, K) where ``node`` is ``pad(x, [K-1, 0]).unfold(-1, K, 1)`` over x's T tokens (a slice that
+    keeps every padded position may sit between: Inkling 2's), else None."""
+    if node.op != "call_function" or node.target != torch.ops.aten.unfold.default:
+        return None
+    source, dim, size, step = node.args
+    if dim not in (-1, 2) or step != 1 or not isinstance(size, int):
+        return None
+    if source.op == "call_function" and source.target == torch.ops.aten.slice.Tensor:
+        whole = str(source.meta["val"].shape) == str(source.args[0].meta["val"].shape)
+        if not (whole and source.args[1] in (-1, 2) and _arguments(source).get("step", 1) == 1):
+            return None
+        source = source.args[0]
+    padded = _left_padding(source, length)
+    if padded is None or padded[1] != size - 1 or padded[0].meta["val"].dim() != 3:
+        return None
+    return padded[0], size
 
 
 def _left_padding(node: torch.fx.Node, length: str) -> tuple[torch.fx.Node, int] | None:

@@ -77,10 +77,11 @@ def check_hostable(path: str | Path, head_size: int | None = None, num_kv_heads:
                     f"{where} exact attention reads only the keys its indexer selects (sparse attention), which "
                     "rnnify's vLLM pages do not serve; decode it with rnnify generate or rnnify.load"
                 )
-            if spec.relative_extent is not None:
+            if spec.per_query_terms:
                 raise RnnifyError(
-                    f"{where} exact attention adds a relative position bias each query brings (Inkling's), which "
-                    "rnnify's vLLM pages do not serve; decode it with rnnify generate or rnnify.load"
+                    f"{where} exact attention adds to its scores terms each query brings (Inkling's relative bias "
+                    "or sink logits), which rnnify's vLLM pages do not serve; decode it with rnnify generate or "
+                    "rnnify.load"
                 )
             if spec.head_dim != spec.value_dim or (head_size is not None and spec.head_dim != head_size):
                 raise RnnifyError(
