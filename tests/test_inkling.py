@@ -114,7 +114,9 @@ def test_targets_other_than_exact_refuse_the_bias_in_one_line(target):
 
 
 def test_auto_and_vllm_refuse_the_bias_in_one_line(inkling, tmp_path):
-    from rnnify.auto.graph_probe import probe_runner
+    """``--to auto`` through transformers' attention interface and through the exact conversion
+    (where the interface does not reach a model's attention), and vLLM's hosting check."""
+    from rnnify.auto.graph_probe import GraphRunner, probe_runner
     from rnnify.integrations.vllm.hosting import check_hostable
 
     source, model = inkling
@@ -122,6 +124,8 @@ def test_auto_and_vllm_refuse_the_bias_in_one_line(inkling, tmp_path):
         RnnifyError, match=r"^--to auto: layer 0 adds to its scores what its tokens compute \(position_bias\)"
     ):
         probe_runner(source, torch.float32, _ids(8))
+    with pytest.raises(RnnifyError, match=r"^--to auto: layer 0 adds to its scores terms each query brings"):
+        GraphRunner(source, torch.float32)
     with pytest.raises(RnnifyError, match=r"terms each query brings \(Inkling's relative bias or sink logits\)"):
         check_hostable(model.save(tmp_path / "inkling"))
 

@@ -121,6 +121,34 @@ def test_token_windows_are_each_real_tokens_last_inputs_prompt_and_steps():
         torch.testing.assert_close(got[row][:, mask[row]], want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    "read, windows",
+    [
+        (lambda x: F.pad(x, (3, 0)).unfold(-1, 4, 1), True),  # Inkling 2's form
+        (lambda x: F.pad(x, (3, 0))[..., -(x.shape[-1] + 3) :].unfold(-1, 4, 1), True),  # a slice keeping it all
+        (lambda x: F.pad(x, (2, 0)).unfold(-1, 4, 1), False),  # a window past the padding: drops outputs
+        (lambda x: F.pad(x, (3, 0)).unfold(-1, 4, 2), False),  # every other token's window
+        (lambda x: F.pad(x, (3, 1)).unfold(-1, 4, 1), False),  # padded after: reads a later token
+        (lambda x: F.pad(x, (3, 0))[..., 1:].unfold(-1, 3, 1), False),  # a slice that drops a position
+    ],
+)
+def test_only_the_windows_of_each_tokens_last_inputs_are_carried(read, windows):
+    """``rewrite_convolutions``' token windows: ``pad(x, [K-1, 0]).unfold(-1, K, 1)`` over the tokens,
+    nothing else (what is left in the graph then fails the op vocabulary, by name)."""
+    from rnnify.compiler.passes.rewrite_convolutions import _token_window
+
+    class Read(torch.nn.Module):
+        def forward(self, x):
+            return read(x)
+
+    tokens = torch.export.Dim("tokens", min=4, max=64)
+    graph = torch.export.export(Read(), (torch.randn(2, 5, 8),), dynamic_shapes=({2: tokens},)).graph
+    x = next(n for n in graph.nodes if n.op == "placeholder")
+    length = str(x.meta["val"].shape[2])
+    found = [_token_window(n, length) for n in graph.nodes if n.target == torch.ops.aten.unfold.default]
+    assert found == ([(x, 4)] if windows else [None])
+
+
 def test_cell_options_are_checked():
     with pytest.raises(
         rnnify.RnnifyError, match=r"kernel_size must be an integer >= 2 \(a 1-token kernel keeps no state\), got 1"
