@@ -70,6 +70,8 @@ SCORE_TERMS = {
     "relative_extent": "relative position bias per query",
     "query_sinks": "attention sinks per query",
 }
+# the SCORE_TERMS each query brings as an input of the cell's call (only ``exact`` takes them)
+PER_QUERY_TERMS = frozenset({"relative_extent", "query_sinks"})
 
 
 # CellSpec fields that a manifest holds only where the site has them
@@ -163,7 +165,7 @@ class CellSpec:
     def per_query_terms(self) -> bool:
         """Whether the queries bring terms of their own (a relative bias, sink logits): inputs of the
         cell's call that only ``exact`` takes."""
-        return self.relative_extent is not None or bool(self.query_sinks)
+        return bool(self.score_terms & PER_QUERY_TERMS)
 
     @property
     def selects(self) -> bool:

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rnnify.cells.base import Cell, CellSpec
+from rnnify.cells.base import PER_QUERY_TERMS, Cell, CellSpec
 from rnnify.cells.registry import build_target_cell
 
 TARGET = "heads"
@@ -78,8 +78,7 @@ class HeadSplitCell(Cell):
         # the split computes the terms its parts compute (each part has refused, by its target's name,
         # a term its target cannot compute): set before Cell's own check of the spec reads it. Not what
         # queries bring (a relative bias, sink logits): inputs no part is handed.
-        per_query = {"relative_extent", "query_sinks"}
-        self.score_terms = frozenset.intersection(*(part.score_terms for part in parts)) - per_query
+        self.score_terms = frozenset.intersection(*(part.score_terms for part in parts)) - PER_QUERY_TERMS
         self.computes_chunks = all(part.computes_chunks for part in parts)
         super().__init__(spec)
         self.parts = torch.nn.ModuleList(parts)

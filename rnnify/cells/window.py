@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from rnnify import kernels
-from rnnify.cells.base import SCORE_TERMS, Cell, CellSpec, every_token_real
+from rnnify.cells.base import PER_QUERY_TERMS, SCORE_TERMS, Cell, CellSpec, every_token_real
 from rnnify.cells.online_softmax import (
     ScoreTerms,
     finite_or_zero,
@@ -449,8 +449,7 @@ class WindowCell(Cell):
     state_names = ("keys", "values", "sink_keys", "sink_values", "length")
     own_forms_without_triton = frozenset({"decode"})
 
-    # what queries bring (a relative bias, sink logits) reaches no window's ring
-    score_terms = frozenset(SCORE_TERMS) - {"relative_extent", "query_sinks"}
+    score_terms = frozenset(SCORE_TERMS) - PER_QUERY_TERMS  # what queries bring reaches no window's ring
 
     def __init__(self, spec: CellSpec, window: int | None = None, sinks: int = 0, block_size: int = 64):
         super().__init__(spec)

@@ -26,7 +26,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from rnnify.compiler.passes.context import PassContext
 from rnnify.compiler.passes.eager_attention import MASK_FILL, EagerAttention, MaskTerm, buffered_masks, eager_attention
-from rnnify.compiler.passes.find_relative import RelativeBias, find_relative_bias
+from rnnify.compiler.passes.find_relative import RelativeBias, find_relative_bias, reads
 from rnnify.compiler.passes.find_selection import IndexSelection, check_indexers_read, find_selection
 from rnnify.compiler.recurrences import OWN_LAYER_OPS
 from rnnify.errors import UnsupportedModelError
@@ -447,16 +447,8 @@ def _sink_logits(site: AttentionSite, sinks: MaskTerm, value: torch.Tensor, leng
 def _reads_tokens(node: torch.fx.Node) -> bool:
     """Whether ``node``'s values depend on the tokens (``input_ids``), not only on their count: the
     probe's row repeats one token, on which a first layer's per-token values look constant."""
-    seen, stack = set(), [node]
-    while stack:
-        node = stack.pop()
-        if node in seen or node.target is torch.ops.aten.sym_size.int:
-            continue
-        seen.add(node)
-        if node.op == "placeholder" and node.name == "input_ids":
-            return True
-        stack += node.all_input_nodes
-    return False
+    input_ids = next(n for n in node.graph.nodes if n.op == "placeholder" and n.name == "input_ids")
+    return reads(node, input_ids)
 
 
 def _window_of_buffer(site: AttentionSite, allowed: torch.Tensor) -> int | None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from rnnify.errors import UnsupportedModelError
+from rnnify.errors import UnsupportedModelError, is_number
 
 aten = torch.ops.aten
 _GATHER = aten.gather.default
@@ -120,7 +120,7 @@ def _adds(node: torch.fx.Node, operand: torch.fx.Node, gather: torch.fx.Node) ->
     that does not read the gather."""
     other = node.args[1] if node.args[0] is operand else node.args[0]
     unscaled = node.kwargs.get("alpha", 1) == 1 and (node.target is aten.add.Tensor or node.args[0] is operand)
-    return unscaled and not (isinstance(other, torch.fx.Node) and _reads(other, gather))
+    return unscaled and not (isinstance(other, torch.fx.Node) and reads(other, gather))
 
 
 def _masks_the_rest(node: torch.fx.Node, operand: torch.fx.Node) -> bool:
@@ -133,7 +133,7 @@ def _masks_the_rest(node: torch.fx.Node, operand: torch.fx.Node) -> bool:
     else:
         return False
     lowest = torch.finfo(node.meta["val"].dtype).min
-    return isinstance(other, (int, float)) and other <= lowest / 2
+    return is_number(other) and other <= lowest / 2
 
 
 def _paths_to_gathers(term: torch.fx.Node) -> list[list[torch.fx.Node]]:
@@ -164,20 +164,20 @@ def _factor(mul: torch.fx.Node, operand: torch.fx.Node, gather: torch.fx.Node) -
     """The factor ``mul`` multiplies the gathered bias (``operand``) by, where it is one per query
     row (its last dimension 1) and does not read the gather; else None."""
     other = mul.args[1] if mul.args[0] is operand else mul.args[0]
-    if not isinstance(other, torch.fx.Node) or _reads(other, gather):
+    if not isinstance(other, torch.fx.Node) or reads(other, gather):
         return None
     shape = other.meta["val"].shape
     return other if 2 <= len(shape) <= 4 and shape[-1] == 1 else None
 
 
-def _reads(node: torch.fx.Node, ancestor: torch.fx.Node) -> bool:
-    """Whether ``node`` is computed from ``ancestor``."""
+def reads(node: torch.fx.Node, ancestor: torch.fx.Node) -> bool:
+    """Whether ``node``'s values are computed from ``ancestor``'s (reading only its shape does not count)."""
     seen, stack = set(), [node]
     while stack:
         node = stack.pop()
         if node is ancestor:
             return True
-        if node not in seen:
+        if node not in seen and node.target is not aten.sym_size.int:
             seen.add(node)
             stack += node.all_input_nodes
     return False

@@ -44,15 +44,7 @@ def rewrite_convolutions(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx
                 node,
                 layer_site(node),
             )
-            padded = node.args[0]
-            gm.graph.erase_node(node)
-            for dead in (padded, *padded.all_input_nodes[:1]):  # the slice, then the pad
-                if (
-                    dead.op == "call_function"
-                    and dead.target in {*_PADS, torch.ops.aten.slice.Tensor}
-                    and not dead.users
-                ):
-                    gm.graph.erase_node(dead)
+            gm.graph.erase_node(node)  # the pad (and slice) it read go with the pass's dead code
             continue
         if node in rewritten or node.op != "call_function" or node.target not in _CONVOLUTIONS:
             continue
