@@ -251,6 +251,8 @@ VARIANTS: dict[str, dict] = {
         "parallel_attn": False,
         "bias": True,
     },
+    # XLM as its causal language modelling objective trains it (CLM): a triangular mask
+    "xlm@causal": {"causal": True},
 }
 
 

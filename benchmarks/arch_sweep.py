@@ -53,7 +53,7 @@ from rnnify.auto.graph_probe import probe_runner
 from rnnify.cells import CELLS
 from rnnify.cells.base import SCORE_TERMS
 from rnnify.compiler.composite import is_composite
-from rnnify.errors import RnnifyError, first_line
+from rnnify.errors import RnnifyError, RnnifyWarning, first_line
 from rnnify.runtime.serialize import graph_to_json
 from rnnify.verify import tolerance
 
@@ -241,7 +241,12 @@ def run_job(name: str) -> dict:
         with torch.no_grad():
             want_prefill, want_full = _logits(model, ids[:, :SEQ]), _logits(model, ids)
         result["stage"] = "convert"
-        converted = convert()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always", RnnifyWarning)
+            converted = convert()
+        padding = [str(w.message) for w in said if "padding id" in str(w.message)]
+        if padding:
+            result["padding"] = padding[0]
         result["cells"] = sorted({type(cell).__name__ for cell in converted.cells})
         if is_composite(model.config):
             result["language_model"] = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model.config.get_text_config().model_type)
@@ -380,6 +385,8 @@ def _rows(results: dict) -> list[str]:
         own = sorted({cell.target for cell in map(_cell_class, r.get("cells", [])) if cell and cell.own_layer})
         if r.get("status") == "exact" and own:
             why = f"keeps its own {', '.join(own)} layers" + (f"; {why}" if why else "")
+        if r.get("status") == "exact" and r.get("padding"):
+            why = "convert warns: a row holding its padding id as a token differs" + (f"; {why}" if why else "")
         if r.get("status") == "exact" and r.get("language_model"):
             why = f"its language model, {r['language_model']}" + (f"; {why}" if why else "")
         probe = r.get("auto", {})
@@ -410,7 +417,9 @@ def markdown(sweep: dict) -> str:
         f"{sweep['steps']} steps (exact: within {sweep['tolerance']}); a row `TYPE@VARIANT` is that type in "
         "the layout of a released checkpoint its defaults do not build (`falcon@alibi`: Falcon-RW). "
         "A refusal is one line saying why; "
-        "nothing converts silently wrong. Written by `python benchmarks/arch_sweep.py` (the sweep, "
+        "nothing converts silently wrong: where the original sets its padding id apart when a row holds it "
+        "as a token (RoBERTa's family numbers positions past it), `convert` warns that such rows differ "
+        "(rnnify pads with `attention_mask`). Written by `python benchmarks/arch_sweep.py` (the sweep, "
         "about 15 minutes) and `python benchmarks/arch_sweep.py --markdown docs/architectures.md` "
         "(this page, from `benchmarks/results/arch_sweep.json`). A hybrid's own recurrent layers "
         "(short convolutions, Mamba scans, gated delta rules, RG-LRUs, lightning attention, token shifts) stay as they are, their "

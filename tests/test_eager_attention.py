@@ -108,7 +108,12 @@ def test_a_non_causal_variant_of_each_mask_form_is_refused(monkeypatch):
     )
     assert "layer 0 (transformer.h.0.attn): attention is not causal" in _refusal(_attends_to_all(_build("openai-gpt")))
     assert "layer 0 (model.layers.0.self_attn): attention is not causal" in _refusal(_build("xglm"))
-    assert "layer 0 (transformer.attentions.0): attention is not causal" in _refusal(_build("xlm", causal=False))
+    xlm = transformers.models.xlm.modeling_xlm
+    masks = xlm.get_masks  # XLM's mask read both ways where its config says causal (which convert checks first)
+    monkeypatch.setattr(
+        xlm, "get_masks", lambda length, lengths, causal, padding_mask=None: masks(length, lengths, False)
+    )
+    assert "layer 0 (transformer.attentions.0): attention is not causal" in _refusal(_build("xlm"))
     assert "layer 0 (roformer.encoder.layer.0.attention.self): attention is not causal" in _refusal(
         _build("roformer", is_decoder=False)
     )

@@ -22,7 +22,7 @@ from support import decode, original_logits, rel_diff, tiny_causal_lm
 
 import rnnify
 from rnnify.compiler.capture import capture
-from rnnify.errors import UnsupportedModelError
+from rnnify.errors import RnnifyWarning, UnsupportedModelError
 
 VOCAB = 256
 SPECIAL = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
@@ -51,6 +51,7 @@ CONFIGS = {  # model type -> its config's arguments
     ),
     "deepseek_v32": DEEPSEEK_V32,
     "llama": dict(SIZES, intermediate_size=128),
+    "xlm": dict(vocab_size=VOCAB, emb_dim=64, n_layers=2, n_heads=4, max_position_embeddings=128, causal=True),
 }
 LENGTHS = (2, 3, 5, 13, 40)  # around and past the capture's example length, 8
 
@@ -134,6 +135,28 @@ def test_a_length_made_a_constant_is_refused_in_one_line():
     assert "\n" not in str(caught.value) and "== 8" in str(caught.value)
 
 
+def test_xlm_trained_causally_converts_exactly(tmp_path):
+    source = _build("xlm")
+    ids = _ids(40)
+    with pytest.warns(RnnifyWarning, match="padding id 2 apart"):  # it zeroes a row's last positions by their count
+        converted = rnnify.convert(source, to="exact")
+    assert rel_diff(decode(converted, ids, 8)[0], original_logits(source, ids)) < 1e-5
+    # rows left-padded with the padding id read as they do alone (XLM untold its rows' lengths counts
+    # the tokens other than that id and zeroes the positions past the count: here the last four)
+    padded = torch.cat([torch.full((2, 4), source.config.pad_index), ids[:, :12]], 1)
+    mask = torch.cat([torch.zeros(2, 4), torch.ones(2, 12)], 1).long()
+    logits, _ = converted.prefill(padded, attention_mask=mask)
+    assert rel_diff(logits[:, 4:], original_logits(source, ids[:, :12])) < 1e-5
+    loaded = rnnify.load(converted.save(tmp_path / "out"))  # its padding test (ne) is in the op vocabulary
+    assert rel_diff(loaded.prefill(ids)[0], original_logits(source, ids)) < 1e-5
+
+
+def test_xlm_with_its_default_bidirectional_attention_is_refused_in_one_line():
+    with pytest.raises(UnsupportedModelError, match=r"bidirectional attention \(causal: false\)") as caught:
+        rnnify.convert(tiny_causal_lm("xlm", **{**CONFIGS["xlm"], "causal": False}), to="exact")
+    assert "\n" not in str(caught.value)
+
+
 class _ValueBranch(_LengthBranch):
     """Changes its logits when a row holds token 5: control flow on the values of the input."""
 
@@ -149,6 +172,31 @@ def test_control_flow_on_the_token_values_is_refused_naming_its_line(capsys):
         capture(_ValueBranch(same=False))
     assert "if (input_ids == 5).any()" in str(caught.value) and "\n" not in str(caught.value)
     assert "def forward(self" not in capsys.readouterr().err  # export's partial graph, thousands of lines
+
+
+class _Vmapped(_LengthBranch):
+    """Computes its logits through ``torch.vmap``, whose batching ops export keeps in the graph."""
+
+    def forward(self, input_ids, position_ids=None, use_cache=False):
+        logits = self.inner(input_ids=input_ids, position_ids=position_ids, use_cache=use_cache).logits
+        return types.SimpleNamespace(logits=torch.vmap(lambda row: row * 2)(logits))
+
+
+def test_a_forward_computing_with_vmap_is_refused_in_one_line():
+    with pytest.raises(UnsupportedModelError, match=r"computes with torch.vmap \(test_export_capture.py:\d+") as caught:
+        capture(_Vmapped(same=False))
+    assert "\n" not in str(caught.value)
+
+
+def test_capture_leaves_transformers_masks_as_they_were():
+    """Capture has transformers build its masks without vmap (``index_masks``) while it exports, and
+    only then: after a capture and after a refused one, the mask functions are transformers' own."""
+    masking = transformers.masking_utils
+    capture(_build("llama"))
+    with pytest.raises(UnsupportedModelError):
+        capture(_Vmapped(same=False))
+    assert masking.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is masking.sdpa_mask
+    assert masking.ALL_MASK_ATTENTION_FUNCTIONS["eager"] is masking.eager_mask
 
 
 def test_dbrx_experts_are_captured_over_every_expert():

@@ -14,7 +14,8 @@ from support import assert_steps_and_split_prefill_match, decode, decode_from, e
 
 import rnnify
 from rnnify.compiler.numbering import first_position
-from rnnify.errors import PositionError, UnsupportedModelError
+from rnnify.errors import PositionError, RnnifyWarning, UnsupportedModelError
+from rnnify.runtime.agreement import tolerance
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from arch_configs import build  # noqa: E402
@@ -103,6 +104,27 @@ def test_save_and_load_give_the_same_logits(converted, tmp_path):
     ids = _tokens(2, 10, 5, source.config.pad_token_id)
     assert back.manifest.positions == model.manifest.positions
     assert torch.equal(decode(back, ids, 4)[0], decode(model, ids, 4)[0])
+
+
+def test_convert_warns_that_a_row_holding_the_padding_id_differs():
+    """The original gives a padding id read as a token position padding_idx and counts none for it;
+    the conversion numbers it like any token (numbering.py), and says so when it converts."""
+    source = _decoder("roberta")
+    padding_id = source.config.pad_token_id
+    with pytest.warns(RnnifyWarning, match=rf"RobertaForCausalLM sets its padding id {padding_id} apart"):
+        model = rnnify.convert(source, to="exact")
+    ids = _tokens(1, 10, 6, padding_id)
+    ids[0, 4] = padding_id
+    with torch.no_grad():
+        want = source(input_ids=ids, use_cache=False).logits
+    assert rel_diff(decode(model, ids, 6)[0], want) > tolerance(torch.float32)  # what the warning says
+
+
+def test_a_model_reading_its_padding_id_as_a_token_converts_without_that_warning(tiny_model_dir, recwarn):
+    source = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
+    source.config.pad_token_id = 0  # its embedding reads it as any row; nothing else reads the tokens
+    rnnify.convert(source, to="exact")
+    assert not [w for w in recwarn if "padding id" in str(w.message)]
 
 
 def test_where_positions_start(tiny_model_dir, converted):

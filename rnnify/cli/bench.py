@@ -48,7 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device_flag(p)
     add_dtype_flag(p, None, "dtype; must be the one DIR was converted to (default: DIR's)")
     p.add_argument("--steps", type=int, default=BENCH_STEPS, metavar="N", help="timed decode steps, median reported")
-    p.add_argument("--compile", action="store_true", help="decode with torch.compile of the step graph")
+    p.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="decode with torch.compile of the step graph, compiled in this process on every run; without "
+        "it, a directory whose step was compiled ahead of time (convert --compile, rnnify compile) decodes "
+        "with that",
+    )
     p.add_argument(
         "--prefill-max",
         type=int,
@@ -80,7 +86,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         dtype=args.dtype,
         steps=args.steps,
         prefill_max=args.prefill_max,
-        compile=args.compile,
+        compile=args.torch_compile,
         command="rnnify " + shlex.join(args.argv),
         progress=True,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import io
 import os
 import re
@@ -119,28 +120,42 @@ def source_name(model) -> str | None:
 
 def refuse_bidirectional_attention(name: str, config: Any) -> None:
     """Raise for a model whose config makes its attention read later tokens too (PaliGemma's language
-    model, a prefix LM; Gemma 4's ``"all"``; its ``"vision"`` leaves text causal): a recurrence reads
-    the tokens in order, so none computes that."""
+    model, a prefix LM; Gemma 4's ``"all"``; its ``"vision"`` leaves text causal; XLM's and Flaubert's
+    ``causal`` off): a recurrence reads the tokens in order, so none computes that."""
     if getattr(config, "use_bidirectional_attention", None) in (True, "all"):
-        raise UnsupportedModelError(
-            f"{name}: bidirectional attention (use_bidirectional_attention): each token also reads the tokens "
-            "after it, which no recurrence computes; rnnify converts causal attention"
-        )
+        field = "use_bidirectional_attention"
+    elif getattr(config, "causal", None) is False:
+        field = "causal: false"
+    else:
+        return
+    raise UnsupportedModelError(
+        f"{name}: bidirectional attention ({field}): each token also reads the tokens after it, which no "
+        "recurrence computes; rnnify converts causal attention"
+    )
 
 
 class _LogitsOnly(torch.nn.Module):
     """Calls the HF model with explicit positions, from ``first`` on as it numbers them
-    (``rnnify.compiler.numbering``), and no cache, returning only the logits."""
+    (``rnnify.compiler.numbering``), and no cache, returning only the logits.
+
+    A model that takes each row's length (XLM's ``lengths``) is told every row is whole: untold, it
+    counts a row's tokens other than the padding id, and zeroes the positions past that count (the
+    last ones of a left-padded row). rnnify pads rows with ``attention_mask``, which the cells read.
+    """
 
     def __init__(self, model: torch.nn.Module, first: int):
         super().__init__()
         self.model = model
         self.first = first
+        self.takes_lengths = "lengths" in inspect.signature(model.forward).parameters
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         if self.first:
             position_ids = position_ids + self.first
-        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        lengths = {}
+        if self.takes_lengths:
+            lengths["lengths"] = torch.full_like(input_ids[:, 0], input_ids.shape[1])
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **lengths).logits
 
 
 def vocab_size(config: Any) -> int:
@@ -169,13 +184,39 @@ def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
     input_ids = torch.randint(0, vocab, (_EXAMPLE_BATCH, _EXAMPLE_LENGTH), device=device)
     position_ids = torch.arange(_EXAMPLE_LENGTH, device=device).expand(_EXAMPLE_BATCH, -1)
     wrapper = _LogitsOnly(model, first)
-    with routing_forms(model):
+    with routing_forms(model), index_masks():
         try:
             graph = _plain_graph_module(_export(wrapper, input_ids, position_ids, _MAX_LENGTH).module())
         except Exception as exc:  # export failures come in many types; report them as one
             graph = _capture_after_failure(wrapper, input_ids, position_ids, exc)
     _refuse_vmap(type(model).__name__, graph)
     return graph
+
+
+@contextlib.contextmanager
+def index_masks():
+    """Within the block, transformers builds every SDPA and eager mask from index arithmetic.
+
+    It builds a mask with ``torch.vmap`` wherever a model adds a mask function of its own
+    (Unlimited-OCR's reference layers: a window, or'ed with the prompt), and export keeps vmap's
+    batching ops, which run nowhere else. Broadcast index tensors give the same mask for functions
+    of the indices (transformers' own default path); the converted model is checked against the
+    original, which builds its masks as it always does.
+    """
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    mapping = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    saved = {name: mapping[name] for name in ("sdpa", "eager")}
+    try:
+        for name, build in saved.items():
+            mapping[name] = functools.partial(_without_vmap, build)
+        yield
+    finally:
+        mapping.update(saved)
+
+
+def _without_vmap(build, *args, **kwargs):
+    return build(*args, **{**kwargs, "use_vmap": False})
 
 
 def _refuse_vmap(name: str, graph: torch.fx.GraphModule) -> None:

@@ -8,16 +8,24 @@ random tokens, a prefill and then decoding steps, and refuses a model that diffe
 first decoder layer whose output differs in the prefill (by the ``nn_module_stack`` that
 torch.export records on every node), or saying that only the steps differ (state that a step does
 not carry).
+
+The random tokens leave out the padding id. Some originals set it apart where a row holds it as a
+token (RoBERTa's family numbers positions past it, XLM zeroes a row's last positions by its count),
+while the conversion reads it as any other token; a row holding it is checked too, and where the two
+differ the user is warned: tokenizers do not make that id from text, and rnnify pads rows with
+``attention_mask``, so such rows come only from a caller who pads with the id alone (or a model that
+generates it).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rnnify.errors import RnnifyError
+from rnnify.errors import RnnifyError, RnnifyWarning
 
 if TYPE_CHECKING:
     from rnnify.runtime.model import RecurrentModel
@@ -26,6 +34,7 @@ __all__ = ["check_against_original", "differences", "relative_difference", "tole
 
 _HALF = (torch.bfloat16, torch.float16)
 CHECK_TOKENS = 12  # random tokens: half read as a prompt, half as decoding steps
+_PROMPT = CHECK_TOKENS // 2
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -55,11 +64,12 @@ def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
 @torch.no_grad()
 def check_against_original(model: RecurrentModel, source: torch.nn.Module, seed: int = 0) -> None:
     """Raise ``RnnifyError`` unless ``model`` (every cell exact) gives ``source``'s logits on
-    ``CHECK_TOKENS`` random tokens, read as a prompt and then step by step."""
-    ids = torch.randint(0, model.manifest.vocab_size, (1, CHECK_TOKENS), generator=torch.Generator().manual_seed(seed))
-    ids = ids.to(model.device)
-    want = source(input_ids=ids.to(next(source.parameters()).device), use_cache=False).logits.to(ids.device)
-    limit, half = tolerance(model.dtype), CHECK_TOKENS // 2
+    ``CHECK_TOKENS`` random tokens, read as a prompt and then step by step; warn where a row holding
+    the padding id differs (module docstring)."""
+    padding_id = _padding_id(source, model.manifest.vocab_size)
+    ids = _random_ids(model, seed, padding_id)
+    want = _original(source, ids)
+    limit = tolerance(model.dtype)
     full, _ = model.prefill(ids)
     if relative_difference(full, want) > limit:
         layer = _first_diverging_layer(model, source, ids, limit)
@@ -69,18 +79,65 @@ def check_against_original(model: RecurrentModel, source: torch.nn.Module, seed:
             f"{relative_difference(full, want):.2g} on random tokens, tolerance {limit:g}): this "
             "architecture computes something the conversion does not carry; nothing was saved"
         )
-    logits, state = model.prefill(ids[:, :half])
-    steps = [logits]
-    for t in range(half, CHECK_TOKENS):
-        logits, state = model.step(ids[:, t : t + 1], state)
-        steps.append(logits)
-    stepped = torch.cat(steps, dim=1)
+    stepped = _stepped(model, ids)
     if relative_difference(stepped, want) > limit:
         raise RnnifyError(
             f"the exact conversion reads a prompt as the original does but decodes differently "
-            f"(relative difference {relative_difference(stepped, want):.2g} over {CHECK_TOKENS - half} "
+            f"(relative difference {relative_difference(stepped, want):.2g} over {CHECK_TOKENS - _PROMPT} "
             f"steps, tolerance {limit:g}): a layer keeps state between tokens that the conversion does "
             "not carry; nothing was saved"
+        )
+    if padding_id is not None:
+        _warn_where_the_padding_id_differs(model, source, ids, padding_id, limit)
+
+
+def _padding_id(source: torch.nn.Module, vocab_size: int) -> int | None:
+    """The source config's padding id, where one other token is left to draw the random tokens from."""
+    config = getattr(source, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(config, "pad_token_id", None)
+    valid = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+    return value if valid and vocab_size > 1 else None
+
+
+def _random_ids(model: RecurrentModel, seed: int, padding_id: int | None) -> torch.Tensor:
+    """``[1, CHECK_TOKENS]`` random token ids, the padding id left out."""
+    vocab, generator = model.manifest.vocab_size, torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab - (padding_id is not None), (1, CHECK_TOKENS), generator=generator)
+    if padding_id is not None:
+        ids = ids + (ids >= padding_id).long()
+    return ids.to(model.device)
+
+
+def _original(source: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return source(input_ids=ids.to(next(source.parameters()).device), use_cache=False).logits.to(ids.device)
+
+
+def _stepped(model: RecurrentModel, ids: torch.Tensor) -> torch.Tensor:
+    """``model``'s logits of ``ids`` read as a prompt of the first ``_PROMPT``, then a step a token."""
+    logits, state = model.prefill(ids[:, :_PROMPT])
+    steps = [logits]
+    for t in range(_PROMPT, ids.shape[1]):
+        logits, state = model.step(ids[:, t : t + 1], state)
+        steps.append(logits)
+    return torch.cat(steps, dim=1)
+
+
+def _warn_where_the_padding_id_differs(
+    model: RecurrentModel, source: torch.nn.Module, ids: torch.Tensor, padding_id: int, limit: float
+) -> None:
+    """Warn when ``ids`` holding ``padding_id`` in the prompt and in the steps read differently by ``model``."""
+    ids = ids.clone()
+    ids[:, [2, _PROMPT + 2]] = padding_id
+    want = _original(source, ids)
+    difference = max(relative_difference(got, want) for got in (model.prefill(ids)[0], _stepped(model, ids)))
+    if difference > limit:
+        warnings.warn(
+            f"{type(source).__name__} sets its padding id {padding_id} apart where a row holds it as a "
+            "token and the conversion does not: such a row decodes differently from the original "
+            f"(relative difference {difference:.2g}); pad rows with attention_mask",
+            RnnifyWarning,
+            stacklevel=2,
         )
 
 

@@ -101,6 +101,7 @@ OPS = frozenset(
         "torch.ops.aten.logical_and.default",
         "torch.ops.aten.logsumexp.default",
         "torch.ops.aten.lt.Scalar",
+        "torch.ops.aten.lt.Tensor",
         "torch.ops.aten.masked_fill.Scalar",
         "torch.ops.aten.matmul.default",
         "torch.ops.aten.max.dim",
