@@ -226,6 +226,30 @@ def auto_probe(model, ids, converted, tol: float) -> dict:
     return {"status": "scored", "error": error, "runner": type(runner).__name__}
 
 
+@torch.no_grad()
+def _left_padded_error(converted, ids) -> float | None:
+    """The largest difference between the rows of ``ids``, the second cut short and left-padded (a
+    prefill of the first ``SEQ`` columns, then steps), and each row read alone."""
+    short = SEQ // 2
+    padded = ids.clone()
+    padded[1, : SEQ - short] = 0
+    mask = torch.ones_like(padded)
+    mask[1, : SEQ - short] = 0
+    logits, state = converted.prefill(padded[:, :SEQ], attention_mask=mask[:, :SEQ])
+    stepped = []
+    for t in range(SEQ, SEQ + STEPS):
+        out, state = converted.step(padded[:, t : t + 1], state)
+        stepped.append(out)
+    errors = []
+    for row, start in ((0, 0), (1, SEQ - short)):
+        alone, alone_state = converted.prefill(ids[row : row + 1, start:SEQ])
+        errors.append(_rel(logits[row, start:], alone[0]))
+        for t in range(SEQ, SEQ + STEPS):
+            out, alone_state = converted.step(ids[row : row + 1, t : t + 1], alone_state)
+            errors.append(_rel(stepped[t - SEQ][row], out[0]))
+    return None if None in errors else max(errors)
+
+
 def run_job(name: str) -> dict:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -257,7 +281,11 @@ def run_job(name: str) -> dict:
         for t in range(SEQ, SEQ + STEPS):
             out, state = converted.step(ids[:, t : t + 1], state)
             steps.append(out)
-        result["errors"] = {"prefill": _rel(got, want_prefill), "prefill+steps": _rel(torch.cat(steps, 1), want_full)}
+        result["errors"] = {
+            "prefill": _rel(got, want_prefill),
+            "prefill+steps": _rel(torch.cat(steps, 1), want_full),
+            "left-padded": _left_padded_error(converted, ids),
+        }
         judged = all(cell.exact for cell in converted.cells)
         tol = tolerance(next(model.parameters()).dtype)  # rnnify verify's: 1e-4, 2e-2 in half precision
         ok = all(e is not None and e <= tol for e in result["errors"].values())
@@ -414,7 +442,8 @@ def markdown(sweep: dict) -> str:
         f"{run['transformers']}, and below every vision- or audio-language model class it has no causal "
         "LM class for, as a tiny random model (2 layers, 64 wide), converted with "
         '`rnnify.convert(model, to="exact")` and compared with the original, prefill and prefill + '
-        f"{sweep['steps']} steps (exact: within {sweep['tolerance']}); a row `TYPE@VARIANT` is that type in "
+        f"{sweep['steps']} steps, and a batch with a left-padded row with each row alone (exact: within "
+        f"{sweep['tolerance']}); a row `TYPE@VARIANT` is that type in "
         "the layout of a released checkpoint its defaults do not build (`falcon@alibi`: Falcon-RW). "
         "A refusal is one line saying why; "
         "nothing converts silently wrong: where the original sets its padding id apart when a row holds it "
