@@ -1,14 +1,15 @@
 """Convert a tiny random model of every causal-LM architecture; record outcomes and step-graph ops.
 
     python benchmarks/arch_sweep.py [--only llama,gpt2,llama:linear] [--timeout 120] [--workers 2]
-        [-o benchmarks/results/arch_sweep.json]
+        [--dtype float32] [-o benchmarks/results/arch_sweep.json]
 
 A job per ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` entry and per composite (``COMPOSITES``: a vision- or
 audio-language model type without a causal LM class, whose language model rnnify converts, compared
 with the whole on text): a model of 2 layers, 64 wide, from the config
 class with every size-like attribute shrunk (``arch_configs.build``), ``rnnify.convert(model, to="exact")``, then prefill
 (SEQ tokens) and prefill + STEPS steps against the original's forward (max abs diff / max abs of the
-reference). Jobs ``MODEL_TYPE@VARIANT`` build that model type in the layout of a released
+reference), and a batch whose second row is cut short and left-padded against each row alone.
+Jobs ``MODEL_TYPE@VARIANT`` build that model type in the layout of a released
 checkpoint its defaults do not build (``VARIANTS``: ``falcon@alibi``, Falcon-RW). Status: exact (both
 within ``rnnify.verify.tolerance``), mismatch, refused (an ``RnnifyError``), crash (any other
 exception), config (no tiny model builds), timeout; a model that builds but names no vocabulary or
@@ -159,16 +160,17 @@ def _logits(model, ids):
     return out.logits if hasattr(out, "logits") else out[0]
 
 
-def _convert(name: str):
-    """(source model, its conversion (a callable), class name) for job ``name``: MODEL_TYPE[@VARIANT] or
-    ARCH:TARGET[@DTYPE]."""
+def _convert(name: str, dtype: torch.dtype = torch.float32):
+    """(source model, its conversion (a callable), class name) for job ``name``: MODEL_TYPE[@VARIANT]
+    (in ``dtype``) or ARCH:TARGET[@DTYPE]."""
     if ":" not in name:
         model, class_name = build(name)
+        model = model.to(dtype)
         return model, lambda: rnnify.convert(model, to="exact"), class_name
     arch, target = name.split(":")
-    target, _, dtype = target.partition("@")  # e.g. exact@bfloat16
+    target, _, precision = target.partition("@")  # e.g. exact@bfloat16
     if not target.startswith("auto"):
-        model = tiny_example(arch).to(getattr(torch, dtype or "float32"))
+        model = tiny_example(arch).to(getattr(torch, precision or "float32"))
         return model, lambda: rnnify.convert(model, to=target, **TARGET_OPTIONS.get(target, {})), type(model).__name__
     model = tiny_example(arch)
     directory = make_tiny_model(tempfile.mkdtemp(prefix="arch-sweep-"), arch)
@@ -229,10 +231,12 @@ def auto_probe(model, ids, converted, tol: float) -> dict:
 @torch.no_grad()
 def _left_padded_error(converted, ids) -> float | None:
     """The largest difference between the rows of ``ids``, the second cut short and left-padded (a
-    prefill of the first ``SEQ`` columns, then steps), and each row read alone."""
+    prefill of the first ``SEQ`` columns, then steps), and each row read alone. The padding holds the
+    first row's tokens, not a padding id: a padding id's embedding is often zero, which adds nothing
+    to a state that starts at zero, and so would not show a padded position leaking into one."""
     short = SEQ // 2
     padded = ids.clone()
-    padded[1, : SEQ - short] = 0
+    padded[1, : SEQ - short] = ids[0, : SEQ - short]
     mask = torch.ones_like(padded)
     mask[1, : SEQ - short] = 0
     logits, state = converted.prefill(padded[:, :SEQ], attention_mask=mask[:, :SEQ])
@@ -250,14 +254,14 @@ def _left_padded_error(converted, ids) -> float | None:
     return None if None in errors else max(errors)
 
 
-def run_job(name: str) -> dict:
+def run_job(name: str, dtype: torch.dtype = torch.float32) -> dict:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     logging.set_verbosity_error()
     logging.disable_progress_bar()
     result: dict = {"status": None, "class": None, "stage": "config"}
     try:
-        model, convert, result["class"] = _convert(name)
+        model, convert, result["class"] = _convert(name, dtype)
         result["params"] = sum(p.numel() for p in model.parameters())
         result["stage"] = "source"
         vocab = model.config.get_text_config().vocab_size
@@ -290,7 +294,7 @@ def run_job(name: str) -> dict:
         tol = tolerance(next(model.parameters()).dtype)  # rnnify verify's: 1e-4, 2e-2 in half precision
         ok = all(e is not None and e <= tol for e in result["errors"].values())
         result["status"] = ("exact" if ok else "mismatch") if judged else "approx"
-        if result["status"] == "exact" and ":" not in name:
+        if result["status"] == "exact" and ":" not in name and dtype == torch.float32:
             result["auto"] = auto_probe(model, ids[:1, :SEQ], converted, tol)
         result["stage"] = "save"
         graph_to_json(converted.graph.graph)  # what saving would do with today's serialize
@@ -322,15 +326,15 @@ def _unrunnable(convert, source_error: Exception) -> dict:
     return {"status": "config", "message": first_line(source_error, with_type=True)}
 
 
-def _child(name: str, conn) -> None:
-    conn.send(run_job(name))
+def _child(name: str, dtype: torch.dtype, conn) -> None:
+    conn.send(run_job(name, dtype))
     conn.close()
 
 
-def run_isolated(name: str, timeout: float) -> dict:
+def run_isolated(name: str, timeout: float, dtype: torch.dtype = torch.float32) -> dict:
     ctx = mp.get_context("forkserver")
     receive, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(name, send), daemon=True)
+    proc = ctx.Process(target=_child, args=(name, dtype, send), daemon=True)
     start = time.perf_counter()
     proc.start()
     send.close()
@@ -495,34 +499,50 @@ def main() -> None:
     )
     parser.add_argument("--timeout", type=float, default=120, help="seconds per job (default: 120)")
     parser.add_argument("--workers", type=int, default=2, choices=(1, 2), help="jobs at once (default: 2)")
-    parser.add_argument("-o", "--output", default=str(ROOT / "benchmarks/results/arch_sweep.json"))
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the model-type jobs' tiny models, each checked within its tolerance (default: float32; "
+        "bfloat16 writes benchmarks/results/arch_sweep_bfloat16.json unless -o says otherwise)",
+    )
+    parser.add_argument("-o", "--output")
     parser.add_argument(
         "--markdown",
         metavar="FILE",
         help="only write the architectures table of -o's results to FILE (docs/architectures.md), run nothing",
     )
     args = parser.parse_args()
+    suffix = "" if args.dtype == "float32" else f"_{args.dtype}"
+    args.output = args.output or str(ROOT / f"benchmarks/results/arch_sweep{suffix}.json")
     if args.markdown:
         sweep = json.loads(Path(args.output).read_text())
+        if sweep.get("dtype", "float32") != "float32":
+            parser.error(f"{args.output} holds the {sweep['dtype']} sweep; the architectures page is the float32 one's")
         Path(args.markdown).write_text(markdown(sweep))
         print(f"wrote {args.markdown}")
         return
     mp.set_forkserver_preload(
         ["torch", "transformers", "rnnify.compiler.convert", "rnnify.auto", "rnnify.runtime.serialize"]
     )
-    jobs = all_jobs()
+    jobs = all_jobs() if args.dtype == "float32" else [job for job in all_jobs() if ":" not in job]
     if args.only:
         wanted = args.only.split(",")
         unknown = [n for n in wanted if n not in jobs]
         if unknown:
-            parser.error(f"unknown jobs: {', '.join(unknown)}")
+            only = "" if args.dtype == "float32" else " (ARCH:TARGET jobs run in the float32 sweep, in their @DTYPE)"
+            parser.error(f"unknown jobs{only}: {', '.join(unknown)}")
         jobs = wanted
     output = Path(args.output)
     previous = json.loads(output.read_text()) if args.only and output.is_file() else {"results": {}, "runs": []}
+    if previous["results"] and previous.get("dtype", "float32") != args.dtype:
+        parser.error(
+            f"{output} holds a {previous.get('dtype', 'float32')} sweep; a {args.dtype} one goes to another -o"
+        )
     results: dict = {}
 
     def one(name: str) -> None:
-        results[name] = result = run_isolated(name, args.timeout)
+        results[name] = result = run_isolated(name, args.timeout, getattr(torch, args.dtype))
         errors = " ".join(f"{k} {'nan' if v is None else f'{v:.1e}'}" for k, v in (result.get("errors") or {}).items())
         print(
             f"[{len(results)}/{len(jobs)}] {name}: {result['status']} ({result['seconds']} s) {errors} "
@@ -547,6 +567,7 @@ def main() -> None:
         json.dumps(
             {
                 "runs": [*previous.get("runs", []), run],
+                "dtype": args.dtype,
                 "seq": SEQ,
                 "steps": STEPS,
                 "batch": BATCH,

@@ -21,6 +21,7 @@ from torch import nn
 import rnnify
 from rnnify.compiler.passes.find_attention import sites
 from rnnify.errors import UnsupportedModelError
+from rnnify.runtime.agreement import tolerance
 
 VOCAB, TOKENS, PROMPT = 256, 24, 16
 SIZES = {"vocab_size": VOCAB, "max_position_embeddings": 128}
@@ -67,6 +68,15 @@ def _assert_exact(model: transformers.PreTrainedModel, ids: torch.Tensor, prompt
 def test_older_eager_attention_converts_exactly(name):
     converted = _assert_exact(_build(name), _ids(), PROMPT)
     assert [cell.spec.window for cell in converted.cells] == WINDOWS.get(name, [None, None])
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_older_eager_attention_converts_exactly_in_bfloat16(name):
+    """The masks in the model's dtype: OpenAI GPT's -1e4 is -9984 in bfloat16, and still masks."""
+    model = _build(name).to(torch.bfloat16)
+    converted = rnnify.convert(model, to="exact")  # checked against the original as it converts
+    ids = _ids()
+    assert rel_diff(decode(converted, ids, PROMPT)[0], original_logits(model, ids)) < tolerance(torch.bfloat16)
 
 
 def test_a_window_past_the_probe_is_read_from_the_mask_buffer():
@@ -143,6 +153,10 @@ class _Masked(_Eager):
             s = torch.where(causal, s, torch.tensor(0.0))
         elif self.mode == "multiply_only":  # masked scores become 0: attended
             s = s * causal
+        elif self.mode == "multiply_small":  # masked scores become -100: barely attended, still attended
+            s = s * causal + -100.0 * (~causal).float()
+        elif self.mode == "where_small":  # the same by a where
+            s = torch.where(causal, s, torch.tensor(-100.0))
         elif self.mode == "multiply_by_two":  # a factor, not a mask
             s = s * (2.0 * causal) + -1e4 * (~causal).float()
         elif self.mode == "max_zero":  # max with 0 changes every negative score
@@ -171,6 +185,8 @@ def test_each_mask_form_is_found_causal():
 NOT_MASKS = {
     "where_zero": "putting a value that is no mask's",
     "multiply_only": "multiplies scores by 0 without masking them",
+    "multiply_small": "multiplies scores by 0 without masking them",
+    "where_small": "putting a value that is no mask's",
     "multiply_by_two": "multiplies its scores by a factor not 0 or 1",
     "max_zero": "of the scores and more than the lowest value",
 }

@@ -175,6 +175,21 @@ def test_an_unknown_numbering_is_refused_before_capture(tiny_model_dir, monkeypa
     assert not exported
 
 
+def test_a_source_that_fails_on_its_own_is_refused_in_one_line(tiny_model_dir, monkeypatch):
+    source = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("expected m1 and m2 to have the same dtype\nmore lines")
+
+    monkeypatch.setattr(source.lm_head, "forward", fails)
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"LlamaForCausalLM fails when run on token ids, in float32 with its sdpa.*same dtype",
+    ) as e:
+        rnnify.convert(source, to="exact")
+    assert "\n" not in str(e.value)
+
+
 def test_a_model_that_needs_more_than_token_ids_is_refused_before_capture():
     """IDEFICS (1) is a causal LM in transformers' eyes but needs its images: refused in one line."""
     model, _ = build("idefics")

@@ -51,6 +51,15 @@ def first_position(model: torch.nn.Module, vocab_size: int) -> int:
             f"{type(model).__name__} fails when run on token ids alone ({first_line(exc, with_type=True)}); "
             "rnnify converts language models that read text"
         ) from exc
+    except (torch.OutOfMemoryError, MemoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the source's own failure (Inkling 2's head in bfloat16), in one line
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        attention = getattr(model.config, "_attn_implementation", None)
+        raise UnsupportedModelError(
+            f"{type(model).__name__} fails when run on token ids, in {dtype} with its {attention} attention, "
+            f"before capture ({first_line(exc, with_type=True)})"
+        ) from exc
     counted = torch.arange(_PROBE_LENGTH, device=device).expand(_PROBE_BATCH, -1)
     limit = tolerance(own.dtype)
     differences = []

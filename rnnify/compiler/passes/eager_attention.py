@@ -58,8 +58,9 @@ _MASKED_FILL = {aten.masked_fill.Scalar, aten.masked_fill_.Scalar}
 _WHERE = {aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf}
 # ops that read a mask from its buffer, value for value (the buffer's corner: slices, casts)
 _BUFFER_READS = {aten.slice.Tensor, aten.alias.default, aten.to.dtype, aten._to_copy.default, aten.clone.default}
-# a masked_fill or where value at most this is a mask (-inf, or a dtype's lowest: float16's is -65504)
-MASK_FILL = -1e4
+# a masked_fill or where value at most this is a mask (-inf, or a dtype's lowest: float16's is -65504),
+# as is -1e4 (OpenAI GPT's) as the model's dtype rounds it: -9984 in bfloat16
+MASK_FILL = -1e4 * (1 - 2**-7)
 
 
 @dataclass
