@@ -200,7 +200,7 @@ def index_masks():
     It builds a mask with ``torch.vmap`` wherever a model adds a mask function of its own
     (Unlimited-OCR's reference layers: a window, or'ed with the prompt), and export keeps vmap's
     batching ops, which run nowhere else. Broadcast index tensors give the same mask for functions
-    of the indices (transformers' own default path); the converted model is checked against the
+    of the indices (transformers' own default path); an exact conversion is checked against the
     original, which builds its masks as it always does.
     """
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS

@@ -14,9 +14,10 @@ refused before capture rather than converted wrong.
 
 A padding id read as a real token (tokenizers do not produce it from text; a model may generate
 it) is numbered like any other token. The original gives it ``padding_idx``, and from there the two
-differ; ``convert`` says so in a warning (``runtime.agreement``). The graph could set it apart too, but a position that does not follow the one before it
-is how transformers' mask construction recognises packed sequences, and the attention probe
-(``find_attention``) would then see a mask that is not causal.
+differ; ``convert`` says so in a warning (``runtime.agreement``). The graph could set it apart too,
+but a position that does not follow the one before it is how transformers' mask construction
+recognises packed sequences, and the attention probe (``find_attention``) would then see a mask
+that is not causal.
 """
 
 from __future__ import annotations
