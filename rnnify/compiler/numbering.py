@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from rnnify.errors import UnsupportedModelError, first_line
-from rnnify.runtime.agreement import relative_difference, tolerance
+from rnnify.runtime.agreement import padding_id, relative_difference, tokens_but, tolerance
 
 __all__ = ["first_position"]
 
@@ -38,13 +38,8 @@ def first_position(model: torch.nn.Module, vocab_size: int) -> int:
     rnnify does not know its numbering, or when the model rejects token ids alone (it needs images,
     audio or another model's cache)."""
     device = next(model.parameters()).device
-    padding_id = getattr(model.config, "pad_token_id", None)
-    padding_id = padding_id if isinstance(padding_id, int) and 0 <= padding_id < vocab_size else None
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab_size - (padding_id is not None), (_PROBE_BATCH, _PROBE_LENGTH), generator=generator)
-    if padding_id is not None:
-        ids = ids + (ids >= padding_id).long()  # every token but the padding id
-    ids = ids.to(device)
+    padding = padding_id(model, vocab_size)
+    ids = tokens_but(padding, vocab_size, (_PROBE_BATCH, _PROBE_LENGTH), seed=0).to(device)
     try:
         own = model(input_ids=ids, use_cache=False).logits
     except (ValueError, TypeError) as exc:  # how a model says it needs its images, audio or other inputs
@@ -64,7 +59,7 @@ def first_position(model: torch.nn.Module, vocab_size: int) -> int:
     counted = torch.arange(_PROBE_LENGTH, device=device).expand(_PROBE_BATCH, -1)
     limit = tolerance(own.dtype)
     differences = []
-    for first in [0] + ([padding_id + 1] if padding_id is not None else []):
+    for first in [0] + ([padding + 1] if padding is not None else []):
         logits = model(input_ids=ids, position_ids=counted + first, use_cache=False).logits
         differences.append(relative_difference(logits, own))
         if differences[-1] <= limit:
@@ -72,5 +67,5 @@ def first_position(model: torch.nn.Module, vocab_size: int) -> int:
     raise UnsupportedModelError(
         f"{type(model).__name__} numbers its positions in a way rnnify does not know: its logits differ "
         f"from those it gives with positions 0, 1, 2, ... (relative difference {differences[0]:.2g})"
-        + (f" and from padding_idx + 1 = {padding_id + 1} on ({differences[1]:.2g})" if len(differences) > 1 else "")
+        + (f" and from padding_idx + 1 = {padding + 1} on ({differences[1]:.2g})" if len(differences) > 1 else "")
     )

@@ -30,7 +30,7 @@ from rnnify.errors import RnnifyError, RnnifyWarning
 if TYPE_CHECKING:
     from rnnify.runtime.model import RecurrentModel
 
-__all__ = ["check_against_original", "differences", "relative_difference", "tolerance"]
+__all__ = ["check_against_original", "differences", "padding_id", "relative_difference", "tokens_but", "tolerance"]
 
 _HALF = (torch.bfloat16, torch.float16)
 CHECK_TOKENS = 12  # random tokens: half read as a prompt, half as decoding steps
@@ -66,8 +66,8 @@ def check_against_original(model: RecurrentModel, source: torch.nn.Module, seed:
     """Raise ``RnnifyError`` unless ``model`` (every cell exact) gives ``source``'s logits on
     ``CHECK_TOKENS`` random tokens, read as a prompt and then step by step; warn where a row holding
     the padding id differs (module docstring)."""
-    padding_id = _padding_id(source, model.manifest.vocab_size)
-    ids = _random_ids(model, seed, padding_id)
+    padding = padding_id(source, model.manifest.vocab_size)
+    ids = tokens_but(padding, model.manifest.vocab_size, (1, CHECK_TOKENS), seed).to(model.device)
     want = _original(source, ids)
     limit = tolerance(model.dtype)
     full, _ = model.prefill(ids)
@@ -87,12 +87,12 @@ def check_against_original(model: RecurrentModel, source: torch.nn.Module, seed:
             f"steps, tolerance {limit:g}): a layer keeps state between tokens that the conversion does "
             "not carry; nothing was saved"
         )
-    if padding_id is not None:
-        _warn_where_the_padding_id_differs(model, source, ids, padding_id, limit)
+    if padding is not None:
+        _warn_where_the_padding_id_differs(model, source, ids, padding, limit)
 
 
-def _padding_id(source: torch.nn.Module, vocab_size: int) -> int | None:
-    """The source config's padding id, where one other token is left to draw the random tokens from."""
+def padding_id(source: torch.nn.Module, vocab_size: int) -> int | None:
+    """The source config's padding id, where one other token is left to draw random tokens from."""
     config = getattr(source, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     value = getattr(config, "pad_token_id", None)
@@ -100,13 +100,11 @@ def _padding_id(source: torch.nn.Module, vocab_size: int) -> int | None:
     return value if valid and vocab_size > 1 else None
 
 
-def _random_ids(model: RecurrentModel, seed: int, padding_id: int | None) -> torch.Tensor:
-    """``[1, CHECK_TOKENS]`` random token ids, the padding id left out."""
-    vocab, generator = model.manifest.vocab_size, torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab - (padding_id is not None), (1, CHECK_TOKENS), generator=generator)
-    if padding_id is not None:
-        ids = ids + (ids >= padding_id).long()
-    return ids.to(model.device)
+def tokens_but(padding: int | None, vocab_size: int, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Random token ids of ``shape`` (on the CPU, from ``seed``), every one but ``padding``."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size - (padding is not None), shape, generator=generator)
+    return ids if padding is None else ids + (ids >= padding).long()
 
 
 def _original(source: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -124,16 +122,16 @@ def _stepped(model: RecurrentModel, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _warn_where_the_padding_id_differs(
-    model: RecurrentModel, source: torch.nn.Module, ids: torch.Tensor, padding_id: int, limit: float
+    model: RecurrentModel, source: torch.nn.Module, ids: torch.Tensor, padding: int, limit: float
 ) -> None:
-    """Warn when ``ids`` holding ``padding_id`` in the prompt and in the steps read differently by ``model``."""
+    """Warn when ``ids`` holding ``padding`` in the prompt and in the steps read differently by ``model``."""
     ids = ids.clone()
-    ids[:, [2, _PROMPT + 2]] = padding_id
+    ids[:, [2, _PROMPT + 2]] = padding
     want = _original(source, ids)
     difference = max(relative_difference(got, want) for got in (model.prefill(ids)[0], _stepped(model, ids)))
     if difference > limit:
         warnings.warn(
-            f"{type(source).__name__} sets its padding id {padding_id} apart where a row holds it as a "
+            f"{type(source).__name__} sets its padding id {padding} apart where a row holds it as a "
             "token and the conversion does not: such a row decodes differently from the original "
             f"(relative difference {difference:.2g}); pad rows with attention_mask",
             RnnifyWarning,
