@@ -62,9 +62,10 @@ def check_lengths(
     ``refused`` (module docstring): those shorter than ``example_length`` are checked with ``agrees_at``."""
     longer = sorted(length for length in refused if length > example_length)
     if longer and set(probed) - {example_length} <= set(refused):
+        guards = ", ".join(f"`{guard}`" for guard in dict.fromkeys(refused[length] for length in sorted(refused)))
         raise UnsupportedModelError(
-            f"{name}: its forward pass makes the sequence length a constant (torch.export keeps the guard "
-            f"`{refused[longer[0]]}`), so no captured graph computes it for other lengths"
+            f"{name}: its forward pass makes the sequence length a constant: torch.export's graph holds at "
+            f"{example_length} tokens alone (it keeps {guards}), so no captured graph computes other lengths"
         )
     if longer:
         raise UnsupportedModelError(
