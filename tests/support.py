@@ -127,6 +127,13 @@ TINY_HYBRID = dict(
 )  # fmt: skip
 
 
+# a tiny Mixtral: one layer of four experts, two a token (``tiny_causal_lm("mixtral", **TINY_MIXTRAL)``)
+TINY_MIXTRAL = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+)  # fmt: skip
+
+
 def tiny_causal_lm(model_type: str, **config):
     """A random causal LM of ``model_type`` and ``config``, the same weights every call (seed 0), in
     eval mode: the tests' tiny models, built with no hub."""

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import reseal
+from support import TINY_MIXTRAL, reseal, tiny_causal_lm
 
 import rnnify
 from rnnify.cli import main
@@ -198,12 +198,14 @@ def test_what_conversion_emits_is_in_the_vocabulary(converted_dir, arch, target)
 
 def test_the_vocabulary_is_what_the_architecture_sweep_found():
     """``OPS`` is the union of the call targets in the step graphs of every architecture and target
-    that ``benchmarks/arch_sweep.py`` converted: rerun it on a transformers upgrade, and review what
-    it adds before adding it here."""
-    sweep = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/arch_sweep.json").read_text())
-    assert set(sweep["ops"]) == OPS
-    strings = {value for op in sweep["ops"].values() for value in op["strings"]}
+    that ``benchmarks/arch_sweep.py`` converted, in float32 and in bfloat16: rerun both on a
+    transformers upgrade, and review what they add before adding it here."""
+    results = Path(__file__).resolve().parents[1] / "benchmarks/results"
+    sweeps = [json.loads((results / name).read_text()) for name in ("arch_sweep.json", "arch_sweep_bfloat16.json")]
+    assert set().union(*(sweep["ops"] for sweep in sweeps)) == OPS
+    strings = {value for sweep in sweeps for op in sweep["ops"].values() for value in op["strings"]}
     assert all(any(p.fullmatch(value) for p in STRING_ARGUMENTS.values()) for value in strings)
+    assert not [name for sweep in sweeps for name, r in sweep["results"].items() if "serialize_error" in r]
 
 
 def test_saving_refuses_an_op_outside_the_vocabulary():
@@ -223,6 +225,7 @@ _DANGEROUS = [
     "torch.ops.aten.empty.memory_format",
     "torch.ops.aten.full.default",
     "torch.ops.aten.hardswish.default",
+    "torch.ops.aten._grouped_mm.default",  # a kernel that reads and writes by the offsets it is given
     "torch.ops.rnnify.window_attn_step.default",
     "operator.setitem",
     "operator.call",
@@ -337,26 +340,34 @@ def test_fuzzed_directories_load_only_as_allowed_graphs(tmp_path_factory, conver
     assert names <= OPS
 
 
+def test_a_mixture_of_experts_in_bfloat16_saves_and_loads(tmp_path):
+    """In bfloat16 transformers' experts would run torch's grouped matmul (``aten._grouped_mm``), which
+    trusts its offsets and so stays out of the vocabulary: the graph takes transformers' fallback op in
+    every dtype, saves, and loads to the original's logits."""
+    source = tiny_causal_lm("mixtral", **TINY_MIXTRAL).to(torch.bfloat16)
+    model = rnnify.convert(source, to="exact")
+    targets = {n["target"] for n in graph_to_json(model.graph.graph)["nodes"]}
+    assert "torch.ops.transformers.grouped_mm_fallback.default" in targets
+    from transformers.integrations import moe
+
+    assert moe._can_use_grouped_mm(  # transformers' own choice again after the capture
+        torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(3, 4, 4, dtype=torch.bfloat16), None
+    )
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    loaded = rnnify.load(model.save(tmp_path / "moe"))
+    with torch.no_grad():
+        want = source(input_ids=ids, use_cache=False).logits
+    got = loaded.prefill(ids)[0]
+    assert torch.equal(got, model.prefill(ids)[0]) and (got - want).abs().max() <= 1e-3 * want.abs().max()
+
+
 def test_an_op_another_library_registers_resolves_in_a_fresh_process(tmp_path):
     """A mixture-of-experts layer exports transformers' own grouped matmul op, which exists only once
     transformers' MoE module is imported: a process that only loads the model has not imported it."""
     import subprocess
     import sys
 
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(0)
-    config = MixtralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    model = rnnify.convert(MixtralForCausalLM(config).eval(), to="exact")
+    model = rnnify.convert(tiny_causal_lm("mixtral", **TINY_MIXTRAL), to="exact")
     assert "torch.ops.transformers.grouped_mm_fallback.default" in {
         n["target"] for n in graph_to_json(model.graph.graph)["nodes"]
     }

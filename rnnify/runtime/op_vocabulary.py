@@ -30,7 +30,9 @@ __all__ = ["OPS", "STRING_ARGUMENTS", "check_call", "check_module_call", "check_
 
 # Every call target a step graph may name, as ``graph.json`` stores it: exactly the ops that
 # ``benchmarks/arch_sweep.py`` found in the step graphs of every architecture that converts and of
-# every target (its JSON in benchmarks/results; tests/test_graph_vocabulary.py holds the two equal).
+# every target, in float32 and in bfloat16 (its JSONs in benchmarks/results; tests/test_graph_vocabulary.py
+# holds them equal). A mixture of experts multiplies with transformers' fallback op, not torch's
+# grouped matmul, which trusts its offsets (rnnify/compiler/routing.py).
 # A new entry is a decision, reviewed as such, that the op only computes on tensors it is given:
 # no file, process, device or library beyond torch and transformers.
 OPS = frozenset(
