@@ -10,8 +10,10 @@ class with every size-like attribute shrunk (``arch_configs.build``), ``rnnify.c
 (SEQ tokens) and prefill + STEPS steps against the original's forward (max abs diff / max abs of the
 reference), and a batch whose second row is cut short and left-padded against each row alone.
 Jobs ``MODEL_TYPE@VARIANT`` build that model type in the layout of a released
-checkpoint its defaults do not build (``VARIANTS``: ``falcon@alibi``, Falcon-RW). Status: exact (both
-within ``rnnify.verify.tolerance``), mismatch, refused (an ``RnnifyError``), crash (any other
+checkpoint its defaults do not build (``VARIANTS``: ``falcon@alibi``, Falcon-RW). Status: exact (each
+within ``rnnify.verify.tolerance``), rounding (``--dtype bfloat16`` only: over it, but within it of the
+original decoding the same rows: ``sweep_checks.py``),
+mismatch, refused (an ``RnnifyError``), crash (any other
 exception), config (no tiny model builds), timeout; a model that builds but names no vocabulary or
 fails on token ids alone (it needs images, audio or another model's cache) is handed to rnnify all
 the same, for its answer.
@@ -62,11 +64,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 from make_tiny_model import make_tiny_model  # noqa: E402
 
-SEQ, STEPS, BATCH = 16, 8, 2
 # vision- and audio-language model types that transformers has no causal LM class for
 COMPOSITES = [name for name in MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES if name not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
 
 from arch_configs import TARGET_OPTIONS, VARIANTS, build, tiny_example  # noqa: E402
+from sweep_checks import BATCH, SEQ, STEPS, judge_rounding, left_padded_error, random_ids, relative_error  # noqa: E402
 
 
 # --------------------------------------------------------------------------- ops of a saved graph
@@ -150,12 +152,7 @@ def graph_ops(graph) -> dict:
 
 
 # --------------------------------------------------------------------------- one job, in a child process
-def _rel(got, want) -> float | None:
-    diff = float((got.float() - want.float()).abs().max()) / max(float(want.float().abs().max()), 1e-30)
-    return diff if math.isfinite(diff) else None  # NaN/inf: reported as null, judged a mismatch
-
-
-def _logits(model, ids):
+def logits_of(model, ids):
     out = model(input_ids=ids, use_cache=False)
     return out.logits if hasattr(out, "logits") else out[0]
 
@@ -220,38 +217,12 @@ def auto_probe(model, ids, converted, tol: float) -> dict:
         differ += [
             f"layer {layer} {k}" for k in SCORE_TERMS if site and (getattr(spec, k) is None) != (site.get(k) is None)
         ]
-    error = _rel(probed, _logits(model, ids)[0])
+    error = relative_error(probed, logits_of(model, ids)[0])
     if error is None or error > tol:
         differ.append(f"logits: relative error {error}")
     if differ:
         return {"status": "mismatch", "message": "; ".join(differ)}
     return {"status": "scored", "error": error, "runner": type(runner).__name__}
-
-
-@torch.no_grad()
-def _left_padded_error(converted, ids) -> float | None:
-    """The largest difference between the rows of ``ids``, the second cut short and left-padded (a
-    prefill of the first ``SEQ`` columns, then steps), and each row read alone. The padding holds the
-    first row's tokens, not a padding id: a padding id's embedding is often zero, which adds nothing
-    to a state that starts at zero, and so would not show a padded position leaking into one."""
-    short = SEQ // 2
-    padded = ids.clone()
-    padded[1, : SEQ - short] = ids[0, : SEQ - short]
-    mask = torch.ones_like(padded)
-    mask[1, : SEQ - short] = 0
-    logits, state = converted.prefill(padded[:, :SEQ], attention_mask=mask[:, :SEQ])
-    stepped = []
-    for t in range(SEQ, SEQ + STEPS):
-        out, state = converted.step(padded[:, t : t + 1], state)
-        stepped.append(out)
-    errors = []
-    for row, start in ((0, 0), (1, SEQ - short)):
-        alone, alone_state = converted.prefill(ids[row : row + 1, start:SEQ])
-        errors.append(_rel(logits[row, start:], alone[0]))
-        for t in range(SEQ, SEQ + STEPS):
-            out, alone_state = converted.step(ids[row : row + 1, t : t + 1], alone_state)
-            errors.append(_rel(stepped[t - SEQ][row], out[0]))
-    return None if None in errors else max(errors)
 
 
 def run_job(name: str, dtype: torch.dtype = torch.float32) -> dict:
@@ -265,9 +236,9 @@ def run_job(name: str, dtype: torch.dtype = torch.float32) -> dict:
         result["params"] = sum(p.numel() for p in model.parameters())
         result["stage"] = "source"
         vocab = model.config.get_text_config().vocab_size
-        ids = torch.randint(3, vocab, (BATCH, SEQ + STEPS), generator=torch.Generator().manual_seed(0))
+        ids = random_ids(vocab)
         with torch.no_grad():
-            want_prefill, want_full = _logits(model, ids[:, :SEQ]), _logits(model, ids)
+            want_prefill, want_full = logits_of(model, ids[:, :SEQ]), logits_of(model, ids)
         result["stage"] = "convert"
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always", RnnifyWarning)
@@ -286,14 +257,16 @@ def run_job(name: str, dtype: torch.dtype = torch.float32) -> dict:
             out, state = converted.step(ids[:, t : t + 1], state)
             steps.append(out)
         result["errors"] = {
-            "prefill": _rel(got, want_prefill),
-            "prefill+steps": _rel(torch.cat(steps, 1), want_full),
-            "left-padded": _left_padded_error(converted, ids),
+            "prefill": relative_error(got, want_prefill),
+            "prefill+steps": relative_error(torch.cat(steps, 1), want_full),
+            "left-padded": left_padded_error(converted, ids),
         }
         judged = all(cell.exact for cell in converted.cells)
         tol = tolerance(next(model.parameters()).dtype)  # rnnify verify's: 1e-4, 2e-2 in half precision
         ok = all(e is not None and e <= tol for e in result["errors"].values())
         result["status"] = ("exact" if ok else "mismatch") if judged else "approx"
+        if result["status"] == "mismatch" and dtype != torch.float32:
+            result.update(judge_rounding(model, converted, ids, result["errors"], tol))
         if result["status"] == "exact" and ":" not in name and dtype == torch.float32:
             result["auto"] = auto_probe(model, ids[:1, :SEQ], converted, tol)
         result["stage"] = "save"
@@ -374,7 +347,7 @@ def union(results: dict) -> dict:
     }
 
 
-STATUSES = ("exact", "approx", "mismatch", "refused", "crash", "config", "timeout")
+STATUSES = ("exact", "approx", "rounding", "mismatch", "refused", "crash", "config", "timeout")
 
 
 def summary(results: dict, ops: dict) -> None:
@@ -386,8 +359,12 @@ def summary(results: dict, ops: dict) -> None:
     console = Console()
     console.print(table)
     for name, r in sorted(results.items()):
-        if r.get("status") in ("mismatch", "crash", "timeout"):
-            console.print(f"{name} {r['status']}: {r.get('errors') or ''} {r.get('message', '')}", markup=False)
+        if r.get("status") in ("rounding", "mismatch", "crash", "timeout"):
+            original = f"; against the original decoding the same rows: {r['original']}" if "original" in r else ""
+            original += f"; expert routing flips: {r['flip']}" if r.get("flip") else ""
+            console.print(
+                f"{name} {r['status']}: {r.get('errors') or ''}{original} {r.get('message', '')}", markup=False
+            )
     for name, r in sorted(results.items()):
         if r.get("auto", {}).get("status") in ("mismatch", "crash"):
             console.print(f"{name} --to auto {r['auto']['status']}: {r['auto']['message']}", markup=False)
@@ -430,9 +407,25 @@ def _rows(results: dict) -> list[str]:
     return lines
 
 
-def markdown(sweep: dict) -> str:
+def _half_precision(half: dict | None) -> list[str]:
+    """The page's paragraph on the bfloat16 sweep, or nothing without one."""
+    if half is None:
+        return []
+    return [
+        "In bfloat16 (`python benchmarks/arch_sweep.py --dtype bfloat16`: every type above and below, the "
+        "same checks within bfloat16's tolerance, 2e-2): " + _counts(half["results"]) + " `rounding` marks a "
+        "difference over the tolerance in a comparison that computes two ways (a left-padded batch against "
+        "its rows alone, a cached decode against one forward) where the conversion gives the logits of the "
+        "original decoding the same rows (`benchmarks/sweep_checks.py`): the original's own rounding, which in "
+        "a mixture of experts can send a token to other experts.",
+        "",
+    ]
+
+
+def markdown(sweep: dict, half: dict | None = None) -> str:
     """The architectures page: one row per causal LM class of transformers and one per composite
-    (vision- or audio-language) model class, its status and why."""
+    (vision- or audio-language) model class, its status and why; with ``half`` (the bfloat16 sweep)
+    a paragraph of its counts."""
     results = {k: r for k, r in sweep["results"].items() if ":" not in k}
     composites = {k: r for k, r in results.items() if k.partition("@")[0] in COMPOSITES}
     causal = {k: r for k, r in results.items() if k not in composites}
@@ -460,6 +453,7 @@ def markdown(sweep: dict) -> str:
         "",
         _counts(causal),
         "",
+        *_half_precision(half),
         "The `--to auto` column: what its probe makes of each model that converts exactly "
         "(`auto_probe`): `scored` where it records the sites the compiler found (layers, shapes, windows, "
         "score terms) and its pass with every head exact gives the original's logits (within the same "
@@ -519,7 +513,8 @@ def main() -> None:
         sweep = json.loads(Path(args.output).read_text())
         if sweep.get("dtype", "float32") != "float32":
             parser.error(f"{args.output} holds the {sweep['dtype']} sweep; the architectures page is the float32 one's")
-        Path(args.markdown).write_text(markdown(sweep))
+        half = ROOT / "benchmarks/results/arch_sweep_bfloat16.json"
+        Path(args.markdown).write_text(markdown(sweep, json.loads(half.read_text()) if half.is_file() else None))
         print(f"wrote {args.markdown}")
         return
     mp.set_forkserver_preload(

@@ -1,0 +1,224 @@
+"""The architecture sweep's comparisons, and in half precision whether a difference is rounding.
+
+    python benchmarks/sweep_checks.py MODEL_TYPE [--seed 0] [--dtype bfloat16]
+
+(prints the first token of ``arch_sweep``'s left-padded row that goes to other experts than alone.)
+
+``arch_sweep`` holds a conversion to the original's forward, prefill and prefill + steps, and a
+left-padded batch to each row read alone. In half precision a cached decode rounds otherwise than
+one forward and a batch otherwise than one row, in the original as in its conversion, and where a
+router's top experts score within that rounding of each other, a token goes to another expert and
+everything after it differs. ``judge_rounding`` calls a half-precision difference over the
+tolerance rounding where the conversion agrees with the original computing the same way (its
+cached decode of the same rows: ``original_difference``); for a mixture of experts it records the
+first token of the left-padded row that goes to other experts than alone (``first_flip``: every
+``aten.topk`` over the experts, recorded), with how close their scores were.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SEQ, STEPS, BATCH = 16, 8, 2
+
+
+def relative_error(got, want) -> float | None:
+    diff = float((got.float() - want.float()).abs().max()) / max(float(want.float().abs().max()), 1e-30)
+    return diff if math.isfinite(diff) else None  # NaN/inf: reported as null, judged a mismatch
+
+
+def random_ids(vocab: int, seed: int = 0) -> torch.Tensor:
+    """The sweep's tokens: ``BATCH`` rows of ``SEQ + STEPS`` ids, none of the first three (often
+    special)."""
+    return torch.randint(3, vocab, (BATCH, SEQ + STEPS), generator=torch.Generator().manual_seed(seed))
+
+
+def left_padded(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``ids`` with the second row cut short by half of its first ``SEQ`` columns and left-padded, its
+    attention mask, and the column where the row starts. The padding holds the first row's tokens,
+    not a padding id: a padding id's embedding is often zero, which adds nothing to a state that
+    starts at zero, and so would not show a padded position leaking into one."""
+    start = SEQ - SEQ // 2
+    padded = ids.clone()
+    padded[1, :start] = ids[0, :start]
+    mask = torch.ones_like(padded)
+    mask[1, :start] = 0
+    return padded, mask, start
+
+
+def converted_decode(converted, rows: torch.Tensor, prompt: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """A conversion's logits of ``rows``: a prefill of ``prompt`` tokens (``mask``: its left padding),
+    then one token a step."""
+    masked = {} if mask is None else {"attention_mask": mask[:, :prompt]}
+    logits, state = converted.prefill(rows[:, :prompt], **masked)
+    stepped = [logits]
+    for t in range(prompt, rows.shape[1]):
+        logits, state = converted.step(rows[:, t : t + 1], state)
+        stepped.append(logits)
+    return torch.cat(stepped, 1)
+
+
+def original_decode(model, rows: torch.Tensor, prompt: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The original's logits of ``rows`` read as a conversion reads them: a prompt of ``prompt`` tokens,
+    then one token a step through its cache; ``mask`` marks left padding (positions counted past it)."""
+    masked = {}
+    if mask is not None:
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        masked = {"attention_mask": mask[:, :prompt], "position_ids": positions[:, :prompt]}
+    out = model(input_ids=rows[:, :prompt], use_cache=True, **masked)
+    cache, logits = out.past_key_values, [out.logits]
+    for t in range(prompt, rows.shape[1]):
+        if mask is not None:
+            masked = {"attention_mask": mask[:, : t + 1], "position_ids": positions[:, t : t + 1]}
+        out = model(input_ids=rows[:, t : t + 1], past_key_values=cache, use_cache=True, **masked)
+        cache = out.past_key_values
+        logits.append(out.logits)
+    return torch.cat(logits, 1)
+
+
+def _rows_differ(batch: torch.Tensor, first: torch.Tensor, second: torch.Tensor, start: int) -> float | None:
+    """How far the rows of ``left_padded``'s ``batch`` are from ``first`` and ``second`` (the second
+    row's tokens from ``start`` on)."""
+    errors = [relative_error(batch[:1], first), relative_error(batch[1:, start:], second)]
+    return None if None in errors else max(errors)
+
+
+@torch.no_grad()
+def left_padded_error(converted, ids) -> float | None:
+    """How far the rows of ``left_padded(ids)`` (a prefill of the first ``SEQ`` columns, then steps)
+    are from each row read alone."""
+    padded, mask, start = left_padded(ids)
+    batch = converted_decode(converted, padded, SEQ, mask)
+    first, second = converted_decode(converted, ids[:1], SEQ), converted_decode(converted, ids[1:, start:], SEQ - start)
+    return _rows_differ(batch, first, second, start)
+
+
+@torch.no_grad()
+def original_difference(model, converted, ids, comparison: str) -> float | None:
+    """How far a conversion is from the original computing the same way: ``prefill+steps`` both
+    decoding ``ids`` through their caches, ``left-padded`` both decoding ``left_padded(ids)``. None
+    where the original does not run so."""
+    try:
+        if comparison == "prefill+steps":
+            return relative_error(converted_decode(converted, ids, SEQ), original_decode(model, ids, SEQ))
+        padded, mask, start = left_padded(ids)
+        batch, want = converted_decode(converted, padded, SEQ, mask), original_decode(model, padded, SEQ, mask)
+        return _rows_differ(batch, want[:1], want[1:, start:], start)
+    except Exception:  # noqa: BLE001  (an original that does not run so leaves the check as it is)
+        return None
+
+
+class _RouterChoices(TorchDispatchMode):
+    """Records the scores and chosen indices of every ``aten.topk`` over as many entries as ``sizes``
+    names (a router's experts, and its groups of experts where it picks groups first)."""
+
+    def __init__(self, sizes: set[int]):
+        super().__init__()
+        self.sizes, self.calls = sizes, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.topk.default and args[0].shape[-1] in self.sizes:
+            self.calls.append((args[0].detach().float(), out[1]))
+        return out
+
+
+def experts_of(config) -> set[int] | None:
+    """The number of routed experts a text config names and its number of expert groups (where the
+    router picks groups first), or None for a dense model."""
+    for name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 1:
+            groups = getattr(config, "n_group", None)
+            return {value, groups} if isinstance(groups, int) and groups > 1 else {value}
+    return None
+
+
+@torch.no_grad()
+def first_flip(converted, ids: torch.Tensor, experts: set[int]) -> dict | None:
+    """The first token where ``left_padded(ids)``'s second row, prefilled and then stepped as
+    ``left_padded_error`` runs it, goes to other experts than the row alone: the token (its place in
+    the row), the router's choice (``call``: the n-th top-k over experts or groups a token meets, layer
+    by layer), the margin between the lowest chosen and the next score alone, and how far the batch
+    moved the scores; None where every choice agrees."""
+    padded, mask, start = left_padded(ids)
+    runs = []
+    for rows, prompt, cut in ((padded, {"attention_mask": mask[:, :SEQ]}, start), (ids[1:, start:], {}, 0)):
+        choices = _RouterChoices(experts)
+        with choices:
+            _, state = converted.prefill(rows[:, : SEQ - start + cut], **prompt)
+            per_pass = len(choices.calls)  # a pass over the layers: one top-k each, two where groups go first
+            for t in range(SEQ - start + cut, rows.shape[1]):
+                _, state = converted.step(rows[:, t : t + 1], state)
+        calls = [  # the padded row, last in the batch and alone; the batch's padding columns cut
+            (
+                scores.reshape(rows.shape[0], -1, scores.shape[-1])[-1],
+                chosen.reshape(rows.shape[0], -1, chosen.shape[-1])[-1],
+            )
+            for scores, chosen in choices.calls
+        ]
+        runs.append([(s[cut:], c[cut:]) if i < per_pass else (s, c) for i, (s, c) in enumerate(calls)])
+    if len(runs[0]) != len(runs[1]) or len(runs[0]) % per_pass:  # not one router's choices in both
+        return None
+    for call, ((scores, chosen), (scores_alone, chosen_alone)) in enumerate(zip(*runs)):
+        for token in range(chosen_alone.shape[0]):
+            if set(chosen[token].tolist()) != set(chosen_alone[token].tolist()):
+                ranked = scores_alone[token].sort(descending=True).values
+                k = chosen_alone.shape[-1]
+                return {
+                    "call": call % per_pass,
+                    "token": token + (0 if call < per_pass else SEQ - start + call // per_pass - 1),
+                    "margin": float(ranked[k - 1] - ranked[k]),
+                    "moved": float((scores[token] - scores_alone[token]).abs().max()),
+                }
+    return None
+
+
+def judge_rounding(model, converted, ids, errors: dict, tol: float) -> dict:
+    """For a half-precision mismatch: ``status: rounding`` where, in each comparison over ``tol``, the
+    conversion agrees within ``tol`` with the original computing the same way (``original``: how far
+    apart). For a mixture of experts with the left-padded batch over ``tol``, ``flip`` records why
+    the original differs from itself there: the first token routed otherwise (``first_flip``)."""
+    over = [k for k, e in errors.items() if e is None or e > tol]
+    judged = {"original": {k: original_difference(model, converted, ids, k) for k in over if k != "prefill"}}
+    experts = experts_of(model.config.get_text_config())
+    if "left-padded" in over and experts is not None:
+        try:
+            judged["flip"] = first_flip(converted, ids, experts)
+        except Exception:  # noqa: BLE001  (a router this reading does not follow: no explanation, same verdict)
+            judged["flip"] = None
+    agree = [
+        k in judged["original"] and judged["original"][k] is not None and judged["original"][k] <= tol for k in over
+    ]
+    return {**judged, "status": "rounding"} if all(agree) else judged
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Where a left-padded row's tokens go to other experts than alone.")
+    parser.add_argument("model_type", help="a job of benchmarks/arch_sweep.py (a model type with routed experts)")
+    parser.add_argument("--seed", type=int, default=0, help="the random tokens' seed (arch_sweep's: 0)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import arch_sweep
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    model, convert, _ = arch_sweep._convert(args.model_type, getattr(torch, args.dtype))
+    config = model.config.get_text_config()
+    experts = experts_of(config)
+    if experts is None:
+        parser.error(f"{args.model_type} names no routed experts")
+    ids = random_ids(config.vocab_size, args.seed)
+    print(first_flip(convert(), ids, experts) or "every token routes as the row alone does")
+
+
+if __name__ == "__main__":
+    main()
