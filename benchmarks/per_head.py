@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples"))
 import fidelity  # noqa: E402
 import stdlib_corpus  # noqa: E402
+from fidelity_report import passkey_cell  # noqa: E402
 
 import rnnify  # noqa: E402
 from rnnify.auto import HeadScorer, convert_chosen, kv_cache_bytes  # noqa: E402
@@ -184,7 +185,7 @@ def table(record: dict) -> str:
         f"| row | {retrieval_name(record)} kv heads | state at {record['context']:,} tokens (share of KV cache) | "
         "ppl ratio | KL | pass key |",
         "|---|---:|---:|---:|---:|---:|",
-        f"| original (KV cache) | all | {kv:,} (100%) | 1.000 | 0 | {fidelity._passkey_cell(passkey and passkey['accuracy'])} |",
+        f"| original (KV cache) | all | {kv:,} (100%) | 1.000 | 0 | {passkey_cell(passkey and passkey['accuracy'])} |",
     ]
     for row in record["rows"]:
         result = row["training_free"]
@@ -193,7 +194,7 @@ def table(record: dict) -> str:
         key = result.get("passkey", {}).get("accuracy", {}).get("converted")
         lines.append(
             f"| `{row['variant']}` | {chosen} | {row['state_bytes']:,} ({row['state_bytes'] / kv:.1%}) | "
-            f"{result['perplexity'] / original:.3f} | {result['kl']:.4f} | {fidelity._passkey_cell(key)} |"
+            f"{result['perplexity'] / original:.3f} | {result['kl']:.4f} | {passkey_cell(key)} |"
         )
     return "\n".join(lines)
 
@@ -354,8 +355,8 @@ def goal_lines(record: dict) -> str:
     if key and want:
         same = all(key.get(n) == a for n, a in want.items())
         lines.append(
-            f"- pass-key accuracy equal to the original's: {fidelity._passkey_cell(key)} against "
-            f"{fidelity._passkey_cell(want)} ({', '.join(want)} tokens) — {'met' if same else 'not met'}"
+            f"- pass-key accuracy equal to the original's: {passkey_cell(key)} against "
+            f"{passkey_cell(want)} ({', '.join(want)} tokens) — {'met' if same else 'not met'}"
         )
     else:
         lines.append("- pass-key accuracy: not measured in this run (`--passkey`)")

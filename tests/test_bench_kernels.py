@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import rnnify.kernels as K
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "benchmarks" / "kernel_bench.py")
 bench = sys.modules["bench_kernels"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up there
 _spec.loader.exec_module(bench)
+import kernel_bench_cases as cases  # noqa: E402 - on sys.path once kernel_bench is loaded
 
 needs_interpreter = pytest.mark.skipif(not bench.utils.INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
 needs_matplotlib = pytest.mark.skipif(  # the runs below draw their PNG
@@ -45,14 +48,14 @@ def test_smoke_preset_writes_json_and_png(tmp_path):
     assert {(r["section"], r["mode"]) for r in rows} == {("prefill", "fwd"), ("prefill", "fwd+bwd"), ("decode", "step")}
     assert {r["variant"] for r in rows if r["op"] == "chunk_linear_attn"} == set(bench.VARIANTS) - {"plain-tf32"}
     assert {r["T"] for r in rows if r["op"] == "fused_recurrent_linear_attn"} == {16, 32}  # two contexts
-    assert all(r["sdpa_backend"] in bench.SDPA_BACKENDS for r in rows if r["impl"] == "sdpa")
+    assert all(r["sdpa_backend"] in cases.SDPA_BACKENDS for r in rows if r["impl"] == "sdpa")
     assert [g["verdict"] for g in doc["goals"]] == ["not measured"] * 5
 
 
 @needs_matplotlib
 def test_failures_are_rows_not_crashes(tmp_path, monkeypatch):
     """A size that runs out of memory, or that a backend cannot run, is recorded and the run goes on."""
-    build = bench.build
+    build = cases.build
 
     def failing_build(case, run):
         if (case.op, case.mode) == ("aaren_scan", "fwd"):
@@ -61,7 +64,7 @@ def test_failures_are_rows_not_crashes(tmp_path, monkeypatch):
             raise NotImplementedError("no kernel for this size (simulated)")
         return build(case, run)
 
-    monkeypatch.setattr(bench, "build", failing_build)
+    monkeypatch.setattr(cases, "build", failing_build)
     doc = run_main(tmp_path, "--preset", "smoke", "--ops", "linear_recurrence", "aaren_scan", "--lengths", "16")
     status = {(r["op"], r["mode"]): r["status"] for r in doc["rows"]}
     assert status == {
@@ -156,13 +159,13 @@ def test_parity_passes_and_catches_a_wrong_kernel(tmp_path, monkeypatch):
     (path,) = tmp_path.glob("kernels-parity-*.json")
     assert [r["status"] for r in json.loads(path.read_text())["results"]] == ["pass", "pass"]
 
-    scan = bench.K.linear_recurrence
+    scan = K.linear_recurrence
 
     def off_by_one(*args, backend="auto", **kwargs):
         x, h = scan(*args, backend=backend, **kwargs)
         return (x + 1, h) if backend == "triton" else (x, h)
 
-    monkeypatch.setattr(bench.K, "linear_recurrence", off_by_one)
+    monkeypatch.setattr(K, "linear_recurrence", off_by_one)
     assert [r["status"] for r in bench.parity(torch.device("cpu"), PARITY_CASES)] == ["fail", "pass"]
 
 
@@ -187,10 +190,10 @@ def test_fla_rows_call_fla_with_the_inputs_of_their_op(monkeypatch, section, op,
         def __missing__(self, key):
             return key
 
-    monkeypatch.setattr(bench, "fla_function", fake_fla_function)
+    monkeypatch.setattr(cases, "fla_function", fake_fla_function)
     delta = "delta" in op
-    for variant, entry in getattr(bench, table).items():
-        call, leaves, info = bench.fla_call(bench.Case(section, op, variant, "fla", "fwd", 1, 2, 16, 32))
+    for variant, entry in getattr(cases, table).items():
+        call, leaves, info = cases.fla_call(cases.Case(section, op, variant, "fla", "fwd", 1, 2, 16, 32))
         assert call(Named()) == "out" and info == {"kernel": f"{entry[0]}.{entry[1]}"}
         module, name, kwargs = calls.pop()
         assert (module, name) == entry[:2]
