@@ -12,7 +12,7 @@ reference), and a batch whose second row is cut short and left-padded against ea
 Jobs ``MODEL_TYPE@VARIANT`` build that model type in the layout of a released
 checkpoint its defaults do not build (``VARIANTS``: ``falcon@alibi``, Falcon-RW). Status: exact (each
 within ``rnnify.verify.tolerance``), rounding (``--dtype bfloat16`` only: over it, but within it of the
-original decoding the same rows: ``sweep_checks.py``),
+original decoding the same rows, or apart only past a router's tie: ``sweep_checks.py``),
 mismatch, refused (an ``RnnifyError``), crash (any other
 exception), config (no tiny model builds), timeout; a model that builds but names no vocabulary or
 fails on token ids alone (it needs images, audio or another model's cache) is handed to rnnify all
@@ -416,8 +416,10 @@ def _half_precision(half: dict | None) -> list[str]:
         "same checks within bfloat16's tolerance, 2e-2): " + _counts(half["results"]) + " `rounding` marks a "
         "difference over the tolerance in a comparison that computes two ways (a left-padded batch against "
         "its rows alone, a cached decode against one forward) where the conversion gives the logits of the "
-        "original decoding the same rows (`benchmarks/sweep_checks.py`): the original's own rounding, which in "
-        "a mixture of experts can send a token to other experts.",
+        "original decoding the same rows, or where the conversion parts from the original only once a router "
+        "met a tie, two experts' scores closer than rounding moves them (`benchmarks/sweep_checks.py`; "
+        "`convert`'s own check draws other tokens then): rounding, which in a mixture of experts can send a "
+        "token to other experts.",
         "",
     ]
 

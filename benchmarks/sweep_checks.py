@@ -18,13 +18,16 @@ first token of the left-padded row that goes to other experts than alone (``firs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import warnings
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from rnnify.runtime.agreement import met_a_router_tie, tolerance
+from rnnify.runtime.expert_choices import ExpertChoices, expert_sizes, first_difference
 
 SEQ, STEPS, BATCH = 16, 8, 2
 
@@ -53,14 +56,18 @@ def left_padded(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     return padded, mask, start
 
 
-def converted_decode(converted, rows: torch.Tensor, prompt: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+def converted_decode(
+    converted, rows: torch.Tensor, prompt: int, mask: torch.Tensor | None = None, each_pass=contextlib.nullcontext
+) -> torch.Tensor:
     """A conversion's logits of ``rows``: a prefill of ``prompt`` tokens (``mask``: its left padding),
-    then one token a step."""
+    then one token a step (each within ``each_pass()``)."""
     masked = {} if mask is None else {"attention_mask": mask[:, :prompt]}
-    logits, state = converted.prefill(rows[:, :prompt], **masked)
+    with each_pass():
+        logits, state = converted.prefill(rows[:, :prompt], **masked)
     stepped = [logits]
     for t in range(prompt, rows.shape[1]):
-        logits, state = converted.step(rows[:, t : t + 1], state)
+        with each_pass():
+            logits, state = converted.step(rows[:, t : t + 1], state)
         stepped.append(logits)
     return torch.cat(stepped, 1)
 
@@ -115,87 +122,49 @@ def original_difference(model, converted, ids, comparison: str) -> float | None:
         return None
 
 
-class _RouterChoices(TorchDispatchMode):
-    """Records the scores and chosen indices of every ``aten.topk`` over as many entries as ``sizes``
-    names (a router's experts, and its groups of experts where it picks groups first)."""
-
-    def __init__(self, sizes: set[int]):
-        super().__init__()
-        self.sizes, self.calls = sizes, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.topk.default and args[0].shape[-1] in self.sizes:
-            self.calls.append((args[0].detach().float(), out[1]))
-        return out
-
-
-def experts_of(config) -> set[int] | None:
-    """The number of routed experts a text config names and its number of expert groups (where the
-    router picks groups first), or None for a dense model."""
-    for name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 1:
-            groups = getattr(config, "n_group", None)
-            return {value, groups} if isinstance(groups, int) and groups > 1 else {value}
-    return None
+@torch.no_grad()
+def first_flip(converted, ids: torch.Tensor, sizes: set[int], tol: float) -> dict | None:
+    """``first_difference`` of ``left_padded(ids)``'s second row, prefilled and then stepped as
+    ``left_padded_error`` runs it, and the row alone: the first token the batch sends to other experts."""
+    padded, mask, start = left_padded(ids)
+    batch, alone = ExpertChoices(sizes), ExpertChoices(sizes)
+    converted_decode(converted, padded, SEQ, mask, batch.one_pass)
+    converted_decode(converted, ids[1:, start:], SEQ - start, None, alone.one_pass)
+    return first_difference(batch.choices(rows=2, row=1, skip=start), alone.choices(), tol)
 
 
 @torch.no_grad()
-def first_flip(converted, ids: torch.Tensor, experts: set[int]) -> dict | None:
-    """The first token where ``left_padded(ids)``'s second row, prefilled and then stepped as
-    ``left_padded_error`` runs it, goes to other experts than the row alone: the token (its place in
-    the row), the router's choice (``call``: the n-th top-k over experts or groups a token meets, layer
-    by layer), the margin between the lowest chosen and the next score alone, and how far the batch
-    moved the scores; None where every choice agrees."""
-    padded, mask, start = left_padded(ids)
-    runs = []
-    for rows, prompt, cut in ((padded, {"attention_mask": mask[:, :SEQ]}, start), (ids[1:, start:], {}, 0)):
-        choices = _RouterChoices(experts)
-        with choices:
-            _, state = converted.prefill(rows[:, : SEQ - start + cut], **prompt)
-            per_pass = len(choices.calls)  # a pass over the layers: one top-k each, two where groups go first
-            for t in range(SEQ - start + cut, rows.shape[1]):
-                _, state = converted.step(rows[:, t : t + 1], state)
-        calls = [  # the padded row, last in the batch and alone; the batch's padding columns cut
-            (
-                scores.reshape(rows.shape[0], -1, scores.shape[-1])[-1],
-                chosen.reshape(rows.shape[0], -1, chosen.shape[-1])[-1],
-            )
-            for scores, chosen in choices.calls
-        ]
-        runs.append([(s[cut:], c[cut:]) if i < per_pass else (s, c) for i, (s, c) in enumerate(calls)])
-    if len(runs[0]) != len(runs[1]) or len(runs[0]) % per_pass:  # not one router's choices in both
-        return None
-    for call, ((scores, chosen), (scores_alone, chosen_alone)) in enumerate(zip(*runs)):
-        for token in range(chosen_alone.shape[0]):
-            if set(chosen[token].tolist()) != set(chosen_alone[token].tolist()):
-                ranked = scores_alone[token].sort(descending=True).values
-                k = chosen_alone.shape[-1]
-                return {
-                    "call": call % per_pass,
-                    "token": token + (0 if call < per_pass else SEQ - start + call // per_pass - 1),
-                    "margin": float(ranked[k - 1] - ranked[k]),
-                    "moved": float((scores[token] - scores_alone[token]).abs().max()),
-                }
-    return None
+def _agrees_or_ties(model, converted, row: torch.Tensor, tol: float) -> bool:
+    """Whether the conversion's prompt of one ``row`` gives the original's logits within ``tol``, or
+    parts from them only at a router's tie (``met_a_router_tie``)."""
+    want = model(input_ids=row, use_cache=False).logits
+    got = converted.prefill(row)[0]
+    error = relative_error(got, want)
+    return (error is not None and error <= tol) or met_a_router_tie(converted, model, row, tol, got=got, want=want)
 
 
 def judge_rounding(model, converted, ids, errors: dict, tol: float) -> dict:
     """For a half-precision mismatch: ``status: rounding`` where, in each comparison over ``tol``, the
     conversion agrees within ``tol`` with the original computing the same way (``original``: how far
-    apart). For a mixture of experts with the left-padded batch over ``tol``, ``flip`` records why
-    the original differs from itself there: the first token routed otherwise (``first_flip``)."""
+    apart), or, in the prefill and its steps, where each row's prompt agrees with the original's but
+    where a router met a tie (``tie``, rnnify.runtime.expert_choices): the conversion passed
+    ``convert``'s own check, on a draw of tokens that agrees whole, before the sweep compared it.
+    For a mixture of experts with the left-padded batch over ``tol``, ``flip`` records why the
+    original differs from itself there: the first token routed otherwise (``first_flip``)."""
     over = [k for k, e in errors.items() if e is None or e > tol]
     judged = {"original": {k: original_difference(model, converted, ids, k) for k in over if k != "prefill"}}
-    experts = experts_of(model.config.get_text_config())
-    if "left-padded" in over and experts is not None:
+    sizes = expert_sizes(model.config.get_text_config())
+    if "left-padded" in over and sizes:
         try:
-            judged["flip"] = first_flip(converted, ids, experts)
+            judged["flip"] = first_flip(converted, ids, sizes, tol)
         except Exception:  # noqa: BLE001  (a router this reading does not follow: no explanation, same verdict)
             judged["flip"] = None
+    if "prefill" in over:  # the conversion and the original, both one forward: a router's tie alone
+        judged["tie"] = all(_agrees_or_ties(model, converted, row[None, :SEQ], tol) for row in ids)
     agree = [
-        k in judged["original"] and judged["original"][k] is not None and judged["original"][k] <= tol for k in over
+        (k in judged["original"] and judged["original"][k] is not None and judged["original"][k] <= tol)
+        or (k != "left-padded" and judged.get("tie", False))
+        for k in over
     ]
     return {**judged, "status": "rounding"} if all(agree) else judged
 
@@ -213,11 +182,14 @@ def main() -> None:
     torch.set_num_threads(1)
     model, convert, _ = arch_sweep._convert(args.model_type, getattr(torch, args.dtype))
     config = model.config.get_text_config()
-    experts = experts_of(config)
-    if experts is None:
+    sizes = expert_sizes(config)
+    if not sizes:
         parser.error(f"{args.model_type} names no routed experts")
     ids = random_ids(config.vocab_size, args.seed)
-    print(first_flip(convert(), ids, experts) or "every token routes as the row alone does")
+    print(
+        first_flip(convert(), ids, sizes, tolerance(getattr(torch, args.dtype)))
+        or "every token routes as the row alone does"
+    )
 
 
 if __name__ == "__main__":

@@ -134,3 +134,95 @@ def test_verify_judges_logits_as_the_conversion_check_does():
     poisoned[0, 0, 0] = float("nan")
     assert not _compare("vs original", poisoned, want, torch.float32).passed
     assert not _compare("step == prefill", poisoned, poisoned.clone(), torch.float32).passed  # itself, NaN
+
+
+def _flint_bf16(monkeypatch):
+    """The architecture sweep's tiny Flint in bfloat16: eager attention that keeps its scores in
+    float32, which the conversion rounds otherwise, and 4 experts, 2 a token."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from arch_configs import build
+
+    return build("flint")[0].to(torch.bfloat16)
+
+
+def test_a_half_precision_router_tie_is_checked_on_other_tokens(monkeypatch):
+    """The bfloat16 Flint and its conversion round otherwise, and a draw of tokens may route a token
+    to other experts in the two, between experts closer than rounding moves their scores: the check
+    draws other tokens and converts the model it refused before."""
+    model = rnnify.convert(_flint_bf16(monkeypatch), to="exact")
+    assert model.dtype == torch.bfloat16
+
+
+def test_a_tie_never_excuses_logits_that_differ_before_it(monkeypatch):
+    """The bfloat16 Flint with its conversion's logits scaled by 1.05: whether or not its router meets
+    a tie on a draw, the tokens before it differ, so no draw is a tie and the check refuses."""
+    from rnnify.runtime import agreement
+    from rnnify.runtime.model import RecurrentModel
+
+    source = _flint_bf16(monkeypatch)
+    model = rnnify.convert(source, to="exact")
+    prefill = RecurrentModel.prefill
+    monkeypatch.setattr(RecurrentModel, "prefill", lambda self, *a, **k: _scaled(prefill(self, *a, **k)))
+    for seed in range(4):
+        ids = agreement.tokens_but(None, model.manifest.vocab_size, (1, agreement.CHECK_TOKENS), seed)
+        assert not agreement.met_a_router_tie(model, source, ids, agreement.tolerance(torch.bfloat16))
+    with pytest.raises(rnnify.RnnifyError, match="differs from the original"):
+        agreement.check_against_original(model, source)
+
+
+def _scaled(out):
+    logits, state = out
+    return logits * 1.05, state
+
+
+def _choice(scores: list[float], k: int = 2):
+    """One token's router scores and its top ``k``, as ``ExpertChoices.choices`` gives them."""
+    scores = torch.tensor(scores)
+    return scores, scores.topk(k).indices
+
+
+def test_a_flip_is_rounding_only_between_scores_rounding_could_cross():
+    """``first_difference``: the first token whose chosen experts differ, and whether the two scores
+    that swapped were closer than twice the largest move, itself within the tolerance of their size."""
+    from rnnify.runtime.expert_choices import first_difference
+
+    want = {(0, 0): _choice([0.5, 0.3, 0.1, 0.1]), (0, 1): _choice([0.40, 0.30, 0.29, 0.0])}
+    tie = {(0, 0): want[0, 0], (0, 1): _choice([0.40, 0.295, 0.296, 0.0])}  # moved 0.006, margin 0.01
+    far = {(0, 0): want[0, 0], (0, 1): _choice([0.40, 0.10, 0.29, 0.0])}  # moved 0.2: no rounding
+    assert first_difference(want, want, 2e-2) is None
+    assert first_difference(tie, want, 2e-2) == {
+        "token": 1,
+        "call": 0,
+        "margin": pytest.approx(0.01, rel=1e-4),
+        "moved": pytest.approx(0.006, rel=1e-4),
+        "rounding": True,
+    }
+    assert first_difference(far, want, 2e-2)["rounding"] is False
+    assert first_difference({(0, 0): want[0, 0]}, want, 2e-2) is None  # not one router read alike
+
+
+def test_choices_number_a_prompt_and_its_steps_and_a_padded_rows_tokens():
+    """``ExpertChoices``: a prompt pass then one-token steps number tokens on; a left-padded row of a
+    batch is numbered from its first real token, as the row alone is."""
+    from rnnify.runtime.expert_choices import ExpertChoices
+
+    def routed(rows: torch.Tensor, choices):  # one "layer": a router's top-2 of 4 experts a token
+        with choices.one_pass():
+            rows.reshape(-1, 4).topk(2)
+
+    scores = torch.randn(1, 5, 4, generator=torch.Generator().manual_seed(0))
+    alone, stepped = ExpertChoices({4}), ExpertChoices({4})
+    routed(scores, alone)
+    routed(scores[:, :3], stepped)
+    for t in (3, 4):
+        routed(scores[:, t : t + 1], stepped)
+    assert alone.choices().keys() == stepped.choices().keys() == {(0, t) for t in range(5)}
+    for key, (row_scores, chosen) in alone.choices().items():
+        assert torch.equal(stepped.choices()[key][1], chosen) and torch.equal(row_scores, scores[0, key[1]])
+    batch = ExpertChoices({4})
+    routed(torch.cat([torch.randn(1, 5, 4), torch.cat([torch.randn(1, 2, 4), scores[:, :3]], 1)]), batch)
+    padded = batch.choices(rows=2, row=1, skip=2)
+    assert padded.keys() == {(0, t) for t in range(3)}
+    assert all(torch.equal(padded[key][0], alone.choices()[key][0]) for key in padded)
