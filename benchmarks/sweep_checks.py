@@ -10,9 +10,10 @@ one forward and a batch otherwise than one row, in the original as in its conver
 router's top experts score within that rounding of each other, a token goes to another expert and
 everything after it differs. ``judge_rounding`` calls a half-precision difference over the
 tolerance rounding where the conversion agrees with the original computing the same way (its
-cached decode of the same rows: ``original_difference``); for a mixture of experts it records the
-first token of the left-padded row that goes to other experts than alone (``first_flip``: every
-``aten.topk`` over the experts, recorded), with how close their scores were.
+cached decode of the same rows: ``original_difference``), or, for its prompt, parts from the
+original only at such a tie (``met_a_router_tie``, the check ``convert`` runs); for a mixture of
+experts it records the first token of the left-padded row that goes to other experts than alone
+(``first_flip``: every router's top-k, recorded), with how close their scores were.
 """
 
 from __future__ import annotations

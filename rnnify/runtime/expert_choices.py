@@ -6,9 +6,9 @@ attention) only close to it. Where a router's top experts score within that roun
 the two route a token to different experts, and that token and every later one then differ by far
 more than the tolerance: the draw of tokens met a tie, not a conversion that computes something
 else. ``routed_apart`` finds the first token the two route otherwise and says whether the router's
-scores there differ by rounding alone (by less than the dtype's tolerance of their size, and by more
-than the margin between the chosen and the next expert); ``check_against_original`` then draws
-other tokens.
+scores there differ by rounding alone (each by less than the dtype's tolerance of their size, and
+far enough for the two experts to have crossed: at least half the margin between them);
+``check_against_original`` then draws other tokens.
 """
 
 from __future__ import annotations
