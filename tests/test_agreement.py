@@ -136,36 +136,38 @@ def test_verify_judges_logits_as_the_conversion_check_does():
     assert not _compare("step == prefill", poisoned, poisoned.clone(), torch.float32).passed  # itself, NaN
 
 
-def _flint_bf16(monkeypatch):
-    """The architecture sweep's tiny Flint in bfloat16: eager attention that keeps its scores in
-    float32, which the conversion rounds otherwise, and 4 experts, 2 a token."""
+@pytest.fixture(scope="module")
+def flint_bf16():
+    """The architecture sweep's tiny Flint in bfloat16 (eager attention that keeps its scores in
+    float32, which the conversion rounds otherwise; 4 experts, 2 a token) and its conversion."""
     from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from arch_configs import build
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+        from arch_configs import build
 
-    return build("flint")[0].to(torch.bfloat16)
+        source = build("flint")[0].to(torch.bfloat16)
+    return source, rnnify.convert(source, to="exact")
 
 
-def test_a_half_precision_router_tie_is_checked_on_other_tokens(monkeypatch):
+def test_a_half_precision_router_tie_is_checked_on_other_tokens(flint_bf16):
     """The bfloat16 Flint and its conversion round otherwise, and a draw of tokens may route a token
     to other experts in the two, between experts closer than rounding moves their scores: the check
     draws other tokens and converts the model it refused before."""
-    model = rnnify.convert(_flint_bf16(monkeypatch), to="exact")
+    source, model = flint_bf16
     assert model.dtype == torch.bfloat16
 
 
-def test_a_tie_never_excuses_logits_that_differ_before_it(monkeypatch):
+def test_a_tie_never_excuses_logits_that_differ_before_it(flint_bf16, monkeypatch):
     """The bfloat16 Flint with its conversion's logits scaled by 1.05: whether or not its router meets
     a tie on a draw, the tokens before it differ, so no draw is a tie and the check refuses."""
     from rnnify.runtime import agreement
     from rnnify.runtime.model import RecurrentModel
 
-    source = _flint_bf16(monkeypatch)
-    model = rnnify.convert(source, to="exact")
+    source, model = flint_bf16
     prefill = RecurrentModel.prefill
     monkeypatch.setattr(RecurrentModel, "prefill", lambda self, *a, **k: _scaled(prefill(self, *a, **k)))
-    for seed in range(4):
+    for seed in range(2):
         ids = agreement.tokens_but(None, model.manifest.vocab_size, (1, agreement.CHECK_TOKENS), seed)
         assert not agreement.met_a_router_tie(model, source, ids, agreement.tolerance(torch.bfloat16))
     with pytest.raises(rnnify.RnnifyError, match="differs from the original"):

@@ -127,12 +127,14 @@ def _built(name: str, **changes):
 
 @pytest.mark.parametrize(
     "name",
-    # slow: AXK2 (DeepSeek-V3.2's layers), dots3 and Mistral Large 4 (whose layers the default suite's
-    # kin cover; the architecture sweep converts each exactly below its selection)
+    # slow: AXK2 (DeepSeek-V3.2's layers), HY-V4, dots3 and Mistral Large 4 (the architecture sweep
+    # converts each exactly below its selection); the default suite keeps GLM-MoE-DSA's
     [
         "glm_moe_dsa",
-        "hy_v4",
-        *(pytest.param(name, marks=pytest.mark.slow) for name in ("axk2", "dots3_note_text", "mistral_large4")),
+        *(
+            pytest.param(name, marks=pytest.mark.slow)
+            for name in ("hy_v4", "axk2", "dots3_note_text", "mistral_large4")
+        ),
     ],
 )
 def test_kin_of_deepseek_v32_convert_exactly(name):
