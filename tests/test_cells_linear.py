@@ -162,17 +162,40 @@ def reference_linear_attention(phi_q, phi_k, v, kv0, z0, eps=1e-6, normalize=Tru
     return torch.stack(outs, dim=3), S, z
 
 
-def reference_linear_cell(cell: LinearCell, q, k, v, mask, state):
-    """The LinearCell contract: [B, H, T, d] in, padding keys ignored; returns (out, *state)."""
+def reference_features(cell: LinearCell, q, k, mask):
+    """float64 phi(q) grouped per kv head ``[B, Hkv, G, T, F]`` and phi(k) ``[B, Hkv, T, F]``, padding keys 0."""
     batch, num_heads, length, _ = q.shape
     hkv = k.shape[1]
     grouped = q.double().reshape(batch, hkv, num_heads // hkv, length, -1)
     phi_q = reference_phi(cell.feature_map, grouped, cell.phi, cell.spec.scale, query=cell.normalize)
     phi_k = reference_phi(cell.feature_map, k, cell.phi, cell.spec.scale) * mask[:, None, :, None].double()
+    return phi_q, phi_k
+
+
+def reference_linear_cell(cell: LinearCell, q, k, v, mask, state):
+    """The LinearCell contract: [B, H, T, d] in, padding keys ignored; returns (out, *state)."""
+    phi_q, phi_k = reference_features(cell, q, k, mask)
     z0 = state[1] if cell.normalize else None
     out, S, z = reference_linear_attention(phi_q, phi_k, v, state[0], z0, cell.eps, cell.normalize)
-    out = out.reshape(batch, num_heads, length, -1)
+    out = out.reshape(*q.shape[:3], -1)
     return (out, S, z) if cell.normalize else (out, S)
+
+
+def well_conditioned(cell: LinearCell, q, k, mask, state) -> torch.Tensor:
+    """``[B, H, T]``: True where the output is well conditioned in the features' float32 rounding.
+
+    A normalised output o = phi(q) S / (s + eps), s = phi(q) . z, moves by eps / (s + eps)^2 per unit
+    of s; a relu feature near zero carries float32 rounding of its pre-activation as a large relative
+    error, so where s is within a few decades of eps the float32 cell and the float64 reference part
+    by design. Below 100 eps that gain exceeds 100; such queries are compared on the cell's own
+    features (the forms check) instead. Unnormalised cells are linear in the features: all True.
+    """
+    if not cell.normalize:
+        return torch.ones(q.shape[:3], dtype=torch.bool)
+    phi_q, phi_k = reference_features(cell, q, k, mask)
+    z = state[1].double()[:, :, None] + phi_k.cumsum(2)  # [B, Hkv, T, F], z after each token
+    s = torch.einsum("bhgtf,bhtf->bhgt", phi_q, z)
+    return (s >= 100 * cell.eps).reshape(q.shape[:3])
 
 
 def reference_gated_rnn(q, k, v, mask, h0, decay):
@@ -344,7 +367,8 @@ def _check_cell_against_reference(cell, p):
     q, k, v, mask, state = _problem_inputs(cell, p)
     copies = [t.clone() for t in (q, k, v, *state)]
     ref_out, *ref_state = reference_linear_cell(cell, q, k, v, mask, state)
-    real = mask[:, None, :, None].expand_as(ref_out)  # outputs at padding positions may be anything
+    # outputs at padding positions may be anything; ill-conditioned ones are checked below
+    real = (mask[:, None, :] & well_conditioned(cell, q, k, mask, state))[..., None].expand_as(ref_out)
 
     # the prefill path (chunked form) and the decode path (one step per token)
     out, *final = cell(q, k, v, mask, *state)
