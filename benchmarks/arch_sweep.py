@@ -247,6 +247,7 @@ def run_job(name: str, dtype: torch.dtype = torch.float32) -> dict:
         if padding:
             result["padding"] = padding[0]
         result["cells"] = sorted({type(cell).__name__ for cell in converted.cells})
+        result["positions"] = converted.manifest.positions
         if is_composite(model.config):
             result["language_model"] = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model.config.get_text_config().model_type)
         result["ops"] = graph_ops(converted.graph.graph)

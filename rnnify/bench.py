@@ -156,11 +156,10 @@ def benchmark(
         raise RnnifyError(
             f"{where} holds {model.manifest.dtype} weights; convert with --dtype {dtype} to bench {dtype}"
         )
-    positions = model.manifest.positions
-    limit = positions.get("limit") if positions.get("kind") == "learned" else None
+    limit, what = model.manifest.token_limit() or (None, None)
     if limit is not None and max(contexts) + steps + WARMUP >= limit:
         raise RnnifyError(
-            f"contexts (--contexts) {max(contexts)}: this model has {limit} learned positions; "
+            f"contexts (--contexts) {max(contexts)}: past the model's {limit} {what}; "
             f"keep contexts below {limit - steps - WARMUP}"
         )
     device = model.device

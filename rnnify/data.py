@@ -145,16 +145,16 @@ def tokenizer_for(model: Any, data: Any, tokenizer: Any = None) -> Any:
 def row_length(model: Any, seq_len: int | None) -> int:
     """Tokens per row for ``model``: ``seq_len``, by default ``DEFAULT_SEQ_LEN`` or the model's position
     limit if lower. Checked before anything large loads: at least 2 (a next-token target needs a
-    token before it) and within learned positions (GPT-2's ``n_positions``), past which the model
-    cannot run at all."""
-    positions = model.manifest.positions
-    limit = positions.get("limit")
+    token before it) and within the model's token limit (GPT-2's learned ``n_positions``), past which
+    it cannot run at all."""
+    hard = model.manifest.token_limit()
     if seq_len is None:
-        return min(DEFAULT_SEQ_LEN, limit) if limit else DEFAULT_SEQ_LEN
+        limits = [DEFAULT_SEQ_LEN, model.manifest.positions.get("limit"), hard and hard[0]]
+        return min(limit for limit in limits if limit)
     check_int("seq_len (--seq-len)", seq_len, 2, RnnifyError, " (a next-token target needs a token before it)")
-    if positions.get("kind") == "learned" and limit is not None and seq_len > limit:
+    if hard is not None and seq_len > hard[0]:
         raise RnnifyError(
-            f"seq_len (--seq-len) {seq_len} is past the model's {limit} learned positions; use at most {limit}"
+            f"seq_len (--seq-len) {seq_len} is past the model's {hard[0]} {hard[1]}; use at most {hard[0]}"
         )
     return seq_len
 

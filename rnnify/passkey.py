@@ -225,12 +225,11 @@ def _check_lengths(model: RecurrentModel, lengths) -> list[int]:
         raise RnnifyError(
             f"passkey lengths (--passkey) must be positive token counts, e.g. 512,1024,2048; got {lengths}"
         )
-    positions = model.manifest.positions
-    limit = positions.get("limit") if positions.get("kind") == "learned" else None
+    limit, what = model.manifest.token_limit() or (None, None)
     if limit is not None and max(lengths) + 16 > limit:
         raise RnnifyError(
-            f"passkey length {max(lengths)} plus the answer is past the model's {limit} learned "
-            f"positions; use at most {limit - 16}"
+            f"passkey length {max(lengths)} plus the answer is past the model's {limit} {what}; "
+            f"use at most {limit - 16}"
         )
     return lengths
 

@@ -87,10 +87,10 @@ def _random_ids(model: RecurrentModel, tokens: int, batch: int, seed: int) -> tu
     if batch < 1:
         raise RnnifyError(f"batch must be >= 1, got {batch}")
     note = ""
-    positions = model.manifest.positions
-    if positions.get("kind") == "learned" and positions.get("limit") is not None and tokens > positions["limit"]:
-        tokens = positions["limit"]
-        note = f"tokens clamped to the model's {tokens} learned positions"
+    limit = model.manifest.token_limit()
+    if limit is not None and tokens > limit[0]:
+        tokens = limit[0]
+        note = f"tokens clamped to the model's {tokens} {limit[1]}"
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.manifest.vocab_size, (batch, tokens), generator=generator)
     return ids.to(model.device), note
@@ -136,8 +136,7 @@ def run_checks(
     ids, note = _random_ids(model, tokens, batch, seed)
     n, dtype = ids.shape[1], model.dtype
     span = _longest_span(model)
-    positions = model.manifest.positions
-    limit = positions.get("limit") if positions.get("kind") == "learned" else None
+    limit = (model.manifest.token_limit() or (None,))[0]
     if span is not None and n <= span and (limit is None or span < limit):  # passing, having dropped nothing
         unfilled = f"no window filled: the longest holds {span} tokens; --tokens {span + n} checks what they drop"
         note = "; ".join(filter(None, [note, unfilled]))

@@ -59,6 +59,10 @@ CASES = {
     "extra spec key": (lambda d: _edit_cell(d, "spec", lambda s: s.update(heads=4)), "'heads'"),
     "zero head_dim": (lambda d: _edit_cell(d, "spec", lambda s: s.update(head_dim=0)), "head_dim"),
     "positions null": (lambda d: reseal(d, positions=None), "positions"),
+    "string graph limit": (
+        lambda d: reseal(d, positions={"kind": "relative", "limit": None, "graph_limit": "31"}),
+        "positions.graph_limit",
+    ),
     "string vocab_size": (lambda d: reseal(d, vocab_size="320"), "vocab_size"),
     "unknown dtype": (lambda d: reseal(d, dtype="load"), "dtype"),
     "cells not a list": (lambda d: reseal(d, cells={"module": "cells.0"}), "cells"),

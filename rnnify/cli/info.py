@@ -43,6 +43,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     else:
         limit = positions.get("limit")
         where = f"{positions.get('kind', 'unknown')}" + (f", trained up to {limit} positions" if limit else "")
+    if positions.get("graph_limit") is not None:
+        where += f"; its graph holds for {positions['graph_limit']} tokens (cannot decode past them)"
     fused_ops = ["\n".join(f"{phase} {op}" for phase, op in entry.kernels.items()) for entry in manifest.cells]
     same_ops = len(set(fused_ops)) == 1  # then said once, above the table
     header = Table.grid(padding=(0, 2))

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import inspect
 import io
+import logging
 import os
 import re
 import sys
@@ -30,12 +31,14 @@ from rnnify.compiler.recurrences import own_recurrences
 from rnnify.compiler.routing import routing_forms
 from rnnify.errors import RnnifyError, UnsupportedModelError, first_line
 
-__all__ = ["load_source", "capture", "source_name"]
+__all__ = ["GRAPH_LIMIT", "load_source", "capture", "source_name"]
 
 # Batch 2 and length 8 are example values only: both dimensions are dynamic. Length starts at 2
 # because export specialises size-1 dimensions (and is_causal may otherwise become symbolic).
 _EXAMPLE_BATCH, _EXAMPLE_LENGTH = 2, 8
 _MAX_LENGTH = 1 << 20
+# key of ``GraphModule.meta`` that holds the tokens a captured graph holds for, where it is limited
+GRAPH_LIMIT = "rnnify_graph_limit"
 
 
 def _load_pretrained(path_or_id: str, dtype: torch.dtype):
@@ -246,13 +249,11 @@ def _capture_after_failure(
     if any(marker in str(exc) for marker in _RANGE_VIOLATED):
         table = _declared_length(model.config)
         if table is not None:
-            # A model that slices a table of the length its config declares to the tokens read (MPT's
-            # ALiBi, a causal-mask buffer, learned positions) exports only below that length, where
-            # export can prove the slice's size. A bias or a mask dies with the attention the cells
-            # replace, so the converted model reads any length; learned positions keep their limit
-            # (find_positions records it).
+            graph = None
             with contextlib.suppress(Exception):  # the first failure is the one to report
-                return _plain_graph_module(_export(wrapper, input_ids, position_ids, table - 1).module())
+                graph = _plain_graph_module(_export(wrapper, input_ids, position_ids, table - 1).module())
+            if graph is not None:
+                return _beyond_the_table(graph, wrapper, input_ids, position_ids, table)
         inferred = _capture_inferring_length(wrapper, input_ids, position_ids)
         if inferred is not None:
             return inferred
@@ -267,6 +268,52 @@ def _capture_after_failure(
     raise UnsupportedModelError(
         f"{name}: torch.export could not capture the forward pass: {first_line(exc, with_type=True)}"
     ) from exc
+
+
+def _beyond_the_table(
+    graph: torch.fx.GraphModule, wrapper: _LogitsOnly, input_ids: torch.Tensor, position_ids: torch.Tensor, table: int
+) -> torch.fx.GraphModule:
+    """The graph for ``wrapper`` at lengths past the ``table`` tokens its config declares, given
+    ``graph``, exported below them.
+
+    A model that slices a table of the length its config declares to the tokens read (MPT's ALiBi, a
+    causal-mask buffer, learned positions) exports only below that length, where export can prove the
+    slice's size, and cannot itself read further. A bias or a mask dies with the attention the cells
+    replace, so ``graph`` reads any length; learned positions keep their limit (find_positions
+    records it). A source that does read past the table may branch on the length there (Doge's
+    dynamic mask keeps only its ``keep_window_size`` best keys past that many tokens), which a graph
+    exported below it does not hold: the graph export gives with the length left to it, where that
+    holds for every length, else the graph exported up to the table (or ``graph``, below it) with
+    that limit recorded (``GRAPH_LIMIT``).
+    """
+    if not _traces_at(wrapper, table + 1, input_ids.device):
+        return graph
+    with contextlib.suppress(Exception):  # refused past some length: the table's limit is the one kept
+        inferred = _capture_inferring_length(wrapper, input_ids, position_ids)
+        if inferred is not None:
+            return inferred
+    limited, limit = graph, table - 1
+    with contextlib.suppress(Exception):  # a guard that holds below the table alone: ``graph`` it is
+        limited, limit = _plain_graph_module(_export(wrapper, input_ids, position_ids, table).module()), table
+    limited.meta[GRAPH_LIMIT] = limit
+    return limited
+
+
+def _traces_at(wrapper: _LogitsOnly, length: int, device: torch.device) -> bool:
+    """Whether the source computes ``length`` tokens, traced by export at that length alone (its
+    tensors fake, so a length far past what a real pass could hold costs nothing)."""
+    input_ids = torch.zeros(1, length, dtype=torch.long, device=device)
+    fake_tensors = logging.getLogger("torch._subclasses.fake_tensor")  # logs the failure before raising it
+    level = fake_tensors.level
+    fake_tensors.setLevel(logging.CRITICAL)
+    try:
+        with torch.no_grad(), own_recurrences(wrapper.model), _without_partial_graph():
+            torch.export.export(wrapper, (input_ids, torch.arange(length, device=device)[None]), strict=False)
+    except Exception:  # noqa: BLE001  (a table too short for the tokens, in whatever error the model raises)
+        return False
+    finally:
+        fake_tensors.setLevel(level)
+    return True
 
 
 def _capture_inferring_length(

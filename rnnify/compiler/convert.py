@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from rnnify.choices import DEFAULT_DTYPE, DEFAULT_KERNELS, DTYPES
-from rnnify.compiler.capture import capture, load_source, source_name, vocab_size
+from rnnify.compiler.capture import GRAPH_LIMIT, capture, load_source, source_name, vocab_size
 from rnnify.compiler.gguf import is_gguf, tokenizer_files
 from rnnify.compiler.passes import PassContext, run_pipeline
 from rnnify.compiler.passes.find_attention import SITE_KEY
@@ -100,8 +100,11 @@ def convert(
     source = load_source(model, resolve_dtype(dtype))
     report("capture")
     graph = capture(source)
+    graph_limit = graph.meta.get(GRAPH_LIMIT)
     ctx = PassContext(config=source.config, plan=plan, kernels=kernels)
     graph = run_pipeline(graph, ctx, progress=report)
+    if graph_limit is not None and not (ctx.positions["kind"] == "learned" and ctx.positions["limit"] <= graph_limit):
+        ctx.positions["graph_limit"] = graph_limit  # where it says more than the learned positions do
     entries = []
     for call in cell_calls(graph):
         site, cell = call.meta[SITE_KEY], graph.get_submodule(call.target)

@@ -51,6 +51,9 @@ def wrap_config(source: bytes, manifest: dict[str, Any]) -> bytes:
     if is_wrapped(config):  # a model loaded from a new directory keeps the unwrapped source; be safe anyway
         config = config["source_config"]
     wrapped = {key: config[key] for key in _TOP_LEVEL if key in config}
+    graph_limit = (manifest.get("positions") or {}).get("graph_limit")
+    if graph_limit is not None:  # what transformers, lm-eval and vLLM take for the longest sequence
+        wrapped["max_position_embeddings"] = min(wrapped.get("max_position_embeddings", graph_limit), graph_limit)
     wrapped.update(
         model_type=MODEL_TYPE,
         architectures=[ARCHITECTURE],

@@ -81,11 +81,25 @@ class Manifest:
         for name in data.get("files", {}):  # names of files beside the manifest, never a path elsewhere
             if name in ("", ".", "..") or "/" in name or "\\" in name:
                 raise ValueError(f"manifest.files names {name!r}, not a file of the directory")
-        limit = data["positions"].get("limit")
-        if limit is not None:
-            check_int("manifest.positions.limit", limit, error=ValueError)
+        for key in ("limit", "graph_limit"):
+            if data["positions"].get(key) is not None:
+                check_int(f"manifest.positions.{key}", data["positions"][key], error=ValueError)
         data["cells"] = [CellEntry(**c) for c in data["cells"]]
         return cls(**data)
+
+    def token_limit(self) -> tuple[int, str] | None:
+        """(tokens, what they are) a sequence may not reach, or None where it may be of any length.
+
+        Learned positions end where their table does (``positions.limit``); a graph captured below
+        the length its config declares, from a source that branches on the length past it, holds
+        below that length alone (``positions.graph_limit``, ``rnnify.compiler.capture``).
+        """
+        limits = []
+        if self.positions.get("kind") == "learned" and self.positions.get("limit") is not None:
+            limits.append((self.positions["limit"], "learned positions"))
+        if self.positions.get("graph_limit") is not None:
+            limits.append((self.positions["graph_limit"], "positions its graph holds for"))
+        return min(limits) if limits else None
 
     @classmethod
     def read(cls, directory: Path) -> "Manifest":

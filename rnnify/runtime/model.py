@@ -218,13 +218,14 @@ class RecurrentModel(nn.Module):
         vocab = self.manifest.vocab_size
         if low < 0 or high >= vocab:
             raise RnnifyError(f"token ids must be in [0, {vocab}), got {low}..{high}")
-        kind, limit = self.manifest.positions.get("kind"), self.manifest.positions.get("limit")
+        hard = self.manifest.token_limit()
+        if hard is not None and last >= hard[0]:
+            raise PositionError(
+                f"position {last} is past the {hard[0]} {hard[1]} ({self.manifest.source or 'this model'}); "
+                "it cannot represent longer sequences"
+            )
+        limit = self.manifest.positions.get("limit")
         if limit is not None and last >= limit:
-            if kind == "learned":
-                raise PositionError(
-                    f"position {last} is past the {limit} learned positions of this model "
-                    f"({self.manifest.source}); it cannot represent longer sequences"
-                )
             if not self._warned_positions:
                 self._warned_positions = True
                 warnings.warn(
