@@ -307,8 +307,7 @@ def _traces_at(wrapper: _LogitsOnly, length: int, device: torch.device) -> bool:
     level = fake_tensors.level
     fake_tensors.setLevel(logging.CRITICAL)
     try:
-        with torch.no_grad(), own_recurrences(wrapper.model), _without_partial_graph():
-            torch.export.export(wrapper, (input_ids, torch.arange(length, device=device)[None]), strict=False)
+        _export(wrapper, input_ids, torch.arange(length, device=device)[None], max_length=None)
     except Exception:  # noqa: BLE001  (a table too short for the tokens, in whatever error the model raises)
         return False
     finally:
@@ -348,16 +347,19 @@ def _export(
     wrapper: torch.nn.Module,
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
-    max_length: int,
+    max_length: int | None,
     infer: bool = False,
 ):
     """``torch.export`` of ``wrapper`` with batch and length dynamic, length up to ``max_length``
-    (``infer``: within that range, the lengths export's guards allow)."""
-    batch = Dim("batch", min=1, max=1 << 16)
-    length = Dim.AUTO(min=2, max=max_length) if infer else Dim("length", min=2, max=max_length)
-    dims = {0: batch, 1: length}
+    (``infer``: within that range, the lengths export's guards allow); ``max_length=None``: at the
+    inputs' shapes alone."""
+    dynamic = None
+    if max_length is not None:
+        batch = Dim("batch", min=1, max=1 << 16)
+        length = Dim.AUTO(min=2, max=max_length) if infer else Dim("length", min=2, max=max_length)
+        dynamic = ({0: batch, 1: length},) * 2
     with torch.no_grad(), own_recurrences(wrapper.model), _without_partial_graph():
-        return torch.export.export(wrapper, (input_ids, position_ids), dynamic_shapes=(dims, dims), strict=False)
+        return torch.export.export(wrapper, (input_ids, position_ids), dynamic_shapes=dynamic, strict=False)
 
 
 @contextlib.contextmanager
