@@ -18,6 +18,10 @@ Which tokens are new, in order of preference:
    the template adds after the conversation up to the previous reply.
 
 If none applies the turn is refused with a message to ``/reset``.
+
+A model with a last position (learned positions, ``Manifest.token_limit``) holds a conversation up
+to it: a message that leaves no room for a reply is refused before it is read, and a reply stops
+where the positions end; either way the state is left as the last complete turn made it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 import torch
 
 from rnnify.choices import CHAT_MAX_NEW_TOKENS, TEMPERATURE
-from rnnify.errors import RnnifyError
+from rnnify.errors import PositionError, RnnifyError
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.sampling import check_sampling, next_token
 from rnnify.runtime.state import RecurrentState
@@ -121,6 +125,14 @@ class Chat:
         if not new:
             self.messages.pop()
             raise RnnifyError("the chat template renders nothing new for this message")
+        room = self.room()
+        if room is not None and len(new) >= room:  # a reply needs one position at least
+            self.messages.pop()
+            limit, what = self.model.manifest.token_limit()
+            raise PositionError(
+                f"this turn needs {len(new) + 1} positions (its {len(new)} tokens and one for the reply), and the "
+                f"conversation has {room} of the model's {limit} {what} left; start a new conversation (/reset)"
+            )
         ids = torch.tensor([new], device=self.model.device)
         logits, self.state = self.model.prefill(ids, self.state)
         self._logits = logits[:, -1]
@@ -138,7 +150,8 @@ class Chat:
         if self._logits is None:
             raise RnnifyError("reply() needs a user message first: call ask()")
         generated: list[int] = []
-        for _ in range(self.max_new_tokens):
+        room = self.room()
+        for _ in range(self.max_new_tokens if room is None else min(self.max_new_tokens, room)):
             token = next_token(self._logits, generator=self.generator, **self.sampling)
             generated.append(int(token))
             if streamer is not None:
@@ -158,6 +171,11 @@ class Chat:
             self.tokenizer.decode(generated[-1:], skip_special_tokens=False) if ended else ""
         )
         return generated
+
+    def room(self) -> int | None:
+        """Tokens the state can still read before the model's last position; None where it has none."""
+        hard = self.model.manifest.token_limit()
+        return None if hard is None else hard[0] - len(self.consumed)
 
     def send(self, text: str, streamer: Any = None) -> Turn:
         """``ask(text)`` then ``reply(streamer)``."""

@@ -34,10 +34,11 @@ NEW_TOKENS = 6
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def make_chat_model(directory: Path) -> Path:
-    """A random 2-layer llama with a one-character-per-token tokenizer and a ChatML template."""
+def make_chat_model(directory: Path, learned_positions: int | None = None) -> Path:
+    """A random 2-layer llama with a one-character-per-token tokenizer and a ChatML template; a GPT-2
+    with a table of ``learned_positions`` where given."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     spelling = bytes_to_unicode()
@@ -61,7 +62,19 @@ def make_chat_model(directory: Path) -> Path:
         eos_token_id=vocab["<|im_end|>"],
         bos_token_id=vocab["<|im_start|>"],
     )
-    LlamaForCausalLM(config).save_pretrained(directory)
+    if learned_positions is None:
+        LlamaForCausalLM(config).save_pretrained(directory)
+    else:
+        table = GPT2Config(
+            vocab_size=len(vocab),
+            n_positions=learned_positions,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            eos_token_id=config.eos_token_id,
+            bos_token_id=config.bos_token_id,
+        )
+        GPT2LMHeadModel(table).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
@@ -189,3 +202,50 @@ def test_chat_command_through_stdin(chat_dirs):
     assert len(reads) == len(sizes) == 2
     # The second turn reads the reply's close, the new message and the header: not the history again.
     assert reads[1] < int(sizes[0])
+
+
+LEARNED = 40  # positions of the GPT-2 below
+
+
+@pytest.fixture(scope="module")
+def learned_chat(tmp_path_factory):
+    """A converted chat model with learned positions (a last position), and its source."""
+    source = make_chat_model(tmp_path_factory.mktemp("chat-gpt2"), learned_positions=LEARNED)
+    return rnnify.convert(source, to="exact").save(tmp_path_factory.mktemp("chat-gpt2-exact") / "model"), source
+
+
+def test_a_conversation_holds_up_to_the_last_position_and_refuses_past_it(learned_chat):
+    directory, _ = learned_chat
+    model, reference = rnnify.load(directory), rnnify.load(directory)
+    tokenizer = load_tokenizer(directory)
+    chat = Chat(model, tokenizer, max_new_tokens=100, eos_token_id=[])  # no end token: the reply runs to the limit
+    turn = chat.send("hi")
+    assert turn.tokens == LEARNED and chat.room() == 0 and len(turn.reply_ids) == LEARNED - turn.read
+    _, state = reference.prefill(torch.tensor([chat.consumed]))  # the state read every token, the last reply's too
+    for carried, expected in zip(chat.state.tensors, state.tensors):
+        torch.testing.assert_close(carried, expected, rtol=1e-4, atol=1e-5)
+    messages, consumed = list(chat.messages), list(chat.consumed)
+    with pytest.raises(rnnify.RnnifyError, match=f"0 of the model's {LEARNED} learned positions left.*/reset"):
+        chat.send("more")
+    assert chat.messages == messages and chat.consumed == consumed  # refused before it was read
+    chat.reset()
+    assert chat.send("hi").reply_ids == turn.reply_ids
+
+
+def test_a_turn_without_room_for_a_reply_is_refused_before_it_is_read(learned_chat):
+    directory, _ = learned_chat
+    chat = Chat(rnnify.load(directory), load_tokenizer(directory), max_new_tokens=4)
+    with pytest.raises(rnnify.RnnifyError, match=rf"and one for the reply\), and the conversation has {LEARNED} of"):
+        chat.send("x" * LEARNED)
+    assert chat.messages == [] and chat.consumed == [] and chat.state is None
+
+
+def test_chat_command_at_the_last_position(capsys, monkeypatch, learned_chat):
+    directory, _ = learned_chat
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nmore\n"))
+    code = main(["chat", str(directory), "--max-new-tokens", "100"])
+    out, err = capsys.readouterr()
+    # the first reply runs to the last position (this random model never ends a reply early), which the
+    # state-size line says; not at a terminal, the turn that does not fit then ends the run in one line
+    assert re.search(rf"^\[{LEARNED} tokens, state .+\] \(the last position: /reset", out, flags=re.M), out
+    assert code == 2 and "Traceback" not in err and err.count("\n") == 1 and "/reset" in err, err

@@ -13,6 +13,7 @@ import transformers
 from support import assert_steps_and_split_prefill_match, decode, decode_from, exact_conversions, rel_diff
 
 import rnnify
+from rnnify.cli import main
 from rnnify.compiler.numbering import first_position
 from rnnify.errors import PositionError, RnnifyWarning, UnsupportedModelError
 from rnnify.runtime.agreement import tolerance
@@ -96,6 +97,38 @@ def test_the_whole_table_is_read_and_no_further(converted):
     assert rel_diff(logits, want) < 1e-4
     with pytest.raises(PositionError, match=f"past the {limit} learned positions"):
         model.step(ids[:, :1], state)
+
+
+def test_generate_refuses_up_front_what_would_pass_the_table(converted, monkeypatch):
+    source, model = converted("roberta")
+    limit, padding_id = model.manifest.positions["limit"], source.config.pad_token_id
+    ids = _tokens(1, 10, 5, padding_id)
+    # the prompt's positions and every new token's but the last, which is never read back
+    assert model.generate(ids, max_new_tokens=limit - 9).shape[1] == limit + 1
+    read = []
+    monkeypatch.setattr(model, "prefill", lambda *args, **kwargs: read.append(args))
+    with pytest.raises(
+        PositionError,
+        match=f"need {limit + 1} positions, past the {limit} learned positions .*"
+        f"ask for at most {limit - 9} new tokens",
+    ):
+        model.generate(ids, max_new_tokens=limit - 8)
+    with pytest.raises(PositionError, match=f"the prompt is {limit + 1} tokens, past the {limit} learned positions"):
+        model.generate(_tokens(1, limit + 1, 6, padding_id), max_new_tokens=0)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :4] = 0  # left padding takes no position
+    with pytest.raises(PositionError, match=f"ask for at most {limit - 11} new tokens"):
+        model.generate(_tokens(2, 12, 7, padding_id), attention_mask=mask, max_new_tokens=limit - 10)
+    assert not read  # refused before the prompt was read
+
+
+def test_generate_command_refuses_before_printing_a_token(converted, tmp_path, capsys):
+    _, model = converted("roberta")
+    limit = model.manifest.positions["limit"]
+    model.save(tmp_path / "model")
+    code = main(["generate", str(tmp_path / "model"), "--ids", "5,6,7", "--max-new-tokens", str(limit)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and f"ask for at most {limit - 2} new tokens" in err and err.count("\n") == 1
 
 
 def test_save_and_load_give_the_same_logits(converted, tmp_path):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from rnnify import arguments
 from rnnify.cli.common import add_dir, add_kernels_flag, load, nbytes
 from rnnify.cli.generate import add_sampling_flags, sampling_options
-from rnnify.errors import RnnifyError
+from rnnify.errors import PositionError, RnnifyError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -78,11 +78,18 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 chat.reset()
                 console.print(Text("(new conversation)", "dim"))
             elif text:
-                read, rule = chat.ask(text)
+                try:
+                    read, rule = chat.ask(text)
+                except PositionError as exc:  # the conversation is full: at a terminal, /reset goes on
+                    if not interactive:
+                        raise
+                    console.print(Text(f"error: {exc}", "red"))
+                    continue
                 if args.verbose:
                     console.print(Text(f"(read {read} new tokens; {_RULES[rule]})", "dim"))
                 chat.reply(TextStreamer(tokenizer, skip_special_tokens=True))
-                console.print(Text(f"[{len(chat.consumed):,} tokens, state {nbytes(chat.state.nbytes)}]", "dim"))
+                full = " (the last position: /reset starts a new conversation)" if chat.room() == 0 else ""
+                console.print(Text(f"[{len(chat.consumed):,} tokens, state {nbytes(chat.state.nbytes)}]{full}", "dim"))
     except KeyboardInterrupt:
         print()
     return 0
