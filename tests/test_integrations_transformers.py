@@ -230,6 +230,22 @@ def test_config_names_rnnify_and_keeps_the_source_config(converted_dir, tiny_mod
     assert config["source_config"] == source
 
 
+def test_config_names_the_source_fields_by_their_common_names(converted_dir, tiny_model_dir):
+    """GPT-2 names its table length ``n_positions`` and its width ``n_embd``; ``config.json`` gives the
+    length as ``max_position_embeddings`` (what lm-eval and vLLM read), and vLLM's config reads the
+    sizes by their common names, its pages' from the exact sites."""
+    from rnnify.integrations.vllm.config import RnnifyVllmConfig
+
+    directory = converted_dir("gpt2", "exact")
+    source = json.loads((tiny_model_dir("gpt2") / "config.json").read_text())
+    config = json.loads((directory / "config.json").read_text())
+    assert "max_position_embeddings" not in source and config["max_position_embeddings"] == source["n_positions"]
+    served = RnnifyVllmConfig.from_pretrained(directory, name_or_path=str(directory))  # as vLLM reads it
+    sizes = (served.hidden_size, served.num_hidden_layers, served.num_attention_heads, served.max_position_embeddings)
+    assert sizes == (source["n_embd"], source["n_layer"], source["n_head"], source["n_positions"])
+    assert (served.head_dim, served.num_key_value_heads) == (source["n_embd"] // source["n_head"], source["n_head"])
+
+
 def test_directories_with_the_source_config_still_load(converted_dir, tiny_model_dir, tmp_path):
     """Directories saved before config.json named rnnify: rnnify.load and the wrapper read them."""
     old = shutil.copytree(converted_dir("llama", "exact"), tmp_path / "old")

@@ -380,16 +380,33 @@ HYBRIDS = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def hybrids(tmp_path_factory) -> dict:
-    """Each of HYBRIDS, random, with the bundled model's tokenizer, converted to ``exact`` and served:
-    each prompt alone, then all together (``NAME``), and with a 16-token budget (``NAME-chunked``)."""
+# tiny models whose attention adds terms of its own to its scores, which the paged attention adds as
+# rnnify's attention does: learned sink logits (gpt-oss, its first layer sliding over 8 tokens), logit
+# softcapping (Gemma 2, its weights large enough that scores reach the cap) and ALiBi (BLOOM, whose config
+# names its heads n_head: vLLM reads the sizes by their common names, its pages' from the exact sites)
+SCORED = {
+    "gpt_oss": dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=64, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+    ),
+    "gemma2": dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=4.0, initializer_range=0.3,
+    ),
+    "bloom": dict(n_layer=2, hidden_size=64),
+}  # fmt: skip
+
+
+def serve_tiny_models(tmp_path_factory, models: dict[str, dict]) -> dict:
+    """Each of ``models`` (model type: its config), random, with the bundled model's tokenizer,
+    converted to ``exact`` and served: each prompt alone, then all together (``NAME``), and with a
+    16-token budget (``NAME-chunked``)."""
     from support import tiny_causal_lm
 
     config = json.loads((BUNDLED / "config.json").read_text())
     tokens = {key: config[key] for key in ("vocab_size", "bos_token_id", "eos_token_id")}
     runs = []
-    for name, sizes in HYBRIDS.items():
+    for name, sizes in models.items():
         source = tmp_path_factory.mktemp(name) / "source"
         common = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
         tiny_causal_lm(name, **tokens, **common, **sizes).save_pretrained(source)
@@ -401,7 +418,28 @@ def hybrids(tmp_path_factory) -> dict:
         batches = [[p] for p in PROMPTS] + [PROMPTS]
         runs.append(dict(name=name, path=str(out), engine={}, sampling=sampling, batches=batches))
         runs.append(dict(name=f"{name}-chunked", path=str(out), engine=CHUNKED, sampling=sampling, batches=[PROMPTS]))
-    return run_vllm(tmp_path_factory.mktemp("vllm-hybrids"), runs)
+    return run_vllm(tmp_path_factory.mktemp("vllm-tiny"), runs)
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory) -> dict:
+    """HYBRIDS served (``serve_tiny_models``)."""
+    return serve_tiny_models(tmp_path_factory, HYBRIDS)
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory) -> dict:
+    """SCORED served (``serve_tiny_models``)."""
+    return serve_tiny_models(tmp_path_factory, SCORED)
+
+
+@pytest.mark.parametrize("run", [f"{name}{suffix}" for name in SCORED for suffix in ("", "-chunked")])
+def test_score_terms_are_served(scored, run):
+    """Sink logits, softcapping and ALiBi in vLLM's pages, read in one prefill or in chunks, alone or
+    batched: vLLM's tokens and the log-probs of every prompt and greedy token are rnnify's."""
+    assert_same_tokens(scored[run], 12, ignore_eos=True)
+    assert_same_logprobs(scored[run], prompt=False)
+    assert_same_logprobs(scored[run], prompt=True)
 
 
 @pytest.mark.parametrize("run", [f"{name}{suffix}" for name in HYBRIDS for suffix in ("", "-chunked")])

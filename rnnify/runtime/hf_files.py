@@ -50,7 +50,7 @@ def wrap_config(source: bytes, manifest: dict[str, Any]) -> bytes:
     config = json.loads(source)
     if is_wrapped(config):  # a model loaded from a new directory keeps the unwrapped source; be safe anyway
         config = config["source_config"]
-    wrapped = {key: config[key] for key in _TOP_LEVEL if key in config}
+    wrapped = canonical_fields(config, _TOP_LEVEL)
     graph_limit = (manifest.get("positions") or {}).get("graph_limit")
     if graph_limit is not None:  # what transformers, lm-eval and vLLM take for the longest sequence
         wrapped["max_position_embeddings"] = min(wrapped.get("max_position_embeddings", graph_limit), graph_limit)
@@ -64,6 +64,37 @@ def wrap_config(source: bytes, manifest: dict[str, Any]) -> bytes:
         source_config=config,
     )
     return (json.dumps(wrapped, indent=2) + "\n").encode()
+
+
+def canonical_fields(config: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """The values of ``keys``, transformers' common names for them, in the source config ``config``
+    (its ``config.json`` as a dict), where it has them. A config class may store a field under a name
+    of its own (GPT-2's ``n_positions`` for ``max_position_embeddings``, BLOOM's ``n_head``) or compute
+    it (Falcon's ``head_dim``); tools that read a converted directory's ``config.json`` (lm-eval, vLLM)
+    look for the common name, so the values are read as transformers reads them, through the config
+    class of the source's ``model_type``, and as the dict names them where this transformers has no
+    such class."""
+    instance = _config_object(config)
+    found = {}
+    for key in keys:
+        value = getattr(instance, key, None) if instance is not None else None
+        if value is None:
+            value = config.get(key)
+        if value is not None:
+            found[key] = value
+    return found
+
+
+def _config_object(config: dict[str, Any]):
+    """``config`` as an instance of its ``model_type``'s transformers config class; None where no class
+    of this transformers takes it."""
+    from transformers import AutoConfig
+
+    fields = dict(config)
+    try:
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    except Exception:  # noqa: BLE001 - an unknown type, or values its class refuses: the dict as it is
+        return None
 
 
 def source_config(data: bytes) -> bytes:
@@ -96,10 +127,7 @@ def source_pretrained_config(directory: Path):
         return None
     if not isinstance(config, dict) or not is_wrapped(config):
         return None
-    from transformers import AutoConfig, PreTrainedConfig
+    from transformers import PreTrainedConfig
 
-    source = dict(config["source_config"])
-    try:
-        return AutoConfig.for_model(source.pop("model_type"), **source)
-    except Exception:  # noqa: BLE001 - a source config that no class takes: choose the tokenizer without it
-        return PreTrainedConfig()
+    # a source config that no class takes: the tokenizer is chosen without it
+    return _config_object(config["source_config"]) or PreTrainedConfig()
