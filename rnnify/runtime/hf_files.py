@@ -68,19 +68,19 @@ def wrap_config(source: bytes, manifest: dict[str, Any]) -> bytes:
 
 def canonical_fields(config: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
     """The values of ``keys``, transformers' common names for them, in the source config ``config``
-    (its ``config.json`` as a dict), where it has them. A config class may store a field under a name
-    of its own (GPT-2's ``n_positions`` for ``max_position_embeddings``, BLOOM's ``n_head``) or compute
-    it (Falcon's ``head_dim``); tools that read a converted directory's ``config.json`` (lm-eval, vLLM)
-    look for the common name, so the values are read as transformers reads them, through the config
-    class of the source's ``model_type``, and as the dict names them where this transformers has no
-    such class."""
+    (its ``config.json`` as a dict), where it has them or states them null. A config class may store
+    a field under a name of its own (GPT-2's ``n_positions`` for ``max_position_embeddings``, BLOOM's
+    ``n_head``) or compute it (Falcon's ``head_dim``); tools that read a converted directory's
+    ``config.json`` (lm-eval, vLLM) look for the common name, so the values are read as transformers
+    reads them, through the config class of the source's ``model_type``, and as the dict names them
+    where this transformers has no such class."""
     instance = _config_object(config)
     found = {}
     for key in keys:
         value = getattr(instance, key, None) if instance is not None else None
         if value is None:
             value = config.get(key)
-        if value is not None:
+        if value is not None or key in config:  # a null the source states is kept
             found[key] = value
     return found
 
