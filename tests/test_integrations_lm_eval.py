@@ -113,6 +113,15 @@ def test_stock_hflm_loglikelihood_equals_rnnify_s_own(converted_dir):
         assert greedy == bool((scores.argmax(-1) == target).all())
 
 
+def test_stock_hflm_reads_a_gpt2_conversions_learned_positions(converted_dir, tiny_model_dir):
+    """GPT-2 names its table length ``n_positions``; lm-eval looks for ``max_position_embeddings`` (and
+    ``n_positions``) on the config it loads, else takes 2,048, past which the conversion stops: its
+    rolling windows must fit the table."""
+    source = json.loads((tiny_model_dir("gpt2") / "config.json").read_text())
+    lm = HFLM(pretrained=str(converted_dir("gpt2", "exact")), trust_remote_code=True, device="cpu", batch_size=1)
+    assert lm.max_length == source["n_positions"] != 2048
+
+
 @pytest.mark.slow
 def test_stock_lm_eval_command_runs_a_local_task(tasks, converted_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
