@@ -98,6 +98,33 @@ def test_a_source_that_branches_on_the_length_past_its_table_converts_up_to_it_a
     assert rel_diff(model.prefill(ids)[0], original_logits(source, ids)) > 1e-2
 
 
+class _BranchesOnValuesPastItsTable(transformers.LlamaForCausalLM):
+    """A Llama that, past its declared length, doubles its logits where they sum above zero: control
+    flow on the tensors' values, which no trace past the table can check."""
+
+    def forward(self, input_ids=None, **kwargs):
+        out = super().forward(input_ids=input_ids, **kwargs)
+        if input_ids.shape[1] > self.config.max_position_embeddings and out.logits.sum() > 0:
+            out.logits = out.logits * 2
+        return out
+
+
+def test_a_source_branching_on_values_past_its_table_is_kept_to_it():
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=LIMIT,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    source = _BranchesOnValuesPastItsTable(config).eval()
+    ids = torch.randint(3, 320, (1, LIMIT + 4), generator=torch.Generator().manual_seed(1))
+    assert original_logits(source, ids).sum() > 0  # the branch is taken past the table
+    model = rnnify.convert(source, to="exact")
+    assert model.manifest.positions["graph_limit"] == LIMIT
+    assert rel_diff(model.prefill(ids[:, :LIMIT])[0], original_logits(source, ids[:, :LIMIT])) < 1e-5
+    with pytest.raises(PositionError, match=f"past the {LIMIT} positions its graph holds for"):
+        model.prefill(ids)
+
+
 def test_a_graph_limit_caps_the_longest_sequence_in_config_json():
     """transformers' generate, lm-eval and vLLM read the longest sequence from config.json."""
     wrapped = json.loads(wrap_config(b'{"max_position_embeddings": 64}', {"positions": {"graph_limit": 31}}))

@@ -284,14 +284,17 @@ def _beyond_the_table(
     dynamic mask keeps only its ``keep_window_size`` best keys past that many tokens), which a graph
     exported below it does not hold: the graph export gives with the length left to it, where that
     holds for every length, else the graph exported up to the table (or ``graph``, below it) with
-    that limit recorded (``GRAPH_LIMIT``).
+    that limit recorded (``GRAPH_LIMIT``). A source whose control flow past the table depends on its
+    tensors' values is kept to the table too: no trace checks what it computes there.
     """
-    if not _traces_at(wrapper, table + 1, input_ids.device):
+    traced = _traces_at(wrapper, table + 1, input_ids.device)
+    if traced is False:
         return graph
-    with contextlib.suppress(Exception):  # refused past some length: the table's limit is the one kept
-        inferred = _capture_inferring_length(wrapper, input_ids, position_ids)
-        if inferred is not None:
-            return inferred
+    if traced:
+        with contextlib.suppress(Exception):  # refused past some length: the table's limit is the one kept
+            inferred = _capture_inferring_length(wrapper, input_ids, position_ids)
+            if inferred is not None:
+                return inferred
     limited, limit = graph, table - 1
     with contextlib.suppress(Exception):  # a guard that holds below the table alone: ``graph`` it is
         limited, limit = _plain_graph_module(_export(wrapper, input_ids, position_ids, table).module()), table
@@ -299,17 +302,19 @@ def _beyond_the_table(
     return limited
 
 
-def _traces_at(wrapper: _LogitsOnly, length: int, device: torch.device) -> bool:
+def _traces_at(wrapper: _LogitsOnly, length: int, device: torch.device) -> bool | None:
     """Whether the source computes ``length`` tokens, traced by export at that length alone (its
-    tensors fake, so a length far past what a real pass could hold costs nothing)."""
+    tensors fake, so a length far past what a real pass could hold costs nothing): True where it
+    traces, False where the source fails there (it refuses the length, or its table is too short),
+    None where its control flow there depends on the tensors' values (``data_dependence``)."""
     input_ids = torch.zeros(1, length, dtype=torch.long, device=device)
     fake_tensors = logging.getLogger("torch._subclasses.fake_tensor")  # logs the failure before raising it
     level = fake_tensors.level
     fake_tensors.setLevel(logging.CRITICAL)
     try:
         _export(wrapper, input_ids, torch.arange(length, device=device)[None], max_length=None)
-    except Exception:  # noqa: BLE001  (a table too short for the tokens, in whatever error the model raises)
-        return False
+    except Exception as exc:  # noqa: BLE001  (a table too short for the tokens, in whatever error the model raises)
+        return None if data_dependence("", exc) is not None else False
     finally:
         fake_tensors.setLevel(level)
     return True
