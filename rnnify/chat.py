@@ -131,10 +131,14 @@ class Chat:
             limit, what = self.model.manifest.token_limit()
             raise PositionError(
                 f"this turn needs {len(new) + 1} positions (its {len(new)} tokens and one for the reply), and the "
-                f"conversation has {room} of the model's {limit} {what} left; start a new conversation (/reset)"
+                f"conversation has {room} left of the model's {limit} {what}; start a new conversation (/reset)"
             )
         ids = torch.tensor([new], device=self.model.device)
-        logits, self.state = self.model.prefill(ids, self.state)
+        try:
+            logits, self.state = self.model.prefill(ids, self.state)
+        except RnnifyError:
+            self.messages.pop()
+            raise
         self._logits = logits[:, -1]
         self.consumed += new
         self.consumed_text = rendered

@@ -225,7 +225,7 @@ def test_a_conversation_holds_up_to_the_last_position_and_refuses_past_it(learne
     for carried, expected in zip(chat.state.tensors, state.tensors):
         torch.testing.assert_close(carried, expected, rtol=1e-4, atol=1e-5)
     messages, consumed = list(chat.messages), list(chat.consumed)
-    with pytest.raises(rnnify.RnnifyError, match=f"0 of the model's {LEARNED} learned positions left.*/reset"):
+    with pytest.raises(rnnify.RnnifyError, match=f"has 0 left of the model's {LEARNED} learned positions.*/reset"):
         chat.send("more")
     assert chat.messages == messages and chat.consumed == consumed  # refused before it was read
     chat.reset()
@@ -235,7 +235,9 @@ def test_a_conversation_holds_up_to_the_last_position_and_refuses_past_it(learne
 def test_a_turn_without_room_for_a_reply_is_refused_before_it_is_read(learned_chat):
     directory, _ = learned_chat
     chat = Chat(rnnify.load(directory), load_tokenizer(directory), max_new_tokens=4)
-    with pytest.raises(rnnify.RnnifyError, match=rf"and one for the reply\), and the conversation has {LEARNED} of"):
+    with pytest.raises(
+        rnnify.RnnifyError, match=rf"and one for the reply\), and the conversation has {LEARNED} left of"
+    ):
         chat.send("x" * LEARNED)
     assert chat.messages == [] and chat.consumed == [] and chat.state is None
 
@@ -247,5 +249,31 @@ def test_chat_command_at_the_last_position(capsys, monkeypatch, learned_chat):
     out, err = capsys.readouterr()
     # the first reply runs to the last position (this random model never ends a reply early), which the
     # state-size line says; not at a terminal, the turn that does not fit then ends the run in one line
-    assert re.search(rf"^\[{LEARNED} tokens, state .+\] \(the last position: /reset", out, flags=re.M), out
+    words = " ".join(out.split())  # the console wraps its lines
+    assert re.search(rf"\[{LEARNED} tokens, state [^\]]+\] \(no room for another turn: /reset", words), out
     assert code == 2 and "Traceback" not in err and err.count("\n") == 1 and "/reset" in err, err
+
+
+def test_a_turn_fits_with_one_position_for_its_reply(learned_chat):
+    directory, _ = learned_chat
+    tokenizer = load_tokenizer(directory)
+    around = len(rendered_ids(tokenizer, [{"role": "user", "content": ""}]))  # the template's tokens
+    fits = "x" * (LEARNED - 1 - around)  # a turn of LEARNED - 1 tokens: one position left, for the reply
+    chat = Chat(rnnify.load(directory), tokenizer, max_new_tokens=100, eos_token_id=[])
+    with pytest.raises(rnnify.RnnifyError, match=f"needs {LEARNED + 1} positions"):
+        chat.send(fits + "x")
+    turn = chat.send(fits)
+    assert turn.read == LEARNED - 1 and len(turn.reply_ids) == 1 and chat.room() == 0
+
+
+def test_chat_at_a_terminal_goes_on_after_a_turn_that_does_not_fit(capsys, monkeypatch, learned_chat):
+    directory, _ = learned_chat
+    stdin = io.StringIO("hi\nmore\n/reset\nhi\n")
+    stdin.isatty = lambda: True
+    monkeypatch.setattr(sys, "stdin", stdin)
+    code = main(["chat", str(directory), "--max-new-tokens", "100"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "Traceback" not in err, err
+    words = " ".join(out.split())  # the console wraps its lines
+    assert "error: this turn needs" in words and "start a new conversation (/reset)" in words, out
+    assert len(re.findall(rf"^\[{LEARNED} tokens, state ", out, flags=re.M)) == 2, out  # a turn again after /reset

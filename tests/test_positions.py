@@ -116,9 +116,9 @@ def test_generate_refuses_up_front_what_would_pass_the_table(converted, monkeypa
     with pytest.raises(PositionError, match=f"the prompt is {limit + 1} tokens, past the {limit} learned positions"):
         model.generate(_tokens(1, limit + 1, 6, padding_id), max_new_tokens=0)
     mask = torch.ones(2, 12, dtype=torch.long)
-    mask[0, :4] = 0  # left padding takes no position
-    with pytest.raises(PositionError, match=f"ask for at most {limit - 11} new tokens"):
-        model.generate(_tokens(2, 12, 7, padding_id), attention_mask=mask, max_new_tokens=limit - 10)
+    mask[:, :4] = 0  # left padding takes no position: 8 real tokens a row
+    with pytest.raises(PositionError, match=f"ask for at most {limit - 7} new tokens"):
+        model.generate(_tokens(2, 12, 7, padding_id), attention_mask=mask, max_new_tokens=limit - 6)
     assert not read  # refused before the prompt was read
 
 

@@ -67,22 +67,37 @@ def wrap_config(source: bytes, manifest: dict[str, Any]) -> bytes:
 
 
 def canonical_fields(config: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
-    """The values of ``keys``, transformers' common names for them, in the source config ``config``
-    (its ``config.json`` as a dict), where it has them or states them null. A config class may store
-    a field under a name of its own (GPT-2's ``n_positions`` for ``max_position_embeddings``, BLOOM's
-    ``n_head``) or compute it (Falcon's ``head_dim``); tools that read a converted directory's
-    ``config.json`` (lm-eval, vLLM) look for the common name, so the values are read as transformers
-    reads them, through the config class of the source's ``model_type``, and as the dict names them
-    where this transformers has no such class."""
-    instance = _config_object(config)
-    found = {}
+    """The values of ``keys``, transformers' common names for them, that the source config ``config``
+    (its ``config.json`` as a dict) states. A config class may store a field under a name of its own
+    (GPT-2's ``n_positions`` for ``max_position_embeddings``, BLOOM's ``n_head``: its
+    ``attribute_map``) or compute it from others (Falcon's ``head_dim``, a property); tools that read a
+    converted directory's ``config.json`` (lm-eval, vLLM) look for the common name. A key the source
+    leaves to its class's default stays out: where the class of its ``model_type`` is not this
+    transformers', the dict is all there is."""
+    kind = _config_class(config.get("model_type"))
+    aliases = getattr(kind, "attribute_map", None) or {}
+    found, instance = {}, None
     for key in keys:
-        value = getattr(instance, key, None) if instance is not None else None
-        if value is None:
-            value = config.get(key)
-        if value is not None or key in config:  # a null the source states is kept
-            found[key] = value
+        if key in config:
+            found[key] = config[key]
+        elif aliases.get(key) in config:
+            found[key] = config[aliases[key]]
+        elif isinstance(getattr(kind, key, None), property):
+            instance = instance or _config_object(config)
+            value = getattr(instance, key, None) if instance is not None else None
+            if value is not None:
+                found[key] = value
     return found
+
+
+def _config_class(model_type: Any):
+    """The transformers config class of ``model_type``; None where this transformers has none."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[model_type]
+    except (KeyError, TypeError):
+        return None
 
 
 def _config_object(config: dict[str, Any]):

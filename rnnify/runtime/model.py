@@ -490,10 +490,11 @@ class RecurrentModel(nn.Module):
         reply. The prompt's tokens take positions, and so does every new token but the last,
         which is never read back."""
         hard = self.manifest.token_limit()
-        if hard is None or not input_ids.numel():
+        if hard is None:
             return
+        mask = self._check_inputs(input_ids, attention_mask)
         limit, what = hard
-        prompt = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(1).max())
+        prompt = input_ids.shape[1] if mask is None else int(mask.sum(1).max())
         where = self.manifest.source or "this model"
         if prompt > limit:
             raise PositionError(f"the prompt is {prompt} tokens, past the {limit} {what} ({where})")
