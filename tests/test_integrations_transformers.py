@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from rnnify.integrations.transformers import RnnifyForCausalLM
 from rnnify.runtime import hf_files
 
 PROMPT = "def read(path):"
+BUNDLED = Path(__file__).resolve().parents[1] / "examples" / "models" / "stdlib-llama"
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +246,20 @@ def test_config_names_the_source_fields_by_their_common_names(converted_dir, tin
     sizes = (served.hidden_size, served.num_hidden_layers, served.num_attention_heads, served.max_position_embeddings)
     assert sizes == (source["n_embd"], source["n_layer"], source["n_head"], source["n_positions"])
     assert (served.head_dim, served.num_key_value_heads) == (source["n_embd"] // source["n_head"], source["n_head"])
+
+
+def test_vllm_pages_hold_the_kv_heads_the_exact_sites_keep(tmp_path):
+    """Where only kv head 0 of each layer stays exact (the rest linear or windowed), vLLM's pages hold
+    one kv head a token, not the model's two; their width is the sites' head size."""
+    from rnnify.integrations.vllm.config import RnnifyVllmConfig
+
+    layers = "0:heads(0=exact;1=linear),1:heads(0=exact;1=window(window=8))"
+    directory = rnnify.convert(BUNDLED, to="window", window=16, layers=layers).save(tmp_path / "heads")
+    served = RnnifyVllmConfig.from_pretrained(directory, name_or_path=str(directory))
+    source = json.loads((BUNDLED / "config.json").read_text())
+    assert source["num_key_value_heads"] == 2 and served.num_key_value_heads == 1
+    assert served.head_dim == source["hidden_size"] // source["num_attention_heads"]
+    assert served.architectures == [hf_files.PAGED_ARCHITECTURE]
 
 
 def test_directories_with_the_source_config_still_load(converted_dir, tiny_model_dir, tmp_path):

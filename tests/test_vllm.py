@@ -48,11 +48,13 @@ PROMPTS = [
 NEW_TOKENS = 16
 # every target family that the bundled model (4 layers, 2 kv heads) converts to, a per-head split
 # (layer 0's kv head 0 a window of 8, its head 1 linear; layer 1 linear; layers 2-3 the --to window
-# of 16), and exact attention in vLLM's pages: whole (``exact``), and beside state slots (layer 0
-# exact, layer 1's kv head 0 exact and head 1 linear, layers 2-3 windows)
+# of 16), and exact attention in vLLM's pages: whole (``exact``), beside state slots (layer 0
+# exact, layer 1's kv head 0 exact and head 1 linear, layers 2-3 windows), and in pages of one kv head
 TARGETS = {
     "exact": dict(to="exact"),
     "exact-mixed": dict(to="window", window=16, layers="0:exact,1:heads(0=exact;1=linear)"),
+    # exact kv head 0 alone in each layer: vLLM's pages hold one kv head, not the model's two
+    "exact-heads": dict(to="window", window=16, layers="0:heads(0=exact;1=linear),1:heads(0=exact;1=window(window=8))"),
     "window": dict(to="window", window=16),
     "linear": dict(to="linear"),
     "gated": dict(to="gated"),
