@@ -209,13 +209,13 @@ LEARNED = 40  # positions of the GPT-2 below
 
 @pytest.fixture(scope="module")
 def learned_chat(tmp_path_factory):
-    """A converted chat model with learned positions (a last position), and its source."""
+    """The directory of a converted chat model with learned positions (a last position)."""
     source = make_chat_model(tmp_path_factory.mktemp("chat-gpt2"), learned_positions=LEARNED)
-    return rnnify.convert(source, to="exact").save(tmp_path_factory.mktemp("chat-gpt2-exact") / "model"), source
+    return rnnify.convert(source, to="exact").save(tmp_path_factory.mktemp("chat-gpt2-exact") / "model")
 
 
 def test_a_conversation_holds_up_to_the_last_position_and_refuses_past_it(learned_chat):
-    directory, _ = learned_chat
+    directory = learned_chat
     model, reference = rnnify.load(directory), rnnify.load(directory)
     tokenizer = load_tokenizer(directory)
     chat = Chat(model, tokenizer, max_new_tokens=100, eos_token_id=[])  # no end token: the reply runs to the limit
@@ -233,7 +233,7 @@ def test_a_conversation_holds_up_to_the_last_position_and_refuses_past_it(learne
 
 
 def test_a_turn_without_room_for_a_reply_is_refused_before_it_is_read(learned_chat):
-    directory, _ = learned_chat
+    directory = learned_chat
     chat = Chat(rnnify.load(directory), load_tokenizer(directory), max_new_tokens=4)
     with pytest.raises(
         rnnify.RnnifyError, match=rf"and one for the reply\), and the conversation has {LEARNED} left of"
@@ -243,7 +243,7 @@ def test_a_turn_without_room_for_a_reply_is_refused_before_it_is_read(learned_ch
 
 
 def test_chat_command_at_the_last_position(capsys, monkeypatch, learned_chat):
-    directory, _ = learned_chat
+    directory = learned_chat
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nmore\n"))
     code = main(["chat", str(directory), "--max-new-tokens", "100"])
     out, err = capsys.readouterr()
@@ -255,7 +255,7 @@ def test_chat_command_at_the_last_position(capsys, monkeypatch, learned_chat):
 
 
 def test_a_turn_fits_with_one_position_for_its_reply(learned_chat):
-    directory, _ = learned_chat
+    directory = learned_chat
     tokenizer = load_tokenizer(directory)
     around = len(rendered_ids(tokenizer, [{"role": "user", "content": ""}]))  # the template's tokens
     fits = "x" * (LEARNED - 1 - around)  # a turn of LEARNED - 1 tokens: one position left, for the reply
@@ -267,7 +267,7 @@ def test_a_turn_fits_with_one_position_for_its_reply(learned_chat):
 
 
 def test_chat_at_a_terminal_goes_on_after_a_turn_that_does_not_fit(capsys, monkeypatch, learned_chat):
-    directory, _ = learned_chat
+    directory = learned_chat
     stdin = io.StringIO("hi\nmore\n/reset\nhi\n")
     stdin.isatty = lambda: True
     monkeypatch.setattr(sys, "stdin", stdin)
