@@ -181,6 +181,11 @@ class Chat:
         hard = self.model.manifest.token_limit()
         return None if hard is None else hard[0] - len(self.consumed)
 
+    def full(self) -> bool:
+        """Whether no turn fits any more: a turn reads a token at least, and its reply one more (``ask``)."""
+        room = self.room()
+        return room is not None and room < 2
+
     def send(self, text: str, streamer: Any = None) -> Turn:
         """``ask(text)`` then ``reply(streamer)``."""
         read, rule = self.ask(text)

@@ -88,12 +88,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 if args.verbose:
                     console.print(Text(f"(read {read} new tokens; {_RULES[rule]})", "dim"))
                 chat.reply(TextStreamer(tokenizer, skip_special_tokens=True))
-                room = chat.room()  # a turn needs a position for a token and one for the reply
-                full = (
-                    " (no room for another turn: /reset starts a new conversation)"
-                    if room is not None and room < 2
-                    else ""
-                )
+                full = " (no room for another turn: /reset starts a new conversation)" if chat.full() else ""
                 console.print(Text(f"[{len(chat.consumed):,} tokens, state {nbytes(chat.state.nbytes)}]{full}", "dim"))
     except KeyboardInterrupt:
         print()
