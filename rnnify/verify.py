@@ -110,7 +110,7 @@ def _longest_span(model: RecurrentModel) -> int | None:
         elif cell.grows_with_context and cell.spec.keys_read is not None:
             spans.append(cell.spec.keys_read)
         elif cell.spec.selects:
-            spans.append(cell.spec.index_topk)
+            spans.append(cell.spec.selected_keys)
     return max(spans, default=None)
 
 

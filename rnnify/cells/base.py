@@ -75,7 +75,7 @@ PER_QUERY_TERMS = frozenset({"relative_extent", "query_sinks"})
 
 
 # CellSpec fields that a manifest holds only where the site has them
-_OPTIONAL = (*SCORE_TERMS, "chunk", "index_topk", "index_dim", "index_scale")
+_OPTIONAL = (*SCORE_TERMS, "chunk", "index_topk", "index_dim", "index_scale", "index_block", "index_eps")
 
 
 @dataclass(frozen=True)
@@ -105,24 +105,34 @@ class CellSpec:
     chunk: int | None = None
     # the model's sparse attention (DeepSeek-V3.2's indexer, docs/math.md §Indexer selection): a query
     # reads only the index_topk earlier keys whose index scores sum_h w_h relu(index_scale q_h . k) are
-    # highest, over index keys index_dim wide
+    # highest, over index keys index_dim wide; with index_block r (Qwen4-Exp's QSA, the block form) it
+    # reads the index_topk // r blocks of r keys ranked highest and its unfinished block, the block keys
+    # RMS-normed with index_eps, and no index_scale (the source's is 1 / sqrt(d))
     index_topk: int | None = None
     index_dim: int | None = None
     index_scale: float | None = None
+    index_block: int | None = None
+    index_eps: float | None = None
 
     def __post_init__(self) -> None:
         # a spec read from a manifest is data: sizes that no attention has fail here, by name
         for name in ("num_heads", "num_kv_heads", "head_dim", "value_dim"):
             check_int(name, getattr(self, name))
-        for name in ("window", "hidden_size", "chunk", "index_topk", "index_dim", "relative_extent"):
+        for name in ("window", "hidden_size", "chunk", "index_topk", "index_dim", "index_block", "relative_extent"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
         if self.window is not None and self.chunk is not None:
             raise ValueError("an attention has a sliding window or chunks, not both")
-        index = (self.index_topk, self.index_dim, self.index_scale)
+        index = (self.index_topk, self.index_dim, self.index_scale, self.index_block, self.index_eps)
         if any(field is not None for field in index):
-            if None in index or not is_positive_finite(self.index_scale):
+            if self.index_block is None and not (None not in index[:3] and is_positive_finite(self.index_scale)):
                 raise ValueError("an indexer needs index_topk, index_dim and a positive index_scale")
+            if self.index_block is not None and not (
+                None not in index[:2] and self.index_scale is None and is_positive_finite(self.index_eps)
+            ):
+                raise ValueError("a block indexer needs index_topk, index_dim and a positive index_eps, no index_scale")
+            if self.index_block is None and self.index_eps is not None:
+                raise ValueError("index_eps belongs to a block indexer (index_block)")
             if self.keys_read is not None or self.score_terms - {"sink_logits"}:
                 raise ValueError("an indexer's selection is computed over causal attention, with sinks at most")
         if self.num_heads % self.num_kv_heads:
@@ -171,6 +181,14 @@ class CellSpec:
     def selects(self) -> bool:
         """Whether an indexer chooses the keys each query reads (``index_topk``)."""
         return self.index_topk is not None
+
+    @property
+    def selected_keys(self) -> int | None:
+        """The most keys an indexer lets a query read: ``index_topk``, or a block indexer's blocks and
+        its unfinished block of up to ``index_block - 1`` keys; None without an indexer."""
+        if self.index_block is None:
+            return self.index_topk
+        return self.index_topk // self.index_block * self.index_block + self.index_block - 1
 
     def to_json(self) -> dict[str, Any]:
         """The fields, without score terms, a chunk or an indexer the site does not have (a manifest
@@ -227,7 +245,7 @@ class Cell(nn.Module):
             )
         if spec.selects and not self.computes_selection:
             raise ValueError(
-                f"this attention reads only the {spec.index_topk} earlier keys its indexer selects (sparse "
+                f"this attention reads only the {spec.selected_keys} earlier keys its indexer selects (sparse "
                 "attention), which only --to exact computes, for all of a layer's heads"
             )
         self.spec = spec

@@ -20,7 +20,8 @@ Llama 4's), whose cache keeps valid only the keys of the current chunk (``_curre
 
 Where an indexer chooses the keys (DeepSeek-V3.2's sparse attention, ``CellSpec.index_topk``), the
 state keeps its index keys too and each query reads only its selection
-(``selected_softmax_attn``, ranking by ``rnnify.cells.index_select``; docs/math.md §Indexer selection).
+(``selected_softmax_attn``, ranking by ``rnnify.cells.index_select``; docs/math.md §Indexer selection);
+where it ranks blocks of keys (Qwen4-Exp's QSA, ``CellSpec.index_block``), ``block_selected_softmax_attn``.
 
 A model's score terms (``CellSpec.softcap``, ``alibi_slopes``, ``sink_logits``, and what each
 query brings: ``relative_extent``, ``query_sinks``; docs/math.md §Score terms) change the scores
@@ -47,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from rnnify.cells.base import SCORE_TERMS, Cell, CellSpec
-from rnnify.cells.index_select import index_scores, selection
+from rnnify.cells.index_select import BlockRanking, index_scores, selection
 from rnnify.cells.online_softmax import (
     ScoreTerms,
     chunk_of,
@@ -310,17 +311,56 @@ def selected_softmax_attn(
     block's fp32 index scores ``[B, t, Hi, N]`` would pass ``_SCORES_BYTES``; each ranks the whole
     cache. With ``terms`` (sink logits, HY-V4's) the scores are computed here and the sinks join each
     denominator."""
-    length, total = q.shape[2], keys.shape[2]
-    gqa = q.shape[1] != keys.shape[1]
+    total = keys.shape[2]
     block_size = max(1, min(block_size, _SCORES_BYTES // (q.shape[0] * index_q.shape[2] * total * 4)))
     k_pos = torch.arange(total, device=q.device)
+
+    def reads(start: int, end: int, q_pos: torch.Tensor) -> torch.Tensor:
+        allowed = _block_allowed(q_pos, k_pos, None) & valid[:, None, :]  # [B, t, N]
+        scores = index_scores(index_q[:, start:end], index_keys, index_weights[:, start:end], index_scale)
+        return selection(scores, allowed, topk)
+
+    return _attend_selected(q, keys, values, scale, reads, block_size, terms)
+
+
+def block_selected_softmax_attn(
+    q,
+    keys,
+    values,
+    valid,
+    scale: float,
+    index_q,
+    index_keys,
+    norm_weight,
+    budget: int,
+    ratio: int,
+    eps: float,
+    block_size: int = 512,
+    terms: ScoreTerms | None = None,
+) -> torch.Tensor:
+    """``selected_softmax_attn`` for an indexer that ranks blocks of ``ratio`` keys (Qwen4-Exp's QSA,
+    ``rnnify.cells.index_select.BlockRanking``): the blocks pooled once, ranked by each block of
+    queries."""
+    ranking = BlockRanking(index_keys, valid, index_q.shape[-1], norm_weight, eps, ratio, budget)
+    blocks = max(1, ranking.count)
+    block_size = max(1, min(block_size, _SCORES_BYTES // (q.shape[0] * index_q.shape[2] * blocks * 4)))
+
+    def reads(start: int, end: int, q_pos: torch.Tensor) -> torch.Tensor:
+        return ranking.read(index_q[:, start:end], q_pos)
+
+    return _attend_selected(q, keys, values, scale, reads, block_size, terms)
+
+
+def _attend_selected(q, keys, values, scale: float, reads, block_size: int, terms: ScoreTerms | None) -> torch.Tensor:
+    """Softmax attention over the keys ``reads(start, end, q_pos)`` gives the queries ``start:end``
+    (``[B, t, N]``), ``block_size`` queries at a time."""
+    length, total = q.shape[2], keys.shape[2]
+    gqa = q.shape[1] != keys.shape[1]
     outs = []
     for start in range(0, length, block_size):
         end = min(start + block_size, length)
         q_pos = torch.arange(total - length + start, total - length + end, device=q.device)
-        allowed = _block_allowed(q_pos, k_pos, None) & valid[:, None, :]  # [B, t, N]
-        scores = index_scores(index_q[:, start:end], index_keys, index_weights[:, start:end], index_scale)
-        read = selection(scores, allowed, topk)[:, None]  # [B, 1, t, N]
+        read = reads(start, end, q_pos)[:, None]  # [B, 1, t, N]
         if terms is not None:
             dtype = torch.promote_types(q.dtype, torch.float32)
             s = torch.einsum(
@@ -381,7 +421,7 @@ class ExactCell(Cell):
     def forward(
         self,
         q, k, v, mask, keys, values, valid, index_keys=None,
-        *, index_q=None, index_k=None, index_weights=None, relative=None, sinks=None,
+        *, index_q=None, index_k=None, index_weights=None, index_norm=None, relative=None, sinks=None,
     ):  # fmt: skip
         keys = torch.cat([keys, k.to(keys.dtype)], dim=2)
         values = torch.cat([values, v.to(values.dtype)], dim=2)
@@ -389,10 +429,16 @@ class ExactCell(Cell):
         spec = self.spec
         if spec.selects:  # an indexer chooses the keys (the spec allows no window or chunk with it, sinks at most)
             index_keys = torch.cat([index_keys, index_k.to(index_keys.dtype)], dim=1)
-            out = selected_softmax_attn(
-                q, keys, values, valid, spec.scale, index_q, index_keys, index_weights,
-                spec.index_topk, spec.index_scale, self.block_size, self.terms,
-            )  # fmt: skip
+            if spec.index_block is not None:
+                out = block_selected_softmax_attn(
+                    q, keys, values, valid, spec.scale, index_q, index_keys, index_norm,
+                    spec.index_topk, spec.index_block, spec.index_eps, self.block_size, self.terms,
+                )  # fmt: skip
+            else:
+                out = selected_softmax_attn(
+                    q, keys, values, valid, spec.scale, index_q, index_keys, index_weights,
+                    spec.index_topk, spec.index_scale, self.block_size, self.terms,
+                )  # fmt: skip
             return out, keys, values, valid, index_keys
         if self.terms is None:
             out = sdpa_softmax_attn(q, keys, values, valid, spec.scale, spec.window, self.block_size, spec.chunk)
@@ -411,7 +457,11 @@ class ExactCell(Cell):
         return out, keys, values, valid
 
     def describe(self) -> str:
-        return f"reads the {self.spec.index_topk} keys its indexer selects" if self.spec.selects else ""
+        spec = self.spec
+        if spec.index_block is not None:
+            blocks = spec.index_topk // spec.index_block
+            return f"reads the {blocks} blocks of {spec.index_block} keys its indexer selects and its latest keys"
+        return f"reads the {spec.index_topk} keys its indexer selects" if spec.selects else ""
 
     def state_nbytes(self, length, batch_size=1, dtype=torch.float32):
         if self.spec.keys_read is not None:

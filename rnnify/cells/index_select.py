@@ -18,9 +18,20 @@ at a time: its keys ranked and softmax over the chosen ones, the ground truth). 
 source does and reading it through the exact cell's attention under the selection's mask. Both take
 queries ``[B, H, T, d]`` of cache positions ``N-T .. N-1``, keys/values ``[B, Hkv, N, *]``,
 ``valid [B, N]`` and the index inputs above over the same cache, and give 0 where no key is allowed.
+
+Qwen4-Exp's QSA ranks blocks instead (docs/math.md §Indexer selection, block form): each query's
+visible keys, in order, fall into blocks of ``ratio``; a block's key is the mean of its tokens' raw
+index keys, RMS-normed (weight ``1 + w``) and rotated to its first token's position; a query scores
+block j by sum_h relu(q_h . K_j) / sqrt(d) and reads the ``budget // ratio`` complete blocks ranked
+highest and every key of its unfinished block. Its index keys here are ``[raw, cos, sin]`` a token
+(the raw key and the rotary table of the token's position), so a block's key is computed again from
+the cache each call: ``naive_block_selection`` (the source's loop, the ground truth) and
+``BlockRanking`` (the cell's path).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -78,3 +89,101 @@ def naive_selected_softmax_attn(
                 p = torch.softmax(torch.cat([s, sink]), dim=0)[: len(chosen)]
                 out[b, h, t] = p @ values[b, h // group, chosen].to(dtype)
     return out.to(values.dtype)
+
+
+def _key_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The block keys' RMS norm as QSA's source computes it: in fp32, times ``1 + weight``, back in x's dtype."""
+    out = x.float()
+    out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).type_as(x)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of the first ``cos.shape[-1]`` features of x (rotate-half pairs), the rest as they are."""
+    width = cos.shape[-1]
+    part, rest = x[..., :width], x[..., width:]
+    half = torch.cat((-part[..., width // 2 :], part[..., : width // 2]), dim=-1)
+    return torch.cat([part * cos + half * sin, rest], dim=-1)
+
+
+def split_block_keys(index_keys: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``index_keys [..., d + 2r]`` as (raw keys ``[..., d]``, cos ``[..., r]``, sin ``[..., r]``)."""
+    width = (index_keys.shape[-1] - head_dim) // 2
+    return torch.split(index_keys, [head_dim, width, width], dim=-1)
+
+
+def naive_block_selection(
+    index_q, index_keys, visible, norm_weight, eps: float, ratio: int, budget: int
+) -> torch.Tensor:
+    """``[B, T, N]`` boolean: QSA's selection one query at a time, as the source's loop computes it.
+    ``index_q [B, T, Hi, d]`` (normed and rotated), ``index_keys [B, N, d + 2r]`` (module docstring),
+    ``visible [B, T, N]`` the keys each query may read."""
+    batch, length, _, head_dim = index_q.shape
+    raw, cos, sin = split_block_keys(index_keys, head_dim)
+    chosen = torch.zeros(visible.shape, dtype=torch.bool, device=visible.device)
+    for b in range(batch):
+        for t in range(length):
+            seen = torch.nonzero(visible[b, t], as_tuple=False).flatten()
+            blocks = seen.shape[-1] // ratio
+            tail = seen[blocks * ratio :]
+            chosen[b, t, tail] = True
+            if blocks == 0:
+                continue
+            members = seen[: blocks * ratio].view(blocks, ratio)
+            pooled = raw[b].index_select(0, members.flatten()).view(blocks, ratio, head_dim)
+            pooled = _key_norm(pooled.float().mean(dim=1).to(raw.dtype), norm_weight, eps)
+            starts = members[:, 0]
+            block_keys = _rotate(pooled, cos[b].index_select(0, starts), sin[b].index_select(0, starts))
+            scores = torch.matmul(index_q[b, t].float(), block_keys.float().transpose(-1, -2)).transpose(-1, -2)
+            scores = torch.relu(scores).sum(dim=-1) / math.sqrt(head_dim)
+            top = scores.topk(min(budget // ratio, blocks), dim=0).indices
+            chosen[b, t, members.index_select(0, top).flatten()] = True
+    return chosen
+
+
+class BlockRanking:
+    """QSA's blocks over a cache (``index_keys [B, N, d + 2r]``, ``valid [B, N]``), pooled once a call
+    and read by each block of queries (``read``). A row's valid keys form its blocks in order, the
+    same for every query, which sees a prefix of them: block j is complete for a query at position p
+    when its last key is at p or before."""
+
+    def __init__(self, index_keys, valid, head_dim: int, norm_weight, eps: float, ratio: int, budget: int):
+        raw, cos, sin = split_block_keys(index_keys, head_dim)
+        batch, total = valid.shape
+        self.count, self.head_dim, self.valid = total // ratio, head_dim, valid
+        self.top = budget // ratio  # blocks a query reads
+        rank = valid.cumsum(1) - 1
+        # [B, N]: each key's block, at most M (a last block no query completes; padding's is never read)
+        self.block_of = torch.where(valid, rank // ratio, 0).clamp_max(self.count)
+        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # each row's valid keys first
+        members = order[:, : self.count * ratio].reshape(batch, self.count, ratio)
+        exists = torch.arange(self.count, device=valid.device) < (valid.sum(1, keepdim=True) // ratio)
+        # the position of each block's last key; past every query where the block is not there
+        self.end = torch.where(exists, members[..., -1], total)
+        index = members.reshape(batch, -1, 1)
+        pooled = raw.gather(1, index.expand(-1, -1, head_dim)).view(batch, self.count, ratio, head_dim)
+        pooled = _key_norm(pooled.float().mean(dim=2).to(raw.dtype), norm_weight, eps)
+        starts = members[..., :1].expand(-1, -1, cos.shape[-1])
+        self.keys = _rotate(pooled, cos.gather(1, starts), sin.gather(1, starts))  # [B, M, d]
+
+    def read(self, index_q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+        """``[B, t, N]`` boolean: the keys each query at ``q_pos`` reads (``index_q [B, t, Hi, d]``)."""
+        k_pos = torch.arange(self.valid.shape[1], device=q_pos.device)
+        visible = self.valid[:, None, :] & (k_pos[None, None, :] <= q_pos[None, :, None])
+        if self.count == 0:
+            return visible
+        scores = torch.matmul(index_q.float(), self.keys.float().transpose(-1, -2).unsqueeze(1))  # [B, t, Hi, M]
+        scores = torch.relu(scores).sum(dim=2) / math.sqrt(self.head_dim)
+        complete = self.end[:, None, :] <= q_pos[None, :, None]  # [B, t, M]
+        chosen = torch.zeros_like(complete)
+        # each query ranks its complete blocks, a prefix of them, as a vector of that length: torch.topk
+        # breaks ties (scores relu made 0) by the vector it is given, so the same one the source gives it
+        counts = complete.sum(-1)
+        for count in counts.unique().tolist():
+            if count == 0 or not self.top:
+                continue
+            rows, queries = torch.nonzero(counts == count, as_tuple=True)
+            ranked = scores[rows, queries, :count].topk(min(self.top, count), dim=-1).indices
+            chosen[rows[:, None], queries[:, None], ranked] = True
+        read = torch.cat([~complete | chosen, torch.ones_like(complete[..., :1])], dim=-1)  # block M: unfinished
+        return visible & read.gather(-1, self.block_of[:, None, :].expand(-1, q_pos.shape[0], -1))

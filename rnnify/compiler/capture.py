@@ -23,6 +23,7 @@ import torch
 import torch.fx
 from torch.export import Dim
 
+from rnnify.compiler.block_selection import block_selections
 from rnnify.compiler.composite import language_model, loading_class
 from rnnify.compiler.data_dependence import data_dependence
 from rnnify.compiler.export_lengths import agreement, check_lengths, probed_lengths, refused_lengths
@@ -187,7 +188,7 @@ def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
     input_ids = torch.randint(0, vocab, (_EXAMPLE_BATCH, _EXAMPLE_LENGTH), device=device)
     position_ids = torch.arange(_EXAMPLE_LENGTH, device=device).expand(_EXAMPLE_BATCH, -1)
     wrapper = _LogitsOnly(model, first)
-    with routing_forms(model), index_masks():
+    with routing_forms(model), block_selections(model), index_masks():
         try:
             graph = _plain_graph_module(_export(wrapper, input_ids, position_ids, _MAX_LENGTH).module())
         except Exception as exc:  # export failures come in many types; report them as one

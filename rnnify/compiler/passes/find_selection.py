@@ -17,6 +17,11 @@ layer that reuses an earlier layer's selection (GLM-MoE-DSA's "shared" layers) f
 top-k, and its cell keeps its own copy of those index keys. An indexer that no site's selection
 accounts for (another scoring rule, one that gathers keys rather than masking them) is refused by
 name, never dropped: a conversion without it would be exact on short inputs and wrong on long ones.
+
+Qwen4-Exp's QSA indexer ranks blocks of keys in a loop that capture replaces by one op
+(``rnnify.compiler.block_selection``); its result reaches the mask as the keys kept (``mask & selected``
+or ``masked_fill(mask, ~selected, ...)``), and the op's arguments are the cell's: the index queries,
+the index keys with their rotary table, the block keys' norm weight, eps, block size and budget.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from rnnify.compiler.block_selection import BLOCK_SELECT
 from rnnify.errors import UnsupportedModelError
 
 aten = torch.ops.aten
@@ -55,11 +61,13 @@ class IndexSelection:
     """The indexer of one attention site: the nodes its cell takes and the constants of its scores."""
 
     query: torch.fx.Node  # index queries [B, T, Hi, d]
-    key: torch.fx.Node  # index keys [B, T, d], one per token
-    weights: torch.fx.Node  # head weights [B, T, Hi]
+    key: torch.fx.Node  # index keys [B, T, d], one per token ([B, T, d + 2r] for blocks: with cos and sin)
+    weights: torch.fx.Node  # head weights [B, T, Hi] (for blocks: the block keys' norm weight [d])
     topk: int
-    scale: float  # c inside the relu (1.0 where the source folds it into the weights)
+    scale: float | None  # c inside the relu (1.0 where the source folds it into the weights; None for blocks)
     indexer: str  # the indexer module's path
+    block: int | None = None  # keys a block, where the indexer ranks blocks (QSA)
+    eps: float | None = None  # the block keys' norm eps
 
 
 def find_selection(
@@ -75,6 +83,14 @@ def find_selection(
         raise UnsupportedModelError(f"{where}: its mask is shaped by {len(found)} top-k selections; one is understood")
     (topk,) = found
     name = _indexer_path(topk) or topk.name
+    if topk.target == BLOCK_SELECT:
+        if not _kept_where_selected(topk):
+            raise UnsupportedModelError(
+                f"{where}: sparse attention ({_clean(name)}): its mask uses the block selection otherwise than by "
+                "keeping the selected keys alone, which no rnnify cell computes"
+            )
+        query, keys, _, norm, eps, ratio, budget = topk.args
+        return IndexSelection(query, keys, norm, budget, None, _indexer_path(topk) or "", ratio, eps)
     if not _only_selected_kept(topk):
         raise UnsupportedModelError(
             f"{where}: sparse attention ({_clean(name)}): its mask uses a top-k otherwise than by keeping the "
@@ -109,7 +125,7 @@ def indexer_modules(model: torch.nn.Module) -> list[str]:
 
 
 def _topks_behind(terms: list[torch.fx.Node], stop: set[torch.fx.Node], layer: str | None) -> list[torch.fx.Node]:
-    """The ``aten.topk`` nodes the mask nodes depend on, the walk ending at each top-k, at ``stop``,
+    """The ``aten.topk`` (and block selection) nodes the mask nodes depend on, the walk ending at each top-k, at ``stop``,
     at values that are not tensors (sizes), at ops that read only a shape and at floating-point
     values computed in another decoder layer than the site's (``layer``, its module path): a
     selection reaches a mask as integers and booleans from any layer (a shared layer's from the one
@@ -122,7 +138,7 @@ def _topks_behind(terms: list[torch.fx.Node], stop: set[torch.fx.Node], layer: s
         if node in seen:
             continue
         seen.add(node)
-        if node.op == "call_function" and node.target == aten.topk.default:
+        if node.op == "call_function" and node.target in (aten.topk.default, BLOCK_SELECT):
             found.append(node)
             continue
         if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
@@ -167,6 +183,20 @@ def _only_selected_kept(topk: torch.fx.Node) -> bool:
         return False
     scatters = _reached(items[1], _PASS_THROUGH)
     return bool(scatters) and all(_unselected_mask(value, user) for value, user in scatters)
+
+
+def _kept_where_selected(selected: torch.fx.Node) -> bool:
+    """Whether the block selection (True: read) only masks: and-ed into the mask, or negated into a
+    ``masked_fill``'s mask."""
+    reached = _reached(selected, _BROADCASTS)
+    for value, user in reached:
+        if user.target == aten.bitwise_not.default:
+            fills = _reached(user, _BROADCASTS)
+            if not fills or not all(use.target in _MASKED_FILL and use.args[1] is v for v, use in fills):
+                return False
+        elif user.target not in _LOGICAL_AND:
+            return False
+    return bool(reached)
 
 
 def _unselected_mask(indices: torch.fx.Node, scatter: torch.fx.Node) -> bool:

@@ -6,8 +6,9 @@ adds the mask and state arguments. The cell returns ``(out, *state)``; ``out`` r
 result (or eager attention's p @ v, flattened to ``[B H, T, d_v]`` where that was) for every user.
 The site's score terms (softcap, ALiBi slopes, sink logits) and its indexer go into the cell's
 ``CellSpec``; a target that cannot compute them is refused, naming the layer. An indexer's q, k and
-head weights are the call's ``index_q``, ``index_k`` and ``index_weights``; what each query brings,
-a relative bias and sink logits, its ``relative`` and ``sinks``.
+head weights are the call's ``index_q``, ``index_k`` and ``index_weights`` (a block indexer's norm
+weight its ``index_norm``); what each query brings, a relative bias and sink logits, its
+``relative`` and ``sinks``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
             kwargs["x"] = site.hidden
         if site.selection is not None:
             selection = site.selection
-            kwargs.update(index_q=selection.query, index_k=selection.key, index_weights=selection.weights)
+            weights = "index_weights" if selection.block is None else "index_norm"
+            kwargs.update(index_q=selection.query, index_k=selection.key, **{weights: selection.weights})
         if site.relative is not None:
             kwargs["relative"] = site.relative.logits(gm, node)
         if site.query_sinks is not None:
@@ -91,7 +93,10 @@ def _index_fields(site) -> dict:
     if selection is None:
         return {}
     index_dim = int(selection.key.meta["val"].shape[-1])
-    return {"index_topk": selection.topk, "index_dim": index_dim, "index_scale": selection.scale}
+    fields = {"index_topk": selection.topk, "index_dim": index_dim, "index_scale": selection.scale}
+    if selection.block is not None:
+        fields.update(index_block=selection.block, index_eps=selection.eps)
+    return fields
 
 
 def _warn_unplanned(gm: torch.fx.GraphModule, ctx: PassContext, specs: dict[int, CellSpec]) -> None:
