@@ -466,10 +466,10 @@ def markdown(sweep: dict, half: dict | None = None) -> str:
         "a layer's sites differ in shape, an indexer selects the keys (sparse attention) or the tokens add "
         "to the scores (Inkling's relative bias, Inkling 2's sinks): `--to exact` only. "
         + ", ".join(f"{s}: {n}" for s, n in auto.items())
-        + ". The DSA sparse-attention models keep their configs' top-k (2,048 keys a query), more than the "
-        "sweep's tokens, so their rows check the layer below its selection; tests/test_sparse_attention.py "
-        "checks it past the selection (tests/test_block_selection.py for Qwen4-Exp's block selection, whose "
-        "tiny config reads 2 blocks of 4 keys).",
+        + ". The other sparse-attention models keep their configs' top-k (2,048 keys a query), more than the "
+        "sweep's tokens, so their rows check the layer below its selection, where Qwen4-Exp's tiny config reads "
+        "2 pools of 4 keys and its rows check past it; tests/test_sparse_attention.py and "
+        "tests/test_pooled_selection.py check each past the selection.",
         "",
         *_rows(causal),
         "",

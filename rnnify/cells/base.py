@@ -75,7 +75,7 @@ PER_QUERY_TERMS = frozenset({"relative_extent", "query_sinks"})
 
 
 # CellSpec fields that a manifest holds only where the site has them
-_OPTIONAL = (*SCORE_TERMS, "chunk", "index_topk", "index_dim", "index_scale", "index_block", "index_eps")
+_OPTIONAL = (*SCORE_TERMS, "chunk", "index_topk", "index_dim", "index_scale", "index_block", "index_pool", "index_eps")
 
 
 @dataclass(frozen=True)
@@ -105,13 +105,16 @@ class CellSpec:
     chunk: int | None = None
     # the model's sparse attention (DeepSeek-V3.2's indexer, docs/math.md §Indexer selection): a query
     # reads only the index_topk earlier keys whose index scores sum_h w_h relu(index_scale q_h . k) are
-    # highest, over index keys index_dim wide; with index_block r (Qwen4-Exp's QSA, the block form) it
-    # reads the index_topk // r blocks of r keys ranked highest and its unfinished block, the block keys
-    # RMS-normed with index_eps, and no index_scale (the source's is 1 / sqrt(d))
+    # highest, over index keys index_dim wide. With index_block r it ranks pools of r keys instead and
+    # reads the index_topk // r ranked highest and its unfinished pool, a pool's key made as
+    # index_pool says: "mean" (Qwen4-Exp's QSA: RMS-normed with index_eps and rotated, scored
+    # sum_h relu(q_h . K) / sqrt(d), no index_scale) or "gated" (GLM-5-Next's: a softmax-gated sum,
+    # scored as the keys are)
     index_topk: int | None = None
     index_dim: int | None = None
     index_scale: float | None = None
     index_block: int | None = None
+    index_pool: str | None = None
     index_eps: float | None = None
 
     def __post_init__(self) -> None:
@@ -123,18 +126,9 @@ class CellSpec:
                 check_int(name, getattr(self, name))
         if self.window is not None and self.chunk is not None:
             raise ValueError("an attention has a sliding window or chunks, not both")
-        index = (self.index_topk, self.index_dim, self.index_scale, self.index_block, self.index_eps)
+        index = (self.index_topk, self.index_dim, self.index_scale, self.index_block, self.index_pool, self.index_eps)
         if any(field is not None for field in index):
-            if self.index_block is None and not (None not in index[:3] and is_positive_finite(self.index_scale)):
-                raise ValueError("an indexer needs index_topk, index_dim and a positive index_scale")
-            if self.index_block is not None and not (
-                None not in index[:2] and self.index_scale is None and is_positive_finite(self.index_eps)
-            ):
-                raise ValueError("a block indexer needs index_topk, index_dim and a positive index_eps, no index_scale")
-            if self.index_block is None and self.index_eps is not None:
-                raise ValueError("index_eps belongs to a block indexer (index_block)")
-            if self.keys_read is not None or self.score_terms - {"sink_logits"}:
-                raise ValueError("an indexer's selection is computed over causal attention, with sinks at most")
+            self._check_indexer()
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if not is_positive_finite(self.scale):
@@ -156,6 +150,24 @@ class CellSpec:
             ):
                 raise ValueError(f"{name} must be {self.num_heads} finite numbers (one per query head)")
             object.__setattr__(self, name, tuple(float(v) for v in values))  # a manifest's JSON list
+
+    def _check_indexer(self) -> None:
+        """The indexer fields that belong together (the comment above them)."""
+        if self.index_topk is None or self.index_dim is None:
+            raise ValueError("an indexer needs index_topk and index_dim")
+        if self.index_pool not in (None, "mean", "gated"):
+            raise ValueError(f"index_pool must be 'mean' or 'gated', got {self.index_pool!r}")
+        if (self.index_block is None) != (self.index_pool is None):
+            raise ValueError("a pooling indexer needs index_block and index_pool, and only it has them")
+        scaled = is_positive_finite(self.index_scale)
+        if self.index_pool is None and not (scaled and self.index_eps is None):
+            raise ValueError("an indexer needs a positive index_scale (index_eps belongs to a pooling indexer)")
+        if self.index_pool == "mean" and not (self.index_scale is None and is_positive_finite(self.index_eps)):
+            raise ValueError("a mean-pooling indexer needs a positive index_eps and no index_scale")
+        if self.index_pool == "gated" and not (scaled and self.index_eps is None):
+            raise ValueError("a gated-pooling indexer needs a positive index_scale and no index_eps")
+        if self.keys_read is not None or self.score_terms - {"sink_logits"}:
+            raise ValueError("an indexer's selection is computed over causal attention, with sinks at most")
 
     @property
     def group_size(self) -> int:

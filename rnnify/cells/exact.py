@@ -21,7 +21,8 @@ Llama 4's), whose cache keeps valid only the keys of the current chunk (``_curre
 Where an indexer chooses the keys (DeepSeek-V3.2's sparse attention, ``CellSpec.index_topk``), the
 state keeps its index keys too and each query reads only its selection
 (``selected_softmax_attn``, ranking by ``rnnify.cells.index_select``; docs/math.md §Indexer selection);
-where it ranks blocks of keys (Qwen4-Exp's QSA, ``CellSpec.index_block``), ``block_selected_softmax_attn``.
+where it ranks pools of keys (Qwen4-Exp's QSA, GLM-5-Next's: ``CellSpec.index_pool``),
+``pooled_selected_softmax_attn``.
 
 A model's score terms (``CellSpec.softcap``, ``alibi_slopes``, ``sink_logits``, and what each
 query brings: ``relative_extent``, ``query_sinks``; docs/math.md §Score terms) change the scores
@@ -59,6 +60,7 @@ from rnnify.cells.online_softmax import (
     real_positions,
     score_terms,
 )
+from rnnify.cells.pool_select import PoolRanking
 from rnnify.errors import check_int
 
 
@@ -323,32 +325,39 @@ def selected_softmax_attn(
     return _attend_selected(q, keys, values, scale, reads, block_size, terms)
 
 
-def block_selected_softmax_attn(
+def pooled_selected_softmax_attn(
     q,
     keys,
     values,
     valid,
-    scale: float,
+    spec: CellSpec,
     index_q,
     index_keys,
-    norm_weight,
-    budget: int,
-    ratio: int,
-    eps: float,
+    index_weights,
+    pool_weight,
     block_size: int = 512,
     terms: ScoreTerms | None = None,
 ) -> torch.Tensor:
-    """``selected_softmax_attn`` for an indexer that ranks blocks of ``ratio`` keys (Qwen4-Exp's QSA,
-    ``rnnify.cells.index_select.BlockRanking``): the blocks pooled once, ranked by each block of
-    queries."""
-    ranking = BlockRanking(index_keys, valid, index_q.shape[-1], norm_weight, eps, ratio, budget)
-    blocks = max(1, ranking.count)
-    block_size = max(1, min(block_size, _SCORES_BYTES // (q.shape[0] * index_q.shape[2] * blocks * 4)))
+    """``selected_softmax_attn`` for an indexer that ranks pools of ``spec.index_block`` keys
+    (``spec.index_pool``: Qwen4-Exp's QSA, ``rnnify.cells.index_select.BlockRanking``, or GLM-5-Next's,
+    ``rnnify.cells.pool_select.PoolRanking``; ``pool_weight`` the pool keys' learned tensor): the
+    pools made once, ranked by each block of queries."""
+    head_dim, topk, pool = index_q.shape[-1], spec.index_topk, spec.index_block
+    if spec.index_pool == "mean":
+        ranking = BlockRanking(index_keys, valid, head_dim, pool_weight, spec.index_eps, pool, topk)
+        count = ranking.capacity
 
-    def reads(start: int, end: int, q_pos: torch.Tensor) -> torch.Tensor:
-        return ranking.read(index_q[:, start:end], q_pos)
+        def reads(start: int, end: int, q_pos: torch.Tensor) -> torch.Tensor:
+            return ranking.read(index_q[:, start:end], q_pos)
+    else:
+        pools = PoolRanking(index_keys, valid, pool_weight, head_dim, pool)
+        count = pools.keys.shape[1]
 
-    return _attend_selected(q, keys, values, scale, reads, block_size, terms)
+        def reads(start: int, end: int, q_pos: torch.Tensor) -> torch.Tensor:
+            return pools.read(index_q[:, start:end], index_weights[:, start:end], q_pos, spec.index_scale, topk)
+
+    block_size = max(1, min(block_size, _SCORES_BYTES // (q.shape[0] * index_q.shape[2] * max(1, count) * 4)))
+    return _attend_selected(q, keys, values, spec.scale, reads, block_size, terms)
 
 
 def _attend_selected(q, keys, values, scale: float, reads, block_size: int, terms: ScoreTerms | None) -> torch.Tensor:
@@ -421,7 +430,7 @@ class ExactCell(Cell):
     def forward(
         self,
         q, k, v, mask, keys, values, valid, index_keys=None,
-        *, index_q=None, index_k=None, index_weights=None, index_norm=None, relative=None, sinks=None,
+        *, index_q=None, index_k=None, index_weights=None, pool_weight=None, relative=None, sinks=None,
     ):  # fmt: skip
         keys = torch.cat([keys, k.to(keys.dtype)], dim=2)
         values = torch.cat([values, v.to(values.dtype)], dim=2)
@@ -429,10 +438,10 @@ class ExactCell(Cell):
         spec = self.spec
         if spec.selects:  # an indexer chooses the keys (the spec allows no window or chunk with it, sinks at most)
             index_keys = torch.cat([index_keys, index_k.to(index_keys.dtype)], dim=1)
-            if spec.index_block is not None:
-                out = block_selected_softmax_attn(
-                    q, keys, values, valid, spec.scale, index_q, index_keys, index_norm,
-                    spec.index_topk, spec.index_block, spec.index_eps, self.block_size, self.terms,
+            if spec.index_pool is not None:
+                out = pooled_selected_softmax_attn(
+                    q, keys, values, valid, spec, index_q, index_keys, index_weights, pool_weight,
+                    self.block_size, self.terms,
                 )  # fmt: skip
             else:
                 out = selected_softmax_attn(
@@ -459,8 +468,8 @@ class ExactCell(Cell):
     def describe(self) -> str:
         spec = self.spec
         if spec.index_block is not None:
-            blocks = spec.index_topk // spec.index_block
-            return f"reads the {blocks} blocks of {spec.index_block} keys its indexer selects and its latest keys"
+            pools = spec.index_topk // spec.index_block
+            return f"reads the {pools} pools of {spec.index_block} keys its indexer selects and its latest keys"
         return f"reads the {spec.index_topk} keys its indexer selects" if spec.selects else ""
 
     def state_nbytes(self, length, batch_size=1, dtype=torch.float32):

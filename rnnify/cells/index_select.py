@@ -19,7 +19,7 @@ source does and reading it through the exact cell's attention under the selectio
 queries ``[B, H, T, d]`` of cache positions ``N-T .. N-1``, keys/values ``[B, Hkv, N, *]``,
 ``valid [B, N]`` and the index inputs above over the same cache, and give 0 where no key is allowed.
 
-Qwen4-Exp's QSA ranks blocks instead (docs/math.md §Indexer selection, block form): each query's
+Qwen4-Exp's QSA ranks blocks instead (docs/math.md §Indexer selection, pooled forms): each query's
 visible keys, in order, fall into blocks of ``ratio``; a block's key is the mean of its tokens' raw
 index keys, RMS-normed (weight ``1 + w``) and rotated to its first token's position; a query scores
 block j by sum_h relu(q_h . K_j) / sqrt(d) and reads the ``budget // ratio`` complete blocks ranked
@@ -91,7 +91,7 @@ def naive_selected_softmax_attn(
     return out.to(values.dtype)
 
 
-def _key_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def key_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The block keys' RMS norm as QSA's source computes it: in fp32, times ``1 + weight``, back in x's dtype."""
     out = x.float()
     out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)
@@ -107,7 +107,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def split_block_keys(index_keys: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``index_keys [..., d + 2r]`` as (raw keys ``[..., d]``, cos ``[..., r]``, sin ``[..., r]``)."""
+    """``index_keys [..., d + 2w]`` as (raw keys ``[..., d]``, cos ``[..., w]``, sin ``[..., w]``), w the rotary width."""
     width = (index_keys.shape[-1] - head_dim) // 2
     return torch.split(index_keys, [head_dim, width, width], dim=-1)
 
@@ -116,7 +116,7 @@ def naive_block_selection(
     index_q, index_keys, visible, norm_weight, eps: float, ratio: int, budget: int
 ) -> torch.Tensor:
     """``[B, T, N]`` boolean: QSA's selection one query at a time, as the source's loop computes it.
-    ``index_q [B, T, Hi, d]`` (normed and rotated), ``index_keys [B, N, d + 2r]`` (module docstring),
+    ``index_q [B, T, Hi, d]`` (normed and rotated), ``index_keys [B, N, d + 2w]`` (module docstring),
     ``visible [B, T, N]`` the keys each query may read."""
     batch, length, _, head_dim = index_q.shape
     raw, cos, sin = split_block_keys(index_keys, head_dim)
@@ -131,7 +131,7 @@ def naive_block_selection(
                 continue
             members = seen[: blocks * ratio].view(blocks, ratio)
             pooled = raw[b].index_select(0, members.flatten()).view(blocks, ratio, head_dim)
-            pooled = _key_norm(pooled.float().mean(dim=1).to(raw.dtype), norm_weight, eps)
+            pooled = key_norm(pooled.float().mean(dim=1).to(raw.dtype), norm_weight, eps)
             starts = members[:, 0]
             block_keys = _rotate(pooled, cos[b].index_select(0, starts), sin[b].index_select(0, starts))
             scores = torch.matmul(index_q[b, t].float(), block_keys.float().transpose(-1, -2)).transpose(-1, -2)
@@ -142,7 +142,7 @@ def naive_block_selection(
 
 
 class BlockRanking:
-    """QSA's blocks over a cache (``index_keys [B, N, d + 2r]``, ``valid [B, N]``), pooled once a call
+    """QSA's blocks over a cache (``index_keys [B, N, d + 2w]``, ``valid [B, N]``), pooled once a call
     and read by each block of queries (``read``). A row's valid keys form its blocks in order, the
     same for every query, which sees a prefix of them: block j is complete for a query at position p
     when its last key is at p or before."""
@@ -150,19 +150,19 @@ class BlockRanking:
     def __init__(self, index_keys, valid, head_dim: int, norm_weight, eps: float, ratio: int, budget: int):
         raw, cos, sin = split_block_keys(index_keys, head_dim)
         batch, total = valid.shape
-        self.count, self.head_dim, self.valid = total // ratio, head_dim, valid
+        self.capacity, self.head_dim, self.valid = total // ratio, head_dim, valid  # most blocks a row has
         self.top = budget // ratio  # blocks a query reads
         rank = valid.cumsum(1) - 1
         # [B, N]: each key's block, at most M (a last block no query completes; padding's is never read)
-        self.block_of = torch.where(valid, rank // ratio, 0).clamp_max(self.count)
+        self.block_of = torch.where(valid, rank // ratio, 0).clamp_max(self.capacity)
         order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # each row's valid keys first
-        members = order[:, : self.count * ratio].reshape(batch, self.count, ratio)
-        exists = torch.arange(self.count, device=valid.device) < (valid.sum(1, keepdim=True) // ratio)
+        members = order[:, : self.capacity * ratio].reshape(batch, self.capacity, ratio)
+        exists = torch.arange(self.capacity, device=valid.device) < (valid.sum(1, keepdim=True) // ratio)
         # the position of each block's last key; past every query where the block is not there
         self.end = torch.where(exists, members[..., -1], total)
         index = members.reshape(batch, -1, 1)
-        pooled = raw.gather(1, index.expand(-1, -1, head_dim)).view(batch, self.count, ratio, head_dim)
-        pooled = _key_norm(pooled.float().mean(dim=2).to(raw.dtype), norm_weight, eps)
+        pooled = raw.gather(1, index.expand(-1, -1, head_dim)).view(batch, self.capacity, ratio, head_dim)
+        pooled = key_norm(pooled.float().mean(dim=2).to(raw.dtype), norm_weight, eps)
         starts = members[..., :1].expand(-1, -1, cos.shape[-1])
         self.keys = _rotate(pooled, cos.gather(1, starts), sin.gather(1, starts))  # [B, M, d]
 
@@ -170,7 +170,7 @@ class BlockRanking:
         """``[B, t, N]`` boolean: the keys each query at ``q_pos`` reads (``index_q [B, t, Hi, d]``)."""
         k_pos = torch.arange(self.valid.shape[1], device=q_pos.device)
         visible = self.valid[:, None, :] & (k_pos[None, None, :] <= q_pos[None, :, None])
-        if self.count == 0:
+        if self.capacity == 0:
             return visible
         scores = torch.matmul(index_q.float(), self.keys.float().transpose(-1, -2).unsqueeze(1))  # [B, t, Hi, M]
         scores = torch.relu(scores).sum(dim=2) / math.sqrt(self.head_dim)

@@ -18,10 +18,10 @@ top-k, and its cell keeps its own copy of those index keys. An indexer that no s
 accounts for (another scoring rule, one that gathers keys rather than masking them) is refused by
 name, never dropped: a conversion without it would be exact on short inputs and wrong on long ones.
 
-Qwen4-Exp's QSA indexer ranks blocks of keys in a loop that capture replaces by one op
-(``rnnify.compiler.block_selection``); its result reaches the mask as the keys kept (``mask & selected``
-or ``masked_fill(mask, ~selected, ...)``), and the op's arguments are the cell's: the index queries,
-the index keys with their rotary table, the block keys' norm weight, eps, block size and budget.
+Indexers that rank pools of keys (Qwen4-Exp's QSA, GLM-5-Next's) are one op each in the captured
+graph (``rnnify.compiler.block_selection``); its result reaches the mask as the keys kept (``mask &
+selected``, ``masked_fill(mask, ~selected, ...)``, or SDPA's mask itself), and the op's arguments
+are the cell's.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from rnnify.compiler.block_selection import BLOCK_SELECT
+from rnnify.compiler.block_selection import BLOCK_SELECT, POOL_SELECT
 from rnnify.errors import UnsupportedModelError
 
 aten = torch.ops.aten
@@ -61,13 +61,15 @@ class IndexSelection:
     """The indexer of one attention site: the nodes its cell takes and the constants of its scores."""
 
     query: torch.fx.Node  # index queries [B, T, Hi, d]
-    key: torch.fx.Node  # index keys [B, T, d], one per token ([B, T, d + 2r] for blocks: with cos and sin)
-    weights: torch.fx.Node  # head weights [B, T, Hi] (for blocks: the block keys' norm weight [d])
-    topk: int
-    scale: float | None  # c inside the relu (1.0 where the source folds it into the weights; None for blocks)
+    key: torch.fx.Node  # index keys [B, T, d], one per token (a pooling indexer's: CellSpec.index_pool)
+    weights: torch.fx.Node | None  # head weights [B, T, Hi] (None: QSA has none)
+    topk: int  # keys a query reads (a pooling indexer: its budget, index_topk)
+    scale: float | None  # c inside the relu (1.0 where the source folds it into the weights; None: QSA)
     indexer: str  # the indexer module's path
-    block: int | None = None  # keys a block, where the indexer ranks blocks (QSA)
-    eps: float | None = None  # the block keys' norm eps
+    block: int | None = None  # keys a pool, where the indexer ranks pools (CellSpec.index_block)
+    pool: str | None = None  # how a pool's key is made (CellSpec.index_pool)
+    eps: float | None = None  # QSA's pool-key norm eps
+    pool_weight: torch.fx.Node | None = None  # QSA's pool-key norm weight [d], GLM-5-Next's slot logits [r, d]
 
 
 def find_selection(
@@ -83,14 +85,18 @@ def find_selection(
         raise UnsupportedModelError(f"{where}: its mask is shaped by {len(found)} top-k selections; one is understood")
     (topk,) = found
     name = _indexer_path(topk) or topk.name
-    if topk.target == BLOCK_SELECT:
+    if topk.target in (BLOCK_SELECT, POOL_SELECT):
         if not _kept_where_selected(topk):
             raise UnsupportedModelError(
-                f"{where}: sparse attention ({_clean(name)}): its mask uses the block selection otherwise than by "
+                f"{where}: sparse attention ({_clean(name)}): its mask uses the pool selection otherwise than by "
                 "keeping the selected keys alone, which no rnnify cell computes"
             )
-        query, keys, _, norm, eps, ratio, budget = topk.args
-        return IndexSelection(query, keys, norm, budget, None, _indexer_path(topk) or "", ratio, eps)
+        path = _indexer_path(topk) or ""
+        if topk.target == BLOCK_SELECT:
+            query, keys, _, norm, eps, ratio, budget = topk.args
+            return IndexSelection(query, keys, None, budget, None, path, ratio, "mean", eps, norm)
+        query, keys, weights, _, ape, scale, budget, pool = topk.args
+        return IndexSelection(query, keys, weights, budget, scale, path, pool, "gated", None, ape)
     if not _only_selected_kept(topk):
         raise UnsupportedModelError(
             f"{where}: sparse attention ({_clean(name)}): its mask uses a top-k otherwise than by keeping the "
@@ -138,7 +144,7 @@ def _topks_behind(terms: list[torch.fx.Node], stop: set[torch.fx.Node], layer: s
         if node in seen:
             continue
         seen.add(node)
-        if node.op == "call_function" and node.target in (aten.topk.default, BLOCK_SELECT):
+        if node.op == "call_function" and node.target in (aten.topk.default, BLOCK_SELECT, POOL_SELECT):
             found.append(node)
             continue
         if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
@@ -186,11 +192,14 @@ def _only_selected_kept(topk: torch.fx.Node) -> bool:
 
 
 def _kept_where_selected(selected: torch.fx.Node) -> bool:
-    """Whether the block selection (True: read) only masks: and-ed into the mask, or negated into a
-    ``masked_fill``'s mask."""
+    """Whether the pool selection (True: read) only masks: and-ed into the mask, negated into a
+    ``masked_fill``'s mask, or SDPA's mask itself."""
     reached = _reached(selected, _BROADCASTS)
     for value, user in reached:
-        if user.target == aten.bitwise_not.default:
+        if user.target == aten.scaled_dot_product_attention.default:
+            if value is not (user.args[3] if len(user.args) > 3 else user.kwargs.get("attn_mask")):
+                return False
+        elif user.target == aten.bitwise_not.default:
             fills = _reached(user, _BROADCASTS)
             if not fills or not all(use.target in _MASKED_FILL and use.args[1] is v for v, use in fills):
                 return False

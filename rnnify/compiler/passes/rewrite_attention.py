@@ -6,8 +6,8 @@ adds the mask and state arguments. The cell returns ``(out, *state)``; ``out`` r
 result (or eager attention's p @ v, flattened to ``[B H, T, d_v]`` where that was) for every user.
 The site's score terms (softcap, ALiBi slopes, sink logits) and its indexer go into the cell's
 ``CellSpec``; a target that cannot compute them is refused, naming the layer. An indexer's q, k and
-head weights are the call's ``index_q``, ``index_k`` and ``index_weights`` (a block indexer's norm
-weight its ``index_norm``); what each query brings, a relative bias and sink logits, its
+head weights are the call's ``index_q``, ``index_k`` and ``index_weights`` (a pooling indexer's
+learned tensor its ``pool_weight``); what each query brings, a relative bias and sink logits, its
 ``relative`` and ``sinks``.
 """
 
@@ -45,8 +45,11 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
             kwargs["x"] = site.hidden
         if site.selection is not None:
             selection = site.selection
-            weights = "index_weights" if selection.block is None else "index_norm"
-            kwargs.update(index_q=selection.query, index_k=selection.key, **{weights: selection.weights})
+            kwargs.update(index_q=selection.query, index_k=selection.key)
+            if selection.weights is not None:
+                kwargs["index_weights"] = selection.weights
+            if selection.pool_weight is not None:
+                kwargs["pool_weight"] = selection.pool_weight
         if site.relative is not None:
             kwargs["relative"] = site.relative.logits(gm, node)
         if site.query_sinks is not None:
@@ -95,7 +98,7 @@ def _index_fields(site) -> dict:
     index_dim = int(selection.key.meta["val"].shape[-1])
     fields = {"index_topk": selection.topk, "index_dim": index_dim, "index_scale": selection.scale}
     if selection.block is not None:
-        fields.update(index_block=selection.block, index_eps=selection.eps)
+        fields.update(index_block=selection.block, index_pool=selection.pool, index_eps=selection.eps)
     return fields
 
 
