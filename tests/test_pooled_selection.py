@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from support import (
     assert_left_padded_rows_equal_rows_alone,
     assert_round_trips_a_save,
@@ -138,45 +139,86 @@ def test_a_pooling_spec_states_what_it_needs():
             CellSpec(4, 2, 8, 8, 0.5, **fields)
 
 
-class _BlockSelecting(torch.nn.Module):
-    """Attention masked by the block selection op: as Qwen4-Exp's SDPA path uses it (``kept``), or otherwise."""
+def _mask(use: str, causal, selected, dtype):
+    """An SDPA mask made from a pool selection (True: read): in ``READ`` the ways the sources use it,
+    the others reading keys the selection does not keep (``MASKS``)."""
+    lowest = torch.finfo(dtype).min
+    if use == "and":  # Qwen4-Exp's SDPA path
+        return causal & selected
+    if use == "itself":  # GLM-5-Next's SDPA path
+        return selected
+    if use == "filled":  # the eager paths
+        return torch.zeros(selected.shape, dtype=dtype).masked_fill(~selected, lowest)
+    if use == "dropped":
+        return causal & ~selected
+    if use == "either":
+        return causal | selected
+    if use == "negated and":
+        return ~(causal & selected)
+    if use == "cast":  # a 0/1 bias: every key read
+        return selected.to(dtype)
+    return torch.zeros(selected.shape, dtype=dtype).masked_fill(~selected, 0.0)  # "filled with 0"
 
-    def __init__(self, use: str):
+
+MASKS = ("and", "itself", "filled", "dropped", "either", "negated and", "cast", "filled with 0")
+READ = ("and", "itself", "filled")
+
+
+class _PoolSelecting(torch.nn.Module):
+    """Attention masked by a pool selection op as ``use`` names (``_mask``)."""
+
+    def __init__(self, op: str, use: str):
         super().__init__()
-        self.use = use
-        self.norm = torch.nn.Parameter(torch.zeros(8))
+        self.op, self.use = op, use
+        self.learned = torch.nn.Parameter(torch.zeros(2, 8) if op == "gated" else torch.zeros(8))
 
-    def forward(self, q, k, v, index_q, index_keys):
+    def forward(self, q, k, v, index_q, index_keys, weights):
         length = q.shape[2]
         causal = torch.ones(length, length, dtype=torch.bool).tril().expand(q.shape[0], -1, -1)
-        selected = torch.ops.rnnify.block_index_select(index_q, index_keys, causal, self.norm, 1e-6, 2, 4)
-        if self.use == "kept":
-            mask = causal & selected
-        elif self.use == "dropped":
-            mask = causal & ~selected
+        if self.op == "mean":
+            selected = torch.ops.rnnify.block_index_select(index_q, index_keys, causal, self.learned, 1e-6, 2, 4)
         else:
-            mask = causal | selected
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+            valid = torch.ones(q.shape[0], length, dtype=torch.bool)
+            keys = index_keys[..., :16]
+            selected = torch.ops.rnnify.pool_index_select(index_q, keys, weights, valid, self.learned, 0.5, 4, 2)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=_mask(self.use, causal, selected, q.dtype)[:, None]
+        )
 
 
-@pytest.mark.parametrize("use", ["kept", "dropped", "either"])
-def test_only_a_mask_keeping_the_selected_blocks_alone_is_read(use):
+@pytest.mark.parametrize("op", ["mean", "gated"])
+@pytest.mark.parametrize("use", MASKS)
+def test_only_a_mask_keeping_the_selected_pools_alone_is_read(op, use):
+    """``find_selection`` reads either op where the mask keeps the selected keys alone (and-ed into a
+    mask, SDPA's mask itself, or filling a float mask with the lowest value) and refuses every other use."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 6, 8, generator=gen) for _ in range(3))
-    inputs = (q, k, v, torch.randn(1, 6, 3, 8, generator=gen), torch.randn(1, 6, 16, generator=gen))
-    graph = torch.export.export(_BlockSelecting(use), inputs).module().graph
+    index = (
+        torch.randn(1, 6, 3, 8, generator=gen),
+        torch.randn(1, 6, 24, generator=gen),
+        torch.randn(1, 6, 3, generator=gen),
+    )
+    graph = torch.export.export(_PoolSelecting(op, use), (q, k, v, *index)).module().graph
     sdpa = next(n for n in graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     find = functools.partial(find_selection, sdpa, [sdpa.args[3]], set(sdpa.args[:3]), "site")
-    if use == "kept":
-        selection = find()
-        norm = next(n for n in graph.nodes if n.op == "get_attr")
-        assert (selection.query, selection.key, selection.pool_weight) == (*placeholders[3:5], norm)
-        assert (selection.topk, selection.block, selection.pool, selection.eps) == (4, 2, "mean", 1e-6)
-        assert selection.weights is None and selection.scale is None
-    else:
+    if use not in READ:
         with pytest.raises(UnsupportedModelError, match=r"^site: sparse attention .*pool selection otherwise"):
             find()
+        return
+    selection = find()
+    learned = next(n for n in graph.nodes if n.op == "get_attr")
+    assert (selection.query, selection.pool_weight, selection.topk, selection.block) == (placeholders[3], learned, 4, 2)
+    if op == "mean":
+        assert (selection.key, selection.pool, selection.eps) == (placeholders[4], "mean", 1e-6)
+        assert selection.weights is None and selection.scale is None
+    else:
+        assert (selection.weights, selection.pool, selection.scale, selection.eps) == (
+            placeholders[5],
+            "gated",
+            0.5,
+            None,
+        )
 
 
 def test_bench_fills_and_verify_counts_the_block_selection(qsa_exact):
@@ -214,33 +256,38 @@ def glm5_exact():
     return rnnify.convert(_glm5(index_n_heads=16), to="exact")
 
 
-def test_pool_ranking_chooses_the_keys_the_source_s_indexer_chooses():
+@pytest.mark.parametrize("dtype, draws", [(torch.float32, 1), (torch.bfloat16, 30)])
+def test_pool_ranking_chooses_the_keys_the_source_s_indexer_chooses(dtype, draws):
     """The source's own ``Glm5NextTextIndexer.forward`` and mask (``build_attention_mask_from_topk``)
-    and ``pooled_selection`` choose the same keys for a prompt with a left-padded row, learned slot
-    logits of their own and a row whose every pool ties at 0."""
+    and ``pooled_selection`` choose the same keys for a prompt with left-padded rows, learned slot
+    logits of their own and a row whose every pool ties at 0; in bfloat16 over 30 draws, where the
+    pooling's weights rounded to the keys' dtype decide some selections."""
     from rnnify.cells.pool_select import pooled_selection
 
-    attention = _glm5().model.language_model.layers[1].self_attn
+    attention = _glm5().to(dtype).model.language_model.layers[1].self_attn
     indexer = attention.indexer
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in (indexer.index_kpool_compress_ape, indexer.index_kpool_compress_gate):
-            parameter.copy_(torch.randn(parameter.shape, generator=gen))
-    batch, length = 3, 23
-    hidden = torch.randn(batch, length, indexer.hidden_size, generator=gen)
-    q_resid = torch.randn(batch, length, indexer.q_lora_rank, generator=gen)
-    q_resid[2] = 0.0  # index queries 0: every pool scores 0
+    batch, length = 4, 37
     valid = torch.ones(batch, length, dtype=torch.bool)
-    valid[1, :5] = False
-    with torch.no_grad():
-        indices = indexer(hidden_states=hidden, q_resid=q_resid, attention_mask=valid, cache=None)
-        source = attention.build_attention_mask_from_topk(indices, torch.zeros(1), length)[:, 0]
-        q = indexer.wq_b(q_resid).view(batch, length, -1, indexer.head_dim)
-        keys = torch.cat([indexer.k_norm(indexer.wk(hidden)), hidden @ indexer.index_kpool_compress_gate.T], -1)
-        weights = indexer.weights_proj(hidden) * indexer.n_heads**-0.5
-        ape = indexer.index_kpool_compress_ape
-        got = pooled_selection(q, keys, weights, valid, ape, indexer.softmax_scale, BUDGET, RATIO)
-    assert torch.equal(got, source)
+    valid[1, :5], valid[2, :14] = False, False
+    for draw in range(draws):
+        gen = torch.Generator().manual_seed(draw)
+        with torch.no_grad():
+            for parameter in (indexer.index_kpool_compress_ape, indexer.index_kpool_compress_gate):
+                parameter.copy_(torch.randn(parameter.shape, generator=gen))
+        hidden = torch.randn(batch, length, indexer.hidden_size, generator=gen).to(dtype)
+        q_resid = torch.randn(batch, length, indexer.q_lora_rank, generator=gen).to(dtype)
+        q_resid[3] = 0.0  # index queries 0: every pool scores 0
+        with torch.no_grad():
+            indices = indexer(hidden_states=hidden, q_resid=q_resid, attention_mask=valid, cache=None)
+            source = attention.build_attention_mask_from_topk(indices, torch.zeros(1), length)[:, 0]
+            q = indexer.wq_b(q_resid).view(batch, length, -1, indexer.head_dim)
+            keys = torch.cat(
+                [indexer.k_norm(indexer.wk(hidden)), F.linear(hidden, indexer.index_kpool_compress_gate)], -1
+            )
+            weights = indexer.weights_proj(hidden).float() * indexer.n_heads**-0.5
+            ape = indexer.index_kpool_compress_ape
+            got = pooled_selection(q, keys, weights, valid, ape, indexer.softmax_scale, BUDGET, RATIO)
+        assert torch.equal(got, source), draw
     causal = torch.ones(length, length, dtype=torch.bool).tril() & valid[:, None, :] & valid[:, :, None]
     assert (source.sum(-1) < causal.sum(-1)).any()  # the selection drops keys
 
@@ -290,3 +337,23 @@ def test_a_qsa_indexer_whose_block_keys_are_normed_otherwise_is_refused():
     source.model.layers[1].self_attn.indexer.k_layernorm = torch.nn.LayerNorm(16)
     with pytest.raises(RnnifyError, match=r"block keys are normed by LayerNorm otherwise than as an RMS norm"):
         rnnify.convert(source, to="exact")
+
+
+def test_glm5_next_left_padded_batch_gives_the_source_s_padded_batch():
+    """With 2 index heads (ties), a left-padded batch's prompt gives the source's logits for the same
+    padded batch: the pools some row has whole, which the rows rank together, are the source's."""
+    source = _glm5()
+    converted = rnnify.convert(source, to="exact")
+    ids = _ids(24, batch=3)
+    mask = torch.ones_like(ids)
+    mask[1, :7], mask[2, :13] = 0, 0
+    with torch.no_grad():
+        want = source(input_ids=ids, attention_mask=mask).logits
+    got = converted.prefill(ids, attention_mask=mask)[0]
+    real = mask.bool()
+    assert rel_diff(got[real], want[real]) < 1e-5
+
+
+def test_a_glm5_next_indexer_that_reads_its_unfinished_pool_only_when_chosen_is_refused():
+    with pytest.raises(RnnifyError, match=r"unfinished pool only when chosen"):
+        rnnify.convert(_glm5(index_kpool_always_select_tail=False), to="exact")

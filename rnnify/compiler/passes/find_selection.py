@@ -43,6 +43,15 @@ _PASS_THROUGH = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.
 _CASTS = {aten.to.dtype, aten._to_copy.default}
 # ops the source's selection mask passes through on its way to the attention's mask (same values)
 _BROADCASTS = {aten.unsqueeze.default, aten.expand.default, aten.view.default, *_PASS_THROUGH}
+# ops that carry a boolean mask's values as they are (no cast: a mask cast to floats is a bias)
+_BOOL_LAYOUT = {
+    aten.unsqueeze.default,
+    aten.expand.default,
+    aten.view.default,
+    aten.clone.default,
+    aten.contiguous.default,
+}
+_LOWEST_FILL = -1e4  # a float mask's "not read": this or lower (the dtype's lowest, -inf)
 _LOGICAL_AND = {aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default}
 _MASKED_FILL = {aten.masked_fill.Scalar, aten.masked_fill.Tensor}
 # ops that read a tensor's metadata (shape, dtype, device), not its values
@@ -192,18 +201,32 @@ def _only_selected_kept(topk: torch.fx.Node) -> bool:
 
 
 def _kept_where_selected(selected: torch.fx.Node) -> bool:
-    """Whether the pool selection (True: read) only masks: and-ed into the mask, negated into a
-    ``masked_fill``'s mask, or SDPA's mask itself."""
-    reached = _reached(selected, _BROADCASTS)
+    """Whether the pool selection (True: read) reaches the attention only as a boolean mask of the keys
+    read: through layout ops, and-ed with other masks, as SDPA's mask itself, or negated into a
+    ``masked_fill``'s mask that fills the keys not read with the lowest value (a float mask)."""
+    users = [user for user in selected.users if not (user.op == "call_function" and user.target in _METADATA)]
+    for user in users:
+        if user.op != "call_function":
+            return False
+        if (user.target in _BOOL_LAYOUT and user.args[0] is selected) or user.target in _LOGICAL_AND:
+            if not _kept_where_selected(user):
+                return False
+        elif user.target == aten.scaled_dot_product_attention.default:
+            if selected is not (user.args[3] if len(user.args) > 3 else user.kwargs.get("attn_mask")):
+                return False
+        elif user.target != aten.bitwise_not.default or not _fills_unread(user):
+            return False
+    return bool(users)
+
+
+def _fills_unread(unread: torch.fx.Node) -> bool:
+    """Whether ``unread`` (True: not read) only chooses where a ``masked_fill`` writes the lowest value."""
+    reached = _reached(unread, _BOOL_LAYOUT)
     for value, user in reached:
-        if user.target == aten.scaled_dot_product_attention.default:
-            if value is not (user.args[3] if len(user.args) > 3 else user.kwargs.get("attn_mask")):
-                return False
-        elif user.target == aten.bitwise_not.default:
-            fills = _reached(user, _BROADCASTS)
-            if not fills or not all(use.target in _MASKED_FILL and use.args[1] is v for v, use in fills):
-                return False
-        elif user.target not in _LOGICAL_AND:
+        fill = user.args[2] if len(user.args) > 2 else None
+        if user.target not in _MASKED_FILL or user.args[1] is not value or user.args[0] is value:
+            return False
+        if not (isinstance(fill, (int, float)) and fill <= _LOWEST_FILL):
             return False
     return bool(reached)
 
