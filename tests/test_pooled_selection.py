@@ -87,13 +87,13 @@ def test_block_ranking_chooses_the_keys_the_source_s_loop_chooses(length):
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_qwen4_exp_converts_exactly_past_its_selection(attention):
+def test_qwen4_exp_converts_exactly_past_its_selection(attention, qsa_exact):
     """Prompt and step by step, the conversion gives the original's logits at 40 tokens, where each
     query reads at most 11 of up to 40 keys; the original keeping every key differs there. Its SDPA
     ands a boolean selection into the mask, its eager attention fills a float mask."""
     source = _qwen4()
     source.set_attn_implementation(attention)
-    converted = rnnify.convert(source, to="exact")
+    converted = qsa_exact if attention == "sdpa" else rnnify.convert(source, to="exact")
     (spec,) = [cell.spec for cell in converted.cells if cell.spec.selects]
     assert (spec.index_topk, spec.index_block, spec.index_pool, spec.selected_keys) == (BUDGET, RATIO, "mean", 11)
     ids = _ids()
@@ -256,6 +256,13 @@ def glm5_exact():
     return rnnify.convert(_glm5(index_n_heads=16), to="exact")
 
 
+@pytest.fixture(scope="module")
+def glm5_ties():
+    """The tiny GLM-5-Next with 2 index heads (pools tie at 0) and its exact conversion."""
+    source = _glm5()
+    return source, rnnify.convert(source, to="exact")
+
+
 @pytest.mark.parametrize("dtype, draws", [(torch.float32, 1), (torch.bfloat16, 30)])
 def test_pool_ranking_chooses_the_keys_the_source_s_indexer_chooses(dtype, draws):
     """The source's own ``Glm5NextTextIndexer.forward`` and mask (``build_attention_mask_from_topk``)
@@ -304,12 +311,11 @@ def test_glm5_next_converts_exactly_past_its_selection(glm5_exact):
     assert rel_diff(original_logits(_glm5(index_n_heads=16, index_topk=LENGTH), ids), want) > 1e-3
 
 
-def test_glm5_next_breaks_ties_as_the_source_does_in_a_prompt_and_in_its_cached_decode():
+def test_glm5_next_breaks_ties_as_the_source_does_in_a_prompt_and_in_its_cached_decode(glm5_ties):
     """With 2 index heads, pools tie at 0 and the source ranks them over all its pools: a prompt's
     and a cached decode's vectors differ, and so do its logits. The conversion's prompt gives the
     source's prompt logits and its steps the source's cached steps."""
-    source = _glm5()
-    converted = rnnify.convert(source, to="exact")
+    source, converted = glm5_ties
     ids = _ids()
     with torch.no_grad():
         prompt = source(input_ids=ids).logits
@@ -339,11 +345,10 @@ def test_a_qsa_indexer_whose_block_keys_are_normed_otherwise_is_refused():
         rnnify.convert(source, to="exact")
 
 
-def test_glm5_next_left_padded_batch_gives_the_source_s_padded_batch():
+def test_glm5_next_left_padded_batch_gives_the_source_s_padded_batch(glm5_ties):
     """With 2 index heads (ties), a left-padded batch's prompt gives the source's logits for the same
     padded batch: the pools some row has whole, which the rows rank together, are the source's."""
-    source = _glm5()
-    converted = rnnify.convert(source, to="exact")
+    source, converted = glm5_ties
     ids = _ids(24, batch=3)
     mask = torch.ones_like(ids)
     mask[1, :7], mask[2, :13] = 0, 0
