@@ -196,8 +196,8 @@ class CellSpec:
 
     @property
     def selected_keys(self) -> int | None:
-        """The most keys an indexer lets a query read: ``index_topk``, or a block indexer's blocks and
-        its unfinished block of up to ``index_block - 1`` keys; None without an indexer."""
+        """The most keys an indexer lets a query read: ``index_topk``, or a pooling indexer's pools and
+        its unfinished pool of up to ``index_block - 1`` keys; None without an indexer."""
         if self.index_block is None:
             return self.index_topk
         return self.index_topk // self.index_block * self.index_block + self.index_block - 1

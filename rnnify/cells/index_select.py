@@ -153,7 +153,8 @@ class BlockRanking:
         self.capacity, self.head_dim, self.valid = total // ratio, head_dim, valid  # most blocks a row has
         self.top = budget // ratio  # blocks a query reads
         rank = valid.cumsum(1) - 1
-        # [B, N]: each key's block, at most M (a last block no query completes; padding's is never read)
+        # [B, N]: each key's block, at most ``capacity`` (a last block no query completes; padding's is
+        # never read)
         self.block_of = torch.where(valid, rank // ratio, 0).clamp_max(self.capacity)
         order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # each row's valid keys first
         members = order[:, : self.capacity * ratio].reshape(batch, self.capacity, ratio)
@@ -185,5 +186,6 @@ class BlockRanking:
             rows, queries = torch.nonzero(counts == count, as_tuple=True)
             ranked = scores[rows, queries, :count].topk(min(self.top, count), dim=-1).indices
             chosen[rows[:, None], queries[:, None], ranked] = True
-        read = torch.cat([~complete | chosen, torch.ones_like(complete[..., :1])], dim=-1)  # block M: unfinished
+        unfinished = torch.ones_like(complete[..., :1])  # block ``capacity``
+        read = torch.cat([~complete | chosen, unfinished], dim=-1)
         return visible & read.gather(-1, self.block_of[:, None, :].expand(-1, q_pos.shape[0], -1))

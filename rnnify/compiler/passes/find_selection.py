@@ -140,7 +140,7 @@ def indexer_modules(model: torch.nn.Module) -> list[str]:
 
 
 def _topks_behind(terms: list[torch.fx.Node], stop: set[torch.fx.Node], layer: str | None) -> list[torch.fx.Node]:
-    """The ``aten.topk`` (and block selection) nodes the mask nodes depend on, the walk ending at each top-k, at ``stop``,
+    """The ``aten.topk`` nodes (and pooling indexers' ops) the mask nodes depend on, the walk ending at each top-k, at ``stop``,
     at values that are not tensors (sizes), at ops that read only a shape and at floating-point
     values computed in another decoder layer than the site's (``layer``, its module path): a
     selection reaches a mask as integers and booleans from any layer (a shared layer's from the one
