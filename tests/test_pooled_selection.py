@@ -26,7 +26,7 @@ from support import (
 )
 
 import rnnify
-from rnnify.cells import CellSpec
+from rnnify.cells import CellSpec, build_cell
 from rnnify.cells.index_select import BlockRanking, naive_block_selection
 from rnnify.compiler.passes.find_selection import find_selection
 from rnnify.errors import RnnifyError, UnsupportedModelError
@@ -115,9 +115,12 @@ def test_block_selection_state_round_trips_and_left_padding_is_invisible(tmp_pat
     assert_left_padded_rows_equal_rows_alone(converted, [3, 17, 30], torch.Generator().manual_seed(0), steps=6)
 
 
-def test_other_targets_refuse_the_block_selection_in_one_line():
-    with pytest.raises(RnnifyError, match=r"^layer 1 .*reads only the 11 earlier keys its indexer selects"):
-        rnnify.convert(_qwen4(), to="window")
+def test_other_targets_refuse_a_pooling_selection_counting_the_keys_a_query_reads():
+    """Only ``exact`` computes a selection (the conversion names the layer, as for DSA's in
+    tests/test_sparse_attention.py); the refusal counts a query's pools and its unfinished pool."""
+    spec = CellSpec(4, 2, 8, 8, 0.5, index_topk=8, index_dim=24, index_block=4, index_pool="mean", index_eps=1e-6)
+    with pytest.raises(RnnifyError, match=r"^target 'window': this attention reads only the 11 earlier keys its"):
+        build_cell("window", spec)
 
 
 def test_a_pooling_spec_states_what_it_needs():
