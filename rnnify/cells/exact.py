@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from rnnify.cells.base import SCORE_TERMS, Cell, CellSpec
-from rnnify.cells.index_select import BlockRanking, index_scores, selection
+from rnnify.cells.index_select import BlockRanking, index_scores, selection, visible_keys
 from rnnify.cells.online_softmax import (
     ScoreTerms,
     chunk_of,
@@ -315,10 +315,9 @@ def selected_softmax_attn(
     denominator."""
     total = keys.shape[2]
     block_size = max(1, min(block_size, _SCORES_BYTES // (q.shape[0] * index_q.shape[2] * total * 4)))
-    k_pos = torch.arange(total, device=q.device)
 
     def reads(start: int, end: int, q_pos: torch.Tensor) -> torch.Tensor:
-        allowed = _block_allowed(q_pos, k_pos, None) & valid[:, None, :]  # [B, t, N]
+        allowed = visible_keys(valid, q_pos)  # [B, t, N]
         scores = index_scores(index_q[:, start:end], index_keys, index_weights[:, start:end], index_scale)
         return selection(scores, allowed, topk)
 

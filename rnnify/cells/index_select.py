@@ -36,6 +36,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from rnnify.cells.online_softmax import real_positions
+
 
 def index_scores(index_q, index_keys, index_weights, index_scale: float) -> torch.Tensor:
     """``[B, T, N]``: I(t, n) for the T index queries over the N index keys, in fp32, computed as the
@@ -89,6 +91,12 @@ def naive_selected_softmax_attn(
                 p = torch.softmax(torch.cat([s, sink]), dim=0)[: len(chosen)]
                 out[b, h, t] = p @ values[b, h // group, chosen].to(dtype)
     return out.to(values.dtype)
+
+
+def visible_keys(valid: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """``[B, t, N]``: the keys a query at cache position ``q_pos`` may read before any selection (real, not later)."""
+    k_pos = torch.arange(valid.shape[1], device=valid.device)
+    return valid[:, None, :] & (k_pos[None, None, :] <= q_pos[None, :, None])
 
 
 def key_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -152,7 +160,7 @@ class BlockRanking:
         batch, total = valid.shape
         self.capacity, self.head_dim, self.valid = total // ratio, head_dim, valid  # most blocks a row has
         self.top = budget // ratio  # blocks a query reads
-        rank = valid.cumsum(1) - 1
+        rank = real_positions(valid)
         # [B, N]: each key's block, at most ``capacity`` (a last block no query completes; padding's is
         # never read)
         self.block_of = torch.where(valid, rank // ratio, 0).clamp_max(self.capacity)
@@ -169,8 +177,7 @@ class BlockRanking:
 
     def read(self, index_q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
         """``[B, t, N]`` boolean: the keys each query at ``q_pos`` reads (``index_q [B, t, Hi, d]``)."""
-        k_pos = torch.arange(self.valid.shape[1], device=q_pos.device)
-        visible = self.valid[:, None, :] & (k_pos[None, None, :] <= q_pos[None, :, None])
+        visible = visible_keys(self.valid, q_pos)
         if self.capacity == 0:
             return visible
         scores = torch.matmul(index_q.float(), self.keys.float().transpose(-1, -2).unsqueeze(1))  # [B, t, Hi, M]

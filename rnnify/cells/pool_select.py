@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rnnify.cells.index_select import visible_keys
+
 
 def pooled_selection(
     index_q, index_keys, index_weights, valid, ape, scale: float, topk: int, pool: int
@@ -61,8 +63,7 @@ class PoolRanking:
         ``index_weights [B, t, Hi]``)."""
         valid, pool = self.valid, self.pool
         (batch, total), length = valid.shape, q_pos.shape[0]
-        k_pos = torch.arange(total, device=valid.device)
-        visible = (k_pos[None, None, :] <= q_pos[None, :, None]) & valid[:, None, :]  # [B, t, N]
+        visible = visible_keys(valid, q_pos)  # [B, t, N]
         rows = torch.arange(batch, device=valid.device)[:, None, None]
         scores = F.relu(torch.matmul(index_q.float(), self.keys.transpose(-1, -2).float().unsqueeze(1)) * scale)
         scores = torch.matmul(index_weights.float().unsqueeze(-2), scores).squeeze(-2)  # [B, t, P]
