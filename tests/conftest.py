@@ -32,6 +32,12 @@ if not os.environ.get("RNNIFY_TEST_CACHE"):
     atexit.register(shutil.rmtree, os.environ["RNNIFY_TEST_CACHE"], ignore_errors=True)
 os.environ["RNNIFY_CACHE"] = os.environ["RNNIFY_TEST_CACHE"]
 
+# rnnify.convert captures each model once per worker (tests/capture_cache.py); it imports torch, so
+# after the environment above.
+from tests import capture_cache  # noqa: E402
+
+capture_cache.install()
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "examples" / "make_tiny_model.py")
 make_tiny = importlib.util.module_from_spec(_spec)
@@ -54,6 +60,11 @@ def pytest_sessionfinish(session):
     if hasattr(session.config, "workerinput"):  # an xdist worker
         gc.freeze()
         atexit.register(gc.unfreeze)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    capture_cache.new_test()
 
 
 @pytest.fixture(scope="session")
