@@ -135,6 +135,22 @@ def test_a_length_made_a_constant_is_refused_in_one_line():
     assert "\n" not in str(caught.value) and "== 8" in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    "model_type, config",
+    [
+        ("rwkv", dict(hidden_size=64, attention_hidden_size=64, intermediate_size=128, context_length=128)),
+        ("xlstm", dict(hidden_size=64, embedding_dim=64, num_blocks=2, num_heads=4, chunk_size=64)),
+    ],
+)
+def test_a_model_recurrent_already_is_told_that_no_attention_was_found(model_type, config):
+    """RWKV's and xLSTM's recurrences loop over the tokens (export keeps one length) in modules named
+    attention: no softmax of q @ k^T in the graph is what tells them apart from CPM-Ant's above."""
+    source = tiny_causal_lm(model_type, vocab_size=VOCAB, num_hidden_layers=2, **config)
+    with pytest.raises(UnsupportedModelError, match=r"^no attention found: .* is recurrent already") as caught:
+        rnnify.convert(source, to="exact")
+    assert "\n" not in str(caught.value)
+
+
 def test_xlm_trained_causally_converts_exactly(tmp_path):
     source = _build("xlm")
     ids = _ids(40)

@@ -28,6 +28,7 @@ from rnnify.compiler.composite import language_model, loading_class
 from rnnify.compiler.data_dependence import data_dependence
 from rnnify.compiler.export_lengths import agreement, check_lengths, probed_lengths, refused_lengths
 from rnnify.compiler.numbering import first_position
+from rnnify.compiler.passes.eager_attention import computes_attention
 from rnnify.compiler.recurrences import own_recurrences
 from rnnify.compiler.routing import routing_forms
 from rnnify.errors import RnnifyError, UnsupportedModelError, first_line
@@ -259,10 +260,7 @@ def _capture_after_failure(
         if inferred is not None:
             return inferred
     if not _has_attention(model):
-        raise UnsupportedModelError(
-            f"no attention found: {name} has no attention layers (it is recurrent "
-            "already, as Mamba is); rnnify converts a model's attention"
-        ) from exc
+        raise _no_attention(name) from exc
     refusal = data_dependence(name, exc)
     if refusal is not None:
         raise refusal from exc
@@ -337,8 +335,20 @@ def _capture_inferring_length(
     refused = refused_lengths(guards, probed)
     graph = _plain_graph_module(module)
     agrees_at = agreement(graph, wrapper, vocab_size(wrapper.model.config), input_ids.device)
-    check_lengths(type(wrapper.model).__name__, refused, probed, _EXAMPLE_LENGTH, agrees_at)
+    try:
+        check_lengths(type(wrapper.model).__name__, refused, probed, _EXAMPLE_LENGTH, agrees_at)
+    except UnsupportedModelError as refusal:
+        if not computes_attention(graph):  # a recurrence of its own, in a loop over the tokens (RWKV's)
+            raise _no_attention(type(wrapper.model).__name__) from refusal
+        raise
     return graph
+
+
+def _no_attention(name: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"no attention found: {name} computes no attention (it is recurrent already, as Mamba and RWKV "
+        "are); rnnify converts a model's attention"
+    )
 
 
 def _has_attention(model: torch.nn.Module) -> bool:
