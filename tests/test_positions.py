@@ -122,6 +122,23 @@ def test_generate_refuses_up_front_what_would_pass_the_table(converted, monkeypa
     assert not read  # refused before the prompt was read
 
 
+def test_transformers_generate_refuses_up_front_what_would_pass_the_table(converted, monkeypatch):
+    from rnnify.integrations.transformers import RnnifyForCausalLM
+
+    source, model = converted("roberta")
+    limit, padding_id = model.manifest.positions["limit"], source.config.pad_token_id
+    wrapper = RnnifyForCausalLM.from_rnnify(model)
+    ids = _tokens(1, 10, 5, padding_id)
+    assert wrapper.generate(ids, max_new_tokens=limit - 9, min_new_tokens=limit - 9).shape[1] == limit + 1
+    read = []
+    monkeypatch.setattr(wrapper, "forward", lambda *args, **kwargs: read.append(args))
+    with pytest.raises(ValueError, match=f"need {limit + 1} positions, .*ask for at most {limit - 9} new tokens"):
+        wrapper.generate(ids, max_new_tokens=limit - 8)
+    with pytest.raises(ValueError, match=f"ask for at most {limit - 9} new tokens"):
+        wrapper.generate(ids, max_length=limit + 2)  # max_length counts the prompt
+    assert not read  # refused before the prompt was read
+
+
 def test_generate_command_refuses_before_printing_a_token(converted, tmp_path, capsys):
     _, model = converted("roberta")
     limit = model.manifest.positions["limit"]

@@ -331,11 +331,27 @@ class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
                 raise ValueError(
                     f"{name} must be a RecurrentCache (an rnnify model's state), got {type(kwargs[name]).__name__}"
                 )
+        prompt = inputs if inputs is not None else kwargs.get("input_ids")
+        self._check_room(prompt, kwargs.get("attention_mask"), options)
         if not names and options.use_cache is not False:
             kwargs["cache"] = RecurrentCache()
             if options.cache_implementation == "dynamic":  # the default cache, here the recurrent state; transformers
                 kwargs["cache_implementation"] = None  # refuses it beside a cache (it unsets "hybrid" itself)
         return super().generate(inputs, generation_config, **kwargs)
+
+    def _check_room(self, input_ids: Any, attention_mask: torch.Tensor | None, options: GenerationConfig) -> None:
+        """Refuse, before the prompt is read, a generation that would pass the positions the model has
+        (``RecurrentModel.check_room``): transformers would stop part way with the error of a step."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            return  # generate says what is wrong with it
+        new = options.max_new_tokens
+        if new is None and options.max_length is not None:
+            new = options.max_length - input_ids.shape[1]
+        if new is not None and new > 0:
+            try:
+                self.rnn.check_room(input_ids, attention_mask, new)
+            except RnnifyError as exc:
+                raise ValueError(str(exc)) from exc
 
     def _generation_options(self, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
         """The options ``generate`` runs with: ``generation_config`` (else the model's), its unset ones

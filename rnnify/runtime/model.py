@@ -474,7 +474,7 @@ class RecurrentModel(nn.Module):
         check_sampling(temperature, top_k, top_p)
         if max_new_tokens < 0:
             raise RnnifyError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        self._check_room(input_ids, attention_mask, max_new_tokens)
+        self.check_room(input_ids, attention_mask, max_new_tokens)
         eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
         pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
         generator = None
@@ -484,7 +484,7 @@ class RecurrentModel(nn.Module):
             input_ids, attention_mask, max_new_tokens, (do_sample, temperature, top_k, top_p, generator), eos, pad
         )
 
-    def _check_room(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> None:
+    def check_room(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> None:
         """Refuse, before any token is decoded, a generation that would pass the positions the model
         has (``Manifest.token_limit``): it would stop part way with a PositionError and half a
         reply. The prompt's tokens take positions, and so does every new token but the last,
