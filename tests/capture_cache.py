@@ -10,12 +10,13 @@ Everything after the capture (the passes, the cells, the check against the origi
 
 A test that patches anything (``monkeypatch``, ``pytest.MonkeyPatch.context``) may be patching what
 export sees: from its first patch on, that test captures afresh and keeps nothing. So does a model
-with a method set on one of its modules.
+that runs code of its own beside its classes' (a method set on one of its modules, a hook).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import os
 
@@ -29,6 +30,10 @@ _graphs: dict[str, tuple[torch.fx.GraphModule, dict[tuple[str, str, str], str]]]
 _patched = False
 _PLAIN = (bool, int, float, str, type(None), tuple, list)
 _MODULES = (torch.nn.Module, type)
+_HOOKS = (
+    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+    "_state_dict_hooks", "_load_state_dict_pre_hooks",
+)  # fmt: skip
 
 
 def new_test() -> None:
@@ -71,24 +76,47 @@ def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
 
 
 def _key(model: torch.nn.Module) -> str | None:
-    """A digest of everything a capture of ``model`` reads, or None for a model with a method of its own."""
+    """A digest of everything a capture of ``model`` reads, or None for a model that runs code of its
+    own beside its classes' (a method set on a module, a hook)."""
     digest = hashlib.sha256(f"{type(model).__module__}.{type(model).__qualname__}".encode())
-    digest.update(repr(sorted(vars(model.config).items(), key=lambda item: item[0])).encode())
+    digest.update(_config_state(model.config).encode())
     for path, module in model.named_modules(remove_duplicate=False):
-        attributes = {k: v for k, v in vars(module).items() if not k.startswith("_")}
-        if any(callable(v) and hasattr(type(module), k) for k, v in attributes.items()):
-            return None  # a method of the module's own, replacing its class's
+        attributes = vars(module)
+        if any(getattr(module, hooks) for hooks in _HOOKS) or any(
+            callable(v) and hasattr(type(module), k) for k, v in attributes.items() if not isinstance(v, _MODULES)
+        ):
+            return None
         plain = sorted((k, v) for k, v in attributes.items() if isinstance(v, _PLAIN))
-        functions = sorted((k, _name(v)) for k, v in attributes.items() if callable(v) and not isinstance(v, _MODULES))
+        functions = sorted(
+            (k, _function(v)) for k, v in attributes.items() if callable(v) and not isinstance(v, _MODULES)
+        )
         digest.update(f"{path}:{type(module).__qualname__}:{plain!r}:{functions!r}".encode())
+        for name, value in attributes.items():  # tensors kept as plain attributes: constants in the graph
+            if isinstance(value, torch.Tensor):
+                _add_tensor(digest, f"{path}.{name}", value)
+    first_name = {}  # tied tensors: one storage under several names
     for name, tensor in _named_tensors(model).items():
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}:{tensor.device}".encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        shared = first_name.setdefault((tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)), name)
+        _add_tensor(digest, f"{name}={shared}", tensor)
     return digest.hexdigest()
 
 
-def _name(function) -> str:
-    return f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', type(function).__qualname__)}"
+def _config_state(config) -> str:
+    """Every attribute of ``config``, its private ones and its sub-configs' included."""
+    items = sorted(vars(config).items(), key=lambda item: item[0])
+    return repr([(k, _config_state(v) if hasattr(v, "to_json_string") else v) for k, v in items])
+
+
+def _function(function) -> tuple:
+    """A function as a key: a partial by what it binds, anything else by its identity (within this process)."""
+    if isinstance(function, functools.partial):
+        return _function(function.func), repr(function.args), repr(sorted(function.keywords.items()))
+    return getattr(function, "__qualname__", type(function).__qualname__), id(function)
+
+
+def _add_tensor(digest, name: str, tensor: torch.Tensor) -> None:
+    digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}:{tensor.device}".encode())
+    digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -37,11 +37,16 @@ def test_a_model_that_differs_in_what_export_reads_is_captured_afresh():
     base = _model()
     capture_cache.capture(base)
     key = capture_cache._key(base)
-    weights, attribute, config, method = _model(), _model(), _model(rms_norm_eps=1e-3), _model()
+    weights, attribute, config, untied = _model(), _model(), _model(rms_norm_eps=1e-3), _model(tie_word_embeddings=True)
     with torch.no_grad():
         weights.model.norm.weight.add_(1)
     attribute.model.layers[0].self_attn.is_causal = False
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())  # equal, no longer shared
+    method, hooked = _model(), _model()
     method.model.norm.forward = lambda hidden: hidden
+    hooked.model.norm.register_forward_hook(lambda module, inputs, output: 2 * output)
     assert capture_cache._key(_model()) == key
-    assert capture_cache._key(method) is None
-    assert len({key, capture_cache._key(weights), capture_cache._key(attribute), capture_cache._key(config)}) == 4
+    assert capture_cache._key(method) is None and capture_cache._key(hooked) is None
+    tied = _model(tie_word_embeddings=True)
+    keys = {capture_cache._key(m) for m in (weights, attribute, config, tied, untied)}
+    assert len(keys | {key}) == 6

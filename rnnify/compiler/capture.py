@@ -186,7 +186,9 @@ def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
     vocab = vocab_size(model.config)
     refuse_bidirectional_attention(type(model).__name__, model.config)
     first = first_position(model, vocab)
-    input_ids = torch.randint(0, vocab, (_EXAMPLE_BATCH, _EXAMPLE_LENGTH), device=device)
+    # seeded: the capture draws nothing from the caller's random stream
+    example = torch.randint(0, vocab, (_EXAMPLE_BATCH, _EXAMPLE_LENGTH), generator=torch.Generator().manual_seed(0))
+    input_ids = example.to(device)
     position_ids = torch.arange(_EXAMPLE_LENGTH, device=device).expand(_EXAMPLE_BATCH, -1)
     wrapper = _LogitsOnly(model, first)
     with routing_forms(model), block_selections(model), index_masks():
