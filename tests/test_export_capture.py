@@ -144,11 +144,34 @@ def test_a_length_made_a_constant_is_refused_in_one_line():
 )
 def test_a_model_recurrent_already_is_told_that_no_attention_was_found(model_type, config):
     """RWKV's and xLSTM's recurrences loop over the tokens (export keeps one length) in modules named
-    attention: no softmax of q @ k^T in the graph is what tells them apart from CPM-Ant's above."""
+    attention: no softmax or logsumexp in the graph is what tells them apart from CPM-Ant's above."""
     source = tiny_causal_lm(model_type, vocab_size=VOCAB, num_hidden_layers=2, **config)
     with pytest.raises(UnsupportedModelError, match=r"^no attention found: .* is recurrent already") as caught:
         rnnify.convert(source, to="exact")
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["reformer", "xlnet"])
+def test_attention_in_a_graph_kept_to_some_lengths_is_not_taken_for_a_recurrence(name):
+    """Reformer normalises its LSH attention with a logsumexp, XLNet the scores of an einsum: both are
+    refused for the lengths export keeps, never as models without attention."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from arch_configs import build
+
+    with pytest.raises(UnsupportedModelError, match="captures its forward pass only for some lengths"):
+        rnnify.convert(build(name)[0], to="exact")
+
+
+def test_capture_draws_nothing_from_the_global_random_stream():
+    """Its example tokens come from a generator of its own: a seeded conversion's learned parts (a GLA
+    gate's initialisation) draw the same numbers whatever was captured before."""
+    source = _build("llama")
+    state = torch.get_rng_state()
+    capture(source)
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_xlm_trained_causally_converts_exactly(tmp_path):

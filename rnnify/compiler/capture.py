@@ -28,7 +28,7 @@ from rnnify.compiler.composite import language_model, loading_class
 from rnnify.compiler.data_dependence import data_dependence
 from rnnify.compiler.export_lengths import agreement, check_lengths, probed_lengths, refused_lengths
 from rnnify.compiler.numbering import first_position
-from rnnify.compiler.passes.eager_attention import computes_attention
+from rnnify.compiler.passes.eager_attention import normalises_scores
 from rnnify.compiler.recurrences import own_recurrences
 from rnnify.compiler.routing import routing_forms
 from rnnify.errors import RnnifyError, UnsupportedModelError, first_line
@@ -340,7 +340,7 @@ def _capture_inferring_length(
     try:
         check_lengths(type(wrapper.model).__name__, refused, probed, _EXAMPLE_LENGTH, agrees_at)
     except UnsupportedModelError as refusal:
-        if not computes_attention(graph):  # a recurrence of its own, in a loop over the tokens (RWKV's)
+        if not normalises_scores(graph):  # a recurrence of its own, in a loop over the tokens (RWKV's)
             raise _no_attention(type(wrapper.model).__name__) from refusal
         raise
     return graph

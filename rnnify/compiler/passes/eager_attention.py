@@ -94,26 +94,15 @@ class EagerAttention:
     nodes: set[torch.fx.Node] = field(default_factory=set)  # every node of the chain, q @ k^T to the output
 
 
-def computes_attention(gm: torch.fx.GraphModule) -> bool:
-    """Whether ``gm`` computes attention in a form the passes read or might: a fused call, or a softmax
-    of a product of two activations (q @ k^T, not a router's product with its weights), whatever its
-    sizes (a graph export kept to one length has them all constant). A model without one mixes its
-    tokens in recurrences of its own (RWKV's, Mamba's)."""
-    fused = {aten.scaled_dot_product_attention.default, torch.ops.higher_order.flex_attention}
-    activations = set()  # the nodes that depend on the inputs
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" or any(n in activations for n in node.all_input_nodes):
-            activations.add(node)
-
-    def of_activations(node: torch.fx.Node) -> bool:
-        operands = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
-        return node.target in _SCORES and len(operands) == 2 and all(a in activations for a in operands)
-
-    return any(
-        node.op == "call_function"
-        and (node.target in fused or (node.target in SOFTMAX and _reaches_scores(node.args[0], of_activations)))
-        for node in gm.graph.nodes
-    )
+def normalises_scores(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` normalises anything as attention does: a softmax, a logsumexp (Reformer's) or a
+    fused attention call. A graph without one mixes its tokens in recurrences of its own (RWKV's);
+    one with one may not (a router's softmax), so only its absence tells."""
+    normalising = {
+        *SOFTMAX, aten._log_softmax.default, aten.log_softmax.int, aten.logsumexp.default,
+        aten.scaled_dot_product_attention.default, torch.ops.higher_order.flex_attention,
+    }  # fmt: skip
+    return any(node.op == "call_function" and node.target in normalising for node in gm.graph.nodes)
 
 
 def eager_attention(gm: torch.fx.GraphModule, where: Callable[[torch.fx.Node], str]) -> list[EagerAttention]:
@@ -388,12 +377,8 @@ def _scores_operand(node: torch.fx.Node, where: str) -> torch.fx.Node:
     raise _refuse(where, f"with an op on the scores it does not match ({_op_name(node)} {node.name})")
 
 
-def _reaches_scores(
-    node: torch.fx.Node, is_scores: Callable[[torch.fx.Node], bool] | None = None, depth: int = 16
-) -> bool:
-    """Does ``node`` depend on a q @ k^T (``is_scores``, by default ``_is_scores``) within ``depth`` ops
-    (a mask's or a bias's node does not)?"""
-    is_scores = is_scores or _is_scores
+def _reaches_scores(node: torch.fx.Node, depth: int = 16) -> bool:
+    """Does ``node`` depend on a q @ k^T within ``depth`` ops (a mask's or a bias's node does not)?"""
     frontier, seen = [node], set()
     for _ in range(depth):
         following = []
@@ -401,7 +386,7 @@ def _reaches_scores(
             if n in seen or n.op != "call_function":
                 continue
             seen.add(n)
-            if is_scores(n):
+            if _is_scores(n):
                 return True
             following += n.all_input_nodes
         frontier = following
