@@ -136,7 +136,31 @@ def test_transformers_generate_refuses_up_front_what_would_pass_the_table(conver
         wrapper.generate(ids, max_new_tokens=limit - 8)
     with pytest.raises(ValueError, match=f"ask for at most {limit - 9} new tokens"):
         wrapper.generate(ids, max_length=limit + 2)  # max_length counts the prompt
+    long = _tokens(1, limit - 5, 8, padding_id)
+    assert wrapper.config.max_position_embeddings > limit  # the source's table: transformers' default reaches past
+    with pytest.raises(ValueError, match="ask for at most 6 new tokens"):
+        wrapper.generate(long)  # transformers' default: 20 new tokens, within max_position_embeddings
     assert not read  # refused before the prompt was read
+
+
+def test_transformers_generate_counts_padding_it_finds_by_the_padding_id(converted):
+    """Without a mask, transformers masks the padding id where it is not an end of sequence: the
+    padding takes no positions, and the check counts none for it."""
+    from rnnify.integrations.transformers import RnnifyForCausalLM
+
+    source, model = converted("roberta")
+    limit, padding_id = model.manifest.positions["limit"], source.config.pad_token_id
+    wrapper = RnnifyForCausalLM.from_rnnify(model)
+    assert wrapper.generation_config.pad_token_id == padding_id
+    real = _tokens(1, 8, 9, padding_id)
+    padded = torch.cat([torch.full((1, 4), padding_id), real], 1)
+    got = wrapper.generate(padded, max_new_tokens=limit - 7, min_new_tokens=limit - 7)
+    masked = wrapper.generate(
+        padded, attention_mask=padded != padding_id, max_new_tokens=limit - 7, min_new_tokens=limit - 7
+    )
+    assert got.shape[1] == 12 + limit - 7 and torch.equal(got, masked)
+    with pytest.raises(ValueError, match=f"ask for at most {limit - 7} new tokens"):
+        wrapper.generate(padded, max_new_tokens=limit - 6)
 
 
 def test_generate_command_refuses_before_printing_a_token(converted, tmp_path, capsys):

@@ -262,7 +262,10 @@ def _capture_after_failure(
         if inferred is not None:
             return inferred
     if not _has_attention(model):
-        raise _no_attention(name) from exc
+        raise UnsupportedModelError(
+            f"no attention found: {name} has no attention layers (it is recurrent "
+            "already, as Mamba is); rnnify converts a model's attention"
+        ) from exc
     refusal = data_dependence(name, exc)
     if refusal is not None:
         raise refusal from exc
@@ -341,16 +344,12 @@ def _capture_inferring_length(
         check_lengths(type(wrapper.model).__name__, refused, probed, _EXAMPLE_LENGTH, agrees_at)
     except UnsupportedModelError as refusal:
         if not normalises_scores(graph):  # a recurrence of its own, in a loop over the tokens (RWKV's)
-            raise _no_attention(type(wrapper.model).__name__) from refusal
+            raise UnsupportedModelError(
+                f"no attention found: {type(wrapper.model).__name__}'s graph has no softmax or logsumexp (it is "
+                "recurrent already, as RWKV is); rnnify converts a model's attention"
+            ) from refusal
         raise
     return graph
-
-
-def _no_attention(name: str) -> UnsupportedModelError:
-    return UnsupportedModelError(
-        f"no attention found: {name} computes no attention (it is recurrent already, as Mamba and RWKV "
-        "are); rnnify converts a model's attention"
-    )
 
 
 def _has_attention(model: torch.nn.Module) -> bool:

@@ -45,6 +45,9 @@ SUPPORTED_MODES = (
     GenerationMode.BEAM_SEARCH,
     GenerationMode.BEAM_SAMPLE,
 )
+# transformers' own max_length where neither it nor max_new_tokens is set: counted from the prompt, and within
+# the config's max_position_embeddings (GenerationMixin._prepare_generated_length)
+_DEFAULT_MAX_LENGTH = 20
 # Why each other decoding mode cannot run on a recurrent state.
 REFUSED = {
     GenerationMode.CONTRASTIVE_SEARCH: "it compares candidates with the past keys, which a recurrent state does not keep",
@@ -341,13 +344,26 @@ class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _check_room(self, input_ids: Any, attention_mask: torch.Tensor | None, options: GenerationConfig) -> None:
         """Refuse, before the prompt is read, a generation that would pass the positions the model has
-        (``RecurrentModel.check_room``): transformers would stop part way with the error of a step."""
+        (``RecurrentModel.check_room``): transformers would stop part way with the error of a step.
+        The new tokens and the prompt's mask are counted as transformers counts them: ``max_new_tokens``,
+        else ``max_length`` less the prompt, else its default; padding found by ``pad_token_id`` where no
+        mask is given and the padding is not an end of sequence."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             return  # generate says what is wrong with it
-        new = options.max_new_tokens
-        if new is None and options.max_length is not None:
-            new = options.max_length - input_ids.shape[1]
-        if new is not None and new > 0:
+        length = input_ids.shape[1]
+        if options.max_new_tokens is not None:
+            new = options.max_new_tokens
+        elif options.max_length is not None:
+            new = options.max_length - length
+        else:
+            table = getattr(self.config, "max_position_embeddings", None)
+            new = _DEFAULT_MAX_LENGTH if table is None else min(length + _DEFAULT_MAX_LENGTH, table) - length
+        if attention_mask is None and isinstance(options.pad_token_id, int):
+            eos = options.eos_token_id
+            eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+            if options.pad_token_id not in eos and bool((input_ids == options.pad_token_id).any()):
+                attention_mask = input_ids != options.pad_token_id
+        if new > 0:
             try:
                 self.rnn.check_room(input_ids, attention_mask, new)
             except RnnifyError as exc:
