@@ -34,7 +34,7 @@ import torch
 from rnnify.choices import CHAT_MAX_NEW_TOKENS, TEMPERATURE
 from rnnify.errors import PositionError, RnnifyError
 from rnnify.runtime.model import RecurrentModel
-from rnnify.runtime.sampling import check_sampling, next_token
+from rnnify.runtime.sampling import check_sampling, next_token, token_ids
 from rnnify.runtime.state import RecurrentState
 from rnnify.runtime.tokenizer import check_template, encode, render
 
@@ -83,9 +83,7 @@ class Chat:
         self.sampling = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k, "top_p": top_p}
         if eos_token_id is None:
             eos_token_id = tokenizer.eos_token_id
-        self.eos = (
-            set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-        )
+        self.eos = set(token_ids(eos_token_id))
         self.generator = None if seed is None else torch.Generator(device=model.device).manual_seed(seed)
         self.reset()
 

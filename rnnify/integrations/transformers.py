@@ -35,6 +35,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from rnnify.errors import RnnifyError
 from rnnify.runtime import hf_files
 from rnnify.runtime.model import RecurrentModel
+from rnnify.runtime.sampling import token_ids
 from rnnify.runtime.state import RecurrentState
 
 __all__ = ["RnnifyConfig", "RecurrentCache", "RnnifyForCausalLM", "SUPPORTED_MODES", "REFUSED"]
@@ -359,9 +360,9 @@ class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
             table = getattr(self.config, "max_position_embeddings", None)
             new = _DEFAULT_MAX_LENGTH if table is None else min(length + _DEFAULT_MAX_LENGTH, table) - length
         if attention_mask is None and isinstance(options.pad_token_id, int):
-            eos = options.eos_token_id
-            eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-            if options.pad_token_id not in eos and bool((input_ids == options.pad_token_id).any()):
+            if options.pad_token_id not in token_ids(options.eos_token_id) and bool(
+                (input_ids == options.pad_token_id).any()
+            ):
                 attention_mask = input_ids != options.pad_token_id
         if new > 0:
             try:

@@ -24,7 +24,7 @@ from rnnify.kernels.utils import check_kernels, check_runnable
 from rnnify.runtime.direct_calls import direct_forward
 from rnnify.runtime.head import head_input_size, split_head
 from rnnify.runtime.manifest import Manifest
-from rnnify.runtime.sampling import check_sampling, next_token
+from rnnify.runtime.sampling import check_sampling, next_token, token_ids
 from rnnify.runtime.state import RecurrentState
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 
@@ -475,7 +475,7 @@ class RecurrentModel(nn.Module):
         if max_new_tokens < 0:
             raise RnnifyError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         self.check_room(input_ids, attention_mask, max_new_tokens)
-        eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+        eos = token_ids(eos_token_id)
         pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
         generator = None
         if seed is not None:

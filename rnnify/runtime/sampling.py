@@ -5,9 +5,16 @@ Order as in transformers' ``generate``: temperature, then top-k, then top-p (nuc
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from rnnify.errors import RnnifyError, check_positive_finite
+
+
+def token_ids(ids: int | Iterable[int] | None) -> list[int]:
+    """The ids an ``eos_token_id`` names: none, one or several (configs and tokenizers give any of the three)."""
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
 
 
 def check_temperature(temperature: float, name: str = "temperature") -> float:
