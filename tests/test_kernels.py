@@ -438,6 +438,34 @@ def test_mask_all_real_is_no_mask(triton_path):
         K.chunk_linear_attn(q, k, v, mask=ones[:, :4])
 
 
+def test_a_state_of_another_shape_is_refused():
+    """A state comes from the step's graph, which a model directory holds; the Triton paths index it by
+    the shapes of the other inputs, so every op checks it first, whichever path it takes."""
+    q, k, v, g, gk, h0 = make_attn(2, 5, 2, 1, 16, 8, "g+gk")  # h0 [2, 1, 16, 8]
+    for op in OPS:
+        with pytest.raises(ValueError, match=r"initial_state must be \[2, 1, 16, 8\], got \[2, 1, 16, 9\]"):
+            op(q, k, v, g, gk, initial_state=torch.zeros(2, 1, 16, 9))
+        with pytest.raises(ValueError, match=r"initial_state\[1\] must be \[2, 1, 16\], got \[1, 1, 16\]"):
+            op(q, k, v, initial_state=(h0, torch.zeros(1, 1, 16)), normalize=True)
+    b = torch.randn(2, 5, 3)
+    with pytest.raises(ValueError, match=r"initial_state must be \[2, 3\], got \[3, 3\]"):
+        K.linear_recurrence(torch.rand(2, 5, 3), b, torch.zeros(3, 3))
+    s, values = torch.randn(2, 5, 2), torch.randn(2, 5, 2, 4)
+    state = (torch.zeros(2, 2), torch.ones(2, 2), torch.zeros(2, 2, 8))
+    with pytest.raises(ValueError, match=r"initial_state's w must be \[2, 2, 4\], got \[2, 2, 8\]"):
+        K.aaren_scan(s, values, state)
+    ring = (torch.zeros(2, 1, 4, 16), torch.zeros(2, 1, 4, 8), torch.zeros(2, dtype=torch.long))
+    token = (torch.randn(2, 1, 2, 16), torch.randn(2, 1, 1, 16), torch.randn(2, 1, 1, 8))
+    K.window_attn_step(*token, *ring)  # the shapes that fit
+    for index, bad, message in (
+        (1, torch.zeros(2, 1, 3, 8), r"values must be \[2, 1, 4, 8\], got \[2, 1, 3, 8\]"),
+        (2, torch.zeros(3, dtype=torch.long), r"length must be \[2\], got \[3\]"),
+        (0, torch.zeros(2, 3, 4, 16), r"keys must be \[B, H_kv, W, K\] with H_kv dividing 2"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            K.window_attn_step(*token, *(bad if i == index else x for i, x in enumerate(ring)))
+
+
 # --------------------------------------------------------------------------- scans
 
 

@@ -168,6 +168,9 @@ def test_bad_inputs():
         K.chunk_delta_rule(q, k, v, beta[:, :3], backend="reference")
     with pytest.raises(ValueError, match="mask must be"):
         K.chunk_delta_rule(q, k, v, beta, g, mask=torch.ones(1, 3, dtype=torch.bool), backend="reference")
+    for op in (K.chunk_delta_rule, K.fused_recurrent_delta_rule):  # a state the kernel would read past
+        with pytest.raises(ValueError, match=r"initial_state must be \[1, 1, 8, 8\], got \[1, 1, 8, 16\]"):
+            op(q, k, v, beta, g, initial_state=torch.zeros(1, 1, 8, 16), backend="reference")
 
 
 def test_export():

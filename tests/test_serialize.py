@@ -7,6 +7,8 @@ import json
 import math
 import operator
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -351,6 +353,9 @@ def test_wrong_format_version_raises(fmt):
         lambda d: d["nodes"][1].__setitem__("name", "a-b"),
         lambda d: d["nodes"].insert(0, d["nodes"].pop(1)),  # use before definition
         lambda d: d["nodes"][0].__setitem__("target", "x=__import__('os')"),  # code injection
+        lambda d: d["nodes"][0].__setitem__("target", "*x"),  # fx would write invalid source
+        lambda d: d["nodes"].insert(0, {"name": "kw", "op": "placeholder", "target": "**kw"}),
+        lambda d: d["nodes"][1]["args"].__setitem__(0, {"dtype": "_inductor"}),  # a module, not a dtype
         lambda d: d["nodes"][1].update(op="get_attr", target='w") or os.system("1', args=[]),
         lambda d: d["nodes"][1]["kwargs"].__setitem__("a=1", 0),
         lambda d: d.__setitem__("nodes", "nope"),
@@ -361,3 +366,19 @@ def test_malformed_data_raises(mutate):
     mutate(data)
     with pytest.raises(GraphFormatError):
         graph_from_json(data)
+
+
+def test_an_unknown_dtype_name_imports_nothing():
+    """A dtype's name is looked up among torch's dtypes, never with getattr on torch, which would import
+    a lazily loaded submodule (``torch._inductor``) named by a directory's graph."""
+    data = _simple_data()
+    data["nodes"][1]["args"][0] = {"dtype": "_inductor"}
+    script = (
+        "import json, sys\n"
+        "from rnnify.runtime.serialize import GraphFormatError, graph_from_json\n"
+        f"data = json.loads({json.dumps(json.dumps(data))})\n"
+        "try:\n    graph_from_json(data)\nexcept GraphFormatError:\n    pass\n"
+        "print('torch._inductor' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"

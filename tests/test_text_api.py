@@ -7,6 +7,7 @@ UTF-8 come up in every few tokens, which is what the stream has to decode as the
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -103,6 +104,19 @@ def test_a_model_without_a_tokenizer_fails_with_one_line(converted_dir, tmp_path
     assert "\n" not in str(error.value)
     ids = torch.tensor([[5, 6, 7]])
     assert model.generate(ids, 4).shape == (1, 7)  # token ids need none
+
+
+@pytest.mark.parametrize("named", ["pipeline", "AutoModelForCausalLM", "LlamaForCausalLM"])
+def test_a_tokenizer_class_that_names_no_tokenizer_is_refused(converted_dir, tmp_path, named):
+    """transformers resolves ``tokenizer_class`` among every attribute of its package and calls the
+    result's ``from_pretrained`` on the directory: a function or a model class is refused first."""
+    directory = shutil.copytree(converted_dir("llama", "exact"), tmp_path / "model")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": named}))
+    reseal(directory)
+    model = rnnify.load(directory)
+    with pytest.raises(rnnify.RnnifyError, match=f"tokenizer_class '{named}' is not a tokenizer class"):
+        model.tokenizer
 
 
 @pytest.mark.parametrize(

@@ -335,6 +335,7 @@ def linear_recurrence(
     if a.shape != b.shape or b.dim() != 3:
         raise ValueError(f"a and b must both be [B, T, D], got {tuple(a.shape)} and {tuple(b.shape)}")
     utils.check_kernels(backend, utils.BACKENDS)
+    utils.check_shape("initial_state", initial_state, (b.shape[0], b.shape[2]))
     h0 = None if initial_state is None else initial_state.float().contiguous()
     x, ht = torch.ops.rnnify.linear_recurrence(a.contiguous(), b.contiguous(), h0, bool(reverse), backend)
     return x, (ht if output_final_state else None)
@@ -451,6 +452,9 @@ def aaren_scan(
     utils.check_kernels(backend, utils.BACKENDS)
     m0 = u0 = w0 = None
     if initial_state is not None:
+        B, _, H, D = v.shape
+        for name, x, shape in zip(("m", "u", "w"), initial_state, ((B, H), (B, H), (B, H, D))):
+            utils.check_shape(f"initial_state's {name}", x, shape)
         m0, u0, w0 = (x.float().contiguous() for x in initial_state)
     o, m, u, w = torch.ops.rnnify.aaren_scan(s.float().contiguous(), v.contiguous(), m0, u0, w0, backend)
     return o, ((m, u, w) if output_final_state else None)

@@ -91,6 +91,13 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"query heads ({H}) must be a multiple of kv heads ({k.shape[2]})")
 
 
+def check_shape(name: str, x: torch.Tensor | None, shape: tuple[int, ...]) -> None:
+    """Refuse a state whose shape is not ``shape`` (None passes): a state comes from the step's graph,
+    which a model directory holds, and the Triton paths index it by the shapes of the other inputs."""
+    if x is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must be {list(shape)}, got {list(x.shape)}")
+
+
 def empty(shape, device, dtype=torch.float32) -> torch.Tensor:
     """Output buffers of the Triton paths (the tests patch this to fill them with NaN)."""
     return torch.empty(shape, device=device, dtype=dtype)

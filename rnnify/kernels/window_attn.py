@@ -254,6 +254,25 @@ def _window_backward(ctx, do, dm, du):
 _window_attn_step_op.register_autograd(_window_backward, setup_context=_window_setup)
 
 
+def _check_window_state(q, k, v, keys, values, length, sink_keys, sink_values, mask) -> None:
+    """The token and the state against q's ``[B, 1, H, K]``: the kernel indexes them by its shapes."""
+    B, _, H, K = q.shape
+    Hkv, window, sinks, V = keys.shape[1], keys.shape[2], sink_keys.shape[2], values.shape[-1]
+    if keys.dim() != 4 or H % max(Hkv, 1):
+        raise ValueError(f"keys must be [B, H_kv, W, K] with H_kv dividing {H} query heads, got {list(keys.shape)}")
+    for name, x, shape in (
+        ("k", k, (B, 1, Hkv, K)),
+        ("v", v, (B, 1, Hkv, V)),
+        ("keys", keys, (B, Hkv, window, K)),
+        ("values", values, (B, Hkv, window, V)),
+        ("sink_keys", sink_keys, (B, Hkv, sinks, K)),
+        ("sink_values", sink_values, (B, Hkv, sinks, V)),
+        ("length", length, (B,)),
+        ("mask", mask, (B, 1)),
+    ):
+        utils.check_shape(name, x, shape)
+
+
 def window_attn_step(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -284,6 +303,7 @@ def window_attn_step(
     mask = torch.ones(B, 1, dtype=torch.bool, device=q.device) if mask is None else mask
     if sink_keys is None:
         sink_keys, sink_values = keys[:, :, :0], values[:, :, :0]
+    _check_window_state(q, k, v, keys, values, length, sink_keys, sink_values, mask)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, H_kv, 1, D]
     window, sinks = keys.shape[2], sink_keys.shape[2]
     keys, values, sink_keys, sink_values, length = window_write(

@@ -68,8 +68,6 @@ _TAGS = (
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # get_attr / call_module targets: dotted paths whose parts may be numeric ("layers.0.weight").
 _ATTR_PART = re.compile(r"[A-Za-z0-9_]+\Z")
-# placeholder targets: "x", "*args", "**kwargs".
-_PLACEHOLDER_TARGET = re.compile(r"(\*{0,2})([A-Za-z_][A-Za-z0-9_]*)\Z")
 
 
 def _build_function_table() -> dict[str, Callable[..., Any]]:
@@ -176,8 +174,17 @@ def _encode(value: Any, where: str, path: str) -> Any:
     raise GraphFormatError(f"{where}: unsupported argument of type {type(value).__qualname__} at {path}")
 
 
+# torch's dtypes, layouts and memory formats by name, read from the module's own namespace: a name
+# looked up with getattr could make torch import one of its submodules lazily (``torch._inductor``)
+_TORCH_ENUMS = {
+    name: value
+    for name, value in vars(torch).items()
+    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
+}
+
+
 def _torch_enum(kind: str, name: Any, cls: type, where: str) -> Any:
-    value = getattr(torch, name, None) if isinstance(name, str) and _IDENT.match(name) else None
+    value = _TORCH_ENUMS.get(name) if isinstance(name, str) else None
     if not isinstance(value, cls):
         raise GraphFormatError(f"{where}: unknown {kind} {name!r}")
     return value
@@ -248,7 +255,8 @@ def _check_target(op: str, target: Any, where: str) -> None:
     if not isinstance(target, str):
         raise GraphFormatError(f"{where}: target must be a string, got {type(target).__qualname__}")
     if op == "placeholder":
-        ok = _PLACEHOLDER_TARGET.match(target) is not None and not keyword.iskeyword(target.lstrip("*"))
+        # a plain name: a step's inputs are positional, and a starred one would make fx's source invalid
+        ok = _IDENT.match(target) is not None and not keyword.iskeyword(target)
     elif op == "output":
         ok = target == "output"
     else:

@@ -8,6 +8,7 @@ renders in transformers' sandboxed Jinja environment.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -47,11 +48,12 @@ def load_tokenizer(directory: str | os.PathLike, fix: str = TOKENIZER_FIX):
         raise RnnifyError(f"tokenizer directory {directory} does not exist; {fix}")
     if not has_tokenizer(directory):
         raise RnnifyError(f"{directory} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); {fix}")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
     from rnnify.runtime.hf_files import source_pretrained_config
 
     config = source_pretrained_config(directory)  # a converted directory: the tokenizer is its source's
+    _check_tokenizer_class(directory, config, fix)
     try:
         tokenizer = (
             AutoTokenizer.from_pretrained(  # a tokenizer is data: never a tokenizer class's code from the directory
@@ -61,11 +63,32 @@ def load_tokenizer(directory: str | os.PathLike, fix: str = TOKENIZER_FIX):
                 **({"config": config} if config is not None else {}),
             )
         )
-    except (OSError, ValueError, TypeError, KeyError) as exc:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise RnnifyError(f"cannot load a tokenizer from {directory} ({exc}); {fix}") from exc
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise RnnifyError(f"{directory} gives a {type(tokenizer).__name__}, not a tokenizer; {fix}")
     if len(tokenizer) <= 1:
         raise RnnifyError(f"the tokenizer in {directory} has {len(tokenizer)} token(s), no vocabulary; {fix}")
     return tokenizer
+
+
+def _check_tokenizer_class(directory: Path, config: Any, fix: str) -> None:
+    """Refuse a ``tokenizer_class`` (tokenizer_config.json's or the config's) that names anything but a
+    tokenizer: transformers resolves the name among every attribute of its package and calls the
+    result's ``from_pretrained`` on the directory, a model class's included."""
+    from transformers import PreTrainedTokenizerBase
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    try:
+        named = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None  # no such file, or one transformers refuses on its own
+    for name in (named, getattr(config, "tokenizer_class", None)):
+        if not isinstance(name, str):
+            continue
+        found = tokenizer_class_from_name(name) or tokenizer_class_from_name(name.removesuffix("Fast"))
+        if found is not None and not (isinstance(found, type) and issubclass(found, PreTrainedTokenizerBase)):
+            raise RnnifyError(f"{directory}: tokenizer_class {name!r} is not a tokenizer class; {fix}")
 
 
 def _tokenizer_places(model: Any) -> list[str]:

@@ -131,6 +131,7 @@ def define_op(name: str, summary: str, triton_fwd, reference):
             real = mask.to(torch.bool)[:, :, None]
             beta = torch.where(real, beta, 0.0)
             g = None if g is None else torch.where(real, g, 0.0)
+        utils.check_shape("initial_state", initial_state, (B, k.shape[2], K, v.shape[-1]))
         scale = K**-0.5 if scale is None else float(scale)
         h0 = None if initial_state is None else initial_state.float()
         o, ht = getattr(torch.ops.rnnify, name)(*utils.contiguous(q, k, v, beta, g, h0), scale, backend)

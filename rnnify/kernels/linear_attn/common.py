@@ -282,7 +282,8 @@ def define_op(name: str, summary: str, kernels, options):
         backend: str = "auto",
     ) -> tuple[torch.Tensor, State | None]:
         feature_map = check_feature_map(feature_map, feature_weight, k)
-        check_inputs(q, k, v, g, gk, feature_dim(feature_map, k.shape[-1], feature_weight))
+        F = feature_dim(feature_map, k.shape[-1], feature_weight)
+        check_inputs(q, k, v, g, gk, F)
         utils.check_kernels(backend, utils.BACKENDS)
         B, T, H, K = q.shape
         if mask is not None:
@@ -290,6 +291,11 @@ def define_op(name: str, summary: str, kernels, options):
                 raise ValueError(f"mask must be [B, T] = {(B, T)}, got {tuple(mask.shape)}")
             mask = mask.to(torch.bool).contiguous()
         Hkv, V = k.shape[2], v.shape[-1]
+        if normalize and initial_state is not None:
+            utils.check_shape("initial_state[0]", initial_state[0], (B, Hkv, F, V))
+            utils.check_shape("initial_state[1]", initial_state[1], (B, Hkv, F))
+        elif initial_state is not None:
+            utils.check_shape("initial_state", initial_state, (B, Hkv, F, V))
         scale = K**-0.5 if scale is None else float(scale)
         h0 = initial_state
         if normalize:
