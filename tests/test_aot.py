@@ -154,6 +154,52 @@ def test_a_failing_compiler_is_one_error_line_and_leaves_nothing(
     assert [p for p in empty_cache.rglob("*") if p.is_file()] == []  # no scratch left in the cache
 
 
+def test_a_compiled_step_that_parts_from_the_eager_step_is_not_kept(
+    converted_dir, tmp_path, capsys, monkeypatch, empty_cache
+):
+    """A compiler can be wrong: a package whose step gives other logits than the graph's own is
+    refused before it reaches the cache (one error line, nothing kept), and the model decodes eagerly."""
+    out = tmp_path / "model"
+    shutil.copytree(converted_dir("llama", "linear"), out)
+    run = StepPackage.__call__
+
+    def miscompiled(self, *inputs):
+        logits, *state = run(self, *inputs)
+        return [logits * 1.01, *state]
+
+    monkeypatch.setattr(StepPackage, "__call__", miscompiled)
+    assert main(["compile", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the compiled step was not kept: its logits after 6 tokens differ")
+    assert len(err.strip().splitlines()) == 1
+    assert [p for p in empty_cache.rglob("*") if p.is_file()] == []
+    assert rnnify.load(out).step_package is None
+
+
+@pytest.mark.slow
+def test_a_head_split_step_compiled_on_one_thread_decodes_as_the_eager_step(tmp_path, capsys, empty_cache):
+    """torch 2.13's AOTInductor, compiling on one thread, gave a step whose logits part from the
+    graph's for a head split with its first kv head's window apart from the rest's (head_dim 64, 3
+    query heads a kv head): whatever the compiler does, a load decodes as the eager step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=576, intermediate_size=64, num_hidden_layers=1, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, max_position_embeddings=2048,
+    )  # fmt: skip
+    source = LlamaForCausalLM(config).eval()
+    model = rnnify.convert(source, to="window", window=256, sinks=4, layers="0:heads(0=window(window=1024))")
+    model.save(tmp_path / "model")
+    main(["compile", str(tmp_path / "model"), "--threads", "1"])  # 0, or 2 where the check refused the step
+    assert "not kept" in capsys.readouterr().err or cached(rnnify.load(tmp_path / "model")) is not None
+    aot, eager = rnnify.load(tmp_path / "model"), rnnify.load(tmp_path / "model", aot_step=False)
+    for batch, prompt in [(1, 5), (2, 20)]:
+        want, _ = _decode(eager, batch, prompt)
+        got, _ = _decode(aot, batch, prompt)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_convert_compiles_the_step_unless_told_not_to(compiled, tiny_model_dir, tmp_path, capsys, empty_cache):
     capsys.readouterr()  # what building the fixture printed, if this test built it
     out = tmp_path / "eager"

@@ -35,6 +35,7 @@ import torch
 from rnnify.choices import WORTH_COMPILING_BELOW
 from rnnify.errors import RnnifyError, RnnifyWarning, first_line
 from rnnify.runtime.child_reaper import reaping_children
+from rnnify.runtime.state import RecurrentState
 
 if TYPE_CHECKING:
     from rnnify.runtime.model import RecurrentModel
@@ -51,6 +52,15 @@ __all__ = [
 ]
 
 STEP_PACKAGE = "step-cpu.pt2"  # AOTInductor's package: the compiled step for CPUs
+# what a new package is checked on before it is kept (``_disagreement``): two rows of a prompt this
+# long, then this many one-token steps
+CHECK_PROMPT, CHECK_STEPS = 6, 3
+# the threads inductor generates the step's loops for: this CPU's cores, and at least 2, whatever the
+# compiling process runs with. A package is found by later loads at any thread count (its fingerprint
+# does not hold one) and its parallel loops take the decoding process's count; and torch 2.13's code
+# for one thread miscompiled a head split's step (tests/test_aot.py), where the same code with
+# parallel loops ran right at one thread as fast
+_THREADS = max(2, os.cpu_count() or 1)
 
 
 def _cpu_flags() -> str:
@@ -183,7 +193,7 @@ def compile_package(model: RecurrentModel, package: Path) -> Path:
                         torch._inductor.aoti_compile_and_package(
                             program,
                             package_path=str(built),
-                            inductor_configs={"aot_inductor.package_constants_in_so": False},
+                            inductor_configs={"aot_inductor.package_constants_in_so": False, "cpp.threads": _THREADS},
                         )
                 except Exception as exc:  # noqa: BLE001 - only a compiler that is missing or fails is the user's
                     if not _compiler_failed(exc):
@@ -193,11 +203,45 @@ def compile_package(model: RecurrentModel, package: Path) -> Path:
                         "needs a working C++ compiler (gcc or clang) on PATH; without one, decode "
                         "eagerly"
                     ) from exc
+                wrong = _disagreement(model, built)
+                if wrong is not None:
+                    raise RnnifyError(
+                        f"the compiled step was not kept: {wrong} (the compiler's fault, not the model's); "
+                        "decode eagerly"
+                    )
                 built.chmod(0o600)
                 os.replace(built, package)
         except OSError as exc:
             raise RnnifyError(f"cannot write the compiled step into {package.parent}: {exc.strerror or exc}") from exc
     return package
+
+
+@torch.no_grad()
+def _disagreement(model: RecurrentModel, package: Path) -> str | None:
+    """Where ``package``'s step parts from the model's own graph (eager) on a seeded prompt and the
+    steps after it, in words; None when every output agrees within ``agreement.tolerance``. The
+    compiler can be wrong (torch 2.13's AOTInductor, single-threaded, miscompiled a head split's
+    output on some head layouts), and a kept package decodes every later load's tokens: checked once,
+    before it is kept."""
+    from rnnify.runtime.agreement import relative_difference, tolerance
+
+    loaded = load_package(model, package)
+    if loaded is None:
+        return "it does not load on the machine that compiled it"
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(model.manifest.vocab_size, (2, CHECK_PROMPT + CHECK_STEPS), generator=generator)
+    _, state = model.prefill(ids[:, :CHECK_PROMPT])
+    mask = torch.ones(2, 1, dtype=torch.bool)
+    for t in range(CHECK_PROMPT, ids.shape[1]):
+        inputs = (ids[:, t : t + 1], state.positions[:, None], mask, *(x.contiguous() for x in state.tensors))
+        want, got = model.graph(*inputs), loaded(*inputs)
+        for index, (a, b) in enumerate(zip(got, want)):
+            gap = relative_difference(a, b)
+            if gap > tolerance(model.dtype):
+                what = "logits" if index == 0 else f"state tensor {index - 1}"
+                return f"its {what} after {t} tokens differ from the eager step's by {gap:.2g} (relative)"
+        state = RecurrentState(tuple(want[1:]), state.positions + 1, state.model_uid)
+    return None
 
 
 def check_archive(package: Path) -> None:
