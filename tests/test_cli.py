@@ -373,7 +373,23 @@ BAD_INPUT = {
         lambda t, c: ["verify", c("llama", "exact"), "--against", _other_vocab(t)],
         "compare against the model this one was converted from",
     ),
-    "too few verify tokens": (lambda t, c: ["verify", c("llama", "exact"), "--tokens", "1"], "tokens must be >= 2"),
+    "too few verify tokens": (
+        lambda t, c: ["verify", t / "missing", "--tokens", "1"],
+        "--tokens 1: must be at least 2",
+    ),
+    "empty verify batch": (lambda t, c: ["verify", t / "missing", "--batch", "0"], "--batch 0: must be at least 1"),
+    "no eval tokens": (
+        lambda t, c: ["eval", t / "missing", "--data", t, "--max-tokens", "0"],
+        "--max-tokens 0: must be at least 1",
+    ),
+    "empty eval batch": (
+        lambda t, c: ["eval", t / "missing", "--data", t, "--batch-size", "0"],
+        "--batch-size 0: must be at least 1",
+    ),
+    "no pass-key trials": (
+        lambda t, c: ["eval", t / "missing", "--data", t, "--passkey", "64", "--passkey-trials", "0"],
+        "--passkey-trials 0: must be at least 1",
+    ),
     "top-p past 1": (lambda t, c: ["generate", t / "missing", "--prompt", "a", "--top-p", "1.5"], "--top-p 1.5"),
     "top-k 0": (
         lambda t, c: ["generate", t / "missing", "--prompt", "a", "--top-k", "0"],
@@ -559,6 +575,13 @@ def test_altered_weights_are_an_error_at_load_unless_not_verified(capsys, tmp_pa
     code, out, err = run(capsys, "generate", directory, "--ids", "1,2", "--max-new-tokens", "1", "--no-verify-weights")
     assert code == 0, err
     assert out.startswith("1,2,")
+
+
+def test_the_position_warning_says_memory_stays_constant_only_where_it_does(capsys, converted_dir):
+    for target, constant in (("linear", True), ("exact", False)):
+        code, _, err = run(capsys, "generate", converted_dir("llama", target), "--ids", "1", "--max-new-tokens", "130")
+        assert code == 0 and "decoding past max_position_embeddings=128" in err, err
+        assert ("memory stays constant" in err) == constant, err
 
 
 def test_rnnify_warnings_are_one_clean_line(capsys, converted_dir):

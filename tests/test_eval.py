@@ -191,7 +191,7 @@ def _source_elsewhere(converted, tmp_path):
         (lambda d, c, t: [d, "--data", str(t / "nope.txt")], "does not exist"),
         (lambda d, c, t: [d, "--data", str(c), "--against", str(t / "nope")], "nope"),
         (lambda d, c, t: [str(_source_elsewhere(d, t)), "--data", str(c)], "--against"),
-        (lambda d, c, t: [d, "--data", str(c), "--batch-size", "0"], "batch_size must be"),
+        (lambda d, c, t: [d, "--data", str(c), "--batch-size", "0"], "--batch-size 0: must be at least 1"),
         (lambda d, c, t: [str(t), "--data", str(c)], "rnnify.json"),
         (lambda d, c, t: [d, "--data", str(c), "--prefill-chunk", "8"], "--prefill-chunk needs --no-layer-errors"),
         (lambda d, c, t: [d, "--data", str(c), "--prefill-chunk", "0", "--no-layer-errors"], "at least 1"),

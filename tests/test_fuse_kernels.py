@@ -379,5 +379,7 @@ def test_cli_pinned_triton_without_a_gpu_is_a_user_error(capsys, tmp_path, conve
     monkeypatch.setattr(utils, "INTERPRET", False)
     code, out, err = run_cli(capsys, "info", tmp_path / "m")  # inspecting needs no GPU
     assert code == 0 and "triton; fused ops in 2 of 2 layers" in out
-    code, _, err = run_cli(capsys, "generate", tmp_path / "m", "--ids", "1,2")
-    assert code == 2 and err.startswith("error: kernels 'triton' run on CUDA") and "Traceback" not in err
+    for command in (["generate", tmp_path / "m", "--ids", "1,2"], ["chat", tmp_path / "m"]):
+        code, out, err = run_cli(capsys, *command)
+        assert code == 2 and err.startswith("error: kernels 'triton' run on CUDA") and "Traceback" not in err
+        assert out == ""  # refused before the prompt is printed

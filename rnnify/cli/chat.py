@@ -7,7 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from rnnify import arguments
-from rnnify.cli.common import add_dir, add_kernels_flag, load, nbytes
+from rnnify.cli.common import add_dir, add_kernels_flag, load_to_decode, nbytes
 from rnnify.cli.generate import add_sampling_flags, sampling_options
 from rnnify.errors import PositionError, RnnifyError
 
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from rnnify.chat import Chat
     from rnnify.data import load_tokenizer
 
-    model = load(args)
+    model = load_to_decode(args)
     tokenizer = load_tokenizer(args.dir, "chat needs the tokenizer and chat template of the source model in DIR")
     chat = Chat(model, tokenizer, system=args.system, **sampling_options(args, model, tokenizer))
     interactive = sys.stdin.isatty()

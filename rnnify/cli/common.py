@@ -181,6 +181,16 @@ def add_trust_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def load_to_decode(args: argparse.Namespace):
+    """``load``, refused at once where the model's kernels cannot run on its device: a command that
+    prints as it decodes (the prompt first) would say so only at its first token."""
+    from rnnify.kernels.utils import check_runnable
+
+    model = load(args)
+    check_runnable(model.kernels, model.device)
+    return model
+
+
 def load(args: argparse.Namespace, **kwargs: Any):
     """``rnnify.load`` of ``DIR`` as its flags say (``--kernels`` and ``--device`` where the command has
     them), ``kwargs`` over them."""

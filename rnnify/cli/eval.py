@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from rnnify import arguments
 from rnnify.cli.common import (
     add_data_flag,
     add_device_flag,
@@ -56,9 +57,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"tokens per row (default: {DEFAULT_SEQ_LEN}, or the model's position limit if lower)",
     )
-    p.add_argument("--batch-size", type=int, default=EVAL_BATCH_SIZE, metavar="B", help="rows per batch")
     p.add_argument(
-        "--max-tokens", type=int, default=None, metavar="N", help="stop after N tokens (default: all the data)"
+        "--batch-size",
+        type=arguments.at_least(1, "--batch-size"),
+        default=EVAL_BATCH_SIZE,
+        metavar="B",
+        help="rows per batch",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=arguments.at_least(1, "--max-tokens"),
+        default=None,
+        metavar="N",
+        help="stop after N tokens (default: all the data)",
     )
     p.add_argument("--json", metavar="OUT", help="write the results to OUT as JSON")
     add_device_flag(p, "device to run both models on")
@@ -70,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--passkey-trials",
-        type=int,
+        type=arguments.at_least(1, "--passkey-trials"),
         default=PASSKEY_TRIALS,
         metavar="N",
         help="prompts per length, the key at N depths evenly spaced from start to end",

@@ -7,7 +7,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from rnnify import arguments
-from rnnify.cli.common import add_dir, add_kernels_flag, load
+from rnnify.cli.common import add_dir, add_kernels_flag, load_to_decode
 from rnnify.errors import RnnifyError, RnnifyWarning
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ def _parse_ids(text: str, vocab_size: int) -> list[int]:
 def run(args: argparse.Namespace, console: Console) -> int:
     import torch
 
-    model = load(args)
+    model = load_to_decode(args)
     if args.ids is not None:
         tokenizer, streamer = None, _IdStreamer()
         ids = _parse_ids(args.ids, model.manifest.vocab_size)

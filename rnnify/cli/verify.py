@@ -31,8 +31,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="original model (directory or cached hub id) to compare logits with; "
         "judged for 'exact', reported only for approximate targets",
     )
-    p.add_argument("--tokens", type=int, default=VERIFY_TOKENS, metavar="N", help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=VERIFY_BATCH, metavar="B", help="sequences per batch")
+    p.add_argument(
+        "--tokens",
+        type=arguments.at_least(2, "--tokens"),
+        default=VERIFY_TOKENS,
+        metavar="N",
+        help="tokens per sequence (at least 2: the split prefill reads two halves)",
+    )
+    p.add_argument(
+        "--batch", type=arguments.at_least(1, "--batch"), default=VERIFY_BATCH, metavar="B", help="sequences per batch"
+    )
     p.add_argument(
         "--seed", type=arguments.seed("--seed"), default=SEED, metavar="S", help="seed of the random token ids"
     )

@@ -228,9 +228,10 @@ class RecurrentModel(nn.Module):
         if limit is not None and last >= limit:
             if not self._warned_positions:
                 self._warned_positions = True
+                memory = " (memory stays constant)" if self.constant_memory else ""
                 warnings.warn(
                     f"decoding past max_position_embeddings={limit}: the model was not trained this far, "
-                    "quality may degrade (memory stays constant)",
+                    f"quality may degrade{memory}",
                     RnnifyWarning,
                     stacklevel=3,
                 )
