@@ -372,6 +372,18 @@ def test_cli_kernels_flag(capsys, tmp_path, tiny_model_dir):
 
 
 @needs_triton
+def test_a_model_pinned_to_triton_compiles_its_step_on_a_cpu(capsys, tmp_path, converted, monkeypatch, empty_cache):
+    """The step is compiled and checked from the cells' own forms, whatever kernels the model names."""
+    model = converted("linear")
+    model.use_kernels("triton")
+    model.save(tmp_path / "m")
+    monkeypatch.setattr(utils, "INTERPRET", False)  # as on a machine without a GPU or the interpreter
+    code, _, err = run_cli(capsys, "compile", tmp_path / "m")
+    assert code == 0, err
+    assert rnnify.load(tmp_path / "m", kernels="auto").step_package is not None
+
+
+@needs_triton
 def test_cli_pinned_triton_without_a_gpu_is_a_user_error(capsys, tmp_path, converted, monkeypatch):
     model = converted("linear")
     model.use_kernels("triton")

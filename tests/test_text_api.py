@@ -7,6 +7,7 @@ UTF-8 come up in every few tokens, which is what the stream has to decode as the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def read(path):"
 NEW_TOKENS = 24
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+INIT = torch.nn.Module.__init__
 SAMPLING = {"do_sample": True, "temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 3}
 
 
@@ -107,16 +109,41 @@ def test_a_model_without_a_tokenizer_fails_with_one_line(converted_dir, tmp_path
 
 
 @pytest.mark.parametrize("named", ["pipeline", "AutoModelForCausalLM", "LlamaForCausalLM"])
-def test_a_tokenizer_class_that_names_no_tokenizer_is_refused(converted_dir, tmp_path, named):
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "a plain config.json"])
+def test_a_tokenizer_class_that_names_no_tokenizer_is_refused(converted_dir, tmp_path, named, where, monkeypatch):
     """transformers resolves ``tokenizer_class`` among every attribute of its package and calls the
-    result's ``from_pretrained`` on the directory: a function or a model class is refused first."""
+    result's ``from_pretrained`` on the directory: a function or a model class is refused first, from
+    tokenizer_config.json or from a config.json that transformers reads itself (not rnnify's)."""
     directory = shutil.copytree(converted_dir("llama", "exact"), tmp_path / "model")
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": named}))
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    if where == "tokenizer_config.json":
+        tokenizer_config["tokenizer_class"] = named
+    else:
+        del tokenizer_config["tokenizer_class"]
+        source = json.loads((directory / "config.json").read_text())["source_config"]
+        (directory / "config.json").write_text(json.dumps({**source, "tokenizer_class": named}))
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     reseal(directory)
+    built = []
+    monkeypatch.setattr(torch.nn.Module, "__init__", lambda self, *a, **k: built.append(self) or INIT(self, *a, **k))
     model = rnnify.load(directory)
+    built.clear()
     with pytest.raises(rnnify.RnnifyError, match=f"tokenizer_class '{named}' is not a tokenizer class"):
         model.tokenizer
+    assert built == []  # no model was built from the directory on the way
+
+
+def test_a_tokenizer_whose_backend_is_not_installed_is_one_line(converted_dir, tmp_path):
+    if importlib.util.find_spec("mistral_common") is not None:
+        pytest.skip("mistral-common is installed here")
+    directory = shutil.copytree(converted_dir("llama", "exact"), tmp_path / "model")
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    tokenizer_config["tokenizer_class"] = "MistralCommonBackend"  # mistral-common is not a dependency
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    reseal(directory)
+    with pytest.raises(rnnify.RnnifyError, match="requires the mistral-common library") as error:
+        rnnify.load(directory).tokenizer
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize(

@@ -55,12 +55,15 @@ STEP_PACKAGE = "step-cpu.pt2"  # AOTInductor's package: the compiled step for CP
 # what a new package is checked on before it is kept (``_disagreement``): two rows of a prompt this
 # long, then this many one-token steps
 CHECK_PROMPT, CHECK_STEPS = 6, 3
-# the threads inductor generates the step's loops for: this CPU's cores, and at least 2, whatever the
-# compiling process runs with. A package is found by later loads at any thread count (its fingerprint
-# does not hold one) and its parallel loops take the decoding process's count; and torch 2.13's code
-# for one thread miscompiled a head split's step (tests/test_aot.py), where the same code with
-# parallel loops ran right at one thread as fast
-_THREADS = max(2, os.cpu_count() or 1)
+_INDUCTOR_CONFIGS = {
+    # the weights are the model's own, handed over at load: not copied into the package
+    "aot_inductor.package_constants_in_so": False,
+    # parallel loops that take the decoding process's thread count when they run: a package is found
+    # by later loads at any thread count (its fingerprint holds none), and torch 2.13's loops generated
+    # for a fixed count (the compiling process's, unless told) miscompiled a head split's step at
+    # every count but 2 (tests/test_aot.py)
+    "cpp.dynamic_threads": True,
+}
 
 
 def _cpu_flags() -> str:
@@ -193,7 +196,7 @@ def compile_package(model: RecurrentModel, package: Path) -> Path:
                         torch._inductor.aoti_compile_and_package(
                             program,
                             package_path=str(built),
-                            inductor_configs={"aot_inductor.package_constants_in_so": False, "cpp.threads": _THREADS},
+                            inductor_configs=_INDUCTOR_CONFIGS,
                         )
                 except Exception as exc:  # noqa: BLE001 - only a compiler that is missing or fails is the user's
                     if not _compiler_failed(exc):
@@ -218,11 +221,11 @@ def compile_package(model: RecurrentModel, package: Path) -> Path:
 
 @torch.no_grad()
 def _disagreement(model: RecurrentModel, package: Path) -> str | None:
-    """Where ``package``'s step parts from the model's own graph (eager) on a seeded prompt and the
-    steps after it, in words; None when every output agrees within ``agreement.tolerance``. The
-    compiler can be wrong (torch 2.13's AOTInductor, single-threaded, miscompiled a head split's
-    output on some head layouts), and a kept package decodes every later load's tokens: checked once,
-    before it is kept."""
+    """Where ``package``'s step parts from the model's own graph (eager, the cells' own forms it was
+    exported from) on a seeded prompt and the steps after it, in words; None when every output agrees
+    within ``agreement.tolerance``. The compiler can be wrong (torch 2.13's AOTInductor miscompiled a
+    head split's output, ``_INDUCTOR_CONFIGS``), and a kept package decodes every later load's
+    tokens: checked once, before it is kept."""
     from rnnify.runtime.agreement import relative_difference, tolerance
 
     loaded = load_package(model, package)
@@ -230,17 +233,22 @@ def _disagreement(model: RecurrentModel, package: Path) -> str | None:
         return "it does not load on the machine that compiled it"
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(model.manifest.vocab_size, (2, CHECK_PROMPT + CHECK_STEPS), generator=generator)
-    _, state = model.prefill(ids[:, :CHECK_PROMPT])
     mask = torch.ones(2, 1, dtype=torch.bool)
-    for t in range(CHECK_PROMPT, ids.shape[1]):
-        inputs = (ids[:, t : t + 1], state.positions[:, None], mask, *(x.contiguous() for x in state.tensors))
-        want, got = model.graph(*inputs), loaded(*inputs)
-        for index, (a, b) in enumerate(zip(got, want)):
-            gap = relative_difference(a, b)
-            if gap > tolerance(model.dtype):
-                what = "logits" if index == 0 else f"state tensor {index - 1}"
-                return f"its {what} after {t} tokens differ from the eager step's by {gap:.2g} (relative)"
-        state = RecurrentState(tuple(want[1:]), state.positions + 1, state.model_uid)
+    kernels = model.kernels
+    model.use_kernels("none")
+    try:
+        _, state = model.prefill(ids[:, :CHECK_PROMPT])
+        for t in range(CHECK_PROMPT, ids.shape[1]):
+            inputs = (ids[:, t : t + 1], state.positions[:, None], mask, *(x.contiguous() for x in state.tensors))
+            want, got = model.graph(*inputs), loaded(*inputs)
+            for index, (a, b) in enumerate(zip(got, want)):
+                gap = relative_difference(a, b)
+                if gap > tolerance(model.dtype):
+                    what = "logits" if index == 0 else f"state tensor {index - 1}"
+                    return f"its {what} after {t} tokens differ from the eager step's by {gap:.2g} (relative)"
+            state = RecurrentState(tuple(want[1:]), state.positions + 1, state.model_uid)
+    finally:
+        model.use_kernels(kernels)
     return None
 
 

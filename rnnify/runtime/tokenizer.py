@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rnnify.errors import RnnifyError
+from rnnify.errors import RnnifyError, first_line
 
 __all__ = [
     "TOKENIZER_FILES",
@@ -63,8 +63,9 @@ def load_tokenizer(directory: str | os.PathLike, fix: str = TOKENIZER_FIX):
                 **({"config": config} if config is not None else {}),
             )
         )
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise RnnifyError(f"cannot load a tokenizer from {directory} ({exc}); {fix}") from exc
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ImportError) as exc:
+        # ImportError: a tokenizer class whose backend is not installed (transformers names the package)
+        raise RnnifyError(f"cannot load a tokenizer from {directory} ({first_line(exc)}); {fix}") from exc
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise RnnifyError(f"{directory} gives a {type(tokenizer).__name__}, not a tokenizer; {fix}")
     if len(tokenizer) <= 1:
@@ -73,21 +74,29 @@ def load_tokenizer(directory: str | os.PathLike, fix: str = TOKENIZER_FIX):
 
 
 def _check_tokenizer_class(directory: Path, config: Any, fix: str) -> None:
-    """Refuse a ``tokenizer_class`` (tokenizer_config.json's or the config's) that names anything but a
-    tokenizer: transformers resolves the name among every attribute of its package and calls the
-    result's ``from_pretrained`` on the directory, a model class's included."""
+    """Refuse a ``tokenizer_class`` (tokenizer_config.json's, or ``config``'s, else config.json's, which
+    transformers reads when given no config) that names anything but a tokenizer: transformers
+    resolves the name among every attribute of its package and calls the result's ``from_pretrained``
+    on the directory, a model class's included. A tokenizer whose backend is not installed (a
+    placeholder class) is left to transformers, which says what to install."""
     from transformers import PreTrainedTokenizerBase
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+    from transformers.utils import DummyObject
 
-    try:
-        named = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
-        named = None  # no such file, or one transformers refuses on its own
-    for name in (named, getattr(config, "tokenizer_class", None)):
+    def named(file: str) -> Any:
+        try:
+            return json.loads((directory / file).read_text()).get("tokenizer_class")
+        except (OSError, ValueError, AttributeError):
+            return None  # no such file, or one transformers refuses on its own
+
+    given = getattr(config, "tokenizer_class", None) if config is not None else named("config.json")
+    for name in (named("tokenizer_config.json"), given):
         if not isinstance(name, str):
             continue
         found = tokenizer_class_from_name(name) or tokenizer_class_from_name(name.removesuffix("Fast"))
-        if found is not None and not (isinstance(found, type) and issubclass(found, PreTrainedTokenizerBase)):
+        if found is None or isinstance(found, DummyObject):
+            continue
+        if not (isinstance(found, type) and issubclass(found, PreTrainedTokenizerBase)):
             raise RnnifyError(f"{directory}: tokenizer_class {name!r} is not a tokenizer class; {fix}")
 
 
