@@ -113,6 +113,9 @@ def test_unknown_target(tiny_model_dir):
         rnnify.convert(tiny_model_dir("llama"), to="quantum")
     with pytest.raises(RnnifyError, match="feature map"):
         rnnify.convert(tiny_model_dir("llama"), to="linear", feature_map="nope")
+    # the README's targets table lists auto: in Python it is its own call, and the error says which
+    with pytest.raises(RnnifyError, match=r"call rnnify\.auto\.auto_convert\(model, data, \.\.\.\)"):
+        rnnify.convert(tiny_model_dir("llama"), to="auto")
 
 
 def test_a_composite_config_without_its_own_vocab_size_is_refused():

@@ -50,6 +50,18 @@ def construct(cls: type[Cell], target: str, spec: CellSpec, options: dict[str, A
 
 def build_target_cell(target: str, spec: CellSpec, options: dict[str, Any] | None = None) -> Cell:
     """The cell of the ``--to`` target ``target``; an unknown target is a user error."""
+    return construct(CELLS[check_target(target)], target, spec, options)
+
+
+def check_target(target: str) -> str:
+    """``target`` if it names a cell; else a user error listing those that do, and for ``auto`` (a
+    choice of cells per kv head, made from scores on calibration text) where that is made."""
+    if target == "auto":
+        raise RnnifyError(
+            "target 'auto' chooses each kv head's cell from scores on calibration text: call "
+            "rnnify.auto.auto_convert(model, data, ...), which `rnnify convert --to auto` runs; "
+            f"one cell for every head: {', '.join(CELLS)}"
+        )
     if target not in CELLS:
         raise RnnifyError(f"unknown target {target!r}; choose from: {', '.join(CELLS)}")
-    return construct(CELLS[target], target, spec, options)
+    return target

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from rnnify.cells import CELLS, Cell, CellSpec, build_cell
 from rnnify.cells.heads import TARGET as HEADS
+from rnnify.cells.registry import check_target
 from rnnify.errors import RnnifyError
 
 __all__ = ["LayerRule", "ConversionPlan", "make_plan", "parse_layers", "parse_options"]
@@ -73,17 +74,11 @@ def _target_text(target: str, options: Options) -> str:
     return target + (f"({','.join(f'{k}={json.dumps(v)}' for k, v in options)})" if options else "")
 
 
-def _check_target(target: str) -> str:
-    if target not in CELLS:
-        raise RnnifyError(f"unknown target {target!r}; choose from: {', '.join(CELLS)}")
-    return target
-
-
 def _parse_target(text: str, where: str) -> tuple[str, Options]:
     """``"window(window=1024,sinks=4)"`` -> ("window", (("sinks", 4), ("window", 1024))); values are
     JSON where they parse as JSON, else text."""
     name, paren, rest = text.strip().partition("(")
-    target = _check_target(name.strip())
+    target = check_target(name.strip())
     if not paren:
         return target, ()
     if not rest.endswith(")"):
@@ -339,6 +334,6 @@ def make_plan(
     rules = parse_layers(layers) if layers else []
     kept = tuple(int(layer) for layer in keep_softmax or ())
     rules += [LayerRule(layer, layer, "exact") for layer in kept]
-    plan = ConversionPlan(_check_target(to), rules, options, kept)
+    plan = ConversionPlan(check_target(to), rules, options, kept)
     plan.check_options({to}.union(*(rule.targets for rule in rules)))  # before any model is loaded
     return plan
