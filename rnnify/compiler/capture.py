@@ -262,10 +262,7 @@ def _capture_after_failure(
         if inferred is not None:
             return inferred
     if not _has_attention(model):
-        raise UnsupportedModelError(
-            f"no attention found: {name} has no attention layers (it is recurrent "
-            "already, as Mamba is); rnnify converts a model's attention"
-        ) from exc
+        raise _no_attention(f"{name} has no attention layers", "Mamba") from exc
     refusal = data_dependence(name, exc)
     if refusal is not None:
         raise refusal from exc
@@ -344,12 +341,18 @@ def _capture_inferring_length(
         check_lengths(type(wrapper.model).__name__, refused, probed, _EXAMPLE_LENGTH, agrees_at)
     except UnsupportedModelError as refusal:
         if not normalises_scores(graph):  # a recurrence of its own, in a loop over the tokens (RWKV's)
-            raise UnsupportedModelError(
-                f"no attention found: {type(wrapper.model).__name__}'s graph has no softmax or logsumexp (it is "
-                "recurrent already, as RWKV is); rnnify converts a model's attention"
+            raise _no_attention(
+                f"{type(wrapper.model).__name__}'s graph has no softmax or logsumexp", "RWKV"
             ) from refusal
         raise
     return graph
+
+
+def _no_attention(found: str, like: str) -> UnsupportedModelError:
+    """The refusal of a model that mixes its tokens without attention: ``found``, what was checked."""
+    return UnsupportedModelError(
+        f"no attention found: {found} (it is recurrent already, as {like} is); rnnify converts a model's attention"
+    )
 
 
 def _has_attention(model: torch.nn.Module) -> bool:

@@ -257,9 +257,9 @@ _window_attn_step_op.register_autograd(_window_backward, setup_context=_window_s
 def _check_window_state(q, k, v, keys, values, length, sink_keys, sink_values, mask) -> None:
     """The token and the state against q's ``[B, 1, H, K]``: the kernel indexes them by its shapes."""
     B, _, H, K = q.shape
-    Hkv, window, sinks, V = keys.shape[1], keys.shape[2], sink_keys.shape[2], values.shape[-1]
-    if keys.dim() != 4 or H % max(Hkv, 1):
+    if keys.dim() != 4 or H % max(keys.shape[1], 1):
         raise ValueError(f"keys must be [B, H_kv, W, K] with H_kv dividing {H} query heads, got {list(keys.shape)}")
+    Hkv, window, sinks, V = keys.shape[1], keys.shape[2], sink_keys.shape[2], values.shape[-1]
     for name, x, shape in (
         ("k", k, (B, 1, Hkv, K)),
         ("v", v, (B, 1, Hkv, V)),

@@ -18,6 +18,7 @@ contiguous.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -27,6 +28,7 @@ import stat
 import tempfile
 import warnings
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
@@ -166,17 +168,24 @@ def _example(model: RecurrentModel) -> tuple[tuple[torch.Tensor, ...], list[dict
     return (token, state.positions[:, None], mask, *(t.contiguous() for t in state.tensors)), shapes
 
 
-def _export(model: RecurrentModel) -> torch.export.ExportedProgram:
-    """The one-token step graph as an exported program, from the cells' own forms (plain aten ops,
-    which inductor compiles; the fused ops' backend is put back after)."""
+@contextlib.contextmanager
+def _own_forms(model: RecurrentModel) -> Iterator[None]:
+    """``model`` running its cells' own forms (plain aten ops, which inductor compiles and the package
+    holds), its fused ops' backend put back after."""
     kernels = model.kernels
     model.use_kernels("none")
     try:
+        yield
+    finally:
+        model.use_kernels(kernels)
+
+
+def _export(model: RecurrentModel) -> torch.export.ExportedProgram:
+    """The one-token step graph as an exported program, from the cells' own forms."""
+    with _own_forms(model):
         inputs, shapes = _example(model)
         with torch.no_grad():
             return torch.export.export(model.graph, inputs, dynamic_shapes=shapes, strict=False)
-    finally:
-        model.use_kernels(kernels)
 
 
 def compile_package(model: RecurrentModel, package: Path) -> Path:
@@ -234,9 +243,7 @@ def _disagreement(model: RecurrentModel, package: Path) -> str | None:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(model.manifest.vocab_size, (2, CHECK_PROMPT + CHECK_STEPS), generator=generator)
     mask = torch.ones(2, 1, dtype=torch.bool)
-    kernels = model.kernels
-    model.use_kernels("none")
-    try:
+    with _own_forms(model):
         _, state = model.prefill(ids[:, :CHECK_PROMPT])
         for t in range(CHECK_PROMPT, ids.shape[1]):
             inputs = (ids[:, t : t + 1], state.positions[:, None], mask, *(x.contiguous() for x in state.tensors))
@@ -247,8 +254,6 @@ def _disagreement(model: RecurrentModel, package: Path) -> str | None:
                     what = "logits" if index == 0 else f"state tensor {index - 1}"
                     return f"its {what} after {t} tokens differ from the eager step's by {gap:.2g} (relative)"
             state = RecurrentState(tuple(want[1:]), state.positions + 1, state.model_uid)
-    finally:
-        model.use_kernels(kernels)
     return None
 
 
