@@ -62,8 +62,8 @@ _INDUCTOR_CONFIGS = {
     "aot_inductor.package_constants_in_so": False,
     # parallel loops that take the decoding process's thread count when they run: a package is found
     # by later loads at any thread count (its fingerprint holds none), and torch 2.13's loops generated
-    # for a fixed count (the compiling process's, unless told) miscompiled a head split's step at
-    # every count but 2 (tests/test_aot.py)
+    # for a fixed count (the compiling process's, unless told) miscompiled a head split's step
+    # (tests/test_aot.py)
     "cpp.dynamic_threads": True,
 }
 
