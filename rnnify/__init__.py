@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rnnify.errors import RnnifyError
+from rnnify.errors import RnnifyError, RnnifyWarning
 from rnnify.lazy import lazy_attributes
 
 __version__ = "0.1.0"
@@ -33,7 +33,7 @@ _LAZY = {
     "RecurrentState": "rnnify.runtime.state",
 }
 
-__all__ = [*_LAZY, "RnnifyError", "__version__"]
+__all__ = [*_LAZY, "RnnifyError", "RnnifyWarning", "__version__"]
 
 if TYPE_CHECKING:
     from rnnify.bench import benchmark

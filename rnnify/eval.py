@@ -85,7 +85,7 @@ class EvalResult:
     """Metrics over the real tokens of the evaluated data (padding never counts)."""
 
     model: str  # the converted model's directory, or "(in memory)"
-    target: str
+    target: str  # with its layer rules counted (``RecurrentModel.target_in_words``), as the header says
     against: str  # the model compared with
     seq_len: int
     batch_size: int
@@ -167,7 +167,7 @@ def evaluate(
     )
     return EvalResult(
         model=str(model.path) if model.path is not None else "(in memory)",
-        target=model.target,
+        target=model.target_in_words,
         against=teacher_name,
         seq_len=seq_len,
         batch_size=batch_size,
@@ -266,11 +266,14 @@ def _evaluate_batch(
     """Add one batch to ``sums``; returns its real tokens.
 
     Rows are right-padded, so every call runs without a mask (causal: real positions never see
-    the padding) and masked positions are dropped from every sum. Metrics go row by row so that
-    at most the two models' logits are held at full batch size.
+    the padding) and masked positions are dropped from every sum. Columns past the longest row's
+    last real token are cut first: a short last batch (``max_tokens``) is not computed at the full
+    row length, nor read at positions it never scores. Metrics go row by row so that at most the
+    two models' logits are held at full batch size.
     """
-    ids = batch["input_ids"].to(model.device)
-    mask = batch["attention_mask"].to(model.device)
+    width = int(batch["attention_mask"].sum(1).max())
+    ids = batch["input_ids"][:, :width].to(model.device)
+    mask = batch["attention_mask"][:, :width].to(model.device)
     if layer_errors:
         with attention_transfer(model, teacher_forcing=True) as recorder:
             recorder.loss_mask = mask

@@ -66,6 +66,34 @@ def test_approximate_target_has_a_cost(converted_dir):
     assert other.kl == pytest.approx(result.kl, rel=1e-2, abs=1e-7)
 
 
+def test_a_short_last_batch_is_computed_at_its_real_length(converted_dir, corpus, monkeypatch):
+    """100 tokens in rows of 1,000 (past the model's 256 positions): both models read 100 columns, as
+    if the rows were 100 long, and no position past the limit is read (no warning)."""
+    import warnings
+
+    model = rnnify.load(converted_dir("llama", "linear"))
+    options = dict(batch_size=1, max_tokens=100, layer_errors=False, cache=False)
+    want = rnnify.evaluate(model, corpus, seq_len=100, **options)
+    widths = []
+    prefill = type(model).prefill
+    monkeypatch.setattr(
+        type(model), "prefill", lambda self, ids, *a, **k: widths.append(ids.shape[1]) or prefill(self, ids, *a, **k)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = rnnify.evaluate(model, corpus, seq_len=1000, **options)
+    assert widths == [100] and got.tokens == want.tokens == 100 and got.seq_len == 1000
+    assert got.target == "linear"
+    assert got.perplexity == pytest.approx(want.perplexity, rel=1e-6) and got.kl == pytest.approx(want.kl, rel=1e-5)
+
+
+def test_the_target_counts_its_layer_rules(tiny_model_dir, corpus):
+    """A per-layer (or per-head, ``--to auto``) model is not called a plain model of its default target."""
+    model = rnnify.convert(tiny_model_dir("llama"), to="window", window=4, layers="1:linear")
+    result = rnnify.evaluate(model, corpus, layer_errors=False, cache=False, **OPTIONS)
+    assert result.target == "window + 1 layer rule"
+
+
 @pytest.mark.parametrize("target", ["exact", "window"])
 def test_rows_read_in_chunks_give_the_whole_rows_results(converted_dir, tiny_model_dir, corpus, target):
     """Both models read each row 5 tokens at a time (the converted one from its state, the original

@@ -95,6 +95,14 @@ def test_a_rule_matching_no_layer_is_an_error(tiny_model_dir):
         rnnify.convert(tiny_model_dir("llama"), to="linear", layers="7-:exact")
 
 
+def test_a_rule_running_past_the_last_layer_is_an_error(tiny_model_dir):
+    """A range written for a deeper model: layers 0-9 of a 2-layer model is a mistake, not 'all of them'."""
+    with pytest.raises(RnnifyError, match=r"^layer rule '0-9:exact' runs to layer 9, past .* layer 1; '0-:exact' runs"):
+        rnnify.convert(tiny_model_dir("llama"), to="linear", layers="0-9:exact")
+    model = rnnify.convert(tiny_model_dir("llama"), to="linear", layers="1-1:exact")
+    assert [cell.target for cell in model.cells] == ["linear", "exact"]
+
+
 @pytest.fixture(scope="module")
 def mistral(tiny_model_dir):
     """The tiny Mistral (its own sliding window of 16 tokens) and its logits of 60 tokens."""

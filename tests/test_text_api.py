@@ -11,6 +11,7 @@ import importlib.util
 import json
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from support import reseal
 
 import rnnify
+from rnnify.chat import Chat
 from rnnify.runtime.text import eos_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +33,11 @@ SAMPLING = {"do_sample": True, "temperature": 0.8, "top_k": 40, "top_p": 0.9, "s
 @pytest.fixture(scope="module")
 def model(converted_dir):
     return rnnify.load(converted_dir("llama", "exact"))
+
+
+@pytest.fixture(scope="module")
+def chat_model(chat_dir):
+    return rnnify.load(chat_dir)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +60,29 @@ def test_text_equals_the_decoded_ids_of_generate(model, options):
     text = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, **options)
     assert text == _ids_reply(model, model.tokenizer(PROMPT).input_ids, **options)
     assert text  # the random model does not end at once; an empty text would prove nothing
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, **o: m.generate(PROMPT, max_new_tokens=4, **o),
+        lambda m, **o: m.generate(torch.tensor([[5, 6]]), 4, **o).tolist(),
+        lambda m, **o: "".join(m.stream(PROMPT, max_new_tokens=4, **o)),
+        lambda m, **o: m.chat([{"role": "user", "content": "hi"}], max_new_tokens=4, **o),
+        lambda m, **o: Chat(m, m.tokenizer, max_new_tokens=4, **o).send("hi").reply_ids,
+    ],
+    ids=["text", "ids", "stream", "chat", "Chat"],
+)
+def test_sampling_options_without_do_sample_are_named_in_a_warning(chat_model, call):
+    """Greedy decoding reads none of them; as transformers does, say so rather than ignore them."""
+    greedy = call(chat_model)
+    with pytest.warns(
+        rnnify.RnnifyWarning, match=r"^temperature, seed apply only with do_sample=True: decoding greedily$"
+    ):
+        assert call(chat_model, temperature=0.5, seed=1) == greedy
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(chat_model, do_sample=True, temperature=0.5, seed=1)
 
 
 def test_stream_pieces_join_to_the_returned_text(model):

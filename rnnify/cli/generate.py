@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from rnnify import arguments
 from rnnify.cli.common import add_dir, add_kernels_flag, load_to_decode
-from rnnify.errors import RnnifyError, RnnifyWarning
+from rnnify.errors import RnnifyError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -73,24 +72,15 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int, fewest_n
 def sampling_options(args: argparse.Namespace, model, tokenizer) -> dict[str, Any]:
     """The sampling flags as ``RecurrentModel.generate`` and ``Chat`` take them, with the ids that end a
     reply: ``model``'s and ``tokenizer``'s end-of-sequence ids (``runtime.text.eos_ids``)."""
-    from rnnify.choices import TEMPERATURE
+    from rnnify.runtime.sampling import SAMPLING_DEFAULTS, warn_if_greedy
     from rnnify.runtime.text import eos_ids
 
-    if not args.do_sample:  # as transformers warns: greedy decoding reads none of them
-        given = [
-            f"--{name.replace('_', '-')}"
-            for name, unset in (("temperature", TEMPERATURE), ("top_k", None), ("top_p", None), ("seed", None))
-            if getattr(args, name) != unset
-        ]
-        if given:
-            warnings.warn(
-                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --do-sample: "
-                "decoding greedily",
-                RnnifyWarning,
-                stacklevel=2,
-            )
-    flags = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed")
-    return {**{name: getattr(args, name) for name in flags}, "eos_token_id": eos_ids(model, tokenizer) or None}
+    sampling = {name: getattr(args, name) for name in SAMPLING_DEFAULTS}
+    warn_if_greedy(args.do_sample, sampling, named=lambda name: f"--{name.replace('_', '-')}", switch="--do-sample")
+    chosen = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
+    if args.do_sample:  # greedy: warned once here, not again by generate
+        chosen.update(sampling)
+    return {**chosen, "eos_token_id": eos_ids(model, tokenizer) or None}
 
 
 class _IdStreamer:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
@@ -306,6 +306,11 @@ class ConversionPlan:
             if not any(rule.matches(layer) for layer in layers):
                 raise RnnifyError(
                     f"layer rule '{rule}' matches no layer (the model has layers {layers[0]}-{layers[-1]})"
+                )
+            if rule.stop is not None and rule.stop > layers[-1]:  # a range for another model, most likely
+                raise RnnifyError(
+                    f"layer rule '{rule}' runs to layer {rule.stop}, past the model's last attention layer "
+                    f"{layers[-1]}; '{replace(rule, stop=None)}' runs to the last layer"
                 )
         used: set[str] = set()
         for layer in layers:

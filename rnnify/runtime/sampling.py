@@ -5,11 +5,16 @@ Order as in transformers' ``generate``: temperature, then top-k, then top-p (nuc
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 
 import torch
 
-from rnnify.errors import RnnifyError, check_positive_finite
+from rnnify.choices import TEMPERATURE
+from rnnify.errors import RnnifyError, RnnifyWarning, check_positive_finite
+
+# the sampling options and their unset values: greedy decoding reads none of them
+SAMPLING_DEFAULTS = {"temperature": TEMPERATURE, "top_k": None, "top_p": None, "seed": None}
 
 
 def token_ids(ids: int | Iterable[int] | None) -> list[int]:
@@ -29,6 +34,25 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise RnnifyError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise RnnifyError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def warn_if_greedy(
+    do_sample: bool,
+    options: dict[str, object],
+    *,
+    named: Callable[[str], str] = str,
+    switch: str = "do_sample=True",
+    stacklevel: int = 3,
+) -> None:
+    """Warn, as transformers does, when sampling ``options`` were set (other than ``SAMPLING_DEFAULTS``)
+    but decoding is greedy: a temperature without ``do_sample`` is otherwise silently ignored.
+    ``named`` and ``switch`` name the options as the caller's user wrote them (the CLI's flags)."""
+    given = [named(name) for name, value in options.items() if value != SAMPLING_DEFAULTS[name]]
+    if given and not do_sample:
+        verb = "applies" if len(given) == 1 else "apply"
+        warnings.warn(
+            f"{', '.join(given)} {verb} only with {switch}: decoding greedily", RnnifyWarning, stacklevel=stacklevel
+        )
 
 
 def next_token(
