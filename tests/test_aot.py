@@ -319,6 +319,32 @@ def test_verify_checks_the_compiled_step(compiled, capsys):
     assert "step compiled ahead of time" in out and "all checks passed" in out
 
 
+def test_eager_step_decodes_without_the_compiled_step(compiled, capsys, monkeypatch):
+    """--eager-step on every command that decodes: the compiled step is never called (here it fails)."""
+    from rnnify.runtime.aot import StepPackage
+
+    directory = str(compiled("hybrid"))
+    assert main(["verify", directory, "--tokens", "12", "--eager-step"]) == 0
+    out = capsys.readouterr().out
+    assert "step compiled ahead of time" not in out and "all checks passed" in out
+
+    def broken(self, *inputs):
+        raise RuntimeError("the compiled step ran")
+
+    monkeypatch.setattr(StepPackage, "__call__", broken)
+    generate = ["generate", directory, "--ids", "1,2,3", "--max-new-tokens", "3"]
+    with pytest.raises(RuntimeError, match="the compiled step ran"):
+        main(generate)
+    capsys.readouterr()
+    assert main([*generate, "--eager-step"]) == 0
+    want = rnnify.load(directory, aot_step=False).generate(torch.tensor([[1, 2, 3]]), 3)
+    assert capsys.readouterr().out.strip().startswith(",".join(map(str, want[0, :4].tolist())))
+    assert main([*generate, "--eager-step", "--trust-compiled-step"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --eager-step runs no compiled step: it cannot go with --trust-compiled-step"
+    )
+
+
 def test_distill_of_a_model_trained_elsewhere_compiles_from_the_saved_copy(
     compiled, tmp_path, monkeypatch, empty_cache
 ):

@@ -10,6 +10,7 @@ from rnnify.cli.common import (
     add_device_flag,
     add_dir,
     add_dtype_flag,
+    add_eager_step_flag,
     add_kernels_flag,
     check_writable,
     int_list,
@@ -42,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
     add_dir(p)
+    add_eager_step_flag(p)
     p.add_argument("--against", metavar="MODEL", help="original model (directory or cached hub id) to compare with")
     p.add_argument("--contexts", default=",".join(map(str, BENCH_CONTEXTS)), metavar="LIST", help="context lengths")
     p.add_argument("--batch", default=",".join(map(str, BENCH_BATCHES)), metavar="LIST", help="batch sizes")

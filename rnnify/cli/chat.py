@@ -7,7 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from rnnify import arguments
-from rnnify.cli.common import add_dir, add_kernels_flag, load_to_decode, nbytes
+from rnnify.cli.common import add_dir, add_eager_step_flag, add_kernels_flag, load_to_decode, nbytes
 from rnnify.cli.generate import add_sampling_flags, sampling_options
 from rnnify.errors import PositionError, RnnifyError
 
@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from rnnify.choices import CHAT_MAX_NEW_TOKENS
 
     add_dir(p, "converted model directory with a tokenizer and chat template")
+    add_eager_step_flag(p)
     p.add_argument(
         "--system", type=arguments.utf8("--system"), metavar="TEXT", help="system prompt that opens every conversation"
     )

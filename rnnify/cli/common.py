@@ -181,6 +181,16 @@ def add_trust_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_eager_step_flag(p: argparse.ArgumentParser) -> None:
+    """``--eager-step``, for the commands that decode: ``load(aot_step=False)``."""
+    p.add_argument(
+        "--eager-step",
+        action="store_true",
+        help="decode with the model's own step run eagerly, not a step compiled ahead of time for it (from "
+        "this machine's cache, or shipped and trusted): slower, and free of the compiler's mistakes",
+    )
+
+
 def load_to_decode(args: argparse.Namespace):
     """``load``, refused at once where the model's kernels cannot run on its device: a command that
     prints as it decodes (the prompt first) would say so only at its first token."""
@@ -198,6 +208,7 @@ def load(args: argparse.Namespace, **kwargs: Any):
 
     if "device" not in kwargs and hasattr(args, "device"):
         kwargs["device"] = device(args.device)
+    kwargs.setdefault("aot_step", aot_step(args))
     return rnnify.load(
         args.dir,
         kernels=getattr(args, "kernels", None),
@@ -206,6 +217,14 @@ def load(args: argparse.Namespace, **kwargs: Any):
         expected_digest=args.expect_digest,
         **kwargs,
     )
+
+
+def aot_step(args: argparse.Namespace) -> bool:
+    """``rnnify.load``'s ``aot_step`` as ``--eager-step`` says (True where the command has no such flag)."""
+    eager = getattr(args, "eager_step", False)
+    if eager and args.trust_compiled_step:
+        raise RnnifyError("--eager-step runs no compiled step: it cannot go with --trust-compiled-step")
+    return not eager
 
 
 def add_data_flag(p: argparse.ArgumentParser) -> None:

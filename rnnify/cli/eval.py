@@ -11,6 +11,7 @@ from rnnify.cli.common import (
     add_data_flag,
     add_device_flag,
     add_dir,
+    add_eager_step_flag,
     add_kernels_flag,
     check_writable,
     int_list,
@@ -39,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from rnnify.probes import PROBES
 
     add_dir(p)
+    add_eager_step_flag(p)
     add_data_flag(p)
     p.add_argument(
         "--against",

@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from rnnify import arguments
-from rnnify.cli.common import add_dir, add_kernels_flag, load_to_decode
+from rnnify.cli.common import add_dir, add_eager_step_flag, add_kernels_flag, load_to_decode
 from rnnify.errors import RnnifyError
 
 if TYPE_CHECKING:
@@ -24,6 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from rnnify.choices import MAX_NEW_TOKENS
 
     add_dir(p)
+    add_eager_step_flag(p)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument(
         "--prompt",

@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from rnnify import arguments
-from rnnify.cli.common import add_kernels_flag, add_trust_flags
+from rnnify.cli.common import add_eager_step_flag, add_kernels_flag, add_trust_flags, aot_step
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("dir", metavar="DIR", help="converted model directory")
     add_trust_flags(p)
+    add_eager_step_flag(p)
     p.add_argument(
         "--against",
         metavar="MODEL",
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         kernels=args.kernels,
         verify=trusted,
         trust_compiled_step=trusted,
+        aot_step=aot_step(args),
         expected_digest=args.expect_digest if trusted else None,
     )
     total = len(CHECKS) if args.against is not None else len(CHECKS) - 1
