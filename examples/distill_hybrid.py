@@ -30,7 +30,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sinks", type=int, default=4, help="first tokens kept (default: 4)")
     p.add_argument("--memory", default="linear", help="linear, gla, delta or gated-delta (default: linear)")
     p.add_argument("--tokens", type=int, default=200_000, help="tokens to distil on, both stages (default: 200000)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per row (default: 512)")
+    p.add_argument(
+        "--seq-len", type=int, help="tokens per row (default: rnnify's, 1024 or the model's position limit if lower)"
+    )
     p.add_argument("--batch-size", type=int, default=8, help="rows per step (default: 8)")
     p.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens to evaluate (default: 16384)")
     args = p.parse_args(argv)

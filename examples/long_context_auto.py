@@ -2,7 +2,8 @@
 
     python examples/stdlib_corpus.py data/stdlib      # calibration and held-out text (the stdlib's source)
     python examples/long_context_auto.py examples/models/stdlib-llama --data data/stdlib/train \
-        --heldout data/stdlib/heldout --state-budget 30% --at-context 2048 --retrieval-window 256 -o stdlib-auto
+        --heldout data/stdlib/heldout --state-budget 30% --at-context 256 --window 32 --retrieval-window 128 \
+        -o stdlib-auto
 
 The kv heads that lose most as a short window (scored on the calibration text and pass-key prompts)
 keep a --retrieval-window-token window while they fit --state-budget at --at-context tokens; the rest
@@ -30,12 +31,25 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--window", type=int, default=64, help="window of the other heads (default: 64)")
     p.add_argument("--sinks", type=int, default=4, help="first tokens every head keeps (default: 4)")
     p.add_argument("--retrieval-window", type=int, default=256, help="window of the chosen heads (default: 256)")
-    p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration row (default: 512)")
+    p.add_argument(
+        "--calib-len",
+        type=int,
+        help="tokens per calibration row (default: rnnify's, 1024 or the model's position limit if lower)",
+    )
     p.add_argument("--calib-rows", type=int, default=2, help="calibration text rows (default: 2)")
     p.add_argument("--calib-passkey", type=int, default=2, help="calibration pass-key prompts (default: 2)")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per evaluation row (default: 1024)")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        help="tokens per evaluation row (default: rnnify's, 1024 or the model's position limit if lower)",
+    )
     p.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens to evaluate (default: 16384)")
-    p.add_argument("--passkey", type=int, nargs="+", default=[512, 1024], help="pass-key prompt lengths")
+    p.add_argument(
+        "--passkey",
+        type=int,
+        nargs="+",
+        help="pass-key prompt lengths (default: a half and three quarters of the evaluation row)",
+    )
     p.add_argument("--passkey-trials", type=int, default=4, help="prompts per length (default: 4)")
     args = p.parse_args(argv)
 
@@ -53,9 +67,13 @@ def main(argv: list[str] | None = None) -> dict:
     )
     model.save(args.output)  # with head_map.json: the scores and the choice
     heads, share = len(report.scores[report.score]), report.state_bytes / report.kv_cache_bytes
+    chosen = (
+        f"all {heads} kv heads keep {args.retrieval_window} tokens"
+        if len(report.retrieval) == heads
+        else f"{len(report.retrieval)} of {heads} kv heads keep {args.retrieval_window} tokens, the rest {args.window}"
+    )
     print(
-        f"saved to {args.output}: {len(report.retrieval)} of {heads} kv heads keep {args.retrieval_window} tokens, "
-        f"the rest {args.window}; state {report.state_bytes:,} bytes at {args.at_context:,} tokens "
+        f"saved to {args.output}: {chosen}; state {report.state_bytes:,} bytes at {args.at_context:,} tokens "
         f"({share:.1%} of the KV cache)"
     )
 
@@ -68,8 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"(original {result.teacher_perplexity:.3f}, ratio {ratio:.3f}), KL {result.kl:.4f} nats/token"
     )
 
-    passkey = rnnify.evaluate_passkey(model, args.passkey, trials=args.passkey_trials).accuracy()
-    for length in args.passkey:
+    lengths = args.passkey or [result.seq_len // 2, result.seq_len * 3 // 4]  # the answer's tokens fit after
+    passkey = rnnify.evaluate_passkey(model, lengths, trials=args.passkey_trials).accuracy()
+    for length in lengths:
         print(
             f"pass key at {length:,} tokens: {passkey['converted'][length]:.0%} "
             f"(original {passkey['original'][length]:.0%})"

@@ -35,6 +35,7 @@ VARIANTS = [
     ("hybrid", {"window": 64, "sinks": 0, "feature_map": "elu"}),
     ("hybrid", {"window": 64, "sinks": 4, "feature_map": "elu"}),
     ("hybrid", {"window": 64, "sinks": 0, "feature_map": "hedgehog"}),
+    ("hybrid", {"window": 64, "sinks": 0, "memory": "gla", "feature_map": "hedgehog"}),
     ("hybrid", {"window": 64, "sinks": 0, "memory": "gated-delta"}),
     ("delta", {}),
     ("gated-delta", {}),

@@ -59,7 +59,9 @@ def encode(tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def model_config(vocab_size: int, eos_id: int):
+def model_config(vocab_size: int, eos_id: int, seq_len: int):
+    """The model's shape; its ``max_position_embeddings`` is the row length it trains on, the positions
+    it has seen, so that tools warn past them (its rotary embedding computes any position)."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -69,7 +71,7 @@ def model_config(vocab_size: int, eos_id: int):
         num_hidden_layers=4,
         num_attention_heads=8,
         num_key_value_heads=2,
-        max_position_embeddings=2048,
+        max_position_embeddings=seq_len,
         rope_theta=10000.0,
         tie_word_embeddings=True,
         bos_token_id=eos_id,
@@ -134,7 +136,7 @@ def main() -> None:
     )
 
     model = AutoModelForCausalLM.from_config(
-        model_config(len(tokenizer), tokenizer.eos_token_id), attn_implementation="sdpa"
+        model_config(len(tokenizer), tokenizer.eos_token_id, args.seq_len), attn_implementation="sdpa"
     )
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.2f}M parameters")

@@ -428,6 +428,18 @@ def test_auto_chooses_again_from_saved_scores(retrieval_model, tmp_path):
         auto(directory, rows, budget="30%", score="kl", scores_from=tmp_path / "m" / "head_map.json")
 
 
+def test_auto_calibration_rows_default_to_the_models_positions(tiny_model_dir):
+    """Rows of 1,024 tokens unless the model has fewer positions (as evaluate's and distill's rows):
+    the tiny llama's 128; asked for more explicitly, refused."""
+    ids = torch.randint(3, 320, (2, 600), generator=torch.Generator().manual_seed(0))
+    scorer = HeadScorer(tiny_model_dir("llama"), ids, score="mass", window=4, sinks=1, calib_rows=1, passkey=0)
+    assert scorer.about["tokens"] == 128 and [row.shape[1] for row in scorer.calibration.rows] == [128]
+    with pytest.raises(RnnifyError, match="--calib-len 129 is past the model's 128 positions"):
+        HeadScorer(
+            tiny_model_dir("llama"), ids, score="mass", window=4, sinks=1, calib_len=129, calib_rows=1, passkey=0
+        )
+
+
 def test_auto_unmeetable_budget_names_the_smallest(retrieval_model):
     directory, rows = retrieval_model
     with pytest.raises(RnnifyError, match=r"the smallest state .* is ([\d,]+) bytes") as error:

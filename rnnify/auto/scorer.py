@@ -59,7 +59,7 @@ class HeadScorer:
         window: int = AUTO_WINDOW,
         sinks: int = AUTO_SINKS,
         scores_from: str | os.PathLike | None = None,
-        calib_len: int = CALIB_LEN,
+        calib_len: int | None = None,
         calib_rows: int = CALIB_ROWS,
         passkey: int = CALIB_PASSKEY,
         tokenizer: Any = None,
@@ -78,7 +78,7 @@ class HeadScorer:
         for name, value, low in (
             ("--window", window, 1),
             ("--sinks", sinks, 0),
-            ("--calib-len", calib_len, 16),
+            ("--calib-len", CALIB_LEN if calib_len is None else calib_len, 16),
             ("--calib-rows", calib_rows, 0),
             ("--calib-passkey", passkey, 0),
         ):
@@ -96,6 +96,8 @@ class HeadScorer:
         self.source = load_source(model, self.dtype)
         config = self.source.config
         limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        if calib_len is None:  # the default row, clamped as rnnify.data.row_length clamps evaluation rows
+            calib_len = min(CALIB_LEN, limit or CALIB_LEN)
         if limit is not None and calib_len > limit:
             raise RnnifyError(f"--calib-len {calib_len} is past the model's {limit} positions; use at most {limit}")
         if tokenizer is None and (passkey or isinstance(data, (str, os.PathLike))):

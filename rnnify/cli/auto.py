@@ -60,7 +60,11 @@ def add_auto_flags(p: argparse.ArgumentParser) -> None:
         ),
         g.add_argument("--calib-rows", type=int, default=CALIB_ROWS, metavar="N", help="text rows to score on"),
         g.add_argument(
-            "--calib-len", type=int, default=CALIB_LEN, metavar="T", help="tokens per text row and per pass-key prompt"
+            "--calib-len",
+            type=int,
+            metavar="T",
+            help=f"tokens per text row and per pass-key prompt (default: {CALIB_LEN}, or the model's position limit "
+            "if lower)",
         ),
         g.add_argument(
             "--calib-passkey",
