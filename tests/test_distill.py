@@ -117,8 +117,42 @@ def test_transfer_lowers_attention_error_and_trains_only_cells(hedgehog_dir):
     assert model.manifest.distill["trained"][0]["steps"] == 24
 
 
-def test_transfer_is_skipped_when_the_cells_have_nothing_to_train(converted_dir, capsys):
-    model = rnnify.load(converted_dir("llama", "exact"))
+def test_an_exact_model_is_not_distilled(converted_dir, tiny_model_dir):
+    """It computes the original already: finetuning it only moves it away (and it would still say exact)."""
+    for model in (
+        rnnify.load(converted_dir("llama", "exact")),
+        rnnify.convert(tiny_model_dir("llama"), to="linear", layers="0-:heads(0=exact;*=exact)"),
+    ):
+        weights = state_dict(model)
+        with pytest.raises(rnnify.RnnifyError, match="^every attention of this model is exact softmax"):
+            rnnify.distill(model, tokens(8), stages=["transfer", "finetune"], seq_len=16, batch_size=4)
+        assert all(torch.equal(v, weights[k]) for k, v in state_dict(model).items())
+
+
+@pytest.mark.parametrize("seq_len, refused", [(4, True), (5, True), (6, False)])
+def test_transfer_on_rows_the_windows_hold_whole_is_refused(tiny_model_dir, seq_len, refused):
+    """The hybrid of window 4 and 1 sink computes 5 tokens exactly: a loss of 0 and nothing learned."""
+    model = rnnify.convert(tiny_model_dir("llama"), to="hybrid", window=4, sinks=1)
+    options = dict(stages=["transfer"], seq_len=seq_len, batch_size=4, progress=False)
+    if refused:
+        with pytest.raises(rnnify.RnnifyError, match=r"^rows of \d tokens fit in the window .* above 5$"):
+            rnnify.distill(model, tokens(4), **options)
+    else:
+        rnnify.distill(model, tokens(4), **options)
+        assert model.manifest.distill["trained"][0]["final_loss"] > 1e-6
+
+
+def test_final_loss_is_the_last_full_batchs(hybrid_dir):
+    """A token budget that ends in a short batch: the record's final loss is the last full one's, not the
+    loss of the few tokens left over."""
+    losses, model = distill_recording_losses(hybrid_dir, tokens(9), stages=["transfer"], max_tokens=9 * 16, **FAST)
+    assert len(losses) == 3  # 4 + 4 rows, then 1
+    (record,) = model.manifest.distill["trained"]
+    assert record["final_loss"] == losses[1] != losses[2]
+
+
+def test_transfer_is_skipped_when_the_cells_have_nothing_to_train(tiny_model_dir, capsys):
+    model = rnnify.convert(tiny_model_dir("llama"), to="window", window=4)
     weights = state_dict(model)
     rnnify.distill(model, tokens(8), stages=["transfer"], seq_len=16, batch_size=4)
     assert "skipping transfer" in capsys.readouterr().err

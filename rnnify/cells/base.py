@@ -321,6 +321,13 @@ class Cell(nn.Module):
         model's own layers (``verify`` then judges it against the original)."""
         return self.target == "exact" or self.own_layer
 
+    @property
+    def exact_span(self) -> int | None:
+        """The row length up to which an approximating cell still reads every token by softmax (its
+        window, sinks and kept tokens hold them all), so that training it towards the original on
+        rows no longer than this teaches its memory nothing; None where no window holds the tokens."""
+        return None
+
     def describe(self) -> str:
         """A short note for ``rnnify info`` (e.g. recurrent neurons per head); empty by default."""
         return ""

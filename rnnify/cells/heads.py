@@ -99,6 +99,11 @@ class HeadSplitCell(Cell):
     def exact(self) -> bool:
         return all(part.exact for part in self.parts)
 
+    @property
+    def exact_span(self) -> int | None:
+        spans = [part.exact_span for part in self.parts if not part.exact]
+        return None if not spans or None in spans else min(spans)
+
     def overwrites_state(self, x: torch.Tensor) -> bool:
         return any(part.overwrites_state(x) for part in self.parts)
 

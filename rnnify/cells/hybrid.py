@@ -239,6 +239,10 @@ class HybridCell(Cell):
             state_dict.setdefault(prefix + "reader.count_weight", torch.zeros_like(self.reader.count_weight))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    @property
+    def exact_span(self) -> int:
+        return self.window + self.sinks
+
     def mixing_factor(self) -> torch.Tensor:
         """f_h = sigmoid(theta_h), grouped per kv head ``[Hkv, G]``, fp32."""
         return torch.sigmoid(self.window_logit.float()).reshape(self.spec.num_kv_heads, self.spec.group_size)

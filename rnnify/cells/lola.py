@@ -312,7 +312,7 @@ class LolaCell(Cell):
         super().__init__(spec)
         if window is None and spec.window is None:
             raise ValueError(
-                "this attention has no sliding window of its own: give window=N "
+                "this attention has no sliding window of its own: give window=N (--window N) "
                 "(the number of recent tokens each query attends to)"
             )
         if feature_options is not None and not isinstance(feature_options, dict):
@@ -342,6 +342,10 @@ class LolaCell(Cell):
             "memory_init": self.memory_init,
             "eps": rule.eps,
         }
+
+    @property
+    def exact_span(self) -> int:
+        return self.rule.window + self.rule.sinks + self.rule.keep
 
     def describe(self) -> str:
         rule = self.rule

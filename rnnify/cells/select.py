@@ -486,7 +486,7 @@ class SelectCell(Cell):
         super().__init__(spec)
         if window is None and spec.window is None:
             raise ValueError(
-                "this attention has no sliding window of its own: give window=N "
+                "this attention has no sliding window of its own: give window=N (--window N) "
                 "(the number of recent tokens each query attends to)"
             )
         if policy not in POLICIES:

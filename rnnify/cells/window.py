@@ -455,7 +455,7 @@ class WindowCell(Cell):
         super().__init__(spec)
         if window is None and spec.window is None:
             raise ValueError(
-                "this attention has no sliding window of its own: give window=N "
+                "this attention has no sliding window of its own: give window=N (--window N) "
                 "(the number of recent tokens each query attends to)"
             )
         self.window = check_int("window", spec.window if window is None else window, 1)

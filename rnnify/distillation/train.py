@@ -39,9 +39,11 @@ from rnnify.distillation.checkpoint import Checkpoint, load_checkpoint, save_che
 from rnnify.distillation.distributed import Runtime, setup
 from rnnify.distillation.lora import add_lora, lora_targets, merge_lora, unreached_weights
 from rnnify.distillation.losses import token_losses
+from rnnify.distillation.worth import check_worth_training
 from rnnify.errors import RnnifyError, check_int
 from rnnify.original import attention_transfer, load_teacher
 from rnnify.original.attention import cells_only
+from rnnify.runtime.devices import usable_device
 from rnnify.runtime.model import RecurrentModel
 
 __all__ = ["AUTO_ALL_MAX_PARAMETERS", "DEFAULT_LR", "SCHEDULES", "STAGES", "TRAIN", "distill", "lr_factor"]
@@ -122,6 +124,7 @@ def distill(
     lrs = _per_stage("lr", stages, [DEFAULT_LR[s] for s in stages] if lr is None else lr)
     gate_scales = _per_stage("gate_lr_scale", stages, gate_lr_scale)
     seq_len = row_length(model, seq_len)  # before the teacher loads, and before the data is read
+    check_worth_training(model, stages, seq_len)
     check_sizes(seq_len, batch_size, max_tokens)
     check_int("checkpoint_every", checkpoint_every, 1, RnnifyError)
     check_int("lora_rank", lora_rank, 1, RnnifyError)
@@ -157,7 +160,7 @@ def distill(
         checkpoint_every,
         gate_scales,
     )
-    runtime = setup(torch.device(device) if device is not None else model.device)
+    runtime = setup(usable_device(device) if device is not None else model.device)
     try:
         return _Trainer(model, runtime, config, data, tokenizer, teacher, checkpoint_dir, progress, fsdp).run(resume)
     finally:
@@ -407,7 +410,9 @@ class _Trainer:
 
             per_step = self.config.seq_len * self.config.batch_size
             total = None if self.budget is None else -(-self.budget // per_step)
-            loss, start, first = float("nan"), time.perf_counter(), tokens
+            # the stage's last full batch's loss: a short last batch (the token budget's remainder) can
+            # hold a few tokens the window computes exactly, and a loss of 0 that says nothing
+            loss, final, start, first = float("nan"), float("nan"), time.perf_counter(), tokens
             with tqdm(
                 total=total, initial=step, desc=stage, unit="step", disable=not self.progress, file=sys.stderr
             ) as bar:
@@ -416,13 +421,15 @@ class _Trainer:
                         group["lr"] = lr * group["scale"] * lr_factor(step, total, self.config.schedule)
                     loss, batch_tokens = self.step(stage, run, wrapped, optimizer, trainable, batch)
                     step, tokens = step + 1, tokens + batch_tokens
+                    if batch_tokens == per_step or math.isnan(final):
+                        final = loss
                     bar.update()
                     bar.set_postfix(
                         loss=f"{loss:.4g}", tok_s=f"{(tokens - first) / (time.perf_counter() - start):,.0f}"
                     )
                     if self.checkpoint_dir is not None and step % self.config.checkpoint_every == 0:
                         self.save(stage, step, tokens, False, optimizer, names, records, sharded)
-            record = {"stage": stage, "steps": step, "tokens": tokens, "lr": lr, "final_loss": loss}
+            record = {"stage": stage, "steps": step, "tokens": tokens, "lr": lr, "final_loss": final}
             if self.checkpoint_dir is not None:
                 self.save(stage, step, tokens, True, optimizer, names, [*records, record], sharded)
             if sharded is not None:
@@ -433,7 +440,7 @@ class _Trainer:
             restore.close()
             for p in originals:
                 p.requires_grad_(False)
-        self.log(f"{stage}: {step} steps, {tokens:,} tokens, final loss {loss:.4g}")
+        self.log(f"{stage}: {step} step{'s' if step != 1 else ''}, {tokens:,} tokens, final loss {final:.4g}")
         return record
 
     def step(

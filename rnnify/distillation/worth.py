@@ -1,0 +1,28 @@
+"""Distillations that would run and teach nothing, refused before the teacher loads or the data is read."""
+
+from __future__ import annotations
+
+from rnnify.errors import RnnifyError
+from rnnify.runtime.model import RecurrentModel
+
+
+def check_worth_training(model: RecurrentModel, stages: tuple[str, ...], seq_len: int) -> None:
+    """Refuse an exact model (it computes its original already: training only moves it away, and it
+    would still be called exact), and attention transfer on rows that every trained cell's window
+    holds whole (the cells then compute the original's softmax exactly: their loss is 0 and their
+    memories learn nothing)."""
+    if not stages:
+        return
+    if all(cell.exact for cell in model.cells):
+        raise RnnifyError(
+            "every attention of this model is exact softmax: it computes its original already, and "
+            "distilling would only move it away; to train on your data, finetune the original, then convert it"
+        )
+    trained = [cell for cell in model.cells if any(p.requires_grad for p in cell.parameters())]
+    spans = [cell.exact_span for cell in trained]
+    if "transfer" in stages and trained and None not in spans and seq_len <= min(spans):
+        raise RnnifyError(
+            f"rows of {seq_len} tokens fit in the window and sinks of every cell that attention transfer "
+            f"trains ({min(spans)} tokens): their loss is 0 and their memories learn nothing; give a seq_len "
+            f"(--seq-len) above {max(spans)}"
+        )
