@@ -20,6 +20,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -509,12 +510,22 @@ def bench_original(hf_model, context: int, batch: int, steps: int, warmup: int) 
 # -- plots ------------------------------------------------------------------------------------
 
 
-def plot(run: Run, path: str) -> None:
-    """Two panels: decode latency vs context, and state / KV-cache bytes vs context (log scales)."""
+def check_plot(path: str) -> None:
+    """Refuse a plot file that cannot be written (matplotlib missing, a format it does not know) now,
+    rather than after the benchmark."""
     try:
-        import matplotlib
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError as exc:
         raise RnnifyError("--plot needs matplotlib: pip install 'rnnify[plots]'") from exc
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if Path(path).suffix.lower().lstrip(".") not in formats:
+        raise RnnifyError(f"--plot {path}: the file's extension names its format, one of {', '.join(sorted(formats))}")
+
+
+def plot(run: Run, path: str) -> None:
+    """Two panels: decode latency vs context, and state / KV-cache bytes vs context (log scales)."""
+    check_plot(path)
+    import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

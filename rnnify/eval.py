@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from rnnify.choices import EVAL_BATCH_SIZE
 from rnnify.data import row_length, token_batches, tokenizer_for
 from rnnify.errors import RnnifyError
-from rnnify.original import LayerError, attention_transfer, load_teacher, source_directory, teacher_logits
+from rnnify.original import LayerError, attention_transfer, load_teacher, local_source, teacher_logits
 from rnnify.original.outputs import OriginalOutputs, content_digest
 from rnnify.runtime.manifest import MANIFEST_FILE
 from rnnify.runtime.model import RecurrentModel
@@ -220,7 +220,7 @@ def _teacher(
     ``rnnify.original.outputs``) does not hold: a sweep that has seen the rows never loads it.
     """
     if against is None:
-        against = source_directory(model, "--against (command line) or against= (Python)")
+        against = local_source(model, "--against (command line) or against= (Python)")
     if isinstance(against, (str, os.PathLike)) and (Path(against).expanduser() / MANIFEST_FILE).is_file():
         against = load(against, device=model.device)
     if isinstance(against, RecurrentModel):

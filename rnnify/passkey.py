@@ -240,11 +240,11 @@ def _original(model: RecurrentModel, against, cache: bool) -> tuple[Generator, s
     An original given as a local directory answers from the cache where it can
     (``rnnify.original.outputs``), and loads on the first prompt the cache does not hold.
     """
-    from rnnify.original import load_teacher, source_directory
+    from rnnify.original import load_teacher, local_source
     from rnnify.original.outputs import OriginalOutputs, content_digest
 
     if against is None:
-        against = source_directory(model, "--against (command line) or against= (Python)")
+        against = local_source(model, "--against (command line) or against= (Python)")
     if isinstance(against, (str, os.PathLike)) and (Path(against).expanduser() / MANIFEST_FILE).is_file():
         return converted_generator(load(against, device=model.device)), str(against)
     if isinstance(against, RecurrentModel):

@@ -129,6 +129,7 @@ def test_benchmark_returns_every_measurement_of_the_sweep(converted_dir):
         (["--batch", "0"], ["--batch"]),
         (["--steps", "0"], ["--steps"]),
         (["--dtype", "bfloat16"], ["float32", "--dtype"]),
+        (["--plot", "plot.txt"], ["--plot plot.txt", "png"]),  # before the benchmark runs, not after
     ],
 )
 def test_bench_bad_input_exits_2(converted_dir, capsys, argv, words):

@@ -175,6 +175,19 @@ def test_state_size_line_per_reply(capsys, monkeypatch, chat_dirs, target, const
         assert states[0] != states[1] and states[2] == states[0]
 
 
+def test_a_mistyped_command_is_not_sent(capsys, monkeypatch, chat_dirs):
+    """'/rest' is a command mistyped, not a message: said so, and the conversation is as without it;
+    a message that merely starts with '/' is sent."""
+    sizes, reads = chat_lines(capsys, monkeypatch, chat_dirs("linear"), "hi\n/rest\nwhat now\n")
+    want_sizes, want_reads = chat_lines(capsys, monkeypatch, chat_dirs("linear"), "hi\nwhat now\n")
+    assert (sizes, reads) == (want_sizes, want_reads)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n/rest\n/usr/bin is where?\n"))
+    assert main(["chat", str(chat_dirs("linear")), "--verbose", "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    out = capsys.readouterr().out
+    assert "unknown command /rest: /reset is the one command; nothing was sent" in out
+    assert len(re.findall(r"^\(read \d+ new tokens", out, flags=re.M)) == 2
+
+
 def test_chat_ends_cleanly_on_ctrl_c(capsys, monkeypatch, chat_dirs):
     def interrupted(prompt=""):
         raise KeyboardInterrupt

@@ -128,3 +128,30 @@ def test_a_composite_config_without_its_own_vocab_size_is_refused():
 
     with pytest.raises(UnsupportedModelError, match="Gemma3Config names no vocab_size of its own .*composite"):
         vocab_size(Gemma3Config())
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda d, device: rnnify.load(d, device=device),
+        lambda d, device: rnnify.evaluate(d, torch.ones(1, 8, dtype=torch.long), device=device),
+        lambda d, device: rnnify.distill(rnnify.convert(d.parent / "linear-source", to="linear"), [], device=device),
+    ],
+    ids=["load", "evaluate", "distill"],
+)
+@pytest.mark.parametrize("device", ["gpu", "cuda:0"], ids=["unknown", "cuda"])
+def test_an_unusable_device_is_one_line(converted_dir, tiny_model_dir, tmp_path, call, device):
+    """A device torch does not know, or CUDA where there is none: one line, not torch's error at the
+    first tensor moved there."""
+    if device == "cuda:0" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    directory = tmp_path / "model"
+    shutil.copytree(converted_dir("llama", "linear"), directory)
+    (tmp_path / "linear-source").symlink_to(tiny_model_dir("llama"))
+    said = {
+        "gpu": "device 'gpu' is not a device; use cpu, cuda or cuda:N",
+        "cuda:0": "device 'cuda:0': no CUDA device is available; use cpu",
+    }
+    with pytest.raises(RnnifyError) as error:
+        call(directory, device)
+    assert str(error.value) == said[device]

@@ -56,6 +56,18 @@ def test_convert_gguf_matches_transformers_and_keeps_the_tokenizer(capsys, tmp_p
     assert tokenizer.eos_token == "<|im_end|>"
 
 
+def test_a_gguf_source_is_the_default_original(tmp_path, tiny_gguf):
+    """eval and verify's --against, pass-key tests and distill's teacher default to the manifest's
+    source; a GGUF file is one (it was refused as 'not a local directory')."""
+    model = rnnify.convert(str(tiny_gguf), to="window", window=4)
+    ids = torch.randint(0, model.manifest.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    default = rnnify.evaluate(model, ids, seq_len=16, batch_size=2, layer_errors=False, cache=False)
+    given = rnnify.evaluate(
+        model, ids, against=str(tiny_gguf), seq_len=16, batch_size=2, layer_errors=False, cache=False
+    )
+    assert default.against == given.against == str(tiny_gguf.resolve()) and default.kl == given.kl > 0
+
+
 def test_gguf_loaded_with_its_quantizer_attached_becomes_a_plain_model(monkeypatch, tiny_gguf):
     """transformers' default load keeps a GGUF quantizer (and refuses save_pretrained): rebuilt."""
     from transformers import AutoModelForCausalLM

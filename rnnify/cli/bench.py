@@ -74,12 +74,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     from rich.text import Text
 
-    from rnnify.bench import benchmark, plot
+    from rnnify.bench import benchmark, check_plot, plot
     from rnnify.eval import write_json
 
     contexts, batches = int_list("--contexts", args.contexts), int_list("--batch", args.batch, "1,8")
     check_writable("--json", args.json)
     check_writable("--plot", args.plot)
+    if args.plot is not None:
+        check_plot(args.plot)
     result = benchmark(
         load(args),
         contexts,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,8 @@ _RULES = {
     "text": "the history tokenizes differently, but its text is what the state read",
     "messages": "the template rewrote earlier turns; the state keeps them as it read them",
 }
+# a line that is one /word is a command (/reset), however mistyped; any other line is a message
+_COMMAND = re.compile(r"/\w+")
 
 
 HELP = "chat with a converted model, its recurrent state carrying the conversation"
@@ -27,7 +30,8 @@ DESCRIPTION = (
     "Read one user message per line from stdin, apply the chat template saved in DIR and "
     "stream the reply. Each turn reads only its new tokens, continuing from the state after the "
     "previous reply (history is never re-read); after each reply a dim line shows the tokens so far "
-    "and the state's size, constant for recurrent targets. /reset starts a new conversation; "
+    "and the state's size, constant for recurrent targets. /reset starts a new conversation (a line "
+    "that is one other /word is not sent); "
     "Ctrl-D or Ctrl-C ends. Greedy unless --do-sample."
 )
 
@@ -78,6 +82,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
             if text == "/reset":
                 chat.reset()
                 console.print(Text("(new conversation)", "dim"))
+            elif _COMMAND.fullmatch(text):  # a mistyped command, not a message to the model
+                console.print(Text(f"unknown command {text}: /reset is the one command; nothing was sent", "red"))
             elif text:
                 try:
                     read, rule = chat.ask(text)

@@ -273,13 +273,9 @@ def device(name: str | None):
         if torch.cuda.is_available():
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return torch.device("cpu")
-    try:
-        chosen = torch.device(name)
-    except RuntimeError:
-        raise RnnifyError(f"--device {name!r} is not a device; use cpu, cuda or cuda:N") from None
-    if chosen.type == "cuda" and not torch.cuda.is_available():
-        raise RnnifyError(f"--device {name}: no CUDA device is available; use --device cpu")
-    return chosen
+    from rnnify.runtime.devices import usable_device
+
+    return usable_device(name, "--device")
 
 
 def int_list(flag: str, text: str, example: str = "256,1024") -> list[int]:

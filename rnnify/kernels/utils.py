@@ -55,8 +55,9 @@ def check_runnable(kernels: str, device: torch.device) -> None:
         )
     if device.type != "cuda" and not INTERPRET:
         raise RnnifyError(
-            f"kernels 'triton' run on CUDA, not {device.type}; "
-            "use kernels 'auto' (Triton on CUDA, the PyTorch reference elsewhere) or 'reference'"
+            f"kernels 'triton' run on CUDA, not {device.type}; use kernels 'auto' (Triton on CUDA, the PyTorch "
+            "reference elsewhere) or 'reference': a model saved with 'triton' loads with another by --kernels "
+            "on a command, kernels= in rnnify.load"
         )
 
 

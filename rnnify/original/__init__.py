@@ -5,7 +5,7 @@ each cell with the softmax attention it replaced, on the cell's own inputs.
 """
 
 from rnnify.original.attention import AttentionRecorder, LayerError, attention_transfer, softmax_attention
-from rnnify.original.teacher import load_teacher, source_directory, teacher_logits
+from rnnify.original.teacher import load_teacher, local_source, teacher_logits
 
 __all__ = [
     "AttentionRecorder",
@@ -13,6 +13,6 @@ __all__ = [
     "attention_transfer",
     "load_teacher",
     "softmax_attention",
-    "source_directory",
+    "local_source",
     "teacher_logits",
 ]

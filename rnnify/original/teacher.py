@@ -16,16 +16,19 @@ from torch import nn
 from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel
 
-__all__ = ["load_teacher", "source_directory", "teacher_logits"]
+__all__ = ["load_teacher", "local_source", "teacher_logits"]
 
 
-def source_directory(model: RecurrentModel, how_to_pass: str) -> str:
-    """The manifest's source when it is a local directory; else an error that says ``how_to_pass`` one."""
+def local_source(model: RecurrentModel, how_to_pass: str) -> str:
+    """The manifest's source when it is here: a local directory or GGUF file (a hub id is not looked up
+    again); else an error that says ``how_to_pass`` one."""
+    from rnnify.compiler.gguf import is_gguf
+
     source = model.manifest.source
-    if not source or not Path(source).expanduser().is_dir():
+    if not source or not (Path(source).expanduser().is_dir() or is_gguf(source)):
         raise RnnifyError(
-            f"the source model of this converted model ({source or 'not recorded'}) is not a local directory; "
-            f"pass the original model with {how_to_pass}"
+            f"the source model of this converted model ({source or 'not recorded'}) is not a local directory "
+            f"or GGUF file; pass the original model with {how_to_pass}"
         )
     return source
 
@@ -33,7 +36,7 @@ def source_directory(model: RecurrentModel, how_to_pass: str) -> str:
 def load_teacher(model: RecurrentModel, teacher: str | os.PathLike | nn.Module | None = None) -> nn.Module:
     """``load_teacher(model, teacher=None) -> PreTrainedModel``: the original model of ``model``.
 
-    ``teacher`` is None (the manifest's ``source``, when that is a local directory), a local
+    ``teacher`` is None (the manifest's ``source``, when that is a local directory or GGUF file), a local
     Hugging Face directory or cached hub id, or a loaded ``nn.Module`` (used as is). The result
     is in eval mode, has ``requires_grad=False`` everywhere and ``model``'s dtype and device; its
     vocabulary must match ``model``'s. Raises ``RnnifyError`` when no teacher can be found.
@@ -41,7 +44,7 @@ def load_teacher(model: RecurrentModel, teacher: str | os.PathLike | nn.Module |
     from rnnify.compiler.capture import load_source
 
     if teacher is None:
-        teacher = source_directory(model, "teacher= (Python) or --teacher (command line)")
+        teacher = local_source(model, "teacher= (Python) or --teacher (command line)")
     if isinstance(teacher, nn.Module):
         from transformers import PreTrainedModel
 

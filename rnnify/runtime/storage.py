@@ -32,6 +32,7 @@ from rnnify.cells import CellSpec, build_cell
 from rnnify.errors import RnnifyError, first_line
 from rnnify.kernels.utils import check_kernels
 from rnnify.runtime import hf_files, integrity, output_dir
+from rnnify.runtime.devices import usable_device
 from rnnify.runtime.manifest import Manifest, read_data
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.op_vocabulary import check_references, check_returns
@@ -108,7 +109,7 @@ def load(
     if verify:
         integrity.check(path, data, READ_AT_LOAD, READ_IF_PRESENT, expected_digest)
     manifest = Manifest.parse(data, path)
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = usable_device(device) if device is not None else torch.device("cpu")
     try:
         tensors = load_file(path / WEIGHTS_FILE, device=str(device))
     except (SafetensorError, OSError, ValueError) as exc:
