@@ -5,6 +5,14 @@ its traceback. It prints an ``RnnifyWarning`` as one ``warning:`` line, without 
 Python's default format adds.
 """
 
+import sys
+import warnings
+from pathlib import Path
+
+_PACKAGE = str(Path(__file__).resolve().parent / "_")[:-1]  # the package's folder, with its separator
+# torch's no_grad/inference_mode decorators, which wrap rnnify's functions between them and the user
+_DECORATOR = str(Path("torch", "utils", "_contextlib.py"))
+
 
 class RnnifyError(Exception):
     """A problem with the user's input: a path, a model, a state, an option."""
@@ -63,3 +71,16 @@ def check_positive_finite(name: str, value: float) -> float:
 
 class RnnifyWarning(UserWarning):
     """Something the user should know that does not stop the work (e.g. decoding past trained positions)."""
+
+
+def warn_caller(message: str) -> None:
+    """Warn (``RnnifyWarning``) at the first caller outside rnnify: the user's own line, which they can
+    find and filter, however deep inside rnnify the reason was found."""
+    frame, level = sys._getframe(1), 2  # stacklevel 2: this function's caller
+    while frame is not None and _inside(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, RnnifyWarning, stacklevel=level)
+
+
+def _inside(filename: str) -> bool:
+    return filename.endswith(_DECORATOR) or str(Path(filename).resolve()).startswith(_PACKAGE)

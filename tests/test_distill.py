@@ -129,13 +129,24 @@ def test_an_exact_model_is_not_distilled(converted_dir, tiny_model_dir):
         assert all(torch.equal(v, weights[k]) for k, v in state_dict(model).items())
 
 
-@pytest.mark.parametrize("seq_len, refused", [(4, True), (5, True), (6, False)])
-def test_transfer_on_rows_the_windows_hold_whole_is_refused(tiny_model_dir, seq_len, refused):
-    """The hybrid of window 4 and 1 sink computes 5 tokens exactly: a loss of 0 and nothing learned."""
-    model = rnnify.convert(tiny_model_dir("llama"), to="hybrid", window=4, sinks=1)
+@pytest.mark.parametrize(
+    "target, options, seq_len, refused",
+    [
+        ("hybrid", {}, 4, True),
+        ("hybrid", {}, 5, True),
+        ("hybrid", {}, 6, False),
+        ("lola", {"keep": 2, "chunk": 8}, 14, True),  # a token leaves the window at its chunk's end
+        ("lola", {"keep": 2, "chunk": 8}, 15, False),
+    ],
+)
+def test_transfer_on_rows_the_windows_hold_whole_is_refused(tiny_model_dir, target, options, seq_len, refused):
+    """A hybrid of window 4 and 1 sink computes 5 tokens exactly, a LoLA cell of the same with 2 kept
+    tokens and decisions every 8, 4 + 7 + 1 + 2: a loss of 0 and nothing learned, refused; one token more
+    and the loss is not 0."""
+    model = rnnify.convert(tiny_model_dir("llama"), to=target, window=4, sinks=1, **options)
     options = dict(stages=["transfer"], seq_len=seq_len, batch_size=4, progress=False)
     if refused:
-        with pytest.raises(rnnify.RnnifyError, match=r"^rows of \d tokens fit in the window .* above 5$"):
+        with pytest.raises(rnnify.RnnifyError, match=r"^rows of \d+ tokens fit in the window .* above \d+$"):
             rnnify.distill(model, tokens(4), **options)
     else:
         rnnify.distill(model, tokens(4), **options)
@@ -149,6 +160,9 @@ def test_final_loss_is_the_last_full_batchs(hybrid_dir):
     assert len(losses) == 3  # 4 + 4 rows, then 1
     (record,) = model.manifest.distill["trained"]
     assert record["final_loss"] == losses[1] != losses[2]
+    # rows shorter than seq_len, never packed: no batch is full, the last of the largest counts
+    losses, model = distill_recording_losses(hybrid_dir, tokens(12, length=14), stages=["transfer"], **FAST)
+    assert len(losses) == 3 and model.manifest.distill["trained"][0]["final_loss"] == losses[2]
 
 
 def test_transfer_is_skipped_when_the_cells_have_nothing_to_train(tiny_model_dir, capsys):

@@ -57,8 +57,8 @@ def test_convert_gguf_matches_transformers_and_keeps_the_tokenizer(capsys, tmp_p
 
 
 def test_a_gguf_source_is_the_default_original(tmp_path, tiny_gguf):
-    """eval and verify's --against, pass-key tests and distill's teacher default to the manifest's
-    source; a GGUF file is one (it was refused as 'not a local directory')."""
+    """eval's --against, pass-key tests and distill's teacher default to the manifest's source; a GGUF
+    file is one (it was refused as 'not a local directory')."""
     model = rnnify.convert(str(tiny_gguf), to="window", window=4)
     ids = torch.randint(0, model.manifest.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     default = rnnify.evaluate(model, ids, seq_len=16, batch_size=2, layer_errors=False, cache=False)

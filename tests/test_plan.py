@@ -97,10 +97,24 @@ def test_a_rule_matching_no_layer_is_an_error(tiny_model_dir):
 
 def test_a_rule_running_past_the_last_layer_is_an_error(tiny_model_dir):
     """A range written for a deeper model: layers 0-9 of a 2-layer model is a mistake, not 'all of them'."""
-    with pytest.raises(RnnifyError, match=r"^layer rule '0-9:exact' runs to layer 9, past .* layer 1; '0-:exact' runs"):
+    with pytest.raises(
+        RnnifyError, match=r"^layer rule '0-9:exact' runs to layer 9, past the model's last layer 1; '0-:"
+    ):
         rnnify.convert(tiny_model_dir("llama"), to="linear", layers="0-9:exact")
     model = rnnify.convert(tiny_model_dir("llama"), to="linear", layers="1-1:exact")
     assert [cell.target for cell in model.cells] == ["linear", "exact"]
+
+
+def test_ranges_number_decoder_layers_not_attention_layers():
+    """A hybrid whose last layer is Mamba: a range to that layer names the model's own layers."""
+    from support import TINY_HYBRID, tiny_causal_lm
+
+    mamba = dict(mamba_d_state=8, mamba_d_conv=3, mamba_expand=2, mamba_dt_rank=4, num_experts=1)
+    config = {**TINY_HYBRID, "num_hidden_layers": 3, "hidden_size": 32, "intermediate_size": 64}
+    jamba = tiny_causal_lm("jamba", **config, **mamba, attn_layer_period=2, attn_layer_offset=1)  # attention: 1
+    assert "window" in [cell.target for cell in rnnify.convert(jamba, to="exact", layers="0-2:window", window=4).cells]
+    with pytest.raises(RnnifyError, match=r"^layer rule '1-3:window' runs to layer 3, past the model's last layer 2"):
+        rnnify.convert(jamba, to="exact", layers="1-3:window", window=4)
 
 
 @pytest.fixture(scope="module")

@@ -78,8 +78,9 @@ def test_sampling_options_without_do_sample_are_named_in_a_warning(chat_model, c
     greedy = call(chat_model)
     with pytest.warns(
         rnnify.RnnifyWarning, match=r"^temperature, seed apply only with do_sample=True: decoding greedily$"
-    ):
+    ) as warned:
         assert call(chat_model, temperature=0.5, seed=1) == greedy
+    assert warned[0].filename == __file__  # the caller's line, not rnnify's
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         call(chat_model, do_sample=True, temperature=0.5, seed=1)

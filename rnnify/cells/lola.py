@@ -345,7 +345,8 @@ class LolaCell(Cell):
 
     @property
     def exact_span(self) -> int:
-        return self.rule.window + self.rule.sinks + self.rule.keep
+        rule = self.rule  # a token leaves the window only at the end of its chunk of decisions
+        return rule.window + rule.chunk - 1 + rule.sinks + rule.keep
 
     def describe(self) -> str:
         rule = self.rule

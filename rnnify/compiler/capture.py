@@ -56,8 +56,8 @@ def _load_pretrained(path_or_id: str, dtype: torch.dtype):
             raise RnnifyError(f"{path_or_id}: no config.json here; pass a Hugging Face model directory or a .gguf file")
         if (local / "rnnify.json").is_file():
             raise RnnifyError(
-                f"{path_or_id} is a model rnnify already converted; convert its source Hugging Face model "
-                "(the `source` in its rnnify.json) instead"
+                f"{path_or_id} is a model rnnify already converted, not the Hugging Face model it came from; "
+                "give its source (the `source` in its rnnify.json) instead"
             )
         where = {"pretrained_model_name_or_path": str(local)}
     elif path_or_id.lower().endswith(".gguf"):

@@ -291,9 +291,10 @@ class ConversionPlan:
         accepted = _accepted(target)
         return {**{k: v for k, v in self.options.items() if k in accepted}, **dict(own)}
 
-    def check(self, layers: Iterable[int], chunked: Iterable[int] = ()) -> None:
+    def check(self, layers: Iterable[int], chunked: Iterable[int] = (), depth: int | None = None) -> None:
         """Every rule and option must be used by some layer of the model (``chunked`` layers that no rule
-        names are exact: ``cell_for``)."""
+        names are exact: ``cell_for``), and no rule's range may run past its ``depth`` decoder layers
+        (where known; a hybrid's last layers need not be attention)."""
         layers, chunked = sorted(set(layers)), set(chunked)
         for layer in self.keep_softmax:
             if layer not in layers:
@@ -307,10 +308,10 @@ class ConversionPlan:
                 raise RnnifyError(
                     f"layer rule '{rule}' matches no layer (the model has layers {layers[0]}-{layers[-1]})"
                 )
-            if rule.stop is not None and rule.stop > layers[-1]:  # a range for another model, most likely
+            if depth is not None and rule.stop is not None and rule.stop >= depth:  # written for another model
                 raise RnnifyError(
-                    f"layer rule '{rule}' runs to layer {rule.stop}, past the model's last attention layer "
-                    f"{layers[-1]}; '{replace(rule, stop=None)}' runs to the last layer"
+                    f"layer rule '{rule}' runs to layer {rule.stop}, past the model's last layer {depth - 1}; "
+                    f"'{replace(rule, stop=None)}' runs to the last layer"
                 )
         used: set[str] = set()
         for layer in layers:

@@ -410,9 +410,9 @@ class _Trainer:
 
             per_step = self.config.seq_len * self.config.batch_size
             total = None if self.budget is None else -(-self.budget // per_step)
-            # the stage's last full batch's loss: a short last batch (the token budget's remainder) can
-            # hold a few tokens the window computes exactly, and a loss of 0 that says nothing
-            loss, final, start, first = float("nan"), float("nan"), time.perf_counter(), tokens
+            # the loss of the stage's last batch of the most real tokens: a short last batch (the token
+            # budget's remainder) can hold a few tokens the window computes exactly, a loss that says nothing
+            loss, final, most, start, first = float("nan"), float("nan"), 0, time.perf_counter(), tokens
             with tqdm(
                 total=total, initial=step, desc=stage, unit="step", disable=not self.progress, file=sys.stderr
             ) as bar:
@@ -421,8 +421,8 @@ class _Trainer:
                         group["lr"] = lr * group["scale"] * lr_factor(step, total, self.config.schedule)
                     loss, batch_tokens = self.step(stage, run, wrapped, optimizer, trainable, batch)
                     step, tokens = step + 1, tokens + batch_tokens
-                    if batch_tokens == per_step or math.isnan(final):
-                        final = loss
+                    if batch_tokens >= most:
+                        final, most = loss, batch_tokens
                     bar.update()
                     bar.set_postfix(
                         loss=f"{loss:.4g}", tok_s=f"{(tokens - first) / (time.perf_counter() - start):,.0f}"

@@ -21,8 +21,9 @@ def check_worth_training(model: RecurrentModel, stages: tuple[str, ...], seq_len
     trained = [cell for cell in model.cells if any(p.requires_grad for p in cell.parameters())]
     spans = [cell.exact_span for cell in trained]
     if "transfer" in stages and trained and None not in spans and seq_len <= min(spans):
+        every = "" if min(spans) == max(spans) else f" ({max(spans)} for every cell's)"
         raise RnnifyError(
             f"rows of {seq_len} tokens fit in the window and sinks of every cell that attention transfer "
-            f"trains ({min(spans)} tokens): their loss is 0 and their memories learn nothing; give a seq_len "
-            f"(--seq-len) above {max(spans)}"
+            f"trains ({min(spans)} tokens or more): their loss is 0 and their memories learn nothing; give a "
+            f"seq_len (--seq-len) above {min(spans)}{every}"
         )

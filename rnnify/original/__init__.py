@@ -12,7 +12,7 @@ __all__ = [
     "LayerError",
     "attention_transfer",
     "load_teacher",
-    "softmax_attention",
     "local_source",
+    "softmax_attention",
     "teacher_logits",
 ]

@@ -5,13 +5,12 @@ Order as in transformers' ``generate``: temperature, then top-k, then top-p (nuc
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable
 
 import torch
 
 from rnnify.choices import TEMPERATURE
-from rnnify.errors import RnnifyError, RnnifyWarning, check_positive_finite
+from rnnify.errors import RnnifyError, check_positive_finite, warn_caller
 
 # the sampling options and their unset values: greedy decoding reads none of them
 SAMPLING_DEFAULTS = {"temperature": TEMPERATURE, "top_k": None, "top_p": None, "seed": None}
@@ -42,7 +41,6 @@ def warn_if_greedy(
     *,
     named: Callable[[str], str] = str,
     switch: str = "do_sample=True",
-    stacklevel: int = 3,
 ) -> None:
     """Warn, as transformers does, when sampling ``options`` were set (other than ``SAMPLING_DEFAULTS``)
     but decoding is greedy: a temperature without ``do_sample`` is otherwise silently ignored.
@@ -50,9 +48,7 @@ def warn_if_greedy(
     given = [named(name) for name, value in options.items() if value != SAMPLING_DEFAULTS[name]]
     if given and not do_sample:
         verb = "applies" if len(given) == 1 else "apply"
-        warnings.warn(
-            f"{', '.join(given)} {verb} only with {switch}: decoding greedily", RnnifyWarning, stacklevel=stacklevel
-        )
+        warn_caller(f"{', '.join(given)} {verb} only with {switch}: decoding greedily")
 
 
 def next_token(

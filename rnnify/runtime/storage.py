@@ -103,13 +103,13 @@ def load(
     verify = verify if verify_weights is None else verify_weights
     if kernels is not None:
         check_kernels(kernels)
+    device = usable_device(device) if device is not None else torch.device("cpu")  # before reading the weights
     if expected_digest is not None and not verify:
         raise RnnifyError("an expected digest is checked with the files it covers: drop verify=False (--no-verify)")
     data = read_data(path)
     if verify:
         integrity.check(path, data, READ_AT_LOAD, READ_IF_PRESENT, expected_digest)
     manifest = Manifest.parse(data, path)
-    device = usable_device(device) if device is not None else torch.device("cpu")
     try:
         tensors = load_file(path / WEIGHTS_FILE, device=str(device))
     except (SafetensorError, OSError, ValueError) as exc:

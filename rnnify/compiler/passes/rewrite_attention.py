@@ -28,7 +28,12 @@ CELL_KEY = "rnnify_cell"
 
 
 def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    ctx.plan.check((site.layer for _, site in sites(gm)), (site.layer for _, site in sites(gm) if site.chunk))
+    text = ctx.config.get_text_config() if hasattr(ctx.config, "get_text_config") else ctx.config
+    ctx.plan.check(
+        (site.layer for _, site in sites(gm)),
+        (site.layer for _, site in sites(gm) if site.chunk),
+        getattr(text, "num_hidden_layers", None),
+    )
     specs: dict[int, CellSpec] = {}  # by site index
     for node, site in sites(gm):
         spec = specs[site.index] = _cell_spec(site)
