@@ -144,23 +144,23 @@ def test_transfer_on_rows_the_windows_hold_whole_is_refused(tiny_model_dir, targ
     tokens and decisions every 8, 4 + 7 + 1 + 2: a loss of 0 and nothing learned, refused; one token more
     and the loss is not 0."""
     model = rnnify.convert(tiny_model_dir("llama"), to=target, window=4, sinks=1, **options)
-    options = dict(stages=["transfer"], seq_len=seq_len, batch_size=4, progress=False)
+    run = dict(stages=["transfer"], seq_len=seq_len, batch_size=4, progress=False)
     if refused:
         with pytest.raises(rnnify.RnnifyError, match=r"^rows of \d+ tokens fit in the window .* above \d+$"):
-            rnnify.distill(model, tokens(4), **options)
+            rnnify.distill(model, tokens(4), **run)
     else:
-        rnnify.distill(model, tokens(4), **options)
+        rnnify.distill(model, tokens(4), **run)
         assert model.manifest.distill["trained"][0]["final_loss"] > 1e-6
 
 
-def test_final_loss_is_the_last_full_batchs(hybrid_dir):
-    """A token budget that ends in a short batch: the record's final loss is the last full one's, not the
-    loss of the few tokens left over."""
+def test_final_loss_skips_a_short_last_batch(hybrid_dir):
+    """A token budget that ends in a short batch: the record's final loss is the last full batch's, not
+    the loss of the few tokens left over; with rows that fill no batch, the last of the largest."""
     losses, model = distill_recording_losses(hybrid_dir, tokens(9), stages=["transfer"], max_tokens=9 * 16, **FAST)
     assert len(losses) == 3  # 4 + 4 rows, then 1
     (record,) = model.manifest.distill["trained"]
     assert record["final_loss"] == losses[1] != losses[2]
-    # rows shorter than seq_len, never packed: no batch is full, the last of the largest counts
+    # rows shorter than seq_len, never packed: no batch is full
     losses, model = distill_recording_losses(hybrid_dir, tokens(12, length=14), stages=["transfer"], **FAST)
     assert len(losses) == 3 and model.manifest.distill["trained"][0]["final_loss"] == losses[2]
 

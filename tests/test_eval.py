@@ -67,7 +67,7 @@ def test_approximate_target_has_a_cost(converted_dir):
 
 
 def test_a_short_last_batch_is_computed_at_its_real_length(converted_dir, corpus, monkeypatch):
-    """100 tokens in rows of 1,000 (past the model's 256 positions): both models read 100 columns, as
+    """100 tokens in rows of 1,000 (past the tiny model's 128 positions): both models read 100 columns, as
     if the rows were 100 long, and no position past the limit is read (no warning)."""
     import warnings
 
