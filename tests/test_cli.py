@@ -425,6 +425,22 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, converted_dir, case)
     assert_user_error(code, err, message)
 
 
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        (lambda t, c: t / "missing", "no such directory"),
+        (lambda t, c: t / "missing.gguf", "no such file"),
+        (lambda t, c: _empty(t), "no config.json"),
+        (lambda t, c: c("llama", "exact"), "already converted"),
+    ],
+    ids=["missing", "missing-gguf", "no-config", "converted"],
+)
+def test_a_wrong_source_is_said_before_any_stage_starts(capsys, tmp_path, converted_dir, source, message):
+    """The whole of stderr is the one error line: no "load ..." stage line before it."""
+    code, _, err = run(capsys, "convert", source(tmp_path, converted_dir), "--to", "exact", "-o", tmp_path / "out")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: ") and message in err, err
+
+
 def test_a_kept_layer_past_the_model_is_named_by_its_flag(capsys, tmp_path, tiny_model_dir):
     code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "linear", "--keep-softmax", "9", "-o",
                        tmp_path / "out")  # fmt: skip

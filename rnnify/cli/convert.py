@@ -144,9 +144,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
     import rnnify
     from rnnify import progress
     from rnnify.auto import check_memory
+    from rnnify.compiler.capture import source_location
     from rnnify.compiler.passes import PIPELINE
     from rnnify.compiler.plan import parse_options
 
+    source_location(args.model)  # a wrong path in one line, before any progress shows
     check_memory(args.memory)  # before the model is loaded
     options = {name: getattr(args, name) for name in _CELL_FLAGS if getattr(args, name) is not None}
     options.update(

@@ -43,14 +43,15 @@ _MAX_LENGTH = 1 << 20
 GRAPH_LIMIT = "rnnify_graph_limit"
 
 
-def _load_pretrained(path_or_id: str, dtype: torch.dtype):
-    from transformers import AutoConfig
-
-    from rnnify.compiler.gguf import is_gguf, load_gguf
+def source_location(path_or_id: str) -> dict[str, Any] | None:
+    """Where ``from_pretrained`` finds the source ``path_or_id`` (None: a GGUF file), or the mistake
+    that needs no loading to see (no such path, no config.json, a directory rnnify converted): the
+    CLI asks before it shows any progress."""
+    from rnnify.compiler.gguf import is_gguf
 
     local = Path(path_or_id).expanduser()
     if is_gguf(local):
-        return load_gguf(local, dtype)
+        return None
     if local.exists():
         if not (local / "config.json").is_file():
             raise RnnifyError(f"{path_or_id}: no config.json here; pass a Hugging Face model directory or a .gguf file")
@@ -59,13 +60,22 @@ def _load_pretrained(path_or_id: str, dtype: torch.dtype):
                 f"{path_or_id} is a model rnnify already converted, not the Hugging Face model it came from; "
                 "give its source (the `source` in its rnnify.json) instead"
             )
-        where = {"pretrained_model_name_or_path": str(local)}
-    elif path_or_id.lower().endswith(".gguf"):
+        return {"pretrained_model_name_or_path": str(local)}
+    if path_or_id.lower().endswith(".gguf"):
         raise RnnifyError(f"{path_or_id}: no such file")
-    elif path_or_id.startswith((".", "/", "~")) or os.sep in path_or_id.strip("/").replace("/", "", 1):
+    if path_or_id.startswith((".", "/", "~")) or os.sep in path_or_id.strip("/").replace("/", "", 1):
         raise RnnifyError(f"{path_or_id}: no such directory")
-    else:
-        where = {"pretrained_model_name_or_path": path_or_id, "local_files_only": True}
+    return {"pretrained_model_name_or_path": path_or_id, "local_files_only": True}
+
+
+def _load_pretrained(path_or_id: str, dtype: torch.dtype):
+    from transformers import AutoConfig
+
+    from rnnify.compiler.gguf import load_gguf
+
+    where = source_location(path_or_id)
+    if where is None:
+        return load_gguf(Path(path_or_id).expanduser(), dtype)
     try:
         config = AutoConfig.from_pretrained(**where)
     except OSError as exc:
