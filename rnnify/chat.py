@@ -34,7 +34,7 @@ import torch
 from rnnify.choices import CHAT_MAX_NEW_TOKENS, TEMPERATURE
 from rnnify.errors import PositionError, RnnifyError
 from rnnify.runtime.model import RecurrentModel
-from rnnify.runtime.sampling import check_sampling, next_token, token_ids, warn_if_greedy
+from rnnify.runtime.sampling import check_sampling, next_token, token_ids
 from rnnify.runtime.state import RecurrentState
 from rnnify.runtime.tokenizer import check_template, encode, render
 
@@ -74,8 +74,7 @@ class Chat:
         top_p: float | None = None,
         seed: int | None = None,
     ):
-        check_sampling(temperature, top_k, top_p)
-        warn_if_greedy(do_sample, dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+        check_sampling(do_sample, temperature, top_k, top_p, seed)
         if max_new_tokens < 1:
             raise RnnifyError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         check_template(tokenizer)

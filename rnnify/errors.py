@@ -5,11 +5,12 @@ its traceback. It prints an ``RnnifyWarning`` as one ``warning:`` line, without 
 Python's default format adds.
 """
 
+import os
 import sys
 import warnings
 from pathlib import Path
 
-_PACKAGE = str(Path(__file__).resolve().parent / "_")[:-1]  # the package's folder, with its separator
+_PACKAGE = str(Path(__file__).resolve().parent) + os.sep
 # torch's no_grad/inference_mode decorators, which wrap rnnify's functions between them and the user
 _DECORATOR = str(Path("torch", "utils", "_contextlib.py"))
 

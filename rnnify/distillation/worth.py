@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel
 
 
-def check_worth_training(model: RecurrentModel, stages: tuple[str, ...], seq_len: int) -> None:
+def check_worth_training(model: RecurrentModel, stages: Sequence[str], seq_len: int) -> None:
     """Refuse an exact model (it computes its original already: training only moves it away, and it
     would still be called exact), and attention transfer on rows that every trained cell's window
     holds whole (the cells then compute the original's softmax exactly: their loss is 0 and their
     memories learn nothing)."""
-    if not stages:
-        return
     if all(cell.exact for cell in model.cells):
         raise RnnifyError(
             "every attention of this model is exact softmax: it computes its original already, and "

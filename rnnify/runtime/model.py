@@ -24,7 +24,7 @@ from rnnify.kernels.utils import check_kernels, check_runnable
 from rnnify.runtime.direct_calls import direct_forward
 from rnnify.runtime.head import head_input_size, split_head
 from rnnify.runtime.manifest import Manifest
-from rnnify.runtime.sampling import check_sampling, next_token, token_ids, warn_if_greedy
+from rnnify.runtime.sampling import check_sampling, next_token, token_ids
 from rnnify.runtime.state import RecurrentState
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 
@@ -472,8 +472,7 @@ class RecurrentModel(nn.Module):
         (so a text stream, ``runtime.text``, shows each piece as it comes, and stopping reading stops
         decoding). The options, checked now rather than at the first token, mean what they mean
         for ``generate``, which states their defaults."""
-        check_sampling(temperature, top_k, top_p)
-        warn_if_greedy(do_sample, dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+        check_sampling(do_sample, temperature, top_k, top_p, seed)
         if max_new_tokens < 0:
             raise RnnifyError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         self.check_room(input_ids, attention_mask, max_new_tokens)

@@ -27,12 +27,17 @@ def check_temperature(temperature: float, name: str = "temperature") -> float:
     return check_positive_finite(name, temperature)
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+def check_sampling(
+    do_sample: bool, temperature: float, top_k: int | None, top_p: float | None, seed: int | None
+) -> None:
+    """The sampling options as ``generate`` and ``Chat`` take them: each in range, and set only where
+    they are read (``warn_if_greedy``)."""
     check_temperature(temperature)
     if top_k is not None and top_k < 1:
         raise RnnifyError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise RnnifyError(f"top_p must be in (0, 1], got {top_p}")
+    warn_if_greedy(do_sample, dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
 
 
 def warn_if_greedy(
