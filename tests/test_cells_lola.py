@@ -27,6 +27,7 @@ from support import (
     assert_steps_and_split_prefill_match,
     random_qkv,
 )
+from window_support import mask_of_kind
 
 import rnnify
 from rnnify.cells import CELLS, CellSpec, build_cell, gate_parameters
@@ -135,15 +136,6 @@ def _grouped(q, spec):
     return q.reshape(batch, spec.num_kv_heads, spec.group_size, length, -1)
 
 
-def _padding_mask(kind: str, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
-    if kind == "none":
-        return torch.ones(batch, length, dtype=torch.bool)
-    if kind == "left":
-        pads = torch.randint(0, length + 1, (batch,), generator=gen)
-        return torch.arange(length)[None, :] >= pads[:, None]
-    return torch.rand(batch, length, generator=gen) < 0.7
-
-
 def _garbage_buffers(cell, state, gen):
     """Key/value buffers filled with large junk: slots not written must never be read."""
     return tuple(
@@ -245,7 +237,7 @@ def test_forms_equal_the_naive_loop_and_the_reference(p):
     )
     P, length = p["prefix"], p["prefix"] + p["length"]
     q, k, v = (t.double() for t in random_qkv(p["batch"], spec, length, gen))
-    mask = _padding_mask(p["padding"], p["batch"], length, gen)
+    mask = mask_of_kind(p["padding"], p["batch"], length, gen)
     kwargs = _form_args(cell, torch.float64)
     state = _cast(_garbage_buffers(cell, cell.init_state(p["batch"], CPU, torch.float32), gen), torch.float64)
     gq = _grouped(q, spec)
@@ -285,7 +277,7 @@ def test_fp32_forms_equal_the_float64_loop(options, gate, padding, seed):
         spec, gen, gate if gate == "random" else None, **options, memory_init=0.0 if gate == "random" else gate
     )
     q, k, v = random_qkv(3, spec, 40, gen)
-    mask = _padding_mask(padding, 3, 40, gen)
+    mask = mask_of_kind(padding, 3, 40, gen)
     state = _garbage_buffers(cell, cell.init_state(3, CPU, torch.float32), gen)
     with torch.no_grad():
         want, *want_state = naive_recurrent_lola_attn(
@@ -339,7 +331,7 @@ def test_without_the_memory_gate_it_is_the_softmax_over_the_kept_tokens(padding)
     gen = _gen(4)
     cell = _cell(spec, gen, window=3, sinks=1, keep=2, chunk=3)
     q, k, v = random_qkv(2, spec, 40, gen)
-    mask = _padding_mask(padding, 2, 40, gen)
+    mask = mask_of_kind(padding, 2, 40, gen)
     out, _ = _run(cell, q, k, v, mask, cell.init_state(2, CPU, torch.float32), (17, 18, 19))
     with torch.no_grad():
         ref, softmax_part, _ = reference_lola_attention(cell, q, k, v, mask)
@@ -365,7 +357,7 @@ def test_with_no_kept_tokens_and_chunk_one_it_is_the_hybrid(sinks, gate):
     with torch.no_grad():
         hybrid.window_logit.copy_(lola.window_logit)
     q, k, v = random_qkv(3, spec, 30, _gen(6))
-    mask = _padding_mask("left", 3, 30, _gen(7))
+    mask = mask_of_kind("left", 3, 30, _gen(7))
     for splits in ((), (11, 12, 13)):
         got, _ = _run(lola, q, k, v, mask, lola.init_state(3, CPU, torch.float32), splits)
         want, _ = _run(hybrid, q, k, v, mask, hybrid.init_state(3, CPU, torch.float32), splits)

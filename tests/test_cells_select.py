@@ -26,6 +26,7 @@ from support import (
     draw_heads,
     random_qkv,
 )
+from window_support import mask_of_kind
 
 import rnnify
 from rnnify.cells import CELLS, CellSpec, build_cell
@@ -109,15 +110,6 @@ def _grouped(q, spec):
     return q.float().reshape(batch, spec.num_kv_heads, spec.group_size, length, -1)
 
 
-def _padding_mask(kind: str, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
-    if kind == "none":
-        return torch.ones(batch, length, dtype=torch.bool)
-    if kind == "left":
-        pads = torch.randint(0, length + 1, (batch,), generator=gen)
-        return torch.arange(length)[None, :] >= pads[:, None]
-    return torch.rand(batch, length, generator=gen) < 0.7
-
-
 def _garbage_buffers(cell, state, gen):
     """Key/value buffers and scores filled with large junk: slots not written must never be read."""
     return tuple(
@@ -191,7 +183,7 @@ def test_forms_equal_the_naive_loop_and_the_reference(p):
     cell = SelectCell(spec, **{name: p[name] for name in OPTIONS})
     gen, rule, scale, P = _gen(p["seed"]), cell.rule, spec.scale, p["prefix"]
     q, k, v = random_qkv(p["batch"], spec, P + p["length"], gen)
-    mask = _padding_mask(p["padding"], p["batch"], P + p["length"], gen)
+    mask = mask_of_kind(p["padding"], p["batch"], P + p["length"], gen)
     state = _double(_garbage_buffers(cell, cell.init_state(p["batch"], CPU, torch.float32), gen))
     gq = _grouped(q, spec).double()
     _, *state = naive_recurrent_select_attn(
@@ -275,7 +267,7 @@ def test_without_selected_tokens_it_is_the_window_cell(sinks, padding):
     select = SelectCell(spec, window=5, sinks=sinks, keep=0, chunk=1)
     window = WindowCell(spec, window=5, sinks=sinks)
     q, k, v = random_qkv(3, spec, 30, _gen(1))
-    mask = _padding_mask(padding, 3, 30, _gen(2))
+    mask = mask_of_kind(padding, 3, 30, _gen(2))
     for splits in ((), (11, 12, 13)):
         got, _ = _run(select, q, k, v, mask, select.init_state(3, CPU, torch.float32), splits)
         want, _ = _run(window, q, k, v, mask, window.init_state(3, CPU, torch.float32), splits)
