@@ -119,6 +119,15 @@ def draw_heads(draw) -> dict:
     )
 
 
+# the head shapes of draw_heads (without value_dim), as keyword strategies of ``given``
+HEAD_DRAWS = dict(
+    batch=st.integers(1, 3),
+    num_kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 4]),
+    head_dim=st.sampled_from([4, 8, 16]),
+)
+
+
 # the vocabulary, depth and attention of the tiny hybrids (a model's own recurrent layer, then attention)
 # that the own-layer tests build; each adds its layer's sizes
 TINY_HYBRID = dict(

@@ -1,11 +1,10 @@
-"""Aaren cell and the exact cell's forms against references written here, independently of rnnify.
+"""The Aaren cell against references written here, independently of rnnify.
 
 Aaren (docs/math.md §Aaren): one learned query q^ per layer and head; the output at t is the softmax
 attention of q^ over the real keys 1..t, continued from a state (m, u, w) that stands for a past
 with sum_i e^{s_i} = u e^m and sum_i e^{s_i} v_i = w e^m. The float64 references below compute
 that directly, o_t = (w e^{m-M} + sum_i e^{s_i-M} v_i) / (u e^{m-M} + sum_i e^{s_i-M}) with M the
-largest exponent, one (b, head, t) at a time. Exact cell: ``reference_softmax_attention`` of
-tests/test_cells.py (float64 softmax with explicit causal, window and padding masks).
+largest exponent, one (b, head, t) at a time.
 
 Tolerances: fp32 computation of O(1) outputs against float64 is held to 1e-5 relative with the
 same absolute floor (RTOL/ATOL), as in tests/test_cells.py.
@@ -20,16 +19,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file
 from support import (
-    assert_left_padded_rows_equal_rows_alone,
-    assert_steps_and_split_prefill_match,
+    HEAD_DRAWS,
     random_qkv,
     rel_diff,
 )
-from test_cells import _padding_mask, reference_softmax_attention
+from test_cells import _padding_mask
 
-import rnnify
 from rnnify.cells import CELLS, CellSpec, build_cell, parameters
 from rnnify.cells.aaren import (
     AarenCell,
@@ -38,12 +34,6 @@ from rnnify.cells.aaren import (
     parallel_aaren,
     scan_aaren,
     step_aaren,
-)
-from rnnify.cells.exact import (
-    ExactCell,
-    naive_recurrent_softmax_attn,
-    parallel_softmax_attn,
-    softmax_attention_rnn,
 )
 from rnnify.errors import RnnifyError
 
@@ -267,15 +257,6 @@ def _aaren_cell(num_kv_heads=2, group=2, head_dim=8, value_dim=8, chunk_size=4, 
 
 def _init(cell, batch, dtype=torch.float32):
     return cell.init_state(batch, torch.device("cpu"), dtype)
-
-
-# the head shapes the cell and exact-form properties draw
-HEAD_DRAWS = dict(
-    batch=st.integers(1, 3),
-    num_kv_heads=st.integers(1, 3),
-    group=st.sampled_from([1, 2, 4]),
-    head_dim=st.sampled_from([4, 8, 16]),
-)
 
 
 @HYPOTHESIS
@@ -538,168 +519,3 @@ def test_aaren_2000_steps_are_stable():
 def test_aaren_100000_steps_are_stable():
     elapsed = _stability(100_000)
     print(f"100,000 aaren steps: {elapsed:.1f} s")
-
-
-# --------------------------------------------------------------------------- aaren: converted models
-
-
-@pytest.fixture(scope="module")
-def aaren_models(tiny_model_dir):
-    """gpt2 and llama converted to aaren (chunk 5, so prefills cross chunk boundaries), random queries."""
-    models = {}
-    for i, arch in enumerate(("gpt2", "llama")):
-        model = rnnify.convert(tiny_model_dir(arch), to="aaren", chunk_size=5)
-        with torch.no_grad():
-            for j, cell in enumerate(model.cells):
-                cell.query.copy_(3 * torch.randn(cell.query.shape, generator=_gen(100 * i + j)))
-        models[arch] = model
-    return models
-
-
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_aaren_model_steps_equal_prefill_and_prefill_continues(arch, aaren_models):
-    model = aaren_models[arch]
-    ids = torch.randint(0, model.manifest.vocab_size, (2, 40), generator=_gen(40))
-    assert_steps_and_split_prefill_match(model, ids, 23)
-
-
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_aaren_model_state_is_constant(arch, aaren_models):
-    model = aaren_models[arch]
-    ids = torch.randint(0, model.manifest.vocab_size, (1, 100), generator=_gen(41))
-    _, short = model.prefill(ids[:, :16])
-    _, long = model.prefill(ids)
-    assert model.constant_memory
-    assert short.nbytes == long.nbytes == model.state_nbytes(16) == model.state_nbytes(100)
-
-
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_aaren_model_left_padded_rows_equal_rows_alone(arch, aaren_models):
-    model = aaren_models[arch]
-    assert_left_padded_rows_equal_rows_alone(model, [12, 7, 3], _gen(42), steps=1)
-
-
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_aaren_model_queries_are_parameters_and_survive_save_and_load(arch, aaren_models, tmp_path):
-    model = aaren_models[arch]
-    queries = [cell.query for cell in model.cells]
-    assert len(queries) == 2
-    assert {id(p) for p in parameters(model)} == {id(q) for q in queries}
-    names = [name for name in model.state_dict() if name.endswith(".query")]
-    assert len(names) == 2
-    model.save(tmp_path / "model")
-    stored = load_file(tmp_path / "model" / "model.safetensors")
-    for entry, cell in zip(model.manifest.cells, model.cells):
-        (name,) = [n for n in stored if n.endswith(f"{entry.module}.query")]
-        assert torch.equal(stored[name], cell.query.detach())
-    loaded = rnnify.load(tmp_path / "model")
-    assert loaded.target == "aaren" and [c.options() for c in loaded.cells] == [c.options() for c in model.cells]
-    for a, b in zip(loaded.cells, model.cells):
-        assert torch.equal(a.query, b.query)
-    ids = torch.randint(0, model.manifest.vocab_size, (2, 20), generator=_gen(43))
-    want, state = model.prefill(ids)
-    got, loaded_state = loaded.prefill(ids)
-    assert torch.equal(got, want)
-    assert torch.equal(loaded.step(ids[:, :1], loaded_state)[0], model.step(ids[:, :1], state)[0])
-
-
-def test_aaren_model_calibrates_from_the_queries_it_sees(tiny_model_dir):
-    """The calibration workflow: record each cell's q on a batch (forward pre-hook), then calibrate."""
-    model = rnnify.convert(tiny_model_dir("llama"), to="aaren")
-    seen = {}
-
-    def record(module, args):  # args = (q, k, v, mask, *state)
-        seen[module] = (args[0].clone(), args[3].clone())
-
-    hooks = [cell.register_forward_pre_hook(record) for cell in model.cells]
-    ids = torch.randint(1, model.manifest.vocab_size, (2, 12), generator=_gen(44))
-    mask = torch.ones(2, 12, dtype=torch.long)
-    mask[1, :4] = 0
-    before, _ = model.prefill(ids, attention_mask=mask)
-    for hook in hooks:
-        hook.remove()
-    for cell in model.cells:
-        q, cell_mask = seen[cell]
-        assert q.shape == (2, cell.spec.num_heads, 12, cell.spec.head_dim)
-        cell.calibrate(q, cell_mask)
-        expected = torch.cat([q[b, :, cell_mask[b]] for b in range(2)], dim=1).mean(1)
-        torch.testing.assert_close(cell.query.detach(), expected)
-    after, _ = model.prefill(ids, attention_mask=mask)
-    assert (after - before).abs().max() > 0
-
-
-# --------------------------------------------------------------------------- exact: the forms
-
-EXACT_FORMS = {  # (q, keys, values, valid, scale, window, block_size) -> out
-    "naive_recurrent": lambda *a: naive_recurrent_softmax_attn(*a[:-1]),
-    "parallel": lambda *a: parallel_softmax_attn(*a[:-1]),
-    "chunk (softmax_attention_rnn)": lambda *a: softmax_attention_rnn(*a),
-}
-
-
-@HYPOTHESIS
-@given(
-    **HEAD_DRAWS,
-    total=st.integers(1, 30),
-    data=st.data(),
-)
-def test_exact_forms_equal_each_other_and_float64(batch, num_kv_heads, group, head_dim, total, data):
-    length = data.draw(st.one_of(st.just(1), st.just(total), st.integers(1, total)))
-    block_size = data.draw(st.sampled_from([1, 3, 5, 512]))
-    window = data.draw(st.one_of(st.none(), st.integers(1, total)))
-    padding = data.draw(st.sampled_from(["none", "left", "random"]))
-    gen = _gen(data.draw(st.integers(0, 2**31 - 1)))
-    q = torch.randn(batch, num_kv_heads * group, length, head_dim, generator=gen)
-    keys = torch.randn(batch, num_kv_heads, total, head_dim, generator=gen)
-    values = torch.randn(batch, num_kv_heads, total, head_dim, generator=gen)
-    valid = _padding_mask(padding, batch, total, gen)
-    scale = 1 / math.sqrt(head_dim)
-    ref = reference_softmax_attention(q, keys, values, valid, scale, window)
-    outs = {name: form(q, keys, values, valid, scale, window, block_size) for name, form in EXACT_FORMS.items()}
-    for name, out in outs.items():
-        assert out.shape == ref.shape and out.dtype == torch.float32, name
-        torch.testing.assert_close(out.double(), ref, rtol=RTOL, atol=ATOL, msg=lambda e: f"{name}: {e}")
-        torch.testing.assert_close(out, outs["naive_recurrent"], rtol=RTOL, atol=ATOL, msg=lambda e: f"{name}: {e}")
-
-
-def test_exact_forms_are_stable_for_huge_scores_and_empty_rows():
-    gen = _gen(50)
-    q = 200 * torch.randn(2, 4, 5, 8, generator=gen)
-    keys, values = torch.randn(2, 2, 11, 8, generator=gen), torch.randn(2, 2, 11, 8, generator=gen)
-    valid = torch.ones(2, 11, dtype=torch.bool)
-    valid[1, :8] = False  # row 1: the first query (position 6) sees no key
-    ref = reference_softmax_attention(q, keys, values, valid, 1.0, window=4)
-    for name, form in EXACT_FORMS.items():
-        out = form(q, keys, values, valid, 1.0, 4, 3)
-        assert torch.isfinite(out).all(), name
-        assert torch.equal(out[1, :, 0], torch.zeros_like(out[1, :, 0])), name
-        # fp32 scores of magnitude ~1e3 carry absolute error ~1e-4, hence the looser tolerance
-        torch.testing.assert_close(out.double(), ref, rtol=1e-3, atol=1e-3, msg=lambda e: f"{name}: {e}")
-
-
-def test_exact_forms_keep_the_value_dtype():
-    gen = _gen(51)
-    q = torch.randn(1, 2, 3, 8, generator=gen).bfloat16()
-    keys, values = torch.randn(1, 1, 5, 8, generator=gen).bfloat16(), torch.randn(1, 1, 5, 8, generator=gen).bfloat16()
-    valid = torch.ones(1, 5, dtype=torch.bool)
-    ref = reference_softmax_attention(q, keys, values, valid, 0.35)  # from the same bf16 numbers
-    for name, form in EXACT_FORMS.items():
-        out = form(q, keys, values, valid, 0.35, None, 2)
-        assert out.dtype == torch.bfloat16, name
-        # fp32 accumulation, one bf16 rounding of the result: relative 2**-8
-        torch.testing.assert_close(out.double(), ref, rtol=2**-7, atol=2**-7)
-
-
-def test_exact_cell_step_is_its_chunked_form_with_one_query():
-    """ExactCell's decode step (T = 1) and prefill (T > 1) both run ``softmax_attention_rnn``."""
-    gen = _gen(52)
-    spec = CellSpec(4, 2, 8, 8, 1 / math.sqrt(8))
-    cell = ExactCell(spec, block_size=3)
-    q = torch.randn(1, 4, 7, 8, generator=gen)
-    k, v = torch.randn(1, 2, 7, 8, generator=gen), torch.randn(1, 2, 7, 8, generator=gen)
-    mask = torch.ones(1, 7, dtype=torch.bool)
-    init = cell.init_state(1, torch.device("cpu"), torch.float32)
-    _, *state = cell(q[:, :, :6], k[:, :, :6], v[:, :, :6], mask[:, :6], *init)
-    out, *_ = cell(q[:, :, 6:], k[:, :, 6:], v[:, :, 6:], mask[:, 6:], *state)
-    for form in (naive_recurrent_softmax_attn, parallel_softmax_attn):
-        torch.testing.assert_close(out, form(q[:, :, 6:], k, v, mask, spec.scale), rtol=RTOL, atol=ATOL)
