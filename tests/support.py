@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import torch
 from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parents[1]
+BUNDLED = ROOT / "examples" / "models" / "stdlib-llama"  # the small Llama that ships with rnnify
+
+
+def load_script(path: Path):
+    """The module of the script at ``path`` (an example or a benchmark), its folder importable while it loads."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
 
 
 def reseal(directory: Path, **changes) -> dict:
