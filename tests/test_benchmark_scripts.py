@@ -213,28 +213,12 @@ def test_per_head_script_end_to_end(tmp_path, tiny_model_dir):
         (data / part).mkdir(parents=True)
         (data / part / "a.py").write_text("def f(x):\n    return [x + i for i in range(10)]\n" * 80)
     out = tmp_path / "out"
+    small = ["--model", str(tiny_model_dir("llama")), "--data", str(data), "--budgets", "0.3"]
+    small += ["--window", "8", "--sinks", "1", "--calib-len", "32", "--calib-rows", "2", "--calib-passkey", "0"]
+    small += ["--seq-len", "32", "--eval-tokens", "256"]
     record = per_head.main(
         [
-            "--model",
-            str(tiny_model_dir("llama")),
-            "--data",
-            str(data),
-            "--budgets",
-            "0.3",
-            "--window",
-            "8",
-            "--sinks",
-            "1",
-            "--calib-len",
-            "32",
-            "--calib-rows",
-            "2",
-            "--calib-passkey",
-            "0",
-            "--seq-len",
-            "32",
-            "--eval-tokens",
-            "256",
+            *small,
             "--json",
             str(out / "p.json"),
             "--doc",
@@ -253,26 +237,7 @@ def test_per_head_script_end_to_end(tmp_path, tiny_model_dir):
     # the same scores, the chosen heads a 16-token window: more of them fit, and the doc says so
     again = per_head.main(
         [
-            "--model",
-            str(tiny_model_dir("llama")),
-            "--data",
-            str(data),
-            "--budgets",
-            "0.3",
-            "--window",
-            "8",
-            "--sinks",
-            "1",
-            "--calib-len",
-            "32",
-            "--calib-rows",
-            "2",
-            "--calib-passkey",
-            "0",
-            "--seq-len",
-            "32",
-            "--eval-tokens",
-            "256",
+            *small,
             "--fixed",
             "",
             "--scores-from",
