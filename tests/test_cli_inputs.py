@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_support import assert_user_error, run
 from test_chat import make_chat_model
-from test_cli import assert_user_error, run
 
 import rnnify
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cli import assert_user_error, run
+from cli_support import assert_user_error, run
 
 import rnnify
 from rnnify.auto.graph_probe import probe_runner

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 import torch
+from cli_support import assert_user_error
 from gguf_support import CHAT_TEMPLATE, tokens, write_tiny_llama
-from test_cli import assert_user_error
 
 import rnnify
 from rnnify.cli import main

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from test_cli import STAGE_LINE, assert_user_error, run
+from cli_support import STAGE_LINE, assert_user_error, run
 
 import rnnify
 from rnnify.errors import RnnifyError, RnnifyWarning
