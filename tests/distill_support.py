@@ -1,8 +1,12 @@
-"""Helpers the distillation tests share: a free port for process groups, losses recorded per step."""
+"""Helpers the distillation tests share: small settings, token rows, tiny converted models to distil
+(module fixtures), a free port for process groups, losses recorded per step."""
 
 from __future__ import annotations
 
 import socket
+
+import pytest
+import torch
 
 import rnnify
 from rnnify.distillation import train
@@ -29,3 +33,34 @@ def distill_recording_losses(model_dir, data, **options) -> tuple[list[float], r
     finally:
         train._Trainer.step = step
     return losses, model
+
+
+FAST = dict(seq_len=16, batch_size=4, progress=False)
+
+
+def tokens(rows: int, seed: int = 0, vocab: int = 320, length: int = 16) -> torch.Tensor:
+    return torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def hedgehog_dir(tmp_path_factory, tiny_model_dir):
+    """Llama converted to linear attention with the trainable hedgehog feature map."""
+    out = tmp_path_factory.mktemp("hedgehog") / "model"
+    rnnify.convert(tiny_model_dir("llama"), to="linear", feature_map="hedgehog").save(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory, tiny_model_dir):
+    """Llama converted to LoLCATs' hybrid with a window shorter than the training rows."""
+    out = tmp_path_factory.mktemp("hybrid") / "model"
+    rnnify.convert(tiny_model_dir("llama"), to="hybrid", window=4, feature_map="hedgehog").save(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def aaren_dir(tmp_path_factory, tiny_model_dir):
+    """Llama converted to Aaren, whose cells ignore the layer's q (a learned query instead)."""
+    out = tmp_path_factory.mktemp("aaren") / "model"
+    rnnify.convert(tiny_model_dir("llama"), to="aaren").save(out)
+    return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_distill import FAST, aaren_dir, hybrid_dir, tokens  # noqa: F401  (fixtures)
+from distill_support import FAST, aaren_dir, hybrid_dir, tokens  # noqa: F401  (fixtures)
 
 import rnnify
 from rnnify.cells import parameters as cell_parameters
