@@ -91,6 +91,13 @@ def test_a_matching_model_converts(tiny_model_dir):
     assert all(cell.exact for cell in model.cells)
 
 
+def test_empty_tensors_agree():
+    """A window's sink buffers without sinks are empty: no entry differs."""
+    from rnnify.runtime.agreement import differences
+
+    assert differences(torch.empty(1, 2, 0, 8), torch.empty(1, 2, 0, 8)) == (0.0, 0.0)
+
+
 def test_logits_that_are_not_numbers_on_one_side_never_agree():
     """A NaN or an infinity that only one side has differs without bound (before, NaN compared as
     within every tolerance); entries equal on both sides, -inf masks included, agree."""

@@ -210,6 +210,32 @@ def test_convert_compiles_the_step_unless_told_not_to(compiled, tiny_model_dir, 
     assert not empty_cache.exists() and rnnify.load(out).step_package is None
 
 
+def test_a_window_without_sinks_compiles_its_step(tiny_model_dir, tmp_path, capsys, empty_cache):
+    """A window without sinks carries empty sink buffers in its state: the check that the compiled
+    step decodes as the eager one finds them agreeing (it failed on them, and the step stayed eager
+    with a warning), and the compiled step is used."""
+    out = tmp_path / "window"
+    argv = [
+        "convert",
+        str(tiny_model_dir("llama")),
+        "--to",
+        "window",
+        "--window",
+        "8",
+        "-o",
+        str(out),
+        "--threads",
+        "1",
+    ]
+    assert main(argv) == 0
+    assert "warning" not in capsys.readouterr().err
+    aot, eager = rnnify.load(out), rnnify.load(out, aot_step=False)
+    assert aot.step_package is not None and any(t.numel() == 0 for t in aot.init_state(1).tensors)
+    want, _ = _decode(eager, 2, 3, steps=10)  # past the window
+    got, _ = _decode(aot, 2, 3, steps=10)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_convert_with_a_failing_compiler_warns_and_saves_the_whole_model(
     tiny_model_dir, tmp_path, capsys, monkeypatch, empty_cache
 ):
