@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -179,6 +180,10 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+# the key of run_vllm's report that holds what the process printed (vLLM's log)
+LOG = "log"
+
+
 def vllm_env(**extra: str) -> dict:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **extra)
     env.pop("TRITON_INTERPRET", None)  # conftest's, for rnnify's kernel tests; vLLM would take it as a Triton backend
@@ -187,8 +192,8 @@ def vllm_env(**extra: str) -> dict:
 
 def run_vllm(tmp_path: Path, runs: list[dict]) -> dict:
     """Each run (name, path, engine, sampling, batches: lists of prompts) through ``vllm.LLM``, with
-    rnnify's greedy tokens and log-probs for the same prompt ids; the results by run name.
-    vLLM's engine and model run in the script's own process."""
+    rnnify's greedy tokens and log-probs for the same prompt ids; the results by run name, and under
+    ``LOG`` what the process printed. vLLM's engine and model run in the script's own process."""
     script = tmp_path / "run_vllm.py"
     script.write_text(SCRIPT)
     runs = [dict(run, engine=dict(run["engine"], distributed_executor_backend="uni")) for run in runs]
@@ -202,7 +207,7 @@ def run_vllm(tmp_path: Path, runs: list[dict]) -> dict:
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, f"vLLM run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULTS ") :])
+    return {**json.loads(lines[-1][len("RESULTS ") :]), LOG: proc.stdout + proc.stderr}
 
 
 def assert_same_tokens(result: dict, max_tokens: int, ignore_eos: bool) -> None:
@@ -334,6 +339,18 @@ def test_prompt_logprobs_equal_rnnify_log_softmax(equivalence, target, run):
     result = equivalence[target if run == "whole" else f"{target}-chunked"]
     assert max(len(row["want_prompt_logprobs"]) for row in result["results"]) > 10
     assert_same_logprobs(result, prompt=True)
+
+
+def test_the_plugin_logs_through_vllms_logger(equivalence):
+    """The plugin's lines pass through vLLM's handler, in its format: the dtype a model runs in where
+    vLLM chose another (its CPU default); and vLLM's weight-loading time counts from its own timer,
+    not the machine's start (the plugin reads one item of vLLM's weight iterator)."""
+    log = equivalence[LOG]
+    assert re.search(
+        r"INFO .*rnnify: the model runs in float32, the dtype it was converted to, not vLLM's bfloat16", log
+    )
+    seconds = [float(s) for s in re.findall(r"Loading weights took ([\d.]+) seconds", log)]
+    assert seconds and max(seconds) < 60, seconds
 
 
 def test_exact_equals_vllm_serving_the_original(equivalence):

@@ -48,7 +48,8 @@ def register() -> None:
     from vllm.logger import init_logger
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP, MambaModelConfig
 
-    logger = init_logger(__name__)
+    # a child of vLLM's logger: vLLM configures only its own tree, so its handler and format show these lines
+    logger = init_logger("vllm.plugins.rnnify")
 
     class RnnifyModelConfig(MambaModelConfig):
         """Refuses a directory whose state vLLM cannot hold (``hosting``), then Mamba's settings:
@@ -78,7 +79,12 @@ def register() -> None:
             # vLLM's buffers and pages in the dtype the model runs in (vLLM's CPU default is bfloat16)
             dtype = getattr(torch, manifest.dtype)
             if model_config.dtype != dtype:
-                logger.info("rnnify: vLLM's dtype %s -> %s, the directory's", model_config.dtype, dtype)
+                logger.info(
+                    "rnnify: the model runs in %s, the dtype it was converted to, not vLLM's %s "
+                    "(rnnify convert --dtype converts to another)",
+                    manifest.dtype,
+                    str(model_config.dtype).removeprefix("torch."),
+                )
                 model_config.dtype = dtype
             if cache_config.enable_prefix_caching and model_config.is_hybrid:
                 logger.warning("rnnify's vLLM plugin does not support prefix caching yet: turning it off")

@@ -307,7 +307,10 @@ class _RnnifyModel(nn.Module, HasInnerState):
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        # rnnify.load read (and checked) the directory's weights in __init__; leave vLLM's iterator unread
+        """Nothing to load: rnnify.load read (and checked) the directory's weights in __init__. One
+        item of vLLM's iterator is read all the same: reading it starts the timer of vLLM's "Loading
+        weights took" line, which otherwise counts from the machine's start."""
+        next(iter(weights), None)
         return set()
 
 
