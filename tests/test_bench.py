@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
+from support import ROOT, load_script
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rnnify
@@ -194,14 +195,10 @@ def test_cuda_graph_step_matches_eager_and_keeps_earlier_states(converted_dir):
 
 
 def test_speed_script_measures_side_by_side_and_counts_ops(tiny_model_dir, converted_dir, tmp_path, monkeypatch):
-    import importlib.util
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "speed.py"
-    spec = importlib.util.spec_from_file_location("speed", path)
-    speed = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(speed)
+    speed = load_script(ROOT / "benchmarks" / "speed.py")
     out = tmp_path / "speed.json"
     converted = str(converted_dir("llama", "linear"))
     monkeypatch.setattr(
@@ -248,16 +245,9 @@ def test_speed_script_measures_side_by_side_and_counts_ops(tiny_model_dir, conve
 def test_speed_script_times_the_original_without_autograd_in_either_mode(tiny_model_dir):
     """The original's decode step records no autograd graph: under the caller's no_grad (as
     transformers' generate runs it) and under --original-inference-mode alike."""
-    import importlib.util
-    from pathlib import Path
-
     from transformers import AutoModelForCausalLM
 
-    spec = importlib.util.spec_from_file_location(
-        "speed", Path(__file__).resolve().parents[1] / "benchmarks" / "speed.py"
-    )
-    speed = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(speed)
+    speed = load_script(ROOT / "benchmarks" / "speed.py")
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
     seen = []
     hf.register_forward_hook(lambda module, args, out: seen.append((torch.is_grad_enabled(), out.logits.requires_grad)))

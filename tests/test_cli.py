@@ -9,12 +9,11 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from cli_support import alter_weight, assert_user_error, copy_model, eos_id, run
-from support import reseal
+from support import ROOT, load_script, reseal
 
 import rnnify
 from rnnify.errors import RnnifyWarning
@@ -376,18 +375,14 @@ def test_help_says_what_distill_and_chat_verbose_do(capsys):
 def test_the_smollm2_example_writes_what_git_ignores_with_the_umasks_modes(tmp_path, monkeypatch):
     """examples/smollm2.py writes models/ (README), which git ignores, and its weights with the modes the
     umask gives, not the 0600 safetensors writes (here on a tiny model in place of the GGUF's)."""
-    import importlib.util
     import os
     import stat
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    root = Path(__file__).resolve().parents[1]
-    ignored = subprocess.run(["git", "check-ignore", "-q", "models/smollm2/model.safetensors"], cwd=root)
+    ignored = subprocess.run(["git", "check-ignore", "-q", "models/smollm2/model.safetensors"], cwd=ROOT)
     assert ignored.returncode == 0, "models/ is not git-ignored"
-    spec = importlib.util.spec_from_file_location("smollm2_example", root / "examples" / "smollm2.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script(ROOT / "examples" / "smollm2.py")
     config = LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
     )

@@ -9,6 +9,7 @@ import pytest
 import torch
 from cli_support import assert_user_error
 from gguf_support import CHAT_TEMPLATE, tokens, write_tiny_llama
+from support import ROOT, load_script
 
 import rnnify
 from rnnify.cli import main
@@ -124,15 +125,9 @@ def test_damaged_gguf_is_one_line(capsys, tmp_path, tiny_gguf, damage):
 def test_smollm2_example_saves_a_plain_directory_of_the_gguf(tiny_gguf, tmp_path, capsys):
     """examples/smollm2.py (here on the tiny file): a Hugging Face directory with the GGUF's
     tokenizer whose model computes what transformers' own GGUF reading does."""
-    import importlib.util
-    from pathlib import Path
-
     from transformers import AutoModelForCausalLM
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "smollm2.py"
-    spec = importlib.util.spec_from_file_location("smollm2_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script(ROOT / "examples" / "smollm2.py")
     out = tmp_path / "models" / "smol"
     assert example.main([str(out), "--gguf", str(tiny_gguf)]) == 0
     saved = AutoModelForCausalLM.from_pretrained(out).eval()

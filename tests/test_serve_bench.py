@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "benchmarks" / "serve.py")
@@ -194,9 +195,7 @@ def test_no_models_and_no_markdown_is_an_error(capsys):
 def test_state_copy_times_the_step_and_the_slot_copies(converted_dir, capsys, monkeypatch):
     """benchmarks/state_copy.py runs on any converted model: a row per batch size."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its sibling decode_parser, as when run as a script
-    spec = importlib.util.spec_from_file_location("bench_state_copy", ROOT / "benchmarks" / "state_copy.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(ROOT / "benchmarks" / "state_copy.py")
     argv = [str(converted_dir("llama", "linear")), "--batches", "1,3", "--slots", "4", "--prompt", "6"]
     assert module.main([*argv, "--rounds", "1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\W+\d+\W+[\d.]+\W+\d+", line)]
@@ -207,9 +206,7 @@ def test_donated_step_times_each_step_and_writes_its_medians(converted_dir, tmp_
     """benchmarks/donated_step.py times the copying and the in-place step of any converted model, a
     row per batch size (no compiled step here: its column is empty), medians in --json."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_donated_step", ROOT / "benchmarks" / "donated_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(ROOT / "benchmarks" / "donated_step.py")
     out = tmp_path / "donated.json"
     argv = [str(converted_dir("llama", "linear")), "--batches", "1,3", "--prompt", "6", "--rounds", "1"]
     assert module.main([*argv, "--json", str(out)]) == 0
