@@ -40,7 +40,7 @@ from rnnify.distillation.distributed import Runtime, setup
 from rnnify.distillation.lora import add_lora, lora_targets, merge_lora, unreached_weights
 from rnnify.distillation.losses import token_losses
 from rnnify.distillation.worth import check_worth_training
-from rnnify.errors import RnnifyError, check_int
+from rnnify.errors import RnnifyError, check_int, warn_caller
 from rnnify.original import attention_transfer, load_teacher
 from rnnify.original.attention import cells_only
 from rnnify.runtime.devices import usable_device
@@ -240,8 +240,8 @@ class _Trainer:
         self.runtime, self.config = runtime, config
         self.progress = progress and runtime.main
         self.fsdp = fsdp and runtime.world_size > 1
-        if fsdp and not self.fsdp:
-            self.log("fsdp: one process, nothing to shard; training without FSDP")
+        if fsdp and not self.fsdp:  # said with progress off too: the run is not what was asked for
+            warn_caller("FSDP in one process has nothing to shard: training without it (run under torchrun)")
         # Under FSDP the model stays where it is (e.g. on the CPU): only its shards go to the device.
         self.model = model if self.fsdp else model.to(runtime.device)
         self.mesh = None
