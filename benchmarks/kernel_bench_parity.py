@@ -171,7 +171,7 @@ def parity_case(op, B, T, H, Hkv, D, opts, device) -> dict:
 
 def parity(device: torch.device, cases=PARITY) -> list[dict]:
     """Every case with exact fp32 dots and the kernels' output buffers filled with NaN first, as
-    tests/test_kernels.py does, so memory a kernel leaves unwritten fails the comparison."""
+    the tests/test_kernels*.py files do, so memory a kernel leaves unwritten fails the comparison."""
     empty = utils.empty
     utils.empty = lambda shape, device, dtype=torch.float32: torch.full(shape, float("nan"), device=device, dtype=dtype)
     try:

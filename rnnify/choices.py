@@ -7,7 +7,7 @@ the help shows the flag's default as it is. Here are the ``--to`` targets (with 
 gets), the feature maps, the hybrid's memories, the kernel backends, the dtypes, the row length, how
 ``--to auto`` scores and chooses heads, the defaults of verify, generate, chat, bench and eval, and
 the distillation stages, what fine-tuning trains, its learning rates, schedules and other settings.
-``rnnify.cells`` builds the targets and feature maps from their classes; tests/test_cli.py checks
+``rnnify.cells`` builds the targets and feature maps from their classes; tests/test_cli_usage.py checks
 that they are the ones named here.
 """
 

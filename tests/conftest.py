@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-# tests/test_kernels.py runs the Triton kernels on CPU tensors through the interpreter, which
+# the tests/test_kernels*.py files run the Triton kernels on CPU tensors through the interpreter, which
 # triton reads when it is first imported; other tests import it earlier (torch.export, inductor).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

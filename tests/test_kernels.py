@@ -1,4 +1,5 @@
-"""rnnify.kernels: every Triton kernel against its naive reference, under TRITON_INTERPRET=1 on CPU.
+"""rnnify.kernels' linear-attention kernels (feature maps, masks) against their naive references,
+under TRITON_INTERPRET=1 on CPU (the scans: test_kernels_scans.py; the ops as a whole: test_kernels_ops.py).
 
 The interpreter must be chosen before triton is imported, hence the environment line above the
 imports. Output buffers of the Triton paths come from ``rnnify.kernels.utils.empty``, which these

@@ -342,15 +342,12 @@ def test_prompt_logprobs_equal_rnnify_log_softmax(equivalence, target, run):
 
 
 def test_the_plugin_logs_through_vllms_logger(equivalence):
-    """The plugin's lines pass through vLLM's handler, in its format: the dtype a model runs in where
-    vLLM chose another (its CPU default); and vLLM's weight-loading time counts from its own timer,
-    not the machine's start (the plugin reads one item of vLLM's weight iterator)."""
+    """The plugin's lines pass through vLLM's handler, in its format: here the dtype a model runs in
+    where vLLM chose another (its CPU default)."""
     log = equivalence[LOG]
     assert re.search(
         r"INFO .*rnnify: the model runs in float32, the dtype it was converted to, not vLLM's bfloat16", log
     )
-    seconds = [float(s) for s in re.findall(r"Loading weights took ([\d.]+) seconds", log)]
-    assert seconds and max(seconds) < 60, seconds
 
 
 def test_exact_equals_vllm_serving_the_original(equivalence):

@@ -307,10 +307,8 @@ class _RnnifyModel(nn.Module, HasInnerState):
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Nothing to load: rnnify.load read (and checked) the directory's weights in __init__. One
-        item of vLLM's iterator is read all the same: reading it starts the timer of vLLM's "Loading
-        weights took" line, which otherwise counts from the machine's start."""
-        next(iter(weights), None)
+        # rnnify.load read (and checked) the directory's weights in __init__; leave vLLM's iterator
+        # unread (reading it reads a tensor, and fails for load formats other than safetensors)
         return set()
 
 
