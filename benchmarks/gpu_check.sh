@@ -6,8 +6,9 @@
 #      (default .whl/, carried to the machine) when there are any, else `pip install` is tried
 #      (the lent machines reach no registry: the fla rows then say "not installed");
 #   3. the Triton path against the PyTorch reference on CUDA, fp32 (benchmarks/kernel_bench.py --parity).
-#      This stands in for the tests/test_kernels*.py files, which cannot test the GPU: they set TRITON_INTERPRET=1
-#      themselves and build CPU tensors, so under pytest it always runs the interpreter on the CPU;
+#      This stands in for the tests/test_kernels*.py files, which cannot test the GPU: they set
+#      TRITON_INTERPRET=1 themselves and build CPU tensors, so under pytest they always run the
+#      interpreter on the CPU;
 #   4. decode on the GPU: the test that holds the CUDA-graph step (compile_step on CUDA) to the eager
 #      one, then the bundled model converted to hybrid, `rnnify bench` against the original on the GPU,
 #      eager and with --compile (the step captured as a CUDA graph), batch 1 and 8 at 256 and 1,024
