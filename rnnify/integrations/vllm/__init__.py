@@ -86,6 +86,10 @@ def register() -> None:
                     str(model_config.dtype).removeprefix("torch."),
                 )
                 model_config.dtype = dtype
+            if cache_config.mamba_ssm_cache_dtype == "auto":
+                # the states keep the dtypes the model declares (``get_state_dtype``) whatever this
+                # says; float32 is what vLLM's CPU platform would set, warning of a "GDN backend 'rnnify'"
+                cache_config.mamba_ssm_cache_dtype = "float32"
             if cache_config.enable_prefix_caching and model_config.is_hybrid:
                 logger.warning("rnnify's vLLM plugin does not support prefix caching yet: turning it off")
                 cache_config.enable_prefix_caching = False
