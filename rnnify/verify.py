@@ -96,22 +96,32 @@ def _random_ids(model: RecurrentModel, tokens: int, batch: int, seed: int) -> tu
     return ids.to(model.device), note
 
 
-def _longest_span(model: RecurrentModel) -> int | None:
-    """The most tokens a cell of ``model`` holds before it drops one (a window with its sinks, a
-    layer's own window or chunk, the keys an indexer keeps a query); None where no cell drops any."""
+def _spans(model: RecurrentModel) -> list[int]:
+    """How many tokens each cell of ``model`` that drops some holds before it drops one: a window
+    with its sinks and kept tokens (``Cell.exact_span``), a layer's own window or chunk, the keys an
+    indexer keeps a query."""
     spans = []
     for cell in model.modules():
         if not isinstance(cell, Cell):
             continue
-        holder = cell if hasattr(cell, "window") else getattr(cell, "rule", None)  # select, lola: their rule's
-        window = getattr(holder, "window", None)
-        if isinstance(window, int) and not isinstance(window, bool):
-            spans.append(window + (getattr(holder, "sinks", 0) or 0))
+        if cell.exact_span is not None:
+            spans.append(cell.exact_span)
         elif cell.grows_with_context and cell.spec.keys_read is not None:
             spans.append(cell.spec.keys_read)
         elif cell.spec.selects:
             spans.append(cell.spec.selected_keys)
-    return max(spans, default=None)
+    return spans
+
+
+def _unfilled(model: RecurrentModel, tokens: int) -> str:
+    """A note where ``tokens`` leave some window unfilled, so that passing checks say nothing of
+    what it drops: none filled, or not every one; and how many tokens fill them all."""
+    spans = _spans(model)
+    limit = (model.manifest.token_limit() or (None,))[0]
+    if not spans or tokens > max(spans) or (limit is not None and max(spans) >= limit):
+        return ""
+    which = "no window filled" if tokens <= min(spans) else "not every window filled"
+    return f"{which}: the longest holds {max(spans)} tokens; --tokens {max(spans) + tokens} checks what they drop"
 
 
 @torch.no_grad()
@@ -135,11 +145,7 @@ def run_checks(
     report = progress or (lambda name: None)
     ids, note = _random_ids(model, tokens, batch, seed)
     n, dtype = ids.shape[1], model.dtype
-    span = _longest_span(model)
-    limit = (model.manifest.token_limit() or (None,))[0]
-    if span is not None and n <= span and (limit is None or span < limit):  # passing, having dropped nothing
-        unfilled = f"no window filled: the longest holds {span} tokens; --tokens {span + n} checks what they drop"
-        note = "; ".join(filter(None, [note, unfilled]))
+    note = "; ".join(filter(None, [note, _unfilled(model, n)]))
 
     report("integrity")
     results = [_check_integrity(model, expected_digest)]

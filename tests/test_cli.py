@@ -150,12 +150,35 @@ def test_verify_says_when_no_window_was_filled(capsys, converted_dir):
 
 @pytest.mark.parametrize("target", ["select", "lola"])
 def test_verify_counts_the_windows_of_selection_caches(tiny_model_dir, target):
+    """A selection cache reads every token until the first chunk that starts past its window, sinks
+    and kept tokens: checks of that many tokens still give the original's logits, and the note says
+    so; longer ones drop some (the note goes)."""
     from rnnify.verify import run_checks
 
-    model = rnnify.convert(tiny_model_dir("llama"), to=target, window=8, keep=4, sinks=2)
-    notes = [result.note for result in run_checks(model, tokens=10, batch=1)]
-    assert "no window filled: the longest holds 10 tokens" in notes[1]  # the window and its sinks
-    assert not any("no window" in note for note in (r.note for r in run_checks(model, tokens=16, batch=1)))
+    model = rnnify.convert(tiny_model_dir("llama"), to=target, window=8, keep=4, sinks=2, chunk=4)
+    span = 16  # chunks start at multiples of 4: the first past W + S + K = 14 reads without a token
+    results = run_checks(model, against=tiny_model_dir("llama"), tokens=span, batch=1)
+    assert f"no window filled: the longest holds {span} tokens" in results[1].note
+    original = next(r for r in results if r.name == "vs original")
+    assert original.rel_diff < 1e-4  # nothing dropped: softmax over every token
+    results = run_checks(model, against=tiny_model_dir("llama"), tokens=2 * span, batch=1)
+    assert not any("window filled" in r.note for r in results)
+    assert next(r for r in results if r.name == "vs original").rel_diff > 1e-3
+
+
+def test_verify_says_when_not_every_window_was_filled(tiny_model_dir):
+    """Layers of different windows: checks longer than the short ones and shorter than the long one
+    say that not every window filled, and how many tokens fill them all."""
+    from rnnify.verify import run_checks
+
+    model = rnnify.convert(tiny_model_dir("llama"), to="window", window=4, layers="0:window(window=16)")
+    for tokens, note in (
+        (3, "no window filled: the longest holds 16 tokens; --tokens 19"),
+        (8, "not every window filled: the longest holds 16 tokens; --tokens 24"),
+        (17, None),
+    ):
+        notes = " ".join(r.note for r in run_checks(model, tokens=tokens, batch=1))
+        assert (note in notes) if note else "window filled" not in notes, (tokens, notes)
 
 
 def test_verify_clamps_to_learned_positions(capsys, converted_dir):
@@ -238,6 +261,22 @@ def test_info_describes_target_and_memory(capsys, converted_dir, target, memory)
     assert code == 0, err
     assert target in out and memory in out
     assert "model.layers.1.self_attn" in out and "16,384 tokens" in out and "relative" in out
+
+
+def test_info_shows_the_options_the_target_was_given_not_a_layer_rules(capsys, tmp_path, tiny_model_dir):
+    """The target line shows the options of a cell the target made (its defaults filled in); where
+    layer rules made every cell, the options the target was given, never another target's."""
+    source = tiny_model_dir("llama")
+    for rules, shown in (
+        ("0:window(window=16)", "window (window=8, sinks=0, block_size=64)"),
+        ("0-:window(window=16)", "window (window=8)"),
+    ):
+        out_dir = tmp_path / rules.replace(":", "_").replace("(", "_").replace(")", "").replace("=", "")
+        argv = ["convert", source, "--to", "window", "--window", 8, "--layers", rules, "-o", out_dir, "--no-compile"]
+        assert run(capsys, *argv)[0] == 0
+        code, out, err = run(capsys, "info", out_dir)
+        assert code == 0, err
+        assert f"target          {shown}\n" in out or " ".join(out.split()).count(f"target {shown} ") == 1, out
 
 
 def test_info_shows_learned_positions(capsys, converted_dir):

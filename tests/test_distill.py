@@ -102,14 +102,16 @@ def test_an_exact_model_is_not_distilled(converted_dir, tiny_model_dir):
         ("hybrid", {}, 4, True),
         ("hybrid", {}, 5, True),
         ("hybrid", {}, 6, False),
-        ("lola", {"keep": 2, "chunk": 8}, 14, True),  # a token leaves the window at its chunk's end
-        ("lola", {"keep": 2, "chunk": 8}, 15, False),
+        ("lola", {"keep": 2, "chunk": 8}, 8, True),  # its first chunk reads every token
+        ("lola", {"keep": 2, "chunk": 8}, 9, False),
+        ("lola", {"keep": 2, "chunk": 8}, 14, False),  # refused before, as if a chunk's leavers stayed
     ],
 )
 def test_transfer_on_rows_the_windows_hold_whole_is_refused(tiny_model_dir, target, options, seq_len, refused):
-    """A hybrid of window 4 and 1 sink computes 5 tokens exactly, a LoLA cell of the same with 2 kept
-    tokens and decisions every 8, 4 + 7 + 1 + 2: a loss of 0 and nothing learned, refused; one token more
-    and the loss is not 0."""
+    """A hybrid of window 4 and 1 sink computes 5 tokens exactly; a LoLA cell of the same with 2 kept
+    tokens and decisions every 8 reads every token until its second chunk (position 8: the first
+    past 4 + 1 + 2), whose queries read 2 of tokens 1 to 4: rows no longer than that have a loss of
+    0 and teach nothing, refused; one token more and the loss is not 0."""
     model = rnnify.convert(tiny_model_dir("llama"), to=target, window=4, sinks=1, **options)
     run = dict(stages=["transfer"], seq_len=seq_len, batch_size=4, progress=False)
     if refused:

@@ -345,8 +345,7 @@ class LolaCell(Cell):
 
     @property
     def exact_span(self) -> int:
-        rule = self.rule  # a token leaves the window only at the end of its chunk of decisions
-        return rule.window + rule.chunk - 1 + rule.sinks + rule.keep
+        return self.rule.exact_span
 
     def describe(self) -> str:
         rule = self.rule

@@ -100,6 +100,13 @@ class CacheLayout:
         """Recent slots: the window and the tokens that left it since the chunk began."""
         return self.window + self.chunk - 1
 
+    @property
+    def exact_span(self) -> int:
+        """Tokens read whole before one is dropped: a query of the chunk that starts at c reads the
+        sinks, the tokens from c - W on and the K kept at c, so every earlier token while
+        c <= W + S + K; the first chunk past that, at a multiple of C, drops one."""
+        return self.chunk * -(-(self.window + self.sinks + self.keep) // self.chunk)
+
 
 @dataclass(frozen=True)
 class Selection(CacheLayout):
@@ -505,6 +512,10 @@ class SelectCell(Cell):
             raise ValueError(f"pool must be odd (a window centred on each token), got {pool}")
         keep = check_int("keep", window if keep is None else keep, 0)
         self.rule = Selection(window, check_int("sinks", sinks, 0), keep, chunk, observation, policy, pool, pooling)
+
+    @property
+    def exact_span(self) -> int:
+        return self.rule.exact_span
 
     def options(self) -> dict[str, Any]:
         return asdict(self.rule)

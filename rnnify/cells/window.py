@@ -463,6 +463,10 @@ class WindowCell(Cell):
         self.block_size = check_int("block_size", block_size, 1)
         self.terms = score_terms(spec)
 
+    @property
+    def exact_span(self) -> int:
+        return self.window + self.sinks
+
     def options(self) -> dict[str, Any]:
         return {"window": self.window, "sinks": self.sinks, "block_size": self.block_size}
 

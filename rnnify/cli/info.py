@@ -27,16 +27,22 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from rnnify.cells import OWN_LAYERS
     from rnnify.runtime.step_cache import describe
 
     model = load(args)
     manifest = model.manifest
-    # the options of the first attention cell of the model's target show the defaults it filled in
-    # (a model's own short convolutions and sliding windows keep theirs); a per-head cell's are its groups
-    attention = [entry for entry in manifest.cells if entry.target not in OWN_LAYERS]
-    first = next((entry for entry in attention if entry.target == manifest.target), attention[0] if attention else None)
-    options = first.options if first is not None and first.target != "heads" else manifest.options
+    # the options of the first cell the target made (of its kind, with the options it was given: not
+    # a layer rule's) show the defaults it filled in; where rules made every cell, the options given
+    given = manifest.options or {}
+    first = next(
+        (
+            entry
+            for entry in manifest.cells
+            if entry.target == manifest.target and all(entry.options.get(k) == v for k, v in given.items())
+        ),
+        None,
+    )
+    options = first.options if first is not None else given
     positions = manifest.positions
     if positions.get("kind") == "learned":
         where = f"learned, {positions.get('limit')} positions (cannot decode past them)"
