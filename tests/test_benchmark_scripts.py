@@ -12,6 +12,9 @@ from support import ROOT, load_script
 
 import rnnify
 
+# fidelity.py's evaluation at the smallest size that still measures: one row of 32 tokens, one thread
+SMALL_EVAL = ["--seq-len", "32", "--eval-rows", "1", "--batch-size", "2", "--threads", "1"]
+
 
 def test_fidelity_script_end_to_end(tmp_path, tiny_model_dir):
     fidelity = load_script(ROOT / "benchmarks" / "fidelity.py")
@@ -75,14 +78,7 @@ def test_fidelity_stages_transfer_only_spends_the_budget_on_transfer(tmp_path, t
         "--lr",
         "0.03",
         "0.001",
-        "--seq-len",
-        "32",
-        "--eval-rows",
-        "1",
-        "--batch-size",
-        "2",
-        "--threads",
-        "1",
+        *SMALL_EVAL,
         "--json",
         str(tmp_path / "f.json"),
     ]
@@ -398,14 +394,7 @@ def test_fidelity_distilled_only_saves_what_dir_rows_measure_again(tmp_path, tin
     common = [
         "--model",
         str(tiny_model_dir("llama")),
-        "--seq-len",
-        "32",
-        "--eval-rows",
-        "1",
-        "--batch-size",
-        "2",
-        "--threads",
-        "1",
+        *SMALL_EVAL,
     ]
     record = fidelity.main(
         [

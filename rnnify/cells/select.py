@@ -103,8 +103,8 @@ class CacheLayout:
     @property
     def exact_span(self) -> int:
         """Tokens read whole before one is dropped: a query of the chunk that starts at c reads the
-        sinks, the tokens from c - W on and the K kept at c, so every earlier token while
-        c <= W + S + K; the first chunk past that, at a multiple of C, drops one."""
+        sinks, the tokens after c - W and the K kept at c, so every earlier token while
+        c < W + S + K; the first chunk that starts at or past W + S + K (a multiple of C) drops one."""
         return self.chunk * -(-(self.window + self.sinks + self.keep) // self.chunk)
 
 
