@@ -144,9 +144,13 @@ def test_the_graph_may_reach_only_stored_tensors_and_manifest_cells(tmp_path, co
     directory = Path(shutil.copytree(converted_dir("llama", "linear"), tmp_path / "model"))
     data = _graph(directory)
     get_attr = next(n for n in data["nodes"] if n["op"] == "get_attr")
-    get_attr["target"] = "cells.0.forward.__globals__"
+    get_attr["target"] = "cells.0.forward"
     _write_graph(directory, data)
     with pytest.raises(RnnifyError, match="not a tensor of the weights file"):
+        rnnify.load(directory)
+    get_attr["target"] = "cells.0.forward.__globals__"  # no name reaches a special attribute at all
+    _write_graph(directory, data)
+    with pytest.raises(RnnifyError, match="invalid get_attr target 'cells.0.forward.__globals__'"):
         rnnify.load(directory)
 
 

@@ -172,3 +172,39 @@ def test_a_directory_of_an_older_rnnify_loads_only_unchecked(directory, capsys):
     assert code == 0 and "digest none (saved by an older rnnify) (not checked)" in out
     code, out, _ = _cli(capsys, "verify", directory, "--tokens", "4")
     assert code == 1 and "FAILED: integrity" in out
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_an_unchecked_load_reads_only_regular_files(directory, kind):
+    """Unchecked, a graph that is a FIFO would hang the load and one linked to /dev/zero fill the memory
+    (run apart, bounded in time and memory, so that a regression fails rather than stalls the suite)."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    graph = directory / "graph.json"
+    graph.unlink()
+    if kind == "fifo":
+        os.mkfifo(graph)
+    else:
+        graph.symlink_to("/dev/zero")
+
+    def bounded() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    run = subprocess.run(
+        [sys.executable, "-m", "rnnify", "info", str(directory), "--no-verify"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=bounded,
+    )
+    _one_line_error(run.returncode, run.stderr, "graph.json: missing or not a regular file")
+
+
+def test_a_manifest_of_huge_integers_is_one_line(directory, capsys):
+    text = (directory / "rnnify.json").read_text()
+    (directory / "rnnify.json").write_text(text.replace('"vocab_size": ', '"vocab_size": ' + "9" * 5000 + ', "x": ', 1))
+    code, _, err = _cli(capsys, "info", directory)
+    _one_line_error(code, err, "corrupted manifest", "4300 digits")

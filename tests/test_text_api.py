@@ -164,6 +164,33 @@ def test_a_tokenizer_class_that_names_no_tokenizer_is_refused(converted_dir, tmp
     assert built == []  # no model was built from the directory on the way
 
 
+@pytest.mark.parametrize("key", ["vocab", "merges"])
+def test_a_tokenizer_reads_no_file_outside_its_directory(converted_dir, tmp_path, key):
+    """A tokenizer class opens ``vocab`` and ``merges`` given as strings wherever they point, outside the
+    directory and its sha256 record (transformers replaces ``*_file`` paths with the directory's own)."""
+    directory = shutil.copytree(converted_dir("llama", "exact"), tmp_path / "model")
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps({"secret": 0}))
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    tokenizer_config[key] = str(outside)
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    reseal(directory)
+    with pytest.raises(rnnify.RnnifyError, match=f"'{key}' names a file .* outside the directory") as error:
+        rnnify.load(directory).tokenizer
+    assert "\n" not in str(error.value)
+
+
+def test_a_tokenizer_file_the_tokenizers_library_refuses_is_one_line(converted_dir, tmp_path):
+    """The tokenizers library raises a plain Exception for a merge of tokens outside its vocabulary."""
+    directory = shutil.copytree(converted_dir("llama", "exact"), tmp_path / "model")
+    tokenizer = json.loads((directory / "tokenizer.json").read_text())
+    tokenizer["model"]["merges"] = [["Zq", "Xw"], *tokenizer["model"]["merges"]]
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+    reseal(directory)
+    with pytest.raises(rnnify.RnnifyError, match="cannot load a tokenizer from .*out of vocabulary"):
+        rnnify.load(directory).tokenizer
+
+
 def test_a_tokenizer_whose_backend_is_not_installed_is_one_line(converted_dir, tmp_path):
     if importlib.util.find_spec("mistral_common") is not None:
         pytest.skip("mistral-common is installed here")

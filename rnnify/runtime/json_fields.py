@@ -11,11 +11,23 @@ manifest uses: ``int``, ``float``, ``str``, ``bool``, ``None``, unions of them, 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from typing import Any
 
-__all__ = ["check_fields"]
+__all__ = ["check_fields", "is_attribute_path"]
+
+# a name a directory gives a module or a tensor (a cell's module, an alias, a weight, a graph's
+# get_attr and call_module targets): dotted parts that may be numeric ("layers.0.weight"), never
+# Python's special attributes ("__class__", "__globals__"), through which a path would leave the
+# modules and tensors the directory holds
+_ATTRIBUTE_PATH = re.compile(r"(?!__)[A-Za-z0-9_]+(\.(?!__)[A-Za-z0-9_]+)*\Z")
+
+
+def is_attribute_path(name: Any) -> bool:
+    """Whether ``name`` is a dotted path of plain attributes (``layers.0.weight``)."""
+    return isinstance(name, str) and _ATTRIBUTE_PATH.match(name) is not None
 
 
 def _describe(value: Any) -> str:

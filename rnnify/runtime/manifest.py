@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rnnify.errors import RnnifyError, check_int, first_line
-from rnnify.runtime.json_fields import check_fields
+from rnnify.runtime.json_fields import check_fields, is_attribute_path
 
 # rnnify.json's version (graph.json has its own: serialize.GRAPH_FORMAT_VERSION). 2 adds ``kernels``
 # (and each cell's fused ops) and ``distill``; version 1 still loads, unfused. 3 records every file's
@@ -81,6 +81,11 @@ class Manifest:
         for name in data.get("files", {}):  # names of files beside the manifest, never a path elsewhere
             if name in ("", ".", "..") or "/" in name or "\\" in name:
                 raise ValueError(f"manifest.files names {name!r}, not a file of the directory")
+        aliases = data.get("aliases", {})
+        names = [cell["module"] for cell in data["cells"]] + [*aliases, *aliases.values(), *data.get("buffers", [])]
+        for name in names:
+            if not is_attribute_path(name):  # installed as attributes of the step module: no way out of it
+                raise ValueError(f"manifest names a module or tensor {name!r:.60}, not a dotted attribute path")
         for key in ("limit", "graph_limit"):
             if data["positions"].get(key) is not None:
                 check_int(f"manifest.positions.{key}", data["positions"][key], error=ValueError)
@@ -146,7 +151,7 @@ def read_data(directory: Path) -> dict[str, Any]:
         )
     try:
         data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: bad JSON, bad UTF-8, an integer of 4,300+ digits
         raise RnnifyError(f"{path}: corrupted manifest ({first_line(exc)})") from exc
     version = data.get("format_version") if isinstance(data, dict) else None
     if not isinstance(version, int):

@@ -38,6 +38,7 @@ import torch.fx
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from rnnify.errors import GraphFormatError
+from rnnify.runtime.json_fields import is_attribute_path
 from rnnify.runtime.op_vocabulary import OPS, check_call, check_module_call
 
 __all__ = ["GRAPH_FORMAT_VERSION", "GraphFormatError", "graph_from_json", "graph_to_json"]
@@ -66,8 +67,9 @@ _TAGS = (
 # --------------------------------------------------------------------------- targets
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-# get_attr / call_module targets: dotted paths whose parts may be numeric ("layers.0.weight").
-_ATTR_PART = re.compile(r"[A-Za-z0-9_]+\Z")
+# the generated forward's first parameter, the module that every get_attr and call_module reads
+# from: a node of that name would rebind it to its own value for every node after it
+_SELF = "self"
 
 
 def _build_function_table() -> dict[str, Callable[..., Any]]:
@@ -256,11 +258,11 @@ def _check_target(op: str, target: Any, where: str) -> None:
         raise GraphFormatError(f"{where}: target must be a string, got {type(target).__qualname__}")
     if op == "placeholder":
         # a plain name: a step's inputs are positional, and a starred one would make fx's source invalid
-        ok = _IDENT.match(target) is not None and not keyword.iskeyword(target)
+        ok = _IDENT.match(target) is not None and not keyword.iskeyword(target) and target != _SELF
     elif op == "output":
         ok = target == "output"
     else:
-        ok = all(_ATTR_PART.match(p) for p in target.split("."))
+        ok = is_attribute_path(target)
     if not ok:
         raise GraphFormatError(f"{where}: invalid {op} target {target!r}")
 
@@ -336,7 +338,7 @@ def graph_from_json(data: dict, device: torch.device | str | None = None) -> tor
             raise GraphFormatError(f"node #{index}: expected an object, got {type(raw).__qualname__}")
         name, op = raw.get("name"), raw.get("op")
         where = f"node {name!r} ({op})"
-        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name) or name == _SELF:
             raise GraphFormatError(f"node #{index}: invalid node name {name!r}")
         if name in nodes:
             raise GraphFormatError(f"{where}: duplicate node name")

@@ -17,6 +17,7 @@ directory ships only when the user trusts it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -33,6 +34,7 @@ from rnnify.errors import RnnifyError, first_line
 from rnnify.kernels.utils import check_kernels
 from rnnify.runtime import hf_files, integrity, output_dir
 from rnnify.runtime.devices import usable_device
+from rnnify.runtime.json_fields import is_attribute_path
 from rnnify.runtime.manifest import Manifest, read_data
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.op_vocabulary import check_references, check_returns
@@ -45,12 +47,16 @@ from rnnify.runtime.weight_layout import lay_out_linear_weights
 def install(root: nn.Module, path: str, value: Any) -> None:
     """Set ``root``'s attribute ``path`` to ``value``, creating plain containers on the way.
 
+    The way goes through submodules alone (``add_module`` refuses a name that is another attribute):
+    ``path`` comes from a directory, and a part naming a method or a class would leave the module.
     A path under a module installed earlier (a parametrized owner) is already there: skipped.
     """
+    if not is_attribute_path(path):
+        raise ValueError(f"{path!r:.60} is not a dotted attribute path")
     module = root
     *parents, leaf = path.split(".")
     for part in parents:
-        child = getattr(module, part, None)
+        child = module._modules.get(part)
         if child is None:
             child = nn.Module()
             module.add_module(part, child)
@@ -109,6 +115,9 @@ def load(
     data = read_data(path)
     if verify:
         integrity.check(path, data, READ_AT_LOAD, READ_IF_PRESENT, expected_digest)
+    for name in READ_AT_LOAD:  # unchecked, a FIFO would hang the read and a device fill the memory
+        if not (path / name).is_file():
+            raise RnnifyError(f"{path / name}: missing or not a regular file; convert the model again")
     manifest = Manifest.parse(data, path)
     try:
         tensors = load_file(path / WEIGHTS_FILE, device=str(device))
@@ -161,11 +170,38 @@ def _step_module(
                 install(root, name, tensor if name in buffers else nn.Parameter(tensor))
         module = torch.fx.GraphModule(root, graph, class_name="RecurrentStep")
         lay_out_linear_weights(module)
+        _check_reads_installed(module)
     except (RuntimeError, AttributeError, KeyError, TypeError, ValueError, OverflowError, GraphFormatError) as exc:
         raise RnnifyError(
             f"{path}: weights, cells and graph do not fit together ({first_line(exc)}); convert the model again"
         ) from exc
     return module
+
+
+def _check_reads_installed(module: torch.fx.GraphModule) -> None:
+    """Every ``get_attr`` and ``call_module`` of the generated step must read the tensor or cell
+    installed under its name: an attribute of the step module's own (a method such as
+    ``to_folder``, fx's ``_wrapped_call``) comes first in Python's lookup, and a directory that
+    names a cell or weight so would reach it instead."""
+    for node in module.graph.nodes:
+        if node.op not in ("get_attr", "call_module"):
+            continue
+        *parents, leaf = node.target.split(".")
+        owner = module
+        for part in parents:
+            owner = owner._modules.get(part)
+            if owner is None:
+                break
+        installed = None
+        if owner is not None:
+            installed = next(
+                (place[leaf] for place in (owner._modules, owner._parameters, owner._buffers) if leaf in place), None
+            )
+        read = functools.reduce(getattr, node.target.split("."), module)
+        if installed is None or read is not installed:
+            raise GraphFormatError(
+                f"node {node.name!r} ({node.op}): {node.target!r} names an attribute of the step itself"
+            )
 
 
 def _check_runs(model: RecurrentModel, path: Path) -> None:

@@ -54,6 +54,7 @@ def load_tokenizer(directory: str | os.PathLike, fix: str = TOKENIZER_FIX):
 
     config = source_pretrained_config(directory)  # a converted directory: the tokenizer is its source's
     _check_tokenizer_class(directory, config, fix)
+    _check_no_paths(directory, fix)
     try:
         tokenizer = (
             AutoTokenizer.from_pretrained(  # a tokenizer is data: never a tokenizer class's code from the directory
@@ -63,14 +64,41 @@ def load_tokenizer(directory: str | os.PathLike, fix: str = TOKENIZER_FIX):
                 **({"config": config} if config is not None else {}),
             )
         )
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, ImportError) as exc:
-        # ImportError: a tokenizer class whose backend is not installed (transformers names the package)
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception for a bad file
+        # also ImportError: a tokenizer class whose backend is not installed (transformers names the package)
         raise RnnifyError(f"cannot load a tokenizer from {directory} ({first_line(exc)}); {fix}") from exc
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise RnnifyError(f"{directory} gives a {type(tokenizer).__name__}, not a tokenizer; {fix}")
     if len(tokenizer) <= 1:
         raise RnnifyError(f"the tokenizer in {directory} has {len(tokenizer)} token(s), no vocabulary; {fix}")
     return tokenizer
+
+
+def _read_json(path: Path) -> Any:
+    """``path``'s JSON; None where there is no such file or transformers would refuse it on its own."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# tokenizer_config.json keys a tokenizer class opens as files when they hold a string: transformers
+# puts the directory's own file in place of each ``*_file`` the class declares, but not these
+_PATH_KEYS = ("vocab", "merges")
+
+
+def _check_no_paths(directory: Path, fix: str) -> None:
+    """Refuse a tokenizer_config.json that names a vocabulary or merges file by path: transformers
+    would read it wherever it is, outside the directory and its sha256 record."""
+    config = _read_json(directory / "tokenizer_config.json")
+    if not isinstance(config, dict):
+        return
+    for key in _PATH_KEYS:
+        if isinstance(config.get(key), str):
+            raise RnnifyError(
+                f"{directory / 'tokenizer_config.json'}: {key!r} names a file ({config[key]!r:.60}), which a "
+                f"tokenizer would read from outside the directory; {fix}"
+            )
 
 
 def _check_tokenizer_class(directory: Path, config: Any, fix: str) -> None:
@@ -84,10 +112,8 @@ def _check_tokenizer_class(directory: Path, config: Any, fix: str) -> None:
     from transformers.utils import DummyObject
 
     def named(file: str) -> Any:
-        try:
-            return json.loads((directory / file).read_text()).get("tokenizer_class")
-        except (OSError, ValueError, AttributeError):
-            return None  # no such file, or one transformers refuses on its own
+        data = _read_json(directory / file)
+        return data.get("tokenizer_class") if isinstance(data, dict) else None
 
     given = getattr(config, "tokenizer_class", None) if config is not None else named("config.json")
     for name in (named("tokenizer_config.json"), given):
@@ -123,11 +149,19 @@ def check_template(tokenizer: Any) -> None:
         )
 
 
-def render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+def render(
+    tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool, continue_final_message: bool = False
+) -> str:
     """``messages`` as the tokenizer's chat template writes them, with the assistant header when
-    ``generation_prompt``; a template that fails on them is one ``RnnifyError``."""
+    ``generation_prompt``, the last message left open when ``continue_final_message``; a template
+    that fails on them is one ``RnnifyError``."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            continue_final_message=continue_final_message,
+        )
     except Exception as exc:  # jinja raises its own types, and templates raise_exception() on bad turns
         raise RnnifyError(f"the chat template cannot render this conversation ({exc})") from exc
 
