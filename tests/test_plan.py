@@ -95,6 +95,14 @@ def test_a_rule_matching_no_layer_is_an_error(tiny_model_dir):
         rnnify.convert(tiny_model_dir("llama"), to="linear", layers="7-:exact")
 
 
+def test_an_option_no_head_uses_is_an_error():
+    """A heads rule that names every kv head leaves the default target none: --window goes unused."""
+    plan = make_plan("window", layers="0-:heads(0,1=exact)", window=4)
+    with pytest.raises(RnnifyError, match=r"window apply to none of the targets used \(exact\)"):
+        plan.check({0: 2, 1: 2})
+    plan.check({0: 4, 1: 2})  # layer 0's heads 2 and 3 are windowed
+
+
 def test_a_rule_running_past_the_last_layer_is_an_error(tiny_model_dir):
     """A range written for a deeper model: layers 0-9 of a 2-layer model is a mistake, not 'all of them'."""
     with pytest.raises(

@@ -291,11 +291,12 @@ class ConversionPlan:
         accepted = _accepted(target)
         return {**{k: v for k, v in self.options.items() if k in accepted}, **dict(own)}
 
-    def check(self, layers: Iterable[int], chunked: Iterable[int] = (), depth: int | None = None) -> None:
-        """Every rule and option must be used by some layer of the model (``chunked`` layers that no rule
-        names are exact: ``cell_for``), and no rule's range may run past its ``depth`` decoder layers
-        (where known; a hybrid's last layers need not be attention)."""
-        layers, chunked = sorted(set(layers)), set(chunked)
+    def check(self, kv_heads: Mapping[int, int], chunked: Iterable[int] = (), depth: int | None = None) -> None:
+        """Every rule and option must be used by some head of the model, whose attention layers have
+        ``kv_heads[layer]`` kv heads each (``chunked`` layers that no rule names are exact:
+        ``cell_for``), and no rule's range may run past its ``depth`` decoder layers (where known; a
+        hybrid's last layers need not be attention)."""
+        layers, chunked = sorted(kv_heads), set(chunked)
         for layer in self.keep_softmax:
             if layer not in layers:
                 shown = ", ".join(map(str, layers)) if len(layers) <= 8 else f"{layers[0]}-{layers[-1]}"
@@ -316,11 +317,12 @@ class ConversionPlan:
         used: set[str] = set()
         for layer in layers:
             rule = self.rule_for(layer)
-            if rule is None and layer in chunked:
-                used.add("exact")
-            elif rule is None or (rule.heads and all(kv is not None for kv, _, _ in rule.heads)):
-                used.add(self.default)  # a heads rule without '*' gives the default the heads it does not name
-            used |= rule.targets if rule is not None else set()
+            if rule is None:
+                used.add("exact" if layer in chunked else self.default)
+            elif rule.heads is None:
+                used.add(rule.target)
+            else:  # the default takes the heads a rule without '*' does not name, if any are left
+                used |= {target for _, target, _ in self.head_groups(rule, kv_heads[layer], layer)}
         self.check_options(used)
 
     def check_options(self, targets: set[str]) -> None:

@@ -30,7 +30,7 @@ CELL_KEY = "rnnify_cell"
 def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     text = ctx.config.get_text_config() if hasattr(ctx.config, "get_text_config") else ctx.config
     ctx.plan.check(
-        (site.layer for _, site in sites(gm)),
+        {site.layer: site.num_kv_heads for _, site in sites(gm)},
         (site.layer for _, site in sites(gm) if site.chunk),
         getattr(text, "num_hidden_layers", None),
     )
