@@ -104,7 +104,7 @@ CALIB_LEN, CALIB_ROWS, CALIB_PASSKEY = 1024, 2, 2  # tokens per row; text rows; 
 VERIFY_TOKENS, VERIFY_BATCH = 32, 2  # ``rnnify.verify.run_checks``: tokens per sequence, sequences
 
 MAX_NEW_TOKENS = 20  # ``RecurrentModel.generate``
-CHAT_MAX_NEW_TOKENS = 256  # ``rnnify.chat.Chat``: a reply, longer than a continuation
+CHAT_MAX_NEW_TOKENS = 256  # ``rnnify.chat.Chat``, ``model.chat``: a reply, longer than a continuation
 TEMPERATURE = 1.0  # sampling from the model's own distribution
 
 # ``rnnify.bench.benchmark``: contexts, batch sizes, timed steps per point, longest prefill timed

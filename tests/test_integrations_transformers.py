@@ -81,6 +81,46 @@ def test_without_cache_and_continuing_a_returned_cache(models):
     assert torch.equal(wrapper.generate(first.sequences, cache=first.cache, **fixed), want)
 
 
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_a_decode_loop_continues_the_state_under_either_name(models, name):
+    """``past_key_values`` is the cache's name before transformers 5.24, which decode loops still pass."""
+    original, wrapper, tokenizer = models
+    ids = _ids(tokenizer)
+    want = original(ids).logits[:, -1]
+    out = wrapper(ids[:, :-1], use_cache=True)
+    got = wrapper(ids[:, -1:], **{name: out.cache}).logits[:, -1]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="name the same state"):
+        wrapper(ids[:, -1:], cache=out.cache, past_key_values=out.cache)
+
+
+def test_position_ids_other_than_the_state_s_are_refused_not_ignored(models):
+    original, wrapper, tokenizer = models
+    ids = _ids(tokenizer)
+    length = ids.shape[1]
+    torch.testing.assert_close(wrapper(ids, position_ids=torch.arange(length)[None]).logits, original(ids).logits)
+    with pytest.raises(ValueError, match="numbers positions from its state"):
+        wrapper(ids, position_ids=torch.arange(1, length + 1)[None])
+    # a left-padded row: its real tokens count from 0, as transformers numbers them (padding: any id)
+    padded, mask = (
+        torch.cat([ids[:, :1], ids], 1),
+        torch.cat([torch.zeros(1, 1, dtype=torch.long), torch.ones_like(ids)], 1),
+    )
+    theirs = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1)
+    torch.testing.assert_close(
+        wrapper(padded, attention_mask=mask, position_ids=theirs).logits[:, 1:], original(ids).logits
+    )
+    with pytest.raises(ValueError, match="numbers positions from its state"):
+        wrapper(padded, attention_mask=mask, position_ids=torch.arange(length + 1)[None])
+
+
+def test_the_wrapper_refuses_another_dtype_and_keeps_its_own(models):
+    _, wrapper, _ = models
+    with pytest.raises(rnnify.RnnifyError, match="converted in float32 and runs in it"):
+        wrapper.to(torch.bfloat16)
+    assert wrapper.rnn.graph.lm_head.weight.dtype == torch.float32
+
+
 def test_stop_strings_and_streamer(models):
     original, wrapper, tokenizer = models
     ids = _ids(tokenizer)

@@ -125,6 +125,26 @@ def test_chat_replies_through_the_saved_template(chat_dir):
     assert "".join(model.stream(messages, max_new_tokens=NEW_TOKENS)) == reply
 
 
+def test_chat_continues_a_last_message_of_the_assistant(chat_model):
+    """As transformers' text-generation pipeline does: the turn is left open, not closed and begun anew."""
+    messages = [{"role": "user", "content": "What is a state?"}, {"role": "assistant", "content": "A state is"}]
+    rendered = chat_model.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert rendered.endswith("<assistant>A state is")
+    reply = chat_model.chat(messages, max_new_tokens=NEW_TOKENS)
+    assert reply == _ids_reply(chat_model, chat_model.tokenizer(rendered, add_special_tokens=False).input_ids)
+
+
+def test_chat_replies_at_chat_length_and_generate_continues_at_its_own(chat_model, monkeypatch):
+    from rnnify.choices import CHAT_MAX_NEW_TOKENS, MAX_NEW_TOKENS
+
+    asked = []  # what each call asks for; nothing decoded
+    monkeypatch.setattr(type(chat_model), "_new_tokens", lambda self, ids, **o: asked.append(o) or iter(()))
+    chat_model.chat([{"role": "user", "content": "hi"}])
+    chat_model.generate(PROMPT)
+    chat_model.chat([{"role": "user", "content": "hi"}], max_new_tokens=3)
+    assert [o["max_new_tokens"] for o in asked] == [CHAT_MAX_NEW_TOKENS, MAX_NEW_TOKENS, 3]
+
+
 def test_a_model_without_a_tokenizer_fails_with_one_line(converted_dir, tmp_path):
     directory = shutil.copytree(converted_dir("llama", "exact"), tmp_path / "model")
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -220,6 +240,15 @@ def test_a_tokenizer_whose_backend_is_not_installed_is_one_line(converted_dir, t
             "unknown option 'num_beams'; generate takes .*streamer",
         ),
         (lambda m: m.generate(123), "a string or token ids .*got int"),
+        (lambda m: m.generate(["a", "b"]), "texts of a batch go as ids, left-padded, with attention_mask"),
+        (lambda m: m.generate(PROMPT, streamer=object()), "model.stream"),
+        (lambda m: m.generate(torch.tensor([5, 6, 7])), "shape \\[batch, length\\]"),
+        (
+            lambda m: m.generate(torch.tensor([[5, 6], [5, 0]]), attention_mask=torch.tensor([[1, 1], [1, 0]])),
+            "a row ends in padding.*padding_side = 'left'",
+        ),
+        (lambda m: m.to(torch.bfloat16), "converted in float32 and runs in it; .*--dtype bfloat16"),
+        (lambda m: m.half(), "converted in float32 .*--dtype float16"),
     ],
     ids=[
         "unknown-option",
@@ -232,6 +261,12 @@ def test_a_tokenizer_whose_backend_is_not_installed_is_one_line(converted_dir, t
         "transformers-option",
         "transformers-option-ids",
         "not-a-prompt",
+        "texts",
+        "text-streamer",
+        "one-dimensional-ids",
+        "right-padding",
+        "to-dtype",
+        "half",
     ],  # fmt: skip
 )
 def test_mistakes_are_one_line_errors_before_decoding(model, call, match):

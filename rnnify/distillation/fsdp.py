@@ -44,7 +44,8 @@ from torch import nn
 
 from rnnify.distillation.split_layers import layer_prefix, split_layers
 from rnnify.errors import RnnifyError
-from rnnify.runtime.model import RecurrentModel, retarget_devices
+from rnnify.runtime.devices import retarget_devices
+from rnnify.runtime.model import RecurrentModel
 
 __all__ = [
     "ShardedModel",

@@ -67,6 +67,26 @@ class RnnifyConfig(PreTrainedConfig):
     vocab_size: int = 0
 
 
+def _check_positions(
+    position_ids: torch.Tensor | None, state: RecurrentState, attention_mask: torch.Tensor | None, length: int
+) -> None:
+    """Refuse ``position_ids`` other than the ones the state gives its next ``length`` tokens: it
+    numbers its real tokens itself, continuing from those it has read (padding, ``attention_mask``
+    0, takes none, and any id passed for it is left alone)."""
+    if position_ids is None:
+        return
+    start = state.positions.to(position_ids.device)[:, None]
+    real = torch.ones(start.shape[0], length, dtype=torch.bool, device=position_ids.device)
+    if attention_mask is not None:
+        real = attention_mask.to(device=position_ids.device, dtype=torch.bool)
+    own = start + real.long().cumsum(1) - 1
+    if position_ids.shape[-1] != length or not bool(((position_ids == own) | ~real).all()):
+        raise ValueError(
+            "position_ids: an rnnify model numbers positions from its state (the tokens it has read, "
+            "padding excluded by attention_mask); leave position_ids out"
+        )
+
+
 class RecurrentCache(Cache):
     """transformers' cache over a ``RecurrentState``.
 
@@ -248,16 +268,23 @@ class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
         """Read ``input_ids`` (continuing ``cache``'s state); logits, the loss on ``labels``, the new cache.
 
         ``attention_mask`` may cover earlier tokens too (as in ``generate``): its last columns are used.
+        ``past_key_values`` is the cache's name before transformers 5.24, which decode loops still pass.
+        ``position_ids`` are the state's own (the tokens it has read): others are refused, not ignored.
         """
         _refuse_other_outputs(kwargs.get)
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError("inputs_embeds: an rnnify model reads token ids; pass input_ids")
+        if kwargs.get("past_key_values") is not None:
+            if cache is not None:
+                raise ValueError("cache and past_key_values name the same state: pass one")
+            cache = kwargs["past_key_values"]
         if cache is not None and not isinstance(cache, RecurrentCache):
             raise ValueError(f"cache must be a RecurrentCache (an rnnify model's state), got {type(cache).__name__}")
         state = cache.state if cache is not None else None
         state = state if state is not None else self.rnn.init_state(input_ids.shape[0])
         if attention_mask is not None:
             attention_mask = attention_mask[:, -input_ids.shape[1] :]
+        _check_positions(kwargs.get("position_ids"), state, attention_mask, input_ids.shape[1])
         try:
             logits, state = self.rnn(input_ids, state, attention_mask)
         except RnnifyError as exc:

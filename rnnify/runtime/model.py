@@ -21,6 +21,7 @@ from rnnify.cells import Cell
 from rnnify.choices import MAX_NEW_TOKENS, TEMPERATURE
 from rnnify.errors import PositionError, RnnifyError, RnnifyWarning, StateError
 from rnnify.kernels.utils import check_kernels, check_runnable
+from rnnify.runtime.devices import retarget_devices
 from rnnify.runtime.direct_calls import direct_forward
 from rnnify.runtime.head import head_input_size, split_head
 from rnnify.runtime.manifest import Manifest
@@ -28,29 +29,12 @@ from rnnify.runtime.sampling import check_sampling, next_token, token_ids
 from rnnify.runtime.state import RecurrentState
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 
-__all__ = ["RecurrentModel", "retarget_devices"]
+__all__ = ["RecurrentModel"]
 
 _NOT_LOADED = object()  # ``RecurrentModel.tokenizer`` before its first use
 # rows from which a donated step writes states in place, eagerly, rather than run the compiled step
 # (``RecurrentModel.step``; benchmarks/donated_step.py, docs/performance.md)
 IN_PLACE_FROM_ROWS = 8
-
-
-def retarget_devices(gm: torch.fx.GraphModule, device: torch.device | str) -> None:
-    """Point every ``torch.device`` constant in ``gm``'s graphs (its submodules' too) at ``device``.
-
-    Export records devices as constants (the rotary table's ``aten.to.device(inv_freq, cpu)``), so
-    a graph whose weights move to another device would otherwise copy tensors back to the first
-    one (``rnnify.load(device=)`` does the same while decoding ``graph.json``).
-    """
-    device = torch.device(device)
-    swap = lambda value: device if isinstance(value, torch.device) else value  # noqa: E731
-    for module in gm.modules():
-        if isinstance(module, torch.fx.GraphModule):
-            for node in module.graph.nodes:
-                node.args = torch.fx.node.map_aggregate(node.args, swap)
-                node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
-            module.recompile()
 
 
 class RecurrentModel(nn.Module):
@@ -118,11 +102,22 @@ class RecurrentModel(nn.Module):
         self.manifest.kernels = kernels
         return self
 
-    def to(self, *args, **kwargs) -> "RecurrentModel":
-        """``nn.Module.to``, and the graph's device constants follow the weights (``retarget_devices``);
-        linear weights take the layout their new device and dtype read fastest (``runtime.weight_layout``)."""
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply``, what ``to``, ``cuda``, ``half`` and a wrapper's ``to`` run: the graph's
+        device constants follow the weights (``retarget_devices``), linear weights take the layout
+        their device reads fastest (``runtime.weight_layout``), and a change of dtype is refused, as
+        the graph computes in the dtype it was converted in (refused before anything moves here;
+        modules beside this one, in a parent's ``to``, may have moved already)."""
+        moved = fn(torch.empty(0, dtype=self.dtype, device=self.device))
+        dtype = getattr(moved, "dtype", self.dtype)
+        if dtype != self.dtype:
+            name = str(dtype).removeprefix("torch.")
+            raise RnnifyError(
+                f"this model was converted in {self.manifest.dtype} and runs in it; for {name}, convert "
+                f"again with --dtype {name} (rnnify.convert(..., dtype={name!r}))"
+            )
         before = self.device
-        super().to(*args, **kwargs)
+        super()._apply(fn, recurse)
         if self.device != before:
             retarget_devices(self.graph, self.device)
         lay_out_linear_weights(self.graph)
@@ -410,11 +405,14 @@ class RecurrentModel(nn.Module):
         streamer: Any = None,
         **unknown: Any,
     ) -> torch.Tensor | str:
-        """Prompt plus up to ``max_new_tokens`` new tokens per row, as transformers' ``generate``.
+        """Prompt plus up to ``max_new_tokens`` new tokens per row, the options as in transformers' ``generate``.
 
+        A batch of prompts of different lengths is left-padded, with ``attention_mask`` 0 on the padding.
         Rows that produced ``eos_token_id`` are filled with ``pad_token_id`` (default: the eos id)
-        and generation stops when every row has finished. ``streamer`` gets ``put(ids)`` and
-        ``end()`` calls, as transformers' streamers expect.
+        and generation stops when every row has finished; token ids given without ``eos_token_id``
+        run to ``max_new_tokens`` (fixed-length runs, as benchmarks want), unlike transformers,
+        which ends at the generation config's. ``streamer`` gets ``put(ids)`` and ``end()`` calls, as
+        transformers' streamers expect.
 
         A string prompt returns the text generated after it instead (``runtime.text``): read with
         ``tokenizer``, ending at the model's end-of-sequence ids unless ``eos_token_id`` is given.
@@ -426,7 +424,7 @@ class RecurrentModel(nn.Module):
         if not isinstance(input_ids, (str, torch.Tensor)):
             raise RnnifyError(
                 f"generate takes a string or token ids ([B, T] LongTensor), got {type(input_ids).__name__}; "
-                "chat messages go to chat"
+                "chat messages go to chat; texts of a batch go as ids, left-padded, with attention_mask"
             )
         decoding = dict(
             attention_mask=attention_mask,
@@ -475,6 +473,12 @@ class RecurrentModel(nn.Module):
         check_sampling(do_sample, temperature, top_k, top_p, seed)
         if max_new_tokens < 0:
             raise RnnifyError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        mask = self._check_inputs(input_ids, attention_mask)
+        if mask is not None and not bool(mask[:, -1].all()):
+            raise RnnifyError(
+                "attention_mask: a row ends in padding, and each row continues from its last column: pad "
+                "on the left (tokenizer.padding_side = 'left')"
+            )
         self.check_room(input_ids, attention_mask, max_new_tokens)
         eos = token_ids(eos_token_id)
         pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
@@ -554,7 +558,8 @@ class RecurrentModel(nn.Module):
 
     def chat(self, messages: list[dict[str, Any]], **options: Any) -> str:
         """The assistant's reply to ``messages`` (``[{"role": "user", "content": "..."}, ...]``), rendered
-        with the tokenizer's chat template and its generation prompt. ``options`` are ``generate``'s."""
+        with the tokenizer's chat template and its generation prompt (a last message of the assistant's
+        is continued). ``options`` are ``generate``'s, up to ``CHAT_MAX_NEW_TOKENS`` new tokens by default."""
         from rnnify.runtime.text import chat
 
         return chat(self, messages, options)

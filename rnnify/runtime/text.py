@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import TextStreamer
 
+from rnnify.choices import CHAT_MAX_NEW_TOKENS
 from rnnify.errors import RnnifyError
 from rnnify.runtime.tokenizer import check_template, encode, load_tokenizer, render, tokenizer_dir, tokenizer_places
 
@@ -81,6 +82,8 @@ def stream(model: RecurrentModel, prompt: str | list[dict[str, Any]], options: d
             "assign one to model.tokenizer, or pass token ids"
         )
     ids = torch.tensor([_prompt_ids(tokenizer, prompt)], device=model.device)
+    if _is_messages(prompt):  # a reply, not generate's continuation
+        options = {"max_new_tokens": CHAT_MAX_NEW_TOKENS, **options}
     steps = model._new_tokens(ids, **_options(model, tokenizer, options))
     return _pieces(steps, tokenizer)
 
@@ -95,7 +98,8 @@ def _is_messages(prompt: Any) -> bool:
 
 def _prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
     """A string as the tokenizer reads text (its own special tokens added), or chat messages as the
-    template writes them with the assistant header (the template writes the special tokens)."""
+    template writes them with the assistant header (the template writes the special tokens); a last
+    message of the assistant's is continued, as transformers' text-generation pipeline does."""
     if isinstance(prompt, str):
         ids = tokenizer(prompt, add_special_tokens=True).input_ids
         if not ids:
@@ -103,7 +107,9 @@ def _prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
         return ids
     if _is_messages(prompt):
         check_template(tokenizer)
-        return encode(tokenizer, render(tokenizer, list(prompt), True))
+        messages = list(prompt)
+        reply = messages[-1]["role"] == "assistant"
+        return encode(tokenizer, render(tokenizer, messages, not reply, continue_final_message=reply))
     raise RnnifyError(
         f'a text prompt is a string or a list of messages like [{{"role": "user", "content": "..."}}], '
         f"got {type(prompt).__name__}"
@@ -147,7 +153,8 @@ def _options(model: RecurrentModel, tokenizer: Any, options: dict[str, Any]) -> 
     values = {name: value for name, value in bound.arguments.items() if name in names}
     for name in _IDS_ONLY:
         if values[name] is not None:
-            raise RnnifyError(f"{name} applies to token-id prompts, not text; leave it out")
+            instead = "; model.stream(text) gives the text as it decodes" if name == "streamer" else ""
+            raise RnnifyError(f"{name} applies to token-id prompts, not text; leave it out{instead}")
     del values["streamer"]  # generate's own: the pieces are the text's stream
     if values["eos_token_id"] is None:
         values["eos_token_id"] = eos_ids(model, tokenizer) or None
