@@ -39,7 +39,8 @@ class Parser(argparse.ArgumentParser):
     command's usage runs to tens of lines that would push it out of sight."""
 
     def error(self, message: str) -> None:
-        self.exit(2, f"error: {' '.join(message.split())}\n")
+        hint = f"; {self.prog} --help lists them" if "required: COMMAND" in message else ""
+        self.exit(2, f"error: {' '.join(message.split())}{hint}\n")
 
 
 class DefaultsFormatter(argparse.HelpFormatter):

@@ -186,11 +186,9 @@ def benchmark(
     jobs = [(b, c) for b in batches for c in contexts]
     prefills = [c for c in contexts if c <= prefill_max]
     models = 1 + (original is not None)
-    from tqdm import tqdm
+    from rnnify.progress import bar as progress_bar
 
-    with tqdm(
-        total=(len(jobs) + len(prefills)) * models, unit="run", disable=None if progress else True, leave=False
-    ) as bar:
+    with progress_bar(progress, total=(len(jobs) + len(prefills)) * models, unit="run", leave=False) as bar:
         for b, c in jobs:
             bar.set_description_str(f"converted, batch {b}, context {c}")
             run.results.append(bench_converted(model, c, b, steps, WARMUP, FILL_TOKENS))

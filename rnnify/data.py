@@ -107,10 +107,10 @@ def token_batches(
 def check_sizes(seq_len: int, batch_size: int, max_tokens: int | None) -> None:
     """``token_batches``' tokens per row, rows per global batch and token limit (None: all the data),
     checked; ``distill`` checks them before anything loads."""
-    check_int("seq_len", seq_len, 1, RnnifyError)
-    check_int("batch_size", batch_size, 1, RnnifyError)
+    check_int("seq_len (--seq-len)", seq_len, 1, RnnifyError)
+    check_int("batch_size (--batch-size)", batch_size, 1, RnnifyError)
     if max_tokens is not None:
-        check_int("max_tokens", max_tokens, 1, RnnifyError, " or None")
+        check_int("max_tokens (--max-tokens)", max_tokens, 1, RnnifyError, " (or None: all the data)")
 
 
 def _check_sizes(seq_len, batch_size, rank, world_size, max_tokens, skip_batches) -> None:

@@ -149,12 +149,12 @@ def evaluate(
     )
     teacher, teacher_name = _teacher(model, against, cache, prefill_chunk)
     sums = _Sums(len(model.cells), seq_len)
-    from tqdm import tqdm
+    from rnnify.progress import bar
 
-    with tqdm(total=max_tokens, unit="tok", disable=None if progress else True, leave=False) as bar:
+    with bar(progress, total=max_tokens, unit="tok", desc="evaluate", leave=False) as shown:
         for batch in batches:
             real = _evaluate_batch(model, teacher, batch, sums, layer_errors, prefill_chunk)
-            bar.update(real)
+            shown.update(real)
     if sums.predicted == 0:
         raise RnnifyError("no token follows another in the data's rows: give rows of at least 2 tokens")
     layers = (

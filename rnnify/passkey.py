@@ -119,10 +119,10 @@ def passkey_trials(
     generators: dict[str, Generator], tokenizer: Any, prompts: list[tuple[int, Prompt]], progress: bool = False
 ) -> list[PasskeyTrial]:
     """Run every generator on the same ``prompts`` (``rnnify.probes.prompts``) and score the answers."""
-    from tqdm import tqdm
+    from rnnify.progress import bar
 
     out = []
-    for length, prompt in tqdm(prompts, unit="prompt", disable=None if progress else True, leave=False):
+    for length, prompt in bar(progress, iterable=prompts, unit="prompt", desc="pass key", leave=False):
         key = prompt.key
         new = answer_tokens(tokenizer, prompt)
         answers = {

@@ -19,9 +19,39 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
-__all__ = ["stages"]
+__all__ = ["bar", "stages"]
 
 SPIN_SECONDS = 0.25  # between two frames of a spinning stage
+LOG_SECONDS = 30.0  # between two lines of a bar written to a log rather than a terminal
+
+
+def bar(progress: bool, **options):
+    """A tqdm bar on stderr for one long pass when ``progress`` (``options``: tqdm's): on a terminal as
+    tqdm draws it; elsewhere, where tqdm would turn itself off and leave a log silent for the whole
+    pass, a line every ``LOG_SECONDS`` and one at the end, none for a pass shorter than that (nor
+    before an error that ends one)."""
+    from tqdm import tqdm
+
+    if not progress:
+        return tqdm(disable=True, **options)
+    if sys.stderr.isatty():
+        return tqdm(file=sys.stderr, **options)
+    return tqdm(file=_NewLines(sys.stderr), mininterval=LOG_SECONDS, delay=LOG_SECONDS, **{**options, "leave": True})
+
+
+class _NewLines:
+    """A file for tqdm that ends each of its redraws (``\\r`` + the bar) as a line of its own."""
+
+    def __init__(self, file: TextIO) -> None:
+        self.file = file
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").strip()
+        if text:
+            print(text, file=self.file, flush=True)
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 @contextmanager

@@ -402,6 +402,22 @@ def test_a_spinning_stage_moves_on_a_terminal(monkeypatch):
     assert "2/2" in drawn
 
 
+def test_piped_eval_prints_its_progress_as_lines(capsys, monkeypatch, converted_dir, tmp_path):
+    """A pass that runs past LOG_SECONDS prints a line now and then and one at the end; off a terminal
+    tqdm printed nothing for a whole evaluation. A short pass prints none (nor before its error)."""
+    from rnnify import progress
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 40)
+    argv = ["eval", converted_dir("llama", "exact"), "--data", corpus, "--seq-len", "16", "--no-layer-errors"]
+    code, _, err = run(capsys, *argv)
+    assert code == 0 and "evaluate" not in err, err
+    monkeypatch.setattr(progress, "LOG_SECONDS", 0.0)
+    code, _, err = run(capsys, *argv)
+    lines = [line for line in err.splitlines() if line.startswith("evaluate:")]
+    assert code == 0 and len(lines) > 1 and re.search(r" [1-9]\d*tok ", lines[-1]) and "\r" not in err, err
+
+
 def test_help_says_what_distill_and_chat_verbose_do(capsys):
     """distill's default fine-tunes every weight of a small model (--train auto), not LoRA; chat --verbose's
     "tokens rule" said nothing of what a rule is."""

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from cli_support import assert_user_error, copy_model, edit_manifest, run
+from support import BUNDLED
 
 import rnnify
 from rnnify.cli import main
@@ -93,6 +94,32 @@ BAD_INPUT = {
     "zero temperature": (
         lambda t, c: ["generate", c("llama", "exact"), "--ids", "1", "--do-sample", "--temperature", "0"],
         "temperature",
+    ),
+    "training flag without distill": (
+        lambda t, c: ["convert", BUNDLED, "--to", "hybrid", "--lr", "1e-3", "-o", t / "out"],
+        "--lr: only --distill PATH uses it; add --distill or leave it out",
+    ),
+    "distill an exact model": (
+        lambda t, c: ["convert", BUNDLED, "--to", "exact", "--distill", t, "-o", t / "out"],
+        "every attention of this model is exact softmax",
+    ),
+    "no command": (lambda t, c: [], "the following arguments are required: COMMAND; rnnify --help lists them"),
+    "budget and max kl": (
+        lambda t, c: [
+            "convert",
+            "unused",
+            "--to",
+            "auto",
+            "--data",
+            t,
+            "--state-budget",
+            "30%",
+            "--max-kl",
+            "0.1",
+            "-o",
+            t / "o",
+        ],
+        "--to auto needs only one of --state-budget",
     ),
     "feature map on exact": (
         lambda t, c: ["convert", "unused", "--to", "exact", "--feature-map", "elu", "-o", t / "out"],

@@ -178,8 +178,8 @@ def _file(tmp_path, name, content):
         (lambda p: 42, {}, "got int"),
         (lambda p: torch.ones(1, 2, dtype=torch.long), {"batch_size": 6, "world_size": 4}, "not divisible"),
         (lambda p: torch.ones(1, 2, dtype=torch.long), {"rank": 2, "world_size": 2}, "rank must be"),
-        (lambda p: torch.ones(1, 2, dtype=torch.long), {"seq_len": 0}, "seq_len must be"),
-        (lambda p: torch.ones(1, 2, dtype=torch.long), {"max_tokens": 0}, "max_tokens must be"),
+        (lambda p: torch.ones(1, 2, dtype=torch.long), {"seq_len": 0}, r"seq_len \(--seq-len\) must be"),
+        (lambda p: torch.ones(1, 2, dtype=torch.long), {"max_tokens": 0}, r"max_tokens \(--max-tokens\) must be"),
         (lambda p: torch.zeros(1, 0, dtype=torch.long), {}, "holds no tokens"),
     ],
 )

@@ -397,7 +397,10 @@ def test_seq_len_is_checked_against_learned_positions_first(converted_dir):
         ({"gate_lr_scale": 0}, "gate_lr_scale"),
         ({"gate_lr_scale": [1, 10, 100]}, "gate_lr_scale"),
         ({"gate_lr_scale": float("inf")}, "gate_lr_scale"),
-        ({"batch_size": 0}, "batch_size"),
+        ({"batch_size": 0}, r"batch_size \(--batch-size\)"),
+        ({"kl_weight": -1}, r"kl_weight \(--kl-weight\)"),
+        # a rate per stage goes with the stage written beside it: another order is refused, not sorted
+        ({"stages": ["finetune", "transfer"], "lr": [1e-4, 1e-2]}, "they run in the order transfer,finetune"),
     ],
 )
 def test_bad_arguments_are_user_errors(hybrid_dir, options, words):

@@ -12,6 +12,7 @@ from cli_support import run
 from distill_support import (
     hybrid_dir,  # noqa: F401 - a fixture
 )
+from support import BUNDLED
 
 import rnnify
 from rnnify.distillation.checkpoint import CHECKPOINT_FILE
@@ -156,3 +157,28 @@ def test_cli_default_seq_len_stops_at_learned_positions(capsys, converted_dir, c
     )
     assert code == 0, err
     assert json.loads((tmp_path / "out" / "rnnify.json").read_text())["distill"]["seq_len"] == 128  # not 1024
+
+
+def test_an_interrupted_distill_says_where_its_checkpoint_is(capsys, hybrid_dir, corpus, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+
+    def interrupted(model, data, teacher, options):
+        checkpoint = Path(options["checkpoint_dir"])
+        checkpoint.mkdir(parents=True)
+        (checkpoint / CHECKPOINT_FILE).write_bytes(b"")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("rnnify.cli.distill.train", interrupted)
+    code, _, err = run(capsys, "distill", hybrid_dir, "--data", corpus, "-o", out)
+    assert code == 130 and err.strip().splitlines()[-1] == (
+        f"interrupted; {out}.checkpoints/{CHECKPOINT_FILE} holds the last checkpoint: run the same command "
+        "with --resume to continue"
+    ), err
+
+
+def test_convert_refuses_to_distill_an_exact_model_before_it_loads(capsys, corpus, tmp_path):
+    code, _, err = run(capsys, "convert", BUNDLED, "--to", "exact", "--distill", corpus, "-o", tmp_path / "out")
+    assert code == 2 and err.strip() == (
+        "error: every attention of this model is exact softmax: it computes its original already, and distilling "
+        "would only move it away; to train on your data, finetune the original, then convert it"
+    ), err  # no stage had started: no "load ..." line before it

@@ -417,7 +417,10 @@ def test_auto_chooses_again_from_saved_scores(retrieval_model, tmp_path):
     assert again.calibration["scores_from"] == str(tmp_path / "m" / "head_map.json")
     saved = json.loads((tmp_path / "m" / "head_map.json").read_text())
     for change, message in (
-        ({"window": 8}, "8-token window and 1 sinks; pass --window 8 --sinks 1"),
+        (
+            {"window": 8},
+            "8-token window and 1 sinks, on a model of 4 kv heads; for that model, pass --window 8 --sinks 1",
+        ),
         ({"scores": {"mass": {"0.0": 1.0}}}, "name 1 kv heads, this model has 4"),
         ({"scores": {"x": 1}}, "not a head_map.json"),
     ):

@@ -111,7 +111,7 @@ def test_exact_conversion_answers_as_the_original(converted_dir, tiny_model_dir,
         assert trial.correct["converted"] == trial.correct["original"]
 
 
-def test_cli_reports_passkey(converted_dir, tmp_path, capsys):
+def test_cli_reports_passkey(converted_dir, tmp_path, capsys, monkeypatch):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def f(x):\n    return x + 1\n" * 20)
     out = tmp_path / "eval.json"
@@ -150,6 +150,10 @@ def test_cli_reports_passkey(converted_dir, tmp_path, capsys):
     ):
         assert main([*base, *bad]) == 2
         assert message in capsys.readouterr().err
+    # a context too short for the prompts is refused before the perplexity pass, not after it
+    monkeypatch.setattr("rnnify.eval.evaluate", lambda *a, **k: pytest.fail("the perplexity pass ran first"))
+    assert main([*base, "--passkey", "20"]) == 2
+    assert "at least" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", [probe.name for probe in EVALUATION])

@@ -67,11 +67,10 @@ class HeadScorer:
         dtype: str = DEFAULT_DTYPE,
         progress: bool = False,
     ):
-        from tqdm import tqdm
-
         from rnnify.compiler.capture import load_source
         from rnnify.compiler.convert import resolve_dtype
         from rnnify.data import load_tokenizer
+        from rnnify.progress import bar
 
         if score not in SCORES:
             raise RnnifyError(f"unknown score {score!r}; choose from: {', '.join(SCORES)}")
@@ -119,13 +118,13 @@ class HeadScorer:
         heads = sum(s.num_kv_heads for layer, s in self.specs.items() if layer not in self.exact_layers)
         kinds = 1 + sum(level.target != "exact" for level in self.levels)  # streaming and each kind that is not exact
         passes = rows * (1 + (heads * kinds if "kl" in wanted else 0))
-        with tqdm(
+        with bar(
+            progress,
             total=passes,
             unit="pass",
             desc=f"scoring {heads} kv heads x {kinds} kind{'s' * (kinds > 1)}" if "kl" in wanted else "scoring heads",
-            disable=None if progress else True,
             leave=False,
-        ) as bar:
+        ) as shown:
             self.scores, self.level_scores, self.originals = score_heads(
                 self.runner,
                 self.calibration,
@@ -133,7 +132,7 @@ class HeadScorer:
                 sinks,
                 wanted,
                 self.levels,
-                progress=bar.update,
+                progress=shown.update,
                 exact_layers=self.exact_layers,
             )
         if saved:
@@ -344,7 +343,8 @@ def read_scores(
     if measured != (window, sinks):
         raise RnnifyError(
             f"--scores-from {path}: its scores were measured with a {measured[0]}-token window and "
-            f"{measured[1]} sinks; pass --window {measured[0]} --sinks {measured[1]}"
+            f"{measured[1]} sinks, on a model of {len(scores[score])} kv heads; for that model, pass --window "
+            f"{measured[0]} --sinks {measured[1]}"
         )
     missing = [level.text for level in levels if level.text not in lost.get(score, {})]
     if missing:
@@ -424,7 +424,10 @@ def choose_heads(model: Any, data: Any, **options: Any) -> HeadReport:
 
 def _check_bound(budget: str | int | None, max_kl: float | None) -> None:
     if (budget is None) == (max_kl is None):
-        raise RnnifyError("--to auto needs one of --state-budget BYTES (with --at-context N) or --max-kl X")
+        raise RnnifyError(
+            f"--to auto needs {'only one' if budget is not None else 'one'} of --state-budget BYTES (with --at-context N) "
+            "or --max-kl X"
+        )
 
 
 REPORT_FILE = "head_map.json"  # saved beside a model converted with --to auto

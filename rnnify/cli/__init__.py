@@ -99,5 +99,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RnnifyError as exc:
         return user_error(exc)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("interrupted" + getattr(args, "on_interrupt", lambda: "")(), file=sys.stderr)
         return 130

@@ -26,8 +26,10 @@ from rnnify.cli.distill import (
     add_training_flags,
     drop_checkpoint,
     train,
+    training_flags_given,
     training_options,
 )
+from rnnify.errors import RnnifyError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -154,6 +156,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
     options.update(
         parse_options(args.option or [], lambda pair: f"--option {pair!r}: expected KEY=VALUE, e.g. chunk_size=128")
     )
+    unused = [] if args.distill else training_flags_given(args)
+    if unused:
+        them = "it" if len(unused) == 1 else "them"
+        raise RnnifyError(f"{', '.join(unused)}: only --distill PATH uses {them}; add --distill or leave {them} out")
+    if args.distill and args.to == "exact" and not args.layers:  # known now, not after the conversion
+        from rnnify.distillation.worth import EXACT_ALREADY
+
+        raise RnnifyError(EXACT_ALREADY)
     training = training_options(args) if args.distill else None  # the flags' mistakes before converting
     stages = ["load", "capture", *(p.__name__ for p in PIPELINE), *(["distill"] if args.distill else []), "save"]
     stages = ["choose heads", "save"] if args.to == "auto" else stages  # auto converts while it chooses

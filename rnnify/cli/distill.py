@@ -68,20 +68,38 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 
 def add_training_flags(p: argparse.ArgumentParser) -> None:
-    """The training flags of ``rnnify.distillation.options``, and ``--device`` among them."""
+    """The training flags of ``rnnify.distillation.options``, and ``--device`` among them; their
+    defaults recorded as ``args.training_defaults``, so that ``training_flags_given`` can tell
+    which were given (as ``rnnify.cli.auto`` records its own)."""
     from rnnify.distillation.options import add_training_flags
 
     group = add_training_flags(p)
     add_device_flag(
         group, "device to train on", "; with --fsdp the model stays on the CPU and only its shards go there"
     )
+    flags = group._group_actions  # argparse keeps a group's flags here alone
+    p.set_defaults(training_defaults={flag.option_strings[0]: (flag.dest, flag.default) for flag in flags})
+
+
+def training_flags_given(args: argparse.Namespace) -> list[str]:
+    """The training flags given on ``args``' command line (``convert``'s apply only with ``--distill``)."""
+    return [flag for flag, (dest, default) in args.training_defaults.items() if getattr(args, dest) != default]
 
 
 def training_options(args: argparse.Namespace) -> dict:
-    """``rnnify.distill``'s keyword arguments from the training flags, checked."""
+    """``rnnify.distill``'s keyword arguments from the training flags, checked; an interruption from
+    now on says where its checkpoint is (``args.on_interrupt``, read by ``rnnify.cli.main``)."""
+    from rnnify.distillation.checkpoint import CHECKPOINT_FILE
     from rnnify.distillation.options import training_options
 
-    return {**training_options(args), "device": device(args.device)}
+    options = {**training_options(args), "device": device(args.device)}
+    checkpoint = Path(options["checkpoint_dir"]) / CHECKPOINT_FILE
+    args.on_interrupt = lambda: (
+        f"; {checkpoint} holds the last checkpoint: run the same command with --resume to continue"
+        if checkpoint.is_file()
+        else ""
+    )
+    return options
 
 
 def train(model, data: str, teacher, options: dict) -> bool:

@@ -148,20 +148,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     model = load(args)
     # both evaluations compare with the same original, read the same way
     alike = {"against": args.against, "tokenizer": args.tokenizer, "cache": not args.no_cache, "progress": True}
-    result = evaluate(
-        model,
-        args.data,
-        layer_errors=not args.no_layer_errors,
-        prefill_chunk=args.prefill_chunk,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        max_tokens=args.max_tokens,
-        **alike,
-    )
-    passkey = None
+    passkey = None  # first: a context too short for its prompts fails before the long pass
     if lengths is not None:
-        from rnnify.data import read_text
+        from rnnify.data import check_sizes, read_text, row_length
         from rnnify.passkey import evaluate_passkey
+
+        check_sizes(row_length(model, args.seq_len), args.batch_size, args.max_tokens)  # the pass's, still first
 
         passkey = evaluate_passkey(
             model,
@@ -172,6 +164,16 @@ def run(args: argparse.Namespace, console: Console) -> int:
             text=read_text(args.data, PROSE_CHARS),
             **alike,
         )
+    result = evaluate(
+        model,
+        args.data,
+        layer_errors=not args.no_layer_errors,
+        prefill_chunk=args.prefill_chunk,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        max_tokens=args.max_tokens,
+        **alike,
+    )
     summary = Table(
         box=box.SIMPLE_HEAD,
         title=Text(f"{result.target} vs {result.against}: {result.tokens:,} tokens, rows of {result.seq_len}"),

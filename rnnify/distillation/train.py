@@ -121,19 +121,19 @@ def distill(
     distillation's record under ``"earlier"``).
     """
     stages = _check_stages(stages)
-    lrs = _per_stage("lr", stages, [DEFAULT_LR[s] for s in stages] if lr is None else lr)
-    gate_scales = _per_stage("gate_lr_scale", stages, gate_lr_scale)
+    lrs = _per_stage("lr (--lr)", stages, [DEFAULT_LR[s] for s in stages] if lr is None else lr)
+    gate_scales = _per_stage("gate_lr_scale (--gate-lr-scale)", stages, gate_lr_scale)
     seq_len = row_length(model, seq_len)  # before the teacher loads, and before the data is read
     check_worth_training(model, stages, seq_len)
     check_sizes(seq_len, batch_size, max_tokens)
-    check_int("checkpoint_every", checkpoint_every, 1, RnnifyError)
-    check_int("lora_rank", lora_rank, 1, RnnifyError)
+    check_int("checkpoint_every (--checkpoint-every)", checkpoint_every, 1, RnnifyError)
+    check_int("lora_rank (--lora-rank)", lora_rank, 1, RnnifyError)
     if train not in TRAIN:
-        raise RnnifyError(f"train must be one of {', '.join(TRAIN)}, got {train!r}")
+        raise RnnifyError(f"train (--train) must be one of {', '.join(TRAIN)}, got {train!r}")
     if schedule not in SCHEDULES:
-        raise RnnifyError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        raise RnnifyError(f"schedule (--schedule) must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if not isinstance(kl_weight, (int, float)) or not kl_weight >= 0:
-        raise RnnifyError(f"kl_weight must be a number >= 0, got {kl_weight!r}")
+        raise RnnifyError(f"kl_weight (--kl-weight) must be a number >= 0, got {kl_weight!r}")
     if not isinstance(fsdp, bool):
         raise RnnifyError(f"fsdp must be True or False, got {fsdp!r}")
     if resume and checkpoint_dir is None:
@@ -205,11 +205,18 @@ def lr_factor(step: int, total: int | None, schedule: str = DEFAULT_SCHEDULE) ->
 
 
 def _check_stages(stages: Sequence[str]) -> list[str]:
+    """``stages`` as a list, in the order they run: another order is refused, not sorted, as a rate
+    given per stage (``lr``) would then go to the stage it was not written beside."""
     stages = [stages] if isinstance(stages, str) else list(stages)
     unknown = [s for s in stages if s not in STAGES]
     if unknown or not stages or len(set(stages)) != len(stages):
-        raise RnnifyError(f"stages must be one or both of {', '.join(STAGES)} (each once), got {stages!r}")
-    return sorted(stages, key=STAGES.index)
+        raise RnnifyError(f"stages (--stages) must be one or both of {', '.join(STAGES)} (each once), got {stages!r}")
+    if stages != sorted(stages, key=STAGES.index):
+        raise RnnifyError(
+            f"stages (--stages) {','.join(stages)}: they run in the order {','.join(STAGES)}; write them so "
+            "(and a rate per stage, --lr, in that order)"
+        )
+    return stages
 
 
 def _per_stage(name: str, stages: list[str], value: float | Sequence[float]) -> dict[str, float]:

@@ -7,6 +7,11 @@ from collections.abc import Sequence
 from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel
 
+EXACT_ALREADY = (
+    "every attention of this model is exact softmax: it computes its original already, and "
+    "distilling would only move it away; to train on your data, finetune the original, then convert it"
+)
+
 
 def check_worth_training(model: RecurrentModel, stages: Sequence[str], seq_len: int) -> None:
     """Refuse an exact model (it computes its original already: training only moves it away, and it
@@ -14,10 +19,7 @@ def check_worth_training(model: RecurrentModel, stages: Sequence[str], seq_len: 
     holds whole (the cells then compute the original's softmax exactly: their loss is 0 and their
     memories learn nothing)."""
     if all(cell.exact for cell in model.cells):
-        raise RnnifyError(
-            "every attention of this model is exact softmax: it computes its original already, and "
-            "distilling would only move it away; to train on your data, finetune the original, then convert it"
-        )
+        raise RnnifyError(EXACT_ALREADY)
     trained = [cell for cell in model.cells if any(p.requires_grad for p in cell.parameters())]
     spans = [cell.exact_span for cell in trained]
     if "transfer" in stages and trained and None not in spans and seq_len <= min(spans):
