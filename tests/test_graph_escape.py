@@ -195,3 +195,29 @@ def test_a_name_the_step_module_has_itself_is_refused(tmp_path, windowed, kind, 
     _rename(directory, old, name)
     with pytest.raises(RnnifyError, match=f"'{name}' names an attribute of the step itself"):
         rnnify.load(directory)
+
+
+def test_an_input_named_twice_is_one_line(capsys, tmp_path, windowed):
+    """Two placeholders of one target made fx write ``def forward(self, ..., x, x)``: a SyntaxError."""
+    directory = Path(shutil.copytree(windowed, tmp_path / "model"))
+    graph = json.loads((directory / GRAPH_FILE).read_text())
+    inputs = [n for n in graph["nodes"] if n["op"] == "placeholder"]
+    inputs[-1]["target"] = inputs[-2]["target"]
+    (directory / GRAPH_FILE).write_text(json.dumps(graph))
+    reseal(directory)
+    code = main(["info", str(directory)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and f"input {inputs[-2]['target']!r} appears twice" in err, err
+
+
+def test_info_writes_out_the_control_characters_of_a_manifest(capsys, tmp_path, windowed):
+    """A manifest's words reach the terminal: escape sequences there would clear it or set its title."""
+    directory = Path(shutil.copytree(windowed, tmp_path / "model"))
+    manifest = json.loads((directory / "rnnify.json").read_text())
+    manifest["cells"][0]["module_path"] = "model.layers.0\x1b[2J\x1b]0;pwn\x07"
+    manifest["versions"] = {"rnnify\x1b[31m": "1"}
+    (directory / "rnnify.json").write_text(json.dumps(manifest))
+    reseal(directory)
+    assert main(["info", str(directory)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\\x1b[2J" in out, out

@@ -184,20 +184,41 @@ def test_a_tokenizer_class_that_names_no_tokenizer_is_refused(converted_dir, tmp
     assert built == []  # no model was built from the directory on the way
 
 
-@pytest.mark.parametrize("key", ["vocab", "merges"])
+@pytest.mark.parametrize("key", ["vocab", "merges", "vocab_file", "merges_file", "tokenizer_file"])
 def test_a_tokenizer_reads_no_file_outside_its_directory(converted_dir, tmp_path, key):
-    """A tokenizer class opens ``vocab`` and ``merges`` given as strings wherever they point, outside the
-    directory and its sha256 record (transformers replaces ``*_file`` paths with the directory's own)."""
+    """tokenizer_config.json may name files by path: ``vocab`` and ``merges`` as strings, and ``*_file``
+    keys that the tokenizer's class does not declare (transformers replaces only those it declares), a
+    class opens wherever they point, outside the directory and its sha256 record. rnnify's load gives
+    them the directory's own file of that name, or none."""
     directory = shutil.copytree(converted_dir("llama", "exact"), tmp_path / "model")
+    own = rnnify.load(directory).tokenizer.get_vocab()
     outside = tmp_path / "outside.json"
-    outside.write_text(json.dumps({"secret": 0}))
+    outside.write_text(json.dumps({"secret": 0, "word": 1}))
     tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
     tokenizer_config[key] = str(outside)
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     reseal(directory)
-    with pytest.raises(rnnify.RnnifyError, match=f"'{key}' names a file .* outside the directory") as error:
-        rnnify.load(directory).tokenizer
-    assert "\n" not in str(error.value)
+    assert rnnify.load(directory).tokenizer.get_vocab() == own
+
+
+def test_a_class_that_declares_no_vocab_file_reads_none_from_outside(converted_dir, tmp_path):
+    """The red team's case: GemmaTokenizer declares only ``tokenizer_file``, so transformers left
+    ``vocab_file`` and ``merges_file`` as the config gave them, and built the vocabulary from there."""
+    directory = shutil.copytree(converted_dir("llama", "exact"), tmp_path / "model")
+    model = json.loads((directory / "tokenizer.json").read_text())["model"]
+    (tmp_path / "vocab.json").write_text(json.dumps(model["vocab"]))
+    merges = (m if isinstance(m, str) else " ".join(m) for m in model["merges"])
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    (directory / "tokenizer.json").unlink()
+    tokenizer_config = {"tokenizer_class": "GemmaTokenizer", "unk_token": "<unk>"}
+    tokenizer_config.update(vocab_file=str(tmp_path / "vocab.json"), merges_file=str(tmp_path / "merges.txt"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    reseal(directory)
+    try:
+        tokenizer = rnnify.load(directory).tokenizer
+    except rnnify.RnnifyError:
+        return  # no vocabulary of its own: refused, also fine
+    assert len(tokenizer) < len(model["vocab"])
 
 
 def test_a_tokenizer_file_the_tokenizers_library_refuses_is_one_line(converted_dir, tmp_path):

@@ -40,6 +40,12 @@ def nbytes(n: float) -> str:
 # -- registering a command -------------------------------------------------------------------
 
 
+def printable(text: str) -> str:
+    """``text`` from a model directory, its control characters written out (``\\x1b``): a
+    terminal would act on them (clear the screen, set the title, hide a line)."""
+    return "".join(c if c.isprintable() or c == "\n" else ascii(c)[1:-1] for c in text)
+
+
 def add_command(commands: argparse._SubParsersAction, command: ModuleType) -> None:
     """Register the command that module ``command`` defines, named as the module: ``HELP`` (its line in
     ``rnnify --help``), ``DESCRIPTION``, ``add_arguments(p)``, which adds its arguments when it is used, and

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from rnnify.cli.common import add_dir, load, nbytes
+from rnnify.cli.common import add_dir, load, nbytes, printable
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         "converted with": ", ".join(f"{k} {v}" for k, v in manifest.versions.items()) or "(unknown)",
     }
     for key, value in rows.items():
-        header.add_row(key, Text(value))
+        header.add_row(key, Text(printable(value)))  # the manifest's words: anyone may have written them
     console.print(header)
 
     windowed = any(cell.spec.keys_read is not None for cell in model.cells)
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         table.add_column(f"{length:,}", justify="right")
     for entry, cell, ops in zip(manifest.cells, model.cells, fused_ops):
         spec = cell.spec
-        row = [str(entry.layer), Text(entry.module_path), entry.target]
+        row = [str(entry.layer), Text(printable(entry.module_path)), Text(printable(entry.target))]
         row.append(f"{spec.num_heads} ({spec.num_kv_heads}) × {spec.head_dim}")
         if windowed:
             row.append("" if spec.keys_read is None else str(spec.window or f"chunk {spec.chunk}"))

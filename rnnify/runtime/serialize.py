@@ -332,6 +332,7 @@ def graph_from_json(data: dict, device: torch.device | str | None = None) -> tor
 
     graph = torch.fx.Graph()
     nodes: dict[str, torch.fx.Node] = {}
+    inputs: set[str] = set()
     decoder = _Decoder(nodes, device)
     for index, raw in enumerate(raw_nodes):
         if not isinstance(raw, dict):
@@ -359,6 +360,10 @@ def graph_from_json(data: dict, device: torch.device | str | None = None) -> tor
             target = resolved
         else:
             _check_target(op, target, where)
+        if op == "placeholder":  # the generated forward's parameters: a name twice is invalid Python
+            if target in inputs:
+                raise GraphFormatError(f"{where}: input {target!r} appears twice")
+            inputs.add(target)
         if op == "output" and (index != len(raw_nodes) - 1 or len(args) != 1 or kwargs):
             raise GraphFormatError(f"{where}: output must be the last node, with one value")
 

@@ -54,7 +54,6 @@ def load_tokenizer(directory: str | os.PathLike, fix: str = TOKENIZER_FIX):
 
     config = source_pretrained_config(directory)  # a converted directory: the tokenizer is its source's
     _check_tokenizer_class(directory, config, fix)
-    _check_no_paths(directory, fix)
     try:
         tokenizer = (
             AutoTokenizer.from_pretrained(  # a tokenizer is data: never a tokenizer class's code from the directory
@@ -62,6 +61,7 @@ def load_tokenizer(directory: str | os.PathLike, fix: str = TOKENIZER_FIX):
                 local_files_only=True,
                 trust_remote_code=False,
                 **({"config": config} if config is not None else {}),
+                **_files_within(directory),
             )
         )
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception for a bad file
@@ -82,23 +82,26 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-# tokenizer_config.json keys a tokenizer class opens as files when they hold a string: transformers
-# puts the directory's own file in place of each ``*_file`` the class declares, but not these
-_PATH_KEYS = ("vocab", "merges")
+# tokenizer_config.json keys a tokenizer class may open as files when they hold a string (``vocab``
+# and ``merges`` also take the data itself): transformers puts the directory's own file in place of
+# each ``*_file`` its class declares, and leaves the others to be opened wherever they point
+_FILE_KEYS = ("vocab", "merges", "entity_vocab")
+_FILE_SUFFIXES = ("_file", "_files")
 
 
-def _check_no_paths(directory: Path, fix: str) -> None:
-    """Refuse a tokenizer_config.json that names a vocabulary or merges file by path: transformers
-    would read it wherever it is, outside the directory and its sha256 record."""
+def _files_within(directory: Path) -> dict[str, str | None]:
+    """``from_pretrained`` keywords over tokenizer_config.json's file names: a bare name of a file in
+    ``directory`` becomes that file, anything else (a path elsewhere, ``..``) None, so that a
+    tokenizer reads the directory's own files or none, never one outside it and its sha256 record."""
     config = _read_json(directory / "tokenizer_config.json")
     if not isinstance(config, dict):
-        return
-    for key in _PATH_KEYS:
-        if isinstance(config.get(key), str):
-            raise RnnifyError(
-                f"{directory / 'tokenizer_config.json'}: {key!r} names a file ({config[key]!r:.60}), which a "
-                f"tokenizer would read from outside the directory; {fix}"
-            )
+        return {}
+    within = {}
+    for key, value in config.items():
+        if isinstance(value, str) and (key in _FILE_KEYS or key.endswith(_FILE_SUFFIXES)):
+            bare = value == Path(value).name and value not in ("", ".", "..") and "\\" not in value
+            within[key] = str(directory / value) if bare and (directory / value).is_file() else None
+    return within
 
 
 def _check_tokenizer_class(directory: Path, config: Any, fix: str) -> None:
