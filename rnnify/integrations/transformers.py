@@ -75,12 +75,10 @@ def _check_positions(
     0, takes none, and any id passed for it is left alone)."""
     if position_ids is None:
         return
-    start = state.positions.to(position_ids.device)[:, None]
-    real = torch.ones(start.shape[0], length, dtype=torch.bool, device=position_ids.device)
-    if attention_mask is not None:
-        real = attention_mask.to(device=position_ids.device, dtype=torch.bool)
-    own = start + real.long().cumsum(1) - 1
-    if position_ids.shape[-1] != length or not bool(((position_ids == own) | ~real).all()):
+    real = None if attention_mask is None else attention_mask.to(state.positions.device, torch.bool)
+    own = state.next_positions(length, real).to(position_ids.device)
+    padding = torch.zeros_like(own, dtype=torch.bool) if real is None else ~real.to(position_ids.device)
+    if position_ids.shape[-1] != length or not bool(((position_ids == own) | padding).all()):
         raise ValueError(
             "position_ids: an rnnify model numbers positions from its state (the tokens it has read, "
             "padding excluded by attention_mask); leave position_ids out"

@@ -201,12 +201,7 @@ class RecurrentModel(nn.Module):
 
         One read instead of one per check: on a GPU each read waits for the device, once per step.
         """
-        if mask is None:  # every token is real: positions simply continue
-            length = input_ids.shape[1]
-            offsets = torch.arange(length, device=input_ids.device) if length > 1 else 0
-            position_ids = state.positions[:, None] + offsets
-        else:
-            position_ids = (state.positions[:, None] + mask.long().cumsum(1) - 1).clamp_min(0)
+        position_ids = state.next_positions(input_ids.shape[1], mask)
         if not input_ids.numel():
             return position_ids
         low, high, last = torch.stack([input_ids.min(), input_ids.max(), position_ids.max()]).tolist()

@@ -31,3 +31,12 @@ class RecurrentState:
 
     def to(self, device: torch.device | str) -> "RecurrentState":
         return replace(self, tensors=tuple(t.to(device) for t in self.tensors), positions=self.positions.to(device))
+
+    def next_positions(self, length: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, length]`` positions of the next ``length`` tokens read into this state: its count
+        continued, a ``mask`` (bool) 0 taking none (a padding column repeats its row's last position,
+        the first real one's before any)."""
+        if mask is None:  # every token is real: positions simply continue
+            offsets = torch.arange(length, device=self.positions.device) if length > 1 else 0
+            return self.positions[:, None] + offsets
+        return (self.positions[:, None] + mask.long().cumsum(1) - 1).clamp_min(0)
