@@ -13,6 +13,7 @@ as the flag holds it (``DefaultsFormatter``), so that no help text repeats a val
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -24,10 +25,13 @@ __all__ = [
     "DefaultsFormatter",
     "Parser",
     "at_least",
+    "digest",
+    "integers",
     "layer_list",
     "probability",
     "seed",
     "temperature",
+    "text_path",
     "threads",
     "utf8",
 ]
@@ -82,16 +86,47 @@ class Command(Parser):
 SEEDS = range(-(2**63), 2**64)  # what torch.Generator.manual_seed takes (a negative one as its two's complement)
 
 
+def integers(text: str) -> list[int] | None:
+    """``text``'s comma-separated integers, each once; None if an item is empty (``1,,2``), not an
+    integer, or repeated (a typo, not a request to do it twice)."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        return None
+    return values if len(set(values)) == len(values) else None
+
+
+def digest(flag: str) -> Callable[[str], str]:
+    """A sha256 as ``rnnify info`` prints it: 64 hexadecimal digits (a typo is not a directory that changed)."""
+
+    def parse(text: str) -> str:
+        if len(text) != 64 or any(c not in "0123456789abcdefABCDEF" for c in text):
+            raise RnnifyError(f"{flag} {text!r:.80}: expected a sha256, 64 hexadecimal digits (rnnify info prints it)")
+        return text.lower()
+
+    return parse
+
+
+def text_path(flag: str) -> Callable[[str], str]:
+    """A path to text (a file, a folder or a .jsonl file) that exists now, not after the model loads."""
+
+    def parse(text: str) -> str:
+        if not os.path.exists(os.path.expanduser(text)):
+            raise RnnifyError(
+                f"{flag} {text} does not exist; pass a text file, a folder of text files or a .jsonl file"
+            )
+        return text
+
+    return parse
+
+
 def layer_list(flag: str) -> Callable[[str], list[int]]:
     """Comma-separated layer indices (``rnnify.convert``'s ``keep_softmax``)."""
 
     def parse(text: str) -> list[int]:
-        try:
-            layers = [int(part) for part in text.split(",") if part.strip()]
-        except ValueError:
-            layers = None
+        layers = integers(text)
         if not layers or min(layers) < 0:  # not integers, none, or a negative index
-            raise RnnifyError(f"{flag} {text!r}: expected comma-separated layer indices, e.g. 0,3")
+            raise RnnifyError(f"{flag} {text!r}: expected comma-separated layer indices, each once, e.g. 0,3")
         return layers
 
     return parse

@@ -169,9 +169,11 @@ def benchmark(
     aot = " (step compiled ahead of time)" if model.step_package is not None else ""
     original = None
     if against is not None:
-        from rnnify.compiler.capture import load_source
+        from rnnify.compiler.capture import load_source, source_name
+        from rnnify.original.teacher import check_vocabulary
 
         original = load_source(against, dtype=model.dtype).to(device)
+        check_vocabulary(original, model, source_name(against) or type(against).__name__)
     run = Run(
         command=command,
         machine=machine(device, load),

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from rnnify.choices import CHAT_MAX_NEW_TOKENS, TEMPERATURE
+from rnnify.choices import CHAT_MAX_NEW_TOKENS, TEMPERATURE, TOP_K
 from rnnify.errors import PositionError, RnnifyError
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.sampling import check_sampling, next_token, token_ids
@@ -70,7 +70,7 @@ class Chat:
         eos_token_id: int | list[int] | None = None,
         do_sample: bool = False,
         temperature: float = TEMPERATURE,
-        top_k: int | None = None,
+        top_k: int | None = TOP_K,
         top_p: float | None = None,
         seed: int | None = None,
     ):

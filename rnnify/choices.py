@@ -45,6 +45,7 @@ __all__ = [
     "KL_WEIGHT",
     "LORA_RANK",
     "MAX_NEW_TOKENS",
+    "GATES",
     "MEMORIES",
     "PASSKEY_TRIALS",
     "SCHEDULES",
@@ -53,6 +54,7 @@ __all__ = [
     "STAGES",
     "TARGETS",
     "TEMPERATURE",
+    "TOP_K",
     "TRAIN",
     "VERIFY_BATCH",
     "VERIFY_TOKENS",
@@ -77,6 +79,7 @@ TARGETS = {
 }
 FEATURE_MAPS = ("elu", "relu", "identity", "performer", "taylor", "hedgehog", "t2r")  # ``cells.linear.FEATURE_MAPS``
 MEMORIES = ("linear", "gla", "delta", "gated-delta")  # what holds the tokens that left the hybrid's window
+GATES = ("retnet", "gla", "gateloop")  # ``cells.gated.GATES``
 
 BACKENDS = ("auto", "triton", "reference")  # the fused ops' ``backend=``
 # A model's ``kernels``: a backend of its cells' fused ops, or "none": the cells' own PyTorch forms.
@@ -106,6 +109,7 @@ VERIFY_TOKENS, VERIFY_BATCH = 32, 2  # ``rnnify.verify.run_checks``: tokens per 
 MAX_NEW_TOKENS = 20  # ``RecurrentModel.generate``
 CHAT_MAX_NEW_TOKENS = 256  # ``rnnify.chat.Chat``, ``model.chat``: a reply, longer than a continuation
 TEMPERATURE = 1.0  # sampling from the model's own distribution
+TOP_K = 50  # sampling from the 50 most likely tokens, as transformers' GenerationConfig; 0 or None: from all
 
 # ``rnnify.bench.benchmark``: contexts, batch sizes, timed steps per point, longest prefill timed
 BENCH_CONTEXTS, BENCH_BATCHES = (256, 1024, 4096, 16384), (1, 8)

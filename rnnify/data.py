@@ -252,7 +252,7 @@ def _jsonl(path: Path) -> Iterator[tuple[str, bool]]:
                 continue
             try:
                 record = json.loads(line)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise RnnifyError(
                     f'{path}:{number} is not JSON ({exc}); each line must be an object like {{"text": "..."}}'
                 ) from None

@@ -25,6 +25,7 @@ from rnnify.original import LayerError, attention_transfer, load_teacher, local_
 from rnnify.original.outputs import OriginalOutputs, content_digest
 from rnnify.runtime.manifest import MANIFEST_FILE
 from rnnify.runtime.model import RecurrentModel
+from rnnify.runtime.output_dir import replace_file
 from rnnify.runtime.storage import load, load_or_take
 
 __all__ = ["CopyKL", "EvalResult", "PositionKL", "copy_kinds", "evaluate", "position_ranges", "write_json"]
@@ -190,12 +191,9 @@ def evaluate(
 def write_json(path: str | os.PathLike, data: dict[str, Any]) -> None:
     """Write ``data`` to ``path`` atomically (a temporary file renamed over it): never half a file."""
     path = Path(path).expanduser()
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        partial.write_text(json.dumps(data, indent=1) + "\n")
-        os.replace(partial, path)
+        replace_file(path, lambda file: file.write((json.dumps(data, indent=1) + "\n").encode()))
     except OSError as exc:
-        partial.unlink(missing_ok=True)
         raise RnnifyError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 

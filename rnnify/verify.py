@@ -164,11 +164,12 @@ def run_checks(
     if against is not None:
         report("vs original")
         from rnnify.compiler.capture import load_source, source_name
+        from rnnify.original.teacher import check_vocabulary
 
-        source = load_source(against, dtype=dtype)
+        source, name = load_source(against, dtype=dtype), source_name(against) or type(against).__name__
+        check_vocabulary(source, model, name)  # ids past the other's embeddings would index out of range
         want = source(input_ids=ids.to(next(source.parameters()).device), use_cache=False).logits.to(ids.device)
         if want.shape != full.shape:
-            name = source_name(against) or type(against).__name__
             raise RnnifyError(
                 f"{name}: its logits have shape {tuple(want.shape)}, the converted model's {tuple(full.shape)}; "
                 "compare against the model this one was converted from"

@@ -127,6 +127,8 @@ def test_benchmark_returns_every_measurement_of_the_sweep(converted_dir):
     "argv, words",
     [
         (["--contexts", "8,x"], ["--contexts"]),
+        (["--contexts", "16,,16"], ["--contexts", "each once"]),  # 16 was timed twice
+        (["--prefill-max", "-1"], ["--prefill-max"]),  # no prefill was timed, silently
         (["--batch", "0"], ["--batch"]),
         (["--steps", "0"], ["--steps"]),
         (["--dtype", "bfloat16"], ["float32", "--dtype"]),

@@ -6,9 +6,11 @@ from __future__ import annotations
 import io
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,11 +92,59 @@ def test_convert_bad_memory_is_one_line(capsys, tmp_path, tiny_model_dir):
         (["--keep-softmax", "0,x"], "comma-separated layer indices"),
         (["--layers", "0-1"], "RANGE:TARGET"),
         (["--layers", "9:exact"], "matches no layer"),
+        (["--keep-softmax", "0,,1"], "comma-separated layer indices, each once"),  # the empty item was dropped
+        (["--window", "8", "--option", "window=9"], "--option window=9 and --window 8: give it once"),  # 9 won
     ],
 )
 def test_convert_bad_layer_flags(capsys, tmp_path, tiny_model_dir, flags, message):
     code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "linear", *flags, "-o", tmp_path / "o")
     assert_user_error(code, err, message)
+    assert not (tmp_path / "o").exists()
+
+
+def test_convert_never_asks_to_run_a_sources_own_code(capsys, monkeypatch, tmp_path, tiny_model_dir):
+    """A source whose config.json maps its type to code of its own (``auto_map``): transformers asked on
+    stdin whether to run it (and ran it on "y"); rnnify converts what transformers knows, and says so."""
+    source = Path(shutil.copytree(tiny_model_dir("llama"), tmp_path / "custom"))
+    config = json.loads((source / "config.json").read_text())
+    config.update(model_type="custom_llama", auto_map={"AutoConfig": "custom.Config"})
+    (source / "config.json").write_text(json.dumps(config))
+    marker = tmp_path / "ran"
+    (source / "custom.py").write_text(f"import pathlib; pathlib.Path({str(marker)!r}).write_text('ran')\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))
+    code, _, err = run(capsys, "convert", source, "--to", "exact", "-o", tmp_path / "o")
+    assert_user_error(code, err, "cannot read the model config (it names code of its own (auto_map)")
+    assert not marker.exists() and not (tmp_path / "o").exists()
+
+
+def _no_weights(source: Path) -> None:
+    for weights in source.glob("*.safetensors"):
+        weights.unlink()
+
+
+def _truncated_weights(source: Path) -> None:
+    weights = next(source.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+
+
+def _heads_not_dividing_the_width(source: Path) -> None:
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "num_attention_heads": 7}))
+
+
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (_no_weights, "cannot read the model's weights"),
+        (_truncated_weights, "cannot read the model's weights"),
+        (_heads_not_dividing_the_width, "its config.json does not describe a model"),
+    ],
+)
+def test_convert_of_a_damaged_source_is_one_line(capsys, tmp_path, tiny_model_dir, damage, words):
+    source = Path(shutil.copytree(tiny_model_dir("llama"), tmp_path / "source"))
+    damage(source)
+    code, _, err = run(capsys, "convert", source, "--to", "exact", "-o", tmp_path / "o")
+    assert_user_error(code, err, words)
     assert not (tmp_path / "o").exists()
 
 
@@ -121,6 +171,15 @@ def test_verify_fails_when_weights_differ_from_the_digest(capsys, tmp_path, conv
     code, out, _ = run(capsys, "verify", directory)
     assert code == 1
     assert "FAIL" in out and "model.safetensors does not match the sha256" in " ".join(out.split())  # wrapped
+
+
+@pytest.mark.parametrize("command", [["verify"], ["bench", "--contexts", "16", "--batch", "1", "--steps", "2"]])
+def test_an_original_of_another_vocabulary_is_one_line(capsys, converted_dir, command):
+    """The bundled model's 4,096 ids index past the tiny model's 320 embeddings (an IndexError, after
+    every timing for bench)."""
+    other = ROOT / "examples" / "models" / "stdlib-llama"
+    code, _, err = run(capsys, command[0], converted_dir("llama", "exact"), *command[1:], "--against", other)
+    assert_user_error(code, err, "has a vocabulary of 4096 tokens but the converted model has 320")
 
 
 def test_verify_against_the_original_catches_an_altered_weight(capsys, tmp_path, converted_dir, tiny_model_dir):

@@ -49,6 +49,21 @@ def test_chat_stdin_that_is_not_utf8(capsys, monkeypatch, chat_dir):
     assert_user_error(code, err, "stdin is not utf-8 text (invalid start byte: ff)")
 
 
+def test_chat_stdin_decoded_with_surrogates_is_refused(capsys, monkeypatch, chat_dir):
+    """Python decodes a pipe with ``surrogateescape`` under a C or UTF-8 locale: other bytes arrive as
+    lone surrogates, which the tokenizer refused with a TypeError."""
+    stdin = io.TextIOWrapper(io.BytesIO(b"bad \xff\xfe line\n"), encoding="utf-8", errors="surrogateescape")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    code, _, err = run(capsys, "chat", chat_dir, "--max-new-tokens", "2")
+    assert_user_error(code, err, "stdin is not UTF-8 text (bytes ff fe at character 5)")
+
+
+def test_chat_with_stdin_closed_is_refused_before_loading(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "stdin", None)
+    code, _, err = run(capsys, "chat", tmp_path / "no-model")
+    assert_user_error(code, err, "chat reads its messages from stdin, which is closed")
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "-inf", "warm"])
 def test_temperature_out_of_range(capsys, monkeypatch, value):
     monkeypatch.setattr("rnnify.cli.generate.run", lambda args, console: pytest.fail("ran with a bad --temperature"))
@@ -84,7 +99,7 @@ def test_seed_out_of_range(capsys, monkeypatch, command, value):
     argv = {
         "generate": ["generate", "d", "--ids", "1", "--do-sample"],
         "verify": ["verify", "d"],
-        "distill": ["distill", "d", "--data", "x", "-o", "out"],
+        "distill": ["distill", "d", "--data", ".", "-o", "out"],
     }[command]
     code, _, err = run(capsys, *argv, "--seed", value)
     assert_user_error(code, err, "--seed", "-2**63 to 2**64 - 1" if value != "1.5" else "expected an integer")
@@ -125,7 +140,7 @@ _BAD_VALUES = [
 _COMMANDS = {
     "generate": ["generate", "d", "--ids", "1", "--do-sample"],
     "chat": ["chat", "d"],
-    "eval": ["eval", "d", "--data", "x"],
+    "eval": ["eval", "d", "--data", "."],
 }
 
 

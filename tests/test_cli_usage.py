@@ -127,7 +127,7 @@ BAD_INPUT = {
     ),
     "against another model": (
         lambda t, c: ["verify", c("llama", "exact"), "--against", _other_vocab(t)],
-        "compare against the model this one was converted from",
+        "pass the model it was converted from",
     ),
     "too few verify tokens": (
         lambda t, c: ["verify", t / "missing", "--tokens", "1"],
@@ -147,9 +147,36 @@ BAD_INPUT = {
         "--passkey-trials 0: must be at least 1",
     ),
     "top-p past 1": (lambda t, c: ["generate", t / "missing", "--prompt", "a", "--top-p", "1.5"], "--top-p 1.5"),
-    "top-k 0": (
-        lambda t, c: ["generate", t / "missing", "--prompt", "a", "--top-k", "0"],
-        "--top-k 0: must be at least 1",
+    "unknown gate": (  # refused after loading and capturing the model before
+        lambda t, c: ["convert", BUNDLED, "--to", "gated", "--gate", "nope", "-o", t / "o"],
+        "argument --gate: invalid choice: 'nope'",
+    ),
+    "empty output": (lambda t, c: ["convert", BUNDLED, "--to", "exact", "-o", ""], "name a new directory"),
+    "output under a file": (
+        lambda t, c: ["convert", BUNDLED, "--to", "exact", "-o", _file(t) / "sub"],
+        "is a file, not a directory",
+    ),
+    "empty model": (lambda t, c: ["convert", "", "--to", "exact", "-o", t / "o"], "the model is an empty name"),
+    "digest not hex": (
+        lambda t, c: ["verify", t / "missing", "--expect-digest", "zz"],
+        "--expect-digest 'zz': expected a sha256, 64 hexadecimal digits",
+    ),
+    "ids with an empty item": (
+        lambda t, c: ["generate", t / "missing", "--ids", "1,,2"],
+        "--ids: '' is not an integer",
+    ),
+    "empty prompt": (lambda t, c: ["generate", t / "missing", "--prompt", ""], "--prompt is empty"),
+    "missing eval data": (
+        lambda t, c: ["eval", t / "missing", "--data", t / "no-text"],
+        "no-text does not exist; pass a text file",
+    ),
+    "missing distill data": (
+        lambda t, c: ["convert", BUNDLED, "--to", "hybrid", "--distill", t / "no-text", "-o", t / "out"],
+        "no-text does not exist; pass a text file",
+    ),
+    "top-k -1": (
+        lambda t, c: ["generate", t / "missing", "--prompt", "a", "--top-k=-1"],
+        "--top-k -1: must be at least 0",
     ),
     "no chat reply": (
         lambda t, c: ["chat", t / "missing", "--max-new-tokens", "0"],
@@ -220,8 +247,8 @@ COMMANDS = {
     "info": (["info", "d"], None),
     "compile": (["compile", "d"], None),
     "bench": (["bench", "d"], "--dtype"),
-    "eval": (["eval", "d", "--data", "x"], "--kernels"),
-    "distill": (["distill", "d", "--data", "x", "-o", "out"], "--train"),
+    "eval": (["eval", "d", "--data", "."], "--kernels"),
+    "distill": (["distill", "d", "--data", ".", "-o", "out"], "--train"),
 }
 
 
@@ -306,9 +333,11 @@ def test_the_names_the_command_line_offers_are_the_cells_and_feature_maps():
     """rnnify.choices states them without torch; rnnify.cells builds them from their classes."""
     from rnnify import choices
     from rnnify.cells import CELLS
+    from rnnify.cells.gated import GATES
     from rnnify.cells.linear import FEATURE_MAPS
 
     assert list(choices.TARGETS) == list(CELLS) and choices.FEATURE_MAPS == tuple(FEATURE_MAPS)
+    assert choices.GATES == GATES
 
 
 @pytest.mark.parametrize("argv", [["convert", "--help"], ["verify", "--bad-flag"]])

@@ -35,6 +35,12 @@ def _edit_cell(directory: Path, key: str, change) -> None:
     reseal(directory, cells=cells)
 
 
+def _edit_cells(directory: Path, change) -> None:
+    cells = _manifest(directory)["cells"]
+    change(cells[0])
+    reseal(directory, cells=cells)
+
+
 def _edit_weights(directory: Path, name: str, change) -> None:
     tensors = load_file(directory / WEIGHTS_FILE)
     tensors[name] = change(tensors[name])
@@ -89,6 +95,32 @@ CASES = {
         lambda d: _edit_graph(d, lambda g: g["nodes"][-1].__setitem__("args", [{"tuple": []}])),
         "returns 0 values",
     ),
+    # a spec's sizes are a few bytes that would fill memory: checked on the meta device before any is built
+    "spec larger than its weights": (
+        lambda d: _edit_cells(
+            d, lambda c: c.update(target="delta", options={}, spec={**c["spec"], "hidden_size": 2**24})
+        ),
+        "spec hidden_size 16,777,216 is more than the weights hold",
+    ),
+    "spec of other weights": (
+        lambda d: _edit_cells(d, lambda c: c.update(target="delta", options={}, spec={**c["spec"], "hidden_size": 48})),
+        "its spec makes it",
+    ),
+    "a cell the graph never calls": (
+        lambda d: reseal(d, cells=[*_manifest(d)["cells"], {**_manifest(d)["cells"][0], "module": "cells.extra"}]),
+        "cell 'cells.extra' of the manifest is never called",
+    ),
+    "spec computing more than the weights": (
+        lambda d: _edit_cells(
+            d,
+            lambda c: c.update(
+                target="gated",
+                options={"gate": "retnet"},
+                spec={**c["spec"], "num_heads": 10**7, "num_kv_heads": 10**7},
+            ),
+        ),
+        "more than the weights hold",
+    ),
     "deeply nested graph": (
         lambda d: (
             (d / GRAPH_FILE).write_text('{"format": 1, "nodes": ' + "[" * 50_000 + "]" * 50_000 + "}"),
@@ -125,3 +157,26 @@ def test_a_manifest_may_record_only_files_of_its_directory(model_copy, tmp_path,
     code = main(["verify", str(model_copy)])
     err = capsys.readouterr().err
     assert code == 2 and "not a file of the directory" in err and len(err.strip().splitlines()) == 1, err
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+# what info and generate read beside the manifest, weights and graph: (file, content, generate's code, words)
+TEXT_CASES = {
+    "deep config.json": ("config.json", DEEP, 2, "cannot load a tokenizer"),  # info: no source config
+    "deep generation_config.json": ("generation_config.json", DEEP, 0, ""),  # no end ids then: it stops at N
+    "float eos_token_id": ("generation_config.json", '{"eos_token_id": 1.5}', 2, "eos_token_id must be"),
+    "deep tokenizer_config.json": ("tokenizer_config.json", DEEP, 2, "cannot load a tokenizer"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TEXT_CASES))
+def test_odd_json_beside_the_model_is_one_line_or_none(capsys, model_copy, case):
+    """Deep nesting raises RecursionError and a wrong type a TypeError, which ``json`` errors do not cover."""
+    name, content, expected, words = TEXT_CASES[case]
+    (model_copy / name).write_text(content)
+    reseal(model_copy)
+    for command in (["info"], ["generate", "--prompt", "def", "--max-new-tokens", "2"]):
+        code = main([command[0], str(model_copy), *command[1:]])
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, err
+    assert code == expected and words in err, err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -120,6 +121,22 @@ def test_transfer_on_rows_the_windows_hold_whole_is_refused(tiny_model_dir, targ
     else:
         rnnify.distill(model, tokens(4), **run)
         assert model.manifest.distill["trained"][0]["final_loss"] > 1e-6
+
+
+def test_rows_past_the_positions_the_original_was_trained_on_are_refused(hybrid_dir):
+    """Rotary positions run on past the trained length, where the teacher's outputs are no target, and
+    the teacher's attention over such rows is seq_len x seq_len: 100,000 tokens filled 23 GB."""
+    model = rnnify.load(hybrid_dir)
+    trained_on = model.manifest.positions["limit"]
+    with pytest.raises(rnnify.RnnifyError, match=f"{trained_on + 1} is past the {trained_on} positions"):
+        rnnify.distill(model, tokens(4), stages=["transfer"], seq_len=trained_on + 1, batch_size=4, progress=False)
+
+
+@pytest.mark.parametrize("where", ["file", "file/below"])
+def test_a_checkpoint_directory_that_is_a_file_is_refused_before_training(hybrid_dir, tmp_path, where):
+    (tmp_path / "file").write_text("notes")
+    with pytest.raises(rnnify.RnnifyError, match=f"{tmp_path / 'file'} is a file, not a directory"):
+        rnnify.distill(rnnify.load(hybrid_dir), tokens(8), checkpoint_dir=tmp_path / where, **FAST)
 
 
 def test_final_loss_skips_a_short_last_batch(hybrid_dir):
@@ -336,6 +353,19 @@ def test_resume_refuses_a_checkpoint_without_every_cell_parameter(hybrid_dir, tm
         rnnify.distill(
             rnnify.load(hybrid_dir), tokens(8), stages=["transfer"], checkpoint_dir=tmp_path, resume=True, **FAST
         )
+
+
+@pytest.mark.parametrize("field, value", [("settings", []), ("step", "3"), ("records", {})])
+def test_a_checkpoint_field_of_another_type_is_unreadable(tmp_path, field, value):
+    """A field of another type would fail later, where it is used (``settings.keys()``), with a traceback."""
+    from rnnify.distillation.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+
+    good = Checkpoint("transfer", 3, False, 100, {"w": torch.ones(1)}, {}, {"source": "m"})
+    save_checkpoint(tmp_path, good)
+    assert load_checkpoint(tmp_path, {"source": "m"}) == good
+    save_checkpoint(tmp_path, dataclasses.replace(good, **{field: value}))
+    with pytest.raises(rnnify.RnnifyError, match=f"unreadable checkpoint \\(its {field} is a"):
+        load_checkpoint(tmp_path, {"source": "m"})
 
 
 def test_a_fresh_run_sets_an_earlier_checkpoint_aside(hybrid_dir, tmp_path, monkeypatch, capsys):

@@ -117,7 +117,11 @@ def test_cli_fsdp_flag(capsys, hybrid_dir, tmp_path):
     ]
     assert main(["distill", str(hybrid_dir), *map(str, args), "--fsdp"]) == 0
     assert "warning: FSDP in one process has nothing to shard" in capsys.readouterr().err
-    assert build_parser().parse_args(["convert", "m", "--to", "hybrid", "--distill", "c", "-o", "o", "--fsdp"]).fsdp
+    assert (
+        build_parser()
+        .parse_args(["convert", "m", "--to", "hybrid", "--distill", str(corpus), "-o", "o", "--fsdp"])
+        .fsdp
+    )
 
 
 # -- two gloo processes --------------------------------------------------------------------

@@ -292,6 +292,8 @@ def test_kernels_and_device_choose_how_a_directory_loads(converted_dir, monkeypa
             ["--json", "{tmp}/missing/eval.json"],
             "--json {tmp}/missing/eval.json: directory {tmp}/missing does not exist",
         ),
+        (["--json", "{tmp}"], "--json {tmp} is a directory"),
+        (["--json", "/proc/eval.json"], "--json /proc/eval.json: cannot write in /proc"),  # root too
         (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nope"], "--device"),
     ],
 )

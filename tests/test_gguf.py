@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +56,28 @@ def test_convert_gguf_matches_transformers_and_keeps_the_tokenizer(capsys, tmp_p
     assert tokenizer(text).input_ids == original(text).input_ids
     assert tokenizer.chat_template == CHAT_TEMPLATE
     assert tokenizer.eos_token == "<|im_end|>"
+
+
+def test_a_gguf_tokenizer_is_read_from_the_file_alone(capsys, tmp_path, tiny_gguf):
+    """transformers also reads the GGUF's folder: a tokenizer_config.json there naming code of its own
+    (``auto_map``) made it ask on stdin whether to run it, then leave the tokenizer out."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "download"
+    folder.mkdir()
+    gguf = Path(shutil.copy(tiny_gguf, folder / "model.gguf"))
+    marker = tmp_path / "ran"
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "Evil", "auto_map": {"AutoTokenizer": ["evil.Evil", "evil.Evil"]}})
+    )
+    (folder / "evil.py").write_text(f"import pathlib; pathlib.Path({str(marker)!r}).write_text('ran')\n")
+    out = tmp_path / "exact"
+    assert main(["convert", str(gguf), "--to", "exact", "-o", str(out), "--no-compile"]) == 0, capsys.readouterr().err
+    assert not marker.exists()
+    original = AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name)
+    assert load_tokenizer(out)("hello there").input_ids == original("hello there").input_ids
 
 
 def test_a_gguf_source_is_the_default_original(tmp_path, tiny_gguf):

@@ -11,6 +11,7 @@ weight. Every directory here is resealed (``reseal``), as an attacker who rewrit
 from __future__ import annotations
 
 import copy
+import io
 import json
 import shutil
 from pathlib import Path
@@ -221,3 +222,35 @@ def test_info_writes_out_the_control_characters_of_a_manifest(capsys, tmp_path, 
     assert main(["info", str(directory)]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out and "\\x1b[2J" in out, out
+
+
+def test_a_graph_that_squares_its_sizes_is_refused_before_its_dry_run(capsys, tmp_path, windowed):
+    """Squaring a size again and again doubles its digits each time: the dry run at load would stall."""
+    directory = Path(shutil.copytree(windowed, tmp_path / "model"))
+    graph = json.loads((directory / GRAPH_FILE).read_text())
+    first_input = next(n["name"] for n in graph["nodes"] if n["op"] == "placeholder")
+    chain = [
+        _node("size", "call_function", "torch.ops.aten.sym_size.int", _ref(first_input), 0),
+        _node("big", "call_function", "operator.mul", _ref("size"), 2**62),
+    ]
+    chain += [
+        _node(f"square{i}", "call_function", "operator.mul", _ref(p), _ref(p))
+        for i, p in enumerate(["big", *(f"square{i}" for i in range(11))])
+    ]
+    graph["nodes"][-1:-1] = chain
+    (directory / GRAPH_FILE).write_text(json.dumps(graph))
+    reseal(directory)
+    code = main(["info", str(directory)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "node 'square3'" in err and "integer arithmetic" in err, err
+
+
+def test_an_error_line_writes_out_the_control_characters_of_a_directory(capsys, monkeypatch, tmp_path, windowed):
+    """A chat template's raise_exception() reaches the error line: its escape sequences are written out."""
+    directory = Path(shutil.copytree(windowed, tmp_path / "model"))
+    (directory / "chat_template.jinja").write_text("{{ raise_exception('\x1b]0;pwned\x07\x1b[2Jall good') }}")
+    reseal(directory)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    code = main(["chat", str(directory), "--max-new-tokens", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "\x1b" not in err and "\x07" not in err and "\\x1b]0;pwned" in err, err

@@ -429,6 +429,11 @@ def test_auto_chooses_again_from_saved_scores(retrieval_model, tmp_path):
             auto(directory, rows, budget="30%", score="mass", scores_from=tmp_path / "bad.json")
     with pytest.raises(RnnifyError, match="holds the mass score.*not 'kl'"):
         auto(directory, rows, budget="30%", score="kl", scores_from=tmp_path / "m" / "head_map.json")
+    # a score past float's range (OverflowError), nesting past Python's recursion limit (RecursionError)
+    for text in ('{"scores": {"mass": {"0.0": 1' + "0" * 400 + "}}}", "[" * 100_000 + "]" * 100_000):
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(RnnifyError, match="not a head_map.json"):
+            auto(directory, rows, budget="30%", score="mass", scores_from=tmp_path / "bad.json")
 
 
 def test_auto_calibration_rows_default_to_the_models_positions(tiny_model_dir):
@@ -477,6 +482,9 @@ def test_auto_cli_errors(capsys, tmp_path, retrieval_model, tiny_model_dir):
     assert_user_error(code, err, "--state-budget", "--max-kl")
     code, _, err = run(capsys, *base, "--data", text, "--state-budget", "lots")
     assert_user_error(code, err, "expected bytes")
+    for share in ("inf%", "-10%", "nan%"):  # an OverflowError; a negative budget said to be too small
+        code, _, err = run(capsys, *base, "--data", text, f"--state-budget={share}")
+        assert_user_error(code, err, f"--state-budget '{share}' must be a positive size")
     code, _, err = run(capsys, *base, "--data", text, "--state-budget", "30%", "--calib-len", "1000")
     assert_user_error(code, err, "past the model's 128 positions")
     code, _, err = run(

@@ -58,6 +58,18 @@ def test_generate_equals_the_original_token_for_token(models, options):
     assert torch.equal(outputs[1], outputs[0])
 
 
+def test_rnnify_generate_samples_with_the_defaults_of_transformers(models, converted_dir):
+    """rnnify's own generate, given only do_sample and a seed, draws the original's tokens as transformers
+    draws them after ``torch.manual_seed``: the same defaults (top-k 50) and the same random stream."""
+    original, _, tokenizer = models
+    model = rnnify.load(converted_dir("llama", "exact"))
+    ids = _ids(tokenizer)
+    for seed, options in [(0, {}), (1, {}), (2, {"top_k": 0})]:  # top_k 0: from every token, in both
+        torch.manual_seed(seed)
+        want = original.generate(ids, do_sample=True, max_new_tokens=16, eos_token_id=None, pad_token_id=0, **options)
+        assert torch.equal(model.generate(ids, do_sample=True, max_new_tokens=16, seed=seed, **options), want)
+
+
 def test_left_padded_batch_equals_each_prompt_alone(models):
     original, wrapper, tokenizer = models
     prompts = [PROMPT, "import os\nclass Reader(object):"]
@@ -174,6 +186,24 @@ def test_modes_that_need_past_keys_are_refused(models, options, match):
     _, wrapper, tokenizer = models
     with pytest.raises(ValueError, match=match):
         wrapper.generate(_ids(tokenizer), max_new_tokens=4, **options)
+
+
+def test_an_rnnify_model_as_assistant_is_refused_before_it_drafts(models):
+    """Assisted decoding crops the assistant's cache where the main model rejects its drafts: the
+    wrapper failed mid-generation then, from transformers' code, and only when a draft was rejected."""
+    original, wrapper, tokenizer = models
+    with pytest.raises(ValueError, match="an rnnify model cannot be an assistant_model"):
+        original.generate(_ids(tokenizer), assistant_model=wrapper, max_new_tokens=8, pad_token_id=0)
+
+
+def test_a_right_padded_batch_is_refused(models):
+    """transformers only warns that the decoding starts from the padding; rnnify's own generate refuses."""
+    _, wrapper, tokenizer = models
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.padding_side, tokenizer.pad_token = "right", tokenizer.eos_token
+    batch = tokenizer([PROMPT, "import os"], return_tensors="pt", padding=True)
+    with pytest.raises(ValueError, match="a row ends in padding.*pad on the left"):
+        wrapper.generate(**batch, max_new_tokens=4, pad_token_id=0)
 
 
 def test_the_default_cache_implementation_is_the_recurrent_state(models):

@@ -200,3 +200,82 @@ def test_a_file_system_without_flock_saves_with_a_warning(converted_dir, tmp_pat
     with pytest.warns(RnnifyWarning, match="cannot be locked .* nothing stops a second rnnify run"):
         rnnify.load(converted_dir("llama", "linear")).save(tmp_path / "out")
     assert beside(tmp_path / "out") == ["out"]
+
+
+def test_a_manifest_rewritten_in_place_never_writes_through_a_planted_link(converted_dir, tmp_path):
+    """``rnnify compile --ship`` rewrites the manifest of a directory someone else made: links planted
+    there under the names an earlier writer used (its pid's, its own) point at the user's files."""
+    from rnnify.runtime.manifest import MANIFEST_FILE, Manifest
+
+    directory = Path(shutil.copytree(converted_dir("llama", "linear"), tmp_path / "model"))
+    victim = tmp_path / "victim"
+    victim.write_text("the user's")
+    for name in (f".{MANIFEST_FILE}.{os.getpid()}.tmp", f".{MANIFEST_FILE}.tmp"):
+        (directory / name).symlink_to(victim)
+    old = os.umask(0o022)
+    try:
+        Manifest.read(directory).write(directory)
+    finally:
+        os.umask(old)
+    assert victim.read_text() == "the user's"
+    written = directory / MANIFEST_FILE
+    assert not written.is_symlink() and written.stat().st_mode & 0o777 == 0o644 and rnnify.load(directory)
+
+
+def test_a_file_replaced_whole_leaves_nothing_when_writing_fails(tmp_path):
+    path = tmp_path / "result.json"
+    path.write_text("before")
+
+    def fail(file) -> None:
+        file.write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError):
+        output_dir.replace_file(path, fail)
+    assert path.read_text() == "before" and beside(path) == ["result.json"]
+    output_dir.replace_file(path, lambda file: file.write(b"after"))
+    assert path.read_text() == "after" and beside(path) == ["result.json"]
+
+
+def test_the_umask_is_read_without_changing_it(tmp_path):
+    """Setting the umask to read it would give other threads' files a zero umask meanwhile."""
+    old = os.umask(0o027)
+    try:
+        seen = []
+        real = os.umask
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(os, "umask", lambda mask: seen.append(mask) or real(mask))
+            assert output_dir.umask() == 0o027
+        assert seen == []
+    finally:
+        os.umask(old)
+
+
+def test_a_failed_convert_leaves_no_folders_it_made_for_its_output(capsys, tmp_path, tiny_model_dir):
+    out = tmp_path / "new1" / "new2" / "model"
+    code, _, err = run(
+        capsys, "convert", tiny_model_dir("llama"), "--to", "window", "--window", "8", "--keep-softmax", "9", "-o", out
+    )
+    assert_user_error(code, err, "--keep-softmax")
+    assert not (tmp_path / "new1").exists()
+    code, _, err = run(capsys, "convert", tiny_model_dir("llama"), "--to", "exact", "-o", out, "--no-compile")
+    assert code == 0 and (out / "rnnify.json").is_file(), err
+
+
+def test_a_file_swapped_for_a_link_while_it_is_written_is_not_put_in_place(tmp_path, monkeypatch):
+    """Whoever owns the folder can rename a link over the new file's random name while it is written:
+    the write goes to the file rnnify created, and the link is not renamed into place."""
+    victim = tmp_path / "victim"
+    victim.write_text("the user's")
+    victim.chmod(0o600)
+    path = tmp_path / "shared" / "rnnify.json"
+    path.parent.mkdir()
+
+    def write_then_swap(file) -> None:
+        file.write(b"{}")
+        (link := path.parent / "link").symlink_to(victim)
+        link.rename(next(p for p in path.parent.iterdir() if p.name.startswith(".rnnify.json.")))
+
+    with pytest.raises(OSError, match="was replaced while it was written"):
+        output_dir.replace_file(path, write_then_swap)
+    assert victim.read_text() == "the user's" and victim.stat().st_mode & 0o777 == 0o600 and not path.exists()

@@ -257,6 +257,33 @@ def test_size_arithmetic_outside_the_vocabulary_is_refused(fn):
         graph_to_json(g)
 
 
+def _squarings(times: int, start: int) -> dict:
+    """A graph that multiplies ``x``'s first size by ``start``, then squares the product ``times`` times."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    n = g.call_function(operator.mul, (g.call_function(torch.ops.aten.sym_size.int, (x, 0)), 1))
+    g.output((n,))
+    data = json.loads(_dumps(graph_to_json(g)))
+    nodes = data["nodes"]
+    nodes[2]["args"][1] = start
+    names = [nodes[2]["name"]] + [f"square{i}" for i in range(times)]
+    for previous, name in zip(names, names[1:]):
+        ref = {"node": previous}
+        nodes.insert(
+            -1, {"name": name, "op": "call_function", "target": "operator.mul", "args": [ref, ref], "kwargs": {}}
+        )
+    nodes[-1]["args"] = [{"tuple": [{"node": names[-1]}]}]
+    return data
+
+
+def test_integer_arithmetic_that_could_outgrow_a_size_is_refused_before_it_runs():
+    """Python integers have no width: squaring a product 40 times would never finish at load."""
+    with pytest.raises(GraphFormatError, match="node 'square3' .*may reach 1152 bits"):
+        graph_from_json(_squarings(40, 2**7))  # 64 + 8 bits, doubled three times
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph_from_json(_squarings(3, 3)))
+    assert gm(torch.zeros(5, 1)) == ((5 * 3) ** 8,)  # a step's size products: the bound leaves room
+
+
 def test_custom_namespace_ops_are_refused():
     lib_name = "rnnify_serialize_test"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import warnings
@@ -21,6 +22,7 @@ from support import reseal
 import rnnify
 from rnnify.chat import Chat
 from rnnify.runtime.text import eos_ids
+from rnnify.runtime.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def read(path):"
@@ -221,6 +223,44 @@ def test_a_class_that_declares_no_vocab_file_reads_none_from_outside(converted_d
     assert len(tokenizer) < len(model["vocab"])
 
 
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_a_versioned_tokenizer_file_is_refused(converted_dir, tmp_path, where):
+    """``fast_tokenizer_files`` (a list) names the tokenizer file for each transformers version by any
+    path: transformers opened ``../elsewhere/tokenizer.1.0.json`` in place of the recorded tokenizer.json;
+    rnnify writes no such file, so an unrecorded one inside is refused as well."""
+    directory = shutil.copytree(converted_dir("llama", "exact"), tmp_path / "model")
+    place = tmp_path / "elsewhere" if where == "outside" else directory
+    place.mkdir(exist_ok=True)
+    tokenizer = json.loads((directory / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append({**tokenizer["added_tokens"][0], "id": 4096, "content": "SECRET"})
+    (place / "tokenizer.1.0.json").write_text(json.dumps(tokenizer))
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    tokenizer_config["fast_tokenizer_files"] = [os.path.relpath(place / "tokenizer.1.0.json", directory)]
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    reseal(directory)
+    with pytest.raises(rnnify.RnnifyError, match="fast_tokenizer_files .* names files rnnify never writes"):
+        rnnify.load(directory).tokenizer
+    source = shutil.copytree(converted_dir("llama", "exact"), tmp_path / "source")  # not converted: bare names only
+    (source / "rnnify.json").unlink()
+    (source / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    if where == "outside":
+        with pytest.raises(rnnify.RnnifyError, match="fast_tokenizer_files .* names files outside the directory"):
+            load_tokenizer(source)
+
+
+def test_chat_templates_added_beside_a_saved_one_are_refused(chat_dir, tmp_path):
+    """transformers reads every ``additional_chat_templates/*.jinja`` (links followed) as a chat template,
+    ``default.jinja`` in place of the saved one; the folder needs no reseal, since no record covers it."""
+    directory = shutil.copytree(chat_dir, tmp_path / "model")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("API_KEY=hunter2")
+    (directory / "additional_chat_templates").mkdir()
+    (directory / "additional_chat_templates" / "default.jinja").symlink_to(secret)
+    model = rnnify.load(directory, expected_digest=rnnify.load(chat_dir).manifest.digest)
+    with pytest.raises(rnnify.RnnifyError, match="additional_chat_templates: rnnify writes no such folder"):
+        model.chat([{"role": "user", "content": "hi"}], max_new_tokens=1)
+
+
 def test_a_tokenizer_file_the_tokenizers_library_refuses_is_one_line(converted_dir, tmp_path):
     """The tokenizers library raises a plain Exception for a merge of tokens outside its vocabulary."""
     directory = shutil.copytree(converted_dir("llama", "exact"), tmp_path / "model")
@@ -250,7 +290,7 @@ def test_a_tokenizer_whose_backend_is_not_installed_is_one_line(converted_dir, t
     [
         (lambda m: m.stream(PROMPT, max_tokens=4), "unknown option 'max_tokens'; a text prompt takes max_new_tokens"),
         (lambda m: m.generate(PROMPT, attention_mask=torch.ones(1, 4)), "attention_mask applies to token-id"),
-        (lambda m: m.stream(PROMPT, top_k=0), "top_k must be >= 1"),
+        (lambda m: m.stream(PROMPT, top_k=-1), "top_k must be >= 0"),
         (lambda m: m.stream(""), "the prompt is empty"),
         (lambda m: m.stream(42), "a string or a list of messages"),
         (lambda m: m.chat(PROMPT), "chat takes a list of messages"),

@@ -101,8 +101,8 @@ COMMANDS = {
     "chat": ["chat", "d"],
     "bench": ["bench", "d"],
     "compile": ["compile", "d"],
-    "eval": ["eval", "d", "--data", "x"],
-    "distill": ["distill", "d", "--data", "x", "-o", "out"],
+    "eval": ["eval", "d", "--data", "."],
+    "distill": ["distill", "d", "--data", ".", "-o", "out"],
 }
 
 

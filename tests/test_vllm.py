@@ -194,20 +194,26 @@ def run_vllm(tmp_path: Path, runs: list[dict]) -> dict:
     """Each run (name, path, engine, sampling, batches: lists of prompts) through ``vllm.LLM``, with
     rnnify's greedy tokens and log-probs for the same prompt ids; the results by run name, and under
     ``LOG`` what the process printed. vLLM's engine and model run in the script's own process."""
-    script = tmp_path / "run_vllm.py"
-    script.write_text(SCRIPT)
     runs = [dict(run, engine=dict(run["engine"], distributed_executor_backend="uni")) for run in runs]
+    report, log = run_script(tmp_path / "run_vllm.py", SCRIPT, [json.dumps(runs)], timeout=900)
+    return {**report, LOG: log}
+
+
+def run_script(script: Path, source: str, argv: list[str], timeout: int) -> tuple[dict, str]:
+    """Run ``source`` as ``script`` with vLLM's engine in its process; the JSON it prints after
+    ``RESULTS``, and all it printed."""
+    script.write_text(source)
     proc = subprocess.run(
-        [sys.executable, str(script), json.dumps(runs)],
+        [sys.executable, str(script), *argv],
         capture_output=True,
         text=True,
         env=vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"),
-        timeout=900,
+        timeout=timeout,
         check=False,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, f"vLLM run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
-    return {**json.loads(lines[-1][len("RESULTS ") :]), LOG: proc.stdout + proc.stderr}
+    return json.loads(lines[-1][len("RESULTS ") :]), proc.stdout + proc.stderr
 
 
 def assert_same_tokens(result: dict, max_tokens: int, ignore_eos: bool) -> None:
@@ -498,6 +504,58 @@ def test_unhostable_exact_is_refused(tmp_path):
     assert "\n" not in str(caught.value)
     with pytest.raises(RnnifyError, match=r"2 kv heads; vLLM's pages hold the model's 1"):
         check_hostable(out, num_kv_heads=1)
+
+
+REFUSALS = textwrap.dedent("""
+    import json, sys
+
+    if __name__ == "__main__":
+        from vllm import LLM
+
+        said = {}
+        for path in sys.argv[1:]:
+            try:
+                LLM(path, enforce_eager=True, distributed_executor_backend="uni")
+                said[path] = "served"
+            except Exception as exc:
+                said[path] = f"{type(exc).__name__}: {exc}"
+        print("RESULTS " + json.dumps(said))
+""")
+
+
+def test_the_files_vllm_reads_itself_are_checked(tmp_path):
+    """vLLM loads the tokenizer (and reads config.json) itself; rnnify.load, which checks them, builds
+    only the model. Each directory differs from the saved one in a file vLLM would read."""
+    from support import reseal
+
+    saved = tmp_path / "saved"
+    rnnify.convert(str(BUNDLED), to="window", window=16).save(saved)
+
+    def changed(name: str, change) -> Path:
+        directory = Path(shutil.copytree(saved, tmp_path / name))
+        change(directory)
+        return directory
+
+    def tokenizer_config(directory: Path, **changes) -> None:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        (directory / "tokenizer_config.json").write_text(json.dumps({**config, **changes}))
+
+    def huge_heads(directory: Path) -> None:  # a cell built from them makes lists of that many heads
+        cells = json.loads((directory / "rnnify.json").read_text())["cells"]
+        cells[0]["spec"].update(num_heads=10**9, num_kv_heads=10**9)
+        reseal(directory, cells=cells)
+
+    cases = {
+        changed("edited", lambda d: tokenizer_config(d, model_max_length=7)): "tokenizer_config.json",
+        changed("heads", huge_heads): "spec num_heads 1,000,000,000 is more than the weights hold",
+        changed("templates", lambda d: (d / "additional_chat_templates").mkdir()): "rnnify writes no such folder",
+        changed(
+            "model-class", lambda d: (tokenizer_config(d, tokenizer_class="LlamaForCausalLM"), reseal(d))
+        ): "'LlamaForCausalLM' is not a tokenizer class",
+    }
+    said, _ = run_script(tmp_path / "refusals.py", REFUSALS, list(map(str, cases)), timeout=600)
+    for directory, words in cases.items():
+        assert words in said[str(directory)], said[str(directory)]
 
 
 # -- the OpenAI-compatible server, through the official openai client ------------------------------

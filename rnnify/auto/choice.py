@@ -249,9 +249,11 @@ def parse_bytes(text: str, kv_cache: Callable[[], int]) -> int:
     clean = text.strip().upper().replace(" ", "")
     try:
         if clean.endswith("%"):
-            return int(float(clean[:-1]) / 100 * kv_cache())
-        number = clean.rstrip("KMGIB")
-        value = float(number) * units[clean[len(number) :]]
+            share = float(clean[:-1])
+            value = share / 100 * kv_cache() if math.isfinite(share) and share > 0 else share
+        else:
+            number = clean.rstrip("KMGIB")
+            value = float(number) * units[clean[len(number) :]]
     except (ValueError, KeyError):
         raise RnnifyError(
             f"--state-budget {text!r}: expected bytes, e.g. 2000000, 2MB, 1.5MiB or 30% (of the "

@@ -331,7 +331,7 @@ def read_scores(
         measured = (saved["window"], saved["sinks"])
     except OSError as exc:
         raise RnnifyError(f"--scores-from {path}: cannot read it ({exc.strerror})") from exc
-    except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError, RecursionError):
         raise RnnifyError(
             f"--scores-from {path}: not a head_map.json (expected its scores, window and sinks)"
         ) from None

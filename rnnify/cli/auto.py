@@ -7,6 +7,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
+from rnnify import arguments
 from rnnify.cli.common import nbytes
 from rnnify.errors import RnnifyError
 
@@ -49,7 +50,10 @@ def add_auto_flags(p: argparse.ArgumentParser) -> None:
             "the original on the calibration rows is at most X nats per token",
         ),
         g.add_argument(
-            "--data", metavar="PATH", help="calibration text: a file, folder or .jsonl (required with auto)"
+            "--data",
+            type=arguments.text_path("--data"),
+            metavar="PATH",
+            help="calibration text: a file, folder or .jsonl (required with auto)",
         ),
         g.add_argument(
             "--score",

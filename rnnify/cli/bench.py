@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from rnnify import arguments
 from rnnify.cli.common import (
     add_device_flag,
     add_dir,
@@ -49,7 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", default=",".join(map(str, BENCH_BATCHES)), metavar="LIST", help="batch sizes")
     add_device_flag(p)
     add_dtype_flag(p, None, "dtype; must be the one DIR was converted to (default: DIR's)")
-    p.add_argument("--steps", type=int, default=BENCH_STEPS, metavar="N", help="timed decode steps, median reported")
+    p.add_argument(
+        "--steps",
+        type=arguments.at_least(1, "--steps"),
+        default=BENCH_STEPS,
+        metavar="N",
+        help="timed decode steps, median reported",
+    )
     p.add_argument(
         "--torch-compile",
         action="store_true",
@@ -59,10 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--prefill-max",
-        type=int,
+        type=arguments.at_least(0, "--prefill-max"),
         default=BENCH_PREFILL_MAX,
         metavar="N",
-        help="longest context whose prefill is timed, as prefill is slow on a CPU",
+        help="longest context whose prefill is timed, as prefill is slow on a CPU (0: none)",
     )
     p.add_argument("--json", metavar="OUT", help="write the results and the machine to OUT as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="write latency and memory vs context plots to OUT.png")

@@ -62,6 +62,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from rnnify.chat import Chat
     from rnnify.data import load_tokenizer
 
+    if sys.stdin is None:  # started with stdin closed (``<&-``)
+        raise RnnifyError("chat reads its messages from stdin, which is closed; give it a terminal or a pipe")
     model = load_to_decode(args)
     tokenizer = load_tokenizer(args.dir, "chat needs the tokenizer and chat template of the source model in DIR")
     chat = Chat(model, tokenizer, system=args.system, **sampling_options(args, model, tokenizer))
@@ -79,6 +81,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 raise RnnifyError(
                     f"stdin is not {exc.encoding} text ({exc.reason}: {bad}); send the messages in {exc.encoding}"
                 ) from None
+            text = arguments.utf8("stdin")(text)  # a pipe's other bytes arrive as lone surrogates
             if text == "/reset":
                 chat.reset()
                 console.print(Text("(new conversation)", "dim"))

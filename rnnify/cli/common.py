@@ -12,6 +12,7 @@ import argparse
 import functools
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -146,12 +147,19 @@ def save(model, output: str) -> Path:
 
 
 def check_writable(flag: str, path: str | None) -> None:
-    """Refuse an output file whose directory does not exist now, not after the work that fills it."""
-    if path is not None and not Path(path).expanduser().parent.is_dir():
-        raise RnnifyError(
-            f"{flag} {path}: directory {Path(path).expanduser().parent} does not exist; "
-            "create it or choose another path"
-        )
+    """Refuse an output file that cannot be written now, not after the work that fills it: a
+    directory in its place, or a directory that does not exist or takes no new file (tried)."""
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise RnnifyError(f"{flag} {path} is a directory; give a file name")
+    if not target.parent.is_dir():
+        raise RnnifyError(f"{flag} {path}: directory {target.parent} does not exist; create it or choose another path")
+    try:
+        tempfile.TemporaryFile(dir=target.parent).close()
+    except OSError as exc:
+        raise RnnifyError(f"{flag} {path}: cannot write in {target.parent} ({exc.strerror or exc})") from None
 
 
 # -- the model directory and how it loads ----------------------------------------------------
@@ -182,6 +190,7 @@ def add_trust_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--expect-digest",
+        type=arguments.digest("--expect-digest"),
         metavar="HEX",
         help="refuse DIR unless its digest (rnnify info) is HEX, as someone you trust gave it to you",
     )
@@ -237,6 +246,7 @@ def add_data_flag(p: argparse.ArgumentParser) -> None:
     """``--data``, the text a command reads (``rnnify.data.token_batches``)."""
     p.add_argument(
         "--data",
+        type=arguments.text_path("--data"),
         required=True,
         metavar="PATH",
         help='text file, folder of text files or .jsonl file with a "text" field per line',
@@ -286,12 +296,9 @@ def device(name: str | None):
 
 def int_list(flag: str, text: str, example: str = "256,1024") -> list[int]:
     """``flag``'s comma-separated positive integers (``example``: what its error suggests)."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        values = []
+    values = arguments.integers(text)
     if not values or any(v < 1 for v in values):
-        raise RnnifyError(f"{flag} {text!r}: expected comma-separated positive integers, e.g. {example}")
+        raise RnnifyError(f"{flag} {text!r}: expected comma-separated positive integers, each once, e.g. {example}")
     return values
 
 
@@ -307,8 +314,9 @@ def quiet_transformers() -> None:
 
 
 def user_error(exc: RnnifyError) -> int:
-    """Print a user's mistake as one ``error:`` line; the exit code that says so."""
-    print("error: " + " ".join(str(exc).split()), file=sys.stderr)
+    """Print a user's mistake as one ``error:`` line (a model directory's words in it made ``printable``);
+    the exit code that says so."""
+    print("error: " + printable(" ".join(str(exc).split())), file=sys.stderr)
     return 2
 
 
@@ -319,6 +327,7 @@ def one_line_warnings(default: Callable[..., None]) -> Callable[..., None]:
     def show(message, category, filename, lineno, file=None, line=None) -> None:
         if not issubclass(category, RnnifyWarning):
             return default(message, category, filename, lineno, file, line)
-        print("warning: " + " ".join(str(message).split()), file=file if file is not None else sys.stderr)
+        text = printable(" ".join(str(message).split()))
+        print("warning: " + text, file=file if file is not None else sys.stderr)
 
     return show

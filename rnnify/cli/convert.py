@@ -49,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         DEFAULT_DTYPE,
         DEFAULT_KERNELS,
         FEATURE_MAPS,
+        GATES,
         KERNELS,
         MEMORIES,
         TARGETS,
@@ -98,13 +99,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--window",
         type=arguments.at_least(1, "--window"),
         metavar="W",
-        help="softmax window in tokens (window, hybrid)",
+        help="softmax window in tokens (window, select, lola, hybrid, auto)",
     )
     cell.add_argument(
         "--sinks",
         type=arguments.at_least(0, "--sinks"),
         metavar="S",
-        help="first tokens always attended to (window, hybrid)",
+        help="first tokens always attended to (window, select, lola, hybrid, auto)",
     )
     cell.add_argument(
         "--feature-map",
@@ -113,7 +114,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="feature map phi (linear, hybrid, gated); the hybrid's own is trainable, so that "
         "distillation can fit its memory through it",
     )
-    cell.add_argument("--gate", metavar="NAME", help="gate of the gated target: retnet, gla or gateloop")
+    cell.add_argument("--gate", choices=GATES, help="gate of the gated target")
     cell.add_argument(
         "--memory",
         metavar="NAME",
@@ -132,6 +133,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_auto_flags(p)
     p.add_argument(
         "--distill",
+        type=arguments.text_path("--distill"),
         metavar="PATH",
         help="then distil the converted model on this text file, folder or .jsonl before saving (flags below)",
     )
@@ -153,9 +155,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     source_location(args.model)  # a wrong path in one line, before any progress shows
     check_memory(args.memory)  # before the model is loaded
     options = {name: getattr(args, name) for name in _CELL_FLAGS if getattr(args, name) is not None}
-    options.update(
-        parse_options(args.option or [], lambda pair: f"--option {pair!r}: expected KEY=VALUE, e.g. chunk_size=128")
-    )
+    given = parse_options(args.option or [], lambda pair: f"--option {pair!r}: expected KEY=VALUE, e.g. chunk_size=128")
+    twice = sorted(given.keys() & options.keys())  # which one would win is no way to say it
+    if twice:
+        flag = "--" + twice[0].replace("_", "-")
+        raise RnnifyError(f"--option {twice[0]}={given[twice[0]]} and {flag} {options[twice[0]]}: give it once")
+    options.update(given)
     unused = [] if args.distill else training_flags_given(args)
     if unused:
         them = "it" if len(unused) == 1 else "them"

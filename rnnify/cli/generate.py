@@ -32,14 +32,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="TEXT",
         help="text prompt, tokenized with the tokenizer saved in DIR",
     )
-    prompt.add_argument("--ids", metavar="IDS", help="prompt as comma-separated token ids, e.g. 1,2,3; prints ids back")
+    prompt.add_argument(
+        "--ids", type=_token_ids, metavar="IDS", help="prompt as comma-separated token ids, e.g. 1,2,3; prints ids back"
+    )
     add_sampling_flags(p, max_new_tokens=MAX_NEW_TOKENS)
     add_kernels_flag(p)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int, fewest_new_tokens: int = 0) -> None:
     """How tokens are chosen, shared by ``generate`` and ``chat``: greedy unless --do-sample."""
-    from rnnify.choices import TEMPERATURE
+    from rnnify.choices import TEMPERATURE, TOP_K
 
     p.add_argument(
         "--max-new-tokens",
@@ -57,7 +59,11 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int, fewest_n
         help="sampling temperature, > 0",
     )
     p.add_argument(
-        "--top-k", type=arguments.at_least(1, "--top-k"), metavar="K", help="sample only from the K most likely tokens"
+        "--top-k",
+        type=arguments.at_least(0, "--top-k"),
+        default=TOP_K,
+        metavar="K",
+        help="sample only from the K most likely tokens (default: %(default)s, as transformers; 0: from all)",
     )
     p.add_argument(
         "--top-p",
@@ -99,7 +105,8 @@ class _IdStreamer:
         print(flush=True)
 
 
-def _parse_ids(text: str, vocab_size: int) -> list[int]:
+def _token_ids(text: str) -> list[int]:
+    """``--ids`` as written (checked against the vocabulary once the model is loaded)."""
     ids = []
     for part in text.split(","):
         try:
@@ -107,19 +114,20 @@ def _parse_ids(text: str, vocab_size: int) -> list[int]:
         except ValueError:
             message = f"--ids: {part.strip()!r} is not an integer; give comma-separated token ids like 1,2,3"
             raise RnnifyError(message) from None
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
-        raise RnnifyError(f"--ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     return ids
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
     import torch
 
+    if args.prompt == "":  # before the model loads; text that tokenizes to nothing is refused after
+        raise RnnifyError("--prompt is empty: give some text")
     model = load_to_decode(args)
     if args.ids is not None:
-        tokenizer, streamer = None, _IdStreamer()
-        ids = _parse_ids(args.ids, model.manifest.vocab_size)
+        tokenizer, streamer, ids = None, _IdStreamer(), args.ids
+        bad = [i for i in ids if not 0 <= i < model.manifest.vocab_size]
+        if bad:
+            raise RnnifyError(f"--ids: token id {bad[0]} is outside the vocabulary [0, {model.manifest.vocab_size})")
     else:
         from transformers import TextStreamer
 

@@ -46,9 +46,12 @@ GRAPH_LIMIT = "rnnify_graph_limit"
 def source_location(path_or_id: str) -> dict[str, Any] | None:
     """Where ``from_pretrained`` finds the source ``path_or_id`` (None: a GGUF file), or the mistake
     that needs no loading to see (no such path, no config.json, a directory rnnify converted): the
-    CLI asks before it shows any progress."""
+    CLI asks before it shows any progress. Never the source's own code: without an explicit
+    ``trust_remote_code=False`` transformers asks on stdin whether to run a model's ``auto_map``."""
     from rnnify.compiler.gguf import is_gguf
 
+    if not path_or_id.strip():
+        raise RnnifyError("the model is an empty name: give its directory, .gguf file or cached hub id")
     local = Path(path_or_id).expanduser()
     if is_gguf(local):
         return None
@@ -60,12 +63,12 @@ def source_location(path_or_id: str) -> dict[str, Any] | None:
                 f"{path_or_id} is a model rnnify already converted, not the Hugging Face model it came from; "
                 "give its source (the `source` in its rnnify.json) instead"
             )
-        return {"pretrained_model_name_or_path": str(local)}
+        return {"pretrained_model_name_or_path": str(local), "trust_remote_code": False}
     if path_or_id.lower().endswith(".gguf"):
         raise RnnifyError(f"{path_or_id}: no such file")
     if path_or_id.startswith((".", "/", "~")) or os.sep in path_or_id.strip("/").replace("/", "", 1):
         raise RnnifyError(f"{path_or_id}: no such directory")
-    return {"pretrained_model_name_or_path": path_or_id, "local_files_only": True}
+    return {"pretrained_model_name_or_path": path_or_id, "local_files_only": True, "trust_remote_code": False}
 
 
 def _load_pretrained(path_or_id: str, dtype: torch.dtype):
@@ -76,8 +79,13 @@ def _load_pretrained(path_or_id: str, dtype: torch.dtype):
     where = source_location(path_or_id)
     if where is None:
         return load_gguf(Path(path_or_id).expanduser(), dtype)
+    from huggingface_hub.errors import StrictDataclassError
+    from safetensors import SafetensorError
+
     try:
         config = AutoConfig.from_pretrained(**where)
+    except StrictDataclassError as exc:  # values its config class refuses (heads that do not divide the width)
+        raise RnnifyError(f"{path_or_id}: its config.json does not describe a model ({first_line(exc)})") from exc
     except OSError as exc:
         if "local_files_only" in where:
             raise RnnifyError(
@@ -85,6 +93,10 @@ def _load_pretrained(path_or_id: str, dtype: torch.dtype):
                 "rnnify works offline: download the model elsewhere and pass its local directory"
             ) from exc
         raise RnnifyError(f"{path_or_id}: cannot read the model config ({first_line(exc)})") from exc
+    except ValueError as exc:  # an unknown model type, or one whose code comes with it (``auto_map``)
+        own_code = "trust_remote_code" in str(exc)
+        why = "it names code of its own (auto_map), which rnnify never runs" if own_code else first_line(exc)
+        raise UnsupportedModelError(f"{path_or_id}: cannot read the model config ({why})") from exc
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
             f"{path_or_id}: encoder-decoder model ({config.model_type}); only decoder-only causal "
@@ -101,6 +113,8 @@ def _load_pretrained(path_or_id: str, dtype: torch.dtype):
             return auto_class.from_pretrained(**where, dtype=dtype, attn_implementation="eager")
     except ValueError as exc:
         raise UnsupportedModelError(f"{path_or_id}: cannot load as a causal LM ({first_line(exc)})") from exc
+    except (OSError, SafetensorError) as exc:  # no weights file, or a damaged one
+        raise RnnifyError(f"{path_or_id}: cannot read the model's weights ({first_line(exc)})") from exc
 
 
 def load_source(model, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -88,14 +90,16 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> to
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent),
-            gguf_file=path.name,
-            dtype=dtype,
-            attn_implementation="sdpa",
-            local_files_only=True,
-            **_dequantize_options(),
-        )
+        with alone(path) as file:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(file.parent),
+                gguf_file=file.name,
+                dtype=dtype,
+                attn_implementation="sdpa",
+                local_files_only=True,
+                trust_remote_code=False,
+                **_dequantize_options(),
+            )
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise UnsupportedModelError(
             f"{path}: transformers cannot read a {architecture} GGUF file as a causal LM ({first_line(exc, with_type=True)}); "
@@ -120,6 +124,17 @@ def _plain(model, dtype: torch.dtype) -> torch.nn.Module:
     return plain
 
 
+@contextmanager
+def alone(path: Path) -> Iterator[Path]:
+    """GGUF file ``path`` as a link in a folder that holds nothing else: transformers reads the folder
+    a GGUF file is in too (a tokenizer_config.json there could name code or files elsewhere, a peft
+    adapter_config.json another model), and a GGUF file is all rnnify reads."""
+    with tempfile.TemporaryDirectory() as directory:
+        file = Path(directory) / path.name
+        file.symlink_to(path)
+        yield file
+
+
 def tokenizer_files(path: str | os.PathLike) -> dict[str, bytes]:
     """The tokenizer (and chat template) stored in GGUF file ``path`` as Hugging Face tokenizer files,
     or none when the file holds no tokenizer transformers can build."""
@@ -127,7 +142,10 @@ def tokenizer_files(path: str | os.PathLike) -> dict[str, bytes]:
 
     path = Path(path).expanduser().resolve()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        with alone(path) as file:
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(file.parent), gguf_file=file.name, local_files_only=True, trust_remote_code=False
+            )
     except (ValueError, KeyError, TypeError, OSError):
         return {}
     with tempfile.TemporaryDirectory() as directory:

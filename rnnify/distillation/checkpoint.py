@@ -17,13 +17,22 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_origin, get_type_hints
 
 import torch
 
 from rnnify.errors import RnnifyError
+from rnnify.runtime.output_dir import replace_file
 
-__all__ = ["CHECKPOINT_FILE", "Checkpoint", "load_checkpoint", "remove_checkpoint", "save_checkpoint", "set_aside"]
+__all__ = [
+    "CHECKPOINT_FILE",
+    "Checkpoint",
+    "check_checkpoint_dir",
+    "load_checkpoint",
+    "remove_checkpoint",
+    "save_checkpoint",
+    "set_aside",
+]
 
 CHECKPOINT_FILE = "checkpoint.pt"
 PREVIOUS_FILE = CHECKPOINT_FILE + ".previous"
@@ -41,15 +50,28 @@ class Checkpoint:
     records: list[dict[str, Any]] = field(default_factory=list)  # finished stages
 
 
+def check_checkpoint_dir(directory: str | os.PathLike | None, resume: bool) -> None:
+    """Refuse, before any training, a checkpoint directory that the first checkpoint could not be
+    written to (a file in its place or in place of a folder above it), and a resume without one."""
+    if directory is None:
+        if resume:
+            raise RnnifyError("resume needs checkpoint_dir (--checkpoint-dir): the directory of the interrupted run")
+        return
+    path = Path(directory).expanduser()
+    for place in (path, *path.parents):
+        if place.exists():
+            if not place.is_dir():
+                raise RnnifyError(f"checkpoint_dir (--checkpoint-dir) {directory}: {place} is a file, not a directory")
+            return
+
+
 def save_checkpoint(directory: str | os.PathLike, checkpoint: Checkpoint) -> Path:
     """Write ``checkpoint`` to ``directory/checkpoint.pt``, replacing any previous one atomically."""
     directory = Path(directory).expanduser()
     try:
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / CHECKPOINT_FILE
-        tmp = directory / f".{CHECKPOINT_FILE}.tmp"
-        torch.save(asdict(checkpoint), tmp)
-        os.replace(tmp, path)
+        replace_file(path, lambda file: torch.save(asdict(checkpoint), file))
     except OSError as exc:
         raise RnnifyError(f"cannot write a checkpoint to {directory}: {exc.strerror or exc}") from exc
     return path
@@ -62,6 +84,9 @@ def load_checkpoint(directory: str | os.PathLike, settings: dict[str, Any]) -> C
         return None
     try:
         checkpoint = Checkpoint(**torch.load(path, map_location="cpu", weights_only=True))
+        for name, kind in get_type_hints(Checkpoint).items():
+            if not isinstance(getattr(checkpoint, name), get_origin(kind) or kind):
+                raise TypeError(f"its {name} is a {type(getattr(checkpoint, name)).__name__}")
     except Exception as exc:  # unpickling raises many types; all mean the same to the user
         raise RnnifyError(f"{path}: unreadable checkpoint ({exc}); delete it to start over") from exc
     changed = sorted(

@@ -35,7 +35,7 @@ from rnnify.cells import gate_parameters
 from rnnify.cells import parameters as cell_parameters
 from rnnify.choices import AUTO_ALL_MAX_PARAMETERS, DEFAULT_LR, DEFAULT_SCHEDULE, SCHEDULES, STAGES, TRAIN
 from rnnify.data import check_sizes, row_length, token_batches, tokenizer_for
-from rnnify.distillation.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, set_aside
+from rnnify.distillation.checkpoint import Checkpoint, check_checkpoint_dir, load_checkpoint, save_checkpoint, set_aside
 from rnnify.distillation.distributed import Runtime, setup
 from rnnify.distillation.lora import add_lora, lora_targets, merge_lora, unreached_weights
 from rnnify.distillation.losses import token_losses
@@ -136,8 +136,7 @@ def distill(
         raise RnnifyError(f"kl_weight (--kl-weight) must be a number >= 0, got {kl_weight!r}")
     if not isinstance(fsdp, bool):
         raise RnnifyError(f"fsdp must be True or False, got {fsdp!r}")
-    if resume and checkpoint_dir is None:
-        raise RnnifyError("resume needs checkpoint_dir (--checkpoint-dir): the directory of the interrupted run")
+    check_checkpoint_dir(checkpoint_dir, resume)
     if isinstance(data, Iterator) and len(stages) > 1:
         raise RnnifyError(
             "data is a one-shot iterator but every stage reads the data from the start; "

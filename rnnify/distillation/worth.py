@@ -15,11 +15,17 @@ EXACT_ALREADY = (
 
 def check_worth_training(model: RecurrentModel, stages: Sequence[str], seq_len: int) -> None:
     """Refuse an exact model (it computes its original already: training only moves it away, and it
-    would still be called exact), and attention transfer on rows that every trained cell's window
-    holds whole (the cells then compute the original's softmax exactly: their loss is 0 and their
-    memories learn nothing)."""
+    would still be called exact), rows longer than the original was trained on, and attention
+    transfer on rows that every trained cell's window holds whole (the cells then compute the
+    original's softmax exactly: their loss is 0 and their memories learn nothing)."""
     if all(cell.exact for cell in model.cells):
         raise RnnifyError(EXACT_ALREADY)
+    trained_on = model.manifest.positions.get("limit")
+    if trained_on and seq_len > trained_on:  # and the teacher's seq_len x seq_len attention fills the memory
+        raise RnnifyError(
+            f"seq_len (--seq-len) {seq_len} is past the {trained_on} positions the original was trained on: "
+            f"its outputs there are no target to learn; use at most {trained_on}"
+        )
     trained = [cell for cell in model.cells if any(p.requires_grad for p in cell.parameters())]
     spans = [cell.exact_span for cell in trained]
     if "transfer" in stages and trained and None not in spans and seq_len <= min(spans):

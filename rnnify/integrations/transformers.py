@@ -34,7 +34,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from rnnify.errors import RnnifyError
 from rnnify.runtime import hf_files
-from rnnify.runtime.model import RecurrentModel
+from rnnify.runtime.model import RIGHT_PADDED, RecurrentModel
 from rnnify.runtime.sampling import token_ids
 from rnnify.runtime.state import RecurrentState
 
@@ -140,7 +140,7 @@ class RecurrentCache(Cache):
 def _read_json(files: dict[str, bytes], name: str) -> dict[str, Any] | None:
     try:
         return json.loads(files[name]) if name in files else None
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
@@ -360,8 +360,16 @@ class RnnifyForCausalLM(PreTrainedModel, GenerationMixin):
                 raise ValueError(
                     f"{name} must be a RecurrentCache (an rnnify model's state), got {type(kwargs[name]).__name__}"
                 )
+        if getattr(options, "is_assistant", None):  # set by transformers on the assistant's own config
+            raise ValueError(
+                "an rnnify model cannot be an assistant_model: assisted decoding drops the draft tokens the "
+                "main model rejects, and a recurrent state cannot drop tokens it has read"
+            )
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask[:, -1].all()):
+            raise ValueError(RIGHT_PADDED)  # transformers only warns, and decodes from the padding
         prompt = inputs if inputs is not None else kwargs.get("input_ids")
-        self._check_room(prompt, kwargs.get("attention_mask"), options)
+        self._check_room(prompt, mask, options)
         if not names and options.use_cache is not False:
             kwargs["cache"] = RecurrentCache()
             if options.cache_implementation == "dynamic":  # the default cache, here the recurrent state; transformers

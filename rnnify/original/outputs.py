@@ -12,15 +12,18 @@ given as a local directory is cached; a model passed in memory has no content to
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
 from rnnify.runtime.integrity import sha256_file
+from rnnify.runtime.output_dir import replace_file
 from rnnify.runtime.step_cache import cache_root
 
 __all__ = ["OriginalOutputs", "content_digest"]
@@ -72,7 +75,7 @@ class OriginalOutputs:
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """The original's logits for each row of ``ids [B, T]``, fp32, on ``ids``' device."""
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import load_file, save
 
         rows = []
         for row in ids:
@@ -84,7 +87,7 @@ class OriginalOutputs:
             self.misses += 1
             logits = self.compute_logits(row[None])[0].float()
             if entry is not None:
-                _write(entry.with_suffix(".safetensors"), lambda path, t=logits: save_file({"logits": t.cpu()}, path))
+                _write(entry.with_suffix(".safetensors"), lambda file, t=logits: file.write(save({"logits": t.cpu()})))
             rows.append(logits)
         return torch.stack(rows)
 
@@ -97,17 +100,13 @@ class OriginalOutputs:
         self.misses += 1
         tokens = self.compute_answer(ids, new)
         if entry is not None:
-            _write(entry.with_suffix(".json"), lambda path: Path(path).write_text(json.dumps(tokens)))
+            _write(entry.with_suffix(".json"), lambda file: file.write(json.dumps(tokens).encode()))
         return tokens
 
 
-def _write(path: Path, save: Callable[[str], None]) -> None:
-    """``save`` to a temporary name, renamed over ``path``: a reader never sees half a file. A cache
-    that cannot be written is skipped, the result is still returned."""
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
+def _write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """``write`` ``path`` whole (``replace_file``): a reader never sees half a file. A cache that cannot
+    be written is skipped, the result is still returned."""
+    with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        save(str(partial))
-        os.replace(partial, path)
-    except OSError:
-        partial.unlink(missing_ok=True)
+        replace_file(path, write)

@@ -16,7 +16,7 @@ from torch import nn
 from rnnify.errors import RnnifyError
 from rnnify.runtime.model import RecurrentModel
 
-__all__ = ["load_teacher", "local_source", "teacher_logits"]
+__all__ = ["check_vocabulary", "load_teacher", "local_source", "teacher_logits"]
 
 
 def local_source(model: RecurrentModel, how_to_pass: str) -> str:
@@ -53,15 +53,21 @@ def load_teacher(model: RecurrentModel, teacher: str | os.PathLike | nn.Module |
         module = load_source(os.fspath(teacher), dtype=model.dtype)
     else:
         raise RnnifyError(f"teacher must be a model directory, hub id or nn.Module, got {type(teacher).__name__}")
-    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
-    if vocab is not None and vocab != model.manifest.vocab_size:
-        raise RnnifyError(
-            f"the teacher has a vocabulary of {vocab} tokens but the converted model has "
-            f"{model.manifest.vocab_size}; pass the model it was converted from"
-        )
+    check_vocabulary(module, model, "the teacher")
     module = module.to(device=model.device, dtype=model.dtype).eval()
     module.requires_grad_(False)
     return module
+
+
+def check_vocabulary(original: nn.Module, model: RecurrentModel, what: str) -> None:
+    """Refuse an ``original`` whose vocabulary is not ``model``'s (``what`` names it): the ids of one
+    index past the other's embeddings, and their logits cannot be compared."""
+    vocab = getattr(getattr(original, "config", None), "vocab_size", None)
+    if vocab is not None and vocab != model.manifest.vocab_size:
+        raise RnnifyError(
+            f"{what} has a vocabulary of {vocab} tokens but the converted model has "
+            f"{model.manifest.vocab_size}; pass the model it was converted from"
+        )
 
 
 def teacher_logits(teacher: nn.Module, ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:

@@ -116,7 +116,7 @@ def source_config(data: bytes) -> bytes:
     """The source model's ``config.json`` from a converted directory's (either format)."""
     try:
         config = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return data
     if isinstance(config, dict) and is_wrapped(config):
         return (json.dumps(config["source_config"], indent=2) + "\n").encode()
@@ -138,7 +138,7 @@ def source_pretrained_config(directory: Path):
     """
     try:
         config = json.loads((Path(directory) / CONFIG_FILE).read_bytes())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(config, dict) or not is_wrapped(config):
         return None

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rnnify.errors import RnnifyError, check_int, first_line
 from rnnify.runtime.json_fields import check_fields, is_attribute_path
+from rnnify.runtime.output_dir import replace_file
 
 # rnnify.json's version (graph.json has its own: serialize.GRAPH_FORMAT_VERSION). 2 adds ``kernels``
 # (and each cell's fused ops) and ``distill``; version 1 still loads, unfused. 3 records every file's
@@ -123,12 +123,8 @@ class Manifest:
         (a manifest rewritten in place, by ``rnnify compile --ship``, is never seen half written)."""
         data = json.loads(json.dumps(self.to_json()))  # as it will be read back: tuples as lists, keys as strings
         self.digest = data["digest"] = content_digest(data)
-        scratch = directory / f".{MANIFEST_FILE}.{os.getpid()}.tmp"
-        try:
-            scratch.write_text(json.dumps(data, indent=2) + "\n")
-            os.replace(scratch, directory / MANIFEST_FILE)
-        finally:
-            scratch.unlink(missing_ok=True)
+        text = json.dumps(data, indent=2) + "\n"
+        replace_file(directory / MANIFEST_FILE, lambda file: file.write(text.encode()))
 
 
 def content_digest(data: dict[str, Any]) -> str:

@@ -18,7 +18,7 @@ import torch.fx
 from torch import nn
 
 from rnnify.cells import Cell
-from rnnify.choices import MAX_NEW_TOKENS, TEMPERATURE
+from rnnify.choices import MAX_NEW_TOKENS, TEMPERATURE, TOP_K
 from rnnify.errors import PositionError, RnnifyError, RnnifyWarning, StateError
 from rnnify.kernels.utils import check_kernels, check_runnable
 from rnnify.runtime.devices import retarget_devices
@@ -30,6 +30,12 @@ from rnnify.runtime.state import RecurrentState
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 
 __all__ = ["RecurrentModel"]
+
+# generation continues each row from its last column: padding there would be read as the prompt's end
+RIGHT_PADDED = (
+    "attention_mask: a row ends in padding, and each row continues from its last column: pad on the left "
+    "(tokenizer.padding_side = 'left')"
+)
 
 _NOT_LOADED = object()  # ``RecurrentModel.tokenizer`` before its first use
 # rows from which a donated step writes states in place, eagerly, rather than run the compiled step
@@ -392,7 +398,7 @@ class RecurrentModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         do_sample: bool = False,
         temperature: float = TEMPERATURE,
-        top_k: int | None = None,
+        top_k: int | None = TOP_K,
         top_p: float | None = None,
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
@@ -470,10 +476,7 @@ class RecurrentModel(nn.Module):
             raise RnnifyError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         mask = self._check_inputs(input_ids, attention_mask)
         if mask is not None and not bool(mask[:, -1].all()):
-            raise RnnifyError(
-                "attention_mask: a row ends in padding, and each row continues from its last column: pad "
-                "on the left (tokenizer.padding_side = 'left')"
-            )
+            raise RnnifyError(RIGHT_PADDED)
         self.check_room(input_ids, attention_mask, max_new_tokens)
         eos = token_ids(eos_token_id)
         pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)

@@ -18,6 +18,7 @@ converted, with the op's name, instead of producing a directory that no rnnify l
 from __future__ import annotations
 
 import numbers
+import operator
 import re
 from typing import Any, Callable, Iterable
 
@@ -26,7 +27,15 @@ import torch.fx
 
 from rnnify.errors import GraphFormatError
 
-__all__ = ["OPS", "STRING_ARGUMENTS", "check_call", "check_module_call", "check_references", "check_returns"]
+__all__ = [
+    "OPS",
+    "STRING_ARGUMENTS",
+    "check_call",
+    "check_module_call",
+    "check_references",
+    "check_returns",
+    "check_size_arithmetic",
+]
 
 # Every call target a step graph may name, as ``graph.json`` stores it: exactly the ops that
 # ``benchmarks/arch_sweep.py`` found in the step graphs of every architecture that converts and of
@@ -318,6 +327,43 @@ def check_call(name: str, target: Callable[..., Any], args: tuple, kwargs: dict,
         _check_plain(name, args, kwargs, where)
 
 
+# ``operator.mul`` and ``operator.neg`` are Python's: on a list or tuple (what ``unbind`` or a cell
+# returns) ``mul`` repeats it, and integers have no width, so a chain of ``mul`` squaring its own
+# result doubles its digits every time; either would fill the memory or stall the dry run at load.
+# So their operands are numbers and the numbers a graph computes: sizes and scalars read from
+# tensors (``NUMBER_OPS``, which fit int64: SIZE_BITS) and earlier products. The products a step
+# computes multiply a few sizes (a batch by heads by a length), far below PRODUCT_BITS.
+NUMBER_OPS = (torch.ops.aten.sym_size.int, torch.ops.aten.item.default)
+SIZE_BITS = 64
+PRODUCT_BITS = 1024
+
+
+def _bits(value: Any, bound: dict[torch.fx.Node, int], where: str) -> int:
+    if isinstance(value, torch.fx.Node):
+        if value in bound:
+            return bound[value]
+        if value.op == "call_function" and value.target in NUMBER_OPS:
+            return SIZE_BITS
+        raise _fail(where, f"integer arithmetic takes numbers and sizes, not node {value.name!r} ({value.op})")
+    return abs(value).bit_length() if _is_int(value) else 0  # a float overflows to inf, in no time
+
+
+def check_size_arithmetic(graph: torch.fx.Graph) -> None:
+    """Refuse ``operator.mul``/``operator.neg`` on anything but numbers, sizes and earlier products,
+    and products that could grow past ``PRODUCT_BITS`` bits: a ``mul`` is bounded by the sum of its
+    operands' bit lengths, a ``neg`` by its operand's."""
+    bound: dict[torch.fx.Node, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in (operator.mul, operator.neg):
+            where = f"node {node.name!r} (call_function)"
+            bits = sum(_bits(arg, bound, where) for arg in node.args)
+            if bits > PRODUCT_BITS:
+                raise _fail(
+                    where, f"its integer arithmetic may reach {bits} bits; a step's sizes need at most {PRODUCT_BITS}"
+                )
+            bound[node] = bits
+
+
 def check_module_call(args: tuple, kwargs: dict, where: str) -> None:
     """A cell is called with nodes (q, k, v, the mask, its state, the layer input): no constant but a
     number or None reaches its Python code."""
@@ -340,8 +386,12 @@ def check_returns(graph: torch.fx.Graph, outputs: int) -> None:
 
 def check_references(graph: torch.fx.Graph, tensors: Iterable[str], cells: Iterable[str]) -> None:
     """Every ``get_attr`` must name a stored tensor and every ``call_module`` a cell of the manifest,
-    so a graph reaches nothing but the weights and cells it was saved with."""
+    so a graph reaches nothing but the weights and cells it was saved with; and every cell must be
+    called (one that is not would be built for nothing, as large as its spec says)."""
     tensors, cells = set(tensors), set(cells)
+    uncalled = cells - {node.target for node in graph.nodes if node.op == "call_module"}
+    if uncalled:
+        raise GraphFormatError(f"cell {sorted(uncalled)[0]!r} of the manifest is never called by the graph")
     for node in graph.nodes:
         if node.op == "get_attr" and node.target not in tensors:
             raise GraphFormatError(

@@ -20,6 +20,10 @@ end (``install``). Three things can go wrong around that, and each is handled he
 
 The lock file is removed on release; a claimer checks that the file it locked is still the one at
 that path, so a release racing a claim never leaves two holders.
+
+A single file (a manifest rewritten in place, a checkpoint, a ``--json`` result) is replaced the same
+way, whole (``replace_file``): written under a new random name beside it, created exclusively, so a
+link planted in a shared directory under a name a writer would predict is never written through.
 """
 
 from __future__ import annotations
@@ -35,14 +39,15 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from rnnify.errors import RnnifyError, RnnifyWarning
 
-__all__ = ["check_not_left_aside", "claim", "install", "scratch"]
+__all__ = ["check_not_left_aside", "claim", "install", "replace_file", "scratch", "umask"]
 
 NEW, OLD = ".tmp", ".old"  # suffixes of a directory being written, and of a replaced one being removed
 
@@ -51,6 +56,7 @@ NEW, OLD = ".tmp", ".old"  # suffixes of a directory being written, and of a rep
 class _Hold:
     fd: int
     thread: int
+    created: list[Path]  # the folders above the target the claim made, deepest first
     depth: int = 1
 
 
@@ -60,10 +66,10 @@ _held_guard = threading.Lock()
 
 @contextmanager
 def claim(path: Path) -> Iterator[None]:
-    """Hold the exclusive right to write ``path`` (creating its parent directories): an RnnifyError
-    naming the holder if another process, or another thread of this one, holds it. Nested claims by
-    one thread share its hold; the outermost puts back a target a killed run left missing and removes
-    the temporary directories killed runs left beside it."""
+    """Hold the exclusive right to write ``path`` (creating its parent directories, removed again if
+    nothing was written there): an RnnifyError naming the holder if another process, or another
+    thread of this one, holds it. Nested claims by one thread share its hold; the outermost puts back
+    a target a killed run left missing and removes the temporary directories killed runs left beside it."""
     path = Path(path).expanduser()
     lock = _beside(path, ".lock")
     with _held_guard:
@@ -73,9 +79,10 @@ def claim(path: Path) -> Iterator[None]:
         if hold is not None:
             hold.depth += 1
     if hold is None:
+        created = [p for p in (lock.parent, *lock.parent.parents) if not p.exists()]
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
-            hold = _Hold(_lock(lock, path), threading.get_ident())
+            hold = _Hold(_lock(lock, path), threading.get_ident(), created)
         except OSError as exc:
             raise RnnifyError(f"cannot write {path}: {exc.strerror or exc}; choose another output directory") from exc
         with _held_guard:
@@ -91,6 +98,11 @@ def claim(path: Path) -> Iterator[None]:
                 del _held[lock]
                 lock.unlink(missing_ok=True)  # before unlocking: a claimer then re-checks the path (``_lock``)
                 os.close(hold.fd)
+                for folder in hold.created if not path.exists() else ():
+                    try:
+                        folder.rmdir()  # empty, unless someone else wrote there meanwhile
+                    except OSError:
+                        break
 
 
 def scratch(path: Path) -> Path:
@@ -111,6 +123,36 @@ def install(new: Path, path: Path) -> None:
         os.replace(path, aside / _name(path))
         os.replace(new, path)
         _remove(aside)
+
+
+def replace_file(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Replace ``path`` whole: ``write(file)`` fills a new file beside it, given open (never reopened by
+    its name, which someone who owns the folder could point elsewhere meanwhile), which is then
+    renamed over ``path`` with the mode ``open`` gives under the umask; whatever fails, no partial
+    file is left."""
+    fd, name = tempfile.mkstemp(prefix=f".{_name(path)}.", suffix=NEW, dir=_parent(path))
+    try:
+        with os.fdopen(fd, "wb") as file:
+            write(file)
+            os.fchmod(file.fileno(), 0o666 & ~umask())
+            if not _same_file(file.fileno(), Path(name)):  # not what was written: nothing of it goes in place
+                raise OSError(errno.EEXIST, f"{name} was replaced while it was written")
+        os.replace(name, path)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
+
+
+def umask() -> int:
+    """The process's umask: from /proc where Linux shows it, else read by setting it and putting it
+    back (for that moment, files that other threads create get the mode of a zero umask)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0)
+        os.umask(mask)
+        return mask
 
 
 def check_not_left_aside(path: Path) -> None:

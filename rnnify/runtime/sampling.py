@@ -9,11 +9,11 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from rnnify.choices import TEMPERATURE
+from rnnify.choices import TEMPERATURE, TOP_K
 from rnnify.errors import RnnifyError, check_positive_finite, warn_caller
 
 # the sampling options and their unset values: greedy decoding reads none of them
-SAMPLING_DEFAULTS = {"temperature": TEMPERATURE, "top_k": None, "top_p": None, "seed": None}
+SAMPLING_DEFAULTS = {"temperature": TEMPERATURE, "top_k": TOP_K, "top_p": None, "seed": None}
 
 
 def token_ids(ids: int | Iterable[int] | None) -> list[int]:
@@ -33,8 +33,8 @@ def check_sampling(
     """The sampling options as ``generate`` and ``Chat`` take them: each in range, and set only where
     they are read (``warn_if_greedy``)."""
     check_temperature(temperature)
-    if top_k is not None and top_k < 1:
-        raise RnnifyError(f"top_k must be >= 1, got {top_k}")
+    if top_k is not None and top_k < 0:
+        raise RnnifyError(f"top_k must be >= 0 (0: every token), got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise RnnifyError(f"top_p must be in (0, 1], got {top_p}")
     warn_if_greedy(do_sample, dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
@@ -64,7 +64,8 @@ def next_token(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """``logits [B, V]`` -> token ids ``[B]``: argmax, or a sample from the filtered distribution."""
+    """``logits [B, V]`` -> token ids ``[B]``: argmax, or a sample from the filtered distribution
+    (``top_k`` 0 or None: no top-k filter, as in transformers)."""
     if not do_sample:
         return logits.argmax(-1)
     # Shifted so that the largest is 0 before dividing: a temperature near 0 then sends the others to
@@ -72,7 +73,7 @@ def next_token(
     # ignore the shift.
     logits = logits.float()
     logits = (logits - logits.amax(-1, keepdim=True)) / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
+    if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:

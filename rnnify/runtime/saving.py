@@ -8,7 +8,6 @@ holds and why it is written the way it is: ``rnnify.runtime.storage``.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -91,19 +90,24 @@ def saved_options(target: str, options: dict[str, Any]) -> dict[str, Any]:
 def follow_umask(directory: Path) -> None:
     """Give ``directory`` and the files in it the modes ``mkdir`` and ``open`` would under the umask: a
     directory from ``mkdtemp`` is 0700, and safetensors writes its files 0600."""
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
+    mask = output_dir.umask()
+    directory.chmod(0o777 & ~mask)
     for child in directory.iterdir():
-        child.chmod(0o666 & ~umask)
+        child.chmod(0o666 & ~mask)
 
 
 def check_output(path: Path) -> Path:
-    """``path`` if saving may write there: it is absent, an empty directory or an rnnify model directory
-    (replaced whole). Training checks its output with this too, before hours of work rather than after."""
+    """``path`` if saving may write there: it is named (not the current directory), absent, an empty
+    directory or an rnnify model directory (replaced whole), with no file in place of a folder above it.
+    Training checks its output with this too, before hours of work rather than after."""
+    if str(path) in ("", "."):
+        raise RnnifyError(f"output directory {str(path)!r}: name a new directory for the model")
     path = path.expanduser()
     if path.exists() and not (path.is_dir() and (not any(path.iterdir()) or (path / MANIFEST_FILE).is_file())):
         raise RnnifyError(f"{path} exists and is not an rnnify model directory; choose another output directory")
+    above = next((p for p in path.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise RnnifyError(f"{path}: {above} is a file, not a directory; choose another output directory")
     return path
 
 

@@ -153,14 +153,15 @@ def _step_module(
             tensors[alias] = tensors[stored]
         check_references(graph, tensors, (entry.module for entry in manifest.cells))
         root = nn.Module()
+        room = sum(t.numel() for t in tensors.values())
         for entry in manifest.cells:
-            cell = build_cell(entry.target, CellSpec(**entry.spec), saved_options(entry.target, entry.options)).to(
-                device
-            )
+            spec, options = CellSpec(**entry.spec), saved_options(entry.target, entry.options)
             prefix = entry.module + "."
+            weights = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+            room -= _check_cell_fits(entry.module, entry.target, spec, options, weights, room)
+            cell = build_cell(entry.target, spec, options).to(device)
             # assign: the saved tensors themselves, in their saved dtype, whatever dtype the cell was
             # built in (a caller's torch.set_default_dtype, as vLLM sets while it builds a model)
-            weights = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
             cell.load_state_dict(weights, strict=True, assign=True)
             install(root, entry.module, cell)
         cell_prefixes = tuple(entry.module + "." for entry in manifest.cells)
@@ -171,11 +172,56 @@ def _step_module(
         module = torch.fx.GraphModule(root, graph, class_name="RecurrentStep")
         lay_out_linear_weights(module)
         _check_reads_installed(module)
-    except (RuntimeError, AttributeError, KeyError, TypeError, ValueError, OverflowError, GraphFormatError) as exc:
+    except (
+        RuntimeError,
+        AttributeError,
+        KeyError,
+        TypeError,
+        ValueError,
+        OverflowError,
+        MemoryError,
+        GraphFormatError,
+    ) as exc:
         raise RnnifyError(
             f"{path}: weights, cells and graph do not fit together ({first_line(exc)}); convert the model again"
         ) from exc
     return module
+
+
+# the sizes a cell is built from (its weights' shapes, lists of heads), each no more than the weights hold
+_BUILT_FROM = ("num_heads", "num_kv_heads", "head_dim", "value_dim", "hidden_size", "index_dim")
+
+
+def check_spec_sizes(module: str, spec: CellSpec, room: int) -> None:
+    """Refuse a spec that builds its cell from a size larger than ``room``, the elements its
+    directory's weights hold (``ValueError``): building it, even on the meta device, makes lists of
+    that many heads."""
+    too_large = [name for name in _BUILT_FROM if (getattr(spec, name) or 0) > room]
+    if too_large:
+        size = getattr(spec, too_large[0])
+        raise ValueError(f"cell {module}: spec {too_large[0]} {size:,} is more than the weights hold")
+
+
+def _check_cell_fits(
+    module: str, target: str, spec: CellSpec, options: dict, weights: dict[str, torch.Tensor], room: int
+) -> int:
+    """The elements the cell computes from its spec alone (non-persistent buffers), at most ``room``
+    (what the weights hold, less what earlier cells computed); its tensors must have the saved
+    weights' shapes. A spec's sizes are a few bytes of JSON, and a cell built from them for real
+    before this check would fill as much memory as they say: no size may exceed ``room``, and the
+    cell is built on the meta device first, which allocates no tensor."""
+    check_spec_sizes(module, spec, room)
+    with torch.device("meta"):
+        shadow = build_cell(target, spec, options)
+    wanted = {name: tuple(t.shape) for name, t in shadow.state_dict().items()}
+    for name in sorted(wanted.keys() | weights.keys()):
+        held = tuple(weights[name].shape) if name in weights else None
+        if wanted.get(name) != held:
+            raise ValueError(f"cell {module}: {name} is {held} in the weights, its spec makes it {wanted.get(name)}")
+    computed = sum(b.numel() for name, b in shadow.named_buffers() if name not in wanted)
+    if computed > room:
+        raise ValueError(f"cell {module}: its spec makes {computed:,} elements, more than the weights hold")
+    return computed
 
 
 def _check_reads_installed(module: torch.fx.GraphModule) -> None:

@@ -47,10 +47,12 @@ def eos_ids(model: RecurrentModel, tokenizer: Any = None) -> list[int]:
     for name in ("generation_config.json", "config.json"):
         try:
             value = json.loads(model.files.get(name, b"{}")).get("eos_token_id")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             value = None
         if value is not None:
-            eos = [value] if isinstance(value, int) else list(value)
+            eos = [value] if isinstance(value, int) else value
+            if not isinstance(eos, list) or not all(type(i) is int for i in eos):
+                raise RnnifyError(f"{name}: eos_token_id must be a token id or a list of them, got {value!r:.64}")
             break
     if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)

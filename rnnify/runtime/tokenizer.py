@@ -19,6 +19,8 @@ __all__ = [
     "TOKENIZER_FILES",
     "TOKENIZER_FIX",
     "check_template",
+    "check_tokenizer_files",
+    "check_tokenizer_reads",
     "encode",
     "has_tokenizer",
     "load_tokenizer",
@@ -53,6 +55,7 @@ def load_tokenizer(directory: str | os.PathLike, fix: str = TOKENIZER_FIX):
     from rnnify.runtime.hf_files import source_pretrained_config
 
     config = source_pretrained_config(directory)  # a converted directory: the tokenizer is its source's
+    check_tokenizer_reads(directory)
     _check_tokenizer_class(directory, config, fix)
     try:
         tokenizer = (
@@ -78,7 +81,7 @@ def _read_json(path: Path) -> Any:
     """``path``'s JSON; None where there is no such file or transformers would refuse it on its own."""
     try:
         return json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 
@@ -87,6 +90,8 @@ def _read_json(path: Path) -> Any:
 # each ``*_file`` its class declares, and leaves the others to be opened wherever they point
 _FILE_KEYS = ("vocab", "merges", "entity_vocab")
 _FILE_SUFFIXES = ("_file", "_files")
+# what transformers reads besides: the versioned tokenizer file a list names, every template of a folder
+_VERSIONED, _TEMPLATES = "fast_tokenizer_files", "additional_chat_templates"
 
 
 def _files_within(directory: Path) -> dict[str, str | None]:
@@ -99,9 +104,50 @@ def _files_within(directory: Path) -> dict[str, str | None]:
     within = {}
     for key, value in config.items():
         if isinstance(value, str) and (key in _FILE_KEYS or key.endswith(_FILE_SUFFIXES)):
-            bare = value == Path(value).name and value not in ("", ".", "..") and "\\" not in value
-            within[key] = str(directory / value) if bare and (directory / value).is_file() else None
+            within[key] = str(directory / value) if _bare(value) and (directory / value).is_file() else None
     return within
+
+
+def check_tokenizer_reads(directory: Path) -> None:
+    """Refuse what would make transformers read a tokenizer from files that neither the directory's
+    record holds nor its tokenizer_config.json names by a bare name: ``fast_tokenizer_files`` by a path
+    (the one for this transformers version is opened wherever it points), and, in a converted
+    directory, which rnnify writes without either, that key at all or an ``additional_chat_templates``
+    folder (its ``*.jinja`` files, links followed, become chat templates: adding one needs no reseal)."""
+    from rnnify.runtime.manifest import MANIFEST_FILE
+
+    converted = (directory / MANIFEST_FILE).is_file()
+    config = _read_json(directory / "tokenizer_config.json")
+    versions = config.get(_VERSIONED) if isinstance(config, dict) else None
+    if versions is not None and (converted or not (isinstance(versions, list) and all(map(_bare, versions)))):
+        raise RnnifyError(
+            f"{directory / 'tokenizer_config.json'}: {_VERSIONED} {versions!r:.80} names files "
+            + ("rnnify never writes" if converted else "outside the directory")
+        )
+    if converted and (directory / _TEMPLATES).exists():
+        raise RnnifyError(
+            f"{directory / _TEMPLATES}: rnnify writes no such folder, and its files would become chat "
+            "templates that the directory's record does not hold; remove it"
+        )
+
+
+def check_tokenizer_files(directory: Path) -> None:
+    """For a loader that calls ``AutoTokenizer.from_pretrained(directory)`` itself (vLLM): what
+    ``load_tokenizer`` refuses, and the tokenizer_config.json file names it would replace with the
+    directory's own (``_files_within``) where they point at a file outside, which such a loader opens."""
+    check_tokenizer_reads(directory)
+    _check_tokenizer_class(directory, None, "serve the model that was converted")
+    for key, value in _files_within(directory).items():
+        named = _read_json(directory / "tokenizer_config.json")[key]
+        if value is None and (directory / named).exists():
+            raise RnnifyError(
+                f"{directory / 'tokenizer_config.json'}: {key} names {named!r:.80}, outside the directory"
+            )
+
+
+def _bare(name: Any) -> bool:
+    """A file name alone: no folder, no ``..``, no Windows separator."""
+    return isinstance(name, str) and name == Path(name).name and name not in ("", ".", "..") and "\\" not in name
 
 
 def _check_tokenizer_class(directory: Path, config: Any, fix: str) -> None:

@@ -61,10 +61,21 @@ def register() -> None:
 
         @classmethod
         def verify_and_update_config(cls, vllm_config) -> None:
+            from pathlib import Path
+
             from rnnify.errors import RnnifyError
             from rnnify.integrations.vllm.hosting import check_hostable
+            from rnnify.runtime import integrity
+            from rnnify.runtime.manifest import read_data
+            from rnnify.runtime.storage import READ_IF_PRESENT
+            from rnnify.runtime.tokenizer import check_tokenizer_files
 
             model_config = vllm_config.model_config
+            # vLLM reads the tokenizer and config files itself (rnnify.load, which checks them too,
+            # builds only the model): the recorded ones, and nothing a tokenizer would read elsewhere
+            directory = Path(model_config.model)
+            integrity.check(directory, read_data(directory), (), READ_IF_PRESENT)
+            check_tokenizer_files(directory)
             manifest = check_hostable(
                 model_config.model,
                 head_size=model_config.get_head_size(),

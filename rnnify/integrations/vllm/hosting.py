@@ -18,17 +18,26 @@ import torch
 from rnnify.cells import Cell, CellSpec, build_cell
 from rnnify.cells.exact import ExactCell
 from rnnify.cells.heads import HeadSplitCell
-from rnnify.errors import RnnifyError
+from rnnify.errors import RnnifyError, first_line
 from rnnify.runtime.manifest import Manifest, read_data
 from rnnify.runtime.state import RecurrentState
-from rnnify.runtime.storage import saved_options
+from rnnify.runtime.storage import WEIGHTS_FILE, check_spec_sizes, saved_options
 
 __all__ = ["check_hostable", "exact_sites", "read_manifest", "state_template"]
 
 
 def read_manifest(path: str | Path) -> Manifest:
+    """``path``'s manifest, its cells' sizes no larger than its weights file (in bytes, so in
+    elements too): the cells are built from it here, before ``rnnify.load`` reads any weight."""
     path = Path(path)
-    return Manifest.parse(read_data(path), path)
+    manifest = Manifest.parse(read_data(path), path)
+    try:
+        room = (path / WEIGHTS_FILE).stat().st_size
+        for entry in manifest.cells:
+            check_spec_sizes(entry.module, CellSpec(**entry.spec), room)
+    except (OSError, TypeError, ValueError) as exc:
+        raise RnnifyError(f"{path}: {first_line(exc)}; convert the model again") from exc
+    return manifest
 
 
 def _cells(manifest: Manifest) -> list[Cell]:
