@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from support import reseal
 
+import rnnify
 from rnnify.cli import main
 from rnnify.runtime.manifest import MANIFEST_FILE, content_digest
 from rnnify.runtime.storage import GRAPH_FILE, WEIGHTS_FILE
@@ -180,3 +181,24 @@ def test_odd_json_beside_the_model_is_one_line_or_none(capsys, model_copy, case)
         err = capsys.readouterr().err
         assert "Traceback" not in err, err
     assert code == expected and words in err, err
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        # verify and bench draw ids below the manifest's vocab_size: past the embeddings, an IndexError
+        (lambda d: reseal(d, vocab_size=1_000_000), "vocabulary has 1,000,000 tokens, the step gives logits over 320"),
+        # a window past int64 loaded, then overflowed at the first prompt of several tokens
+        (lambda d: _edit_cell(d, "spec", lambda s: s.update(window=10**30)), "spec window is past int64"),
+        # a cell's state is sized by its options: the load's dry run allocated 3.9 GB for this
+        (lambda d: _edit_cell(d, "options", lambda o: o.update(window=10**9)), "one sequence's state"),
+    ],
+    ids=["vocab_size", "window past int64", "state of a huge window"],
+)
+def test_sizes_that_the_weights_do_not_back_are_refused_at_load(capsys, tmp_path, tiny_model_dir, change, words):
+    directory = tmp_path / "model"
+    rnnify.convert(tiny_model_dir("llama"), to="window", window=4, sinks=1).save(directory)
+    change(directory)
+    code = main(["verify", str(directory)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and words in err, err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -312,6 +313,16 @@ def test_cli_checks_flags_before_the_work(converted_dir, corpus, tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith("error:") and match.format(tmp=tmp_path) in err
     assert str(tmp_path / "nope") not in err
+
+
+def test_a_sharded_originals_index_is_part_of_its_digest(tmp_path, tiny_model_dir):
+    """The index says which shard holds each tensor: another index is another model."""
+    from rnnify.original.outputs import content_digest
+
+    source = Path(shutil.copytree(tiny_model_dir("llama"), tmp_path / "original"))
+    before = content_digest(source)
+    (source / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    assert content_digest(source) != before
 
 
 def test_the_originals_logits_come_back_from_the_cache(converted_dir, tiny_model_dir, corpus, tmp_path, monkeypatch):

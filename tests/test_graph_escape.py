@@ -254,3 +254,26 @@ def test_an_error_line_writes_out_the_control_characters_of_a_directory(capsys, 
     code = main(["chat", str(directory), "--max-new-tokens", "1"])
     err = capsys.readouterr().err
     assert code == 2 and "\x1b" not in err and "\x07" not in err and "\\x1b]0;pwned" in err, err
+
+
+@pytest.mark.parametrize(
+    "nodes",
+    [
+        # a few bytes of graph.json for 4 TB, and a view of a weight 10**12 rows long made whole
+        [_node("bomb", "call_function", "torch.ops.aten.zeros.default", [10**12])],
+        [
+            _node("wide", "call_function", "torch.ops.aten.expand.default", _ref("w"), [10**12, -1]),
+            _node("bomb", "call_function", "torch.ops.aten.contiguous.default", _ref("wide")),
+        ],
+    ],
+    ids=["zeros", "expand"],
+)
+def test_ops_that_would_make_more_than_the_weights_are_refused_before_they_run(tmp_path, windowed, nodes):
+    directory = Path(shutil.copytree(windowed, tmp_path / "model"))
+    graph = json.loads((directory / GRAPH_FILE).read_text())
+    norm = next(n["target"] for n in graph["nodes"] if n["op"] == "get_attr" and n["target"].endswith("norm.weight"))
+    graph["nodes"][-1:-1] = [_node("w", "get_attr", norm), *nodes]
+    (directory / GRAPH_FILE).write_text(json.dumps(graph))
+    reseal(directory)
+    with pytest.raises(RnnifyError, match=r"makes a tensor of [\d,]+ elements, more than a step of its weights needs"):
+        rnnify.load(directory)

@@ -28,8 +28,9 @@ from rnnify.runtime.step_cache import cache_root
 
 __all__ = ["OriginalOutputs", "content_digest"]
 
-# the files of a Hugging Face directory (or a GGUF file) that determine its outputs
-DETERMINING = ("config.json", "*.safetensors", "*.bin", "*.gguf", "*.pt", "*.pth")
+# the files of a Hugging Face directory (or a GGUF file) that determine its outputs (an index maps
+# tensors to the shards that hold them)
+DETERMINING = ("config.json", "*.index.json", "*.safetensors", "*.bin", "*.gguf", "*.pt", "*.pth")
 
 
 def content_digest(source: str | os.PathLike) -> str | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.op_vocabulary import check_references, check_returns
 from rnnify.runtime.saving import GRAPH_FILE, SOURCE_FILES, WEIGHTS_FILE, saved_options
 from rnnify.runtime.serialize import GraphFormatError, graph_from_json
+from rnnify.runtime.size_guard import SizeGuard
 from rnnify.runtime.step_cache import find_step
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 
@@ -153,11 +155,13 @@ def _step_module(
             tensors[alias] = tensors[stored]
         check_references(graph, tensors, (entry.module for entry in manifest.cells))
         root = nn.Module()
-        room = sum(t.numel() for t in tensors.values())
+        held = sum(t.numel() for t in tensors.values())
+        room = max(held, ROOM_FLOOR)
         for entry in manifest.cells:
             spec, options = CellSpec(**entry.spec), saved_options(entry.target, entry.options)
             prefix = entry.module + "."
             weights = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+            check_spec_sizes(entry.module, spec, held)
             room -= _check_cell_fits(entry.module, entry.target, spec, options, weights, room)
             cell = build_cell(entry.target, spec, options).to(device)
             # assign: the saved tensors themselves, in their saved dtype, whatever dtype the cell was
@@ -190,27 +194,36 @@ def _step_module(
 
 # the sizes a cell is built from (its weights' shapes, lists of heads), each no more than the weights hold
 _BUILT_FROM = ("num_heads", "num_kv_heads", "head_dim", "value_dim", "hidden_size", "index_dim")
+# What the cells compute from their sizes and options alone, all together (buffers, and the state of
+# one sequence, which the load's dry run allocates), may be as large as the weights or this many
+# elements (256 MiB in float32), whichever is more: a long window on a small model is a choice.
+ROOM_FLOOR = 1 << 26
+# the dry run's ops may read and make tensors this many times the weights (or ROOM_FLOOR): one token's
+# step touches each weight once, its state and a few activations, far below
+GUARD_FACTOR = 4
 
 
-def check_spec_sizes(module: str, spec: CellSpec, room: int) -> None:
-    """Refuse a spec that builds its cell from a size larger than ``room``, the elements its
-    directory's weights hold (``ValueError``): building it, even on the meta device, makes lists of
-    that many heads."""
-    too_large = [name for name in _BUILT_FROM if (getattr(spec, name) or 0) > room]
+def check_spec_sizes(module: str, spec: CellSpec, held: int) -> None:
+    """Refuse a spec that builds its cell from a size larger than ``held``, the elements its
+    directory's weights hold (building it, even on the meta device, makes lists of that many heads),
+    or holds an integer past int64 (``ValueError``)."""
+    too_large = [name for name in _BUILT_FROM if (getattr(spec, name) or 0) > held]
     if too_large:
         size = getattr(spec, too_large[0])
         raise ValueError(f"cell {module}: spec {too_large[0]} {size:,} is more than the weights hold")
+    wide = [f.name for f in fields(spec) if type(getattr(spec, f.name)) is int and abs(getattr(spec, f.name)) >= 2**63]
+    if wide:
+        raise ValueError(f"cell {module}: spec {wide[0]} is past int64")
 
 
 def _check_cell_fits(
     module: str, target: str, spec: CellSpec, options: dict, weights: dict[str, torch.Tensor], room: int
 ) -> int:
-    """The elements the cell computes from its spec alone (non-persistent buffers), at most ``room``
-    (what the weights hold, less what earlier cells computed); its tensors must have the saved
-    weights' shapes. A spec's sizes are a few bytes of JSON, and a cell built from them for real
-    before this check would fill as much memory as they say: no size may exceed ``room``, and the
-    cell is built on the meta device first, which allocates no tensor."""
-    check_spec_sizes(module, spec, room)
+    """The elements the cell computes from its spec and options alone (non-persistent buffers and one
+    sequence's state), at most ``room`` (``ROOM_FLOOR``'s, less what earlier cells computed); its
+    tensors must have the saved weights' shapes. A spec's sizes are a few bytes of JSON, and a cell
+    built from them for real before this check would fill as much memory as they say: it is built
+    on the meta device first, which allocates no tensor."""
     with torch.device("meta"):
         shadow = build_cell(target, spec, options)
     wanted = {name: tuple(t.shape) for name, t in shadow.state_dict().items()}
@@ -219,8 +232,12 @@ def _check_cell_fits(
         if wanted.get(name) != held:
             raise ValueError(f"cell {module}: {name} is {held} in the weights, its spec makes it {wanted.get(name)}")
     computed = sum(b.numel() for name, b in shadow.named_buffers() if name not in wanted)
+    computed += sum(t.numel() for t in shadow.init_state(1, "meta", torch.float32))
     if computed > room:
-        raise ValueError(f"cell {module}: its spec makes {computed:,} elements, more than the weights hold")
+        raise ValueError(
+            f"cell {module}: its spec and options make {computed:,} elements (buffers and one sequence's "
+            "state), more than the weights hold"
+        )
     return computed
 
 
@@ -253,10 +270,18 @@ def _check_reads_installed(module: torch.fx.GraphModule) -> None:
 def _check_runs(model: RecurrentModel, path: Path) -> None:
     """Run one token through the cells' own forms: graph, cells and weights that are each well formed
     but do not fit together (a weight of another shape or dtype, a node where a size goes) fail here,
-    as one line, and not at a user's first prompt."""
+    as one line, and not at a user's first prompt. No op may read or make more than a step of these
+    weights needs (``SizeGuard``): the graph's constants size what its ops make."""
+    held = sum(t.numel() for t in model.graph.state_dict().values())
     try:
         check_returns(model.graph.graph, 1 + len(model.init_state(1).tensors))
-        model.use_kernels("none").prefill(torch.zeros(1, 1, dtype=torch.long, device=model.device))
+        with SizeGuard(GUARD_FACTOR * max(held, ROOM_FLOOR)):
+            logits, _ = model.use_kernels("none").prefill(torch.zeros(1, 1, dtype=torch.long, device=model.device))
+        if model.manifest.vocab_size > logits.shape[-1]:  # ids are drawn and checked by the manifest's
+            raise RnnifyError(
+                f"{path}: its manifest says the vocabulary has {model.manifest.vocab_size:,} tokens, the step "
+                f"gives logits over {logits.shape[-1]:,}; convert the model again"
+            )
     except Exception as exc:  # noqa: BLE001 - whatever running a directory's graph raises is the directory's fault
         if isinstance(exc, RnnifyError) and not isinstance(exc, GraphFormatError):
             raise
