@@ -265,8 +265,30 @@ def test_an_error_line_writes_out_the_control_characters_of_a_directory(capsys, 
             _node("wide", "call_function", "torch.ops.aten.expand.default", _ref("w"), [10**12, -1]),
             _node("bomb", "call_function", "torch.ops.aten.contiguous.default", _ref("wide")),
         ],
+        # an op of one tensor that takes a size: histc's bins
+        [_node("bomb", "call_function", "torch.ops.aten.histc.default", _ref("w"), 10**12)],
+        # a boolean mask beside a long index: the meta device cannot size it from the mask's data
+        [
+            _node("x", "call_function", "torch.ops.aten.ones.default", [1 << 15, 2]),
+            {
+                **_node("mask", "call_function", "torch.ops.aten.ones.default", [1 << 15]),
+                "kwargs": {"dtype": {"dtype": "bool"}},
+            },
+            {
+                **_node("i", "call_function", "torch.ops.aten.zeros.default", [1 << 14, 1]),
+                "kwargs": {"dtype": {"dtype": "int64"}},
+            },
+            _node("bomb", "call_function", "torch.ops.aten.index.Tensor", _ref("x"), [_ref("mask"), _ref("i")]),
+        ],
+        # a tensor of float64: bytes, not elements, are what fills the memory
+        [
+            {
+                **_node("bomb", "call_function", "torch.ops.aten.zeros.default", [1 << 28]),
+                "kwargs": {"dtype": {"dtype": "float64"}},
+            }
+        ],
     ],
-    ids=["zeros", "expand"],
+    ids=["zeros", "expand", "histc", "mask index", "float64"],
 )
 def test_ops_that_would_make_more_than_the_weights_are_refused_before_they_run(tmp_path, windowed, nodes):
     directory = Path(shutil.copytree(windowed, tmp_path / "model"))
@@ -275,5 +297,39 @@ def test_ops_that_would_make_more_than_the_weights_are_refused_before_they_run(t
     graph["nodes"][-1:-1] = [_node("w", "get_attr", norm), *nodes]
     (directory / GRAPH_FILE).write_text(json.dumps(graph))
     reseal(directory)
-    with pytest.raises(RnnifyError, match=r"makes a tensor of [\d,]+ elements, more than a step of its weights needs"):
+    with pytest.raises(RnnifyError, match=r"makes a tensor of [\d,]+ bytes, more than a step of its weights needs"):
+        rnnify.load(directory)
+
+
+def test_a_product_of_more_work_than_the_weights_is_refused_before_it_runs(tmp_path, windowed):
+    """Two 8,192 x 8,192 matrices, each within the bytes allowed, multiplied: minutes of one thread."""
+    directory = Path(shutil.copytree(windowed, tmp_path / "model"))
+    graph = json.loads((directory / GRAPH_FILE).read_text())
+    graph["nodes"][-1:-1] = [
+        _node("a", "call_function", "torch.ops.aten.zeros.default", [1, 1 << 13, 1 << 13]),
+        _node("bomb", "call_function", "torch.ops.aten.bmm.default", _ref("a"), _ref("a")),
+    ]
+    (directory / GRAPH_FILE).write_text(json.dumps(graph))
+    reseal(directory)
+    with pytest.raises(RnnifyError, match=r"aten.bmm.default computes [\d,]+ multiply-adds, more than a step"):
+        rnnify.load(directory)
+
+
+def test_aliases_do_not_raise_what_a_step_may_make(tmp_path, windowed):
+    """An alias names a weight again: counted once, or 14,000 aliases let a 2 GB tensor through."""
+    directory = Path(shutil.copytree(windowed, tmp_path / "model"))
+    manifest = json.loads((directory / "rnnify.json").read_text())
+    head = next(k for k in load_file(directory / WEIGHTS_FILE) if k.startswith("lm_head") or "embed" in k)
+    aliases = {f"pad.a{i}": head for i in range(2000)}
+    graph = json.loads((directory / GRAPH_FILE).read_text())
+    graph["nodes"][-1:-1] = [
+        *(_node(f"g{i}", "get_attr", name) for i, name in enumerate(aliases)),
+        _node("bomb", "call_function", "torch.ops.aten.zeros.default", [(1 << 28) + 1]),
+    ]
+    (directory / GRAPH_FILE).write_text(json.dumps(graph))
+    (directory / "rnnify.json").write_text(
+        json.dumps({**manifest, "aliases": {**manifest.get("aliases", {}), **aliases}})
+    )
+    reseal(directory)
+    with pytest.raises(RnnifyError, match="aten.zeros.default makes a tensor of 1,073,741,828 bytes"):
         rnnify.load(directory)

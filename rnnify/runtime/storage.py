@@ -150,13 +150,13 @@ def _step_module(
 ) -> torch.fx.GraphModule:
     """The step graph bound to its cells and weights; a graph that reaches anything else, or weights
     that do not fit the cells, are refused (``op_vocabulary.check_references``)."""
+    held = sum(t.numel() for t in tensors.values())  # before aliases, which name the same tensors again
     try:
         for alias, stored in manifest.aliases.items():
             tensors[alias] = tensors[stored]
         check_references(graph, tensors, (entry.module for entry in manifest.cells))
         root = nn.Module()
-        held = sum(t.numel() for t in tensors.values())
-        room = max(held, ROOM_FLOOR)
+        room = GUARD_FACTOR * max(held, ROOM_FLOOR)
         for entry in manifest.cells:
             spec, options = CellSpec(**entry.spec), saved_options(entry.target, entry.options)
             prefix = entry.module + "."
@@ -195,11 +195,11 @@ def _step_module(
 # the sizes a cell is built from (its weights' shapes, lists of heads), each no more than the weights hold
 _BUILT_FROM = ("num_heads", "num_kv_heads", "head_dim", "value_dim", "hidden_size", "index_dim")
 # What the cells compute from their sizes and options alone, all together (buffers, and the state of
-# one sequence, which the load's dry run allocates), may be as large as the weights or this many
-# elements (256 MiB in float32), whichever is more: a long window on a small model is a choice.
+# one sequence, which the load's dry run allocates), and what each op of that dry run reads, makes
+# or computes, may be GUARD_FACTOR times the weights or ROOM_FLOOR elements (256 MiB in float32),
+# whichever is more: one token's step touches each weight once, its state and a few activations, and
+# a long window on a small model is a choice.
 ROOM_FLOOR = 1 << 26
-# the dry run's ops may read and make tensors this many times the weights (or ROOM_FLOOR): one token's
-# step touches each weight once, its state and a few activations, far below
 GUARD_FACTOR = 4
 
 
@@ -220,17 +220,17 @@ def _check_cell_fits(
     module: str, target: str, spec: CellSpec, options: dict, weights: dict[str, torch.Tensor], room: int
 ) -> int:
     """The elements the cell computes from its spec and options alone (non-persistent buffers and one
-    sequence's state), at most ``room`` (``ROOM_FLOOR``'s, less what earlier cells computed); its
-    tensors must have the saved weights' shapes. A spec's sizes are a few bytes of JSON, and a cell
+    sequence's state), at most ``room`` (``GUARD_FACTOR`` times the weights' elements or ``ROOM_FLOOR``,
+    less what earlier cells computed); its tensors must have the saved weights' shapes. A spec's sizes are a few bytes of JSON, and a cell
     built from them for real before this check would fill as much memory as they say: it is built
     on the meta device first, which allocates no tensor."""
     with torch.device("meta"):
         shadow = build_cell(target, spec, options)
     wanted = {name: tuple(t.shape) for name, t in shadow.state_dict().items()}
     for name in sorted(wanted.keys() | weights.keys()):
-        held = tuple(weights[name].shape) if name in weights else None
-        if wanted.get(name) != held:
-            raise ValueError(f"cell {module}: {name} is {held} in the weights, its spec makes it {wanted.get(name)}")
+        saved = tuple(weights[name].shape) if name in weights else None
+        if wanted.get(name) != saved:
+            raise ValueError(f"cell {module}: {name} is {saved} in the weights, its spec makes it {wanted.get(name)}")
     computed = sum(b.numel() for name, b in shadow.named_buffers() if name not in wanted)
     computed += sum(t.numel() for t in shadow.init_state(1, "meta", torch.float32))
     if computed > room:
@@ -272,10 +272,12 @@ def _check_runs(model: RecurrentModel, path: Path) -> None:
     but do not fit together (a weight of another shape or dtype, a node where a size goes) fail here,
     as one line, and not at a user's first prompt. No op may read or make more than a step of these
     weights needs (``SizeGuard``): the graph's constants size what its ops make."""
-    held = sum(t.numel() for t in model.graph.state_dict().values())
+    stored = {t.untyped_storage().data_ptr(): t for t in model.graph.state_dict().values()}  # aliases once
+    elements = sum(t.numel() for t in stored.values())
+    nbytes = sum(t.numel() * t.element_size() for t in stored.values())
     try:
-        check_returns(model.graph.graph, 1 + len(model.init_state(1).tensors))
-        with SizeGuard(GUARD_FACTOR * max(held, ROOM_FLOOR)):
+        with SizeGuard(GUARD_FACTOR * max(nbytes, 4 * ROOM_FLOOR), GUARD_FACTOR * max(elements, ROOM_FLOOR)):
+            check_returns(model.graph.graph, 1 + len(model.init_state(1).tensors))
             logits, _ = model.use_kernels("none").prefill(torch.zeros(1, 1, dtype=torch.long, device=model.device))
         if model.manifest.vocab_size > logits.shape[-1]:  # ids are drawn and checked by the manifest's
             raise RnnifyError(

@@ -137,12 +137,13 @@ def check_tokenizer_files(directory: Path) -> None:
     directory's own (``_files_within``) where they point at a file outside, which such a loader opens."""
     check_tokenizer_reads(directory)
     _check_tokenizer_class(directory, None, "serve the model that was converted")
-    for key, value in _files_within(directory).items():
-        named = _read_json(directory / "tokenizer_config.json")[key]
-        if value is None and (directory / named).exists():
-            raise RnnifyError(
-                f"{directory / 'tokenizer_config.json'}: {key} names {named!r:.80}, outside the directory"
-            )
+    within = _files_within(directory)
+    config = _read_json(directory / "tokenizer_config.json") if within else {}
+    outside = [key for key, value in within.items() if value is None and (directory / config[key]).exists()]
+    if outside:
+        raise RnnifyError(
+            f"{directory / 'tokenizer_config.json'}: {outside[0]} names {config[outside[0]]!r:.80}, outside the directory"
+        )
 
 
 def _bare(name: Any) -> bool:
