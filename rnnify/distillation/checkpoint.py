@@ -22,7 +22,7 @@ from typing import Any, get_origin, get_type_hints
 import torch
 
 from rnnify.errors import RnnifyError
-from rnnify.runtime.output_dir import replace_file
+from rnnify.runtime.output_dir import file_in_the_way, replace_file
 
 __all__ = [
     "CHECKPOINT_FILE",
@@ -57,12 +57,9 @@ def check_checkpoint_dir(directory: str | os.PathLike | None, resume: bool) -> N
         if resume:
             raise RnnifyError("resume needs checkpoint_dir (--checkpoint-dir): the directory of the interrupted run")
         return
-    path = Path(directory).expanduser()
-    for place in (path, *path.parents):
-        if place.exists():
-            if not place.is_dir():
-                raise RnnifyError(f"checkpoint_dir (--checkpoint-dir) {directory}: {place} is a file, not a directory")
-            return
+    place = file_in_the_way(Path(directory).expanduser())
+    if place is not None:
+        raise RnnifyError(f"checkpoint_dir (--checkpoint-dir) {directory}: {place} is a file, not a directory")
 
 
 def save_checkpoint(directory: str | os.PathLike, checkpoint: Checkpoint) -> Path:

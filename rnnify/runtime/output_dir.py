@@ -47,7 +47,7 @@ from typing import BinaryIO
 
 from rnnify.errors import RnnifyError, RnnifyWarning
 
-__all__ = ["check_not_left_aside", "claim", "install", "replace_file", "scratch", "umask"]
+__all__ = ["check_not_left_aside", "claim", "file_in_the_way", "install", "replace_file", "scratch", "umask"]
 
 NEW, OLD = ".tmp", ".old"  # suffixes of a directory being written, and of a replaced one being removed
 
@@ -141,6 +141,13 @@ def replace_file(path: Path, write: Callable[[BinaryIO], object]) -> None:
     except BaseException:
         Path(name).unlink(missing_ok=True)
         raise
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """The file that stands where ``path`` or a folder above it would be (its nearest existing
+    place, when that is not a directory), which no writer could create ``path`` through; else None."""
+    place = next((p for p in (path, *path.parents) if p.exists()), None)
+    return place if place is not None and not place.is_dir() else None
 
 
 def umask() -> int:

@@ -105,8 +105,8 @@ def check_output(path: Path) -> Path:
     path = path.expanduser()
     if path.exists() and not (path.is_dir() and (not any(path.iterdir()) or (path / MANIFEST_FILE).is_file())):
         raise RnnifyError(f"{path} exists and is not an rnnify model directory; choose another output directory")
-    above = next((p for p in path.parents if p.exists()), None)
-    if above is not None and not above.is_dir():
+    above = output_dir.file_in_the_way(path.parent)
+    if above is not None:
         raise RnnifyError(f"{path}: {above} is a file, not a directory; choose another output directory")
     return path
 
