@@ -30,6 +30,7 @@ __all__ = [
     "PROBES",
     "Probe",
     "Prompt",
+    "PromptTooLong",
     "build_prompt",
     "depths",
     "prompts",
@@ -140,6 +141,15 @@ def _body(probe: Probe, filler: Sequence[str], count: int, depth: float, needles
     return " ".join([probe.header, *sentences])
 
 
+class PromptTooLong(RnnifyError):
+    """A pass-key prompt longer than the length asked for, even with one filler sentence: ``needed`` is
+    its fewest tokens, so that a caller can name its own flag and the value that would fit."""
+
+    def __init__(self, message: str, needed: int):
+        super().__init__(message)
+        self.needed = needed
+
+
 def _ids(tokenizer: Any, probe: Probe, body: str, question: str) -> list[int]:
     if not probe.chat:
         return list(tokenizer(f"{body} {question}")["input_ids"])
@@ -185,9 +195,10 @@ def build_prompt(
         return len(encoded(count))
 
     if size(1) > length:
-        raise RnnifyError(
+        raise PromptTooLong(
             f"a pass-key prompt ({probe.name}) needs at least {size(1)} tokens with this tokenizer; "
-            f"ask for longer contexts than {length}"
+            f"ask for longer contexts than {length}",
+            size(1),
         )
     sample = min(len(filler), 32)
     per_sentence = max(1, (size(sample + 1) - size(1)) // sample)

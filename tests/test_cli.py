@@ -148,6 +148,41 @@ def test_convert_of_a_damaged_source_is_one_line(capsys, tmp_path, tiny_model_di
     assert not (tmp_path / "o").exists()
 
 
+def _tokenizer_cut_short(text: str) -> str:
+    return text[: len(text) // 2]
+
+
+def _tokenizer_of_a_wrong_shape(text: str) -> str:
+    return json.dumps({**json.loads(text), "model": {"type": "BPE", "vocab": 5}})
+
+
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (_tokenizer_cut_short, "tokenizer.json is not valid JSON (Expecting"),
+        (_tokenizer_of_a_wrong_shape, "tokenizer.json is not a tokenizer that tokenizers"),
+    ],
+    ids=["cut-short", "wrong-shape"],
+)
+def test_convert_of_a_source_whose_tokenizer_json_cannot_load_is_one_line(
+    capfd, tmp_path, tiny_model_dir, damage, words
+):
+    """convert copied such a tokenizer.json beside the model and exited 0, and only generate failed:
+    now it is refused before the load (no stage has started), with no Rust panic, nothing written;
+    and by ``rnnify.convert`` too, before the capture."""
+    source = Path(shutil.copytree(tiny_model_dir("llama"), tmp_path / "source"))
+    path = source / "tokenizer.json"
+    path.write_text(damage(path.read_text()))
+    code, _, err = run(capfd, "convert", source, "--to", "exact", "-o", tmp_path / "o", "--no-compile")
+    assert_user_error(code, err, str(path), words, "replace it with a good copy", "move the source's tokenizer files")
+    assert err.startswith("error: ") and "panic" not in err, err
+    assert not (tmp_path / "o").exists()
+    stages = []
+    with pytest.raises(rnnify.RnnifyError, match=re.escape(words)):
+        rnnify.convert(source, progress=stages.append)
+    assert stages == ["load"]
+
+
 # -- verify -------------------------------------------------------------------------------
 
 

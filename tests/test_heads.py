@@ -5,6 +5,8 @@ built to retrieve."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -524,6 +526,31 @@ def test_auto_cli_errors(capsys, tmp_path, retrieval_model, tiny_model_dir):
     code, out, _ = run(capsys, "info", tmp_path / "o")
     layers = json.loads((tmp_path / "o" / "head_map.json").read_text())["layers"]
     assert code == 0 and layers.startswith("0:heads(") and layers in out.replace("\n", "")
+
+
+def test_auto_rows_too_short_for_the_passkey_prompts_name_calib_len(capsys, tmp_path, tiny_model_dir):
+    """Rows too short for a pass-key calibration prompt: the error said only "ask for longer contexts
+    than 56"; it names --calib-len and the length that fits (one token less does not, that one
+    converts), or, past the model's positions, calibrating on text alone."""
+    source = tmp_path / "long"
+    shutil.copytree(tiny_model_dir("llama"), source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 512}))
+    text = tmp_path / "calib.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 200)
+    base = ["convert", "--to", "auto", "--data", text, "--state-budget", "30%", "--score", "mass", "--no-compile"]
+    code, _, err = run(capsys, *base, source, "--calib-len", "64", "-o", tmp_path / "o")
+    assert_user_error(
+        code, err, "--calib-len 64 is too short for the pass-key calibration prompts", "--calib-passkey 0"
+    )
+    fits = int(re.search(r"give --calib-len (\d+) or more", err)[1])
+    code, _, err = run(capsys, *base, source, "--calib-len", fits - 1, "-o", tmp_path / "o")
+    assert_user_error(code, err, f"--calib-len {fits - 1} is too short", f"give --calib-len {fits} or more")
+    assert not (tmp_path / "o").exists()
+    code, _, err = run(capsys, *base, source, "--calib-len", fits, "-o", tmp_path / "o")
+    assert code == 0, err
+    code, _, err = run(capsys, *base, tiny_model_dir("llama"), "--calib-len", "64", "-o", tmp_path / "p")
+    assert_user_error(code, err, "--calib-len 64 is too short", "model's 128 positions: give --calib-passkey 0")
 
 
 def test_auto_cli_memory_makes_the_streaming_heads_hybrids(capsys, tmp_path, retrieval_model):

@@ -101,7 +101,7 @@ class HeadScorer:
             raise RnnifyError(f"--calib-len {calib_len} is past the model's {limit} positions; use at most {limit}")
         if tokenizer is None and (passkey or isinstance(data, (str, os.PathLike))):
             tokenizer = load_tokenizer(model)
-        self.calibration = calibration_rows(tokenizer, data, calib_len, calib_rows, passkey, seed)
+        self.calibration = calibration_rows(tokenizer, data, calib_len, calib_rows, passkey, seed, limit=limit)
         self.runner, self.specs = probe_runner(self.source, self.dtype, self.calibration.rows[0][:, :_SPEC_TOKENS])
         self.sites = self.runner.sites  # attention sites per layer: each keeps its own state
         # chunked attention (Llama 4's): only exact computes it, and its state is bounded already; a

@@ -149,10 +149,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from rnnify import progress
     from rnnify.auto import check_memory
     from rnnify.compiler.capture import source_location
+    from rnnify.compiler.convert import check_source_tokenizer
     from rnnify.compiler.passes import PIPELINE
     from rnnify.compiler.plan import parse_options
 
     source_location(args.model)  # a wrong path in one line, before any progress shows
+    check_source_tokenizer(args.model)  # a broken tokenizer.json, before minutes of loading (and --to auto's scoring)
     check_memory(args.memory)  # before the model is loaded
     options = {name: getattr(args, name) for name in _CELL_FLAGS if getattr(args, name) is not None}
     given = parse_options(args.option or [], lambda pair: f"--option {pair!r}: expected KEY=VALUE, e.g. chunk_size=128")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -24,11 +25,18 @@ from rnnify.runtime.agreement import check_against_original
 from rnnify.runtime.manifest import CellEntry, Manifest
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.saving import SOURCE_FILES
+from rnnify.runtime.tokenizer import check_tokenizer_json
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 
-__all__ = ["STAGES", "convert"]
+__all__ = ["STAGES", "check_source_tokenizer", "convert"]
 
 STAGES = ("load", "capture", "passes")
+
+# what to do about a source tokenizer.json that cannot load: convert has no flag for another tokenizer
+SOURCE_TOKENIZER_FIX = (
+    "convert copies it beside the model: replace it with a good copy (e.g. download it again), "
+    "or move the source's tokenizer files away to convert without a tokenizer"
+)
 
 _DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
@@ -47,13 +55,7 @@ def _source_files(model: Any, source: torch.nn.Module) -> dict[str, bytes]:
     if isinstance(model, (str, Path)) and is_gguf(model):
         files = {name: data for name, data in tokenizer_files(model).items() if name in SOURCE_FILES}
         return {**files, "config.json": source.config.to_json_string().encode()}
-    directory = Path(model).expanduser() if isinstance(model, (str, Path)) else None
-    if directory is None or not directory.is_dir():
-        # a loaded model: the directory it came from (a composite's: its text config names none)
-        named = getattr(getattr(model, "config", None), "_name_or_path", "")
-        named = named or getattr(source.config, "_name_or_path", "")
-        candidate = Path(named or "/nonexistent")
-        directory = candidate if candidate.is_dir() else None
+    directory = _source_directory(model, source)
     files = {}
     if directory is not None:
         files = {name: (directory / name).read_bytes() for name in SOURCE_FILES if (directory / name).is_file()}
@@ -61,6 +63,29 @@ def _source_files(model: Any, source: torch.nn.Module) -> dict[str, bytes]:
         # none, or a composite's: the converted model is its language model, described by the text config
         files["config.json"] = source.config.to_json_string().encode()
     return files
+
+
+def _source_directory(model: Any, source: torch.nn.Module) -> Path | None:
+    """The directory whose files ``_source_files`` copies: ``model``'s, or the one a loaded model came
+    from (a composite's: its text config names none); None for a GGUF file, whose tokenizer is its own."""
+    if isinstance(model, (str, Path)) and is_gguf(model):
+        return None
+    directory = Path(model).expanduser() if isinstance(model, (str, Path)) else None
+    if directory is None or not directory.is_dir():
+        named = getattr(getattr(model, "config", None), "_name_or_path", "")
+        named = named or getattr(source.config, "_name_or_path", "")
+        candidate = Path(named or "/nonexistent")
+        directory = candidate if candidate.is_dir() else None
+    return directory
+
+
+def check_source_tokenizer(directory: str | os.PathLike | None) -> None:
+    """Refuse a source ``tokenizer.json`` that cannot load (cut short, not JSON, not a tokenizer):
+    convert would copy it beside the model, and only a later generate or chat would fail. Cheap, so
+    it runs before the capture (the command line's: before the load)."""
+    path = None if directory is None else Path(directory).expanduser()
+    if path is not None and path.is_dir():
+        check_tokenizer_json(path, SOURCE_TOKENIZER_FIX)
 
 
 def _model_type(config: bytes) -> str | None:
@@ -98,6 +123,7 @@ def convert(
     report = progress or (lambda stage: None)
     report("load")
     source = load_source(model, resolve_dtype(dtype))
+    check_source_tokenizer(_source_directory(model, source))  # a loaded model's directory is known only now
     report("capture")
     graph = capture(source)
     graph_limit = graph.meta.get(GRAPH_LIMIT)

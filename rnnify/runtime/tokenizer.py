@@ -20,6 +20,7 @@ __all__ = [
     "TOKENIZER_FIX",
     "check_template",
     "check_tokenizer_files",
+    "check_tokenizer_json",
     "check_tokenizer_reads",
     "encode",
     "has_tokenizer",
@@ -106,6 +107,27 @@ def _files_within(directory: Path) -> dict[str, str | None]:
         if isinstance(value, str) and (key in _FILE_KEYS or key.endswith(_FILE_SUFFIXES)):
             within[key] = str(directory / value) if _bare(value) and (directory / value).is_file() else None
     return within
+
+
+def check_tokenizer_json(directory: Path, fix: str) -> None:
+    """Refuse ``directory``'s tokenizer.json (if any) where the ``tokenizers`` library, which transformers
+    loads it with, cannot: cut short, not JSON, not a tokenizer. Parsed as JSON first, so that a file
+    cut short is named as such, in Python's words, rather than in the library's."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return
+    try:
+        json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise RnnifyError(f"{path} is not valid JSON ({first_line(exc)}); {fix}") from exc
+    import tokenizers
+
+    try:
+        tokenizers.Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception for a bad file
+        raise RnnifyError(
+            f"{path} is not a tokenizer that tokenizers {tokenizers.__version__} can load ({first_line(exc)}); {fix}"
+        ) from exc
 
 
 def check_tokenizer_reads(directory: Path) -> None:
