@@ -20,8 +20,10 @@ the same, for its answer.
 Jobs ``ARCH:TARGET[@DTYPE]`` convert the tiny llama and gpt2 of examples/make_tiny_model.py to each
 target of ``rnnify.cells.CELLS``, through ``--to auto``, and in half precision (``approx``: not exact cells).
 Per converted model: its call_function targets as graph.json names them, with the types of their
-constant arguments and their str constants (the JSON holds the union), and ``serialize_error`` where
-the working tree's ``graph_to_json`` refuses the graph. Each job runs in its own process.
+constant arguments and their str constants (the JSON holds the union), ``serialize_error`` where
+the working tree's ``graph_to_json`` refuses the graph, and ``load_error`` where ``rnnify.load``
+refuses the saved model (its checks: docs/security.md) or its logits differ from the converted
+one's. Each job runs in its own process.
 """
 
 from __future__ import annotations
@@ -272,6 +274,11 @@ def run_job(name: str, dtype: torch.dtype = torch.float32) -> dict:
             result["auto"] = auto_probe(model, ids[:1, :SEQ], converted, tol)
         result["stage"] = "save"
         graph_to_json(converted.graph.graph)  # what saving would do with today's serialize
+        result["stage"] = "load"
+        with tempfile.TemporaryDirectory(prefix="arch-sweep-load-") as saved:  # what a load's checks say of it
+            loaded = rnnify.load(converted.save(Path(saved) / "model"), aot_step=False)
+            if not relative_error(loaded.prefill(ids[:, :SEQ])[0], got) <= tol:
+                raise RnnifyError("the loaded model's logits differ from the converted model's")
         result["stage"] = "done"
     except Exception as exc:  # noqa: BLE001  (every failure is a finding)
         if result["stage"] == "source":  # it does not run on text alone: what does rnnify say of it?
@@ -280,6 +287,9 @@ def run_job(name: str, dtype: torch.dtype = torch.float32) -> dict:
             result["status"] = "config"
         elif result["stage"] == "save":  # converted, but graph.json cannot hold it: save would fail
             result["serialize_error"] = first_line(exc, with_type=True)
+            return result
+        elif result["stage"] == "load":  # saved, but rnnify.load refuses it (or computes otherwise)
+            result["load_error"] = first_line(exc, with_type=True)
             return result
         else:
             result["status"] = "refused" if isinstance(exc, RnnifyError) else "crash"
@@ -369,10 +379,12 @@ def summary(results: dict, ops: dict) -> None:
     for name, r in sorted(results.items()):
         if r.get("auto", {}).get("status") in ("mismatch", "crash"):
             console.print(f"{name} --to auto {r['auto']['status']}: {r['auto']['message']}", markup=False)
-    refused = sorted(n for n, r in results.items() if "serialize_error" in r)
-    console.print(
-        f"converted, but graph_to_json refuses the graph: {len(refused)} ({', '.join(refused)})", markup=False
-    )
+    for key, words in (
+        ("serialize_error", "graph_to_json refuses the graph"),
+        ("load_error", "rnnify.load refuses it"),
+    ):
+        refused = sorted(n for n, r in results.items() if key in r)
+        console.print(f"converted, but {words}: {len(refused)} ({', '.join(refused)})", markup=False)
 
 
 def _cell_class(name: str):

@@ -90,7 +90,7 @@ CASES = {
         lambda d: _edit_graph(
             d, lambda g: _first(g, "torch.ops.aten.transpose.int")["args"].__setitem__(1, {"node": "input_ids"})
         ),
-        "does not run",
+        "argument 'dim0' takes node 'input_ids'",
     ),
     "empty graph output": (
         lambda d: _edit_graph(d, lambda g: g["nodes"][-1].__setitem__("args", [{"tuple": []}])),

@@ -13,12 +13,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 from support import reseal
 
 import rnnify
 from rnnify.cli import main
 from rnnify.errors import RnnifyError
+from rnnify.runtime import aot
 from rnnify.runtime.storage import GRAPH_FILE, WEIGHTS_FILE
 
 
@@ -66,7 +68,7 @@ def _grafted(tmp_path: Path, windowed: Path, nodes, aliases: dict | None = None)
 def test_a_graph_that_squares_its_sizes_is_refused_before_its_dry_run(capsys, tmp_path, windowed):
     """Squaring a size again and again doubles its digits each time: the dry run at load would stall."""
     chain = [
-        _call("size", "sym_size.int", _ref("x"), 0),
+        _call("size", "sym_size.int", _ref("input_ids"), 0),
         _node("big", "call_function", "operator.mul", _ref("size"), 2**62),
     ]
     chain += [
@@ -118,3 +120,262 @@ def test_aliases_do_not_raise_what_a_step_may_make(tmp_path, windowed):
     nodes.append(_call("bomb", "zeros.default", [(1 << 28) + 1]))
     with pytest.raises(RnnifyError, match="aten.zeros.default makes a tensor of 1,073,741,828 bytes"):
         rnnify.load(_grafted(tmp_path, windowed, nodes, aliases))
+
+
+@pytest.mark.parametrize(
+    "nodes, refusal",
+    [
+        # a number read from the positions sizes a tensor: nothing at the dry run's position 0,
+        # 4 GB at position 10**9 of a later prompt
+        (
+            [
+                _call("p", "sum.dim_IntList", _ref("position_ids"), [0, 1]),
+                _call("n", "item.default", _ref("p")),
+                _call("bomb", "zeros.default", [_ref("n")]),
+            ],
+            "argument 'size' takes node 'n'",
+        ),
+        # or cuts a tensor to a length, whose pieces a broadcast could then multiply
+        (
+            [
+                _call("p", "sum.dim_IntList", _ref("position_ids"), [0, 1]),
+                _call("n", "item.default", _ref("p")),
+                _node("cut", "call_function", "operator.getitem", _ref("w"), {"slice": [None, _ref("n"), None]}),
+            ],
+            "argument 'index' takes node 'n'",
+        ),
+        # a tensor where a slice bound goes is read as a number too (Python calls its __index__)
+        (
+            [
+                _node("t", "call_function", "operator.getitem", _ref("input_ids"), {"tuple": [0, -1]}),
+                _node("cut", "call_function", "operator.getitem", _ref("w"), {"slice": [None, _ref("t"), None]}),
+            ],
+            "argument 'index' takes node 't'",
+        ),
+        # so is the product of one, and a size read from a tensor the graph made (its shape could follow data)
+        (
+            [
+                _call("n", "item.default", _ref("w")),
+                _node("big", "call_function", "operator.mul", _ref("n"), 8),
+            ],
+            "integer arithmetic takes numbers and sizes, not node 'n'",
+        ),
+        (
+            [_call("size", "sym_size.int", _ref("x"), 0), _call("bomb", "zeros.default", [_ref("size")])],
+            "reads the sizes of its token inputs",
+        ),
+        (
+            [_node("size", "call_function", "torch.ops.aten.sym_size.int", self={"node": "w"}, dim=0)],
+            "reads the sizes of its token inputs",
+        ),
+        # a cell's returns read whole, the new state with them
+        (
+            [_call("whole", "broadcast_tensors.default", _ref("cells_0"))],
+            "cell 'cells.0' returns a tuple, which a step reads by getitem",
+        ),
+        # a cache that grows with every token, read by an op: its square would grow as the square of positions
+        (
+            [_call("outer", "mul.Tensor", _ref("state_0_keys"), _ref("state_0_keys"))],
+            "a state of cell 'cells.0': it goes to that cell alone, in that place",
+        ),
+    ],
+    ids=[
+        "item size",
+        "item slice",
+        "tensor slice",
+        "item product",
+        "size of an activation",
+        "size by keyword",
+        "cell returns whole",
+        "state read",
+    ],
+)
+def test_sizes_that_could_follow_what_a_step_reads_are_refused_at_load(tmp_path, windowed, nodes, refusal):
+    with pytest.raises(RnnifyError, match=refusal):
+        rnnify.load(_grafted(tmp_path, windowed, nodes))
+
+
+def test_a_step_split_by_values_it_reads_runs_guarded(tmp_path, windowed):
+    """A mixture of experts splits its tokens where values it reads say: pieces of a tensor, each no
+    larger than it, but whose outer product follows the data. Token 0 at the dry run makes nothing;
+    token 1 would make 1 GB, and is stopped before it allocates. A model of no such step is unguarded."""
+    nodes = [
+        _call("s", "sum.dim_IntList", _ref("input_ids"), [0, 1]),
+        _call("s16", "mul.Tensor", _ref("s"), 1 << 14),
+        _call("rest", "rsub.Scalar", _ref("s16"), (1 << 15) + 2),
+        _call("n", "item.default", _ref("s16")),
+        _call("m", "item.default", _ref("rest")),
+        _call("line", "zeros.default", [(1 << 15) + 2]),
+        _call("pieces", "split_with_sizes.default", _ref("line"), [_ref("n"), _ref("m")]),
+        _node("a", "call_function", "operator.getitem", _ref("pieces"), 0),
+        _node("b", "call_function", "operator.getitem", _ref("pieces"), 1),
+        _call("column", "unsqueeze.default", _ref("a"), 1),
+        _call("bomb", "add.Tensor", _ref("column"), _ref("b")),
+    ]
+    model = rnnify.load(_grafted(tmp_path, windowed, nodes))
+    assert rnnify.load(windowed).guard_budget is None and model.guard_budget is not None
+    _, state = model.prefill(torch.tensor([[0, 2]]))
+    with pytest.raises(
+        RnnifyError, match=r"its step was stopped: aten.add.Tensor makes a tensor of 1,073,872,896 bytes"
+    ):
+        model.step(torch.tensor([[1]]), state)
+
+
+@pytest.mark.parametrize("dtype", ["bool", "uint8"])
+def test_a_step_that_indexes_with_a_mask_runs_guarded(tmp_path, windowed, dtype):
+    """A mask's selection has the size of its data (``aten.index`` takes uint8 as a mask too): the
+    dry run cannot bound later tokens, so every step, its head too, runs guarded, and none compiled."""
+    nodes = [
+        _call("mask", "gt.Scalar", _ref("w"), 0.0),
+        _call("as_dtype", "to.dtype", _ref("mask"), {"dtype": dtype}),
+        _call("picked", "index.Tensor", _ref("w"), [_ref("as_dtype")]),
+    ]
+    model = rnnify.load(_grafted(tmp_path, windowed, nodes))
+    assert model.guard_budget is not None and "size guard" in aot.refusal(model)
+    with pytest.raises(RnnifyError, match="its step runs eagerly, under a size guard"):
+        model.compile_step()
+    model._step_graph = lambda *inputs: pytest.fail("a compiled step ran unguarded")
+    plain = rnnify.load(windowed)
+    (logits, state), (want, plain_state) = (
+        model.prefill(torch.tensor([[1, 2, 3]])),
+        plain.prefill(torch.tensor([[1, 2, 3]])),
+    )
+    assert torch.equal(logits, want)
+    assert torch.equal(model.step(torch.tensor([[4]]), state)[0], plain.step(torch.tensor([[4]]), plain_state)[0])
+
+
+def _rewired(tmp_path: Path, base: Path, rewire) -> Path:
+    """A copy of ``base`` whose graph's nodes (a list) ``rewire`` changed, resealed."""
+    directory = Path(shutil.copytree(base, tmp_path / "model"))
+    graph = json.loads((directory / GRAPH_FILE).read_text())
+    rewire(graph["nodes"])
+    (directory / GRAPH_FILE).write_text(json.dumps(graph))
+    reseal(directory)
+    return directory
+
+
+def _named(nodes: list) -> dict:
+    return {node["name"]: node for node in nodes}
+
+
+def _swap_returned(nodes: list) -> None:
+    returned = _named(nodes)["output"]["args"][0]["tuple"]
+    returned[1], returned[6] = returned[6], returned[1]  # cell 0's new keys for cell 1's, and back
+
+
+def _keys_as_values(nodes: list) -> None:
+    _named(nodes)["cells_0"]["args"][5] = _ref("state_0_keys")
+
+
+def _other_cells_state(nodes: list) -> None:
+    named = _named(nodes)
+    named["cells_0"]["args"][4], named["cells_1"]["args"][4] = _ref("state_1_keys"), _ref("state_0_keys")
+
+
+@pytest.mark.parametrize(
+    "rewire, refusal",
+    [
+        (_swap_returned, "node 'state_0_keys' .*a state of cell 'cells.1': it goes to that cell alone"),
+        (_keys_as_values, "node 'state_0_keys' .*cell 'cells.0' takes a state twice"),
+        (_other_cells_state, "node 'state_0_keys' .*a state of cell 'cells.0': it goes to that cell alone"),
+    ],
+    ids=["returned swapped", "keys as values", "another cell's state"],
+)
+def test_each_cell_keeps_its_own_state(tmp_path, windowed, rewire, refusal):
+    """Handed another cell's cache beside its own, or its keys as its values, an exact cell's cache
+    grew as the sum of two every step: exponentially in the tokens read, from a load that passed."""
+    with pytest.raises(RnnifyError, match=refusal):
+        rnnify.load(_rewired(tmp_path, windowed, rewire))
+
+
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory, tiny_model_dir) -> Path:
+    out = tmp_path_factory.mktemp("exact") / "model"
+    rnnify.convert(tiny_model_dir("llama"), to="exact").save(out)
+    return out
+
+
+def _widened_mask(nodes: list) -> None:
+    """Cell 0's mask as wide as 2**20 tokens: the cache grows by a megabyte a token, the step as much."""
+    at = next(i for i, node in enumerate(nodes) if node["name"] == "cells_0")
+    nodes[at:at] = [
+        _call("last", "slice.Tensor", _ref("attention_mask"), 1, -1, (1 << 63) - 1),
+        _call("wide", "expand.default", _ref("last"), [-1, 1 << 20]),
+    ]
+    nodes[at + 2]["args"][3] = _ref("wide")
+
+
+def _more_rows(nodes: list) -> None:
+    """Logits for 2**16 rows: the head's guard, sized by its rows, would have grown with them."""
+    output = _named(nodes)["output"]
+    nodes.insert(-1, _call("rows", "expand.default", output["args"][0]["tuple"][0], [1 << 16, -1, -1]))
+    output["args"][0]["tuple"][0] = _ref("rows")
+
+
+@pytest.mark.parametrize(
+    "rewire, refusal",
+    [
+        (_widened_mask, r"its step grew the state by [\d,]+ bytes for 1 tokens, where its cells add [\d,]+ a token"),
+        (_more_rows, r"its step returned \(65536, 1, \d+\) for \(1, 1\) tokens"),
+    ],
+    ids=["widened mask", "more rows"],
+)
+def test_a_step_returns_what_its_tokens_make(tmp_path, exact, rewire, refusal):
+    with pytest.raises(RnnifyError, match=refusal):
+        rnnify.load(_rewired(tmp_path, exact, rewire))
+
+
+@pytest.mark.parametrize(
+    "nodes, refusal",
+    [
+        # a mask's places, found before the op selects: a long index per dimension of it (184 bytes a place)
+        (
+            [
+                _call("m", "ones.default", [2] * 23, dtype="bool"),
+                _call("xx", "zeros.default", [2] * 23),
+                _call("picked", "index.Tensor", _ref("xx"), [_ref("m")]),
+            ],
+            "aten.index.Tensor makes a tensor of 1,543,503,872 bytes",
+        ),
+        # a dtype 16 times wider than a bool: refused before it allocates ("makes"), not after ("made")
+        (
+            [
+                _call("one", "ones.default", [1], dtype="bool"),
+                _call("many", "expand.default", _ref("one"), [1 << 27]),
+                _call("wide", "zeros_like.default", _ref("many"), dtype="complex128"),
+            ],
+            "aten.zeros_like.default makes a tensor of 2,147,483,648 bytes",
+        ),
+    ],
+    ids=["mask places", "wider dtype"],
+)
+def test_what_an_op_makes_inside_is_bounded_before_it_runs(tmp_path, windowed, nodes, refusal):
+    with pytest.raises(RnnifyError, match=refusal):
+        rnnify.load(_grafted(tmp_path, windowed, nodes))
+
+
+def test_a_step_that_puts_by_a_mask_runs_guarded(tmp_path, windowed):
+    """``index_put_`` with a mask (accumulating) finds its places as ``index`` does: sized by data."""
+    nodes = [
+        _call("mask", "gt.Scalar", _ref("w"), 0.0),
+        _call("into", "zeros_like.default", _ref("w")),
+        _call("value", "zeros.default", [1]),
+        _call("put", "index_put_.default", _ref("into"), [_ref("mask")], _ref("value"), True),
+    ]
+    assert rnnify.load(_grafted(tmp_path, windowed, nodes)).guard_budget is not None
+
+
+def test_a_step_split_by_values_it_reads_is_not_compiled_when_converted(tmp_path):
+    """JetMoE's experts split their tokens by the router's counts: loaded, its step runs guarded and
+    eagerly, so convert compiles no step ahead of time that no load would run, and says why."""
+    from support import tiny_causal_lm
+
+    from rnnify.cli.compile import compile_step
+
+    source = tiny_causal_lm(
+        "jetmoe", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        kv_channels=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = rnnify.convert(source, to="exact")
+    note = compile_step(model, model.save(tmp_path / "jetmoe"))
+    assert note.startswith("decode step: eager (this model's step makes tensors whose sizes follow"), note

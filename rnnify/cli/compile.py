@@ -85,17 +85,17 @@ def compile_step(model, path: Path, forced: bool = False) -> str:
     """See that this machine's cache holds the decode step compiled ahead of time for the saved model
     ``path`` (``runtime.step_cache``): found there when it was compiled for a model of the same graph
     and weight layout (a distilled copy, the model converted again), else compiled (unless that gains
-    little and is not ``forced``), from the saved model when ``model`` was trained on another device.
+    little and is not ``forced``), from the saved model as ``rnnify.load`` makes it.
     The model is saved already, so a compile that fails only warns. Returns how ``path`` decodes."""
     import rnnify
     from rnnify.runtime.aot import gains_little, refusal
     from rnnify.runtime.step_cache import cached, compile_into_cache
 
     little = None if forced else gains_little(model)
-    if model.device.type != "cpu":  # the step is for CPUs: found or compiled from the saved model, loaded there
-        if little is not None:  # not worth loading a large model again to look
-            return f"decode step: eager ({little})"
-        model = rnnify.load(path, aot_step=False, verify=False)
+    if model.device.type != "cpu" and little is not None:  # not worth loading a large model again to look
+        return f"decode step: eager ({little})"
+    # the step is for the saved model as a load makes it: on the CPU, guarded where its sizes follow data
+    model = rnnify.load(path, aot_step=False, verify=False)
     reason = refusal(model)
     if reason is not None:
         return f"decode step: eager ({reason})"

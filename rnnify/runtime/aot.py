@@ -133,6 +133,11 @@ def refusal(model: RecurrentModel) -> str | None:
             "an ahead-of-time step is not built for caches that grow up to a sliding window or chunk "
             "(exact layers of a sliding-window or chunked-attention model): decode this model eagerly"
         )
+    if model.guard_budget is not None:
+        return (
+            "this model's step makes tensors whose sizes follow the values it reads (a split by a router's "
+            "counts, a mask), so it runs eagerly under a size guard, which a compiled step would not keep"
+        )
     if any(cell.spec.selects for cell in model.cells):
         return (
             "an ahead-of-time step is not built for sparse attention (an indexer's top-k over a cache that "

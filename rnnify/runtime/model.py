@@ -26,7 +26,8 @@ from rnnify.runtime.direct_calls import direct_forward
 from rnnify.runtime.head import head_input_size, split_head
 from rnnify.runtime.manifest import Manifest
 from rnnify.runtime.sampling import check_sampling, next_token, token_ids
-from rnnify.runtime.state import RecurrentState
+from rnnify.runtime.size_guard import check_step, guard_for
+from rnnify.runtime.state import RecurrentState, check_inputs
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 
 __all__ = ["RecurrentModel"]
@@ -64,6 +65,8 @@ class RecurrentModel(nn.Module):
         self._cuda_graphs = False  # compile_step on CUDA: the step replays as a CUDA graph
         self._direct: tuple[Any, str, dict] | None = None  # (graph, its code, direct forwards of it and its halves)
         self._tokenizer: Any = _NOT_LOADED  # see ``tokenizer``
+        self.guard_budget: tuple[int, int] | None = None  # one token's, where sizes follow data (``size_guard``)
+        self.growth: int | None = None  # set by ``rnnify.load``: state bytes a token adds (``size_guard.check_step``)
 
     # -- description ------------------------------------------------------------------------
 
@@ -188,20 +191,6 @@ class RecurrentModel(nn.Module):
 
     # -- running ----------------------------------------------------------------------------
 
-    def _check_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-        """Shape checks (no device work); the mask as bool, or None when every token is real."""
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
-            raise RnnifyError("input_ids must be an integer tensor of shape [batch, length]")
-        if input_ids.shape[1] == 0:
-            raise RnnifyError("input_ids is empty: give at least one token")
-        if attention_mask is None:
-            return None
-        if attention_mask.shape != input_ids.shape:
-            raise RnnifyError(
-                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
-            )
-        return attention_mask.to(device=input_ids.device, dtype=torch.bool)
-
     def _position_ids(self, input_ids: torch.Tensor, state: RecurrentState, mask: torch.Tensor | None) -> torch.Tensor:
         """Position ids of the new tokens, checking token ids and positions with one device-to-host read.
 
@@ -249,7 +238,7 @@ class RecurrentModel(nn.Module):
     ) -> tuple[torch.Tensor, RecurrentState]:
         """``forward``, or with ``hidden`` the body's hidden states in place of the logits
         (``prefill_hidden``); ``eager``: through the graph's own code, never a compiled step."""
-        mask = self._check_inputs(input_ids, attention_mask)
+        mask = check_inputs(input_ids, attention_mask)
         self._check_state(state, input_ids.shape[0])
         check_runnable(self.kernels, input_ids.device)
         position_ids = self._position_ids(input_ids, state, mask)
@@ -259,25 +248,32 @@ class RecurrentModel(nn.Module):
         else:
             graph_mask, positions = mask, state.positions + mask.long().sum(1)
         inputs = (input_ids, position_ids, graph_mask, *state.tensors)
+        # where sizes follow data, every call is guarded, and no compiled step (which would not keep the guard) runs
+        with guard_for(self.guard_budget, input_ids.numel(), str(self.path or "the model")):
+            logits, *tensors = self._call(inputs, hidden, eager, compiled=self.guard_budget is None)
+        if self.growth is not None:
+            check_step(str(self.path), input_ids, logits, state.tensors, tensors, self.growth)
+        return logits, RecurrentState(tuple(tensors), positions, state.model_uid)
+
+    def _call(self, inputs: tuple, hidden: bool, eager: bool, compiled: bool) -> tuple:
+        """(logits or hidden states, *state): see ``_read``; ``compiled``: a compiled step may run."""
+        one_token = compiled and inputs[0].shape[1] == 1
         body = self._direct_forward("body") if hidden else None
         if body is not None:
-            logits, *tensors = body(self.graph, *inputs)  # the hidden states: the head is left out
-        elif eager:
-            logits, *tensors = self._direct_forward()(self.graph, *inputs)
-        elif self._step_graph is not None and input_ids.shape[1] == 1:
+            return body(self.graph, *inputs)  # the hidden states: the head is left out
+        if eager:
+            return self._direct_forward()(self.graph, *inputs)
+        if self._step_graph is not None and one_token:
             if self._cuda_graphs:
                 # a replay overwrites the last one's outputs: copy them out, so every state stays valid
                 torch.compiler.cudagraph_mark_step_begin()
-                logits, *tensors = (t.clone() for t in self._step_graph(*inputs))
-            else:
-                logits, *tensors = self._step_graph(*inputs)
-        elif torch.is_grad_enabled():  # training: through the module, its hooks and wrappers
-            logits, *tensors = self.graph(*inputs)
-        elif input_ids.shape[1] == 1 and self.step_package is not None:
-            logits, *tensors = self._step_package(*inputs)  # compiled ahead of time (``runtime.aot``)
-        else:
-            logits, *tensors = self._direct_forward()(self.graph, *inputs)
-        return logits, RecurrentState(tuple(tensors), positions, state.model_uid)
+                return tuple(t.clone() for t in self._step_graph(*inputs))
+            return self._step_graph(*inputs)
+        if torch.is_grad_enabled():  # training: through the module, its hooks and wrappers
+            return self.graph(*inputs)
+        if one_token and self.step_package is not None:
+            return self._step_package(*inputs)  # compiled ahead of time (``runtime.aot``)
+        return self._direct_forward()(self.graph, *inputs)
 
     def _direct_forward(self, part: str = "graph") -> Any:
         """The graph's forward with direct torch calls (``runtime.direct_calls``), regenerated
@@ -303,7 +299,8 @@ class RecurrentModel(nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logits of hidden states from ``prefill_hidden`` (any leading shape)."""
         head = self._direct_forward("head")
-        return hidden if head is None else head(self.graph, hidden)
+        with guard_for(self.guard_budget, hidden.shape[:-1].numel(), str(self.path or "the model")):
+            return hidden if head is None else head(self.graph, hidden)
 
     @torch.inference_mode()
     def prefill_hidden(
@@ -382,8 +379,10 @@ class RecurrentModel(nn.Module):
         The first step per batch size pays the compile; docs/performance.md weighs it against the
         time it saves. A state that grows (``exact``) changes shape every step, so its shapes are
         left for dynamo to mark dynamic after the first recompile instead of one compile a step.
-        Call it once the model is on its device.
+        Call it once the model is on its device; refused where sizes follow data (``guard_budget``).
         """
+        if self.guard_budget is not None:
+            raise RnnifyError(f"{self.path}: its step runs eagerly, under a size guard no compiled step keeps")
         self._cuda_graphs = self.device.type == "cuda" and self.constant_memory
         mode = "reduce-overhead" if self._cuda_graphs else None
         self._step_graph = torch.compile(self.graph, dynamic=None if not self.constant_memory else False, mode=mode)
@@ -474,7 +473,7 @@ class RecurrentModel(nn.Module):
         check_sampling(do_sample, temperature, top_k, top_p, seed)
         if max_new_tokens < 0:
             raise RnnifyError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        mask = self._check_inputs(input_ids, attention_mask)
+        mask = check_inputs(input_ids, attention_mask)
         if mask is not None and not bool(mask[:, -1].all()):
             raise RnnifyError(RIGHT_PADDED)
         self.check_room(input_ids, attention_mask, max_new_tokens)
@@ -495,7 +494,7 @@ class RecurrentModel(nn.Module):
         hard = self.manifest.token_limit()
         if hard is None:
             return
-        mask = self._check_inputs(input_ids, attention_mask)
+        mask = check_inputs(input_ids, attention_mask)
         limit, what = hard
         prompt = input_ids.shape[1] if mask is None else int(mask.sum(1).max())
         where = self.manifest.source or "this model"

@@ -35,6 +35,7 @@ __all__ = [
     "check_references",
     "check_returns",
     "check_size_arithmetic",
+    "check_state_flow",
 ]
 
 # Every call target a step graph may name, as ``graph.json`` stores it: exactly the ops that
@@ -327,41 +328,150 @@ def check_call(name: str, target: Callable[..., Any], args: tuple, kwargs: dict,
         _check_plain(name, args, kwargs, where)
 
 
-# ``operator.mul`` and ``operator.neg`` are Python's: on a list or tuple (what ``unbind`` or a cell
-# returns) ``mul`` repeats it, and integers have no width, so a chain of ``mul`` squaring its own
-# result doubles its digits every time; either would fill the memory or stall the dry run at load.
-# So their operands are numbers and the numbers a graph computes: sizes and scalars read from
-# tensors (``NUMBER_OPS``, which fit int64: SIZE_BITS) and earlier products. The products a step
-# computes multiply a few sizes (a batch by heads by a length), far below PRODUCT_BITS.
-NUMBER_OPS = (torch.ops.aten.sym_size.int, torch.ops.aten.item.default)
+# The numbers a step computes size what its ops make, and a graph that could read them from the values
+# of its tensors (a position, through ``item``) would stay small at the load's dry run and ask for
+# gigabytes at some later token. So a number comes from the shapes of the step's token inputs alone
+# (``sym_size`` of ids, positions or mask: the batch and the prompt's length), or from products of
+# such numbers; the one number read from a tensor (``item``) may only say where a tensor splits
+# (a mixture of experts' tokens per expert), which cannot make more than the tensor split.
+# ``operator.mul`` and ``operator.neg`` are Python's: on a list or tuple ``mul`` repeats it, and
+# integers have no width, so a chain of ``mul`` squaring its own result doubles its digits every
+# time; a product that could pass PRODUCT_BITS (a size counts SIZE_BITS) is refused. The products a
+# step computes multiply a few sizes (a batch by heads by a length), far below PRODUCT_BITS.
+TOKEN_INPUTS = 3  # ids, positions, mask: what ``RecurrentModel`` passes a step before the state
 SIZE_BITS = 64
 PRODUCT_BITS = 1024
+_SIZE = torch.ops.aten.sym_size.int
+_READ = torch.ops.aten.item.default
+_SPLITS = {(torch.ops.aten.split_with_sizes.default, "split_sizes")}  # where a number read may go
+_SIZING_SCALARS = {torch.ops.aten.arange.default, torch.ops.aten.arange.start_step}  # Scalars that size
+
+
+def _takes_ints(arg: Any) -> bool:
+    kind = arg.real_type
+    while kind.kind() in ("OptionalType", "ListType"):
+        kind = kind.getElementType()
+    return kind.kind() in ("IntType", "SymIntType")
+
+
+def _number_arguments(node: torch.fx.Node) -> Iterable[tuple[str, Any]]:
+    """(name, value) of ``node``'s arguments that take numbers a step may compute: ints and lists
+    of ints, the Scalars that size a factory (``arange``'s), and ``operator.getitem``'s index."""
+    if node.target is operator.getitem:  # an index: a slice's bounds cut a tensor to a length
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        yield "index", [p for i in index for p in ((i.start, i.stop, i.step) if isinstance(i, slice) else (i,))]
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return
+    arguments = node.target._schema.arguments
+    bound = {**dict(zip((a.name for a in arguments if not a.kwarg_only), node.args)), **node.kwargs}
+    for arg in arguments:
+        if arg.name in bound and (_takes_ints(arg) or node.target in _SIZING_SCALARS):
+            yield arg.name, bound[arg.name]
 
 
 def _bits(value: Any, bound: dict[torch.fx.Node, int], where: str) -> int:
     if isinstance(value, torch.fx.Node):
         if value in bound:
             return bound[value]
-        if value.op == "call_function" and value.target in NUMBER_OPS:
+        if value.op == "call_function" and value.target is _SIZE:
             return SIZE_BITS
         raise _fail(where, f"integer arithmetic takes numbers and sizes, not node {value.name!r} ({value.op})")
     return abs(value).bit_length() if _is_int(value) else 0  # a float overflows to inf, in no time
 
 
+def _check_number(value: Any, node: torch.fx.Node, name: str, bound: dict[torch.fx.Node, int]) -> None:
+    """A node in argument ``name`` of ``node`` must be a size, a product of sizes, or where a tensor
+    splits, a number read from a tensor."""
+    for item in value if isinstance(value, (list, tuple)) else (value,):
+        if not isinstance(item, torch.fx.Node) or item in bound or item.target is _SIZE:
+            continue
+        if item.target is _READ and (node.target, name) in _SPLITS:
+            continue
+        raise _fail(
+            f"node {node.name!r} (call_function)",
+            f"argument {name!r} takes node {item.name!r}: a step's sizes come from its inputs' shapes",
+        )
+
+
 def check_size_arithmetic(graph: torch.fx.Graph) -> None:
-    """Refuse ``operator.mul``/``operator.neg`` on anything but numbers, sizes and earlier products,
-    and products that could grow past ``PRODUCT_BITS`` bits: a ``mul`` is bounded by the sum of its
-    operands' bit lengths, a ``neg`` by its operand's."""
+    """Refuse numbers a step computes from anything but its token inputs' shapes (``sym_size`` of one
+    of the first ``TOKEN_INPUTS`` placeholders) and their products, a number read from a tensor
+    anywhere but where a tensor splits, ``operator.mul``/``operator.neg`` on anything but numbers,
+    sizes and earlier products, and products that could grow past ``PRODUCT_BITS`` bits (a ``mul`` is
+    bounded by the sum of its operands' bit lengths, a ``neg`` by its operand's)."""
+    inputs = [node for node in graph.nodes if node.op == "placeholder"][:TOKEN_INPUTS]
     bound: dict[torch.fx.Node, int] = {}
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in (operator.mul, operator.neg):
-            where = f"node {node.name!r} (call_function)"
+        if node.op != "call_function":
+            continue
+        where = f"node {node.name!r} (call_function)"
+        if node.target in (operator.mul, operator.neg):
             bits = sum(_bits(arg, bound, where) for arg in node.args)
             if bits > PRODUCT_BITS:
                 raise _fail(
                     where, f"its integer arithmetic may reach {bits} bits; a step's sizes need at most {PRODUCT_BITS}"
                 )
             bound[node] = bits
+        elif node.target is _SIZE and (node.args or (node.kwargs.get("self"),))[0] not in inputs:
+            raise _fail(where, "a step reads the sizes of its token inputs (ids, positions, mask) alone")
+        for name, value in _number_arguments(node):
+            _check_number(value, node, name, bound)
+
+
+def _state_slot(node: Any) -> tuple[torch.fx.Node, int] | None:
+    """(cell call, index) where ``node`` is ``getitem`` of a cell's returns after its output."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return None
+    cell, index = node.args
+    ok = isinstance(cell, torch.fx.Node) and cell.op == "call_module" and _is_int(index) and index >= 1
+    return (cell, index) if ok else None
+
+
+def check_state_flow(graph: torch.fx.Graph) -> None:
+    """Refuse a graph whose state does not go from each cell to itself: the i-th state a step is given
+    (the placeholders after the first ``TOKEN_INPUTS``) is one of the last arguments of one cell
+    call, and nothing else's, and the i-th state the step returns is what that cell returns for it
+    (``getitem`` 1 on, in the order it takes them), read by nothing else. A cache that grows with
+    every token (the exact cells') then grows as its cell grows it: no op of the directory's reads
+    it, and no cell is handed another's state, or its own in another place, to grow it faster."""
+    states = [node for node in graph.nodes if node.op == "placeholder"][TOKEN_INPUTS:]
+    output = next((node for node in graph.nodes if node.op == "output"), None)
+    returned = output.args[0] if output is not None and output.args else ()
+    returned = list(returned[1:]) if isinstance(returned, (tuple, list)) else []
+    for cell in (node for node in graph.nodes if node.op == "call_module"):
+        for user in cell.users:
+            index = user.args[1] if user.target is operator.getitem else None
+            if not (_is_int(index) and index >= 0):
+                raise _fail(
+                    f"node {user.name!r} ({user.op})",
+                    f"cell {cell.target!r} returns a tuple, which a step reads by getitem of an index 0 or more",
+                )
+            if index and any(reader is not output for reader in user.users):
+                raise _fail(
+                    f"node {user.name!r} (call_function)",
+                    f"the new state of cell {cell.target!r} goes to the output alone",
+                )
+    if len(returned) != len(states):  # refused at load: ``check_returns``, or the dry run's call
+        return
+    for state, value in zip(states, returned):
+        where = f"node {state.name!r} (placeholder)"
+        slot = _state_slot(value)
+        if slot is None:
+            raise _fail(where, "the step must return, for this state, what the cell it goes to returns for it")
+        cell, index = slot
+        taken = [a for a in cell.args if a in states]
+        if len(set(taken)) != len(taken):
+            raise _fail(where, f"cell {cell.target!r} takes a state twice")
+        offset = len(cell.args) - len(taken) + index - 1
+        if (
+            list(state.users) != [cell]
+            or cell.args[-len(taken) :] != tuple(taken)
+            or cell.args[offset : offset + 1] != (state,)
+        ):
+            raise _fail(
+                where,
+                f"the step returns for it a state of cell {cell.target!r}: it goes to that cell alone, in that place",
+            )
 
 
 def check_module_call(args: tuple, kwargs: dict, where: str) -> None:

@@ -8,19 +8,34 @@ reads or makes a tensor of more bytes than its budget, or a product of more mult
 budget of work (the directory's weights, with room to spare, are what a step of one token touches
 and computes), running each op that could make more than it reads first on the meta device (shapes
 only, no data), so that it is refused before it allocates or computes.
+
+A step's sizes come from its inputs' shapes (``op_vocabulary.check_size_arithmetic``), except where
+they come from the data it reads: a tensor split where values read from a tensor say (a mixture of
+experts' routing), or indexed by a mask. The load's dry run cannot bound those for later
+tokens, so a step that has them runs every time under a guard (``guard_for``), with the budget of
+one token times the tokens it reads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SizeGuard"]
+from rnnify.errors import RnnifyError
+
+__all__ = ["SizeError", "SizeGuard", "check_step", "data_shaped", "guard_for", "watching"]
 
 aten = torch.ops.aten
+# index dtypes that ``aten.index`` takes as masks (uint8 with a warning): what they select follows their data
+MASKS = (torch.bool, torch.uint8)
+# ops that take masks among their indices (``index_put_`` finds a mask's places as ``index`` does)
+_MASKED = frozenset({aten.index.Tensor, aten.index_put_.default})
 # arguments by which an op of one tensor makes more than that tensor holds
 _SIZING = frozenset({"size", "sizes", "repeats", "bins"})
 # products, with the position of their first matrix: its last dimension is the one contracted
@@ -36,12 +51,14 @@ _PRODUCTS = {
 
 @functools.lru_cache(maxsize=None)
 def _may_grow(func: Any) -> bool:
-    """Whether ``func`` can make more elements than its largest input holds, by its schema: it reads
-    several tensors (a broadcast, a product, a concatenation), none (a factory), or takes a size.
-    One tensor and no size (``unsqueeze``, ``to``, ``slice``, ``exp``, ``mean``) cannot."""
+    """Whether ``func`` can make more bytes than its largest input holds, by its schema: it reads
+    several tensors (a broadcast, a product, a concatenation), none (a factory), takes a size, or a
+    dtype (a bool tensor made complex128 holds 16 times its bytes). One tensor and neither
+    (``unsqueeze``, ``slice``, ``exp``) cannot, but for a float from an integer (4 times a bool's)."""
     arguments = func._schema.arguments
     tensors = [a for a in arguments if "Tensor" in str(a.type)]
-    return len(tensors) != 1 or str(tensors[0].type) != "Tensor" or any(a.name in _SIZING for a in arguments)
+    sizing = any(a.name in _SIZING or a.name == "dtype" for a in arguments)
+    return len(tensors) != 1 or str(tensors[0].type) != "Tensor" or sizing
 
 
 def _on_meta(value: Any) -> Any:
@@ -56,9 +73,9 @@ def _on_meta(value: Any) -> Any:
 
 
 def _as_long(index: Any) -> Any:
-    """A boolean mask as the long indices it could select at most (one per dimension it covers,
+    """A mask as the long indices it could select at most (one per dimension it covers,
     each as long as the mask), whose result shape the meta device can tell without the mask's data."""
-    if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
+    if isinstance(index, torch.Tensor) and index.dtype in MASKS:
         return [torch.empty(index.numel(), dtype=torch.long, device="meta")] * max(index.dim(), 1)
     return [_on_meta(index)]
 
@@ -79,6 +96,10 @@ def _meta_call(func: Any, args: tuple, kwargs: dict) -> Any:
         return None
 
 
+class SizeError(ValueError):
+    """An op asked for more than its budget; raised before it ran, where the meta device could tell."""
+
+
 def _tensors(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         yield value
@@ -91,18 +112,20 @@ def _tensors(value: Any) -> Any:
 
 
 class SizeGuard(TorchDispatchMode):
-    """Refuse (``ValueError``) an op whose inputs or outputs, as shapes, hold more than ``nbytes``
+    """Refuse (``SizeError``) an op whose inputs or outputs, as shapes, hold more than ``nbytes``
     bytes, or a product of more than ``work`` multiply-adds, before it runs where the meta device can
     size it; views count every element they show (an expanded row once per row)."""
 
     def __init__(self, nbytes: int, work: int):
         super().__init__()
         self.nbytes, self.work = nbytes, work
+        self.in_cells = 0  # cells are rnnify's code: a mask they index with is theirs (``watching``)
+        self.masked = False  # whether an op outside the cells indexed with a mask (``MASKS``)
 
     def _check(self, func: Any, values: Any, what: str) -> None:
         for value in _tensors(values):
             if value.numel() * value.element_size() > self.nbytes:
-                raise ValueError(
+                raise SizeError(
                     f"{func} {what} a tensor of {value.numel() * value.element_size():,} bytes, more than a "
                     f"step of its weights needs ({self.nbytes:,})"
                 )
@@ -110,15 +133,75 @@ class SizeGuard(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self._check(func, (args, kwargs), "reads")
+        if func in _MASKED:
+            masks = [i for i in args[1] if isinstance(i, torch.Tensor) and i.dtype in MASKS]
+            self.masked |= bool(masks) and not self.in_cells
+            for mask in masks:  # the op finds the places a mask selects first: a long index per dimension
+                self._check(func, torch.empty(mask.numel(), mask.dim(), dtype=torch.long, device="meta"), "makes")
         if _may_grow(func):
             shapes = _meta_call(func, args, kwargs)
             self._check(func, shapes, "makes")
             if func in _PRODUCTS and isinstance(shapes, torch.Tensor):
                 work = shapes.numel() * args[_PRODUCTS[func]].shape[-1]
                 if work > self.work:
-                    raise ValueError(
+                    raise SizeError(
                         f"{func} computes {work:,} multiply-adds, more than a step of its weights needs ({self.work:,})"
                     )
         out = func(*args, **kwargs)
         self._check(func, out, "made")
         return out
+
+
+@contextlib.contextmanager
+def watching(guard: SizeGuard, cells: list[nn.Module]) -> Iterator[SizeGuard]:
+    """``guard`` active, told when ``cells`` run (hooks removed after)."""
+
+    def enter(*_: Any) -> None:
+        guard.in_cells += 1
+
+    def leave(*_: Any) -> None:
+        guard.in_cells -= 1
+
+    hooks = [h for cell in cells for h in (cell.register_forward_pre_hook(enter), cell.register_forward_hook(leave))]
+    try:
+        with guard:
+            yield guard
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def data_shaped(graph: torch.fx.Graph, guard: SizeGuard) -> bool:
+    """Whether ``graph``'s sizes depend on values it reads: a number read from a tensor (``item``), or
+    a mask (``MASKS``) its ops indexed with in the dry run ``guard`` watched."""
+    return guard.masked or any(n.op == "call_function" and n.target is aten.item.default for n in graph.nodes)
+
+
+def guard_for(budget: tuple[int, int] | None, tokens: int, where: str) -> contextlib.AbstractContextManager:
+    """The guard of a step (or head) over ``tokens`` tokens whose one-token ``budget`` is (bytes,
+    work), an op past it one ``RnnifyError`` line naming ``where``; nothing without a budget."""
+    return contextlib.nullcontext() if budget is None else _guarded(budget[0] * tokens, budget[1] * tokens, where)
+
+
+@contextlib.contextmanager
+def _guarded(nbytes: int, work: int, where: str) -> Iterator[None]:
+    try:
+        with SizeGuard(nbytes, work):
+            yield
+    except SizeError as exc:
+        raise RnnifyError(f"{where}: its step was stopped: {exc}") from exc
+
+
+def check_step(where: str, input_ids: torch.Tensor, out: Any, old: tuple, new: tuple, growth: int) -> None:
+    """Refuse a step of a loaded directory that returned other rows than the tokens it read, or grew
+    its state more than ``growth`` bytes a token (a cache's keys and values): a graph that widens what
+    a cell appends (its mask, its keys) would grow the cache by gigabytes a token, from a load that
+    passed, and a body's hidden states of a length it chose would size the head's guard."""
+    if isinstance(out, torch.Tensor) and out.shape[:2] != input_ids.shape:  # (distillation's steps return more)
+        raise RnnifyError(f"{where}: its step returned {tuple(out.shape)} for {tuple(input_ids.shape)} tokens")
+    added = sum(t.numel() * t.element_size() for t in new) - sum(t.numel() * t.element_size() for t in old)
+    if added > growth * input_ids.numel():
+        raise RnnifyError(
+            f"{where}: its step grew the state by {added:,} bytes for {input_ids.numel()} tokens, where its "
+            f"cells add {growth:,} a token"
+        )

@@ -6,6 +6,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from rnnify.errors import RnnifyError
+
 
 @dataclass(frozen=True)
 class RecurrentState:
@@ -40,3 +42,18 @@ class RecurrentState:
             offsets = torch.arange(length, device=self.positions.device) if length > 1 else 0
             return self.positions[:, None] + offsets
         return (self.positions[:, None] + mask.long().cumsum(1) - 1).clamp_min(0)
+
+
+def check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Shape checks (no device work); the mask as bool, or None when every token is real."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+        raise RnnifyError("input_ids must be an integer tensor of shape [batch, length]")
+    if input_ids.shape[1] == 0:
+        raise RnnifyError("input_ids is empty: give at least one token")
+    if attention_mask is None:
+        return None
+    if attention_mask.shape != input_ids.shape:
+        raise RnnifyError(
+            f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+        )
+    return attention_mask.to(device=input_ids.device, dtype=torch.bool)

@@ -30,7 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from rnnify.cells import CellSpec, build_cell
+from rnnify.cells import Cell, CellSpec, build_cell
 from rnnify.errors import RnnifyError, first_line
 from rnnify.kernels.utils import check_kernels
 from rnnify.runtime import hf_files, integrity, output_dir
@@ -38,10 +38,10 @@ from rnnify.runtime.devices import usable_device
 from rnnify.runtime.json_fields import is_attribute_path
 from rnnify.runtime.manifest import Manifest, read_data
 from rnnify.runtime.model import RecurrentModel
-from rnnify.runtime.op_vocabulary import check_references, check_returns
+from rnnify.runtime.op_vocabulary import TOKEN_INPUTS, check_references, check_returns
 from rnnify.runtime.saving import GRAPH_FILE, SOURCE_FILES, WEIGHTS_FILE, saved_options
 from rnnify.runtime.serialize import GraphFormatError, graph_from_json
-from rnnify.runtime.size_guard import SizeGuard
+from rnnify.runtime.size_guard import SizeGuard, data_shaped, watching
 from rnnify.runtime.step_cache import find_step
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 
@@ -176,6 +176,7 @@ def _step_module(
         module = torch.fx.GraphModule(root, graph, class_name="RecurrentStep")
         lay_out_linear_weights(module)
         _check_reads_installed(module)
+        _check_state_places(module)
     except (
         RuntimeError,
         AttributeError,
@@ -267,6 +268,19 @@ def _check_reads_installed(module: torch.fx.GraphModule) -> None:
             )
 
 
+def _check_state_places(module: torch.fx.GraphModule) -> None:
+    """Each cell call takes as many states, last, as its cell holds: ``check_state_flow`` found the
+    states' places from the call alone, and an activation in a state's place would be one the cell
+    grows (``op_vocabulary.TOKEN_INPUTS``: the inputs before the states)."""
+    states = set([node for node in module.graph.nodes if node.op == "placeholder"][TOKEN_INPUTS:])
+    for node in module.graph.nodes:
+        if node.op == "call_module":
+            taken = sum(arg in states for arg in node.args)
+            held = len(module.get_submodule(node.target).state_names)
+            if taken != held:
+                raise GraphFormatError(f"node {node.name!r}: cell {node.target!r} holds {held} states, takes {taken}")
+
+
 def _check_runs(model: RecurrentModel, path: Path) -> None:
     """Run one token through the cells' own forms: graph, cells and weights that are each well formed
     but do not fit together (a weight of another shape or dtype, a node where a size goes) fail here,
@@ -275,10 +289,14 @@ def _check_runs(model: RecurrentModel, path: Path) -> None:
     stored = {t.untyped_storage().data_ptr(): t for t in model.graph.state_dict().values()}  # aliases once
     elements = sum(t.numel() for t in stored.values())
     nbytes = sum(t.numel() * t.element_size() for t in stored.values())
+    budget = (GUARD_FACTOR * max(nbytes, 4 * ROOM_FLOOR), GUARD_FACTOR * max(elements, ROOM_FLOOR))
+    model.growth = model.state_nbytes(1) - model.state_nbytes(0)  # the dtype is fixed (``RecurrentModel._apply``)
     try:
-        with SizeGuard(GUARD_FACTOR * max(nbytes, 4 * ROOM_FLOOR), GUARD_FACTOR * max(elements, ROOM_FLOOR)):
+        with watching(SizeGuard(*budget), [m for m in model.graph.modules() if isinstance(m, Cell)]) as guard:
             check_returns(model.graph.graph, 1 + len(model.init_state(1).tensors))
             logits, _ = model.use_kernels("none").prefill(torch.zeros(1, 1, dtype=torch.long, device=model.device))
+        if data_shaped(model.graph.graph, guard):  # the dry run cannot bound later tokens: each step is guarded
+            model.guard_budget = budget
         if model.manifest.vocab_size > logits.shape[-1]:  # ids are drawn and checked by the manifest's
             raise RnnifyError(
                 f"{path}: its manifest says the vocabulary has {model.manifest.vocab_size:,} tokens, the step "
