@@ -379,3 +379,28 @@ def test_a_step_split_by_values_it_reads_is_not_compiled_when_converted(tmp_path
     model = rnnify.convert(source, to="exact")
     note = compile_step(model, model.save(tmp_path / "jetmoe"))
     assert note.startswith("decode step: eager (this model's step makes tensors whose sizes follow"), note
+
+
+@pytest.mark.parametrize(
+    "nodes, written",
+    [
+        # a weight that adds each request's tokens: the next request reads the last one's
+        (
+            [
+                _call("e", "embedding.default", _ref("model_model_embed_tokens_weight"), _ref("input_ids")),
+                _call("s", "sum.dim_IntList", _ref("e"), [0, 1]),
+                _call("leak", "add_.Tensor", _ref("w"), _ref("s")),
+            ],
+            "w",
+        ),
+        # through a view of it, the same
+        ([_call("flat", "view.default", _ref("w"), [-1]), _call("drift", "mul_.Tensor", _ref("flat"), 4.0)], "flat"),
+        # the caller's own ids and mask
+        ([_call("shifted", "add_.Tensor", _ref("input_ids"), 7)], "input_ids"),
+        ([_call("cleared", "copy_.default", _ref("attention_mask"), False)], "attention_mask"),
+    ],
+    ids=["weight", "view of a weight", "ids", "mask"],
+)
+def test_a_step_writes_only_into_tensors_it_made(tmp_path, windowed, nodes, written):
+    with pytest.raises(RnnifyError, match=f"it writes into {written!r}, a tensor the step was given or views"):
+        rnnify.load(_grafted(tmp_path, windowed, nodes))

@@ -36,6 +36,7 @@ __all__ = [
     "check_returns",
     "check_size_arithmetic",
     "check_state_flow",
+    "check_writes",
 ]
 
 # Every call target a step graph may name, as ``graph.json`` stores it: exactly the ops that
@@ -465,6 +466,7 @@ def check_state_flow(graph: torch.fx.Graph) -> None:
         offset = len(cell.args) - len(taken) + index - 1
         if (
             list(state.users) != [cell]
+            or state in cell.kwargs.values()
             or cell.args[-len(taken) :] != tuple(taken)
             or cell.args[offset : offset + 1] != (state,)
         ):
@@ -472,6 +474,38 @@ def check_state_flow(graph: torch.fx.Graph) -> None:
                 where,
                 f"the step returns for it a state of cell {cell.target!r}: it goes to that cell alone, in that place",
             )
+
+
+def _bound(node: torch.fx.Node) -> Iterable[tuple[Any, Any]]:
+    """(schema argument, value) of ``node``'s arguments given, for an aten op."""
+    arguments = node.target._schema.arguments
+    positional = [a for a in arguments if not a.kwarg_only]
+    yield from zip(positional, node.args)
+    yield from ((a, node.kwargs[a.name]) for a in arguments if a.name in node.kwargs)
+
+
+def check_writes(graph: torch.fx.Graph) -> None:
+    """Refuse an op that writes in place (``add_``, ``copy_``, ``index_put_``) into a tensor the step
+    was given or holds, or a view of one: the caller's ids or mask, a state, a weight. A weight
+    written at each step would carry one request's tokens into the next (state outside the state
+    a caller holds), or drift a little every step until the logits are NaN; ids written would hand
+    the caller back another prompt. The step writes only into tensors it made."""
+    given: set[torch.fx.Node] = set()  # placeholders, weights, and what views them
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            given.add(node)
+        elif node.op == "call_function" and node.target is operator.getitem and node.args[0] in given:
+            given.add(node)  # a piece of a view that returns several (split, unbind)
+        elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            for arg, value in _bound(node):
+                if arg.alias_info is None or not isinstance(value, torch.fx.Node) or value not in given:
+                    continue
+                if arg.alias_info.is_write:
+                    raise _fail(
+                        f"node {node.name!r} (call_function)",
+                        f"it writes into {value.name!r}, a tensor the step was given or views: it writes only what it made",
+                    )
+                given.add(node)  # a view of a tensor the step was given
 
 
 def check_module_call(args: tuple, kwargs: dict, where: str) -> None:

@@ -39,7 +39,14 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from rnnify.errors import GraphFormatError
 from rnnify.runtime.json_fields import is_attribute_path
-from rnnify.runtime.op_vocabulary import OPS, check_call, check_module_call, check_size_arithmetic, check_state_flow
+from rnnify.runtime.op_vocabulary import (
+    OPS,
+    check_call,
+    check_module_call,
+    check_size_arithmetic,
+    check_state_flow,
+    check_writes,
+)
 
 __all__ = ["GRAPH_FORMAT_VERSION", "GraphFormatError", "graph_from_json", "graph_to_json"]
 
@@ -276,6 +283,7 @@ def graph_to_json(graph: torch.fx.Graph) -> dict:
     """
     check_size_arithmetic(graph)
     check_state_flow(graph)
+    check_writes(graph)
     nodes = []
     for node in graph.nodes:
         where = f"node {node.name!r} ({node.op})"
@@ -385,6 +393,7 @@ def graph_from_json(data: dict, device: torch.device | str | None = None) -> tor
 
     check_size_arithmetic(graph)
     check_state_flow(graph)
+    check_writes(graph)
     try:
         graph.lint()
     except Exception as e:  # lint raises RuntimeError/AssertionError on structural problems
