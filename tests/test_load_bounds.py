@@ -395,11 +395,20 @@ def test_a_step_split_by_values_it_reads_is_not_compiled_when_converted(tmp_path
         ),
         # through a view of it, the same
         ([_call("flat", "view.default", _ref("w"), [-1]), _call("drift", "mul_.Tensor", _ref("flat"), 4.0)], "flat"),
+        # through a view among several (broadcast_tensors returns its inputs where shapes agree)
+        (
+            [
+                _call("views", "broadcast_tensors.default", [_ref("w"), _ref("w")]),
+                _node("first", "call_function", "operator.getitem", _ref("views"), 0),
+                _call("drift", "mul_.Tensor", _ref("first"), 4.0),
+            ],
+            "first",
+        ),
         # the caller's own ids and mask
         ([_call("shifted", "add_.Tensor", _ref("input_ids"), 7)], "input_ids"),
         ([_call("cleared", "copy_.default", _ref("attention_mask"), False)], "attention_mask"),
     ],
-    ids=["weight", "view of a weight", "ids", "mask"],
+    ids=["weight", "view of a weight", "one of several views", "ids", "mask"],
 )
 def test_a_step_writes_only_into_tensors_it_made(tmp_path, windowed, nodes, written):
     with pytest.raises(RnnifyError, match=f"it writes into {written!r}, a tensor the step was given or views"):

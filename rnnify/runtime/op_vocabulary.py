@@ -484,6 +484,13 @@ def _bound(node: torch.fx.Node) -> Iterable[tuple[Any, Any]]:
     yield from ((a, node.kwargs[a.name]) for a in arguments if a.name in node.kwargs)
 
 
+# ops whose schema marks no alias but whose result may be an input itself or a view of it: a
+# broadcast's expanded inputs, a dropout off (its input), a ``type_as`` to the same dtype (itself)
+_UNMARKED_VIEWS = frozenset(
+    {torch.ops.aten.broadcast_tensors.default, torch.ops.aten.dropout.default, torch.ops.aten.type_as.default}
+)
+
+
 def check_writes(graph: torch.fx.Graph) -> None:
     """Refuse an op that writes in place (``add_``, ``copy_``, ``index_put_``) into a tensor the step
     was given or holds, or a view of one: the caller's ids or mask, a state, a weight. A weight
@@ -496,14 +503,18 @@ def check_writes(graph: torch.fx.Graph) -> None:
             given.add(node)
         elif node.op == "call_function" and node.target is operator.getitem and node.args[0] in given:
             given.add(node)  # a piece of a view that returns several (split, unbind)
+        elif node.target in _UNMARKED_VIEWS and given.intersection(node.all_input_nodes):
+            given.add(node)
         elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             for arg, value in _bound(node):
-                if arg.alias_info is None or not isinstance(value, torch.fx.Node) or value not in given:
+                values = value if isinstance(value, (list, tuple)) else (value,)  # broadcast_tensors: a list
+                seen = [v for v in values if isinstance(v, torch.fx.Node) and v in given]
+                if arg.alias_info is None or not seen:
                     continue
                 if arg.alias_info.is_write:
                     raise _fail(
                         f"node {node.name!r} (call_function)",
-                        f"it writes into {value.name!r}, a tensor the step was given or views: it writes only what it made",
+                        f"it writes into {seen[0].name!r}, a tensor the step was given or views: it writes only what it made",
                     )
                 given.add(node)  # a view of a tensor the step was given
 
