@@ -355,6 +355,14 @@ def _takes_ints(arg: Any) -> bool:
     return kind.kind() in ("IntType", "SymIntType")
 
 
+def _bound(node: torch.fx.Node) -> Iterable[tuple[Any, Any]]:
+    """(schema argument, value) of ``node``'s arguments given, for an aten op."""
+    arguments = node.target._schema.arguments
+    positional = [a for a in arguments if not a.kwarg_only]
+    yield from zip(positional, node.args)
+    yield from ((a, node.kwargs[a.name]) for a in arguments if a.name in node.kwargs)
+
+
 def _number_arguments(node: torch.fx.Node) -> Iterable[tuple[str, Any]]:
     """(name, value) of ``node``'s arguments that take numbers a step may compute: ints and lists
     of ints, the Scalars that size a factory (``arange``'s), and ``operator.getitem``'s index."""
@@ -363,11 +371,9 @@ def _number_arguments(node: torch.fx.Node) -> Iterable[tuple[str, Any]]:
         yield "index", [p for i in index for p in ((i.start, i.stop, i.step) if isinstance(i, slice) else (i,))]
     if not isinstance(node.target, torch._ops.OpOverload):
         return
-    arguments = node.target._schema.arguments
-    bound = {**dict(zip((a.name for a in arguments if not a.kwarg_only), node.args)), **node.kwargs}
-    for arg in arguments:
-        if arg.name in bound and (_takes_ints(arg) or node.target in _SIZING_SCALARS):
-            yield arg.name, bound[arg.name]
+    for arg, value in _bound(node):
+        if _takes_ints(arg) or node.target in _SIZING_SCALARS:
+            yield arg.name, value
 
 
 def _bits(value: Any, bound: dict[torch.fx.Node, int], where: str) -> int:
@@ -474,14 +480,6 @@ def check_state_flow(graph: torch.fx.Graph) -> None:
                 where,
                 f"the step returns for it a state of cell {cell.target!r}: it goes to that cell alone, in that place",
             )
-
-
-def _bound(node: torch.fx.Node) -> Iterable[tuple[Any, Any]]:
-    """(schema argument, value) of ``node``'s arguments given, for an aten op."""
-    arguments = node.target._schema.arguments
-    positional = [a for a in arguments if not a.kwarg_only]
-    yield from zip(positional, node.args)
-    yield from ((a, node.kwargs[a.name]) for a in arguments if a.name in node.kwargs)
 
 
 # ops whose schema marks no alias but whose result may be an input itself or a view of it: a
