@@ -43,7 +43,9 @@ def test_compiled_step_matches_the_eager_step(compiled, target, monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         for a, b in zip(got_state.tensors, want_state.tensors):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    assert len(calls) == 4 * 4  # every one-token call ran the package, none the eager graph
+    # every one-token call ran the package, but the first at a shape the load's runs did not meet (3
+    # rows; int32 ids), which runs node by node under the bounds of a new shape (``runtime.new_shapes``)
+    assert len(calls) == 4 * 4 - 2
 
 
 def test_compiled_step_follows_weights_changed_in_place_and_stops_when_they_are_replaced(compiled):
@@ -359,9 +361,8 @@ def test_eager_step_decodes_without_the_compiled_step(compiled, capsys, monkeypa
 
     monkeypatch.setattr(StepPackage, "__call__", broken)
     generate = ["generate", directory, "--ids", "1,2,3", "--max-new-tokens", "3"]
-    with pytest.raises(RuntimeError, match="the compiled step ran"):
-        main(generate)
-    capsys.readouterr()
+    assert main(generate) == 2
+    assert "its step failed: RuntimeError: the compiled step ran" in capsys.readouterr().err
     assert main([*generate, "--eager-step"]) == 0
     want = rnnify.load(directory, aot_step=False).generate(torch.tensor([[1, 2, 3]]), 3)
     assert capsys.readouterr().out.strip().startswith(",".join(map(str, want[0, :4].tolist())))

@@ -346,8 +346,27 @@ def test_a_step_returns_what_its_tokens_make(tmp_path, exact, rewire, refusal):
             ],
             "aten.zeros_like.default makes a tensor of 2,147,483,648 bytes",
         ),
+        # a batched product copies both operands out to its batch shape first: N * N * K each, for an
+        # output of N * N and N * N * K multiply-adds, both within bounds (N = 4,096, K = 16)
+        (
+            [
+                _call("a", "zeros.default", [1 << 12, 1, 1, 16], dtype="float64"),
+                _call("b", "zeros.default", [1, 1 << 12, 16, 1], dtype="float64"),
+                _call("product", "matmul.default", _ref("a"), _ref("b")),
+            ],
+            "aten.matmul.default makes a tensor of 2,147,483,648 bytes",
+        ),
+        # a sort returns its indices beside its values: int64, 8 times what a bool tensor held
+        (
+            [
+                _call("one", "ones.default", [1], dtype="bool"),
+                _call("many", "expand.default", _ref("one"), [1 << 28]),
+                _call("in_order", "sort.default", _ref("many")),
+            ],
+            "aten.sort.default makes a tensor of 2,147,483,648 bytes",
+        ),
     ],
-    ids=["mask places", "wider dtype"],
+    ids=["mask places", "wider dtype", "broadcast product", "sort indices"],
 )
 def test_what_an_op_makes_inside_is_bounded_before_it_runs(tmp_path, windowed, nodes, refusal):
     with pytest.raises(RnnifyError, match=refusal):
@@ -413,3 +432,95 @@ def test_a_step_split_by_values_it_reads_is_not_compiled_when_converted(tmp_path
 def test_a_step_writes_only_into_tensors_it_made(tmp_path, windowed, nodes, written):
     with pytest.raises(RnnifyError, match=f"it writes into {written!r}, a tensor the step was given or views"):
         rnnify.load(_grafted(tmp_path, windowed, nodes))
+
+
+def test_a_step_that_fails_later_is_one_line(capsys, tmp_path, windowed):
+    """A graph that reads a table by position works at the dry run and fails at a later position: the
+    commands print one line naming the directory, and the library raises ``RnnifyError``."""
+    nodes = [
+        _call("table", "slice.Tensor", _ref("w"), 0, 0, 4),
+        _call("column", "unsqueeze.default", _ref("table"), 1),
+        _call("picked", "embedding.default", _ref("column"), _ref("position_ids")),
+    ]
+    directory = _grafted(tmp_path, windowed, nodes)
+    model = rnnify.load(directory)
+    with pytest.raises(RnnifyError, match=r"its step failed: IndexError: index out of range"):
+        model.prefill(torch.tensor([[1, 2, 3, 4, 5]]))
+    assert main(["generate", str(directory), "--ids", "1,2,3", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "its step failed" in err and "Traceback" not in err, err
+
+
+def _squared_tokens() -> list:
+    """Every token against every token: ``n * n`` floats for the batch's ``n`` tokens."""
+    return [
+        _call("f", "to.dtype", _ref("x"), dtype="float32"),
+        _call("flat", "view.default", _ref("f"), [-1]),
+        _call("column", "unsqueeze.default", _ref("flat"), 1),
+        _call("row", "unsqueeze.default", _ref("flat"), 0),
+        _call("square", "add.Tensor", _ref("column"), _ref("row")),
+    ]
+
+
+_PUMP = [  # constant ops far larger than any of a step's own: they widen no other node's bound
+    _call("big", "zeros.default", [1 << 24]),
+    _call("wide", "zeros.default", [1, 512, 512]),
+    _call("wider", "zeros.default", [1, 512, 1024]),
+    _call("work", "bmm.default", _ref("wide"), _ref("wider")),
+]
+
+
+@pytest.mark.filterwarnings("ignore:decoding past max_position_embeddings")
+@pytest.mark.parametrize("pumped", [False, True], ids=["alone", "beside large constant ops"])
+@pytest.mark.parametrize("shape", [(1, 2000), (2000, 1)], ids=["prompt", "batch"])
+def test_sizes_that_grow_as_a_power_of_the_tokens_are_stopped(tmp_path, windowed, shape, pumped):
+    """A tensor of the tokens squared is 16 bytes over the load's runs and 16 MB at 2,000 tokens, in
+    one prompt or a batch of them: the first call at a new shape bounds each node by its own growth
+    over the load's runs, and stops it before it allocates. Shorter calls pass."""
+    model = rnnify.load(_grafted(tmp_path, windowed, (_PUMP if pumped else []) + _squared_tokens()))
+    assert model.guard_budget is None and aot.refusal(model) is None
+    _, state = model.prefill(torch.ones(2, 32, dtype=torch.long))
+    model.step(torch.ones(2, 1, dtype=torch.long), state)
+    with pytest.raises(
+        RnnifyError, match=r"its step was stopped: aten.add.Tensor makes a tensor of 16,000,000 bytes, more than node"
+    ):
+        model.prefill(torch.ones(shape, dtype=torch.long))
+
+
+def test_a_batched_product_is_bounded_by_the_copies_it_makes(tmp_path, windowed):
+    """``[T, 1, 1, K] @ [1, T, K, 1]`` makes T * T numbers from copies of T * T * K each: at 64 tokens
+    16 KB, from copies of 1 GB, stopped at the copies."""
+    nodes = [
+        _call("f", "to.dtype", _ref("x"), dtype="float32"),
+        _call("a1", "view.default", _ref("f"), [-1, 1, 1, 1]),
+        _call("a", "expand.default", _ref("a1"), [-1, 1, 1, 1 << 16]),
+        _call("b1", "view.default", _ref("f"), [1, -1, 1, 1]),
+        _call("b", "expand.default", _ref("b1"), [1, -1, 1 << 16, 1]),
+        _call("product", "matmul.default", _ref("a"), _ref("b")),
+    ]
+    model = rnnify.load(_grafted(tmp_path, windowed, nodes))
+    with pytest.raises(
+        RnnifyError, match=r"its step was stopped: aten.matmul.default makes a tensor of 1,073,741,824 "
+    ):
+        model.prefill(torch.ones(1, 64, dtype=torch.long))
+
+
+def test_a_step_runs_node_by_node_once_per_shape(windowed, monkeypatch):
+    """The first call at each input shape (ids' dtype included) runs node by node under the bounds;
+    the next at that shape as it always runs, compiled where it is."""
+    from rnnify.runtime.new_shapes import NewShapes
+
+    ran = []
+    first_call = NewShapes.first_call
+
+    def counted(self, module, part, ids, inputs):
+        out = first_call(self, module, part, ids, inputs)
+        if out is not None:
+            ran.append((part, tuple(ids.shape), ids.dtype))
+        return out
+
+    model = rnnify.load(windowed)
+    monkeypatch.setattr(NewShapes, "first_call", counted)
+    for length, dtype in ((3, torch.long), (3, torch.long), (1, torch.long), (3, torch.int32), (5, torch.long)):
+        model.prefill(torch.ones(2, length, dtype=dtype))
+    assert ran == [("graph", (2, 3), torch.long), ("graph", (2, 3), torch.int32), ("graph", (2, 5), torch.long)]

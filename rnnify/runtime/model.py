@@ -7,6 +7,7 @@ only real tokens so left-padded rows match unpadded ones), input and state check
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import warnings
 from collections.abc import Iterator
@@ -25,8 +26,9 @@ from rnnify.runtime.devices import retarget_devices
 from rnnify.runtime.direct_calls import direct_forward
 from rnnify.runtime.head import head_input_size, split_head
 from rnnify.runtime.manifest import Manifest
+from rnnify.runtime.new_shapes import NewShapes
 from rnnify.runtime.sampling import check_sampling, next_token, token_ids
-from rnnify.runtime.size_guard import check_step, guard_for
+from rnnify.runtime.size_guard import check_step, running
 from rnnify.runtime.state import RecurrentState, check_inputs
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 
@@ -67,6 +69,7 @@ class RecurrentModel(nn.Module):
         self._tokenizer: Any = _NOT_LOADED  # see ``tokenizer``
         self.guard_budget: tuple[int, int] | None = None  # one token's, where sizes follow data (``size_guard``)
         self.growth: int | None = None  # set by ``rnnify.load``: state bytes a token adds (``size_guard.check_step``)
+        self.new_shapes: NewShapes | None = None  # set by ``rnnify.load`` where sizes follow shapes alone
 
     # -- description ------------------------------------------------------------------------
 
@@ -249,11 +252,17 @@ class RecurrentModel(nn.Module):
             graph_mask, positions = mask, state.positions + mask.long().sum(1)
         inputs = (input_ids, position_ids, graph_mask, *state.tensors)
         # where sizes follow data, every call is guarded, and no compiled step (which would not keep the guard) runs
-        with guard_for(self.guard_budget, input_ids.numel(), str(self.path or "the model")):
-            logits, *tensors = self._call(inputs, hidden, eager, compiled=self.guard_budget is None)
+        part = "body" if hidden and self._direct_forward("body") is not None else "graph"
+        with self._running(input_ids.numel()):
+            out = self.new_shapes and self.new_shapes.first_call(self.graph, part, input_ids, inputs)
+            logits, *tensors = self._call(inputs, hidden, eager, self.guard_budget is None) if out is None else out
         if self.growth is not None:
             check_step(str(self.path), input_ids, logits, state.tensors, tensors, self.growth)
         return logits, RecurrentState(tuple(tensors), positions, state.model_uid)
+
+    def _running(self, tokens: int) -> contextlib.AbstractContextManager:
+        """Where a step or head of ``tokens`` tokens runs: see ``size_guard.running``."""
+        return running(str(self.path or "the model"), self.growth is not None, self.guard_budget, tokens)
 
     def _call(self, inputs: tuple, hidden: bool, eager: bool, compiled: bool) -> tuple:
         """(logits or hidden states, *state): see ``_read``; ``compiled``: a compiled step may run."""
@@ -299,8 +308,9 @@ class RecurrentModel(nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logits of hidden states from ``prefill_hidden`` (any leading shape)."""
         head = self._direct_forward("head")
-        with guard_for(self.guard_budget, hidden.shape[:-1].numel(), str(self.path or "the model")):
-            return hidden if head is None else head(self.graph, hidden)
+        with self._running(hidden.shape[:-1].numel()):
+            out = head and self.new_shapes and self.new_shapes.first_call(self.graph, "head", hidden, (hidden,))
+            return hidden if head is None else head(self.graph, hidden) if out is None else out
 
     @torch.inference_mode()
     def prefill_hidden(

@@ -13,7 +13,8 @@ A step's sizes come from its inputs' shapes (``op_vocabulary.check_size_arithmet
 they come from the data it reads: a tensor split where values read from a tensor say (a mixture of
 experts' routing), or indexed by a mask. The load's dry run cannot bound those for later
 tokens, so a step that has them runs every time under a guard (``guard_for``), with the budget of
-one token times the tokens it reads.
+one token times the tokens it reads. The others' sizes follow their input shapes alone: the first
+call at each shape runs under the bounds of ``new_shapes``, each graph node's own.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rnnify.errors import RnnifyError
+from rnnify.errors import RnnifyError, first_line
 
-__all__ = ["SizeError", "SizeGuard", "check_step", "data_shaped", "guard_for", "watching"]
+__all__ = ["SizeError", "SizeGuard", "StepFailed", "check_step", "data_shaped", "guard_for", "running", "watching"]
 
 aten = torch.ops.aten
 # index dtypes that ``aten.index`` takes as masks (uint8 with a warning): what they select follows their data
@@ -53,12 +54,28 @@ _PRODUCTS = {
 def _may_grow(func: Any) -> bool:
     """Whether ``func`` can make more bytes than its largest input holds, by its schema: it reads
     several tensors (a broadcast, a product, a concatenation), none (a factory), takes a size, or a
-    dtype (a bool tensor made complex128 holds 16 times its bytes). One tensor and neither
-    (``unsqueeze``, ``slice``, ``exp``) cannot, but for a float from an integer (4 times a bool's)."""
+    dtype (a bool tensor made complex128 holds 16 times its bytes), or returns several (``sort``'s
+    int64 indices are 8 times a bool's). One tensor and neither (``unsqueeze``, ``slice``, ``exp``)
+    cannot, but for a float from an integer (4 times a bool's)."""
     arguments = func._schema.arguments
     tensors = [a for a in arguments if "Tensor" in str(a.type)]
     sizing = any(a.name in _SIZING or a.name == "dtype" for a in arguments)
-    return len(tensors) != 1 or str(tensors[0].type) != "Tensor" or sizing
+    return len(tensors) != 1 or str(tensors[0].type) != "Tensor" or sizing or len(func._schema.returns) > 1
+
+
+def _broadcast_copies(func: Any, args: tuple) -> list[torch.Tensor]:
+    """The operands ``matmul`` copies out to its broadcast batch shape before it multiplies, as meta
+    tensors: no input or output shows them, and ``[N, 1, 1, K] @ [1, N, K, 1]`` copies N * N * K
+    elements of each for an output of N * N. A second operand of one or two dimensions is folded
+    into the first's rows instead: no copy."""
+    if func is not aten.matmul.default or args[1].dim() < 3:
+        return []
+    a, b = args
+    rows = a.shape[-2:] if a.dim() >= 2 else (1, *a.shape)
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return [
+        torch.empty((*batch, *matrix), dtype=t.dtype, device="meta") for t, matrix in ((a, rows), (b, b.shape[-2:]))
+    ]
 
 
 def _on_meta(value: Any) -> Any:
@@ -80,6 +97,44 @@ def _as_long(index: Any) -> Any:
     return [_on_meta(index)]
 
 
+# ops whose result a few shape rules give, much faster than their meta forms (``_result``): the
+# broadcast of their tensors in the promoted dtype (a true division would make integers float)
+_BROADCASTS = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.where.self})
+
+
+def _result(func: Any, args: tuple, kwargs: dict) -> Any:
+    """What ``func`` makes, as a meta tensor of its shape and dtype: by ``_BROADCASTS``' rule, a
+    linear map's or a cast's; None for a reduction of floats in their dtype (no larger than what it
+    reads: checked after); else ``_meta_call``'s."""
+    if func in _BROADCASTS and not kwargs and all(isinstance(a, (torch.Tensor, int, float)) for a in args):
+        shape = torch.broadcast_shapes(*(a.shape for a in args if isinstance(a, torch.Tensor)))
+        dtype = torch.result_type(*(args[1:] if func is aten.where.self else args))
+        return torch.empty(shape, dtype=dtype, device="meta")
+    if func is aten.linear.default and not kwargs and args[0].dim() >= 1 and args[1].dim() == 2:
+        shape = (*args[0].shape[:-1], args[1].shape[0])
+        return torch.empty(shape, dtype=torch.result_type(args[0], args[1]), device="meta")
+    if func is aten.to.dtype and not kwargs and len(args) >= 2 and isinstance(args[1], torch.dtype):
+        return torch.empty(args[0].shape, dtype=args[1], device="meta")
+    place = _dtype_place(func)
+    given = kwargs.get("dtype", args[place] if place is not None and place < len(args) else None)
+    if place is not None and given is None and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+        return None
+    return _meta_call(func, args, kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_place(func: Any) -> int | None:
+    """Where ``func`` takes the dtype that alone lets it make more than it reads (a reduction's
+    ``dtype``: one tensor read and one returned, no size taken), as a position; None for other ops."""
+    arguments = func._schema.arguments
+    tensors = [a for a in arguments if "Tensor" in str(a.type)]
+    if len(tensors) != 1 or str(tensors[0].type) != "Tensor" or len(func._schema.returns) != 1:
+        return None
+    if any(a.name in _SIZING for a in arguments):
+        return None
+    return next((i for i, a in enumerate(arguments) if a.name == "dtype"), None)
+
+
 def _meta_call(func: Any, args: tuple, kwargs: dict) -> Any:
     """``func`` on meta tensors (a factory made on the meta device); None where it has no meta form."""
     args, kwargs = list(_on_meta(args)), {k: _on_meta(v) for k, v in kwargs.items()}
@@ -94,6 +149,11 @@ def _meta_call(func: Any, args: tuple, kwargs: dict) -> Any:
         return func(*args, **kwargs)
     except (NotImplementedError, RuntimeError):  # no meta form, or one that reads data: checked after
         return None
+
+
+class StepFailed(RnnifyError):
+    """A loaded directory's step failed on an input its load's dry run passed; the error it raised
+    is its ``__cause__``."""
 
 
 class SizeError(ValueError):
@@ -114,41 +174,62 @@ def _tensors(value: Any) -> Any:
 class SizeGuard(TorchDispatchMode):
     """Refuse (``SizeError``) an op whose inputs or outputs, as shapes, hold more than ``nbytes``
     bytes, or a product of more than ``work`` multiply-adds, before it runs where the meta device can
-    size it; views count every element they show (an expanded row once per row)."""
+    size it; views count every element they show (an expanded row once per row).
 
-    def __init__(self, nbytes: int, work: int):
+    ``why`` names the bound in a refusal. Where a caller runs a graph node by node it sets ``node``
+    (None for anything but a call of an op, a cell's included) and ``shape``: what each node's ops
+    make and compute outside the cells is then recorded, summed per node and shape (``made``);
+    ``cells_too`` False leaves what the cells do, and what any op reads, unbounded."""
+
+    def __init__(self, nbytes: int, work: int, why: str = "a step of its weights needs", cells_too: bool = True):
         super().__init__()
-        self.nbytes, self.work = nbytes, work
+        self.nbytes, self.work, self.why, self.cells_too = nbytes, work, why, cells_too
         self.in_cells = 0  # cells are rnnify's code: a mask they index with is theirs (``watching``)
         self.masked = False  # whether an op outside the cells indexed with a mask (``MASKS``)
+        self.node: str | None = None
+        self.shape: tuple[int, int] | None = None
+        self.made: dict[str, dict[tuple[int, int], tuple[int, int]]] = {}
+
+    def _record(self, values: Any = (), work: int = 0) -> None:
+        """Add what an op made (or copies first) and computed to its node's sums at this shape: a
+        sum grows with the tokens wherever one of its terms does, however small beside the rest."""
+        if self.node is not None and not self.in_cells:
+            shapes = self.made.setdefault(self.node, {})
+            nbytes, old_work = shapes.get(self.shape, (0, 0))
+            nbytes += sum(value.numel() * value.element_size() for value in _tensors(values))
+            shapes[self.shape] = (nbytes, old_work + work)
 
     def _check(self, func: Any, values: Any, what: str) -> None:
         for value in _tensors(values):
-            if value.numel() * value.element_size() > self.nbytes:
-                raise SizeError(
-                    f"{func} {what} a tensor of {value.numel() * value.element_size():,} bytes, more than a "
-                    f"step of its weights needs ({self.nbytes:,})"
-                )
+            nbytes = value.numel() * value.element_size()
+            if nbytes > self.nbytes:
+                raise SizeError(f"{func} {what} a tensor of {nbytes:,} bytes, more than {self.why} ({self.nbytes:,})")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self._check(func, (args, kwargs), "reads")
+        if self.in_cells and not self.cells_too:
+            return func(*args, **kwargs)
+        if self.cells_too:
+            self._check(func, (args, kwargs), "reads")
         if func in _MASKED:
             masks = [i for i in args[1] if isinstance(i, torch.Tensor) and i.dtype in MASKS]
             self.masked |= bool(masks) and not self.in_cells
             for mask in masks:  # the op finds the places a mask selects first: a long index per dimension
-                self._check(func, torch.empty(mask.numel(), mask.dim(), dtype=torch.long, device="meta"), "makes")
+                places = torch.empty(mask.numel(), mask.dim(), dtype=torch.long, device="meta")
+                self._check(func, places, "makes")
+                self._record(places)
         if _may_grow(func):
-            shapes = _meta_call(func, args, kwargs)
-            self._check(func, shapes, "makes")
+            shapes, copies = _result(func, args, kwargs), _broadcast_copies(func, args)
+            self._check(func, (shapes, copies), "makes")
+            self._record(copies)
             if func in _PRODUCTS and isinstance(shapes, torch.Tensor):
                 work = shapes.numel() * args[_PRODUCTS[func]].shape[-1]
+                self._record(work=work)
                 if work > self.work:
-                    raise SizeError(
-                        f"{func} computes {work:,} multiply-adds, more than a step of its weights needs ({self.work:,})"
-                    )
+                    raise SizeError(f"{func} computes {work:,} multiply-adds, more than {self.why} ({self.work:,})")
         out = func(*args, **kwargs)
         self._check(func, out, "made")
+        self._record(out)
         return out
 
 
@@ -190,6 +271,24 @@ def _guarded(nbytes: int, work: int, where: str) -> Iterator[None]:
             yield
     except SizeError as exc:
         raise RnnifyError(f"{where}: its step was stopped: {exc}") from exc
+
+
+@contextlib.contextmanager
+def running(where: str, loaded: bool, budget: tuple[int, int] | None, tokens: int) -> Iterator[None]:
+    """A step (or head) of ``tokens`` tokens of the model ``where``: under ``guard_for`` its
+    ``budget``; and where the model was ``loaded`` from a directory, a failure on an input its load's
+    dry run passed (a table read by position, shapes that stop agreeing) is the directory's fault:
+    one ``StepFailed`` line, the error chained (a model built in this process keeps the traceback of
+    what is then a bug)."""
+    try:
+        with guard_for(budget, tokens, where):
+            yield
+    except SizeError as exc:  # (``new_shapes``' bounds)
+        raise RnnifyError(f"{where}: its step was stopped: {exc}") from exc
+    except (RuntimeError, IndexError, ValueError) as exc:
+        if not loaded:
+            raise
+        raise StepFailed(f"{where}: its step failed: {first_line(exc, with_type=True)}") from exc
 
 
 def check_step(where: str, input_ids: torch.Tensor, out: Any, old: tuple, new: tuple, growth: int) -> None:

@@ -30,7 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from rnnify.cells import Cell, CellSpec, build_cell
+from rnnify.cells import CellSpec, build_cell
 from rnnify.errors import RnnifyError, first_line
 from rnnify.kernels.utils import check_kernels
 from rnnify.runtime import hf_files, integrity, output_dir
@@ -38,10 +38,11 @@ from rnnify.runtime.devices import usable_device
 from rnnify.runtime.json_fields import is_attribute_path
 from rnnify.runtime.manifest import Manifest, read_data
 from rnnify.runtime.model import RecurrentModel
+from rnnify.runtime.new_shapes import PROBES, NewShapes
 from rnnify.runtime.op_vocabulary import TOKEN_INPUTS, check_references, check_returns
 from rnnify.runtime.saving import GRAPH_FILE, SOURCE_FILES, WEIGHTS_FILE, saved_options
 from rnnify.runtime.serialize import GraphFormatError, graph_from_json
-from rnnify.runtime.size_guard import SizeGuard, data_shaped, watching
+from rnnify.runtime.size_guard import SizeGuard, StepFailed, data_shaped
 from rnnify.runtime.step_cache import find_step
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 
@@ -282,29 +283,36 @@ def _check_state_places(module: torch.fx.GraphModule) -> None:
 
 
 def _check_runs(model: RecurrentModel, path: Path) -> None:
-    """Run one token through the cells' own forms: graph, cells and weights that are each well formed
+    """Run a few tokens through the cells' own forms: graph, cells and weights that are each well formed
     but do not fit together (a weight of another shape or dtype, a node where a size goes) fail here,
     as one line, and not at a user's first prompt. No op may read or make more than a step of these
-    weights needs (``SizeGuard``): the graph's constants size what its ops make."""
+    weights needs (``SizeGuard``): the graph's constants size what its ops make. The runs are
+    ``new_shapes.PROBES``, whose records bound the first call at each later shape."""
     stored = {t.untyped_storage().data_ptr(): t for t in model.graph.state_dict().values()}  # aliases once
     elements = sum(t.numel() for t in stored.values())
     nbytes = sum(t.numel() * t.element_size() for t in stored.values())
     budget = (GUARD_FACTOR * max(nbytes, 4 * ROOM_FLOOR), GUARD_FACTOR * max(elements, ROOM_FLOOR))
     model.growth = model.state_nbytes(1) - model.state_nbytes(0)  # the dtype is fixed (``RecurrentModel._apply``)
     try:
-        with watching(SizeGuard(*budget), [m for m in model.graph.modules() if isinstance(m, Cell)]) as guard:
-            check_returns(model.graph.graph, 1 + len(model.init_state(1).tensors))
-            logits, _ = model.use_kernels("none").prefill(torch.zeros(1, 1, dtype=torch.long, device=model.device))
+        check_returns(model.graph.graph, 1 + len(model.init_state(1).tensors))
+        guard = SizeGuard(*budget)
+        model.use_kernels("none").new_shapes = NewShapes(guard)  # each run recorded node by node
+        for batch, tokens in PROBES:
+            logits, _ = model.prefill(torch.zeros(batch, tokens, dtype=torch.long, device=model.device))
         if data_shaped(model.graph.graph, guard):  # the dry run cannot bound later tokens: each step is guarded
-            model.guard_budget = budget
+            model.guard_budget, model.new_shapes = budget, None
+        else:
+            model.new_shapes.fit()
         if model.manifest.vocab_size > logits.shape[-1]:  # ids are drawn and checked by the manifest's
             raise RnnifyError(
                 f"{path}: its manifest says the vocabulary has {model.manifest.vocab_size:,} tokens, the step "
                 f"gives logits over {logits.shape[-1]:,}; convert the model again"
             )
     except Exception as exc:  # noqa: BLE001 - whatever running a directory's graph raises is the directory's fault
+        if isinstance(exc, StepFailed):  # (``size_guard.running``: the step's own error, said here)
+            exc = exc.__cause__
         if isinstance(exc, RnnifyError) and not isinstance(exc, GraphFormatError):
-            raise
+            raise exc
         raise RnnifyError(
             f"{path}: the saved step does not run ({first_line(exc, with_type=True)}); convert the model again"
         ) from exc
