@@ -524,3 +524,49 @@ def test_a_step_runs_node_by_node_once_per_shape(windowed, monkeypatch):
     for length, dtype in ((3, torch.long), (3, torch.long), (1, torch.long), (3, torch.int32), (5, torch.long)):
         model.prefill(torch.ones(2, length, dtype=dtype))
     assert ran == [("graph", (2, 3), torch.long), ("graph", (2, 3), torch.int32), ("graph", (2, 5), torch.long)]
+
+
+@pytest.mark.filterwarnings("ignore:decoding past max_position_embeddings")
+def test_the_hidden_states_and_the_head_are_bounded_at_new_shapes_too(tmp_path, windowed):
+    """``prefill_hidden`` runs the graph's body, ``head`` its head: each meets new shapes of its own,
+    bounded by the same nodes' lines, and a refusal is one line naming the directory."""
+    directory = _grafted(tmp_path, windowed, _squared_tokens())
+    model = rnnify.load(directory)
+    with pytest.raises(RnnifyError) as refused:
+        model.prefill_hidden(torch.ones(1, 2000, dtype=torch.long), model.init_state(1))
+    assert str(refused.value).startswith(f"{directory}: its step was stopped: aten.add.Tensor makes a tensor")
+    assert "\n" not in str(refused.value)
+    hidden, _ = model.prefill_hidden(torch.ones(2, 16, dtype=torch.long), model.init_state(2))
+    torch.testing.assert_close(model.head(hidden), model.prefill(torch.ones(2, 16, dtype=torch.long))[0])
+
+
+def test_a_first_call_computes_what_the_later_ones_do(windowed):
+    """The first call at a shape runs node by node, the later ones through the graph's own code: the
+    same logits, states, hidden states and head, step after step."""
+    model = rnnify.load(windowed)
+    ids = torch.arange(2 * 9).reshape(2, 9) % 50
+    runs = [model.prefill(ids) for _ in range(2)]
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-5, atol=1e-6)
+    steps = [model.step(ids[:, :1], state) for _, state in runs]
+    for a, b in zip(steps[0][1].tensors, steps[1][1].tensors):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(steps[0][0], steps[1][0], rtol=1e-5, atol=1e-6)
+    hidden = [model.prefill_hidden(ids, model.init_state(2))[0] for _ in range(2)]
+    torch.testing.assert_close(hidden[0], hidden[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.head(hidden[0]), model.head(hidden[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_refusal_at_load_names_the_directory(tmp_path, windowed):
+    nodes = [_call("a", "zeros.default", [1 << 12, 1, 1, 16], dtype="float64")]
+    nodes += [_call("b", "zeros.default", [1, 1 << 12, 16, 1], dtype="float64")]
+    nodes += [_call("product", "matmul.default", _ref("a"), _ref("b"))]
+    directory = _grafted(tmp_path, windowed, nodes)
+    with pytest.raises(RnnifyError) as refused:
+        rnnify.load(directory)
+    assert str(refused.value).startswith(f"{directory}: ") and "\n" not in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.int16, torch.float32])
+def test_token_ids_are_int64_or_int32(windowed, dtype):
+    with pytest.raises(RnnifyError, match=r"input_ids must be an int64 \(or int32\) tensor"):
+        rnnify.load(windowed).prefill(torch.ones(1, 3, dtype=dtype))

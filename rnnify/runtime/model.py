@@ -7,7 +7,6 @@ only real tokens so left-padded rows match unpadded ones), input and state check
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import warnings
 from collections.abc import Iterator
@@ -253,16 +252,14 @@ class RecurrentModel(nn.Module):
         inputs = (input_ids, position_ids, graph_mask, *state.tensors)
         # where sizes follow data, every call is guarded, and no compiled step (which would not keep the guard) runs
         part = "body" if hidden and self._direct_forward("body") is not None else "graph"
-        with self._running(input_ids.numel()):
+        with running(self, input_ids.numel()):
             out = self.new_shapes and self.new_shapes.first_call(self.graph, part, input_ids, inputs)
-            logits, *tensors = self._call(inputs, hidden, eager, self.guard_budget is None) if out is None else out
+            if out is None:
+                out = self._call(inputs, hidden, eager, compiled=self.guard_budget is None)
+            logits, *tensors = out
         if self.growth is not None:
             check_step(str(self.path), input_ids, logits, state.tensors, tensors, self.growth)
         return logits, RecurrentState(tuple(tensors), positions, state.model_uid)
-
-    def _running(self, tokens: int) -> contextlib.AbstractContextManager:
-        """Where a step or head of ``tokens`` tokens runs: see ``size_guard.running``."""
-        return running(str(self.path or "the model"), self.growth is not None, self.guard_budget, tokens)
 
     def _call(self, inputs: tuple, hidden: bool, eager: bool, compiled: bool) -> tuple:
         """(logits or hidden states, *state): see ``_read``; ``compiled``: a compiled step may run."""
@@ -308,9 +305,11 @@ class RecurrentModel(nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logits of hidden states from ``prefill_hidden`` (any leading shape)."""
         head = self._direct_forward("head")
-        with self._running(hidden.shape[:-1].numel()):
-            out = head and self.new_shapes and self.new_shapes.first_call(self.graph, "head", hidden, (hidden,))
-            return hidden if head is None else head(self.graph, hidden) if out is None else out
+        if head is None:
+            return hidden
+        with running(self, hidden.shape[:-1].numel()):
+            out = self.new_shapes and self.new_shapes.first_call(self.graph, "head", hidden, (hidden,))
+            return head(self.graph, hidden) if out is None else out
 
     @torch.inference_mode()
     def prefill_hidden(

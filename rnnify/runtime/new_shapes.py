@@ -23,10 +23,10 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
-from rnnify.cells import Cell
 from rnnify.runtime.head import split_head
-from rnnify.runtime.size_guard import SizeGuard, watching
+from rnnify.runtime.size_guard import SizeGuard
 
 __all__ = ["FLOOR", "PROBES", "SLACK", "NewShapes"]
 
@@ -36,19 +36,32 @@ FLOOR = 1 << 20  # and bytes (or multiply-adds) beside it, whatever the fit
 
 
 class _Nodes(torch.fx.Interpreter):
-    """``graph`` of ``module``'s weights run node by node, ``guard`` told which node runs (None: a
-    cell, a placeholder) and, with ``bound``, each node's bounds."""
+    """``graph`` of ``module``'s weights run node by node, ``guard`` told which op node runs and,
+    with ``bound``, bounded for each. The cells (``call_module`` nodes) run counted in
+    ``guard.in_cells`` where it bounds them too (``cells_too``: the load's runs), else outside it."""
+
+    extra_traceback = False  # a refusal is one line; the node is in its words
 
     def __init__(self, module: nn.Module, graph: torch.fx.Graph, guard: SizeGuard, bound: Any = None):
         super().__init__(module, garbage_collect_values=True, graph=graph)
         self.guard, self.bound = guard, bound
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        self.guard.node = n.name if n.op == "call_function" else None
-        if self.guard.node is not None and self.bound is not None:
-            self.guard.nbytes, self.guard.work = self.bound(n.name)
-            self.guard.why = f"node {n.name!r} may at this shape, {SLACK} times its growth at the load's runs"
-        return super().run_node(n)
+        guard = self.guard
+        guard.node = n.name if n.op == "call_function" else None
+        if guard.node is not None and self.bound is not None:
+            guard.nbytes, guard.work = self.bound(n.name)
+            guard.why = f"node {n.name!r} may at this shape, {SLACK} times its growth at the load's runs"
+        if n.op != "call_module":
+            return super().run_node(n)
+        if not guard.cells_too:
+            with _disable_current_modes():
+                return super().run_node(n)
+        guard.in_cells += 1
+        try:
+            return super().run_node(n)
+        finally:
+            guard.in_cells -= 1
 
 
 class NewShapes:
@@ -93,14 +106,13 @@ class NewShapes:
         if key in self.seen:
             return None
         graph = module.graph if part == "graph" else split_head(module.graph)[part == "head"]
-        cells = [m for m in module.modules() if isinstance(m, Cell)]
         if self.recording is not None:
             guard, bound = self.recording, None
             guard.shape = (ids.shape[0], ids.shape[1])
         else:  # the head's rows are tokens of one row
             shape = (1, ids.shape[:-1].numel()) if part == "head" else (ids.shape[0], ids.shape[1])
             guard, bound = SizeGuard(FLOOR, FLOOR, cells_too=False), self._bound(*shape)
-        with watching(guard, cells):
+        with guard:
             out = _Nodes(module, graph, guard, bound).run(*inputs)
         self.seen.add(key)
         return out

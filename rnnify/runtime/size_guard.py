@@ -25,12 +25,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rnnify.errors import RnnifyError, first_line
 
-__all__ = ["SizeError", "SizeGuard", "StepFailed", "check_step", "data_shaped", "guard_for", "running", "watching"]
+__all__ = ["SizeError", "SizeGuard", "StepFailed", "check_step", "data_shaped", "guard_for", "running"]
 
 aten = torch.ops.aten
 # index dtypes that ``aten.index`` takes as masks (uint8 with a warning): what they select follows their data
@@ -184,7 +183,7 @@ class SizeGuard(TorchDispatchMode):
     def __init__(self, nbytes: int, work: int, why: str = "a step of its weights needs", cells_too: bool = True):
         super().__init__()
         self.nbytes, self.work, self.why, self.cells_too = nbytes, work, why, cells_too
-        self.in_cells = 0  # cells are rnnify's code: a mask they index with is theirs (``watching``)
+        self.in_cells = 0  # cells are rnnify's code: a mask they index with is theirs (set by ``new_shapes``)
         self.masked = False  # whether an op outside the cells indexed with a mask (``MASKS``)
         self.node: str | None = None
         self.shape: tuple[int, int] | None = None
@@ -233,28 +232,9 @@ class SizeGuard(TorchDispatchMode):
         return out
 
 
-@contextlib.contextmanager
-def watching(guard: SizeGuard, cells: list[nn.Module]) -> Iterator[SizeGuard]:
-    """``guard`` active, told when ``cells`` run (hooks removed after)."""
-
-    def enter(*_: Any) -> None:
-        guard.in_cells += 1
-
-    def leave(*_: Any) -> None:
-        guard.in_cells -= 1
-
-    hooks = [h for cell in cells for h in (cell.register_forward_pre_hook(enter), cell.register_forward_hook(leave))]
-    try:
-        with guard:
-            yield guard
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
 def data_shaped(graph: torch.fx.Graph, guard: SizeGuard) -> bool:
     """Whether ``graph``'s sizes depend on values it reads: a number read from a tensor (``item``), or
-    a mask (``MASKS``) its ops indexed with in the dry run ``guard`` watched."""
+    a mask (``MASKS``) its ops indexed with in the load's runs under ``guard``."""
     return guard.masked or any(n.op == "call_function" and n.target is aten.item.default for n in graph.nodes)
 
 
@@ -274,19 +254,21 @@ def _guarded(nbytes: int, work: int, where: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def running(where: str, loaded: bool, budget: tuple[int, int] | None, tokens: int) -> Iterator[None]:
-    """A step (or head) of ``tokens`` tokens of the model ``where``: under ``guard_for`` its
-    ``budget``; and where the model was ``loaded`` from a directory, a failure on an input its load's
-    dry run passed (a table read by position, shapes that stop agreeing) is the directory's fault:
-    one ``StepFailed`` line, the error chained (a model built in this process keeps the traceback of
-    what is then a bug)."""
+def running(model: Any, tokens: int) -> Iterator[None]:
+    """A step (or head) of ``tokens`` tokens of ``model`` (a ``RecurrentModel``): where its sizes
+    follow data, under ``guard_for`` its ``guard_budget``; a refusal by ``new_shapes``' bounds is one
+    line too. Where the model was loaded from a directory (``growth`` set), a failure on an input
+    its load's runs passed (a table read by position, shapes that stop agreeing) is one
+    ``StepFailed`` line naming the directory, the error chained; a model built in this process
+    keeps the traceback of what is then a bug, and running out of memory is the batch's."""
+    where, budget, loaded = str(model.path or "the model"), model.guard_budget, model.growth is not None
     try:
         with guard_for(budget, tokens, where):
             yield
     except SizeError as exc:  # (``new_shapes``' bounds)
-        raise RnnifyError(f"{where}: its step was stopped: {exc}") from exc
+        raise RnnifyError(f"{where}: its step was stopped: {first_line(exc)}") from exc
     except (RuntimeError, IndexError, ValueError) as exc:
-        if not loaded:
+        if not loaded or isinstance(exc, torch.OutOfMemoryError):  # (the batch, not the directory)
             raise
         raise StepFailed(f"{where}: its step failed: {first_line(exc, with_type=True)}") from exc
 

@@ -46,8 +46,12 @@ class RecurrentState:
 
 def check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """Shape checks (no device work); the mask as bool, or None when every token is real."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
-        raise RnnifyError("input_ids must be an integer tensor of shape [batch, length]")
+    if (
+        not isinstance(input_ids, torch.Tensor)
+        or input_ids.dim() != 2
+        or input_ids.dtype not in (torch.int32, torch.long)
+    ):
+        raise RnnifyError("input_ids must be an int64 (or int32) tensor of shape [batch, length]")
     if input_ids.shape[1] == 0:
         raise RnnifyError("input_ids is empty: give at least one token")
     if attention_mask is None:

@@ -139,9 +139,9 @@ def load(
         files[hf_files.CONFIG_FILE] = hf_files.source_config(files[hf_files.CONFIG_FILE])
     chosen_kernels = manifest.kernels if kernels is None else kernels
     model = RecurrentModel(_step_module(path, graph, manifest, tensors, device), manifest, files)
+    model.path = path  # (the runs' refusals name it)
     _check_runs(model, path)
     model.use_kernels(chosen_kernels)
-    model.path = path
     model._step_package = find_step(model, path, trust_compiled_step) if aot_step else None
     return model
 
@@ -296,7 +296,8 @@ def _check_runs(model: RecurrentModel, path: Path) -> None:
     try:
         check_returns(model.graph.graph, 1 + len(model.init_state(1).tensors))
         guard = SizeGuard(*budget)
-        model.use_kernels("none").new_shapes = NewShapes(guard)  # each run recorded node by node
+        model.use_kernels("none")
+        model.new_shapes = NewShapes(guard)  # each run recorded node by node
         for batch, tokens in PROBES:
             logits, _ = model.prefill(torch.zeros(batch, tokens, dtype=torch.long, device=model.device))
         if data_shaped(model.graph.graph, guard):  # the dry run cannot bound later tokens: each step is guarded
