@@ -474,9 +474,9 @@ _PUMP = [  # constant ops far larger than any of a step's own: they widen no oth
 @pytest.mark.parametrize("pumped", [False, True], ids=["alone", "beside large constant ops"])
 @pytest.mark.parametrize("shape", [(1, 2000), (2000, 1)], ids=["prompt", "batch"])
 def test_sizes_that_grow_as_a_power_of_the_tokens_are_stopped(tmp_path, windowed, shape, pumped):
-    """A tensor of the tokens squared is 16 bytes over the load's runs and 16 MB at 2,000 tokens, in
-    one prompt or a batch of them: the first call at a new shape bounds each node by its own growth
-    over the load's runs, and stops it before it allocates. Shorter calls pass."""
+    """A tensor of the tokens squared is at most 64 bytes over the load's runs and 16 MB at 2,000
+    tokens, in one prompt or a batch of them: the first call at a new shape bounds each node by its
+    own growth over the load's runs, and stops it before it allocates. Shorter calls pass."""
     model = rnnify.load(_grafted(tmp_path, windowed, (_PUMP if pumped else []) + _squared_tokens()))
     assert model.guard_budget is None and aot.refusal(model) is None
     _, state = model.prefill(torch.ones(2, 32, dtype=torch.long))
