@@ -19,7 +19,7 @@ from torch import nn
 
 from rnnify.cells import Cell
 from rnnify.choices import MAX_NEW_TOKENS, TEMPERATURE, TOP_K
-from rnnify.errors import PositionError, RnnifyError, RnnifyWarning, StateError
+from rnnify.errors import PositionError, RnnifyError, RnnifyWarning
 from rnnify.kernels.utils import check_kernels, check_runnable
 from rnnify.runtime.devices import retarget_devices
 from rnnify.runtime.direct_calls import direct_forward
@@ -28,7 +28,7 @@ from rnnify.runtime.manifest import Manifest
 from rnnify.runtime.new_shapes import NewShapes
 from rnnify.runtime.sampling import check_sampling, next_token, token_ids
 from rnnify.runtime.size_guard import check_step, running
-from rnnify.runtime.state import RecurrentState, check_inputs
+from rnnify.runtime.state import RecurrentState, check_inputs, check_state
 from rnnify.runtime.weight_layout import lay_out_linear_weights
 
 __all__ = ["RecurrentModel"]
@@ -180,17 +180,6 @@ class RecurrentModel(nn.Module):
         positions = torch.zeros(batch_size, dtype=torch.long, device=device)
         return RecurrentState(tensors, positions, self.manifest.uid)
 
-    def _check_state(self, state: RecurrentState, batch_size: int) -> None:
-        if not isinstance(state, RecurrentState):
-            raise StateError(f"state must be a RecurrentState from init_state/prefill/step, got {type(state).__name__}")
-        if state.model_uid != self.manifest.uid:
-            raise StateError("this state was made by another model; start one with init_state() or prefill()")
-        if state.batch_size != batch_size:
-            raise StateError(
-                f"state holds {state.batch_size} sequences but input_ids has {batch_size} rows; "
-                "use a state from the same batch"
-            )
-
     # -- running ----------------------------------------------------------------------------
 
     def _position_ids(self, input_ids: torch.Tensor, state: RecurrentState, mask: torch.Tensor | None) -> torch.Tensor:
@@ -241,7 +230,7 @@ class RecurrentModel(nn.Module):
         """``forward``, or with ``hidden`` the body's hidden states in place of the logits
         (``prefill_hidden``); ``eager``: through the graph's own code, never a compiled step."""
         mask = check_inputs(input_ids, attention_mask)
-        self._check_state(state, input_ids.shape[0])
+        check_state(state, self.manifest.uid, input_ids.shape[0])
         check_runnable(self.kernels, input_ids.device)
         position_ids = self._position_ids(input_ids, state, mask)
         if mask is None:

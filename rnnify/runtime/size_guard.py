@@ -56,10 +56,16 @@ def _may_grow(func: Any) -> bool:
     dtype (a bool tensor made complex128 holds 16 times its bytes), or returns several (``sort``'s
     int64 indices are 8 times a bool's). One tensor and neither (``unsqueeze``, ``slice``, ``exp``)
     cannot, but for a float from an integer (4 times a bool's)."""
+    return not _one_to_one(func) or any(a.name == "dtype" for a in func._schema.arguments)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_to_one(func: Any) -> bool:
+    """Whether ``func`` reads one tensor, returns at most one and takes no size, by its schema."""
     arguments = func._schema.arguments
     tensors = [a for a in arguments if "Tensor" in str(a.type)]
-    sizing = any(a.name in _SIZING or a.name == "dtype" for a in arguments)
-    return len(tensors) != 1 or str(tensors[0].type) != "Tensor" or sizing or len(func._schema.returns) > 1
+    sized = any(a.name in _SIZING for a in arguments)
+    return len(tensors) == 1 and str(tensors[0].type) == "Tensor" and not sized and len(func._schema.returns) <= 1
 
 
 def _broadcast_copies(func: Any, args: tuple) -> list[torch.Tensor]:
@@ -124,14 +130,10 @@ def _result(func: Any, args: tuple, kwargs: dict) -> Any:
 @functools.lru_cache(maxsize=None)
 def _dtype_place(func: Any) -> int | None:
     """Where ``func`` takes the dtype that alone lets it make more than it reads (a reduction's
-    ``dtype``: one tensor read and one returned, no size taken), as a position; None for other ops."""
-    arguments = func._schema.arguments
-    tensors = [a for a in arguments if "Tensor" in str(a.type)]
-    if len(tensors) != 1 or str(tensors[0].type) != "Tensor" or len(func._schema.returns) != 1:
+    ``dtype``: ``_one_to_one``), as a position; None for other ops."""
+    if not _one_to_one(func):
         return None
-    if any(a.name in _SIZING for a in arguments):
-        return None
-    return next((i for i, a in enumerate(arguments) if a.name == "dtype"), None)
+    return next((i for i, a in enumerate(func._schema.arguments) if a.name == "dtype"), None)
 
 
 def _meta_call(func: Any, args: tuple, kwargs: dict) -> Any:

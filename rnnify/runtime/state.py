@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from rnnify.errors import RnnifyError
+from rnnify.errors import RnnifyError, StateError
 
 
 @dataclass(frozen=True)
@@ -61,3 +61,17 @@ def check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
             f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
         )
     return attention_mask.to(device=input_ids.device, dtype=torch.bool)
+
+
+def check_state(state: RecurrentState, model_uid: str, batch_size: int) -> None:
+    """Refuse a state that is not one, was made by another model (``model_uid``), or holds another
+    number of sequences than the ``batch_size`` rows it is given."""
+    if not isinstance(state, RecurrentState):
+        raise StateError(f"state must be a RecurrentState from init_state/prefill/step, got {type(state).__name__}")
+    if state.model_uid != model_uid:
+        raise StateError("this state was made by another model; start one with init_state() or prefill()")
+    if state.batch_size != batch_size:
+        raise StateError(
+            f"state holds {state.batch_size} sequences but input_ids has {batch_size} rows; "
+            "use a state from the same batch"
+        )
