@@ -21,6 +21,7 @@ VARIANTS = [
     ("exact", {}),
     ("window", {"window": 64, "sinks": 4}),
     ("window", {"window": 1024, "sinks": 4}),
+    ("window", {"window": 1024, "sinks": 4, "kv_dtype": "int8"}),
     ("linear", {"feature_map": "elu"}),
     ("linear", {"feature_map": "relu"}),
     ("linear", {"feature_map": "performer"}),

@@ -80,6 +80,7 @@ TARGETS = {
 FEATURE_MAPS = ("elu", "relu", "identity", "performer", "taylor", "hedgehog", "t2r")  # ``cells.linear.FEATURE_MAPS``
 MEMORIES = ("linear", "gla", "delta", "gated-delta")  # what holds the tokens that left the hybrid's window
 GATES = ("retnet", "gla", "gateloop")  # ``cells.gated.GATES``
+KV_DTYPES = ("float16", "bfloat16", "int8")  # how a window may store its keys and values (``kernels.slots``)
 
 BACKENDS = ("auto", "triton", "reference")  # the fused ops' ``backend=``
 # A model's ``kernels``: a backend of its cells' fused ops, or "none": the cells' own PyTorch forms.

@@ -19,13 +19,13 @@ from rnnify.cells.base import Cell
 from rnnify.choices import SEED, VERIFY_BATCH, VERIFY_TOKENS
 from rnnify.errors import RnnifyError
 from rnnify.runtime import integrity
-from rnnify.runtime.agreement import differences, tolerance
+from rnnify.runtime.agreement import differences, rounding_dtype, tolerance
 from rnnify.runtime.manifest import read_data
 from rnnify.runtime.model import RecurrentModel
 from rnnify.runtime.state import RecurrentState
 from rnnify.runtime.storage import READ_AT_LOAD, READ_IF_PRESENT
 
-__all__ = ["CHECKS", "CheckResult", "run_checks", "tolerance"]
+__all__ = ["CHECKS", "CheckResult", "rounding_dtype", "run_checks", "tolerance"]
 
 CHECKS = ("integrity", "step == prefill", "split prefill", "vs original")  # "vs original" needs `against`
 
@@ -144,7 +144,7 @@ def run_checks(
     """
     report = progress or (lambda name: None)
     ids, note = _random_ids(model, tokens, batch, seed)
-    n, dtype = ids.shape[1], model.dtype
+    n, dtype = ids.shape[1], rounding_dtype(model)
     note = "; ".join(filter(None, [note, _unfilled(model, n)]))
 
     report("integrity")
@@ -166,7 +166,7 @@ def run_checks(
         from rnnify.compiler.capture import load_source, source_name
         from rnnify.original.teacher import check_vocabulary
 
-        source, name = load_source(against, dtype=dtype), source_name(against) or type(against).__name__
+        source, name = load_source(against, dtype=model.dtype), source_name(against) or type(against).__name__
         check_vocabulary(source, model, name)  # ids past the other's embeddings would index out of range
         want = source(input_ids=ids.to(next(source.parameters()).device), use_cache=False).logits.to(ids.device)
         if want.shape != full.shape:

@@ -107,9 +107,11 @@ def random_qkv(batch: int, spec, length: int, gen: torch.Generator, dtype: torch
     return q, k, v
 
 
-def assert_left_padded_rows_equal_rows_alone(model, lengths: list[int], gen: torch.Generator, steps: int = 4):
+def assert_left_padded_rows_equal_rows_alone(
+    model, lengths: list[int], gen: torch.Generator, steps: int = 4, tol: float = 1e-4
+):
     """A left-padded batch of rows of ``lengths``, prefilled then stepped ``steps`` tokens, gives each
-    row the logits it gets alone."""
+    row the logits it gets alone (within ``tol``, relative)."""
     rows = [torch.randint(1, model.manifest.vocab_size, (n,), generator=gen) for n in lengths]
     width = max(lengths)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -121,9 +123,9 @@ def assert_left_padded_rows_equal_rows_alone(model, lengths: list[int], gen: tor
     stepped, _ = decode_from(model, next_ids, state)
     for i, row in enumerate(rows):
         alone, alone_state = model.prefill(row[None])
-        assert rel_diff(logits[i, width - len(row) :], alone[0]) < 1e-4
+        assert rel_diff(logits[i, width - len(row) :], alone[0]) < tol
         alone_steps, _ = decode_from(model, next_ids[i : i + 1], alone_state)
-        assert rel_diff(stepped[i], alone_steps[0]) < 1e-4
+        assert rel_diff(stepped[i], alone_steps[0]) < tol
 
 
 def draw_heads(draw) -> dict:

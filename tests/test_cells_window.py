@@ -49,6 +49,7 @@ from rnnify.cells.window import (
     step_window_attn,
 )
 from rnnify.errors import RnnifyError
+from rnnify.kernels import slots
 
 # --------------------------------------------------------------------------- window: the forms
 
@@ -57,17 +58,19 @@ from rnnify.errors import RnnifyError
 @given(window_problems())
 def test_window_forms_equal_the_naive_loop_and_the_reference(p):
     spec = make_spec(p["num_kv_heads"], p["group"], p["head_dim"], p["value_dim"])
-    cell = WindowCell(spec, window=p["window"], sinks=p["sinks"])
+    cell = WindowCell(spec, window=p["window"], sinks=p["sinks"], kv_dtype=p["kv_dtype"])
     q, k, v, mask, state = form_inputs(p, cell)
     P, scale = p["prefix"], spec.scale
     gq = grouped_queries(q, spec)
+    stored = cell.init_state(1, CPU, torch.float32)[0].dtype  # the reference reads k, v as the slots hold them
     if P:
         _, *state = naive_recurrent_window_attn(gq[:, :, :, :P], k[:, :, :P], v[:, :, :P], mask[:, :P], *state, scale)
     args = (gq[:, :, :, P:], k[:, :, P:], v[:, :, P:], mask[:, P:])
     before = [t.clone() for t in (*args, *state)]
 
     want, *want_state = naive_recurrent_window_attn(*args, *state, scale)
-    ref = reference_window_attention(q, k, v, mask, p["window"], p["sinks"], scale)[:, :, P:]
+    held_k, held_v = (slots.decode(slots.encode(x, stored)) for x in (k, v))
+    ref = reference_window_attention(q, held_k, held_v, mask, p["window"], p["sinks"], scale)[:, :, P:]
     real = mask[:, None, P:, None].expand_as(ref)
     torch.testing.assert_close(want.reshape(ref.shape).double()[real], ref[real], rtol=RTOL, atol=ATOL)
     real = real.reshape(want.shape)  # the same, grouped per kv head
@@ -117,18 +120,18 @@ def test_window_decode_off_triton_takes_the_lean_step(sinks, monkeypatch):
     assert counts["lean"] * 2 < counts["fused"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "int8")])
 @pytest.mark.parametrize("sinks", [0, 2])
 @pytest.mark.parametrize("length", [1, 4, 19, 40])
-def test_window_whole_prompt_takes_the_band_path(length, sinks, dtype, monkeypatch):
+def test_window_whole_prompt_takes_the_band_path(length, sinks, dtype, kv_dtype, monkeypatch):
     """A whole unpadded prompt from the empty state runs ``prompt_window_attn`` (every query block at
     once, the state from the prompt's tail): the chunked form's output and state, and the step after
     it continues alike, and the naive loop's output; prompts shorter than the window and the sinks
-    included."""
+    included, and slots that store int8."""
     import rnnify.cells.window as window_cells
 
     spec = make_spec()
-    cell = WindowCell(spec, window=5, sinks=sinks)
+    cell = WindowCell(spec, window=5, sinks=sinks, kv_dtype=kv_dtype)
     gen = torch.Generator().manual_seed(length)
     q, k, v = random_qkv(2, spec, length + 1, gen)
     mask = torch.ones(2, length + 1, dtype=torch.bool)
@@ -166,14 +169,24 @@ def test_window_whole_prompt_takes_the_band_path(length, sinks, dtype, monkeypat
 
 
 @CELL_HYPOTHESIS
-@given(**CELL_DRAWS, sinks=st.integers(0, 4), block_size=st.sampled_from([1, 3, 64]))
+@given(
+    **CELL_DRAWS,
+    sinks=st.integers(0, 4),
+    block_size=st.sampled_from([1, 3, 64]),
+    kv_dtype=st.sampled_from([None, "float16", "int8"]),
+)
 def test_window_cell_chunked_and_stepped_equal_one_shot_and_reference(
-    window, sinks, length, splits, block_size, group, left_pad, seed
+    window, sinks, length, splits, block_size, group, left_pad, seed, kv_dtype
 ):
-    cell = WindowCell(make_spec(group=group), window=window, sinks=sinks, block_size=block_size)
+    cell = WindowCell(make_spec(group=group), window=window, sinks=sinks, block_size=block_size, kv_dtype=kv_dtype)
+    stored = cell.init_state(1, CPU, torch.float32)[0].dtype
+
+    def held(x: torch.Tensor) -> torch.Tensor:  # k or v as the slots hold them
+        return slots.decode(slots.encode(x, stored))
+
     check_cell(
         cell,
-        lambda q, k, v, mask: reference_window_attention(q, k, v, mask, window, sinks, cell.spec.scale),
+        lambda q, k, v, mask: reference_window_attention(q, held(k), held(v), mask, window, sinks, cell.spec.scale),
         length,
         splits,
         left_pad,
@@ -215,6 +228,22 @@ def test_window_cell_window_comes_from_the_model_or_the_option():
         build_cell("window", make_spec())
 
 
+def test_window_cell_stores_its_slots_as_kv_dtype_says():
+    """int8 slots hold d entries and their scale's exponent: (d + 1) / 4d of fp32's bytes; the length
+    counter stays int64, and the fused op (which reads the model dtype) is left out."""
+    spec = make_spec(head_dim=64)
+    plain = WindowCell(spec, window=6, sinks=2)
+    stored = WindowCell(spec, window=6, sinks=2, kv_dtype="int8")
+    assert stored.options() == {"window": 6, "sinks": 2, "block_size": 64, "kv_dtype": "int8"}
+    state = stored.init_state(3, CPU, torch.float32)
+    assert [(t.dtype, t.shape[-1]) for t in state[:4]] == [(torch.int8, 65)] * 4 and state[4].dtype == torch.long
+    kv_bytes = plain.state_nbytes(0, 3) - 3 * 8, stored.state_nbytes(0, 3) - 3 * 8  # less the length counter
+    assert kv_bytes[1] * 4 * 64 == kv_bytes[0] * 65
+    assert plain.fused_ops() and stored.fused_ops() == {}
+    half = WindowCell(spec, window=6, kv_dtype="float16").init_state(1, CPU, torch.float32)
+    assert [t.dtype for t in half] == [torch.float16] * 4 + [torch.long]
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -224,6 +253,7 @@ def test_window_cell_window_comes_from_the_model_or_the_option():
         ({"window": 4, "sinks": -1}, "sinks must be an integer >= 0"),
         ({"window": 4, "block_size": 0}, "block_size must be"),
         ({"window": 4, "chunk_size": 3}, "chunk_size"),
+        ({"window": 4, "kv_dtype": "int4"}, "kv_dtype must be one of float16, bfloat16, int8"),
     ],
 )
 def test_window_cell_rejects_bad_options(options, message):

@@ -49,6 +49,23 @@ def test_convert_per_layer_targets_and_options(capsys, tmp_path, tiny_model_dir)
     assert code == 0 and "grows with context" in out
 
 
+def test_convert_kv_dtype_stores_the_window_in_int8_and_verifies(capsys, tmp_path, tiny_model_dir):
+    """--kv-dtype int8: the windows' slots are int8 (rnnify.kernels.slots), info says so, and verify
+    holds the step to the prefill, at half precision's tolerance."""
+    out = tmp_path / "out"
+    argv = ["convert", tiny_model_dir("llama"), "--to", "window", "--window", "4", "--kv-dtype", "int8"]
+    code, _, err = run(capsys, *argv, "-o", out, "--no-compile")
+    assert code == 0, err
+    model = rnnify.load(out)
+    assert all(cell.kv_dtype == "int8" for cell in model.cells)
+    assert {t.dtype for t in model.init_state(1).tensors} == {torch.int8, torch.long}
+    code, report, _ = run(capsys, "info", out)
+    assert code == 0 and "stored as int8" in report
+    code, report, err = run(capsys, "verify", out, "--tokens", "12")
+    assert code == 0 and "all checks passed" in report, report + err
+    assert "tolerance 0.02 relative" in report  # judged at its slots' rounding (agreement.rounding_dtype)
+
+
 @pytest.mark.parametrize("memory", ["linear", "gla", "delta", "gated-delta"])
 def test_convert_hybrid_memory_is_recorded_and_verifies(capsys, tmp_path, tiny_model_dir, memory):
     """--memory: each memory converts, is recorded in the manifest, and `verify` holds its step

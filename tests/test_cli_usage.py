@@ -121,6 +121,14 @@ BAD_INPUT = {
         ],
         "--to auto needs only one of --state-budget",
     ),
+    "kv dtype on select": (
+        lambda t, c: ["convert", "unused", "--to", "select", "--kv-dtype", "int8", "-o", t / "out"],
+        "kv_dtype apply to none of the targets used (select)",
+    ),
+    "kv dtype on auto": (
+        lambda t, c: ["convert", "unused", "--to", "auto", "--data", t, "--kv-dtype", "int8", "-o", t / "out"],
+        "--kv-dtype: --to auto scores and counts its windows in the model's dtype",
+    ),
     "feature map on exact": (
         lambda t, c: ["convert", "unused", "--to", "exact", "--feature-map", "elu", "-o", t / "out"],
         "feature_map apply to none of the targets used (exact)",

@@ -344,7 +344,7 @@ def test_readme_python_api_runs(chat_dir, tmp_path, monkeypatch, capsys):
     blocks = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
     assert len(blocks) >= 3 and "model.chat(" in section and "model.stream(" in section
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    (tmp_path / "smol-auto").symlink_to(chat_dir)
+    (tmp_path / "smol-int8").symlink_to(chat_dir)
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     for block in blocks:

@@ -57,6 +57,7 @@ TARGETS = {
     # exact kv head 0 alone in each layer: vLLM's pages hold one kv head, not the model's two
     "exact-heads": dict(to="window", window=16, layers="0:heads(0=exact;1=linear),1:heads(0=exact;1=window(window=8))"),
     "window": dict(to="window", window=16),
+    "window-int8": dict(to="window", window=16, kv_dtype="int8"),  # int8 slots in the state's pages
     "linear": dict(to="linear"),
     "gated": dict(to="gated"),
     "delta": dict(to="delta"),

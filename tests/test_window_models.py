@@ -23,6 +23,8 @@ from window_support import (
 
 import rnnify
 from rnnify.cells import parameters
+from rnnify.kernels import slots
+from rnnify.runtime.agreement import rounding_dtype, tolerance
 from rnnify.runtime.manifest import MANIFEST_FILE
 
 # --------------------------------------------------------------------------- converted models
@@ -61,6 +63,52 @@ def test_window_equals_mistral_with_its_own_sliding_window(tiny_model_dir, conve
     assert rel_diff(stepped, expected) < 1e-4
     assert torch.equal(stepped.argmax(-1), expected.argmax(-1))
     assert state.nbytes == stepped_state.nbytes == model.prefill(ids[:, :20])[1].nbytes == model.state_nbytes(80, 2)
+
+
+@pytest.mark.parametrize("kv_dtype, tolerance", [("float16", 1e-3), ("int8", 1e-2)])
+def test_a_window_storing_fewer_bytes_stays_near_mistral(tiny_model_dir, converted, kv_dtype, tolerance):
+    """Mistral's own sliding window with slots of float16 or int8 (``rnnify.kernels.slots``): near the
+    original's logits, stepped as prefilled, in half or (d + 1) / 4d of fp32's bytes."""
+    path = tiny_model_dir("mistral")
+    full, stored = converted("mistral", "window"), converted("mistral", "window", kv_dtype=kv_dtype)
+    ids = torch.randint(0, stored.manifest.vocab_size, (2, 80), generator=seeded(11))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()(input_ids=ids).logits
+    one_shot, _ = stored.prefill(ids)
+    assert 0 < rel_diff(one_shot, expected) < tolerance
+    stepped, _ = decode(stored, ids, 8)
+    assert rel_diff(stepped, one_shot) < tolerance
+    head_dim = stored.cells[0].spec.head_dim
+    ratio = 0.5 if kv_dtype == "float16" else (head_dim + 1) / (4 * head_dim)
+    held = [sum(t.nbytes for t in m.init_state(1).tensors if t.dtype != torch.long) for m in (full, stored)]
+    assert held[1] == ratio * held[0]  # the keys and values; the token counters are as before
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "bfloat16"])
+def test_a_window_storing_fewer_bits_steps_as_it_prefills_at_its_rounding(arch, kv_dtype, converted, tmp_path):
+    """Stepped, split, left-padded and reloaded, a window whose slots round its keys and values agrees
+    with its one-shot prefill within half precision's tolerance (``agreement.rounding_dtype``: a key's
+    last-bit difference between two routes may cross a rounding boundary), and its state reads back
+    as close; saved and loaded, it computes the same logits bit for bit, in the same bytes."""
+    model = converted(arch, "window", window=8, sinks=2, kv_dtype=kv_dtype)
+    limit = tolerance(rounding_dtype(model))
+    assert rounding_dtype(model) == torch.bfloat16 and limit == 2e-2
+    ids = torch.randint(0, model.manifest.vocab_size, (2, 40), generator=seeded(13))
+    full, full_state = model.prefill(ids)
+    assert rel_diff(decode(model, ids, 1)[0], full) < limit
+    first, state = model.prefill(ids[:, :23])
+    second, state = model.prefill(ids[:, 23:], state)
+    assert rel_diff(torch.cat([first, second], 1), full) < limit
+    for a, b in zip(state.tensors, full_state.tensors):  # slots as the values they hold; counters equal
+        if a.dtype == torch.long:
+            assert torch.equal(a, b)
+        else:
+            assert rel_diff(slots.decode(a), slots.decode(b)) < limit
+    assert_left_padded_rows_equal_rows_alone(model, [14, 9, 3], seeded(15), tol=limit)
+    model.save(tmp_path / "m")
+    loaded = rnnify.load(tmp_path / "m")
+    assert torch.equal(loaded.prefill(ids)[0], full) and loaded.state_nbytes(40) == model.state_nbytes(40)
 
 
 def test_hybrid_with_a_window_over_the_whole_context_equals_the_original(tiny_model_dir, converted):

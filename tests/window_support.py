@@ -20,6 +20,7 @@ from support import (
 )
 
 from rnnify.cells import CellSpec
+from rnnify.kernels.slots import decode, encode
 
 # fp32 computation against float64 on O(1) inputs: 1e-5 relative, the same absolute floor.
 RTOL = ATOL = 1e-5
@@ -138,9 +139,11 @@ def mask_of_kind(kind: str, batch: int, length: int, gen: torch.Generator) -> to
 def garbage_buffers(cell, state, gen):
     """Ring and sink buffers filled with large junk: slots not written yet must never be attended."""
     buffers = ("keys", "values", "sink_keys", "sink_values")
-    return tuple(
-        100 * torch.randn(t.shape, generator=gen) if name in buffers else t for t, name in zip(state, cell.state_names)
-    )
+
+    def junk(t: torch.Tensor) -> torch.Tensor:  # stored as the buffer stores a vector (``kernels.slots``)
+        return encode(100 * torch.randn(decode(t).shape, generator=gen), t.dtype)
+
+    return tuple(junk(t) if name in buffers else t for t, name in zip(state, cell.state_names))
 
 
 def grouped_queries(q, spec):
@@ -199,6 +202,7 @@ def window_problems(draw):
         chunk=draw(st.sampled_from([1, 2, 3, 5, 64])),
         padding=draw(st.sampled_from(["none", "left", "random"])),
         seed=draw(st.integers(0, 2**31 - 1)),
+        kv_dtype=draw(st.sampled_from([None, "float16", "bfloat16", "int8"])),  # how the window's slots store
     )
 
 

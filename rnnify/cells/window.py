@@ -42,7 +42,9 @@ not, so a cell whose site carries any prefills by chunks and steps by ``step_win
 
 Shapes: q ``[B, Hkv, G, T, d]`` (G query heads per kv head, fp32), k/v ``[B, Hkv, T, d]``, mask
 ``[B, T]``; state ``keys/values [B, Hkv, W, d]`` and ``sink_keys/sink_values [B, Hkv, S, d]`` in
-the model dtype, ``length [B]`` int64. Every form
+the model dtype, or as ``kv_dtype`` stores them (``rnnify.kernels.slots``: int8 slots are d + 1
+wide), ``length [B]`` int64. Every form writes through ``slots.encode`` and reads through
+``slots.decode``, new tokens included, so all of them attend to the same stored numbers. Every form
 returns ``(out [B, Hkv, G, T, d_v] fp32, *new_state)``.
 """
 
@@ -64,6 +66,8 @@ from rnnify.cells.online_softmax import (
 )
 from rnnify.errors import check_int
 from rnnify.kernels.ring import held_index, prompt_write, ring_index, token_index, window_write
+from rnnify.kernels.slots import decode, encode, levels_and_scales, slot_width, vector_width
+from rnnify.kernels.slots import kv_dtype as kv_dtype_of
 
 # queries per block of a whole prompt's window part: each block also reads the W keys before it, so
 # small blocks waste fewer masked scores (16: a 4,096-token prompt's window part in half the time of 64)
@@ -92,6 +96,7 @@ def naive_ring_write(b: int, key, value, keys, values, sink_keys, sink_values, l
     n; ``length[b]`` advances. Returns n."""
     n = int(length[b])
     slot = n % keys.shape[2]
+    key, value = encode(key, keys.dtype), encode(value, values.dtype)
     keys[b, :, slot], values[b, :, slot] = key, value
     if n < sink_keys.shape[2]:
         sink_keys[b, :, n], sink_values[b, :, n] = key, value
@@ -109,14 +114,14 @@ def naive_window_read(q, keys, values, sink_keys, sink_values, length, scale: fl
     # the held keys with, per row, whether the query attends to them and their token index
     held = [(sink_keys[:, :, j], sink_values[:, :, j], j < length - window, j) for j in range(sinks)]
     held += [(keys[:, :, s], values[:, :, s], s < length, slots[:, s]) for s in range(window)]
-    m, u, w = online_softmax_init(q, q.shape[:3], values.shape[-1])
+    m, u, w = online_softmax_init(q, q.shape[:3], vector_width(values))
     for key, value, attended, index in held:
-        s = scale * (q * key[:, :, None].float()).sum(-1)
+        s = scale * (q * decode(key)[:, :, None]).sum(-1)
         if terms is not None:
             distance = torch.as_tensor(index, device=q.device) - (length - 1)
             s = terms.scores(s[..., None, None], distance.reshape(-1, 1, 1, 1, 1))[..., 0, 0]
         s = torch.where(attended[:, None, None], s, float("-inf"))
-        m, u, w = online_softmax_update(m, u, w, s[..., None], value[:, :, None].float())
+        m, u, w = online_softmax_update(m, u, w, s[..., None], decode(value)[:, :, None])
     if terms is not None:
         m, u, w = (x[:, :, :, None] for x in (m, u, w))  # [B, Hkv, G, 1]: the layout of the terms
         m, u, w = (x[:, :, :, 0] for x in terms.finish(m, u, w))
@@ -144,8 +149,8 @@ def parallel_window_attn(
     q_index = token_index(length, mask)
     # every key a new query might see: the sinks, the ring, the new tokens; each with its token index
     key_index = torch.cat([held_index(length, window, sinks), q_index], dim=1)  # [B, N]
-    all_keys = torch.cat([sink_keys, keys, k.to(keys.dtype)], dim=2).float()
-    all_values = torch.cat([sink_values, values, v.to(values.dtype)], dim=2).float()
+    all_keys = decode(torch.cat([sink_keys, keys, encode(k, keys.dtype)], dim=2))
+    all_values = decode(torch.cat([sink_values, values, encode(v, values.dtype)], dim=2))
     i, j = q_index[:, :, None], key_index[:, None, :]
     allowed = (j >= 0) & (j <= i) & ((i - j < window) | (j < sinks))  # [B, T, N]
     scores = scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys)
@@ -233,7 +238,7 @@ def prompt_window(q, k, v, window_state, scale: float, block: int = PROMPT_BLOCK
     """The window part of a whole unpadded prompt from the empty state (``band_window_part``) and
     the state written from the prompt's tail (``kernels.ring.prompt_write``): ``(k, v fp32 as the
     ring holds them, o, u, window_state)``."""
-    k, v = k.to(window_state[0].dtype).float(), v.to(window_state[1].dtype).float()
+    k, v = decode(encode(k, window_state[0].dtype)), decode(encode(v, window_state[1].dtype))
     o, u = band_window_part(q, k, v, window_state[0].shape[2], window_state[2].shape[2], scale, block)
     return k, v, o, u, prompt_write(k, v, *window_state)
 
@@ -261,7 +266,8 @@ def write_step(k, v, mask, keys, values, sink_keys, sink_values, length, overwri
     old_key, old_value = keys.gather(2, key_index), values.gather(2, value_index)
     # the slot's new entry (a padding token leaves it as it was), scattered into a copy of the ring
     # (a copy and one slot are cheaper than a where over the ring), or into the ring itself
-    new_key, new_value = torch.where(real, k.to(keys.dtype), old_key), torch.where(real, v.to(values.dtype), old_value)
+    new_key = torch.where(real, encode(k, keys.dtype), old_key)
+    new_value = torch.where(real, encode(v, values.dtype), old_value)
     if overwrite:
         keys, values = keys.scatter_(2, key_index, new_key), values.scatter_(2, value_index, new_value)
     else:
@@ -272,8 +278,8 @@ def write_step(k, v, mask, keys, values, sink_keys, sink_values, length, overwri
     if sinks:
         sink_slots = torch.arange(sinks, device=keys.device)
         into = real & (sink_slots[:, None] == n)
-        sink_keys = torch.where(into, k.to(sink_keys.dtype), sink_keys)
-        sink_values = torch.where(into, v.to(sink_values.dtype), sink_values)
+        sink_keys = torch.where(into, encode(k, sink_keys.dtype), sink_keys)
+        sink_values = torch.where(into, encode(v, sink_values.dtype), sink_values)
         held_keys, held_values = (sink_keys, keys), (sink_values, values)
         empty = torch.cat([sink_slots >= new_length - window, empty], dim=3)  # sinks still in the ring
     state = (keys, values, sink_keys, sink_values, new_length.view(batch))
@@ -282,21 +288,28 @@ def write_step(k, v, mask, keys, values, sink_keys, sink_values, length, overwri
 
 def _held_scores(q, held_keys) -> torch.Tensor:
     """``[B Hkv, G, S + W]``: q (``[B, Hkv, G, 1, d]``) against each part of the held keys through
-    ``bmm``, the parts' scores joined (a few numbers a head, where the keys are a window of them)."""
+    ``bmm``, the parts' scores joined (a few numbers a head, where the keys are a window of them).
+    int8 slots' scales multiply the scores, not every entry of the keys (``slots.levels_and_scales``)."""
     batch, num_kv_heads, group, _, head_dim = q.shape
     rows = q.reshape(batch * num_kv_heads, group, head_dim)
-    scores = [
-        torch.bmm(rows, part.float().reshape(batch * num_kv_heads, -1, head_dim).transpose(1, 2)) for part in held_keys
-    ]
+    scores = []
+    for part in held_keys:
+        levels, scales = levels_and_scales(part)
+        part_scores = torch.bmm(rows, levels.reshape(batch * num_kv_heads, -1, head_dim).transpose(1, 2))
+        scores.append(part_scores if scales is None else part_scores * scales.reshape(batch * num_kv_heads, 1, -1))
     return scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1)
 
 
 def _held_mix(p, held_values) -> torch.Tensor:
-    """``p [B Hkv, G, S + W] @`` the held values, part by part: ``[B Hkv, G, d_v]``."""
+    """``p [B Hkv, G, S + W] @`` the held values, part by part: ``[B Hkv, G, d_v]`` (int8 slots' scales
+    multiply p, not every entry of the values)."""
     rows, start, out = p.shape[0], 0, None
     for part in held_values:
         held = part.shape[2]
-        mixed = torch.bmm(p.narrow(2, start, held), part.float().reshape(rows, held, -1))
+        levels, scales = levels_and_scales(part)
+        weights = p.narrow(2, start, held)
+        weights = weights if scales is None else weights * scales.reshape(rows, 1, held)
+        mixed = torch.bmm(weights, levels.reshape(rows, held, -1))
         out, start = mixed if out is None else out + mixed, start + held
     return out
 
@@ -324,7 +337,7 @@ def window_step(q, k, v, mask, keys, values, sink_keys, sink_values, length, sca
     w, u = read_held(q, held_keys, held_values, empty, scale)
     batch = mask.shape[0]
     leaves = mask.reshape(batch, 1, 1, 1) & (length.reshape(batch, 1, 1, 1) >= keys.shape[2] + sink_keys.shape[2])
-    return w, u, old_key.float(), old_value.float(), leaves, state
+    return w, u, decode(old_key), decode(old_value), leaves, state
 
 
 def steady_length(mask: torch.Tensor, length: torch.Tensor, window: int, sinks: int) -> int | None:
@@ -347,9 +360,9 @@ def steady_window_step(q, k, v, keys, values, sink_keys, sink_values, length, n:
     G, 1, 1] (= 1 / u, shaped to scale o), old_key, old_value (fp32, [B, Hkv, 1, d]), window_state)``."""
     batch, num_kv_heads, group = q.shape[:3]
     slot = n % keys.shape[2]
-    old_key, old_value = keys.narrow(2, slot, 1).float(), values.narrow(2, slot, 1).float()
-    keys = keys.slice_scatter(k.to(keys.dtype), 2, slot, slot + 1)
-    values = values.slice_scatter(v.to(values.dtype), 2, slot, slot + 1)
+    old_key, old_value = decode(keys.narrow(2, slot, 1)), decode(values.narrow(2, slot, 1))
+    keys = keys.slice_scatter(encode(k, keys.dtype), 2, slot, slot + 1)
+    values = values.slice_scatter(encode(v, values.dtype), 2, slot, slot + 1)
     held_keys, held_values = ((sink_keys, keys), (sink_values, values)) if sink_keys.shape[2] else ((keys,), (values,))
     p = torch.softmax(_held_scores(q, held_keys) * scale, dim=-1)
     o = _held_mix(p, held_values)
@@ -401,9 +414,9 @@ def scored_read(q, held_keys, held_values, empty, state, scale: float, terms: Sc
     index = held_index(length, keys.shape[2], sink_keys.shape[2])  # [B, S + W]
     distance = (index - (length[:, None] - 1))[:, None, None, None]
     held_keys, held_values = torch.cat(held_keys, dim=2), torch.cat(held_values, dim=2)
-    scores = scale * torch.einsum("bhgtd,bhnd->bhgtn", q, held_keys.float())
+    scores = scale * torch.einsum("bhgtd,bhnd->bhgtn", q, decode(held_keys))
     scores = terms.scores(scores, distance).masked_fill(empty[:, :, :, None], float("-inf"))
-    return terms.readout(scores, held_values[:, :, None].float())
+    return terms.readout(scores, decode(held_values)[:, :, None])
 
 
 def grouped_window_attn_step(q, k, v, mask, window_state, scale: float, backend: str, return_stats: bool = False):
@@ -442,7 +455,9 @@ class WindowCell(Cell):
     """Softmax over the last W tokens and the first S (attention sinks), with constant memory.
 
     ``window=None`` takes the model's own sliding window (``spec.window``); with it and no sinks
-    the cell is exact. ``block_size`` is the number of queries per block in a prefill.
+    the cell is exact. ``block_size`` is the number of queries per block in a prefill. ``kv_dtype``
+    ("float16", "bfloat16" or "int8"; None: the model dtype) is how the sinks and the ring store
+    their keys and values (``rnnify.kernels.slots``): more tokens in the same bytes.
     """
 
     target = "window"
@@ -451,7 +466,14 @@ class WindowCell(Cell):
 
     score_terms = frozenset(SCORE_TERMS) - PER_QUERY_TERMS  # what queries bring reaches no window's ring
 
-    def __init__(self, spec: CellSpec, window: int | None = None, sinks: int = 0, block_size: int = 64):
+    def __init__(
+        self,
+        spec: CellSpec,
+        window: int | None = None,
+        sinks: int = 0,
+        block_size: int = 64,
+        kv_dtype: str | None = None,
+    ):
         super().__init__(spec)
         if window is None and spec.window is None:
             raise ValueError(
@@ -462,25 +484,31 @@ class WindowCell(Cell):
         self.sinks = check_int("sinks", sinks, 0)
         self.block_size = check_int("block_size", block_size, 1)
         self.terms = score_terms(spec)
+        self.kv_dtype = kv_dtype
+        self.storage = kv_dtype_of(kv_dtype)
 
     @property
     def exact_span(self) -> int:
         return self.window + self.sinks
 
     def options(self) -> dict[str, Any]:
-        return {"window": self.window, "sinks": self.sinks, "block_size": self.block_size}
+        options = {"window": self.window, "sinks": self.sinks, "block_size": self.block_size}
+        return options | ({"kv_dtype": self.kv_dtype} if self.kv_dtype is not None else {})
 
     def describe(self) -> str:
-        return f"{self.window} tokens" + (f" + {self.sinks} sinks" if self.sinks else "")
+        storage = f", stored as {self.kv_dtype}" if self.kv_dtype is not None else ""
+        return f"{self.window} tokens" + (f" + {self.sinks} sinks" if self.sinks else "") + storage
 
     def fused_ops(self) -> dict[str, str]:
-        return {"decode": "window_attn_step"} if self.terms is None else {}  # the op computes no score terms
+        # the op computes no score terms, and reads the ring in the model dtype
+        return {"decode": "window_attn_step"} if self.terms is None and self.storage is None else {}
 
     def init_state(self, batch_size, device, dtype):
-        spec = self.spec
+        spec, dtype = self.spec, self.storage or dtype
 
         def buffer(slots: int, dim: int) -> torch.Tensor:
-            return torch.zeros(batch_size, spec.num_kv_heads, slots, dim, device=device, dtype=dtype)
+            width = slot_width(dim, dtype)
+            return torch.zeros(batch_size, spec.num_kv_heads, slots, width, device=device, dtype=dtype)
 
         return (
             buffer(self.window, spec.head_dim),

@@ -126,6 +126,11 @@ def check_auto(args: argparse.Namespace) -> None:
             "--to auto chooses every layer's heads itself: it takes --window, --sinks, --memory and the "
             "memory's cell options, not --layers, --keep-softmax or --distill"
         )
+    if args.kv_dtype is not None:
+        raise RnnifyError(
+            "--kv-dtype: --to auto scores and counts its windows in the model's dtype; "
+            "give it with --to window, or leave it out"
+        )
     if args.data is None:
         raise RnnifyError("--to auto needs calibration text: --data PATH (a file, folder or .jsonl)")
     if args.retrieval_keep is not None and (args.retrieval_window is None or args.retrieval_keep < 1):

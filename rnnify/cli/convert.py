@@ -34,7 +34,8 @@ from rnnify.errors import RnnifyError
 if TYPE_CHECKING:
     from rich.console import Console
 
-_CELL_FLAGS = ("window", "sinks", "feature_map", "gate", "memory")  # first-class cell options; others via --option
+# first-class cell options; others via --option
+_CELL_FLAGS = ("window", "sinks", "kv_dtype", "feature_map", "gate", "memory")
 
 
 HELP = "compile a Hugging Face causal LM (or GGUF file) into a recurrent model directory"
@@ -51,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         FEATURE_MAPS,
         GATES,
         KERNELS,
+        KV_DTYPES,
         MEMORIES,
         TARGETS,
     )
@@ -106,6 +108,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=arguments.at_least(0, "--sinks"),
         metavar="S",
         help="first tokens always attended to (window, select, lola, hybrid, auto)",
+    )
+    cell.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        help="how the window stores its keys and values (window): int8 (each vector's entries at a shared "
+        "power-of-two scale) holds about 4x the tokens of float32 in the same bytes, float16 and bfloat16 2x "
+        "(default: the model's dtype)",
     )
     cell.add_argument(
         "--feature-map",

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     import rnnify
     from rnnify import progress
-    from rnnify.verify import CHECKS, run_checks, tolerance
+    from rnnify.verify import CHECKS, rounding_dtype, run_checks, tolerance
 
     # unchecked, as the "integrity" check reports it; but a shipped step (native code) runs only once
     # everything, the expected digest included, is checked
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     step = ", step compiled ahead of time" if model.step_package is not None else ""  # the step the checks ran
     title = (
         f"{model.target_in_words} model, {model.manifest.dtype}{step}, batch {args.batch}, "
-        f"tolerance {tolerance(model.dtype):g} relative"
+        f"tolerance {tolerance(rounding_dtype(model)):g} relative"
     )
     table = Table(box=box.SIMPLE_HEAD, title=Text(title))
     table.add_column("check", no_wrap=True)

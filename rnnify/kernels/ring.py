@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from rnnify.kernels.slots import encode
+
 
 def token_index(length: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Index among its row's real tokens of each new token ``[B, T]``; -1 for padding."""
@@ -25,7 +27,8 @@ def ring_index(length: torch.Tensor, window: int) -> torch.Tensor:
 
 
 def write_slots(buffer: torch.Tensor, new: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``buffer [B, Hkv, N, d]`` with token t of ``new [B, Hkv, T, d]`` in slot ``target[b, t]``.
+    """``buffer [B, Hkv, N, d]`` with token t of ``new [B, Hkv, T, d]`` in slot ``target[b, t]``, stored
+    as the buffer stores it (``slots.encode``).
 
     ``target`` is -1 for tokens written nowhere; at most one token targets a slot. Functional.
     """
@@ -34,12 +37,12 @@ def write_slots(buffer: torch.Tensor, new: torch.Tensor, target: torch.Tensor) -
     if new.shape[2] == 1:  # a decode step: one copy of the buffer with one slot replaced, not a gather of all
         slot = target[:, 0]
         index = slot.clamp_min(0)[:, None, None, None].expand(-1, buffer.shape[1], 1, buffer.shape[3])
-        kept = torch.where((slot >= 0)[:, None, None, None], new.to(buffer.dtype), buffer.gather(2, index))
+        kept = torch.where((slot >= 0)[:, None, None, None], encode(new, buffer.dtype), buffer.gather(2, index))
         return buffer.scatter(2, index, kept)
     hit = target[:, :, None] == torch.arange(buffer.shape[2], device=target.device)  # [B, T, N]
     source = hit.long().argmax(1)  # [B, N]: which new token lands in each slot
     taken = new.gather(2, source[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[3]))
-    return torch.where(hit.any(1)[:, None, :, None], taken.to(buffer.dtype), buffer)
+    return torch.where(hit.any(1)[:, None, :, None], encode(taken, buffer.dtype), buffer)
 
 
 def ring_write(k, v, mask, keys, values, length):
@@ -90,12 +93,12 @@ def prompt_write(k, v, keys, values, sink_keys, sink_values, length):
     steps, window, sinks = k.shape[2], keys.shape[2], sink_keys.shape[2]
 
     def ring(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-        new = new.to(old.dtype)
+        new = encode(new, old.dtype)
         if steps >= window:
             return new[:, :, steps - window :].roll(steps % window, dims=2)
         return torch.cat([new, old[:, :, steps:]], dim=2)
 
     def sink(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-        return torch.cat([new[:, :, :sinks].to(old.dtype), old[:, :, steps:]], dim=2)
+        return torch.cat([encode(new[:, :, :sinks], old.dtype), old[:, :, steps:]], dim=2)
 
     return ring(k, keys), ring(v, values), sink(k, sink_keys), sink(v, sink_values), length + steps

@@ -47,6 +47,7 @@ __all__ = [
     "padding_id",
     "relative_difference",
     "tokens_but",
+    "rounding_dtype",
     "tolerance",
 ]
 
@@ -59,6 +60,18 @@ _DRAWS = 4  # draws of tokens for a half-precision mixture of experts whose rout
 def tolerance(dtype: torch.dtype) -> float:
     """Largest relative difference that passes: half precision rounds every op, float32 barely."""
     return 2e-2 if dtype in _HALF else 1e-4
+
+
+def rounding_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype whose rounding a model's checks against itself allow (a step against the prefill, a
+    compiled step against the eager one): the model's, or half precision where a cell stores its keys
+    and values in fewer bits than the model computes them (``Cell.storage``). There a last-bit
+    difference of a key, which two routes through the same layers make, moves the stored entry a
+    whole step wherever it crosses a rounding boundary."""
+    from rnnify.cells.base import Cell
+
+    narrowed = any(isinstance(m, Cell) and m.storage is not None for m in model.modules())
+    return torch.bfloat16 if narrowed and model.dtype not in _HALF else model.dtype
 
 
 def differences(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:

@@ -237,10 +237,11 @@ def compile_package(model: RecurrentModel, package: Path) -> Path:
 def _disagreement(model: RecurrentModel, package: Path) -> str | None:
     """Where ``package``'s step parts from the model's own graph (eager, the cells' own forms it was
     exported from) on a seeded prompt and the steps after it, in words; None when every output agrees
-    within ``agreement.tolerance``. The compiler can be wrong (torch 2.13's AOTInductor miscompiled a
+    within ``agreement.tolerance`` of the model's ``rounding_dtype``. The compiler can be wrong (torch 2.13's AOTInductor miscompiled a
     head split's output, ``_INDUCTOR_CONFIGS``), and a kept package decodes every later load's
     tokens: checked once, before it is kept."""
-    from rnnify.runtime.agreement import relative_difference, tolerance
+    from rnnify.kernels.slots import decode
+    from rnnify.runtime.agreement import relative_difference, rounding_dtype, tolerance
 
     loaded = load_package(model, package)
     if loaded is None:
@@ -254,8 +255,10 @@ def _disagreement(model: RecurrentModel, package: Path) -> str | None:
             inputs = (ids[:, t : t + 1], state.positions[:, None], mask, *(x.contiguous() for x in state.tensors))
             want, got = model.graph(*inputs), loaded(*inputs)
             for index, (a, b) in enumerate(zip(got, want)):
+                if a.dtype == torch.int8:  # a window's int8 slots: compared as the values they hold
+                    a, b = decode(a), decode(b)
                 gap = relative_difference(a, b)
-                if gap > tolerance(model.dtype):
+                if gap > tolerance(rounding_dtype(model)):
                     what = "logits" if index == 0 else f"state tensor {index - 1}"
                     return f"its {what} after {t} tokens differ from the eager step's by {gap:.2g} (relative)"
             state = RecurrentState(tuple(want[1:]), state.positions + 1, state.model_uid)
