@@ -3,9 +3,10 @@
     python benchmarks/kv_rounding.py models/smollm2 --data data/pydocs/heldout --seq-len 2048 --rows 2 \
         --threads 2 --json benchmarks/results/kv-rounding-smollm2-2048.json
 
-The original model (transformers, float32, full attention) reads ``--rows`` held-out rows, first as it
-is, then with its keys and values rounded as they leave ``k_proj`` and ``v_proj`` (before rotary
-embeddings, which turn pairs of entries and keep their size) in each storage considered: float16,
+The original model (transformers, float32, full attention) reads ``--rows`` held-out rows (the first
+rows ``rnnify eval`` reads, ``rnnify.data.token_batches``), first as it is, then with its keys and
+values rounded as they leave ``k_proj`` and ``v_proj`` (before rotary embeddings, which turn pairs
+of entries and keep their size) in each storage considered: float16,
 bfloat16, float8 (e4m3 and e5m2, unscaled and, for e4m3, scaled per vector), and int8 and int4 per
 vector at the scale that puts the largest entry at the top level. Each row of the table: perplexity
 ratio and KL(original || rounded) per token. ``rnnify.kernels.slots`` builds one of them (int8, its
@@ -22,7 +23,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rnnify.data import read_text
+from rnnify.data import token_batches
 from rnnify.runtime.threads import set_threads
 
 
@@ -82,11 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     set_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    wanted = args.rows * args.seq_len
-    ids = tokenizer(read_text(args.data, max_chars=16 * wanted), return_tensors="pt").input_ids[0]
-    if len(ids) < wanted:
-        parser.error(f"--data holds {len(ids)} tokens, fewer than --rows x --seq-len ({wanted})")
-    rows = ids[:wanted].view(args.rows, args.seq_len)
+    # the rows `rnnify eval --seq-len L --batch-size R --max-tokens R x L` reads first
+    batch = next(token_batches(args.data, tokenizer, seq_len=args.seq_len, batch_size=args.rows))
+    if not batch["attention_mask"].all():
+        parser.error(f"--data holds fewer than --rows x --seq-len ({args.rows * args.seq_len}) tokens")
+    rows = batch["input_ids"]
     targets = rows[:, 1:, None]
     original = log_probs(model, rows)
     original_nll = -original.gather(-1, targets).mean().item()

@@ -149,8 +149,9 @@ def parallel_window_attn(
     q_index = token_index(length, mask)
     # every key a new query might see: the sinks, the ring, the new tokens; each with its token index
     key_index = torch.cat([held_index(length, window, sinks), q_index], dim=1)  # [B, N]
-    all_keys = decode(torch.cat([sink_keys, keys, encode(k, keys.dtype)], dim=2))
-    all_values = decode(torch.cat([sink_values, values, encode(v, values.dtype)], dim=2))
+    k, v = encode(k, keys.dtype), encode(v, values.dtype)  # as the slots store them, once
+    all_keys = decode(torch.cat([sink_keys, keys, k], dim=2))
+    all_values = decode(torch.cat([sink_values, values, v], dim=2))
     i, j = q_index[:, :, None], key_index[:, None, :]
     allowed = (j >= 0) & (j <= i) & ((i - j < window) | (j < sinks))  # [B, T, N]
     scores = scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys)
@@ -238,9 +239,10 @@ def prompt_window(q, k, v, window_state, scale: float, block: int = PROMPT_BLOCK
     """The window part of a whole unpadded prompt from the empty state (``band_window_part``) and
     the state written from the prompt's tail (``kernels.ring.prompt_write``): ``(k, v fp32 as the
     ring holds them, o, u, window_state)``."""
-    k, v = decode(encode(k, window_state[0].dtype)), decode(encode(v, window_state[1].dtype))
+    stored_k, stored_v = encode(k, window_state[0].dtype), encode(v, window_state[1].dtype)
+    k, v = decode(stored_k), decode(stored_v)
     o, u = band_window_part(q, k, v, window_state[0].shape[2], window_state[2].shape[2], scale, block)
-    return k, v, o, u, prompt_write(k, v, *window_state)
+    return k, v, o, u, prompt_write(stored_k, stored_v, *window_state)
 
 
 def prompt_window_attn(q, k, v, keys, values, sink_keys, sink_values, length, scale: float):
@@ -264,10 +266,10 @@ def write_step(k, v, mask, keys, values, sink_keys, sink_values, length, overwri
     key_index = slot.expand(-1, num_kv_heads, 1, head_dim)
     value_index = key_index if values.shape[3] == head_dim else slot.expand(-1, num_kv_heads, 1, values.shape[3])
     old_key, old_value = keys.gather(2, key_index), values.gather(2, value_index)
+    k, v = encode(k, keys.dtype), encode(v, values.dtype)  # once, for the ring and the sinks
     # the slot's new entry (a padding token leaves it as it was), scattered into a copy of the ring
     # (a copy and one slot are cheaper than a where over the ring), or into the ring itself
-    new_key = torch.where(real, encode(k, keys.dtype), old_key)
-    new_value = torch.where(real, encode(v, values.dtype), old_value)
+    new_key, new_value = torch.where(real, k, old_key), torch.where(real, v, old_value)
     if overwrite:
         keys, values = keys.scatter_(2, key_index, new_key), values.scatter_(2, value_index, new_value)
     else:
@@ -278,8 +280,7 @@ def write_step(k, v, mask, keys, values, sink_keys, sink_values, length, overwri
     if sinks:
         sink_slots = torch.arange(sinks, device=keys.device)
         into = real & (sink_slots[:, None] == n)
-        sink_keys = torch.where(into, encode(k, sink_keys.dtype), sink_keys)
-        sink_values = torch.where(into, encode(v, sink_values.dtype), sink_values)
+        sink_keys, sink_values = torch.where(into, k, sink_keys), torch.where(into, v, sink_values)
         held_keys, held_values = (sink_keys, keys), (sink_values, values)
         empty = torch.cat([sink_slots >= new_length - window, empty], dim=3)  # sinks still in the ring
     state = (keys, values, sink_keys, sink_values, new_length.view(batch))

@@ -59,8 +59,11 @@ def vector_width(slots: torch.Tensor) -> int:
 
 
 def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x [..., d]`` (any float dtype) as slots of ``dtype`` store it: ``[..., slot_width(d, dtype)]``."""
-    if dtype == torch.float16 and x.dtype != dtype:  # a range smaller than the model's: saturate, never inf
+    """``x [..., d]`` (any float dtype) as slots of ``dtype`` store it: ``[..., slot_width(d, dtype)]``;
+    ``x`` already in ``dtype`` is taken as stored (a form may write what it read or encoded once)."""
+    if x.dtype == dtype:
+        return x
+    if dtype == torch.float16:  # a range smaller than the model's: saturate, never inf
         return x.clamp(-_FLOAT16_MAX, _FLOAT16_MAX).to(dtype)
     if dtype != torch.int8:
         return x.to(dtype)
