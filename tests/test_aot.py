@@ -48,15 +48,19 @@ def test_compiled_step_matches_the_eager_step(compiled, target, monkeypatch):
     assert len(calls) == 4 * 4 - 2
 
 
-def test_an_int8_window_keeps_its_compiled_step(tiny_model_dir, tmp_path, monkeypatch):
-    """A window storing int8 slots (``--kv-dtype int8``) compiles, the compile's check compares its
-    slots as the values they hold at their rounding (``agreement.rounding_dtype``) and keeps the
-    package, and the package decodes as the eager step does."""
+@pytest.mark.parametrize(
+    "target",
+    [["window"], pytest.param(["select", "--option", "keep=4", "--option", "chunk=4"], marks=pytest.mark.slow)],
+)
+def test_an_int8_cache_keeps_its_compiled_step(tiny_model_dir, tmp_path, monkeypatch, target):
+    """A window or a selection cache storing int8 slots (``--kv-dtype int8``) compiles, the compile's
+    check compares its slots as the values they hold at their rounding (``agreement.rounding_dtype``)
+    and keeps the package, and the package decodes as the eager step does."""
     from rnnify.runtime.agreement import relative_difference, rounding_dtype, tolerance
 
     monkeypatch.setenv("RNNIFY_CACHE", os.environ["RNNIFY_TEST_CACHE"])
     out = tmp_path / "model"
-    argv = ["convert", str(tiny_model_dir("llama")), "--to", "window", "--window", "4", "--kv-dtype", "int8"]
+    argv = ["convert", str(tiny_model_dir("llama")), "--to", *target, "--window", "4", "--kv-dtype", "int8"]
     assert main([*argv, "-o", str(out), "--threads", "1"]) == 0
     aot, eager = rnnify.load(out), rnnify.load(out, aot_step=False)
     assert aot.step_package is not None

@@ -379,6 +379,7 @@ def test_retrieval_head_gets_the_cheapest_kind_that_keeps_the_marker(retrieval_m
         ("select(window=8,keep=-1)", "keep"),
         ("select(window=8,keep=4,policy=bogus)", "policy must be one of"),
         ("select(window=8,keep=4,sinks=2)", "keeps the --sinks sinks"),
+        ('select(window=8,keep=4,kv_dtype="int8")', "a kind takes no kv_dtype"),
         ("exact(window=8)", "exact takes no options"),
         ("exact,window(window=16),exact", "exact is listed twice"),
         ("window(window=16),select(window=8,keep=4)x", "expected select(KEY=VALUE,...)"),

@@ -23,8 +23,10 @@ from hypothesis import strategies as st
 from support import (
     assert_left_padded_rows_equal_rows_alone,
     assert_steps_and_split_prefill_match,
+    decode,
     draw_heads,
     random_qkv,
+    rel_diff,
 )
 from window_support import mask_of_kind
 
@@ -38,6 +40,8 @@ from rnnify.cells.select import (
 )
 from rnnify.cells.window import WindowCell
 from rnnify.errors import RnnifyError
+from rnnify.kernels import slots
+from rnnify.runtime.agreement import rounding_dtype, tolerance
 
 # fp32 computation against float64 on O(1) inputs: 1e-5 relative, the same absolute floor.
 RTOL = ATOL = 1e-5
@@ -112,14 +116,26 @@ def _grouped(q, spec):
 
 def _garbage_buffers(cell, state, gen):
     """Key/value buffers and scores filled with large junk: slots not written must never be read."""
+
+    def junk(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.int8:  # any levels, at scales up to 2^10 (as large as the float junk, finite)
+            junk = torch.randint(-127, 128, t.shape, generator=gen, dtype=torch.int8)
+            return torch.cat([junk[..., :-1], junk[..., -1:] % 11], dim=-1)
+        return (100 * torch.randn(t.shape, generator=gen)).to(t.dtype)
+
     return tuple(
-        100 * torch.randn(t.shape, generator=gen) if name in (*BUFFERS, "scores", "selected_scores") else t
-        for t, name in zip(state, cell.state_names)
+        junk(t) if name in (*BUFFERS, "scores", "selected_scores") else t for t, name in zip(state, cell.state_names)
     )
 
 
-def _double(state):
-    return tuple(t.double() if t.is_floating_point() else t for t in state)
+def _retyped(state, dtype, to):
+    """``state`` with its ``dtype`` tensors in ``to``; the others (int8 or half-precision slots) as stored."""
+    return tuple(t.to(to) if t.dtype == dtype else t for t in state)
+
+
+def _as_stored(x: torch.Tensor, kv_dtype: str | None) -> torch.Tensor:
+    """``x`` as slots of ``kv_dtype`` read it back (the reference's keys and values)."""
+    return x if kv_dtype is None else slots.decode(slots.encode(x, slots.kv_dtype(kv_dtype))).to(x.dtype)
 
 
 def _step_loop(q, k, v, mask, *state, **kwargs):
@@ -170,6 +186,7 @@ def select_problems(draw):
         length=draw(st.one_of(st.just(1), st.integers(1, 20))),
         padding=draw(st.sampled_from(["none", "left", "random"])),
         seed=draw(st.integers(0, 2**31 - 1)),
+        kv_dtype=draw(st.sampled_from([None, None, "float16", "bfloat16", "int8"])),
     )
 
 
@@ -179,12 +196,15 @@ OPTIONS = ("window", "sinks", "keep", "chunk", "observation", "policy", "pool", 
 @HYPOTHESIS
 @given(select_problems())
 def test_forms_equal_the_naive_loop_and_the_reference(p):
+    """With ``kv_dtype`` every form stores the same bytes (int8 slots equal to the bit) and the
+    reference reads the keys and values as they are stored."""
     spec = _spec(p["num_kv_heads"], p["group"], p["head_dim"], p["value_dim"])
-    cell = SelectCell(spec, **{name: p[name] for name in OPTIONS})
+    cell = SelectCell(spec, **{name: p[name] for name in OPTIONS}, kv_dtype=p["kv_dtype"])
     gen, rule, scale, P = _gen(p["seed"]), cell.rule, spec.scale, p["prefix"]
     q, k, v = random_qkv(p["batch"], spec, P + p["length"], gen)
     mask = mask_of_kind(p["padding"], p["batch"], P + p["length"], gen)
-    state = _double(_garbage_buffers(cell, cell.init_state(p["batch"], CPU, torch.float32), gen))
+    state = _garbage_buffers(cell, cell.init_state(p["batch"], CPU, torch.float32), gen)
+    state = _retyped(state, torch.float32, torch.float64)
     gq = _grouped(q, spec).double()
     _, *state = naive_recurrent_select_attn(
         gq[:, :, :, :P], k[:, :, :P].double(), v[:, :, :P].double(), mask[:, :P], *state, scale=scale, rule=rule
@@ -192,14 +212,17 @@ def test_forms_equal_the_naive_loop_and_the_reference(p):
     args = (gq[:, :, :, P:], k[:, :, P:].double(), v[:, :, P:].double(), mask[:, P:])
     want, *want_state = naive_recurrent_select_attn(*args, *state, scale=scale, rule=rule)
 
-    ref, selections = reference_select_attention(q, k, v, mask, scale=scale, **{name: p[name] for name in OPTIONS})
+    stored_k, stored_v = (_as_stored(x, p["kv_dtype"]) for x in (k, v))
+    ref, selections = reference_select_attention(
+        q, stored_k, stored_v, mask, scale=scale, **{name: p[name] for name in OPTIONS}
+    )
     real = mask[:, None, P:, None].expand(-1, spec.num_heads, -1, spec.value_dim)
     torch.testing.assert_close(want.reshape(ref[:, :, P:].shape)[real], ref[:, :, P:][real], rtol=RTOL, atol=ATOL)
     positions = want_state[cell.state_names.index("selected_positions")]
     assert [[sorted(j for j in head.tolist() if j >= 0) for head in row] for row in positions] == selections
 
     fp32 = (args[0].float(), args[1].float(), args[2].float(), args[3])
-    state32 = tuple(t.float() if t.is_floating_point() else t for t in state)
+    state32 = _retyped(state, torch.float64, torch.float32)
     real = real.reshape(want.shape)
     for name, form in {"chunk": chunk_select_attn, "step_loop": _step_loop}.items():
         out, *new_state = form(*fp32, *state32, scale=scale, rule=rule)
@@ -428,6 +451,9 @@ def test_options_round_trip_and_describe():
     assert (default.rule.window, default.rule.keep, default.rule.observation) == (32, 32, 32)
     assert default.describe() == "32 tokens + 4 sinks + 32 selected by attention mass every 32 tokens"
     assert CELLS["select"] is SelectCell
+    stored = build_cell("select", spec, {"window": 16, "keep": 8, "kv_dtype": "int8"})
+    assert stored.options()["kv_dtype"] == "int8" and build_cell("select", spec, stored.options()).storage == torch.int8
+    assert stored.describe().endswith("every 32 tokens, stored as int8")
 
 
 @pytest.mark.parametrize(
@@ -440,6 +466,7 @@ def test_options_round_trip_and_describe():
         ({"window": 8, "pool": 4}, "pool must be odd"),
         ({"window": 8, "keep": -1}, "keep must be an integer >= 0"),
         ({"window": 0}, "window must be a positive integer"),
+        ({"window": 8, "kv_dtype": "int4"}, "kv_dtype must be one of float16, bfloat16, int8"),
     ],
 )
 def test_bad_options_are_errors(options, message):
@@ -453,6 +480,7 @@ def test_bad_options_are_errors(options, message):
 VARIANTS = {
     "mass": {"window": 8, "sinks": 2, "keep": 4, "chunk": 4},
     "snapkv": {"window": 8, "sinks": 2, "keep": 4, "chunk": 4, "policy": "snapkv", "observation": 2, "pool": 3},
+    "int8": {"window": 8, "sinks": 2, "keep": 4, "chunk": 4, "kv_dtype": "int8"},
 }
 
 
@@ -469,7 +497,7 @@ def converted(tiny_model_dir):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", ["mass", "snapkv"])
 def test_converted_model_steps_as_it_prefills_and_saves(arch, variant, converted, tmp_path):
     """Steps == one prefill, a prefill split off a chunk boundary == the whole (state included), the
     state is constant, a saved model loads to the same logits, left-padded rows are the rows alone."""
@@ -483,3 +511,36 @@ def test_converted_model_steps_as_it_prefills_and_saves(arch, variant, converted
     assert [c.options() for c in loaded.cells] == [c.options() for c in model.cells]
     assert torch.equal(loaded.prefill(ids)[0], full)
     assert_left_padded_rows_equal_rows_alone(model, [14, 9, 3], _gen(10))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_cache_storing_int8_steps_as_it_prefills_at_its_rounding(arch, converted, tmp_path):
+    """int8 slots (``kv_dtype``): stepped, split and left-padded within half precision's tolerance of
+    the one-shot prefill (``agreement.rounding_dtype``: a key's last-bit difference between two routes
+    may cross a rounding boundary), near the same cache in fp32, in (d + 1) / 4d of its key and value
+    bytes; saved and loaded, the same logits bit for bit."""
+    model, full_model = converted(arch, "int8"), converted(arch, "mass")
+    limit = tolerance(rounding_dtype(model))
+    assert rounding_dtype(model) == torch.bfloat16 and all(cell.storage == torch.int8 for cell in model.cells)
+    ids = torch.randint(0, model.manifest.vocab_size, (2, 40), generator=_gen(9))
+    full, _ = model.prefill(ids)
+    assert 0 < rel_diff(full, full_model.prefill(ids)[0]) < limit
+    assert rel_diff(decode(model, ids, 1)[0], full) < limit
+    first, state = model.prefill(ids[:, :17])
+    assert rel_diff(torch.cat([first, model.prefill(ids[:, 17:], state)[0]], 1), full) < limit
+    assert_left_padded_rows_equal_rows_alone(model, [14, 9, 3], _gen(10), tol=limit)
+    head_dim = model.cells[0].spec.head_dim
+    held = [
+        sum(
+            t.nbytes
+            for c in m.cells
+            for name, t in zip(c.state_names, c.init_state(1, CPU, m.dtype))
+            if name in BUFFERS
+        )
+        for m in (full_model, model)
+    ]
+    assert held[1] * 4 * head_dim == held[0] * (head_dim + 1)
+    model.save(tmp_path / "m")
+    loaded = rnnify.load(tmp_path / "m")
+    assert [c.options() for c in loaded.cells] == [c.options() for c in model.cells]
+    assert torch.equal(loaded.prefill(ids)[0], full)

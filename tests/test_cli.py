@@ -49,16 +49,19 @@ def test_convert_per_layer_targets_and_options(capsys, tmp_path, tiny_model_dir)
     assert code == 0 and "grows with context" in out
 
 
-def test_convert_kv_dtype_stores_the_window_in_int8_and_verifies(capsys, tmp_path, tiny_model_dir):
-    """--kv-dtype int8: the windows' slots are int8 (rnnify.kernels.slots), info says so, and verify
-    holds the step to the prefill, at half precision's tolerance."""
+@pytest.mark.parametrize("target", [["window"], ["select", "--option", "keep=4", "--option", "chunk=4"]])
+def test_convert_kv_dtype_stores_the_cache_in_int8_and_verifies(capsys, tmp_path, tiny_model_dir, target):
+    """--kv-dtype int8: a window's or a selection cache's slots are int8 (rnnify.kernels.slots), info
+    says so, and verify holds the step to the prefill, at half precision's tolerance."""
     out = tmp_path / "out"
-    argv = ["convert", tiny_model_dir("llama"), "--to", "window", "--window", "4", "--kv-dtype", "int8"]
+    argv = ["convert", tiny_model_dir("llama"), "--to", *target, "--window", "4", "--kv-dtype", "int8"]
     code, _, err = run(capsys, *argv, "-o", out, "--no-compile")
     assert code == 0, err
     model = rnnify.load(out)
-    assert all(cell.kv_dtype == "int8" for cell in model.cells)
-    assert {t.dtype for t in model.init_state(1).tensors} == {torch.int8, torch.long}
+    assert all(cell.kv_dtype == "int8" and cell.target == target[0] for cell in model.cells)
+    for cell in model.cells:
+        state = dict(zip(cell.state_names, cell.init_state(1, torch.device("cpu"), torch.float32)))
+        assert {state[name].dtype for name in state if name.endswith(("keys", "values"))} == {torch.int8}
     code, report, _ = run(capsys, "info", out)
     assert code == 0 and "stored as int8" in report
     code, report, err = run(capsys, "verify", out, "--tokens", "12")

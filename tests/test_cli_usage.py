@@ -121,9 +121,9 @@ BAD_INPUT = {
         ],
         "--to auto needs only one of --state-budget",
     ),
-    "kv dtype on select": (
-        lambda t, c: ["convert", "unused", "--to", "select", "--kv-dtype", "int8", "-o", t / "out"],
-        "kv_dtype apply to none of the targets used (select)",
+    "kv dtype on lola": (
+        lambda t, c: ["convert", "unused", "--to", "lola", "--window", "8", "--kv-dtype", "int8", "-o", t / "out"],
+        "kv_dtype apply to none of the targets used (lola)",
     ),
     "kv dtype on auto": (
         lambda t, c: ["convert", "unused", "--to", "auto", "--data", t, "--kv-dtype", "int8", "-o", t / "out"],

@@ -58,6 +58,8 @@ TARGETS = {
     "exact-heads": dict(to="window", window=16, layers="0:heads(0=exact;1=linear),1:heads(0=exact;1=window(window=8))"),
     "window": dict(to="window", window=16),
     "window-int8": dict(to="window", window=16, kv_dtype="int8"),  # int8 slots in the state's pages
+    # a selection cache in int8: its scores (fp32) and positions (int64) in the pages too
+    "select-int8": dict(to="select", window=8, sinks=2, keep=4, chunk=4, kv_dtype="int8"),
     "linear": dict(to="linear"),
     "gated": dict(to="gated"),
     "delta": dict(to="delta"),

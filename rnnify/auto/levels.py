@@ -126,6 +126,8 @@ def parse_levels(text: str, window: int) -> list[Level]:
         options = dict(level.options)
         if "sinks" in options:
             raise bad("every kind keeps the --sinks sinks: give them there, not as an option")
+        if "kv_dtype" in options:
+            raise bad("--to auto scores and counts its kinds in the model's dtype: a kind takes no kv_dtype")
         if level.target == "exact" and options:
             raise bad(f"exact takes no options, got {', '.join(options)}")
         if level.target == "window" and set(options) != {"window"}:

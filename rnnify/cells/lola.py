@@ -226,6 +226,7 @@ def read_chunk(q, k, v, positions, state: LolaState, phi: FeatureMap, factor, ga
     (``combine``); their keys and values are written: ``(out, state)`` (0 for the queries at -1). No
     decision: the caller makes the boundary's."""
     real, allowed, all_keys, all_values = chunk_read_set(q, k, v, positions, state, rule)
+    all_keys, all_values = all_keys.to(q.dtype), all_values.to(q.dtype)  # (the model dtype: lola takes no kv_dtype)
     scores = (scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys)).masked_fill(~allowed[:, :, None], float("-inf"))
     p = torch.exp(scores - finite_or_zero(scores.amax(-1, keepdim=True)))  # exp(s - m), 0 where not read
     phi_q = phi(q)  # [B, Hkv, G, T, F]

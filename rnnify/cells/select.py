@@ -63,8 +63,11 @@ step loops, which take the reading and the decision as functions.
 Shapes: q ``[B, Hkv, G, T, d]`` (fp32), k/v ``[B, Hkv, T, d]``, mask ``[B, T]``; state ``keys/values
 [B, Hkv, W + C - 1, d]``, ``scores [B, Hkv, W + C - 1]`` fp32, ``sink_keys/sink_values [B, Hkv, S,
 d]``, ``selected_keys/selected_values [B, Hkv, K, d]``, ``selected_scores [B, Hkv, K]`` fp32,
-``selected_positions [B, Hkv, K]`` and ``length [B]`` int64; keys and values in the model dtype.
-Every form returns ``(out [B, Hkv, G, T, d_v] fp32, *new_state)``.
+``selected_positions [B, Hkv, K]`` and ``length [B]`` int64; keys and values in the model dtype,
+or as ``kv_dtype`` stores them (``rnnify.kernels.slots``, as the window cell's: int8 slots are d + 1
+wide). A token is encoded once as it arrives and every later copy (ring, sinks, selected) moves its
+stored bytes, so every form reads the same numbers for it. Every form returns ``(out [B, Hkv, G, T,
+d_v] fp32, *new_state)``.
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ from rnnify.cells.online_softmax import finite_or_zero
 from rnnify.cells.window import naive_ring_write
 from rnnify.errors import check_int
 from rnnify.kernels.ring import ring_index, write_slots
+from rnnify.kernels.slots import decode, encode, levels_and_scales, slot_width, vector_width
+from rnnify.kernels.slots import kv_dtype as kv_dtype_of
 
 POLICIES = ("mass", "snapkv")
 POOLINGS = ("avg", "max")
@@ -131,6 +136,11 @@ class SelectState(NamedTuple):
     selected_scores: torch.Tensor
     selected_positions: torch.Tensor
     length: torch.Tensor
+
+
+def read_slots(slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The vectors ``slots`` store, in ``dtype``: int8 slots through ``slots.decode``, float ones as they are."""
+    return (decode(slots) if slots.dtype == torch.int8 else slots).to(dtype)
 
 
 def may_decide(deciding: torch.Tensor) -> bool:
@@ -205,14 +215,14 @@ def naive_read_set(state, b: int, h: int, n: int, rule: CacheLayout) -> list[tup
 
 def naive_recurrent_select_attn(q, k, v, mask, *state, scale: float, rule: Selection):
     state = SelectState(*(t.clone() for t in state))
-    out = q.new_zeros(*q.shape[:4], state.values.shape[-1])
+    out = q.new_zeros(*q.shape[:4], vector_width(state.values))
     for t, b, n in naive_arrivals(k, v, mask, state):
         state.scores[b, :, n % rule.ring] = 0
         for h in range(q.shape[1]):
             read = naive_read_set(state, b, h, n, rule)
-            logits = scale * torch.stack([q[b, h, :, t] @ key.to(q.dtype) for key, _, _ in read], dim=-1)
+            logits = scale * torch.stack([q[b, h, :, t] @ read_slots(key, q.dtype) for key, _, _ in read], dim=-1)
             p = torch.softmax(logits, dim=-1)  # [G, N]
-            out[b, h, :, t] = p @ torch.stack([value.to(q.dtype) for _, value, _ in read])
+            out[b, h, :, t] = p @ torch.stack([read_slots(value, q.dtype) for _, value, _ in read])
             if n % rule.chunk >= rule.chunk - rule.observation:
                 kept = {"selected": state.selected_scores, "ring": state.scores}  # the scores each slot keeps
                 for (_, _, where), mass in zip(read, p.sum(0)):
@@ -266,7 +276,8 @@ def chunk_read_set(q, k, v, positions, state, rule: CacheLayout):
     """What the new tokens at ``positions [B, T]`` (consecutive from each row's ``length`` inside one
     chunk; -1: none) read by softmax: sinks ∪ selected ∪ recent (``held_positions``) and each other
     causally. Returns ``(real [B, T], allowed [B, Hkv, T, S + K + W + C - 1 + T], keys, values [B,
-    Hkv, S + K + W + C - 1 + T, d] in q's dtype)``; ``state`` a ``SelectState`` or ``lola.LolaState``."""
+    Hkv, S + K + W + C - 1 + T, width] as the slots store them)``; ``state`` a ``SelectState`` or
+    ``lola.LolaState``."""
     real = positions >= 0
     held = held_positions(state.length, state.selected_positions, rule)  # [B, Hkv, N]
     causal = real[:, None, :] & (positions[:, None, :] <= positions[:, :, None])  # [B, T (query), T (key)]
@@ -277,9 +288,11 @@ def chunk_read_set(q, k, v, positions, state, rule: CacheLayout):
         )
         & real[:, None, :, None]
     )
-    all_keys = torch.cat([state.sink_keys, state.selected_keys, state.keys, k.to(state.keys.dtype)], dim=2)
-    all_values = torch.cat([state.sink_values, state.selected_values, state.values, v.to(state.values.dtype)], dim=2)
-    return real, allowed, all_keys.to(q.dtype), all_values.to(q.dtype)
+    all_keys = torch.cat([state.sink_keys, state.selected_keys, state.keys, encode(k, state.keys.dtype)], dim=2)
+    all_values = torch.cat(
+        [state.sink_values, state.selected_values, state.values, encode(v, state.values.dtype)], dim=2
+    )
+    return real, allowed, all_keys, all_values
 
 
 def token_slots(positions: torch.Tensor, real: torch.Tensor, rule: CacheLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,9 +318,18 @@ def attend_chunk(q, k, v, positions, state: SelectState, scale: float, rule: Sel
     """The new tokens at ``positions [B, T]`` read ``chunk_read_set`` in one masked softmax; their
     attention is added to the scores of what they read (``observes``) and their keys, values and
     scores are written: ``(out, state)``. No decision: the caller makes the boundary's."""
+    k, v = encode(k, state.keys.dtype), encode(v, state.values.dtype)  # once, for the read and the writes
     real, allowed, all_keys, all_values = chunk_read_set(q, k, v, positions, state, rule)
-    p = masked_softmax(scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys), allowed[:, :, None])
-    out = p @ all_values[:, :, None]
+    if all_keys.dtype == torch.int8:  # each vector's scale applied to its score and weight, not its entries
+        key_levels, key_scales = levels_and_scales(all_keys)
+        scores = torch.einsum("bhgtd,bhnd->bhgtn", q, key_levels) * key_scales[:, :, None, None, :, 0]
+        p = masked_softmax(scale * scores, allowed[:, :, None])
+        value_levels, value_scales = levels_and_scales(all_values)
+        out = (p * value_scales[:, :, None, None, :, 0]) @ value_levels[:, :, None]
+    else:
+        all_keys, all_values = all_keys.to(q.dtype), all_values.to(q.dtype)
+        p = masked_softmax(scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys), allowed[:, :, None])
+        out = p @ all_values[:, :, None]
     gained = torch.einsum("bhgtn,bt->bhn", p, observes(positions, rule).to(p.dtype))  # sigma_j += ...
     _, from_selected, from_ring, from_new = gained.split([rule.sinks, rule.keep, rule.ring, q.shape[3]], dim=2)
     slot, sink_slot = token_slots(positions, real, rule)
@@ -472,7 +494,9 @@ class SelectCell(Cell):
     a token is held) or ``snapkv`` (scores restart at every boundary); decisions every ``chunk``
     tokens, scored by the last ``observation`` queries of each chunk (None: all of them; SnapKV's
     observation window), the scores pooled over ``pool`` positions (``pooling`` avg or max; SnapKV's
-    code pools 5 by avg; 1: none). The module docstring has the rule.
+    code pools 5 by avg; 1: none). ``kv_dtype`` ("float16", "bfloat16" or "int8"; None: the model
+    dtype) is how the sinks, the ring and the selected tokens store their keys and values
+    (``rnnify.kernels.slots``): more tokens in the same bytes. The module docstring has the rule.
     """
 
     target = "select"
@@ -489,6 +513,7 @@ class SelectCell(Cell):
         chunk: int = 32,
         pool: int = 1,
         pooling: str = "avg",
+        kv_dtype: str | None = None,
     ):
         super().__init__(spec)
         if window is None and spec.window is None:
@@ -512,13 +537,15 @@ class SelectCell(Cell):
             raise ValueError(f"pool must be odd (a window centred on each token), got {pool}")
         keep = check_int("keep", window if keep is None else keep, 0)
         self.rule = Selection(window, check_int("sinks", sinks, 0), keep, chunk, observation, policy, pool, pooling)
+        self.kv_dtype = kv_dtype
+        self.storage = kv_dtype_of(kv_dtype)
 
     @property
     def exact_span(self) -> int:
         return self.rule.exact_span
 
     def options(self) -> dict[str, Any]:
-        return asdict(self.rule)
+        return asdict(self.rule) | ({"kv_dtype": self.kv_dtype} if self.kv_dtype is not None else {})
 
     def describe(self) -> str:
         rule = self.rule
@@ -527,23 +554,27 @@ class SelectCell(Cell):
             f"{rule.window} tokens"
             + (f" + {rule.sinks} sinks" if rule.sinks else "")
             + f" + {rule.keep} selected by {by} every {rule.chunk} tokens"
+            + (f", stored as {self.kv_dtype}" if self.kv_dtype is not None else "")
         )
 
     def init_state(self, batch_size, device, dtype):
-        spec, rule = self.spec, self.rule
+        spec, rule, stored = self.spec, self.rule, self.storage or dtype
 
-        def zeros(slots: int, *dim: int, dtype: torch.dtype = dtype) -> torch.Tensor:
+        def zeros(slots: int, *dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.zeros(batch_size, spec.num_kv_heads, slots, *dim, device=device, dtype=dtype)
 
+        def buffer(slots: int, dim: int) -> torch.Tensor:
+            return zeros(slots, slot_width(dim, stored), dtype=stored)
+
         return (
-            zeros(rule.ring, spec.head_dim),
-            zeros(rule.ring, spec.value_dim),
-            zeros(rule.ring, dtype=torch.float32),
-            zeros(rule.sinks, spec.head_dim),
-            zeros(rule.sinks, spec.value_dim),
-            zeros(rule.keep, spec.head_dim),
-            zeros(rule.keep, spec.value_dim),
-            zeros(rule.keep, dtype=torch.float32),
+            buffer(rule.ring, spec.head_dim),
+            buffer(rule.ring, spec.value_dim),
+            zeros(rule.ring),
+            buffer(rule.sinks, spec.head_dim),
+            buffer(rule.sinks, spec.value_dim),
+            buffer(rule.keep, spec.head_dim),
+            buffer(rule.keep, spec.value_dim),
+            zeros(rule.keep),
             torch.full((batch_size, spec.num_kv_heads, rule.keep), -1, device=device, dtype=torch.long),
             torch.zeros(batch_size, device=device, dtype=torch.long),
         )

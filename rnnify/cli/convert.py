@@ -112,7 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cell.add_argument(
         "--kv-dtype",
         choices=KV_DTYPES,
-        help="how the window stores its keys and values (window): int8 (each vector's entries at a shared "
+        help="how the cache stores its keys and values (window, select): int8 (each vector's entries at a shared "
         "power-of-two scale) holds about 4x the tokens of float32 in the same bytes, float16 and bfloat16 2x "
         "(default: the model's dtype)",
     )
