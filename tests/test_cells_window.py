@@ -122,23 +122,27 @@ def test_window_decode_off_triton_takes_the_lean_step(sinks, monkeypatch):
 
 @pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "int8")])
 @pytest.mark.parametrize("sinks", [0, 2])
-@pytest.mark.parametrize("length", [1, 4, 19, 40])
-def test_window_whole_prompt_takes_the_band_path(length, sinks, dtype, kv_dtype, monkeypatch):
-    """A whole unpadded prompt from the empty state runs ``prompt_window_attn`` (every query block at
-    once, the state from the prompt's tail): the chunked form's output and state, and the step after
-    it continues alike, and the naive loop's output; prompts shorter than the window and the sinks
-    included, and slots that store int8."""
+@pytest.mark.parametrize("length", [1, 4, 19, 40, 600])
+def test_window_whole_prompt_takes_the_whole_prompt_path(length, sinks, dtype, kv_dtype, monkeypatch):
+    """A whole unpadded prompt from the empty state runs ``prompt_window_attn`` (torch's attention
+    over the first W tokens, then over blocks of queries and their bands; the state from the
+    prompt's tail): the chunked form's output and state, and the step after it continues alike, and
+    the naive loop's output; prompts shorter than the window and the sinks included, several blocks
+    (600 tokens: the first 5, then 256, 256 and 83), values of another size than the keys, and
+    slots that store int8."""
     import rnnify.cells.window as window_cells
 
-    spec = make_spec()
+    assert window_cells.SDPA_BLOCK == 256  # the blocks the 600-token prompt is said to take
+    spec = make_spec(value_dim=6)
     cell = WindowCell(spec, window=5, sinks=sinks, kv_dtype=kv_dtype)
     gen = torch.Generator().manual_seed(length)
     q, k, v = random_qkv(2, spec, length + 1, gen)
     mask = torch.ones(2, length + 1, dtype=torch.bool)
-    runs = []
-    for banded in (True, False):
+    runs, calls, sdpa = [], [], window_cells.sdpa_window_prompt
+    for whole in (True, False):
         with torch.no_grad(), monkeypatch.context() as patch:
-            if not banded:
+            patch.setattr(window_cells, "sdpa_window_prompt", lambda *args: calls.append(whole) or sdpa(*args))
+            if not whole:
                 patch.setattr(window_cells, "whole_prompt", lambda mask, length: False)
             out, *state = cell(
                 q[:, :, :length],
@@ -150,6 +154,7 @@ def test_window_whole_prompt_takes_the_band_path(length, sinks, dtype, kv_dtype,
             step, *state = cell(q[:, :, length:], k[:, :, length:], v[:, :, length:], mask[:, length:], *state)
         runs.append((out, step, state))
     (fast, fast_step, fast_state), (chunked, chunked_step, chunked_state) = runs
+    assert calls == ([True] if length > 1 else [])  # a one-token prompt is a step
     naive, *_ = naive_recurrent_window_attn(
         grouped_queries(q[:, :, :length], spec),
         k[:, :, :length],

@@ -26,8 +26,11 @@ Forms, all computing the same thing (tests hold them to ``naive_recurrent_window
   loop shares); the ground truth.
 - ``parallel_*``: one masked quadratic softmax over sinks + ring + new tokens.
 - ``chunk_*``: the parallel form over blocks of queries (``by_chunks``); the prefill path, except for
-- ``prompt_window_attn``: a whole unpadded prompt from the empty state, every block of queries at
-  once over its band of keys, the state written from the prompt's tail (the hybrid's prompt too).
+- ``prompt_window_attn``: a whole unpadded prompt from the empty state through torch's
+  ``scaled_dot_product_attention`` (``sdpa_window_prompt``: one causal call over the first W
+  tokens, then blocks of queries over their bands), the state written from the prompt's tail. The
+  hybrid's prompt, which needs each softmax's denominator too, reads every block of queries at once
+  over its band of keys (``band_window_part``).
 - ``step_*``: one token; ``write_step`` writes it into its ring slot and ``read_held`` reads sinks +
   ring, about 40 aten ops (a CPU step's time is its op count, docs/performance.md); the decode path off
   Triton, which the hybrid's step shares.
@@ -50,6 +53,7 @@ returns ``(out [B, Hkv, G, T, d_v] fp32, *new_state)``.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -72,6 +76,10 @@ from rnnify.kernels.slots import kv_dtype as kv_dtype_of
 # queries per block of a whole prompt's window part: each block also reads the W keys before it, so
 # small blocks waste fewer masked scores (16: a 4,096-token prompt's window part in half the time of 64)
 PROMPT_BLOCK = 16
+# queries per call of ``sdpa_window_prompt`` past the first W: each call also reads the W - 1 keys
+# before its block, so a block small against W wastes few masked scores, and large enough that a
+# call's fixed cost and the kernel's tiles are spread over many queries
+SDPA_BLOCK = 256
 
 
 def masked_softmax_attention(
@@ -245,11 +253,38 @@ def prompt_window(q, k, v, window_state, scale: float, block: int = PROMPT_BLOCK
     return k, v, o, u, prompt_write(stored_k, stored_v, *window_state)
 
 
+def sdpa_window_prompt(q, k, v, window: int, sinks: int, scale: float) -> torch.Tensor:
+    """The window part of a whole unpadded prompt from the empty state through torch's fused
+    ``scaled_dot_product_attention`` rather than a softmax of ours: ``[B, Hkv, G, T, d_v]``. Queries
+    before W read every key up to theirs (one causal call); each later block of ``SDPA_BLOCK``
+    queries reads the sinks and the keys from W - 1 before its first query, with a mask: key j of
+    query i where j <= i and i - j < W, sink j where i - j >= W (out of the window; within it, it is
+    counted once as a window key). k, v fp32; q's G query heads of a kv head go as the kv head's
+    group (``enable_gqa``)."""
+    batch, num_kv_heads, group, steps, head_dim = q.shape
+    queries = q.reshape(batch, num_kv_heads * group, steps, head_dim)
+    attend = partial(torch.nn.functional.scaled_dot_product_attention, scale=scale, enable_gqa=True)
+    head = min(window, steps)
+    outs = [attend(queries[:, :, :head], k[:, :, :head], v[:, :, :head], is_causal=True)]
+    sink = torch.arange(min(sinks, steps), device=q.device)
+    for start in range(head, steps, SDPA_BLOCK):
+        end, first = min(start + SDPA_BLOCK, steps), start - window + 1
+        i = torch.arange(start, end, device=q.device)[:, None]
+        j = torch.arange(first, end, device=q.device)
+        allowed = torch.cat([i - sink >= window, (j <= i) & (i - j < window)], dim=1)
+        keys = torch.cat([k[:, :, : len(sink)], k[:, :, first:end]], dim=2)
+        values = torch.cat([v[:, :, : len(sink)], v[:, :, first:end]], dim=2)
+        outs.append(attend(queries[:, :, start:end], keys, values, attn_mask=allowed))
+    return torch.cat(outs, dim=2).view(batch, num_kv_heads, group, steps, -1)
+
+
 def prompt_window_attn(q, k, v, keys, values, sink_keys, sink_values, length, scale: float):
-    """A whole unpadded prompt from the empty state (``whole_prompt``): ``prompt_window``'s output and
-    state; the window target's prefill path where it applies."""
-    *_, out, _, state = prompt_window(q, k, v, (keys, values, sink_keys, sink_values, length), scale)
-    return out, *state
+    """A whole unpadded prompt from the empty state (``whole_prompt``): ``sdpa_window_prompt`` over the
+    keys and values as the slots store them, and the state written from the prompt's tail; the window
+    target's prefill path where it applies."""
+    stored_k, stored_v = encode(k, keys.dtype), encode(v, values.dtype)
+    out = sdpa_window_prompt(q, decode(stored_k), decode(stored_v), keys.shape[2], sink_keys.shape[2], scale)
+    return out, *prompt_write(stored_k, stored_v, keys, values, sink_keys, sink_values, length)
 
 
 def write_step(k, v, mask, keys, values, sink_keys, sink_values, length, overwrite: bool = False):
