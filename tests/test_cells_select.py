@@ -231,6 +231,23 @@ def test_forms_equal_the_naive_loop_and_the_reference(p):
         _assert_states_close(new_state, want_state, [f"{name} {n}" for n in cell.state_names])
 
 
+@pytest.mark.parametrize("kv_dtype", [None, "float16", "int8"])
+def test_the_forms_compute_in_the_queries_dtype(kv_dtype):
+    """float64 queries (a reference's) give float64 outputs from every storage, equal to the naive loop's."""
+    spec = _spec()
+    cell = SelectCell(spec, window=3, sinks=1, keep=2, chunk=2, kv_dtype=kv_dtype)
+    q, k, v = (t.double() for t in random_qkv(2, spec, 9, _gen(12)))
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    state = _retyped(cell.init_state(2, CPU, torch.float32), torch.float32, torch.float64)
+    want, *_ = naive_recurrent_select_attn(
+        _grouped(q, spec).double(), k, v, mask, *state, scale=spec.scale, rule=cell.rule
+    )
+    for form in (chunk_select_attn, _step_loop):
+        out, *_ = form(_grouped(q, spec).double(), k, v, mask, *state, scale=spec.scale, rule=cell.rule)
+        assert out.dtype == torch.float64
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
 @settings(max_examples=15, deadline=None)
 @given(
     chunk=st.integers(1, 5),

@@ -321,11 +321,12 @@ def attend_chunk(q, k, v, positions, state: SelectState, scale: float, rule: Sel
     k, v = encode(k, state.keys.dtype), encode(v, state.values.dtype)  # once, for the read and the writes
     real, allowed, all_keys, all_values = chunk_read_set(q, k, v, positions, state, rule)
     if all_keys.dtype == torch.int8:  # each vector's scale applied to its score and weight, not its entries
-        key_levels, key_scales = levels_and_scales(all_keys)
-        scores = torch.einsum("bhgtd,bhnd->bhgtn", q, key_levels) * key_scales[:, :, None, None, :, 0]
-        p = masked_softmax(scale * scores, allowed[:, :, None])
-        value_levels, value_scales = levels_and_scales(all_values)
-        out = (p * value_scales[:, :, None, None, :, 0]) @ value_levels[:, :, None]
+        (key_levels, key_scales), (value_levels, value_scales) = (
+            (levels.to(q.dtype), scales[:, :, None, None, :, 0].to(q.dtype))
+            for levels, scales in map(levels_and_scales, (all_keys, all_values))
+        )
+        p = masked_softmax(scale * torch.einsum("bhgtd,bhnd->bhgtn", q, key_levels) * key_scales, allowed[:, :, None])
+        out = (p * value_scales) @ value_levels[:, :, None]
     else:
         all_keys, all_values = all_keys.to(q.dtype), all_values.to(q.dtype)
         p = masked_softmax(scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys), allowed[:, :, None])

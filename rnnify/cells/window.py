@@ -25,7 +25,8 @@ Forms, all computing the same thing (tests hold them to ``naive_recurrent_window
   recurrence of docs/math.md §Softmax attention as an RNN (``naive_window_read``, which the hybrid's
   loop shares); the ground truth.
 - ``parallel_*``: one masked quadratic softmax over sinks + ring + new tokens.
-- ``chunk_*``: the parallel form over blocks of queries (``by_chunks``); the prefill path, except for
+- ``chunk_*``: the parallel form over blocks of queries (``by_chunks``); the prefill path, but for
+  the whole prompts of the next form.
 - ``prompt_window_attn``: a whole unpadded prompt from the empty state through torch's
   ``scaled_dot_product_attention`` (``sdpa_window_prompt``: one causal call over the first W
   tokens, then blocks of queries over their bands), the state written from the prompt's tail. The

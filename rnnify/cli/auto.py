@@ -129,7 +129,7 @@ def check_auto(args: argparse.Namespace) -> None:
     if args.kv_dtype is not None:
         raise RnnifyError(
             "--kv-dtype: --to auto scores and counts its windows in the model's dtype; "
-            "give it with --to window, or leave it out"
+            "give it with --to window or --to select, or leave it out"
         )
     if args.data is None:
         raise RnnifyError("--to auto needs calibration text: --data PATH (a file, folder or .jsonl)")
