@@ -120,6 +120,23 @@ def test_window_decode_off_triton_takes_the_lean_step(sinks, monkeypatch):
     assert counts["lean"] * 2 < counts["fused"]
 
 
+@pytest.mark.parametrize("window, sinks, length", [(600, 3, 1000), (2000, 4, 2300), (300, 0, 1100)])
+def test_a_long_window_reads_a_whole_prompt_as_dense_masked_softmax(window, sinks, length):
+    """Long windows (blocks of W / 8 queries past the first W, several sizes): the whole-prompt path
+    against a float64 softmax over every key, masked to the window and the sinks out of it."""
+    spec = make_spec(value_dim=6)
+    cell = WindowCell(spec, window=window, sinks=sinks)
+    q, k, v = random_qkv(1, spec, length, torch.Generator().manual_seed(window))
+    with torch.no_grad():
+        out, *_ = cell(q, k, v, torch.ones(1, length, dtype=torch.bool), *cell.init_state(1, q.device, torch.float32))
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    allowed = (j <= i) & ((i - j < window) | (j < sinks))
+    group = spec.num_heads // spec.num_kv_heads
+    scores = spec.scale * q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2)
+    want = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v.double().repeat_interleave(group, 1)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "int8")])
 @pytest.mark.parametrize("sinks", [0, 2])
 @pytest.mark.parametrize("length", [1, 4, 19, 40, 600])
@@ -128,11 +145,11 @@ def test_window_whole_prompt_takes_the_whole_prompt_path(length, sinks, dtype, k
     over the first W tokens, then over blocks of queries and their bands; the state from the
     prompt's tail): the chunked form's output and state, and the step after it continues alike, and
     the naive loop's output; prompts shorter than the window and the sinks included, several blocks
-    (600 tokens: the first 5, then 256, 256 and 83), values of another size than the keys, and
-    slots that store int8."""
+    (600 tokens: the first 5, then 64 at a time), values of another size than the keys, and slots
+    that store int8."""
     import rnnify.cells.window as window_cells
 
-    assert window_cells.SDPA_BLOCK == 256  # the blocks the 600-token prompt is said to take
+    assert window_cells.SDPA_BLOCKS[0] == 64  # the blocks the 600-token prompt is said to take
     spec = make_spec(value_dim=6)
     cell = WindowCell(spec, window=5, sinks=sinks, kv_dtype=kv_dtype)
     gen = torch.Generator().manual_seed(length)

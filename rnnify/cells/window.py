@@ -77,10 +77,11 @@ from rnnify.kernels.slots import kv_dtype as kv_dtype_of
 # queries per block of a whole prompt's window part: each block also reads the W keys before it, so
 # small blocks waste fewer masked scores (16: a 4,096-token prompt's window part in half the time of 64)
 PROMPT_BLOCK = 16
-# queries per call of ``sdpa_window_prompt`` past the first W: each call also reads the W - 1 keys
-# before its block, so a block small against W wastes few masked scores, and large enough that a
-# call's fixed cost and the kernel's tiles are spread over many queries
-SDPA_BLOCK = 256
+# queries per call of ``sdpa_window_prompt`` past the first W: W / 8 within these bounds. Each call
+# also reads the W - 1 keys before its block, so a block small against W wastes few masked scores
+# (at most about 1 in 9 from W = 512 on); large enough that a call's fixed cost and the kernel's
+# tiles are spread over many queries
+SDPA_BLOCKS = (64, 256)
 
 
 def masked_softmax_attention(
@@ -257,8 +258,8 @@ def prompt_window(q, k, v, window_state, scale: float, block: int = PROMPT_BLOCK
 def sdpa_window_prompt(q, k, v, window: int, sinks: int, scale: float) -> torch.Tensor:
     """The window part of a whole unpadded prompt from the empty state through torch's fused
     ``scaled_dot_product_attention`` rather than a softmax of ours: ``[B, Hkv, G, T, d_v]``. Queries
-    before W read every key up to theirs (one causal call); each later block of ``SDPA_BLOCK``
-    queries reads the sinks and the keys from W - 1 before its first query, with a mask: key j of
+    before W read every key up to theirs (one causal call); each later block of W / 8 queries
+    (``SDPA_BLOCKS`` bound it) reads the sinks and the keys from W - 1 before its first query, with a mask: key j of
     query i where j <= i and i - j < W, sink j where i - j >= W (out of the window; within it, it is
     counted once as a window key). k, v fp32; q's G query heads of a kv head go as the kv head's
     group (``enable_gqa``)."""
@@ -268,8 +269,9 @@ def sdpa_window_prompt(q, k, v, window: int, sinks: int, scale: float) -> torch.
     head = min(window, steps)
     outs = [attend(queries[:, :, :head], k[:, :, :head], v[:, :, :head], is_causal=True)]
     sink = torch.arange(min(sinks, steps), device=q.device)
-    for start in range(head, steps, SDPA_BLOCK):
-        end, first = min(start + SDPA_BLOCK, steps), start - window + 1
+    block = min(max(window // 8, SDPA_BLOCKS[0]), SDPA_BLOCKS[1])
+    for start in range(head, steps, block):
+        end, first = min(start + block, steps), start - window + 1
         i = torch.arange(start, end, device=q.device)[:, None]
         j = torch.arange(first, end, device=q.device)
         allowed = torch.cat([i - sink >= window, (j <= i) & (i - j < window)], dim=1)
