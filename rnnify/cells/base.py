@@ -240,8 +240,8 @@ class Cell(nn.Module):
     computes_chunks: ClassVar[bool] = False
     # Whether the cell computes an indexer's selection (``CellSpec.index_topk``); else refused.
     computes_selection: ClassVar[bool] = False
-    # The dtype the cell stores its keys and values in where that is not the model's (a window's
-    # ``kv_dtype``, ``rnnify.kernels.slots``); None: the model's.
+    # The dtype the cell stores its keys and values in where that is not the model's (a window's or a
+    # selection cache's ``kv_dtype``, ``rnnify.kernels.slots``); None: the model's.
     storage: torch.dtype | None = None
 
     def __init__(self, spec: CellSpec):

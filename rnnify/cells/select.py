@@ -143,6 +143,15 @@ def read_slots(slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (decode(slots) if slots.dtype == torch.int8 else slots).to(dtype)
 
 
+def read_levels(slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``read_slots`` as a product wants it: ``(levels [..., N, d], scales [..., N] or None)`` in
+    ``dtype``; int8 slots' scales multiply a product's results, not every entry (exact: powers of two)."""
+    if slots.dtype != torch.int8:
+        return slots.to(dtype), None
+    levels, scales = levels_and_scales(slots)
+    return levels.to(dtype), scales[..., 0].to(dtype)
+
+
 def may_decide(deciding: torch.Tensor) -> bool:
     """False only where ``deciding [B]`` reads on the host for free (``host_readable``) and holds no
     row at a boundary: then a step skips the decision's ops. A compiled, exported or traced graph
@@ -320,17 +329,10 @@ def attend_chunk(q, k, v, positions, state: SelectState, scale: float, rule: Sel
     scores are written: ``(out, state)``. No decision: the caller makes the boundary's."""
     k, v = encode(k, state.keys.dtype), encode(v, state.values.dtype)  # once, for the read and the writes
     real, allowed, all_keys, all_values = chunk_read_set(q, k, v, positions, state, rule)
-    if all_keys.dtype == torch.int8:  # each vector's scale applied to its score and weight, not its entries
-        (key_levels, key_scales), (value_levels, value_scales) = (
-            (levels.to(q.dtype), scales[:, :, None, None, :, 0].to(q.dtype))
-            for levels, scales in map(levels_and_scales, (all_keys, all_values))
-        )
-        p = masked_softmax(scale * torch.einsum("bhgtd,bhnd->bhgtn", q, key_levels) * key_scales, allowed[:, :, None])
-        out = (p * value_scales) @ value_levels[:, :, None]
-    else:
-        all_keys, all_values = all_keys.to(q.dtype), all_values.to(q.dtype)
-        p = masked_softmax(scale * torch.einsum("bhgtd,bhnd->bhgtn", q, all_keys), allowed[:, :, None])
-        out = p @ all_values[:, :, None]
+    (keys, key_scales), (values, value_scales) = read_levels(all_keys, q.dtype), read_levels(all_values, q.dtype)
+    scores = scale * torch.einsum("bhgtd,bhnd->bhgtn", q, keys)
+    p = masked_softmax(scores if key_scales is None else scores * key_scales[:, :, None, None], allowed[:, :, None])
+    out = (p if value_scales is None else p * value_scales[:, :, None, None]) @ values[:, :, None]
     gained = torch.einsum("bhgtn,bt->bhn", p, observes(positions, rule).to(p.dtype))  # sigma_j += ...
     _, from_selected, from_ring, from_new = gained.split([rule.sinks, rule.keep, rule.ring, q.shape[3]], dim=2)
     slot, sink_slot = token_slots(positions, real, rule)

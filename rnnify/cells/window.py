@@ -259,10 +259,10 @@ def sdpa_window_prompt(q, k, v, window: int, sinks: int, scale: float) -> torch.
     """The window part of a whole unpadded prompt from the empty state through torch's fused
     ``scaled_dot_product_attention`` rather than a softmax of ours: ``[B, Hkv, G, T, d_v]``. Queries
     before W read every key up to theirs (one causal call); each later block of W / 8 queries
-    (``SDPA_BLOCKS`` bound it) reads the sinks and the keys from W - 1 before its first query, with a mask: key j of
-    query i where j <= i and i - j < W, sink j where i - j >= W (out of the window; within it, it is
-    counted once as a window key). k, v fp32; q's G query heads of a kv head go as the kv head's
-    group (``enable_gqa``)."""
+    (``SDPA_BLOCKS`` bound it) reads the sinks and the keys from W - 1 before its first query, with
+    a mask: key j of query i where j <= i and i - j < W, sink j where i - j >= W (out of the window;
+    within it, it is counted once as a window key). k, v fp32; q's G query heads of a kv head go as
+    the kv head's group (``enable_gqa``)."""
     batch, num_kv_heads, group, steps, head_dim = q.shape
     queries = q.reshape(batch, num_kv_heads * group, steps, head_dim)
     attend = partial(torch.nn.functional.scaled_dot_product_attention, scale=scale, enable_gqa=True)

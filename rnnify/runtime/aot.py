@@ -255,7 +255,7 @@ def _disagreement(model: RecurrentModel, package: Path) -> str | None:
             inputs = (ids[:, t : t + 1], state.positions[:, None], mask, *(x.contiguous() for x in state.tensors))
             want, got = model.graph(*inputs), loaded(*inputs)
             for index, (a, b) in enumerate(zip(got, want)):
-                if a.dtype == torch.int8:  # a window's int8 slots: compared as the values they hold
+                if a.dtype == torch.int8:  # int8 slots (``kv_dtype``): compared as the values they hold
                     a, b = decode(a), decode(b)
                 gap = relative_difference(a, b)
                 if gap > tolerance(rounding_dtype(model)):
